@@ -1,0 +1,308 @@
+//! Identifiers and KV-cache events, in the JSON shapes Dynamo's router uses.
+//!
+//! Four kinds of block identity meet in a router, and mixing them up is the classic bug:
+//!
+//! ```text
+//!  tokens  [t0 .. t15][t16 .. t31][t32 .. t47]       one block = kv_block_size tokens
+//!               │           │           │
+//!  LocalBlockHash    L0          L1          L2       xxh3(tokens [+ image hashes]) : content of ONE block
+//!               │           │           │
+//!  SequenceHash      S0 ───────▶ S1 ───────▶ S2       S_i = xxh3(S_{i-1} ‖ L_i)    : the whole prefix
+//!
+//!  ExternalBlockHash  E0          E1          E2       whatever the engine calls the block; opaque, per
+//!                                                       worker (vLLM's may differ between instances)
+//!  WorkerWithDpRank   (worker 7, rank 0)               who holds it
+//! ```
+//!
+//! The index is keyed by `LocalBlockHash` under its parent (so the path from the root *is* the
+//! sequence), and uses each worker's `ExternalBlockHash` only to find the node an event talks about.
+
+use std::fmt;
+use std::num::NonZeroU32;
+
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+
+macro_rules! id_newtype {
+    ($(#[$doc:meta])* $name:ident($inner:ty)) => {
+        $(#[$doc])*
+        #[derive(
+            Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+        )]
+        #[serde(transparent)]
+        pub struct $name(pub $inner);
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        impl From<$inner> for $name {
+            fn from(v: $inner) -> Self {
+                Self(v)
+            }
+        }
+    };
+}
+
+id_newtype!(
+    /// Hash of one block's content: its tokens and the images it covers (see [`crate::hash`]).
+    LocalBlockHash(u64)
+);
+id_newtype!(
+    /// Hash of a block together with everything before it: `S_i = xxh3(S_{i-1} ‖ L_i)`.
+    SequenceHash(u64)
+);
+id_newtype!(
+    /// The engine's own name for a block, meaningful only within one worker's events.
+    ExternalBlockHash(u64)
+);
+id_newtype!(
+    /// One engine instance (process or pod) in the fleet.
+    WorkerId(u64)
+);
+id_newtype!(
+    /// A data-parallel rank inside a worker; each rank has a KV cache of its own.
+    DpRank(u32)
+);
+
+/// The unit that holds a KV cache: a worker and one of its data-parallel ranks.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct WorkerWithDpRank {
+    pub worker_id: WorkerId,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+}
+
+impl WorkerWithDpRank {
+    pub fn new(worker_id: impl Into<WorkerId>, dp_rank: impl Into<DpRank>) -> Self {
+        Self {
+            worker_id: worker_id.into(),
+            dp_rank: dp_rank.into(),
+        }
+    }
+}
+
+impl fmt::Display for WorkerWithDpRank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.worker_id, self.dp_rank)
+    }
+}
+
+/// Tokens per KV block. Never zero: a zero block size is rejected where it enters
+/// ([`BlockSize::new`]), so nothing downstream can divide by it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "u32", into = "u32")]
+pub struct BlockSize(NonZeroU32);
+
+impl BlockSize {
+    pub fn new(tokens: u32) -> Result<Self, Error> {
+        NonZeroU32::new(tokens)
+            .map(Self)
+            .ok_or(Error::ZeroBlockSize)
+    }
+
+    pub fn get(self) -> u32 {
+        self.0.get()
+    }
+
+    /// The block size as a `usize`, for slicing.
+    pub fn tokens(self) -> usize {
+        self.0.get() as usize
+    }
+}
+
+impl Default for BlockSize {
+    /// 16 tokens, kvroute's default (SPEC section 11).
+    fn default() -> Self {
+        Self(NonZeroU32::new(16).expect("16 is not zero"))
+    }
+}
+
+impl TryFrom<u32> for BlockSize {
+    type Error = Error;
+    fn try_from(v: u32) -> Result<Self, Error> {
+        Self::new(v)
+    }
+}
+
+impl From<BlockSize> for u32 {
+    fn from(b: BlockSize) -> u32 {
+        b.get()
+    }
+}
+
+impl fmt::Display for BlockSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// One KV-cache event from one worker, as Dynamo's router carries it.
+///
+/// JSON: `{"event_id":1,"data":{"stored":{..}},"dp_rank":0}`, `"data":{"removed":{..}}`,
+/// `"data":"cleared"`. `dp_rank` defaults to 0 when absent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheEvent {
+    pub event_id: u64,
+    pub data: KvCacheEventData,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvCacheEventData {
+    Stored(KvCacheStoreData),
+    Removed(KvCacheRemoveData),
+    Cleared,
+}
+
+/// Blocks newly filled, in order, each the child of the one before; the first is the child of
+/// `parent_hash` (the engine's id of a block this worker already holds), or of the root if `None`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheStoreData {
+    pub parent_hash: Option<ExternalBlockHash>,
+    pub blocks: Vec<KvCacheStoredBlockData>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheStoredBlockData {
+    /// The engine's id of this block (opaque, per worker).
+    pub block_hash: ExternalBlockHash,
+    /// The router's hash of the block's content, computed by [`crate::hash`].
+    pub tokens_hash: LocalBlockHash,
+    #[serde(default)]
+    pub mm_extra_info: Option<BlockExtraInfo>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheRemoveData {
+    pub block_hashes: Vec<ExternalBlockHash>,
+}
+
+/// A [`KvCacheEvent`] and the worker it came from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouterEvent {
+    pub worker_id: WorkerId,
+    pub event: KvCacheEvent,
+}
+
+impl RouterEvent {
+    pub fn new(worker_id: impl Into<WorkerId>, event: KvCacheEvent) -> Self {
+        Self {
+            worker_id: worker_id.into(),
+            event,
+        }
+    }
+
+    /// The cache this event is about.
+    pub fn worker(&self) -> WorkerWithDpRank {
+        WorkerWithDpRank {
+            worker_id: self.worker_id,
+            dp_rank: self.event.dp_rank,
+        }
+    }
+}
+
+/// One multimodal object (an image) inside one block. `offsets` are half-open `[start, end)`
+/// token ranges relative to the block's first token; they are informative and not hashed.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BlockMmObjectInfo {
+    pub mm_hash: u64,
+    #[serde(default)]
+    pub offsets: Vec<(usize, usize)>,
+}
+
+/// What, besides tokens, decides a block's content.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BlockExtraInfo {
+    #[serde(default)]
+    pub mm_objects: Vec<BlockMmObjectInfo>,
+}
+
+/// One multimodal object in a whole request; `offsets` are half-open token ranges of the request.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RequestMmObjectInfo {
+    pub mm_hash: u64,
+    #[serde(default)]
+    pub offsets: Vec<(usize, usize)>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RequestExtraInfo {
+    #[serde(default)]
+    pub mm_objects: Vec<RequestMmObjectInfo>,
+}
+
+impl RequestExtraInfo {
+    /// Cuts request-level ranges into per-block infos: one entry per block of `total_tokens`
+    /// (a trailing partial block included), `None` where no object touches the block.
+    ///
+    /// Each range `[s, e)` is clipped to `[0, total_tokens)`; empty or reversed ranges are
+    /// dropped. A piece that falls in block `b` becomes block-local offsets in
+    /// `[0, block_size]`, and pieces of one `mm_hash` in one block merge into one object, in
+    /// order of first appearance.
+    ///
+    /// ```
+    /// use kvroute_core::{BlockSize, RequestExtraInfo, RequestMmObjectInfo};
+    /// let req = RequestExtraInfo {
+    ///     mm_objects: vec![RequestMmObjectInfo { mm_hash: 7, offsets: vec![(2, 6)] }],
+    /// };
+    /// let blocks = req.to_block_level(BlockSize::new(4).unwrap(), 10);
+    /// assert_eq!(blocks.len(), 3);
+    /// assert_eq!(blocks[0].as_ref().unwrap().mm_objects[0].offsets, vec![(2, 4)]);
+    /// assert_eq!(blocks[1].as_ref().unwrap().mm_objects[0].offsets, vec![(0, 2)]);
+    /// assert!(blocks[2].is_none());
+    /// ```
+    pub fn to_block_level(
+        &self,
+        block_size: BlockSize,
+        total_tokens: usize,
+    ) -> Vec<Option<BlockExtraInfo>> {
+        let bs = block_size.tokens();
+        let mut blocks: Vec<Option<BlockExtraInfo>> = vec![None; total_tokens.div_ceil(bs)];
+        for object in &self.mm_objects {
+            for &(start, end) in &object.offsets {
+                let end = end.min(total_tokens);
+                if start >= end {
+                    continue;
+                }
+                // Invariant: every block index visited is < blocks.len(), since
+                // start < end <= total_tokens.
+                for (index, block) in blocks
+                    .iter_mut()
+                    .enumerate()
+                    .take(end.div_ceil(bs))
+                    .skip(start / bs)
+                {
+                    let block_start = index * bs;
+                    let piece = (
+                        start.max(block_start) - block_start,
+                        end.min(block_start + bs) - block_start,
+                    );
+                    let info = block.get_or_insert_with(BlockExtraInfo::default);
+                    match info
+                        .mm_objects
+                        .iter_mut()
+                        .find(|o| o.mm_hash == object.mm_hash)
+                    {
+                        Some(existing) => existing.offsets.push(piece),
+                        None => info.mm_objects.push(BlockMmObjectInfo {
+                            mm_hash: object.mm_hash,
+                            offsets: vec![piece],
+                        }),
+                    }
+                }
+            }
+        }
+        blocks
+    }
+}
+
+#[cfg(test)]
+mod tests;
