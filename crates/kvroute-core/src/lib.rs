@@ -2,14 +2,17 @@
 //! fuzzed and bound to Python on its own.
 //!
 //! - [`hash`]: block and sequence hashes (Dynamo-compatible, multimodal, LoRA and namespace salts);
-//! - [`protocols`]: identifiers, multimodal block info and KV-cache events.
+//! - [`protocols`]: identifiers, multimodal block info and KV-cache events;
+//! - [`index`]: the radix index of which cache holds which block, fed by those events.
 //!
 //! See `protocols` for a picture of the four kinds of block identity.
 
 pub mod hash;
+pub mod index;
 pub mod protocols;
 
 pub use hash::{BlockHasher, compute_block_hash_for_seq, sequence_hashes};
+pub use index::{OverlapScores, RadixIndex};
 pub use protocols::{
     BlockExtraInfo, BlockMmObjectInfo, BlockSize, DpRank, ExternalBlockHash, KvCacheEvent,
     KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
@@ -22,4 +25,16 @@ pub use protocols::{
 pub enum Error {
     #[error("kv_block_size must be greater than 0")]
     ZeroBlockSize,
+    /// A Stored event named a parent block the worker does not hold; nothing was applied.
+    #[error("worker {worker} does not hold parent block {parent}")]
+    UnknownParent {
+        worker: WorkerWithDpRank,
+        parent: ExternalBlockHash,
+    },
+    /// A Removed event named blocks the worker does not hold; the others were removed.
+    #[error("worker {worker} does not hold {count} of the removed blocks")]
+    UnknownBlocks {
+        worker: WorkerWithDpRank,
+        count: usize,
+    },
 }

@@ -1,0 +1,896 @@
+//! The single-threaded compressed radix index (see the [module docs](super) for the picture).
+//!
+//! Invariants, checked by the property tests against a naive model:
+//! 1. every block of a node is held by exactly the node's `workers` (uniform holders);
+//! 2. a worker is in `node.workers` iff each of the node's blocks has at least one of the
+//!    worker's engine hashes mapped to it (more than one: counted in `aliases`);
+//! 3. a non-root node has a non-empty edge, and is either held by someone or has children;
+//! 4. `children[(p, edge[0] of c)] == c` for every child `c` of `p`, `num_children` counts
+//!    them and `child_xor` is the xor of their ids (so a lone child is known without a scan).
+
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rustc_hash::{FxHashMap, FxHashSet};
+use smallvec::SmallVec;
+
+use super::worker_set::{Slot, WorkerSet, retain_common};
+use super::{IndexConfig, IndexStats, OverlapScores};
+use crate::Error;
+use crate::protocols::{
+    ExternalBlockHash, KvCacheEventData, KvCacheStoreData, LocalBlockHash, RouterEvent, WorkerId,
+    WorkerWithDpRank,
+};
+
+mod dump;
+#[cfg(test)]
+mod tests;
+
+const ROOT: u32 = 0;
+/// The parent of the root.
+const NO_PARENT: u32 = u32::MAX;
+/// The parent of a node on the free list.
+const FREED: u32 = u32::MAX - 1;
+
+/// Key of the child map: the parent node and the first block hash of the child's edge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ChildKey {
+    parent: u32,
+    hash: u64,
+}
+
+/// An engine block hash stored as two `u32`s so a map entry with a `u32` value packs in 12
+/// bytes instead of 16: the per-(worker, block) map is what memory scales with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ExtKey([u32; 2]);
+
+impl From<ExternalBlockHash> for ExtKey {
+    fn from(h: ExternalBlockHash) -> Self {
+        Self([(h.0 >> 32) as u32, h.0 as u32])
+    }
+}
+
+impl From<ExtKey> for ExternalBlockHash {
+    fn from(k: ExtKey) -> Self {
+        Self((u64::from(k.0[0]) << 32) | u64::from(k.0[1]))
+    }
+}
+
+impl Hash for ExtKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(ExternalBlockHash::from(*self).0);
+    }
+}
+
+#[derive(Debug)]
+struct Node {
+    /// The run of blocks this node stands for, and their block ids (parallel vectors).
+    edge: Vec<LocalBlockHash>,
+    ids: Vec<u32>,
+    workers: WorkerSet,
+    /// Block `id` sits at offset `slots[id].pos - base` of the edge (wrapping arithmetic).
+    base: u32,
+    parent: u32,
+    num_children: u32,
+    child_xor: u32,
+    /// Clock of the last `find_matches` or store that touched the node (eviction order).
+    touched: AtomicU64,
+}
+
+impl Node {
+    fn new(parent: u32, workers: WorkerSet, touched: u64) -> Self {
+        Self {
+            edge: Vec::new(),
+            ids: Vec::new(),
+            workers,
+            base: 0,
+            parent,
+            num_children: 0,
+            child_xor: 0,
+            touched: AtomicU64::new(touched),
+        }
+    }
+
+    fn touch(&self, clock: u64) {
+        // Readers share nodes: write only when it changes, to keep cache lines clean.
+        if self.touched.load(Ordering::Relaxed) != clock {
+            self.touched.store(clock, Ordering::Relaxed);
+        }
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.edge.capacity() * size_of::<LocalBlockHash>()
+            + self.ids.capacity() * size_of::<u32>()
+            + self.workers.heap_bytes()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct BlockSlot {
+    node: u32,
+    pos: u32,
+}
+
+#[derive(Debug)]
+struct WorkerState {
+    id: WorkerWithDpRank,
+    blocks: FxHashMap<ExtKey, u32>,
+    /// Blocks held under more than one engine hash: how many extra hashes.
+    aliases: FxHashMap<u32, u32>,
+    /// Distinct blocks held.
+    held: usize,
+}
+
+/// Where a store is in the tree: after `end` blocks of `node`'s edge. `run` is the start of
+/// blocks of this node that the worker has matched but not yet been added to.
+#[derive(Clone, Copy, Debug)]
+struct Cursor {
+    node: u32,
+    end: usize,
+    run: Option<usize>,
+}
+
+/// A compressed radix tree of which cache holds which block. Not thread-safe on its own; see
+/// [`super::ShardedIndex`] for the service form.
+///
+/// ```
+/// use kvroute_core::index::RadixIndex;
+/// use kvroute_core::*;
+/// let mut index = RadixIndex::new();
+/// let stored = KvCacheEventData::Stored(KvCacheStoreData {
+///     parent_hash: None,
+///     blocks: (1..=2)
+///         .map(|h| KvCacheStoredBlockData {
+///             block_hash: ExternalBlockHash(h * 100),
+///             tokens_hash: LocalBlockHash(h),
+///             mm_extra_info: None,
+///         })
+///         .collect(),
+/// });
+/// let event = RouterEvent::new(7u64, KvCacheEvent { event_id: 0, data: stored, dp_rank: DpRank(0) });
+/// index.apply_event(&event).unwrap();
+/// let scores = index.find_matches(&[LocalBlockHash(1), LocalBlockHash(2), LocalBlockHash(3)]);
+/// assert_eq!(scores.score(WorkerWithDpRank::new(7u64, 0u32)), 2);
+/// ```
+#[derive(Debug)]
+pub struct RadixIndex {
+    config: IndexConfig,
+    nodes: Vec<Node>,
+    free_nodes: Vec<u32>,
+    children: FxHashMap<ChildKey, u32>,
+    slots: Vec<BlockSlot>,
+    free_blocks: Vec<u32>,
+    workers: Vec<Option<WorkerState>>,
+    worker_slots: FxHashMap<WorkerWithDpRank, Slot>,
+    free_worker_slots: Vec<Slot>,
+    clock: u64,
+    held: usize,
+    stats: IndexStats,
+}
+
+impl Default for RadixIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RadixIndex {
+    pub fn new() -> Self {
+        Self::with_config(IndexConfig::default())
+    }
+
+    pub fn with_config(config: IndexConfig) -> Self {
+        Self {
+            config,
+            nodes: vec![Node::new(NO_PARENT, WorkerSet::default(), 0)],
+            free_nodes: Vec::new(),
+            children: FxHashMap::default(),
+            slots: Vec::new(),
+            free_blocks: Vec::new(),
+            workers: Vec::new(),
+            worker_slots: FxHashMap::default(),
+            free_worker_slots: Vec::new(),
+            clock: 0,
+            held: 0,
+            stats: IndexStats::default(),
+        }
+    }
+
+    /// Applies one event. A Stored event whose parent the worker does not hold is refused (and
+    /// counted) without changing anything; Removed hashes the worker does not hold are skipped
+    /// and counted, the rest applied.
+    pub fn apply_event(&mut self, event: &RouterEvent) -> Result<(), Error> {
+        // Writes stamp even ticks and reads the odd tick after, so a read after a write ranks
+        // newer than that write and older than the next one.
+        self.clock += 2;
+        let worker = event.worker();
+        let result = match &event.event.data {
+            KvCacheEventData::Stored(data) => {
+                let slot = self.slot_for(worker);
+                self.with_worker(slot, |index, state| index.apply_stored(slot, state, data))
+            }
+            KvCacheEventData::Removed(data) => match self.worker_slots.get(&worker) {
+                Some(&slot) => self.with_worker(slot, |index, state| {
+                    index.apply_removed(slot, state, &data.block_hashes)
+                }),
+                None => {
+                    self.stats.removed_unknown += data.block_hashes.len() as u64;
+                    Err(Error::UnknownBlocks {
+                        worker,
+                        count: data.block_hashes.len(),
+                    })
+                }
+            },
+            KvCacheEventData::Cleared => {
+                if let Some(&slot) = self.worker_slots.get(&worker) {
+                    self.clear_slot(slot);
+                }
+                Ok(())
+            }
+        };
+        if result.is_ok() {
+            self.stats.events_applied += 1;
+        }
+        if let Some(max) = self.config.max_held_blocks
+            && self.held > max
+        {
+            self.evict(max - max / 10);
+        }
+        result
+    }
+
+    /// How many leading blocks of `query` each cache holds.
+    pub fn find_matches(&self, query: &[LocalBlockHash]) -> OverlapScores {
+        let mut out = OverlapScores::default();
+        let mut active: SmallVec<[Slot; 16]> = SmallVec::new();
+        let mut node = ROOT;
+        let mut depth = 0;
+        while depth < query.len() {
+            let key = ChildKey {
+                parent: node,
+                hash: query[depth].0,
+            };
+            let Some(&child) = self.children.get(&key) else {
+                break;
+            };
+            let n = &self.nodes[child as usize];
+            if node == ROOT {
+                active.extend_from_slice(n.workers.as_slice());
+            } else {
+                retain_common(&mut active, n.workers.as_slice(), |s| {
+                    self.push_score(&mut out, s, depth);
+                });
+            }
+            if active.is_empty() {
+                break;
+            }
+            n.touch(self.clock + 1);
+            let matched = common_prefix(&n.edge, &query[depth..]);
+            depth += matched;
+            if matched < n.edge.len() {
+                break;
+            }
+            node = child;
+        }
+        for &s in &active {
+            self.push_score(&mut out, s, depth);
+        }
+        out.scores.sort_unstable_by_key(|&(w, _)| w);
+        out.tree_sizes.sort_unstable_by_key(|&(w, _)| w);
+        out
+    }
+
+    /// Forgets every dp rank of `worker`.
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        for (w, slot) in self.slots_of(worker) {
+            self.clear_slot(slot);
+            self.workers[slot as usize] = None;
+            self.worker_slots.remove(&w);
+            self.free_worker_slots.push(slot);
+        }
+    }
+
+    /// Drops every block of every dp rank of `worker`, keeping it known (with zero blocks).
+    pub fn clear_all_blocks(&mut self, worker: WorkerId) {
+        for (_, slot) in self.slots_of(worker) {
+            self.clear_slot(slot);
+        }
+    }
+
+    /// Makes `worker` known with no blocks (so it shows in [`Self::workers`]).
+    pub fn register_worker(&mut self, worker: WorkerWithDpRank) {
+        self.slot_for(worker);
+    }
+
+    /// Every known cache, sorted.
+    pub fn workers(&self) -> Vec<WorkerWithDpRank> {
+        let mut out: Vec<_> = self.worker_slots.keys().copied().collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Distinct blocks `worker` holds.
+    pub fn tree_size(&self, worker: WorkerWithDpRank) -> usize {
+        self.worker_slots
+            .get(&worker)
+            .and_then(|&s| self.workers[s as usize].as_ref())
+            .map_or(0, |st| st.held)
+    }
+
+    /// (worker, block) pairs held, the figure `max_held_blocks` bounds.
+    pub fn held_blocks(&self) -> usize {
+        self.held
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        let live_nodes = self.nodes.len() - self.free_nodes.len();
+        let nodes_heap: usize = self.nodes.iter().map(Node::heap_bytes).sum::<usize>()
+            + self.nodes.capacity() * size_of::<Node>();
+        let map_bytes = |buckets: usize, entry: usize| buckets * (entry + 1);
+        let workers_heap: usize = self
+            .workers
+            .iter()
+            .flatten()
+            .map(|w| {
+                map_bytes(buckets(w.blocks.capacity()), size_of::<(ExtKey, u32)>())
+                    + map_bytes(buckets(w.aliases.capacity()), size_of::<(u32, u32)>())
+            })
+            .sum();
+        IndexStats {
+            blocks: self.slots.len() - self.free_blocks.len(),
+            held_blocks: self.held,
+            nodes: live_nodes - 1,
+            workers: self.worker_slots.len(),
+            heap_bytes: nodes_heap
+                + workers_heap
+                + map_bytes(
+                    buckets(self.children.capacity()),
+                    size_of::<(ChildKey, u32)>(),
+                )
+                + self.slots.capacity() * size_of::<BlockSlot>()
+                + (self.free_blocks.capacity() + self.free_nodes.capacity()) * size_of::<u32>()
+                + self.workers.capacity() * size_of::<Option<WorkerState>>(),
+            ..self.stats
+        }
+    }
+
+    // ---- events ---------------------------------------------------------------------------
+
+    fn apply_stored(
+        &mut self,
+        slot: Slot,
+        state: &mut WorkerState,
+        data: &KvCacheStoreData,
+    ) -> Result<(), Error> {
+        let mut cur = match data.parent_hash {
+            None => Cursor {
+                node: ROOT,
+                end: 0,
+                run: None,
+            },
+            Some(parent) => match state.blocks.get(&ExtKey::from(parent)) {
+                Some(&id) => self.cursor_after(id),
+                None => {
+                    self.stats.rejected_unknown_parent += 1;
+                    return Err(Error::UnknownParent {
+                        worker: state.id,
+                        parent,
+                    });
+                }
+            },
+        };
+        for block in &data.blocks {
+            let key = ExtKey::from(block.block_hash);
+            if let Some(&id) = state.blocks.get(&key) {
+                // Already held under this hash (vLLM re-sends cache hits): a no-op, and the
+                // event's later blocks chain from wherever it is.
+                self.flush(slot, &mut cur);
+                cur = self.cursor_after(id);
+                continue;
+            }
+            let (id, alias) = self.step(slot, &mut cur, block.tokens_hash);
+            state.blocks.insert(key, id);
+            if alias {
+                *state.aliases.entry(id).or_insert(0) += 1;
+            } else {
+                state.held += 1;
+                self.held += 1;
+            }
+        }
+        self.flush(slot, &mut cur);
+        Ok(())
+    }
+
+    fn apply_removed(
+        &mut self,
+        slot: Slot,
+        state: &mut WorkerState,
+        hashes: &[ExternalBlockHash],
+    ) -> Result<(), Error> {
+        let mut unknown = 0;
+        for &hash in hashes {
+            let Some(id) = state.blocks.remove(&ExtKey::from(hash)) else {
+                unknown += 1;
+                continue;
+            };
+            if let Some(extra) = state.aliases.get_mut(&id) {
+                // Still held under another of the worker's hashes.
+                *extra -= 1;
+                if *extra == 0 {
+                    state.aliases.remove(&id);
+                }
+                continue;
+            }
+            state.held -= 1;
+            self.held -= 1;
+            self.detach(slot, id);
+        }
+        if unknown == 0 {
+            return Ok(());
+        }
+        self.stats.removed_unknown += unknown as u64;
+        Err(Error::UnknownBlocks {
+            worker: state.id,
+            count: unknown,
+        })
+    }
+
+    fn clear_slot(&mut self, slot: Slot) {
+        self.with_worker(slot, |index, state| {
+            let mut touched: Vec<u32> = state
+                .blocks
+                .values()
+                .map(|&id| index.slots[id as usize].node)
+                .collect();
+            touched.sort_unstable();
+            touched.dedup();
+            for &x in &touched {
+                index.nodes[x as usize].workers.remove(slot);
+            }
+            for &x in &touched {
+                if index.nodes[x as usize].parent != FREED {
+                    index.cleanup(x);
+                }
+            }
+            index.held -= state.held;
+            state.blocks = FxHashMap::default();
+            state.aliases = FxHashMap::default();
+            state.held = 0;
+        });
+    }
+
+    // ---- walking and reshaping ------------------------------------------------------------
+
+    fn cursor_after(&self, id: u32) -> Cursor {
+        let (node, offset) = self.locate(id);
+        Cursor {
+            node,
+            end: offset + 1,
+            run: None,
+        }
+    }
+
+    fn locate(&self, id: u32) -> (u32, usize) {
+        let slot = self.slots[id as usize];
+        (
+            slot.node,
+            slot.pos.wrapping_sub(self.nodes[slot.node as usize].base) as usize,
+        )
+    }
+
+    /// Moves the cursor to the next block, whose content hash is `hash`, creating it if the
+    /// tree has none. Returns its id and whether the worker already held it (an alias).
+    fn step(&mut self, slot: Slot, cur: &mut Cursor, hash: LocalBlockHash) -> (u32, bool) {
+        loop {
+            let node = &self.nodes[cur.node as usize];
+            if cur.end < node.edge.len() {
+                if node.edge[cur.end] == hash {
+                    let id = node.ids[cur.end];
+                    let alias = node.workers.contains(slot);
+                    if !alias && cur.run.is_none() {
+                        cur.run = Some(cur.end);
+                    }
+                    cur.end += 1;
+                    return (id, alias);
+                }
+                // The path leaves this edge in its middle: cut the edge so a child can hang here.
+                self.flush(slot, cur);
+                if cur.end < self.nodes[cur.node as usize].edge.len() {
+                    debug_assert!(cur.end > 0, "a cursor enters a node by its first block");
+                    cur.node = self.split(cur.node, cur.end);
+                }
+                continue;
+            }
+            let key = ChildKey {
+                parent: cur.node,
+                hash: hash.0,
+            };
+            if let Some(&child) = self.children.get(&key) {
+                self.flush(slot, cur);
+                *cur = Cursor {
+                    node: child,
+                    end: 0,
+                    run: None,
+                };
+                continue;
+            }
+            self.flush(slot, cur);
+            return (self.push_new(slot, cur, hash), false);
+        }
+    }
+
+    /// Appends a new block after the cursor (which is at the end of its node): onto the node
+    /// itself when it is the worker's own leaf, else as a new child.
+    fn push_new(&mut self, slot: Slot, cur: &mut Cursor, hash: LocalBlockHash) -> u32 {
+        let n = &self.nodes[cur.node as usize];
+        let own_leaf = cur.node != ROOT && n.num_children == 0 && n.workers.is_only(slot);
+        if !own_leaf {
+            let child = self.alloc_node(Node::new(cur.node, WorkerSet::one(slot), self.clock));
+            self.add_child(cur.node, hash, child);
+            *cur = Cursor {
+                node: child,
+                end: 0,
+                run: None,
+            };
+        }
+        let n = &self.nodes[cur.node as usize];
+        let pos = n.base.wrapping_add(n.edge.len() as u32);
+        let id = self.alloc_block(BlockSlot {
+            node: cur.node,
+            pos,
+        });
+        let n = &mut self.nodes[cur.node as usize];
+        n.edge.push(hash);
+        n.ids.push(id);
+        n.touch(self.clock);
+        cur.end = n.edge.len();
+        id
+    }
+
+    /// Adds the worker to the blocks it matched in the cursor's node (`run..end`), splitting
+    /// the node so holders stay uniform; the cursor ends at the end of that run's node.
+    fn flush(&mut self, slot: Slot, cur: &mut Cursor) {
+        let Some(start) = cur.run.take() else { return };
+        let mut node = cur.node;
+        let mut end = cur.end;
+        if start > 0 {
+            self.split(node, start);
+            end -= start;
+        }
+        if end < self.nodes[node as usize].edge.len() {
+            node = self.split(node, end);
+        }
+        self.nodes[node as usize].workers.insert(slot);
+        self.nodes[node as usize].touch(self.clock);
+        let node = self.merge_with_parent(node);
+        *cur = Cursor {
+            node,
+            end: self.nodes[node as usize].edge.len(),
+            run: None,
+        };
+    }
+
+    /// Cuts node `n` after `k` blocks (0 < k < len). The head moves to a new node, which
+    /// takes `n`'s place under its parent; `n` keeps the tail and its children.
+    fn split(&mut self, n: u32, k: usize) -> u32 {
+        let node = &mut self.nodes[n as usize];
+        debug_assert!(k > 0 && k < node.edge.len());
+        let edge: Vec<_> = node.edge.drain(..k).collect();
+        let ids: Vec<_> = node.ids.drain(..k).collect();
+        if node.edge.capacity() > 2 * node.edge.len() + 8 {
+            node.edge.shrink_to_fit();
+            node.ids.shrink_to_fit();
+        }
+        let (parent, base, tail_first) = (node.parent, node.base, node.edge[0]);
+        node.base = base.wrapping_add(k as u32);
+        let mut head = Node::new(
+            parent,
+            node.workers.clone(),
+            node.touched.load(Ordering::Relaxed),
+        );
+        head.base = base;
+        let head_first = edge[0];
+        head.edge = edge;
+        head.ids = ids;
+        head.num_children = 1;
+        head.child_xor = n;
+        let h = self.alloc_node(head);
+        for &id in &self.nodes[h as usize].ids {
+            self.slots[id as usize].node = h;
+        }
+        self.nodes[n as usize].parent = h;
+        self.nodes[parent as usize].child_xor ^= n ^ h;
+        self.children.insert(
+            ChildKey {
+                parent,
+                hash: head_first.0,
+            },
+            h,
+        );
+        self.children.insert(
+            ChildKey {
+                parent: h,
+                hash: tail_first.0,
+            },
+            n,
+        );
+        h
+    }
+
+    /// If `c` is its parent's only child and both have the same holders, the parent's edge is
+    /// prepended to `c`'s and the parent freed. `c` keeps its id (and so its children).
+    fn merge_with_parent(&mut self, c: u32) -> u32 {
+        let p = self.nodes[c as usize].parent;
+        if p == ROOT
+            || self.nodes[p as usize].num_children != 1
+            || self.nodes[p as usize].workers != self.nodes[c as usize].workers
+        {
+            return c;
+        }
+        let parent = &mut self.nodes[p as usize];
+        let mut edge = std::mem::take(&mut parent.edge);
+        let mut ids = std::mem::take(&mut parent.ids);
+        let (grandparent, touched) = (parent.parent, parent.touched.load(Ordering::Relaxed));
+        let child = &self.nodes[c as usize];
+        let base = child.base.wrapping_sub(edge.len() as u32);
+        let (parent_first, child_first) = (edge[0], child.edge[0]);
+        for (i, &id) in ids.iter().enumerate() {
+            self.slots[id as usize] = BlockSlot {
+                node: c,
+                pos: base.wrapping_add(i as u32),
+            };
+        }
+        let child = &mut self.nodes[c as usize];
+        edge.extend_from_slice(&child.edge);
+        ids.extend_from_slice(&child.ids);
+        child.edge = edge;
+        child.ids = ids;
+        child.base = base;
+        child.parent = grandparent;
+        if touched > child.touched.load(Ordering::Relaxed) {
+            child.touched.store(touched, Ordering::Relaxed);
+        }
+        self.children.remove(&ChildKey {
+            parent: p,
+            hash: child_first.0,
+        });
+        self.children.insert(
+            ChildKey {
+                parent: grandparent,
+                hash: parent_first.0,
+            },
+            c,
+        );
+        self.nodes[grandparent as usize].child_xor ^= p ^ c;
+        self.release_node(p);
+        c
+    }
+
+    /// Detaches the worker from one block, cutting it out of its node if others hold the rest.
+    fn detach(&mut self, slot: Slot, id: u32) {
+        let (node, offset) = self.locate(id);
+        let n = &mut self.nodes[node as usize];
+        let len = n.edge.len();
+        if len > 1 && offset == len - 1 && n.num_children == 0 && n.workers.is_only(slot) {
+            // The tail of the worker's own leaf (the usual eviction order): just shorten it.
+            n.edge.pop();
+            n.ids.pop();
+            self.free_blocks.push(id);
+            return;
+        }
+        let mut x = node;
+        if offset > 0 {
+            self.split(x, offset);
+        }
+        if self.nodes[x as usize].edge.len() > 1 {
+            x = self.split(x, 1);
+        }
+        self.nodes[x as usize].workers.remove(slot);
+        self.cleanup(x);
+    }
+
+    /// After holders changed at `x`: frees it (and then its ancestors) while nobody holds it
+    /// and it has no children; otherwise folds it with a neighbour of equal holders.
+    fn cleanup(&mut self, mut x: u32) {
+        while x != ROOT {
+            let n = &self.nodes[x as usize];
+            if n.workers.is_empty() && n.num_children == 0 {
+                let (parent, first) = (n.parent, n.edge[0]);
+                self.children.remove(&ChildKey {
+                    parent,
+                    hash: first.0,
+                });
+                let p = &mut self.nodes[parent as usize];
+                p.num_children -= 1;
+                p.child_xor ^= x;
+                let ids = std::mem::take(&mut self.nodes[x as usize].ids);
+                self.free_blocks.extend_from_slice(&ids);
+                self.release_node(x);
+                x = parent;
+                continue;
+            }
+            let x = self.merge_with_parent(x);
+            let n = &self.nodes[x as usize];
+            if n.num_children == 1 {
+                self.merge_with_parent(n.child_xor);
+            }
+            return;
+        }
+    }
+
+    // ---- eviction -------------------------------------------------------------------------
+
+    /// Evicts the least recently touched leaves, whoever holds them, until at most `target`
+    /// (worker, block) pairs remain.
+    fn evict(&mut self, target: usize) {
+        while self.held > target {
+            let mut leaves: Vec<(u64, u32)> = (1..self.nodes.len() as u32)
+                .filter(|&x| {
+                    let n = &self.nodes[x as usize];
+                    n.parent != FREED && n.num_children == 0 && !n.workers.is_empty()
+                })
+                .map(|x| (self.nodes[x as usize].touched.load(Ordering::Relaxed), x))
+                .collect();
+            if leaves.is_empty() {
+                return;
+            }
+            leaves.sort_unstable();
+            let mut dead: FxHashSet<u32> = FxHashSet::default();
+            let mut affected: FxHashSet<Slot> = FxHashSet::default();
+            for (_, x) in leaves {
+                if self.held <= target {
+                    break;
+                }
+                let n = &mut self.nodes[x as usize];
+                let len = n.edge.len();
+                let workers = std::mem::take(&mut n.workers);
+                dead.extend(n.ids.iter().copied());
+                for s in workers.iter() {
+                    if let Some(state) = self.workers[s as usize].as_mut() {
+                        state.held -= len;
+                    }
+                    affected.insert(s);
+                }
+                self.held -= len * workers.len();
+                self.stats.evicted_blocks += (len * workers.len()) as u64;
+                self.cleanup(x);
+            }
+            for s in affected {
+                if let Some(state) = self.workers[s as usize].as_mut() {
+                    state.blocks.retain(|_, id| !dead.contains(id));
+                    state.aliases.retain(|id, _| !dead.contains(id));
+                }
+            }
+        }
+    }
+
+    // ---- bookkeeping ----------------------------------------------------------------------
+
+    fn with_worker<T>(
+        &mut self,
+        slot: Slot,
+        f: impl FnOnce(&mut Self, &mut WorkerState) -> T,
+    ) -> T {
+        let mut state = self.workers[slot as usize]
+            .take()
+            .expect("a registered slot has a state");
+        let out = f(self, &mut state);
+        self.workers[slot as usize] = Some(state);
+        out
+    }
+
+    fn slot_for(&mut self, worker: WorkerWithDpRank) -> Slot {
+        if let Some(&slot) = self.worker_slots.get(&worker) {
+            return slot;
+        }
+        let state = WorkerState {
+            id: worker,
+            blocks: FxHashMap::default(),
+            aliases: FxHashMap::default(),
+            held: 0,
+        };
+        let slot = match self.free_worker_slots.pop() {
+            Some(slot) => {
+                self.workers[slot as usize] = Some(state);
+                slot
+            }
+            None => {
+                self.workers.push(Some(state));
+                (self.workers.len() - 1) as Slot
+            }
+        };
+        self.worker_slots.insert(worker, slot);
+        slot
+    }
+
+    fn slots_of(&self, worker: WorkerId) -> Vec<(WorkerWithDpRank, Slot)> {
+        let mut out: Vec<_> = self
+            .worker_slots
+            .iter()
+            .filter(|(w, _)| w.worker_id == worker)
+            .map(|(&w, &s)| (w, s))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    fn push_score(&self, out: &mut OverlapScores, slot: Slot, depth: usize) {
+        if depth == 0 {
+            return;
+        }
+        if let Some(state) = self.workers[slot as usize].as_ref() {
+            out.scores.push((state.id, depth as u32));
+            out.tree_sizes.push((state.id, state.held));
+        }
+    }
+
+    fn add_child(&mut self, parent: u32, first: LocalBlockHash, child: u32) {
+        self.children.insert(
+            ChildKey {
+                parent,
+                hash: first.0,
+            },
+            child,
+        );
+        let p = &mut self.nodes[parent as usize];
+        p.num_children += 1;
+        p.child_xor ^= child;
+    }
+
+    fn alloc_node(&mut self, node: Node) -> u32 {
+        match self.free_nodes.pop() {
+            Some(x) => {
+                self.nodes[x as usize] = node;
+                x
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        }
+    }
+
+    fn release_node(&mut self, x: u32) {
+        let n = &mut self.nodes[x as usize];
+        *n = Node::new(FREED, WorkerSet::default(), 0);
+        self.free_nodes.push(x);
+    }
+
+    fn alloc_block(&mut self, slot: BlockSlot) -> u32 {
+        match self.free_blocks.pop() {
+            Some(id) => {
+                self.slots[id as usize] = slot;
+                id
+            }
+            None => {
+                self.slots.push(slot);
+                (self.slots.len() - 1) as u32
+            }
+        }
+    }
+}
+
+/// Buckets of a hashbrown table that can hold `capacity` items (7/8 load, powers of two).
+fn buckets(capacity: usize) -> usize {
+    if capacity == 0 {
+        0
+    } else if capacity < 8 {
+        (capacity + 1).next_power_of_two()
+    } else {
+        (capacity * 8 / 7).next_power_of_two()
+    }
+}
+
+/// Length of the common prefix of two runs of hashes, eight at a time where they agree.
+fn common_prefix(a: &[LocalBlockHash], b: &[LocalBlockHash]) -> usize {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut i = 0;
+    while i + 8 <= n && a[i..i + 8] == b[i..i + 8] {
+        i += 8;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
