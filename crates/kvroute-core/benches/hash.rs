@@ -15,9 +15,7 @@ fn tokens() -> Vec<u32> {
     let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
     (0..TOKENS)
         .map(|_| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1);
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
             ((state >> 33) % 151_643) as u32
         })
         .collect()

@@ -43,10 +43,7 @@ pub struct BlockHasher {
 
 impl BlockHasher {
     pub fn new(block_size: BlockSize) -> Self {
-        Self {
-            block_size,
-            seed: KV_HASH_SEED,
-        }
+        Self { block_size, seed: KV_HASH_SEED }
     }
 
     /// Salts the seed with a LoRA adapter's name, so the same prompt under different adapters
@@ -97,9 +94,7 @@ impl BlockHasher {
             .chunks_exact(bs * 4)
             .enumerate()
             .map(|(i, block)| {
-                let mm = block_mm_infos
-                    .and_then(|infos| infos.get(i))
-                    .and_then(Option::as_ref);
+                let mm = block_mm_infos.and_then(|infos| infos.get(i)).and_then(Option::as_ref);
                 match mm {
                     Some(info) if !info.mm_objects.is_empty() => {
                         scratch.clear();
@@ -173,10 +168,7 @@ mod tests {
 
     fn image(mm_hash: u64) -> Option<BlockExtraInfo> {
         Some(BlockExtraInfo {
-            mm_objects: vec![BlockMmObjectInfo {
-                mm_hash,
-                offsets: vec![(0, 4)],
-            }],
+            mm_objects: vec![BlockMmObjectInfo { mm_hash, offsets: vec![(0, 4)] }],
         })
     }
 
@@ -186,10 +178,7 @@ mod tests {
 
     #[test]
     fn zero_block_size_is_an_error() {
-        assert_eq!(
-            compute_block_hash_for_seq(&[1, 2], 0, None, None),
-            Err(Error::ZeroBlockSize)
-        );
+        assert_eq!(compute_block_hash_for_seq(&[1, 2], 0, None, None), Err(Error::ZeroBlockSize));
     }
 
     #[test]
@@ -208,21 +197,14 @@ mod tests {
         assert_ne!(plain[1], a[1]);
         assert_ne!(a[1], b[1]);
         assert_eq!(plain[2], a[2], "local hashes do not chain");
-        assert_ne!(
-            sequence_hashes(&plain)[2],
-            sequence_hashes(&a)[2],
-            "sequence hashes do"
-        );
+        assert_ne!(sequence_hashes(&plain)[2], sequence_hashes(&a)[2], "sequence hashes do");
     }
 
     #[test]
     fn empty_mm_info_equals_none_and_offsets_are_not_hashed() {
         let tokens: Vec<u32> = (0..4).collect();
         let none = hasher(4).hash_block(&tokens, None);
-        assert_eq!(
-            none,
-            hasher(4).hash_block(&tokens, Some(&BlockExtraInfo::default()))
-        );
+        assert_eq!(none, hasher(4).hash_block(&tokens, Some(&BlockExtraInfo::default())));
         let mut moved = image(9).unwrap();
         moved.mm_objects[0].offsets = vec![(1, 3)];
         assert_eq!(
@@ -234,28 +216,13 @@ mod tests {
     #[test]
     fn images_are_sorted_and_duplicates_kept() {
         let tokens: Vec<u32> = (0..4).collect();
-        let obj = |h| BlockMmObjectInfo {
-            mm_hash: h,
-            offsets: vec![],
-        };
-        let ab = BlockExtraInfo {
-            mm_objects: vec![obj(1), obj(2)],
-        };
-        let ba = BlockExtraInfo {
-            mm_objects: vec![obj(2), obj(1)],
-        };
-        let aab = BlockExtraInfo {
-            mm_objects: vec![obj(1), obj(1), obj(2)],
-        };
+        let obj = |h| BlockMmObjectInfo { mm_hash: h, offsets: vec![] };
+        let ab = BlockExtraInfo { mm_objects: vec![obj(1), obj(2)] };
+        let ba = BlockExtraInfo { mm_objects: vec![obj(2), obj(1)] };
+        let aab = BlockExtraInfo { mm_objects: vec![obj(1), obj(1), obj(2)] };
         let h = hasher(4);
-        assert_eq!(
-            h.hash_block(&tokens, Some(&ab)),
-            h.hash_block(&tokens, Some(&ba))
-        );
-        assert_ne!(
-            h.hash_block(&tokens, Some(&ab)),
-            h.hash_block(&tokens, Some(&aab))
-        );
+        assert_eq!(h.hash_block(&tokens, Some(&ab)), h.hash_block(&tokens, Some(&ba)));
+        assert_ne!(h.hash_block(&tokens, Some(&ab)), h.hash_block(&tokens, Some(&aab)));
     }
 
     #[test]

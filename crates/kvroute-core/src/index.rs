@@ -27,6 +27,7 @@
 //! routed requests recorded with a TTL).
 
 mod approx;
+mod ext_map;
 mod radix;
 mod sharded;
 mod worker_set;
@@ -62,9 +63,7 @@ pub struct OverlapScores {
 impl OverlapScores {
     /// Leading blocks of the query that `worker` holds (0 if none).
     pub fn score(&self, worker: WorkerWithDpRank) -> u32 {
-        self.scores
-            .binary_search_by_key(&worker, |&(w, _)| w)
-            .map_or(0, |i| self.scores[i].1)
+        self.scores.binary_search_by_key(&worker, |&(w, _)| w).map_or(0, |i| self.scores[i].1)
     }
 
     pub fn tree_size(&self, worker: WorkerWithDpRank) -> Option<usize> {

@@ -27,14 +27,8 @@ pub enum Error {
     ZeroBlockSize,
     /// A Stored event named a parent block the worker does not hold; nothing was applied.
     #[error("worker {worker} does not hold parent block {parent}")]
-    UnknownParent {
-        worker: WorkerWithDpRank,
-        parent: ExternalBlockHash,
-    },
+    UnknownParent { worker: WorkerWithDpRank, parent: ExternalBlockHash },
     /// A Removed event named blocks the worker does not hold; the others were removed.
     #[error("worker {worker} does not hold {count} of the removed blocks")]
-    UnknownBlocks {
-        worker: WorkerWithDpRank,
-        count: usize,
-    },
+    UnknownBlocks { worker: WorkerWithDpRank, count: usize },
 }

@@ -80,10 +80,7 @@ pub struct WorkerWithDpRank {
 
 impl WorkerWithDpRank {
     pub fn new(worker_id: impl Into<WorkerId>, dp_rank: impl Into<DpRank>) -> Self {
-        Self {
-            worker_id: worker_id.into(),
-            dp_rank: dp_rank.into(),
-        }
+        Self { worker_id: worker_id.into(), dp_rank: dp_rank.into() }
     }
 }
 
@@ -101,9 +98,7 @@ pub struct BlockSize(NonZeroU32);
 
 impl BlockSize {
     pub fn new(tokens: u32) -> Result<Self, Error> {
-        NonZeroU32::new(tokens)
-            .map(Self)
-            .ok_or(Error::ZeroBlockSize)
+        NonZeroU32::new(tokens).map(Self).ok_or(Error::ZeroBlockSize)
     }
 
     pub fn get(self) -> u32 {
@@ -194,18 +189,12 @@ pub struct RouterEvent {
 
 impl RouterEvent {
     pub fn new(worker_id: impl Into<WorkerId>, event: KvCacheEvent) -> Self {
-        Self {
-            worker_id: worker_id.into(),
-            event,
-        }
+        Self { worker_id: worker_id.into(), event }
     }
 
     /// The cache this event is about.
     pub fn worker(&self) -> WorkerWithDpRank {
-        WorkerWithDpRank {
-            worker_id: self.worker_id,
-            dp_rank: self.event.dp_rank,
-        }
+        WorkerWithDpRank { worker_id: self.worker_id, dp_rank: self.event.dp_rank }
     }
 }
 
@@ -274,11 +263,8 @@ impl RequestExtraInfo {
                 }
                 // Invariant: every block index visited is < blocks.len(), since
                 // start < end <= total_tokens.
-                for (index, block) in blocks
-                    .iter_mut()
-                    .enumerate()
-                    .take(end.div_ceil(bs))
-                    .skip(start / bs)
+                for (index, block) in
+                    blocks.iter_mut().enumerate().take(end.div_ceil(bs)).skip(start / bs)
                 {
                     let block_start = index * bs;
                     let piece = (
@@ -286,11 +272,7 @@ impl RequestExtraInfo {
                         end.min(block_start + bs) - block_start,
                     );
                     let info = block.get_or_insert_with(BlockExtraInfo::default);
-                    match info
-                        .mm_objects
-                        .iter_mut()
-                        .find(|o| o.mm_hash == object.mm_hash)
-                    {
+                    match info.mm_objects.iter_mut().find(|o| o.mm_hash == object.mm_hash) {
                         Some(existing) => existing.offsets.push(piece),
                         None => info.mm_objects.push(BlockMmObjectInfo {
                             mm_hash: object.mm_hash,

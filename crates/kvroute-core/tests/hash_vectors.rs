@@ -38,29 +38,12 @@ fn every_golden_vector_reproduces() {
             case.lora_name.as_deref(),
         )
         .unwrap_or_else(|e| panic!("{}: {e}", case.name));
-        let expected_local: Vec<LocalBlockHash> = case
-            .local_hashes
-            .iter()
-            .copied()
-            .map(LocalBlockHash)
-            .collect();
+        let expected_local: Vec<LocalBlockHash> =
+            case.local_hashes.iter().copied().map(LocalBlockHash).collect();
         assert_eq!(local, expected_local, "{}: local hashes", case.name);
-        let expected_seq: Vec<SequenceHash> = case
-            .sequence_hashes
-            .iter()
-            .copied()
-            .map(SequenceHash)
-            .collect();
-        assert_eq!(
-            sequence_hashes(&local),
-            expected_seq,
-            "{}: sequence hashes",
-            case.name
-        );
+        let expected_seq: Vec<SequenceHash> =
+            case.sequence_hashes.iter().copied().map(SequenceHash).collect();
+        assert_eq!(sequence_hashes(&local), expected_seq, "{}: sequence hashes", case.name);
     }
-    assert_eq!(
-        kinds,
-        (true, true),
-        "fixture must hold multimodal and LoRA cases"
-    );
+    assert_eq!(kinds, (true, true), "fixture must hold multimodal and LoRA cases");
 }

@@ -27,10 +27,7 @@ pub struct ApproxConfig {
 
 impl Default for ApproxConfig {
     fn default() -> Self {
-        Self {
-            ttl: Duration::from_secs(120),
-            max_held_blocks: 1 << 20,
-        }
+        Self { ttl: Duration::from_secs(120), max_held_blocks: 1 << 20 }
     }
 }
 
@@ -84,10 +81,7 @@ impl ApproxIndex {
                 mm_extra_info: None,
             })
             .collect();
-        let data = KvCacheEventData::Stored(KvCacheStoreData {
-            parent_hash: None,
-            blocks,
-        });
+        let data = KvCacheEventData::Stored(KvCacheStoreData { parent_hash: None, blocks });
         // A Stored with no parent cannot be refused.
         let _ = self.index.apply_event(&event(worker, data));
         let at = now + self.config.ttl;
@@ -104,8 +98,7 @@ impl ApproxIndex {
         }
         if self.queue.len() > 4 * self.live.len().max(1024) {
             let live = &self.live;
-            self.queue
-                .retain(|e| live.get(&(e.worker, e.block)) == Some(&e.at));
+            self.queue.retain(|e| live.get(&(e.worker, e.block)) == Some(&e.at));
         }
     }
 
@@ -155,11 +148,7 @@ impl ApproxIndex {
 fn event(worker: WorkerWithDpRank, data: KvCacheEventData) -> RouterEvent {
     RouterEvent {
         worker_id: worker.worker_id,
-        event: KvCacheEvent {
-            event_id: 0,
-            data,
-            dp_rank: worker.dp_rank,
-        },
+        event: KvCacheEvent { event_id: 0, data, dp_rank: worker.dp_rank },
     }
 }
 
@@ -175,10 +164,8 @@ mod tests {
     fn routed_blocks_expire_after_ttl_and_refresh_on_reuse() {
         let t0 = Instant::now();
         let secs = |s| t0 + Duration::from_secs(s);
-        let mut index = ApproxIndex::new(ApproxConfig {
-            ttl: Duration::from_secs(10),
-            max_held_blocks: 100,
-        });
+        let mut index =
+            ApproxIndex::new(ApproxConfig { ttl: Duration::from_secs(10), max_held_blocks: 100 });
         let w1 = WorkerWithDpRank::new(1u64, 0u32);
         index.record_routed(w1, &blocks(&[1, 2, 3]), t0);
         index.record_routed(w1, &blocks(&[1, 2]), secs(5));
@@ -198,22 +185,13 @@ mod tests {
     #[test]
     fn size_cap_forgets_oldest_first() {
         let t0 = Instant::now();
-        let mut index = ApproxIndex::new(ApproxConfig {
-            ttl: Duration::from_secs(60),
-            max_held_blocks: 4,
-        });
-        let (w1, w2) = (
-            WorkerWithDpRank::new(1u64, 0u32),
-            WorkerWithDpRank::new(2u64, 0u32),
-        );
+        let mut index =
+            ApproxIndex::new(ApproxConfig { ttl: Duration::from_secs(60), max_held_blocks: 4 });
+        let (w1, w2) = (WorkerWithDpRank::new(1u64, 0u32), WorkerWithDpRank::new(2u64, 0u32));
         index.record_routed(w1, &blocks(&[1, 2, 3]), t0);
         index.record_routed(w2, &blocks(&[7, 8]), t0 + Duration::from_secs(1));
         assert!(index.index().held_blocks() <= 4);
-        assert_eq!(
-            index.find_matches(&blocks(&[1, 2, 3])).score(w1),
-            2,
-            "oldest leaf went first"
-        );
+        assert_eq!(index.find_matches(&blocks(&[1, 2, 3])).score(w1), 2, "oldest leaf went first");
         assert_eq!(index.find_matches(&blocks(&[7, 8])).score(w2), 2);
     }
 }

@@ -8,12 +8,12 @@
 //! 4. `children[(p, edge[0] of c)] == c` for every child `c` of `p`, `num_children` counts
 //!    them and `child_xor` is the xor of their ids (so a lone child is known without a scan).
 
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
+use super::ext_map::{ExtMap, MAX_BLOCK_ID, table_bytes};
 use super::worker_set::{Slot, WorkerSet, retain_common};
 use super::{IndexConfig, IndexStats, OverlapScores};
 use crate::Error;
@@ -37,29 +37,6 @@ const FREED: u32 = u32::MAX - 1;
 struct ChildKey {
     parent: u32,
     hash: u64,
-}
-
-/// An engine block hash stored as two `u32`s so a map entry with a `u32` value packs in 12
-/// bytes instead of 16: the per-(worker, block) map is what memory scales with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct ExtKey([u32; 2]);
-
-impl From<ExternalBlockHash> for ExtKey {
-    fn from(h: ExternalBlockHash) -> Self {
-        Self([(h.0 >> 32) as u32, h.0 as u32])
-    }
-}
-
-impl From<ExtKey> for ExternalBlockHash {
-    fn from(k: ExtKey) -> Self {
-        Self((u64::from(k.0[0]) << 32) | u64::from(k.0[1]))
-    }
-}
-
-impl Hash for ExtKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        state.write_u64(ExternalBlockHash::from(*self).0);
-    }
 }
 
 #[derive(Debug)]
@@ -114,7 +91,7 @@ struct BlockSlot {
 #[derive(Debug)]
 struct WorkerState {
     id: WorkerWithDpRank,
-    blocks: FxHashMap<ExtKey, u32>,
+    blocks: ExtMap,
     /// Blocks held under more than one engine hash: how many extra hashes.
     aliases: FxHashMap<u32, u32>,
     /// Distinct blocks held.
@@ -128,6 +105,14 @@ struct Cursor {
     node: u32,
     end: usize,
     run: Option<usize>,
+}
+
+/// Blocks `lo..hi` of `node`'s edge, being detached from one worker.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    node: u32,
+    lo: usize,
+    hi: usize,
 }
 
 /// A compressed radix tree of which cache holds which block. Not thread-safe on its own; see
@@ -215,10 +200,7 @@ impl RadixIndex {
                 }),
                 None => {
                     self.stats.removed_unknown += data.block_hashes.len() as u64;
-                    Err(Error::UnknownBlocks {
-                        worker,
-                        count: data.block_hashes.len(),
-                    })
+                    Err(Error::UnknownBlocks { worker, count: data.block_hashes.len() })
                 }
             },
             KvCacheEventData::Cleared => {
@@ -246,10 +228,7 @@ impl RadixIndex {
         let mut node = ROOT;
         let mut depth = 0;
         while depth < query.len() {
-            let key = ChildKey {
-                parent: node,
-                hash: query[depth].0,
-            };
+            let key = ChildKey { parent: node, hash: query[depth].0 };
             let Some(&child) = self.children.get(&key) else {
                 break;
             };
@@ -326,15 +305,11 @@ impl RadixIndex {
         let live_nodes = self.nodes.len() - self.free_nodes.len();
         let nodes_heap: usize = self.nodes.iter().map(Node::heap_bytes).sum::<usize>()
             + self.nodes.capacity() * size_of::<Node>();
-        let map_bytes = |buckets: usize, entry: usize| buckets * (entry + 1);
         let workers_heap: usize = self
             .workers
             .iter()
             .flatten()
-            .map(|w| {
-                map_bytes(buckets(w.blocks.capacity()), size_of::<(ExtKey, u32)>())
-                    + map_bytes(buckets(w.aliases.capacity()), size_of::<(u32, u32)>())
-            })
+            .map(|w| w.blocks.heap_bytes() + table_bytes::<(u32, u32)>(w.aliases.capacity()))
             .sum();
         IndexStats {
             blocks: self.slots.len() - self.free_blocks.len(),
@@ -343,10 +318,7 @@ impl RadixIndex {
             workers: self.worker_slots.len(),
             heap_bytes: nodes_heap
                 + workers_heap
-                + map_bytes(
-                    buckets(self.children.capacity()),
-                    size_of::<(ChildKey, u32)>(),
-                )
+                + table_bytes::<(ChildKey, u32)>(self.children.capacity())
                 + self.slots.capacity() * size_of::<BlockSlot>()
                 + (self.free_blocks.capacity() + self.free_nodes.capacity()) * size_of::<u32>()
                 + self.workers.capacity() * size_of::<Option<WorkerState>>(),
@@ -363,33 +335,32 @@ impl RadixIndex {
         data: &KvCacheStoreData,
     ) -> Result<(), Error> {
         let mut cur = match data.parent_hash {
-            None => Cursor {
-                node: ROOT,
-                end: 0,
-                run: None,
-            },
-            Some(parent) => match state.blocks.get(&ExtKey::from(parent)) {
-                Some(&id) => self.cursor_after(id),
+            None => Cursor { node: ROOT, end: 0, run: None },
+            Some(parent) => match state.blocks.get(parent) {
+                Some(id) => self.cursor_after(id),
                 None => {
                     self.stats.rejected_unknown_parent += 1;
-                    return Err(Error::UnknownParent {
-                        worker: state.id,
-                        parent,
-                    });
+                    return Err(Error::UnknownParent { worker: state.id, parent });
                 }
             },
         };
-        for block in &data.blocks {
-            let key = ExtKey::from(block.block_hash);
-            if let Some(&id) = state.blocks.get(&key) {
+        // Look every hash up first: the lookups are independent, so their cache misses overlap
+        // (a big map misses on nearly every probe), and the inserts below then hit warm lines.
+        let known: SmallVec<[Option<u32>; 64]> =
+            data.blocks.iter().map(|b| state.blocks.get(b.block_hash)).collect();
+        let mut remaining = data.blocks.len();
+        for (block, known) in data.blocks.iter().zip(known) {
+            remaining -= 1;
+            // A block inserted earlier in this event may have the same hash (garbage input).
+            if let Some(id) = known.or_else(|| state.blocks.get(block.block_hash)) {
                 // Already held under this hash (vLLM re-sends cache hits): a no-op, and the
                 // event's later blocks chain from wherever it is.
                 self.flush(slot, &mut cur);
                 cur = self.cursor_after(id);
                 continue;
             }
-            let (id, alias) = self.step(slot, &mut cur, block.tokens_hash);
-            state.blocks.insert(key, id);
+            let (id, alias) = self.step(slot, &mut cur, block.tokens_hash, remaining);
+            state.blocks.insert(block.block_hash, id);
             if alias {
                 *state.aliases.entry(id).or_insert(0) += 1;
             } else {
@@ -407,9 +378,18 @@ impl RadixIndex {
         state: &mut WorkerState,
         hashes: &[ExternalBlockHash],
     ) -> Result<(), Error> {
+        // As in `apply_stored`: independent lookups first, so their misses overlap; then warm
+        // the slots of the blocks found, which `detach` reads next.
+        let ids: SmallVec<[Option<u32>; 64]> =
+            hashes.iter().map(|&h| state.blocks.get(h)).collect();
+        let warm = ids.iter().flatten().fold(0, |acc, &id| acc ^ self.slots[id as usize].pos);
+        std::hint::black_box(warm);
         let mut unknown = 0;
+        // Blocks detach in runs: consecutive blocks of one node (an engine evicts a sequence's
+        // blocks together, leaves first) are cut out with at most two splits for the run.
+        let mut run: Option<Run> = None;
         for &hash in hashes {
-            let Some(id) = state.blocks.remove(&ExtKey::from(hash)) else {
+            let Some(id) = state.blocks.remove(hash) else {
                 unknown += 1;
                 continue;
             };
@@ -423,25 +403,36 @@ impl RadixIndex {
             }
             state.held -= 1;
             self.held -= 1;
-            self.detach(slot, id);
+            let (node, offset) = self.locate(id);
+            if let Some(r) = run.as_mut() {
+                if r.node == node && (offset + 1 == r.lo || offset == r.hi) {
+                    r.lo = r.lo.min(offset);
+                    r.hi = r.hi.max(offset + 1);
+                    continue;
+                }
+                let done = std::mem::replace(r, Run { node, lo: offset, hi: offset + 1 });
+                self.detach(slot, done);
+                // Detaching reshapes nodes: find the new run's block again.
+                let (node, offset) = self.locate(id);
+                *r = Run { node, lo: offset, hi: offset + 1 };
+            } else {
+                run = Some(Run { node, lo: offset, hi: offset + 1 });
+            }
+        }
+        if let Some(r) = run {
+            self.detach(slot, r);
         }
         if unknown == 0 {
             return Ok(());
         }
         self.stats.removed_unknown += unknown as u64;
-        Err(Error::UnknownBlocks {
-            worker: state.id,
-            count: unknown,
-        })
+        Err(Error::UnknownBlocks { worker: state.id, count: unknown })
     }
 
     fn clear_slot(&mut self, slot: Slot) {
         self.with_worker(slot, |index, state| {
-            let mut touched: Vec<u32> = state
-                .blocks
-                .values()
-                .map(|&id| index.slots[id as usize].node)
-                .collect();
+            let mut touched: Vec<u32> =
+                state.blocks.values().map(|id| index.slots[id as usize].node).collect();
             touched.sort_unstable();
             touched.dedup();
             for &x in &touched {
@@ -453,7 +444,7 @@ impl RadixIndex {
                 }
             }
             index.held -= state.held;
-            state.blocks = FxHashMap::default();
+            state.blocks = ExtMap::default();
             state.aliases = FxHashMap::default();
             state.held = 0;
         });
@@ -463,24 +454,23 @@ impl RadixIndex {
 
     fn cursor_after(&self, id: u32) -> Cursor {
         let (node, offset) = self.locate(id);
-        Cursor {
-            node,
-            end: offset + 1,
-            run: None,
-        }
+        Cursor { node, end: offset + 1, run: None }
     }
 
     fn locate(&self, id: u32) -> (u32, usize) {
         let slot = self.slots[id as usize];
-        (
-            slot.node,
-            slot.pos.wrapping_sub(self.nodes[slot.node as usize].base) as usize,
-        )
+        (slot.node, slot.pos.wrapping_sub(self.nodes[slot.node as usize].base) as usize)
     }
 
     /// Moves the cursor to the next block, whose content hash is `hash`, creating it if the
     /// tree has none. Returns its id and whether the worker already held it (an alias).
-    fn step(&mut self, slot: Slot, cur: &mut Cursor, hash: LocalBlockHash) -> (u32, bool) {
+    fn step(
+        &mut self,
+        slot: Slot,
+        cur: &mut Cursor,
+        hash: LocalBlockHash,
+        remaining: usize,
+    ) -> (u32, bool) {
         loop {
             let node = &self.nodes[cur.node as usize];
             if cur.end < node.edge.len() {
@@ -501,45 +491,42 @@ impl RadixIndex {
                 }
                 continue;
             }
-            let key = ChildKey {
-                parent: cur.node,
-                hash: hash.0,
-            };
-            if let Some(&child) = self.children.get(&key) {
+            let key = ChildKey { parent: cur.node, hash: hash.0 };
+            // A childless node (say the leaf this event is growing) needs no lookup.
+            let child = (node.num_children > 0).then(|| self.children.get(&key)).flatten();
+            if let Some(&child) = child {
                 self.flush(slot, cur);
-                *cur = Cursor {
-                    node: child,
-                    end: 0,
-                    run: None,
-                };
+                *cur = Cursor { node: child, end: 0, run: None };
                 continue;
             }
             self.flush(slot, cur);
-            return (self.push_new(slot, cur, hash), false);
+            return (self.push_new(slot, cur, hash, remaining), false);
         }
     }
 
     /// Appends a new block after the cursor (which is at the end of its node): onto the node
     /// itself when it is the worker's own leaf, else as a new child.
-    fn push_new(&mut self, slot: Slot, cur: &mut Cursor, hash: LocalBlockHash) -> u32 {
+    fn push_new(
+        &mut self,
+        slot: Slot,
+        cur: &mut Cursor,
+        hash: LocalBlockHash,
+        remaining: usize,
+    ) -> u32 {
         let n = &self.nodes[cur.node as usize];
         let own_leaf = cur.node != ROOT && n.num_children == 0 && n.workers.is_only(slot);
         if !own_leaf {
             let child = self.alloc_node(Node::new(cur.node, WorkerSet::one(slot), self.clock));
             self.add_child(cur.node, hash, child);
-            *cur = Cursor {
-                node: child,
-                end: 0,
-                run: None,
-            };
+            *cur = Cursor { node: child, end: 0, run: None };
         }
         let n = &self.nodes[cur.node as usize];
         let pos = n.base.wrapping_add(n.edge.len() as u32);
-        let id = self.alloc_block(BlockSlot {
-            node: cur.node,
-            pos,
-        });
+        let id = self.alloc_block(BlockSlot { node: cur.node, pos });
         let n = &mut self.nodes[cur.node as usize];
+        // The event says how many blocks follow: size the edge for them, not by doubling.
+        grow_exact(&mut n.edge, remaining + 1);
+        grow_exact(&mut n.ids, remaining + 1);
         n.edge.push(hash);
         n.ids.push(id);
         n.touch(self.clock);
@@ -563,11 +550,7 @@ impl RadixIndex {
         self.nodes[node as usize].workers.insert(slot);
         self.nodes[node as usize].touch(self.clock);
         let node = self.merge_with_parent(node);
-        *cur = Cursor {
-            node,
-            end: self.nodes[node as usize].edge.len(),
-            run: None,
-        };
+        *cur = Cursor { node, end: self.nodes[node as usize].edge.len(), run: None };
     }
 
     /// Cuts node `n` after `k` blocks (0 < k < len). The head moves to a new node, which
@@ -583,11 +566,8 @@ impl RadixIndex {
         }
         let (parent, base, tail_first) = (node.parent, node.base, node.edge[0]);
         node.base = base.wrapping_add(k as u32);
-        let mut head = Node::new(
-            parent,
-            node.workers.clone(),
-            node.touched.load(Ordering::Relaxed),
-        );
+        let mut head =
+            Node::new(parent, node.workers.clone(), node.touched.load(Ordering::Relaxed));
         head.base = base;
         let head_first = edge[0];
         head.edge = edge;
@@ -600,20 +580,8 @@ impl RadixIndex {
         }
         self.nodes[n as usize].parent = h;
         self.nodes[parent as usize].child_xor ^= n ^ h;
-        self.children.insert(
-            ChildKey {
-                parent,
-                hash: head_first.0,
-            },
-            h,
-        );
-        self.children.insert(
-            ChildKey {
-                parent: h,
-                hash: tail_first.0,
-            },
-            n,
-        );
+        self.children.insert(ChildKey { parent, hash: head_first.0 }, h);
+        self.children.insert(ChildKey { parent: h, hash: tail_first.0 }, n);
         h
     }
 
@@ -635,10 +603,7 @@ impl RadixIndex {
         let base = child.base.wrapping_sub(edge.len() as u32);
         let (parent_first, child_first) = (edge[0], child.edge[0]);
         for (i, &id) in ids.iter().enumerate() {
-            self.slots[id as usize] = BlockSlot {
-                node: c,
-                pos: base.wrapping_add(i as u32),
-            };
+            self.slots[id as usize] = BlockSlot { node: c, pos: base.wrapping_add(i as u32) };
         }
         let child = &mut self.nodes[c as usize];
         edge.extend_from_slice(&child.edge);
@@ -650,40 +615,31 @@ impl RadixIndex {
         if touched > child.touched.load(Ordering::Relaxed) {
             child.touched.store(touched, Ordering::Relaxed);
         }
-        self.children.remove(&ChildKey {
-            parent: p,
-            hash: child_first.0,
-        });
-        self.children.insert(
-            ChildKey {
-                parent: grandparent,
-                hash: parent_first.0,
-            },
-            c,
-        );
+        self.children.remove(&ChildKey { parent: p, hash: child_first.0 });
+        self.children.insert(ChildKey { parent: grandparent, hash: parent_first.0 }, c);
         self.nodes[grandparent as usize].child_xor ^= p ^ c;
         self.release_node(p);
         c
     }
 
-    /// Detaches the worker from one block, cutting it out of its node if others hold the rest.
-    fn detach(&mut self, slot: Slot, id: u32) {
-        let (node, offset) = self.locate(id);
+    /// Detaches the worker from a run of blocks of one node, cutting the run out of the node
+    /// if the worker keeps the rest or others hold it.
+    fn detach(&mut self, slot: Slot, run: Run) {
+        let Run { node, lo, hi } = run;
         let n = &mut self.nodes[node as usize];
         let len = n.edge.len();
-        if len > 1 && offset == len - 1 && n.num_children == 0 && n.workers.is_only(slot) {
+        if lo > 0 && hi == len && n.num_children == 0 && n.workers.is_only(slot) {
             // The tail of the worker's own leaf (the usual eviction order): just shorten it.
-            n.edge.pop();
-            n.ids.pop();
-            self.free_blocks.push(id);
+            n.edge.truncate(lo);
+            self.free_blocks.extend(n.ids.drain(lo..));
             return;
         }
         let mut x = node;
-        if offset > 0 {
-            self.split(x, offset);
+        if lo > 0 {
+            self.split(x, lo);
         }
-        if self.nodes[x as usize].edge.len() > 1 {
-            x = self.split(x, 1);
+        if hi - lo < self.nodes[x as usize].edge.len() {
+            x = self.split(x, hi - lo);
         }
         self.nodes[x as usize].workers.remove(slot);
         self.cleanup(x);
@@ -696,10 +652,7 @@ impl RadixIndex {
             let n = &self.nodes[x as usize];
             if n.workers.is_empty() && n.num_children == 0 {
                 let (parent, first) = (n.parent, n.edge[0]);
-                self.children.remove(&ChildKey {
-                    parent,
-                    hash: first.0,
-                });
+                self.children.remove(&ChildKey { parent, hash: first.0 });
                 let p = &mut self.nodes[parent as usize];
                 p.num_children -= 1;
                 p.child_xor ^= x;
@@ -757,7 +710,7 @@ impl RadixIndex {
             }
             for s in affected {
                 if let Some(state) = self.workers[s as usize].as_mut() {
-                    state.blocks.retain(|_, id| !dead.contains(id));
+                    state.blocks.retain(|id| !dead.contains(&id));
                     state.aliases.retain(|id, _| !dead.contains(id));
                 }
             }
@@ -771,9 +724,7 @@ impl RadixIndex {
         slot: Slot,
         f: impl FnOnce(&mut Self, &mut WorkerState) -> T,
     ) -> T {
-        let mut state = self.workers[slot as usize]
-            .take()
-            .expect("a registered slot has a state");
+        let mut state = self.workers[slot as usize].take().expect("a registered slot has a state");
         let out = f(self, &mut state);
         self.workers[slot as usize] = Some(state);
         out
@@ -785,7 +736,7 @@ impl RadixIndex {
         }
         let state = WorkerState {
             id: worker,
-            blocks: FxHashMap::default(),
+            blocks: ExtMap::default(),
             aliases: FxHashMap::default(),
             held: 0,
         };
@@ -825,13 +776,7 @@ impl RadixIndex {
     }
 
     fn add_child(&mut self, parent: u32, first: LocalBlockHash, child: u32) {
-        self.children.insert(
-            ChildKey {
-                parent,
-                hash: first.0,
-            },
-            child,
-        );
+        self.children.insert(ChildKey { parent, hash: first.0 }, child);
         let p = &mut self.nodes[parent as usize];
         p.num_children += 1;
         p.child_xor ^= child;
@@ -863,6 +808,8 @@ impl RadixIndex {
                 id
             }
             None => {
+                debug_assert!(self.slots.len() <= MAX_BLOCK_ID as usize);
+                grow_exact(&mut self.slots, 1024);
                 self.slots.push(slot);
                 (self.slots.len() - 1) as u32
             }
@@ -870,14 +817,12 @@ impl RadixIndex {
     }
 }
 
-/// Buckets of a hashbrown table that can hold `capacity` items (7/8 load, powers of two).
-fn buckets(capacity: usize) -> usize {
-    if capacity == 0 {
-        0
-    } else if capacity < 8 {
-        (capacity + 1).next_power_of_two()
-    } else {
-        (capacity * 8 / 7).next_power_of_two()
+/// Makes room for `want` more items; when the vector must grow, it grows by a quarter (or
+/// `want`) rather than doubling: these vectors hold most of the index, and doubling would
+/// leave a quarter of their memory unused on average.
+fn grow_exact<T>(v: &mut Vec<T>, want: usize) {
+    if v.capacity() - v.len() < want {
+        v.reserve_exact(want.max(v.len() / 4));
     }
 }
 

@@ -27,9 +27,8 @@ pub struct ShardedIndex {
 impl ShardedIndex {
     /// `shards` indexes (at least one), each bounded by `config` on its own.
     pub fn new(shards: usize, config: IndexConfig) -> Self {
-        let shards = (0..shards.max(1))
-            .map(|_| RwLock::new(RadixIndex::with_config(config)))
-            .collect();
+        let shards =
+            (0..shards.max(1)).map(|_| RwLock::new(RadixIndex::with_config(config))).collect();
         Self { shards }
     }
 
@@ -38,8 +37,7 @@ impl ShardedIndex {
     }
 
     pub fn apply_event(&self, event: &RouterEvent) -> Result<(), Error> {
-        self.write(self.shard_of(event.worker_id))
-            .apply_event(event)
+        self.write(self.shard_of(event.worker_id)).apply_event(event)
     }
 
     /// Applies events in order, taking each shard's write lock once; returns the errors
@@ -56,10 +54,8 @@ impl ShardedIndex {
             return errors;
         }
         for s in 0..self.shards.len() {
-            let mut positions = events
-                .iter()
-                .enumerate()
-                .filter(|(_, e)| self.shard_of(e.worker_id) == s);
+            let mut positions =
+                events.iter().enumerate().filter(|(_, e)| self.shard_of(e.worker_id) == s);
             let Some((first, e)) = positions.next() else {
                 continue;
             };
@@ -76,10 +72,7 @@ impl ShardedIndex {
 
     pub fn find_matches(&self, query: &[LocalBlockHash]) -> OverlapScores {
         let mut shards = self.shards.iter();
-        let mut out = shards
-            .next()
-            .map(|s| read(s).find_matches(query))
-            .unwrap_or_default();
+        let mut out = shards.next().map(|s| read(s).find_matches(query)).unwrap_or_default();
         for shard in shards {
             let more = read(shard).find_matches(query);
             if !more.scores.is_empty() {
@@ -98,8 +91,7 @@ impl ShardedIndex {
     }
 
     pub fn register_worker(&self, worker: WorkerWithDpRank) {
-        self.write(self.shard_of(worker.worker_id))
-            .register_worker(worker);
+        self.write(self.shard_of(worker.worker_id)).register_worker(worker);
     }
 
     pub fn workers(&self) -> Vec<WorkerWithDpRank> {
@@ -113,19 +105,13 @@ impl ShardedIndex {
     }
 
     pub fn stats(&self) -> IndexStats {
-        self.shards
-            .iter()
-            .map(|s| read(s).stats())
-            .fold(IndexStats::default(), |a, b| a + b)
+        self.shards.iter().map(|s| read(s).stats()).fold(IndexStats::default(), |a, b| a + b)
     }
 
     /// All shards' snapshots, concatenated (event ids renumbered).
     pub fn dump_as_events(&self) -> Vec<RouterEvent> {
-        let mut out: Vec<RouterEvent> = self
-            .shards
-            .iter()
-            .flat_map(|s| read(s).dump_as_events())
-            .collect();
+        let mut out: Vec<RouterEvent> =
+            self.shards.iter().flat_map(|s| read(s).dump_as_events()).collect();
         for (i, e) in out.iter_mut().enumerate() {
             e.event.event_id = i as u64;
         }
@@ -140,9 +126,7 @@ impl ShardedIndex {
     fn write(&self, shard: usize) -> RwLockWriteGuard<'_, RadixIndex> {
         // A panic inside the index would be a bug; its state is still the last consistent one
         // for readers, so keep serving rather than poisoning every later call.
-        self.shards[shard]
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.shards[shard].write().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -166,27 +150,16 @@ mod tests {
                 mm_extra_info: None,
             })
             .collect();
-        let data = KvCacheEventData::Stored(KvCacheStoreData {
-            parent_hash: None,
-            blocks,
-        });
-        RouterEvent::new(
-            worker,
-            KvCacheEvent {
-                event_id: 0,
-                data,
-                dp_rank: dp.into(),
-            },
-        )
+        let data = KvCacheEventData::Stored(KvCacheStoreData { parent_hash: None, blocks });
+        RouterEvent::new(worker, KvCacheEvent { event_id: 0, data, dp_rank: dp.into() })
     }
 
     #[test]
     fn shards_answer_like_one_index() {
         let sharded = ShardedIndex::new(4, IndexConfig::default());
         let mut single = RadixIndex::new();
-        let events: Vec<_> = (0..16u64)
-            .map(|k| chain(k, (k % 2) as u32, &[1, 2, 3 + k % 3, 9]))
-            .collect();
+        let events: Vec<_> =
+            (0..16u64).map(|k| chain(k, (k % 2) as u32, &[1, 2, 3 + k % 3, 9])).collect();
         assert!(sharded.apply_batch(&events).is_empty());
         for e in &events {
             single.apply_event(e).unwrap();
@@ -196,12 +169,7 @@ mod tests {
         assert_eq!(sharded.workers(), single.workers());
         assert_eq!(sharded.stats().held_blocks, 64);
         sharded.remove_worker(WorkerId(4));
-        assert_eq!(
-            sharded
-                .find_matches(&query)
-                .score(WorkerWithDpRank::new(4u64, 0u32)),
-            0
-        );
+        assert_eq!(sharded.find_matches(&query).score(WorkerWithDpRank::new(4u64, 0u32)), 0);
         let mut replayed = RadixIndex::new();
         for e in sharded.dump_as_events() {
             replayed.apply_event(&e).unwrap();

@@ -53,11 +53,7 @@ impl WorkerSet {
     }
 
     pub(crate) fn heap_bytes(&self) -> usize {
-        if self.0.spilled() {
-            self.0.capacity() * size_of::<Slot>()
-        } else {
-            0
-        }
+        if self.0.spilled() { self.0.capacity() * size_of::<Slot>() } else { 0 }
     }
 }
 

@@ -12,29 +12,20 @@ fn request(objects: &[(u64, &[(usize, usize)])]) -> RequestExtraInfo {
     RequestExtraInfo {
         mm_objects: objects
             .iter()
-            .map(|&(mm_hash, offsets)| RequestMmObjectInfo {
-                mm_hash,
-                offsets: offsets.to_vec(),
-            })
+            .map(|&(mm_hash, offsets)| RequestMmObjectInfo { mm_hash, offsets: offsets.to_vec() })
             .collect(),
     }
 }
 
 fn objects(block: &Option<BlockExtraInfo>) -> Vec<(u64, Vec<(usize, usize)>)> {
-    block
-        .iter()
-        .flat_map(|b| b.mm_objects.iter().map(|o| (o.mm_hash, o.offsets.clone())))
-        .collect()
+    block.iter().flat_map(|b| b.mm_objects.iter().map(|o| (o.mm_hash, o.offsets.clone()))).collect()
 }
 
 #[test]
 fn block_size_zero_is_refused() {
     assert_eq!(BlockSize::new(0), Err(Error::ZeroBlockSize));
     assert!(serde_json::from_str::<BlockSize>("0").is_err());
-    assert_eq!(
-        serde_json::from_str::<BlockSize>("16").unwrap(),
-        BlockSize::default()
-    );
+    assert_eq!(serde_json::from_str::<BlockSize>("16").unwrap(), BlockSize::default());
 }
 
 #[test]
@@ -50,10 +41,7 @@ fn image_spanning_blocks_is_cut_at_boundaries() {
 #[test]
 fn two_images_in_one_block_and_same_image_twice_merges() {
     let blocks = request(&[(1, &[(0, 2), (6, 7)]), (2, &[(2, 4)])]).to_block_level(bs(4), 8);
-    assert_eq!(
-        objects(&blocks[0]),
-        vec![(1, vec![(0, 2)]), (2, vec![(2, 4)])]
-    );
+    assert_eq!(objects(&blocks[0]), vec![(1, vec![(0, 2)]), (2, vec![(2, 4)])]);
     assert_eq!(objects(&blocks[1]), vec![(1, vec![(2, 3)])]);
     let merged = request(&[(1, &[(0, 1), (2, 3)])]).to_block_level(bs(4), 4);
     assert_eq!(objects(&merged[0]), vec![(1, vec![(0, 1), (2, 3)])]);
@@ -61,11 +49,7 @@ fn two_images_in_one_block_and_same_image_twice_merges() {
 
 #[test]
 fn degenerate_inputs_do_not_panic() {
-    assert!(
-        request(&[(1, &[(0, 4)])])
-            .to_block_level(bs(4), 0)
-            .is_empty()
-    );
+    assert!(request(&[(1, &[(0, 4)])]).to_block_level(bs(4), 0).is_empty());
     let empty_and_reversed = request(&[(1, &[(2, 2), (3, 1)])]).to_block_level(bs(4), 8);
     assert_eq!(empty_and_reversed, vec![None, None]);
     let past_end = request(&[(1, &[(6, 100)]), (2, &[(50, 60)])]).to_block_level(bs(4), 8);
@@ -119,10 +103,7 @@ fn stored_block_with_image_and_unknown_keys() {
 }
 
 fn arb_request() -> impl Strategy<Value = (RequestExtraInfo, usize, u32)> {
-    let object = (
-        0u64..6,
-        prop::collection::vec((0usize..140, 0usize..140), 0..4),
-    );
+    let object = (0u64..6, prop::collection::vec((0usize..140, 0usize..140), 0..4));
     (prop::collection::vec(object, 0..5), 0usize..130, 1u32..20).prop_map(|(objs, total, bs)| {
         let info = RequestExtraInfo {
             mm_objects: objs

@@ -51,11 +51,7 @@ pub(crate) fn run(args: &HashArgs) -> anyhow::Result<ExitCode> {
     let mut out = BufWriter::new(io::stdout().lock());
     let failed = hash_lines(stdin, &mut out, args)?;
     out.flush().context("writing to stdout")?;
-    Ok(if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 /// Hashes every line of `input` onto `out`; returns how many lines failed.
@@ -82,19 +78,13 @@ fn hash_lines(input: impl BufRead, out: &mut impl Write, args: &HashArgs) -> any
 
 fn hash_line(line: &str, args: &HashArgs) -> anyhow::Result<HashResponse> {
     let request: HashRequest = serde_json::from_str(line)?;
-    let namespace = request
-        .cache_namespace
-        .as_deref()
-        .or(args.cache_namespace.as_deref());
+    let namespace = request.cache_namespace.as_deref().or(args.cache_namespace.as_deref());
     let hasher = BlockHasher::new(BlockSize::new(request.kv_block_size)?)
         .with_lora(request.lora_name.as_deref())
         .with_namespace(namespace);
     let local_hashes = hasher.local_hashes(&request.tokens, request.block_mm_infos.as_deref());
     let sequence_hashes = kvroute_core::sequence_hashes(&local_hashes);
-    Ok(HashResponse {
-        local_hashes,
-        sequence_hashes,
-    })
+    Ok(HashResponse { local_hashes, sequence_hashes })
 }
 
 #[cfg(test)]
@@ -103,18 +93,10 @@ mod tests {
 
     fn run_lines(input: &str) -> (Vec<serde_json::Value>, usize) {
         let mut out = Vec::new();
-        let args = HashArgs {
-            cache_namespace: None,
-        };
+        let args = HashArgs { cache_namespace: None };
         let failed = hash_lines(input.as_bytes(), &mut out, &args).unwrap();
         let lines = String::from_utf8(out).unwrap();
-        (
-            lines
-                .lines()
-                .map(|l| serde_json::from_str(l).unwrap())
-                .collect(),
-            failed,
-        )
+        (lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect(), failed)
     }
 
     #[test]
@@ -130,15 +112,9 @@ mod tests {
         let (lines, failed) = run_lines(input);
         assert_eq!(lines.len(), 4);
         assert_eq!(failed, 2);
-        assert_eq!(
-            lines[0]["local_hashes"][0].as_u64(),
-            Some(15_883_719_750_896_736_839)
-        );
+        assert_eq!(lines[0]["local_hashes"][0].as_u64(), Some(15_883_719_750_896_736_839));
         assert!(
-            lines[1]["error"]
-                .as_str()
-                .unwrap()
-                .contains("kv_block_size must be greater than 0")
+            lines[1]["error"].as_str().unwrap().contains("kv_block_size must be greater than 0")
         );
         assert!(lines[2]["error"].as_str().unwrap().starts_with("line 4:"));
         assert_eq!(lines[3]["sequence_hashes"].as_array().unwrap().len(), 2);

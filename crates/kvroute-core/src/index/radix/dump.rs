@@ -10,7 +10,7 @@
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
-use super::{ExtKey, ROOT, RadixIndex};
+use super::{ROOT, RadixIndex};
 use crate::protocols::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
@@ -37,8 +37,8 @@ impl RadixIndex {
                 continue;
             };
             let mut names: FxHashMap<u32, SmallVec<[ExternalBlockHash; 1]>> = FxHashMap::default();
-            for (&key, &id) in &state.blocks {
-                names.entry(id).or_default().push(key.into());
+            for (hash, id) in state.blocks.iter() {
+                names.entry(id).or_default().push(hash);
             }
             for list in names.values_mut() {
                 list.sort_unstable();
@@ -64,10 +64,7 @@ impl RadixIndex {
                         node.ids
                             .iter()
                             .map(|_| {
-                                while state
-                                    .blocks
-                                    .contains_key(&ExtKey::from(ExternalBlockHash(next_synthetic)))
-                                {
+                                while state.blocks.contains(ExternalBlockHash(next_synthetic)) {
                                     next_synthetic += 1;
                                 }
                                 next_synthetic += 1;
@@ -99,9 +96,7 @@ impl RadixIndex {
                 }
             }
             if !synthetic.is_empty() {
-                let data = KvCacheEventData::Removed(KvCacheRemoveData {
-                    block_hashes: synthetic,
-                });
+                let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes: synthetic });
                 dump.push(worker, data);
             }
         }
@@ -115,15 +110,9 @@ struct Dump {
 
 impl Dump {
     fn push(&mut self, worker: crate::WorkerWithDpRank, data: KvCacheEventData) {
-        let event = KvCacheEvent {
-            event_id: self.events.len() as u64,
-            data,
-            dp_rank: worker.dp_rank,
-        };
-        self.events.push(RouterEvent {
-            worker_id: worker.worker_id,
-            event,
-        });
+        let event =
+            KvCacheEvent { event_id: self.events.len() as u64, data, dp_rank: worker.dp_rank };
+        self.events.push(RouterEvent { worker_id: worker.worker_id, event });
     }
 
     fn stored(
@@ -139,12 +128,6 @@ impl Dump {
                 mm_extra_info: None,
             })
             .collect();
-        self.push(
-            worker,
-            KvCacheEventData::Stored(KvCacheStoreData {
-                parent_hash,
-                blocks,
-            }),
-        );
+        self.push(worker, KvCacheEventData::Stored(KvCacheStoreData { parent_hash, blocks }));
     }
 }

@@ -16,11 +16,7 @@ fn w(id: u64) -> WorkerWithDpRank {
 fn event(worker: WorkerWithDpRank, data: KvCacheEventData) -> RouterEvent {
     RouterEvent {
         worker_id: worker.worker_id,
-        event: KvCacheEvent {
-            event_id: 0,
-            data,
-            dp_rank: worker.dp_rank,
-        },
+        event: KvCacheEvent { event_id: 0, data, dp_rank: worker.dp_rank },
     }
 }
 
@@ -49,10 +45,7 @@ fn stored(
 
 fn removed(worker: WorkerWithDpRank, hashes: &[u64]) -> RouterEvent {
     let block_hashes = hashes.iter().copied().map(ExternalBlockHash).collect();
-    event(
-        worker,
-        KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }),
-    )
+    event(worker, KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }))
 }
 
 fn q(locals: &[u64]) -> Vec<LocalBlockHash> {
@@ -61,11 +54,7 @@ fn q(locals: &[u64]) -> Vec<LocalBlockHash> {
 
 /// Stores `locals` for `worker` as one chain, engine hashes `salt + i`.
 fn store_chain(index: &mut RadixIndex, worker: WorkerWithDpRank, salt: u64, locals: &[u64]) {
-    let blocks: Vec<_> = locals
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (salt + i as u64, l))
-        .collect();
+    let blocks: Vec<_> = locals.iter().enumerate().map(|(i, &l)| (salt + i as u64, l)).collect();
     index.apply_event(&stored(worker, None, &blocks)).unwrap();
     check_invariants(index);
 }
@@ -81,17 +70,8 @@ fn check_invariants(index: &RadixIndex) {
         }
         assert!(!node.edge.is_empty(), "node {x} has an empty edge");
         assert_eq!(node.edge.len(), node.ids.len());
-        assert_eq!(
-            index.children[&ChildKey {
-                parent: node.parent,
-                hash: node.edge[0].0
-            }],
-            x
-        );
-        assert!(
-            !node.workers.is_empty() || node.num_children > 0,
-            "node {x} is dead weight"
-        );
+        assert_eq!(index.children[&ChildKey { parent: node.parent, hash: node.edge[0].0 }], x);
+        assert!(!node.workers.is_empty() || node.num_children > 0, "node {x} is dead weight");
         for (i, &id) in node.ids.iter().enumerate() {
             assert_eq!(index.locate(id), (x, i), "slot of block {id}");
         }
@@ -100,34 +80,20 @@ fn check_invariants(index: &RadixIndex) {
         entry.0 += 1;
         entry.1 ^= x;
     }
-    assert_eq!(
-        index.children.len(),
-        per_parent.values().map(|c| c.0 as usize).sum::<usize>()
-    );
+    assert_eq!(index.children.len(), per_parent.values().map(|c| c.0 as usize).sum::<usize>());
     for (x, node) in index.nodes.iter().enumerate() {
         if node.parent != FREED {
             let (count, xor) = per_parent.get(&(x as u32)).copied().unwrap_or_default();
-            assert_eq!(
-                (node.num_children, node.child_xor),
-                (count, xor),
-                "children of {x}"
-            );
+            assert_eq!((node.num_children, node.child_xor), (count, xor), "children of {x}");
         }
     }
-    assert_eq!(
-        index.slots.len() - index.free_blocks.len(),
-        live_blocks,
-        "leaked block ids"
-    );
+    assert_eq!(index.slots.len() - index.free_blocks.len(), live_blocks, "leaked block ids");
     let mut total = 0;
     for (slot, state) in index.workers.iter().enumerate() {
         let Some(state) = state else { continue };
-        let held: BTreeSet<u32> = state.blocks.values().copied().collect();
+        let held: BTreeSet<u32> = state.blocks.values().collect();
         assert_eq!(state.held, held.len());
-        assert_eq!(
-            state.blocks.len() - held.len(),
-            state.aliases.values().sum::<u32>() as usize
-        );
+        assert_eq!(state.blocks.len() - held.len(), state.aliases.values().sum::<u32>() as usize);
         total += held.len();
         for (x, node) in index.nodes.iter().enumerate().skip(1) {
             if node.parent == FREED {
@@ -135,11 +101,7 @@ fn check_invariants(index: &RadixIndex) {
             }
             let has = node.workers.contains(slot as Slot);
             for id in &node.ids {
-                assert_eq!(
-                    held.contains(id),
-                    has,
-                    "holders of node {x} for slot {slot}"
-                );
+                assert_eq!(held.contains(id), has, "holders of node {x} for slot {slot}");
             }
         }
     }
@@ -150,18 +112,12 @@ fn check_invariants(index: &RadixIndex) {
 fn parent_child_chain_scores_two() {
     let mut index = RadixIndex::new();
     index.apply_event(&stored(w(1), None, &[(100, 1)])).unwrap();
-    index
-        .apply_event(&stored(w(1), Some(100), &[(101, 2)]))
-        .unwrap();
+    index.apply_event(&stored(w(1), Some(100), &[(101, 2)])).unwrap();
     check_invariants(&index);
     let scores = index.find_matches(&q(&[1, 2, 3]));
     assert_eq!(scores.scores, vec![(w(1), 2)]);
     assert_eq!(scores.tree_sizes, vec![(w(1), 2)]);
-    assert_eq!(
-        index.stats().nodes,
-        1,
-        "a chain of one worker is one compressed node"
-    );
+    assert_eq!(index.stats().nodes, 1, "a chain of one worker is one compressed node");
 }
 
 #[test]
@@ -173,9 +129,7 @@ fn score_counts_leading_blocks_only() {
     assert_eq!(index.find_matches(&q(&[1, 2, 3])).score(w(1)), 1);
     assert_eq!(index.tree_size(w(1)), 2);
     // Re-storing the prefix re-links the block the engine kept (vLLM does this).
-    index
-        .apply_event(&stored(w(1), Some(100), &[(101, 2)]))
-        .unwrap();
+    index.apply_event(&stored(w(1), Some(100), &[(101, 2)])).unwrap();
     check_invariants(&index);
     assert_eq!(index.find_matches(&q(&[1, 2, 3])).score(w(1)), 3);
 }
@@ -198,10 +152,7 @@ fn shared_prefix_splits_and_scores_per_worker() {
     store_chain(&mut index, w(3), 300, &[1, 2, 3, 4, 5]);
     let scores = index.find_matches(&q(&[1, 2, 3, 4, 5]));
     assert_eq!(scores.scores, vec![(w(1), 4), (w(2), 2), (w(3), 5)]);
-    assert_eq!(
-        index.find_matches(&q(&[1, 2, 7])).scores,
-        vec![(w(1), 2), (w(2), 3), (w(3), 2)]
-    );
+    assert_eq!(index.find_matches(&q(&[1, 2, 7])).scores, vec![(w(1), 2), (w(2), 3), (w(3), 2)]);
     assert_eq!(index.stats().blocks, 6);
     assert_eq!(index.held_blocks(), 12);
 }
@@ -212,19 +163,13 @@ fn restore_is_idempotent_whatever_parent_is_named() {
     store_chain(&mut index, w(1), 100, &[1, 2, 3]);
     let before = index.stats();
     // Re-sent with parent None (a vLLM cache hit), and again under its true parent.
-    index
-        .apply_event(&stored(w(1), None, &[(101, 2), (102, 3)]))
-        .unwrap();
-    index
-        .apply_event(&stored(w(1), Some(100), &[(101, 2)]))
-        .unwrap();
+    index.apply_event(&stored(w(1), None, &[(101, 2), (102, 3)])).unwrap();
+    index.apply_event(&stored(w(1), Some(100), &[(101, 2)])).unwrap();
     check_invariants(&index);
     assert_eq!(index.stats().blocks, before.blocks);
     assert_eq!(index.tree_size(w(1)), 3);
     // Later blocks chain from the re-sent one.
-    index
-        .apply_event(&stored(w(1), None, &[(102, 3), (103, 4)]))
-        .unwrap();
+    index.apply_event(&stored(w(1), None, &[(102, 3), (103, 4)])).unwrap();
     check_invariants(&index);
     assert_eq!(index.find_matches(&q(&[1, 2, 3, 4])).score(w(1)), 4);
 }
@@ -232,26 +177,12 @@ fn restore_is_idempotent_whatever_parent_is_named() {
 #[test]
 fn unknown_parent_is_refused_and_counted() {
     let mut index = RadixIndex::new();
-    let err = index
-        .apply_event(&stored(w(1), Some(42), &[(1, 1)]))
-        .unwrap_err();
-    assert_eq!(
-        err,
-        Error::UnknownParent {
-            worker: w(1),
-            parent: ExternalBlockHash(42)
-        }
-    );
+    let err = index.apply_event(&stored(w(1), Some(42), &[(1, 1)])).unwrap_err();
+    assert_eq!(err, Error::UnknownParent { worker: w(1), parent: ExternalBlockHash(42) });
     assert_eq!(index.stats().rejected_unknown_parent, 1);
     assert_eq!(index.stats().blocks, 0);
     let err = index.apply_event(&removed(w(1), &[5, 6])).unwrap_err();
-    assert_eq!(
-        err,
-        Error::UnknownBlocks {
-            worker: w(1),
-            count: 2
-        }
-    );
+    assert_eq!(err, Error::UnknownBlocks { worker: w(1), count: 2 });
     assert_eq!(index.stats().removed_unknown, 2);
 }
 
@@ -264,10 +195,7 @@ fn same_content_different_engine_hashes_per_worker() {
     assert!(index.apply_event(&removed(w(2), &[101])).is_err());
     index.apply_event(&removed(w(2), &[901])).unwrap();
     check_invariants(&index);
-    assert_eq!(
-        index.find_matches(&q(&[1, 2])).scores,
-        vec![(w(1), 2), (w(2), 1)]
-    );
+    assert_eq!(index.find_matches(&q(&[1, 2])).scores, vec![(w(1), 2), (w(2), 1)]);
     index.apply_event(&removed(w(1), &[101, 100])).unwrap();
     check_invariants(&index);
     assert_eq!(index.find_matches(&q(&[1, 2])).scores, vec![(w(2), 1)]);
@@ -279,15 +207,34 @@ fn removal_frees_everything() {
     store_chain(&mut index, w(1), 100, &[1, 2, 3, 4]);
     store_chain(&mut index, w(2), 200, &[1, 2, 5]);
     // Head first for one worker, tail first for the other.
-    index
-        .apply_event(&removed(w(1), &[100, 101, 102, 103]))
-        .unwrap();
+    index.apply_event(&removed(w(1), &[100, 101, 102, 103])).unwrap();
     check_invariants(&index);
     index.apply_event(&removed(w(2), &[202, 201, 200])).unwrap();
     check_invariants(&index);
     let stats = index.stats();
     assert_eq!((stats.blocks, stats.nodes, stats.held_blocks), (0, 0, 0));
     assert!(index.children.is_empty());
+}
+
+#[test]
+fn removing_runs_of_a_shared_edge() {
+    let mut index = RadixIndex::new();
+    let chain: Vec<u64> = (1..=8).collect();
+    for k in 1..=3 {
+        store_chain(&mut index, w(k), 100 * k, &chain);
+    }
+    // A middle run, descending, from worker 2; an ascending tail run from worker 3.
+    index.apply_event(&removed(w(2), &[205, 204, 203])).unwrap();
+    check_invariants(&index);
+    index.apply_event(&removed(w(3), &[306, 307, 300])).unwrap();
+    check_invariants(&index);
+    let scores = index.find_matches(&q(&chain));
+    assert_eq!(scores.scores, vec![(w(1), 8), (w(2), 3)], "2 lost blocks 3-5, 3 lost block 0");
+    assert_eq!(index.find_matches(&q(&[1, 2, 3])).scores, vec![(w(1), 3), (w(2), 3)]);
+    assert_eq!((index.tree_size(w(2)), index.tree_size(w(3))), (5, 5));
+    index.apply_event(&removed(w(1), &(100..108).rev().collect::<Vec<_>>())).unwrap();
+    check_invariants(&index);
+    assert_eq!(index.find_matches(&q(&chain)).scores, vec![(w(2), 3)]);
 }
 
 #[test]
@@ -305,10 +252,7 @@ fn remove_worker_and_clear_all_blocks_isolate_workers() {
     index.remove_worker(WorkerId(2));
     check_invariants(&index);
     assert_eq!(index.find_matches(&q(&[1, 2, 3])).scores, vec![(w(1), 2)]);
-    assert_eq!(
-        index.workers(),
-        vec![w(1), WorkerWithDpRank::new(1u64, 1u32)]
-    );
+    assert_eq!(index.workers(), vec![w(1), WorkerWithDpRank::new(1u64, 1u32)]);
     let cleared = event(w(1), KvCacheEventData::Cleared);
     index.apply_event(&cleared).unwrap();
     check_invariants(&index);
@@ -321,43 +265,22 @@ fn same_tokens_different_images_are_different_blocks() {
     let tokens: Vec<u32> = (0..12).collect();
     let image = |h| {
         Some(BlockExtraInfo {
-            mm_objects: vec![BlockMmObjectInfo {
-                mm_hash: h,
-                offsets: vec![(0, 4)],
-            }],
+            mm_objects: vec![BlockMmObjectInfo { mm_hash: h, offsets: vec![(0, 4)] }],
         })
     };
     let with_a = hasher.local_hashes(&tokens, Some(&[None, image(0xA), None]));
     let with_b = hasher.local_hashes(&tokens, Some(&[None, image(0xB), None]));
     let mut index = RadixIndex::new();
-    let blocks: Vec<_> = with_a
-        .iter()
-        .enumerate()
-        .map(|(i, l)| (i as u64, l.0))
-        .collect();
+    let blocks: Vec<_> = with_a.iter().enumerate().map(|(i, l)| (i as u64, l.0)).collect();
     index.apply_event(&stored(w(1), None, &blocks)).unwrap();
     assert_eq!(index.find_matches(&with_a).score(w(1)), 3);
-    assert_eq!(
-        index.find_matches(&with_b).score(w(1)),
-        1,
-        "only the text block before the image"
-    );
+    assert_eq!(index.find_matches(&with_b).score(w(1)), 1, "only the text block before the image");
     // Worker 2 caches image B: each worker matches only its own image.
-    let blocks: Vec<_> = with_b
-        .iter()
-        .enumerate()
-        .map(|(i, l)| (50 + i as u64, l.0))
-        .collect();
+    let blocks: Vec<_> = with_b.iter().enumerate().map(|(i, l)| (50 + i as u64, l.0)).collect();
     index.apply_event(&stored(w(2), None, &blocks)).unwrap();
     check_invariants(&index);
-    assert_eq!(
-        index.find_matches(&with_b).scores,
-        vec![(w(1), 1), (w(2), 3)]
-    );
-    assert_eq!(
-        index.find_matches(&with_a).scores,
-        vec![(w(1), 3), (w(2), 1)]
-    );
+    assert_eq!(index.find_matches(&with_b).scores, vec![(w(1), 1), (w(2), 3)]);
+    assert_eq!(index.find_matches(&with_a).scores, vec![(w(1), 3), (w(2), 1)]);
 }
 
 #[test]
@@ -366,17 +289,12 @@ fn end_to_end_over_2_3_and_5_workers() {
     for workers in [2u64, 3, 5] {
         let mut index = RadixIndex::new();
         let prompt = |k: u64| -> Vec<u32> {
-            (0..64 + 16 * k as u32)
-                .map(|t| t % 97 + k as u32 * (t / 48))
-                .collect()
+            (0..64 + 16 * k as u32).map(|t| t % 97 + k as u32 * (t / 48)).collect()
         };
         for k in 0..workers {
             let local = hasher.local_hashes(&prompt(k), None);
-            let blocks: Vec<_> = local
-                .iter()
-                .enumerate()
-                .map(|(i, l)| (k * 1000 + i as u64, l.0))
-                .collect();
+            let blocks: Vec<_> =
+                local.iter().enumerate().map(|(i, l)| (k * 1000 + i as u64, l.0)).collect();
             index.apply_event(&stored(w(k), None, &blocks)).unwrap();
         }
         check_invariants(&index);
@@ -384,11 +302,7 @@ fn end_to_end_over_2_3_and_5_workers() {
             let scores = index.find_matches(&hasher.local_hashes(&prompt(k), None));
             let best = scores.scores.iter().max_by_key(|&&(_, s)| s).unwrap();
             assert_eq!(*best, (w(k), 4 + k as u32), "{workers} workers: prompt {k}");
-            assert_eq!(
-                scores.scores.len() as u64,
-                workers,
-                "all share the first three blocks"
-            );
+            assert_eq!(scores.scores.len() as u64, workers, "all share the first three blocks");
         }
     }
 }
@@ -397,9 +311,7 @@ fn end_to_end_over_2_3_and_5_workers() {
 fn aliases_keep_a_block_until_its_last_hash_goes() {
     let mut index = RadixIndex::new();
     store_chain(&mut index, w(1), 100, &[1, 2]);
-    index
-        .apply_event(&stored(w(1), Some(100), &[(777, 2)]))
-        .unwrap();
+    index.apply_event(&stored(w(1), Some(100), &[(777, 2)])).unwrap();
     check_invariants(&index);
     assert_eq!(index.tree_size(w(1)), 2);
     index.apply_event(&removed(w(1), &[101])).unwrap();
@@ -412,29 +324,16 @@ fn aliases_keep_a_block_until_its_last_hash_goes() {
 
 #[test]
 fn memory_bound_evicts_least_recently_matched_leaves() {
-    let mut index = RadixIndex::with_config(IndexConfig {
-        max_held_blocks: Some(100),
-    });
+    let mut index = RadixIndex::with_config(IndexConfig { max_held_blocks: Some(100) });
     store_chain(&mut index, w(1), 0, &(0..40).collect::<Vec<_>>());
     store_chain(&mut index, w(2), 1000, &(1000..1040).collect::<Vec<_>>());
     index.find_matches(&q(&[0, 1, 2]));
     store_chain(&mut index, w(1), 2000, &(2000..2040).collect::<Vec<_>>());
     check_invariants(&index);
     assert!(index.held_blocks() <= 100);
-    assert_eq!(
-        index.stats().evicted_blocks,
-        40,
-        "one 40-block leaf is enough to get under 90"
-    );
-    assert_eq!(
-        index.find_matches(&q(&[0, 1])).score(w(1)),
-        2,
-        "recently matched survives"
-    );
-    assert!(
-        index.find_matches(&q(&[1000])).scores.is_empty(),
-        "coldest leaf went"
-    );
+    assert_eq!(index.stats().evicted_blocks, 40, "one 40-block leaf is enough to get under 90");
+    assert_eq!(index.find_matches(&q(&[0, 1])).score(w(1)), 2, "recently matched survives");
+    assert!(index.find_matches(&q(&[1000])).scores.is_empty(), "coldest leaf went");
     assert_eq!(index.tree_size(w(2)), 0);
     // The evicted worker's hashes are forgotten: removing one is an unknown block now.
     assert!(index.apply_event(&removed(w(2), &[1000])).is_err());
@@ -446,9 +345,7 @@ fn dump_replays_to_the_same_answers() {
     store_chain(&mut index, w(1), 100, &[1, 2, 3, 4]);
     store_chain(&mut index, w(2), 200, &[1, 2, 5]);
     index.apply_event(&removed(w(1), &[100])).unwrap(); // an unheld ancestor
-    index
-        .apply_event(&stored(w(2), Some(201), &[(777, 5)]))
-        .unwrap(); // an alias
+    index.apply_event(&stored(w(2), Some(201), &[(777, 5)])).unwrap(); // an alias
     let replayed = replay(&index);
     for query in [q(&[1, 2, 3, 4]), q(&[1, 2, 5]), q(&[5])] {
         assert_eq!(index.find_matches(&query), replayed.find_matches(&query));
@@ -516,9 +413,8 @@ impl Model {
         let mut out = Vec::new();
         for (&worker, map) in &self.workers {
             let held: BTreeSet<&Vec<u64>> = map.values().collect();
-            let score = (1..=query.len())
-                .take_while(|&k| held.contains(&query[..k].to_vec()))
-                .count();
+            let score =
+                (1..=query.len()).take_while(|&k| held.contains(&query[..k].to_vec())).count();
             if score > 0 {
                 out.push((worker, score as u32));
             }
@@ -527,9 +423,7 @@ impl Model {
     }
 
     fn tree_size(&self, worker: WorkerWithDpRank) -> usize {
-        self.workers
-            .get(&worker)
-            .map_or(0, |m| m.values().collect::<BTreeSet<_>>().len())
+        self.workers.get(&worker).map_or(0, |m| m.values().collect::<BTreeSet<_>>().len())
     }
 }
 
@@ -541,20 +435,15 @@ enum Op {
 }
 
 fn arb_worker() -> impl Strategy<Value = WorkerWithDpRank> {
-    (0u64..3, 0u32..2).prop_map(|(id, dp)| WorkerWithDpRank {
-        worker_id: WorkerId(id),
-        dp_rank: DpRank(dp),
-    })
+    (0u64..3, 0u32..2)
+        .prop_map(|(id, dp)| WorkerWithDpRank { worker_id: WorkerId(id), dp_rank: DpRank(dp) })
 }
 
 fn arb_op() -> impl Strategy<Value = Op> {
     let block = (0u64..20, 0u64..3);
-    let stored = (
-        arb_worker(),
-        prop::option::weighted(0.6, 0u64..20),
-        prop::collection::vec(block, 1..6),
-    )
-        .prop_map(|(wk, parent, blocks)| Op::Event(stored(wk, parent, &blocks)));
+    let stored =
+        (arb_worker(), prop::option::weighted(0.6, 0u64..20), prop::collection::vec(block, 1..6))
+            .prop_map(|(wk, parent, blocks)| Op::Event(stored(wk, parent, &blocks)));
     let removed = (arb_worker(), prop::collection::vec(0u64..20, 1..5))
         .prop_map(|(wk, hashes)| Op::Event(removed(wk, &hashes)));
     prop_oneof![
