@@ -36,7 +36,7 @@ use serde::Serialize;
 
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use radix::RadixIndex;
-pub use sharded::ShardedIndex;
+pub use sharded::{BLOCKS_PER_LOCK, ShardedIndex};
 
 #[cfg(doc)]
 use crate::ExternalBlockHash;

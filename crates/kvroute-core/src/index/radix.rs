@@ -185,6 +185,15 @@ impl RadixIndex {
     /// counted) without changing anything; Removed hashes the worker does not hold are skipped
     /// and counted, the rest applied.
     pub fn apply_event(&mut self, event: &RouterEvent) -> Result<(), Error> {
+        let result = self.apply_part(event);
+        if result.is_ok() {
+            self.count_applied();
+        }
+        result
+    }
+
+    /// Applies an event, or a piece of one, without counting it in `events_applied`.
+    pub(crate) fn apply_part(&mut self, event: &RouterEvent) -> Result<(), Error> {
         // Writes stamp even ticks and reads the odd tick after, so a read after a write ranks
         // newer than that write and older than the next one.
         self.clock += 2;
@@ -210,15 +219,16 @@ impl RadixIndex {
                 Ok(())
             }
         };
-        if result.is_ok() {
-            self.stats.events_applied += 1;
-        }
         if let Some(max) = self.config.max_held_blocks
             && self.held > max
         {
             self.evict(max - max / 10);
         }
         result
+    }
+
+    pub(crate) fn count_applied(&mut self) {
+        self.stats.events_applied += 1;
     }
 
     /// How many leading blocks of `query` each cache holds.
