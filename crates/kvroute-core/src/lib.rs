@@ -3,13 +3,15 @@
 //!
 //! - [`hash`]: block and sequence hashes (Dynamo-compatible, multimodal, LoRA and namespace salts);
 //! - [`protocols`]: identifiers, multimodal block info and KV-cache events;
-//! - [`index`]: the radix index of which cache holds which block, fed by those events.
+//! - [`index`]: the radix index of which cache holds which block, fed by those events;
+//! - [`schedule`]: choosing a worker from those overlaps, in-flight load and worker metrics.
 //!
 //! See `protocols` for a picture of the four kinds of block identity.
 
 pub mod hash;
 pub mod index;
 pub mod protocols;
+pub mod schedule;
 
 pub use hash::{BlockHasher, compute_block_hash_for_seq, sequence_hashes};
 pub use index::{OverlapScores, RadixIndex};
@@ -31,4 +33,8 @@ pub enum Error {
     /// A Removed event named blocks the worker does not hold; the others were removed.
     #[error("worker {worker} does not hold {count} of the removed blocks")]
     UnknownBlocks { worker: WorkerWithDpRank, count: usize },
+    #[error(
+        "unknown routing policy {0:?} (expected kv, dynamo, round-robin, random or least-loaded)"
+    )]
+    UnknownPolicy(String),
 }

@@ -1,0 +1,468 @@
+//! Choosing a worker for a request.
+//!
+//! ```text
+//!  request (isl tokens, block hashes) ──┐
+//!  OverlapScores from the KV index ─────┼─▶ Scheduler::route ─▶ one Candidate per cache ─▶ Policy
+//!  in-flight requests (ActiveSequences) ┤      (busy caches dropped unless all are busy)    │
+//!  load metrics from workers ───────────┘                                                   ▼
+//!                                                      RouteDecision { worker, overlap, .. }
+//! ```
+//!
+//! Policies (one file each, behind [`Policy`]):
+//! - `kv` (default, [`kv`]): lowest predicted time to first token, with a price on duplicating a
+//!   prefix away from the worker that holds it;
+//! - `dynamo` ([`dynamo`]): Dynamo's cost, `weight * prefill_blocks + decode_blocks`, exactly;
+//! - `round-robin`, `random`, `least-loaded` (power of two choices on in-flight tokens):
+//!   baselines for benchmarks.
+//!
+//! In-flight accounting starts when a request is routed ([`Scheduler::route`] with an id),
+//! prefill ends at its first token ([`Scheduler::mark_prefill_done`], which also teaches the
+//! scheduler each worker's prefill speed) and everything is released at its end
+//! ([`Scheduler::free`]); requests whose end never comes are reclaimed after a timeout.
+
+mod active;
+pub mod dynamo;
+pub mod kv;
+mod least_loaded;
+mod random;
+mod round_robin;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+pub use active::{ActiveLoad, ActiveSequences, RequestBlocks};
+pub use least_loaded::LeastLoaded;
+pub use random::RandomPolicy;
+pub use round_robin::RoundRobin;
+
+use crate::index::{OverlapScores, RadixIndex, ShardedIndex};
+use crate::protocols::{BlockSize, LocalBlockHash, SequenceHash, WorkerWithDpRank};
+
+/// Load a worker reports about itself (SPEC section 9); absent fields are unknown.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerLoad {
+    #[serde(default)]
+    pub kv_cache_usage: Option<f64>,
+    #[serde(default)]
+    pub num_waiting_reqs: Option<u64>,
+    #[serde(default)]
+    pub num_running_reqs: Option<u64>,
+    #[serde(default)]
+    pub kv_total_blocks: Option<u64>,
+}
+
+/// A policy by name, as on the command line.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    #[default]
+    Kv,
+    Dynamo,
+    RoundRobin,
+    Random,
+    LeastLoaded,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 5] =
+        [Self::Kv, Self::Dynamo, Self::RoundRobin, Self::Random, Self::LeastLoaded];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kv => "kv",
+            Self::Dynamo => "dynamo",
+            Self::RoundRobin => "round-robin",
+            Self::Random => "random",
+            Self::LeastLoaded => "least-loaded",
+        }
+    }
+
+    pub fn build(self, config: &SchedulerConfig) -> Box<dyn Policy> {
+        match self {
+            Self::Kv => Box::new(kv::KvPolicy::new(config.kv)),
+            Self::Dynamo => Box::new(dynamo::DynamoPolicy),
+            Self::RoundRobin => Box::new(RoundRobin::default()),
+            Self::Random => Box::new(RandomPolicy),
+            Self::LeastLoaded => Box::new(LeastLoaded),
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| crate::Error::UnknownPolicy(s.to_owned()))
+    }
+}
+
+/// Scheduler settings; `Default` gives kvroute's defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfig {
+    pub policy: PolicyKind,
+    pub block_size: BlockSize,
+    /// Dynamo's `overlap_score_weight`: weight of prefill blocks against decode blocks.
+    pub overlap_weight: f64,
+    /// Softmax temperature; 0 picks the lowest cost.
+    pub temperature: f64,
+    /// A worker reporting more KV usage than this (0..1) is busy.
+    pub busy_kv_usage: Option<f64>,
+    /// A worker with more queued prefill tokens than this is busy.
+    pub busy_prefill_tokens: Option<usize>,
+    /// Requests whose end is never reported are freed after this long.
+    pub stale_after: Duration,
+    pub seed: u64,
+    pub kv: kv::KvConfig,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            policy: PolicyKind::Kv,
+            block_size: BlockSize::default(),
+            overlap_weight: 1.0,
+            temperature: 0.0,
+            busy_kv_usage: Some(0.97),
+            busy_prefill_tokens: None,
+            stale_after: Duration::from_secs(600),
+            seed: 0x006b_7672_6f75_7465,
+            kv: kv::KvConfig::default(),
+        }
+    }
+}
+
+/// A request to place.
+#[derive(Clone, Debug)]
+pub struct RouteRequest<'a> {
+    /// With an id, the request is tracked as in flight on the chosen worker until freed.
+    pub id: Option<&'a str>,
+    pub isl_tokens: usize,
+    pub local_hashes: &'a [LocalBlockHash],
+    pub sequence_hashes: &'a [SequenceHash],
+    /// Per-request overrides of the configured weight and temperature.
+    pub overlap_weight: Option<f64>,
+    pub temperature: Option<f64>,
+}
+
+/// Everything a policy knows about one candidate cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Candidate {
+    pub worker: WorkerWithDpRank,
+    /// Leading blocks of the request the worker holds, by its KV events.
+    pub overlap_blocks: u32,
+    /// Leading blocks of the request in flight on the worker (routed, not yet reported).
+    pub inflight_prefix_blocks: u32,
+    /// Blocks the worker holds in all.
+    pub tree_size: usize,
+    pub active: ActiveLoad,
+    pub load: WorkerLoad,
+    /// Learned (or configured) prefill speed of the worker.
+    pub prefill_tokens_per_s: f64,
+}
+
+/// The request as policies see it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RequestInfo {
+    pub isl_tokens: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub overlap_weight: f64,
+    pub temperature: f64,
+}
+
+/// Deterministic randomness for tie-breaks and sampling (xorshift64*; seeded, no OS entropy).
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
+    }
+}
+
+/// How many blocks each cache holds in all (its KV index's view): how full a cache is decides
+/// what storing more there evicts.
+pub trait TreeSizes {
+    fn tree_size(&self, worker: WorkerWithDpRank) -> usize;
+}
+
+/// For callers without an index at hand: every cache looks empty.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UnknownTreeSizes;
+
+impl TreeSizes for UnknownTreeSizes {
+    fn tree_size(&self, _: WorkerWithDpRank) -> usize {
+        0
+    }
+}
+
+impl TreeSizes for crate::index::RadixIndex {
+    fn tree_size(&self, worker: WorkerWithDpRank) -> usize {
+        RadixIndex::tree_size(self, worker)
+    }
+}
+
+impl TreeSizes for crate::index::ShardedIndex {
+    fn tree_size(&self, worker: WorkerWithDpRank) -> usize {
+        ShardedIndex::tree_size(self, worker)
+    }
+}
+
+/// Picks one of the candidates (never given an empty slice).
+pub trait Policy: Send + Sync + fmt::Debug {
+    fn name(&self) -> &'static str;
+    fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize;
+}
+
+/// Picks the lowest of `costs`, or samples with a softmax at temperature `t > 0`:
+/// `p_i ∝ exp(-(c_i - min) / ((max - min) * t))`, uniform when all costs are equal. Ties at
+/// temperature 0 go to the smaller tree, then to a seeded coin.
+pub fn pick_by_cost(
+    costs: &[f64],
+    candidates: &[Candidate],
+    temperature: f64,
+    rng: &mut Rng,
+) -> usize {
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if temperature > 0.0 && costs.len() > 1 {
+        let weights: Vec<f64> = if max > min {
+            costs.iter().map(|c| (-(c - min) / ((max - min) * temperature)).exp()).collect()
+        } else {
+            vec![1.0; costs.len()]
+        };
+        let total: f64 = weights.iter().sum();
+        let mut x = rng.unit() * total;
+        for (i, w) in weights.iter().enumerate() {
+            if x < *w {
+                return i;
+            }
+            x -= w;
+        }
+        return costs.len() - 1;
+    }
+    let mut best: Vec<usize> = Vec::new();
+    let mut best_tree = usize::MAX;
+    for (i, &c) in costs.iter().enumerate() {
+        if c != min {
+            continue;
+        }
+        let tree = candidates[i].tree_size;
+        if tree < best_tree {
+            best.clear();
+            best_tree = tree;
+        }
+        if tree == best_tree {
+            best.push(i);
+        }
+    }
+    match best.len() {
+        0 => 0, // only NaN costs: any
+        1 => best[0],
+        n => best[rng.below(n)],
+    }
+}
+
+/// Where a request went and what the router expected of it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct RouteDecision {
+    pub worker: WorkerWithDpRank,
+    /// Leading blocks the worker holds by its KV events.
+    pub overlap_blocks: u32,
+    /// Prompt tokens the router expects the worker to compute (not served from its cache).
+    pub predicted_prefill_tokens: usize,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    policy: Box<dyn Policy>,
+    workers: Vec<WorkerWithDpRank>,
+    loads: rustc_hash::FxHashMap<WorkerWithDpRank, WorkerLoad>,
+    speeds: rustc_hash::FxHashMap<WorkerWithDpRank, f64>,
+    active: ActiveSequences,
+    rng: Rng,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Self {
+        Self {
+            policy: config.policy.build(&config),
+            config,
+            workers: Vec::new(),
+            loads: Default::default(),
+            speeds: Default::default(),
+            active: ActiveSequences::new(),
+            rng: Rng::new(config.seed),
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// Makes a cache a candidate.
+    pub fn add_worker(&mut self, worker: WorkerWithDpRank) {
+        if let Err(at) = self.workers.binary_search(&worker) {
+            self.workers.insert(at, worker);
+        }
+    }
+
+    pub fn remove_worker(&mut self, worker: WorkerWithDpRank) {
+        self.workers.retain(|w| *w != worker);
+        self.loads.remove(&worker);
+        self.speeds.remove(&worker);
+        self.active.remove_worker(worker);
+    }
+
+    pub fn workers(&self) -> &[WorkerWithDpRank] {
+        &self.workers
+    }
+
+    pub fn update_load(&mut self, worker: WorkerWithDpRank, load: WorkerLoad) {
+        self.loads.insert(worker, load);
+    }
+
+    pub fn active(&self) -> &ActiveSequences {
+        &self.active
+    }
+
+    /// Chooses a worker for `request` given the KV index's `scores` and cache sizes; `None`
+    /// when there are no workers. With an id, the request is tracked as in flight from now on.
+    pub fn route(
+        &mut self,
+        request: &RouteRequest<'_>,
+        scores: &OverlapScores,
+        sizes: &dyn TreeSizes,
+        now: Instant,
+    ) -> Option<RouteDecision> {
+        let candidates = self.candidates(request.local_hashes, scores, sizes);
+        let chosen = self.select(request, &candidates)?;
+        let c = candidates[chosen];
+        let bs = self.config.block_size.tokens();
+        let cached =
+            (c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs).min(request.isl_tokens);
+        let decision = RouteDecision {
+            worker: c.worker,
+            overlap_blocks: c.overlap_blocks,
+            predicted_prefill_tokens: request.isl_tokens - cached,
+        };
+        if let Some(id) = request.id {
+            let blocks =
+                RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
+            self.active.add(id, c.worker, decision.predicted_prefill_tokens, blocks, now);
+        }
+        Some(decision)
+    }
+
+    /// The candidates for a request, busy ones already dropped (unless all are busy).
+    pub fn candidates(
+        &self,
+        local: &[LocalBlockHash],
+        scores: &OverlapScores,
+        sizes: &dyn TreeSizes,
+    ) -> Vec<Candidate> {
+        let inflight = self.active.inflight_prefix(local);
+        let default_speed = self.config.kv.prefill_tokens_per_s;
+        let all: Vec<Candidate> = self
+            .workers
+            .iter()
+            .map(|&worker| Candidate {
+                worker,
+                overlap_blocks: scores.score(worker),
+                inflight_prefix_blocks: inflight.score(worker),
+                tree_size: scores.tree_size(worker).unwrap_or_else(|| sizes.tree_size(worker)),
+                active: self.active.load(worker),
+                load: self.loads.get(&worker).copied().unwrap_or_default(),
+                prefill_tokens_per_s: self.speeds.get(&worker).copied().unwrap_or(default_speed),
+            })
+            .collect();
+        let idle: Vec<Candidate> = all.iter().copied().filter(|c| !self.is_busy(c)).collect();
+        if idle.is_empty() { all } else { idle }
+    }
+
+    fn is_busy(&self, c: &Candidate) -> bool {
+        let kv_busy = matches!((self.config.busy_kv_usage, c.load.kv_cache_usage), (Some(max), Some(u)) if u > max);
+        let prefill_busy =
+            self.config.busy_prefill_tokens.is_some_and(|max| c.active.prefill_tokens > max);
+        kv_busy || prefill_busy
+    }
+
+    /// Runs the policy over prepared candidates; the index of the chosen one.
+    pub fn select(
+        &mut self,
+        request: &RouteRequest<'_>,
+        candidates: &[Candidate],
+    ) -> Option<usize> {
+        if candidates.is_empty() {
+            return None;
+        }
+        let info = RequestInfo {
+            isl_tokens: request.isl_tokens,
+            num_blocks: request.local_hashes.len(),
+            block_size: self.config.block_size.tokens(),
+            overlap_weight: request.overlap_weight.unwrap_or(self.config.overlap_weight),
+            temperature: request.temperature.unwrap_or(self.config.temperature),
+        };
+        Some(self.policy.select(&info, candidates, &mut self.rng).min(candidates.len() - 1))
+    }
+
+    /// The request's first token arrived at `now`: its prefill no longer queues, and the time
+    /// it took teaches the worker's prefill speed.
+    pub fn mark_prefill_done(&mut self, id: &str, now: Instant) {
+        let Some((worker, tokens, added)) = self.active.mark_prefill_done(id) else { return };
+        let elapsed = now.saturating_duration_since(added).as_secs_f64();
+        if tokens >= self.config.block_size.tokens() && elapsed > 0.0 {
+            let observed = tokens as f64 / elapsed;
+            let alpha = self.config.kv.speed_learning_rate;
+            let default = self.config.kv.prefill_tokens_per_s;
+            let speed = self.speeds.entry(worker).or_insert(default);
+            *speed = (1.0 - alpha) * *speed + alpha * observed;
+        }
+    }
+
+    /// The request ended: completed, failed or abandoned by its client.
+    pub fn free(&mut self, id: &str) -> bool {
+        self.active.free(id)
+    }
+
+    /// Frees requests older than the configured timeout; returns how many.
+    pub fn reclaim_stale(&mut self, now: Instant) -> usize {
+        self.active.reclaim_stale(now, self.config.stale_after)
+    }
+}

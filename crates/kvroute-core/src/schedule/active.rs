@@ -1,0 +1,231 @@
+//! In-flight (active) requests per cache: prefill tokens still to compute and blocks being
+//! decoded, counted from the moment a request is routed, so a burst of identical requests sees
+//! the first one's blocks before any KV event reports them.
+//!
+//! A request's blocks are named by their sequence hashes, so the blocks of a new request that
+//! are in flight on a worker always form a prefix of it (a sequence hash names its whole
+//! prefix). The in-flight blocks therefore live in a second [`RadixIndex`], refcounted per
+//! (worker, block), and one `find_matches` gives every worker's in-flight prefix at once.
+
+use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashMap;
+
+use crate::index::{OverlapScores, RadixIndex};
+use crate::protocols::{
+    ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, LocalBlockHash, RouterEvent, SequenceHash, WorkerWithDpRank,
+};
+
+/// What one worker has in flight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ActiveLoad {
+    /// Uncached prompt tokens of requests not yet past prefill.
+    pub prefill_tokens: usize,
+    /// Distinct blocks of its in-flight requests (shared blocks counted once).
+    pub blocks: usize,
+    pub requests: usize,
+}
+
+#[derive(Debug)]
+struct ActiveRequest {
+    worker: WorkerWithDpRank,
+    blocks: Vec<SequenceHash>,
+    prefill_tokens: usize,
+    /// Prefill tokens queued on the worker ahead of this request when it was added.
+    queued_before: usize,
+    prefill_done: bool,
+    added: Instant,
+}
+
+/// The blocks of a request to track: content hashes and their sequence hashes, in order.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestBlocks<'a> {
+    pub local: &'a [LocalBlockHash],
+    pub sequence: &'a [SequenceHash],
+}
+
+#[derive(Debug, Default)]
+pub struct ActiveSequences {
+    requests: FxHashMap<String, ActiveRequest>,
+    loads: FxHashMap<WorkerWithDpRank, ActiveLoad>,
+    refcounts: FxHashMap<(WorkerWithDpRank, SequenceHash), u32>,
+    /// Which worker has which block in flight (engine hash = sequence hash).
+    tree: RadixIndex,
+    reclaimed: u64,
+}
+
+impl ActiveSequences {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Starts tracking `id` on `worker` with `prefill_tokens` uncached prompt tokens. Adding an
+    /// id already tracked replaces it (the old one is freed first).
+    pub fn add(
+        &mut self,
+        id: &str,
+        worker: WorkerWithDpRank,
+        prefill_tokens: usize,
+        blocks: RequestBlocks<'_>,
+        now: Instant,
+    ) {
+        self.free(id);
+        let load = self.loads.entry(worker).or_default();
+        let queued_before = load.prefill_tokens;
+        load.prefill_tokens += prefill_tokens;
+        load.requests += 1;
+        let n = blocks.local.len().min(blocks.sequence.len());
+        let mut new_from = n;
+        for (i, &s) in blocks.sequence[..n].iter().enumerate() {
+            let count = self.refcounts.entry((worker, s)).or_insert(0);
+            *count += 1;
+            if *count == 1 {
+                load.blocks += 1;
+                new_from = new_from.min(i);
+            }
+        }
+        if new_from < n {
+            // New blocks follow blocks already in flight: by the prefix property they are all
+            // new from the first one on, so one Stored under the previous block suffices.
+            let parent = new_from.checked_sub(1).map(|p| ExternalBlockHash(blocks.sequence[p].0));
+            let stored = (new_from..n)
+                .map(|i| KvCacheStoredBlockData {
+                    block_hash: ExternalBlockHash(blocks.sequence[i].0),
+                    tokens_hash: blocks.local[i],
+                    mm_extra_info: None,
+                })
+                .collect();
+            let data =
+                KvCacheEventData::Stored(KvCacheStoreData { parent_hash: parent, blocks: stored });
+            let _ = self.tree.apply_event(&event(worker, data));
+        }
+        let request = ActiveRequest {
+            worker,
+            blocks: blocks.sequence[..n].to_vec(),
+            prefill_tokens,
+            queued_before,
+            prefill_done: false,
+            added: now,
+        };
+        self.requests.insert(id.to_owned(), request);
+    }
+
+    /// The request produced its first token: its prefill tokens no longer wait. Returns the
+    /// worker, the prefill tokens it computed before that token (this request's and those
+    /// queued ahead of it) and when it was added; the first time only.
+    pub fn mark_prefill_done(&mut self, id: &str) -> Option<(WorkerWithDpRank, usize, Instant)> {
+        let request = self.requests.get_mut(id)?;
+        if request.prefill_done {
+            return None;
+        }
+        request.prefill_done = true;
+        if let Some(load) = self.loads.get_mut(&request.worker) {
+            load.prefill_tokens -= request.prefill_tokens;
+        }
+        Some((request.worker, request.queued_before + request.prefill_tokens, request.added))
+    }
+
+    /// The request ended (completed, failed or its client left). Unknown ids and repeated
+    /// frees are harmless. Returns whether it was tracked.
+    pub fn free(&mut self, id: &str) -> bool {
+        let Some(request) = self.requests.remove(id) else { return false };
+        let worker = request.worker;
+        let Some(load) = self.loads.get_mut(&worker) else { return true };
+        if !request.prefill_done {
+            load.prefill_tokens -= request.prefill_tokens;
+        }
+        load.requests -= 1;
+        let mut gone = Vec::new();
+        // Deepest first, so the in-flight tree loses leaves before their parents.
+        for &s in request.blocks.iter().rev() {
+            if let Some(count) = self.refcounts.get_mut(&(worker, s)) {
+                *count -= 1;
+                if *count == 0 {
+                    self.refcounts.remove(&(worker, s));
+                    load.blocks -= 1;
+                    gone.push(ExternalBlockHash(s.0));
+                }
+            }
+        }
+        if *load == ActiveLoad::default() {
+            self.loads.remove(&worker);
+        }
+        if !gone.is_empty() {
+            let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes: gone });
+            let _ = self.tree.apply_event(&event(worker, data));
+        }
+        true
+    }
+
+    /// Frees requests added more than `timeout` before `now` whose end was never reported.
+    pub fn reclaim_stale(&mut self, now: Instant, timeout: Duration) -> usize {
+        let stale: Vec<String> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| now.saturating_duration_since(r.added) > timeout)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &stale {
+            self.free(id);
+        }
+        self.reclaimed += stale.len() as u64;
+        stale.len()
+    }
+
+    pub fn load(&self, worker: WorkerWithDpRank) -> ActiveLoad {
+        self.loads.get(&worker).copied().unwrap_or_default()
+    }
+
+    /// Leading blocks of a request each worker has in flight.
+    pub fn inflight_prefix(&self, local: &[LocalBlockHash]) -> OverlapScores {
+        self.tree.find_matches(local)
+    }
+
+    /// Forgets everything in flight on `worker` (it left the fleet).
+    pub fn remove_worker(&mut self, worker: WorkerWithDpRank) {
+        let ids: Vec<String> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.worker == worker)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            self.free(&id);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Requests reclaimed by [`Self::reclaim_stale`] so far.
+    pub fn reclaimed(&self) -> u64 {
+        self.reclaimed
+    }
+
+    /// Sum of every worker's load (all zero when nothing is in flight).
+    pub fn total(&self) -> ActiveLoad {
+        self.loads.values().fold(ActiveLoad::default(), |a, l| ActiveLoad {
+            prefill_tokens: a.prefill_tokens + l.prefill_tokens,
+            blocks: a.blocks + l.blocks,
+            requests: a.requests + l.requests,
+        })
+    }
+
+    /// Blocks in the in-flight tree (zero when nothing is in flight).
+    pub fn tree_blocks(&self) -> usize {
+        self.tree.stats().blocks
+    }
+}
+
+fn event(worker: WorkerWithDpRank, data: KvCacheEventData) -> RouterEvent {
+    RouterEvent {
+        worker_id: worker.worker_id,
+        event: KvCacheEvent { event_id: 0, data, dp_rank: worker.dp_rank },
+    }
+}

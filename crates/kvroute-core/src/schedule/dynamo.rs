@@ -1,0 +1,35 @@
+//! Dynamo's KV router cost, kept exact so benchmarks can compare against it.
+//!
+//! For each candidate: `prefill_blocks = (max(0, isl - overlap * bs) + inflight_prefill) / bs`,
+//! `decode_blocks` = the candidate's distinct in-flight blocks plus this request's blocks it
+//! does not have in flight, `cost = overlap_weight * prefill_blocks + decode_blocks`; lowest
+//! wins, or a softmax at a temperature (see [`super::pick_by_cost`]).
+//!
+//! The decode term is why it scatters a shared prefix: the worker that holds a prefix also runs
+//! that prefix's requests, so its decode blocks grow and a cold worker soon looks cheaper.
+
+use super::{Candidate, Policy, RequestInfo, Rng, pick_by_cost};
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DynamoPolicy;
+
+/// Dynamo's cost of sending `request` to `c`.
+pub fn cost(request: &RequestInfo, c: &Candidate) -> f64 {
+    let bs = request.block_size;
+    let new_tokens = request.isl_tokens.saturating_sub(c.overlap_blocks as usize * bs);
+    let prefill_blocks = (new_tokens + c.active.prefill_tokens) as f64 / bs as f64;
+    let lacking = request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize);
+    let decode_blocks = (c.active.blocks + lacking) as f64;
+    request.overlap_weight * prefill_blocks + decode_blocks
+}
+
+impl Policy for DynamoPolicy {
+    fn name(&self) -> &'static str {
+        "dynamo"
+    }
+
+    fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize {
+        let costs: Vec<f64> = candidates.iter().map(|c| cost(request, c)).collect();
+        pick_by_cost(&costs, candidates, request.temperature, rng)
+    }
+}

@@ -1,0 +1,99 @@
+//! kvroute's default policy: the lowest predicted time to first token, counting the price of
+//! copying a prefix away from the worker that holds it.
+//!
+//! For each candidate `i`, in tokens of prefill work (divided by the worker's prefill speed to
+//! get seconds):
+//!
+//! ```text
+//! cached_i = max(kv overlap_i, in-flight prefix_i) * bs        tokens it has or is computing
+//! ttft_i   = queued_prefill_i + (isl - cached_i)               work ahead of the first token
+//! evict_i  = eviction_weight * (isl - cached_i) * fullness_i   what storing the rest evicts
+//! cost_i   = (ttft_i + evict_i + decode_weight * active_blocks_i * bs) / speed_i
+//! ```
+//!
+//! - The in-flight prefix counts as cached: a request routed behind an identical one reuses
+//!   its blocks as they are computed, so a burst of cold duplicates stays together.
+//! - `evict_i` prices the future: every block the request adds to a cache evicts another there
+//!   once the cache is full (`fullness_i = tree_size / kv_total_blocks`, 1 when unknown), and
+//!   some later request pays to prefill that one again. Away from a prefix's owner that is the
+//!   whole prefix, so a prefix moves only when the owner's queue makes the wait longer than
+//!   computing the prefix elsewhere twice over (once now, once for what it evicts); and a new
+//!   prefix goes where the cache has room, which spreads prefix groups evenly.
+//! - Prefill speed is learned per worker from first-token times ([`super::Scheduler::
+//!   mark_prefill_done`]), starting from `prefill_tokens_per_s`.
+//!
+//! Dynamo's cost ([`super::dynamo`]) adds every in-flight block of a worker to its cost, which
+//! pushes requests off the worker that holds their prefix as soon as it is busy decoding; the
+//! prefix is then copied to 3-4 workers and evicts others (SPEC section 7).
+
+use serde::{Deserialize, Serialize};
+
+use super::{Candidate, Policy, RequestInfo, Rng, pick_by_cost};
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvConfig {
+    /// Prefill speed assumed until a worker's is learned (tokens per second).
+    pub prefill_tokens_per_s: f64,
+    /// Weight of each new observation in the learned speed (exponential moving average).
+    pub speed_learning_rate: f64,
+    /// Price of each token a request adds to a full cache (what it evicts), in prefill tokens.
+    pub eviction_weight: f64,
+    /// Price of each in-flight decode token, in prefill tokens (decoding slows prefill a little).
+    pub decode_weight: f64,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        Self {
+            prefill_tokens_per_s: 20_000.0,
+            speed_learning_rate: 0.1,
+            eviction_weight: 1.0,
+            decode_weight: 0.02,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct KvPolicy {
+    config: KvConfig,
+}
+
+impl KvPolicy {
+    pub fn new(config: KvConfig) -> Self {
+        Self { config }
+    }
+
+    /// Predicted cost (seconds) of each candidate, in order.
+    pub fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Vec<f64> {
+        let bs = request.block_size;
+        let cached = |c: &Candidate| {
+            (c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs).min(request.isl_tokens)
+        };
+        candidates
+            .iter()
+            .map(|c| {
+                let have = cached(c);
+                let fullness = match c.load.kv_total_blocks {
+                    Some(total) if total > 0 => (c.tree_size as f64 / total as f64).min(1.0),
+                    _ => 1.0,
+                };
+                let uncached = (request.isl_tokens - have) as f64;
+                let ttft = c.active.prefill_tokens as f64 + uncached;
+                let evict = self.config.eviction_weight * uncached * fullness;
+                let decode = self.config.decode_weight * (c.active.blocks * bs) as f64;
+                (ttft + evict + decode) / c.prefill_tokens_per_s.max(1.0)
+            })
+            .collect()
+    }
+}
+
+impl Policy for KvPolicy {
+    fn name(&self) -> &'static str {
+        "kv"
+    }
+
+    fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize {
+        pick_by_cost(&self.costs(request, candidates), candidates, request.temperature, rng)
+    }
+}

@@ -1,0 +1,585 @@
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use rustc_hash::FxHashMap;
+
+use super::Rng;
+use super::*;
+use crate::hash::{BlockHasher, sequence_hashes};
+use crate::index::RadixIndex;
+use crate::protocols::{
+    ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, RouterEvent,
+};
+
+const BS: usize = 16;
+
+fn w(id: u64) -> WorkerWithDpRank {
+    WorkerWithDpRank::new(id, 0u32)
+}
+
+fn scheduler(policy: PolicyKind, workers: u64) -> Scheduler {
+    let mut s = Scheduler::new(SchedulerConfig { policy, ..SchedulerConfig::default() });
+    for k in 0..workers {
+        s.add_worker(w(k));
+    }
+    s
+}
+
+struct Prompt {
+    local: Vec<LocalBlockHash>,
+    seq: Vec<SequenceHash>,
+    isl: usize,
+}
+
+fn prompt(tokens: &[u32]) -> Prompt {
+    let hasher = BlockHasher::new(BlockSize::new(BS as u32).unwrap());
+    let local = hasher.local_hashes(tokens, None);
+    let seq = sequence_hashes(&local);
+    Prompt { local, seq, isl: tokens.len() }
+}
+
+fn request<'a>(p: &'a Prompt, id: Option<&'a str>) -> RouteRequest<'a> {
+    RouteRequest {
+        id,
+        isl_tokens: p.isl,
+        local_hashes: &p.local,
+        sequence_hashes: &p.seq,
+        overlap_weight: None,
+        temperature: None,
+    }
+}
+
+fn scores(entries: &[(u64, u32)]) -> OverlapScores {
+    OverlapScores {
+        scores: entries.iter().map(|&(k, s)| (w(k), s)).collect(),
+        tree_sizes: entries.iter().map(|&(k, s)| (w(k), s as usize)).collect(),
+    }
+}
+
+fn info(isl: usize) -> RequestInfo {
+    RequestInfo {
+        isl_tokens: isl,
+        num_blocks: isl / BS,
+        block_size: BS,
+        overlap_weight: 1.0,
+        temperature: 0.0,
+    }
+}
+
+fn candidate(k: u64, overlap: u32) -> Candidate {
+    Candidate {
+        worker: w(k),
+        overlap_blocks: overlap,
+        prefill_tokens_per_s: 20_000.0,
+        ..Candidate::default()
+    }
+}
+
+#[test]
+fn full_overlap_wins_at_equal_load() {
+    let p = prompt(&(0..512).collect::<Vec<_>>());
+    for policy in [PolicyKind::Kv, PolicyKind::Dynamo] {
+        let mut s = scheduler(policy, 4);
+        let d = s.route(
+            &request(&p, None),
+            &scores(&[(1, 10), (2, 32), (3, 5)]),
+            &UnknownTreeSizes,
+            Instant::now(),
+        );
+        let d = d.unwrap();
+        assert_eq!(
+            (d.worker, d.overlap_blocks, d.predicted_prefill_tokens),
+            (w(2), 32, 0),
+            "{policy}"
+        );
+    }
+}
+
+#[test]
+fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
+    let isl = 2048;
+    // Dynamo: the owner's in-flight decode blocks outweigh the prefill it would save.
+    let mut owner = candidate(0, 128);
+    owner.active = ActiveLoad { prefill_tokens: 0, blocks: 400, requests: 10 };
+    let idle = candidate(1, 0);
+    let mut rng = Rng::new(1);
+    assert_eq!(dynamo::DynamoPolicy.select(&info(isl), &[owner, idle], &mut rng), 1);
+    // 400 + 128 lacking = 528 > 128 prefill + 128 lacking; at 100 in flight, 228 < 256.
+    owner.active.blocks = 100;
+    assert_eq!(dynamo::DynamoPolicy.select(&info(isl), &[owner, idle], &mut rng), 0);
+    // kv: only a long prefill queue at the owner sends the request away.
+    let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
+    owner.active = ActiveLoad { prefill_tokens: 3000, blocks: 400, requests: 10 };
+    assert_eq!(kv.select(&info(isl), &[owner, idle], &mut rng), 0, "3000 queued < 2 x 2048");
+    owner.active.prefill_tokens = 20_000;
+    assert_eq!(kv.select(&info(isl), &[owner, idle], &mut rng), 1);
+}
+
+#[test]
+fn kv_duplication_is_cheap_onto_an_empty_cache() {
+    let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
+    let mut owner = candidate(0, 128);
+    owner.active.prefill_tokens = 3000;
+    let mut empty = candidate(1, 0);
+    empty.load.kv_total_blocks = Some(1000);
+    empty.tree_size = 0;
+    assert_eq!(kv.select(&info(2048), &[owner, empty], &mut Rng::new(1)), 1);
+}
+
+#[test]
+fn burst_of_identical_cold_requests_stays_together_under_kv() {
+    let p = prompt(&(0..1000).collect::<Vec<_>>());
+    let now = Instant::now();
+    let mut s = scheduler(PolicyKind::Kv, 4);
+    let chosen: BTreeSet<_> = (0..8)
+        .map(|i| {
+            s.route(
+                &request(&p, Some(&format!("r{i}"))),
+                &OverlapScores::default(),
+                &UnknownTreeSizes,
+                now,
+            )
+            .unwrap()
+            .worker
+        })
+        .collect();
+    assert_eq!(chosen.len(), 1, "in-flight blocks count from the moment of routing");
+    // Dynamo's decode term scatters the same burst.
+    let mut s = scheduler(PolicyKind::Dynamo, 4);
+    let chosen: BTreeSet<_> = (0..8)
+        .map(|i| {
+            s.route(
+                &request(&p, Some(&format!("r{i}"))),
+                &OverlapScores::default(),
+                &UnknownTreeSizes,
+                now,
+            )
+            .unwrap()
+            .worker
+        })
+        .collect();
+    assert!(chosen.len() > 1);
+}
+
+#[test]
+fn busy_workers_are_skipped_unless_all_are_busy() {
+    let p = prompt(&(0..256).collect::<Vec<_>>());
+    let full = scores(&[(0, 16)]);
+    let busy = WorkerLoad { kv_cache_usage: Some(0.99), ..WorkerLoad::default() };
+    let mut s = scheduler(PolicyKind::Kv, 3);
+    s.update_load(w(0), busy);
+    assert_ne!(
+        s.route(&request(&p, None), &full, &UnknownTreeSizes, Instant::now()).unwrap().worker,
+        w(0)
+    );
+    s.update_load(w(1), busy);
+    s.update_load(w(2), busy);
+    assert_eq!(
+        s.route(&request(&p, None), &full, &UnknownTreeSizes, Instant::now()).unwrap().worker,
+        w(0)
+    );
+    // A queued-prefill threshold works the same way.
+    let config = SchedulerConfig { busy_prefill_tokens: Some(100), ..SchedulerConfig::default() };
+    let mut s = Scheduler::new(config);
+    s.add_worker(w(0));
+    s.add_worker(w(1));
+    let first = s
+        .route(
+            &request(&p, Some("a")),
+            &OverlapScores::default(),
+            &UnknownTreeSizes,
+            Instant::now(),
+        )
+        .unwrap();
+    let second = s
+        .route(
+            &request(&p, Some("b")),
+            &OverlapScores::default(),
+            &UnknownTreeSizes,
+            Instant::now(),
+        )
+        .unwrap();
+    assert_ne!(first.worker, second.worker, "the first worker has 256 queued tokens");
+}
+
+#[test]
+fn no_workers_no_decision() {
+    let p = prompt(&(0..64).collect::<Vec<_>>());
+    let mut s = scheduler(PolicyKind::Kv, 0);
+    assert!(
+        s.route(
+            &request(&p, Some("x")),
+            &OverlapScores::default(),
+            &UnknownTreeSizes,
+            Instant::now()
+        )
+        .is_none()
+    );
+    assert!(s.active().is_empty());
+}
+
+#[test]
+fn temperature_spreads_choices_in_proportion() {
+    let candidates = [candidate(0, 0), candidate(1, 8), candidate(2, 16)];
+    let mut request = info(256);
+    request.temperature = 0.5;
+    let costs: Vec<f64> = candidates.iter().map(|c| dynamo::cost(&request, c)).collect();
+    let (min, max) = (costs[2], costs[0]);
+    let weights: Vec<f64> =
+        costs.iter().map(|c| (-(c - min) / ((max - min) * 0.5)).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut counts = [0usize; 3];
+    let mut rng = Rng::new(42);
+    let n: usize = 40_000;
+    for _ in 0..n {
+        counts[dynamo::DynamoPolicy.select(&request, &candidates, &mut rng)] += 1;
+    }
+    for i in 0..3 {
+        let expected = weights[i] / total;
+        let got = counts[i] as f64 / n as f64;
+        assert!((got - expected).abs() < 0.01, "candidate {i}: {got:.3} vs {expected:.3}");
+    }
+    // Equal costs at a temperature: uniform.
+    let same = [candidate(0, 4), candidate(1, 4)];
+    let ones =
+        (0..n).filter(|_| dynamo::DynamoPolicy.select(&request, &same, &mut rng) == 1).count();
+    assert!((ones as f64 / n as f64 - 0.5).abs() < 0.01);
+}
+
+#[test]
+fn ties_go_to_the_smaller_tree_then_a_seeded_coin() {
+    let mut a = candidate(0, 0);
+    a.tree_size = 50;
+    let b = candidate(1, 0);
+    let mut rng = Rng::new(3);
+    assert_eq!(pick_by_cost(&[1.0, 1.0], &[a, b], 0.0, &mut rng), 1);
+    a.tree_size = 0;
+    let picks: BTreeSet<_> =
+        (0..64).map(|_| pick_by_cost(&[1.0, 1.0], &[a, b], 0.0, &mut rng)).collect();
+    assert_eq!(picks.len(), 2);
+}
+
+#[test]
+fn baselines_behave() {
+    let candidates = [candidate(0, 0), candidate(1, 0), candidate(2, 0)];
+    let mut rng = Rng::new(5);
+    let mut rr = RoundRobin::default();
+    let order: Vec<_> = (0..6).map(|_| rr.select(&info(64), &candidates, &mut rng)).collect();
+    assert_eq!(order, vec![0, 1, 2, 0, 1, 2]);
+    let mut loaded = candidates;
+    loaded[0].active.prefill_tokens = 10_000;
+    loaded[1].active.blocks = 1_000;
+    let picks: BTreeSet<_> =
+        (0..200).map(|_| LeastLoaded.select(&info(64), &loaded, &mut rng)).collect();
+    assert!(!picks.contains(&1), "the busiest (16,000 tokens) is never the lesser of two");
+    let picks: BTreeSet<_> =
+        (0..200).map(|_| RandomPolicy.select(&info(64), &candidates, &mut rng)).collect();
+    assert_eq!(picks.len(), 3);
+    for kind in PolicyKind::ALL {
+        assert_eq!(kind.name().parse::<PolicyKind>().unwrap(), kind);
+        assert_eq!(kind.build(&SchedulerConfig::default()).name(), kind.name());
+    }
+    assert!("fastest".parse::<PolicyKind>().is_err());
+}
+
+#[test]
+fn prefill_speed_is_learned_from_first_tokens() {
+    let p = prompt(&(0..2048).collect::<Vec<_>>());
+    let t0 = Instant::now();
+    let mut s = scheduler(PolicyKind::Kv, 1);
+    s.route(&request(&p, Some("a")), &OverlapScores::default(), &UnknownTreeSizes, t0).unwrap();
+    // 2048 tokens in 0.2 s = 10k tokens/s, below the 20k prior.
+    s.mark_prefill_done("a", t0 + Duration::from_millis(200));
+    let c = s.candidates(&p.local, &OverlapScores::default(), &UnknownTreeSizes)[0];
+    let expected = 0.9 * 20_000.0 + 0.1 * 10_240.0;
+    assert!((c.prefill_tokens_per_s - expected).abs() < 1.0, "{}", c.prefill_tokens_per_s);
+    s.mark_prefill_done("a", t0 + Duration::from_secs(9)); // twice: ignored
+    let again = s.candidates(&p.local, &OverlapScores::default(), &UnknownTreeSizes)[0];
+    assert_eq!(again.prefill_tokens_per_s, c.prefill_tokens_per_s);
+}
+
+#[test]
+fn stale_requests_are_reclaimed() {
+    let p = prompt(&(0..64).collect::<Vec<_>>());
+    let t0 = Instant::now();
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    s.route(&request(&p, Some("old")), &OverlapScores::default(), &UnknownTreeSizes, t0).unwrap();
+    s.route(
+        &request(&p, Some("new")),
+        &OverlapScores::default(),
+        &UnknownTreeSizes,
+        t0 + Duration::from_secs(500),
+    )
+    .unwrap();
+    assert_eq!(s.reclaim_stale(t0 + Duration::from_secs(601)), 1);
+    assert_eq!(s.active().len(), 1);
+    assert_eq!(s.active().reclaimed(), 1);
+    assert!(!s.free("old"), "already reclaimed");
+    assert!(s.free("new"));
+    assert_eq!(s.active().total(), ActiveLoad::default());
+}
+
+// ---- in-flight accounting never leaks ---------------------------------------------------
+
+#[derive(Clone, Debug)]
+enum ActiveOp {
+    Add { id: u8, worker: u64, prompt: u8, len: usize, prefill: usize },
+    Done(u8),
+    Free(u8),
+}
+
+fn arb_active_op() -> impl Strategy<Value = ActiveOp> {
+    prop_oneof![
+        (0u8..8, 0u64..3, 0u8..3, 0usize..6, 0usize..500).prop_map(
+            |(id, worker, prompt, len, prefill)| ActiveOp::Add { id, worker, prompt, len, prefill }
+        ),
+        (0u8..10).prop_map(ActiveOp::Done),
+        (0u8..10).prop_map(ActiveOp::Free),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn totals_return_to_zero_when_everything_is_freed(ops in prop::collection::vec(arb_active_op(), 1..80)) {
+        // Three prompts sharing prefixes: 0 and 1 share 3 blocks, 2 is its own.
+        let prompts: Vec<Prompt> = (0..3u32)
+            .map(|k| {
+                let tokens: Vec<u32> = (0..6 * BS as u32).map(|t| if k < 2 && t < 3 * BS as u32 { t } else { t + 1000 * (k + 1) }).collect();
+                prompt(&tokens)
+            })
+            .collect();
+        let mut active = ActiveSequences::new();
+        let now = Instant::now();
+        let mut model: BTreeMap<u8, (u64, usize, bool)> = BTreeMap::new();
+        for op in &ops {
+            match *op {
+                ActiveOp::Add { id, worker, prompt: k, len, prefill } => {
+                    let p = &prompts[k as usize];
+                    let blocks = RequestBlocks { local: &p.local[..len], sequence: &p.seq[..len] };
+                    active.add(&id.to_string(), w(worker), prefill, blocks, now);
+                    model.insert(id, (worker, prefill, false));
+                }
+                ActiveOp::Done(id) => {
+                    active.mark_prefill_done(&id.to_string());
+                    if let Some(entry) = model.get_mut(&id) { entry.2 = true; }
+                }
+                ActiveOp::Free(id) => {
+                    prop_assert_eq!(active.free(&id.to_string()), model.remove(&id).is_some());
+                }
+            }
+            for worker in 0..3 {
+                let queued: usize = model.values().filter(|(wk, _, done)| *wk == worker && !done).map(|(_, p, _)| p).sum();
+                prop_assert_eq!(active.load(w(worker)).prefill_tokens, queued);
+            }
+        }
+        for id in 0..10u8 {
+            active.free(&id.to_string());
+        }
+        prop_assert_eq!(active.total(), ActiveLoad::default());
+        prop_assert_eq!(active.tree_blocks(), 0);
+        prop_assert!(active.is_empty());
+    }
+}
+
+// ---- a shared-prefix load, simulated ----------------------------------------------------
+
+/// A simulated engine: one prefill at a time, an LRU prefix cache of `capacity` blocks named
+/// by sequence hash, Dynamo's mocker timing at `SPEEDUP`.
+struct SimWorker {
+    capacity: usize,
+    lru: FxHashMap<SequenceHash, u64>,
+    busy_until: f64,
+}
+
+const SPEEDUP: f64 = 2.0;
+
+fn prefill_secs(tokens: usize) -> f64 {
+    let t = tokens as f64;
+    (4.209_989e-7 * t * t + 1.518_344e-2 * t + 16.501_42) / 1000.0 / SPEEDUP
+}
+
+/// Something due at a simulated time; the heap pops the earliest (then the first pushed).
+struct Due(f64, u64, Pending);
+
+impl PartialEq for Due {
+    fn eq(&self, other: &Self) -> bool {
+        (self.0, self.1) == (other.0, other.1)
+    }
+}
+impl Eq for Due {}
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Due {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other.0.total_cmp(&self.0).then(other.1.cmp(&self.1))
+    }
+}
+
+enum Pending {
+    Events(Vec<RouterEvent>),
+    PrefillDone(String),
+    Finished(String),
+}
+
+struct SimResult {
+    hit_rate: f64,
+    workers_per_group: f64,
+}
+
+fn simulate(policy: PolicyKind) -> SimResult {
+    const WORKERS: u64 = 4;
+    const GROUPS: usize = 12;
+    const PER_GROUP: usize = 64;
+    const SYSTEM: usize = 2048;
+    const QUESTION: usize = 64;
+    const DECODE_SECS: f64 = 32.0 * 0.026 / SPEEDUP;
+    const RATE: f64 = 24.0;
+    const CAPACITY: usize = 550;
+
+    let mut rng = Rng::new(2024);
+    let mut order: Vec<(usize, usize)> =
+        (0..GROUPS).flat_map(|g| (0..PER_GROUP).map(move |q| (g, q))).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut s = scheduler(policy, WORKERS);
+    for k in 0..WORKERS {
+        let load = WorkerLoad { kv_total_blocks: Some(CAPACITY as u64), ..WorkerLoad::default() };
+        s.update_load(w(k), load);
+    }
+    let mut index = RadixIndex::new();
+    let mut workers: Vec<SimWorker> = (0..WORKERS)
+        .map(|_| SimWorker { capacity: CAPACITY, lru: FxHashMap::default(), busy_until: 0.0 })
+        .collect();
+    let t0 = Instant::now();
+    let at = |secs: f64| t0 + Duration::from_secs_f64(secs);
+    let mut heap: BinaryHeap<Due> = BinaryHeap::new();
+    let mut serial = 0u64;
+    let (mut prompt_tokens, mut cached_tokens) = (0usize, 0usize);
+    let mut served: BTreeMap<usize, BTreeSet<WorkerWithDpRank>> = BTreeMap::new();
+    let mut now = 0.0;
+    let mut stamp = 0u64;
+
+    for (n, &(g, q)) in order.iter().enumerate() {
+        now += -(1.0 - rng.unit()).ln() / RATE;
+        while heap.peek().is_some_and(|d| d.0 <= now) {
+            let Due(t, _, what) = heap.pop().unwrap();
+            match what {
+                Pending::Events(events) => {
+                    for e in events {
+                        let _ = index.apply_event(&e);
+                    }
+                }
+                Pending::PrefillDone(id) => s.mark_prefill_done(&id, at(t)),
+                Pending::Finished(id) => assert!(s.free(&id)),
+            }
+        }
+        let tokens: Vec<u32> = (0..SYSTEM as u32)
+            .map(|t| t * 31 + g as u32 * 100_000)
+            .chain(
+                (0..QUESTION as u32)
+                    .map(|t| t * 7 + (g * PER_GROUP + q) as u32 * 1_000 + 5_000_000),
+            )
+            .collect();
+        let p = prompt(&tokens);
+        let id = format!("req{n}");
+        let scores = index.find_matches(&p.local);
+        let decision = s.route(&request(&p, Some(&id)), &scores, &index, at(now)).unwrap();
+        served.entry(g).or_default().insert(decision.worker);
+
+        // The chosen engine: cache hits at prefill start, blocks stored at prefill end.
+        let k = decision.worker.worker_id.0 as usize;
+        let worker = &mut workers[k];
+        let start = worker.busy_until.max(now);
+        let hits = p.seq.iter().take_while(|s| worker.lru.contains_key(s)).count();
+        let uncached = p.isl - hits * BS;
+        let end = start + prefill_secs(uncached);
+        worker.busy_until = end;
+        prompt_tokens += p.isl;
+        cached_tokens += hits * BS;
+        stamp += 1;
+        let mut stored = Vec::new();
+        for (i, &h) in p.seq.iter().enumerate() {
+            // Earlier blocks are fresher, so the LRU evicts tails first (as vLLM's free queue does).
+            let fresh = stamp * 1_000 + (p.seq.len() - i) as u64;
+            if worker.lru.insert(h, fresh).is_none() {
+                stored.push((i, h));
+            }
+        }
+        let mut removed = Vec::new();
+        while worker.lru.len() > worker.capacity {
+            let (&victim, _) = worker.lru.iter().min_by_key(|&(_, &t)| t).unwrap();
+            worker.lru.remove(&victim);
+            removed.push(ExternalBlockHash(victim.0));
+        }
+        let mut events = Vec::new();
+        if let Some(&(first, _)) = stored.first() {
+            let blocks = stored
+                .iter()
+                .map(|&(i, h)| KvCacheStoredBlockData {
+                    block_hash: ExternalBlockHash(h.0),
+                    tokens_hash: p.local[i],
+                    mm_extra_info: None,
+                })
+                .collect();
+            let parent = first.checked_sub(1).map(|i| ExternalBlockHash(p.seq[i].0));
+            let data = KvCacheEventData::Stored(KvCacheStoreData { parent_hash: parent, blocks });
+            events.push(RouterEvent::new(
+                k as u64,
+                KvCacheEvent { event_id: 0, data, dp_rank: 0u32.into() },
+            ));
+        }
+        if !removed.is_empty() {
+            let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes: removed });
+            events.push(RouterEvent::new(
+                k as u64,
+                KvCacheEvent { event_id: 0, data, dp_rank: 0u32.into() },
+            ));
+        }
+        serial += 1;
+        heap.push(Due(end, serial, Pending::Events(events)));
+        serial += 1;
+        heap.push(Due(end, serial, Pending::PrefillDone(id.clone())));
+        serial += 1;
+        heap.push(Due(end + DECODE_SECS, serial, Pending::Finished(id)));
+    }
+    if std::env::var_os("KVROUTE_SIM_DEBUG").is_some() {
+        for (g, ws) in &served {
+            println!("{policy} group {g}: {ws:?}");
+        }
+    }
+    SimResult {
+        hit_rate: cached_tokens as f64 / prompt_tokens as f64,
+        workers_per_group: served.values().map(BTreeSet::len).sum::<usize>() as f64
+            / served.len() as f64,
+    }
+}
+
+#[test]
+fn kv_keeps_prefix_groups_together_and_hits_more_than_dynamo() {
+    let kv = simulate(PolicyKind::Kv);
+    let dynamo = simulate(PolicyKind::Dynamo);
+    let rr = simulate(PolicyKind::RoundRobin);
+    println!(
+        "modelled hit rate: kv {:.3}, dynamo {:.3}, round-robin {:.3}; workers per group: kv {:.2}, dynamo {:.2}, round-robin {:.2}",
+        kv.hit_rate,
+        dynamo.hit_rate,
+        rr.hit_rate,
+        kv.workers_per_group,
+        dynamo.workers_per_group,
+        rr.workers_per_group
+    );
+    assert!(
+        kv.hit_rate > dynamo.hit_rate,
+        "kv {:.3} vs dynamo {:.3}",
+        kv.hit_rate,
+        dynamo.hit_rate
+    );
+    assert!(kv.workers_per_group < dynamo.workers_per_group);
+    assert!(dynamo.hit_rate > rr.hit_rate, "the model must reward cache-aware routing at all");
+}
