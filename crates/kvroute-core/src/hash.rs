@@ -150,6 +150,25 @@ pub fn chain(parent: SequenceHash, local: LocalBlockHash) -> SequenceHash {
     SequenceHash(xxh3_64_with_seed(&bytes, KV_HASH_SEED))
 }
 
+/// The `mm_hash` of an image from its identifier (SPEC section 4): a hex identifier (the
+/// front door's BLAKE3 hex, TensorRT-LLM's 64-hex `mm_keys`, the publisher's 16-hex form)
+/// gives its first 16 hex digits as a number, as the seed's example does; any other string
+/// (an engine's own digest name) gives `xxh3_64` of its UTF-8 bytes.
+///
+/// ```
+/// use kvroute_core::hash::mm_hash_from_identifier;
+/// assert_eq!(mm_hash_from_identifier("00000000deadbeef99"), 0xdead_beef);
+/// assert_eq!(mm_hash_from_identifier("5f5f5f5f5f5f5f5f5f5f"), 0x5f5f_5f5f_5f5f_5f5f);
+/// assert_ne!(mm_hash_from_identifier("mmhashA"), 0);
+/// ```
+pub fn mm_hash_from_identifier(identifier: &str) -> u64 {
+    let is_hex = !identifier.is_empty() && identifier.bytes().all(|b| b.is_ascii_hexdigit());
+    match is_hex {
+        true => u64::from_str_radix(&identifier[..identifier.len().min(16)], 16).unwrap_or(0),
+        false => xxh3_64(identifier.as_bytes()),
+    }
+}
+
 /// Dynamo's entry point, for callers that speak its terms: a zero block size is an error.
 pub fn compute_block_hash_for_seq(
     tokens: &[u32],

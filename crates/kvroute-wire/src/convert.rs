@@ -1,0 +1,266 @@
+//! Engine events -> kvroute-core events: the one place engine quirks are normalised.
+//!
+//! - `tokens_hash` is recomputed from the block's token ids and the images it covers (plus the
+//!   LoRA name and cache salt), exactly as the front door hashes a request, so the router can
+//!   match requests against engine blocks; the engine's own block hash is kept only as the
+//!   worker-local name of the block.
+//! - Image placeholders become the model's image pad token (`image_token_id`, what the front
+//!   door writes at image positions): SGLang's pad values (above u32 or at/above the
+//!   vocabulary size; a run of one value is one image, the value its `mm_hash`) and
+//!   TensorRT-LLM's `vocab_size + 1`. vLLM writes the real pad id and names the image in
+//!   `extra_keys`; TensorRT-LLM names it in `mm_keys`.
+//! - Only device-resident blocks enter the index: another `medium` (vLLM/SGLang) or a
+//!   `cache_level` above 0 (TensorRT-LLM) is counted and skipped, as are `group_idx` other than
+//!   0 (hybrid models), blocks of another block size, and malformed or unknown events.
+
+use kvroute_core::hash::mm_hash_from_identifier;
+use kvroute_core::{
+    BlockExtraInfo, BlockHasher, BlockMmObjectInfo, BlockSize, DpRank, ExternalBlockHash,
+    KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
+};
+use serde::Serialize;
+
+use crate::trtllm::{TrtData, TrtEvent};
+use crate::vllm::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, KvEventBatch};
+
+/// What the converter must know about a worker's model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvertConfig {
+    pub block_size: BlockSize,
+    /// The model's image pad token id, which the front door writes at image positions.
+    pub image_token_id: Option<u32>,
+    /// The model's vocabulary size: ids at or above it are image placeholders.
+    pub vocab_size: Option<u32>,
+}
+
+impl ConvertConfig {
+    pub fn new(block_size: BlockSize) -> Self {
+        Self { block_size, image_token_id: None, vocab_size: None }
+    }
+}
+
+/// What conversion kept and skipped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ConvertStats {
+    pub blocks_stored: u64,
+    pub blocks_removed: u64,
+    pub clears: u64,
+    /// Blocks not in device memory.
+    pub skipped_medium: u64,
+    /// Blocks of a KV cache group other than 0.
+    pub skipped_group: u64,
+    /// Blocks whose size is not the configured block size.
+    pub wrong_block_size: u64,
+    /// Events whose fields did not fit together.
+    pub malformed: u64,
+    /// Events of types that do not touch the index (or that this version does not know).
+    pub other_events: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Converter {
+    config: ConvertConfig,
+    stats: ConvertStats,
+}
+
+impl Converter {
+    pub fn new(config: ConvertConfig) -> Self {
+        Self { config, stats: ConvertStats::default() }
+    }
+
+    pub fn stats(&self) -> ConvertStats {
+        self.stats
+    }
+
+    /// A vLLM/SGLang batch. Batches carry no event ids: every event gets the batch's ZMQ
+    /// sequence number.
+    pub fn vllm_batch(&mut self, batch: &KvEventBatch, seq: u64) -> Vec<KvCacheEvent> {
+        let dp_rank = DpRank(batch.dp_rank.unwrap_or(0));
+        let mut out = Vec::with_capacity(batch.events.len());
+        for event in &batch.events {
+            let data = match event {
+                EngineEvent::BlockStored(s) => self.vllm_stored(s),
+                EngineEvent::BlockRemoved(r) => self.vllm_removed(r),
+                EngineEvent::AllBlocksCleared => {
+                    self.stats.clears += 1;
+                    Some(KvCacheEventData::Cleared)
+                }
+                EngineEvent::Unknown { .. } => {
+                    self.stats.other_events += 1;
+                    None
+                }
+                EngineEvent::Malformed { .. } => {
+                    self.stats.malformed += 1;
+                    None
+                }
+            };
+            if let Some(data) = data {
+                out.push(KvCacheEvent { event_id: seq, data, dp_rank });
+            }
+        }
+        out
+    }
+
+    fn device_resident(&mut self, medium: Option<&str>, group: Option<u32>, blocks: usize) -> bool {
+        if !medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("device"))
+        {
+            self.stats.skipped_medium += blocks as u64;
+            return false;
+        }
+        if group.is_some_and(|g| g != 0) {
+            self.stats.skipped_group += blocks as u64;
+            return false;
+        }
+        true
+    }
+
+    fn vllm_stored(&mut self, s: &BlockStored) -> Option<KvCacheEventData> {
+        let n = s.block_hashes.len();
+        if !self.device_resident(s.medium.as_deref(), s.group_idx, n) {
+            return None;
+        }
+        if s.block_size != self.config.block_size.get() {
+            self.stats.wrong_block_size += n as u64;
+            return None;
+        }
+        let bs = self.config.block_size.tokens();
+        if s.token_ids.len() != n * bs || n == 0 {
+            self.stats.malformed += 1;
+            return None;
+        }
+        let hasher = BlockHasher::new(self.config.block_size)
+            .with_lora(s.lora_name.as_deref())
+            .with_namespace(s.cache_salt.as_deref());
+        let blocks = s
+            .block_hashes
+            .iter()
+            .zip(s.token_ids.chunks_exact(bs))
+            .enumerate()
+            .map(|(i, (&hash, ids))| {
+                let keys = s.extra_keys.as_ref().and_then(|k| k.get(i)).and_then(Option::as_ref);
+                let images: Vec<u64> = keys
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|k| match k {
+                        ExtraKey::Mm(id, _) => Some(mm_hash_from_identifier(id)),
+                        _ => None,
+                    })
+                    .collect();
+                self.block(&hasher, hash, ids, &images)
+            })
+            .collect();
+        self.stats.blocks_stored += n as u64;
+        let parent_hash = s.parent_block_hash.map(ExternalBlockHash);
+        Some(KvCacheEventData::Stored(KvCacheStoreData { parent_hash, blocks }))
+    }
+
+    fn vllm_removed(&mut self, r: &BlockRemoved) -> Option<KvCacheEventData> {
+        if !self.device_resident(r.medium.as_deref(), r.group_idx, r.block_hashes.len()) {
+            return None;
+        }
+        self.stats.blocks_removed += r.block_hashes.len() as u64;
+        let block_hashes = r.block_hashes.iter().copied().map(ExternalBlockHash).collect();
+        Some(KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }))
+    }
+
+    /// A TensorRT-LLM event; `None` for events that do not touch the index.
+    pub fn trtllm_event(&mut self, e: &TrtEvent) -> Option<KvCacheEvent> {
+        let data = match &e.data {
+            TrtData::Stored { parent_hash, blocks } => {
+                let bs = self.config.block_size.tokens();
+                let hasher = BlockHasher::new(self.config.block_size);
+                let mut out = Vec::with_capacity(blocks.len());
+                for (i, b) in blocks.iter().enumerate() {
+                    // A block we drop breaks the chain: the ones after it have no parent here.
+                    let rest = (blocks.len() - i) as u64;
+                    if b.cache_level.is_some_and(|l| l != 0) {
+                        self.stats.skipped_medium += rest;
+                        break;
+                    }
+                    if b.tokens.len() != bs {
+                        self.stats.wrong_block_size += rest;
+                        break;
+                    }
+                    let ids: Vec<u64> = b.tokens.iter().map(|t| t.token_id).collect();
+                    let images: Vec<u64> =
+                        b.mm_keys.iter().map(|k| mm_hash_from_identifier(&k.hash)).collect();
+                    out.push(self.block(&hasher, b.block_hash, &ids, &images));
+                }
+                if out.is_empty() {
+                    return None;
+                }
+                self.stats.blocks_stored += out.len() as u64;
+                KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: parent_hash.map(ExternalBlockHash),
+                    blocks: out,
+                })
+            }
+            TrtData::Removed { block_hashes } => {
+                self.stats.blocks_removed += block_hashes.len() as u64;
+                let block_hashes = block_hashes.iter().copied().map(ExternalBlockHash).collect();
+                KvCacheEventData::Removed(KvCacheRemoveData { block_hashes })
+            }
+            TrtData::Created {} | TrtData::Updated {} | TrtData::Other => {
+                self.stats.other_events += 1;
+                return None;
+            }
+        };
+        Some(KvCacheEvent {
+            event_id: e.event_id,
+            data,
+            dp_rank: DpRank(e.attention_dp_rank.unwrap_or(0)),
+        })
+    }
+
+    /// One block: placeholders normalised, images attached, content hashed.
+    ///
+    /// Images come from the engine's names for them (`named`, in order) matched to the runs
+    /// of image tokens in the block; placeholder runs with no name (SGLang) are named by their
+    /// pad value.
+    fn block(
+        &self,
+        hasher: &BlockHasher,
+        hash: u64,
+        ids: &[u64],
+        named: &[u64],
+    ) -> KvCacheStoredBlockData {
+        let pad = self.config.image_token_id;
+        let is_placeholder = |t: u64| {
+            t > u64::from(u32::MAX) || self.config.vocab_size.is_some_and(|v| t >= u64::from(v))
+        };
+        let mut tokens = Vec::with_capacity(ids.len());
+        let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (value, start, end)
+        for (i, &t) in ids.iter().enumerate() {
+            let image = is_placeholder(t) || pad.is_some_and(|p| t == u64::from(p));
+            tokens.push(if is_placeholder(t) { pad.unwrap_or(t as u32) } else { t as u32 });
+            if !image {
+                continue;
+            }
+            match runs.last_mut() {
+                Some(run) if run.0 == t && run.2 == i => run.2 = i + 1,
+                _ => runs.push((t, i, i + 1)),
+            }
+        }
+        let mut objects: Vec<BlockMmObjectInfo> = named
+            .iter()
+            .enumerate()
+            .map(|(k, &mm_hash)| {
+                let offsets = runs.get(k).map_or(vec![(0, ids.len())], |&(_, s, e)| vec![(s, e)]);
+                BlockMmObjectInfo { mm_hash, offsets }
+            })
+            .collect();
+        if named.is_empty() {
+            objects.extend(
+                runs.iter().filter(|r| is_placeholder(r.0)).map(|&(value, s, e)| {
+                    BlockMmObjectInfo { mm_hash: value, offsets: vec![(s, e)] }
+                }),
+            );
+        }
+        let info = (!objects.is_empty()).then_some(BlockExtraInfo { mm_objects: objects });
+        KvCacheStoredBlockData {
+            block_hash: ExternalBlockHash(hash),
+            tokens_hash: hasher.hash_block(&tokens, info.as_ref()),
+            mm_extra_info: info,
+        }
+    }
+}
