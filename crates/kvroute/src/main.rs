@@ -20,12 +20,16 @@ enum Command {
     /// Hash token blocks: JSON Lines on stdin, one {"local_hashes","sequence_hashes"} line out per
     /// input line (debugging and conformance against other implementations).
     Hash(cmd::hash::HashArgs),
+    /// Standalone router: subscribes to the workers' KV events and answers
+    /// POST /find_best_worker (plus /events, /debug/*, /workers, /metrics, /health).
+    Router(cmd::router::RouterArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Hash(args) => cmd::hash::run(&args),
+        Command::Router(args) => cmd::router::run(args),
     };
     match result {
         Ok(code) => code,
@@ -37,4 +41,38 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Logs to stderr; `KVROUTE_LOG` (or `RUST_LOG`) sets the filter, default `info`.
+fn init_tracing() {
+    let filter = std::env::var("KVROUTE_LOG")
+        .or_else(|_| std::env::var("RUST_LOG"))
+        .unwrap_or_else(|_| "info".to_owned());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    tracing::info!("shutting down");
 }

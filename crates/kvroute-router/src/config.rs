@@ -1,0 +1,249 @@
+//! Workers and router settings: `--worker id=7,url=http://..,events=tcp://..` values or a TOML
+//! file with the same keys (SPEC section 11).
+
+use std::path::Path;
+use std::str::FromStr;
+
+use kvroute_core::index::IndexConfig;
+use kvroute_core::schedule::SchedulerConfig;
+use kvroute_core::{BlockSize, WorkerId};
+use serde::{Deserialize, Serialize};
+
+use crate::RouterError;
+
+/// How a worker publishes its KV events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EventFormat {
+    /// vLLM and SGLang: ZMQ `[topic, seq, msgpack batch]`.
+    #[default]
+    Vllm,
+    /// TensorRT-LLM event dicts as JSON, one ZMQ frame (or `[topic, payload]`).
+    TrtllmJson,
+    /// TensorRT-LLM event dicts as MessagePack.
+    TrtllmMsgpack,
+    /// kvroute's own `RouterEvent` JSON.
+    Kvroute,
+}
+
+impl FromStr for EventFormat {
+    type Err = RouterError;
+    fn from_str(s: &str) -> Result<Self, RouterError> {
+        match s {
+            "vllm" | "sglang" => Ok(Self::Vllm),
+            "trtllm-json" => Ok(Self::TrtllmJson),
+            "trtllm-msgpack" => Ok(Self::TrtllmMsgpack),
+            "kvroute" => Ok(Self::Kvroute),
+            other => Err(RouterError::Config(format!(
+                "unknown event format {other:?} (vllm, sglang, trtllm-json, trtllm-msgpack, kvroute)"
+            ))),
+        }
+    }
+}
+
+/// One worker (engine instance) of the fleet.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    pub id: WorkerId,
+    /// Its OpenAI-compatible HTTP endpoint (absent for a router that only scores).
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Its KV event publisher (absent: approximate mode).
+    #[serde(default)]
+    pub events: Option<String>,
+    /// Its replay (ROUTER) endpoint, for recovering missed batches.
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// Its load-metrics stream (ZMQ, JSON messages).
+    #[serde(default)]
+    pub metrics: Option<String>,
+    /// Defaults to the router's block size.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Data-parallel ranks; rank r publishes on the events port + r (as vLLM does).
+    #[serde(default = "one")]
+    pub dp_size: u32,
+    /// The model's image pad token id (placeholder normalisation).
+    #[serde(default)]
+    pub image_token_id: Option<u32>,
+    /// The model's vocabulary size (SGLang / TensorRT-LLM placeholders are at or above it).
+    #[serde(default)]
+    pub vocab_size: Option<u32>,
+    #[serde(default)]
+    pub format: EventFormat,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl WorkerSpec {
+    pub fn new(id: u64) -> Self {
+        Self {
+            id: WorkerId(id),
+            url: None,
+            events: None,
+            replay: None,
+            metrics: None,
+            block_size: None,
+            dp_size: 1,
+            image_token_id: None,
+            vocab_size: None,
+            format: EventFormat::Vllm,
+        }
+    }
+
+    /// The event endpoint of data-parallel rank `rank` (the port moved up by `rank`).
+    pub fn endpoint_for_rank(endpoint: &str, rank: u32) -> Result<String, RouterError> {
+        if rank == 0 {
+            return Ok(endpoint.to_owned());
+        }
+        let (head, port) = endpoint
+            .rsplit_once(':')
+            .ok_or_else(|| RouterError::Config(format!("endpoint {endpoint:?} has no port")))?;
+        let port: u32 = port
+            .parse()
+            .map_err(|_| RouterError::Config(format!("endpoint {endpoint:?} has no port")))?;
+        Ok(format!("{head}:{}", port + rank))
+    }
+}
+
+impl FromStr for WorkerSpec {
+    type Err = RouterError;
+
+    /// `id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://..:5558`
+    fn from_str(s: &str) -> Result<Self, RouterError> {
+        let bad = |msg: String| RouterError::Config(format!("--worker {s:?}: {msg}"));
+        let mut id = None;
+        let mut spec = WorkerSpec::new(0);
+        for pair in s.split(',').filter(|p| !p.trim().is_empty()) {
+            let (key, value) =
+                pair.split_once('=').ok_or_else(|| bad(format!("{pair:?} is not key=value")))?;
+            let (key, value) = (key.trim(), value.trim().to_owned());
+            let number = |v: &str| {
+                v.parse::<u64>().map_err(|_| bad(format!("{key} must be a number, not {v:?}")))
+            };
+            let small = |v: &str| {
+                v.parse::<u32>().map_err(|_| bad(format!("{key} must be a number, not {v:?}")))
+            };
+            match key {
+                "id" => id = Some(number(&value)?),
+                "url" => spec.url = Some(value),
+                "events" => spec.events = Some(value),
+                "replay" => spec.replay = Some(value),
+                "metrics" => spec.metrics = Some(value),
+                "block_size" => spec.block_size = Some(small(&value)?),
+                "dp_size" => spec.dp_size = small(&value)?,
+                "image_token_id" => spec.image_token_id = Some(small(&value)?),
+                "vocab_size" => spec.vocab_size = Some(small(&value)?),
+                "format" => spec.format = value.parse()?,
+                other => return Err(bad(format!("unknown key {other:?}"))),
+            }
+        }
+        spec.id = WorkerId(id.ok_or_else(|| bad("id is required".into()))?);
+        if spec.dp_size == 0 {
+            return Err(bad("dp_size must be at least 1".into()));
+        }
+        Ok(spec)
+    }
+}
+
+/// Everything the router service needs, with kvroute's defaults.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    pub block_size: BlockSize,
+    pub workers: Vec<WorkerSpec>,
+    /// Index shards (readers in parallel, a writer per shard).
+    pub shards: usize,
+    pub index: IndexConfig,
+    #[serde(skip)]
+    pub scheduler: SchedulerConfig,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            block_size: BlockSize::default(),
+            workers: Vec::new(),
+            shards: 4,
+            // 16M (worker, block) pairs: ~0.8 GB of index at most, whatever the event flood.
+            index: IndexConfig { max_held_blocks: Some(16 << 20) },
+            scheduler: SchedulerConfig::default(),
+        }
+    }
+}
+
+impl RouterConfig {
+    /// Reads workers (and settings) from a TOML file: `block_size = 16` and `[[workers]]`
+    /// tables with the `--worker` keys.
+    pub fn from_toml_file(path: &Path) -> Result<Self, RouterError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| RouterError::Config(format!("reading {}: {e}", path.display())))?;
+        toml::from_str(&text).map_err(|e| RouterError::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// Checks what serde cannot: unique worker ids, usable endpoints.
+    pub fn validate(&self) -> Result<(), RouterError> {
+        let mut ids: Vec<_> = self.workers.iter().map(|w| w.id).collect();
+        ids.sort_unstable();
+        if let Some(dup) = ids.windows(2).find(|p| p[0] == p[1]) {
+            return Err(RouterError::Config(format!("worker id {} given twice", dup[0])));
+        }
+        for w in &self.workers {
+            for endpoint in [&w.events, &w.replay, &w.metrics].into_iter().flatten() {
+                if !endpoint.starts_with("tcp://") {
+                    return Err(RouterError::Config(format!(
+                        "worker {}: endpoint {endpoint:?} must be tcp://host:port",
+                        w.id
+                    )));
+                }
+            }
+            if let Some(bs) = w.block_size {
+                BlockSize::new(bs)
+                    .map_err(|e| RouterError::Config(format!("worker {}: {e}", w.id)))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_flags_parse_with_clear_errors() {
+        let w: WorkerSpec = "id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,dp_size=2"
+            .parse()
+            .unwrap();
+        assert_eq!(w.id, WorkerId(7));
+        assert_eq!(w.events.as_deref(), Some("tcp://127.0.0.1:5557"));
+        assert_eq!(
+            WorkerSpec::endpoint_for_rank("tcp://127.0.0.1:5557", 1).unwrap(),
+            "tcp://127.0.0.1:5558"
+        );
+        let err = "url=http://x".parse::<WorkerSpec>().unwrap_err().to_string();
+        assert!(err.contains("id is required"), "{err}");
+        let err = "id=1,colour=red".parse::<WorkerSpec>().unwrap_err().to_string();
+        assert!(err.contains("unknown key \"colour\""), "{err}");
+        assert!("id=x".parse::<WorkerSpec>().is_err());
+    }
+
+    #[test]
+    fn toml_has_the_same_keys() {
+        let config: RouterConfig = toml::from_str(
+            "block_size = 32\n[[workers]]\nid = 1\nevents = \"tcp://127.0.0.1:5557\"\n[[workers]]\nid = 2\nformat = \"trtllm-json\"\n",
+        )
+        .unwrap();
+        assert_eq!(config.block_size.get(), 32);
+        assert_eq!(config.workers[1].format, EventFormat::TrtllmJson);
+        config.validate().unwrap();
+        let dup = RouterConfig {
+            workers: vec![WorkerSpec::new(1), WorkerSpec::new(1)],
+            ..RouterConfig::default()
+        };
+        assert!(dup.validate().is_err());
+    }
+}

@@ -1,0 +1,118 @@
+//! kvroute's router service: subscribes to every worker's KV events (vLLM/SGLang ZMQ +
+//! msgpack, TensorRT-LLM dicts, kvroute JSON), keeps the sharded KV index and the scheduler,
+//! and answers "which worker?" over HTTP (SPEC sections 5, 8 and 10).
+//!
+//! ```text
+//!  workers' PUB sockets ──▶ subscriber tasks (one per rank) ──▶ RouterState { index, scheduler }
+//!  workers' load streams ─▶ metrics tasks ─────────────────────┘        ▲
+//!  HTTP clients / the front door ──▶ axum app (http.rs) ────────────────┘
+//! ```
+
+pub mod config;
+pub mod http;
+pub mod metrics;
+pub mod state;
+pub mod subscriber;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use config::{EventFormat, RouterConfig, WorkerSpec};
+use kvroute_core::{BlockSize, WorkerWithDpRank};
+use kvroute_wire::ConvertConfig;
+pub use state::{Placement, RouterState};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// Everything the router service can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouterError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("ZMQ: {0}")]
+    Zmq(#[from] zeromq::ZmqError),
+    #[error("replay: {0}")]
+    Replay(String),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Background tasks of a running router; dropping it stops them.
+#[derive(Debug, Default)]
+pub struct Tasks(Vec<JoinHandle<()>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// Starts the event and load subscriptions of every configured worker, and the reclaiming of
+/// requests whose end was never reported.
+pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> {
+    state.config.validate()?;
+    let mut tasks = Vec::new();
+    for spec in &state.config.workers {
+        let block_size = match spec.block_size {
+            Some(bs) => BlockSize::new(bs).map_err(|e| RouterError::Config(e.to_string()))?,
+            None => state.config.block_size,
+        };
+        let convert = ConvertConfig {
+            block_size,
+            image_token_id: spec.image_token_id,
+            vocab_size: spec.vocab_size,
+        };
+        if let Some(events) = &spec.events {
+            for rank in 0..spec.dp_size {
+                let sub = subscriber::Subscription {
+                    worker: WorkerWithDpRank::new(spec.id, rank),
+                    endpoint: WorkerSpec::endpoint_for_rank(events, rank)?,
+                    replay: spec
+                        .replay
+                        .as_deref()
+                        .map(|r| WorkerSpec::endpoint_for_rank(r, rank))
+                        .transpose()?,
+                    format: spec.format,
+                    convert,
+                };
+                tasks.push(tokio::spawn(subscriber::run(Arc::clone(state), sub)));
+            }
+        }
+        if let Some(metrics) = &spec.metrics {
+            tasks.push(tokio::spawn(subscriber::run_metrics(
+                Arc::clone(state),
+                spec.id,
+                metrics.clone(),
+            )));
+        }
+    }
+    let reclaim = Arc::clone(state);
+    tasks.push(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            tick.tick().await;
+            let n = reclaim.reclaim_stale();
+            if n > 0 {
+                tracing::warn!(
+                    requests = n,
+                    "reclaimed in-flight requests whose end was never reported"
+                );
+            }
+        }
+    }));
+    Ok(Tasks(tasks))
+}
+
+/// Serves the HTTP API on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<RouterState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RouterError> {
+    axum::serve(listener, http::app(state)).with_graceful_shutdown(shutdown).await?;
+    Ok(())
+}

@@ -1,0 +1,298 @@
+//! The event plane: one task per worker rank subscribing to its KV events, and one per load
+//! stream.
+//!
+//! ```text
+//!  engine PUB ──[topic, seq, batch]──▶ SUB task ──decode──▶ Converter ──▶ RouterState::apply
+//!        ▲                                │ seq jumped?
+//!  engine ROUTER ◀──["", from_seq]── DEALER (replay): ["", topic, seq, batch]... until seq = 2^64-1
+//! ```
+//!
+//! Each task applies its worker's batches in sequence order, so per-worker ordering holds.
+//! A jump in sequence numbers is a gap: the missed batches are asked of the replay endpoint
+//! when there is one (else the gap is counted and logged). A sequence number going back to 0
+//! is a restarted engine, whose cache is empty: its blocks are cleared. Lost connections are
+//! retried with capped exponential backoff; undecodable messages are counted and skipped.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvroute_core::schedule::WorkerLoad;
+use kvroute_core::{KvCacheEvent, KvCacheEventData, RouterEvent, WorkerWithDpRank};
+use kvroute_wire::vllm::{decode_batch, split_frames};
+use kvroute_wire::{ConvertConfig, Converter, decode_router_events, trtllm};
+use serde::Deserialize;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use crate::RouterError;
+use crate::config::EventFormat;
+use crate::state::RouterState;
+
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Sequence number that ends a replay.
+const END_OF_REPLAY: u64 = u64::MAX;
+
+/// One rank's KV event stream.
+#[derive(Clone, Debug)]
+pub struct Subscription {
+    pub worker: WorkerWithDpRank,
+    pub endpoint: String,
+    pub replay: Option<String>,
+    pub format: EventFormat,
+    pub convert: ConvertConfig,
+}
+
+/// Subscribes forever, reconnecting with capped backoff.
+pub async fn run(state: Arc<RouterState>, sub: Subscription) {
+    let mut backoff = Duration::from_millis(50);
+    let mut stream =
+        Stream { converter: Converter::new(sub.convert), last: None, connected: false };
+    loop {
+        if let Err(err) = run_once(&state, &sub, &mut stream).await {
+            tracing::debug!(worker = %sub.worker, endpoint = %sub.endpoint, %err, "event stream down");
+        }
+        if std::mem::take(&mut stream.connected) {
+            backoff = Duration::from_millis(50); // it was up: retry soon
+        }
+        state.set_connection(sub.worker, false, None);
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// What survives reconnections: the converter's counters and the last sequence number.
+struct Stream {
+    converter: Converter,
+    last: Option<u64>,
+    connected: bool,
+}
+
+async fn run_once(
+    state: &RouterState,
+    sub: &Subscription,
+    stream: &mut Stream,
+) -> Result<(), RouterError> {
+    let mut socket = SubSocket::new();
+    socket.connect(&sub.endpoint).await?;
+    socket.subscribe("").await?;
+    stream.connected = true;
+    state.set_connection(sub.worker, true, stream.last);
+    tracing::info!(worker = %sub.worker, endpoint = %sub.endpoint, "subscribed to KV events");
+    loop {
+        let message = socket.recv().await?;
+        let frames: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
+        match sub.format {
+            EventFormat::Vllm => handle_vllm(state, sub, stream, &frames).await,
+            _ => handle_other(state, sub, stream, &frames),
+        }
+    }
+}
+
+async fn handle_vllm(
+    state: &RouterState,
+    sub: &Subscription,
+    stream: &mut Stream,
+    frames: &[Vec<u8>],
+) {
+    let Ok((_, seq, payload)) = split_frames(frames) else {
+        state.metrics.garbage.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    match stream.last {
+        Some(last) if seq == last.wrapping_add(1) => {}
+        Some(_) if seq == 0 => {
+            // The publisher restarted: its cache is new, so is ours for it.
+            state.metrics.restarts.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(worker = %sub.worker, "publisher restarted; clearing its blocks");
+            let clear = RouterEvent {
+                worker_id: sub.worker.worker_id,
+                event: KvCacheEvent {
+                    event_id: 0,
+                    data: KvCacheEventData::Cleared,
+                    dp_rank: sub.worker.dp_rank,
+                },
+            };
+            state.apply(&[clear]);
+        }
+        Some(last) if seq <= last => return, // a duplicate (e.g. already replayed)
+        last => {
+            let from = last.map_or(0, |l| l + 1);
+            if seq > from {
+                recover(state, sub, stream, from, seq).await;
+            }
+        }
+    }
+    apply_batch(state, sub, stream, seq, payload);
+}
+
+/// Batches `from..until` went missing: replay them if the engine keeps them.
+async fn recover(
+    state: &RouterState,
+    sub: &Subscription,
+    stream: &mut Stream,
+    from: u64,
+    until: u64,
+) {
+    let first_contact = stream.last.is_none();
+    if !first_contact {
+        state.metrics.gaps.fetch_add(1, Ordering::Relaxed);
+    }
+    let Some(endpoint) = &sub.replay else {
+        if !first_contact {
+            tracing::warn!(worker = %sub.worker, from, until, "missed KV event batches and no replay endpoint");
+        }
+        return;
+    };
+    state.metrics.replays.fetch_add(1, Ordering::Relaxed);
+    match tokio::time::timeout(REPLAY_TIMEOUT * 2, replay(endpoint, from, until)).await {
+        Ok(Ok(batches)) => {
+            tracing::info!(worker = %sub.worker, from, until, got = batches.len(), "replayed missed batches");
+            for (seq, payload) in batches {
+                state.metrics.replayed_batches.fetch_add(1, Ordering::Relaxed);
+                apply_batch(state, sub, stream, seq, &payload);
+            }
+        }
+        Ok(Err(err)) => tracing::warn!(worker = %sub.worker, %err, "replay failed"),
+        Err(_) => tracing::warn!(worker = %sub.worker, "replay timed out"),
+    }
+}
+
+fn apply_batch(
+    state: &RouterState,
+    sub: &Subscription,
+    stream: &mut Stream,
+    seq: u64,
+    payload: &[u8],
+) {
+    stream.last = Some(seq);
+    let batch = match decode_batch(payload) {
+        Ok(batch) => batch,
+        Err(err) => {
+            state.metrics.garbage.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(worker = %sub.worker, seq, %err, "undecodable batch");
+            return;
+        }
+    };
+    let rank = batch.dp_rank.map_or(sub.worker.dp_rank, Into::into);
+    let events: Vec<RouterEvent> = stream
+        .converter
+        .vllm_batch(&batch, seq)
+        .into_iter()
+        .map(|mut event| {
+            event.dp_rank = rank;
+            RouterEvent { worker_id: sub.worker.worker_id, event }
+        })
+        .collect();
+    state.apply(&events);
+    state.set_connection(sub.worker, true, Some(seq));
+}
+
+fn handle_other(state: &RouterState, sub: &Subscription, stream: &mut Stream, frames: &[Vec<u8>]) {
+    let Some(payload) = frames.last() else { return };
+    let events: Result<Vec<RouterEvent>, _> = match sub.format {
+        EventFormat::TrtllmJson | EventFormat::TrtllmMsgpack => {
+            let decoded = match sub.format {
+                EventFormat::TrtllmJson => trtllm::decode_json(payload),
+                _ => trtllm::decode_msgpack(payload),
+            };
+            decoded.map(|events| {
+                events
+                    .iter()
+                    .filter_map(|e| stream.converter.trtllm_event(e))
+                    .map(|mut event| {
+                        if event.dp_rank.0 == 0 {
+                            event.dp_rank = sub.worker.dp_rank;
+                        }
+                        RouterEvent { worker_id: sub.worker.worker_id, event }
+                    })
+                    .collect()
+            })
+        }
+        _ => decode_router_events(payload),
+    };
+    match events {
+        Ok(events) => {
+            state.apply(&events);
+        }
+        Err(err) => {
+            state.metrics.garbage.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(worker = %sub.worker, %err, "undecodable message");
+        }
+    }
+}
+
+/// Asks a replay endpoint for batches from `from` on; returns those before `until`.
+pub async fn replay(
+    endpoint: &str,
+    from: u64,
+    until: u64,
+) -> Result<Vec<(u64, Vec<u8>)>, RouterError> {
+    let mut dealer = DealerSocket::new();
+    dealer.connect(endpoint).await?;
+    let mut request = ZmqMessage::from(Vec::<u8>::new());
+    request.push_back(from.to_be_bytes().to_vec().into());
+    dealer.send(request).await?;
+    let mut out = Vec::new();
+    loop {
+        let reply = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
+            .await
+            .map_err(|_| RouterError::Replay("no reply in time".into()))??;
+        let frames: Vec<Vec<u8>> = reply.into_vec().into_iter().map(|b| b.to_vec()).collect();
+        // ["", topic, seq, payload] (vLLM >= 0.26) or ["", seq, payload].
+        let rest = match frames.split_first() {
+            Some((empty, rest)) if empty.is_empty() => rest,
+            _ => &frames[..],
+        };
+        let (_, seq, payload) = split_frames(rest)
+            .map_err(|e| RouterError::Replay(format!("bad replay frame: {e}")))?;
+        if seq == END_OF_REPLAY {
+            return Ok(out);
+        }
+        if seq >= from && seq < until {
+            out.push((seq, payload.to_vec()));
+        }
+    }
+}
+
+/// SPEC section 9's load report.
+#[derive(Debug, Deserialize)]
+struct LoadReport {
+    #[serde(flatten)]
+    load: WorkerLoad,
+    #[serde(default)]
+    dp_rank: u32,
+}
+
+/// Subscribes forever to a worker's load-metrics stream (JSON messages, last frame).
+pub async fn run_metrics(
+    state: Arc<RouterState>,
+    worker: kvroute_core::WorkerId,
+    endpoint: String,
+) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let result: Result<(), RouterError> = async {
+            let mut socket = SubSocket::new();
+            socket.connect(&endpoint).await?;
+            socket.subscribe("").await?;
+            backoff = Duration::from_millis(50);
+            loop {
+                let message = socket.recv().await?;
+                let Some(payload) = message.into_vec().pop() else { continue };
+                match serde_json::from_slice::<LoadReport>(&payload) {
+                    Ok(r) => state.update_load(WorkerWithDpRank::new(worker, r.dp_rank), r.load),
+                    Err(_) => {
+                        state.metrics.garbage.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        .await;
+        if let Err(err) = result {
+            tracing::debug!(%worker, %endpoint, %err, "load stream down");
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}

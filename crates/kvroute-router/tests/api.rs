@@ -1,0 +1,216 @@
+//! The router's HTTP API through `app(state).oneshot(..)`: the seed's standalone-router flows,
+//! the request lifecycle and the error cases.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use kvroute_core::{
+    BlockExtraInfo, BlockHasher, BlockSize, LocalBlockHash, RequestExtraInfo, RequestMmObjectInfo,
+    sequence_hashes,
+};
+use kvroute_router::{RouterConfig, RouterState, WorkerSpec, http::app};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+fn state(workers: &[u64]) -> Arc<RouterState> {
+    let config = RouterConfig {
+        workers: workers.iter().map(|&id| WorkerSpec::new(id)).collect(),
+        ..RouterConfig::default()
+    };
+    Arc::new(RouterState::new(config))
+}
+
+async fn call(
+    state: &Arc<RouterState>,
+    method: Method,
+    uri: &str,
+    body: Option<String>,
+) -> (StatusCode, Value) {
+    let mut req = Request::builder().method(method).uri(uri);
+    if body.is_some() {
+        req = req.header("content-type", "application/json");
+    }
+    let req = req.body(body.map_or_else(Body::empty, Body::from)).unwrap();
+    let resp = app(Arc::clone(state)).oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let value = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, value)
+}
+
+const IMAGE_PAD: u32 = 151_655;
+
+/// A chat-like prompt: `text` tokens, then an image of 64 pad tokens named `image`, then more text.
+fn prompt(text: u32, image: Option<u64>, tail: u32) -> (Vec<u32>, Option<RequestExtraInfo>) {
+    let mut tokens: Vec<u32> = (0..64).map(|t| t + text * 1000).collect();
+    let info = image.map(|mm_hash| {
+        tokens.extend([IMAGE_PAD; 64]);
+        RequestExtraInfo {
+            mm_objects: vec![RequestMmObjectInfo { mm_hash, offsets: vec![(64, 128)] }],
+        }
+    });
+    tokens.extend((0..tail).map(|t| t + 500_000));
+    (tokens, info)
+}
+
+fn hashes(tokens: &[u32], info: Option<&RequestExtraInfo>) -> Vec<LocalBlockHash> {
+    let bs = BlockSize::new(16).unwrap();
+    let blocks: Option<Vec<Option<BlockExtraInfo>>> =
+        info.map(|i| i.to_block_level(bs, tokens.len()));
+    BlockHasher::new(bs).local_hashes(tokens, blocks.as_deref())
+}
+
+/// Worker `worker` reports storing these blocks (engine hashes = sequence hashes, as vLLM's are).
+async fn store(state: &Arc<RouterState>, worker: u64, local: &[LocalBlockHash]) {
+    let seq = sequence_hashes(local);
+    let blocks: Vec<Value> = local
+        .iter()
+        .zip(&seq)
+        .map(|(l, s)| json!({"block_hash": s.0, "tokens_hash": l.0, "mm_extra_info": null}))
+        .collect();
+    let events = json!([{"worker_id": worker, "event": {"event_id": 1, "data": {"stored": {"parent_hash": null, "blocks": blocks}}}}]);
+    let (status, body) = call(state, Method::POST, "/events", Some(events.to_string())).await;
+    assert_eq!((status, body["applied"].as_u64()), (StatusCode::OK, Some(1)));
+}
+
+async fn best(state: &Arc<RouterState>, local: &[LocalBlockHash], tokens: usize) -> Value {
+    let body = json!({"local_hashes": local.iter().map(|l| l.0).collect::<Vec<_>>(), "num_tokens": tokens});
+    let (status, value) =
+        call(state, Method::POST, "/find_best_worker", Some(body.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{value}");
+    value
+}
+
+#[tokio::test]
+async fn standalone_router_flows() {
+    let state = state(&[1, 2]);
+    let (tokens, _) = prompt(1, None, 64);
+    let local = hashes(&tokens, None);
+    store(&state, 2, &local).await;
+
+    // Same prompt again: a full match, on the worker that holds it.
+    let r = best(&state, &local, tokens.len()).await;
+    assert_eq!((r["worker_id"].as_u64(), r["overlap_blocks"].as_u64()), (Some(2), Some(8)));
+    assert_eq!(r["overlap"].as_f64(), Some(1.0));
+
+    // A longer prompt with the same start: a partial match.
+    let (longer, _) = prompt(1, None, 128);
+    let r = best(&state, &hashes(&longer, None), longer.len()).await;
+    assert_eq!((r["worker_id"].as_u64(), r["overlap_blocks"].as_u64()), (Some(2), Some(8)));
+    assert!(r["overlap"].as_f64().unwrap() < 1.0);
+
+    // Unrelated: no match.
+    let (other, _) = prompt(9, None, 64);
+    assert_eq!(
+        best(&state, &hashes(&other, None), other.len()).await["overlap_blocks"].as_u64(),
+        Some(0)
+    );
+
+    // Same text, different image: nothing past the text before the image.
+    let (with_a, info_a) = prompt(3, Some(0xAAAA), 32);
+    store(&state, 1, &hashes(&with_a, info_a.as_ref())).await;
+    let (with_b, info_b) = prompt(3, Some(0xBBBB), 32);
+    let r = best(&state, &hashes(&with_b, info_b.as_ref()), with_b.len()).await;
+    assert_eq!(r["overlap_blocks"].as_u64(), Some(4), "the 64 text tokens only: {r}");
+    let r = best(&state, &hashes(&with_a, info_a.as_ref()), with_a.len()).await;
+    assert_eq!((r["worker_id"].as_u64(), r["overlap_blocks"].as_u64()), (Some(1), Some(10)));
+
+    let (status, info) = call(&state, Method::GET, "/debug/tree_info", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(info["num_blocks"].as_u64(), Some(8 + 10));
+    assert!(!info["events"].as_array().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn inject_event_and_request_lifecycle() {
+    let state = state(&[]);
+    for (hash, parent) in [(11u64, None), (12, Some(11u64))] {
+        let body = json!({"worker_id": 5, "tokens_hash": hash, "parent_hash": parent});
+        let (status, _) =
+            call(&state, Method::POST, "/debug/inject_event", Some(body.to_string())).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    let body = json!({"local_hashes": [11, 12, 13], "num_tokens": 48, "request_id": "r1"});
+    let (status, r) = call(&state, Method::POST, "/find_best_worker", Some(body.to_string())).await;
+    assert_eq!(
+        (status, r["worker_id"].as_u64(), r["overlap_blocks"].as_u64()),
+        (StatusCode::OK, Some(5), Some(2))
+    );
+    let (_, workers) = call(&state, Method::GET, "/workers", None).await;
+    assert_eq!(workers["in_flight"].as_u64(), Some(1));
+    assert_eq!(
+        call(&state, Method::POST, "/requests/r1/prefill_done", None).await.0,
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(call(&state, Method::DELETE, "/requests/r1", None).await.0, StatusCode::NO_CONTENT);
+    assert_eq!(call(&state, Method::DELETE, "/requests/r1", None).await.0, StatusCode::NOT_FOUND);
+    let (_, workers) = call(&state, Method::GET, "/workers", None).await;
+    assert_eq!(workers["in_flight"].as_u64(), Some(0));
+    assert_eq!(workers["workers"][0]["tree_size"][0].as_u64(), Some(2));
+
+    let (status, text) = call(&state, Method::GET, "/metrics", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let text = text.as_str().unwrap();
+    assert!(
+        text.contains("kvroute_router_events_total{kind=\"stored\",status=\"ok\"} 2"),
+        "{text}"
+    );
+    assert!(text.contains("kvroute_router_decision_seconds_count 1"));
+    assert!(
+        text.contains("kvroute_router_worker_decisions_total{worker_id=\"5\",dp_rank=\"0\"} 1")
+    );
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_shaped_errors() {
+    let state = state(&[1]);
+    let cases = [
+        (Method::POST, "/find_best_worker", Some("{not json".to_owned()), StatusCode::BAD_REQUEST),
+        (
+            Method::POST,
+            "/find_best_worker",
+            Some(r#"{"local_hashes":[1],"num_tokens":0}"#.to_owned()),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            Method::POST,
+            "/find_best_worker",
+            Some(r#"{"local_hashes":[1],"num_tokens":-5}"#.to_owned()),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            Method::POST,
+            "/find_best_worker",
+            Some(r#"{"local_hashes":"x","num_tokens":5}"#.to_owned()),
+            StatusCode::BAD_REQUEST,
+        ),
+        (Method::POST, "/events", Some(r#"[{"worker_id":1}]"#.to_owned()), StatusCode::BAD_REQUEST),
+        (
+            Method::POST,
+            "/debug/inject_event",
+            Some(r#"{"worker_id":1,"tokens_hash":1,"parent_hash":99}"#.to_owned()),
+            StatusCode::BAD_REQUEST,
+        ),
+        (Method::GET, "/nope", None, StatusCode::NOT_FOUND),
+    ];
+    for (method, uri, body, want) in cases {
+        let (status, value) = call(&state, method, uri, body.clone()).await;
+        assert_eq!(status, want, "{uri} {body:?}: {value}");
+        assert!(value["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{value}");
+        assert_eq!(value["error"]["code"].as_u64(), Some(u64::from(want.as_u16())));
+    }
+    let empty = self::state(&[]);
+    let (status, value) = call(
+        &empty,
+        Method::POST,
+        "/find_best_worker",
+        Some(r#"{"local_hashes":[1],"num_tokens":5}"#.into()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{value}");
+}
