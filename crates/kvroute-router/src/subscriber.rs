@@ -79,6 +79,13 @@ async fn run_once(
     stream.connected = true;
     state.set_connection(sub.worker, true, stream.last);
     tracing::info!(worker = %sub.worker, endpoint = %sub.endpoint, "subscribed to KV events");
+    // Whatever was published before the subscription took effect (ZMQ drops it: the slow
+    // joiner), or while we were away, comes from the replay endpoint if there is one. Live
+    // batches already queued behind it are recognised by their sequence numbers.
+    if sub.replay.is_some() {
+        let from = stream.last.map_or(0, |l| l + 1);
+        recover(state, sub, stream, from, END_OF_REPLAY, false).await;
+    }
     loop {
         let message = socket.recv().await?;
         let frames: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
@@ -119,27 +126,28 @@ async fn handle_vllm(
         last => {
             let from = last.map_or(0, |l| l + 1);
             if seq > from {
-                recover(state, sub, stream, from, seq).await;
+                recover(state, sub, stream, from, seq, last.is_some()).await;
             }
         }
     }
     apply_batch(state, sub, stream, seq, payload);
 }
 
-/// Batches `from..until` went missing: replay them if the engine keeps them.
+/// Batches `from..until` went missing (`gap`: between two we saw): replay them if the engine
+/// keeps them.
 async fn recover(
     state: &RouterState,
     sub: &Subscription,
     stream: &mut Stream,
     from: u64,
     until: u64,
+    gap: bool,
 ) {
-    let first_contact = stream.last.is_none();
-    if !first_contact {
+    if gap {
         state.metrics.gaps.fetch_add(1, Ordering::Relaxed);
     }
     let Some(endpoint) = &sub.replay else {
-        if !first_contact {
+        if gap {
             tracing::warn!(worker = %sub.worker, from, until, "missed KV event batches and no replay endpoint");
         }
         return;
@@ -149,6 +157,9 @@ async fn recover(
         Ok(Ok(batches)) => {
             tracing::info!(worker = %sub.worker, from, until, got = batches.len(), "replayed missed batches");
             for (seq, payload) in batches {
+                if stream.last.is_some_and(|l| seq <= l) {
+                    continue;
+                }
                 state.metrics.replayed_batches.fetch_add(1, Ordering::Relaxed);
                 apply_batch(state, sub, stream, seq, &payload);
             }
@@ -165,15 +176,16 @@ fn apply_batch(
     seq: u64,
     payload: &[u8],
 ) {
-    stream.last = Some(seq);
     let batch = match decode_batch(payload) {
         Ok(batch) => batch,
         Err(err) => {
+            // Not consumed: to us the batch is missing, and the next one will ask for it again.
             state.metrics.garbage.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(worker = %sub.worker, seq, %err, "undecodable batch");
             return;
         }
     };
+    stream.last = Some(seq);
     let rank = batch.dp_rank.map_or(sub.worker.dp_rank, Into::into);
     let events: Vec<RouterEvent> = stream
         .converter
