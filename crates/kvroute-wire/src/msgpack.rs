@@ -17,6 +17,9 @@ pub enum Value {
     Str(String),
     Bin(Vec<u8>),
     Array(Vec<Value>),
+    /// An array whose items are all integers (token ids, block hashes), read without a `Value`
+    /// per item: the hot path of every KV event.
+    Ints(Vec<i128>),
     Map(Vec<(Value, Value)>),
     /// An extension type, kept opaque.
     Ext(i8, Vec<u8>),
@@ -35,6 +38,20 @@ impl Value {
             Self::Array(a) => Some(a),
             _ => None,
         }
+    }
+
+    /// The items of an array of integers, however it was read.
+    pub fn as_ints(&self) -> Option<Vec<i128>> {
+        match self {
+            Self::Ints(v) => Some(v.clone()),
+            Self::Array(a) => a.iter().map(Value::as_int).collect(),
+            _ => None,
+        }
+    }
+
+    /// Whether this is an array (of any items).
+    pub fn is_array(&self) -> bool {
+        matches!(self, Self::Array(_) | Self::Ints(_))
     }
 
     pub fn as_int(&self) -> Option<i128> {
@@ -73,6 +90,7 @@ impl Value {
             Self::Str(s) => J::String(s.clone()),
             Self::Bin(b) => J::Array(b.iter().map(|&x| J::from(x)).collect()),
             Self::Array(a) => J::Array(a.iter().map(Value::to_json).collect()),
+            Self::Ints(v) => J::Array(v.iter().map(|&i| Self::Int(i).to_json()).collect()),
             Self::Map(m) => J::Object(
                 m.iter()
                     .map(|(k, v)| {
@@ -146,6 +164,23 @@ impl Reader<'_> {
 
     fn array(&mut self, n: usize, depth: usize) -> Result<Value, WireError> {
         let n = self.count(n, 1)?;
+        if n > 0 && self.bytes.get(self.pos).is_some_and(|&m| is_int_marker(m)) {
+            let start = self.pos;
+            let mut ints = Vec::with_capacity(n);
+            for _ in 0..n {
+                match self.bytes.get(self.pos) {
+                    Some(&m) if is_int_marker(m) => match self.value(depth + 1)? {
+                        Value::Int(i) => ints.push(i),
+                        _ => unreachable!("an integer marker reads an integer"),
+                    },
+                    _ => break,
+                }
+            }
+            if ints.len() == n {
+                return Ok(Value::Ints(ints));
+            }
+            self.pos = start; // mixed items: read them the general way
+        }
         let mut items = Vec::with_capacity(n);
         for _ in 0..n {
             items.push(self.value(depth + 1)?);
@@ -217,6 +252,10 @@ impl Reader<'_> {
             0xc1 => return Err(WireError::Msgpack("reserved marker 0xc1")),
         })
     }
+}
+
+fn is_int_marker(m: u8) -> bool {
+    matches!(m, 0x00..=0x7f | 0xcc..=0xd3 | 0xe0..=0xff)
 }
 
 /// Appends MessagePack to a buffer, choosing the shortest form as msgspec does.
@@ -366,8 +405,7 @@ mod tests {
             w.uint(u);
             w.int(i);
             let v = decode(&w.buf).unwrap();
-            prop_assert_eq!(v.as_array().unwrap()[0].as_int(), Some(i128::from(u)));
-            prop_assert_eq!(v.as_array().unwrap()[1].as_int(), Some(i128::from(i)));
+            prop_assert_eq!(v.as_ints(), Some(vec![i128::from(u), i128::from(i)]));
         }
     }
 }

@@ -111,6 +111,7 @@ fn decode_event(value: &Value) -> EngineEvent {
             Some(kind) => (kind, Fields::Map(value)),
             None => return EngineEvent::Malformed { reason: "event map without a type" },
         },
+        Value::Ints(_) => return EngineEvent::Malformed { reason: "event array without a tag" },
         Value::Array(items) => match items.first().and_then(Value::as_str) {
             Some(kind) => (kind, Fields::Array(items)),
             None => return EngineEvent::Malformed { reason: "event array without a tag" },
@@ -157,10 +158,10 @@ fn stored(f: &Fields<'_>) -> Result<BlockStored, &'static str> {
         },
         token_ids: f
             .get("token_ids", tokens)
-            .and_then(Value::as_array)
+            .and_then(Value::as_ints)
             .ok_or("token_ids")?
-            .iter()
-            .map(|t| t.as_int().and_then(|i| u64::try_from(i).ok()))
+            .into_iter()
+            .map(|i| u64::try_from(i).ok())
             .collect::<Option<_>>()
             .ok_or("token_ids")?,
         block_size: f
@@ -205,7 +206,10 @@ fn removed(f: &Fields<'_>) -> Result<BlockRemoved, &'static str> {
 }
 
 fn hash_list(v: Option<&Value>) -> Option<Vec<u64>> {
-    v?.as_array()?.iter().map(block_hash).collect()
+    match v? {
+        Value::Ints(ints) => ints.iter().map(|&i| block_hash(&Value::Int(i))).collect(),
+        other => other.as_array()?.iter().map(block_hash).collect(),
+    }
 }
 
 /// A block hash as u64: unsigned as is, signed as its bits, bytes as their last 8, big-endian.

@@ -1,0 +1,75 @@
+//! Other streams over real ZMQ sockets on 127.0.0.1 (a Rust PUB here): load reports, and
+//! TensorRT-LLM and kvroute-JSON event formats.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::WorkerWithDpRank;
+use kvroute_router::{EventFormat, RouterConfig, RouterState, WorkerSpec};
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+async fn bound_pub() -> (PubSocket, String) {
+    let mut socket = PubSocket::new();
+    let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    (socket, endpoint)
+}
+
+/// Sends `payload` until `done` holds (a PUB drops what it sends before the subscription is
+/// up), at most 10 s.
+async fn send_until(socket: &mut PubSocket, payload: &[u8], done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "the router never took {}",
+            String::from_utf8_lossy(payload)
+        );
+        socket.send(ZmqMessage::from(payload.to_vec())).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_reports_trtllm_and_kvroute_json_streams() {
+    let (mut metrics, metrics_endpoint) = bound_pub().await;
+    let (mut trt, trt_endpoint) = bound_pub().await;
+    let (mut native, native_endpoint) = bound_pub().await;
+    let mut w1 = WorkerSpec::new(1);
+    w1.metrics = Some(metrics_endpoint);
+    w1.events = Some(trt_endpoint);
+    w1.format = EventFormat::TrtllmJson;
+    w1.block_size = Some(4);
+    let mut w2 = WorkerSpec::new(2);
+    w2.events = Some(native_endpoint);
+    w2.format = EventFormat::Kvroute;
+    let state = Arc::new(RouterState::new(RouterConfig {
+        workers: vec![w1, w2],
+        ..RouterConfig::default()
+    }));
+    let _tasks = kvroute_router::spawn_background(&state).unwrap();
+
+    let report = br#"{"num_waiting_reqs": 3, "kv_cache_usage": 0.5, "num_running_reqs": 7, "kv_total_blocks": 1000, "dp_rank": 0, "extra": 1}"#;
+    send_until(&mut metrics, report, || state.workers()[0].load[0].is_some()).await;
+    let load = state.workers()[0].load[0].unwrap();
+    assert_eq!(
+        (load.kv_cache_usage, load.num_running_reqs, load.kv_total_blocks),
+        (Some(0.5), Some(7), Some(1000))
+    );
+
+    let stored = br#"[{"event_id": 1, "data": {"type": "stored", "parent_hash": null, "blocks": [
+        {"type": "stored_block", "block_hash": 9001, "tokens": [{"type": "unique_token", "token_id": 1, "token_extra_id": 0},
+         {"type": "unique_token", "token_id": 2, "token_extra_id": 0}, {"type": "unique_token", "token_id": 3, "token_extra_id": 0},
+         {"type": "unique_token", "token_id": 4, "token_extra_id": 0}], "cache_level": 0, "priority": 35, "mm_keys": []}]}, "window_size": 64}]"#;
+    let w = WorkerWithDpRank::new(1u64, 0u32);
+    send_until(&mut trt, stored, || state.index.tree_size(w) == 1).await;
+
+    let native_event = br#"{"worker_id": 2, "event": {"event_id": 1, "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": 5, "tokens_hash": 77}]}}}}"#;
+    let w = WorkerWithDpRank::new(2u64, 0u32);
+    send_until(&mut native, native_event, || state.index.tree_size(w) == 1).await;
+    send_until(&mut native, b"not json", || {
+        !state.render_metrics().contains("undecodable_messages_total 0")
+    })
+    .await;
+}
