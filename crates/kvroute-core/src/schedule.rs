@@ -308,11 +308,32 @@ pub struct RouteDecision {
 pub struct Scheduler {
     config: SchedulerConfig,
     policy: Box<dyn Policy>,
-    workers: Vec<WorkerWithDpRank>,
-    loads: rustc_hash::FxHashMap<WorkerWithDpRank, WorkerLoad>,
-    speeds: rustc_hash::FxHashMap<WorkerWithDpRank, f64>,
+    /// Candidates, sorted by worker, with what they report and what was learned of them.
+    workers: Vec<WorkerEntry>,
+    ids: Vec<WorkerWithDpRank>,
     active: ActiveSequences,
     rng: Rng,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct WorkerEntry {
+    worker: WorkerWithDpRank,
+    load: WorkerLoad,
+    prefill_tokens_per_s: f64,
+}
+
+/// Looks workers up, in increasing order, in a list sorted by worker: one pass for all of them
+/// instead of a search each.
+fn cursor<T: Copy>(
+    list: &[(WorkerWithDpRank, T)],
+) -> impl FnMut(WorkerWithDpRank) -> Option<T> + '_ {
+    let mut i = 0;
+    move |w| {
+        while i < list.len() && list[i].0 < w {
+            i += 1;
+        }
+        (i < list.len() && list[i].0 == w).then(|| list[i].1)
+    }
 }
 
 impl Scheduler {
@@ -321,8 +342,7 @@ impl Scheduler {
             policy: config.policy.build(&config),
             config,
             workers: Vec::new(),
-            loads: Default::default(),
-            speeds: Default::default(),
+            ids: Vec::new(),
             active: ActiveSequences::new(),
             rng: Rng::new(config.seed),
         }
@@ -338,24 +358,38 @@ impl Scheduler {
 
     /// Makes a cache a candidate.
     pub fn add_worker(&mut self, worker: WorkerWithDpRank) {
-        if let Err(at) = self.workers.binary_search(&worker) {
-            self.workers.insert(at, worker);
+        if let Err(at) = self.ids.binary_search(&worker) {
+            self.ids.insert(at, worker);
+            let entry = WorkerEntry {
+                worker,
+                load: WorkerLoad::default(),
+                prefill_tokens_per_s: self.config.kv.prefill_tokens_per_s,
+            };
+            self.workers.insert(at, entry);
         }
     }
 
     pub fn remove_worker(&mut self, worker: WorkerWithDpRank) {
-        self.workers.retain(|w| *w != worker);
-        self.loads.remove(&worker);
-        self.speeds.remove(&worker);
+        if let Ok(at) = self.ids.binary_search(&worker) {
+            self.ids.remove(at);
+            self.workers.remove(at);
+        }
         self.active.remove_worker(worker);
     }
 
     pub fn workers(&self) -> &[WorkerWithDpRank] {
-        &self.workers
+        &self.ids
     }
 
+    fn entry(&mut self, worker: WorkerWithDpRank) -> Option<&mut WorkerEntry> {
+        self.ids.binary_search(&worker).ok().map(|at| &mut self.workers[at])
+    }
+
+    /// Records a worker's load report (ignored for a worker that is not a candidate).
     pub fn update_load(&mut self, worker: WorkerWithDpRank, load: WorkerLoad) {
-        self.loads.insert(worker, load);
+        if let Some(entry) = self.entry(worker) {
+            entry.load = load;
+        }
     }
 
     pub fn active(&self) -> &ActiveSequences {
@@ -397,23 +431,29 @@ impl Scheduler {
         scores: &OverlapScores,
         sizes: &dyn TreeSizes,
     ) -> Vec<Candidate> {
-        let inflight = self.active.inflight_prefix(local);
-        let default_speed = self.config.kv.prefill_tokens_per_s;
-        let all: Vec<Candidate> = self
+        let inflight = match self.active.is_empty() {
+            true => OverlapScores::default(),
+            false => self.active.inflight_prefix(local),
+        };
+        let (mut overlap, mut inflight_prefix) = (cursor(&scores.scores), cursor(&inflight.scores));
+        let mut tree_size = cursor(&scores.tree_sizes);
+        let mut all: Vec<Candidate> = self
             .workers
             .iter()
-            .map(|&worker| Candidate {
-                worker,
-                overlap_blocks: scores.score(worker),
-                inflight_prefix_blocks: inflight.score(worker),
-                tree_size: scores.tree_size(worker).unwrap_or_else(|| sizes.tree_size(worker)),
-                active: self.active.load(worker),
-                load: self.loads.get(&worker).copied().unwrap_or_default(),
-                prefill_tokens_per_s: self.speeds.get(&worker).copied().unwrap_or(default_speed),
+            .map(|e| Candidate {
+                worker: e.worker,
+                overlap_blocks: overlap(e.worker).unwrap_or(0),
+                inflight_prefix_blocks: inflight_prefix(e.worker).unwrap_or(0),
+                tree_size: tree_size(e.worker).unwrap_or_else(|| sizes.tree_size(e.worker)),
+                active: self.active.load(e.worker),
+                load: e.load,
+                prefill_tokens_per_s: e.prefill_tokens_per_s,
             })
             .collect();
-        let idle: Vec<Candidate> = all.iter().copied().filter(|c| !self.is_busy(c)).collect();
-        if idle.is_empty() { all } else { idle }
+        if all.iter().any(|c| !self.is_busy(c)) {
+            all.retain(|c| !self.is_busy(c));
+        }
+        all
     }
 
     fn is_busy(&self, c: &Candidate) -> bool {
@@ -450,9 +490,10 @@ impl Scheduler {
         if tokens >= self.config.block_size.tokens() && elapsed > 0.0 {
             let observed = tokens as f64 / elapsed;
             let alpha = self.config.kv.speed_learning_rate;
-            let default = self.config.kv.prefill_tokens_per_s;
-            let speed = self.speeds.entry(worker).or_insert(default);
-            *speed = (1.0 - alpha) * *speed + alpha * observed;
+            if let Some(entry) = self.entry(worker) {
+                entry.prefill_tokens_per_s =
+                    (1.0 - alpha) * entry.prefill_tokens_per_s + alpha * observed;
+            }
         }
     }
 
