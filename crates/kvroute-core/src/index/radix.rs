@@ -233,6 +233,13 @@ impl RadixIndex {
 
     /// How many leading blocks of `query` each cache holds.
     pub fn find_matches(&self, query: &[LocalBlockHash]) -> OverlapScores {
+        self.find_matches_with(query, false)
+    }
+
+    /// [`Self::find_matches`]; with `early_exit`, the walk stops at the end of the first node
+    /// only one cache still matches (Dynamo's option: that cache's score is then a lower
+    /// bound, the others' are exact).
+    pub fn find_matches_with(&self, query: &[LocalBlockHash], early_exit: bool) -> OverlapScores {
         let mut out = OverlapScores::default();
         let mut active: SmallVec<[Slot; 16]> = SmallVec::new();
         let mut node = ROOT;
@@ -256,7 +263,7 @@ impl RadixIndex {
             n.touch(self.clock + 1);
             let matched = common_prefix(&n.edge, &query[depth..]);
             depth += matched;
-            if matched < n.edge.len() {
+            if matched < n.edge.len() || (early_exit && active.len() == 1) {
                 break;
             }
             node = child;

@@ -135,6 +135,19 @@ fn score_counts_leading_blocks_only() {
 }
 
 #[test]
+fn early_exit_stops_once_one_worker_is_left() {
+    let mut index = RadixIndex::new();
+    store_chain(&mut index, w(1), 100, &[1, 2]);
+    store_chain(&mut index, w(2), 200, &[1, 2, 3, 4]);
+    index.apply_event(&stored(w(2), Some(203), &[(204, 5)])).unwrap(); // its own child node
+    let query = q(&[1, 2, 3, 4, 5]);
+    assert_eq!(index.find_matches(&query).scores, vec![(w(1), 2), (w(2), 5)]);
+    let early = index.find_matches_with(&query, true);
+    assert_eq!(early.score(w(1)), 2);
+    assert!(early.score(w(2)) >= 4 && early.score(w(2)) <= 5);
+}
+
+#[test]
 fn first_block_miss_and_partial_match() {
     let mut index = RadixIndex::new();
     store_chain(&mut index, w(1), 100, &[1, 2, 3, 4]);
