@@ -271,8 +271,15 @@ impl RadixIndex {
         for &s in &active {
             self.push_score(&mut out, s, depth);
         }
-        out.scores.sort_unstable_by_key(|&(w, _)| w);
-        out.tree_sizes.sort_unstable_by_key(|&(w, _)| w);
+        // Slots are in order of first sight, not of worker id: sort both lists with one sort
+        // (already sorted, the common case with few workers, costs one pass).
+        if !out.scores.is_sorted_by_key(|&(w, _)| w) {
+            let mut both: Vec<((WorkerWithDpRank, u32), usize)> =
+                out.scores.iter().copied().zip(out.tree_sizes.iter().map(|&(_, t)| t)).collect();
+            both.sort_unstable_by_key(|&((w, _), _)| w);
+            out.scores = both.iter().map(|&(s, _)| s).collect();
+            out.tree_sizes = both.iter().map(|&((w, _), t)| (w, t)).collect();
+        }
         out
     }
 
