@@ -83,15 +83,7 @@ fn ingest(c: &mut Criterion) {
         // Steady state, as in a router whose engines' caches are full: each sequence is evicted
         // and stored again, so tables and vectors keep their size (no growth in the timing).
         // Elements: blocks stored (each also removed once).
-        let cycle: Vec<_> = workload
-            .seqs
-            .iter()
-            .flat_map(|seq| {
-                let mut events = workload::seq_removed(seq, 64);
-                events.extend(workload::seq_stored(seq, 64));
-                events
-            })
-            .collect();
+        let cycle = workload.evict_and_store_cycle(64);
         let id = BenchmarkId::new(
             "steady_evict_and_store_64_block_events",
             format!("{workers}w_{pairs}"),

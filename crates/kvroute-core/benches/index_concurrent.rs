@@ -54,15 +54,7 @@ fn main() {
     latencies(&index, &queries, n / 10); // warm up
     let idle = latencies(&index, &queries, n);
 
-    let cycle: Vec<RouterEvent> = workload
-        .seqs
-        .iter()
-        .flat_map(|seq| {
-            let mut events = workload::seq_removed(seq, 64);
-            events.extend(workload::seq_stored(seq, 64));
-            events
-        })
-        .collect();
+    let cycle = workload.evict_and_store_cycle(64);
     let stop = Arc::new(AtomicBool::new(false));
     let ingest = {
         let (index, stop) = (Arc::clone(&index), Arc::clone(&stop));

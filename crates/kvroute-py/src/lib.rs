@@ -108,19 +108,6 @@ fn compute_block_hash_for_seq(
     Ok(hashes.into_iter().map(|h| h.0).collect())
 }
 
-/// Dynamo's older name for [`compute_block_hash_for_seq`].
-#[pyfunction]
-#[pyo3(signature = (tokens, kv_block_size, block_mm_infos=None, lora_name=None))]
-fn compute_block_hash_for_seq_py(
-    py: Python<'_>,
-    tokens: Vec<u32>,
-    kv_block_size: u32,
-    block_mm_infos: Option<&Bound<'_, PyAny>>,
-    lora_name: Option<String>,
-) -> PyResult<Vec<u64>> {
-    compute_block_hash_for_seq(py, tokens, kv_block_size, block_mm_infos, lora_name)
-}
-
 /// How many leading blocks of a query each (worker_id, dp_rank) holds.
 #[pyclass(module = "kvroute", frozen)]
 struct OverlapScores {
@@ -246,7 +233,8 @@ impl RadixTree {
 #[pymodule]
 fn _kvroute(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(compute_block_hash_for_seq, m)?)?;
-    m.add_function(wrap_pyfunction!(compute_block_hash_for_seq_py, m)?)?;
+    // Dynamo's older name for the same function.
+    m.add("compute_block_hash_for_seq_py", m.getattr("compute_block_hash_for_seq")?)?;
     m.add_class::<RadixTree>()?;
     m.add_class::<OverlapScores>()?;
     m.add_class::<publisher::KvEventPublisher>()?;

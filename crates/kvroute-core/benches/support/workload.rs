@@ -70,6 +70,19 @@ impl Workload {
         self.seqs.iter().flat_map(|seq| seq_removed(seq, chunk)).collect()
     }
 
+    /// Steady state: each sequence evicted (leaves first) and stored again, in `chunk`-block
+    /// events, so a full index keeps its size.
+    pub fn evict_and_store_cycle(&self, chunk: usize) -> Vec<RouterEvent> {
+        self.seqs
+            .iter()
+            .flat_map(|seq| {
+                let mut events = seq_removed(seq, chunk);
+                events.extend(seq_stored(seq, chunk));
+                events
+            })
+            .collect()
+    }
+
     /// Query of `len` blocks: a stored sequence's first `hit` blocks, then blocks nobody holds.
     pub fn query(&self, seq: usize, len: usize, hit: usize) -> Vec<LocalBlockHash> {
         let s = &self.seqs[seq % self.seqs.len()];

@@ -128,39 +128,24 @@ fn kv_duplication_is_cheap_onto_an_empty_cache() {
     assert_eq!(kv.select(&info(2048), &[owner, empty], &mut Rng::new(1)), 1);
 }
 
-#[test]
-fn burst_of_identical_cold_requests_stays_together_under_kv() {
+/// The workers 8 identical cold requests land on, routed back to back.
+fn burst(policy: PolicyKind) -> BTreeSet<WorkerWithDpRank> {
     let p = prompt(&(0..1000).collect::<Vec<_>>());
     let now = Instant::now();
-    let mut s = scheduler(PolicyKind::Kv, 4);
-    let chosen: BTreeSet<_> = (0..8)
+    let mut s = scheduler(policy, 4);
+    (0..8)
         .map(|i| {
-            s.route(
-                &request(&p, Some(&format!("r{i}"))),
-                &OverlapScores::default(),
-                &UnknownTreeSizes,
-                now,
-            )
-            .unwrap()
-            .worker
+            let id = format!("r{i}");
+            let scores = OverlapScores::default();
+            s.route(&request(&p, Some(&id)), &scores, &UnknownTreeSizes, now).unwrap().worker
         })
-        .collect();
-    assert_eq!(chosen.len(), 1, "in-flight blocks count from the moment of routing");
-    // Dynamo's decode term scatters the same burst.
-    let mut s = scheduler(PolicyKind::Dynamo, 4);
-    let chosen: BTreeSet<_> = (0..8)
-        .map(|i| {
-            s.route(
-                &request(&p, Some(&format!("r{i}"))),
-                &OverlapScores::default(),
-                &UnknownTreeSizes,
-                now,
-            )
-            .unwrap()
-            .worker
-        })
-        .collect();
-    assert!(chosen.len() > 1);
+        .collect()
+}
+
+#[test]
+fn burst_of_identical_cold_requests_stays_together_under_kv() {
+    assert_eq!(burst(PolicyKind::Kv).len(), 1, "in-flight blocks count from the moment of routing");
+    assert!(burst(PolicyKind::Dynamo).len() > 1, "Dynamo's decode term scatters the same burst");
 }
 
 #[test]
