@@ -1,0 +1,239 @@
+use std::time::Duration;
+
+use kvroute_core::hash::mm_hash_from_identifier;
+use kvroute_core::index::RadixIndex;
+use kvroute_core::{
+    BlockExtraInfo, BlockHasher, BlockMmObjectInfo, BlockSize, KvCacheEventData, RouterEvent,
+    WorkerWithDpRank,
+};
+use kvroute_wire::vllm::{decode_batch, encode_batch};
+use kvroute_wire::{ConvertConfig, Converter, EngineEvent, KvEventBatch};
+
+use crate::*;
+
+fn config(num_blocks: usize) -> EngineConfig {
+    EngineConfig { num_blocks, block_size: BlockSize::new(16).unwrap(), ..EngineConfig::default() }
+}
+
+fn request(id: &str, tokens: Vec<u32>, max_tokens: usize) -> EngineRequest {
+    EngineRequest { id: id.to_owned(), tokens, block_mm_infos: None, max_tokens }
+}
+
+/// Steps until idle (bounded); returns every step.
+fn run(engine: &mut Engine) -> Vec<Step> {
+    let mut steps = Vec::new();
+    for _ in 0..10_000 {
+        match engine.step() {
+            Some(step) => steps.push(step),
+            None => return steps,
+        }
+    }
+    panic!("the engine never went idle");
+}
+
+fn usage_of(steps: &[Step], id: &str) -> Usage {
+    steps
+        .iter()
+        .flat_map(|s| &s.outputs)
+        .find_map(|o| match o {
+            Output::Finished { id: done, usage } if done == id => Some(*usage),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{id} never finished"))
+}
+
+fn events(steps: &[Step]) -> Vec<EngineEvent> {
+    steps.iter().flat_map(|s| s.events.clone()).collect()
+}
+
+#[test]
+fn a_repeated_prompt_hits_every_full_block_and_a_prefix_exactly_its_prefix() {
+    let mut engine = Engine::new(config(1000));
+    let prompt: Vec<u32> = (0..100).collect(); // 6 full blocks + 4 tokens
+    engine.submit(request("a", prompt.clone(), 4)).unwrap();
+    let first = run(&mut engine);
+    assert_eq!(
+        usage_of(&first, "a"),
+        Usage { prompt_tokens: 100, cached_tokens: 0, completion_tokens: 4 }
+    );
+    engine.submit(request("b", prompt.clone(), 4)).unwrap();
+    assert_eq!(usage_of(&run(&mut engine), "b").cached_tokens, 96, "all 6 full blocks");
+    let mut shared = prompt[..40].to_vec(); // 2 full blocks shared, then different
+    shared.extend(500..560);
+    engine.submit(request("c", shared, 1)).unwrap();
+    assert_eq!(usage_of(&run(&mut engine), "c").cached_tokens, 32);
+    let stats = engine.stats();
+    assert_eq!((stats.requests_finished, stats.prompt_tokens, stats.cached_tokens), (3, 300, 128));
+}
+
+#[test]
+fn stored_events_chain_and_hash_like_the_router() {
+    let mut engine = Engine::new(config(1000));
+    let prompt: Vec<u32> = (1000..1064).collect();
+    engine.submit(request("a", prompt.clone(), 1)).unwrap();
+    let steps = run(&mut engine);
+    // Through the real wire: encode, decode, convert, index.
+    let mut index = RadixIndex::new();
+    let mut converter = Converter::new(ConvertConfig::new(BlockSize::new(16).unwrap()));
+    for (seq, step) in steps.iter().enumerate() {
+        let bytes =
+            encode_batch(&KvEventBatch { ts: 0.0, events: step.events.clone(), dp_rank: Some(0) });
+        for event in converter.vllm_batch(&decode_batch(&bytes).unwrap(), seq as u64) {
+            index.apply_event(&RouterEvent::new(3u64, event)).unwrap();
+        }
+    }
+    let local = BlockHasher::new(BlockSize::new(16).unwrap()).local_hashes(&prompt, None);
+    assert_eq!(index.find_matches(&local).score(WorkerWithDpRank::new(3u64, 0u32)), 4);
+}
+
+#[test]
+fn eviction_under_pressure_emits_removed_blocks() {
+    // 10 blocks: a 4-block prompt, then two others that need the space.
+    let mut engine = Engine::new(config(10));
+    let prompts: Vec<Vec<u32>> = (0..3).map(|k| (k * 1000..k * 1000 + 64).collect()).collect();
+    let mut all = Vec::new();
+    for (k, p) in prompts.iter().enumerate() {
+        engine.submit(request(&format!("r{k}"), p.clone(), 1)).unwrap();
+        all.extend(run(&mut engine));
+    }
+    let events = events(&all);
+    let removed: Vec<u64> = events
+        .iter()
+        .flat_map(|e| match e {
+            EngineEvent::BlockRemoved(r) => r.block_hashes.clone(),
+            _ => Vec::new(),
+        })
+        .collect();
+    assert!(!removed.is_empty(), "the third prompt must evict");
+    // What was removed had been stored, tails go first, and the wire round trip agrees.
+    let first_stored: Vec<u64> = match &events[0] {
+        EngineEvent::BlockStored(s) => s.block_hashes.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        removed[0],
+        *first_stored.last().unwrap(),
+        "the tail of the oldest prompt goes first"
+    );
+    let bytes = encode_batch(&KvEventBatch { ts: 0.0, events, dp_rank: Some(0) });
+    let converted = Converter::new(ConvertConfig::new(BlockSize::new(16).unwrap()))
+        .vllm_batch(&decode_batch(&bytes).unwrap(), 0);
+    let removed_again: Vec<u64> = converted
+        .iter()
+        .flat_map(|e| match &e.data {
+            KvCacheEventData::Removed(r) => r.block_hashes.iter().map(|h| h.0).collect(),
+            _ => Vec::new(),
+        })
+        .collect();
+    assert_eq!(removed_again, removed);
+    assert_eq!(engine.stats().evicted_blocks, removed.len() as u64);
+}
+
+#[test]
+fn image_blocks_carry_the_identifier() {
+    let mut engine = Engine::new(config(100));
+    let mut tokens: Vec<u32> = (0..16).collect();
+    tokens.extend([151_655; 32]);
+    let image = 0x00ab_cdef_0123_4567u64;
+    let info = |s, e| {
+        Some(BlockExtraInfo {
+            mm_objects: vec![BlockMmObjectInfo { mm_hash: image, offsets: vec![(s, e)] }],
+        })
+    };
+    let infos = vec![None, info(0, 16), info(0, 16)];
+    engine
+        .submit(EngineRequest {
+            id: "img".into(),
+            tokens,
+            block_mm_infos: Some(infos),
+            max_tokens: 1,
+        })
+        .unwrap();
+    let events = events(&run(&mut engine));
+    let EngineEvent::BlockStored(stored) = &events[0] else { panic!("{events:?}") };
+    let keys = stored.extra_keys.as_ref().unwrap();
+    assert!(keys[0].is_none());
+    let kvroute_wire::ExtraKey::Mm(id, _) = &keys[1].as_ref().unwrap()[0] else {
+        panic!("{keys:?}")
+    };
+    assert_eq!(mm_hash_from_identifier(id), image);
+}
+
+#[test]
+fn simulated_ttft_follows_the_timing_model() {
+    let mut engine = Engine::new(config(1000));
+    engine.submit(request("a", (0..1000).collect(), 3)).unwrap();
+    let first = engine.step().unwrap();
+    assert!(first.outputs.iter().any(|o| matches!(o, Output::FirstToken { .. })));
+    let expected = Timing::default().prefill(1000);
+    assert_eq!(first.duration, expected);
+    assert!((engine.now().as_secs_f64() * 1e3 - 32.105).abs() < 0.01);
+    // Two more tokens, each a decode step.
+    let rest = run(&mut engine);
+    assert_eq!(rest.len(), 2);
+    assert!(
+        rest.iter().all(|s| s.duration > Duration::ZERO && s.duration < Duration::from_millis(60))
+    );
+    // Chunked prefill: a budget of 512 tokens splits the 1,000 into two steps.
+    let mut chunked = Engine::new(EngineConfig { max_batched_tokens: 512, ..config(1000) });
+    chunked.submit(request("a", (0..1000).collect(), 1)).unwrap();
+    let steps = run(&mut chunked);
+    assert_eq!(steps[0].duration, Timing::default().prefill(512));
+    assert!(steps[1].outputs.iter().any(|o| matches!(o, Output::FirstToken { .. })));
+}
+
+#[test]
+fn oversized_empty_and_duplicate_requests_are_refused() {
+    let mut engine = Engine::new(config(10));
+    assert!(matches!(
+        engine.submit(request("big", (0..1000).collect(), 1)),
+        Err(EngineError::PromptTooLarge { .. })
+    ));
+    assert_eq!(engine.submit(request("e", vec![], 1)), Err(EngineError::EmptyPrompt));
+    engine.submit(request("x", vec![1, 2, 3], 1)).unwrap();
+    assert!(matches!(engine.submit(request("x", vec![1], 1)), Err(EngineError::DuplicateId(_))));
+}
+
+#[test]
+fn cancelling_frees_blocks_and_full_caches_preempt() {
+    let mut engine = Engine::new(config(8));
+    engine.submit(request("long", (0..64).collect(), 1000)).unwrap();
+    engine.step().unwrap();
+    assert!(engine.kv_usage() > 0.0);
+    assert!(engine.cancel("long"));
+    assert!(!engine.cancel("long"));
+    assert_eq!(engine.kv_usage(), 0.0, "a client that leaves leaves no blocks behind");
+    // Two long generations in 8 blocks: one is preempted and still finishes later.
+    engine.submit(request("a", (100..148).collect(), 40)).unwrap();
+    engine.submit(request("b", (200..248).collect(), 40)).unwrap();
+    let steps = run(&mut engine);
+    assert!(engine.stats().preemptions > 0);
+    assert_eq!(usage_of(&steps, "a").completion_tokens, 40);
+    assert_eq!(usage_of(&steps, "b").completion_tokens, 40);
+    for id in ["a", "b"] {
+        let indexes: Vec<usize> = steps
+            .iter()
+            .flat_map(|s| &s.outputs)
+            .filter_map(|o| match o {
+                Output::Token { id: t, index } if t == id => Some(*index),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            indexes,
+            (0..40).collect::<Vec<_>>(),
+            "{id}: a preempted stream resumes, no repeats"
+        );
+    }
+    assert_eq!(engine.kv_usage(), 0.0);
+}
+
+#[test]
+fn reset_clears_an_idle_cache() {
+    let mut engine = Engine::new(config(100));
+    engine.submit(request("a", (0..64).collect(), 1)).unwrap();
+    run(&mut engine);
+    assert_eq!(engine.reset_prefix_cache(), vec![EngineEvent::AllBlocksCleared]);
+    engine.submit(request("b", (0..64).collect(), 1)).unwrap();
+    assert_eq!(usage_of(&run(&mut engine), "b").cached_tokens, 0);
+}
