@@ -1,0 +1,149 @@
+//! Images: data-URL decoding, pixel decoding with limits, the identifier, and how many
+//! placeholder tokens an image becomes (SPEC section 4).
+//!
+//! The identifier is the lowercase hex BLAKE3 of `width ‖ height` (u32 LE) and the RGBA8
+//! pixels, so the same picture gets the same identifier however it was sent; its `mm_hash`
+//! follows [`kvroute_core::hash::mm_hash_from_identifier`]. Placeholder count follows
+//! Qwen2-VL: each side resized to a multiple of the patch size (28) within the pixel bounds,
+//! then one token per 28 x 28 patch.
+
+use base64::Engine as _;
+use image::{ImageReader, Limits};
+use kvroute_core::hash::mm_hash_from_identifier;
+
+use crate::PreprocessError;
+
+/// Limits and geometry of image handling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImageConfig {
+    /// Side of one placeholder token's patch, in pixels.
+    pub patch: u32,
+    pub min_pixels: u64,
+    pub max_pixels: u64,
+    /// Largest encoded image accepted (bytes).
+    pub max_bytes: usize,
+    /// Largest decoded side accepted (pixels).
+    pub max_side: u32,
+}
+
+impl Default for ImageConfig {
+    fn default() -> Self {
+        Self {
+            patch: 28,
+            min_pixels: 56 * 56,
+            max_pixels: 28 * 28 * 1280,
+            max_bytes: 20 << 20,
+            max_side: 8192,
+        }
+    }
+}
+
+/// A decoded image and what routing needs of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Image {
+    pub width: u32,
+    pub height: u32,
+    /// Lowercase hex BLAKE3 of the size and RGBA8 pixels.
+    pub identifier: String,
+    pub mm_hash: u64,
+    /// Placeholder tokens the image expands into.
+    pub tokens: usize,
+}
+
+/// The bytes of a `data:` URL (`data:image/png;base64,...`).
+pub fn data_url_bytes(url: &str, config: &ImageConfig) -> Result<Vec<u8>, PreprocessError> {
+    let rest = url
+        .strip_prefix("data:")
+        .ok_or_else(|| PreprocessError::Image("not a data: URL".into()))?;
+    let (meta, payload) = rest
+        .split_once(',')
+        .ok_or_else(|| PreprocessError::Image("a data: URL needs a ',' before its data".into()))?;
+    if !meta.ends_with(";base64") {
+        return Err(PreprocessError::Image("only base64 data: URLs are supported".into()));
+    }
+    if payload.len() / 4 * 3 > config.max_bytes {
+        return Err(PreprocessError::ImageTooLarge { limit: config.max_bytes });
+    }
+    base64::engine::general_purpose::STANDARD
+        .decode(payload.trim())
+        .map_err(|e| PreprocessError::Image(format!("bad base64 in data: URL: {e}")))
+}
+
+/// Decodes an encoded image (PNG, JPEG or WebP) and describes it.
+pub fn decode(bytes: &[u8], config: &ImageConfig) -> Result<Image, PreprocessError> {
+    if bytes.len() > config.max_bytes {
+        return Err(PreprocessError::ImageTooLarge { limit: config.max_bytes });
+    }
+    let mut reader = ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| PreprocessError::Image(format!("unreadable image: {e}")))?;
+    let mut limits = Limits::default();
+    limits.max_image_width = Some(config.max_side);
+    limits.max_image_height = Some(config.max_side);
+    limits.max_alloc =
+        Some(u64::from(config.max_side) * u64::from(config.max_side) * 4 + (64 << 20));
+    reader.limits(limits);
+    let decoded =
+        reader.decode().map_err(|e| PreprocessError::Image(format!("undecodable image: {e}")))?;
+    let rgba = decoded.to_rgba8();
+    let (width, height) = rgba.dimensions();
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(&width.to_le_bytes());
+    hasher.update(&height.to_le_bytes());
+    hasher.update(rgba.as_raw());
+    let identifier = hasher.finalize().to_hex().to_string();
+    Ok(Image {
+        width,
+        height,
+        mm_hash: mm_hash_from_identifier(&identifier),
+        tokens: placeholder_tokens(width, height, config),
+        identifier,
+    })
+}
+
+/// Qwen2-VL's `smart_resize`, then one token per patch.
+pub fn placeholder_tokens(width: u32, height: u32, config: &ImageConfig) -> usize {
+    let f = f64::from(config.patch);
+    let (w, h) = (f64::from(width.max(1)), f64::from(height.max(1)));
+    let mut hb = f.max((h / f).round() * f);
+    let mut wb = f.max((w / f).round() * f);
+    if hb * wb > config.max_pixels as f64 {
+        let beta = (h * w / config.max_pixels as f64).sqrt();
+        hb = f.max((h / beta / f).floor() * f);
+        wb = f.max((w / beta / f).floor() * f);
+    } else if hb * wb < config.min_pixels as f64 {
+        let beta = (config.min_pixels as f64 / (h * w)).sqrt();
+        hb = (h * beta / f).ceil() * f;
+        wb = (w * beta / f).ceil() * f;
+    }
+    ((hb / f) as usize) * ((wb / f) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qwen2_vl_geometry() {
+        let c = ImageConfig::default();
+        assert_eq!(placeholder_tokens(84, 56, &c), 3 * 2);
+        assert_eq!(placeholder_tokens(448, 448, &c), 256, "the common 448 x 448 -> 256 tokens");
+        assert_eq!(placeholder_tokens(10, 10, &c), 4, "small images grow to min_pixels");
+        assert!(placeholder_tokens(8000, 8000, &c) <= 1280, "large ones shrink to max_pixels");
+    }
+
+    #[test]
+    fn data_urls() {
+        let c = ImageConfig::default();
+        assert_eq!(data_url_bytes("data:image/png;base64,AAEC", &c).unwrap(), vec![0, 1, 2]);
+        assert!(data_url_bytes("http://x", &c).is_err());
+        assert!(data_url_bytes("data:image/png,raw", &c).is_err());
+        assert!(data_url_bytes("data:image/png;base64,!!!", &c).is_err());
+        let small = ImageConfig { max_bytes: 2, ..c };
+        assert!(matches!(
+            data_url_bytes("data:image/png;base64,AAECAwQF", &small),
+            Err(PreprocessError::ImageTooLarge { .. })
+        ));
+        assert!(decode(b"not an image", &c).is_err());
+    }
+}

@@ -1,0 +1,104 @@
+use base64::Engine as _;
+use image::{ImageBuffer, ImageFormat, Rgba};
+use kvroute_core::{BlockHasher, BlockSize};
+
+use super::*;
+
+fn model() -> Preprocessor {
+    Preprocessor::load(&Preprocessor::default_model_dir()).unwrap()
+}
+
+fn png(width: u32, height: u32, shade: u8) -> Vec<u8> {
+    let img = ImageBuffer::from_fn(width, height, |x, y| {
+        Rgba([shade, (x % 256) as u8, (y % 256) as u8, 255])
+    });
+    let mut bytes = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut bytes, ImageFormat::Png).unwrap();
+    bytes.into_inner()
+}
+
+fn user(content: MessageContent) -> ChatMessage {
+    ChatMessage { role: "user".into(), content: Some(content) }
+}
+
+fn image_part(url: String) -> ContentPart {
+    ContentPart::ImageUrl { image_url: ImageUrl { url, detail: None, uuid: None } }
+}
+
+#[test]
+fn text_chat_renders_tokenizes_and_round_trips() {
+    let m = model();
+    let messages = vec![user(MessageContent::Text("Hello! What is a KV cache?".into()))];
+    let text = m.render(&messages, true).unwrap();
+    assert!(
+        text.starts_with("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"),
+        "{text}"
+    );
+    assert!(text.contains("<|im_start|>user\nHello! What is a KV cache?<|im_end|>\n"), "{text}");
+    assert!(text.ends_with("<|im_start|>assistant\n"), "{text}");
+    let prepared = m.prepare_chat(&messages, true, Vec::new()).unwrap();
+    assert!(prepared.mm.mm_objects.is_empty());
+    assert!(m.decode(&prepared.tokens).unwrap().contains("Hello! What is a KV cache?"));
+    let ids = m.encode("<|im_start|>").unwrap();
+    assert_eq!(ids.len(), 1, "special tokens are single tokens");
+    assert_eq!(m.model_name(), "kvroute-tiny");
+    assert_eq!(m.encode("same text").unwrap(), m.encode("same text").unwrap());
+}
+
+#[test]
+fn images_expand_into_placeholders_with_offsets() {
+    let m = model();
+    let config = *m.image_config();
+    let a = images::decode(&png(84, 56, 1), &config).unwrap();
+    let b = images::decode(&png(56, 56, 2), &config).unwrap();
+    assert_eq!((a.tokens, b.tokens), (6, 4));
+    assert_ne!(a.identifier, b.identifier);
+    assert_eq!(a.identifier.len(), 64);
+    let url = format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(png(84, 56, 1))
+    );
+    let same = images::decode(&images::data_url_bytes(&url, &config).unwrap(), &config).unwrap();
+    assert_eq!(same, a, "the same picture has the same identifier however it is sent");
+
+    let messages = vec![user(MessageContent::Parts(vec![
+        ContentPart::Text { text: "Compare ".into() },
+        image_part(url.clone()),
+        ContentPart::Text { text: " with ".into() },
+        image_part("https://example.invalid/b.png".into()),
+    ]))];
+    assert_eq!(image_urls(&messages), vec![url.as_str(), "https://example.invalid/b.png"]);
+    let plain = m.prepare_chat(&messages, true, vec![a.clone(), b.clone()]).unwrap();
+    let pad = m.image_token_id();
+    assert_eq!(plain.mm.mm_objects.len(), 2);
+    for (object, image) in plain.mm.mm_objects.iter().zip([&a, &b]) {
+        let (s, e) = object.offsets[0];
+        assert_eq!(e - s, image.tokens);
+        assert!(plain.tokens[s..e].iter().all(|&t| t == pad));
+        assert_eq!(object.mm_hash, image.mm_hash);
+    }
+    assert_eq!(plain.tokens.iter().filter(|&&t| t == pad).count(), 10);
+    assert!(matches!(
+        m.prepare_chat(&messages, true, vec![a]),
+        Err(PreprocessError::ImageCount { parts: 2, given: 1 })
+    ));
+
+    // Same text, another picture: block hashes differ exactly from the first image block on.
+    let c = images::decode(&png(84, 56, 3), &config).unwrap();
+    let other = m.prepare_chat(&messages, true, vec![c, b]).unwrap();
+    assert_eq!(other.tokens, plain.tokens, "placeholders are the same tokens");
+    let bs = BlockSize::new(4).unwrap();
+    let hash = |p: &Prepared| {
+        BlockHasher::new(bs).local_hashes(&p.tokens, Some(&p.mm.to_block_level(bs, p.tokens.len())))
+    };
+    let (h1, h2) = (hash(&plain), hash(&other));
+    let first_image_block = plain.mm.mm_objects[0].offsets[0].0 / 4;
+    assert_eq!(h1[..first_image_block], h2[..first_image_block]);
+    assert_ne!(h1[first_image_block], h2[first_image_block]);
+}
+
+#[test]
+fn a_missing_model_dir_is_a_clear_error() {
+    let err = Preprocessor::load(Path::new("/nonexistent/model")).unwrap_err().to_string();
+    assert!(err.contains("/nonexistent/model") && err.contains("tokenizer.json"), "{err}");
+}
