@@ -2,29 +2,19 @@
 //! (ZMQ PUB, frames `[topic, seq u64 BE, msgpack batch]`, events in vLLM's map form), with a
 //! ROUTER replay socket serving the last batches, so a kvroute (or Dynamo) router follows the
 //! engine's cache and recovers what it misses.
-//!
-//! ```text
-//!  Python thread ──encode──▶ channel ──▶ tokio task: seq += 1, keep for replay, PUB.send
-//!                                         tokio task: ROUTER.recv ["", from] ──▶ kept batches, END
-//! ```
+//! The sockets are kvroute-wire's `EventPublisher`, run on a small tokio runtime of the
+//! publisher's own, so Python threads never wait on them.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
-
-use kvroute_wire::vllm::encode_batch;
-use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, KvEventBatch, publisher_mm_key};
+use kvroute_wire::publisher::EventPublisher;
+use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, publisher_mm_key};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use tokio::sync::mpsc;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
-
-type Kept = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
 
 /// Publishes an engine's KV cache events in vLLM's wire format.
 #[pyclass(module = "kvroute")]
 pub(crate) struct KvEventPublisher {
     block_size: u32,
-    tx: Option<mpsc::UnboundedSender<Vec<u8>>>,
+    publisher: Option<EventPublisher>,
     runtime: Option<tokio::runtime::Runtime>,
     /// The PUB endpoint actually bound (port 0 resolved).
     #[pyo3(get)]
@@ -38,12 +28,6 @@ fn hash_bits(h: i128, what: &str) -> PyResult<u64> {
     u64::try_from(h)
         .or_else(|_| i64::try_from(h).map(|s| s as u64))
         .map_err(|_| PyValueError::new_err(format!("{what} {h} does not fit 64 bits")))
-}
-
-fn now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[pymethods]
@@ -71,43 +55,22 @@ impl KvEventPublisher {
             .map_err(|e| {
                 PyRuntimeError::new_err(format!("starting the publisher's runtime: {e}"))
             })?;
-        let bind = |socket_endpoint: String| {
-            runtime.block_on(async move {
-                let mut socket = PubSocket::new();
-                let bound = socket.bind(&socket_endpoint).await?;
-                Ok::<_, zeromq::ZmqError>((socket, bound.to_string()))
+        let publisher = py
+            .detach(|| {
+                runtime.block_on(EventPublisher::bind(
+                    endpoint,
+                    replay_endpoint,
+                    topic,
+                    replay_buffer,
+                ))
             })
-        };
-        let (socket, bound) = py
-            .detach(|| bind(endpoint.to_owned()))
             .map_err(|e| PyRuntimeError::new_err(format!("binding {endpoint}: {e}")))?;
-        let kept: Kept = Arc::new(Mutex::new(VecDeque::new()));
-        let topic = topic.as_bytes().to_vec();
-        let replay_bound = match replay_endpoint {
-            None => None,
-            Some(r) => {
-                let r = r.to_owned();
-                let (router, bound) = py
-                    .detach(|| {
-                        runtime.block_on(async {
-                            let mut socket = RouterSocket::new();
-                            let bound = socket.bind(&r).await?;
-                            Ok::<_, zeromq::ZmqError>((socket, bound.to_string()))
-                        })
-                    })
-                    .map_err(|e| PyRuntimeError::new_err(format!("binding {r}: {e}")))?;
-                runtime.spawn(serve_replay(router, topic.clone(), Arc::clone(&kept)));
-                Some(bound)
-            }
-        };
-        let (tx, rx) = mpsc::unbounded_channel();
-        runtime.spawn(publish(socket, rx, topic, kept, replay_buffer));
         Ok(Self {
             block_size: kv_block_size,
-            tx: Some(tx),
+            endpoint: publisher.endpoint.clone(),
+            replay_endpoint: publisher.replay_endpoint.clone(),
+            publisher: Some(publisher),
             runtime: Some(runtime),
-            endpoint: bound,
-            replay_endpoint: replay_bound,
         })
     }
 
@@ -213,7 +176,7 @@ impl KvEventPublisher {
 
     /// Stops publishing and closes the sockets (also on garbage collection).
     fn close(&mut self, py: Python<'_>) {
-        self.tx = None;
+        self.publisher = None;
         if let Some(runtime) = self.runtime.take() {
             py.detach(|| runtime.shutdown_timeout(std::time::Duration::from_secs(1)));
         }
@@ -236,68 +199,13 @@ impl KvEventPublisher {
 
 impl KvEventPublisher {
     fn send(&self, event: EngineEvent) -> PyResult<()> {
-        let tx =
-            self.tx.as_ref().ok_or_else(|| PyRuntimeError::new_err("the publisher is closed"))?;
-        let payload =
-            encode_batch(&KvEventBatch { ts: now(), events: vec![event], dp_rank: Some(0) });
-        tx.send(payload).map_err(|_| PyRuntimeError::new_err("the publisher is closed"))
-    }
-}
-
-/// Numbers the batches, keeps the last `keep` for replay, publishes them.
-async fn publish(
-    mut socket: PubSocket,
-    mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
-    topic: Vec<u8>,
-    kept: Kept,
-    keep: usize,
-) {
-    let mut seq: u64 = 0;
-    while let Some(payload) = rx.recv().await {
-        {
-            let mut kept = kept.lock().unwrap_or_else(PoisonError::into_inner);
-            kept.push_back((seq, payload.clone()));
-            while kept.len() > keep {
-                kept.pop_front();
-            }
+        let publisher = self
+            .publisher
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the publisher is closed"))?;
+        match publisher.send(vec![event], 0) {
+            true => Ok(()),
+            false => Err(PyRuntimeError::new_err("the publisher is closed")),
         }
-        let mut message = ZmqMessage::from(topic.clone());
-        message.push_back(seq.to_be_bytes().to_vec().into());
-        message.push_back(payload.into());
-        // A PUB socket with no subscriber drops the message; that is what replay is for.
-        let _ = socket.send(message).await;
-        seq += 1;
-    }
-}
-
-/// Answers `[identity, "", start_seq]` with `[identity, "", topic, seq, payload]` for every kept
-/// batch from `start_seq` on, then `[identity, "", topic, 2^64-1, ""]`.
-async fn serve_replay(mut socket: RouterSocket, topic: Vec<u8>, kept: Kept) {
-    while let Ok(request) = socket.recv().await {
-        let frames = request.into_vec();
-        let (Some(identity), Some(start)) = (frames.first(), frames.last()) else { continue };
-        let Ok(start): Result<[u8; 8], _> = start.as_ref().try_into() else { continue };
-        let start = u64::from_be_bytes(start);
-        let batches: Vec<(u64, Vec<u8>)> = kept
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .filter(|(s, _)| *s >= start)
-            .cloned()
-            .collect();
-        let reply = |seq: u64, payload: Vec<u8>| {
-            let mut m = ZmqMessage::from(identity.to_vec());
-            m.push_back(Vec::new().into());
-            m.push_back(topic.clone().into());
-            m.push_back(seq.to_be_bytes().to_vec().into());
-            m.push_back(payload.into());
-            m
-        };
-        for (seq, payload) in batches {
-            if socket.send(reply(seq, payload)).await.is_err() {
-                break;
-            }
-        }
-        let _ = socket.send(reply(u64::MAX, Vec::new())).await;
     }
 }

@@ -15,6 +15,8 @@
 
 pub mod convert;
 pub mod msgpack;
+#[cfg(feature = "publisher")]
+pub mod publisher;
 pub mod trtllm;
 pub mod vllm;
 
