@@ -1,4 +1,5 @@
 //! One module per subcommand.
 
 pub(crate) mod hash;
+pub(crate) mod mocker;
 pub(crate) mod router;

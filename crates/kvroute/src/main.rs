@@ -23,6 +23,9 @@ enum Command {
     /// Standalone router: subscribes to the workers' KV events and answers
     /// POST /find_best_worker (plus /events, /debug/*, /workers, /metrics, /health).
     Router(cmd::router::RouterArgs),
+    /// One simulated engine (no GPU): OpenAI API, vLLM-format KV events on ZMQ with replay,
+    /// load reports; its cache and timing behave like vLLM's.
+    Mocker(cmd::mocker::MockerArgs),
 }
 
 fn main() -> ExitCode {
@@ -30,6 +33,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hash(args) => cmd::hash::run(&args),
         Command::Router(args) => cmd::router::run(args),
+        Command::Mocker(args) => cmd::mocker::run(&args),
     };
     match result {
         Ok(code) => code,

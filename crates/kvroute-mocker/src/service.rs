@@ -1,0 +1,262 @@
+//! The engine in real time: one task owns the [`Engine`], takes requests and cancellations
+//! from a channel, runs steps paced to the simulated clock (divided by the speedup already),
+//! streams each request's outputs to its own channel, publishes KV events (vLLM's format, with
+//! replay) and load reports (JSON on a ZMQ PUB, every 100 ms and on change).
+//!
+//! ```text
+//!  HTTP handlers ──Command::Submit/Cancel──▶ engine task ──Output──▶ per-request channels
+//!                                               │ events             │ snapshot
+//!                                               ▼                    ▼
+//!                                        EventPublisher        load task ──▶ ZMQ PUB (JSON)
+//! ```
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use kvroute_wire::publisher::EventPublisher;
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+use crate::engine::{Engine, EngineConfig, EngineRequest, EngineStats, Output};
+
+/// Where the engine publishes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Endpoints {
+    /// KV events (ZMQ PUB), e.g. `tcp://127.0.0.1:5557` (port 0: any).
+    pub events: Option<String>,
+    /// Replay (ZMQ ROUTER) of the last KV event batches.
+    pub replay: Option<String>,
+    /// Load reports (ZMQ PUB, JSON).
+    pub metrics: Option<String>,
+}
+
+/// What the engine reports about itself (`/stats`, `/metrics`, load reports).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Snapshot {
+    pub num_waiting_reqs: usize,
+    pub num_running_reqs: usize,
+    pub kv_cache_usage: f64,
+    pub kv_total_blocks: usize,
+    pub simulated_seconds: f64,
+    pub requests_finished: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub evicted_blocks: u64,
+    pub preemptions: u64,
+}
+
+#[derive(Debug)]
+enum Command {
+    Submit(EngineRequest, mpsc::UnboundedSender<Output>),
+    Cancel(String),
+}
+
+/// A handle on the running engine task.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Command>,
+    snapshot: Arc<Mutex<Snapshot>>,
+    /// The endpoints actually bound (ports 0 resolved).
+    pub bound: Endpoints,
+    pub dp_rank: u32,
+    pub config: EngineConfig,
+}
+
+/// Cancels its request when dropped before being disarmed: a client that goes away frees
+/// the request's blocks.
+#[derive(Debug)]
+pub struct CancelOnDrop {
+    tx: mpsc::UnboundedSender<Command>,
+    id: Option<String>,
+}
+
+impl CancelOnDrop {
+    pub fn disarm(&mut self) {
+        self.id = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let _ = self.tx.send(Command::Cancel(id));
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Starts the engine task (and publishers) on the current runtime.
+    pub async fn start(
+        config: EngineConfig,
+        endpoints: &Endpoints,
+        dp_rank: u32,
+    ) -> Result<Self, zeromq::ZmqError> {
+        let publisher = match &endpoints.events {
+            Some(events) => {
+                Some(EventPublisher::bind(events, endpoints.replay.as_deref(), "", 10_000).await?)
+            }
+            None => None,
+        };
+        let mut bound = Endpoints {
+            events: publisher.as_ref().map(|p| p.endpoint.clone()),
+            replay: publisher.as_ref().and_then(|p| p.replay_endpoint.clone()),
+            metrics: None,
+        };
+        let snapshot = Arc::new(Mutex::new(Snapshot {
+            kv_total_blocks: config.num_blocks,
+            ..Snapshot::default()
+        }));
+        if let Some(metrics) = &endpoints.metrics {
+            let mut socket = PubSocket::new();
+            bound.metrics = Some(socket.bind(metrics).await?.to_string());
+            tokio::spawn(publish_load(socket, Arc::clone(&snapshot), dp_rank));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(Engine::new(config), rx, publisher, Arc::clone(&snapshot), dp_rank));
+        Ok(Self { tx, snapshot, bound, dp_rank, config })
+    }
+
+    /// Queues a request; its outputs arrive on the returned channel. The guard cancels the
+    /// request if dropped before [`CancelOnDrop::disarm`].
+    pub fn submit(&self, req: EngineRequest) -> (mpsc::UnboundedReceiver<Output>, CancelOnDrop) {
+        let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let guard = CancelOnDrop { tx: self.tx.clone(), id: Some(req.id.clone()) };
+        let _ = self.tx.send(Command::Submit(req, out_tx));
+        (out_rx, guard)
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        *self.snapshot.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+async fn run(
+    mut engine: Engine,
+    mut rx: mpsc::UnboundedReceiver<Command>,
+    publisher: Option<EventPublisher>,
+    snapshot: Arc<Mutex<Snapshot>>,
+    dp_rank: u32,
+) {
+    let mut streams = Streams::default();
+    // Real time paces simulated time: a step may end early, never the clock as a whole.
+    let start = Instant::now();
+    let mut offset = Duration::ZERO; // simulated time spent idle does not count
+    loop {
+        while let Ok(cmd) = rx.try_recv() {
+            apply(cmd, &mut engine, &mut streams);
+        }
+        let Some(step) = engine.step() else {
+            publish_snapshot(&engine, &snapshot);
+            let idle_from = Instant::now();
+            match rx.recv().await {
+                Some(cmd) => apply(cmd, &mut engine, &mut streams),
+                None => return,
+            }
+            offset += idle_from.elapsed();
+            continue;
+        };
+        let due = start + offset + engine.now();
+        let now = Instant::now();
+        if due > now + Duration::from_millis(1) {
+            tokio::time::sleep_until(due.into()).await;
+        } else if due > now {
+            tokio::task::yield_now().await;
+        } else {
+            // Behind (a slow machine): do not try to catch up on the past.
+            offset += now - due;
+        }
+        if let Some(p) = &publisher
+            && !step.events.is_empty()
+        {
+            p.send(step.events, dp_rank);
+        }
+        for output in step.outputs {
+            let (id, done) = match &output {
+                Output::FirstToken { id, .. } | Output::Token { id, .. } => (id.clone(), false),
+                Output::Finished { id, .. } => (id.clone(), true),
+            };
+            if let Some(stream) = streams.get(&id)
+                && stream.send(output).is_err()
+            {
+                // The receiver is gone without cancelling (a dropped handler): free the request.
+                engine.cancel(&id);
+                streams.remove(&id);
+                continue;
+            }
+            if done {
+                streams.remove(&id);
+            }
+        }
+        publish_snapshot(&engine, &snapshot);
+    }
+}
+
+type Streams = FxHashMap<String, mpsc::UnboundedSender<Output>>;
+
+fn apply(cmd: Command, engine: &mut Engine, streams: &mut Streams) {
+    match cmd {
+        Command::Submit(req, out) => {
+            let id = req.id.clone();
+            match engine.submit(req) {
+                Ok(()) => {
+                    streams.insert(id, out);
+                }
+                Err(err) => tracing::warn!(%id, %err, "request refused by the engine"),
+            }
+        }
+        Command::Cancel(id) => {
+            engine.cancel(&id);
+            streams.remove(&id);
+        }
+    }
+}
+
+fn publish_snapshot(engine: &Engine, snapshot: &Mutex<Snapshot>) {
+    let EngineStats {
+        requests_finished,
+        prompt_tokens,
+        cached_tokens,
+        evicted_blocks,
+        preemptions,
+    } = engine.stats();
+    *snapshot.lock().unwrap_or_else(PoisonError::into_inner) = Snapshot {
+        num_waiting_reqs: engine.waiting(),
+        num_running_reqs: engine.running(),
+        kv_cache_usage: engine.kv_usage(),
+        kv_total_blocks: engine.config().num_blocks,
+        simulated_seconds: engine.now().as_secs_f64(),
+        requests_finished,
+        prompt_tokens,
+        cached_tokens,
+        evicted_blocks,
+        preemptions,
+    };
+}
+
+/// Load reports (SPEC section 9): every 100 ms, and within 10 ms of a change.
+async fn publish_load(mut socket: PubSocket, snapshot: Arc<Mutex<Snapshot>>, dp_rank: u32) {
+    let mut last: Option<(usize, usize, u64)> = None;
+    let mut last_sent = Instant::now() - Duration::from_secs(1);
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    loop {
+        tick.tick().await;
+        let s = *snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+        let key = (s.num_waiting_reqs, s.num_running_reqs, (s.kv_cache_usage * 1e6) as u64);
+        if last == Some(key) && last_sent.elapsed() < Duration::from_millis(100) {
+            continue;
+        }
+        let report = serde_json::json!({
+            "num_waiting_reqs": s.num_waiting_reqs,
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_running_reqs": s.num_running_reqs,
+            "kv_total_blocks": s.kv_total_blocks,
+            "dp_rank": dp_rank,
+        });
+        if socket.send(ZmqMessage::from(report.to_string().into_bytes())).await.is_err() {
+            return;
+        }
+        (last, last_sent) = (Some(key), Instant::now());
+    }
+}
