@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
+use kvroute_preprocess::fetch::{FetchConfig, fetch};
 use kvroute_preprocess::{ChatMessage, Image, Prepared, Preprocessor, image_urls, images};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -27,12 +28,18 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub preprocessor: Arc<Preprocessor>,
     pub seed: u64,
+    pub fetch: FetchConfig,
     next_id: AtomicU64,
 }
 
 impl AppState {
-    pub fn new(engine: EngineHandle, preprocessor: Arc<Preprocessor>, seed: u64) -> Self {
-        Self { engine, preprocessor, seed, next_id: AtomicU64::new(0) }
+    pub fn new(
+        engine: EngineHandle,
+        preprocessor: Arc<Preprocessor>,
+        seed: u64,
+        fetch: FetchConfig,
+    ) -> Self {
+        Self { engine, preprocessor, seed, fetch, next_id: AtomicU64::new(0) }
     }
 }
 
@@ -218,22 +225,20 @@ fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
-fn decode_images(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<Image>, ApiError> {
+/// The request's images, in order: `data:` URLs decoded, `http://` URLs fetched (within the
+/// fetch limits; private addresses only when allowed).
+async fn decode_images(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<Image>, ApiError> {
     let config = state.preprocessor.image_config();
-    image_urls(messages)
-        .into_iter()
-        .map(|url| {
-            if !url.starts_with("data:") {
-                return Err(ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "the simulated engine takes images as data: URLs (send the bytes inline)",
-                )
-                .param("messages"));
-            }
-            let bytes = images::data_url_bytes(url, config).map_err(|e| image_error(&e))?;
-            images::decode(&bytes, config).map_err(|e| image_error(&e))
-        })
-        .collect()
+    let mut out = Vec::new();
+    for url in image_urls(messages) {
+        let bytes = if url.starts_with("data:") {
+            images::data_url_bytes(url, config).map_err(|e| image_error(&e))?
+        } else {
+            fetch(url, &state.fetch).await.map_err(|e| image_error(&e))?
+        };
+        out.push(images::decode(&bytes, config).map_err(|e| image_error(&e))?);
+    }
+    Ok(out)
 }
 
 fn image_error(e: &kvroute_preprocess::PreprocessError) -> ApiError {
@@ -255,7 +260,7 @@ async fn chat(
             ApiError::new(StatusCode::BAD_REQUEST, "messages must not be empty").param("messages")
         );
     }
-    let images = decode_images(&state, &req.messages)?;
+    let images = decode_images(&state, &req.messages).await?;
     let prepared = state
         .preprocessor
         .prepare_chat(&req.messages, true, images)

@@ -17,6 +17,7 @@ pub mod timing;
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineRequest, EngineStats, Output, Step, Usage,
 };
+pub use kvroute_preprocess::fetch::FetchConfig;
 pub use service::{Endpoints, EngineHandle, Snapshot};
 pub use timing::Timing;
 
@@ -33,6 +34,8 @@ pub struct MockerConfig {
     /// Seeds the generated words.
     pub seed: u64,
     pub dp_rank: u32,
+    /// Limits on fetching `http://` image URLs (private addresses refused by default).
+    pub fetch: kvroute_preprocess::fetch::FetchConfig,
 }
 
 impl Default for MockerConfig {
@@ -43,6 +46,7 @@ impl Default for MockerConfig {
             model_dir: kvroute_preprocess::Preprocessor::default_model_dir(),
             seed: 0,
             dp_rank: 0,
+            fetch: kvroute_preprocess::fetch::FetchConfig::default(),
         }
     }
 }
@@ -61,7 +65,7 @@ pub enum MockerError {
 pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerError> {
     let preprocessor = Arc::new(kvroute_preprocess::Preprocessor::load(&config.model_dir)?);
     let engine = EngineHandle::start(config.engine, &config.endpoints, config.dp_rank).await?;
-    Ok(Arc::new(http::AppState::new(engine, preprocessor, config.seed)))
+    Ok(Arc::new(http::AppState::new(engine, preprocessor, config.seed, config.fetch)))
 }
 
 #[cfg(test)]

@@ -123,6 +123,67 @@ async fn streams_as_openai_does() {
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 3);
 }
 
+fn png(shade: u8) -> Vec<u8> {
+    let img =
+        image::ImageBuffer::from_fn(84, 84, |x, y| image::Rgba([shade, x as u8, y as u8, 255]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_by_data_url_and_loopback_http_cache_per_image() {
+    use base64::Engine as _;
+    // A loopback image server, fetched only because the engine is told private URLs are fine.
+    let images = axum::Router::new()
+        .route("/a.png", axum::routing::get(|| async { png(1) }))
+        .route("/b.png", axum::routing::get(|| async { png(2) }));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let image_host = listener.local_addr().unwrap();
+    tokio::spawn(axum::serve(listener, images).into_future());
+    let engine = EngineConfig {
+        block_size: BlockSize::new(16).unwrap(),
+        timing: Timing { speedup: 100.0 },
+        ..EngineConfig::default()
+    };
+    let fetch = kvroute_mocker::FetchConfig { allow_private: true, ..Default::default() };
+    let state = kvroute_mocker::start(MockerConfig { engine, fetch, ..MockerConfig::default() })
+        .await
+        .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(axum::serve(listener, http::app(state)).into_future());
+
+    let ask = |url: String| {
+        json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": LONG},
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is in this picture?"}]}], "max_tokens": 1})
+    };
+    let data_a = format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(png(1))
+    );
+    let (status, first) = post_json(addr, "/v1/chat/completions", &ask(data_a)).await;
+    assert_eq!(status, 200, "{first}");
+    let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    // The same picture over http: same identifier, so every full block is cached.
+    let (_, again) =
+        post_json(addr, "/v1/chat/completions", &ask(format!("http://{image_host}/a.png"))).await;
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
+        prompt / 16 * 16
+    );
+    // Another picture: only the blocks before the image are cached.
+    let (_, other) =
+        post_json(addr, "/v1/chat/completions", &ask(format!("http://{image_host}/b.png"))).await;
+    let cached = other["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached > 0 && cached < prompt / 16 * 16, "{cached} of {prompt}");
+    let (status, missing) =
+        post_json(addr, "/v1/chat/completions", &ask(format!("http://{image_host}/c.png"))).await;
+    assert_eq!(status, 400, "{missing}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_errors() {
     let m = start(8, Endpoints::default()).await;

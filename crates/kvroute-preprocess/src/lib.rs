@@ -10,9 +10,11 @@
 //!
 //! The model directory holds `tokenizer.json` and `tokenizer_config.json` (with
 //! `chat_template` and the image tokens); `models/kvroute-tiny` in the repository is the
-//! default, built by `scripts/build-model`. Fetching `http(s)` images is the caller's (it is
-//! I/O); this crate decodes bytes and `data:` URLs.
+//! default, built by `scripts/build-model`. Images arrive as bytes, `data:` URLs, or `http://`
+//! URLs fetched by [`fetch`] (feature `fetch`: async, with size, time and address limits).
 
+#[cfg(feature = "fetch")]
+pub mod fetch;
 pub mod images;
 
 use std::path::Path;

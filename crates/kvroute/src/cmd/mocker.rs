@@ -45,6 +45,10 @@ pub(crate) struct MockerArgs {
     /// ZMQ ROUTER endpoint replaying the last KV event batches.
     #[arg(long, env = "KVROUTE_REPLAY", default_value = "tcp://127.0.0.1:0")]
     replay: String,
+    /// Fetch http:// image URLs that resolve to loopback or private addresses (refused by
+    /// default, so the engine is no relay into private networks).
+    #[arg(long, env = "KVROUTE_ALLOW_PRIVATE_IMAGE_URLS")]
+    allow_private_image_urls: bool,
     /// ZMQ PUB endpoint of the load reports (JSON).
     #[arg(
         long = "load-metrics",
@@ -77,6 +81,10 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         model_dir: args.model_path.clone().unwrap_or_else(kvroute_preprocess_default_dir),
         seed: args.seed,
         dp_rank: 0,
+        fetch: kvroute_mocker::FetchConfig {
+            allow_private: args.allow_private_image_urls,
+            ..Default::default()
+        },
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
