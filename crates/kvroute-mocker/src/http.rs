@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
-use kvroute_preprocess::fetch::{FetchConfig, fetch};
+use kvroute_preprocess::fetch::Fetcher;
 use kvroute_preprocess::{ChatMessage, Image, Prepared, Preprocessor, image_urls, images};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -28,7 +28,7 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub preprocessor: Arc<Preprocessor>,
     pub seed: u64,
-    pub fetch: FetchConfig,
+    pub fetcher: Fetcher,
     next_id: AtomicU64,
 }
 
@@ -37,9 +37,9 @@ impl AppState {
         engine: EngineHandle,
         preprocessor: Arc<Preprocessor>,
         seed: u64,
-        fetch: FetchConfig,
+        fetcher: Fetcher,
     ) -> Self {
-        Self { engine, preprocessor, seed, fetch, next_id: AtomicU64::new(0) }
+        Self { engine, preprocessor, seed, fetcher, next_id: AtomicU64::new(0) }
     }
 }
 
@@ -225,7 +225,7 @@ fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
-/// The request's images, in order: `data:` URLs decoded, `http://` URLs fetched (within the
+/// The request's images, in order: `data:` URLs decoded, `http(s)://` URLs fetched (within the
 /// fetch limits; private addresses only when allowed).
 async fn decode_images(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<Image>, ApiError> {
     let config = state.preprocessor.image_config();
@@ -234,7 +234,7 @@ async fn decode_images(state: &AppState, messages: &[ChatMessage]) -> Result<Vec
         let bytes = if url.starts_with("data:") {
             images::data_url_bytes(url, config).map_err(|e| image_error(&e))?
         } else {
-            fetch(url, &state.fetch).await.map_err(|e| image_error(&e))?
+            state.fetcher.fetch(url).await.map_err(|e| image_error(&e))?
         };
         out.push(images::decode(&bytes, config).map_err(|e| image_error(&e))?);
     }

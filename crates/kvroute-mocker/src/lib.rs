@@ -34,7 +34,7 @@ pub struct MockerConfig {
     /// Seeds the generated words.
     pub seed: u64,
     pub dp_rank: u32,
-    /// Limits on fetching `http://` image URLs (private addresses refused by default).
+    /// Limits on fetching `http(s)://` image URLs (private addresses refused by default).
     pub fetch: kvroute_preprocess::fetch::FetchConfig,
 }
 
@@ -65,7 +65,8 @@ pub enum MockerError {
 pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerError> {
     let preprocessor = Arc::new(kvroute_preprocess::Preprocessor::load(&config.model_dir)?);
     let engine = EngineHandle::start(config.engine, &config.endpoints, config.dp_rank).await?;
-    Ok(Arc::new(http::AppState::new(engine, preprocessor, config.seed, config.fetch)))
+    let fetcher = kvroute_preprocess::fetch::Fetcher::new(config.fetch)?;
+    Ok(Arc::new(http::AppState::new(engine, preprocessor, config.seed, fetcher)))
 }
 
 #[cfg(test)]

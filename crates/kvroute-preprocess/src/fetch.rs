@@ -1,5 +1,6 @@
-//! Fetching `http://` image URLs, so the server is no relay into private networks (feature
-//! `fetch`).
+//! Fetching `http://` and `https://` image URLs, so the server is no relay into private
+//! networks (feature `fetch`). TLS is rustls with the public web roots (webpki-roots), plus
+//! any roots configured.
 //!
 //! The host is resolved first; unless private addresses are allowed, a loopback, private,
 //! link-local, unspecified, multicast or otherwise non-global address is refused, and the
@@ -7,26 +8,77 @@
 //! are not followed; the body is capped in size and the whole fetch in time.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper::body::Bytes;
 use hyper::{Request, Uri};
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::PreprocessError;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FetchConfig {
     pub max_bytes: usize,
     pub timeout: Duration,
     /// Allow loopback and private addresses (tests, trusted fleets).
     pub allow_private: bool,
+    /// DER certificates trusted for https besides the public roots (a private CA).
+    pub extra_roots: Vec<Vec<u8>>,
 }
 
 impl Default for FetchConfig {
     fn default() -> Self {
-        Self { max_bytes: 20 << 20, timeout: Duration::from_secs(10), allow_private: false }
+        Self {
+            max_bytes: 20 << 20,
+            timeout: Duration::from_secs(10),
+            allow_private: false,
+            extra_roots: Vec::new(),
+        }
+    }
+}
+
+/// Fetches images under a [`FetchConfig`]; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Fetcher {
+    config: FetchConfig,
+    tls: Arc<rustls::ClientConfig>,
+}
+
+impl Fetcher {
+    pub fn new(config: FetchConfig) -> Result<Self, PreprocessError> {
+        let mut roots =
+            rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        for der in &config.extra_roots {
+            roots
+                .add(CertificateDer::from(der.clone()))
+                .map_err(|e| fetch_err(format!("an extra root certificate is unusable: {e}")))?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| fetch_err(format!("TLS setup: {e}")))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(Self { config, tls: Arc::new(tls) })
+    }
+
+    pub fn config(&self) -> &FetchConfig {
+        &self.config
+    }
+
+    /// Fetches `url` (http or https) under the configured limits.
+    pub async fn fetch(&self, url: &str) -> Result<Vec<u8>, PreprocessError> {
+        match tokio::time::timeout(self.config.timeout, self.fetch_inner(url)).await {
+            Ok(result) => result,
+            Err(_) => Err(fetch_err(format!(
+                "fetching {url}: no answer within {:?}",
+                self.config.timeout
+            ))),
+        }
     }
 }
 
@@ -65,47 +117,63 @@ pub fn is_public(ip: IpAddr) -> bool {
     }
 }
 
-/// Fetches `url` (http only) under `config`'s limits.
-pub async fn fetch(url: &str, config: &FetchConfig) -> Result<Vec<u8>, PreprocessError> {
-    match tokio::time::timeout(config.timeout, fetch_inner(url, config)).await {
-        Ok(result) => result,
-        Err(_) => Err(fetch_err(format!("fetching {url}: no answer within {:?}", config.timeout))),
+impl Fetcher {
+    async fn fetch_inner(&self, url: &str) -> Result<Vec<u8>, PreprocessError> {
+        let config = &self.config;
+        let uri: Uri = url.parse().map_err(|e| fetch_err(format!("bad image URL {url:?}: {e}")))?;
+        let tls = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => {
+                return Err(fetch_err(format!(
+                    "unsupported image URL {url:?}: use http(s):// or data:"
+                )));
+            }
+        };
+        let host = uri.host().ok_or_else(|| fetch_err(format!("image URL {url:?} has no host")))?;
+        let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host((bare, port))
+            .await
+            .map_err(|e| fetch_err(format!("resolving {host}: {e}")))?
+            .collect();
+        let addr = addrs.iter().copied().find(|a| config.allow_private || is_public(a.ip())).ok_or_else(|| {
+            fetch_err(format!("image host {host} resolves only to private or local addresses, which are not fetched"))
+        })?;
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| fetch_err(format!("connecting to {host}: {e}")))?;
+        let path = uri.path_and_query().map_or("/", |p| p.as_str());
+        let authority = uri.authority().map_or(host, |a| a.as_str());
+        if tls {
+            let name = ServerName::try_from(bare.to_owned())
+                .map_err(|e| fetch_err(format!("TLS name {bare:?}: {e}")))?;
+            let stream = tokio_rustls::TlsConnector::from(Arc::clone(&self.tls))
+                .connect(name, stream)
+                .await
+                .map_err(|e| fetch_err(format!("TLS with {host}: {e}")))?;
+            get(stream, url, authority, path, config.max_bytes).await
+        } else {
+            get(stream, url, authority, path, config.max_bytes).await
+        }
     }
 }
 
-async fn fetch_inner(url: &str, config: &FetchConfig) -> Result<Vec<u8>, PreprocessError> {
-    let uri: Uri = url.parse().map_err(|e| fetch_err(format!("bad image URL {url:?}: {e}")))?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
-            return Err(fetch_err(
-                "https image URLs are not supported by this build; send the image as a data: URL",
-            ));
-        }
-        _ => return Err(fetch_err(format!("unsupported image URL {url:?}: use http:// or data:"))),
-    }
-    let host = uri.host().ok_or_else(|| fetch_err(format!("image URL {url:?} has no host")))?;
-    let port = uri.port_u16().unwrap_or(80);
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    let addrs: Vec<SocketAddr> = tokio::net::lookup_host((bare, port))
+/// One GET over an established connection, the body capped at `max_bytes`.
+async fn get<S>(
+    io: S,
+    url: &str,
+    authority: &str,
+    path: &str,
+    max_bytes: usize,
+) -> Result<Vec<u8>, PreprocessError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(hyper_io::TokioIo(io))
         .await
-        .map_err(|e| fetch_err(format!("resolving {host}: {e}")))?
-        .collect();
-    let addr = addrs
-        .iter()
-        .copied()
-        .find(|a| config.allow_private || is_public(a.ip()))
-        .ok_or_else(|| fetch_err(format!("image host {host} resolves only to private or local addresses, which are not fetched")))?;
-    let stream = TcpStream::connect(addr)
-        .await
-        .map_err(|e| fetch_err(format!("connecting to {host}: {e}")))?;
-    let io = hyper_io::TokioIo(stream);
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(io)
-        .await
-        .map_err(|e| fetch_err(format!("talking to {host}: {e}")))?;
+        .map_err(|e| fetch_err(format!("talking to {authority}: {e}")))?;
     tokio::spawn(connection);
-    let path = uri.path_and_query().map_or("/", |p| p.as_str());
-    let authority = uri.authority().map_or(host, |a| a.as_str());
     let request = Request::get(path)
         .header(hyper::header::HOST, authority)
         .header(hyper::header::USER_AGENT, "kvroute")
@@ -121,11 +189,10 @@ async fn fetch_inner(url: &str, config: &FetchConfig) -> Result<Vec<u8>, Preproc
             response.status()
         )));
     }
-    let limited = Limited::new(response.into_body(), config.max_bytes);
-    match limited.collect().await {
+    match Limited::new(response.into_body(), max_bytes).collect().await {
         Ok(body) => Ok(body.to_bytes().to_vec()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(PreprocessError::ImageTooLarge { limit: config.max_bytes })
+            Err(PreprocessError::ImageTooLarge { limit: max_bytes })
         }
         Err(e) => Err(fetch_err(format!("reading {url}: {e}"))),
     }
@@ -185,6 +252,7 @@ mod tests {
 
     use axum::Router;
     use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
 
@@ -208,6 +276,16 @@ mod tests {
         assert!(is_public(IpAddr::V4(Ipv4Addr::new(93, 184, 216, 34))));
     }
 
+    fn fetcher(allow_private: bool, max_bytes: usize, extra_roots: Vec<Vec<u8>>) -> Fetcher {
+        Fetcher::new(FetchConfig {
+            allow_private,
+            max_bytes,
+            extra_roots,
+            ..FetchConfig::default()
+        })
+        .unwrap()
+    }
+
     #[tokio::test]
     async fn fetches_from_loopback_only_when_allowed() {
         let app = Router::new()
@@ -216,28 +294,57 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(axum::serve(listener, app).into_future());
-        let allowed = FetchConfig { allow_private: true, ..FetchConfig::default() };
+        let allowed = fetcher(true, 1 << 20, Vec::new());
         assert_eq!(
-            fetch(&format!("http://{addr}/img.png"), &allowed).await.unwrap(),
+            allowed.fetch(&format!("http://{addr}/img.png")).await.unwrap(),
             vec![1, 2, 3, 4]
         );
-        let refused =
-            fetch(&format!("http://{addr}/img.png"), &FetchConfig::default()).await.unwrap_err();
+        let refused = fetcher(false, 1 << 20, Vec::new())
+            .fetch(&format!("http://{addr}/img.png"))
+            .await
+            .unwrap_err();
         assert!(refused.to_string().contains("private or local"), "{refused}");
-        let missing = fetch(&format!("http://{addr}/nope.png"), &allowed).await.unwrap_err();
+        let missing = allowed.fetch(&format!("http://{addr}/nope.png")).await.unwrap_err();
         assert!(missing.to_string().contains("404"), "{missing}");
-        let small = FetchConfig { max_bytes: 100, ..allowed };
+        let small = fetcher(true, 100, Vec::new());
         assert!(matches!(
-            fetch(&format!("http://{addr}/big.png"), &small).await,
+            small.fetch(&format!("http://{addr}/big.png")).await,
             Err(PreprocessError::ImageTooLarge { .. })
         ));
-        assert!(
-            fetch("https://example.invalid/x.png", &allowed)
-                .await
-                .unwrap_err()
-                .to_string()
-                .contains("https")
-        );
-        assert!(fetch("ftp://x/y", &allowed).await.is_err());
+        assert!(allowed.fetch("ftp://x/y").await.is_err());
+    }
+
+    #[tokio::test]
+    async fn fetches_over_tls_from_a_trusted_server_only() {
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        let der = cert.cert.der().to_vec();
+        let key =
+            rustls::pki_types::PrivateKeyDer::try_from(cert.signing_key.serialize_der()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let server = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![CertificateDer::from(der.clone())], key)
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            // Bounded: two connections, then the task ends.
+            for _ in 0..2 {
+                let Ok((tcp, _)) = listener.accept().await else { return };
+                let Ok(mut tls) = acceptor.accept(tcp).await else { continue };
+                let mut buf = [0u8; 1024];
+                let _ = tls.read(&mut buf).await;
+                let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nabc";
+                let _ = tls.write_all(reply).await;
+                let _ = tls.shutdown().await;
+            }
+        });
+        let url = format!("https://localhost:{port}/img.png");
+        assert_eq!(fetcher(true, 1 << 20, vec![der]).fetch(&url).await.unwrap(), b"abc");
+        let err = fetcher(true, 1 << 20, Vec::new()).fetch(&url).await.unwrap_err().to_string();
+        assert!(err.contains("TLS"), "an unknown certificate is refused: {err}");
     }
 }
