@@ -54,6 +54,7 @@ fn bench_decision(c: &mut Criterion) {
                     sequence_hashes: &sq,
                     overlap_weight: None,
                     temperature: None,
+                    exclude: &[],
                 };
                 s.route(&req, &OverlapScores::default(), &UnknownTreeSizes, now);
             }
@@ -73,6 +74,7 @@ fn bench_decision(c: &mut Criterion) {
                 sequence_hashes: &seq,
                 overlap_weight: None,
                 temperature: None,
+                exclude: &[],
             };
             group.bench_function(BenchmarkId::new(policy.name(), workers), |b| {
                 b.iter(|| s.route(black_box(&req), black_box(&scores), &UnknownTreeSizes, now));

@@ -156,6 +156,8 @@ pub struct RouteRequest<'a> {
     /// Per-request overrides of the configured weight and temperature.
     pub overlap_weight: Option<f64>,
     pub temperature: Option<f64>,
+    /// Caches not to choose (e.g. one that just refused a connection).
+    pub exclude: &'a [WorkerWithDpRank],
 }
 
 /// Everything a policy knows about one candidate cache.
@@ -405,7 +407,8 @@ impl Scheduler {
         sizes: &dyn TreeSizes,
         now: Instant,
     ) -> Option<RouteDecision> {
-        let candidates = self.candidates(request.local_hashes, scores, sizes);
+        let mut candidates = self.candidates(request.local_hashes, scores, sizes);
+        candidates.retain(|c| !request.exclude.contains(&c.worker));
         let chosen = self.select(request, &candidates)?;
         let c = candidates[chosen];
         let bs = self.config.block_size.tokens();

@@ -58,6 +58,40 @@ pub enum MockerError {
     Model(#[from] kvroute_preprocess::PreprocessError),
     #[error("ZMQ: {0}")]
     Zmq(#[from] zeromq::ZmqError),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// An engine started by [`spawn`]: where to reach it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Spawned {
+    pub url: String,
+    pub events: Option<String>,
+    pub replay: Option<String>,
+    pub metrics: Option<String>,
+}
+
+/// Starts an engine serving its API on `listener` (events, replay and load reports on
+/// ephemeral loopback ports unless `config.endpoints` says otherwise), on the current runtime.
+pub async fn spawn(
+    mut config: MockerConfig,
+    listener: tokio::net::TcpListener,
+) -> Result<Spawned, MockerError> {
+    let any = || Some("tcp://127.0.0.1:0".to_owned());
+    let e = &mut config.endpoints;
+    e.events = e.events.take().or_else(any);
+    e.replay = e.replay.take().or_else(any);
+    e.metrics = e.metrics.take().or_else(any);
+    let state = start(config).await?;
+    let addr = listener.local_addr()?;
+    let bound = state.engine.bound.clone();
+    tokio::spawn(axum::serve(listener, http::app(state)).into_future());
+    Ok(Spawned {
+        url: format!("http://{addr}"),
+        events: bound.events,
+        replay: bound.replay,
+        metrics: bound.metrics,
+    })
 }
 
 /// Loads the model, starts the engine task and its publishers on the current runtime; serve

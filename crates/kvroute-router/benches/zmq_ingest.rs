@@ -231,6 +231,7 @@ async fn main() {
             request_id: None,
             overlap_weight: None,
             temperature: None,
+            exclude: &[],
         };
         std::hint::black_box(state.place(&placement));
         inside.push(t.elapsed().as_nanos() as u64);

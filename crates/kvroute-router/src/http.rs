@@ -148,6 +148,7 @@ async fn find_best_worker(
         request_id: req.request_id.as_deref(),
         overlap_weight: req.overlap_score_weight,
         temperature: req.temperature,
+        exclude: &[],
     };
     let (decision, _) =
         state.place(&placement).ok_or_else(|| ApiError::unavailable("no workers are known"))?;

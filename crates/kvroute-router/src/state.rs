@@ -56,6 +56,8 @@ pub struct Placement<'a> {
     pub request_id: Option<&'a str>,
     pub overlap_weight: Option<f64>,
     pub temperature: Option<f64>,
+    /// Caches not to choose.
+    pub exclude: &'a [WorkerWithDpRank],
 }
 
 #[derive(Debug)]
@@ -160,6 +162,7 @@ impl RouterState {
             sequence_hashes: &sequence,
             overlap_weight: p.overlap_weight,
             temperature: p.temperature,
+            exclude: p.exclude,
         };
         let decision = lock(&self.scheduler).route(&request, &scores, &self.index, start)?;
         self.metrics.decision_latency.observe(start.elapsed());

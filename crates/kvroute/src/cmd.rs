@@ -3,3 +3,4 @@
 pub(crate) mod hash;
 pub(crate) mod mocker;
 pub(crate) mod router;
+pub(crate) mod serve;

@@ -26,6 +26,9 @@ enum Command {
     /// One simulated engine (no GPU): OpenAI API, vLLM-format KV events on ZMQ with replay,
     /// load reports; its cache and timing behave like vLLM's.
     Mocker(cmd::mocker::MockerArgs),
+    /// The main job: an OpenAI-compatible front door, the router and (by default) 4 simulated
+    /// workers in one process; `--worker` adds external workers instead.
+    Serve(cmd::serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +37,7 @@ fn main() -> ExitCode {
         Command::Hash(args) => cmd::hash::run(&args),
         Command::Router(args) => cmd::router::run(args),
         Command::Mocker(args) => cmd::mocker::run(&args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match result {
         Ok(code) => code,

@@ -48,6 +48,7 @@ fn request<'a>(p: &'a Prompt, id: Option<&'a str>) -> RouteRequest<'a> {
         sequence_hashes: &p.seq,
         overlap_weight: None,
         temperature: None,
+        exclude: &[],
     }
 }
 

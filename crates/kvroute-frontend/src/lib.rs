@@ -1,0 +1,374 @@
+//! kvroute's OpenAI-compatible front door.
+//!
+//! ```text
+//!  client ──POST /v1/chat/completions──▶ parse ─▶ images: fetch/decode, identifier ─▶ chat
+//!  template + tokenizer (kvroute-preprocess, as the engines) ─▶ block hashes (with images) ─▶
+//!  RouterState::place (in-flight from now) ─▶ proxy to the worker (images inline as data:
+//!  URLs, `uuid` = identifier) ─▶ stream back; first bytes = prefill done; end, error or
+//!  client gone = request freed
+//! ```
+//!
+//! A worker that refuses the connection is skipped for another before any byte was sent.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kvroute_core::{BlockHasher, WorkerId, WorkerWithDpRank};
+use kvroute_preprocess::fetch::Fetcher;
+use kvroute_preprocess::{ChatMessage, Image, Prepared, Preprocessor, image_urls, images};
+use kvroute_router::{Placement, RouterState};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// Header naming the worker a response came from.
+pub const WORKER_HEADER: &str = "x-kvroute-worker";
+
+pub struct FrontendState {
+    pub preprocessor: Arc<Preprocessor>,
+    pub fetcher: Fetcher,
+    pub router: Arc<RouterState>,
+    urls: BTreeMap<WorkerId, String>,
+    client: Client<HttpConnector, Full<Bytes>>,
+    next_id: AtomicU64,
+    proxied: AtomicU64,
+    retried: AtomicU64,
+}
+
+impl std::fmt::Debug for FrontendState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrontendState").field("urls", &self.urls).finish_non_exhaustive()
+    }
+}
+
+impl FrontendState {
+    /// A front door over `router`, proxying to the workers with a URL in its configuration.
+    pub fn new(
+        preprocessor: Arc<Preprocessor>,
+        fetcher: Fetcher,
+        router: Arc<RouterState>,
+    ) -> Self {
+        let urls = router
+            .config
+            .workers
+            .iter()
+            .filter_map(|w| w.url.as_ref().map(|u| (w.id, u.trim_end_matches('/').to_owned())))
+            .collect();
+        let mut connector = HttpConnector::new();
+        // Without it, small SSE writes wait for delayed ACKs (the ~40 ms streaming floor).
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new()).build(connector);
+        Self {
+            preprocessor,
+            fetcher,
+            router,
+            urls,
+            client,
+            next_id: AtomicU64::new(0),
+            proxied: AtomicU64::new(0),
+            retried: AtomicU64::new(0),
+        }
+    }
+}
+
+/// An OpenAI-shaped error.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    param: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), param: None }
+    }
+
+    fn param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status {
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        };
+        let body = json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status.as_u16()}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+pub fn app(state: Arc<FrontendState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
+        .with_state(state)
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatFields {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<ChatMessage>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionFields {
+    #[serde(default)]
+    model: Option<String>,
+    prompt: Prompt,
+}
+
+fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(StatusCode::BAD_REQUEST, format!("the body is not valid JSON: {e}"))
+    })?;
+    if !value.is_object() {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the body must be a JSON object"));
+    }
+    Ok(value)
+}
+
+fn check_model(state: &FrontendState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if !m.is_empty() && m != state.preprocessor.model_name() => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "model {m:?} not found; this router serves {:?}",
+                state.preprocessor.model_name()
+            ),
+        )
+        .param("model")),
+        _ => Ok(()),
+    }
+}
+
+fn image_error(e: &kvroute_preprocess::PreprocessError) -> ApiError {
+    let status = match e {
+        kvroute_preprocess::PreprocessError::ImageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    ApiError::new(status, e.to_string()).param("messages")
+}
+
+async fn chat(State(state): State<Arc<FrontendState>>, body: Bytes) -> Result<Response, ApiError> {
+    let mut raw = parse_json(&body)?;
+    let fields: ChatFields = serde_json::from_value(raw.clone()).map_err(|e| {
+        ApiError::new(StatusCode::BAD_REQUEST, format!("invalid chat request: {e}"))
+            .param("messages")
+    })?;
+    check_model(&state, fields.model.as_deref())?;
+    if fields.messages.is_empty() {
+        return Err(
+            ApiError::new(StatusCode::BAD_REQUEST, "messages must not be empty").param("messages")
+        );
+    }
+    // Images: fetched once here, forwarded inline, named by their identifier.
+    let config = state.preprocessor.image_config();
+    let mut decoded: Vec<Image> = Vec::new();
+    let mut inline: Vec<String> = Vec::new();
+    for url in image_urls(&fields.messages) {
+        let bytes = if url.starts_with("data:") {
+            images::data_url_bytes(url, config).map_err(|e| image_error(&e))?
+        } else {
+            state.fetcher.fetch(url).await.map_err(|e| image_error(&e))?
+        };
+        decoded.push(images::decode(&bytes, config).map_err(|e| image_error(&e))?);
+        inline.push(if url.starts_with("data:") {
+            url.to_owned()
+        } else {
+            format!(
+                "data:image;base64,{}",
+                base64::engine::general_purpose::STANDARD.encode(&bytes)
+            )
+        });
+    }
+    rewrite_image_parts(&mut raw, &decoded, &inline);
+    let prepared = state
+        .preprocessor
+        .prepare_chat(&fields.messages, true, decoded)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("messages"))?;
+    route_and_proxy(&state, "/v1/chat/completions", &raw, &prepared).await
+}
+
+/// Each `image_url` part, in order, gets the image inline and its identifier as `uuid`.
+fn rewrite_image_parts(raw: &mut Value, decoded: &[Image], inline: &[String]) {
+    let mut k = 0;
+    let Some(messages) = raw.get_mut("messages").and_then(Value::as_array_mut) else { return };
+    for message in messages {
+        let Some(parts) = message.get_mut("content").and_then(Value::as_array_mut) else {
+            continue;
+        };
+        for part in parts {
+            if part.get("type").and_then(Value::as_str) != Some("image_url") || k >= decoded.len() {
+                continue;
+            }
+            if let Some(image_url) = part.get_mut("image_url").and_then(Value::as_object_mut) {
+                image_url.insert("url".into(), Value::String(inline[k].clone()));
+                image_url.insert("uuid".into(), Value::String(decoded[k].identifier.clone()));
+            }
+            k += 1;
+        }
+    }
+}
+
+async fn completions(
+    State(state): State<Arc<FrontendState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let raw = parse_json(&body)?;
+    let fields: CompletionFields = serde_json::from_value(raw.clone()).map_err(|e| {
+        ApiError::new(StatusCode::BAD_REQUEST, format!("invalid completion request: {e}"))
+            .param("prompt")
+    })?;
+    check_model(&state, fields.model.as_deref())?;
+    let prepared = match fields.prompt {
+        Prompt::Text(text) => state
+            .preprocessor
+            .prepare_prompt(&text)
+            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("prompt"))?,
+        Prompt::Tokens(tokens) => Prepared { tokens, mm: Default::default(), images: Vec::new() },
+    };
+    route_and_proxy(&state, "/v1/completions", &raw, &prepared).await
+}
+
+/// Frees the request's in-flight accounting when dropped: at the end of the response body,
+/// on an error, or when the client goes away.
+struct InFlight {
+    router: Arc<RouterState>,
+    id: String,
+    prefilled: bool,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.router.finish(&self.id);
+    }
+}
+
+async fn route_and_proxy(
+    state: &Arc<FrontendState>,
+    path: &str,
+    raw: &Value,
+    prepared: &Prepared,
+) -> Result<Response, ApiError> {
+    if prepared.tokens.is_empty() {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the prompt is empty"));
+    }
+    let bs = state.router.config.block_size;
+    let block_infos = (!prepared.mm.mm_objects.is_empty())
+        .then(|| prepared.mm.to_block_level(bs, prepared.tokens.len()));
+    let local = BlockHasher::new(bs).local_hashes(&prepared.tokens, block_infos.as_deref());
+    let body = Bytes::from(serde_json::to_vec(raw).unwrap_or_default());
+    let mut excluded: Vec<WorkerWithDpRank> = Vec::new();
+    loop {
+        let id = format!("kvr-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
+        let placement = Placement {
+            local_hashes: &local,
+            num_tokens: prepared.tokens.len(),
+            request_id: Some(&id),
+            overlap_weight: None,
+            temperature: None,
+            exclude: &excluded,
+        };
+        let Some((decision, _)) = state.router.place(&placement) else {
+            return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no worker is available"));
+        };
+        let guard = InFlight { router: Arc::clone(&state.router), id, prefilled: false };
+        let Some(base) = state.urls.get(&decision.worker.worker_id) else {
+            excluded.push(decision.worker);
+            continue;
+        };
+        let request = hyper::Request::post(format!("{base}{path}"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body.clone()))
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        let response = match state.client.request(request).await {
+            Ok(r) => r,
+            Err(e) if e.is_connect() => {
+                // Nothing was sent: another worker may take it.
+                tracing::warn!(worker = %decision.worker, error = %e, "worker unreachable; trying another");
+                state.retried.fetch_add(1, Ordering::Relaxed);
+                excluded.push(decision.worker);
+                continue;
+            }
+            Err(e) => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    format!("the worker failed: {e}"),
+                ));
+            }
+        };
+        state.proxied.fetch_add(1, Ordering::Relaxed);
+        let (parts, incoming) = response.into_parts();
+        let mut guard = guard;
+        let stream = incoming.into_data_stream().map(move |chunk| {
+            if !guard.prefilled {
+                guard.prefilled = true;
+                guard.router.prefill_done(&guard.id);
+            }
+            chunk.map_err(std::io::Error::other)
+        });
+        let mut out = Response::builder().status(parts.status);
+        for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
+            if let Some(v) = parts.headers.get(&name) {
+                out = out.header(name, v.clone());
+            }
+        }
+        let worker = format!("{}", decision.worker.worker_id);
+        out = out.header(
+            WORKER_HEADER,
+            HeaderValue::from_str(&worker).unwrap_or(HeaderValue::from_static("?")),
+        );
+        return out
+            .body(Body::from_stream(stream))
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));
+    }
+}
+
+async fn models(State(state): State<Arc<FrontendState>>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": state.preprocessor.model_name(), "object": "model", "created": 0, "owned_by": "kvroute"}]}),
+    )
+}
+
+async fn metrics(State(state): State<Arc<FrontendState>>) -> impl IntoResponse {
+    let mut text = state.router.render_metrics();
+    text.push_str(&format!(
+        "# TYPE kvroute_frontend_proxied_total counter\nkvroute_frontend_proxied_total {}\n\
+         # TYPE kvroute_frontend_retries_total counter\nkvroute_frontend_retries_total {}\n\
+         # TYPE kvroute_frontend_in_flight gauge\nkvroute_frontend_in_flight {}\n",
+        state.proxied.load(Ordering::Relaxed),
+        state.retried.load(Ordering::Relaxed),
+        state.router.in_flight(),
+    ));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}

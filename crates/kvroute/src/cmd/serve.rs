@@ -1,0 +1,137 @@
+//! `kvroute serve`: front door + router + simulated workers in one process.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use kvroute_core::BlockSize;
+use kvroute_core::schedule::PolicyKind;
+use kvroute_frontend::FrontendState;
+use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
+use kvroute_preprocess::Preprocessor;
+use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
+use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
+
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// Address of the OpenAI-compatible API.
+    #[arg(long, env = "KVROUTE_HOST", default_value = "127.0.0.1")]
+    host: String,
+    /// Port of the API (0: any free port).
+    #[arg(long, env = "KVROUTE_PORT", default_value_t = 8000)]
+    port: u16,
+    /// Simulated workers to start in-process (on ephemeral loopback ports); 0 with --worker
+    /// for external workers only.
+    #[arg(long, env = "KVROUTE_WORKERS_EMBEDDED", default_value_t = 4)]
+    workers: usize,
+    /// An external worker, as in `kvroute router --worker` (id, url, events, replay, metrics,
+    /// ...). Repeatable.
+    #[arg(long = "worker", env = "KVROUTE_WORKERS", value_delimiter = ';')]
+    external: Vec<WorkerSpec>,
+    /// Routing policy: kv, dynamo, round-robin, random, least-loaded.
+    #[arg(long, env = "KVROUTE_POLICY", default_value = "kv")]
+    policy: PolicyKind,
+    /// Tokens per KV block (router and simulated workers).
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = 16)]
+    block_size: u32,
+    /// KV capacity of each simulated worker, in blocks.
+    #[arg(long, env = "KVROUTE_NUM_BLOCKS", default_value_t = 16_384)]
+    num_blocks: usize,
+    /// Most running requests of each simulated worker.
+    #[arg(long, env = "KVROUTE_MAX_NUM_SEQS", default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Token budget of a simulated worker's step.
+    #[arg(long, env = "KVROUTE_MAX_BATCHED_TOKENS", default_value_t = 8192)]
+    max_batched_tokens: usize,
+    /// Simulated time runs this many times faster than the timing model.
+    #[arg(long, env = "KVROUTE_SPEEDUP", default_value_t = 1.0)]
+    speedup: f64,
+    /// Model directory (tokenizer + chat template); default: models/kvroute-tiny.
+    #[arg(long, env = "KVROUTE_MODEL_PATH")]
+    model_path: Option<PathBuf>,
+    /// Seed of the simulated workers' generated words.
+    #[arg(long, env = "KVROUTE_SEED", default_value_t = 0)]
+    seed: u64,
+    /// Fetch image URLs that resolve to loopback or private addresses.
+    #[arg(long, env = "KVROUTE_ALLOW_PRIVATE_IMAGE_URLS")]
+    allow_private_image_urls: bool,
+}
+
+pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    crate::init_tracing();
+    anyhow::ensure!(
+        args.workers > 0 || !args.external.is_empty(),
+        "no workers: use --workers N or --worker ..."
+    );
+    anyhow::ensure!(args.speedup > 0.0, "--speedup must be > 0");
+    let block_size = BlockSize::new(args.block_size).context("--block-size")?;
+    let model_dir = args.model_path.clone().unwrap_or_else(Preprocessor::default_model_dir);
+    let fetch =
+        FetchConfig { allow_private: args.allow_private_image_urls, ..FetchConfig::default() };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let addr: SocketAddr = format!("{}:{}", args.host, args.port).parse().context("--host/--port")?;
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let mut workers = args.external.clone();
+        let first_id = workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
+        for k in 0..args.workers {
+            let engine = EngineConfig {
+                num_blocks: args.num_blocks,
+                block_size,
+                max_num_seqs: args.max_num_seqs,
+                max_batched_tokens: args.max_batched_tokens,
+                timing: Timing { speedup: args.speedup },
+            };
+            let config = MockerConfig {
+                engine,
+                model_dir: model_dir.clone(),
+                seed: args.seed + k as u64,
+                fetch: fetch.clone(),
+                ..MockerConfig::default()
+            };
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let spawned = kvroute_mocker::spawn(config, listener).await?;
+            let mut spec = WorkerSpec::new(first_id + k as u64);
+            spec.url = Some(spawned.url);
+            spec.events = spawned.events;
+            spec.replay = spawned.replay;
+            spec.metrics = spawned.metrics;
+            workers.push(spec);
+        }
+        let mut router_config = RouterConfig { block_size, workers, ..RouterConfig::default() };
+        router_config.scheduler.policy = args.policy;
+        router_config.validate()?;
+        let n = router_config.workers.len();
+        let router = Arc::new(RouterState::new(router_config));
+        let _tasks = kvroute_router::spawn_background(&router)?;
+        let preprocessor = Arc::new(Preprocessor::load(&model_dir)?);
+        let state = Arc::new(FrontendState::new(preprocessor, Fetcher::new(fetch)?, router));
+        let local = listener.local_addr()?;
+        #[allow(clippy::print_stdout)]
+        {
+            println!("kvroute serve ready on http://{local} ({n} workers, policy {})", args.policy);
+            println!(
+                "try: curl -s http://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":16}}'"
+            );
+        }
+        // Stop accepting on Ctrl-C/SIGTERM; give open streams 5 s to finish.
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = axum::serve(listener, kvroute_frontend::app(state)).with_graceful_shutdown(async move {
+            crate::shutdown_signal().await;
+            let _ = stop_tx.send(());
+        });
+        let grace = async move {
+            let _ = stop_rx.await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        };
+        tokio::select! {
+            result = server => result?,
+            () = grace => tracing::warn!("open streams cancelled after 5 s"),
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
