@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -32,6 +33,9 @@ use kvroute_preprocess::{ChatMessage, Image, Prepared, Preprocessor, image_urls,
 use kvroute_router::{Placement, RouterState};
 use serde::Deserialize;
 use serde_json::{Value, json};
+
+/// Largest request body accepted.
+pub const BODY_LIMIT: usize = 64 << 20;
 
 /// Header naming the worker a response came from.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
@@ -123,6 +127,8 @@ pub fn app(state: Arc<FrontendState>) -> Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
+        // Room for inline images (20 MB each once decoded, a third more as base64).
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(state)
 }
 
@@ -179,8 +185,15 @@ fn image_error(e: &kvroute_preprocess::PreprocessError) -> ApiError {
     ApiError::new(status, e.to_string()).param("messages")
 }
 
-async fn chat(State(state): State<Arc<FrontendState>>, body: Bytes) -> Result<Response, ApiError> {
-    let mut raw = parse_json(&body)?;
+fn body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| ApiError::new(r.status(), r.body_text()))
+}
+
+async fn chat(
+    State(state): State<Arc<FrontendState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let mut raw = parse_json(&self::body(body)?)?;
     let fields: ChatFields = serde_json::from_value(raw.clone()).map_err(|e| {
         ApiError::new(StatusCode::BAD_REQUEST, format!("invalid chat request: {e}"))
             .param("messages")

@@ -201,3 +201,63 @@ async fn a_client_that_leaves_mid_stream_leaves_no_load() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+fn png(shade: u8) -> String {
+    use base64::Engine as _;
+    let img =
+        image::ImageBuffer::from_fn(112, 112, |x, y| image::Rgba([shade, x as u8, y as u8, 255]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(out.into_inner())
+    )
+}
+
+fn image_chat(images: &[&str]) -> String {
+    let mut parts = vec![json!({"type": "text", "text": PROMPT})];
+    for url in images {
+        parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
+        parts.push(json!({"type": "text", "text": "and"}));
+    }
+    json!({"messages": [{"role": "user", "content": parts}], "max_tokens": 1}).to_string()
+}
+
+/// Sends `body` until the answer's cached tokens stop changing (events reach the router and
+/// the worker's cache asynchronously); returns (worker, prompt tokens, cached tokens).
+async fn settled(addr: SocketAddr, body: &str) -> (Option<String>, u64, u64) {
+    let (status, worker, text) = post(addr, "/v1/chat/completions", body).await;
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&dechunk(&text)).unwrap();
+    let usage = &v["usage"];
+    (
+        worker,
+        usage["prompt_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_decide_what_is_reused() {
+    let f = fleet(1, 0).await;
+    let (a, b) = (png(1), png(2));
+    let (_, prompt, cold) = settled(f.addr, &image_chat(&[&a, &b])).await;
+    assert_eq!(cold, 0);
+    let (_, _, warm) = settled(f.addr, &image_chat(&[&a, &b])).await;
+    assert_eq!(warm, prompt / 16 * 16, "the same text and images: every full block");
+    // The two images swapped: the cached prefix stops at the first image.
+    let (_, _, swapped) = settled(f.addr, &image_chat(&[&b, &a])).await;
+    assert!(swapped > 0 && swapped < warm, "{swapped} of {warm}: only the text before the images");
+    // Another first image (never seen): the same text-only prefix, not one block more.
+    let c = png(3);
+    let (_, _, other) = settled(f.addr, &image_chat(&[&c, &a])).await;
+    assert_eq!(other, swapped, "a different image is not reused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_image_is_413() {
+    let f = fleet(1, 0).await;
+    let huge = format!("data:image/png;base64,{}", "A".repeat(28 << 20));
+    let (status, _, text) = post(f.addr, "/v1/chat/completions", &image_chat(&[&huge])).await;
+    assert_eq!(status, 413, "{}", &text[..text.len().min(200)]);
+}

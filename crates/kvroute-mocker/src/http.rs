@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -102,6 +102,8 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/stats", get(stats))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
+        // Room for inline images (20 MB each once decoded, a third more as base64).
+        .layer(DefaultBodyLimit::max(64 << 20))
         .with_state(state)
 }
 
