@@ -155,7 +155,9 @@ async fn recover(
     state.metrics.replays.fetch_add(1, Ordering::Relaxed);
     match tokio::time::timeout(REPLAY_TIMEOUT * 2, replay(endpoint, from, until)).await {
         Ok(Ok(batches)) => {
-            tracing::info!(worker = %sub.worker, from, until, got = batches.len(), "replayed missed batches");
+            if !batches.is_empty() {
+                tracing::info!(worker = %sub.worker, from, until, got = batches.len(), "replayed missed batches");
+            }
             for (seq, payload) in batches {
                 if stream.last.is_some_and(|l| seq <= l) {
                     continue;
