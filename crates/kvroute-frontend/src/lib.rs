@@ -27,10 +27,13 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_core::{BlockHasher, WorkerId, WorkerWithDpRank};
+use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_preprocess::fetch::Fetcher;
 use kvroute_preprocess::{ChatMessage, Image, Prepared, Preprocessor, image_urls, images};
-use kvroute_router::{Placement, RouterState};
+use kvroute_router::{RouterState, WorkerSpec};
+
+mod placer;
+pub use placer::{Placer, RemoteRouter};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -43,7 +46,8 @@ pub const WORKER_HEADER: &str = "x-kvroute-worker";
 pub struct FrontendState {
     pub preprocessor: Arc<Preprocessor>,
     pub fetcher: Fetcher,
-    pub router: Arc<RouterState>,
+    pub placer: Placer,
+    block_size: BlockSize,
     urls: BTreeMap<WorkerId, String>,
     client: Client<HttpConnector, Full<Bytes>>,
     next_id: AtomicU64,
@@ -57,29 +61,58 @@ impl std::fmt::Debug for FrontendState {
     }
 }
 
+fn client() -> Client<HttpConnector, Full<Bytes>> {
+    let mut connector = HttpConnector::new();
+    // Without it, small SSE writes wait for delayed ACKs (the ~40 ms streaming floor).
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+fn urls(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, String> {
+    workers
+        .iter()
+        .filter_map(|w| w.url.as_ref().map(|u| (w.id, u.trim_end_matches('/').to_owned())))
+        .collect()
+}
+
 impl FrontendState {
-    /// A front door over `router`, proxying to the workers with a URL in its configuration.
+    /// A front door over the embedded `router`, proxying to its workers that have a URL.
     pub fn new(
         preprocessor: Arc<Preprocessor>,
         fetcher: Fetcher,
         router: Arc<RouterState>,
     ) -> Self {
-        let urls = router
-            .config
-            .workers
-            .iter()
-            .filter_map(|w| w.url.as_ref().map(|u| (w.id, u.trim_end_matches('/').to_owned())))
-            .collect();
-        let mut connector = HttpConnector::new();
-        // Without it, small SSE writes wait for delayed ACKs (the ~40 ms streaming floor).
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
+        let (block_size, urls) = (router.config.block_size, urls(&router.config.workers));
+        Self::with(preprocessor, fetcher, Placer::Embedded(router), block_size, urls)
+    }
+
+    /// A front door asking the `kvroute router` at `router_url`, proxying to `workers`.
+    pub fn remote(
+        preprocessor: Arc<Preprocessor>,
+        fetcher: Fetcher,
+        router_url: &str,
+        workers: &[WorkerSpec],
+        block_size: BlockSize,
+    ) -> Self {
+        let remote =
+            RemoteRouter { base: router_url.trim_end_matches('/').to_owned(), client: client() };
+        Self::with(preprocessor, fetcher, Placer::Remote(remote), block_size, urls(workers))
+    }
+
+    fn with(
+        preprocessor: Arc<Preprocessor>,
+        fetcher: Fetcher,
+        placer: Placer,
+        block_size: BlockSize,
+        urls: BTreeMap<WorkerId, String>,
+    ) -> Self {
         Self {
             preprocessor,
             fetcher,
-            router,
+            placer,
+            block_size,
             urls,
-            client,
+            client: client(),
             next_id: AtomicU64::new(0),
             proxied: AtomicU64::new(0),
             retried: AtomicU64::new(0),
@@ -276,14 +309,14 @@ async fn completions(
 /// Frees the request's in-flight accounting when dropped: at the end of the response body,
 /// on an error, or when the client goes away.
 struct InFlight {
-    router: Arc<RouterState>,
+    placer: Placer,
     id: String,
     prefilled: bool,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.router.finish(&self.id);
+        self.placer.finish(&self.id);
     }
 }
 
@@ -296,7 +329,7 @@ async fn route_and_proxy(
     if prepared.tokens.is_empty() {
         return Err(ApiError::new(StatusCode::BAD_REQUEST, "the prompt is empty"));
     }
-    let bs = state.router.config.block_size;
+    let bs = state.block_size;
     let block_infos = (!prepared.mm.mm_objects.is_empty())
         .then(|| prepared.mm.to_block_level(bs, prepared.tokens.len()));
     let local = BlockHasher::new(bs).local_hashes(&prepared.tokens, block_infos.as_deref());
@@ -304,20 +337,20 @@ async fn route_and_proxy(
     let mut excluded: Vec<WorkerWithDpRank> = Vec::new();
     loop {
         let id = format!("kvr-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
-        let placement = Placement {
-            local_hashes: &local,
-            num_tokens: prepared.tokens.len(),
-            request_id: Some(&id),
-            overlap_weight: None,
-            temperature: None,
-            exclude: &excluded,
+        let worker = match state.placer.place(&local, prepared.tokens.len(), &id, &excluded).await?
+        {
+            // A remote router does not take exclusions: a worker it names again is a dead end.
+            Some(w) if !excluded.contains(&w) => w,
+            _ => {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no worker is available",
+                ));
+            }
         };
-        let Some((decision, _)) = state.router.place(&placement) else {
-            return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no worker is available"));
-        };
-        let guard = InFlight { router: Arc::clone(&state.router), id, prefilled: false };
-        let Some(base) = state.urls.get(&decision.worker.worker_id) else {
-            excluded.push(decision.worker);
+        let guard = InFlight { placer: state.placer.clone(), id, prefilled: false };
+        let Some(base) = state.urls.get(&worker.worker_id) else {
+            excluded.push(worker);
             continue;
         };
         let request = hyper::Request::post(format!("{base}{path}"))
@@ -328,9 +361,9 @@ async fn route_and_proxy(
             Ok(r) => r,
             Err(e) if e.is_connect() => {
                 // Nothing was sent: another worker may take it.
-                tracing::warn!(worker = %decision.worker, error = %e, "worker unreachable; trying another");
+                tracing::warn!(%worker, error = %e, "worker unreachable; trying another");
                 state.retried.fetch_add(1, Ordering::Relaxed);
-                excluded.push(decision.worker);
+                excluded.push(worker);
                 continue;
             }
             Err(e) => {
@@ -346,7 +379,7 @@ async fn route_and_proxy(
         let stream = incoming.into_data_stream().map(move |chunk| {
             if !guard.prefilled {
                 guard.prefilled = true;
-                guard.router.prefill_done(&guard.id);
+                guard.placer.prefill_done(&guard.id);
             }
             chunk.map_err(std::io::Error::other)
         });
@@ -356,10 +389,10 @@ async fn route_and_proxy(
                 out = out.header(name, v.clone());
             }
         }
-        let worker = format!("{}", decision.worker.worker_id);
+        let name = worker.worker_id.to_string();
         out = out.header(
             WORKER_HEADER,
-            HeaderValue::from_str(&worker).unwrap_or(HeaderValue::from_static("?")),
+            HeaderValue::from_str(&name).unwrap_or(HeaderValue::from_static("?")),
         );
         return out
             .body(Body::from_stream(stream))
@@ -374,14 +407,14 @@ async fn models(State(state): State<Arc<FrontendState>>) -> Json<Value> {
 }
 
 async fn metrics(State(state): State<Arc<FrontendState>>) -> impl IntoResponse {
-    let mut text = state.router.render_metrics();
+    let mut text = state.placer.metrics();
     text.push_str(&format!(
         "# TYPE kvroute_frontend_proxied_total counter\nkvroute_frontend_proxied_total {}\n\
          # TYPE kvroute_frontend_retries_total counter\nkvroute_frontend_retries_total {}\n\
          # TYPE kvroute_frontend_in_flight gauge\nkvroute_frontend_in_flight {}\n",
         state.proxied.load(Ordering::Relaxed),
         state.retried.load(Ordering::Relaxed),
-        state.router.in_flight(),
+        state.placer.in_flight().map_or_else(|| "NaN".to_owned(), |n| n.to_string()),
     ));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }

@@ -261,3 +261,53 @@ async fn an_oversized_image_is_413() {
     let (status, _, text) = post(f.addr, "/v1/chat/completions", &image_chat(&[&huge])).await;
     assert_eq!(status, 413, "{}", &text[..text.len().min(200)]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_router_by_url() {
+    // A worker, a `kvroute router` service over HTTP, and a front door that asks it.
+    let config = MockerConfig {
+        engine: EngineConfig {
+            block_size: BlockSize::new(16).unwrap(),
+            timing: Timing { speedup: 100.0 },
+            ..EngineConfig::default()
+        },
+        ..MockerConfig::default()
+    };
+    let spawned = kvroute_mocker::spawn(config, TcpListener::bind("127.0.0.1:0").await.unwrap())
+        .await
+        .unwrap();
+    let mut spec = WorkerSpec::new(7);
+    (spec.url, spec.events, spec.replay, spec.metrics) =
+        (Some(spawned.url), spawned.events, spawned.replay, spawned.metrics);
+    let router = Arc::new(RouterState::new(RouterConfig {
+        workers: vec![spec.clone()],
+        ..RouterConfig::default()
+    }));
+    let _tasks = kvroute_router::spawn_background(&router).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let router_url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(kvroute_router::serve(listener, Arc::clone(&router), std::future::pending()));
+
+    let preprocessor = Arc::new(Preprocessor::load(&Preprocessor::default_model_dir()).unwrap());
+    let fetcher = Fetcher::new(FetchConfig::default()).unwrap();
+    let state = Arc::new(FrontendState::remote(
+        preprocessor,
+        fetcher,
+        &router_url,
+        &[spec],
+        BlockSize::new(16).unwrap(),
+    ));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(axum::serve(listener, kvroute_frontend::app(state)).into_future());
+
+    let (status, worker, text) = post(addr, "/v1/chat/completions", &chat(PROMPT)).await;
+    assert_eq!((status, worker.as_deref()), (200, Some("7")), "{text}");
+    // The lifecycle calls reach the router in the background: in flight drops back to 0.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while router.in_flight() > 0 {
+        assert!(Instant::now() < deadline, "the remote router still counts the request in flight");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(router.render_metrics().contains("kvroute_router_decisions_total 1"));
+}

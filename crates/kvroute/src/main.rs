@@ -29,6 +29,9 @@ enum Command {
     /// The main job: an OpenAI-compatible front door, the router and (by default) 4 simulated
     /// workers in one process; `--worker` adds external workers instead.
     Serve(cmd::serve::ServeArgs),
+    /// The OpenAI-compatible front door alone, routing through a `kvroute router` at
+    /// --router-url (or an embedded router over --worker) to the workers' URLs.
+    Frontend(cmd::frontend::FrontendArgs),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +41,7 @@ fn main() -> ExitCode {
         Command::Router(args) => cmd::router::run(args),
         Command::Mocker(args) => cmd::mocker::run(&args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Frontend(args) => cmd::frontend::run(args),
     };
     match result {
         Ok(code) => code,

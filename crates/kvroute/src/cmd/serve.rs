@@ -118,20 +118,30 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
                 "try: curl -s http://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":16}}'"
             );
         }
-        // Stop accepting on Ctrl-C/SIGTERM; give open streams 5 s to finish.
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = axum::serve(listener, kvroute_frontend::app(state)).with_graceful_shutdown(async move {
+        serve_front_door(listener, state).await?;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Serves the front door until Ctrl-C/SIGTERM: then stops accepting and gives open streams
+/// 5 s to finish.
+pub(crate) async fn serve_front_door(
+    listener: tokio::net::TcpListener,
+    state: Arc<FrontendState>,
+) -> anyhow::Result<()> {
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server =
+        axum::serve(listener, kvroute_frontend::app(state)).with_graceful_shutdown(async move {
             crate::shutdown_signal().await;
             let _ = stop_tx.send(());
         });
-        let grace = async move {
-            let _ = stop_rx.await;
-            tokio::time::sleep(Duration::from_secs(5)).await;
-        };
-        tokio::select! {
-            result = server => result?,
-            () = grace => tracing::warn!("open streams cancelled after 5 s"),
-        }
-        Ok(ExitCode::SUCCESS)
-    })
+    let grace = async move {
+        let _ = stop_rx.await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    };
+    tokio::select! {
+        result = server => result?,
+        () = grace => tracing::warn!("open streams cancelled after 5 s"),
+    }
+    Ok(())
 }
