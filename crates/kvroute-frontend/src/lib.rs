@@ -30,6 +30,7 @@ use hyper_util::rt::TokioExecutor;
 use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_preprocess::fetch::Fetcher;
 use kvroute_preprocess::{ChatMessage, Image, Prepared, Preprocessor, image_urls, images};
+use kvroute_router::http::ApiError;
 use kvroute_router::{RouterState, WorkerSpec};
 
 mod placer;
@@ -117,38 +118,6 @@ impl FrontendState {
             proxied: AtomicU64::new(0),
             retried: AtomicU64::new(0),
         }
-    }
-}
-
-/// An OpenAI-shaped error.
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    message: String,
-    param: Option<&'static str>,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), param: None }
-    }
-
-    fn param(mut self, param: &'static str) -> Self {
-        self.param = Some(param);
-        self
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = match self.status {
-            StatusCode::NOT_FOUND => "not_found_error",
-            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
-            s if s.is_server_error() => "server_error",
-            _ => "invalid_request_error",
-        };
-        let body = json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status.as_u16()}});
-        (self.status, Json(body)).into_response()
     }
 }
 

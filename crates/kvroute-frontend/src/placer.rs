@@ -13,7 +13,7 @@ use kvroute_core::{LocalBlockHash, WorkerWithDpRank};
 use kvroute_router::{Placement, RouterState};
 use serde::Deserialize;
 
-use crate::ApiError;
+use kvroute_router::http::ApiError;
 
 #[derive(Clone, Debug)]
 pub enum Placer {

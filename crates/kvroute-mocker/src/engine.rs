@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use kvroute_core::{BlockExtraInfo, BlockHasher, BlockSize, SequenceHash, sequence_hashes};
-use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_mm_key};
+use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_extra_keys};
 
 use crate::kv::KvCache;
 use crate::timing::Timing;
@@ -389,19 +389,7 @@ fn stored_event(bs: usize, r: &Running, blocks: &[usize]) -> EngineEvent {
             r.req.block_mm_infos.as_ref().map(|infos| {
                 blocks
                     .iter()
-                    .map(|&b| {
-                        infos.get(b).cloned().flatten().map(|info| {
-                            info.mm_objects
-                                .iter()
-                                .map(|o| {
-                                    publisher_mm_key(
-                                        o.mm_hash,
-                                        o.offsets.first().map_or(0, |r| r.0 as i64),
-                                    )
-                                })
-                                .collect()
-                        })
-                    })
+                    .map(|&b| infos.get(b).and_then(Option::as_ref).map(publisher_extra_keys))
                     .collect()
             });
         let extra_keys = extra_keys.filter(|k| k.iter().any(Option::is_some));

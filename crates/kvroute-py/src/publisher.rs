@@ -6,7 +6,7 @@
 //! publisher's own, so Python threads never wait on them.
 
 use kvroute_wire::publisher::EventPublisher;
-use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, publisher_mm_key};
+use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, publisher_extra_keys};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -122,19 +122,7 @@ impl KvEventPublisher {
         }
         let extra_keys = infos.map(|infos| {
             (0..n)
-                .map(|i| {
-                    infos.get(i).cloned().flatten().map(|info| {
-                        info.mm_objects
-                            .iter()
-                            .map(|o| {
-                                publisher_mm_key(
-                                    o.mm_hash,
-                                    o.offsets.first().map_or(0, |r| r.0 as i64),
-                                )
-                            })
-                            .collect()
-                    })
-                })
+                .map(|i| infos.get(i).and_then(Option::as_ref).map(publisher_extra_keys))
                 .collect()
         });
         let stored = BlockStored {

@@ -38,6 +38,24 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// An error whose OpenAI `type` follows from its status.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        let kind = match status {
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        };
+        Self { status, message: message.into(), kind, param: None }
+    }
+
+    /// Names the request field at fault.
+    #[must_use]
+    pub fn param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
     pub fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,

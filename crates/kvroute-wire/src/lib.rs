@@ -54,3 +54,11 @@ pub fn decode_router_events(bytes: &[u8]) -> Result<Vec<RouterEvent>, WireError>
 pub fn publisher_mm_key(mm_hash: u64, offset_in_block: i64) -> ExtraKey {
     ExtraKey::Mm(format!("{mm_hash:016x}"), offset_in_block)
 }
+
+/// A block's images as `extra_keys`, in the publisher form.
+pub fn publisher_extra_keys(info: &kvroute_core::BlockExtraInfo) -> Vec<ExtraKey> {
+    info.mm_objects
+        .iter()
+        .map(|o| publisher_mm_key(o.mm_hash, o.offsets.first().map_or(0, |r| r.0 as i64)))
+        .collect()
+}
