@@ -170,9 +170,10 @@ async fn get<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(hyper_io::TokioIo(io))
-        .await
-        .map_err(|e| fetch_err(format!("talking to {authority}: {e}")))?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
+            .await
+            .map_err(|e| fetch_err(format!("talking to {authority}: {e}")))?;
     tokio::spawn(connection);
     let request = Request::get(path)
         .header(hyper::header::HOST, authority)
@@ -195,54 +196,6 @@ where
             Err(PreprocessError::ImageTooLarge { limit: max_bytes })
         }
         Err(e) => Err(fetch_err(format!("reading {url}: {e}"))),
-    }
-}
-
-/// hyper 1 speaks its own I/O traits; this adapts a tokio stream to them.
-mod hyper_io {
-    use std::pin::Pin;
-    use std::task::{Context, Poll};
-
-    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-
-    pub(super) struct TokioIo<T>(pub(super) T);
-
-    impl<T: AsyncRead + Unpin> hyper::rt::Read for TokioIo<T> {
-        fn poll_read(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            mut buf: hyper::rt::ReadBufCursor<'_>,
-        ) -> Poll<std::io::Result<()>> {
-            // Read into a stack buffer, then copy: no uninitialised memory is exposed.
-            let mut tmp = [0u8; 8192];
-            let want = tmp.len().min(buf.remaining());
-            let mut read_buf = ReadBuf::new(&mut tmp[..want]);
-            match Pin::new(&mut self.get_mut().0).poll_read(cx, &mut read_buf) {
-                Poll::Ready(Ok(())) => {
-                    buf.put_slice(read_buf.filled());
-                    Poll::Ready(Ok(()))
-                }
-                other => other,
-            }
-        }
-    }
-
-    impl<T: AsyncWrite + Unpin> hyper::rt::Write for TokioIo<T> {
-        fn poll_write(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &[u8],
-        ) -> Poll<std::io::Result<usize>> {
-            Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
-        }
-
-        fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-            Pin::new(&mut self.get_mut().0).poll_flush(cx)
-        }
-
-        fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-            Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
-        }
     }
 }
 
