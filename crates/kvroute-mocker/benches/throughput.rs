@@ -105,11 +105,11 @@ fn main() {
     let s = state.engine.snapshot();
     println!(
         "\nengine: {} finished, {:.2} simulated s (x100 = {:.2} s of modelled GPU time), {} prompt tokens, {} cached",
-        s.requests_finished,
+        s.stats.requests_finished,
         s.simulated_seconds,
         s.simulated_seconds * 100.0,
-        s.prompt_tokens,
-        s.cached_tokens
+        s.stats.prompt_tokens,
+        s.stats.cached_tokens
     );
     drop(server);
 }

@@ -96,7 +96,7 @@ pub struct Step {
 }
 
 /// Ground truth for benchmarks.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct EngineStats {
     pub requests_finished: u64,
     pub prompt_tokens: u64,

@@ -517,11 +517,11 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         s.kv_cache_usage,
         s.num_waiting_reqs,
         s.num_running_reqs,
-        s.prompt_tokens,
-        s.cached_tokens,
-        s.evicted_blocks,
-        s.preemptions,
-        s.requests_finished,
+        s.stats.prompt_tokens,
+        s.stats.cached_tokens,
+        s.stats.evicted_blocks,
+        s.stats.preemptions,
+        s.stats.requests_finished,
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
 }

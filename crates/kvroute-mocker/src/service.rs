@@ -40,11 +40,9 @@ pub struct Snapshot {
     pub kv_cache_usage: f64,
     pub kv_total_blocks: usize,
     pub simulated_seconds: f64,
-    pub requests_finished: u64,
-    pub prompt_tokens: u64,
-    pub cached_tokens: u64,
-    pub evicted_blocks: u64,
-    pub preemptions: u64,
+    /// Ground truth: requests, prompt and cached tokens, evictions, preemptions.
+    #[serde(flatten)]
+    pub stats: EngineStats,
 }
 
 #[derive(Debug)]
@@ -214,24 +212,13 @@ fn apply(cmd: Command, engine: &mut Engine, streams: &mut Streams) {
 }
 
 fn publish_snapshot(engine: &Engine, snapshot: &Mutex<Snapshot>) {
-    let EngineStats {
-        requests_finished,
-        prompt_tokens,
-        cached_tokens,
-        evicted_blocks,
-        preemptions,
-    } = engine.stats();
     *snapshot.lock().unwrap_or_else(PoisonError::into_inner) = Snapshot {
         num_waiting_reqs: engine.waiting(),
         num_running_reqs: engine.running(),
         kv_cache_usage: engine.kv_usage(),
         kv_total_blocks: engine.config().num_blocks,
         simulated_seconds: engine.now().as_secs_f64(),
-        requests_finished,
-        prompt_tokens,
-        cached_tokens,
-        evicted_blocks,
-        preemptions,
+        stats: engine.stats(),
     };
 }
 

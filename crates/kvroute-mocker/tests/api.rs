@@ -232,7 +232,7 @@ async fn a_client_that_leaves_mid_stream_frees_its_request() {
     }
     let after = m.state.engine.snapshot();
     assert_eq!(
-        (after.kv_cache_usage, after.requests_finished),
+        (after.kv_cache_usage, after.stats.requests_finished),
         (0.0, 0),
         "cancelled, not finished"
     );
@@ -269,6 +269,6 @@ async fn kv_events_and_load_reports_are_published() {
             _ => 0,
         })
         .sum();
-    let prompt_blocks = m.state.engine.snapshot().prompt_tokens as usize / 16;
+    let prompt_blocks = m.state.engine.snapshot().stats.prompt_tokens as usize / 16;
     assert_eq!(stored, prompt_blocks, "every full prompt block announced once");
 }

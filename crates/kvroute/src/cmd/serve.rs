@@ -1,19 +1,16 @@
 //! `kvroute serve`: front door + router + simulated workers in one process.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvroute_core::BlockSize;
 use kvroute_core::schedule::PolicyKind;
 use kvroute_frontend::FrontendState;
-use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
 use kvroute_preprocess::Preprocessor;
-use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
+use kvroute_preprocess::fetch::Fetcher;
 use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
 
 #[derive(Debug, Args)]
@@ -35,30 +32,9 @@ pub(crate) struct ServeArgs {
     /// Routing policy: kv, dynamo, round-robin, random, least-loaded.
     #[arg(long, env = "KVROUTE_POLICY", default_value = "kv")]
     policy: PolicyKind,
-    /// Tokens per KV block (router and simulated workers).
-    #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = 16)]
-    block_size: u32,
-    /// KV capacity of each simulated worker, in blocks.
-    #[arg(long, env = "KVROUTE_NUM_BLOCKS", default_value_t = 16_384)]
-    num_blocks: usize,
-    /// Most running requests of each simulated worker.
-    #[arg(long, env = "KVROUTE_MAX_NUM_SEQS", default_value_t = 256)]
-    max_num_seqs: usize,
-    /// Token budget of a simulated worker's step.
-    #[arg(long, env = "KVROUTE_MAX_BATCHED_TOKENS", default_value_t = 8192)]
-    max_batched_tokens: usize,
-    /// Simulated time runs this many times faster than the timing model.
-    #[arg(long, env = "KVROUTE_SPEEDUP", default_value_t = 1.0)]
-    speedup: f64,
-    /// Model directory (tokenizer + chat template); default: models/kvroute-tiny.
-    #[arg(long, env = "KVROUTE_MODEL_PATH")]
-    model_path: Option<PathBuf>,
-    /// Seed of the simulated workers' generated words.
-    #[arg(long, env = "KVROUTE_SEED", default_value_t = 0)]
-    seed: u64,
-    /// Fetch image URLs that resolve to loopback or private addresses.
-    #[arg(long, env = "KVROUTE_ALLOW_PRIVATE_IMAGE_URLS")]
-    allow_private_image_urls: bool,
+    /// Each embedded simulated worker's knobs (the block size is the router's too).
+    #[command(flatten)]
+    engine: super::mocker::EngineArgs,
 }
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
@@ -67,11 +43,9 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         args.workers > 0 || !args.external.is_empty(),
         "no workers: use --workers N or --worker ..."
     );
-    anyhow::ensure!(args.speedup > 0.0, "--speedup must be > 0");
-    let block_size = BlockSize::new(args.block_size).context("--block-size")?;
-    let model_dir = args.model_path.clone().unwrap_or_else(Preprocessor::default_model_dir);
-    let fetch =
-        FetchConfig { allow_private: args.allow_private_image_urls, ..FetchConfig::default() };
+    let block_size = args.engine.block_size()?;
+    let model_dir = args.engine.model_dir();
+    let fetch = args.engine.fetch();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         let addr: SocketAddr = format!("{}:{}", args.host, args.port).parse().context("--host/--port")?;
@@ -79,20 +53,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         let mut workers = args.external.clone();
         let first_id = workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
         for k in 0..args.workers {
-            let engine = EngineConfig {
-                num_blocks: args.num_blocks,
-                block_size,
-                max_num_seqs: args.max_num_seqs,
-                max_batched_tokens: args.max_batched_tokens,
-                timing: Timing { speedup: args.speedup },
-            };
-            let config = MockerConfig {
-                engine,
-                model_dir: model_dir.clone(),
-                seed: args.seed + k as u64,
-                fetch: fetch.clone(),
-                ..MockerConfig::default()
-            };
+            let config = args.engine.mocker(k as u64, kvroute_mocker::Endpoints::default())?;
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let spawned = kvroute_mocker::spawn(config, listener).await?;
             let mut spec = WorkerSpec::new(first_id + k as u64);
