@@ -29,7 +29,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_preprocess::fetch::Fetcher;
-use kvroute_preprocess::{ChatMessage, Image, Prepared, Preprocessor, image_urls, images};
+use kvroute_preprocess::{
+    ChatMessage, CompletionPrompt, Image, Prepared, Preprocessor, image_urls, images,
+};
 use kvroute_router::http::ApiError;
 use kvroute_router::{RouterState, WorkerSpec};
 
@@ -142,17 +144,10 @@ struct ChatFields {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum Prompt {
-    Text(String),
-    Tokens(Vec<u32>),
-}
-
-#[derive(Debug, Deserialize)]
 struct CompletionFields {
     #[serde(default)]
     model: Option<String>,
-    prompt: Prompt,
+    prompt: CompletionPrompt,
 }
 
 fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
@@ -265,13 +260,10 @@ async fn completions(
             .param("prompt")
     })?;
     check_model(&state, fields.model.as_deref())?;
-    let prepared = match fields.prompt {
-        Prompt::Text(text) => state
-            .preprocessor
-            .prepare_prompt(&text)
-            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("prompt"))?,
-        Prompt::Tokens(tokens) => Prepared { tokens, mm: Default::default(), images: Vec::new() },
-    };
+    let prepared = state
+        .preprocessor
+        .prepare_completion(fields.prompt)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("prompt"))?;
     route_and_proxy(&state, "/v1/completions", &raw, &prepared).await
 }
 

@@ -16,7 +16,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
 use kvroute_preprocess::fetch::Fetcher;
-use kvroute_preprocess::{ChatMessage, Image, Prepared, Preprocessor, image_urls, images};
+use kvroute_preprocess::{
+    ChatMessage, CompletionPrompt, Image, Prepared, Preprocessor, image_urls, images,
+};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -129,17 +131,10 @@ struct ChatRequest {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum Prompt {
-    Text(String),
-    Tokens(Vec<u32>),
-}
-
-#[derive(Debug, Deserialize)]
 struct CompletionRequest {
     #[serde(default)]
     model: Option<String>,
-    prompt: Prompt,
+    prompt: CompletionPrompt,
     #[serde(default)]
     max_tokens: Option<usize>,
     #[serde(default)]
@@ -278,13 +273,10 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     check_model(&state, req.model.as_deref())?;
-    let prepared = match req.prompt {
-        Prompt::Text(text) => state
-            .preprocessor
-            .prepare_prompt(&text)
-            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("prompt"))?,
-        Prompt::Tokens(tokens) => Prepared { tokens, mm: Default::default(), images: Vec::new() },
-    };
+    let prepared = state
+        .preprocessor
+        .prepare_completion(req.prompt)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("prompt"))?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     generate(
         &state,

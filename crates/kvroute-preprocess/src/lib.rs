@@ -76,6 +76,14 @@ pub struct ImageUrl {
     pub uuid: Option<String>,
 }
 
+/// A `/v1/completions` prompt: text, or token ids given directly.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum CompletionPrompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
 /// The image URLs of `messages`, in the order their placeholders appear.
 pub fn image_urls(messages: &[ChatMessage]) -> Vec<&str> {
     messages
@@ -234,6 +242,19 @@ impl Preprocessor {
     /// A plain prompt (`/v1/completions`): tokens only.
     pub fn prepare_prompt(&self, prompt: &str) -> Result<Prepared, PreprocessError> {
         self.expand(self.encode(prompt)?, Vec::new())
+    }
+
+    /// A `/v1/completions` prompt: text is tokenized, token ids are taken as they are.
+    pub fn prepare_completion(
+        &self,
+        prompt: CompletionPrompt,
+    ) -> Result<Prepared, PreprocessError> {
+        match prompt {
+            CompletionPrompt::Text(text) => self.prepare_prompt(&text),
+            CompletionPrompt::Tokens(tokens) => {
+                Ok(Prepared { tokens, mm: RequestExtraInfo::default(), images: Vec::new() })
+            }
+        }
     }
 
     /// Replaces the i-th image token with `images[i].tokens` copies and records where.
