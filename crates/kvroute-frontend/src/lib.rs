@@ -46,6 +46,11 @@ pub const BODY_LIMIT: usize = 64 << 20;
 /// Header naming the worker a response came from.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
 
+/// Header with the prompt tokens the router expected the chosen worker to have cached (its
+/// leading blocks held by the worker's KV events, in tokens): compare with the response's
+/// `usage.prompt_tokens_details.cached_tokens` to see how exact the router's view is.
+pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-tokens";
+
 pub struct FrontendState {
     pub preprocessor: Arc<Preprocessor>,
     pub fetcher: Fetcher,
@@ -298,10 +303,10 @@ async fn route_and_proxy(
     let mut excluded: Vec<WorkerWithDpRank> = Vec::new();
     loop {
         let id = format!("kvr-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
-        let worker = match state.placer.place(&local, prepared.tokens.len(), &id, &excluded).await?
-        {
+        let placed = state.placer.place(&local, prepared.tokens.len(), &id, &excluded).await?;
+        let (worker, overlap_blocks) = match placed {
             // A remote router does not take exclusions: a worker it names again is a dead end.
-            Some(w) if !excluded.contains(&w) => w,
+            Some((w, overlap)) if !excluded.contains(&w) => (w, overlap),
             _ => {
                 return Err(ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -355,6 +360,8 @@ async fn route_and_proxy(
             WORKER_HEADER,
             HeaderValue::from_str(&name).unwrap_or(HeaderValue::from_static("?")),
         );
+        let overlap_tokens = (overlap_blocks as usize * bs.tokens()).min(prepared.tokens.len());
+        out = out.header(OVERLAP_HEADER, HeaderValue::from(overlap_tokens));
         return out
             .body(Body::from_stream(stream))
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));

@@ -38,17 +38,20 @@ struct Decision {
     worker_id: u64,
     #[serde(default)]
     dp_rank: u32,
+    #[serde(default)]
+    overlap_blocks: u32,
 }
 
 impl Placer {
-    /// The chosen cache, `None` when there is none; the request is in flight from now on.
+    /// The chosen cache and how many leading blocks of the request it holds by its events,
+    /// `None` when there is none; the request is in flight from now on.
     pub(crate) async fn place(
         &self,
         local: &[LocalBlockHash],
         num_tokens: usize,
         id: &str,
         exclude: &[WorkerWithDpRank],
-    ) -> Result<Option<WorkerWithDpRank>, ApiError> {
+    ) -> Result<Option<(WorkerWithDpRank, u32)>, ApiError> {
         match self {
             Self::Embedded(router) => {
                 let placement = Placement {
@@ -59,7 +62,7 @@ impl Placer {
                     temperature: None,
                     exclude,
                 };
-                Ok(router.place(&placement).map(|(d, _)| d.worker))
+                Ok(router.place(&placement).map(|(d, _)| (d.worker, d.overlap_blocks)))
             }
             Self::Remote(remote) => {
                 let body = serde_json::json!({
@@ -81,7 +84,7 @@ impl Placer {
                 let d: Decision = serde_json::from_slice(&bytes).map_err(|e| {
                     ApiError::new(StatusCode::BAD_GATEWAY, format!("the router's answer: {e}"))
                 })?;
-                Ok(Some(WorkerWithDpRank::new(d.worker_id, d.dp_rank)))
+                Ok(Some((WorkerWithDpRank::new(d.worker_id, d.dp_rank), d.overlap_blocks)))
             }
         }
     }

@@ -67,6 +67,16 @@ async fn fleet(engines: u64, dead: u64) -> Fleet {
 
 /// (status, worker header, body)
 async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Option<String>, String) {
+    let (head, body) = post_raw(addr, path, body).await;
+    (head[9..12].parse().unwrap(), header(&head, "x-kvroute-worker"), body)
+}
+
+fn header(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(": ")).map(str::to_owned)
+}
+
+/// (response head, body)
+async fn post_raw(addr: SocketAddr, path: &str, body: &str) -> (String, String) {
     let mut stream = TcpStream::connect(addr).await.unwrap();
     let req = format!(
         "POST {path} HTTP/1.1\r\nhost: f\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -76,8 +86,7 @@ async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Option<String>,
     let mut response = String::new();
     stream.read_to_string(&mut response).await.unwrap();
     let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    let worker = head.lines().find_map(|l| l.strip_prefix("x-kvroute-worker: ")).map(str::to_owned);
-    (head[9..12].parse().unwrap(), worker, body.to_owned())
+    (head.to_owned(), body.to_owned())
 }
 
 /// The body of a chunked HTTP/1.1 response, de-chunked.
@@ -112,12 +121,16 @@ async fn a_repeated_prompt_returns_to_its_worker_with_cached_tokens() {
     // The worker's KV events reach the router asynchronously: ask again until they have.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let (_, worker, body) = post(f.addr, "/v1/chat/completions", &chat(PROMPT)).await;
+        let (head, body) = post_raw(f.addr, "/v1/chat/completions", &chat(PROMPT)).await;
         let v: Value = serde_json::from_str(&dechunk(&body)).unwrap();
-        assert_eq!(worker, first_worker, "a repeated prompt goes where its blocks are");
-        if v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64()
-            == Some(prompt_tokens / 16 * 16)
-        {
+        assert_eq!(header(&head, "x-kvroute-worker"), first_worker, "where its blocks are");
+        // The router's expectation: what the worker's events announced, never more than
+        // what the worker then reports as cached.
+        let predicted: u64 = header(&head, "x-kvroute-overlap-tokens").unwrap().parse().unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        assert!(predicted <= cached, "predicted {predicted} > cached {cached}");
+        if predicted == prompt_tokens / 16 * 16 {
+            assert_eq!(cached, predicted);
             break;
         }
         assert!(Instant::now() < deadline, "never fully cached: {v}");
