@@ -20,6 +20,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt as _;
 use axum::{Json, Router};
 use base64::Engine as _;
 use futures_util::StreamExt;
@@ -126,6 +127,21 @@ impl FrontendState {
             retried: AtomicU64::new(0),
         }
     }
+}
+
+/// Serves [`app`] on `listener` until `shutdown` resolves, then waits for open responses (bound
+/// that wait outside).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<FrontendState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    // Streamed chunks go out at once: without TCP_NODELAY, Nagle's algorithm holds a chunk
+    // until the previous one is acknowledged, and a delayed ACK makes that up to 40 ms.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await
 }
 
 pub fn app(state: Arc<FrontendState>) -> Router {

@@ -22,6 +22,8 @@ pub use service::{Endpoints, EngineHandle, Snapshot};
 pub use timing::Timing;
 
 use std::path::PathBuf;
+
+use axum::serve::ListenerExt as _;
 use std::sync::Arc;
 
 /// Everything a simulated engine needs.
@@ -85,6 +87,11 @@ pub async fn spawn(
     let state = start(config).await?;
     let addr = listener.local_addr()?;
     let bound = state.engine.bound.clone();
+    // Streams write small chunks: without TCP_NODELAY, Nagle's algorithm holds a chunk until
+    // the previous one is acknowledged, and a delayed ACK makes that up to 40 ms.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(axum::serve(listener, http::app(state)).into_future());
     Ok(Spawned {
         url: format!("http://{addr}"),

@@ -15,6 +15,8 @@ pub mod state;
 pub mod subscriber;
 
 use std::future::Future;
+
+use axum::serve::ListenerExt as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -113,6 +115,10 @@ pub async fn serve(
     state: Arc<RouterState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
+    // Small answers on kept-alive connections: no Nagle delay behind a delayed ACK.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, http::app(state)).with_graceful_shutdown(shutdown).await?;
     Ok(())
 }

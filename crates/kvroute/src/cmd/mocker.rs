@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
+use axum::serve::ListenerExt as _;
 use clap::Args;
 use kvroute_core::BlockSize;
 use kvroute_mocker::{Endpoints, EngineConfig, FetchConfig, MockerConfig, Timing};
@@ -136,6 +137,10 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
                 "try: curl -s http://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'"
             );
         }
+        // Streamed chunks go out at once (no Nagle delay behind a delayed ACK).
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, kvroute_mocker::http::app(state))
             .with_graceful_shutdown(crate::shutdown_signal())
             .await?;

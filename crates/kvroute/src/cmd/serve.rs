@@ -91,11 +91,10 @@ pub(crate) async fn serve_front_door(
     state: Arc<FrontendState>,
 ) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server =
-        axum::serve(listener, kvroute_frontend::app(state)).with_graceful_shutdown(async move {
-            crate::shutdown_signal().await;
-            let _ = stop_tx.send(());
-        });
+    let server = kvroute_frontend::serve(listener, state, async move {
+        crate::shutdown_signal().await;
+        let _ = stop_tx.send(());
+    });
     let grace = async move {
         let _ = stop_rx.await;
         tokio::time::sleep(Duration::from_secs(5)).await;
