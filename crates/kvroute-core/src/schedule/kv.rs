@@ -8,7 +8,8 @@
 //! cached_i = max(kv overlap_i, in-flight prefix_i) * bs        tokens it has or is computing
 //! ttft_i   = queued_prefill_i + (isl - cached_i)               work ahead of the first token
 //! evict_i  = eviction_weight * (isl - cached_i) * fullness_i   what storing the rest evicts
-//! cost_i   = (ttft_i + evict_i + decode_weight * active_blocks_i * bs) / speed_i
+//! decode_i = decode_full_cache_tokens * active_blocks_i / kv_total_blocks_i
+//! cost_i   = (ttft_i + evict_i + decode_i) / speed_i
 //! ```
 //!
 //! - The in-flight prefix counts as cached: a request routed behind an identical one reuses
@@ -19,8 +20,19 @@
 //!   whole prefix, so a prefix moves only when the owner's queue makes the wait longer than
 //!   computing the prefix elsewhere twice over (once now, once for what it evicts); and a new
 //!   prefix goes where the cache has room, which spreads prefix groups evenly.
-//! - Prefill speed is learned per worker from first-token times ([`super::Scheduler::
-//!   mark_prefill_done`]), starting from `prefill_tokens_per_s`.
+//! - `decode_i` is what the worker's running requests add to the wait: every engine step
+//!   decodes them all, and a decode step grows with the KV it reads (vLLM's and the mocker's
+//!   alike: 5.7 ms empty, ~34 ms at a full cache in Dynamo's fitted model), so the request's
+//!   first token, computed within such steps, comes later on a worker whose cache is full of
+//!   running requests. `decode_full_cache_tokens` is that delay at a full cache, in prefill
+//!   tokens (~1.5 steps of ~40 ms at ~66k tokens/s); it is what spreads requests that share
+//!   nothing. With the capacity unknown, `decode_weight` per in-flight token stands in.
+//! - Prefill speed can be learned per worker from first-token times ([`super::Scheduler::
+//!   mark_prefill_done`], `speed_learning_rate`), starting from `prefill_tokens_per_s`. It is
+//!   off by default: a first-token time also holds the step's fixed cost and the queue ahead,
+//!   so a worker that once answered slowly looked slow for everything, got fewer requests and
+//!   so no new evidence (`kvroute bench`'s random workload starved one worker that way: 7 of
+//!   160 requests).
 //!
 //! Dynamo's cost ([`super::dynamo`]) adds every in-flight block of a worker to its cost, which
 //! pushes requests off the worker that holds their prefix as soon as it is busy decoding; the
@@ -35,11 +47,15 @@ use super::{Candidate, Policy, RequestInfo, Rng, pick_by_cost};
 pub struct KvConfig {
     /// Prefill speed assumed until a worker's is learned (tokens per second).
     pub prefill_tokens_per_s: f64,
-    /// Weight of each new observation in the learned speed (exponential moving average).
+    /// Weight of each new observation in the learned speed (exponential moving average; 0:
+    /// every worker keeps `prefill_tokens_per_s`).
     pub speed_learning_rate: f64,
     /// Price of each token a request adds to a full cache (what it evicts), in prefill tokens.
     pub eviction_weight: f64,
-    /// Price of each in-flight decode token, in prefill tokens (decoding slows prefill a little).
+    /// What running requests filling a worker's whole cache add to its time to first token,
+    /// in prefill tokens (scaled by the share of the cache they fill).
+    pub decode_full_cache_tokens: f64,
+    /// Price of each in-flight token, in prefill tokens, when the worker's capacity is unknown.
     pub decode_weight: f64,
 }
 
@@ -47,8 +63,9 @@ impl Default for KvConfig {
     fn default() -> Self {
         Self {
             prefill_tokens_per_s: 20_000.0,
-            speed_learning_rate: 0.1,
+            speed_learning_rate: 0.0,
             eviction_weight: 1.0,
+            decode_full_cache_tokens: 4_000.0,
             decode_weight: 0.02,
         }
     }
@@ -74,14 +91,17 @@ impl KvPolicy {
             .iter()
             .map(|c| {
                 let have = cached(c);
-                let fullness = match c.load.kv_total_blocks {
-                    Some(total) if total > 0 => (c.tree_size as f64 / total as f64).min(1.0),
-                    _ => 1.0,
-                };
+                let total = c.load.kv_total_blocks.filter(|&t| t > 0).map(|t| t as f64);
+                let fullness = total.map_or(1.0, |t| (c.tree_size as f64 / t).min(1.0));
                 let uncached = (request.isl_tokens - have) as f64;
                 let ttft = c.active.prefill_tokens as f64 + uncached;
                 let evict = self.config.eviction_weight * uncached * fullness;
-                let decode = self.config.decode_weight * (c.active.blocks * bs) as f64;
+                let decode = match total {
+                    Some(t) => {
+                        self.config.decode_full_cache_tokens * (c.active.blocks as f64 / t).min(1.0)
+                    }
+                    None => self.config.decode_weight * (c.active.blocks * bs) as f64,
+                };
                 (ttft + evict + decode) / c.prefill_tokens_per_s.max(1.0)
             })
             .collect()

@@ -129,6 +129,29 @@ fn kv_duplication_is_cheap_onto_an_empty_cache() {
     assert_eq!(kv.select(&info(2048), &[owner, empty], &mut Rng::new(1)), 1);
 }
 
+#[test]
+fn kv_spreads_requests_that_share_nothing_by_running_load() {
+    let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
+    let mut busy = candidate(0, 0);
+    busy.load.kv_total_blocks = Some(550);
+    busy.tree_size = 550;
+    busy.active.blocks = 300;
+    let mut quiet = busy;
+    quiet.worker = w(1);
+    quiet.active.blocks = 60;
+    let mut rng = Rng::new(1);
+    // Nothing cached anywhere: the worker whose steps are shorter.
+    assert_eq!(kv.select(&info(1024), &[busy, quiet], &mut rng), 1);
+    // The owner of 960 of 1,024 tokens keeps the request although more is running there.
+    let mut owner = busy;
+    owner.overlap_blocks = 60;
+    owner.active.blocks = 250;
+    assert_eq!(kv.select(&info(1024), &[owner, quiet], &mut rng), 0);
+    // Unless its cache is all running requests.
+    owner.active.blocks = 550;
+    assert_eq!(kv.select(&info(1024), &[owner, quiet], &mut rng), 1);
+}
+
 /// The workers 8 identical cold requests land on, routed back to back.
 fn burst(policy: PolicyKind) -> BTreeSet<WorkerWithDpRank> {
     let p = prompt(&(0..1000).collect::<Vec<_>>());
@@ -274,7 +297,10 @@ fn baselines_behave() {
 fn prefill_speed_is_learned_from_first_tokens() {
     let p = prompt(&(0..2048).collect::<Vec<_>>());
     let t0 = Instant::now();
-    let mut s = scheduler(PolicyKind::Kv, 1);
+    let mut config = SchedulerConfig { policy: PolicyKind::Kv, ..SchedulerConfig::default() };
+    config.kv.speed_learning_rate = 0.1;
+    let mut s = Scheduler::new(config);
+    s.add_worker(w(0));
     s.route(&request(&p, Some("a")), &OverlapScores::default(), &UnknownTreeSizes, t0).unwrap();
     // 2048 tokens in 0.2 s = 10k tokens/s, below the 20k prior.
     s.mark_prefill_done("a", t0 + Duration::from_millis(200));
