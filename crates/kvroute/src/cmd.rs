@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub(crate) mod bench;
 pub(crate) mod frontend;
 pub(crate) mod hash;
 pub(crate) mod mocker;

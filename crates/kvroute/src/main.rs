@@ -32,6 +32,10 @@ enum Command {
     /// The OpenAI-compatible front door alone, routing through a `kvroute router` at
     /// --router-url (or an embedded router over --worker) to the workers' URLs.
     Frontend(cmd::frontend::FrontendArgs),
+    /// Benchmark: seeded workloads (shared-prefix, multi-turn, multimodal, random) played
+    /// against a fresh simulated fleet per routing policy, or against --target; writes
+    /// report.md, results.json and SVG plots.
+    Bench(Box<kvroute_bench::BenchArgs>),
 }
 
 fn main() -> ExitCode {
@@ -42,6 +46,7 @@ fn main() -> ExitCode {
         Command::Mocker(args) => cmd::mocker::run(&args),
         Command::Serve(args) => cmd::serve::run(args),
         Command::Frontend(args) => cmd::frontend::run(args),
+        Command::Bench(args) => cmd::bench::run(&args),
     };
     match result {
         Ok(code) => code,
@@ -57,9 +62,14 @@ fn main() -> ExitCode {
 
 /// Logs to stderr; `KVROUTE_LOG` (or `RUST_LOG`) sets the filter, default `info`.
 fn init_tracing() {
+    init_tracing_with("info");
+}
+
+/// [`init_tracing`] with another default filter.
+fn init_tracing_with(default: &str) {
     let filter = std::env::var("KVROUTE_LOG")
         .or_else(|_| std::env::var("RUST_LOG"))
-        .unwrap_or_else(|_| "info".to_owned());
+        .unwrap_or_else(|_| default.to_owned());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)

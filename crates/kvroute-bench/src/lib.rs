@@ -1,0 +1,327 @@
+//! `kvroute bench`: seeded workloads played side by side against routing policies, with a
+//! report people would rather look at than read.
+//!
+//! - [`workload`]: the generators (shared-prefix, multi-turn, multimodal, random);
+//! - [`run`]: one run against a fresh simulated fleet or a `--target` endpoint;
+//! - [`stats`] and [`summary`]: percentiles, spread, prediction error, best achievable hits;
+//! - [`report`] and [`plot`]: `report.md`, `results.json` and SVG plots.
+
+pub mod plot;
+pub mod report;
+pub mod run;
+pub mod stats;
+pub mod summary;
+pub mod workload;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvroute_core::schedule::PolicyKind;
+use kvroute_preprocess::Preprocessor;
+
+use crate::run::{FleetConfig, Target};
+use crate::workload::{MultiTurn, Multimodal, RandomPrompts, SharedPrefix, Workload, WorkloadKind};
+
+/// The command line of `kvroute bench` (every default is the pinned configuration).
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Workloads to run, in order.
+    #[arg(
+        long,
+        env = "KVROUTE_BENCH_WORKLOADS",
+        value_delimiter = ',',
+        default_value = "shared-prefix,multi-turn,multimodal,random"
+    )]
+    pub workloads: Vec<WorkloadKind>,
+    /// Routing policies compared (self-contained mode).
+    #[arg(
+        long,
+        env = "KVROUTE_BENCH_POLICIES",
+        value_delimiter = ',',
+        default_value = "kv,dynamo,round-robin,random,least-loaded"
+    )]
+    pub policies: Vec<PolicyKind>,
+    /// Output directory (report.md, results.json, SVG plots).
+    #[arg(long, env = "KVROUTE_BENCH_OUT", default_value = "bench-results")]
+    pub out: PathBuf,
+    /// Seed of every workload (same seed, same requests and schedule).
+    #[arg(long, env = "KVROUTE_BENCH_SEED", default_value_t = 42)]
+    pub seed: u64,
+    /// Rate sweep: run every workload at each of these arrival rates (requests/s; users/s
+    /// for multi-turn) instead of its own default.
+    #[arg(long, env = "KVROUTE_BENCH_RATES", value_delimiter = ',')]
+    pub rates: Vec<f64>,
+    /// Share of each schedule's first requests (multi-turn: first rounds) left out of the
+    /// latency figures.
+    #[arg(long, env = "KVROUTE_BENCH_WARMUP", default_value_t = 0.1)]
+    pub warmup: f64,
+    /// Output tokens of every request.
+    #[arg(long, env = "KVROUTE_BENCH_OUTPUT_TOKENS", default_value_t = 32)]
+    pub output_tokens: u32,
+
+    /// Simulated workers (self-contained mode).
+    #[arg(long, env = "KVROUTE_BENCH_WORKERS", default_value_t = 4)]
+    pub workers: usize,
+    /// KV blocks of each simulated worker.
+    #[arg(long, env = "KVROUTE_BENCH_NUM_BLOCKS", default_value_t = 550)]
+    pub num_blocks: usize,
+    /// Tokens per block (workers and router).
+    #[arg(long, env = "KVROUTE_BENCH_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+    /// The simulated workers run this many times faster than the timing model.
+    #[arg(long, env = "KVROUTE_BENCH_SPEEDUP", default_value_t = 2.0)]
+    pub speedup: f64,
+    /// Most requests a simulated worker runs at once.
+    #[arg(long, env = "KVROUTE_BENCH_MAX_NUM_SEQS", default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of a simulated worker's step.
+    #[arg(long, env = "KVROUTE_BENCH_MAX_BATCHED_TOKENS", default_value_t = 8192)]
+    pub max_batched_tokens: usize,
+    /// Model directory (tokenizer and chat template); default: the repository's kvroute-tiny.
+    #[arg(long, env = "KVROUTE_BENCH_MODEL_PATH")]
+    pub model_path: Option<PathBuf>,
+
+    /// shared-prefix: groups (each with its own system prompt).
+    #[arg(long, env = "KVROUTE_BENCH_GROUPS", default_value_t = 12)]
+    pub groups: usize,
+    /// shared-prefix: prompts per group.
+    #[arg(long, env = "KVROUTE_BENCH_PROMPTS_PER_GROUP", default_value_t = 64)]
+    pub prompts_per_group: usize,
+    /// shared-prefix: system prompt tokens.
+    #[arg(long, env = "KVROUTE_BENCH_SYSTEM_TOKENS", default_value_t = 2048)]
+    pub system_tokens: usize,
+    /// shared-prefix: question tokens.
+    #[arg(long, env = "KVROUTE_BENCH_QUESTION_TOKENS", default_value_t = 64)]
+    pub question_tokens: usize,
+    /// shared-prefix: arrival rate, requests/s.
+    #[arg(long, env = "KVROUTE_BENCH_SHARED_PREFIX_RATE", default_value_t = 24.0)]
+    pub shared_prefix_rate: f64,
+
+    /// multi-turn: users.
+    #[arg(long, env = "KVROUTE_BENCH_USERS", default_value_t = 24)]
+    pub users: usize,
+    /// multi-turn: rounds per user.
+    #[arg(long, env = "KVROUTE_BENCH_ROUNDS", default_value_t = 28)]
+    pub rounds: usize,
+    /// multi-turn: tokens of each user's opening context.
+    #[arg(long, env = "KVROUTE_BENCH_CONTEXT_TOKENS", default_value_t = 256)]
+    pub context_tokens: usize,
+    /// multi-turn: tokens of each new user turn.
+    #[arg(long, env = "KVROUTE_BENCH_TURN_TOKENS", default_value_t = 32)]
+    pub turn_tokens: usize,
+    /// multi-turn: mean think time between an answer and the next round, seconds.
+    #[arg(long, env = "KVROUTE_BENCH_THINK_TIME", default_value_t = 0.5)]
+    pub think_time: f64,
+    /// multi-turn: users arriving per second.
+    #[arg(long, env = "KVROUTE_BENCH_MULTI_TURN_RATE", default_value_t = 12.0)]
+    pub multi_turn_rate: f64,
+
+    /// multimodal: requests.
+    #[arg(long, env = "KVROUTE_BENCH_MM_REQUESTS", default_value_t = 240)]
+    pub mm_requests: usize,
+    /// multimodal: distinct generated images in the pool.
+    #[arg(long, env = "KVROUTE_BENCH_IMAGES", default_value_t = 24)]
+    pub images: usize,
+    /// multimodal: side of the square images, pixels.
+    #[arg(long, env = "KVROUTE_BENCH_IMAGE_SIDE", default_value_t = 336)]
+    pub image_side: u32,
+    /// multimodal: arrival rate, requests/s.
+    #[arg(long, env = "KVROUTE_BENCH_MULTIMODAL_RATE", default_value_t = 16.0)]
+    pub multimodal_rate: f64,
+
+    /// random: requests.
+    #[arg(long, env = "KVROUTE_BENCH_RANDOM_REQUESTS", default_value_t = 160)]
+    pub random_requests: usize,
+    /// random: prompt tokens.
+    #[arg(long, env = "KVROUTE_BENCH_RANDOM_PROMPT_TOKENS", default_value_t = 1024)]
+    pub random_prompt_tokens: usize,
+    /// random: arrival rate, requests/s.
+    #[arg(long, env = "KVROUTE_BENCH_RANDOM_RATE", default_value_t = 12.0)]
+    pub random_rate: f64,
+
+    /// Drive this OpenAI-compatible endpoint instead of starting a fleet per policy (e.g.
+    /// another router in front of `kvroute mocker` workers).
+    #[arg(long, env = "KVROUTE_BENCH_TARGET")]
+    pub target: Option<String>,
+    /// With --target: the workers' base URLs, whose /stats give the ground-truth cache
+    /// counters (comma-separated).
+    #[arg(long, env = "KVROUTE_BENCH_WORKER_STATS", value_delimiter = ',', requires = "target")]
+    pub worker_stats: Vec<String>,
+    /// With --target: the name of the run in the report.
+    #[arg(long, env = "KVROUTE_BENCH_LABEL", requires = "target")]
+    pub label: Option<String>,
+    /// With --target: the model name to send (default: the first of its /v1/models).
+    #[arg(long, env = "KVROUTE_BENCH_MODEL", requires = "target")]
+    pub model: Option<String>,
+}
+
+impl BenchArgs {
+    pub fn fleet(&self) -> FleetConfig {
+        FleetConfig {
+            workers: self.workers,
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            speedup: self.speedup,
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            model_dir: self.model_path.clone().unwrap_or_else(Preprocessor::default_model_dir),
+        }
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.workloads.is_empty(), "--workloads: at least one");
+        anyhow::ensure!(
+            self.target.is_some() || !self.policies.is_empty(),
+            "--policies: at least one"
+        );
+        anyhow::ensure!(self.target.is_some() || self.workers > 0, "--workers must be > 0");
+        anyhow::ensure!((0.0..1.0).contains(&self.warmup), "--warmup must be in [0, 1)");
+        anyhow::ensure!(self.speedup > 0.0, "--speedup must be > 0");
+        let rates =
+            [self.shared_prefix_rate, self.multi_turn_rate, self.multimodal_rate, self.random_rate];
+        anyhow::ensure!(
+            rates.iter().chain(&self.rates).all(|r| r.is_finite() && *r > 0.0),
+            "rates must be > 0"
+        );
+        anyhow::ensure!(self.think_time >= 0.0, "--think-time must be >= 0");
+        for url in self.target.iter().chain(&self.worker_stats) {
+            anyhow::ensure!(
+                url.starts_with("http://"),
+                "{url:?}: give an http:// URL (--target, --worker-stats)"
+            );
+        }
+        Ok(())
+    }
+
+    /// The workload `kind` at `rate` (its default when `None`).
+    pub fn workload(
+        &self,
+        kind: WorkloadKind,
+        rate: Option<f64>,
+        preprocessor: &Preprocessor,
+    ) -> anyhow::Result<Workload> {
+        let bs = self.fleet().block_size()?;
+        let o = self.output_tokens;
+        Ok(match kind {
+            WorkloadKind::SharedPrefix => SharedPrefix {
+                groups: self.groups,
+                prompts_per_group: self.prompts_per_group,
+                system_tokens: self.system_tokens,
+                question_tokens: self.question_tokens,
+                output_tokens: o,
+                rate: rate.unwrap_or(self.shared_prefix_rate),
+            }
+            .generate(self.seed, bs, self.warmup),
+            WorkloadKind::MultiTurn => MultiTurn {
+                users: self.users,
+                rounds: self.rounds,
+                context_tokens: self.context_tokens,
+                turn_tokens: self.turn_tokens,
+                output_tokens: o,
+                rate: rate.unwrap_or(self.multi_turn_rate),
+                think_time: self.think_time,
+            }
+            .generate(self.seed, bs, self.warmup),
+            WorkloadKind::Multimodal => Multimodal {
+                requests: self.mm_requests,
+                images: self.images,
+                image_side: self.image_side,
+                output_tokens: o,
+                rate: rate.unwrap_or(self.multimodal_rate),
+                ..Multimodal::default()
+            }
+            .generate(self.seed, bs, self.warmup, preprocessor)?,
+            WorkloadKind::Random => RandomPrompts {
+                requests: self.random_requests,
+                prompt_tokens: self.random_prompt_tokens,
+                output_tokens: o,
+                rate: rate.unwrap_or(self.random_rate),
+            }
+            .generate(self.seed, bs, self.warmup),
+        })
+    }
+}
+
+/// Every run of one workload at one rate.
+#[derive(Debug)]
+pub struct WorkloadResult {
+    pub workload: Workload,
+    pub rate: Option<f64>,
+    pub runs: Vec<(run::RunData, summary::Summary)>,
+}
+
+fn progress_bar() -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    let style = ProgressStyle::with_template(
+        "{spinner} {msg:32} [{bar:30}] {pos}/{len} requests, {elapsed}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar
+}
+
+/// Runs everything `args` asks for and writes the report; returns the report's path.
+pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
+    args.check()?;
+    let fleet = args.fleet();
+    let preprocessor = Preprocessor::load(&fleet.model_dir)
+        .with_context(|| format!("loading the model at {}", fleet.model_dir.display()))?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let targets: Vec<(String, Target)> = match &args.target {
+        Some(url) => vec![(
+            args.label.clone().unwrap_or_else(|| "target".to_owned()),
+            Target::Remote {
+                url: url.trim_end_matches('/').to_owned(),
+                worker_stats: args.worker_stats.clone(),
+                model: args.model.clone(),
+            },
+        )],
+        None => args.policies.iter().map(|p| (p.to_string(), Target::Fleet(*p))).collect(),
+    };
+    let capacity = match &args.target {
+        None => Some(fleet.capacity_blocks()),
+        Some(_) => None,
+    };
+    let rates: Vec<Option<f64>> = if args.rates.is_empty() {
+        vec![None]
+    } else {
+        args.rates.iter().copied().map(Some).collect()
+    };
+    let started = Instant::now();
+    let mut results = Vec::new();
+    for &kind in &args.workloads {
+        for &rate in &rates {
+            let workload = args.workload(kind, rate, &preprocessor)?;
+            let mut runs = Vec::new();
+            for (label, target) in &targets {
+                let bar = progress_bar();
+                let data = run::run(&workload, target, &fleet, label, &bar)?;
+                bar.finish_and_clear();
+                let bs = fleet.block_size as usize;
+                // A remote fleet's capacity: what its workers report.
+                let cap = capacity.or_else(|| {
+                    let blocks: u64 = data.stats_end.iter().map(|s| s.kv_total_blocks).sum();
+                    (blocks > 0).then_some(blocks as usize)
+                });
+                let summary = summary::summarize(&workload, &data, bs, cap);
+                tracing::info!(
+                    workload = %kind,
+                    policy = %label,
+                    secs = format!("{:.1}", data.wall_secs),
+                    ttft_p50_ms = format!("{:.1}", summary.ttft_ms.p50.unwrap_or(f64::NAN)),
+                    hit_rate = format!("{:.3}", summary.hit_rate.unwrap_or(f64::NAN)),
+                    errors = summary.errors,
+                    "run done"
+                );
+                runs.push((data, summary));
+            }
+            results.push(WorkloadResult { workload, rate, runs });
+        }
+    }
+    let elapsed = started.elapsed();
+    report::write(&args.out, args, &fleet, &results, elapsed)
+}

@@ -1,0 +1,289 @@
+//! `report.md`, `results.json` and the plots of a bench.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::run::FleetConfig;
+use crate::summary::Summary;
+use crate::workload::WorkloadKind;
+use crate::{BenchArgs, WorkloadResult};
+
+/// One stated target, checked on a run's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetCheck {
+    pub target: String,
+    pub measured: String,
+    pub met: bool,
+}
+
+fn find<'a>(result: &'a WorkloadResult, label: &str) -> Option<&'a Summary> {
+    result.runs.iter().map(|(_, s)| s).find(|s| s.label == label)
+}
+
+fn rate_suffix(rate: Option<f64>) -> String {
+    rate.map(|r| format!(" @ {r}/s")).unwrap_or_default()
+}
+
+/// The targets, on the figures of the same run.
+pub fn check_targets(results: &[WorkloadResult]) -> Vec<TargetCheck> {
+    let mut out = Vec::new();
+    for r in results {
+        let name = format!("{}{}", r.workload.kind, rate_suffix(r.rate));
+        match r.workload.kind {
+            WorkloadKind::SharedPrefix | WorkloadKind::MultiTurn => {
+                let Some(kv) = find(r, "kv") else { continue };
+                if let (Some(hit), Some(share)) = (kv.hit_rate, kv.share_of_best) {
+                    let best = kv.best_capacity.unwrap_or(kv.best_unbounded);
+                    out.push(TargetCheck {
+                        target: format!("{name}: kv hit rate >= 90% of the best achievable"),
+                        measured: format!("{hit:.3} of {best:.3} = {:.1}%", share * 100.0),
+                        met: share >= 0.9,
+                    });
+                }
+                let Some(dynamo) = find(r, "dynamo") else { continue };
+                if let (Some(k), Some(d)) = (kv.ttft_ms.p50, dynamo.ttft_ms.p50) {
+                    out.push(TargetCheck {
+                        target: format!("{name}: kv TTFT p50 at least 1.3x better than dynamo"),
+                        measured: format!("{k:.1} ms vs {d:.1} ms = {:.2}x", d / k),
+                        met: d >= 1.3 * k,
+                    });
+                }
+                if let (Some(k), Some(d)) = (kv.ttft_ms.p99, dynamo.ttft_ms.p99) {
+                    out.push(TargetCheck {
+                        target: format!("{name}: kv TTFT p99 better than dynamo"),
+                        measured: format!("{k:.1} ms vs {d:.1} ms = {:.2}x", d / k),
+                        met: k < d,
+                    });
+                }
+            }
+            WorkloadKind::Multimodal => {
+                for (_, s) in &r.runs {
+                    if s.predicted == 0 {
+                        continue;
+                    }
+                    out.push(TargetCheck {
+                        target: format!(
+                            "{name} / {}: no false cache hits (predicted overlap never above actual)",
+                            s.label
+                        ),
+                        measured: format!(
+                            "{} false hits, {} of {} predictions above the cached tokens",
+                            s.false_hits, s.over_predicted, s.predicted
+                        ),
+                        met: s.false_hits == 0 && s.over_predicted == 0,
+                    });
+                }
+            }
+            WorkloadKind::Random => {}
+        }
+    }
+    out
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or("-".into(), |x| if x >= 100.0 { format!("{x:.0}") } else { format!("{x:.1}") })
+}
+
+fn frac(v: Option<f64>) -> String {
+    v.map_or("-".into(), |x| format!("{x:.3}"))
+}
+
+fn pct(v: Option<f64>) -> String {
+    v.map_or("-".into(), |x| format!("{:.0}%", x * 100.0))
+}
+
+/// `baseline / x` for latencies (above 1: x is faster), `x / baseline` for hit rates.
+fn times(v: Option<f64>) -> String {
+    v.filter(|x| x.is_finite()).map_or("-".into(), |x| format!("{x:.2}x"))
+}
+
+fn slug(result: &WorkloadResult) -> String {
+    match result.rate {
+        Some(r) => format!("{}-{}", result.workload.kind, r.to_string().replace('.', "_")),
+        None => result.workload.kind.to_string(),
+    }
+}
+
+/// The command that ran, as typed (a library caller's arguments are not this program's).
+fn command_line() -> String {
+    let words: Vec<String> = std::env::args().skip(1).collect();
+    if words.first().map(String::as_str) == Some("bench") {
+        format!("kvroute {}", words.join(" "))
+    } else {
+        "kvroute bench (library call)".to_owned()
+    }
+}
+
+/// Writes everything under `out`; returns the path of `report.md`.
+pub fn write(
+    out: &Path,
+    args: &BenchArgs,
+    fleet: &FleetConfig,
+    results: &[WorkloadResult],
+    elapsed: Duration,
+) -> anyhow::Result<PathBuf> {
+    let targets = check_targets(results);
+    let mut md = String::new();
+    let secs = elapsed.as_secs();
+    let _ = writeln!(md, "# kvroute bench\n");
+    let _ = writeln!(
+        md,
+        "`{}` (kvroute {}), {} min {} s in all.\n",
+        command_line(),
+        env!("CARGO_PKG_VERSION"),
+        secs / 60,
+        secs % 60
+    );
+    match &args.target {
+        None => {
+            let _ = writeln!(
+                md,
+                "Fleet, fresh for every policy: {} simulated workers (`kvroute mocker`'s engine) x {} blocks of {} tokens ({} tokens in all), speedup {}, max {} sequences and {} batched tokens per step; the front door and router of `kvroute serve`. Seed {}; the first {:.0}% of each schedule is warm-up, left out of the latency figures.\n",
+                fleet.workers,
+                fleet.num_blocks,
+                fleet.block_size,
+                fleet.capacity_blocks() * fleet.block_size as usize,
+                fleet.speedup,
+                fleet.max_num_seqs,
+                fleet.max_batched_tokens,
+                args.seed,
+                args.warmup * 100.0
+            );
+        }
+        Some(url) => {
+            let _ = writeln!(
+                md,
+                "Target: {url}, workers' ground truth from {}. Seed {}; warm-up {:.0}%. The workers' caches were not reset by the harness.\n",
+                if args.worker_stats.is_empty() {
+                    "the answers' usage (no --worker-stats)".to_owned()
+                } else {
+                    args.worker_stats.join(", ")
+                },
+                args.seed,
+                args.warmup * 100.0
+            );
+        }
+    }
+    let _ = writeln!(
+        md,
+        "How to read it: TTFT = time to the first streamed token, ITL = time between tokens, e2e = the whole answer (ms). Hit rate = cached prompt tokens / prompt tokens by the workers' own counters. *Best* = the best achievable hit rate for the requests in the order they were sent: every computed block kept by one pooled cache of the fleet's capacity that evicts the block needed furthest in the future (with unlimited capacity in brackets). *Predicted* = the router's expected cached tokens (`x-kvroute-overlap-tokens`) against the worker's; a *false hit* predicts blocks no earlier request ever computed. Load CV = coefficient of variation of the requests each worker served.\n"
+    );
+    if !targets.is_empty() {
+        let _ = writeln!(md, "## Targets\n\n| target | measured | |\n|---|---|---|");
+        for t in &targets {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} |",
+                t.target,
+                t.measured,
+                if t.met { "met" } else { "**missed**" }
+            );
+        }
+        let _ = writeln!(md);
+    }
+    for result in results {
+        write_workload(&mut md, out, result)?;
+    }
+    let report = out.join("report.md");
+    std::fs::write(&report, md).with_context(|| format!("writing {}", report.display()))?;
+    let json = json!({
+        "kvroute_version": env!("CARGO_PKG_VERSION"),
+        "command": command_line(),
+        "fleet": fleet,
+        "seed": args.seed,
+        "warmup": args.warmup,
+        "elapsed_secs": elapsed.as_secs_f64(),
+        "targets": targets,
+        "workloads": results.iter().map(|r| json!({
+            "workload": r.workload.kind,
+            "rate": r.rate,
+            "params": r.workload.params.iter().map(|(k, v)| json!({k: v})).collect::<Vec<_>>(),
+            "runs": r.runs.iter().map(|(data, summary)| json!({
+                "summary": summary,
+                "records": data.records,
+                "samples": data.samples,
+                "wall_secs": data.wall_secs,
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+    });
+    let path = out.join("results.json");
+    std::fs::write(&path, serde_json::to_vec(&json)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(report)
+}
+
+fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyhow::Result<()> {
+    let w = &result.workload;
+    let _ = writeln!(md, "## {}{}\n", w.kind, rate_suffix(result.rate));
+    for (k, v) in &w.params {
+        let _ = writeln!(md, "- {k}: {v}");
+    }
+    let _ = writeln!(md, "- {} requests in all", w.requests.len());
+    let _ = writeln!(md);
+    let _ = writeln!(
+        md,
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | req/s | out tok/s | hit rate | best (unbounded) | of best | pred. MAE (tok) | pred. > actual | false hits | load CV | evicted blocks | errors |"
+    );
+    let _ = writeln!(md, "|{}", "---|".repeat(19));
+    for (_, s) in &result.runs {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.0} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} |",
+            s.label,
+            ms(s.ttft_ms.p50),
+            ms(s.ttft_ms.p90),
+            ms(s.ttft_ms.p99),
+            ms(s.itl_ms.p50),
+            ms(s.itl_ms.p99),
+            ms(s.e2e_ms.p50),
+            ms(s.e2e_ms.p99),
+            s.requests_per_s,
+            s.output_tokens_per_s,
+            frac(s.hit_rate),
+            frac(s.best_capacity),
+            frac(Some(s.best_unbounded)),
+            pct(s.share_of_best),
+            s.prediction_mae.map_or("-".into(), |m| format!("{m:.1}")),
+            if s.predicted > 0 { s.over_predicted.to_string() } else { "-".into() },
+            if s.predicted > 0 { s.false_hits.to_string() } else { "-".into() },
+            frac(s.load_cv),
+            s.evicted_blocks,
+            s.errors,
+        );
+    }
+    let _ = writeln!(md);
+    if let Some(rr) = find(result, "round-robin") {
+        let _ = writeln!(
+            md,
+            "Against round-robin (latency: round-robin / policy, above 1 is faster; hit rate: policy / round-robin):\n"
+        );
+        let _ = writeln!(
+            md,
+            "| policy | TTFT p50 | TTFT p99 | e2e p50 | hit rate |\n|---|---|---|---|---|"
+        );
+        for (_, s) in &result.runs {
+            let lat = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} |",
+                s.label,
+                times(lat(rr.ttft_ms.p50, s.ttft_ms.p50)),
+                times(lat(rr.ttft_ms.p99, s.ttft_ms.p99)),
+                times(lat(rr.e2e_ms.p50, s.e2e_ms.p50)),
+                times(lat(s.hit_rate, rr.hit_rate)),
+            );
+        }
+        let _ = writeln!(md);
+    }
+    let slug = slug(result);
+    let files = crate::plot::workload_plots(out, &slug, result)?;
+    for (title, file) in files {
+        let _ = writeln!(md, "![{title}]({file})\n");
+    }
+    Ok(())
+}

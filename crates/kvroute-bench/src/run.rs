@@ -1,0 +1,615 @@
+//! One run: a workload's schedule played against one endpoint, every request streamed and
+//! timed, the workers' ground-truth counters sampled while it runs.
+//!
+//! Self-contained runs start their own fleet — simulated workers, the router with the policy
+//! under test and the front door — on a runtime of their own, dropped at the end, so every
+//! policy starts from empty caches and nothing of one run lingers into the next.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use indicatif::ProgressBar;
+use kvroute_core::BlockSize;
+use kvroute_core::schedule::PolicyKind;
+use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
+use kvroute_preprocess::Preprocessor;
+use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
+use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::workload::{BenchRequest, Prompt, Start, Workload};
+
+/// The simulated fleet of self-contained runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct FleetConfig {
+    pub workers: usize,
+    pub num_blocks: usize,
+    pub block_size: u32,
+    pub speedup: f64,
+    pub max_num_seqs: usize,
+    pub max_batched_tokens: usize,
+    #[serde(skip)]
+    pub model_dir: PathBuf,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        Self {
+            workers: 4,
+            num_blocks: 550,
+            block_size: 16,
+            speedup: 2.0,
+            max_num_seqs: 256,
+            max_batched_tokens: 8192,
+            model_dir: Preprocessor::default_model_dir(),
+        }
+    }
+}
+
+impl FleetConfig {
+    pub fn block_size(&self) -> anyhow::Result<BlockSize> {
+        BlockSize::new(self.block_size).context("--block-size")
+    }
+
+    /// Blocks of every worker together.
+    pub fn capacity_blocks(&self) -> usize {
+        self.workers * self.num_blocks
+    }
+}
+
+/// What a run drives.
+#[derive(Clone, Debug)]
+pub enum Target {
+    /// A fresh fleet with this policy.
+    Fleet(PolicyKind),
+    /// An OpenAI-compatible endpoint, and the workers' base URLs whose `/stats` give the
+    /// ground truth.
+    Remote { url: String, worker_stats: Vec<String>, model: Option<String> },
+}
+
+/// One request as it went.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RequestRecord {
+    /// Index in the workload.
+    pub index: usize,
+    /// Position in the order requests were sent.
+    pub sent_order: usize,
+    pub warmup: bool,
+    /// Seconds from the run's start to sending.
+    pub sent_at: f64,
+    pub ttft_ms: Option<f64>,
+    pub e2e_ms: Option<f64>,
+    /// Gaps between streamed tokens, milliseconds.
+    #[serde(skip)]
+    pub itl_ms: Vec<f64>,
+    pub output_tokens: usize,
+    /// From the response's usage (the worker's own counts).
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    /// The router's expectation (`x-kvroute-overlap-tokens`), when the endpoint says.
+    pub predicted_tokens: Option<u64>,
+    /// `x-kvroute-worker`, when the endpoint says.
+    pub worker: Option<String>,
+    pub error: Option<String>,
+}
+
+/// One worker's `/stats` (the fields the harness reads).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize)]
+#[serde(default)]
+pub struct WorkerStats {
+    pub num_waiting_reqs: u64,
+    pub num_running_reqs: u64,
+    pub kv_cache_usage: f64,
+    pub kv_total_blocks: u64,
+    pub requests_finished: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub evicted_blocks: u64,
+    pub preemptions: u64,
+}
+
+/// Every worker's stats at one moment.
+#[derive(Clone, Debug, Serialize)]
+pub struct Sample {
+    /// Seconds from the run's start.
+    pub t: f64,
+    pub workers: Vec<WorkerStats>,
+}
+
+/// What one run produced.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunData {
+    pub label: String,
+    pub records: Vec<RequestRecord>,
+    pub samples: Vec<Sample>,
+    pub stats_start: Vec<WorkerStats>,
+    pub stats_end: Vec<WorkerStats>,
+    /// From the first request sent to the last answer.
+    pub wall_secs: f64,
+}
+
+/// A request that has not finished after this long is recorded as failed.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+const SAMPLE_EVERY: Duration = Duration::from_millis(250);
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_max_idle_per_host(1024)
+        .build(connector)
+}
+
+/// Plays `workload` against `target` on a runtime of its own.
+pub fn run(
+    workload: &Workload,
+    target: &Target,
+    fleet: &FleetConfig,
+    label: &str,
+    progress: &ProgressBar,
+) -> anyhow::Result<RunData> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting a runtime")?;
+    let result = runtime.block_on(async {
+        match target {
+            Target::Fleet(policy) => {
+                let (url, stats) = start_fleet(fleet, *policy).await?;
+                drive(workload, &url, &stats, None, label, progress).await
+            }
+            Target::Remote { url, worker_stats, model } => {
+                let model = match model {
+                    Some(m) => Some(m.clone()),
+                    None => first_model(url).await,
+                };
+                drive(workload, url, worker_stats, model.as_deref(), label, progress).await
+            }
+        }
+    });
+    runtime.shutdown_timeout(Duration::from_secs(2));
+    result
+}
+
+/// Starts `fleet.workers` simulated workers, a router with `policy` over their events and a
+/// front door; returns the front door's URL and the workers' URLs.
+pub async fn start_fleet(
+    fleet: &FleetConfig,
+    policy: PolicyKind,
+) -> anyhow::Result<(String, Vec<String>)> {
+    let block_size = fleet.block_size()?;
+    let mut specs = Vec::with_capacity(fleet.workers);
+    for k in 0..fleet.workers {
+        let config = MockerConfig {
+            engine: EngineConfig {
+                num_blocks: fleet.num_blocks,
+                block_size,
+                max_num_seqs: fleet.max_num_seqs,
+                max_batched_tokens: fleet.max_batched_tokens,
+                timing: Timing { speedup: fleet.speedup },
+            },
+            model_dir: fleet.model_dir.clone(),
+            seed: k as u64,
+            ..MockerConfig::default()
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let spawned = kvroute_mocker::spawn(config, listener).await?;
+        let mut spec = WorkerSpec::new(k as u64);
+        spec.url = Some(spawned.url);
+        spec.events = spawned.events;
+        spec.replay = spawned.replay;
+        spec.metrics = spawned.metrics;
+        specs.push(spec);
+    }
+    let urls: Vec<String> = specs.iter().filter_map(|s| s.url.clone()).collect();
+    let mut config = RouterConfig { block_size, workers: specs, ..RouterConfig::default() };
+    config.scheduler.policy = policy;
+    config.validate()?;
+    let router = Arc::new(RouterState::new(config));
+    let tasks = kvroute_router::spawn_background(&router)?;
+    // Ready when every subscription is up and every worker has reported its load (its
+    // capacity is part of the kv policy's cost).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !router
+        .workers()
+        .iter()
+        .all(|w| w.connected.iter().all(|&c| c) && w.load.iter().all(Option::is_some))
+    {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the router did not connect to the fleet in 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let preprocessor = Arc::new(Preprocessor::load(&fleet.model_dir)?);
+    let fetcher = Fetcher::new(FetchConfig::default())?;
+    let state = Arc::new(kvroute_frontend::FrontendState::new(preprocessor, fetcher, router));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        let _tasks = tasks;
+        let _ = kvroute_frontend::serve(listener, state, std::future::pending()).await;
+    });
+    Ok((url, urls))
+}
+
+async fn first_model(base: &str) -> Option<String> {
+    let (status, body) = get(&client(), &format!("{base}/v1/models")).await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    let v: Value = serde_json::from_slice(&body).ok()?;
+    v["data"][0]["id"].as_str().map(str::to_owned)
+}
+
+async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, Bytes)> {
+    let request = hyper::Request::get(url).body(Full::new(Bytes::new()))?;
+    let response = tokio::time::timeout(Duration::from_secs(5), client.request(request))
+        .await
+        .context("timed out")??;
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok((status, body))
+}
+
+fn stats_url(base: &str) -> String {
+    let base = base.trim_end_matches('/');
+    if base.ends_with("/stats") { base.to_owned() } else { format!("{base}/stats") }
+}
+
+async fn read_stats(client: &HttpClient, urls: &[String]) -> Vec<WorkerStats> {
+    let reads = urls.iter().map(|u| async move {
+        match get(client, &stats_url(u)).await {
+            Ok((200, body)) => serde_json::from_slice(&body).unwrap_or_default(),
+            _ => WorkerStats::default(),
+        }
+    });
+    futures_util::future::join_all(reads).await
+}
+
+/// Requests that run one after another: a head starting at a time, then followers.
+fn chains(requests: &[BenchRequest]) -> Vec<Vec<usize>> {
+    let mut chains: Vec<Vec<usize>> = Vec::new();
+    let mut chain_of = vec![usize::MAX; requests.len()];
+    for (i, r) in requests.iter().enumerate() {
+        match r.start {
+            Start::After { prev, .. } if prev < i && chain_of[prev] != usize::MAX => {
+                chain_of[i] = chain_of[prev];
+                chains[chain_of[prev]].push(i);
+            }
+            _ => {
+                chain_of[i] = chains.len();
+                chains.push(vec![i]);
+            }
+        }
+    }
+    chains
+}
+
+async fn drive(
+    workload: &Workload,
+    base: &str,
+    stats_urls: &[String],
+    model: Option<&str>,
+    label: &str,
+    progress: &ProgressBar,
+) -> anyhow::Result<RunData> {
+    let client = client();
+    let stats_start = read_stats(&client, stats_urls).await;
+    let n = workload.requests.len();
+    progress.set_length(n as u64);
+    progress.set_position(0);
+    progress.set_message(format!("{} / {label}", workload.kind));
+    let records: Arc<Mutex<Vec<RequestRecord>>> = Arc::new(Mutex::new(Vec::with_capacity(n)));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
+    let requests = Arc::new(workload.requests.clone());
+    let mut handles = Vec::new();
+    for chain in chains(&workload.requests) {
+        let (client, records, sent, requests) =
+            (client.clone(), Arc::clone(&records), Arc::clone(&sent), Arc::clone(&requests));
+        let (base, model, progress) = (base.to_owned(), model.map(str::to_owned), progress.clone());
+        handles.push(tokio::spawn(async move {
+            for i in chain {
+                let request = &requests[i];
+                match request.start {
+                    Start::At(at) => {
+                        tokio::time::sleep_until(t0 + Duration::from_secs_f64(at)).await;
+                    }
+                    Start::After { think, .. } => {
+                        tokio::time::sleep(Duration::from_secs_f64(think)).await;
+                    }
+                }
+                let order = sent.fetch_add(1, Ordering::Relaxed);
+                let mut record = send(&client, &base, request, model.as_deref(), t0).await;
+                record.index = i;
+                record.sent_order = order;
+                record.warmup = request.warmup;
+                records.lock().unwrap_or_else(PoisonError::into_inner).push(record);
+                progress.inc(1);
+            }
+        }));
+    }
+    // Sample the workers while the requests run.
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let sampler = {
+        let (client, urls) = (client.clone(), stats_urls.to_vec());
+        tokio::spawn(async move {
+            let mut samples = Vec::new();
+            let mut tick = tokio::time::interval(SAMPLE_EVERY);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop_rx.changed() => break,
+                }
+                let workers = read_stats(&client, &urls).await;
+                let t = tokio::time::Instant::now().saturating_duration_since(t0).as_secs_f64();
+                samples.push(Sample { t, workers });
+            }
+            samples
+        })
+    };
+    for h in handles {
+        h.await.context("a request task failed")?;
+    }
+    let wall_secs = tokio::time::Instant::now().saturating_duration_since(t0).as_secs_f64();
+    let _ = stop_tx.send(true);
+    let mut samples = sampler.await.unwrap_or_default();
+    let mut records = std::mem::take(&mut *records.lock().unwrap_or_else(PoisonError::into_inner));
+    records.sort_by_key(|r| r.index);
+    // The workers count a request when it finishes, which the client may see a moment
+    // before: wait (briefly, boundedly) until every answered request is counted.
+    let answered = records.iter().filter(|r| r.error.is_none()).count() as u64;
+    let started: u64 = stats_start.iter().map(|s| s.requests_finished).sum();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let stats_end = loop {
+        let now = read_stats(&client, stats_urls).await;
+        let done: u64 =
+            now.iter().map(|s| s.requests_finished).sum::<u64>().saturating_sub(started);
+        if stats_urls.is_empty() || done >= answered || Instant::now() > deadline {
+            break now;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    samples.push(Sample { t: wall_secs, workers: stats_end.clone() });
+    Ok(RunData { label: label.to_owned(), records, samples, stats_start, stats_end, wall_secs })
+}
+
+fn request_body(request: &BenchRequest, model: Option<&str>) -> (&'static str, Value) {
+    let mut body = match &request.prompt {
+        Prompt::Tokens(tokens) => json!({"prompt": tokens}),
+        Prompt::Chat(messages) => json!({"messages": messages.as_ref()}),
+    };
+    let path = match request.prompt {
+        Prompt::Tokens(_) => "/v1/completions",
+        Prompt::Chat(_) => "/v1/chat/completions",
+    };
+    body["max_tokens"] = json!(request.max_tokens);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    body["ignore_eos"] = json!(true);
+    if let Some(model) = model {
+        body["model"] = json!(model);
+    }
+    (path, body)
+}
+
+async fn send(
+    client: &HttpClient,
+    base: &str,
+    request: &BenchRequest,
+    model: Option<&str>,
+    t0: tokio::time::Instant,
+) -> RequestRecord {
+    let start = tokio::time::Instant::now();
+    let mut record = RequestRecord {
+        sent_at: start.saturating_duration_since(t0).as_secs_f64(),
+        ..RequestRecord::default()
+    };
+    let outcome = tokio::time::timeout(
+        REQUEST_TIMEOUT,
+        stream_one(client, base, request, model, start, &mut record),
+    )
+    .await;
+    match outcome {
+        Ok(Ok(())) => record.e2e_ms = Some(start.elapsed().as_secs_f64() * 1e3),
+        Ok(Err(e)) => record.error = Some(format!("{e:#}")),
+        Err(_) => record.error = Some(format!("no answer in {} s", REQUEST_TIMEOUT.as_secs())),
+    }
+    record
+}
+
+fn header(response: &hyper::Response<hyper::body::Incoming>, name: &str) -> Option<String> {
+    response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+}
+
+async fn stream_one(
+    client: &HttpClient,
+    base: &str,
+    request: &BenchRequest,
+    model: Option<&str>,
+    start: tokio::time::Instant,
+    record: &mut RequestRecord,
+) -> anyhow::Result<()> {
+    let (path, body) = request_body(request, model);
+    let http = hyper::Request::post(format!("{base}{path}"))
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(&body)?)))?;
+    let response = client.request(http).await.context("sending")?;
+    record.worker = header(&response, kvroute_frontend::WORKER_HEADER);
+    record.predicted_tokens =
+        header(&response, kvroute_frontend::OVERLAP_HEADER).and_then(|v| v.parse().ok());
+    let status = response.status();
+    let mut body = response.into_body();
+    if !status.is_success() {
+        let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let message = v["error"]["message"].as_str().unwrap_or("(no message)");
+        anyhow::bail!("HTTP {}: {message}", status.as_u16());
+    }
+    let mut sse = SseParser::default();
+    let mut last_token: Option<tokio::time::Instant> = None;
+    let mut done = false;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.context("reading the stream")?;
+        let Some(data) = frame.data_ref() else { continue };
+        for event in sse.push(data) {
+            match event? {
+                SseEvent::Done => done = true,
+                SseEvent::Chunk(v) => {
+                    if let Some(message) = v["error"]["message"].as_str() {
+                        anyhow::bail!("error in the stream: {message}");
+                    }
+                    if has_content(&v) {
+                        let now = tokio::time::Instant::now();
+                        match last_token {
+                            None => {
+                                record.ttft_ms = Some((now - start).as_secs_f64() * 1e3);
+                            }
+                            Some(prev) => record.itl_ms.push((now - prev).as_secs_f64() * 1e3),
+                        }
+                        last_token = Some(now);
+                        record.output_tokens += 1;
+                    }
+                    if let Some(usage) = v.get("usage").filter(|u| u.is_object()) {
+                        record.prompt_tokens = usage["prompt_tokens"].as_u64();
+                        record.cached_tokens = Some(
+                            usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+                        );
+                        if let Some(n) = usage["completion_tokens"].as_u64() {
+                            record.output_tokens = n as usize;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    anyhow::ensure!(done, "the stream ended without [DONE]");
+    anyhow::ensure!(record.ttft_ms.is_some(), "no token was streamed");
+    Ok(())
+}
+
+fn has_content(v: &Value) -> bool {
+    v["choices"].as_array().is_some_and(|choices| {
+        choices.iter().any(|c| {
+            let text = c["text"].as_str().or_else(|| c["delta"]["content"].as_str());
+            text.is_some_and(|t| !t.is_empty())
+        })
+    })
+}
+
+/// What a server-sent event carried.
+#[derive(Debug)]
+pub enum SseEvent {
+    Chunk(Value),
+    Done,
+}
+
+/// Splits a `text/event-stream` into its `data:` payloads, across arbitrary chunking.
+#[derive(Debug, Default)]
+pub struct SseParser {
+    buffer: Vec<u8>,
+}
+
+impl SseParser {
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<anyhow::Result<SseEvent>> {
+        self.buffer.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        while let Some((end, sep)) = find_event_end(&self.buffer) {
+            let event: Vec<u8> = self.buffer.drain(..end + sep).collect();
+            let text = String::from_utf8_lossy(&event[..end]);
+            let data: Vec<&str> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                .collect();
+            if data.is_empty() {
+                continue; // a comment or keep-alive
+            }
+            let payload = data.join("\n");
+            out.push(if payload.trim() == "[DONE]" {
+                Ok(SseEvent::Done)
+            } else {
+                serde_json::from_str(&payload)
+                    .map(SseEvent::Chunk)
+                    .with_context(|| format!("an undecodable event: {payload:.80}"))
+            });
+        }
+        out
+    }
+}
+
+/// Where the first event ends (a blank line) and the separator's length.
+fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_events_survive_any_chunking() {
+        let stream = b"data: {\"a\":1}\n\n: keep-alive\n\ndata: {\"b\":2}\r\n\r\ndata: [DONE]\n\n";
+        for cut in 1..stream.len() {
+            let mut p = SseParser::default();
+            let mut events = p.push(&stream[..cut]);
+            events.extend(p.push(&stream[cut..]));
+            let kinds: Vec<String> = events
+                .into_iter()
+                .map(|e| match e.unwrap() {
+                    SseEvent::Chunk(v) => v.to_string(),
+                    SseEvent::Done => "DONE".into(),
+                })
+                .collect();
+            assert_eq!(kinds, ["{\"a\":1}", "{\"b\":2}", "DONE"], "cut at {cut}");
+        }
+        let mut p = SseParser::default();
+        assert!(p.push(b"data: {nope\n\n")[0].is_err());
+    }
+
+    #[test]
+    fn content_is_text_or_delta() {
+        assert!(has_content(&json!({"choices": [{"text": "a"}]})));
+        assert!(has_content(&json!({"choices": [{"delta": {"content": "a"}}]})));
+        assert!(!has_content(&json!({"choices": [{"delta": {"role": "assistant"}}]})));
+        assert!(!has_content(&json!({"choices": [], "usage": {}})));
+    }
+
+    #[test]
+    fn chains_follow_previous_requests() {
+        let mk = |start| BenchRequest {
+            start,
+            prompt: Prompt::Tokens(vec![1]),
+            max_tokens: 1,
+            prompt_tokens: 1,
+            blocks: vec![],
+            group: 0,
+            warmup: false,
+        };
+        let reqs = vec![
+            mk(Start::At(0.0)),
+            mk(Start::At(1.0)),
+            mk(Start::After { prev: 0, think: 0.1 }),
+            mk(Start::After { prev: 2, think: 0.1 }),
+            mk(Start::After { prev: 1, think: 0.1 }),
+        ];
+        assert_eq!(chains(&reqs), vec![vec![0, 2, 3], vec![1, 4]]);
+    }
+}

@@ -1,0 +1,165 @@
+//! A run reduced to the figures the report compares.
+
+use serde::Serialize;
+
+use crate::run::{RunData, WorkerStats};
+use crate::stats::{
+    coefficient_of_variation, mean_absolute_error, pooled_cache_hits, quantile,
+    unbounded_cache_hits,
+};
+use crate::workload::Workload;
+
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Percentiles {
+    pub p50: Option<f64>,
+    pub p90: Option<f64>,
+    pub p99: Option<f64>,
+}
+
+impl Percentiles {
+    pub fn of(values: &[f64]) -> Self {
+        Self { p50: quantile(values, 0.5), p90: quantile(values, 0.9), p99: quantile(values, 0.99) }
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Summary {
+    pub label: String,
+    pub requests: usize,
+    pub errors: usize,
+    /// Answered requests outside the warm-up: the latency figures' population.
+    pub measured: usize,
+    pub ttft_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    pub requests_per_s: f64,
+    pub output_tokens_per_s: f64,
+    /// Fleet ground truth: cached prompt tokens / prompt tokens, from the workers' counters
+    /// over the whole run (the usage of the answers when no counters were given).
+    pub hit_rate: Option<f64>,
+    /// The same from the answers' usage, outside the warm-up.
+    pub hit_rate_measured: Option<f64>,
+    /// Best achievable over the requests in the order they were sent: every computed block
+    /// kept forever ...
+    pub best_unbounded: f64,
+    /// ... and with the fleet's capacity (one pooled cache, Belady eviction).
+    pub best_capacity: Option<f64>,
+    /// `hit_rate` / the tighter best.
+    pub share_of_best: Option<f64>,
+    /// Requests with a prediction (`x-kvroute-overlap-tokens`) and usage.
+    pub predicted: usize,
+    /// Mean |predicted - actual cached tokens|, tokens.
+    pub prediction_mae: Option<f64>,
+    /// Requests whose prediction exceeded the cached tokens the worker reported.
+    pub over_predicted: usize,
+    /// Requests predicted to hit blocks no earlier request ever computed (a false hit: e.g.
+    /// the same text with another image taken for a match).
+    pub false_hits: usize,
+    /// Requests each worker finished during the run.
+    pub worker_requests: Vec<u64>,
+    /// Coefficient of variation of `worker_requests`.
+    pub load_cv: Option<f64>,
+    pub evicted_blocks: u64,
+    pub preemptions: u64,
+}
+
+fn delta(end: &[WorkerStats], start: &[WorkerStats], f: impl Fn(&WorkerStats) -> u64) -> Vec<u64> {
+    end.iter().enumerate().map(|(i, e)| f(e).saturating_sub(start.get(i).map_or(0, &f))).collect()
+}
+
+fn ratio(num: f64, den: f64) -> Option<f64> {
+    (den > 0.0).then(|| num / den)
+}
+
+/// `capacity_blocks`: the fleet's blocks together (`None`: unknown, e.g. a remote target
+/// without worker stats).
+pub fn summarize(
+    workload: &Workload,
+    run: &RunData,
+    block_size: usize,
+    capacity_blocks: Option<usize>,
+) -> Summary {
+    let records = &run.records;
+    let ok: Vec<_> = records.iter().filter(|r| r.error.is_none()).collect();
+    let measured: Vec<_> = ok.iter().filter(|r| !r.warmup).collect();
+    let pick = |f: &dyn Fn(&crate::run::RequestRecord) -> Option<f64>| -> Vec<f64> {
+        measured.iter().filter_map(|r| f(r)).collect()
+    };
+    let ttft = pick(&|r| r.ttft_ms);
+    let e2e = pick(&|r| r.e2e_ms);
+    let itl: Vec<f64> = measured.iter().flat_map(|r| r.itl_ms.iter().copied()).collect();
+    let output_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
+
+    // Best achievable over the order the requests actually left in.
+    let mut sent: Vec<_> = records.iter().collect();
+    sent.sort_by_key(|r| r.sent_order);
+    let blocks: Vec<&[u64]> =
+        sent.iter().map(|r| workload.requests[r.index].blocks.as_slice()).collect();
+    let prompt_total: usize = sent.iter().map(|r| workload.requests[r.index].prompt_tokens).sum();
+    let unbounded = unbounded_cache_hits(&blocks, block_size);
+    let best_unbounded = ratio(unbounded.iter().sum::<usize>() as f64, prompt_total as f64);
+    let best_capacity = capacity_blocks.and_then(|cap| {
+        let hits = pooled_cache_hits(&blocks, block_size, cap);
+        ratio(hits.iter().sum::<usize>() as f64, prompt_total as f64)
+    });
+
+    // Ground truth: the workers' counters, else the answers' usage.
+    let have_stats = !run.stats_end.is_empty();
+    let hit_rate = if have_stats {
+        let cached: u64 = delta(&run.stats_end, &run.stats_start, |s| s.cached_tokens).iter().sum();
+        let prompt: u64 = delta(&run.stats_end, &run.stats_start, |s| s.prompt_tokens).iter().sum();
+        ratio(cached as f64, prompt as f64)
+    } else {
+        let cached: u64 = ok.iter().filter_map(|r| r.cached_tokens).sum();
+        let prompt: u64 = ok.iter().filter_map(|r| r.prompt_tokens).sum();
+        ratio(cached as f64, prompt as f64)
+    };
+    let cached: u64 = measured.iter().filter_map(|r| r.cached_tokens).sum();
+    let prompt: u64 = measured.iter().filter_map(|r| r.prompt_tokens).sum();
+    let best = best_capacity.or(best_unbounded);
+
+    let mut pairs = Vec::new();
+    let (mut over_predicted, mut false_hits) = (0, 0);
+    for (k, r) in sent.iter().enumerate() {
+        let Some(p) = r.predicted_tokens else { continue };
+        if p > unbounded[k] as u64 {
+            false_hits += 1;
+        }
+        if let Some(c) = r.cached_tokens {
+            pairs.push((p as f64, c as f64));
+            if p > c {
+                over_predicted += 1;
+            }
+        }
+    }
+    let worker_requests = if have_stats {
+        delta(&run.stats_end, &run.stats_start, |s| s.requests_finished)
+    } else {
+        Vec::new()
+    };
+    let loads: Vec<f64> = worker_requests.iter().map(|&n| n as f64).collect();
+    Summary {
+        label: run.label.clone(),
+        requests: records.len(),
+        errors: records.len() - ok.len(),
+        measured: measured.len(),
+        ttft_ms: Percentiles::of(&ttft),
+        itl_ms: Percentiles::of(&itl),
+        e2e_ms: Percentiles::of(&e2e),
+        requests_per_s: ratio(ok.len() as f64, run.wall_secs).unwrap_or(0.0),
+        output_tokens_per_s: ratio(output_tokens as f64, run.wall_secs).unwrap_or(0.0),
+        hit_rate,
+        hit_rate_measured: ratio(cached as f64, prompt as f64),
+        best_unbounded: best_unbounded.unwrap_or(0.0),
+        best_capacity,
+        share_of_best: hit_rate.zip(best).and_then(|(h, b)| ratio(h, b)),
+        predicted: pairs.len(),
+        prediction_mae: mean_absolute_error(&pairs),
+        over_predicted,
+        false_hits,
+        load_cv: coefficient_of_variation(&loads),
+        worker_requests,
+        evicted_blocks: delta(&run.stats_end, &run.stats_start, |s| s.evicted_blocks).iter().sum(),
+        preemptions: delta(&run.stats_end, &run.stats_start, |s| s.preemptions).iter().sum(),
+    }
+}

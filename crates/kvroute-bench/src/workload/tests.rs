@@ -1,0 +1,187 @@
+use std::collections::{HashMap, HashSet};
+
+use super::*;
+
+fn bs() -> BlockSize {
+    BlockSize::new(16).unwrap()
+}
+
+fn tokens(r: &BenchRequest) -> &[u32] {
+    match &r.prompt {
+        Prompt::Tokens(t) => t,
+        Prompt::Chat(_) => panic!("a chat request"),
+    }
+}
+
+fn at(r: &BenchRequest) -> f64 {
+    match r.start {
+        Start::At(t) => t,
+        Start::After { .. } => panic!("not an open-loop request"),
+    }
+}
+
+#[test]
+fn shared_prefix_sizes_and_sharing() {
+    let w = SharedPrefix::default().generate(7, bs(), 0.1);
+    assert_eq!(w.requests.len(), 12 * 64);
+    let mut by_group: HashMap<usize, Vec<&BenchRequest>> = HashMap::new();
+    for r in &w.requests {
+        assert_eq!(tokens(r).len(), 2048 + 64);
+        assert_eq!(r.prompt_tokens, 2112);
+        assert_eq!(r.blocks.len(), 2112 / 16);
+        assert_eq!(r.max_tokens, 32);
+        by_group.entry(r.group).or_default().push(r);
+    }
+    assert_eq!(by_group.len(), 12);
+    for (g, reqs) in &by_group {
+        assert_eq!(reqs.len(), 64, "group {g}");
+        // The system prompt's 128 blocks are shared; the question's 4 are not.
+        let first = reqs[0];
+        for r in reqs {
+            assert_eq!(r.blocks[..128], first.blocks[..128]);
+            assert_eq!(tokens(r)[..2048], tokens(first)[..2048]);
+        }
+        let tails: HashSet<u64> = reqs.iter().map(|r| r.blocks[128]).collect();
+        assert_eq!(tails.len(), 64, "every question differs");
+    }
+    // Groups do not share their first block.
+    let firsts: HashSet<u64> = by_group.values().map(|r| r[0].blocks[0]).collect();
+    assert_eq!(firsts.len(), 12);
+    // The shared prefixes fill about 70% of the pinned fleet (4 x 550 blocks).
+    let prefix_blocks: f64 = 12.0 * 128.0;
+    assert!((prefix_blocks / 2200.0 - 0.70).abs() < 0.01);
+    // Interleaved groups, not one group after another.
+    let first_64: HashSet<usize> = w.requests[..64].iter().map(|r| r.group).collect();
+    assert!(first_64.len() > 6, "the first 64 requests span {} groups", first_64.len());
+    assert_eq!(w.requests.iter().filter(|r| r.warmup).count(), 77);
+    assert!(w.requests[..77].iter().all(|r| r.warmup));
+}
+
+#[test]
+fn arrivals_are_poisson_at_the_rate() {
+    let w = SharedPrefix::default().generate(3, bs(), 0.0);
+    let times: Vec<f64> = w.requests.iter().map(at).collect();
+    assert_eq!(times[0], 0.0);
+    assert!(times.windows(2).all(|p| p[0] <= p[1]), "ordered");
+    // 767 gaps with mean 1/24 s: the sample mean is within 10%.
+    let mean_gap = times[times.len() - 1] / (times.len() - 1) as f64;
+    assert!((mean_gap * 24.0 - 1.0).abs() < 0.1, "mean gap {mean_gap}");
+    // Exponential gaps: about e^-1 of them exceed the mean.
+    let gaps: Vec<f64> = times.windows(2).map(|p| p[1] - p[0]).collect();
+    let above = gaps.iter().filter(|&&g| g > 1.0 / 24.0).count() as f64 / gaps.len() as f64;
+    assert!((above - (-1.0f64).exp()).abs() < 0.05, "{above}");
+}
+
+#[test]
+fn generators_are_deterministic_per_seed() {
+    let a = SharedPrefix::default().generate(1, bs(), 0.1);
+    let b = SharedPrefix::default().generate(1, bs(), 0.1);
+    let c = SharedPrefix::default().generate(2, bs(), 0.1);
+    let key = |w: &Workload| -> Vec<(Vec<u64>, String)> {
+        w.requests.iter().map(|r| (r.blocks.clone(), format!("{:?}", r.start))).collect()
+    };
+    assert_eq!(key(&a), key(&b));
+    assert_ne!(key(&a), key(&c));
+    let m = MultiTurn::default();
+    assert_eq!(key(&m.generate(5, bs(), 0.1)), key(&m.generate(5, bs(), 0.1)));
+    let r = RandomPrompts::default();
+    assert_eq!(key(&r.generate(5, bs(), 0.1)), key(&r.generate(5, bs(), 0.1)));
+}
+
+#[test]
+fn multi_turn_resends_the_conversation() {
+    let m = MultiTurn::default();
+    let w = m.generate(9, bs(), 0.1);
+    assert_eq!(w.requests.len(), 24 * 28);
+    for u in 0..24 {
+        let rounds = &w.requests[u * 28..(u + 1) * 28];
+        assert!(matches!(rounds[0].start, Start::At(_)));
+        for (r, req) in rounds.iter().enumerate() {
+            assert_eq!(req.group, u);
+            assert_eq!(tokens(req).len(), 256 + 32 + r * 64, "user {u} round {r}");
+            assert_eq!(req.warmup, r < 3, "the first 10% of rounds are warm-up");
+            if r > 0 {
+                let prev = &rounds[r - 1];
+                // The previous prompt is a prefix of this one.
+                assert_eq!(tokens(req)[..tokens(prev).len()], *tokens(prev));
+                assert!(req.blocks.starts_with(&prev.blocks));
+                match req.start {
+                    Start::After { prev: p, think } => {
+                        assert_eq!(p, u * 28 + r - 1);
+                        assert!(think >= 0.0);
+                    }
+                    Start::At(_) => panic!("round {r} is not after the previous one"),
+                }
+            }
+        }
+    }
+    // Users share nothing.
+    let firsts: HashSet<u64> = (0..24).map(|u| w.requests[u * 28].blocks[0]).collect();
+    assert_eq!(firsts.len(), 24);
+    // The last rounds hold about 2,048 tokens each: more than the fleet's 35,200 together.
+    assert_eq!(w.requests[27].prompt_tokens, 256 + 32 + 27 * 64);
+}
+
+#[test]
+fn random_prompts_share_nothing() {
+    let w = RandomPrompts::default().generate(4, bs(), 0.1);
+    assert_eq!(w.requests.len(), 160);
+    let firsts: HashSet<u64> = w.requests.iter().map(|r| r.blocks[0]).collect();
+    assert_eq!(firsts.len(), 160);
+    assert!(w.requests.iter().all(|r| r.prompt_tokens == 1024 && r.blocks.len() == 64));
+    assert!(w.requests.iter().flat_map(tokens).all(|&t| (TOKEN_LO..TOKEN_HI).contains(&t)));
+}
+
+#[test]
+fn zipf_prefers_low_ranks() {
+    let table = zipf_table(24, 1.1);
+    let mut rng = Rng::new(11);
+    let mut counts = [0usize; 24];
+    for _ in 0..20_000 {
+        counts[zipf_draw(&mut rng, &table)] += 1;
+    }
+    assert!(counts.iter().all(|&c| c > 0), "every rank is drawn: {counts:?}");
+    // P(rank 0) / P(rank 1) = 2^1.1.
+    let ratio = counts[0] as f64 / counts[1] as f64;
+    assert!((ratio - 2f64.powf(1.1)).abs() < 0.25, "{ratio}");
+    assert!(counts[0] > counts[23] * 10);
+}
+
+#[test]
+fn generated_images_differ_in_pixels_only() {
+    let a = image::load_from_memory(&generated_png(0, 64).unwrap()).unwrap().to_rgb8();
+    let b = image::load_from_memory(&generated_png(1, 64).unwrap()).unwrap().to_rgb8();
+    assert_eq!(a.dimensions(), b.dimensions());
+    assert_ne!(a.as_raw(), b.as_raw());
+    assert_eq!(generated_png(5, 64).unwrap(), generated_png(5, 64).unwrap());
+}
+
+#[test]
+fn multimodal_images_change_the_blocks_they_cover() {
+    let pre = Preprocessor::load(&Preprocessor::default_model_dir()).unwrap();
+    let m = Multimodal { requests: 120, ..Multimodal::default() };
+    let w = m.generate(6, bs(), 0.1, &pre).unwrap();
+    assert_eq!(w.requests.len(), 120);
+    let again = m.generate(6, bs(), 0.1, &pre).unwrap();
+    assert!(w.requests.iter().zip(&again.requests).all(|(a, b)| a.blocks == b.blocks));
+    // Requests with the same text and images have identical blocks; the same text with other
+    // images diverges at the first image's block; both cases occur.
+    let (mut repeats, mut same_text_other_image) = (0, 0);
+    for (i, a) in w.requests.iter().enumerate() {
+        for b in &w.requests[..i] {
+            let (Prompt::Chat(ma), Prompt::Chat(mb)) = (&a.prompt, &b.prompt) else { panic!() };
+            let same_text = ma[0] == mb[0]
+                && ma[1]["content"].as_array().unwrap().last()
+                    == mb[1]["content"].as_array().unwrap().last();
+            if a.group == b.group {
+                assert_eq!(a.blocks, b.blocks);
+                repeats += 1;
+            } else if same_text {
+                let common = a.blocks.iter().zip(&b.blocks).take_while(|(x, y)| x == y).count();
+                assert!(common < a.blocks.len().min(b.blocks.len()), "another image, other blocks");
+                same_text_other_image += 1;
+            }
+        }
+    }
+    assert!(repeats > 0 && same_text_other_image > 0, "{repeats} {same_text_other_image}");
+}

@@ -1,0 +1,132 @@
+//! The harness end to end over real sockets: small workloads against a fresh simulated fleet
+//! (self-contained mode) and against an endpoint by URL (`--target` mode), then the report.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use indicatif::ProgressBar;
+use kvroute_bench::run::{self, FleetConfig, Target};
+use kvroute_bench::summary::summarize;
+use kvroute_bench::workload::{Multimodal, SharedPrefix};
+use kvroute_bench::{BenchArgs, WorkloadResult};
+use kvroute_core::schedule::PolicyKind;
+use kvroute_preprocess::Preprocessor;
+
+fn fleet() -> FleetConfig {
+    FleetConfig { workers: 2, ..FleetConfig::default() }
+}
+
+fn small_shared_prefix() -> kvroute_bench::workload::Workload {
+    SharedPrefix {
+        groups: 2,
+        prompts_per_group: 8,
+        system_tokens: 512,
+        question_tokens: 32,
+        output_tokens: 4,
+        rate: 8.0,
+    }
+    .generate(1, fleet().block_size().unwrap(), 0.1)
+}
+
+#[test]
+fn a_fresh_fleet_per_policy_and_its_ground_truth() {
+    let workload = small_shared_prefix();
+    let fleet = fleet();
+    let mut runs = Vec::new();
+    for policy in [PolicyKind::Kv, PolicyKind::RoundRobin] {
+        let label = policy.to_string();
+        let data =
+            run::run(&workload, &Target::Fleet(policy), &fleet, &label, &ProgressBar::hidden())
+                .unwrap();
+        assert_eq!(data.records.len(), 16);
+        for r in &data.records {
+            assert!(r.error.is_none(), "{r:?}");
+            assert_eq!(r.output_tokens, 4);
+            assert_eq!(r.prompt_tokens, Some(544), "the engine saw the generated tokens");
+            assert!(r.ttft_ms.unwrap() <= r.e2e_ms.unwrap());
+            assert_eq!(r.itl_ms.len(), 3);
+            assert!(r.worker.is_some() && r.predicted_tokens.is_some());
+        }
+        // A fresh fleet: its counters start at zero.
+        assert!(data.stats_start.iter().all(|s| s.requests_finished == 0 && s.cached_tokens == 0));
+        let s = summarize(&workload, &data, 16, Some(fleet.capacity_blocks()));
+        // The workers' counters and the answers' usage agree.
+        let cached: u64 = data.records.iter().map(|r| r.cached_tokens.unwrap()).sum();
+        assert_eq!(s.hit_rate, Some(cached as f64 / (16.0 * 544.0)));
+        assert_eq!(s.worker_requests.iter().sum::<u64>(), 16);
+        assert_eq!(s.errors, 0);
+        assert_eq!(s.measured, 14, "two warm-up requests left out");
+        // Two groups of 8 sharing 32 blocks: the best is 14 x 512 / (16 x 544).
+        assert!((s.best_unbounded - 14.0 * 512.0 / (16.0 * 544.0)).abs() < 1e-9);
+        assert_eq!(s.best_capacity, Some(s.best_unbounded), "everything fits");
+        assert_eq!(s.false_hits, 0);
+        assert_eq!(s.over_predicted, 0);
+        if policy == PolicyKind::Kv {
+            // Round robin splits each group over both workers; kv keeps it together.
+            assert!(s.hit_rate.unwrap() > 0.5, "{s:?}");
+        } else {
+            assert_eq!(s.worker_requests, vec![8, 8]);
+        }
+        runs.push((data, s));
+    }
+    // The report of these runs.
+    let out = std::env::temp_dir().join(format!("kvroute-bench-report-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let args =
+        <BenchArgs as clap::FromArgMatches>::from_arg_matches(
+            &<BenchArgs as clap::Args>::augment_args(clap::Command::new("bench"))
+                .get_matches_from(["bench", "--workers", "2"]),
+        )
+        .unwrap();
+    let results = vec![WorkloadResult { workload, rate: None, runs }];
+    let report =
+        kvroute_bench::report::write(&out, &args, &fleet, &results, Duration::ZERO).unwrap();
+    let md = std::fs::read_to_string(report).unwrap();
+    assert!(
+        md.contains("## shared-prefix") && md.contains("| kv |") && md.contains("| round-robin |")
+    );
+    assert!(md.contains("kv hit rate >= 90% of the best achievable"));
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(json["workloads"][0]["runs"][0]["records"].as_array().unwrap().len(), 16);
+    for f in
+        ["shared-prefix-ttft-cdf.svg", "shared-prefix-hit-rate.svg", "shared-prefix-workers.svg"]
+    {
+        assert!(std::fs::read_to_string(out.join(f)).unwrap().starts_with("<svg"), "{f}");
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[test]
+fn a_target_by_url_with_worker_stats() {
+    // The endpoint under test runs on a runtime of its own, as another process would.
+    let host =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let fleet = fleet();
+    let (url, workers) = host.block_on(run::start_fleet(&fleet, PolicyKind::Kv)).unwrap();
+    let pre = Preprocessor::load(&Preprocessor::default_model_dir()).unwrap();
+    let workload = Multimodal {
+        requests: 12,
+        images: 3,
+        image_side: 56,
+        output_tokens: 3,
+        rate: 10.0,
+        ..Multimodal::default()
+    }
+    .generate(2, fleet.block_size().unwrap(), 0.0, &pre)
+    .unwrap();
+    let target = Target::Remote { url, worker_stats: workers, model: None };
+    let data = run::run(&workload, &target, &fleet, "target", &ProgressBar::hidden()).unwrap();
+    assert!(data.records.iter().all(|r| r.error.is_none()), "{:?}", data.records);
+    let s = summarize(&workload, &data, 16, None);
+    assert_eq!(s.worker_requests.iter().sum::<u64>(), 12);
+    // Every request's prompt as the engine counted it is what the generator derived.
+    for r in &data.records {
+        assert_eq!(r.prompt_tokens, Some(workload.requests[r.index].prompt_tokens as u64));
+    }
+    assert_eq!(s.predicted, 12);
+    assert_eq!(s.false_hits, 0);
+    assert_eq!(s.over_predicted, 0);
+    host.shutdown_timeout(Duration::from_secs(1));
+}
