@@ -25,8 +25,12 @@
 //!   alike: 5.7 ms empty, ~34 ms at a full cache in Dynamo's fitted model), so the request's
 //!   first token, computed within such steps, comes later on a worker whose cache is full of
 //!   running requests. `decode_full_cache_tokens` is that delay at a full cache, in prefill
-//!   tokens (~1.5 steps of ~40 ms at ~66k tokens/s); it is what spreads requests that share
-//!   nothing. With the capacity unknown, `decode_weight` per in-flight token stands in.
+//!   tokens: in that model a cache's worth of running requests adds ~28 ms to a step near half
+//!   full, a first token waits ~1.5 steps, and prefill runs at ~66k tokens/s, so ~2,800; we
+//!   use 2,500 (on `kvroute bench`'s multi-turn workload 4,000 moved conversations off their
+//!   worker for small load differences: hit rate 0.81 against 0.86 at 2,500). It is what
+//!   spreads requests that share nothing. With the capacity unknown, `decode_weight` per
+//!   in-flight token stands in.
 //! - Prefill speed can be learned per worker from first-token times ([`super::Scheduler::
 //!   mark_prefill_done`], `speed_learning_rate`), starting from `prefill_tokens_per_s`. It is
 //!   off by default: a first-token time also holds the step's fixed cost and the queue ahead,
@@ -65,7 +69,7 @@ impl Default for KvConfig {
             prefill_tokens_per_s: 20_000.0,
             speed_learning_rate: 0.0,
             eviction_weight: 1.0,
-            decode_full_cache_tokens: 4_000.0,
+            decode_full_cache_tokens: 2_500.0,
             decode_weight: 0.02,
         }
     }
