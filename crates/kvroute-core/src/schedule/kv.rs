@@ -9,7 +9,9 @@
 //! ttft_i   = queued_prefill_i + (isl - cached_i)               work ahead of the first token
 //! evict_i  = eviction_weight * (isl - cached_i) * fullness_i   what storing the rest evicts
 //! decode_i = decode_full_cache_tokens * active_blocks_i / kv_total_blocks_i
-//! cost_i   = (ttft_i + evict_i + decode_i) / speed_i
+//! wait_i   = memory_wait_tokens if active_blocks_i + the request's blocks not in flight there
+//!            exceed kv_total_blocks_i, else 0
+//! cost_i   = (ttft_i + evict_i + decode_i + wait_i) / speed_i
 //! ```
 //!
 //! - The in-flight prefix counts as cached: a request routed behind an identical one reuses
@@ -31,6 +33,10 @@
 //!   worker for small load differences: hit rate 0.81 against 0.86 at 2,500). It is what
 //!   spreads requests that share nothing. With the capacity unknown, `decode_weight` per
 //!   in-flight token stands in.
+//! - `wait_i`: a worker whose cache cannot hold the request next to its running ones admits it
+//!   only once some of them finish (vLLM and the mocker queue it, or preempt): hundreds of
+//!   milliseconds, far more than recomputing a prefix elsewhere. On `kvroute bench`'s
+//!   multi-turn workload conversations that outgrew their worker waited up to 250 ms there.
 //! - Prefill speed can be learned per worker from first-token times ([`super::Scheduler::
 //!   mark_prefill_done`], `speed_learning_rate`), starting from `prefill_tokens_per_s`. It is
 //!   off by default: a first-token time also holds the step's fixed cost and the queue ahead,
@@ -61,6 +67,9 @@ pub struct KvConfig {
     pub decode_full_cache_tokens: f64,
     /// Price of each in-flight token, in prefill tokens, when the worker's capacity is unknown.
     pub decode_weight: f64,
+    /// Price of waiting for memory on a worker whose cache cannot hold the request next to its
+    /// running ones, in prefill tokens.
+    pub memory_wait_tokens: f64,
 }
 
 impl Default for KvConfig {
@@ -71,6 +80,7 @@ impl Default for KvConfig {
             eviction_weight: 1.0,
             decode_full_cache_tokens: 2_500.0,
             decode_weight: 0.02,
+            memory_wait_tokens: 20_000.0,
         }
     }
 }
@@ -106,7 +116,17 @@ impl KvPolicy {
                     }
                     None => self.config.decode_weight * (c.active.blocks * bs) as f64,
                 };
-                (ttft + evict + decode) / c.prefill_tokens_per_s.max(1.0)
+                // Every block of the request is referenced while it runs (cached ones too),
+                // except those already in flight there; one more for its first output token.
+                let needs =
+                    request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize) + 1;
+                let wait = match total {
+                    Some(t) if (c.active.blocks + needs) as f64 > t => {
+                        self.config.memory_wait_tokens
+                    }
+                    _ => 0.0,
+                };
+                (ttft + evict + decode + wait) / c.prefill_tokens_per_s.max(1.0)
             })
             .collect()
     }

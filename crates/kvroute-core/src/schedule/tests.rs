@@ -152,6 +152,30 @@ fn kv_spreads_requests_that_share_nothing_by_running_load() {
     assert_eq!(kv.select(&info(1024), &[owner, quiet], &mut rng), 1);
 }
 
+#[test]
+fn kv_does_not_queue_a_request_for_memory_behind_its_prefix() {
+    let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
+    // The owner holds 112 of the 118 blocks of a conversation; its running requests take 430
+    // of its 550 blocks.
+    let mut owner = candidate(0, 112);
+    owner.load.kv_total_blocks = Some(550);
+    owner.tree_size = 550;
+    owner.active.blocks = 430;
+    let mut other = owner;
+    other.worker = w(1);
+    other.overlap_blocks = 0;
+    other.active.blocks = 300;
+    let mut rng = Rng::new(1);
+    // 430 + 119 fits in 550: the prefix wins.
+    assert_eq!(kv.select(&info(118 * 16), &[owner, other], &mut rng), 0);
+    // 440 + 119 does not: the request would wait for memory there; recomputing is faster.
+    owner.active.blocks = 440;
+    assert_eq!(kv.select(&info(118 * 16), &[owner, other], &mut rng), 1);
+    // Unless it does not fit anywhere.
+    other.active.blocks = 500;
+    assert_eq!(kv.select(&info(118 * 16), &[owner, other], &mut rng), 0);
+}
+
 /// The workers 8 identical cold requests land on, routed back to back.
 fn burst(policy: PolicyKind) -> BTreeSet<WorkerWithDpRank> {
     let p = prompt(&(0..1000).collect::<Vec<_>>());
