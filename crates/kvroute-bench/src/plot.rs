@@ -6,6 +6,7 @@ use std::path::Path;
 use plotters::coord::combinators::IntoLogRange;
 use plotters::coord::ranged1d::{IntoSegmentedCoord, SegmentValue};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::WorkloadResult;
 use crate::run::Sample;
@@ -129,7 +130,8 @@ pub fn hit_rates(
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(56)
-        .build_cartesian_2d((0..n).into_segmented(), 0f64..1.05)
+        // A segmented 0..k has k + 1 slots (one per value, k included): one per bar.
+        .build_cartesian_2d((0..n - 1).into_segmented(), 0f64..1.05)
         .map_err(err)?;
     let labels: Vec<String> = bars.iter().map(|(l, _)| l.clone()).collect();
     chart
@@ -153,19 +155,21 @@ pub fn hit_rates(
             bar
         }))
         .map_err(err)?;
+    let label_style =
+        TextStyle::from(("sans-serif", 15).into_font()).pos(Pos::new(HPos::Center, VPos::Bottom));
     chart
         .draw_series(bars.iter().enumerate().map(|(i, (_, v))| {
             Text::new(
                 format!("{v:.3}"),
-                (SegmentValue::CenterOf(i), (v + 0.02).min(1.03)),
-                ("sans-serif", 15).into_font(),
+                (SegmentValue::CenterOf(i), (v + 0.01).min(1.04)),
+                label_style.clone(),
             )
         }))
         .map_err(err)?;
     if let Some(best) = best {
         chart
             .draw_series(DashedLineSeries::new(
-                [(SegmentValue::Exact(0), best), (SegmentValue::Exact(n), best)],
+                [(SegmentValue::Exact(0), best), (SegmentValue::Last, best)],
                 6,
                 4,
                 BLACK.stroke_width(1),
@@ -221,7 +225,7 @@ pub fn workers_over_time(
             let (caption, y_max, y_desc) = if row == 0 {
                 (format!("{label}: requests served"), req_max * 1.05, "requests")
             } else {
-                (format!("{label}: KV usage"), 1.0, "share of blocks")
+                (format!("{label}: KV usage, {SMOOTH}-sample mean"), 1.0, "share of blocks")
             };
             let mut chart = ChartBuilder::on(area)
                 .caption(caption, ("sans-serif", 15))
@@ -241,17 +245,21 @@ pub fn workers_over_time(
             for w in 0..workers {
                 let c = color(w);
                 let base = first(samples, w);
-                let pts = samples.iter().filter_map(|s| {
-                    let st = s.workers.get(w)?;
-                    Some((
-                        s.t,
-                        if row == 0 {
-                            st.requests_finished.saturating_sub(base) as f64
-                        } else {
-                            st.kv_cache_usage
-                        },
-                    ))
-                });
+                let pts: Vec<(f64, f64)> = if row == 0 {
+                    samples
+                        .iter()
+                        .filter_map(|s| {
+                            let st = s.workers.get(w)?;
+                            Some((s.t, st.requests_finished.saturating_sub(base) as f64))
+                        })
+                        .collect()
+                } else {
+                    let usage: Vec<(f64, f64)> = samples
+                        .iter()
+                        .filter_map(|s| Some((s.t, s.workers.get(w)?.kv_cache_usage)))
+                        .collect();
+                    rolling_mean(&usage, SMOOTH)
+                };
                 let series =
                     chart.draw_series(LineSeries::new(pts, c.stroke_width(2))).map_err(err)?;
                 if row == 0 && col == 0 {
@@ -276,10 +284,38 @@ pub fn workers_over_time(
     Ok(())
 }
 
+/// Samples averaged in the KV usage panels (instantaneous usage swings with every request).
+const SMOOTH: usize = 8;
+
+/// Each point's value replaced by the mean of the last `n` values (fewer at the start).
+fn rolling_mean(points: &[(f64, f64)], n: usize) -> Vec<(f64, f64)> {
+    let n = n.max(1);
+    let mut sum = 0.0;
+    points
+        .iter()
+        .enumerate()
+        .map(|(i, &(t, v))| {
+            sum += v;
+            if i >= n {
+                sum -= points[i - n].1;
+            }
+            (t, sum / (i + 1).min(n) as f64)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::run::WorkerStats;
+
+    #[test]
+    fn rolling_mean_of_the_last_values() {
+        let pts = [(0.0, 1.0), (1.0, 3.0), (2.0, 5.0), (3.0, 7.0)];
+        assert_eq!(rolling_mean(&pts, 2), vec![(0.0, 1.0), (1.0, 2.0), (2.0, 4.0), (3.0, 6.0)]);
+        assert_eq!(rolling_mean(&pts, 1), pts.to_vec());
+        assert!(rolling_mean(&[], 3).is_empty());
+    }
 
     #[test]
     fn plots_are_svg() {
@@ -289,6 +325,7 @@ mod tests {
         ttft_cdf(&dir.join("a.svg"), "t", &series).unwrap();
         hit_rates(&dir.join("b.svg"), "t", &[("kv".into(), 0.9), ("rr".into(), 0.3)], Some(0.95))
             .unwrap();
+        hit_rates(&dir.join("one.svg"), "t", &[("kv".into(), 0.9)], None).unwrap();
         let samples: Vec<Sample> = (0..4)
             .map(|i| Sample {
                 t: f64::from(i),
