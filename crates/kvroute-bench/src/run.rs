@@ -142,14 +142,6 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(250);
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-fn client() -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_max_idle_per_host(1024)
-        .build(connector)
-}
-
 /// Plays `workload` against `target` on a runtime of its own.
 pub fn run(
     workload: &Workload,
@@ -245,7 +237,8 @@ pub async fn start_fleet(
 }
 
 async fn first_model(base: &str) -> Option<String> {
-    let (status, body) = get(&client(), &format!("{base}/v1/models")).await.ok()?;
+    let (status, body) =
+        get(&kvroute_frontend::http_client(), &format!("{base}/v1/models")).await.ok()?;
     if status != 200 {
         return None;
     }
@@ -305,7 +298,7 @@ async fn drive(
     label: &str,
     progress: &ProgressBar,
 ) -> anyhow::Result<RunData> {
-    let client = client();
+    let client = kvroute_frontend::http_client();
     let stats_start = read_stats(&client, stats_urls).await;
     let n = workload.requests.len();
     progress.set_length(n as u64);

@@ -70,7 +70,9 @@ impl std::fmt::Debug for FrontendState {
     }
 }
 
-fn client() -> Client<HttpConnector, Full<Bytes>> {
+/// The HTTP/1 client the front door proxies with (kept-alive connections, TCP_NODELAY); also
+/// what clients of OpenAI endpoints in this workspace use.
+pub fn http_client() -> Client<HttpConnector, Full<Bytes>> {
     let mut connector = HttpConnector::new();
     // Without it, small SSE writes wait for delayed ACKs (the ~40 ms streaming floor).
     connector.set_nodelay(true);
@@ -103,8 +105,10 @@ impl FrontendState {
         workers: &[WorkerSpec],
         block_size: BlockSize,
     ) -> Self {
-        let remote =
-            RemoteRouter { base: router_url.trim_end_matches('/').to_owned(), client: client() };
+        let remote = RemoteRouter {
+            base: router_url.trim_end_matches('/').to_owned(),
+            client: http_client(),
+        };
         Self::with(preprocessor, fetcher, Placer::Remote(remote), block_size, urls(workers))
     }
 
@@ -121,7 +125,7 @@ impl FrontendState {
             placer,
             block_size,
             urls,
-            client: client(),
+            client: http_client(),
             next_id: AtomicU64::new(0),
             proxied: AtomicU64::new(0),
             retried: AtomicU64::new(0),
