@@ -149,6 +149,9 @@ impl FromStr for WorkerSpec {
     }
 }
 
+/// Default of [`RouterConfig::max_dp_size`]: more than any data-parallel deployment uses.
+pub const DEFAULT_MAX_DP_SIZE: u32 = 256;
+
 /// Everything the router service needs, with kvroute's defaults.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -158,6 +161,10 @@ pub struct RouterConfig {
     /// Index shards (readers in parallel, a writer per shard).
     pub shards: usize,
     pub index: IndexConfig,
+    /// Most data-parallel ranks a worker may have: events naming a rank at or above it are
+    /// refused (a rank is a slot in every per-worker table, so an unbounded one from the wire
+    /// would size memory).
+    pub max_dp_size: u32,
     #[serde(skip)]
     pub scheduler: SchedulerConfig,
 }
@@ -170,6 +177,7 @@ impl Default for RouterConfig {
             shards: 4,
             // 16M (worker, block) pairs: ~0.8 GB of index at most, whatever the event flood.
             index: IndexConfig { max_held_blocks: Some(16 << 20) },
+            max_dp_size: DEFAULT_MAX_DP_SIZE,
             scheduler: SchedulerConfig::default(),
         }
     }
@@ -186,6 +194,9 @@ impl RouterConfig {
 
     /// Checks what serde cannot: unique worker ids, usable endpoints.
     pub fn validate(&self) -> Result<(), RouterError> {
+        if self.max_dp_size == 0 {
+            return Err(RouterError::Config("max_dp_size must be at least 1".into()));
+        }
         let mut ids: Vec<_> = self.workers.iter().map(|w| w.id).collect();
         ids.sort_unstable();
         if let Some(dup) = ids.windows(2).find(|p| p[0] == p[1]) {
@@ -199,6 +210,12 @@ impl RouterConfig {
                         w.id
                     )));
                 }
+            }
+            if w.dp_size > self.max_dp_size {
+                return Err(RouterError::Config(format!(
+                    "worker {}: dp_size {} is above max_dp_size {}",
+                    w.id, w.dp_size, self.max_dp_size
+                )));
             }
             if let Some(bs) = w.block_size {
                 BlockSize::new(bs)

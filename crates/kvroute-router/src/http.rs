@@ -225,6 +225,12 @@ async fn inject_event(
     body: Result<Json<InjectEvent>, JsonRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Json(req) = body?;
+    if !state.valid_dp_rank(req.dp_rank) {
+        return Err(ApiError::bad_request(
+            format!("dp_rank must be below {}", state.config.max_dp_size),
+            Some("dp_rank"),
+        ));
+    }
     let block = KvCacheStoredBlockData {
         block_hash: ExternalBlockHash(req.block_hash.unwrap_or(req.tokens_hash)),
         tokens_hash: LocalBlockHash(req.tokens_hash),

@@ -11,6 +11,7 @@ pub const GAPS: &str = "kvroute_router_event_gaps_total";
 pub const REPLAYS: &str = "kvroute_router_replays_total";
 pub const REPLAYED_BATCHES: &str = "kvroute_router_replayed_batches_total";
 pub const GARBAGE: &str = "kvroute_router_undecodable_messages_total";
+pub const REJECTED: &str = "kvroute_router_events_rejected_total";
 pub const RESTARTS: &str = "kvroute_router_publisher_restarts_total";
 pub const INDEX_BLOCKS: &str = "kvroute_router_index_blocks";
 pub const INDEX_HELD_BLOCKS: &str = "kvroute_router_index_held_blocks";
@@ -70,6 +71,8 @@ pub struct Metrics {
     pub replayed_batches: AtomicU64,
     pub garbage: AtomicU64,
     pub restarts: AtomicU64,
+    /// Events refused for a data-parallel rank at or above `max_dp_size`.
+    pub rejected_dp_rank: AtomicU64,
     pub decisions: AtomicU64,
     pub decision_latency: Histogram,
 }
@@ -94,6 +97,11 @@ impl Metrics {
                 let _ = writeln!(out, "{EVENTS}{{kind=\"{kind}\",status=\"{status}\"}} {n}");
             }
         }
+        let _ = writeln!(
+            out,
+            "# TYPE {REJECTED} counter\n{REJECTED}{{reason=\"dp_rank\"}} {}",
+            self.rejected_dp_rank.load(Ordering::Relaxed)
+        );
         for (name, counter) in [
             (GAPS, &self.gaps),
             (REPLAYS, &self.replays),

@@ -130,10 +130,22 @@ impl RouterState {
         }
     }
 
-    /// Applies core events to the index; returns how many were applied cleanly.
+    /// Whether `rank` is within the configured bound of data-parallel ranks.
+    pub fn valid_dp_rank(&self, rank: kvroute_core::DpRank) -> bool {
+        rank.0 < self.config.max_dp_size
+    }
+
+    /// Applies core events to the index; returns how many were applied cleanly. Events naming
+    /// a data-parallel rank at or above `max_dp_size` are refused (counted) before they can
+    /// register anything.
     pub fn apply(&self, events: &[RouterEvent]) -> usize {
         let mut ok = 0;
         for e in events {
+            if !self.valid_dp_rank(e.event.dp_rank) {
+                self.metrics.rejected_dp_rank.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::debug!(worker = %e.worker_id, dp_rank = %e.event.dp_rank, "event refused: dp rank out of range");
+                continue;
+            }
             self.ensure_worker(e.worker());
             let kind = match e.event.data {
                 KvCacheEventData::Stored(_) => EventKind::Stored,

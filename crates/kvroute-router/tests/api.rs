@@ -214,3 +214,35 @@ async fn bad_requests_get_openai_shaped_errors() {
     .await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{value}");
 }
+
+/// A data-parallel rank from the wire sizes per-worker tables: one request naming rank 2^31
+/// once aborted the process on a 34 GB allocation. Now it is a 400, and nothing registers.
+#[tokio::test]
+async fn an_out_of_range_dp_rank_is_refused_not_allocated() {
+    let state = state(&[]);
+    for rank in [2_147_483_648u64, 5_000_000, 256] {
+        let body = json!({"worker_id": 57, "tokens_hash": 1, "dp_rank": rank});
+        let (status, value) =
+            call(&state, Method::POST, "/debug/inject_event", Some(body.to_string())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "rank {rank}: {value}");
+        assert_eq!(value["error"]["param"], "dp_rank");
+    }
+    let events = json!([{"worker_id": 58, "event": {"event_id": 1, "dp_rank": 2_147_483_648u64,
+        "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": 1, "tokens_hash": 1}]}}}}]);
+    let (status, value) = call(&state, Method::POST, "/events", Some(events.to_string())).await;
+    assert_eq!((status, value["applied"].as_u64()), (StatusCode::OK, Some(0)), "{value}");
+    let (_, workers) = call(&state, Method::GET, "/workers", None).await;
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 0, "nothing registered: {workers}");
+    let (_, text) = call(&state, Method::GET, "/metrics", None).await;
+    assert!(
+        text.as_str()
+            .unwrap()
+            .contains("kvroute_router_events_rejected_total{reason=\"dp_rank\"} 1"),
+        "{text}"
+    );
+    // The highest allowed rank still works.
+    let body = json!({"worker_id": 57, "tokens_hash": 1, "dp_rank": 255});
+    let (status, _) =
+        call(&state, Method::POST, "/debug/inject_event", Some(body.to_string())).await;
+    assert_eq!(status, StatusCode::OK);
+}

@@ -73,3 +73,46 @@ async fn load_reports_trtllm_and_kvroute_json_streams() {
     })
     .await;
 }
+
+/// The event plane: a vLLM-format batch whose `dp_rank` is 2^31 (real msgpack bytes on a real
+/// PUB socket) is refused and counted; the worker's later batches still apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_with_an_out_of_range_dp_rank_is_refused() {
+    use kvroute_wire::publisher::EventPublisher;
+    use kvroute_wire::{BlockStored, EngineEvent};
+    let publisher = EventPublisher::bind("tcp://127.0.0.1:0", None, "", 16).await.unwrap();
+    let mut spec = WorkerSpec::new(9);
+    spec.events = Some(publisher.endpoint.clone());
+    spec.block_size = Some(4);
+    let state =
+        Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
+    let _tasks = kvroute_router::spawn_background(&state).unwrap();
+    let stored = |hash: u64| {
+        vec![EngineEvent::BlockStored(BlockStored {
+            block_hashes: vec![hash],
+            parent_block_hash: None,
+            token_ids: vec![1, 2, 3, hash],
+            block_size: 4,
+            ..BlockStored::default()
+        })]
+    };
+    let rejected = || {
+        state
+            .render_metrics()
+            .contains("kvroute_router_events_rejected_total{reason=\"dp_rank\"} 0")
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rejected() {
+        assert!(Instant::now() < deadline, "the bad batch never arrived");
+        publisher.send(stored(1), 1 << 31);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(state.workers()[0].dp_size, 1, "no rank was added");
+    let w = WorkerWithDpRank::new(9u64, 0u32);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state.index.tree_size(w) == 0 {
+        assert!(Instant::now() < deadline, "a good batch after it was not applied");
+        publisher.send(stored(2), 0);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -49,6 +49,9 @@ pub(crate) struct RouterArgs {
     /// Most (worker, block) pairs the index keeps before evicting the coldest (~48 bytes each).
     #[arg(long, env = "KVROUTE_MAX_INDEX_BLOCKS", default_value_t = 16 << 20)]
     max_index_blocks: usize,
+    /// Most data-parallel ranks of one worker; events naming a higher rank are refused.
+    #[arg(long, env = "KVROUTE_MAX_DP_SIZE", default_value_t = kvroute_router::config::DEFAULT_MAX_DP_SIZE)]
+    max_dp_size: u32,
 }
 
 impl RouterArgs {
@@ -63,6 +66,7 @@ impl RouterArgs {
         };
         config.workers.extend(self.workers.iter().cloned());
         config.index.max_held_blocks = Some(self.max_index_blocks);
+        config.max_dp_size = self.max_dp_size;
         config.scheduler.policy = self.policy;
         config.scheduler.temperature = self.temperature;
         config.scheduler.overlap_weight = self.overlap_weight;
