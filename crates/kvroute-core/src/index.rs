@@ -34,7 +34,7 @@ mod worker_set;
 
 use serde::Serialize;
 
-pub use approx::{ApproxConfig, ApproxIndex};
+pub use approx::{ApproxConfig, ApproxIndex, ApproxTracker};
 pub use radix::RadixIndex;
 pub use sharded::{BLOCKS_PER_LOCK, ShardedIndex};
 

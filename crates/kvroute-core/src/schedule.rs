@@ -322,6 +322,8 @@ struct WorkerEntry {
     worker: WorkerWithDpRank,
     load: WorkerLoad,
     prefill_tokens_per_s: f64,
+    /// Not ready (e.g. its event stream is down): chosen only when no ready worker is left.
+    ready: bool,
 }
 
 /// Looks workers up, in increasing order, in a list sorted by worker: one pass for all of them
@@ -366,6 +368,7 @@ impl Scheduler {
                 worker,
                 load: WorkerLoad::default(),
                 prefill_tokens_per_s: self.config.kv.prefill_tokens_per_s,
+                ready: true,
             };
             self.workers.insert(at, entry);
         }
@@ -391,6 +394,14 @@ impl Scheduler {
     pub fn update_load(&mut self, worker: WorkerWithDpRank, load: WorkerLoad) {
         if let Some(entry) = self.entry(worker) {
             entry.load = load;
+        }
+    }
+
+    /// Marks a cache ready or not; a cache that is not ready is chosen only when no ready one
+    /// is left (workers are ready when added).
+    pub fn set_ready(&mut self, worker: WorkerWithDpRank, ready: bool) {
+        if let Some(entry) = self.entry(worker) {
+            entry.ready = ready;
         }
     }
 
@@ -427,7 +438,8 @@ impl Scheduler {
         Some(decision)
     }
 
-    /// The candidates for a request, busy ones already dropped (unless all are busy).
+    /// The candidates for a request: ready ones (all, if none is), of which busy ones are
+    /// dropped (unless all are busy).
     pub fn candidates(
         &self,
         local: &[LocalBlockHash],
@@ -440,9 +452,11 @@ impl Scheduler {
         };
         let (mut overlap, mut inflight_prefix) = (cursor(&scores.scores), cursor(&inflight.scores));
         let mut tree_size = cursor(&scores.tree_sizes);
+        let any_ready = self.workers.iter().any(|e| e.ready);
         let mut all: Vec<Candidate> = self
             .workers
             .iter()
+            .filter(|e| e.ready || !any_ready)
             .map(|e| Candidate {
                 worker: e.worker,
                 overlap_blocks: overlap(e.worker).unwrap_or(0),

@@ -697,6 +697,12 @@ impl RadixIndex {
 
     // ---- eviction -------------------------------------------------------------------------
 
+    /// Evicts the least recently touched leaves until at most `target` (worker, block) pairs
+    /// remain (what a caller with its own budget, like [`super::ShardedIndex`], uses).
+    pub(crate) fn evict_to(&mut self, target: usize) {
+        self.evict(target);
+    }
+
     /// Evicts the least recently touched leaves, whoever holds them, until at most `target`
     /// (worker, block) pairs remain.
     fn evict(&mut self, target: usize) {

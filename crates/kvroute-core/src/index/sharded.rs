@@ -15,11 +15,17 @@
 //! its parent), so a reader never waits behind a whole 64-block event. Readers may see an event
 //! half applied, as they would see one event of two.
 //!
+//! The memory budget (`max_held_blocks`) is one for all shards together: a write that takes
+//! the total over it evicts the least recently matched leaves of the fullest shard, down to
+//! 90% of the budget, so however workers spread over shards the index never holds more than
+//! the budget asks.
+//!
 //! Every dp rank of a worker lands on the same shard. Per-worker ordering is the caller's: feed
 //! each worker's events from one thread, in order (the event plane has one subscriber per
 //! worker). [`ShardedIndex::apply_batch`] takes each shard's lock once per batch.
 
 use std::hash::{BuildHasher, BuildHasherDefault};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rustc_hash::FxHasher;
 use spin::{RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -44,14 +50,22 @@ fn piece(event: &RouterEvent, data: KvCacheEventData) -> RouterEvent {
 #[derive(Debug)]
 pub struct ShardedIndex {
     shards: Vec<RwLock<RadixIndex>>,
+    /// (worker, block) pairs each shard held after its last write.
+    held: Vec<AtomicUsize>,
+    /// `max_held_blocks` of all shards together.
+    budget: Option<usize>,
 }
 
 impl ShardedIndex {
-    /// `shards` indexes (at least one), each bounded by `config` on its own.
+    /// `shards` indexes (at least one), bounded together by `config.max_held_blocks`.
     pub fn new(shards: usize, config: IndexConfig) -> Self {
-        let shards =
-            (0..shards.max(1)).map(|_| RwLock::new(RadixIndex::with_config(config))).collect();
-        Self { shards }
+        let n = shards.max(1);
+        let unbounded = IndexConfig { max_held_blocks: None };
+        Self {
+            shards: (0..n).map(|_| RwLock::new(RadixIndex::with_config(unbounded))).collect(),
+            held: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+            budget: config.max_held_blocks,
+        }
     }
 
     pub fn num_shards(&self) -> usize {
@@ -59,7 +73,14 @@ impl ShardedIndex {
     }
 
     pub fn apply_event(&self, event: &RouterEvent) -> Result<(), Error> {
-        let shard = &self.shards[self.shard_of(event.worker_id)];
+        let s = self.shard_of(event.worker_id);
+        let result = self.apply_to(s, event);
+        self.after_write(s);
+        result
+    }
+
+    fn apply_to(&self, s: usize, event: &RouterEvent) -> Result<(), Error> {
+        let shard = &self.shards[s];
         let result = match &event.event.data {
             KvCacheEventData::Stored(data) if data.blocks.len() > BLOCKS_PER_LOCK => {
                 let mut parent_hash = data.parent_hash;
@@ -108,6 +129,8 @@ impl ShardedIndex {
                     errors.push((i, err));
                 }
             }
+            drop(shard);
+            self.after_write(s);
         }
         errors.sort_unstable_by_key(|(i, _)| *i);
         errors
@@ -126,11 +149,38 @@ impl ShardedIndex {
     }
 
     pub fn remove_worker(&self, worker: WorkerId) {
-        self.write(self.shard_of(worker)).remove_worker(worker);
+        let s = self.shard_of(worker);
+        self.write(s).remove_worker(worker);
+        self.after_write(s);
     }
 
     pub fn clear_all_blocks(&self, worker: WorkerId) {
-        self.write(self.shard_of(worker)).clear_all_blocks(worker);
+        let s = self.shard_of(worker);
+        self.write(s).clear_all_blocks(worker);
+        self.after_write(s);
+    }
+
+    /// Records shard `s`'s size after a write and, past the budget, evicts from the fullest
+    /// shard down to 90% of the budget.
+    fn after_write(&self, s: usize) {
+        self.held[s].store(read(&self.shards[s]).held_blocks(), Ordering::Relaxed);
+        let Some(budget) = self.budget else { return };
+        let total: usize = self.held.iter().map(|h| h.load(Ordering::Relaxed)).sum();
+        if total <= budget {
+            return;
+        }
+        let excess = total - (budget - budget / 10);
+        let fullest =
+            (0..self.held.len()).max_by_key(|&i| self.held[i].load(Ordering::Relaxed)).unwrap_or(s);
+        let mut shard = self.write(fullest);
+        let target = shard.held_blocks().saturating_sub(excess);
+        shard.evict_to(target);
+        self.held[fullest].store(shard.held_blocks(), Ordering::Relaxed);
+    }
+
+    /// The memory budget of all shards together.
+    pub fn budget(&self) -> Option<usize> {
+        self.budget
     }
 
     pub fn register_worker(&self, worker: WorkerWithDpRank) {
@@ -219,6 +269,28 @@ mod tests {
             replayed.apply_event(&e).unwrap();
         }
         assert_eq!(replayed.find_matches(&query), sharded.find_matches(&query));
+    }
+
+    #[test]
+    fn the_budget_bounds_all_shards_together() {
+        let budget = 100;
+        let sharded = ShardedIndex::new(4, IndexConfig { max_held_blocks: Some(budget) });
+        // 16 workers spread over the 4 shards, 30 blocks each: 480 pairs offered.
+        for k in 0..16u64 {
+            let locals: Vec<u64> = (0..30).map(|b| k * 100 + b).collect();
+            sharded.apply_event(&chain(k, 0, &locals)).unwrap();
+            assert!(
+                sharded.stats().held_blocks <= budget,
+                "after worker {k}: {:?}",
+                sharded.stats()
+            );
+        }
+        let stats = sharded.stats();
+        assert!(stats.held_blocks >= budget / 2, "evicts down to 90%, not to nothing: {stats:?}");
+        assert_eq!(stats.evicted_blocks as usize + stats.held_blocks, 16 * 30);
+        // The newest worker's blocks survived: eviction takes the least recently used.
+        let last: Vec<_> = (0..30).map(|b| LocalBlockHash(1500 + b)).collect();
+        assert_eq!(sharded.find_matches(&last).score(WorkerWithDpRank::new(15u64, 0u32)), 30);
     }
 
     #[test]

@@ -197,6 +197,24 @@ fn burst_of_identical_cold_requests_stays_together_under_kv() {
 }
 
 #[test]
+fn workers_not_ready_are_chosen_only_when_no_other_is_left() {
+    let p = prompt(&(0..256).collect::<Vec<_>>());
+    let full = scores(&[(0, 16)]);
+    let mut s = scheduler(PolicyKind::Kv, 3);
+    let route = |s: &mut Scheduler| {
+        s.route(&request(&p, None), &full, &UnknownTreeSizes, Instant::now()).unwrap().worker
+    };
+    assert_eq!(route(&mut s), w(0), "it holds the prompt");
+    s.set_ready(w(0), false);
+    assert_ne!(route(&mut s), w(0), "not ready: the others first, whatever it holds");
+    s.set_ready(w(1), false);
+    s.set_ready(w(2), false);
+    assert_eq!(route(&mut s), w(0), "nobody is ready: the best of all");
+    s.set_ready(w(0), true);
+    assert_eq!(route(&mut s), w(0));
+}
+
+#[test]
 fn busy_workers_are_skipped_unless_all_are_busy() {
     let p = prompt(&(0..256).collect::<Vec<_>>());
     let full = scores(&[(0, 16)]);
