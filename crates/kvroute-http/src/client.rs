@@ -1,0 +1,146 @@
+//! The one HTTP/1 client of the workspace: the front door proxies with it, a front door asks a
+//! remote router with it, the stack and the bench read workers with it. Connections are kept
+//! alive and written without Nagle's delay (small SSE and JSON writes otherwise wait up to
+//! 40 ms for a delayed ACK). Bodies read whole are capped in size.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode, header};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::error::ErrorBody;
+
+/// Largest body [`HttpClient`] reads whole.
+pub const MAX_BODY: usize = 16 << 20;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    #[error("invalid request: {0}")]
+    Request(#[from] hyper::http::Error),
+    /// Nothing was sent: the connection could not be made.
+    #[error("cannot connect")]
+    Connect(#[source] hyper_util::client::legacy::Error),
+    #[error("the request failed")]
+    Send(#[source] hyper_util::client::legacy::Error),
+    #[error("reading the body")]
+    Body(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// A non-2xx answer, with the message of its OpenAI-shaped body when it has one.
+    #[error("HTTP {status}: {message}")]
+    Status { status: StatusCode, message: String },
+    #[error("undecodable JSON")]
+    Json(#[from] serde_json::Error),
+}
+
+impl ClientError {
+    /// Whether nothing reached the server (another server may take the request).
+    pub fn is_connect(&self) -> bool {
+        matches!(self, Self::Connect(_))
+    }
+}
+
+/// A kept-alive HTTP/1 client; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct HttpClient {
+    inner: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for HttpClient {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HttpClient {
+    pub fn new() -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        Self { inner: Client::builder(TokioExecutor::new()).build(connector) }
+    }
+
+    /// Sends a request; the answer's body is left to the caller (streams stay streams).
+    pub async fn send(
+        &self,
+        request: Request<Full<Bytes>>,
+    ) -> Result<Response<Incoming>, ClientError> {
+        self.inner.request(request).await.map_err(|e| {
+            if e.is_connect() { ClientError::Connect(e) } else { ClientError::Send(e) }
+        })
+    }
+
+    /// `method url` with a JSON body (or none).
+    pub async fn call(
+        &self,
+        method: Method,
+        url: &str,
+        body: Option<&(impl Serialize + ?Sized)>,
+    ) -> Result<Response<Incoming>, ClientError> {
+        let mut request = Request::builder().method(method).uri(url);
+        let body = match body {
+            Some(b) => {
+                request = request.header(header::CONTENT_TYPE, "application/json");
+                Bytes::from(serde_json::to_vec(b)?)
+            }
+            None => Bytes::new(),
+        };
+        self.send(request.body(Full::new(body))?).await
+    }
+
+    /// `GET url`: the status and the whole body.
+    pub async fn get(&self, url: &str) -> Result<(StatusCode, Bytes), ClientError> {
+        let response = self.call(Method::GET, url, None::<&()>).await?;
+        let status = response.status();
+        Ok((status, read_body(response.into_body(), MAX_BODY).await?))
+    }
+
+    /// `GET url` decoded as JSON; a non-2xx answer is an error.
+    pub async fn get_json<T: DeserializeOwned>(&self, url: &str) -> Result<T, ClientError> {
+        json(self.call(Method::GET, url, None::<&()>).await?).await
+    }
+
+    /// `POST url` with a JSON body, the answer decoded as JSON; a non-2xx answer is an error.
+    pub async fn post_json<T: DeserializeOwned>(
+        &self,
+        url: &str,
+        body: &(impl Serialize + ?Sized),
+    ) -> Result<T, ClientError> {
+        json(self.call(Method::POST, url, Some(body)).await?).await
+    }
+}
+
+/// Reads a whole body of at most `limit` bytes.
+pub async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, ClientError> {
+    Limited::new(body, limit)
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .map_err(ClientError::Body)
+}
+
+/// A 2xx answer's JSON body; otherwise [`ClientError::Status`] with the error's message.
+pub async fn json<T: DeserializeOwned>(response: Response<Incoming>) -> Result<T, ClientError> {
+    let status = response.status();
+    let bytes = read_body(response.into_body(), MAX_BODY).await?;
+    if !status.is_success() {
+        return Err(ClientError::Status { status, message: error_message(&bytes) });
+    }
+    Ok(serde_json::from_slice(&bytes)?)
+}
+
+/// The message of an OpenAI-shaped error body, or the start of the body.
+pub fn error_message(bytes: &[u8]) -> String {
+    match serde_json::from_slice::<ErrorBody>(bytes) {
+        Ok(body) => body.error.message,
+        Err(_) => String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned(),
+    }
+}

@@ -1,0 +1,241 @@
+//! One error type for every HTTP answer kvroute gives: OpenAI's shape
+//! `{"error":{"message","type","param","code"}}` (as vLLM answers it, `code` the HTTP status),
+//! a message written for the client, and the underlying error kept as a source for the log,
+//! never for the body. Every 5xx is logged with its source chain when it is turned into a
+//! response.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+use axum::Json;
+use axum::extract::rejection::{BytesRejection, JsonRejection};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+
+type Source = Box<dyn StdError + Send + Sync + 'static>;
+
+/// An error as an OpenAI-compatible client expects it.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    param: Option<&'static str>,
+    source: Option<Source>,
+}
+
+/// The body of an error answer, for clients that read one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub param: Option<String>,
+    #[serde(default)]
+    pub code: Option<u16>,
+}
+
+impl ApiError {
+    /// An error whose OpenAI `type` follows from its status; `message` is shown to the client.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), param: None, source: None }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, message)
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
+    }
+
+    pub fn too_large(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, message)
+    }
+
+    /// A failure of this server: the client reads only "internal error"; `source` is logged.
+    pub fn internal(source: impl Into<Source>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal error").with_source(source)
+    }
+
+    /// An upstream (worker or router) failed: `message` says which, `source` how (logged).
+    pub fn bad_gateway(message: impl Into<String>, source: impl Into<Source>) -> Self {
+        Self::new(StatusCode::BAD_GATEWAY, message).with_source(source)
+    }
+
+    /// Names the request field at fault.
+    #[must_use]
+    pub fn param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
+    /// Keeps the error behind this one (logged for a 5xx, never sent).
+    #[must_use]
+    pub fn with_source(mut self, source: impl Into<Source>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// OpenAI's `type` for a status.
+    pub fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::FORBIDDEN => "permission_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The body a client receives.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.message.clone(),
+                kind: self.kind().to_owned(),
+                param: self.param.map(str::to_owned),
+                code: Some(self.status.as_u16()),
+            },
+        }
+    }
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.status.as_u16(), self.message)?;
+        if let Some(source) = &self.source {
+            write!(f, ": {}", Chain(source.as_ref()))?;
+        }
+        Ok(())
+    }
+}
+
+impl StdError for ApiError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source.as_deref().map(|s| s as &(dyn StdError + 'static))
+    }
+}
+
+/// An error and its sources, `a: b: c`.
+struct Chain<'a>(&'a (dyn StdError + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut next = self.0.source();
+        while let Some(e) = next {
+            write!(f, ": {e}")?;
+            next = e.source();
+        }
+        Ok(())
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        let status = match rejection.status() {
+            s @ (StatusCode::UNSUPPORTED_MEDIA_TYPE | StatusCode::PAYLOAD_TOO_LARGE) => s,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        Self::new(status, rejection.body_text())
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(rejection: BytesRejection) -> Self {
+        let status = match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        Self::new(status, rejection.body_text())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            match &self.source {
+                Some(source) => tracing::error!(
+                    status = self.status.as_u16(),
+                    message = %self.message,
+                    source = %Chain(source.as_ref()),
+                    "request failed"
+                ),
+                None => tracing::error!(
+                    status = self.status.as_u16(),
+                    message = %self.message,
+                    "request failed"
+                ),
+            }
+        }
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn body(e: ApiError) -> (StatusCode, serde_json::Value) {
+        let response = e.into_response();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn internals_stay_out_of_the_body() {
+        let io = std::io::Error::other("connection reset by 10.0.0.7:8000");
+        let e = ApiError::bad_gateway("the worker failed", io);
+        assert!(e.to_string().contains("10.0.0.7"), "kept for the log: {e}");
+        assert!(e.source().is_some());
+        let (status, v) = body(e).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        assert_eq!(v["error"]["message"], "the worker failed");
+        assert!(!v.to_string().contains("10.0.0.7"), "{v}");
+        let (status, v) = body(ApiError::internal(std::io::Error::other("secret path"))).await;
+        assert_eq!(
+            (status, v["error"]["message"].as_str()),
+            (StatusCode::INTERNAL_SERVER_ERROR, Some("internal error"))
+        );
+        assert_eq!(v["error"]["type"], "server_error");
+    }
+
+    #[tokio::test]
+    async fn openai_shape_with_param_and_code() {
+        let (status, v) =
+            body(ApiError::bad_request("messages must not be empty").param("messages")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let parsed: ErrorBody = serde_json::from_value(v).unwrap();
+        assert_eq!(parsed.error.kind, "invalid_request_error");
+        assert_eq!(parsed.error.param.as_deref(), Some("messages"));
+        assert_eq!(parsed.error.code, Some(400));
+        let (_, v) = body(ApiError::not_found("no such route")).await;
+        assert_eq!(v["error"]["type"], "not_found_error");
+        assert_eq!(v["error"]["param"], serde_json::Value::Null);
+    }
+}

@@ -1,0 +1,315 @@
+//! The OpenAI API as kvroute speaks it: chat and completion requests (only the fields kvroute
+//! reads; everything else a client sends is passed on untouched by the front door and ignored
+//! by the simulated engine, as vLLM ignores it), the answers and stream chunks the simulated
+//! engine writes and the bench reads, and the model list.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ApiError;
+
+/// A chat message: text, or parts of text and images.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ContentPart {
+    Text { text: String },
+    ImageUrl { image_url: ImageUrl },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ImageUrl {
+    pub url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// A caller-chosen id of the image (vLLM's multimodal UUID); the front door sets it to the
+    /// image's identifier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of plain text.
+    pub fn text(role: &str, text: &str) -> Self {
+        Self { role: role.to_owned(), content: Some(MessageContent::Text(text.to_owned())) }
+    }
+}
+
+/// The image URLs of `messages`, in the order their placeholders appear.
+pub fn image_urls(messages: &[ChatMessage]) -> Vec<&str> {
+    messages
+        .iter()
+        .filter_map(|m| match &m.content {
+            Some(MessageContent::Parts(parts)) => Some(parts),
+            _ => None,
+        })
+        .flatten()
+        .filter_map(|p| match p {
+            ContentPart::ImageUrl { image_url } => Some(image_url.url.as_str()),
+            ContentPart::Text { .. } => None,
+        })
+        .collect()
+}
+
+/// A `/v1/completions` prompt: text, or token ids given directly.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum CompletionPrompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// `POST /v1/chat/completions`, the fields kvroute reads.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChatCompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub messages: Vec<ChatMessage>,
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+}
+
+impl ChatCompletionRequest {
+    /// The output limit asked for (`max_completion_tokens` wins over `max_tokens`).
+    pub fn max_output_tokens(&self) -> Option<u64> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+}
+
+/// `POST /v1/completions`, the fields kvroute reads.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: CompletionPrompt,
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// Tokens of one request; `prompt_tokens_details.cached_tokens` are the prompt tokens the
+/// engine served from its prefix cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub total_tokens: u64,
+    #[serde(default)]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    #[serde(default)]
+    pub cached_tokens: u64,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: u64, completion_tokens: u64, cached_tokens: u64) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: Some(PromptTokensDetails { cached_tokens }),
+        }
+    }
+
+    pub fn cached_tokens(&self) -> u64 {
+        self.prompt_tokens_details.map_or(0, |d| d.cached_tokens)
+    }
+}
+
+/// The assistant's whole answer in a non-streamed chat completion.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AssistantMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// A streamed chunk's new text for a chat completion.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Delta {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of an answer or a stream chunk, chat or completion: a chat answer has
+/// `message`, a chat chunk `delta`, a completion (answer or chunk) `text`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Choice {
+    pub index: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<AssistantMessage>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<Delta>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    pub finish_reason: Option<String>,
+    #[serde(default)]
+    pub logprobs: Option<serde_json::Value>,
+}
+
+impl Choice {
+    /// The text this choice adds, whatever its kind.
+    pub fn new_text(&self) -> Option<&str> {
+        self.text
+            .as_deref()
+            .or_else(|| self.delta.as_ref().and_then(|d| d.content.as_deref()))
+            .or_else(|| self.message.as_ref().map(|m| m.content.as_str()))
+    }
+}
+
+/// An answer (`chat.completion`, `text_completion`) or a stream chunk
+/// (`chat.completion.chunk`, `text_completion`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<Choice>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+impl Completion {
+    /// Whether any choice carries new text.
+    pub fn has_text(&self) -> bool {
+        self.choices.iter().any(|c| c.new_text().is_some_and(|t| !t.is_empty()))
+    }
+}
+
+/// The chunks of a whole streamed answer (its `text/event-stream` bytes), and whether it
+/// ended with `data: [DONE]`.
+pub fn stream_chunks(body: &[u8]) -> Result<(Vec<Completion>, bool), serde_json::Error> {
+    let mut chunks = Vec::new();
+    let mut done = false;
+    for event in crate::SseReader::default().push(body) {
+        match event {
+            crate::SseEvent::Data(data) => chunks.push(serde_json::from_str(&data)?),
+            crate::SseEvent::Done => done = true,
+        }
+    }
+    Ok((chunks, done))
+}
+
+/// One served model in `GET /v1/models`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub owned_by: String,
+    /// The longest prompt plus output the model takes (vLLM's field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelList {
+    pub object: String,
+    pub data: Vec<ModelCard>,
+}
+
+impl ModelList {
+    /// The list of one model.
+    pub fn one(id: &str, max_model_len: Option<u64>) -> Self {
+        Self {
+            object: "list".into(),
+            data: vec![ModelCard {
+                id: id.to_owned(),
+                object: "model".into(),
+                created: 0,
+                owned_by: "kvroute".into(),
+                max_model_len,
+            }],
+        }
+    }
+}
+
+/// A request naming another model than the one served is a 404 (an empty or absent name is
+/// taken as the served one).
+pub fn check_model(served: &str, requested: Option<&str>) -> Result<(), ApiError> {
+    match requested {
+        Some(m) if !m.is_empty() && m != served => Err(ApiError::not_found(format!(
+            "model {m:?} not found; this server serves {served:?}"
+        ))
+        .param("model")),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn requests_read_what_clients_send() {
+        let chat: ChatCompletionRequest = serde_json::from_value(json!({
+            "model": "m", "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hi"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}],
+            "max_tokens": 3, "max_completion_tokens": 5, "temperature": 0.2, "stream": true
+        }))
+        .unwrap();
+        assert_eq!(chat.max_output_tokens(), Some(5));
+        assert_eq!(image_urls(&chat.messages), ["data:image/png;base64,AA"]);
+        let c: CompletionRequest =
+            serde_json::from_value(json!({"prompt": [1, 2, 3], "ignore_eos": true})).unwrap();
+        assert_eq!(c.prompt, CompletionPrompt::Tokens(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn chunks_of_either_kind_carry_text() {
+        let chat: Completion = serde_json::from_value(json!({"id": "c", "object": "chat.completion.chunk",
+            "created": 0, "model": "m", "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": null}]}))
+        .unwrap();
+        assert!(chat.has_text());
+        let done: Completion = serde_json::from_value(json!({"id": "c", "object": "text_completion",
+            "created": 0, "model": "m", "choices": [],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 4}}}))
+        .unwrap();
+        assert!(!done.has_text());
+        assert_eq!(done.usage.unwrap().cached_tokens(), 4);
+    }
+
+    #[test]
+    fn another_model_is_404() {
+        assert!(check_model("tiny", None).is_ok());
+        assert!(check_model("tiny", Some("")).is_ok());
+        assert!(check_model("tiny", Some("tiny")).is_ok());
+        assert_eq!(check_model("tiny", Some("gpt-9")).unwrap_err().status().as_u16(), 404);
+    }
+}

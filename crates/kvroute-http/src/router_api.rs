@@ -1,0 +1,127 @@
+//! The router's HTTP API (SPEC section 8), one definition for the server (`kvroute router`)
+//! and its clients (a front door with `--router-url`).
+//!
+//! | route | body | answer |
+//! |---|---|---|
+//! | `POST /find_best_worker` | [`FindBestWorker`] | [`BestWorker`] |
+//! | `POST /requests/{id}/prefill_done`, `DELETE /requests/{id}` | - | 204 |
+//! | `POST /events` | `[RouterEvent]` | [`EventsReply`] |
+//! | `POST /debug/inject_event` | [`InjectEvent`] | `{"status":"ok"}` |
+//!
+//! Answers carry no defaulted fields: a field renamed on one side fails to decode on the other
+//! instead of silently reading as zero.
+
+use kvroute_core::{BlockExtraInfo, DpRank, WorkerId, WorkerWithDpRank};
+use serde::{Deserialize, Serialize};
+
+pub const FIND_BEST_WORKER: &str = "/find_best_worker";
+pub const EVENTS: &str = "/events";
+pub const INJECT_EVENT: &str = "/debug/inject_event";
+pub const TREE_INFO: &str = "/debug/tree_info";
+pub const WORKERS: &str = "/workers";
+
+/// `POST /requests/{id}/prefill_done`: the request's first token arrived.
+pub fn prefill_done_path(request_id: &str) -> String {
+    format!("/requests/{request_id}/prefill_done")
+}
+
+/// `DELETE /requests/{id}`: the request ended.
+pub fn request_path(request_id: &str) -> String {
+    format!("/requests/{request_id}")
+}
+
+/// Which worker should take a request with these block hashes?
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FindBestWorker {
+    pub local_hashes: Vec<u64>,
+    pub num_tokens: i64,
+    /// With an id the router tracks the request in flight until its end is reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlap_score_weight: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    /// Caches not to choose (e.g. ones that just refused a connection).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<WorkerWithDpRank>,
+}
+
+/// The router's choice.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BestWorker {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    /// Leading blocks of the request the worker holds.
+    pub overlap_blocks: u32,
+    /// Fraction of the prompt's tokens cached there.
+    pub overlap: f64,
+    /// Prompt tokens the router expects the worker to compute.
+    pub predicted_prefill_tokens: usize,
+}
+
+impl BestWorker {
+    pub fn worker(&self) -> WorkerWithDpRank {
+        WorkerWithDpRank { worker_id: self.worker_id, dp_rank: self.dp_rank }
+    }
+}
+
+/// `POST /events`: how many of the posted events were applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsReply {
+    pub received: usize,
+    pub applied: usize,
+}
+
+/// `POST /debug/inject_event`: one Stored block, as the seed's example posts it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InjectEvent {
+    pub worker_id: WorkerId,
+    pub tokens_hash: u64,
+    #[serde(default)]
+    pub block_hash: Option<u64>,
+    #[serde(default)]
+    pub parent_hash: Option<u64>,
+    #[serde(default)]
+    pub mm_extra_info: Option<BlockExtraInfo>,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_renamed_field_fails_instead_of_reading_zero() {
+        let ok = json!({"worker_id": 1, "dp_rank": 0, "overlap_blocks": 3, "overlap": 0.5, "predicted_prefill_tokens": 16});
+        let best: BestWorker = serde_json::from_value(ok).unwrap();
+        assert_eq!(best.worker(), WorkerWithDpRank::new(1u64, 0u32));
+        let renamed = json!({"worker_id": 1, "dp_rank": 0, "overlap_block_count": 3, "overlap": 0.5, "predicted_prefill_tokens": 16});
+        assert!(serde_json::from_value::<BestWorker>(renamed).is_err());
+    }
+
+    #[test]
+    fn exclusions_round_trip() {
+        let req = FindBestWorker {
+            local_hashes: vec![1, 2],
+            num_tokens: 32,
+            request_id: Some("r".into()),
+            overlap_score_weight: None,
+            temperature: None,
+            exclude: vec![WorkerWithDpRank::new(3u64, 1u32)],
+        };
+        let text = serde_json::to_string(&req).unwrap();
+        assert_eq!(serde_json::from_str::<FindBestWorker>(&text).unwrap(), req);
+        let minimal: FindBestWorker =
+            serde_json::from_value(json!({"local_hashes": [1], "num_tokens": 16})).unwrap();
+        assert!(minimal.exclude.is_empty());
+    }
+}
