@@ -43,6 +43,11 @@ pub struct BenchArgs {
         default_value = "kv,dynamo,round-robin,random,least-loaded"
     )]
     pub policies: Vec<PolicyKind>,
+    /// Policies also run with the simulated workers' KV events switched off, the router
+    /// predicting their caches from its own decisions (approximate mode; labelled
+    /// `<policy>-approx`). Empty to skip.
+    #[arg(long, env = "KVROUTE_BENCH_APPROXIMATE", value_delimiter = ',', default_value = "kv")]
+    pub approximate: Vec<PolicyKind>,
     /// Output directory (report.md, results.json, SVG plots).
     #[arg(long, env = "KVROUTE_BENCH_OUT", default_value = "bench-results")]
     pub out: PathBuf,
@@ -166,7 +171,7 @@ impl BenchArgs {
             speedup: self.speedup,
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
-            model_dir: self.model_path.clone().unwrap_or_else(Preprocessor::default_model_dir),
+            model_path: self.model_path.clone(),
         }
     }
 
@@ -267,8 +272,8 @@ fn progress_bar() -> ProgressBar {
 pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
     args.check()?;
     let fleet = args.fleet();
-    let preprocessor = Preprocessor::load(&fleet.model_dir)
-        .with_context(|| format!("loading the model at {}", fleet.model_dir.display()))?;
+    let preprocessor =
+        Preprocessor::load_or_builtin(fleet.model_path.as_deref()).context("loading the model")?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let targets: Vec<(String, Target)> = match &args.target {
@@ -280,7 +285,17 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                 model: args.model.clone(),
             },
         )],
-        None => args.policies.iter().map(|p| (p.to_string(), Target::Fleet(*p))).collect(),
+        None => {
+            let with_events = args
+                .policies
+                .iter()
+                .map(|&p| (p.to_string(), Target::Fleet { policy: p, events: true }));
+            let approximate = args
+                .approximate
+                .iter()
+                .map(|&p| (format!("{p}-approx"), Target::Fleet { policy: p, events: false }));
+            with_events.chain(approximate).collect()
+        }
     };
     let capacity = match &args.target {
         None => Some(fleet.capacity_blocks()),

@@ -37,6 +37,18 @@ pub fn check_targets(results: &[WorkloadResult]) -> Vec<TargetCheck> {
         match r.workload.kind {
             WorkloadKind::SharedPrefix | WorkloadKind::MultiTurn => {
                 let Some(kv) = find(r, "kv") else { continue };
+                let approx = find(r, "kv-approx").and_then(|a| a.hit_rate);
+                if let (WorkloadKind::SharedPrefix, Some(hit), Some(approx)) =
+                    (r.workload.kind, kv.hit_rate, approx)
+                {
+                    out.push(TargetCheck {
+                        target: format!(
+                            "{name}: kv without events (approximate) >= 85% of kv's hit rate with events"
+                        ),
+                        measured: format!("{approx:.3} vs {hit:.3} = {:.1}%", approx / hit * 100.0),
+                        met: approx >= 0.85 * hit,
+                    });
+                }
                 if let (Some(hit), Some(share)) = (kv.hit_rate, kv.share_of_best) {
                     let best = kv.best_capacity.unwrap_or(kv.best_unbounded);
                     out.push(TargetCheck {

@@ -11,17 +11,15 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use http_body_util::BodyExt;
 use indicatif::ProgressBar;
 use kvroute_core::BlockSize;
 use kvroute_core::schedule::PolicyKind;
-use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
-use kvroute_preprocess::Preprocessor;
-use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
-use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
+use kvroute_http::openai::{Completion, ModelList};
+use kvroute_http::{HttpClient, SseEvent, SseReader};
+use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_router::RouterConfig;
+use kvroute_stack::{Simulated, Stack, StackConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -36,8 +34,9 @@ pub struct FleetConfig {
     pub speedup: f64,
     pub max_num_seqs: usize,
     pub max_batched_tokens: usize,
+    /// The model (`None`: the built-in one).
     #[serde(skip)]
-    pub model_dir: PathBuf,
+    pub model_path: Option<PathBuf>,
 }
 
 impl Default for FleetConfig {
@@ -49,7 +48,7 @@ impl Default for FleetConfig {
             speedup: 2.0,
             max_num_seqs: 256,
             max_batched_tokens: 8192,
-            model_dir: Preprocessor::default_model_dir(),
+            model_path: None,
         }
     }
 }
@@ -68,8 +67,9 @@ impl FleetConfig {
 /// What a run drives.
 #[derive(Clone, Debug)]
 pub enum Target {
-    /// A fresh fleet with this policy.
-    Fleet(PolicyKind),
+    /// A fresh fleet with this policy; with `events` off the simulated workers publish no KV
+    /// events and the router predicts their caches from its own decisions (approximate mode).
+    Fleet { policy: PolicyKind, events: bool },
     /// An OpenAI-compatible endpoint, and the workers' base URLs whose `/stats` give the
     /// ground truth.
     Remote { url: String, worker_stats: Vec<String>, model: Option<String> },
@@ -140,8 +140,6 @@ pub struct RunData {
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 const SAMPLE_EVERY: Duration = Duration::from_millis(250);
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
 /// Plays `workload` against `target` on a runtime of its own.
 pub fn run(
     workload: &Workload,
@@ -157,8 +155,8 @@ pub fn run(
         .context("starting a runtime")?;
     let result = runtime.block_on(async {
         match target {
-            Target::Fleet(policy) => {
-                let (url, stats) = start_fleet(fleet, *policy).await?;
+            Target::Fleet { policy, events } => {
+                let (url, stats) = start_fleet(fleet, *policy, *events).await?;
                 drive(workload, &url, &stats, None, label, progress).await
             }
             Target::Remote { url, worker_stats, model } => {
@@ -174,86 +172,58 @@ pub fn run(
     result
 }
 
-/// Starts `fleet.workers` simulated workers, a router with `policy` over their events and a
-/// front door; returns the front door's URL and the workers' URLs.
+/// Starts `fleet.workers` simulated workers (publishing KV events or not), a router with
+/// `policy` and a front door, through the stack builder of `kvroute serve`; returns the front
+/// door's URL and the workers' URLs once every worker is ready.
 pub async fn start_fleet(
     fleet: &FleetConfig,
     policy: PolicyKind,
+    events: bool,
 ) -> anyhow::Result<(String, Vec<String>)> {
-    let block_size = fleet.block_size()?;
-    let mut specs = Vec::with_capacity(fleet.workers);
-    for k in 0..fleet.workers {
-        let config = MockerConfig {
+    let mut router = RouterConfig { block_size: fleet.block_size()?, ..RouterConfig::default() };
+    router.scheduler.policy = policy;
+    let config = StackConfig {
+        simulated: Simulated {
+            count: fleet.workers,
             engine: EngineConfig {
                 num_blocks: fleet.num_blocks,
-                block_size,
                 max_num_seqs: fleet.max_num_seqs,
                 max_batched_tokens: fleet.max_batched_tokens,
                 timing: Timing { speedup: fleet.speedup },
+                ..EngineConfig::default()
             },
-            model_dir: fleet.model_dir.clone(),
-            seed: k as u64,
-            ..MockerConfig::default()
-        };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let spawned = kvroute_mocker::spawn(config, listener).await?;
-        let mut spec = WorkerSpec::new(k as u64);
-        spec.url = Some(spawned.url);
-        spec.events = spawned.events;
-        spec.replay = spawned.replay;
-        spec.metrics = spawned.metrics;
-        specs.push(spec);
-    }
-    let urls: Vec<String> = specs.iter().filter_map(|s| s.url.clone()).collect();
-    let mut config = RouterConfig { block_size, workers: specs, ..RouterConfig::default() };
-    config.scheduler.policy = policy;
-    config.validate()?;
-    let router = Arc::new(RouterState::new(config));
-    let tasks = kvroute_router::spawn_background(&router)?;
+            events,
+            seed: 0,
+        },
+        router,
+        model_path: fleet.model_path.clone(),
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await?;
     // Ready when every subscription is up and every worker has reported its load (its
     // capacity is part of the kv policy's cost).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !router
-        .workers()
-        .iter()
-        .all(|w| w.connected.iter().all(|&c| c) && w.load.iter().all(Option::is_some))
-    {
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "the router did not connect to the fleet in 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let preprocessor = Arc::new(Preprocessor::load(&fleet.model_dir)?);
-    let fetcher = Fetcher::new(FetchConfig::default())?;
-    let state = Arc::new(kvroute_frontend::FrontendState::new(preprocessor, fetcher, router));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
+    let waiting = stack.ready(Duration::from_secs(10)).await;
+    anyhow::ensure!(waiting.is_empty(), "workers not ready in 10 s: {waiting:?}");
+    let urls: Vec<String> = stack.workers.iter().filter_map(|w| w.url.clone()).collect();
+    let url = stack.serve_frontend_on_loopback().await?;
+    // The stack (the router's tasks) lives as long as the runtime of the run.
     tokio::spawn(async move {
-        let _tasks = tasks;
-        let _ = kvroute_frontend::serve(listener, state, std::future::pending()).await;
+        let _stack = stack;
+        std::future::pending::<()>().await;
     });
     Ok((url, urls))
 }
 
 async fn first_model(base: &str) -> Option<String> {
-    let (status, body) =
-        get(&kvroute_frontend::http_client(), &format!("{base}/v1/models")).await.ok()?;
-    if status != 200 {
-        return None;
-    }
-    let v: Value = serde_json::from_slice(&body).ok()?;
-    v["data"][0]["id"].as_str().map(str::to_owned)
+    let list: ModelList = HttpClient::new().get_json(&format!("{base}/v1/models")).await.ok()?;
+    list.data.into_iter().next().map(|m| m.id)
 }
 
-async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, Bytes)> {
-    let request = hyper::Request::get(url).body(Full::new(Bytes::new()))?;
-    let response = tokio::time::timeout(Duration::from_secs(5), client.request(request))
+async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, bytes::Bytes)> {
+    let (status, body) = tokio::time::timeout(Duration::from_secs(5), client.get(url))
         .await
         .context("timed out")??;
-    let status = response.status().as_u16();
-    let body = response.into_body().collect().await?.to_bytes();
-    Ok((status, body))
+    Ok((status.as_u16(), body))
 }
 
 fn stats_url(base: &str) -> String {
@@ -298,7 +268,7 @@ async fn drive(
     label: &str,
     progress: &ProgressBar,
 ) -> anyhow::Result<RunData> {
-    let client = kvroute_frontend::http_client();
+    let client = HttpClient::new();
     let stats_start = read_stats(&client, stats_urls).await;
     let n = workload.requests.len();
     progress.set_length(n as u64);
@@ -441,55 +411,50 @@ async fn stream_one(
     record: &mut RequestRecord,
 ) -> anyhow::Result<()> {
     let (path, body) = request_body(request, model);
-    let http = hyper::Request::post(format!("{base}{path}"))
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(serde_json::to_vec(&body)?)))?;
-    let response = client.request(http).await.context("sending")?;
+    let url = format!("{base}{path}");
+    let response = client.call(hyper::Method::POST, &url, Some(&body)).await.context("sending")?;
     record.worker = header(&response, kvroute_frontend::WORKER_HEADER);
     record.predicted_tokens =
         header(&response, kvroute_frontend::OVERLAP_HEADER).and_then(|v| v.parse().ok());
     let status = response.status();
     let mut body = response.into_body();
     if !status.is_success() {
-        let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-        let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        let message = v["error"]["message"].as_str().unwrap_or("(no message)");
+        let bytes = kvroute_http::client::read_body(body, 1 << 20).await.unwrap_or_default();
+        let message = kvroute_http::client::error_message(&bytes);
         anyhow::bail!("HTTP {}: {message}", status.as_u16());
     }
-    let mut sse = SseParser::default();
+    let mut sse = SseReader::default();
     let mut last_token: Option<tokio::time::Instant> = None;
     let mut done = false;
     while let Some(frame) = body.frame().await {
         let frame = frame.context("reading the stream")?;
         let Some(data) = frame.data_ref() else { continue };
         for event in sse.push(data) {
-            match event? {
-                SseEvent::Done => done = true,
-                SseEvent::Chunk(v) => {
-                    if let Some(message) = v["error"]["message"].as_str() {
-                        anyhow::bail!("error in the stream: {message}");
-                    }
-                    if has_content(&v) {
-                        let now = tokio::time::Instant::now();
-                        match last_token {
-                            None => {
-                                record.ttft_ms = Some(micros(now - start) / 1e3);
-                            }
-                            Some(prev) => record.itl_ms.push(micros(now - prev) / 1e3),
-                        }
-                        last_token = Some(now);
-                        record.output_tokens += 1;
-                    }
-                    if let Some(usage) = v.get("usage").filter(|u| u.is_object()) {
-                        record.prompt_tokens = usage["prompt_tokens"].as_u64();
-                        record.cached_tokens = Some(
-                            usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
-                        );
-                        if let Some(n) = usage["completion_tokens"].as_u64() {
-                            record.output_tokens = n as usize;
-                        }
-                    }
+            let chunk = match event {
+                SseEvent::Done => {
+                    done = true;
+                    continue;
                 }
+                SseEvent::Data(text) => text,
+            };
+            if let Ok(error) = serde_json::from_str::<kvroute_http::error::ErrorBody>(&chunk) {
+                anyhow::bail!("error in the stream: {}", error.error.message);
+            }
+            let chunk: Completion = serde_json::from_str(&chunk)
+                .with_context(|| format!("an undecodable chunk: {chunk:.80}"))?;
+            if chunk.has_text() {
+                let now = tokio::time::Instant::now();
+                match last_token {
+                    None => record.ttft_ms = Some(micros(now - start) / 1e3),
+                    Some(prev) => record.itl_ms.push(micros(now - prev) / 1e3),
+                }
+                last_token = Some(now);
+                record.output_tokens += 1;
+            }
+            if let Some(usage) = chunk.usage {
+                record.prompt_tokens = Some(usage.prompt_tokens);
+                record.cached_tokens = Some(usage.cached_tokens());
+                record.output_tokens = usage.completion_tokens as usize;
             }
         }
     }
@@ -498,97 +463,9 @@ async fn stream_one(
     Ok(())
 }
 
-fn has_content(v: &Value) -> bool {
-    v["choices"].as_array().is_some_and(|choices| {
-        choices.iter().any(|c| {
-            let text = c["text"].as_str().or_else(|| c["delta"]["content"].as_str());
-            text.is_some_and(|t| !t.is_empty())
-        })
-    })
-}
-
-/// What a server-sent event carried.
-#[derive(Debug)]
-pub enum SseEvent {
-    Chunk(Value),
-    Done,
-}
-
-/// Splits a `text/event-stream` into its `data:` payloads, across arbitrary chunking.
-#[derive(Debug, Default)]
-pub struct SseParser {
-    buffer: Vec<u8>,
-}
-
-impl SseParser {
-    pub fn push(&mut self, bytes: &[u8]) -> Vec<anyhow::Result<SseEvent>> {
-        self.buffer.extend_from_slice(bytes);
-        let mut out = Vec::new();
-        while let Some((end, sep)) = find_event_end(&self.buffer) {
-            let event: Vec<u8> = self.buffer.drain(..end + sep).collect();
-            let text = String::from_utf8_lossy(&event[..end]);
-            let data: Vec<&str> = text
-                .lines()
-                .filter_map(|l| l.strip_prefix("data:"))
-                .map(|d| d.strip_prefix(' ').unwrap_or(d))
-                .collect();
-            if data.is_empty() {
-                continue; // a comment or keep-alive
-            }
-            let payload = data.join("\n");
-            out.push(if payload.trim() == "[DONE]" {
-                Ok(SseEvent::Done)
-            } else {
-                serde_json::from_str(&payload)
-                    .map(SseEvent::Chunk)
-                    .with_context(|| format!("an undecodable event: {payload:.80}"))
-            });
-        }
-        out
-    }
-}
-
-/// Where the first event ends (a blank line) and the separator's length.
-fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sse_events_survive_any_chunking() {
-        let stream = b"data: {\"a\":1}\n\n: keep-alive\n\ndata: {\"b\":2}\r\n\r\ndata: [DONE]\n\n";
-        for cut in 1..stream.len() {
-            let mut p = SseParser::default();
-            let mut events = p.push(&stream[..cut]);
-            events.extend(p.push(&stream[cut..]));
-            let kinds: Vec<String> = events
-                .into_iter()
-                .map(|e| match e.unwrap() {
-                    SseEvent::Chunk(v) => v.to_string(),
-                    SseEvent::Done => "DONE".into(),
-                })
-                .collect();
-            assert_eq!(kinds, ["{\"a\":1}", "{\"b\":2}", "DONE"], "cut at {cut}");
-        }
-        let mut p = SseParser::default();
-        assert!(p.push(b"data: {nope\n\n")[0].is_err());
-    }
-
-    #[test]
-    fn content_is_text_or_delta() {
-        assert!(has_content(&json!({"choices": [{"text": "a"}]})));
-        assert!(has_content(&json!({"choices": [{"delta": {"content": "a"}}]})));
-        assert!(!has_content(&json!({"choices": [{"delta": {"role": "assistant"}}]})));
-        assert!(!has_content(&json!({"choices": [], "usage": {}})));
-    }
 
     #[test]
     fn chains_follow_previous_requests() {

@@ -36,9 +36,14 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
     let mut runs = Vec::new();
     for policy in [PolicyKind::Kv, PolicyKind::RoundRobin] {
         let label = policy.to_string();
-        let data =
-            run::run(&workload, &Target::Fleet(policy), &fleet, &label, &ProgressBar::hidden())
-                .unwrap();
+        let data = run::run(
+            &workload,
+            &Target::Fleet { policy, events: true },
+            &fleet,
+            &label,
+            &ProgressBar::hidden(),
+        )
+        .unwrap();
         assert_eq!(data.records.len(), 16);
         for r in &data.records {
             assert!(r.error.is_none(), "{r:?}");
@@ -104,8 +109,8 @@ fn a_target_by_url_with_worker_stats() {
     let host =
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let fleet = fleet();
-    let (url, workers) = host.block_on(run::start_fleet(&fleet, PolicyKind::Kv)).unwrap();
-    let pre = Preprocessor::load(&Preprocessor::default_model_dir()).unwrap();
+    let (url, workers) = host.block_on(run::start_fleet(&fleet, PolicyKind::Kv, true)).unwrap();
+    let pre = Preprocessor::builtin();
     let workload = Multimodal {
         requests: 12,
         images: 3,

@@ -7,32 +7,19 @@
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::BlockSize;
-use kvroute_frontend::FrontendState;
-use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
-use kvroute_preprocess::Preprocessor;
-use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
-use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use kvroute_http::HttpClient;
+use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_stack::{Simulated, Stack, StackConfig};
 
-async fn once(addr: SocketAddr, body: &str) -> Duration {
+async fn once(client: &HttpClient, url: &str, body: &serde_json::Value) -> Duration {
     let start = Instant::now();
-    let mut stream = TcpStream::connect(addr).await.unwrap();
-    stream.set_nodelay(true).unwrap();
-    let req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: b\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(req.as_bytes()).await.unwrap();
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await.unwrap();
+    let response = client.call(hyper::Method::POST, url, Some(body)).await.unwrap();
+    let status = response.status();
+    let bytes = kvroute_http::client::read_body(response.into_body(), 1 << 20).await.unwrap();
     let elapsed = start.elapsed();
-    assert!(response.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&response));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
     elapsed
 }
 
@@ -45,52 +32,42 @@ fn pct(v: &mut [Duration], p: f64) -> f64 {
 async fn main() {
     let quick = !std::env::args().any(|a| a == "--bench");
     let n = if quick { 50 } else { 3_000 };
-    let engine = EngineConfig {
-        block_size: BlockSize::new(16).unwrap(),
-        timing: Timing { speedup: 100_000.0 },
-        ..EngineConfig::default()
+    let config = StackConfig {
+        simulated: Simulated {
+            count: 1,
+            engine: EngineConfig {
+                timing: Timing { speedup: 100_000.0 },
+                ..EngineConfig::default()
+            },
+            ..Simulated::default()
+        },
+        ..StackConfig::default()
     };
-    let spawned = kvroute_mocker::spawn(
-        MockerConfig { engine, ..MockerConfig::default() },
-        TcpListener::bind("127.0.0.1:0").await.unwrap(),
-    )
-    .await
-    .unwrap();
-    let worker: SocketAddr = spawned.url.trim_start_matches("http://").parse().unwrap();
-    let mut spec = WorkerSpec::new(0);
-    (spec.url, spec.events, spec.replay, spec.metrics) =
-        (Some(spawned.url), spawned.events, spawned.replay, spawned.metrics);
-    let router =
-        Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
-    let _tasks = kvroute_router::spawn_background(&router).unwrap();
-    let preprocessor = Arc::new(Preprocessor::load(&Preprocessor::default_model_dir()).unwrap());
-    let state = Arc::new(FrontendState::new(
-        preprocessor,
-        Fetcher::new(FetchConfig::default()).unwrap(),
-        router,
-    ));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let front = listener.local_addr().unwrap();
-    tokio::spawn(axum::serve(listener, kvroute_frontend::app(state)).into_future());
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
+    let worker = format!("{}/v1/chat/completions", stack.workers[0].url.as_deref().unwrap());
+    let front =
+        format!("{}/v1/chat/completions", stack.serve_frontend_on_loopback().await.unwrap());
 
     // ~100 prompt tokens once templated.
     let text = "The router sends each request to the worker that already holds the longest part of its prompt, unless that worker is too busy. A block is a fixed number of tokens, and every full block is hashed with the blocks before it.";
-    let bodies: Vec<String> = (0..16)
-        .map(|k| serde_json::json!({"messages": [{"role": "user", "content": format!("{text} Question {k}.")}], "max_tokens": 1}).to_string())
+    let bodies: Vec<serde_json::Value> = (0..16)
+        .map(|k| serde_json::json!({"messages": [{"role": "user", "content": format!("{text} Question {k}.")}], "max_tokens": 1}))
         .collect();
+    let client = HttpClient::new();
     for b in &bodies {
-        once(front, b).await; // warm up both paths and the caches
-        once(worker, b).await;
+        once(&client, &front, b).await; // warm up both paths, the connections and the caches
+        once(&client, &worker, b).await;
     }
     let (mut direct, mut through) = (Vec::new(), Vec::new());
     for i in 0..n {
         let b = &bodies[i % bodies.len()];
-        direct.push(once(worker, b).await);
-        through.push(once(front, b).await);
+        direct.push(once(&client, &worker, b).await);
+        through.push(once(&client, &front, b).await);
     }
     let (d50, d99) = (pct(&mut direct, 0.5), pct(&mut direct, 0.99));
     let (f50, f99) = (pct(&mut through, 0.5), pct(&mut through, 0.99));
-    println!("| ~100-token chat, 1 output token, new connection each | p50 us | p99 us |");
+    println!("| ~100-token chat, 1 output token, kept-alive connections | p50 us | p99 us |");
     println!("|---|---|---|");
     println!("| straight to the worker | {d50:.0} | {d99:.0} |");
     println!("| through the front door | {f50:.0} | {f99:.0} |");

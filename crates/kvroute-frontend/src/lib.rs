@@ -3,12 +3,14 @@
 //! ```text
 //!  client ──POST /v1/chat/completions──▶ parse ─▶ images: fetch/decode, identifier ─▶ chat
 //!  template + tokenizer (kvroute-preprocess, as the engines) ─▶ block hashes (with images) ─▶
-//!  RouterState::place (in-flight from now) ─▶ proxy to the worker (images inline as data:
-//!  URLs, `uuid` = identifier) ─▶ stream back; first bytes = prefill done; end, error or
-//!  client gone = request freed
+//!  Placer: embedded router or remote one (in flight from now) ─▶ proxy to the worker (images
+//!  inline as data: URLs, `uuid` = identifier) ─▶ stream back; first bytes = prefill done;
+//!  end, error or client gone = request freed
 //! ```
 //!
-//! A worker that refuses the connection is skipped for another before any byte was sent.
+//! The request body is passed on as the client sent it (fields kvroute does not read
+//! included), but for image parts, which are inlined. A worker that refuses the connection is
+//! skipped for another before any byte was sent.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -17,31 +19,27 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderValue, header};
+use axum::response::Response;
 use axum::routing::{get, post};
-use axum::serve::ListenerExt as _;
 use axum::{Json, Router};
 use base64::Engine as _;
 use futures_util::StreamExt;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http_body_util::Full;
 use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
-use kvroute_preprocess::fetch::Fetcher;
-use kvroute_preprocess::{
-    ChatMessage, CompletionPrompt, Image, Prepared, Preprocessor, image_urls, images,
-};
-use kvroute_router::http::ApiError;
+use kvroute_http::metrics::{Counter, Gauge, Registry};
+use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest, ModelList, check_model};
+use kvroute_http::{ApiError, HttpClient};
+use kvroute_preprocess::fetch::{Fetcher, LoadedImage};
+use kvroute_preprocess::{Prepared, Preprocessor};
 use kvroute_router::{RouterState, WorkerSpec};
-
-mod placer;
-pub use placer::{Placer, RemoteRouter};
-use serde::Deserialize;
 use serde_json::{Value, json};
 
-/// Largest request body accepted.
+mod placer;
+pub use placer::{Placed, Placer, RemoteRouter};
+
+/// Largest request body accepted: room for inline images (20 MB each once decoded, a third
+/// more as base64).
 pub const BODY_LIMIT: usize = 64 << 20;
 
 /// Header naming the worker a response came from.
@@ -52,31 +50,48 @@ pub const WORKER_HEADER: &str = "x-kvroute-worker";
 /// `usage.prompt_tokens_details.cached_tokens` to see how exact the router's view is.
 pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-tokens";
 
+pub const PROXIED: &str = "kvroute_frontend_proxied";
+pub const RETRIES: &str = "kvroute_frontend_retries";
+pub const IN_FLIGHT: &str = "kvroute_frontend_in_flight";
+
+#[derive(Debug, Default)]
+struct Metrics {
+    registry: Registry,
+    proxied: Counter,
+    retried: Counter,
+    in_flight: Gauge,
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let m = Self::default();
+        let mut r = Registry::default();
+        r.register(PROXIED, "Requests proxied to a worker", m.proxied.clone());
+        r.register(
+            RETRIES,
+            "Workers skipped because they refused the connection",
+            m.retried.clone(),
+        );
+        r.register(IN_FLIGHT, "Requests between routing and their end", m.in_flight.clone());
+        Self { registry: r, ..m }
+    }
+}
+
 pub struct FrontendState {
     pub preprocessor: Arc<Preprocessor>,
     pub fetcher: Fetcher,
     pub placer: Placer,
     block_size: BlockSize,
     urls: BTreeMap<WorkerId, String>,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: HttpClient,
     next_id: AtomicU64,
-    proxied: AtomicU64,
-    retried: AtomicU64,
+    metrics: Metrics,
 }
 
 impl std::fmt::Debug for FrontendState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FrontendState").field("urls", &self.urls).finish_non_exhaustive()
     }
-}
-
-/// The HTTP/1 client the front door proxies with (kept-alive connections, TCP_NODELAY); also
-/// what clients of OpenAI endpoints in this workspace use.
-pub fn http_client() -> Client<HttpConnector, Full<Bytes>> {
-    let mut connector = HttpConnector::new();
-    // Without it, small SSE writes wait for delayed ACKs (the ~40 ms streaming floor).
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new()).build(connector)
 }
 
 fn urls(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, String> {
@@ -105,11 +120,8 @@ impl FrontendState {
         workers: &[WorkerSpec],
         block_size: BlockSize,
     ) -> Self {
-        let remote = RemoteRouter {
-            base: router_url.trim_end_matches('/').to_owned(),
-            client: http_client(),
-        };
-        Self::with(preprocessor, fetcher, Placer::Remote(remote), block_size, urls(workers))
+        let placer = Placer::Remote(RemoteRouter::new(router_url));
+        Self::with(preprocessor, fetcher, placer, block_size, urls(workers))
     }
 
     fn with(
@@ -125,11 +137,15 @@ impl FrontendState {
             placer,
             block_size,
             urls,
-            client: http_client(),
+            client: HttpClient::new(),
             next_id: AtomicU64::new(0),
-            proxied: AtomicU64::new(0),
-            retried: AtomicU64::new(0),
+            metrics: Metrics::new(),
         }
+    }
+
+    /// Requests routed and not yet ended.
+    pub fn in_flight(&self) -> i64 {
+        self.metrics.in_flight.get()
     }
 }
 
@@ -140,169 +156,102 @@ pub async fn serve(
     state: Arc<FrontendState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    // Streamed chunks go out at once: without TCP_NODELAY, Nagle's algorithm holds a chunk
-    // until the previous one is acknowledged, and a delayed ACK makes that up to 40 ms.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await
+    kvroute_http::serve(listener, app(state), shutdown).await
 }
 
 pub fn app(state: Arc<FrontendState>) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
-        // Room for inline images (20 MB each once decoded, a third more as base64).
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
-        .with_state(state)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT));
+    kvroute_http::fallbacks(routes).with_state(state)
 }
 
-#[derive(Debug, Deserialize)]
-struct ChatFields {
-    #[serde(default)]
-    model: Option<String>,
-    messages: Vec<ChatMessage>,
-}
-
-#[derive(Debug, Deserialize)]
-struct CompletionFields {
-    #[serde(default)]
-    model: Option<String>,
-    prompt: CompletionPrompt,
-}
-
-fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::new(StatusCode::BAD_REQUEST, format!("the body is not valid JSON: {e}"))
-    })?;
+/// The body as JSON: an object, also decoded as `T` (the fields kvroute reads).
+fn parse<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    param: &'static str,
+) -> Result<(Value, T), ApiError> {
+    let body = body?;
+    let value: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
     if !value.is_object() {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the body must be a JSON object"));
+        return Err(ApiError::bad_request("the body must be a JSON object"));
     }
-    Ok(value)
-}
-
-fn check_model(state: &FrontendState, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if !m.is_empty() && m != state.preprocessor.model_name() => Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "model {m:?} not found; this router serves {:?}",
-                state.preprocessor.model_name()
-            ),
-        )
-        .param("model")),
-        _ => Ok(()),
-    }
-}
-
-fn image_error(e: &kvroute_preprocess::PreprocessError) -> ApiError {
-    let status = match e {
-        kvroute_preprocess::PreprocessError::ImageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-        _ => StatusCode::BAD_REQUEST,
-    };
-    ApiError::new(status, e.to_string()).param("messages")
-}
-
-fn body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|r| ApiError::new(r.status(), r.body_text()))
+    let fields = T::deserialize(&value)
+        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}")).param(param))?;
+    Ok((value, fields))
 }
 
 async fn chat(
     State(state): State<Arc<FrontendState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let mut raw = parse_json(&self::body(body)?)?;
-    let fields: ChatFields = serde_json::from_value(raw.clone()).map_err(|e| {
-        ApiError::new(StatusCode::BAD_REQUEST, format!("invalid chat request: {e}"))
-            .param("messages")
-    })?;
-    check_model(&state, fields.model.as_deref())?;
-    if fields.messages.is_empty() {
-        return Err(
-            ApiError::new(StatusCode::BAD_REQUEST, "messages must not be empty").param("messages")
-        );
-    }
+    let (mut raw, req) = parse::<ChatCompletionRequest>(body, "messages")?;
     // Images: fetched once here, forwarded inline, named by their identifier.
-    let config = state.preprocessor.image_config();
-    let mut decoded: Vec<Image> = Vec::new();
-    let mut inline: Vec<String> = Vec::new();
-    for url in image_urls(&fields.messages) {
-        let bytes = if url.starts_with("data:") {
-            images::data_url_bytes(url, config).map_err(|e| image_error(&e))?
-        } else {
-            state.fetcher.fetch(url).await.map_err(|e| image_error(&e))?
-        };
-        decoded.push(images::decode(&bytes, config).map_err(|e| image_error(&e))?);
-        inline.push(if url.starts_with("data:") {
-            url.to_owned()
-        } else {
-            format!(
-                "data:image;base64,{}",
-                base64::engine::general_purpose::STANDARD.encode(&bytes)
-            )
-        });
-    }
-    rewrite_image_parts(&mut raw, &decoded, &inline);
-    let prepared = state
-        .preprocessor
-        .prepare_chat(&fields.messages, true, decoded)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("messages"))?;
+    let (prepared, images) = state.preprocessor.prepare_chat_request(&req, &state.fetcher).await?;
+    rewrite_image_parts(&mut raw, &images);
     route_and_proxy(&state, "/v1/chat/completions", &raw, &prepared).await
 }
 
-/// Each `image_url` part, in order, gets the image inline and its identifier as `uuid`.
-fn rewrite_image_parts(raw: &mut Value, decoded: &[Image], inline: &[String]) {
-    let mut k = 0;
+/// Each `image_url` part, in order, gets its image inline (a fetched one as a `data:` URL)
+/// and its identifier as `uuid`.
+fn rewrite_image_parts(raw: &mut Value, images: &[LoadedImage]) {
+    let mut next = images.iter();
     let Some(messages) = raw.get_mut("messages").and_then(Value::as_array_mut) else { return };
-    for message in messages {
-        let Some(parts) = message.get_mut("content").and_then(Value::as_array_mut) else {
+    let parts = messages
+        .iter_mut()
+        .filter_map(|m| m.get_mut("content").and_then(Value::as_array_mut))
+        .flatten()
+        .filter(|p| p.get("type").and_then(Value::as_str) == Some("image_url"));
+    for part in parts {
+        let Some(loaded) = next.next() else { return };
+        let Some(image_url) = part.get_mut("image_url").and_then(Value::as_object_mut) else {
             continue;
         };
-        for part in parts {
-            if part.get("type").and_then(Value::as_str) != Some("image_url") || k >= decoded.len() {
-                continue;
-            }
-            if let Some(image_url) = part.get_mut("image_url").and_then(Value::as_object_mut) {
-                image_url.insert("url".into(), Value::String(inline[k].clone()));
-                image_url.insert("uuid".into(), Value::String(decoded[k].identifier.clone()));
-            }
-            k += 1;
+        if let Some(bytes) = &loaded.fetched {
+            let inline = base64::engine::general_purpose::STANDARD.encode(bytes);
+            image_url.insert("url".into(), Value::String(format!("data:image;base64,{inline}")));
         }
+        image_url.insert("uuid".into(), Value::String(loaded.image.identifier.clone()));
     }
 }
 
 async fn completions(
     State(state): State<Arc<FrontendState>>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let raw = parse_json(&body)?;
-    let fields: CompletionFields = serde_json::from_value(raw.clone()).map_err(|e| {
-        ApiError::new(StatusCode::BAD_REQUEST, format!("invalid completion request: {e}"))
-            .param("prompt")
-    })?;
-    check_model(&state, fields.model.as_deref())?;
+    let (raw, req) = parse::<CompletionRequest>(body, "prompt")?;
+    check_model(state.preprocessor.model_name(), req.model.as_deref())?;
     let prepared = state
         .preprocessor
-        .prepare_completion(fields.prompt)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("prompt"))?;
+        .prepare_completion(req.prompt)
+        .map_err(|e| ApiError::from(e).param("prompt"))?;
     route_and_proxy(&state, "/v1/completions", &raw, &prepared).await
 }
 
 /// Frees the request's in-flight accounting when dropped: at the end of the response body,
 /// on an error, or when the client goes away.
 struct InFlight {
-    placer: Placer,
+    state: Arc<FrontendState>,
     id: String,
     prefilled: bool,
 }
 
+impl InFlight {
+    fn new(state: &Arc<FrontendState>, id: String) -> Self {
+        state.metrics.in_flight.inc();
+        Self { state: Arc::clone(state), id, prefilled: false }
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.placer.finish(&self.id);
+        self.state.metrics.in_flight.dec();
+        self.state.placer.finish(&self.id);
     }
 }
 
@@ -313,28 +262,23 @@ async fn route_and_proxy(
     prepared: &Prepared,
 ) -> Result<Response, ApiError> {
     if prepared.tokens.is_empty() {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the prompt is empty"));
+        return Err(ApiError::bad_request("the prompt is empty"));
     }
     let bs = state.block_size;
     let block_infos = (!prepared.mm.mm_objects.is_empty())
         .then(|| prepared.mm.to_block_level(bs, prepared.tokens.len()));
     let local = BlockHasher::new(bs).local_hashes(&prepared.tokens, block_infos.as_deref());
-    let body = Bytes::from(serde_json::to_vec(raw).unwrap_or_default());
+    let body = Bytes::from(serde_json::to_vec(raw).map_err(ApiError::internal)?);
     let mut excluded: Vec<WorkerWithDpRank> = Vec::new();
     loop {
         let id = format!("kvr-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
         let placed = state.placer.place(&local, prepared.tokens.len(), &id, &excluded).await?;
-        let (worker, overlap_blocks) = match placed {
-            // A remote router does not take exclusions: a worker it names again is a dead end.
-            Some((w, overlap)) if !excluded.contains(&w) => (w, overlap),
-            _ => {
-                return Err(ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "no worker is available",
-                ));
-            }
+        let Some(Placed { worker, overlap_blocks }) =
+            placed.filter(|p| !excluded.contains(&p.worker))
+        else {
+            return Err(ApiError::unavailable("no worker is available"));
         };
-        let guard = InFlight { placer: state.placer.clone(), id, prefilled: false };
+        let guard = InFlight::new(state, id);
         let Some(base) = state.urls.get(&worker.worker_id) else {
             excluded.push(worker);
             continue;
@@ -342,30 +286,25 @@ async fn route_and_proxy(
         let request = hyper::Request::post(format!("{base}{path}"))
             .header(header::CONTENT_TYPE, "application/json")
             .body(Full::new(body.clone()))
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-        let response = match state.client.request(request).await {
+            .map_err(ApiError::internal)?;
+        let response = match state.client.send(request).await {
             Ok(r) => r,
             Err(e) if e.is_connect() => {
                 // Nothing was sent: another worker may take it.
                 tracing::warn!(%worker, error = %e, "worker unreachable; trying another");
-                state.retried.fetch_add(1, Ordering::Relaxed);
+                state.metrics.retried.inc();
                 excluded.push(worker);
                 continue;
             }
-            Err(e) => {
-                return Err(ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    format!("the worker failed: {e}"),
-                ));
-            }
+            Err(e) => return Err(ApiError::bad_gateway(format!("worker {worker} failed"), e)),
         };
-        state.proxied.fetch_add(1, Ordering::Relaxed);
+        state.metrics.proxied.inc();
         let (parts, incoming) = response.into_parts();
         let mut guard = guard;
-        let stream = incoming.into_data_stream().map(move |chunk| {
+        let stream = http_body_util::BodyExt::into_data_stream(incoming).map(move |chunk| {
             if !guard.prefilled {
                 guard.prefilled = true;
-                guard.placer.prefill_done(&guard.id);
+                guard.state.placer.prefill_done(&guard.id);
             }
             chunk.map_err(std::io::Error::other)
         });
@@ -375,34 +314,22 @@ async fn route_and_proxy(
                 out = out.header(name, v.clone());
             }
         }
-        let name = worker.worker_id.to_string();
-        out = out.header(
-            WORKER_HEADER,
-            HeaderValue::from_str(&name).unwrap_or(HeaderValue::from_static("?")),
-        );
+        out = out.header(WORKER_HEADER, HeaderValue::from(worker.worker_id.0));
         let overlap_tokens = (overlap_blocks as usize * bs.tokens()).min(prepared.tokens.len());
         out = out.header(OVERLAP_HEADER, HeaderValue::from(overlap_tokens));
-        return out
-            .body(Body::from_stream(stream))
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));
+        return out.body(Body::from_stream(stream)).map_err(ApiError::internal);
     }
 }
 
-async fn models(State(state): State<Arc<FrontendState>>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": state.preprocessor.model_name(), "object": "model", "created": 0, "owned_by": "kvroute"}]}),
-    )
+async fn models(State(state): State<Arc<FrontendState>>) -> Json<ModelList> {
+    Json(ModelList::one(state.preprocessor.model_name(), state.preprocessor.max_model_len()))
 }
 
-async fn metrics(State(state): State<Arc<FrontendState>>) -> impl IntoResponse {
-    let mut text = state.placer.metrics();
-    text.push_str(&format!(
-        "# TYPE kvroute_frontend_proxied_total counter\nkvroute_frontend_proxied_total {}\n\
-         # TYPE kvroute_frontend_retries_total counter\nkvroute_frontend_retries_total {}\n\
-         # TYPE kvroute_frontend_in_flight gauge\nkvroute_frontend_in_flight {}\n",
-        state.proxied.load(Ordering::Relaxed),
-        state.retried.load(Ordering::Relaxed),
-        state.placer.in_flight().map_or_else(|| "NaN".to_owned(), |n| n.to_string()),
-    ));
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {
+    match state.placer.router() {
+        Some(router) => {
+            kvroute_http::metrics::response(&[&state.metrics.registry, router.registry()])
+        }
+        None => kvroute_http::metrics::response(&[&state.metrics.registry]),
+    }
 }

@@ -1,19 +1,14 @@
 //! Where routing decisions come from: the router embedded in this process, or a `kvroute
 //! router` reached over HTTP (its `/find_best_worker` with a request id, then
-//! `/requests/{id}/prefill_done` and `DELETE /requests/{id}`).
+//! `/requests/{id}/prefill_done` and `DELETE /requests/{id}`), both with the same exclusions.
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::http::StatusCode;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use axum::http::{Method, StatusCode};
 use kvroute_core::{LocalBlockHash, WorkerWithDpRank};
+use kvroute_http::router_api::{self, BestWorker, FindBestWorker};
+use kvroute_http::{ApiError, ClientError, HttpClient};
 use kvroute_router::{Placement, RouterState};
-use serde::Deserialize;
-
-use kvroute_router::http::ApiError;
 
 #[derive(Clone, Debug)]
 pub enum Placer {
@@ -21,37 +16,36 @@ pub enum Placer {
     Remote(RemoteRouter),
 }
 
-impl std::fmt::Debug for RemoteRouter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RemoteRouter").field("base", &self.base).finish_non_exhaustive()
+/// A `kvroute router` at `base`.
+#[derive(Clone, Debug)]
+pub struct RemoteRouter {
+    base: String,
+    client: HttpClient,
+}
+
+impl RemoteRouter {
+    pub fn new(base: &str) -> Self {
+        Self { base: base.trim_end_matches('/').to_owned(), client: HttpClient::new() }
     }
 }
 
-#[derive(Clone)]
-pub struct RemoteRouter {
-    pub(crate) base: String,
-    pub(crate) client: Client<HttpConnector, Full<Bytes>>,
-}
-
-#[derive(Deserialize)]
-struct Decision {
-    worker_id: u64,
-    #[serde(default)]
-    dp_rank: u32,
-    #[serde(default)]
-    overlap_blocks: u32,
+/// Where a request goes and how many of its leading blocks the router expects cached there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
+    pub worker: WorkerWithDpRank,
+    pub overlap_blocks: u32,
 }
 
 impl Placer {
-    /// The chosen cache and how many leading blocks of the request it holds by its events,
-    /// `None` when there is none; the request is in flight from now on.
+    /// Chooses a cache for the request, other than `exclude`; `None` when there is none. The
+    /// request is in flight from now on.
     pub(crate) async fn place(
         &self,
         local: &[LocalBlockHash],
         num_tokens: usize,
         id: &str,
         exclude: &[WorkerWithDpRank],
-    ) -> Result<Option<(WorkerWithDpRank, u32)>, ApiError> {
+    ) -> Result<Option<Placed>, ApiError> {
         match self {
             Self::Embedded(router) => {
                 let placement = Placement {
@@ -62,29 +56,33 @@ impl Placer {
                     temperature: None,
                     exclude,
                 };
-                Ok(router.place(&placement).map(|(d, _)| (d.worker, d.overlap_blocks)))
+                Ok(router
+                    .place(&placement)
+                    .map(|(d, _)| Placed { worker: d.worker, overlap_blocks: d.overlap_blocks }))
             }
             Self::Remote(remote) => {
-                let body = serde_json::json!({
-                    "local_hashes": local.iter().map(|l| l.0).collect::<Vec<_>>(),
-                    "num_tokens": num_tokens,
-                    "request_id": id,
-                });
-                let (status, bytes) =
-                    remote.call("POST", "/find_best_worker", body.to_string()).await?;
-                if status == StatusCode::SERVICE_UNAVAILABLE {
-                    return Ok(None);
+                let request = FindBestWorker {
+                    local_hashes: local.iter().map(|l| l.0).collect(),
+                    num_tokens: i64::try_from(num_tokens).unwrap_or(i64::MAX),
+                    request_id: Some(id.to_owned()),
+                    overlap_score_weight: None,
+                    temperature: None,
+                    exclude: exclude.to_vec(),
+                };
+                let url = format!("{}{}", remote.base, router_api::FIND_BEST_WORKER);
+                match remote.client.post_json::<BestWorker>(&url, &request).await {
+                    Ok(best) => Ok(Some(Placed {
+                        worker: best.worker(),
+                        overlap_blocks: best.overlap_blocks,
+                    })),
+                    Err(ClientError::Status {
+                        status: StatusCode::SERVICE_UNAVAILABLE, ..
+                    }) => Ok(None),
+                    Err(e @ (ClientError::Connect(_) | ClientError::Send(_))) => {
+                        Err(ApiError::unavailable("the router is unreachable").with_source(e))
+                    }
+                    Err(e) => Err(ApiError::bad_gateway("the router failed", e)),
                 }
-                if !status.is_success() {
-                    return Err(ApiError::new(
-                        StatusCode::BAD_GATEWAY,
-                        format!("the router answered HTTP {status}"),
-                    ));
-                }
-                let d: Decision = serde_json::from_slice(&bytes).map_err(|e| {
-                    ApiError::new(StatusCode::BAD_GATEWAY, format!("the router's answer: {e}"))
-                })?;
-                Ok(Some((WorkerWithDpRank::new(d.worker_id, d.dp_rank), d.overlap_blocks)))
             }
         }
     }
@@ -92,7 +90,9 @@ impl Placer {
     pub(crate) fn prefill_done(&self, id: &str) {
         match self {
             Self::Embedded(router) => router.prefill_done(id),
-            Self::Remote(remote) => remote.notify("POST", format!("/requests/{id}/prefill_done")),
+            Self::Remote(remote) => {
+                remote.notify(Method::POST, router_api::prefill_done_path(id));
+            }
         }
     }
 
@@ -101,63 +101,29 @@ impl Placer {
             Self::Embedded(router) => {
                 router.finish(id);
             }
-            Self::Remote(remote) => remote.notify("DELETE", format!("/requests/{id}")),
+            Self::Remote(remote) => remote.notify(Method::DELETE, router_api::request_path(id)),
         }
     }
 
-    /// Requests in flight (known for the embedded router only).
-    pub(crate) fn in_flight(&self) -> Option<usize> {
+    /// The embedded router, if any.
+    pub fn router(&self) -> Option<&Arc<RouterState>> {
         match self {
-            Self::Embedded(router) => Some(router.in_flight()),
+            Self::Embedded(router) => Some(router),
             Self::Remote(_) => None,
-        }
-    }
-
-    pub(crate) fn metrics(&self) -> String {
-        match self {
-            Self::Embedded(router) => router.render_metrics(),
-            Self::Remote(_) => String::new(),
         }
     }
 }
 
 impl RemoteRouter {
-    async fn call(
-        &self,
-        method: &str,
-        path: &str,
-        body: String,
-    ) -> Result<(StatusCode, Bytes), ApiError> {
-        let request = hyper::Request::builder()
-            .method(method)
-            .uri(format!("{}{path}", self.base))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-        let response = self.client.request(request).await.map_err(|e| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("the router is unreachable: {e}"),
-            )
-        })?;
-        let status = response.status();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| {
-                ApiError::new(StatusCode::BAD_GATEWAY, format!("reading the router's answer: {e}"))
-            })?
-            .to_bytes();
-        Ok((status, bytes))
-    }
-
     /// Tells the router something in the background (the lifecycle calls).
-    fn notify(&self, method: &'static str, path: String) {
+    fn notify(&self, method: Method, path: String) {
         let remote = self.clone();
         tokio::spawn(async move {
-            if let Err(e) = remote.call(method, &path, String::new()).await {
-                tracing::warn!(%path, error = %e.message, "router notification failed");
+            let url = format!("{}{path}", remote.base);
+            match remote.client.call(method, &url, None::<&()>).await {
+                Ok(r) if r.status().is_success() || r.status() == StatusCode::NOT_FOUND => {}
+                Ok(r) => tracing::warn!(%path, status = %r.status(), "router notification refused"),
+                Err(e) => tracing::warn!(%path, error = %e, "router notification failed"),
             }
         });
     }

@@ -1,215 +1,188 @@
-//! The front door over real sockets on 127.0.0.1, in front of a router and simulated workers:
-//! routing to the worker that caches a prompt, streaming, images, errors, retries, and no
-//! in-flight load left behind by a client that leaves.
+//! The front door over real sockets on 127.0.0.1, in front of a router and simulated workers
+//! started by the stack builder (as `kvroute serve` starts them): routing to the worker that
+//! caches a prompt, streaming, images, retries, approximate mode, readiness, a text-only
+//! model, a remote router, and no in-flight load left behind by a client that leaves.
 
 #![allow(clippy::unwrap_used)]
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::BlockSize;
-use kvroute_frontend::FrontendState;
-use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
+use http_body_util::BodyExt;
+use kvroute_core::{BlockHasher, BlockSize, WorkerWithDpRank};
+use kvroute_http::HttpClient;
+use kvroute_http::openai::{ChatMessage, stream_chunks};
+use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::Preprocessor;
-use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
+use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
+use kvroute_stack::{Simulated, Stack, StackConfig};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 struct Fleet {
-    addr: SocketAddr,
-    router: Arc<RouterState>,
-    _tasks: kvroute_router::Tasks,
+    base: String,
+    stack: Stack,
+}
+
+impl Fleet {
+    fn router(&self) -> &Arc<RouterState> {
+        self.stack.router.as_ref().unwrap()
+    }
+
+    /// The simulated workers' ids.
+    fn simulated(&self) -> Vec<u64> {
+        self.stack.workers.iter().filter(|w| w.events.is_some()).map(|w| w.id.0).collect()
+    }
+}
+
+fn config(engines: usize, external: Vec<WorkerSpec>) -> StackConfig {
+    StackConfig {
+        simulated: Simulated {
+            count: engines,
+            engine: EngineConfig { timing: Timing { speedup: 100.0 }, ..EngineConfig::default() },
+            ..Simulated::default()
+        },
+        router: RouterConfig { workers: external, ..RouterConfig::default() },
+        fetch: FetchConfig { allow_private: true, ..FetchConfig::default() },
+        ..StackConfig::default()
+    }
+}
+
+/// Starts `config`'s stack, waits until it is ready and serves its front door.
+async fn fleet_of(config: StackConfig) -> Fleet {
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    Fleet { base, stack }
 }
 
 /// `engines` simulated workers, plus `dead` workers whose URL refuses connections.
-async fn fleet(engines: u64, dead: u64) -> Fleet {
-    let mut workers = Vec::new();
-    for k in 0..engines {
-        let config = MockerConfig {
-            engine: EngineConfig {
-                block_size: BlockSize::new(16).unwrap(),
-                timing: Timing { speedup: 100.0 },
-                ..EngineConfig::default()
-            },
-            seed: k,
-            ..MockerConfig::default()
-        };
-        let spawned =
-            kvroute_mocker::spawn(config, TcpListener::bind("127.0.0.1:0").await.unwrap())
-                .await
-                .unwrap();
-        let mut spec = WorkerSpec::new(k);
-        (spec.url, spec.events, spec.replay, spec.metrics) =
-            (Some(spawned.url), spawned.events, spawned.replay, spawned.metrics);
-        workers.push(spec);
-    }
+async fn fleet(engines: usize, dead: u64) -> Fleet {
+    let mut external = Vec::new();
     for k in 0..dead {
         // A port nobody listens on: bound, then closed.
         let closed = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
         let mut spec = WorkerSpec::new(100 + k);
         spec.url = Some(format!("http://{closed}"));
-        workers.push(spec);
+        external.push(spec);
     }
-    let router = Arc::new(RouterState::new(RouterConfig { workers, ..RouterConfig::default() }));
-    let tasks = kvroute_router::spawn_background(&router).unwrap();
-    let preprocessor = Arc::new(Preprocessor::load(&Preprocessor::default_model_dir()).unwrap());
-    let fetcher =
-        Fetcher::new(FetchConfig { allow_private: true, ..FetchConfig::default() }).unwrap();
-    let state = Arc::new(FrontendState::new(preprocessor, fetcher, Arc::clone(&router)));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(axum::serve(listener, kvroute_frontend::app(state)).into_future());
-    Fleet { addr, router, _tasks: tasks }
+    fleet_of(config(engines, external)).await
 }
 
-/// (status, worker header, body)
-async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Option<String>, String) {
-    let (head, body) = post_raw(addr, path, body).await;
-    (head[9..12].parse().unwrap(), header(&head, "x-kvroute-worker"), body)
+/// An answer: status, `x-kvroute-worker`, `x-kvroute-overlap-tokens`, body (JSON, or the
+/// SSE text as a JSON string).
+struct Answer {
+    status: u16,
+    worker: Option<u64>,
+    predicted: Option<u64>,
+    body: Value,
 }
 
-fn header(head: &str, name: &str) -> Option<String> {
-    head.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(": ")).map(str::to_owned)
+async fn post(base: &str, path: &str, body: &Value) -> Answer {
+    let client = HttpClient::new();
+    let response =
+        client.call(hyper::Method::POST, &format!("{base}{path}"), Some(body)).await.unwrap();
+    let header = |name: &str| {
+        response.headers().get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
+    };
+    let (worker, predicted) = (header("x-kvroute-worker"), header("x-kvroute-overlap-tokens"));
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    Answer { status, worker, predicted, body }
 }
 
-/// (response head, body)
-async fn post_raw(addr: SocketAddr, path: &str, body: &str) -> (String, String) {
-    let mut stream = TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nhost: f\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(req.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    (head.to_owned(), body.to_owned())
+fn chat(text: &str) -> Value {
+    json!({"model": "kvroute-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 3})
 }
 
-/// The body of a chunked HTTP/1.1 response, de-chunked.
-fn dechunk(body: &str) -> String {
-    let mut out = String::new();
-    let mut rest = body;
-    while let Some((size, tail)) = rest.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.push_str(&tail[..n]);
-        rest = &tail[n + 2..];
-    }
-    out
-}
-
-fn chat(text: &str) -> String {
-    json!({"model": "kvroute-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 3}).to_string()
+fn cached(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
 }
 
 const PROMPT: &str = "Please summarize the following text in three bullet points. The router sends each request to the worker that already holds the longest part of its prompt.";
 
+/// The blocks the front door hashes for a one-message chat.
+fn blocks_of(text: &str) -> Vec<kvroute_core::LocalBlockHash> {
+    let pre = Preprocessor::builtin();
+    let prepared = pre.prepare_chat(&[ChatMessage::text("user", text)], true, Vec::new()).unwrap();
+    BlockHasher::new(BlockSize::default()).local_hashes(&prepared.tokens, None)
+}
+
+/// Waits until the router's index holds every block of `text` on `worker`.
+async fn stored(router: &RouterState, worker: u64, text: &str) {
+    let blocks = blocks_of(text);
+    let w = WorkerWithDpRank::new(worker, 0u32);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while router.index.find_matches(&blocks).score(w) < blocks.len() as u32 {
+        assert!(Instant::now() < deadline, "the worker's Stored events never reached the router");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_prompt_returns_to_its_worker_with_cached_tokens() {
     let f = fleet(3, 0).await;
-    let (status, first_worker, body) = post(f.addr, "/v1/chat/completions", &chat(PROMPT)).await;
-    assert_eq!(status, 200, "{body}");
-    let first: Value = serde_json::from_str(&dechunk(&body)).unwrap();
-    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
-    // The worker's KV events reach the router asynchronously: ask again until they have.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let (head, body) = post_raw(f.addr, "/v1/chat/completions", &chat(PROMPT)).await;
-        let v: Value = serde_json::from_str(&dechunk(&body)).unwrap();
-        assert_eq!(header(&head, "x-kvroute-worker"), first_worker, "where its blocks are");
-        // The router's expectation: what the worker's events announced, never more than
-        // what the worker then reports as cached.
-        let predicted: u64 = header(&head, "x-kvroute-overlap-tokens").unwrap().parse().unwrap();
-        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-        assert!(predicted <= cached, "predicted {predicted} > cached {cached}");
-        if predicted == prompt_tokens / 16 * 16 {
-            assert_eq!(cached, predicted);
-            break;
-        }
-        assert!(Instant::now() < deadline, "never fully cached: {v}");
-    }
-    assert_eq!(f.router.in_flight(), 0);
+    let first = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(cached(&first.body), 0);
+    let prompt_tokens = first.body["usage"]["prompt_tokens"].as_u64().unwrap();
+    // Only once the worker's events have reached the router is the repeat's place certain.
+    stored(f.router(), first.worker.unwrap(), PROMPT).await;
+    let again = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
+    assert_eq!(again.worker, first.worker, "where its blocks are");
+    let full = prompt_tokens / 16 * 16;
+    assert_eq!((again.predicted, cached(&again.body)), (Some(full), full));
+    assert_eq!(f.router().in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_and_completions_pass_through() {
     let f = fleet(2, 0).await;
     let body = json!({"messages": [{"role": "user", "content": "Tell me a joke."}], "max_tokens": 3, "stream": true,
-                      "stream_options": {"include_usage": true}}).to_string();
-    let (status, worker, text) = post(f.addr, "/v1/chat/completions", &body).await;
-    assert_eq!(status, 200);
-    assert!(worker.is_some());
-    let text = dechunk(&text);
-    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
-    assert_eq!(*data.last().unwrap(), "[DONE]");
-    assert!(data.iter().any(|d| d.contains("\"usage\"")));
-    let (status, _, c) = post(
-        f.addr,
-        "/v1/completions",
-        &json!({"prompt": "Once upon a time", "max_tokens": 2}).to_string(),
-    )
-    .await;
-    assert_eq!(status, 200, "{c}");
-    assert!(dechunk(&c).contains("text_completion"));
-    assert_eq!(f.router.in_flight(), 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn errors_are_openai_shaped() {
-    let f = fleet(1, 0).await;
-    for (body, want) in [
-        ("{not json".to_owned(), 400),
-        (json!({"model": "kvroute-tiny"}).to_string(), 400),
-        (json!({"messages": []}).to_string(), 400),
-        (json!({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}).to_string(), 404),
-        (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).to_string(), 400),
-        (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/none.png"}}]}]}).to_string(), 400),
-    ] {
-        let (status, _, text) = post(f.addr, "/v1/chat/completions", &body).await;
-        assert_eq!(status, want, "{body}: {text}");
-        let v: Value = serde_json::from_str(&text).unwrap();
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{text}");
-    }
-    let none = fleet(0, 0).await;
-    let (status, _, text) = post(none.addr, "/v1/chat/completions", &chat("hi")).await;
-    assert_eq!(status, 503, "{text}");
+                      "stream_options": {"include_usage": true}});
+    let a = post(&f.base, "/v1/chat/completions", &body).await;
+    assert_eq!(a.status, 200);
+    assert!(a.worker.is_some());
+    let (chunks, done) = stream_chunks(a.body.as_str().unwrap().as_bytes()).unwrap();
+    assert!(done, "[DONE] at the end");
+    assert_eq!(chunks.iter().filter(|c| c.has_text()).count(), 3);
+    assert_eq!(chunks.last().unwrap().usage.unwrap().completion_tokens, 3);
+    let c =
+        post(&f.base, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 2}))
+            .await;
+    assert_eq!((c.status, c.body["object"].as_str()), (200, Some("text_completion")), "{}", c.body);
+    assert_eq!(f.router().in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_worker_is_skipped_for_another() {
     let f = fleet(1, 2).await;
+    let live = f.simulated();
     for k in 0..6 {
-        let (status, worker, text) =
-            post(f.addr, "/v1/chat/completions", &chat(&format!("question number {k}"))).await;
-        assert_eq!((status, worker.as_deref()), (200, Some("0")), "{text}");
+        let a = post(&f.base, "/v1/chat/completions", &chat(&format!("question number {k}"))).await;
+        assert_eq!((a.status, a.worker), (200, Some(live[0])), "{}", a.body);
     }
-    assert_eq!(f.router.in_flight(), 0);
+    assert_eq!(f.router().in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_stream_leaves_no_load() {
     let f = fleet(1, 0).await;
-    let body = json!({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1_000_000, "stream": true}).to_string();
-    let mut stream = TcpStream::connect(f.addr).await.unwrap();
-    let req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: f\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = [0u8; 2048];
-    let n = stream.read(&mut buf).await.unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).contains("200 OK"));
-    assert_eq!(f.router.in_flight(), 1);
+    let body = json!({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1_000_000, "stream": true});
+    let client = HttpClient::new();
+    let url = format!("{}/v1/chat/completions", f.base);
+    let response = client.call(hyper::Method::POST, &url, Some(&body)).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut stream = response.into_body();
+    assert!(stream.frame().await.unwrap().unwrap().data_ref().is_some(), "a first chunk");
+    assert_eq!(f.router().in_flight(), 1);
     drop(stream);
+    drop(client);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while f.router.in_flight() > 0 {
+    while f.router().in_flight() > 0 {
         assert!(Instant::now() < deadline, "in-flight load left behind");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -227,100 +200,154 @@ fn png(shade: u8) -> String {
     )
 }
 
-fn image_chat(images: &[&str]) -> String {
+fn image_chat(images: &[&str]) -> Value {
     let mut parts = vec![json!({"type": "text", "text": PROMPT})];
     for url in images {
         parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
         parts.push(json!({"type": "text", "text": "and"}));
     }
-    json!({"messages": [{"role": "user", "content": parts}], "max_tokens": 1}).to_string()
+    json!({"messages": [{"role": "user", "content": parts}], "max_tokens": 1})
 }
 
-/// Sends `body` until the answer's cached tokens stop changing (events reach the router and
-/// the worker's cache asynchronously); returns (worker, prompt tokens, cached tokens).
-async fn settled(addr: SocketAddr, body: &str) -> (Option<String>, u64, u64) {
-    let (status, worker, text) = post(addr, "/v1/chat/completions", body).await;
-    assert_eq!(status, 200, "{text}");
-    let v: Value = serde_json::from_str(&dechunk(&text)).unwrap();
-    let usage = &v["usage"];
-    (
-        worker,
-        usage["prompt_tokens"].as_u64().unwrap(),
-        usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
-    )
+/// (prompt tokens, cached tokens) of an answer.
+async fn usage(base: &str, body: &Value) -> (u64, u64) {
+    let a = post(base, "/v1/chat/completions", body).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    (a.body["usage"]["prompt_tokens"].as_u64().unwrap(), cached(&a.body))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn images_decide_what_is_reused() {
     let f = fleet(1, 0).await;
     let (a, b) = (png(1), png(2));
-    let (_, prompt, cold) = settled(f.addr, &image_chat(&[&a, &b])).await;
+    let (prompt, cold) = usage(&f.base, &image_chat(&[&a, &b])).await;
     assert_eq!(cold, 0);
-    let (_, _, warm) = settled(f.addr, &image_chat(&[&a, &b])).await;
+    let (_, warm) = usage(&f.base, &image_chat(&[&a, &b])).await;
     assert_eq!(warm, prompt / 16 * 16, "the same text and images: every full block");
     // The two images swapped: the cached prefix stops at the first image.
-    let (_, _, swapped) = settled(f.addr, &image_chat(&[&b, &a])).await;
+    let (_, swapped) = usage(&f.base, &image_chat(&[&b, &a])).await;
     assert!(swapped > 0 && swapped < warm, "{swapped} of {warm}: only the text before the images");
     // Another first image (never seen): the same text-only prefix, not one block more.
     let c = png(3);
-    let (_, _, other) = settled(f.addr, &image_chat(&[&c, &a])).await;
+    let (_, other) = usage(&f.base, &image_chat(&[&c, &a])).await;
     assert_eq!(other, swapped, "a different image is not reused");
 }
 
+/// Workers started without KV events: the router predicts their caches from where it sent
+/// each prompt, and a repeat still lands where its blocks are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_oversized_image_is_413() {
-    let f = fleet(1, 0).await;
-    let huge = format!("data:image/png;base64,{}", "A".repeat(28 << 20));
-    let (status, _, text) = post(f.addr, "/v1/chat/completions", &image_chat(&[&huge])).await;
-    assert_eq!(status, 413, "{}", &text[..text.len().min(200)]);
+async fn workers_without_events_are_routed_approximately() {
+    let mut c = config(3, Vec::new());
+    c.simulated.events = false;
+    let f = fleet_of(c).await;
+    let first = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let again = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
+    let full = first.body["usage"]["prompt_tokens"].as_u64().unwrap() / 16 * 16;
+    assert_eq!(again.worker, first.worker, "its predicted blocks are there");
+    assert_eq!((again.predicted, cached(&again.body)), (Some(full), full));
+    let workers = f.router().workers();
+    assert!(workers.iter().all(|w| w.mode == kvroute_router::CacheMode::Approximate));
+    let chosen = workers.iter().find(|w| Some(w.id.0) == first.worker).unwrap();
+    assert_eq!(chosen.tree_size[0] as u64, full / 16);
+}
+
+/// A worker whose event stream never comes up is not ready: `ready()` names it after its
+/// timeout, `/workers` shows it, and it gets requests only when no other worker is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_not_ready_is_routed_last() {
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+    let mut silent = WorkerSpec::new(50);
+    silent.url = Some(format!("http://{closed}"));
+    silent.events = Some(format!("tcp://{closed}"));
+    let stack = Stack::start(config(1, vec![silent])).await.unwrap();
+    let waiting = stack.ready(Duration::from_millis(300)).await;
+    assert_eq!(waiting, [WorkerWithDpRank::new(50u64, 0u32)]);
+    let router = stack.router.as_ref().unwrap();
+    let status = router.workers().into_iter().find(|w| w.id.0 == 50).unwrap();
+    assert_eq!((status.ready[0], status.connected[0]), (false, false));
+    let app = stack.frontend_app().unwrap();
+    for k in 0..4 {
+        let (code, v) = kvroute_http::testing::call(
+            &app,
+            hyper::Method::POST,
+            "/v1/chat/completions",
+            Some(&chat(&format!("question {k}"))),
+        )
+        .await;
+        assert_eq!(code, 200, "{v}");
+    }
+    let metrics = router.render_metrics();
+    assert!(
+        !metrics.contains("kvroute_router_worker_decisions_total{worker_id=\"50\""),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_only_model_serves_text_and_refuses_images() {
+    let mut c = config(1, Vec::new());
+    c.model_path = Some(Preprocessor::repository_model_dir().join("../tiny-text"));
+    let f = fleet_of(c).await;
+    let body = json!({"model": "tiny-text", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2});
+    let a = post(&f.base, "/v1/chat/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(a.body["usage"]["prompt_tokens"].as_u64().unwrap() > 10);
+    let mut with_image = image_chat(&[&png(1)]);
+    with_image["model"] = json!("tiny-text");
+    let a = post(&f.base, "/v1/chat/completions", &with_image).await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert!(a.body["error"]["message"].as_str().unwrap().contains("takes text only"), "{}", a.body);
+    let a = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
+    assert_eq!(a.status, 404, "another model's name: {}", a.body);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_router_by_url() {
-    // A worker, a `kvroute router` service over HTTP, and a front door that asks it.
-    let config = MockerConfig {
-        engine: EngineConfig {
-            block_size: BlockSize::new(16).unwrap(),
-            timing: Timing { speedup: 100.0 },
-            ..EngineConfig::default()
-        },
-        ..MockerConfig::default()
+    // A worker and a `kvroute router` service over HTTP (a stack without a front door)...
+    let mut c = config(1, Vec::new());
+    c.frontend = false;
+    let routed = Stack::start(c).await.unwrap();
+    assert!(routed.ready(Duration::from_secs(10)).await.is_empty());
+    let router_url = kvroute_stack::serve_on_loopback(routed.router_app().unwrap()).await.unwrap();
+    // ...and a front door that asks it.
+    let front = StackConfig {
+        router: RouterConfig { workers: routed.workers.clone(), ..RouterConfig::default() },
+        router_url: Some(router_url),
+        ..StackConfig::default()
     };
-    let spawned = kvroute_mocker::spawn(config, TcpListener::bind("127.0.0.1:0").await.unwrap())
-        .await
-        .unwrap();
-    let mut spec = WorkerSpec::new(7);
-    (spec.url, spec.events, spec.replay, spec.metrics) =
-        (Some(spawned.url), spawned.events, spawned.replay, spawned.metrics);
-    let router = Arc::new(RouterState::new(RouterConfig {
-        workers: vec![spec.clone()],
-        ..RouterConfig::default()
-    }));
-    let _tasks = kvroute_router::spawn_background(&router).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let router_url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(kvroute_router::serve(listener, Arc::clone(&router), std::future::pending()));
-
-    let preprocessor = Arc::new(Preprocessor::load(&Preprocessor::default_model_dir()).unwrap());
-    let fetcher = Fetcher::new(FetchConfig::default()).unwrap();
-    let state = Arc::new(FrontendState::remote(
-        preprocessor,
-        fetcher,
-        &router_url,
-        &[spec],
-        BlockSize::new(16).unwrap(),
-    ));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(axum::serve(listener, kvroute_frontend::app(state)).into_future());
-
-    let (status, worker, text) = post(addr, "/v1/chat/completions", &chat(PROMPT)).await;
-    assert_eq!((status, worker.as_deref()), (200, Some("7")), "{text}");
+    let f = fleet_of(front).await;
+    assert!(f.stack.router.is_none(), "no embedded router");
+    let a = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
+    assert_eq!((a.status, a.worker), (200, Some(routed.workers[0].id.0)), "{}", a.body);
     // The lifecycle calls reach the router in the background: in flight drops back to 0.
+    let router = routed.router.as_ref().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while router.in_flight() > 0 {
         assert!(Instant::now() < deadline, "the remote router still counts the request in flight");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(router.render_metrics().contains("kvroute_router_decisions_total 1"));
+}
+
+/// A worker whose load the router reads from its Prometheus `/metrics` (vLLM's names, here the
+/// simulated engine's): ready once read, with its capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_read_from_an_engines_prometheus_metrics() {
+    let engine = kvroute_mocker::MockerConfig {
+        engine: EngineConfig { num_blocks: 777, ..EngineConfig::default() },
+        endpoints: kvroute_mocker::Endpoints::ephemeral(),
+        ..kvroute_mocker::MockerConfig::default()
+    };
+    let spawned = kvroute_mocker::spawn(engine, TcpListener::bind("127.0.0.1:0").await.unwrap())
+        .await
+        .unwrap();
+    let mut spec = WorkerSpec::new(5);
+    spec.metrics = Some(format!("{}/metrics", spawned.url));
+    (spec.url, spec.events, spec.replay) = (Some(spawned.url), spawned.events, spawned.replay);
+    let f = fleet_of(config(0, vec![spec])).await;
+    let load = f.router().workers()[0].load[0].unwrap();
+    assert_eq!((load.kv_total_blocks, load.num_running_reqs), (Some(777), Some(0)));
+    let a = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
+    assert_eq!((a.status, a.worker), (200, Some(5)), "{}", a.body);
 }

@@ -1,6 +1,6 @@
 //! One simulated engine's request rate: 1,000-token prompts (token ids on /v1/completions),
 //! 16-token outputs, `--speedup 100`, the engine and its HTTP server on one runtime thread,
-//! 64 kept-alive client connections on another. Target: >= 500 requests/s.
+//! 64 concurrent clients (the workspace's kept-alive HTTP client) on another. Target: >= 500 requests/s.
 //!
 //! `cargo bench -p kvroute-mocker --bench throughput` (without `--bench`: a quick pass).
 
@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_core::BlockSize;
+use kvroute_http::HttpClient;
+use kvroute_http::openai::Completion;
 use kvroute_mocker::{EngineConfig, MockerConfig, Timing, http};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 fn main() {
     let quick = !std::env::args().any(|a| a == "--bench");
@@ -33,7 +34,11 @@ fn main() {
             .unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(axum::serve(listener, http::app(Arc::clone(&state))).into_future());
+        tokio::spawn(kvroute_http::serve(
+            listener,
+            http::app(Arc::clone(&state)),
+            std::future::pending(),
+        ));
         (addr, state)
     });
 
@@ -43,40 +48,27 @@ fn main() {
     let (elapsed, latencies) = clients.block_on(async move {
         let start = Instant::now();
         let per = total / connections;
+        let client = HttpClient::new();
+        let url = format!("http://{addr}/v1/completions");
         let tasks: Vec<_> = (0..connections)
             .map(|c| {
+                let (client, url) = (client.clone(), url.clone());
                 tokio::spawn(async move {
-                    let stream = TcpStream::connect(addr).await.unwrap();
-                    stream.set_nodelay(true).unwrap();
-                    let mut reader = BufReader::new(stream);
                     let mut latencies = Vec::with_capacity(per);
                     for r in 0..per {
                         // Distinct prompts (no cache hits): the engine does all the work.
                         let seed = (c * per + r) as u32;
                         let tokens: Vec<u32> = (0..1000u32)
-                            .map(|t| (t.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503).rotate_left(7)) % 150_000)
+                            .map(|t| {
+                                (t.wrapping_mul(2_654_435_761)
+                                    ^ seed.wrapping_mul(40_503).rotate_left(7))
+                                    % 150_000
+                            })
                             .collect();
-                        let body = serde_json::json!({"prompt": tokens, "max_tokens": 16}).to_string();
-                        let req = format!(
-                            "POST /v1/completions HTTP/1.1\r\nhost: m\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                            body.len()
-                        );
+                        let body = serde_json::json!({"prompt": tokens, "max_tokens": 16});
                         let t = Instant::now();
-                        reader.get_mut().write_all(req.as_bytes()).await.unwrap();
-                        let mut len = 0;
-                        loop {
-                            let mut line = String::new();
-                            reader.read_line(&mut line).await.unwrap();
-                            if line == "\r\n" {
-                                break;
-                            }
-                            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                                len = v.trim().parse().unwrap();
-                            }
-                        }
-                        let mut buf = vec![0; len];
-                        reader.read_exact(&mut buf).await.unwrap();
-                        assert!(buf.starts_with(b"{\"choices\""), "{}", String::from_utf8_lossy(&buf));
+                        let answer: Completion = client.post_json(&url, &body).await.unwrap();
+                        assert_eq!(answer.usage.unwrap().completion_tokens, 16);
                         latencies.push(t.elapsed());
                     }
                     latencies

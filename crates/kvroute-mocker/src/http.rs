@@ -1,36 +1,44 @@
 //! The simulated engine's OpenAI-compatible API: `POST /v1/chat/completions` and
 //! `POST /v1/completions` (streamed as SSE or not; `usage.prompt_tokens_details.cached_tokens`
-//! is the engine's real cache hits), `GET /v1/models`, `/health`, `/metrics` (Prometheus) and
-//! `/stats` (JSON ground truth). Generated text is readable words, the same for the same prompt
-//! and seed.
+//! is the engine's real cache hits), `GET /v1/models`, `/health`, `/metrics` (Prometheus, with
+//! vLLM's names) and `/stats` (JSON ground truth). Generated text is readable words, the same
+//! for the same prompt and seed. Request and answer types are `kvroute_http::openai`'s; fields
+//! the engine does not read are ignored, as vLLM ignores them.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
-use kvroute_preprocess::fetch::Fetcher;
-use kvroute_preprocess::{
-    ChatMessage, CompletionPrompt, Image, Prepared, Preprocessor, image_urls, images,
+use kvroute_http::ApiError;
+use kvroute_http::openai::{
+    AssistantMessage, ChatCompletionRequest, Choice, Completion, CompletionRequest, Delta,
+    ModelList, check_model,
 };
-use serde::Deserialize;
+use kvroute_preprocess::fetch::Fetcher;
+use kvroute_preprocess::{Prepared, Preprocessor};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::engine::{EngineRequest, Output, Usage};
+use crate::metrics::Metrics;
 use crate::service::{CancelOnDrop, EngineHandle};
+
+/// Largest request body accepted: room for inline images (20 MB each once decoded, a third
+/// more as base64).
+pub const BODY_LIMIT: usize = 64 << 20;
 
 pub struct AppState {
     pub engine: EngineHandle,
     pub preprocessor: Arc<Preprocessor>,
     pub seed: u64,
     pub fetcher: Fetcher,
+    metrics: Metrics,
     next_id: AtomicU64,
 }
 
@@ -41,7 +49,14 @@ impl AppState {
         seed: u64,
         fetcher: Fetcher,
     ) -> Self {
-        Self { engine, preprocessor, seed, fetcher, next_id: AtomicU64::new(0) }
+        let c = engine.config;
+        let metrics = Metrics::new(
+            preprocessor.model_name(),
+            engine.dp_rank,
+            c.block_size.get(),
+            c.num_blocks,
+        );
+        Self { engine, preprocessor, seed, fetcher, metrics, next_id: AtomicU64::new(0) }
     }
 }
 
@@ -54,93 +69,16 @@ impl std::fmt::Debug for AppState {
     }
 }
 
-/// An OpenAI-shaped error.
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    message: String,
-    param: Option<&'static str>,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), param: None }
-    }
-
-    fn param(mut self, param: &'static str) -> Self {
-        self.param = Some(param);
-        self
-    }
-}
-
-impl From<JsonRejection> for ApiError {
-    fn from(r: JsonRejection) -> Self {
-        let status = match r.status() {
-            StatusCode::UNSUPPORTED_MEDIA_TYPE | StatusCode::PAYLOAD_TOO_LARGE => r.status(),
-            _ => StatusCode::BAD_REQUEST,
-        };
-        Self::new(status, r.body_text())
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = match self.status {
-            StatusCode::NOT_FOUND => "not_found_error",
-            s if s.is_server_error() => "server_error",
-            _ => "invalid_request_error",
-        };
-        let body = json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status.as_u16()}});
-        (self.status, Json(body)).into_response()
-    }
-}
-
 pub fn app(state: Arc<AppState>) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/stats", get(stats))
         .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
-        // Room for inline images (20 MB each once decoded, a third more as base64).
-        .layer(DefaultBodyLimit::max(64 << 20))
-        .with_state(state)
-}
-
-#[derive(Debug, Deserialize)]
-struct StreamOptions {
-    #[serde(default)]
-    include_usage: bool,
-}
-
-#[derive(Debug, Deserialize)]
-struct ChatRequest {
-    #[serde(default)]
-    model: Option<String>,
-    messages: Vec<ChatMessage>,
-    #[serde(default)]
-    max_tokens: Option<usize>,
-    #[serde(default)]
-    max_completion_tokens: Option<usize>,
-    #[serde(default)]
-    stream: bool,
-    #[serde(default)]
-    stream_options: Option<StreamOptions>,
-}
-
-#[derive(Debug, Deserialize)]
-struct CompletionRequest {
-    #[serde(default)]
-    model: Option<String>,
-    prompt: CompletionPrompt,
-    #[serde(default)]
-    max_tokens: Option<usize>,
-    #[serde(default)]
-    stream: bool,
-    #[serde(default)]
-    stream_options: Option<StreamOptions>,
+        .layer(DefaultBodyLimit::max(BODY_LIMIT));
+    kvroute_http::fallbacks(routes).with_state(state)
 }
 
 /// Which API shape to answer in.
@@ -208,61 +146,13 @@ fn word(seed: u64, prompt_hash: u64, index: usize) -> &'static str {
     WORDS[(x % WORDS.len() as u64) as usize]
 }
 
-fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if !m.is_empty() && m != state.preprocessor.model_name() => Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "model {m:?} not found; this engine serves {:?}",
-                state.preprocessor.model_name()
-            ),
-        )
-        .param("model")),
-        _ => Ok(()),
-    }
-}
-
-/// The request's images, in order: `data:` URLs decoded, `http(s)://` URLs fetched (within the
-/// fetch limits; private addresses only when allowed).
-async fn decode_images(state: &AppState, messages: &[ChatMessage]) -> Result<Vec<Image>, ApiError> {
-    let config = state.preprocessor.image_config();
-    let mut out = Vec::new();
-    for url in image_urls(messages) {
-        let bytes = if url.starts_with("data:") {
-            images::data_url_bytes(url, config).map_err(|e| image_error(&e))?
-        } else {
-            state.fetcher.fetch(url).await.map_err(|e| image_error(&e))?
-        };
-        out.push(images::decode(&bytes, config).map_err(|e| image_error(&e))?);
-    }
-    Ok(out)
-}
-
-fn image_error(e: &kvroute_preprocess::PreprocessError) -> ApiError {
-    let status = match e {
-        kvroute_preprocess::PreprocessError::ImageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-        _ => StatusCode::BAD_REQUEST,
-    };
-    ApiError::new(status, e.to_string()).param("messages")
-}
-
 async fn chat(
     State(state): State<Arc<AppState>>,
-    body: Result<Json<ChatRequest>, JsonRejection>,
+    body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    check_model(&state, req.model.as_deref())?;
-    if req.messages.is_empty() {
-        return Err(
-            ApiError::new(StatusCode::BAD_REQUEST, "messages must not be empty").param("messages")
-        );
-    }
-    let images = decode_images(&state, &req.messages).await?;
-    let prepared = state
-        .preprocessor
-        .prepare_chat(&req.messages, true, images)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("messages"))?;
-    let max_tokens = req.max_completion_tokens.or(req.max_tokens).unwrap_or(16);
+    let (prepared, _) = state.preprocessor.prepare_chat_request(&req, &state.fetcher).await?;
+    let max_tokens = req.max_output_tokens().unwrap_or(16);
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     generate(&state, Kind::Chat, prepared, max_tokens, req.stream, include_usage).await
 }
@@ -272,42 +162,35 @@ async fn completions(
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    check_model(&state, req.model.as_deref())?;
+    check_model(state.preprocessor.model_name(), req.model.as_deref())?;
     let prepared = state
         .preprocessor
         .prepare_completion(req.prompt)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).param("prompt"))?;
+        .map_err(|e| ApiError::from(e).param("prompt"))?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    generate(
-        &state,
-        Kind::Completion,
-        prepared,
-        req.max_tokens.unwrap_or(16),
-        req.stream,
-        include_usage,
-    )
-    .await
+    let max_tokens = req.max_tokens.unwrap_or(16);
+    generate(&state, Kind::Completion, prepared, max_tokens, req.stream, include_usage).await
 }
 
 async fn generate(
     state: &Arc<AppState>,
     kind: Kind,
     prepared: Prepared,
-    max_tokens: usize,
+    max_tokens: u64,
     stream: bool,
     include_usage: bool,
 ) -> Result<Response, ApiError> {
     let config = state.engine.config;
     let bs = config.block_size;
     if prepared.tokens.is_empty() {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the prompt is empty"));
+        return Err(ApiError::bad_request("the prompt is empty"));
     }
     let needed = prepared.tokens.len().div_ceil(bs.tokens()) + 1;
     if needed > config.num_blocks {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the prompt needs {needed} KV blocks; this engine has {}", config.num_blocks),
-        ));
+        return Err(ApiError::too_large(format!(
+            "the prompt needs {needed} KV blocks; this engine has {}",
+            config.num_blocks
+        )));
     }
     let n = state.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match kind {
@@ -324,7 +207,7 @@ async fn generate(
         id: id.clone(),
         tokens: prepared.tokens,
         block_mm_infos,
-        max_tokens: max_tokens.max(1),
+        max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX).max(1),
     };
     let (outputs, guard) = state.engine.submit(request);
     let created = std::time::SystemTime::now()
@@ -355,35 +238,51 @@ struct Reply {
 }
 
 impl Reply {
-    fn object(&self, chunk: bool) -> &'static str {
-        match (self.kind, chunk) {
+    fn completion(&self, chunk: bool, choices: Vec<Choice>, usage: Option<Usage>) -> Completion {
+        let object = match (self.kind, chunk) {
             (Kind::Chat, false) => "chat.completion",
             (Kind::Chat, true) => "chat.completion.chunk",
             (Kind::Completion, _) => "text_completion",
+        };
+        Completion {
+            id: self.id.clone(),
+            object: object.to_owned(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: usage.map(openai_usage),
         }
     }
 
-    fn choice(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
+    /// A streamed choice with `text` new.
+    fn delta(&self, text: &str, finish: Option<&str>, first: bool) -> Choice {
+        let finish_reason = finish.map(str::to_owned);
         match self.kind {
-            Kind::Chat => {
-                let mut delta = json!({"content": text});
-                if first {
-                    delta["role"] = json!("assistant");
-                }
-                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
-            }
+            Kind::Chat => Choice {
+                delta: Some(Delta {
+                    role: first.then(|| "assistant".to_owned()),
+                    content: Some(text.to_owned()),
+                }),
+                finish_reason,
+                ..Choice::default()
+            },
             Kind::Completion => {
-                json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null})
+                Choice { text: Some(text.to_owned()), finish_reason, ..Choice::default() }
             }
         }
     }
 
-    fn chunk(&self, choices: &[Value], usage: Option<&Usage>) -> Value {
-        let mut v = json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": choices});
-        if let Some(u) = usage {
-            v["usage"] = usage_json(u);
+    /// The whole answer's choice.
+    fn whole(&self, text: String) -> Choice {
+        let finish_reason = Some("length".to_owned());
+        match self.kind {
+            Kind::Chat => Choice {
+                message: Some(AssistantMessage { role: "assistant".into(), content: text }),
+                finish_reason,
+                ..Choice::default()
+            },
+            Kind::Completion => Choice { text: Some(text), finish_reason, ..Choice::default() },
         }
-        v
     }
 
     fn piece(&self, index: usize) -> String {
@@ -392,20 +291,19 @@ impl Reply {
     }
 }
 
-fn usage_json(u: &Usage) -> Value {
-    json!({
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    })
+fn openai_usage(u: Usage) -> kvroute_http::openai::Usage {
+    kvroute_http::openai::Usage::new(
+        u.prompt_tokens as u64,
+        u.completion_tokens as u64,
+        u.cached_tokens as u64,
+    )
 }
 
 async fn whole(
     reply: Reply,
     mut outputs: mpsc::UnboundedReceiver<Output>,
     mut guard: CancelOnDrop,
-) -> Result<Value, ApiError> {
+) -> Result<Completion, ApiError> {
     let mut text = String::new();
     while let Some(output) = outputs.recv().await {
         match output {
@@ -413,25 +311,11 @@ async fn whole(
             Output::FirstToken { .. } => {}
             Output::Finished { usage, .. } => {
                 guard.disarm();
-                let choice = match reply.kind {
-                    Kind::Chat => {
-                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length", "logprobs": null})
-                    }
-                    Kind::Completion => {
-                        json!({"index": 0, "text": text, "finish_reason": "length", "logprobs": null})
-                    }
-                };
-                return Ok(json!({
-                    "id": reply.id, "object": reply.object(false), "created": reply.created, "model": reply.model,
-                    "choices": [choice], "usage": usage_json(&usage),
-                }));
+                return Ok(reply.completion(false, vec![reply.whole(text)], Some(usage)));
             }
         }
     }
-    Err(ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "the engine stopped before the request finished",
-    ))
+    Err(ApiError::unavailable("the engine stopped before the request finished"))
 }
 
 /// SSE as OpenAI streams it: `data: {chunk}` per token, a final chunk with `finish_reason`,
@@ -450,6 +334,9 @@ fn sse(
         done: bool,
         include_usage: bool,
     }
+    fn data(c: &Completion) -> Event {
+        Event::default().data(serde_json::to_string(c).unwrap_or_default())
+    }
     let st = St { reply, outputs, guard, pending: Default::default(), done: false, include_usage };
     let events = stream::unfold(st, |mut st| async move {
         loop {
@@ -461,19 +348,22 @@ fn sse(
             }
             match st.outputs.recv().await {
                 Some(Output::Token { index, .. }) => {
-                    let chunk = st
-                        .reply
-                        .chunk(&[st.reply.choice(&st.reply.piece(index), None, index == 0)], None);
-                    st.pending.push_back(Event::default().data(chunk.to_string()));
+                    let r = &st.reply;
+                    let chunk =
+                        r.completion(true, vec![r.delta(&r.piece(index), None, index == 0)], None);
+                    st.pending.push_back(data(&chunk));
                 }
                 Some(Output::FirstToken { .. }) => {}
                 Some(Output::Finished { usage, .. }) => {
                     st.guard.disarm();
-                    let last = st.reply.chunk(&[st.reply.choice("", Some("length"), false)], None);
-                    st.pending.push_back(Event::default().data(last.to_string()));
+                    let r = &st.reply;
+                    st.pending.push_back(data(&r.completion(
+                        true,
+                        vec![r.delta("", Some("length"), false)],
+                        None,
+                    )));
                     if st.include_usage {
-                        let u = st.reply.chunk(&[], Some(&usage));
-                        st.pending.push_back(Event::default().data(u.to_string()));
+                        st.pending.push_back(data(&r.completion(true, Vec::new(), Some(usage))));
                     }
                     st.pending.push_back(Event::default().data("[DONE]"));
                     st.done = true;
@@ -485,35 +375,15 @@ fn sse(
     Sse::new(events).keep_alive(KeepAlive::default())
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": state.preprocessor.model_name(), "object": "model", "created": 0, "owned_by": "kvroute"}]}),
-    )
+async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    Json(ModelList::one(state.preprocessor.model_name(), state.preprocessor.max_model_len()))
 }
 
 async fn stats(State(state): State<Arc<AppState>>) -> Json<Value> {
     Json(serde_json::to_value(state.engine.snapshot()).unwrap_or(Value::Null))
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let s = state.engine.snapshot();
-    let body = format!(
-        "# TYPE kvroute_mocker_kv_cache_usage gauge\nkvroute_mocker_kv_cache_usage {}\n\
-         # TYPE kvroute_mocker_waiting_requests gauge\nkvroute_mocker_waiting_requests {}\n\
-         # TYPE kvroute_mocker_running_requests gauge\nkvroute_mocker_running_requests {}\n\
-         # TYPE kvroute_mocker_prompt_tokens_total counter\nkvroute_mocker_prompt_tokens_total {}\n\
-         # TYPE kvroute_mocker_cached_prompt_tokens_total counter\nkvroute_mocker_cached_prompt_tokens_total {}\n\
-         # TYPE kvroute_mocker_evicted_blocks_total counter\nkvroute_mocker_evicted_blocks_total {}\n\
-         # TYPE kvroute_mocker_preemptions_total counter\nkvroute_mocker_preemptions_total {}\n\
-         # TYPE kvroute_mocker_requests_finished_total counter\nkvroute_mocker_requests_finished_total {}\n",
-        s.kv_cache_usage,
-        s.num_waiting_reqs,
-        s.num_running_reqs,
-        s.stats.prompt_tokens,
-        s.stats.cached_tokens,
-        s.stats.evicted_blocks,
-        s.stats.preemptions,
-        s.stats.requests_finished,
-    );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let snapshot = state.engine.snapshot();
+    kvroute_http::metrics::response(&[state.metrics.refresh(&snapshot)])
 }

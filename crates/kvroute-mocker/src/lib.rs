@@ -11,6 +11,7 @@
 pub mod engine;
 pub mod http;
 mod kv;
+pub mod metrics;
 pub mod service;
 pub mod timing;
 
@@ -22,35 +23,20 @@ pub use service::{Endpoints, EngineHandle, Snapshot};
 pub use timing::Timing;
 
 use std::path::PathBuf;
-
-use axum::serve::ListenerExt as _;
 use std::sync::Arc;
 
 /// Everything a simulated engine needs.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct MockerConfig {
     pub engine: EngineConfig,
     pub endpoints: Endpoints,
-    /// Tokenizer and chat template (default: the repository's `models/kvroute-tiny`).
-    pub model_dir: PathBuf,
+    /// Tokenizer and chat template (`None`: the built-in `kvroute-tiny`).
+    pub model_path: Option<PathBuf>,
     /// Seeds the generated words.
     pub seed: u64,
     pub dp_rank: u32,
     /// Limits on fetching `http(s)://` image URLs (private addresses refused by default).
     pub fetch: kvroute_preprocess::fetch::FetchConfig,
-}
-
-impl Default for MockerConfig {
-    fn default() -> Self {
-        Self {
-            engine: EngineConfig::default(),
-            endpoints: Endpoints::default(),
-            model_dir: kvroute_preprocess::Preprocessor::default_model_dir(),
-            seed: 0,
-            dp_rank: 0,
-            fetch: kvroute_preprocess::fetch::FetchConfig::default(),
-        }
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -73,26 +59,16 @@ pub struct Spawned {
     pub metrics: Option<String>,
 }
 
-/// Starts an engine serving its API on `listener` (events, replay and load reports on
-/// ephemeral loopback ports unless `config.endpoints` says otherwise), on the current runtime.
+/// Starts an engine serving its API on `listener`, publishing where `config.endpoints` says
+/// ([`Endpoints::ephemeral`]: all on free loopback ports), on the current runtime.
 pub async fn spawn(
-    mut config: MockerConfig,
+    config: MockerConfig,
     listener: tokio::net::TcpListener,
 ) -> Result<Spawned, MockerError> {
-    let any = || Some("tcp://127.0.0.1:0".to_owned());
-    let e = &mut config.endpoints;
-    e.events = e.events.take().or_else(any);
-    e.replay = e.replay.take().or_else(any);
-    e.metrics = e.metrics.take().or_else(any);
     let state = start(config).await?;
     let addr = listener.local_addr()?;
     let bound = state.engine.bound.clone();
-    // Streams write small chunks: without TCP_NODELAY, Nagle's algorithm holds a chunk until
-    // the previous one is acknowledged, and a delayed ACK makes that up to 40 ms.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    tokio::spawn(axum::serve(listener, http::app(state)).into_future());
+    tokio::spawn(kvroute_http::serve(listener, http::app(state), std::future::pending()));
     Ok(Spawned {
         url: format!("http://{addr}"),
         events: bound.events,
@@ -104,7 +80,8 @@ pub async fn spawn(
 /// Loads the model, starts the engine task and its publishers on the current runtime; serve
 /// [`http::app`] with the returned state.
 pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerError> {
-    let preprocessor = Arc::new(kvroute_preprocess::Preprocessor::load(&config.model_dir)?);
+    let preprocessor =
+        Arc::new(kvroute_preprocess::Preprocessor::load_or_builtin(config.model_path.as_deref())?);
     let engine = EngineHandle::start(config.engine, &config.endpoints, config.dp_rank).await?;
     let fetcher = kvroute_preprocess::fetch::Fetcher::new(config.fetch)?;
     Ok(Arc::new(http::AppState::new(engine, preprocessor, config.seed, fetcher)))

@@ -21,7 +21,7 @@ use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 use crate::engine::{Engine, EngineConfig, EngineRequest, EngineStats, Output};
 
-/// Where the engine publishes.
+/// Where the engine publishes (`None`: not at all).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Endpoints {
     /// KV events (ZMQ PUB), e.g. `tcp://127.0.0.1:5557` (port 0: any).
@@ -30,6 +30,19 @@ pub struct Endpoints {
     pub replay: Option<String>,
     /// Load reports (ZMQ PUB, JSON).
     pub metrics: Option<String>,
+}
+
+impl Endpoints {
+    /// Events, replay and load reports, each on a free loopback port.
+    pub fn ephemeral() -> Self {
+        let any = || Some("tcp://127.0.0.1:0".to_owned());
+        Self { events: any(), replay: any(), metrics: any() }
+    }
+
+    /// Load reports only: an engine started without KV events (routed approximately).
+    pub fn without_events() -> Self {
+        Self { events: None, replay: None, ..Self::ephemeral() }
+    }
 }
 
 /// What the engine reports about itself (`/stats`, `/metrics`, load reports).

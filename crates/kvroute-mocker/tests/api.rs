@@ -3,59 +3,68 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::body::Body;
+use axum::http::{Method, Request};
+use http_body_util::BodyExt;
 use kvroute_core::BlockSize;
+use kvroute_http::openai::stream_chunks;
+use kvroute_http::testing;
 use kvroute_mocker::{Endpoints, EngineConfig, MockerConfig, Timing, http};
 use kvroute_wire::EngineEvent;
 use kvroute_wire::vllm::decode_batch;
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
+use tower::ServiceExt;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
+/// A simulated engine's app, called in-process (`app(state).oneshot(..)`).
 struct Mocker {
-    addr: SocketAddr,
+    app: axum::Router,
     state: Arc<http::AppState>,
 }
 
 async fn start(num_blocks: usize, endpoints: Endpoints) -> Mocker {
-    let engine = EngineConfig {
-        num_blocks,
-        block_size: BlockSize::new(16).unwrap(),
-        timing: Timing { speedup: 100.0 },
-        ..EngineConfig::default()
-    };
-    let state =
-        kvroute_mocker::start(MockerConfig { engine, endpoints, ..MockerConfig::default() })
-            .await
+    start_with(MockerConfig {
+        engine: EngineConfig {
+            num_blocks,
+            block_size: BlockSize::new(16).unwrap(),
+            timing: Timing { speedup: 100.0 },
+            ..EngineConfig::default()
+        },
+        endpoints,
+        ..MockerConfig::default()
+    })
+    .await
+}
+
+async fn start_with(config: MockerConfig) -> Mocker {
+    let state = kvroute_mocker::start(config).await.unwrap();
+    Mocker { app: http::app(Arc::clone(&state)), state }
+}
+
+impl Mocker {
+    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, v) = testing::call(&self.app, Method::POST, path, Some(body)).await;
+        (status.as_u16(), v)
+    }
+
+    async fn get(&self, path: &str) -> (u16, Value) {
+        let (status, v) = testing::call(&self.app, Method::GET, path, None).await;
+        (status.as_u16(), v)
+    }
+
+    /// A raw body (not JSON).
+    async fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
+        let req = Request::post(path)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_owned()))
             .unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(axum::serve(listener, http::app(Arc::clone(&state))).into_future());
-    Mocker { addr, state }
-}
-
-async fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).await.unwrap();
-    let body = body.unwrap_or("");
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: m\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(req.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let status = response[9..12].parse().unwrap();
-    let (_, body) = response.split_once("\r\n\r\n").unwrap();
-    (status, body.to_owned())
-}
-
-async fn post_json(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
-    let (status, body) = request(addr, "POST", path, Some(&body.to_string())).await;
-    (status, serde_json::from_str(&body).unwrap_or(Value::String(body)))
+        let (status, v) = testing::call_raw(&self.app, req).await;
+        (status.as_u16(), v)
+    }
 }
 
 fn chat(text: &str, max_tokens: usize) -> Value {
@@ -67,7 +76,7 @@ const LONG: &str = "Please summarize the following text in three bullet points. 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_prompts_report_their_cached_tokens() {
     let m = start(1000, Endpoints::default()).await;
-    let (status, first) = post_json(m.addr, "/v1/chat/completions", &chat(LONG, 5)).await;
+    let (status, first) = m.post("/v1/chat/completions", &chat(LONG, 5)).await;
     assert_eq!(status, 200, "{first}");
     assert_eq!(first["object"], "chat.completion");
     assert_eq!(first["usage"]["completion_tokens"], 5);
@@ -75,7 +84,7 @@ async fn repeated_prompts_report_their_cached_tokens() {
     let words = first["choices"][0]["message"]["content"].as_str().unwrap();
     assert_eq!(words.split(' ').count(), 5, "readable words: {words}");
     let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
-    let (_, second) = post_json(m.addr, "/v1/chat/completions", &chat(LONG, 5)).await;
+    let (_, second) = m.post("/v1/chat/completions", &chat(LONG, 5)).await;
     assert_eq!(
         second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
         prompt_tokens / 16 * 16
@@ -85,20 +94,24 @@ async fn repeated_prompts_report_their_cached_tokens() {
         "deterministic"
     );
     // Token ids directly, on /v1/completions.
-    let (status, c) = post_json(
-        m.addr,
-        "/v1/completions",
-        &json!({"prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 2}),
-    )
-    .await;
+    let (status, c) = m
+        .post("/v1/completions", &json!({"prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 2}))
+        .await;
     assert_eq!((status, c["object"].as_str()), (200, Some("text_completion")), "{c}");
-    let (_, stats) = request(m.addr, "GET", "/stats", None).await;
-    let stats: Value = serde_json::from_str(&stats).unwrap();
+    let (_, stats) = m.get("/stats").await;
     assert_eq!(stats["requests_finished"], 3);
-    let (status, models) = request(m.addr, "GET", "/v1/models", None).await;
-    assert!(status == 200 && models.contains("kvroute-tiny"));
-    let (_, metrics) = request(m.addr, "GET", "/metrics", None).await;
-    assert!(metrics.contains("kvroute_mocker_cached_prompt_tokens_total"), "{metrics}");
+    let (status, models) = m.get("/v1/models").await;
+    assert_eq!((status, models["data"][0]["id"].as_str()), (200, Some("kvroute-tiny")));
+    let (_, metrics) = m.get("/metrics").await;
+    let metrics = metrics.as_str().unwrap();
+    let cached = (prompt_tokens / 16 * 16) as f64;
+    let sample = |name: &str| kvroute_http::metrics::sample(metrics, name);
+    assert_eq!(sample("kvroute_mocker_cached_prompt_tokens_total"), Some(cached), "{metrics}");
+    // vLLM's names, as a router reading an engine's /metrics expects them.
+    let labels = "{model_name=\"kvroute-tiny\",engine=\"0\"}";
+    assert_eq!(sample(&format!("vllm:prefix_cache_hits_total{labels}")), Some(cached), "{metrics}");
+    assert_eq!(sample(&format!("vllm:num_requests_running{labels}")), Some(0.0));
+    assert!(metrics.contains("vllm:cache_config_info{model_name=\"kvroute-tiny\",engine=\"0\",block_size=\"16\",num_gpu_blocks=\"1000\"} 1"), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -107,20 +120,17 @@ async fn streams_as_openai_does() {
     let mut body = chat("Tell me a joke.", 3);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
-    let (status, text) =
-        request(m.addr, "POST", "/v1/chat/completions", Some(&body.to_string())).await;
+    let (status, text) = m.post("/v1/chat/completions", &body).await;
     assert_eq!(status, 200);
-    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
-    assert_eq!(*data.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> =
-        data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
-    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let (chunks, done) = stream_chunks(text.as_str().unwrap().as_bytes()).unwrap();
+    assert!(done, "[DONE] at the end");
+    assert_eq!(chunks[0].choices[0].delta.as_ref().unwrap().role.as_deref(), Some("assistant"));
+    assert!(chunks.iter().all(|c| c.object == "chat.completion.chunk"));
     let content: String =
-        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        chunks.iter().flat_map(|c| c.choices.iter().filter_map(|ch| ch.new_text())).collect();
     assert_eq!(content.split(' ').count(), 3);
-    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
-    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 3);
+    assert_eq!(chunks[chunks.len() - 2].choices[0].finish_reason.as_deref(), Some("length"));
+    assert_eq!(chunks.last().unwrap().usage.unwrap().completion_tokens, 3);
 }
 
 fn png(shade: u8) -> Vec<u8> {
@@ -147,12 +157,7 @@ async fn images_by_data_url_and_loopback_http_cache_per_image() {
         ..EngineConfig::default()
     };
     let fetch = kvroute_mocker::FetchConfig { allow_private: true, ..Default::default() };
-    let state = kvroute_mocker::start(MockerConfig { engine, fetch, ..MockerConfig::default() })
-        .await
-        .unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(axum::serve(listener, http::app(state)).into_future());
+    let m = start_with(MockerConfig { engine, fetch, ..MockerConfig::default() }).await;
 
     let ask = |url: String| {
         json!({"messages": [{"role": "user", "content": [
@@ -164,23 +169,23 @@ async fn images_by_data_url_and_loopback_http_cache_per_image() {
         "data:image/png;base64,{}",
         base64::engine::general_purpose::STANDARD.encode(png(1))
     );
-    let (status, first) = post_json(addr, "/v1/chat/completions", &ask(data_a)).await;
+    let (status, first) = m.post("/v1/chat/completions", &ask(data_a)).await;
     assert_eq!(status, 200, "{first}");
     let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
     // The same picture over http: same identifier, so every full block is cached.
     let (_, again) =
-        post_json(addr, "/v1/chat/completions", &ask(format!("http://{image_host}/a.png"))).await;
+        m.post("/v1/chat/completions", &ask(format!("http://{image_host}/a.png"))).await;
     assert_eq!(
         again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
         prompt / 16 * 16
     );
     // Another picture: only the blocks before the image are cached.
     let (_, other) =
-        post_json(addr, "/v1/chat/completions", &ask(format!("http://{image_host}/b.png"))).await;
+        m.post("/v1/chat/completions", &ask(format!("http://{image_host}/b.png"))).await;
     let cached = other["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
     assert!(cached > 0 && cached < prompt / 16 * 16, "{cached} of {prompt}");
     let (status, missing) =
-        post_json(addr, "/v1/chat/completions", &ask(format!("http://{image_host}/c.png"))).await;
+        m.post("/v1/chat/completions", &ask(format!("http://{image_host}/c.png"))).await;
     assert_eq!(status, 400, "{missing}");
 }
 
@@ -197,11 +202,14 @@ async fn bad_requests_get_openai_errors() {
         (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png}}]}]}).to_string(), 400),
     ];
     for (body, want) in cases {
-        let (status, text) = request(m.addr, "POST", "/v1/chat/completions", Some(&body)).await;
-        assert_eq!(status, want, "{body}: {text}");
-        let v: Value = serde_json::from_str(&text).unwrap();
-        assert!(v["error"]["message"].as_str().is_some_and(|s| !s.is_empty()), "{text}");
+        let (status, v) = m.post_raw("/v1/chat/completions", &body).await;
+        assert_eq!(status, want, "{body}: {v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|s| !s.is_empty()), "{v}");
     }
+    let (status, v) = m.get("/v1/chat/completions").await;
+    assert_eq!((status, v["error"]["type"].as_str()), (405, Some("invalid_request_error")), "{v}");
+    let (status, v) = m.get("/nope").await;
+    assert_eq!((status, v["error"]["type"].as_str()), (404, Some("not_found_error")), "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -209,16 +217,15 @@ async fn a_client_that_leaves_mid_stream_frees_its_request() {
     let m = start(1000, Endpoints::default()).await;
     let mut body = chat(LONG, 100_000);
     body["stream"] = json!(true);
-    let body = body.to_string();
-    let mut stream = TcpStream::connect(m.addr).await.unwrap();
-    let req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: m\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = [0u8; 4096];
-    let n = stream.read(&mut buf).await.unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).contains("200 OK"));
+    let request = Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let response = m.app.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut stream = response.into_body();
+    let first = stream.frame().await.unwrap().unwrap();
+    assert!(first.data_ref().is_some_and(|d| !d.is_empty()), "a first chunk");
     let deadline = Instant::now() + Duration::from_secs(10);
     while m.state.engine.snapshot().num_running_reqs == 0 {
         assert!(Instant::now() < deadline, "the request never started");
@@ -254,7 +261,7 @@ async fn kv_events_and_load_reports_are_published() {
     let report: Value = serde_json::from_slice(&report.into_vec().pop().unwrap()).unwrap();
     assert_eq!(report["kv_total_blocks"], 1000);
 
-    let (status, _) = post_json(m.addr, "/v1/chat/completions", &chat(LONG, 1)).await;
+    let (status, _) = m.post("/v1/chat/completions", &chat(LONG, 1)).await;
     assert_eq!(status, 200);
     // What was published (before any subscriber) comes back through replay.
     let batches = kvroute_router::subscriber::replay(bound.replay.as_deref().unwrap(), 0, u64::MAX)

@@ -4,7 +4,11 @@
 //! `tokenizer_config.json` with a chat template in the same style. Deterministic: the same
 //! corpus gives the same files.
 //!
+//! With `--text-only`, the same tokenizer without image tokens and a `tokenizer_config.json`
+//! without a chat template (the fixture of a text-only model: `models/tiny-text`).
+//!
 //! `cargo run -p kvroute-preprocess --example build_model -- models/kvroute-tiny models/corpus/*.txt`
+//! `cargo run -p kvroute-preprocess --example build_model -- --text-only models/tiny-text models/corpus/*.txt`
 
 #![allow(clippy::print_stdout)]
 
@@ -23,6 +27,9 @@ const SPECIAL: [&str; 6] = [
     "<|vision_end|>",
     "<|image_pad|>",
 ];
+
+/// The special tokens of the text-only fixture.
+const TEXT_SPECIAL: [&str; 1] = ["<|endoftext|>"];
 
 const CHAT_TEMPLATE: &str = r#"{%- for message in messages -%}
 {%- if loop.first and message['role'] != 'system' -%}
@@ -48,13 +55,15 @@ You are a helpful assistant.<|im_end|>
 {% endif -%}"#;
 
 fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let mut args = std::env::args().skip(1);
+    let mut args = std::env::args().skip(1).peekable();
+    let text_only = args.next_if(|a| a == "--text-only").is_some();
     let out: PathBuf = args.next().ok_or("usage: build_model OUT_DIR CORPUS_FILE...")?.into();
     let corpus: Vec<String> = args.collect();
     if corpus.is_empty() {
         return Err("no corpus files".into());
     }
-    let specials: Vec<AddedToken> = SPECIAL.iter().map(|s| AddedToken::from(*s, true)).collect();
+    let names: &[&str] = if text_only { &TEXT_SPECIAL } else { &SPECIAL };
+    let specials: Vec<AddedToken> = names.iter().map(|s| AddedToken::from(*s, true)).collect();
     let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
         .vocab_size(2048)
         .min_frequency(2)
@@ -70,7 +79,10 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tokenizer.add_special_tokens(&specials);
     std::fs::create_dir_all(&out)?;
     tokenizer.save(out.join("tokenizer.json"), true)?;
-    let config = serde_json::json!({
+    let config = if text_only {
+        serde_json::json!({"model_name": "tiny-text", "eos_token": "<|endoftext|>", "model_max_length": 4096})
+    } else {
+        serde_json::json!({
         "model_name": "kvroute-tiny",
         "chat_template": CHAT_TEMPLATE,
         "eos_token": "<|im_end|>",
@@ -80,7 +92,8 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         "image_patch_size": 28,
         "image_min_pixels": 3136,
         "image_max_pixels": 1003520,
-    });
+        })
+    };
     std::fs::write(
         out.join("tokenizer_config.json"),
         serde_json::to_string_pretty(&config)? + "\n",

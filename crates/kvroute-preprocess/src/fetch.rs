@@ -18,7 +18,10 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
-use crate::PreprocessError;
+use kvroute_http::ApiError;
+use kvroute_http::openai::{ChatCompletionRequest, check_model};
+
+use crate::{ChatMessage, Image, Prepared, PreprocessError, Preprocessor, image_urls, images};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FetchConfig {
@@ -38,6 +41,61 @@ impl Default for FetchConfig {
             allow_private: false,
             extra_roots: Vec::new(),
         }
+    }
+}
+
+/// One image part's picture, decoded, with the bytes fetched for it when it came by
+/// `http(s)://` URL (a `data:` URL is inline already).
+#[derive(Clone, Debug)]
+pub struct LoadedImage {
+    pub image: Image,
+    pub fetched: Option<Vec<u8>>,
+}
+
+impl Preprocessor {
+    /// The request's images in order (see [`image_urls`]): `data:` URLs decoded, others fetched
+    /// by `fetcher` within its limits, then decoded within the model's image limits. A
+    /// text-only model refuses them before anything is fetched.
+    pub async fn load_images(
+        &self,
+        messages: &[ChatMessage],
+        fetcher: &Fetcher,
+    ) -> Result<Vec<LoadedImage>, PreprocessError> {
+        self.check_images(messages)?;
+        let config = self.image_config();
+        let mut out = Vec::new();
+        for url in image_urls(messages) {
+            let (bytes, fetched) = match url.strip_prefix("data:") {
+                Some(_) => (images::data_url_bytes(url, config)?, false),
+                None => (fetcher.fetch(url).await?, true),
+            };
+            let image = images::decode(&bytes, config)?;
+            out.push(LoadedImage { image, fetched: fetched.then_some(bytes) });
+        }
+        Ok(out)
+    }
+
+    /// A chat request as a server takes it: the model checked, the messages present, the
+    /// images loaded ([`Preprocessor::load_images`]) and the prompt prepared. Refusals are the
+    /// client's errors, naming the field at fault.
+    pub async fn prepare_chat_request(
+        &self,
+        req: &ChatCompletionRequest,
+        fetcher: &Fetcher,
+    ) -> Result<(Prepared, Vec<LoadedImage>), ApiError> {
+        check_model(self.model_name(), req.model.as_deref())?;
+        if req.messages.is_empty() {
+            return Err(ApiError::bad_request("messages must not be empty").param("messages"));
+        }
+        let loaded = self
+            .load_images(&req.messages, fetcher)
+            .await
+            .map_err(|e| ApiError::from(e).param("messages"))?;
+        let images = loaded.iter().map(|l| l.image.clone()).collect();
+        let prepared = self
+            .prepare_chat(&req.messages, true, images)
+            .map_err(|e| ApiError::from(e).param("messages"))?;
+        Ok((prepared, loaded))
     }
 }
 

@@ -76,15 +76,16 @@ pub fn decode(bytes: &[u8], config: &ImageConfig) -> Result<Image, PreprocessErr
     }
     let mut reader = ImageReader::new(std::io::Cursor::new(bytes))
         .with_guessed_format()
-        .map_err(|e| PreprocessError::Image(format!("unreadable image: {e}")))?;
+        .map_err(|e| PreprocessError::ImageDecode { what: "unreadable", source: e.into() })?;
     let mut limits = Limits::default();
     limits.max_image_width = Some(config.max_side);
     limits.max_image_height = Some(config.max_side);
     limits.max_alloc =
         Some(u64::from(config.max_side) * u64::from(config.max_side) * 4 + (64 << 20));
     reader.limits(limits);
-    let decoded =
-        reader.decode().map_err(|e| PreprocessError::Image(format!("undecodable image: {e}")))?;
+    let decoded = reader
+        .decode()
+        .map_err(|source| PreprocessError::ImageDecode { what: "undecodable", source })?;
     let rgba = decoded.to_rgba8();
     let (width, height) = rgba.dimensions();
     let mut hasher = blake3::Hasher::new();

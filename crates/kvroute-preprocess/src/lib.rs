@@ -4,27 +4,50 @@
 //!
 //! ```text
 //!  messages ──chat template──▶ text with one <|image_pad|> per image ──tokenizer──▶ tokens
-//!  image parts ──decode──▶ identifier, mm_hash, N placeholder tokens
+//!  image parts ──load (data: or fetched), decode──▶ identifier, mm_hash, N placeholder tokens
 //!  tokens: each lone <|image_pad|> expanded to N pads ──▶ Prepared { tokens, mm offsets }
 //! ```
 //!
-//! The model directory holds `tokenizer.json` and `tokenizer_config.json` (with
-//! `chat_template` and the image tokens); `models/kvroute-tiny` in the repository is the
-//! default, built by `scripts/build-model`. Images arrive as bytes, `data:` URLs, or `http://`
-//! URLs fetched by [`fetch`] (feature `fetch`: async, with size, time and address limits).
+//! A model directory holds `tokenizer.json` and usually `tokenizer_config.json`, whose keys are
+//! read as Hugging Face writes them: `chat_template` (or a `chat_template.jinja` file beside
+//! it), `eos_token`, `model_max_length`, and kvroute's own `model_name`, `image_token` and
+//! image geometry. A model whose vocabulary has no image token (`<|image_pad|>` unless
+//! `image_token` names another) is text-only: requests with images are refused. Without a chat
+//! template, [`DEFAULT_CHAT_TEMPLATE`] applies.
+//!
+//! kvroute's own small model, `models/kvroute-tiny` (built by `scripts/build-model`), is
+//! compiled into the binary: [`Preprocessor::builtin`], the default wherever no directory is
+//! given, so an installed binary needs no files.
 
 #[cfg(feature = "fetch")]
 pub mod fetch;
 pub mod images;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use kvroute_core::{RequestExtraInfo, RequestMmObjectInfo};
+use kvroute_http::ApiError;
+pub use kvroute_http::openai::{
+    ChatMessage, CompletionPrompt, ContentPart, ImageUrl, MessageContent, image_urls,
+};
 use minijinja::Environment;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tokenizers::Tokenizer;
 
 pub use images::{Image, ImageConfig};
+
+/// The name of the built-in model ([`Preprocessor::builtin`]).
+pub const BUILTIN_MODEL: &str = "kvroute-tiny";
+const BUILTIN_TOKENIZER: &[u8] = include_bytes!("../../../models/kvroute-tiny/tokenizer.json");
+const BUILTIN_CONFIG: &str = include_str!("../../../models/kvroute-tiny/tokenizer_config.json");
+
+/// The chat template of a model directory that has none: each message on its own lines as
+/// `role: content` (text parts joined; images not supported by such a model), then
+/// `assistant:` when a generation prompt is asked for.
+pub const DEFAULT_CHAT_TEMPLATE: &str = r#"{%- for message in messages -%}
+{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}
+{% endfor -%}
+{%- if add_generation_prompt %}assistant: {% endif -%}"#;
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -32,72 +55,36 @@ pub enum PreprocessError {
     #[error("model directory {path}: {message}")]
     Model { path: String, message: String },
     #[error("chat template: {0}")]
-    Template(String),
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
+    Template(#[from] minijinja::Error),
+    #[error("tokenizer")]
+    Tokenizer(#[source] tokenizers::Error),
     #[error("image: {0}")]
     Image(String),
+    /// The image's bytes are no image this server reads.
+    #[error("image: {what}: {source}")]
+    ImageDecode { what: &'static str, source: image::ImageError },
     #[error("image larger than {limit} bytes")]
     ImageTooLarge { limit: usize },
     #[error("the request names {parts} images but {given} were given")]
     ImageCount { parts: usize, given: usize },
+    #[error("model {model:?} takes text only; remove the image parts")]
+    TextOnly { model: String },
 }
 
-/// An OpenAI chat message (text, or parts of text and images).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    #[serde(default)]
-    pub content: Option<MessageContent>,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum MessageContent {
-    Text(String),
-    Parts(Vec<ContentPart>),
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum ContentPart {
-    Text { text: String },
-    ImageUrl { image_url: ImageUrl },
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ImageUrl {
-    pub url: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub detail: Option<String>,
-    /// A caller-chosen id of the image (vLLM's multimodal UUID); the front door sets it to the
-    /// image's identifier.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub uuid: Option<String>,
-}
-
-/// A `/v1/completions` prompt: text, or token ids given directly.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum CompletionPrompt {
-    Text(String),
-    Tokens(Vec<u32>),
-}
-
-/// The image URLs of `messages`, in the order their placeholders appear.
-pub fn image_urls(messages: &[ChatMessage]) -> Vec<&str> {
-    messages
-        .iter()
-        .filter_map(|m| match &m.content {
-            Some(MessageContent::Parts(parts)) => Some(parts),
-            _ => None,
-        })
-        .flatten()
-        .filter_map(|p| match p {
-            ContentPart::ImageUrl { image_url } => Some(image_url.url.as_str()),
-            ContentPart::Text { .. } => None,
-        })
-        .collect()
+impl From<PreprocessError> for ApiError {
+    /// What a client did wrong is a 4xx with its message; a broken model directory or
+    /// tokenizer is this server's fault (a 500 whose details are logged, not sent).
+    fn from(e: PreprocessError) -> Self {
+        match e {
+            PreprocessError::ImageTooLarge { .. } => ApiError::too_large(e.to_string()),
+            PreprocessError::Model { .. } | PreprocessError::Tokenizer(_) => ApiError::internal(e),
+            PreprocessError::Template(_)
+            | PreprocessError::Image(_)
+            | PreprocessError::ImageDecode { .. }
+            | PreprocessError::ImageCount { .. }
+            | PreprocessError::TextOnly { .. } => ApiError::bad_request(e.to_string()),
+        }
+    }
 }
 
 /// A request ready for hashing and for an engine.
@@ -109,57 +96,143 @@ pub struct Prepared {
     pub images: Vec<Image>,
 }
 
-#[derive(Debug, Deserialize)]
+/// `tokenizer_config.json`, the keys kvroute reads.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
 struct ModelConfig {
-    #[serde(default)]
     model_name: Option<String>,
-    chat_template: String,
-    #[serde(default)]
-    eos_token: Option<String>,
-    #[serde(default = "default_image_token")]
-    image_token: String,
-    #[serde(default)]
+    chat_template: Option<ChatTemplate>,
+    eos_token: Option<TokenName>,
+    model_max_length: Option<f64>,
+    image_token: Option<String>,
     image_patch_size: Option<u32>,
-    #[serde(default)]
     image_min_pixels: Option<u64>,
-    #[serde(default)]
     image_max_pixels: Option<u64>,
 }
 
-fn default_image_token() -> String {
-    "<|image_pad|>".to_owned()
+/// Hugging Face writes a template as a string, or as a list of named ones.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ChatTemplate {
+    One(String),
+    Named(Vec<NamedTemplate>),
 }
 
-/// A loaded model directory.
+#[derive(Debug, Deserialize)]
+struct NamedTemplate {
+    name: String,
+    template: String,
+}
+
+/// A special token as a string, or as an added-token object with `content`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum TokenName {
+    Plain(String),
+    Added { content: String },
+}
+
+impl TokenName {
+    fn as_str(&self) -> &str {
+        match self {
+            Self::Plain(s) | Self::Added { content: s } => s,
+        }
+    }
+}
+
+/// The image token of models that do not name one.
+const DEFAULT_IMAGE_TOKEN: &str = "<|image_pad|>";
+
+/// A loaded model: tokenizer, chat template, image handling.
 #[derive(Debug)]
 pub struct Preprocessor {
     tokenizer: Tokenizer,
     templates: Environment<'static>,
     model_name: String,
-    image_token_id: u32,
+    image_token_id: Option<u32>,
     eos_token_id: Option<u32>,
+    max_model_len: Option<u64>,
     image_config: ImageConfig,
 }
 
 impl Preprocessor {
-    /// Loads `tokenizer.json` and `tokenizer_config.json` from `dir`.
+    /// Loads the model at `dir`, or the built-in one when `None`.
+    pub fn load_or_builtin(dir: Option<&Path>) -> Result<Self, PreprocessError> {
+        match dir {
+            Some(dir) => Self::load(dir),
+            None => Ok(Self::builtin()),
+        }
+    }
+
+    /// kvroute's small model, compiled in (`models/kvroute-tiny`).
+    pub fn builtin() -> Self {
+        let built = Tokenizer::from_bytes(BUILTIN_TOKENIZER).ok().and_then(|tokenizer| {
+            let config = serde_json::from_str(BUILTIN_CONFIG).ok()?;
+            Self::new(tokenizer, config, BUILTIN_MODEL, None).ok()
+        });
+        built.unwrap_or_else(|| unreachable!("the built-in model loads (tested)"))
+    }
+
+    /// Loads `tokenizer.json` and, when present, `tokenizer_config.json` and
+    /// `chat_template.jinja` from `dir`.
     pub fn load(dir: &Path) -> Result<Self, PreprocessError> {
         let model_err =
             |message: String| PreprocessError::Model { path: dir.display().to_string(), message };
         let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
             .map_err(|e| model_err(format!("tokenizer.json: {e}")))?;
-        let config_text = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-            .map_err(|e| model_err(format!("tokenizer_config.json: {e}")))?;
-        let config: ModelConfig = serde_json::from_str(&config_text)
-            .map_err(|e| model_err(format!("tokenizer_config.json: {e}")))?;
-        let image_token_id = tokenizer.token_to_id(&config.image_token).ok_or_else(|| {
-            model_err(format!("the vocabulary has no image token {:?}", config.image_token))
-        })?;
-        let eos_token_id = config.eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t));
+        let config: ModelConfig = match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
+            Ok(text) => serde_json::from_str(&text)
+                .map_err(|e| model_err(format!("tokenizer_config.json: {e}")))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => ModelConfig::default(),
+            Err(e) => return Err(model_err(format!("tokenizer_config.json: {e}"))),
+        };
+        let template_file = match std::fs::read_to_string(dir.join("chat_template.jinja")) {
+            Ok(text) => Some(text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(model_err(format!("chat_template.jinja: {e}"))),
+        };
+        let name = dir
+            .file_name()
+            .map_or_else(|| "model".to_owned(), |n| n.to_string_lossy().into_owned());
+        Self::new(tokenizer, config, &name, template_file).map_err(|e| match e {
+            PreprocessError::Model { message, .. } => model_err(message),
+            other => other,
+        })
+    }
+
+    fn new(
+        tokenizer: Tokenizer,
+        config: ModelConfig,
+        default_name: &str,
+        template_file: Option<String>,
+    ) -> Result<Self, PreprocessError> {
+        let model_err =
+            |message: String| PreprocessError::Model { path: default_name.to_owned(), message };
+        let image_token_id = match &config.image_token {
+            // Named explicitly: it must exist.
+            Some(token) => Some(tokenizer.token_to_id(token).ok_or_else(|| {
+                model_err(format!("the vocabulary has no image token {token:?}"))
+            })?),
+            None => tokenizer.token_to_id(DEFAULT_IMAGE_TOKEN),
+        };
+        let eos_token_id =
+            config.eos_token.as_ref().and_then(|t| tokenizer.token_to_id(t.as_str()));
+        let template = match (template_file, config.chat_template) {
+            (Some(file), _) => file,
+            (None, Some(ChatTemplate::One(t))) => t,
+            (None, Some(ChatTemplate::Named(list))) => {
+                let mut list = list;
+                let at = list.iter().position(|t| t.name == "default").unwrap_or(0);
+                if list.is_empty() {
+                    DEFAULT_CHAT_TEMPLATE.to_owned()
+                } else {
+                    list.swap_remove(at).template
+                }
+            }
+            (None, None) => DEFAULT_CHAT_TEMPLATE.to_owned(),
+        };
         let mut templates = Environment::new();
-        templates
-            .add_template_owned("chat", config.chat_template)
-            .map_err(|e| PreprocessError::Template(e.to_string()))?;
+        templates.add_template_owned("chat", template).map_err(PreprocessError::Template)?;
         let defaults = ImageConfig::default();
         let image_config = ImageConfig {
             patch: config.image_patch_size.unwrap_or(defaults.patch),
@@ -167,28 +240,48 @@ impl Preprocessor {
             max_pixels: config.image_max_pixels.unwrap_or(defaults.max_pixels),
             ..defaults
         };
-        let model_name = config.model_name.unwrap_or_else(|| {
-            dir.file_name().map_or_else(|| "model".to_owned(), |n| n.to_string_lossy().into_owned())
-        });
-        Ok(Self { tokenizer, templates, model_name, image_token_id, eos_token_id, image_config })
+        // Hugging Face writes 1e30 for "no limit".
+        let max_model_len = config
+            .model_max_length
+            .filter(|&n| n >= 1.0 && n < (1u64 << 40) as f64)
+            .map(|n| n as u64);
+        Ok(Self {
+            tokenizer,
+            templates,
+            model_name: config.model_name.unwrap_or_else(|| default_name.to_owned()),
+            image_token_id,
+            eos_token_id,
+            max_model_len,
+            image_config,
+        })
     }
 
-    /// The model directory shipped in the repository (`models/kvroute-tiny`).
-    pub fn default_model_dir() -> std::path::PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/kvroute-tiny")
+    /// Where the repository keeps the built-in model's files (for tools that rebuild it).
+    pub fn repository_model_dir() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models").join(BUILTIN_MODEL)
     }
 
     pub fn model_name(&self) -> &str {
         &self.model_name
     }
 
-    /// The token every image position carries (what engines' events are normalised to).
-    pub fn image_token_id(&self) -> u32 {
+    /// The token every image position carries (what engines' events are normalised to);
+    /// `None` for a text-only model.
+    pub fn image_token_id(&self) -> Option<u32> {
         self.image_token_id
     }
 
     pub fn eos_token_id(&self) -> Option<u32> {
         self.eos_token_id
+    }
+
+    /// The model's context length (`model_max_length`), when its directory says.
+    pub fn max_model_len(&self) -> Option<u64> {
+        self.max_model_len
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
     }
 
     pub fn image_config(&self) -> &ImageConfig {
@@ -201,30 +294,32 @@ impl Preprocessor {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, PreprocessError> {
-        let template = self
-            .templates
-            .get_template("chat")
-            .map_err(|e| PreprocessError::Template(e.to_string()))?;
+        let template = self.templates.get_template("chat").map_err(PreprocessError::Template)?;
         template
             .render(minijinja::context! {
                 messages => minijinja::Value::from_serialize(messages),
                 add_generation_prompt => add_generation_prompt,
             })
-            .map_err(|e| PreprocessError::Template(e.to_string()))
+            .map_err(PreprocessError::Template)
     }
 
     /// Tokens of `text`, special tokens recognised.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, PreprocessError> {
-        let encoding = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| PreprocessError::Tokenizer(e.to_string()))?;
+        let encoding = self.tokenizer.encode(text, false).map_err(PreprocessError::Tokenizer)?;
         Ok(encoding.get_ids().to_vec())
     }
 
     /// Text of `tokens` (special tokens skipped).
     pub fn decode(&self, tokens: &[u32]) -> Result<String, PreprocessError> {
-        self.tokenizer.decode(tokens, true).map_err(|e| PreprocessError::Tokenizer(e.to_string()))
+        self.tokenizer.decode(tokens, true).map_err(PreprocessError::Tokenizer)
+    }
+
+    /// Refuses images for a text-only model.
+    pub fn check_images(&self, messages: &[ChatMessage]) -> Result<(), PreprocessError> {
+        if self.image_token_id.is_none() && !image_urls(messages).is_empty() {
+            return Err(PreprocessError::TextOnly { model: self.model_name.clone() });
+        }
+        Ok(())
     }
 
     /// A chat request's tokens, with each image's placeholder expanded; `images` are the
@@ -235,6 +330,7 @@ impl Preprocessor {
         add_generation_prompt: bool,
         images: Vec<Image>,
     ) -> Result<Prepared, PreprocessError> {
+        self.check_images(messages)?;
         let text = self.render(messages, add_generation_prompt)?;
         self.expand(self.encode(&text)?, images)
     }
@@ -259,7 +355,13 @@ impl Preprocessor {
 
     /// Replaces the i-th image token with `images[i].tokens` copies and records where.
     fn expand(&self, tokens: Vec<u32>, images: Vec<Image>) -> Result<Prepared, PreprocessError> {
-        let pads = tokens.iter().filter(|&&t| t == self.image_token_id).count();
+        let Some(pad) = self.image_token_id else {
+            if images.is_empty() {
+                return Ok(Prepared { tokens, mm: RequestExtraInfo::default(), images });
+            }
+            return Err(PreprocessError::TextOnly { model: self.model_name.clone() });
+        };
+        let pads = tokens.iter().filter(|&&t| t == pad).count();
         if pads != images.len() {
             return Err(PreprocessError::ImageCount { parts: pads, given: images.len() });
         }
@@ -268,13 +370,13 @@ impl Preprocessor {
         let mut objects = Vec::with_capacity(images.len());
         let mut next = images.iter();
         for t in tokens {
-            if t != self.image_token_id {
+            if t != pad {
                 out.push(t);
                 continue;
             }
             let image = next.next().unwrap_or_else(|| unreachable!("counted above"));
             let start = out.len();
-            out.extend(std::iter::repeat_n(self.image_token_id, image.tokens));
+            out.extend(std::iter::repeat_n(pad, image.tokens));
             objects.push(RequestMmObjectInfo {
                 mm_hash: image.mm_hash,
                 offsets: vec![(start, out.len())],

@@ -5,7 +5,7 @@ use kvroute_core::{BlockHasher, BlockSize};
 use super::*;
 
 fn model() -> Preprocessor {
-    Preprocessor::load(&Preprocessor::default_model_dir()).unwrap()
+    Preprocessor::builtin()
 }
 
 fn png(width: u32, height: u32, shade: u8) -> Vec<u8> {
@@ -69,7 +69,7 @@ fn images_expand_into_placeholders_with_offsets() {
     ]))];
     assert_eq!(image_urls(&messages), vec![url.as_str(), "https://example.invalid/b.png"]);
     let plain = m.prepare_chat(&messages, true, vec![a.clone(), b.clone()]).unwrap();
-    let pad = m.image_token_id();
+    let pad = m.image_token_id().unwrap();
     assert_eq!(plain.mm.mm_objects.len(), 2);
     for (object, image) in plain.mm.mm_objects.iter().zip([&a, &b]) {
         let (s, e) = object.offsets[0];
@@ -101,4 +101,71 @@ fn images_expand_into_placeholders_with_offsets() {
 fn a_missing_model_dir_is_a_clear_error() {
     let err = Preprocessor::load(Path::new("/nonexistent/model")).unwrap_err().to_string();
     assert!(err.contains("/nonexistent/model") && err.contains("tokenizer.json"), "{err}");
+}
+
+fn text_only() -> Preprocessor {
+    Preprocessor::load(&Preprocessor::repository_model_dir().join("../tiny-text")).unwrap()
+}
+
+#[test]
+fn the_builtin_model_is_the_repository_one() {
+    let from_dir = Preprocessor::load(&Preprocessor::repository_model_dir()).unwrap();
+    let builtin = Preprocessor::builtin();
+    assert_eq!(builtin.model_name(), BUILTIN_MODEL);
+    let messages = vec![user(MessageContent::Text("Same tokens either way?".into()))];
+    assert_eq!(
+        builtin.prepare_chat(&messages, true, Vec::new()).unwrap(),
+        from_dir.prepare_chat(&messages, true, Vec::new()).unwrap()
+    );
+    assert_eq!(builtin.image_token_id(), from_dir.image_token_id());
+    assert!(builtin.image_token_id().is_some());
+    assert_eq!(Preprocessor::load_or_builtin(None).unwrap().model_name(), BUILTIN_MODEL);
+}
+
+#[test]
+fn a_text_only_model_uses_the_plain_template_and_refuses_images() {
+    let m = text_only();
+    assert_eq!(m.model_name(), "tiny-text");
+    assert_eq!(m.image_token_id(), None);
+    assert_eq!(m.max_model_len(), Some(4096));
+    let messages = vec![
+        ChatMessage::text("system", "Be brief."),
+        user(MessageContent::Parts(vec![ContentPart::Text { text: "Hello there".into() }])),
+    ];
+    let text = m.render(&messages, true).unwrap();
+    assert_eq!(text, "system: Be brief.\nuser: Hello there\nassistant: ");
+    let prepared = m.prepare_chat(&messages, true, Vec::new()).unwrap();
+    assert_eq!(m.decode(&prepared.tokens).unwrap(), text);
+    let with_image =
+        vec![user(MessageContent::Parts(vec![image_part("data:image/png;base64,AAAA".into())]))];
+    let err = m.prepare_chat(&with_image, true, Vec::new()).unwrap_err();
+    assert!(matches!(err, PreprocessError::TextOnly { .. }), "{err}");
+    let api: kvroute_http::ApiError = err.into();
+    assert_eq!(api.status().as_u16(), 400);
+    assert!(api.message().contains("takes text only"), "{}", api.message());
+}
+
+#[test]
+fn hugging_face_config_forms_are_read() {
+    let dir = std::env::temp_dir().join(format!("kvroute-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tiny = Preprocessor::repository_model_dir();
+    std::fs::copy(tiny.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let config = serde_json::json!({
+        "eos_token": {"content": "<|im_end|>", "lstrip": false},
+        "model_max_length": 1e30,
+        "chat_template": [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0]['content'] }}"}],
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let m = Preprocessor::load(&dir).unwrap();
+    assert_eq!(m.eos_token_id(), Preprocessor::builtin().eos_token_id());
+    assert_eq!(m.max_model_len(), None, "1e30 means no limit");
+    assert_eq!(m.render(&[ChatMessage::text("user", "only this")], true).unwrap(), "only this");
+    std::fs::write(dir.join("chat_template.jinja"), "file: {{ messages[0]['content'] }}").unwrap();
+    let m = Preprocessor::load(&dir).unwrap();
+    assert_eq!(m.render(&[ChatMessage::text("user", "x")], true).unwrap(), "file: x");
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"image_token": "<|nope|>"}"#).unwrap();
+    let err = Preprocessor::load(&dir).unwrap_err().to_string();
+    assert!(err.contains("no image token") && err.contains("kvroute-hf"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

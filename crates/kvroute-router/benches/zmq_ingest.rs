@@ -17,12 +17,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::{BlockHasher, BlockSize, LocalBlockHash};
+use kvroute_http::HttpClient;
+use kvroute_http::router_api::{self, BestWorker, FindBestWorker};
 use kvroute_router::metrics::EventKind;
 use kvroute_router::{Placement, RouterConfig, RouterState, WorkerSpec};
 use kvroute_wire::vllm::encode_batch;
 use kvroute_wire::{BlockStored, EngineEvent, KvEventBatch};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 const BS: usize = 16;
@@ -111,35 +112,6 @@ async fn start_router(
     (state, tasks, addr)
 }
 
-/// A kept-alive HTTP/1.1 client for one route.
-struct Client {
-    reader: BufReader<TcpStream>,
-}
-
-impl Client {
-    async fn post(&mut self, path: &str, body: &str) -> String {
-        let req = format!(
-            "POST {path} HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        self.reader.get_mut().write_all(req.as_bytes()).await.unwrap();
-        let mut len = 0;
-        loop {
-            let mut line = String::new();
-            self.reader.read_line(&mut line).await.unwrap();
-            if line == "\r\n" {
-                break;
-            }
-            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                len = v.trim().parse().unwrap();
-            }
-        }
-        let mut buf = vec![0; len];
-        self.reader.read_exact(&mut buf).await.unwrap();
-        String::from_utf8(buf).unwrap()
-    }
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let quick = !std::env::args().any(|a| a == "--bench");
@@ -210,12 +182,19 @@ async fn main() {
     let hasher = BlockHasher::new(BlockSize::new(BS as u32).unwrap());
     let queries: Vec<Vec<LocalBlockHash>> =
         (0..64).map(|s| hasher.local_hashes(&tokens(s * 3), None)).collect();
-    let bodies: Vec<String> = queries
+    let bodies: Vec<FindBestWorker> = queries
         .iter()
-        .map(|q| serde_json::json!({"local_hashes": q.iter().map(|l| l.0).collect::<Vec<_>>(), "num_tokens": 512 * BS}).to_string())
+        .map(|q| FindBestWorker {
+            local_hashes: q.iter().map(|l| l.0).collect(),
+            num_tokens: (512 * BS) as i64,
+            request_id: None,
+            overlap_score_weight: None,
+            temperature: None,
+            exclude: Vec::new(),
+        })
         .collect();
-    let mut client = Client { reader: BufReader::new(TcpStream::connect(addr).await.unwrap()) };
-    client.reader.get_ref().set_nodelay(true).unwrap();
+    let client = HttpClient::new();
+    let url = format!("http://{addr}{}", router_api::FIND_BEST_WORKER);
     let (mut inside, mut http) = (Vec::new(), Vec::new());
     let start = Instant::now();
     for i in 0..decisions {
@@ -236,9 +215,9 @@ async fn main() {
         std::hint::black_box(state.place(&placement));
         inside.push(t.elapsed().as_nanos() as u64);
         let t = Instant::now();
-        let answer = client.post("/find_best_worker", &bodies[i % bodies.len()]).await;
+        let answer: BestWorker = client.post_json(&url, &bodies[i % bodies.len()]).await.unwrap();
         http.push(t.elapsed().as_nanos() as u64);
-        assert!(answer.contains("worker_id"), "{answer}");
+        std::hint::black_box(answer);
     }
     publisher_task.abort();
     println!();

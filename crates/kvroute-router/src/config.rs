@@ -1,19 +1,20 @@
-//! Workers and router settings: `--worker id=7,url=http://..,events=tcp://..` values or a TOML
-//! file with the same keys (SPEC section 11).
+//! Workers and router settings: `--worker id=7,url=http://..,events=tcp://..` values or TOML
+//! `[[workers]]` tables with the same keys and values (SPEC section 11).
 
-use std::path::Path;
+use std::fmt;
 use std::str::FromStr;
 
-use kvroute_core::index::IndexConfig;
+use kvroute_core::index::{ApproxConfig, IndexConfig};
 use kvroute_core::schedule::SchedulerConfig;
 use kvroute_core::{BlockSize, WorkerId};
 use serde::{Deserialize, Serialize};
 
 use crate::RouterError;
 
-/// How a worker publishes its KV events.
+/// How a worker publishes its KV events (in flags and files alike: `vllm`, `sglang`,
+/// `trtllm-json`, `trtllm-msgpack`, `kvroute`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[serde(try_from = "String", into = "String")]
 pub enum EventFormat {
     /// vLLM and SGLang: ZMQ `[topic, seq, msgpack batch]`.
     #[default]
@@ -24,6 +25,36 @@ pub enum EventFormat {
     TrtllmMsgpack,
     /// kvroute's own `RouterEvent` JSON.
     Kvroute,
+}
+
+impl EventFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::TrtllmJson => "trtllm-json",
+            Self::TrtllmMsgpack => "trtllm-msgpack",
+            Self::Kvroute => "kvroute",
+        }
+    }
+}
+
+impl fmt::Display for EventFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl TryFrom<String> for EventFormat {
+    type Error = RouterError;
+    fn try_from(s: String) -> Result<Self, RouterError> {
+        s.parse()
+    }
+}
+
+impl From<EventFormat> for String {
+    fn from(f: EventFormat) -> String {
+        f.name().to_owned()
+    }
 }
 
 impl FromStr for EventFormat {
@@ -49,13 +80,15 @@ pub struct WorkerSpec {
     /// Its OpenAI-compatible HTTP endpoint (absent for a router that only scores).
     #[serde(default)]
     pub url: Option<String>,
-    /// Its KV event publisher (absent: approximate mode).
+    /// Its KV event publisher (absent: approximate mode, the router assumes what it routed
+    /// there is cached for a while).
     #[serde(default)]
     pub events: Option<String>,
     /// Its replay (ROUTER) endpoint, for recovering missed batches.
     #[serde(default)]
     pub replay: Option<String>,
-    /// Its load-metrics stream (ZMQ, JSON messages).
+    /// Its load reports: a ZMQ stream of JSON messages (`tcp://`), or a Prometheus endpoint
+    /// polled for vLLM's gauges (`http://.../metrics`).
     #[serde(default)]
     pub metrics: Option<String>,
     /// Defaults to the router's block size.
@@ -153,8 +186,7 @@ impl FromStr for WorkerSpec {
 pub const DEFAULT_MAX_DP_SIZE: u32 = 256;
 
 /// Everything the router service needs, with kvroute's defaults.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RouterConfig {
     pub block_size: BlockSize,
     pub workers: Vec<WorkerSpec>,
@@ -165,7 +197,8 @@ pub struct RouterConfig {
     /// refused (a rank is a slot in every per-worker table, so an unbounded one from the wire
     /// would size memory).
     pub max_dp_size: u32,
-    #[serde(skip)]
+    /// Approximate mode (workers without `events`).
+    pub approx: ApproxConfig,
     pub scheduler: SchedulerConfig,
 }
 
@@ -178,20 +211,13 @@ impl Default for RouterConfig {
             // 16M (worker, block) pairs: ~0.8 GB of index at most, whatever the event flood.
             index: IndexConfig { max_held_blocks: Some(16 << 20) },
             max_dp_size: DEFAULT_MAX_DP_SIZE,
+            approx: ApproxConfig::default(),
             scheduler: SchedulerConfig::default(),
         }
     }
 }
 
 impl RouterConfig {
-    /// Reads workers (and settings) from a TOML file: `block_size = 16` and `[[workers]]`
-    /// tables with the `--worker` keys.
-    pub fn from_toml_file(path: &Path) -> Result<Self, RouterError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| RouterError::Config(format!("reading {}: {e}", path.display())))?;
-        toml::from_str(&text).map_err(|e| RouterError::Config(format!("{}: {e}", path.display())))
-    }
-
     /// Checks what serde cannot: unique worker ids, usable endpoints.
     pub fn validate(&self) -> Result<(), RouterError> {
         if self.max_dp_size == 0 {
@@ -203,13 +229,28 @@ impl RouterConfig {
             return Err(RouterError::Config(format!("worker id {} given twice", dup[0])));
         }
         for w in &self.workers {
-            for endpoint in [&w.events, &w.replay, &w.metrics].into_iter().flatten() {
+            for endpoint in [&w.events, &w.replay].into_iter().flatten() {
                 if !endpoint.starts_with("tcp://") {
                     return Err(RouterError::Config(format!(
                         "worker {}: endpoint {endpoint:?} must be tcp://host:port",
                         w.id
                     )));
                 }
+            }
+            if let Some(m) = &w.metrics
+                && !m.starts_with("tcp://")
+                && !m.starts_with("http://")
+            {
+                return Err(RouterError::Config(format!(
+                    "worker {}: metrics {m:?} must be tcp://host:port (load reports) or http://host:port/metrics (Prometheus)",
+                    w.id
+                )));
+            }
+            if w.replay.is_some() && w.events.is_none() {
+                return Err(RouterError::Config(format!(
+                    "worker {}: replay without events (give events, or neither for approximate mode)",
+                    w.id
+                )));
             }
             if w.dp_size > self.max_dp_size {
                 return Err(RouterError::Config(format!(
@@ -249,13 +290,21 @@ mod tests {
     }
 
     #[test]
-    fn toml_has_the_same_keys() {
-        let config: RouterConfig = toml::from_str(
-            "block_size = 32\n[[workers]]\nid = 1\nevents = \"tcp://127.0.0.1:5557\"\n[[workers]]\nid = 2\nformat = \"trtllm-json\"\n",
+    fn toml_tables_take_every_key_and_value_of_the_flag() {
+        #[derive(Deserialize)]
+        struct File {
+            workers: Vec<WorkerSpec>,
+        }
+        let file: File = toml::from_str(
+            "[[workers]]\nid = 1\nevents = \"tcp://127.0.0.1:5557\"\nformat = \"sglang\"\n[[workers]]\nid = 2\nformat = \"trtllm-json\"\nmetrics = \"http://127.0.0.1:8000/metrics\"\n",
         )
         .unwrap();
-        assert_eq!(config.block_size.get(), 32);
-        assert_eq!(config.workers[1].format, EventFormat::TrtllmJson);
+        let flag: WorkerSpec = "id=1,events=tcp://127.0.0.1:5557,format=sglang".parse().unwrap();
+        assert_eq!(file.workers[0], flag);
+        assert_eq!(file.workers[1].format, EventFormat::TrtllmJson);
+        let bad = toml::from_str::<File>("[[workers]]\nid = 1\nformat = \"vlm\"\n");
+        assert!(bad.is_err_and(|e| e.to_string().contains("unknown event format")));
+        let config = RouterConfig { workers: file.workers, ..RouterConfig::default() };
         config.validate().unwrap();
         let dup = RouterConfig {
             workers: vec![WorkerSpec::new(1), WorkerSpec::new(1)],

@@ -4,26 +4,25 @@
 //!
 //! ```text
 //!  workers' PUB sockets ──▶ subscriber tasks (one per rank) ──▶ RouterState { index, scheduler }
-//!  workers' load streams ─▶ metrics tasks ─────────────────────┘        ▲
+//!  workers' load (ZMQ / HTTP) ▶ load tasks (load.rs) ──────────┘        ▲
 //!  HTTP clients / the front door ──▶ axum app (http.rs) ────────────────┘
 //! ```
 
 pub mod config;
 pub mod http;
+pub mod load;
 pub mod metrics;
 pub mod state;
 pub mod subscriber;
 
 use std::future::Future;
-
-use axum::serve::ListenerExt as _;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use config::{EventFormat, RouterConfig, WorkerSpec};
 use kvroute_core::{BlockSize, WorkerWithDpRank};
 use kvroute_wire::ConvertConfig;
-pub use state::{Placement, RouterState};
+pub use state::{CacheMode, Placement, RouterState, WorkerStatus};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -85,12 +84,18 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
             }
         }
         if let Some(metrics) = &spec.metrics {
-            tasks.push(tokio::spawn(subscriber::run_metrics(
-                Arc::clone(state),
-                spec.id,
-                metrics.clone(),
-            )));
+            tasks.push(tokio::spawn(load::run(Arc::clone(state), spec.id, metrics.clone())));
         }
+    }
+    if state.has_approximate() {
+        let approx = Arc::clone(state);
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                approx.expire_approximate(Instant::now());
+            }
+        }));
     }
     let reclaim = Arc::clone(state);
     tasks.push(tokio::spawn(async move {
@@ -115,10 +120,6 @@ pub async fn serve(
     state: Arc<RouterState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
-    // Small answers on kept-alive connections: no Nagle delay behind a delayed ACK.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, http::app(state)).with_graceful_shutdown(shutdown).await?;
+    kvroute_http::serve(listener, http::app(state), shutdown).await?;
     Ok(())
 }

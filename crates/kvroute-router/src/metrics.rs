@@ -1,137 +1,244 @@
-//! The router's Prometheus metrics: names as constants, counters as atomics, rendered as text.
+//! The router's Prometheus metrics, registered once in a [`Registry`] (names as constants;
+//! counters get `_total` when encoded). Sizes the index and the scheduler know (blocks,
+//! evictions, in-flight requests, per-worker state) are read at scrape time by
+//! [`RouterState::registry`](crate::RouterState::registry).
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvroute_core::index::IndexStats;
+use kvroute_core::WorkerWithDpRank;
+use kvroute_http::metrics::{
+    Counter, CounterOf, EncodeLabelSet, Family, Gauge, Histogram, Registry,
+};
+use kvroute_wire::ConvertStats;
 
-pub const EVENTS: &str = "kvroute_router_events_total";
-pub const GAPS: &str = "kvroute_router_event_gaps_total";
-pub const REPLAYS: &str = "kvroute_router_replays_total";
-pub const REPLAYED_BATCHES: &str = "kvroute_router_replayed_batches_total";
-pub const GARBAGE: &str = "kvroute_router_undecodable_messages_total";
-pub const REJECTED: &str = "kvroute_router_events_rejected_total";
-pub const RESTARTS: &str = "kvroute_router_publisher_restarts_total";
+pub const EVENTS: &str = "kvroute_router_events";
+pub const REJECTED: &str = "kvroute_router_events_rejected";
+pub const GAPS: &str = "kvroute_router_event_gaps";
+pub const REPLAYS: &str = "kvroute_router_replays";
+pub const REPLAYED_BATCHES: &str = "kvroute_router_replayed_batches";
+pub const GARBAGE: &str = "kvroute_router_undecodable_messages";
+pub const RESTARTS: &str = "kvroute_router_publisher_restarts";
+pub const CONVERTED: &str = "kvroute_router_converted_blocks";
 pub const INDEX_BLOCKS: &str = "kvroute_router_index_blocks";
 pub const INDEX_HELD_BLOCKS: &str = "kvroute_router_index_held_blocks";
-pub const INDEX_EVICTED: &str = "kvroute_router_index_evicted_blocks_total";
-pub const DECISIONS: &str = "kvroute_router_decisions_total";
+pub const INDEX_BUDGET: &str = "kvroute_router_index_budget_blocks";
+pub const INDEX_EVICTED: &str = "kvroute_router_index_evicted_blocks";
+pub const DECISIONS: &str = "kvroute_router_decisions";
 pub const DECISION_SECONDS: &str = "kvroute_router_decision_seconds";
-pub const WORKER_DECISIONS: &str = "kvroute_router_worker_decisions_total";
+pub const WORKER_DECISIONS: &str = "kvroute_router_worker_decisions";
+pub const WORKER_READY: &str = "kvroute_router_worker_ready";
+pub const WORKER_BLOCKS: &str = "kvroute_router_worker_blocks";
+pub const IN_FLIGHT: &str = "kvroute_router_in_flight_requests";
 
-/// Event kinds and outcomes, the labels of [`EVENTS`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Event kinds, a label of [`EVENTS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum EventKind {
-    Stored = 0,
-    Removed = 1,
-    Cleared = 2,
+    Stored,
+    Removed,
+    Cleared,
 }
 
-const KINDS: [&str; 3] = ["stored", "removed", "cleared"];
+impl EventKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Stored => "stored",
+            Self::Removed => "removed",
+            Self::Cleared => "cleared",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct EventLabels {
+    pub kind: &'static str,
+    /// `ok`, or `error` when the index refused the event.
+    pub status: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct WorkerLabels {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+}
+
+impl From<WorkerWithDpRank> for WorkerLabels {
+    fn from(w: WorkerWithDpRank) -> Self {
+        Self { worker_id: w.worker_id.0, dp_rank: w.dp_rank.0 }
+    }
+}
+
+/// Where a worker's blocks come from, a label of [`WORKER_BLOCKS`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct BlocksLabels {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub mode: &'static str,
+}
+
+/// What conversion did with an engine's blocks, a label of [`CONVERTED`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ConvertLabels {
+    pub worker_id: u64,
+    pub outcome: &'static str,
+}
+
+fn event_labels(kind: EventKind, ok: bool) -> EventLabels {
+    EventLabels { kind: kind.label(), status: if ok { "ok" } else { "error" } }
+}
 
 /// Upper bounds (seconds) of the decision-latency histogram.
 const BUCKETS: [f64; 12] = [1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2, 1e-1];
 
-#[derive(Debug, Default)]
-pub struct Histogram {
-    counts: [AtomicU64; BUCKETS.len() + 1],
-    sum_nanos: AtomicU64,
-}
-
-impl Histogram {
-    pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        let i = BUCKETS.iter().position(|&b| secs <= b).unwrap_or(BUCKETS.len());
-        self.counts[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_nanos.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str) {
-        let _ = writeln!(out, "# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (i, bound) in BUCKETS.iter().enumerate() {
-            cumulative += self.counts[i].load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound:e}\"}} {cumulative}");
-        }
-        cumulative += self.counts[BUCKETS.len()].load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
-        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum {sum}");
-        let _ = writeln!(out, "{name}_count {cumulative}");
-    }
-}
-
-#[derive(Debug, Default)]
+/// Every metric of the router, and the registry that encodes them.
+#[derive(Debug)]
 pub struct Metrics {
-    /// [kind][ok = 0, error = 1]
-    events: [[AtomicU64; 2]; 3],
-    pub gaps: AtomicU64,
-    pub replays: AtomicU64,
-    pub replayed_batches: AtomicU64,
-    pub garbage: AtomicU64,
-    pub restarts: AtomicU64,
-    /// Events refused for a data-parallel rank at or above `max_dp_size`.
-    pub rejected_dp_rank: AtomicU64,
-    pub decisions: AtomicU64,
-    pub decision_latency: Histogram,
+    pub registry: Registry,
+    events: Family<EventLabels, Counter>,
+    rejected: Family<ReasonLabels, Counter>,
+    pub gaps: Counter,
+    pub replays: Counter,
+    pub replayed_batches: Counter,
+    pub garbage: Counter,
+    pub restarts: Counter,
+    converted: Family<ConvertLabels, Counter>,
+    pub index_blocks: Gauge,
+    pub index_held_blocks: Gauge,
+    pub index_budget: Gauge,
+    pub index_evicted: CounterOf,
+    pub decisions: Counter,
+    decision_seconds: Histogram,
+    pub worker_decisions: Family<WorkerLabels, Counter>,
+    pub worker_ready: Family<WorkerLabels, Gauge>,
+    pub worker_blocks: Family<BlocksLabels, Gauge>,
+    pub in_flight: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Metrics {
+    pub fn new() -> Self {
+        let mut r = Registry::default();
+        let m = Self {
+            events: Family::default(),
+            rejected: Family::default(),
+            gaps: Counter::default(),
+            replays: Counter::default(),
+            replayed_batches: Counter::default(),
+            garbage: Counter::default(),
+            restarts: Counter::default(),
+            converted: Family::default(),
+            index_blocks: Gauge::default(),
+            index_held_blocks: Gauge::default(),
+            index_budget: Gauge::default(),
+            index_evicted: CounterOf::default(),
+            decisions: Counter::default(),
+            decision_seconds: Histogram::new(BUCKETS),
+            worker_decisions: Family::default(),
+            worker_ready: Family::default(),
+            worker_blocks: Family::default(),
+            in_flight: Gauge::default(),
+            registry: Registry::default(),
+        };
+        r.register(
+            EVENTS,
+            "KV events applied (ok) or refused by the index (error)",
+            m.events.clone(),
+        );
+        r.register(
+            REJECTED,
+            "KV events refused before the index (e.g. an out-of-range dp rank)",
+            m.rejected.clone(),
+        );
+        r.register(GAPS, "Jumps in a publisher's sequence numbers", m.gaps.clone());
+        r.register(REPLAYS, "Replay requests sent to engines", m.replays.clone());
+        r.register(
+            REPLAYED_BATCHES,
+            "Event batches recovered by replay",
+            m.replayed_batches.clone(),
+        );
+        r.register(GARBAGE, "Messages that could not be decoded", m.garbage.clone());
+        r.register(RESTARTS, "Publishers seen restarting (sequence back to 0)", m.restarts.clone());
+        r.register(
+            CONVERTED,
+            "Engine blocks by what conversion did with them",
+            m.converted.clone(),
+        );
+        r.register(INDEX_BLOCKS, "Distinct blocks in the index", m.index_blocks.clone());
+        r.register(
+            INDEX_HELD_BLOCKS,
+            "(worker, block) pairs in the index",
+            m.index_held_blocks.clone(),
+        );
+        r.register(
+            INDEX_BUDGET,
+            "Most (worker, block) pairs the index keeps",
+            m.index_budget.clone(),
+        );
+        r.register(
+            INDEX_EVICTED,
+            "(worker, block) pairs evicted to stay within the budget",
+            m.index_evicted.counter.clone(),
+        );
+        r.register(DECISIONS, "Routing decisions", m.decisions.clone());
+        r.register(DECISION_SECONDS, "Time to decide, seconds", m.decision_seconds.clone());
+        r.register(WORKER_DECISIONS, "Routing decisions per worker", m.worker_decisions.clone());
+        r.register(
+            WORKER_READY,
+            "1 when the worker's event stream and load reports are up",
+            m.worker_ready.clone(),
+        );
+        r.register(
+            WORKER_BLOCKS,
+            "Blocks the index holds per worker, by mode (events or approximate)",
+            m.worker_blocks.clone(),
+        );
+        r.register(IN_FLIGHT, "Requests routed and not yet finished", m.in_flight.clone());
+        Self { registry: r, ..m }
+    }
+
     pub fn event(&self, kind: EventKind, ok: bool) {
-        self.events[kind as usize][usize::from(!ok)].fetch_add(1, Ordering::Relaxed);
+        self.events.get_or_create(&event_labels(kind, ok)).inc();
     }
 
     pub fn events(&self, kind: EventKind, ok: bool) -> u64 {
-        self.events[kind as usize][usize::from(!ok)].load(Ordering::Relaxed)
+        self.events.get_or_create(&event_labels(kind, ok)).get()
     }
 
-    /// Prometheus text exposition of everything, with the index's sizes and the decisions per
-    /// worker passed in.
-    pub fn render(&self, index: &IndexStats, per_worker: &[(u64, u32, u64)]) -> String {
-        let mut out = String::new();
-        let _ = writeln!(out, "# TYPE {EVENTS} counter");
-        for (k, kind) in KINDS.iter().enumerate() {
-            for (s, status) in ["ok", "error"].iter().enumerate() {
-                let n = self.events[k][s].load(Ordering::Relaxed);
-                let _ = writeln!(out, "{EVENTS}{{kind=\"{kind}\",status=\"{status}\"}} {n}");
+    pub fn rejected(&self, reason: &'static str) {
+        self.rejected.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    pub fn decision(&self, worker: WorkerWithDpRank, took: Duration) {
+        self.decisions.inc();
+        self.decision_seconds.observe(took.as_secs_f64());
+        self.worker_decisions.get_or_create(&worker.into()).inc();
+    }
+
+    /// Adds what conversion did with `worker`'s blocks since `before`.
+    pub fn converted(&self, worker: u64, before: &ConvertStats, now: &ConvertStats) {
+        for (outcome, a, b) in [
+            ("stored", before.blocks_stored, now.blocks_stored),
+            ("removed", before.blocks_removed, now.blocks_removed),
+            ("skipped_medium", before.skipped_medium, now.skipped_medium),
+            ("skipped_group", before.skipped_group, now.skipped_group),
+            ("wrong_block_size", before.wrong_block_size, now.wrong_block_size),
+            ("malformed_event", before.malformed, now.malformed),
+            ("other_event", before.other_events, now.other_events),
+        ] {
+            if b > a {
+                self.converted
+                    .get_or_create(&ConvertLabels { worker_id: worker, outcome })
+                    .inc_by(b - a);
             }
         }
-        let _ = writeln!(
-            out,
-            "# TYPE {REJECTED} counter\n{REJECTED}{{reason=\"dp_rank\"}} {}",
-            self.rejected_dp_rank.load(Ordering::Relaxed)
-        );
-        for (name, counter) in [
-            (GAPS, &self.gaps),
-            (REPLAYS, &self.replays),
-            (REPLAYED_BATCHES, &self.replayed_batches),
-            (GARBAGE, &self.garbage),
-            (RESTARTS, &self.restarts),
-            (DECISIONS, &self.decisions),
-        ] {
-            let _ =
-                writeln!(out, "# TYPE {name} counter\n{name} {}", counter.load(Ordering::Relaxed));
-        }
-        let _ = writeln!(out, "# TYPE {INDEX_BLOCKS} gauge\n{INDEX_BLOCKS} {}", index.blocks);
-        let _ = writeln!(
-            out,
-            "# TYPE {INDEX_HELD_BLOCKS} gauge\n{INDEX_HELD_BLOCKS} {}",
-            index.held_blocks
-        );
-        let _ = writeln!(
-            out,
-            "# TYPE {INDEX_EVICTED} counter\n{INDEX_EVICTED} {}",
-            index.evicted_blocks
-        );
-        let _ = writeln!(out, "# TYPE {WORKER_DECISIONS} counter");
-        for (worker, rank, n) in per_worker {
-            let _ = writeln!(
-                out,
-                "{WORKER_DECISIONS}{{worker_id=\"{worker}\",dp_rank=\"{rank}\"}} {n}"
-            );
-        }
-        self.decision_latency.render(&mut out, DECISION_SECONDS);
-        out
     }
 }

@@ -1,18 +1,47 @@
-//! The router's shared state: the KV index, the scheduler, worker status and metrics.
+//! The router's shared state: the KV index, the scheduler, approximate mode, worker status
+//! (with readiness) and metrics.
+//!
+//! A worker rank is **ready** when its event stream is connected and its replay has caught up
+//! (workers without `events` need none), and, for a worker with `metrics`, a first load report
+//! has arrived. A rank that is not ready is routed to only when no ready one is left, so the
+//! first requests after start-up, or after an engine went away, do not land on a cache the
+//! router cannot see.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard, PoisonError, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use kvroute_core::index::{OverlapScores, ShardedIndex};
+use kvroute_core::index::{ApproxTracker, OverlapScores, ShardedIndex};
 use kvroute_core::schedule::{RouteDecision, RouteRequest, Scheduler, WorkerLoad};
 use kvroute_core::{
-    KvCacheEventData, LocalBlockHash, RouterEvent, WorkerId, WorkerWithDpRank, sequence_hashes,
+    DpRank, KvCacheEventData, LocalBlockHash, RouterEvent, WorkerId, WorkerWithDpRank,
+    sequence_hashes,
 };
+use kvroute_http::metrics::Registry;
+use kvroute_wire::ConvertStats;
 use serde::Serialize;
 
 use crate::config::{RouterConfig, WorkerSpec};
-use crate::metrics::{EventKind, Metrics};
+use crate::metrics::{BlocksLabels, EventKind, Metrics, WorkerLabels};
+
+/// How the router knows a worker's cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheMode {
+    /// From the KV events the engine publishes.
+    Events,
+    /// From its own routing decisions, for engines without events.
+    Approximate,
+}
+
+impl CacheMode {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Events => "events",
+            Self::Approximate => "approximate",
+        }
+    }
+}
 
 /// What the router knows of one worker.
 #[derive(Clone, Debug, Serialize)]
@@ -20,31 +49,79 @@ pub struct WorkerStatus {
     pub id: WorkerId,
     pub url: Option<String>,
     pub events: Option<String>,
+    pub metrics: Option<String>,
+    pub mode: CacheMode,
     pub dp_size: u32,
-    /// Per rank: is the event subscription connected, and the last sequence number seen.
+    /// Per rank: ready to be routed to (see the module docs).
+    pub ready: Vec<bool>,
+    /// Per rank: is the event subscription connected, has its first replay caught up, and
+    /// the last sequence number seen.
     pub connected: Vec<bool>,
+    pub caught_up: Vec<bool>,
     pub last_seq: Vec<Option<u64>>,
     /// Per rank: blocks in the index and the last load report.
     pub tree_size: Vec<usize>,
     pub load: Vec<Option<WorkerLoad>>,
+    /// What conversion did with the worker's event blocks (all ranks).
+    pub conversion: ConvertStats,
     /// Known from configuration (false: it appeared through events).
     pub configured: bool,
+    /// Ranks with an event subscription of their own (the configured ones).
+    #[serde(skip)]
+    subscribed: usize,
 }
 
 impl WorkerStatus {
     fn new(spec: &WorkerSpec, configured: bool) -> Self {
         let n = spec.dp_size as usize;
-        Self {
+        let mode = match (&spec.events, configured) {
+            (None, true) => CacheMode::Approximate,
+            _ => CacheMode::Events,
+        };
+        let mut status = Self {
             id: spec.id,
             url: spec.url.clone(),
             events: spec.events.clone(),
+            metrics: spec.metrics.clone(),
+            mode,
             dp_size: spec.dp_size,
+            ready: vec![false; n],
             connected: vec![false; n],
+            caught_up: vec![false; n],
             last_seq: vec![None; n],
             tree_size: vec![0; n],
             load: vec![None; n],
+            conversion: ConvertStats::default(),
             configured,
+            subscribed: if configured { n } else { 0 },
+        };
+        for rank in 0..n {
+            status.ready[rank] = status.rank_ready(rank);
         }
+        status
+    }
+
+    fn rank_ready(&self, rank: usize) -> bool {
+        // Workers and ranks learned from events are as ready as what brought them.
+        if rank >= self.subscribed {
+            return true;
+        }
+        let events = self.events.is_none() || (self.connected[rank] && self.caught_up[rank]);
+        let load = self.metrics.is_none() || self.load[rank].is_some();
+        events && load
+    }
+
+    fn grow(&mut self, n: usize) {
+        if n <= self.connected.len() {
+            return;
+        }
+        self.dp_size = n as u32;
+        self.connected.resize(n, false);
+        self.caught_up.resize(n, false);
+        self.last_seq.resize(n, None);
+        self.tree_size.resize(n, 0);
+        self.load.resize(n, None);
+        self.ready.resize(n, true);
     }
 }
 
@@ -67,7 +144,11 @@ pub struct RouterState {
     pub metrics: Metrics,
     scheduler: Mutex<Scheduler>,
     workers: RwLock<BTreeMap<WorkerId, WorkerStatus>>,
-    decisions: Mutex<BTreeMap<WorkerWithDpRank, u64>>,
+    /// Approximate mode's bookkeeping; its events go to `index` under this lock, so each
+    /// worker's assumed blocks are applied in order.
+    approx: Mutex<ApproxTracker>,
+    /// Signalled whenever a rank's readiness may have changed.
+    changed: tokio::sync::Notify,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -80,10 +161,11 @@ impl RouterState {
         scheduler_config.block_size = config.block_size;
         let state = Self {
             index: ShardedIndex::new(config.shards, config.index),
-            metrics: Metrics::default(),
+            metrics: Metrics::new(),
             scheduler: Mutex::new(Scheduler::new(scheduler_config)),
             workers: RwLock::new(BTreeMap::new()),
-            decisions: Mutex::new(BTreeMap::new()),
+            approx: Mutex::new(ApproxTracker::new(config.approx)),
+            changed: tokio::sync::Notify::new(),
             config,
         };
         for spec in &state.config.workers {
@@ -92,46 +174,71 @@ impl RouterState {
         state
     }
 
+    fn read_workers(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<WorkerId, WorkerStatus>> {
+        self.workers.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write_workers(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<WorkerId, WorkerStatus>> {
+        self.workers.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn add_worker(&self, spec: &WorkerSpec, configured: bool) {
+        let status = WorkerStatus::new(spec, configured);
         let mut scheduler = lock(&self.scheduler);
         for rank in 0..spec.dp_size {
             let w = WorkerWithDpRank::new(spec.id, rank);
             scheduler.add_worker(w);
+            scheduler.set_ready(w, status.ready[rank as usize]);
             self.index.register_worker(w);
         }
-        let mut workers = self.workers.write().unwrap_or_else(PoisonError::into_inner);
-        workers.entry(spec.id).or_insert_with(|| WorkerStatus::new(spec, configured));
+        drop(scheduler);
+        self.write_workers().entry(spec.id).or_insert(status);
     }
 
     /// A worker seen in events but not configured becomes a candidate (the standalone router
     /// learns its fleet from `/events` and `/debug/inject_event`).
     fn ensure_worker(&self, worker: WorkerWithDpRank) {
-        let known = {
-            let workers = self.workers.read().unwrap_or_else(PoisonError::into_inner);
-            workers.get(&worker.worker_id).is_some_and(|w| worker.dp_rank.0 < w.dp_size)
-        };
-        if !known {
-            let mut spec = WorkerSpec::new(worker.worker_id.0);
-            spec.dp_size = worker.dp_rank.0 + 1;
-            let mut workers = self.workers.write().unwrap_or_else(PoisonError::into_inner);
-            if let Some(status) = workers.get_mut(&worker.worker_id) {
-                // A rank beyond the configured ones: grow the per-rank vectors.
-                let n = spec.dp_size as usize;
-                status.dp_size = status.dp_size.max(spec.dp_size);
-                status.connected.resize(n.max(status.connected.len()), false);
-                status.last_seq.resize(n.max(status.last_seq.len()), None);
-                status.tree_size.resize(n.max(status.tree_size.len()), 0);
-                status.load.resize(n.max(status.load.len()), None);
-            } else {
+        let (known, approximate) =
+            self.read_workers().get(&worker.worker_id).map_or((false, false), |w| {
+                (worker.dp_rank.0 < w.dp_size, w.mode == CacheMode::Approximate)
+            });
+        if approximate {
+            self.leave_approximate(worker.worker_id);
+        }
+        if known {
+            return;
+        }
+        let mut workers = self.write_workers();
+        match workers.get_mut(&worker.worker_id) {
+            // A rank beyond the known ones: grow the per-rank tables.
+            Some(status) => status.grow(worker.dp_rank.0 as usize + 1),
+            None => {
+                let mut spec = WorkerSpec::new(worker.worker_id.0);
+                spec.dp_size = worker.dp_rank.0 + 1;
                 workers.insert(worker.worker_id, WorkerStatus::new(&spec, false));
             }
-            drop(workers);
-            lock(&self.scheduler).add_worker(worker);
         }
+        drop(workers);
+        lock(&self.scheduler).add_worker(worker);
+    }
+
+    /// A worker configured without `events` whose events arrive all the same (posted to
+    /// `/events`): what the router assumed of it gives way to what it says.
+    fn leave_approximate(&self, worker: WorkerId) {
+        let mut approx = lock(&self.approx);
+        let mut workers = self.write_workers();
+        let Some(status) = workers.get_mut(&worker) else { return };
+        if status.mode != CacheMode::Approximate {
+            return;
+        }
+        status.mode = CacheMode::Events;
+        approx.remove_worker(worker);
+        self.index.clear_all_blocks(worker);
+        tracing::info!(%worker, "events arrive for a worker routed approximately: following its events");
     }
 
     /// Whether `rank` is within the configured bound of data-parallel ranks.
-    pub fn valid_dp_rank(&self, rank: kvroute_core::DpRank) -> bool {
+    pub fn valid_dp_rank(&self, rank: DpRank) -> bool {
         rank.0 < self.config.max_dp_size
     }
 
@@ -142,24 +249,28 @@ impl RouterState {
         let mut ok = 0;
         for e in events {
             if !self.valid_dp_rank(e.event.dp_rank) {
-                self.metrics.rejected_dp_rank.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics.rejected("dp_rank");
                 tracing::debug!(worker = %e.worker_id, dp_rank = %e.event.dp_rank, "event refused: dp rank out of range");
                 continue;
             }
             self.ensure_worker(e.worker());
-            let kind = match e.event.data {
-                KvCacheEventData::Stored(_) => EventKind::Stored,
-                KvCacheEventData::Removed(_) => EventKind::Removed,
-                KvCacheEventData::Cleared => EventKind::Cleared,
-            };
-            let result = self.index.apply_event(e);
-            if let Err(err) = &result {
-                tracing::debug!(worker = %e.worker(), %err, "event not applied cleanly");
-            }
-            self.metrics.event(kind, result.is_ok());
-            ok += usize::from(result.is_ok());
+            ok += usize::from(self.apply_one(e));
         }
         ok
+    }
+
+    fn apply_one(&self, e: &RouterEvent) -> bool {
+        let kind = match e.event.data {
+            KvCacheEventData::Stored(_) => EventKind::Stored,
+            KvCacheEventData::Removed(_) => EventKind::Removed,
+            KvCacheEventData::Cleared => EventKind::Cleared,
+        };
+        let result = self.index.apply_event(e);
+        if let Err(err) = &result {
+            tracing::debug!(worker = %e.worker(), %err, "event not applied cleanly");
+        }
+        self.metrics.event(kind, result.is_ok());
+        result.is_ok()
     }
 
     /// Chooses a worker. `None` when there is none to choose.
@@ -177,10 +288,31 @@ impl RouterState {
             exclude: p.exclude,
         };
         let decision = lock(&self.scheduler).route(&request, &scores, &self.index, start)?;
-        self.metrics.decision_latency.observe(start.elapsed());
-        self.metrics.decisions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        *lock(&self.decisions).entry(decision.worker).or_insert(0) += 1;
+        if self.mode(decision.worker.worker_id) == Some(CacheMode::Approximate) {
+            let mut approx = lock(&self.approx);
+            for e in approx.record_routed(decision.worker, p.local_hashes, start) {
+                self.apply_one(&e);
+            }
+        }
+        self.metrics.decision(decision.worker, start.elapsed());
         Some((decision, scores))
+    }
+
+    fn mode(&self, worker: WorkerId) -> Option<CacheMode> {
+        self.read_workers().get(&worker).map(|w| w.mode)
+    }
+
+    /// Forgets approximate-mode blocks whose time is up.
+    pub fn expire_approximate(&self, now: Instant) {
+        let mut approx = lock(&self.approx);
+        for e in approx.expire(now) {
+            self.apply_one(&e);
+        }
+    }
+
+    /// Whether any configured worker is routed in approximate mode.
+    pub fn has_approximate(&self) -> bool {
+        self.read_workers().values().any(|w| w.mode == CacheMode::Approximate)
     }
 
     pub fn prefill_done(&self, request_id: &str) {
@@ -198,31 +330,114 @@ impl RouterState {
 
     pub fn update_load(&self, worker: WorkerWithDpRank, load: WorkerLoad) {
         lock(&self.scheduler).update_load(worker, load);
-        let mut workers = self.workers.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some(slot) = workers
-            .get_mut(&worker.worker_id)
-            .and_then(|w| w.load.get_mut(worker.dp_rank.0 as usize))
-        {
-            *slot = Some(load);
+        if self.mode(worker.worker_id) == Some(CacheMode::Approximate) {
+            let capacity = load.kv_total_blocks.map(|b| b as usize);
+            lock(&self.approx).set_capacity(worker, capacity);
         }
+        self.update_rank(worker, |w, rank| w.load[rank] = Some(load));
     }
 
-    /// Records a subscription's state for `/workers`.
+    /// Records a subscription's state (connection, last sequence number seen).
     pub fn set_connection(&self, worker: WorkerWithDpRank, connected: bool, last_seq: Option<u64>) {
-        let mut workers = self.workers.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some(w) = workers.get_mut(&worker.worker_id) {
-            let rank = worker.dp_rank.0 as usize;
-            if let Some(c) = w.connected.get_mut(rank) {
-                *c = connected;
+        self.update_rank(worker, |w, rank| {
+            w.connected[rank] = connected;
+            if !connected {
+                w.caught_up[rank] = false;
             }
-            if let Some(s) = w.last_seq.get_mut(rank) {
-                *s = last_seq.or(*s);
+            w.last_seq[rank] = last_seq.or(w.last_seq[rank]);
+        });
+    }
+
+    /// A subscription's first replay after connecting is done (or there is no replay).
+    pub fn set_caught_up(&self, worker: WorkerWithDpRank) {
+        self.update_rank(worker, |w, rank| w.caught_up[rank] = true);
+    }
+
+    /// Adds what conversion did with a worker's blocks since `before`; the first blocks of
+    /// another size are logged as an error (its events cannot be used).
+    pub fn record_conversion(
+        &self,
+        worker: WorkerWithDpRank,
+        before: &ConvertStats,
+        now: &ConvertStats,
+    ) {
+        if before == now {
+            return;
+        }
+        self.metrics.converted(worker.worker_id.0, before, now);
+        let mut workers = self.write_workers();
+        let Some(w) = workers.get_mut(&worker.worker_id) else { return };
+        let c = &mut w.conversion;
+        if c.wrong_block_size == 0 && now.wrong_block_size > before.wrong_block_size {
+            tracing::error!(
+                worker = %worker,
+                engine_block_size = ?now.seen_block_size,
+                router_block_size = self.config.block_size.get(),
+                "the worker publishes blocks of another size: its KV events are ignored (set block_size for this worker or the router to match the engine)"
+            );
+        }
+        c.blocks_stored += now.blocks_stored - before.blocks_stored;
+        c.blocks_removed += now.blocks_removed - before.blocks_removed;
+        c.clears += now.clears - before.clears;
+        c.skipped_medium += now.skipped_medium - before.skipped_medium;
+        c.skipped_group += now.skipped_group - before.skipped_group;
+        c.wrong_block_size += now.wrong_block_size - before.wrong_block_size;
+        c.malformed += now.malformed - before.malformed;
+        c.other_events += now.other_events - before.other_events;
+        c.seen_block_size = now.seen_block_size.or(c.seen_block_size);
+    }
+
+    /// Changes one rank's status and re-derives its readiness.
+    fn update_rank(&self, worker: WorkerWithDpRank, f: impl FnOnce(&mut WorkerStatus, usize)) {
+        let rank = worker.dp_rank.0 as usize;
+        let mut workers = self.write_workers();
+        let Some(w) = workers.get_mut(&worker.worker_id) else { return };
+        if rank >= w.connected.len() {
+            return;
+        }
+        f(w, rank);
+        let ready = w.rank_ready(rank);
+        if ready != w.ready[rank] {
+            w.ready[rank] = ready;
+            drop(workers);
+            lock(&self.scheduler).set_ready(worker, ready);
+            tracing::debug!(%worker, ready, "readiness changed");
+        } else {
+            drop(workers);
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// The ranks not ready now.
+    pub fn not_ready(&self) -> Vec<WorkerWithDpRank> {
+        let workers = self.read_workers();
+        workers
+            .values()
+            .flat_map(|w| {
+                w.ready
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| !**r)
+                    .map(|(rank, _)| WorkerWithDpRank::new(w.id, rank as u32))
+            })
+            .collect()
+    }
+
+    /// Waits until every rank is ready or `timeout` passes; returns the ranks still not ready.
+    pub async fn wait_ready(&self, timeout: Duration) -> Vec<WorkerWithDpRank> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let changed = self.changed.notified();
+            let waiting = self.not_ready();
+            if waiting.is_empty() || tokio::time::Instant::now() >= deadline {
+                return waiting;
             }
+            let _ = tokio::time::timeout_at(deadline, changed).await;
         }
     }
 
     pub fn workers(&self) -> Vec<WorkerStatus> {
-        let workers = self.workers.read().unwrap_or_else(PoisonError::into_inner);
+        let workers = self.read_workers();
         workers
             .values()
             .cloned()
@@ -240,9 +455,29 @@ impl RouterState {
         lock(&self.scheduler).active().len()
     }
 
+    /// The metrics registry, with the sizes read at scrape time brought up to date.
+    pub fn registry(&self) -> &Registry {
+        let m = &self.metrics;
+        let stats = self.index.stats();
+        m.index_blocks.set(stats.blocks as i64);
+        m.index_held_blocks.set(stats.held_blocks as i64);
+        m.index_budget.set(self.index.budget().map_or(-1, |b| b as i64));
+        m.index_evicted.sync(stats.evicted_blocks);
+        m.in_flight.set(self.in_flight() as i64);
+        for w in self.workers() {
+            for rank in 0..w.dp_size {
+                let labels = WorkerLabels { worker_id: w.id.0, dp_rank: rank };
+                let r = rank as usize;
+                m.worker_ready.get_or_create(&labels).set(i64::from(w.ready[r]));
+                let blocks = BlocksLabels { worker_id: w.id.0, dp_rank: rank, mode: w.mode.name() };
+                m.worker_blocks.get_or_create(&blocks).set(w.tree_size[r] as i64);
+            }
+        }
+        &m.registry
+    }
+
+    /// The Prometheus exposition of the router's metrics.
     pub fn render_metrics(&self) -> String {
-        let per_worker: Vec<(u64, u32, u64)> =
-            lock(&self.decisions).iter().map(|(w, &n)| (w.worker_id.0, w.dp_rank.0, n)).collect();
-        self.metrics.render(&self.index.stats(), &per_worker)
+        kvroute_http::metrics::encode(&[self.registry()]).unwrap_or_default()
     }
 }

@@ -14,21 +14,18 @@
 //! retried with capped exponential backoff; undecodable messages are counted and skipped.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvroute_core::schedule::WorkerLoad;
 use kvroute_core::{KvCacheEvent, KvCacheEventData, RouterEvent, WorkerWithDpRank};
 use kvroute_wire::vllm::{decode_batch, split_frames};
 use kvroute_wire::{ConvertConfig, Converter, decode_router_events, trtllm};
-use serde::Deserialize;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::RouterError;
 use crate::config::EventFormat;
 use crate::state::RouterState;
 
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
+pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(5);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Sequence number that ends a replay.
 const END_OF_REPLAY: u64 = u64::MAX;
@@ -86,6 +83,7 @@ async fn run_once(
         let from = stream.last.map_or(0, |l| l + 1);
         recover(state, sub, stream, from, END_OF_REPLAY, false).await;
     }
+    state.set_caught_up(sub.worker);
     loop {
         let message = socket.recv().await?;
         let frames: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
@@ -103,14 +101,14 @@ async fn handle_vllm(
     frames: &[Vec<u8>],
 ) {
     let Ok((_, seq, payload)) = split_frames(frames) else {
-        state.metrics.garbage.fetch_add(1, Ordering::Relaxed);
+        state.metrics.garbage.inc();
         return;
     };
     match stream.last {
         Some(last) if seq == last.wrapping_add(1) => {}
         Some(_) if seq == 0 => {
             // The publisher restarted: its cache is new, so is ours for it.
-            state.metrics.restarts.fetch_add(1, Ordering::Relaxed);
+            state.metrics.restarts.inc();
             tracing::info!(worker = %sub.worker, "publisher restarted; clearing its blocks");
             let clear = RouterEvent {
                 worker_id: sub.worker.worker_id,
@@ -144,7 +142,7 @@ async fn recover(
     gap: bool,
 ) {
     if gap {
-        state.metrics.gaps.fetch_add(1, Ordering::Relaxed);
+        state.metrics.gaps.inc();
     }
     let Some(endpoint) = &sub.replay else {
         if gap {
@@ -152,7 +150,7 @@ async fn recover(
         }
         return;
     };
-    state.metrics.replays.fetch_add(1, Ordering::Relaxed);
+    state.metrics.replays.inc();
     match tokio::time::timeout(REPLAY_TIMEOUT * 2, replay(endpoint, from, until)).await {
         Ok(Ok(batches)) => {
             if !batches.is_empty() {
@@ -162,7 +160,7 @@ async fn recover(
                 if stream.last.is_some_and(|l| seq <= l) {
                     continue;
                 }
-                state.metrics.replayed_batches.fetch_add(1, Ordering::Relaxed);
+                state.metrics.replayed_batches.inc();
                 apply_batch(state, sub, stream, seq, &payload);
             }
         }
@@ -182,13 +180,14 @@ fn apply_batch(
         Ok(batch) => batch,
         Err(err) => {
             // Not consumed: to us the batch is missing, and the next one will ask for it again.
-            state.metrics.garbage.fetch_add(1, Ordering::Relaxed);
+            state.metrics.garbage.inc();
             tracing::debug!(worker = %sub.worker, seq, %err, "undecodable batch");
             return;
         }
     };
     stream.last = Some(seq);
     let rank = batch.dp_rank.map_or(sub.worker.dp_rank, Into::into);
+    let before = stream.converter.stats();
     let events: Vec<RouterEvent> = stream
         .converter
         .vllm_batch(&batch, seq)
@@ -198,12 +197,14 @@ fn apply_batch(
             RouterEvent { worker_id: sub.worker.worker_id, event }
         })
         .collect();
+    state.record_conversion(sub.worker, &before, &stream.converter.stats());
     state.apply(&events);
     state.set_connection(sub.worker, true, Some(seq));
 }
 
 fn handle_other(state: &RouterState, sub: &Subscription, stream: &mut Stream, frames: &[Vec<u8>]) {
     let Some(payload) = frames.last() else { return };
+    let before = stream.converter.stats();
     let events: Result<Vec<RouterEvent>, _> = match sub.format {
         EventFormat::TrtllmJson | EventFormat::TrtllmMsgpack => {
             let decoded = match sub.format {
@@ -225,12 +226,13 @@ fn handle_other(state: &RouterState, sub: &Subscription, stream: &mut Stream, fr
         }
         _ => decode_router_events(payload),
     };
+    state.record_conversion(sub.worker, &before, &stream.converter.stats());
     match events {
         Ok(events) => {
             state.apply(&events);
         }
         Err(err) => {
-            state.metrics.garbage.fetch_add(1, Ordering::Relaxed);
+            state.metrics.garbage.inc();
             tracing::debug!(worker = %sub.worker, %err, "undecodable message");
         }
     }
@@ -266,47 +268,5 @@ pub async fn replay(
         if seq >= from && seq < until {
             out.push((seq, payload.to_vec()));
         }
-    }
-}
-
-/// SPEC section 9's load report.
-#[derive(Debug, Deserialize)]
-struct LoadReport {
-    #[serde(flatten)]
-    load: WorkerLoad,
-    #[serde(default)]
-    dp_rank: u32,
-}
-
-/// Subscribes forever to a worker's load-metrics stream (JSON messages, last frame).
-pub async fn run_metrics(
-    state: Arc<RouterState>,
-    worker: kvroute_core::WorkerId,
-    endpoint: String,
-) {
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        let result: Result<(), RouterError> = async {
-            let mut socket = SubSocket::new();
-            socket.connect(&endpoint).await?;
-            socket.subscribe("").await?;
-            backoff = Duration::from_millis(50);
-            loop {
-                let message = socket.recv().await?;
-                let Some(payload) = message.into_vec().pop() else { continue };
-                match serde_json::from_slice::<LoadReport>(&payload) {
-                    Ok(r) => state.update_load(WorkerWithDpRank::new(worker, r.dp_rank), r.load),
-                    Err(_) => {
-                        state.metrics.garbage.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
-        }
-        .await;
-        if let Err(err) = result {
-            tracing::debug!(%worker, %endpoint, %err, "load stream down");
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }

@@ -7,14 +7,13 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
-use http_body_util::BodyExt;
 use kvroute_core::{
     BlockExtraInfo, BlockHasher, BlockSize, LocalBlockHash, RequestExtraInfo, RequestMmObjectInfo,
     sequence_hashes,
 };
+use kvroute_http::testing;
 use kvroute_router::{RouterConfig, RouterState, WorkerSpec, http::app};
 use serde_json::{Value, json};
-use tower::ServiceExt;
 
 fn state(workers: &[u64]) -> Arc<RouterState> {
     let config = RouterConfig {
@@ -30,17 +29,20 @@ async fn call(
     uri: &str,
     body: Option<String>,
 ) -> (StatusCode, Value) {
-    let mut req = Request::builder().method(method).uri(uri);
-    if body.is_some() {
-        req = req.header("content-type", "application/json");
+    let body: Option<Value> = body.map(|b| serde_json::from_str(&b).unwrap_or(Value::String(b)));
+    match body {
+        // Bodies that are not JSON go as they are.
+        Some(Value::String(raw)) => {
+            let req = Request::builder()
+                .method(method)
+                .uri(uri)
+                .header("content-type", "application/json")
+                .body(Body::from(raw))
+                .unwrap();
+            testing::call_raw(&app(Arc::clone(state)), req).await
+        }
+        body => testing::call(&app(Arc::clone(state)), method, uri, body.as_ref()).await,
     }
-    let req = req.body(body.map_or_else(Body::empty, Body::from)).unwrap();
-    let resp = app(Arc::clone(state)).oneshot(req).await.unwrap();
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    let value = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
-    (status, value)
 }
 
 const IMAGE_PAD: u32 = 151_655;
@@ -245,4 +247,49 @@ async fn an_out_of_range_dp_rank_is_refused_not_allocated() {
     let (status, _) =
         call(&state, Method::POST, "/debug/inject_event", Some(body.to_string())).await;
     assert_eq!(status, StatusCode::OK);
+}
+
+/// Workers without an `events` endpoint are routed in approximate mode: the router assumes
+/// what it sent there is cached (with a TTL and the engine's capacity as a cap) and shows
+/// those blocks in `/workers`; once events arrive for such a worker they take over.
+#[tokio::test]
+async fn workers_without_events_are_predicted_from_routing() {
+    let state = state(&[1, 2]);
+    let (tokens, _) = prompt(4, None, 64);
+    let local = hashes(&tokens, None);
+    let first = best(&state, &local, tokens.len()).await;
+    assert_eq!(first["overlap_blocks"].as_u64(), Some(0));
+    let chosen = first["worker_id"].as_u64().unwrap();
+    let again = best(&state, &local, tokens.len()).await;
+    assert_eq!(
+        (again["worker_id"].as_u64(), again["overlap_blocks"].as_u64()),
+        (Some(chosen), Some(8)),
+        "the router remembers where it sent the prompt"
+    );
+    let (_, workers) = call(&state, Method::GET, "/workers", None).await;
+    let w = workers["workers"].as_array().unwrap().iter().find(|w| w["id"] == chosen).unwrap();
+    assert_eq!((w["mode"].as_str(), w["tree_size"][0].as_u64()), (Some("approximate"), Some(8)));
+    assert_eq!(w["ready"][0], true, "nothing to wait for");
+    // The TTL runs out: forgotten.
+    state.expire_approximate(std::time::Instant::now() + std::time::Duration::from_secs(121));
+    assert_eq!(best(&state, &local, tokens.len()).await["overlap_blocks"].as_u64(), Some(0));
+    // Events for worker 2 arrive: it follows them from now on.
+    let (other, _) = prompt(5, None, 32);
+    store(&state, 2, &hashes(&other, None)).await;
+    let (_, workers) = call(&state, Method::GET, "/workers", None).await;
+    let modes: Vec<&str> = workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["mode"].as_str().unwrap())
+        .collect();
+    assert_eq!(modes, ["approximate", "events"]);
+    let (_, text) = call(&state, Method::GET, "/metrics", None).await;
+    let text = text.as_str().unwrap();
+    assert!(
+        text.contains(
+            "kvroute_router_worker_blocks{worker_id=\"2\",dp_rank=\"0\",mode=\"events\"} 6"
+        ),
+        "{text}"
+    );
 }

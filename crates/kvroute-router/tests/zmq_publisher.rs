@@ -17,8 +17,8 @@ use kvroute_core::{
 };
 use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 struct Publisher {
@@ -68,19 +68,10 @@ impl Publisher {
     }
 }
 
-/// Minimal HTTP/1.1 over a fresh connection (the router's real socket, not a test double).
+/// `POST path` on the router's real socket, through the workspace's HTTP client.
 async fn post(addr: std::net::SocketAddr, path: &str, body: &Value) -> Value {
-    let mut stream = TcpStream::connect(addr).await.unwrap();
-    let body = body.to_string();
-    let request = format!(
-        "POST {path} HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let (_, body) = response.split_once("\r\n\r\n").unwrap();
-    serde_json::from_str(body).unwrap_or(Value::Null)
+    let client = kvroute_http::HttpClient::new();
+    client.post_json(&format!("http://{addr}{path}"), body).await.unwrap_or(Value::Null)
 }
 
 const BS: usize = 16;

@@ -116,3 +116,64 @@ async fn a_batch_with_an_out_of_range_dp_rank_is_refused() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A worker publishing blocks of another size than the router's: its blocks are counted on
+/// `/metrics` and `/workers` (with the size it uses), not silently dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_of_another_size_are_counted_and_shown() {
+    use kvroute_wire::publisher::EventPublisher;
+    use kvroute_wire::{BlockStored, EngineEvent};
+    let publisher = EventPublisher::bind("tcp://127.0.0.1:0", None, "", 16).await.unwrap();
+    let mut spec = WorkerSpec::new(4);
+    spec.events = Some(publisher.endpoint.clone());
+    let state =
+        Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
+    let _tasks = kvroute_router::spawn_background(&state).unwrap();
+    let thirty_two = vec![EngineEvent::BlockStored(BlockStored {
+        block_hashes: vec![7],
+        token_ids: (0..32).collect(),
+        block_size: 32,
+        ..BlockStored::default()
+    })];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state.workers()[0].conversion.wrong_block_size == 0 {
+        assert!(Instant::now() < deadline, "the batch never arrived");
+        publisher.send(thirty_two.clone(), 0);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = &state.workers()[0];
+    assert_eq!(status.conversion.seen_block_size, Some(32));
+    assert_eq!(status.tree_size[0], 0, "nothing indexed");
+    let metrics = state.render_metrics();
+    assert!(
+        metrics.contains(
+            "kvroute_router_converted_blocks_total{worker_id=\"4\",outcome=\"wrong_block_size\"}"
+        ),
+        "{metrics}"
+    );
+}
+
+/// `metrics=http://...`: the router polls an engine's Prometheus endpoint for vLLM's gauges
+/// (here a real HTTP server answering what vLLM 0.11 serves); the worker is ready once they
+/// arrived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_is_polled_from_a_prometheus_endpoint() {
+    const VLLM: &str = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\",model_name=\"m\"} 2.0\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 1.0\nvllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.5\nvllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"4096\"} 1.0\n";
+    let app = axum::Router::new().route("/metrics", axum::routing::get(|| async { VLLM }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
+    let mut spec = WorkerSpec::new(3);
+    spec.metrics = Some(format!("http://{addr}/metrics"));
+    let state =
+        Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
+    assert_eq!(state.not_ready().len(), 1, "no load report yet");
+    let _tasks = kvroute_router::spawn_background(&state).unwrap();
+    let waiting = state.wait_ready(Duration::from_secs(10)).await;
+    assert!(waiting.is_empty(), "{waiting:?}");
+    let load = state.workers()[0].load[0].unwrap();
+    assert_eq!(
+        (load.num_running_reqs, load.num_waiting_reqs, load.kv_cache_usage, load.kv_total_blocks),
+        (Some(2), Some(1), Some(0.5), Some(4096))
+    );
+}

@@ -51,6 +51,8 @@ pub struct ConvertStats {
     pub skipped_group: u64,
     /// Blocks whose size is not the configured block size.
     pub wrong_block_size: u64,
+    /// The last such size seen (what the engine is configured with).
+    pub seen_block_size: Option<u32>,
     /// Events whose fields did not fit together.
     pub malformed: u64,
     /// Events of types that do not touch the index (or that this version does not know).
@@ -121,6 +123,7 @@ impl Converter {
         }
         if s.block_size != self.config.block_size.get() {
             self.stats.wrong_block_size += n as u64;
+            self.stats.seen_block_size = Some(s.block_size);
             return None;
         }
         let bs = self.config.block_size.tokens();
@@ -179,6 +182,7 @@ impl Converter {
                     }
                     if b.tokens.len() != bs {
                         self.stats.wrong_block_size += rest;
+                        self.stats.seen_block_size = u32::try_from(b.tokens.len()).ok();
                         break;
                     }
                     let ids: Vec<u64> = b.tokens.iter().map(|t| t.token_id).collect();

@@ -1,8 +1,46 @@
-//! One module per subcommand.
+//! One module per subcommand, and what the serving ones share.
 
+pub(crate) mod args;
 pub(crate) mod bench;
 pub(crate) mod frontend;
 pub(crate) mod hash;
 pub(crate) mod mocker;
 pub(crate) mod router;
 pub(crate) mod serve;
+
+use std::time::Duration;
+
+use anyhow::Context;
+
+/// How long open responses get to finish after Ctrl-C or SIGTERM.
+const GRACE: Duration = Duration::from_secs(5);
+
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting a runtime")
+}
+
+pub(crate) async fn bind(address: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(address).await.with_context(|| format!("binding {address}"))
+}
+
+/// Serves `app` until Ctrl-C or SIGTERM, then stops accepting and gives open responses
+/// [`GRACE`] to finish.
+pub(crate) async fn serve_until_signal(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+) -> anyhow::Result<()> {
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = kvroute_http::serve(listener, app, async move {
+        crate::shutdown_signal().await;
+        let _ = stop_tx.send(());
+    });
+    let grace = async move {
+        let _ = stop_rx.await;
+        tokio::time::sleep(GRACE).await;
+    };
+    tokio::select! {
+        result = server => result?,
+        () = grace => tracing::warn!("open responses cancelled after {} s", GRACE.as_secs()),
+    }
+    Ok(())
+}

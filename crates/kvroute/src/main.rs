@@ -1,9 +1,10 @@
 //! `kvroute`: parse the command line, run the chosen subcommand. Everything else lives in the
 //! library crates.
 
+use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 
 mod cmd;
 
@@ -11,8 +12,17 @@ mod cmd;
 #[derive(Debug, Parser)]
 #[command(name = "kvroute", version, about, long_about = None)]
 struct Cli {
+    /// Log lines as text (coloured on a terminal only) or as JSON objects.
+    #[arg(long, global = true, env = "KVROUTE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -40,13 +50,18 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Hash(args) => cmd::hash::run(&args),
+    let default_filter = match cli.command {
+        Command::Bench(_) => "warn,kvroute_bench=info",
+        _ => "info",
+    };
+    init_tracing(cli.log_format, default_filter);
+    let result = match &cli.command {
+        Command::Hash(args) => cmd::hash::run(args),
         Command::Router(args) => cmd::router::run(args),
-        Command::Mocker(args) => cmd::mocker::run(&args),
+        Command::Mocker(args) => cmd::mocker::run(args),
         Command::Serve(args) => cmd::serve::run(args),
         Command::Frontend(args) => cmd::frontend::run(args),
-        Command::Bench(args) => cmd::bench::run(&args),
+        Command::Bench(args) => cmd::bench::run(args),
     };
     match result {
         Ok(code) => code,
@@ -60,20 +75,19 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs to stderr; `KVROUTE_LOG` (or `RUST_LOG`) sets the filter, default `info`.
-fn init_tracing() {
-    init_tracing_with("info");
-}
-
-/// [`init_tracing`] with another default filter.
-fn init_tracing_with(default: &str) {
+/// Logs to stderr; `KVROUTE_LOG` (or `RUST_LOG`) sets the filter, else `default`. Colour only
+/// when stderr is a terminal, so files and pipes get plain text.
+fn init_tracing(format: LogFormat, default: &str) {
     let filter = std::env::var("KVROUTE_LOG")
         .or_else(|_| std::env::var("RUST_LOG"))
         .unwrap_or_else(|_| default.to_owned());
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).try_init(),
+        LogFormat::Json => builder.json().with_ansi(false).try_init(),
+    };
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -158,7 +158,7 @@ fn generated_images_differ_in_pixels_only() {
 
 #[test]
 fn multimodal_images_change_the_blocks_they_cover() {
-    let pre = Preprocessor::load(&Preprocessor::default_model_dir()).unwrap();
+    let pre = Preprocessor::builtin();
     let m = Multimodal { requests: 120, ..Multimodal::default() };
     let w = m.generate(6, bs(), 0.1, &pre).unwrap();
     assert_eq!(w.requests.len(), 120);

@@ -3,7 +3,6 @@
 use std::process::ExitCode;
 
 pub(crate) fn run(args: &kvroute_bench::BenchArgs) -> anyhow::Result<ExitCode> {
-    crate::init_tracing_with("warn,kvroute_bench=info");
     let report = kvroute_bench::bench(args)?;
     #[allow(clippy::print_stdout)]
     {

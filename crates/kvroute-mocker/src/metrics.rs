@@ -1,0 +1,141 @@
+//! The simulated engine's Prometheus metrics: kvroute's own names, and the gauges and counters
+//! vLLM serves under the same names (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
+//! `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries_total`,
+//! `vllm:prefix_cache_hits_total`, `vllm:cache_config_info`), so a router that reads an
+//! engine's `/metrics` (kvroute's with `metrics=http://...`, or another) reads this one too.
+//! Values are the engine's snapshot at scrape time.
+
+use kvroute_http::metrics::{CounterOf, FloatGauge, Gauge, Registry};
+
+use crate::service::Snapshot;
+
+pub const KV_USAGE: &str = "kvroute_mocker_kv_cache_usage";
+pub const WAITING: &str = "kvroute_mocker_waiting_requests";
+pub const RUNNING: &str = "kvroute_mocker_running_requests";
+pub const PROMPT_TOKENS: &str = "kvroute_mocker_prompt_tokens";
+pub const CACHED_TOKENS: &str = "kvroute_mocker_cached_prompt_tokens";
+pub const EVICTED: &str = "kvroute_mocker_evicted_blocks";
+pub const PREEMPTIONS: &str = "kvroute_mocker_preemptions";
+pub const FINISHED: &str = "kvroute_mocker_requests_finished";
+pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
+pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
+pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+pub const VLLM_PREFIX_QUERIES: &str = "vllm:prefix_cache_queries";
+pub const VLLM_PREFIX_HITS: &str = "vllm:prefix_cache_hits";
+pub const VLLM_CACHE_CONFIG: &str = "vllm:cache_config_info";
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    kv_usage: FloatGauge,
+    waiting: Gauge,
+    running: Gauge,
+    prompt_tokens: CounterOf,
+    cached_tokens: CounterOf,
+    evicted: CounterOf,
+    preemptions: CounterOf,
+    finished: CounterOf,
+    vllm_running: Gauge,
+    vllm_waiting: Gauge,
+    vllm_kv_usage: FloatGauge,
+    vllm_queries: CounterOf,
+    vllm_hits: CounterOf,
+}
+
+impl Metrics {
+    pub fn new(model_name: &str, dp_rank: u32, block_size: u32, num_blocks: usize) -> Self {
+        let m = Self {
+            registry: Registry::default(),
+            kv_usage: FloatGauge::default(),
+            waiting: Gauge::default(),
+            running: Gauge::default(),
+            prompt_tokens: CounterOf::default(),
+            cached_tokens: CounterOf::default(),
+            evicted: CounterOf::default(),
+            preemptions: CounterOf::default(),
+            finished: CounterOf::default(),
+            vllm_running: Gauge::default(),
+            vllm_waiting: Gauge::default(),
+            vllm_kv_usage: FloatGauge::default(),
+            vllm_queries: CounterOf::default(),
+            vllm_hits: CounterOf::default(),
+        };
+        let mut r = Registry::default();
+        r.register(KV_USAGE, "Share of KV blocks in use (0-1)", m.kv_usage.clone());
+        r.register(WAITING, "Requests waiting to be scheduled", m.waiting.clone());
+        r.register(RUNNING, "Requests running", m.running.clone());
+        r.register(
+            PROMPT_TOKENS,
+            "Prompt tokens of finished requests",
+            m.prompt_tokens.counter.clone(),
+        );
+        r.register(
+            CACHED_TOKENS,
+            "Prompt tokens served from the prefix cache",
+            m.cached_tokens.counter.clone(),
+        );
+        r.register(EVICTED, "KV blocks evicted", m.evicted.counter.clone());
+        r.register(PREEMPTIONS, "Requests preempted", m.preemptions.counter.clone());
+        r.register(FINISHED, "Requests finished", m.finished.counter.clone());
+        // vLLM's labels: the model and the data-parallel engine.
+        let label = |k: &'static str, v: String| (k.into(), v.into());
+        let vllm = r.sub_registry_with_labels(
+            [label("model_name", model_name.to_owned()), label("engine", dp_rank.to_string())]
+                .into_iter(),
+        );
+        vllm.register(
+            VLLM_RUNNING,
+            "Number of requests in model execution batches.",
+            m.vllm_running.clone(),
+        );
+        vllm.register(
+            VLLM_WAITING,
+            "Number of requests waiting to be processed.",
+            m.vllm_waiting.clone(),
+        );
+        vllm.register(
+            VLLM_KV_USAGE,
+            "KV-cache usage. 1 means 100 percent usage.",
+            m.vllm_kv_usage.clone(),
+        );
+        vllm.register(
+            VLLM_PREFIX_QUERIES,
+            "Prefix cache queries, in terms of number of queried tokens.",
+            m.vllm_queries.counter.clone(),
+        );
+        vllm.register(
+            VLLM_PREFIX_HITS,
+            "Prefix cache hits, in terms of number of cached tokens.",
+            m.vllm_hits.counter.clone(),
+        );
+        let config: Gauge = Gauge::default();
+        config.set(1);
+        vllm.sub_registry_with_labels(
+            [
+                label("block_size", block_size.to_string()),
+                label("num_gpu_blocks", num_blocks.to_string()),
+            ]
+            .into_iter(),
+        )
+        .register(VLLM_CACHE_CONFIG, "Information of the LLMEngine CacheConfig", config);
+        Self { registry: r, ..m }
+    }
+
+    /// The registry, brought up to date with `s`.
+    pub fn refresh(&self, s: &Snapshot) -> &Registry {
+        self.kv_usage.set(s.kv_cache_usage);
+        self.waiting.set(s.num_waiting_reqs as i64);
+        self.running.set(s.num_running_reqs as i64);
+        self.prompt_tokens.sync(s.stats.prompt_tokens);
+        self.cached_tokens.sync(s.stats.cached_tokens);
+        self.evicted.sync(s.stats.evicted_blocks);
+        self.preemptions.sync(s.stats.preemptions);
+        self.finished.sync(s.stats.requests_finished);
+        self.vllm_running.set(s.num_running_reqs as i64);
+        self.vllm_waiting.set(s.num_waiting_reqs as i64);
+        self.vllm_kv_usage.set(s.kv_cache_usage);
+        self.vllm_queries.sync(s.stats.prompt_tokens);
+        self.vllm_hits.sync(s.stats.cached_tokens);
+        &self.registry
+    }
+}

@@ -1,0 +1,203 @@
+//! One builder for a running kvroute stack, used by `kvroute serve`, `frontend` and `router`,
+//! by `kvroute bench` and by the tests: simulated workers, external workers, the router
+//! (embedded, or a remote `kvroute router`) and the front door. It sits above the crates it
+//! assembles, so none of them depends on another to be set up.
+//!
+//! ```text
+//!  StackConfig ──Stack::start──▶ simulated workers: kvroute_mocker::spawn on loopback,
+//!                                ephemeral ports (events, replay, load reports)
+//!                              ▶ router: RouterState over external + simulated workers,
+//!                                its subscriptions and load readers (or a remote URL)
+//!                              ▶ front door: FrontendState over the router
+//!  Stack::ready ──▶ every subscription connected, replay caught up, first load reports in
+//! ```
+//!
+//! [`settings`] reads what configures a stack from flags, environment and a TOML file.
+
+pub mod settings;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::WorkerWithDpRank;
+use kvroute_frontend::FrontendState;
+use kvroute_mocker::{EngineConfig, MockerConfig};
+use kvroute_preprocess::Preprocessor;
+use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
+use kvroute_router::{RouterConfig, RouterState, Tasks, WorkerSpec};
+
+/// Everything a stack can fail with at start-up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StackError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Router(#[from] kvroute_router::RouterError),
+    #[error("a simulated worker")]
+    Mocker(#[from] kvroute_mocker::MockerError),
+    #[error("the model")]
+    Model(#[from] kvroute_preprocess::PreprocessError),
+    #[error("I/O")]
+    Io(#[from] std::io::Error),
+}
+
+/// The simulated workers of a stack.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Simulated {
+    pub count: usize,
+    /// Each one's engine (its block size is the router's).
+    pub engine: EngineConfig,
+    /// Whether they publish KV events (otherwise they are routed approximately).
+    pub events: bool,
+    /// Worker k's generated text is seeded `seed + k`.
+    pub seed: u64,
+}
+
+impl Default for Simulated {
+    fn default() -> Self {
+        Self { count: 0, engine: EngineConfig::default(), events: true, seed: 0 }
+    }
+}
+
+/// What to start.
+#[derive(Clone, Debug)]
+pub struct StackConfig {
+    pub simulated: Simulated,
+    /// The router's settings; its `workers` are the external ones (simulated ones are added,
+    /// numbered after the highest external id).
+    pub router: RouterConfig,
+    /// Ask the `kvroute router` at this URL instead of embedding one.
+    pub router_url: Option<String>,
+    /// Build a front door.
+    pub frontend: bool,
+    /// The model of the front door and the simulated workers (`None`: the built-in one).
+    pub model_path: Option<PathBuf>,
+    /// Image fetching of the front door and the simulated workers.
+    pub fetch: FetchConfig,
+}
+
+impl Default for StackConfig {
+    fn default() -> Self {
+        Self {
+            simulated: Simulated::default(),
+            router: RouterConfig::default(),
+            router_url: None,
+            frontend: true,
+            model_path: None,
+            fetch: FetchConfig::default(),
+        }
+    }
+}
+
+/// A running stack; dropping it stops the router's background tasks (simulated workers live
+/// as long as the runtime that started them).
+#[derive(Debug)]
+pub struct Stack {
+    /// Every worker, simulated ones included.
+    pub workers: Vec<WorkerSpec>,
+    /// The embedded router, if any.
+    pub router: Option<Arc<RouterState>>,
+    pub frontend: Option<Arc<FrontendState>>,
+    _tasks: Option<Tasks>,
+}
+
+impl Stack {
+    /// Starts everything `config` asks for on the current runtime. Returns as soon as it is
+    /// started; [`Stack::ready`] waits for the workers.
+    pub async fn start(config: StackConfig) -> Result<Self, StackError> {
+        let StackConfig { simulated, mut router, router_url, frontend, model_path, fetch } = config;
+        let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
+        let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
+        for k in 0..simulated.count {
+            let endpoints = match simulated.events {
+                true => kvroute_mocker::Endpoints::ephemeral(),
+                false => kvroute_mocker::Endpoints::without_events(),
+            };
+            let mocker = MockerConfig {
+                engine: EngineConfig { block_size: router.block_size, ..simulated.engine },
+                endpoints,
+                model_path: model_path.clone(),
+                seed: simulated.seed + k as u64,
+                dp_rank: 0,
+                fetch: fetch.clone(),
+            };
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let spawned = kvroute_mocker::spawn(mocker, listener).await?;
+            let mut spec = WorkerSpec::new(first_id + k as u64);
+            spec.url = Some(spawned.url);
+            spec.events = spawned.events;
+            spec.replay = spawned.replay;
+            spec.metrics = spawned.metrics;
+            router.workers.push(spec);
+        }
+        router.validate()?;
+        let workers = router.workers.clone();
+        let block_size = router.block_size;
+        let fetcher = Fetcher::new(fetch)?;
+        let (state, tasks) = match &router_url {
+            Some(_) => (None, None),
+            None => {
+                let state = Arc::new(RouterState::new(router));
+                let tasks = kvroute_router::spawn_background(&state)?;
+                (Some(state), Some(tasks))
+            }
+        };
+        let frontend = match (frontend, &state, &router_url) {
+            (false, _, _) => None,
+            (true, Some(router), _) => {
+                Some(FrontendState::new(preprocessor, fetcher, Arc::clone(router)))
+            }
+            (true, None, Some(url)) => {
+                Some(FrontendState::remote(preprocessor, fetcher, url, &workers, block_size))
+            }
+            (true, None, None) => unreachable!("no router URL means an embedded router"),
+        };
+        Ok(Self { workers, router: state, frontend: frontend.map(Arc::new), _tasks: tasks })
+    }
+
+    /// Waits until every worker is ready (its event subscription connected and caught up by
+    /// replay, its first load report in) or `timeout` passes. Workers still not ready are
+    /// named in a warning and returned; they stay marked not ready (`/workers`) and are routed
+    /// to only when no ready worker is left, until they become ready.
+    pub async fn ready(&self, timeout: Duration) -> Vec<WorkerWithDpRank> {
+        let Some(router) = &self.router else { return Vec::new() };
+        let waiting = router.wait_ready(timeout).await;
+        if !waiting.is_empty() {
+            let names: Vec<String> = waiting.iter().map(ToString::to_string).collect();
+            tracing::warn!(
+                workers = %names.join(", "),
+                timeout_secs = timeout.as_secs_f64(),
+                "workers not ready (no event stream or no load report yet): routed only when no other worker is"
+            );
+        }
+        waiting
+    }
+
+    /// Serves the front door on a free loopback port in the background (as long as the
+    /// runtime runs); its base URL. Tests and the bench use it.
+    pub async fn serve_frontend_on_loopback(&self) -> Result<String, StackError> {
+        let app = self.frontend_app().ok_or_else(|| StackError::Config("no front door".into()))?;
+        serve_on_loopback(app).await
+    }
+
+    /// The front door's app (`None` without one).
+    pub fn frontend_app(&self) -> Option<axum::Router> {
+        self.frontend.as_ref().map(|f| kvroute_frontend::app(Arc::clone(f)))
+    }
+
+    /// The router's HTTP API (`None` without an embedded router).
+    pub fn router_app(&self) -> Option<axum::Router> {
+        self.router.as_ref().map(|r| kvroute_router::http::app(Arc::clone(r)))
+    }
+}
+
+/// Serves `app` on a free loopback port in the background (as long as the runtime runs);
+/// its base URL.
+pub async fn serve_on_loopback(app: axum::Router) -> Result<String, StackError> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
+    Ok(url)
+}

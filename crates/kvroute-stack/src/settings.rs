@@ -1,0 +1,341 @@
+//! What configures a stack, from three sources merged setting by setting: a command-line flag
+//! wins over its `KVROUTE_*` environment variable (clap reads both), which wins over the
+//! `--config` TOML file, which wins over the default. A file uses the flags' names in
+//! `snake_case` (`block_size = 32`, `policy = "dynamo"`) and `[[workers]]` tables with the
+//! `--worker` keys; a key a command does not use is an error, not ignored.
+//!
+//! Workers add up across the file and the flags; a worker id given in both must have the same
+//! keys (it is then one worker), else it is an error.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kvroute_core::BlockSize;
+use kvroute_core::index::{ApproxConfig, IndexConfig};
+use kvroute_core::schedule::PolicyKind;
+use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_preprocess::fetch::FetchConfig;
+use kvroute_router::{RouterConfig, WorkerSpec};
+use serde::{Deserialize, Serialize};
+
+use crate::{Simulated, StackConfig, StackError};
+
+pub const DEFAULT_HOST: &str = "127.0.0.1";
+pub const DEFAULT_SHARDS: usize = 4;
+/// (worker, block) pairs: ~0.8 GB of index at most, whatever the event flood.
+pub const DEFAULT_MAX_INDEX_BLOCKS: usize = 16 << 20;
+pub const DEFAULT_READY_TIMEOUT_SECS: f64 = 10.0;
+pub const DEFAULT_SIMULATED_WORKERS: usize = 4;
+
+/// Every setting, each optional (absent: the next source, or the default).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub block_size: Option<u32>,
+    pub policy: Option<PolicyKind>,
+    pub temperature: Option<f64>,
+    pub overlap_weight: Option<f64>,
+    pub shards: Option<usize>,
+    pub max_index_blocks: Option<usize>,
+    pub max_dp_size: Option<u32>,
+    /// Seconds a routed request's blocks are assumed cached on a worker without events.
+    pub approx_ttl: Option<f64>,
+    /// Seconds to wait for the workers before serving anyway.
+    pub ready_timeout: Option<f64>,
+    pub router_url: Option<String>,
+    pub simulated_workers: Option<usize>,
+    pub num_blocks: Option<usize>,
+    pub max_num_seqs: Option<usize>,
+    pub max_batched_tokens: Option<usize>,
+    pub speedup: Option<f64>,
+    pub seed: Option<u64>,
+    pub model_path: Option<PathBuf>,
+    pub allow_private_image_urls: Option<bool>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub workers: Vec<WorkerSpec>,
+}
+
+/// The keys each command reads (from a file; its flags are these by construction).
+pub mod keys {
+    const LISTEN: [&str; 2] = ["host", "port"];
+    const ROUTING: [&str; 10] = [
+        "block_size",
+        "policy",
+        "temperature",
+        "overlap_weight",
+        "shards",
+        "max_index_blocks",
+        "max_dp_size",
+        "approx_ttl",
+        "ready_timeout",
+        "workers",
+    ];
+    const ENGINE: [&str; 7] = [
+        "num_blocks",
+        "max_num_seqs",
+        "max_batched_tokens",
+        "speedup",
+        "seed",
+        "model_path",
+        "allow_private_image_urls",
+    ];
+
+    pub fn router() -> Vec<&'static str> {
+        [&LISTEN[..], &ROUTING[..]].concat()
+    }
+
+    pub fn serve() -> Vec<&'static str> {
+        [&LISTEN[..], &ROUTING[..], &ENGINE[..], &["simulated_workers"]].concat()
+    }
+
+    pub fn frontend() -> Vec<&'static str> {
+        let image = ["model_path", "allow_private_image_urls", "router_url"];
+        [&LISTEN[..], &ROUTING[..], &image[..]].concat()
+    }
+}
+
+macro_rules! overlay {
+    ($low:ident, $high:ident, $workers:expr; $($field:ident),* $(,)?) => {
+        Settings { $($field: $high.$field.or($low.$field),)* workers: $workers }
+    };
+}
+
+impl Settings {
+    /// Reads a TOML file, refusing keys that `command` (named in errors) does not use.
+    pub fn from_file(path: &Path, allowed: &[&str], command: &str) -> Result<Self, StackError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| StackError::Config(format!("reading {}: {e}", path.display())))?;
+        Self::from_toml(&text, allowed, command)
+            .map_err(|e| StackError::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// [`Settings::from_file`] of text.
+    pub fn from_toml(text: &str, allowed: &[&str], command: &str) -> Result<Self, String> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        if let Some(key) = table.keys().find(|k| !allowed.contains(&k.as_str())) {
+            return Err(match Self::is_key(key) {
+                true => format!("`{key}` does not apply to `kvroute {command}`"),
+                false => format!("unknown key `{key}`"),
+            });
+        }
+        table.try_into().map_err(|e: toml::de::Error| e.to_string())
+    }
+
+    fn is_key(key: &str) -> bool {
+        keys::serve().contains(&key) || keys::frontend().contains(&key)
+    }
+
+    /// `self` under `high`: each setting `high` has wins; workers add up (the same id twice
+    /// must have the same keys).
+    pub fn overlaid_by(self, high: Settings) -> Result<Settings, StackError> {
+        let low = self;
+        let mut by_id: BTreeMap<u64, WorkerSpec> = BTreeMap::new();
+        let mut order = Vec::new();
+        for w in low.workers.iter().chain(&high.workers) {
+            match by_id.get(&w.id.0) {
+                Some(seen) if seen == w => {}
+                Some(_) => {
+                    return Err(StackError::Config(format!(
+                        "worker {} is given twice with different keys (in the file and by --worker or KVROUTE_WORKERS)",
+                        w.id
+                    )));
+                }
+                None => {
+                    by_id.insert(w.id.0, w.clone());
+                    order.push(w.id.0);
+                }
+            }
+        }
+        let workers = order.iter().filter_map(|id| by_id.remove(id)).collect();
+        Ok(overlay!(low, high, workers; host, port, block_size, policy, temperature,
+            overlap_weight, shards, max_index_blocks, max_dp_size, approx_ttl, ready_timeout,
+            router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
+            seed, model_path, allow_private_image_urls))
+    }
+
+    /// The settings as TOML (what `--print-config` shows).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the settings: {e}\n"))
+    }
+
+    /// `host:port`, with `default_port`.
+    pub fn address(&self, default_port: u16) -> String {
+        let host = self.host.as_deref().unwrap_or(DEFAULT_HOST);
+        let port = self.port.unwrap_or(default_port);
+        match host.contains(':') && !host.starts_with('[') {
+            true => format!("[{host}]:{port}"),
+            false => format!("{host}:{port}"),
+        }
+    }
+
+    pub fn ready_timeout(&self) -> Result<Duration, StackError> {
+        secs(self.ready_timeout.unwrap_or(DEFAULT_READY_TIMEOUT_SECS), "ready_timeout")
+    }
+
+    pub fn block_size(&self) -> Result<BlockSize, StackError> {
+        BlockSize::new(self.block_size.unwrap_or(16))
+            .map_err(|e| StackError::Config(format!("block_size: {e}")))
+    }
+
+    /// The router's configuration, with the settings' workers.
+    pub fn router_config(&self) -> Result<RouterConfig, StackError> {
+        let mut config = RouterConfig {
+            block_size: self.block_size()?,
+            workers: self.workers.clone(),
+            shards: self.shards.unwrap_or(DEFAULT_SHARDS),
+            index: IndexConfig {
+                max_held_blocks: Some(self.max_index_blocks.unwrap_or(DEFAULT_MAX_INDEX_BLOCKS)),
+            },
+            max_dp_size: self.max_dp_size.unwrap_or(kvroute_router::config::DEFAULT_MAX_DP_SIZE),
+            approx: ApproxConfig {
+                ttl: secs(self.approx_ttl.unwrap_or(120.0), "approx_ttl")?,
+                ..ApproxConfig::default()
+            },
+            ..RouterConfig::default()
+        };
+        let s = &mut config.scheduler;
+        s.policy = self.policy.unwrap_or_default();
+        s.temperature = self.temperature.unwrap_or(0.0);
+        s.overlap_weight = self.overlap_weight.unwrap_or(1.0);
+        if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+            return Err(StackError::Config("temperature must be >= 0".into()));
+        }
+        if config.shards == 0 {
+            return Err(StackError::Config("shards must be at least 1".into()));
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// A simulated engine's settings (SPEC 11; defaults as Dynamo's mocker).
+    pub fn engine_config(&self) -> Result<EngineConfig, StackError> {
+        let d = EngineConfig::default();
+        let engine = EngineConfig {
+            num_blocks: self.num_blocks.unwrap_or(d.num_blocks),
+            block_size: self.block_size()?,
+            max_num_seqs: self.max_num_seqs.unwrap_or(d.max_num_seqs),
+            max_batched_tokens: self.max_batched_tokens.unwrap_or(d.max_batched_tokens),
+            timing: Timing { speedup: self.speedup.unwrap_or(d.timing.speedup) },
+        };
+        let speedup = engine.timing.speedup;
+        if !(speedup.is_finite() && speedup > 0.0) {
+            return Err(StackError::Config("speedup must be > 0".into()));
+        }
+        if engine.num_blocks == 0 || engine.max_num_seqs == 0 || engine.max_batched_tokens == 0 {
+            return Err(StackError::Config(
+                "num_blocks, max_num_seqs and max_batched_tokens must be > 0".into(),
+            ));
+        }
+        Ok(engine)
+    }
+
+    pub fn fetch_config(&self) -> FetchConfig {
+        FetchConfig {
+            allow_private: self.allow_private_image_urls.unwrap_or(false),
+            ..FetchConfig::default()
+        }
+    }
+
+    /// A stack of `simulated` simulated workers (with the engine settings) and the settings'
+    /// external workers, the router (embedded unless `router_url`) and, if asked, a front door.
+    pub fn stack_config(
+        &self,
+        simulated: usize,
+        frontend: bool,
+    ) -> Result<StackConfig, StackError> {
+        let engine = match simulated {
+            0 => EngineConfig::default(),
+            _ => self.engine_config()?,
+        };
+        Ok(StackConfig {
+            simulated: Simulated {
+                count: simulated,
+                engine,
+                events: true,
+                seed: self.seed.unwrap_or(0),
+            },
+            router: self.router_config()?,
+            router_url: self.router_url.clone(),
+            frontend,
+            model_path: self.model_path.clone(),
+            fetch: self.fetch_config(),
+        })
+    }
+}
+
+fn secs(value: f64, name: &str) -> Result<Duration, StackError> {
+    Duration::try_from_secs_f64(value)
+        .map_err(|_| StackError::Config(format!("{name} must be a number of seconds >= 0")))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn file(text: &str) -> Settings {
+        Settings::from_toml(text, &keys::serve(), "serve").unwrap()
+    }
+
+    #[test]
+    fn a_flag_wins_over_the_file_and_the_file_over_the_default() {
+        let from_file = file("block_size = 32\npolicy = \"dynamo\"\nshards = 2\n");
+        let flags = Settings { policy: Some(PolicyKind::RoundRobin), ..Settings::default() };
+        let merged = from_file.overlaid_by(flags).unwrap();
+        let router = merged.router_config().unwrap();
+        assert_eq!(router.scheduler.policy, PolicyKind::RoundRobin, "flag over file");
+        assert_eq!((router.block_size.get(), router.shards), (32, 2), "file over default");
+        assert_eq!(router.index.max_held_blocks, Some(DEFAULT_MAX_INDEX_BLOCKS), "default");
+        assert_eq!(merged.engine_config().unwrap().block_size.get(), 32, "one block size for all");
+    }
+
+    #[test]
+    fn keys_a_command_does_not_use_are_errors() {
+        let err = Settings::from_toml("num_blocks = 10\n", &keys::router(), "router").unwrap_err();
+        assert!(err.contains("`num_blocks` does not apply to `kvroute router`"), "{err}");
+        let err = Settings::from_toml("blocksize = 10\n", &keys::router(), "router").unwrap_err();
+        assert!(err.contains("unknown key `blocksize`"), "{err}");
+        let err =
+            Settings::from_toml("block_size = \"x\"\n", &keys::router(), "router").unwrap_err();
+        assert!(err.contains("block_size"), "{err}");
+    }
+
+    #[test]
+    fn workers_add_up_and_the_same_id_must_agree() {
+        let from_file = file(
+            "[[workers]]\nid = 1\nurl = \"http://127.0.0.1:9001\"\nformat = \"sglang\"\n[[workers]]\nid = 2\n",
+        );
+        let same: WorkerSpec = "id=1,url=http://127.0.0.1:9001,format=sglang".parse().unwrap();
+        let new: WorkerSpec = "id=3".parse().unwrap();
+        let flags = Settings { workers: vec![same, new], ..Settings::default() };
+        let merged = from_file.clone().overlaid_by(flags).unwrap();
+        let ids: Vec<u64> = merged.workers.iter().map(|w| w.id.0).collect();
+        assert_eq!(ids, [1, 2, 3]);
+        let other: WorkerSpec = "id=2,url=http://127.0.0.1:9002".parse().unwrap();
+        let err = from_file
+            .overlaid_by(Settings { workers: vec![other], ..Settings::default() })
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("worker 2 is given twice"), "{err}");
+    }
+
+    #[test]
+    fn settings_print_as_a_file_that_reads_back() {
+        let s = Settings {
+            port: Some(9000),
+            speedup: Some(2.5),
+            workers: vec!["id=4,events=tcp://127.0.0.1:5557".parse().unwrap()],
+            ..Settings::default()
+        };
+        assert_eq!(file(&s.to_toml()), s);
+        assert_eq!(s.address(8000), "127.0.0.1:9000");
+        let v6 = Settings { host: Some("::1".into()), ..Settings::default() };
+        assert_eq!(v6.address(8000), "[::1]:8000");
+        let bad = Settings { speedup: Some(0.0), ..Settings::default() };
+        assert!(bad.engine_config().is_err());
+    }
+}

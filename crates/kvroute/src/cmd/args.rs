@@ -1,0 +1,191 @@
+//! Flag groups shared by the subcommands. Every flag is optional here: what is not given falls
+//! back to its `KVROUTE_*` environment variable (clap), then to the `--config` file, then to
+//! the default named in its help ([`kvroute_stack::settings`] merges them).
+
+use std::path::PathBuf;
+
+use clap::Args;
+use kvroute_core::schedule::PolicyKind;
+use kvroute_router::WorkerSpec;
+use kvroute_stack::settings::Settings;
+
+/// Where an HTTP API listens.
+#[derive(Debug, Args)]
+pub(crate) struct ListenArgs {
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long, env = "KVROUTE_HOST")]
+    host: Option<String>,
+    /// Port to listen on, 0 for any free port [default: 8000 for serve and frontend, 8001
+    /// for router, 8100 for mocker].
+    #[arg(long, env = "KVROUTE_PORT")]
+    port: Option<u16>,
+}
+
+/// Tokens per KV block.
+#[derive(Debug, Args)]
+pub(crate) struct BlockSizeArg {
+    /// Tokens per KV block; the engines must use the same [default: 16].
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
+    block_size: Option<u32>,
+}
+
+/// The router's settings and its workers.
+#[derive(Debug, Args)]
+pub(crate) struct RoutingArgs {
+    /// A worker, as comma-separated key=value pairs: id (required), url, events, replay,
+    /// metrics (tcp:// load reports or http://.../metrics), block_size, dp_size,
+    /// image_token_id, vocab_size, format (vllm|sglang|trtllm-json|trtllm-msgpack|kvroute).
+    /// Without events, the worker is routed approximately. Repeat for each worker; in the env
+    /// twin, separate workers with ';'.
+    /// Example: --worker id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
+    #[arg(long = "worker", env = "KVROUTE_WORKERS", value_delimiter = ';', verbatim_doc_comment)]
+    workers: Vec<WorkerSpec>,
+    /// Routing policy: kv (predicted time to first token), dynamo (Dynamo's cost), or the
+    /// baselines round-robin, random, least-loaded [default: kv].
+    #[arg(long, env = "KVROUTE_POLICY")]
+    policy: Option<PolicyKind>,
+    /// Softmax temperature of the choice; 0 always takes the lowest cost [default: 0].
+    #[arg(long, env = "KVROUTE_TEMPERATURE")]
+    temperature: Option<f64>,
+    /// Weight of prefill against decode blocks in the dynamo policy [default: 1].
+    #[arg(long, env = "KVROUTE_OVERLAP_WEIGHT")]
+    overlap_weight: Option<f64>,
+    /// Index shards: parallel readers, one writer each [default: 4].
+    #[arg(long, env = "KVROUTE_SHARDS")]
+    shards: Option<usize>,
+    /// Most (worker, block) pairs the index keeps, all shards together, before evicting the
+    /// coldest (~48 bytes each) [default: 16777216].
+    #[arg(long, env = "KVROUTE_MAX_INDEX_BLOCKS")]
+    max_index_blocks: Option<usize>,
+    /// Most data-parallel ranks of one worker; events naming a higher rank are refused
+    /// [default: 256].
+    #[arg(long, env = "KVROUTE_MAX_DP_SIZE")]
+    max_dp_size: Option<u32>,
+    /// Seconds a request's blocks are assumed cached on a worker without events
+    /// (approximate mode) [default: 120].
+    #[arg(long, env = "KVROUTE_APPROX_TTL")]
+    approx_ttl: Option<f64>,
+    /// Seconds to wait at start for every worker's event stream and first load report; the
+    /// ready line comes after [default: 10].
+    #[arg(long, env = "KVROUTE_READY_TIMEOUT")]
+    ready_timeout: Option<f64>,
+}
+
+/// The model and its images (front door and simulated workers).
+#[derive(Debug, Args)]
+pub(crate) struct ModelArgs {
+    /// Model directory (tokenizer.json, tokenizer_config.json) [default: the built-in
+    /// kvroute-tiny].
+    #[arg(long, env = "KVROUTE_MODEL_PATH")]
+    model_path: Option<PathBuf>,
+    /// Fetch image URLs that resolve to loopback or private addresses (refused by default, so
+    /// the server is no relay into private networks).
+    #[arg(long, env = "KVROUTE_ALLOW_PRIVATE_IMAGE_URLS")]
+    allow_private_image_urls: bool,
+}
+
+/// A simulated engine's knobs, the same on `kvroute mocker` and `kvroute serve` (SPEC 11);
+/// defaults follow Dynamo's mocker.
+#[derive(Debug, Args)]
+pub(crate) struct EngineArgs {
+    /// KV cache capacity in blocks [default: 16384].
+    #[arg(long, env = "KVROUTE_NUM_BLOCKS")]
+    num_blocks: Option<usize>,
+    /// Most requests running at once [default: 256].
+    #[arg(long, env = "KVROUTE_MAX_NUM_SEQS")]
+    max_num_seqs: Option<usize>,
+    /// Token budget of one scheduler step (chunked prefill) [default: 8192].
+    #[arg(long, env = "KVROUTE_MAX_BATCHED_TOKENS")]
+    max_batched_tokens: Option<usize>,
+    /// Time runs this many times faster than the timing model; 1 is a real GPU's pace
+    /// [default: 1].
+    #[arg(long, env = "KVROUTE_SPEEDUP")]
+    speedup: Option<f64>,
+    /// Seed of the generated words [default: 0].
+    #[arg(long, env = "KVROUTE_SEED")]
+    seed: Option<u64>,
+}
+
+/// `--config` and `--print-config`.
+#[derive(Debug, Args)]
+pub(crate) struct ConfigArgs {
+    /// TOML file of settings: the flags' names in snake_case (block_size = 32) and
+    /// [[workers]] tables of the --worker keys. Flags and environment win over it.
+    #[arg(long, env = "KVROUTE_CONFIG")]
+    pub(crate) config: Option<PathBuf>,
+    /// Print the settings after merging flags, environment and file (as a config file), and
+    /// exit.
+    #[arg(long)]
+    pub(crate) print_config: bool,
+}
+
+impl ListenArgs {
+    pub(crate) fn apply(&self, s: &mut Settings) {
+        s.host.clone_from(&self.host);
+        s.port = self.port;
+    }
+}
+
+impl BlockSizeArg {
+    pub(crate) fn apply(&self, s: &mut Settings) {
+        s.block_size = self.block_size;
+    }
+}
+
+impl RoutingArgs {
+    pub(crate) fn apply(&self, s: &mut Settings) {
+        s.workers.clone_from(&self.workers);
+        s.policy = self.policy;
+        s.temperature = self.temperature;
+        s.overlap_weight = self.overlap_weight;
+        s.shards = self.shards;
+        s.max_index_blocks = self.max_index_blocks;
+        s.max_dp_size = self.max_dp_size;
+        s.approx_ttl = self.approx_ttl;
+        s.ready_timeout = self.ready_timeout;
+    }
+}
+
+impl ModelArgs {
+    pub(crate) fn apply(&self, s: &mut Settings) {
+        s.model_path.clone_from(&self.model_path);
+        s.allow_private_image_urls = self.allow_private_image_urls.then_some(true);
+    }
+}
+
+impl EngineArgs {
+    pub(crate) fn apply(&self, s: &mut Settings) {
+        s.num_blocks = self.num_blocks;
+        s.max_num_seqs = self.max_num_seqs;
+        s.max_batched_tokens = self.max_batched_tokens;
+        s.speedup = self.speedup;
+        s.seed = self.seed;
+    }
+}
+
+impl ConfigArgs {
+    /// The file's settings under `flags` (flags and environment win).
+    pub(crate) fn merge(
+        &self,
+        flags: Settings,
+        allowed: &[&str],
+        command: &str,
+    ) -> anyhow::Result<Settings> {
+        let file = match &self.config {
+            Some(path) => Settings::from_file(path, allowed, command)?,
+            None => Settings::default(),
+        };
+        Ok(file.overlaid_by(flags)?)
+    }
+
+    /// With `--print-config`: prints `settings` and says to stop.
+    pub(crate) fn printed(&self, settings: &Settings) -> bool {
+        if self.print_config {
+            #[allow(clippy::print_stdout)]
+            {
+                print!("{}", settings.to_toml());
+            }
+        }
+        self.print_config
+    }
+}
