@@ -34,8 +34,12 @@ pub enum RouterError {
     Config(String),
     #[error("ZMQ: {0}")]
     Zmq(#[from] zeromq::ZmqError),
-    #[error("replay: {0}")]
-    Replay(String),
+    #[error("replay: no reply in time")]
+    ReplayTimeout,
+    #[error("replay: a bad frame")]
+    ReplayFrame(#[source] kvroute_wire::WireError),
+    #[error("block size")]
+    BlockSize(#[from] kvroute_core::Error),
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -59,7 +63,7 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
     let mut tasks = Vec::new();
     for spec in &state.config.workers {
         let block_size = match spec.block_size {
-            Some(bs) => BlockSize::new(bs).map_err(|e| RouterError::Config(e.to_string()))?,
+            Some(bs) => BlockSize::new(bs)?,
             None => state.config.block_size,
         };
         let convert = ConvertConfig {

@@ -164,7 +164,7 @@ async fn recover(
                 apply_batch(state, sub, stream, seq, &payload);
             }
         }
-        Ok(Err(err)) => tracing::warn!(worker = %sub.worker, %err, "replay failed"),
+        Ok(Err(err)) => tracing::warn!(worker = %sub.worker, error = ?err, "replay failed"),
         Err(_) => tracing::warn!(worker = %sub.worker, "replay timed out"),
     }
 }
@@ -253,15 +253,14 @@ pub async fn replay(
     loop {
         let reply = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
             .await
-            .map_err(|_| RouterError::Replay("no reply in time".into()))??;
+            .map_err(|_| RouterError::ReplayTimeout)??;
         let frames: Vec<Vec<u8>> = reply.into_vec().into_iter().map(|b| b.to_vec()).collect();
         // ["", topic, seq, payload] (vLLM >= 0.26) or ["", seq, payload].
         let rest = match frames.split_first() {
             Some((empty, rest)) if empty.is_empty() => rest,
             _ => &frames[..],
         };
-        let (_, seq, payload) = split_frames(rest)
-            .map_err(|e| RouterError::Replay(format!("bad replay frame: {e}")))?;
+        let (_, seq, payload) = split_frames(rest).map_err(RouterError::ReplayFrame)?;
         if seq == END_OF_REPLAY {
             return Ok(out);
         }

@@ -34,6 +34,8 @@ pub enum StackError {
     #[error("configuration: {0}")]
     Config(String),
     #[error(transparent)]
+    Settings(#[from] settings::SettingsError),
+    #[error(transparent)]
     Router(#[from] kvroute_router::RouterError),
     #[error("a simulated worker")]
     Mocker(#[from] kvroute_mocker::MockerError),

@@ -28,6 +28,24 @@ pub const DEFAULT_MAX_INDEX_BLOCKS: usize = 16 << 20;
 pub const DEFAULT_READY_TIMEOUT_SECS: f64 = 10.0;
 pub const DEFAULT_SIMULATED_WORKERS: usize = 4;
 
+/// Why settings could not be read or merged.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SettingsError {
+    #[error("reading {path}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}")]
+    Parse { path: PathBuf, source: toml::de::Error },
+    #[error("{path}: `{key}` does not apply to `kvroute {command}`")]
+    NotFor { path: PathBuf, key: String, command: String },
+    #[error("{path}: unknown key `{key}`")]
+    Unknown { path: PathBuf, key: String },
+    #[error(
+        "worker {0} is given twice with different keys (in the file and by --worker or KVROUTE_WORKERS)"
+    )]
+    WorkerTwice(kvroute_core::WorkerId),
+}
+
 /// Every setting, each optional (absent: the next source, or the default).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -105,23 +123,29 @@ macro_rules! overlay {
 
 impl Settings {
     /// Reads a TOML file, refusing keys that `command` (named in errors) does not use.
-    pub fn from_file(path: &Path, allowed: &[&str], command: &str) -> Result<Self, StackError> {
+    pub fn from_file(path: &Path, allowed: &[&str], command: &str) -> Result<Self, SettingsError> {
         let text = std::fs::read_to_string(path)
-            .map_err(|e| StackError::Config(format!("reading {}: {e}", path.display())))?;
-        Self::from_toml(&text, allowed, command)
-            .map_err(|e| StackError::Config(format!("{}: {e}", path.display())))
+            .map_err(|source| SettingsError::Read { path: path.to_owned(), source })?;
+        Self::from_toml(&text, path, allowed, command)
     }
 
-    /// [`Settings::from_file`] of text.
-    pub fn from_toml(text: &str, allowed: &[&str], command: &str) -> Result<Self, String> {
-        let table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+    /// [`Settings::from_file`] of text read from `path`.
+    pub fn from_toml(
+        text: &str,
+        path: &Path,
+        allowed: &[&str],
+        command: &str,
+    ) -> Result<Self, SettingsError> {
+        let parse = |source| SettingsError::Parse { path: path.to_owned(), source };
+        let table: toml::Table = toml::from_str(text).map_err(parse)?;
         if let Some(key) = table.keys().find(|k| !allowed.contains(&k.as_str())) {
-            return Err(match Self::is_key(key) {
-                true => format!("`{key}` does not apply to `kvroute {command}`"),
-                false => format!("unknown key `{key}`"),
+            let (path, key) = (path.to_owned(), key.clone());
+            return Err(match Self::is_key(&key) {
+                true => SettingsError::NotFor { path, key, command: command.to_owned() },
+                false => SettingsError::Unknown { path, key },
             });
         }
-        table.try_into().map_err(|e: toml::de::Error| e.to_string())
+        table.try_into().map_err(parse)
     }
 
     fn is_key(key: &str) -> bool {
@@ -130,19 +154,14 @@ impl Settings {
 
     /// `self` under `high`: each setting `high` has wins; workers add up (the same id twice
     /// must have the same keys).
-    pub fn overlaid_by(self, high: Settings) -> Result<Settings, StackError> {
+    pub fn overlaid_by(self, high: Settings) -> Result<Settings, SettingsError> {
         let low = self;
         let mut by_id: BTreeMap<u64, WorkerSpec> = BTreeMap::new();
         let mut order = Vec::new();
         for w in low.workers.iter().chain(&high.workers) {
             match by_id.get(&w.id.0) {
                 Some(seen) if seen == w => {}
-                Some(_) => {
-                    return Err(StackError::Config(format!(
-                        "worker {} is given twice with different keys (in the file and by --worker or KVROUTE_WORKERS)",
-                        w.id
-                    )));
-                }
+                Some(_) => return Err(SettingsError::WorkerTwice(w.id)),
                 None => {
                     by_id.insert(w.id.0, w.clone());
                     order.push(w.id.0);
@@ -278,7 +297,27 @@ mod tests {
     use super::*;
 
     fn file(text: &str) -> Settings {
-        Settings::from_toml(text, &keys::serve(), "serve").unwrap()
+        Settings::from_toml(text, Path::new("f.toml"), &keys::serve(), "serve").unwrap()
+    }
+
+    fn router_file(text: &str) -> String {
+        let err = Settings::from_toml(text, Path::new("f.toml"), &keys::router(), "router");
+        DisplayChain(&err.unwrap_err()).to_string()
+    }
+
+    /// An error and its sources.
+    struct DisplayChain<'a>(&'a dyn std::error::Error);
+
+    impl std::fmt::Display for DisplayChain<'_> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "{}", self.0)?;
+            let mut next = self.0.source();
+            while let Some(e) = next {
+                write!(f, ": {e}")?;
+                next = e.source();
+            }
+            Ok(())
+        }
     }
 
     #[test]
@@ -295,13 +334,12 @@ mod tests {
 
     #[test]
     fn keys_a_command_does_not_use_are_errors() {
-        let err = Settings::from_toml("num_blocks = 10\n", &keys::router(), "router").unwrap_err();
+        let err = router_file("num_blocks = 10\n");
         assert!(err.contains("`num_blocks` does not apply to `kvroute router`"), "{err}");
-        let err = Settings::from_toml("blocksize = 10\n", &keys::router(), "router").unwrap_err();
+        let err = router_file("blocksize = 10\n");
         assert!(err.contains("unknown key `blocksize`"), "{err}");
-        let err =
-            Settings::from_toml("block_size = \"x\"\n", &keys::router(), "router").unwrap_err();
-        assert!(err.contains("block_size"), "{err}");
+        let err = router_file("block_size = \"x\"\n");
+        assert!(err.starts_with("f.toml: ") && err.contains("block_size"), "{err}");
     }
 
     #[test]
