@@ -15,6 +15,17 @@ use anyhow::Context;
 /// How long open responses get to finish after Ctrl-C or SIGTERM.
 const GRACE: Duration = Duration::from_secs(5);
 
+/// Writes the ready line (and a hint) to stdout. A closed stdout (`kvroute serve | head -1`)
+/// must not take the server down, so write errors are ignored.
+pub(crate) fn announce(lines: &[String]) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    for line in lines {
+        let _ = writeln!(out, "{line}");
+    }
+    let _ = out.flush();
+}
+
 pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting a runtime")
 }

@@ -95,10 +95,11 @@ fn what_would_be_dropped_is_an_error() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A running `kvroute` whose first stdout line has been read.
+/// A running `kvroute` whose first stdout line has been read (the rest of stdout stays open).
 struct Running {
     child: Child,
     line: String,
+    stdout: Option<BufReader<std::process::ChildStdout>>,
 }
 
 impl Drop for Running {
@@ -115,10 +116,15 @@ fn start(cmd: &mut Command, cwd: &Path) -> Running {
     let mut line = String::new();
     stdout.read_line(&mut line).unwrap();
     assert!(!line.is_empty(), "no ready line");
-    Running { child, line }
+    Running { child, line, stdout: Some(stdout) }
 }
 
 impl Running {
+    /// Closes our end of its stdout, as `kvroute serve | head -1` would.
+    fn close_stdout(&mut self) {
+        self.stdout = None;
+    }
+
     fn base(&self) -> String {
         let at = self.line.find("http://").unwrap();
         self.line[at..].split_whitespace().next().unwrap().to_owned()
@@ -188,7 +194,7 @@ fn serve_runs_from_any_directory_with_the_built_in_model() {
 #[test]
 fn serve_takes_a_text_only_model_directory() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny-text");
-    let serve = start(
+    let mut serve = start(
         kvroute()
             .args([
                 "serve",
@@ -203,6 +209,8 @@ fn serve_takes_a_text_only_model_directory() {
             .arg(&model),
         &std::env::temp_dir(),
     );
+    // Whoever read the ready line may go away: the server stays up.
+    serve.close_stdout();
     let text = json!({"messages": [{"role": "user", "content": "Hello there, how are you?"}], "max_tokens": 2});
     let (status, v) = post_chat(&serve.base(), &text);
     assert_eq!(status, 200, "{v}");

@@ -44,12 +44,11 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
         let stack = Stack::start(config).await?;
         stack.ready(timeout).await;
         let local = listener.local_addr()?;
-        #[allow(clippy::print_stdout)]
-        {
-            let via = settings.router_url.as_deref().unwrap_or("an embedded router");
-            let n = stack.workers.len();
-            println!("kvroute frontend ready on http://{local} ({n} workers, via {via})");
-        }
+        let via = settings.router_url.as_deref().unwrap_or("an embedded router");
+        let n = stack.workers.len();
+        super::announce(&[format!(
+            "kvroute frontend ready on http://{local} ({n} workers, via {via})"
+        )]);
         let app = stack.frontend_app().ok_or_else(|| anyhow::anyhow!("no front door"))?;
         super::serve_until_signal(listener, app).await?;
         Ok(ExitCode::SUCCESS)

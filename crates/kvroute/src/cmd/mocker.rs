@@ -60,19 +60,18 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         let state = kvroute_mocker::start(config).await?;
         let local = listener.local_addr()?;
         let b = &state.engine.bound;
-        #[allow(clippy::print_stdout)]
-        {
-            println!(
+        super::announce(&[
+            format!(
                 "kvroute mocker listening on http://{local} (model {}); events {} replay {} load {}",
                 state.preprocessor.model_name(),
                 b.events.as_deref().unwrap_or("-"),
                 b.replay.as_deref().unwrap_or("-"),
                 b.metrics.as_deref().unwrap_or("-"),
-            );
-            println!(
+            ),
+            format!(
                 "try: curl -s http://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'"
-            );
-        }
+            ),
+        ]);
         super::serve_until_signal(listener, kvroute_mocker::http::app(state)).await?;
         Ok(ExitCode::SUCCESS)
     })

@@ -39,13 +39,12 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
         let local = listener.local_addr()?;
         let workers = stack.workers.len();
         tracing::info!(%local, workers, %policy, "kvroute router ready");
-        #[allow(clippy::print_stdout)]
-        {
-            println!("kvroute router listening on http://{local} ({workers} configured workers, policy {policy})");
-            println!(
+        super::announce(&[
+            format!("kvroute router listening on http://{local} ({workers} configured workers, policy {policy})"),
+            format!(
                 "try: curl -s http://{local}/find_best_worker -H 'content-type: application/json' -d '{{\"local_hashes\":[1,2,3],\"num_tokens\":48}}'"
-            );
-        }
+            ),
+        ]);
         let app = stack.router_app().ok_or_else(|| anyhow::anyhow!("no router"))?;
         super::serve_until_signal(listener, app).await?;
         Ok(ExitCode::SUCCESS)

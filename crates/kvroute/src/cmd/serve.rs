@@ -53,14 +53,13 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         let stack = Stack::start(config).await?;
         stack.ready(timeout).await;
         let local = listener.local_addr()?;
-        #[allow(clippy::print_stdout)]
-        {
-            let n = stack.workers.len();
-            println!("kvroute serve ready on http://{local} ({n} workers, policy {policy})");
-            println!(
+        let n = stack.workers.len();
+        super::announce(&[
+            format!("kvroute serve ready on http://{local} ({n} workers, policy {policy})"),
+            format!(
                 "try: curl -s http://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":16}}'"
-            );
-        }
+            ),
+        ]);
         let app = stack.frontend_app().ok_or_else(|| anyhow::anyhow!("no front door"))?;
         super::serve_until_signal(listener, app).await?;
         Ok(ExitCode::SUCCESS)
