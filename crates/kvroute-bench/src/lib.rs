@@ -45,8 +45,14 @@ pub struct BenchArgs {
     pub policies: Vec<PolicyKind>,
     /// Policies also run with the simulated workers' KV events switched off, the router
     /// predicting their caches from its own decisions (approximate mode; labelled
-    /// `<policy>-approx`). Empty to skip.
-    #[arg(long, env = "KVROUTE_BENCH_APPROXIMATE", value_delimiter = ',', default_value = "kv")]
+    /// `<policy>-approx`). `--approximate` with no value runs none.
+    #[arg(
+        long,
+        env = "KVROUTE_BENCH_APPROXIMATE",
+        value_delimiter = ',',
+        num_args = 0..,
+        default_value = "kv"
+    )]
     pub approximate: Vec<PolicyKind>,
     /// Output directory (report.md, results.json, SVG plots).
     #[arg(long, env = "KVROUTE_BENCH_OUT", default_value = "bench-results")]
