@@ -296,6 +296,14 @@ pub fn pick_by_cost(
     }
 }
 
+/// Prompt tokens an engine serves from `overlap_blocks` cached leading blocks of an
+/// `isl_tokens` prompt: vLLM (and SGLang) always compute a prompt's last token for its
+/// logits, so a fully cached prompt recomputes its last block.
+pub fn reusable_tokens(overlap_blocks: u32, isl_tokens: usize, block_size: usize) -> usize {
+    let max_blocks = isl_tokens.saturating_sub(1) / block_size.max(1);
+    (overlap_blocks as usize).min(max_blocks) * block_size
+}
+
 /// Where a request went and what the router expected of it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct RouteDecision {
@@ -424,7 +432,7 @@ impl Scheduler {
         let c = candidates[chosen];
         let bs = self.config.block_size.tokens();
         let cached =
-            (c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs).min(request.isl_tokens);
+            reusable_tokens(c.overlap_blocks.max(c.inflight_prefix_blocks), request.isl_tokens, bs);
         let decision = RouteDecision {
             worker: c.worker,
             overlap_blocks: c.overlap_blocks,

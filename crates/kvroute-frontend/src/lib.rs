@@ -45,8 +45,9 @@ pub const BODY_LIMIT: usize = 64 << 20;
 /// Header naming the worker a response came from.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
 
-/// Header with the prompt tokens the router expected the chosen worker to have cached (its
-/// leading blocks held by the worker's KV events, in tokens): compare with the response's
+/// Header with the prompt tokens the router expected the chosen worker to serve from its cache
+/// (its leading blocks held by the worker's KV events, in tokens, less the last block of a
+/// fully cached prompt, which engines recompute): compare with the response's
 /// `usage.prompt_tokens_details.cached_tokens` to see how exact the router's view is.
 pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-tokens";
 
@@ -315,7 +316,11 @@ async fn route_and_proxy(
             }
         }
         out = out.header(WORKER_HEADER, HeaderValue::from(worker.worker_id.0));
-        let overlap_tokens = (overlap_blocks as usize * bs.tokens()).min(prepared.tokens.len());
+        let overlap_tokens = kvroute_core::schedule::reusable_tokens(
+            overlap_blocks,
+            prepared.tokens.len(),
+            bs.tokens(),
+        );
         out = out.header(OVERLAP_HEADER, HeaderValue::from(overlap_tokens));
         return out.body(Body::from_stream(stream)).map_err(ApiError::internal);
     }

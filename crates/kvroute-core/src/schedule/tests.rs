@@ -79,6 +79,19 @@ fn candidate(k: u64, overlap: u32) -> Candidate {
 }
 
 #[test]
+fn reusable_tokens_follow_the_engines_last_token_rule() {
+    assert_eq!(
+        reusable_tokens(4, 64, 16),
+        48,
+        "64 tokens fully cached: the last block is recomputed"
+    );
+    assert_eq!(reusable_tokens(4, 65, 16), 64);
+    assert_eq!(reusable_tokens(2, 100, 16), 32);
+    assert_eq!(reusable_tokens(9, 1, 16), 0);
+    assert_eq!(reusable_tokens(0, 0, 16), 0);
+}
+
+#[test]
 fn full_overlap_wins_at_equal_load() {
     let p = prompt(&(0..512).collect::<Vec<_>>());
     for policy in [PolicyKind::Kv, PolicyKind::Dynamo] {
@@ -92,8 +105,8 @@ fn full_overlap_wins_at_equal_load() {
         let d = d.unwrap();
         assert_eq!(
             (d.worker, d.overlap_blocks, d.predicted_prefill_tokens),
-            (w(2), 32, 0),
-            "{policy}"
+            (w(2), 32, 16),
+            "{policy}: the whole prompt is cached; engines recompute its last block"
         );
     }
 }
