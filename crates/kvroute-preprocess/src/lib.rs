@@ -22,6 +22,7 @@
 #[cfg(feature = "fetch")]
 pub mod fetch;
 pub mod images;
+mod words;
 
 use std::path::{Path, PathBuf};
 
@@ -35,19 +36,23 @@ use serde::Deserialize;
 use tokenizers::Tokenizer;
 
 pub use images::{Image, ImageConfig};
+pub use words::Words;
 
 /// The name of the built-in model ([`Preprocessor::builtin`]).
 pub const BUILTIN_MODEL: &str = "kvroute-tiny";
 const BUILTIN_TOKENIZER: &[u8] = include_bytes!("../../../models/kvroute-tiny/tokenizer.json");
 const BUILTIN_CONFIG: &str = include_str!("../../../models/kvroute-tiny/tokenizer_config.json");
 
-/// The chat template of a model directory that has none: each message on its own lines as
-/// `role: content` (text parts joined; images not supported by such a model), then
-/// `assistant:` when a generation prompt is asked for.
+/// The chat template of a model directory that has none: each message as its role and a colon
+/// on one line and its text on the next (text parts joined; images not supported by such a
+/// model), then `assistant:` on a line of its own when a generation prompt is asked for, so an
+/// answer sent back renders as the generation prompt followed by the answer.
 pub const DEFAULT_CHAT_TEMPLATE: &str = r#"{%- for message in messages -%}
-{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}
+{{ message['role'] }}:
+{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}
 {% endfor -%}
-{%- if add_generation_prompt %}assistant: {% endif -%}"#;
+{%- if add_generation_prompt %}assistant:
+{% endif -%}"#;
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -153,6 +158,7 @@ pub struct Preprocessor {
     eos_token_id: Option<u32>,
     max_model_len: Option<u64>,
     image_config: ImageConfig,
+    words: std::sync::OnceLock<std::sync::Arc<Words>>,
 }
 
 impl Preprocessor {
@@ -253,6 +259,7 @@ impl Preprocessor {
             eos_token_id,
             max_model_len,
             image_config,
+            words: std::sync::OnceLock::new(),
         })
     }
 
@@ -278,6 +285,11 @@ impl Preprocessor {
     /// The model's context length (`model_max_length`), when its directory says.
     pub fn max_model_len(&self) -> Option<u64> {
         self.max_model_len
+    }
+
+    /// The vocabulary's words (tokens whose text tokenizes back to them), found on first use.
+    pub fn words(&self) -> &std::sync::Arc<Words> {
+        self.words.get_or_init(|| std::sync::Arc::new(Words::scan(&self.tokenizer)))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -312,6 +324,11 @@ impl Preprocessor {
     /// Text of `tokens` (special tokens skipped).
     pub fn decode(&self, tokens: &[u32]) -> Result<String, PreprocessError> {
         self.tokenizer.decode(tokens, true).map_err(PreprocessError::Tokenizer)
+    }
+
+    /// Each token's vocabulary entry (vLLM's `token_strs`).
+    pub fn token_strings(&self, tokens: &[u32]) -> Vec<String> {
+        tokens.iter().map(|&t| self.tokenizer.id_to_token(t).unwrap_or_default()).collect()
     }
 
     /// Refuses images for a text-only model.

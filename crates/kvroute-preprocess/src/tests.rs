@@ -133,7 +133,7 @@ fn a_text_only_model_uses_the_plain_template_and_refuses_images() {
         user(MessageContent::Parts(vec![ContentPart::Text { text: "Hello there".into() }])),
     ];
     let text = m.render(&messages, true).unwrap();
-    assert_eq!(text, "system: Be brief.\nuser: Hello there\nassistant: ");
+    assert_eq!(text, "system:\nBe brief.\nuser:\nHello there\nassistant:\n");
     let prepared = m.prepare_chat(&messages, true, Vec::new()).unwrap();
     assert_eq!(m.decode(&prepared.tokens).unwrap(), text);
     let with_image =
@@ -168,4 +168,30 @@ fn hugging_face_config_forms_are_read() {
     let err = Preprocessor::load(&dir).unwrap_err().to_string();
     assert!(err.contains("no image token") && err.contains("kvroute-hf"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// An answer made of the vocabulary's words tokenizes back to its token ids, alone and as
+    /// the assistant's turn of a conversation sent back (after the generation prompt).
+    #[test]
+    fn answers_of_words_survive_a_round_trip(key in proptest::prelude::any::<u64>(), len in 1usize..48) {
+        for model in [Preprocessor::builtin(), text_only()] {
+            let words = model.words();
+            proptest::prop_assert!(!words.first.is_empty() && words.rest.len() > 50, "{}", model.model_name());
+            let answer: Vec<u32> = (0..len).map(|i| words.pick(key, i).unwrap()).collect();
+            let text = model.decode(&answer).unwrap();
+            proptest::prop_assert_eq!(model.encode(&text).unwrap(), answer.clone(), "{:?}", text);
+            let question = vec![user(MessageContent::Text("What is a KV cache?".into()))];
+            let asked = model.prepare_chat(&question, true, Vec::new()).unwrap().tokens;
+            let mut conversation = question.clone();
+            conversation.push(ChatMessage::text("assistant", &text));
+            conversation.push(user(MessageContent::Text("And then?".into())));
+            let next = model.prepare_chat(&conversation, true, Vec::new()).unwrap().tokens;
+            let mut expected = asked.clone();
+            expected.extend(&answer);
+            proptest::prop_assert_eq!(&next[..expected.len()], &expected[..], "{}", model.model_name());
+        }
+    }
 }
