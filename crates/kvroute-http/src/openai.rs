@@ -91,6 +91,9 @@ pub struct ChatCompletionRequest {
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// vLLM's extension: generate past the end-of-turn token, up to the output limit.
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 impl ChatCompletionRequest {
@@ -112,6 +115,9 @@ pub struct CompletionRequest {
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// vLLM's extension: generate past the end-of-turn token, up to the output limit.
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 /// Tokens of one request; `prompt_tokens_details.cached_tokens` are the prompt tokens the

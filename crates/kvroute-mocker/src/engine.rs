@@ -1,20 +1,45 @@
-//! The simulated engine's scheduler, stepped on a simulated clock.
+//! The simulated engine's scheduler, stepped on a simulated clock. It follows the vLLM
+//! scheduler as Dynamo 1.6.1's mocker simulates it (`aisimulate-core` 0.13,
+//! `engine/scheduler/vllm/core.rs` and `policy.rs`), step by step:
 //!
-//! Each step, like vLLM's continuous batching with chunked prefill: admit waiting requests
-//! (first come, first served) while sequences and blocks allow, reusing their cached leading
-//! blocks; spend the token budget on one token for every decoding request, then on prefill
-//! chunks; the step lasts the timing model's prefill time for its uncached prompt tokens plus a
-//! decode step for its decoding requests. Prompt blocks computed in the step are announced as
-//! `BlockStored`, evictions as `BlockRemoved` (vLLM's wire types). A request that cannot get a
-//! block for its next token is preempted and starts again later (its blocks released).
+//! 1. **Running requests, in admission order**, each get `min(unscheduled tokens, budget)`
+//!    of the step's token budget (`max_batched_tokens`): one token for a decoding request, a
+//!    chunk for one still prefilling. Blocks are allocated for exactly the tokens scheduled; a
+//!    request that cannot get one preempts the newest running request (LIFO, recompute:
+//!    its blocks freed, it goes back to the front of the queue), itself if it is the newest.
+//! 2. **Waiting requests, first come first served**, while the budget lasts, fewer than
+//!    `max_num_seqs` run and nothing was preempted in this step: a request is admitted when its
+//!    known tokens' blocks, less its cached prefix blocks that running requests already hold,
+//!    fit in the blocks running requests do not hold (cached blocks nobody holds are evicted
+//!    as needed, least recently freed first); otherwise it and every later one wait. Its cached
+//!    prefix is at most `(len - 1) / block_size` blocks: the last token is always computed,
+//!    for its logits.
+//! 3. **Time**: the step lasts the prefill time of the prompt tokens it computed,
+//!    `poly(count x (mean isl - mean prefix))` over the requests that computed prompt tokens,
+//!    plus, when some request decodes, a decode step at `p = min(1, sum of the decoding
+//!    requests' lengths / KV capacity in tokens)` (logical tokens: a shared prefix counts once
+//!    per request). A request whose prompt completes in the step samples its first token from
+//!    that forward pass: it adds no decode time.
+//! 4. **Outputs** at the end of the step: every request whose known tokens are all computed
+//!    samples one token (its KV is computed by the next step, so a finished request's last
+//!    token is never cached). Full computed blocks, prompt or generated, are cached and
+//!    announced as `BlockStored` the moment the scheduler fills them, evictions as
+//!    `BlockRemoved`, in the order they happen.
+//!
+//! Deliberate differences from Dynamo's mocker: the generated tokens are words of the model's
+//! vocabulary chosen by the prompt and the seed (see [`OutputPlan`]), not synthetic ids, so a
+//! client can send the answer back; Dynamo's features beyond a single vLLM worker (host
+//! offload, speculative decoding, disaggregation, data-parallel cadence) are not simulated.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use kvroute_core::{BlockExtraInfo, BlockHasher, BlockSize, SequenceHash, sequence_hashes};
+use kvroute_core::{BlockExtraInfo, BlockHasher, BlockSize, SequenceHash};
 use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_extra_keys};
 
-use crate::kv::KvCache;
+use crate::kv::{KvCache, Stored};
+pub use crate::sequence::OutputPlan;
+use crate::sequence::{Block, Sequence};
 use crate::timing::Timing;
 
 /// Engine settings; `Default` follows Dynamo's mocker (block size 16 for kvroute).
@@ -39,8 +64,8 @@ impl Default for EngineConfig {
     }
 }
 
-/// A request as the engine sees it: tokens (images already expanded into placeholder tokens)
-/// and, per block, the images each block covers.
+/// A request as the engine sees it: tokens (images already expanded into placeholder tokens),
+/// per block the images each block covers, and what it will generate.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineRequest {
     pub id: String,
@@ -48,6 +73,7 @@ pub struct EngineRequest {
     pub block_mm_infos: Option<Vec<Option<BlockExtraInfo>>>,
     /// Tokens to generate (at least 1).
     pub max_tokens: usize,
+    pub plan: OutputPlan,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -63,15 +89,16 @@ pub enum EngineError {
 /// What happened to a request in a step.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Output {
-    /// The prompt is computed and the first token generated.
+    /// The prompt is computed and the first token sampled.
     FirstToken {
         id: String,
         cached_tokens: usize,
     },
-    /// Another token (index from 0: the first token is index 0).
+    /// A generated token (`index` from 0).
     Token {
         id: String,
         index: usize,
+        token: u32,
     },
     Finished {
         id: String,
@@ -90,7 +117,7 @@ pub struct Usage {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Step {
     pub duration: Duration,
-    /// vLLM-format events of this step: evictions first, then stores.
+    /// vLLM-format events of this step, in the order they happened.
     pub events: Vec<EngineEvent>,
     pub outputs: Vec<Output>,
 }
@@ -105,24 +132,13 @@ pub struct EngineStats {
     pub preemptions: u64,
 }
 
-#[derive(Debug)]
-struct Running {
-    req: EngineRequest,
-    seq: Vec<SequenceHash>,
-    /// Cached blocks this request references (filled or hit), in order.
-    held: usize,
-    /// Private blocks: prompt blocks not yet computed, the partial tail, generated tokens.
-    private: usize,
-    /// Prompt tokens computed (cached ones included).
-    computed: usize,
-    cached_tokens: usize,
-    generated: usize,
-}
-
-impl Running {
-    fn prefilling(&self) -> bool {
-        self.computed < self.req.tokens.len()
-    }
+/// What a step scheduled for one request.
+#[derive(Clone, Copy, Debug)]
+struct Work {
+    tokens: usize,
+    /// Prompt tokens computed by this step, and those computed before it.
+    prompt_tokens: usize,
+    prompt_before: usize,
 }
 
 #[derive(Debug)]
@@ -131,11 +147,30 @@ pub struct Engine {
     hasher: BlockHasher,
     cache: KvCache,
     clock: Duration,
-    /// Requests not yet running, with the tokens they already generated (a preempted
-    /// request resumes its stream, as vLLM's recompute preemption does).
-    waiting: VecDeque<(EngineRequest, usize)>,
-    running: Vec<Running>,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
     stats: EngineStats,
+}
+
+/// Collects a step's events in order, runs of one kind merged.
+#[derive(Debug, Default)]
+struct Events(Vec<EngineEvent>);
+
+impl Events {
+    fn removed(&mut self, gone: &[SequenceHash]) {
+        if gone.is_empty() {
+            return;
+        }
+        if let Some(EngineEvent::BlockRemoved(r)) = self.0.last_mut() {
+            r.block_hashes.extend(gone.iter().map(|s| s.0));
+            return;
+        }
+        self.0.push(EngineEvent::BlockRemoved(BlockRemoved {
+            block_hashes: gone.iter().map(|s| s.0).collect(),
+            medium: Some("GPU".to_owned()),
+            group_idx: None,
+        }));
+    }
 }
 
 impl Engine {
@@ -172,6 +207,11 @@ impl Engine {
         self.running.len()
     }
 
+    /// The request next in the queue.
+    pub fn next_waiting(&self) -> Option<&str> {
+        self.waiting.front().map(|s| s.id.as_str())
+    }
+
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
     }
@@ -182,7 +222,7 @@ impl Engine {
     }
 
     /// Queues a request. Refuses prompts that could never fit.
-    pub fn submit(&mut self, mut req: EngineRequest) -> Result<(), EngineError> {
+    pub fn submit(&mut self, req: EngineRequest) -> Result<(), EngineError> {
         if req.tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -190,27 +230,37 @@ impl Engine {
         if needed > self.config.num_blocks {
             return Err(EngineError::PromptTooLarge { needed, capacity: self.config.num_blocks });
         }
-        if self.waiting.iter().any(|(w, _)| w.id == req.id)
-            || self.running.iter().any(|r| r.req.id == req.id)
-        {
+        if self.waiting.iter().chain(&self.running).any(|s| s.id == req.id) {
             return Err(EngineError::DuplicateId(req.id));
         }
-        req.max_tokens = req.max_tokens.max(1);
-        self.waiting.push_back((req, 0));
+        self.waiting.push_back(Sequence {
+            id: req.id,
+            prompt_len: req.tokens.len(),
+            tokens: req.tokens,
+            mm: req.block_mm_infos,
+            max_tokens: req.max_tokens.max(1),
+            plan: req.plan,
+            hashes: Vec::new(),
+            blocks: Vec::new(),
+            filled: 0,
+            computed: 0,
+            generated: 0,
+            cached_tokens: None,
+        });
         Ok(())
     }
 
     /// Drops a request wherever it is (its client left); its blocks are released. Returns
     /// whether it was known.
     pub fn cancel(&mut self, id: &str) -> bool {
-        if let Some(at) = self.waiting.iter().position(|(w, _)| w.id == id) {
+        if let Some(at) = self.waiting.iter().position(|s| s.id == id) {
             self.waiting.remove(at);
             return true;
         }
-        match self.running.iter().position(|r| r.req.id == id) {
+        match self.running.iter().position(|s| s.id == id) {
             Some(at) => {
-                let r = self.running.remove(at);
-                self.cache.release(&r.seq[..r.held], r.private);
+                let mut s = self.running.remove(at);
+                s.release(&mut self.cache);
                 true
             }
             None => false,
@@ -224,199 +274,248 @@ impl Engine {
         if self.is_idle() {
             return vec![EngineEvent::AllBlocksCleared];
         }
-        removed_event(&gone).into_iter().collect()
+        let mut events = Events::default();
+        events.removed(&gone);
+        events.0
     }
 
     /// Runs one scheduler step; `None` when there is nothing to do.
     pub fn step(&mut self) -> Option<Step> {
-        let mut removed = Vec::new();
-        self.admit(&mut removed);
-        if self.running.is_empty() {
+        if self.is_idle() {
             return None;
         }
-        let bs = self.config.block_size.tokens();
         let mut budget = self.config.max_batched_tokens;
-        let mut out = Step::default();
-        let mut stored = Vec::new();
-        let mut prefill_tokens = 0;
-        let mut decoding = 0;
-        // Decode first: one token each. A request that needs a block and finds none makes the
-        // newest running request give its blocks back (vLLM's recompute preemption), itself if
-        // it is the newest.
+        let mut events = Events::default();
+        // Per running request (by position), what this step scheduled for it.
+        let mut work: Vec<Option<Work>> = vec![None; self.running.len()];
+        let mut preempted_any = false;
+
+        // 1. Running requests, in order.
         let mut i = 0;
-        while i < self.running.len() {
-            let r = &self.running[i];
-            if r.prefilling() || budget == 0 {
-                i += 1;
-                continue;
+        while i < self.running.len() && budget > 0 {
+            let s = &self.running[i];
+            let n = (s.len() - s.computed).min(budget);
+            match self.schedule(i, n, &mut work, &mut budget, &mut events, &mut preempted_any) {
+                Scheduled::Yes => i += 1,
+                Scheduled::Preempted => {}
+                Scheduled::Blocked => break,
             }
-            // The next token opens a block when it is the first of one.
-            if (r.req.tokens.len() + r.generated).is_multiple_of(bs) {
-                let mut preempted_self = false;
-                while self.cache.grow(1, &mut removed).is_err() {
-                    let victim = self.running.len() - 1;
-                    let v = self.running.remove(victim);
-                    self.cache.release(&v.seq[..v.held], v.private);
-                    self.stats.preemptions += 1;
-                    self.waiting.push_front((v.req, v.generated));
-                    if victim == i {
-                        preempted_self = true;
-                        break;
-                    }
-                }
-                if preempted_self {
-                    continue;
-                }
-                self.running[i].private += 1;
-            }
-            let r = &mut self.running[i];
-            budget -= 1;
-            decoding += 1;
-            out.outputs.push(Output::Token { id: r.req.id.clone(), index: r.generated });
-            r.generated += 1;
-            i += 1;
         }
-        // Then prefill chunks, in admission order.
-        for r in self.running.iter_mut().filter(|r| r.prefilling()) {
-            if budget == 0 {
+
+        // 2. Waiting requests, first come first served.
+        while !preempted_any && budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(front) = self.waiting.front_mut() else { break };
+            let bs = self.config.block_size.tokens();
+            let len = front.len();
+            let hashes = front.full_hashes(&self.hasher).to_vec();
+            // The last token is always computed (its logits are needed).
+            let hits = self.cache.cached_prefix(&hashes).min((len - 1) / bs);
+            let active_hits = self.cache.referenced(&hashes[..hits]);
+            let needed = len.div_ceil(bs) - active_hits;
+            if needed > self.cache.capacity() - self.cache.in_use() {
                 break;
             }
-            let chunk = (r.req.tokens.len() - r.computed).min(budget);
-            budget -= chunk;
-            prefill_tokens += chunk;
-            let before = r.computed / bs;
-            r.computed += chunk;
-            let full_now = (r.computed / bs).min(r.seq.len());
-            // Blocks new to the cache, announced in runs of consecutive blocks (a block another
-            // request computed meanwhile is shared, and splits the run).
-            let mut run: Vec<usize> = Vec::new();
-            for b in before.max(r.held)..full_now {
-                let fresh = self.cache.fill(r.seq[b]);
-                r.private -= 1;
-                r.held += 1;
-                if fresh {
-                    run.push(b);
-                } else if !run.is_empty() {
-                    stored.push(stored_event(bs, r, &std::mem::take(&mut run)));
-                }
-            }
-            if !run.is_empty() {
-                stored.push(stored_event(bs, r, &run));
-            }
-            if !r.prefilling() && r.generated == 0 {
-                out.outputs.push(Output::FirstToken {
-                    id: r.req.id.clone(),
-                    cached_tokens: r.cached_tokens,
-                });
-                out.outputs.push(Output::Token { id: r.req.id.clone(), index: 0 });
-                r.generated = 1;
+            let Some(mut s) = self.waiting.pop_front() else { break };
+            self.cache.reference(&hashes[..hits]);
+            s.blocks = hashes[..hits].iter().map(|&h| Block::Cached(h)).collect();
+            s.filled = hits;
+            s.computed = hits * bs;
+            s.cached_tokens.get_or_insert(hits * bs);
+            self.running.push(s);
+            work.push(None);
+            let at = self.running.len() - 1;
+            let n = (len - hits * bs).min(budget);
+            match self.schedule(at, n, &mut work, &mut budget, &mut events, &mut preempted_any) {
+                Scheduled::Yes => {}
+                Scheduled::Preempted | Scheduled::Blocked => break,
             }
         }
+
+        // 3. How long the step takes.
         let timing = self.config.timing;
-        let kv_share = self.kv_usage();
-        out.duration =
-            (if prefill_tokens > 0 { timing.prefill(prefill_tokens) } else { Duration::ZERO })
-                + (if decoding > 0 { timing.decode(kv_share) } else { Duration::ZERO });
+        let prefilled: Vec<&Work> = work.iter().flatten().filter(|w| w.prompt_tokens > 0).collect();
+        let prefill = match prefilled.len() {
+            0 => Duration::ZERO,
+            count => {
+                let isl: usize = prefilled.iter().map(|w| w.prompt_before + w.prompt_tokens).sum();
+                let prefix: usize = prefilled.iter().map(|w| w.prompt_before).sum();
+                timing.prefill(count * (isl / count - prefix / count))
+            }
+        };
+        let mut decoding = 0;
+        let mut decoding_tokens = 0;
+        for (s, w) in self.running.iter().zip(&work) {
+            let ready = s.computed == s.len();
+            let first_from_prefill = s.generated == 0 && w.is_some_and(|w| w.prompt_tokens > 0);
+            if ready && !first_from_prefill {
+                decoding += 1;
+                decoding_tokens += s.len();
+            }
+        }
+        let capacity_tokens = self.config.num_blocks * self.config.block_size.tokens();
+        let decode = match decoding {
+            0 => Duration::ZERO,
+            _ => timing.decode(decoding_tokens as f64 / capacity_tokens.max(1) as f64),
+        };
+        let mut out = Step { duration: prefill + decode, ..Step::default() };
         self.clock += out.duration;
-        self.finish(&mut out);
-        self.stats.evicted_blocks += removed.len() as u64;
-        out.events.extend(removed_event(&removed));
-        out.events.extend(stored);
+
+        // 4. Outputs: every request with all its known tokens computed samples one.
+        self.sample(&mut out);
+        out.events = events.0;
         Some(out)
     }
 
-    fn finish(&mut self, out: &mut Step) {
+    /// Schedules `n` tokens of running request `i`: allocates their blocks (preempting the
+    /// newest running requests if the cache is full) and caches the blocks they complete.
+    fn schedule(
+        &mut self,
+        i: usize,
+        n: usize,
+        work: &mut Vec<Option<Work>>,
+        budget: &mut usize,
+        events: &mut Events,
+        preempted_any: &mut bool,
+    ) -> Scheduled {
+        let bs = self.config.block_size.tokens();
+        if n == 0 {
+            return Scheduled::Blocked;
+        }
+        loop {
+            let s = &self.running[i];
+            let needed = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
+            let mut gone = Vec::new();
+            if self.cache.grow(needed, &mut gone).is_ok() {
+                self.stats.evicted_blocks += gone.len() as u64;
+                events.removed(&gone);
+                self.running[i].blocks.extend(std::iter::repeat_n(Block::Private, needed));
+                break;
+            }
+            // No room: the newest running request gives its blocks back.
+            let victim = self.running.len() - 1;
+            let mut v = self.running.remove(victim);
+            v.release(&mut self.cache);
+            self.stats.preemptions += 1;
+            *preempted_any = true;
+            if let Some(undone) = work.remove(victim) {
+                *budget += undone.tokens;
+            }
+            self.waiting.push_front(v);
+            if victim == i {
+                return Scheduled::Preempted;
+            }
+        }
+        let s = &mut self.running[i];
+        let prompt_before = s.computed.min(s.prompt_len);
+        s.computed += n;
+        let prompt_tokens = s.computed.min(s.prompt_len) - prompt_before;
+        work[i] = Some(Work { tokens: n, prompt_tokens, prompt_before });
+        *budget -= n;
+        self.cache_computed_blocks(i, events);
+        Scheduled::Yes
+    }
+
+    /// Caches the request's private blocks that are now full and computed; new ones are
+    /// announced (a block another request cached first stays private, as vLLM keeps both).
+    fn cache_computed_blocks(&mut self, i: usize, events: &mut Events) {
+        let bs = self.config.block_size.tokens();
+        let s = &mut self.running[i];
+        let full = (s.computed / bs).min(s.blocks.len());
+        s.full_hashes(&self.hasher);
+        let mut run: Vec<usize> = Vec::new();
+        // Blocks before `filled` were dealt with by earlier steps.
+        for b in s.filled..full {
+            if s.blocks[b] != Block::Private {
+                continue;
+            }
+            let hash = s.hashes[b];
+            if self.cache.fill(hash) == Stored::Duplicate {
+                continue;
+            }
+            s.blocks[b] = Block::Cached(hash);
+            if run.last().is_some_and(|&l| l + 1 != b) {
+                events.0.push(stored_event(bs, s, &std::mem::take(&mut run)));
+            }
+            run.push(b);
+        }
+        s.filled = s.filled.max(full);
+        if !run.is_empty() {
+            events.0.push(stored_event(bs, s, &run));
+        }
+    }
+
+    /// Every running request whose known tokens are all computed samples its next token;
+    /// those done finish and free their blocks.
+    fn sample(&mut self, out: &mut Step) {
         let mut i = 0;
         while i < self.running.len() {
-            let r = &self.running[i];
-            if r.prefilling() || r.generated < r.req.max_tokens {
+            let s = &mut self.running[i];
+            if s.computed < s.len() {
                 i += 1;
                 continue;
             }
-            let r = self.running.remove(i);
-            self.cache.release(&r.seq[..r.held], r.private);
+            let token = s.plan.token(s.generated, s.max_tokens);
+            if s.generated == 0 {
+                out.outputs.push(Output::FirstToken {
+                    id: s.id.clone(),
+                    cached_tokens: s.cached_tokens.unwrap_or(0),
+                });
+            }
+            out.outputs.push(Output::Token { id: s.id.clone(), index: s.generated, token });
+            s.tokens.push(token);
+            s.generated += 1;
+            if s.generated < s.max_tokens {
+                i += 1;
+                continue;
+            }
+            let mut s = self.running.remove(i);
+            s.release(&mut self.cache);
             let usage = Usage {
-                prompt_tokens: r.req.tokens.len(),
-                cached_tokens: r.cached_tokens,
-                completion_tokens: r.generated,
+                prompt_tokens: s.prompt_len,
+                cached_tokens: s.cached_tokens.unwrap_or(0),
+                completion_tokens: s.generated,
             };
             self.stats.requests_finished += 1;
             self.stats.prompt_tokens += usage.prompt_tokens as u64;
             self.stats.cached_tokens += usage.cached_tokens as u64;
-            out.outputs.push(Output::Finished { id: r.req.id, usage });
+            out.outputs.push(Output::Finished { id: s.id, usage });
         }
     }
+}
 
-    /// Admits waiting requests while sequences and blocks allow (first come, first served).
-    fn admit(&mut self, removed: &mut Vec<SequenceHash>) {
-        let bs = self.config.block_size.tokens();
-        while self.running.len() < self.config.max_num_seqs {
-            let Some((req, generated)) = self.waiting.front() else { break };
-            let seq = sequence_hashes(
-                &self.hasher.local_hashes(&req.tokens, req.block_mm_infos.as_deref()),
-            );
-            let hits = self.cache.cached_prefix(&seq);
-            // Every block of the prompt and of the tokens generated so far (a resumed request),
-            // plus the one the next token may open.
-            let total = req.tokens.len() + generated;
-            let private = total.div_ceil(bs) - hits + usize::from(total.is_multiple_of(bs));
-            if self.cache.acquire(&seq, hits, private, removed).is_err() {
-                break;
-            }
-            let (req, generated) =
-                self.waiting.pop_front().unwrap_or_else(|| unreachable!("front exists"));
-            // Even a fully cached prompt computes its last token (its logits are needed).
-            let cached_tokens = (hits * bs).min(req.tokens.len() - 1);
-            self.running.push(Running {
-                seq,
-                held: hits,
-                private,
-                computed: cached_tokens,
-                cached_tokens: hits * bs,
-                generated,
-                req,
-            });
-        }
-    }
+/// How scheduling a request went.
+enum Scheduled {
+    Yes,
+    /// The request itself was preempted (it was the newest).
+    Preempted,
+    /// Nothing could be scheduled for it.
+    Blocked,
 }
 
 /// `BlockStored` for consecutive blocks of a request, as vLLM writes it (images as
 /// publisher-form `extra_keys`).
-fn stored_event(bs: usize, r: &Running, blocks: &[usize]) -> EngineEvent {
-    {
-        let first = blocks[0];
-        let extra_keys: Option<Vec<Option<Vec<ExtraKey>>>> =
-            r.req.block_mm_infos.as_ref().map(|infos| {
-                blocks
-                    .iter()
-                    .map(|&b| infos.get(b).and_then(Option::as_ref).map(publisher_extra_keys))
-                    .collect()
-            });
-        let extra_keys = extra_keys.filter(|k| k.iter().any(Option::is_some));
-        EngineEvent::BlockStored(BlockStored {
-            block_hashes: blocks.iter().map(|&b| r.seq[b].0).collect(),
-            parent_block_hash: first.checked_sub(1).map(|p| r.seq[p].0),
-            token_ids: blocks
-                .iter()
-                .flat_map(|&b| r.req.tokens[b * bs..(b + 1) * bs].iter().map(|&t| u64::from(t)))
-                .collect(),
-            block_size: bs as u32,
-            lora_id: None,
-            medium: Some("GPU".to_owned()),
-            lora_name: None,
-            extra_keys,
-            cache_salt: None,
-            group_idx: None,
-        })
-    }
-}
-
-fn removed_event(removed: &[SequenceHash]) -> Option<EngineEvent> {
-    (!removed.is_empty()).then(|| {
-        EngineEvent::BlockRemoved(BlockRemoved {
-            block_hashes: removed.iter().map(|s| s.0).collect(),
-            medium: Some("GPU".to_owned()),
-            group_idx: None,
-        })
+fn stored_event(bs: usize, s: &Sequence, blocks: &[usize]) -> EngineEvent {
+    let first = blocks[0];
+    let extra_keys: Option<Vec<Option<Vec<ExtraKey>>>> = s.mm.as_ref().map(|infos| {
+        blocks
+            .iter()
+            .map(|&b| infos.get(b).and_then(Option::as_ref).map(publisher_extra_keys))
+            .collect()
+    });
+    let extra_keys = extra_keys.filter(|k| k.iter().any(Option::is_some));
+    EngineEvent::BlockStored(BlockStored {
+        block_hashes: blocks.iter().map(|&b| s.hashes[b].0).collect(),
+        parent_block_hash: first.checked_sub(1).map(|p| s.hashes[p].0),
+        token_ids: blocks
+            .iter()
+            .flat_map(|&b| s.tokens[b * bs..(b + 1) * bs].iter().map(|&t| u64::from(t)))
+            .collect(),
+        block_size: bs as u32,
+        lora_id: None,
+        medium: Some("GPU".to_owned()),
+        lora_name: None,
+        extra_keys,
+        cache_salt: None,
+        group_idx: None,
     })
 }

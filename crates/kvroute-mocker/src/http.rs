@@ -1,8 +1,11 @@
 //! The simulated engine's OpenAI-compatible API: `POST /v1/chat/completions` and
 //! `POST /v1/completions` (streamed as SSE or not; `usage.prompt_tokens_details.cached_tokens`
 //! is the engine's real cache hits), `GET /v1/models`, `/health`, `/metrics` (Prometheus, with
-//! vLLM's names) and `/stats` (JSON ground truth). Generated text is readable words, the same
-//! for the same prompt and seed. Request and answer types are `kvroute_http::openai`'s; fields
+//! vLLM's names) and `/stats` (JSON ground truth), and vLLM's endpoints for routers
+//! ([`crate::vllm`]). An answer is words of the model's vocabulary chosen by the prompt and the
+//! seed ([`OutputPlan`]): its text tokenizes back to the generated token ids, and it ends with
+//! the model's end-of-turn token (`finish_reason: stop`) unless the request sets
+//! `ignore_eos` (then `length`). Request and answer types are `kvroute_http::openai`'s; fields
 //! the engine does not read are ignored, as vLLM ignores them.
 
 use std::sync::Arc;
@@ -25,7 +28,7 @@ use kvroute_preprocess::{Prepared, Preprocessor};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::engine::{EngineRequest, Output, Usage};
+use crate::engine::{EngineRequest, Output, OutputPlan, Usage};
 use crate::metrics::Metrics;
 use crate::service::{CancelOnDrop, EngineHandle};
 
@@ -38,16 +41,24 @@ pub struct AppState {
     pub preprocessor: Arc<Preprocessor>,
     pub seed: u64,
     pub fetcher: Fetcher,
-    metrics: Metrics,
+    /// The longest prompt plus output accepted (`/v1/models`, `/tokenize`).
+    pub max_model_len: u64,
+    pub(crate) metrics: Metrics,
     next_id: AtomicU64,
 }
 
+/// The context length of a model that does not state one.
+pub const DEFAULT_MAX_MODEL_LEN: u64 = 32_768;
+
 impl AppState {
+    /// `max_model_len`: the model's context length (default: the model directory's, else
+    /// [`DEFAULT_MAX_MODEL_LEN`]), at most what the KV cache holds.
     pub fn new(
         engine: EngineHandle,
         preprocessor: Arc<Preprocessor>,
         seed: u64,
         fetcher: Fetcher,
+        max_model_len: Option<u64>,
     ) -> Self {
         let c = engine.config;
         let metrics = Metrics::new(
@@ -56,7 +67,33 @@ impl AppState {
             c.block_size.get(),
             c.num_blocks,
         );
-        Self { engine, preprocessor, seed, fetcher, metrics, next_id: AtomicU64::new(0) }
+        let capacity = (c.num_blocks * c.block_size.tokens()) as u64;
+        let max_model_len = max_model_len
+            .or(preprocessor.max_model_len())
+            .unwrap_or(DEFAULT_MAX_MODEL_LEN)
+            .min(capacity);
+        Self {
+            engine,
+            preprocessor,
+            seed,
+            fetcher,
+            max_model_len,
+            metrics,
+            next_id: AtomicU64::new(0),
+        }
+    }
+
+    /// What the engine generates for a prompt: the same on every engine with the same seed.
+    pub fn plan(&self, tokens: &[u32], ignore_eos: bool) -> OutputPlan {
+        let prompt = tokens.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
+            (h ^ u64::from(t)).wrapping_mul(0x100_0000_01b3)
+        });
+        OutputPlan {
+            key: prompt ^ self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            words: Arc::clone(self.preprocessor.words()),
+            end: if ignore_eos { None } else { self.preprocessor.eos_token_id() },
+            vocab_size: u32::try_from(self.preprocessor.vocab_size()).unwrap_or(u32::MAX),
+        }
     }
 }
 
@@ -77,6 +114,10 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/stats", get(stats))
         .route("/metrics", get(metrics))
+        .route("/tokenize", post(crate::vllm::tokenize))
+        .route("/detokenize", post(crate::vllm::detokenize))
+        .route("/v1/chat/completions/render", post(crate::vllm::render_chat))
+        .route("/v1/completions/render", post(crate::vllm::render_completion))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     kvroute_http::fallbacks(routes).with_state(state)
 }
@@ -88,73 +129,20 @@ enum Kind {
     Completion,
 }
 
-const WORDS: [&str; 48] = [
-    "the",
-    "cache",
-    "router",
-    "block",
-    "token",
-    "model",
-    "answer",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "lazy",
-    "dog",
-    "and",
-    "then",
-    "a",
-    "small",
-    "boat",
-    "sails",
-    "across",
-    "calm",
-    "water",
-    "at",
-    "sunset",
-    "while",
-    "birds",
-    "sing",
-    "in",
-    "tall",
-    "green",
-    "trees",
-    "near",
-    "old",
-    "stone",
-    "bridge",
-    "where",
-    "children",
-    "play",
-    "with",
-    "bright",
-    "red",
-    "kites",
-    "every",
-    "sunny",
-    "afternoon",
-    "together",
-    "happily",
-];
-
-fn word(seed: u64, prompt_hash: u64, index: usize) -> &'static str {
-    let mut x = seed ^ prompt_hash ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 29;
-    WORDS[(x % WORDS.len() as u64) as usize]
-}
-
 async fn chat(
     State(state): State<Arc<AppState>>,
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     let (prepared, _) = state.preprocessor.prepare_chat_request(&req, &state.fetcher).await?;
-    let max_tokens = req.max_output_tokens().unwrap_or(16);
-    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    generate(&state, Kind::Chat, prepared, max_tokens, req.stream, include_usage).await
+    let ask = Ask {
+        kind: Kind::Chat,
+        max_tokens: req.max_output_tokens().unwrap_or(16),
+        stream: req.stream,
+        include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+        ignore_eos: req.ignore_eos,
+    };
+    generate(&state, prepared, ask).await
 }
 
 async fn completions(
@@ -167,19 +155,32 @@ async fn completions(
         .preprocessor
         .prepare_completion(req.prompt)
         .map_err(|e| ApiError::from(e).param("prompt"))?;
-    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    let max_tokens = req.max_tokens.unwrap_or(16);
-    generate(&state, Kind::Completion, prepared, max_tokens, req.stream, include_usage).await
+    let ask = Ask {
+        kind: Kind::Completion,
+        max_tokens: req.max_tokens.unwrap_or(16),
+        stream: req.stream,
+        include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+        ignore_eos: req.ignore_eos,
+    };
+    generate(&state, prepared, ask).await
+}
+
+/// What a request asks of the engine besides its prompt.
+#[derive(Clone, Copy, Debug)]
+struct Ask {
+    kind: Kind,
+    max_tokens: u64,
+    stream: bool,
+    include_usage: bool,
+    ignore_eos: bool,
 }
 
 async fn generate(
     state: &Arc<AppState>,
-    kind: Kind,
     prepared: Prepared,
-    max_tokens: u64,
-    stream: bool,
-    include_usage: bool,
+    ask: Ask,
 ) -> Result<Response, ApiError> {
+    let Ask { kind, max_tokens, stream, include_usage, ignore_eos } = ask;
     let config = state.engine.config;
     let bs = config.block_size;
     if prepared.tokens.is_empty() {
@@ -197,10 +198,8 @@ async fn generate(
         Kind::Chat => format!("chatcmpl-{n}"),
         Kind::Completion => format!("cmpl-{n}"),
     };
-    let prompt_hash = prepared
-        .tokens
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| (h ^ u64::from(t)).wrapping_mul(0x100_0000_01b3));
+    let plan = state.plan(&prepared.tokens, ignore_eos);
+    let end = plan.end;
     let block_mm_infos = (!prepared.mm.mm_objects.is_empty())
         .then(|| prepared.mm.to_block_level(bs, prepared.tokens.len()));
     let request = EngineRequest {
@@ -208,6 +207,7 @@ async fn generate(
         tokens: prepared.tokens,
         block_mm_infos,
         max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX).max(1),
+        plan,
     };
     let (outputs, guard) = state.engine.submit(request);
     let created = std::time::SystemTime::now()
@@ -218,8 +218,8 @@ async fn generate(
         id,
         model: state.preprocessor.model_name().to_owned(),
         created,
-        seed: state.seed,
-        prompt_hash,
+        preprocessor: Arc::clone(&state.preprocessor),
+        end,
     };
     if stream {
         Ok(sse(reply, outputs, guard, include_usage).into_response())
@@ -233,8 +233,9 @@ struct Reply {
     id: String,
     model: String,
     created: u64,
-    seed: u64,
-    prompt_hash: u64,
+    preprocessor: Arc<Preprocessor>,
+    /// The end-of-turn token, if the answer ends with it.
+    end: Option<u32>,
 }
 
 impl Reply {
@@ -272,9 +273,17 @@ impl Reply {
         }
     }
 
+    /// Why the answer ended, given its last token.
+    fn finish_reason(&self, last: Option<u32>) -> String {
+        match last.is_some() && last == self.end {
+            true => "stop".to_owned(),
+            false => "length".to_owned(),
+        }
+    }
+
     /// The whole answer's choice.
-    fn whole(&self, text: String) -> Choice {
-        let finish_reason = Some("length".to_owned());
+    fn whole(&self, text: String, last: Option<u32>) -> Choice {
+        let finish_reason = Some(self.finish_reason(last));
         match self.kind {
             Kind::Chat => Choice {
                 message: Some(AssistantMessage { role: "assistant".into(), content: text }),
@@ -285,9 +294,10 @@ impl Reply {
         }
     }
 
-    fn piece(&self, index: usize) -> String {
-        let w = word(self.seed, self.prompt_hash, index);
-        if index == 0 { w.to_owned() } else { format!(" {w}") }
+    /// The text of one generated token (special tokens, the end of turn among them, have
+    /// none).
+    fn piece(&self, token: u32) -> String {
+        self.preprocessor.decode(&[token]).unwrap_or_default()
     }
 }
 
@@ -305,13 +315,17 @@ async fn whole(
     mut guard: CancelOnDrop,
 ) -> Result<Completion, ApiError> {
     let mut text = String::new();
+    let mut last = None;
     while let Some(output) = outputs.recv().await {
         match output {
-            Output::Token { index, .. } => text.push_str(&reply.piece(index)),
+            Output::Token { token, .. } => {
+                text.push_str(&reply.piece(token));
+                last = Some(token);
+            }
             Output::FirstToken { .. } => {}
             Output::Finished { usage, .. } => {
                 guard.disarm();
-                return Ok(reply.completion(false, vec![reply.whole(text)], Some(usage)));
+                return Ok(reply.completion(false, vec![reply.whole(text, last)], Some(usage)));
             }
         }
     }
@@ -333,11 +347,20 @@ fn sse(
         pending: std::collections::VecDeque<Event>,
         done: bool,
         include_usage: bool,
+        last: Option<u32>,
     }
     fn data(c: &Completion) -> Event {
         Event::default().data(serde_json::to_string(c).unwrap_or_default())
     }
-    let st = St { reply, outputs, guard, pending: Default::default(), done: false, include_usage };
+    let st = St {
+        reply,
+        outputs,
+        guard,
+        pending: Default::default(),
+        done: false,
+        include_usage,
+        last: None,
+    };
     let events = stream::unfold(st, |mut st| async move {
         loop {
             if let Some(e) = st.pending.pop_front() {
@@ -347,21 +370,23 @@ fn sse(
                 return None;
             }
             match st.outputs.recv().await {
-                Some(Output::Token { index, .. }) => {
+                Some(Output::Token { index, token, .. }) => {
+                    st.last = Some(token);
                     let r = &st.reply;
-                    let chunk =
-                        r.completion(true, vec![r.delta(&r.piece(index), None, index == 0)], None);
-                    st.pending.push_back(data(&chunk));
+                    let piece = r.piece(token);
+                    // The end of turn has no text: the last chunk says `stop` instead.
+                    if index == 0 || !piece.is_empty() {
+                        let choice = r.delta(&piece, None, index == 0);
+                        st.pending.push_back(data(&r.completion(true, vec![choice], None)));
+                    }
                 }
                 Some(Output::FirstToken { .. }) => {}
                 Some(Output::Finished { usage, .. }) => {
                     st.guard.disarm();
                     let r = &st.reply;
-                    st.pending.push_back(data(&r.completion(
-                        true,
-                        vec![r.delta("", Some("length"), false)],
-                        None,
-                    )));
+                    let reason = r.finish_reason(st.last);
+                    let last = r.delta("", Some(&reason), false);
+                    st.pending.push_back(data(&r.completion(true, vec![last], None)));
                     if st.include_usage {
                         st.pending.push_back(data(&r.completion(true, Vec::new(), Some(usage))));
                     }
@@ -376,7 +401,7 @@ fn sse(
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
-    Json(ModelList::one(state.preprocessor.model_name(), state.preprocessor.max_model_len()))
+    Json(ModelList::one(state.preprocessor.model_name(), Some(state.max_model_len)))
 }
 
 async fn stats(State(state): State<Arc<AppState>>) -> Json<Value> {

@@ -1,11 +1,11 @@
 //! A paged KV cache with prefix caching, as vLLM keeps it.
 //!
-//! Full prompt blocks are named by their sequence hash and shared: a request that starts with
-//! the same blocks references them instead of computing them again. A block nobody references
-//! stays cached until space is needed, then the least recently released goes first (a
-//! request's blocks are released tail first, so a prefix outlives its tails). Blocks a request
-//! holds privately (its not-yet-computed prompt blocks, its partial tail, its generated tokens)
-//! count against the capacity too.
+//! Full computed blocks (prompt or generated) are named by their sequence hash and shared: a
+//! request that starts with the same blocks references them instead of computing them again.
+//! A block nobody references stays cached until space is needed, then the least recently
+//! released goes first (a request's blocks are released tail first, so a prefix outlives its
+//! tails). Blocks a request holds privately (not yet full or computed, or a duplicate of a
+//! block another request cached first) count against the capacity too.
 
 use std::collections::BTreeSet;
 
@@ -27,6 +27,13 @@ pub(crate) struct KvCache {
     evictable: BTreeSet<(u64, SequenceHash)>,
     private: usize,
     stamp: u64,
+}
+
+/// What became of a block filled by a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stored {
+    New,
+    Duplicate,
 }
 
 /// Not enough blocks, even after evicting every unreferenced one.
@@ -75,35 +82,24 @@ impl KvCache {
         Ok(())
     }
 
-    /// References the first `hits` blocks of `seq` (cached) and allocates `private` more.
-    pub(crate) fn acquire(
-        &mut self,
-        seq: &[SequenceHash],
-        hits: usize,
-        private: usize,
-        removed: &mut Vec<SequenceHash>,
-    ) -> Result<(), NoSpace> {
-        for s in &seq[..hits] {
-            self.reference(*s);
-        }
-        if let Err(e) = self.make_room(private, removed) {
-            self.release(&seq[..hits], 0);
-            return Err(e);
-        }
-        self.private += private;
-        Ok(())
-    }
-
-    fn reference(&mut self, s: SequenceHash) {
-        if let Some(block) = self.cached.get_mut(&s) {
-            if block.refs == 0 {
-                self.evictable.remove(&(block.stamp, s));
+    /// References these cached blocks (a request's cache hits).
+    pub(crate) fn reference(&mut self, blocks: &[SequenceHash]) {
+        for &s in blocks {
+            if let Some(block) = self.cached.get_mut(&s) {
+                if block.refs == 0 {
+                    self.evictable.remove(&(block.stamp, s));
+                }
+                block.refs += 1;
             }
-            block.refs += 1;
         }
     }
 
-    /// More private blocks for a running request (its generated tokens).
+    /// How many of these cached blocks running requests hold.
+    pub(crate) fn referenced(&self, blocks: &[SequenceHash]) -> usize {
+        blocks.iter().filter(|s| self.cached.get(s).is_some_and(|b| b.refs > 0)).count()
+    }
+
+    /// More private blocks for a running request (the tokens scheduled for it).
     pub(crate) fn grow(
         &mut self,
         n: usize,
@@ -114,17 +110,16 @@ impl KvCache {
         Ok(())
     }
 
-    /// A private prompt block has been computed: it becomes the cached block `s`, referenced
-    /// by its request. Returns whether it is new to the cache (another request may have
-    /// computed the same block meanwhile; then that one is shared and the private one freed).
-    pub(crate) fn fill(&mut self, s: SequenceHash) -> bool {
-        self.private -= 1;
+    /// A private block is now full and computed: it becomes the cached block `s`, referenced
+    /// by its request, unless another request cached the same block first; then it stays
+    /// private (vLLM keeps both copies until they are freed).
+    pub(crate) fn fill(&mut self, s: SequenceHash) -> Stored {
         if self.cached.contains_key(&s) {
-            self.reference(s);
-            return false;
+            return Stored::Duplicate;
         }
+        self.private -= 1;
         self.cached.insert(s, Cached { refs: 1, stamp: 0 });
-        true
+        Stored::New
     }
 
     /// A request lets go of its cached blocks (in request order) and `private` blocks.
@@ -167,32 +162,32 @@ mod tests {
         let mut kv = KvCache::new(4);
         let mut removed = Vec::new();
         let a = seq(&[1, 2, 3]);
-        kv.acquire(&a, 0, 3, &mut removed).unwrap();
-        assert!(a.iter().all(|&s| kv.fill(s)));
+        kv.grow(3, &mut removed).unwrap();
+        assert!(a.iter().all(|&s| kv.fill(s) == Stored::New));
         kv.release(&a, 0);
         assert_eq!(kv.in_use(), 0);
         assert_eq!(kv.cached_prefix(&a), 3);
         // Two new blocks: one free, one evicted, the tail (3).
-        kv.acquire(&seq(&[9, 8]), 0, 2, &mut removed).unwrap();
+        kv.grow(2, &mut removed).unwrap();
         assert_eq!(removed, seq(&[3]));
         assert_eq!(kv.cached_prefix(&a), 2);
         // Referenced blocks are never evicted.
-        kv.acquire(&a, 2, 0, &mut removed).unwrap();
-        assert_eq!(kv.acquire(&seq(&[7]), 0, 1, &mut removed), Err(NoSpace));
+        kv.reference(&a[..2]);
+        assert_eq!(kv.referenced(&a), 2);
+        assert_eq!(kv.grow(1, &mut removed), Err(NoSpace));
         assert_eq!(kv.in_use(), 4);
     }
 
     #[test]
-    fn the_same_block_computed_twice_is_shared() {
+    fn a_block_computed_twice_is_kept_twice() {
         let mut kv = KvCache::new(4);
         let mut removed = Vec::new();
-        kv.acquire(&seq(&[1]), 0, 1, &mut removed).unwrap();
-        kv.acquire(&seq(&[1]), 0, 1, &mut removed).unwrap();
-        assert!(kv.fill(SequenceHash(1)));
-        assert!(!kv.fill(SequenceHash(1)), "already cached by the first request");
-        assert_eq!(kv.in_use(), 1);
+        kv.grow(2, &mut removed).unwrap();
+        assert_eq!(kv.fill(SequenceHash(1)), Stored::New);
+        assert_eq!(kv.fill(SequenceHash(1)), Stored::Duplicate, "cached by the first request");
+        assert_eq!(kv.in_use(), 2, "both copies use memory");
         kv.release(&seq(&[1]), 0);
-        kv.release(&seq(&[1]), 0);
+        kv.release(&[], 1);
         assert_eq!(kv.in_use(), 0);
         assert_eq!(kv.clear_unreferenced(), seq(&[1]));
     }

@@ -6,17 +6,19 @@
 //!
 //! - [`engine`]: the engine core, stepped by hand (tests, simulations);
 //! - [`service`]: the engine in real time, publishing KV events and load reports;
-//! - [`http`]: its OpenAI-compatible API.
+//! - [`http`]: its OpenAI-compatible API; [`vllm`]: vLLM's endpoints for routers.
 
 pub mod engine;
 pub mod http;
 mod kv;
 pub mod metrics;
+mod sequence;
 pub mod service;
 pub mod timing;
+pub mod vllm;
 
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineRequest, EngineStats, Output, Step, Usage,
+    Engine, EngineConfig, EngineError, EngineRequest, EngineStats, Output, OutputPlan, Step, Usage,
 };
 pub use kvroute_preprocess::fetch::FetchConfig;
 pub use service::{Endpoints, EngineHandle, Snapshot};
@@ -32,8 +34,10 @@ pub struct MockerConfig {
     pub endpoints: Endpoints,
     /// Tokenizer and chat template (`None`: the built-in `kvroute-tiny`).
     pub model_path: Option<PathBuf>,
-    /// Seeds the generated words.
+    /// Seeds the generated words (the same seed, the same answers on every engine).
     pub seed: u64,
+    /// The longest prompt plus output accepted (`None`: the model's, at most the KV capacity).
+    pub max_model_len: Option<u64>,
     pub dp_rank: u32,
     /// Limits on fetching `http(s)://` image URLs (private addresses refused by default).
     pub fetch: kvroute_preprocess::fetch::FetchConfig,
@@ -84,7 +88,13 @@ pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerEr
         Arc::new(kvroute_preprocess::Preprocessor::load_or_builtin(config.model_path.as_deref())?);
     let engine = EngineHandle::start(config.engine, &config.endpoints, config.dp_rank).await?;
     let fetcher = kvroute_preprocess::fetch::Fetcher::new(config.fetch)?;
-    Ok(Arc::new(http::AppState::new(engine, preprocessor, config.seed, fetcher)))
+    Ok(Arc::new(http::AppState::new(
+        engine,
+        preprocessor,
+        config.seed,
+        fetcher,
+        config.max_model_len,
+    )))
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ pub const CACHED_TOKENS: &str = "kvroute_mocker_cached_prompt_tokens";
 pub const EVICTED: &str = "kvroute_mocker_evicted_blocks";
 pub const PREEMPTIONS: &str = "kvroute_mocker_preemptions";
 pub const FINISHED: &str = "kvroute_mocker_requests_finished";
+pub const RENDERED: &str = "kvroute_mocker_render_requests";
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
 pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
@@ -35,6 +36,7 @@ pub struct Metrics {
     evicted: CounterOf,
     preemptions: CounterOf,
     finished: CounterOf,
+    rendered: kvroute_http::metrics::Counter,
     vllm_running: Gauge,
     vllm_waiting: Gauge,
     vllm_kv_usage: FloatGauge,
@@ -54,6 +56,7 @@ impl Metrics {
             evicted: CounterOf::default(),
             preemptions: CounterOf::default(),
             finished: CounterOf::default(),
+            rendered: kvroute_http::metrics::Counter::default(),
             vllm_running: Gauge::default(),
             vllm_waiting: Gauge::default(),
             vllm_kv_usage: FloatGauge::default(),
@@ -77,6 +80,11 @@ impl Metrics {
         r.register(EVICTED, "KV blocks evicted", m.evicted.counter.clone());
         r.register(PREEMPTIONS, "Requests preempted", m.preemptions.counter.clone());
         r.register(FINISHED, "Requests finished", m.finished.counter.clone());
+        r.register(
+            RENDERED,
+            "Requests rendered to token ids (vLLM's render endpoints)",
+            m.rendered.clone(),
+        );
         // vLLM's labels: the model and the data-parallel engine.
         let label = |k: &'static str, v: String| (k.into(), v.into());
         let vllm = r.sub_registry_with_labels(
@@ -119,6 +127,11 @@ impl Metrics {
         )
         .register(VLLM_CACHE_CONFIG, "Information of the LLMEngine CacheConfig", config);
         Self { registry: r, ..m }
+    }
+
+    /// A render endpoint answered.
+    pub fn rendered(&self) {
+        self.rendered.inc();
     }
 
     /// The registry, brought up to date with `s`.

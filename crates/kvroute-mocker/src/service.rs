@@ -1,14 +1,20 @@
-//! The engine in real time: one task owns the [`Engine`], takes requests and cancellations
-//! from a channel, runs steps paced to the simulated clock (divided by the speedup already),
-//! streams each request's outputs to its own channel, publishes KV events (vLLM's format, with
-//! replay) and load reports (JSON on a ZMQ PUB, every 100 ms and on change).
+//! The engine in real time: one OS thread owns the [`Engine`], takes requests and
+//! cancellations from a channel, runs steps paced to the simulated clock (divided by the
+//! speedup already), streams each request's outputs to its own channel at the end of the step
+//! that produced them, publishes KV events (vLLM's format, with replay) and load reports (JSON
+//! on a ZMQ PUB, every 100 ms and on change).
 //!
 //! ```text
-//!  HTTP handlers ──Command::Submit/Cancel──▶ engine task ──Output──▶ per-request channels
-//!                                               │ events             │ snapshot
-//!                                               ▼                    ▼
-//!                                        EventPublisher        load task ──▶ ZMQ PUB (JSON)
+//!  HTTP handlers ──Command::Submit/Cancel──▶ engine thread ──Output──▶ per-request channels
+//!                                               │ events              │ snapshot
+//!                                               ▼                     ▼
+//!                                        EventPublisher         load task ──▶ ZMQ PUB (JSON)
 //! ```
+//!
+//! A thread of its own, sleeping with the OS's precision (tens of microseconds), keeps each
+//! step's tokens at the step's time even when a step lasts less than a millisecond (a decode
+//! step at `--speedup 10` is ~0.6 ms; the runtime's timers would round it to 1 ms and bunch
+//! tokens). The thread ends once the engine is idle and every handle on it is gone.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -103,7 +109,7 @@ impl EngineHandle {
         config: EngineConfig,
         endpoints: &Endpoints,
         dp_rank: u32,
-    ) -> Result<Self, zeromq::ZmqError> {
+    ) -> Result<Self, crate::MockerError> {
         let publisher = match &endpoints.events {
             Some(events) => {
                 Some(EventPublisher::bind(events, endpoints.replay.as_deref(), "", 10_000).await?)
@@ -125,7 +131,10 @@ impl EngineHandle {
             tokio::spawn(publish_load(socket, Arc::clone(&snapshot), dp_rank));
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(Engine::new(config), rx, publisher, Arc::clone(&snapshot), dp_rank));
+        let shared = Arc::clone(&snapshot);
+        std::thread::Builder::new()
+            .name(format!("kvroute-engine-{dp_rank}"))
+            .spawn(move || run(Engine::new(config), rx, publisher.as_ref(), &shared, dp_rank))?;
         Ok(Self { tx, snapshot, bound, dp_rank, config })
     }
 
@@ -143,11 +152,11 @@ impl EngineHandle {
     }
 }
 
-async fn run(
+fn run(
     mut engine: Engine,
     mut rx: mpsc::UnboundedReceiver<Command>,
-    publisher: Option<EventPublisher>,
-    snapshot: Arc<Mutex<Snapshot>>,
+    publisher: Option<&EventPublisher>,
+    snapshot: &Mutex<Snapshot>,
     dp_rank: u32,
 ) {
     let mut streams = Streams::default();
@@ -159,9 +168,9 @@ async fn run(
             apply(cmd, &mut engine, &mut streams);
         }
         let Some(step) = engine.step() else {
-            publish_snapshot(&engine, &snapshot);
+            publish_snapshot(&engine, snapshot);
             let idle_from = Instant::now();
-            match rx.recv().await {
+            match rx.blocking_recv() {
                 Some(cmd) => apply(cmd, &mut engine, &mut streams),
                 None => return,
             }
@@ -170,15 +179,13 @@ async fn run(
         };
         let due = start + offset + engine.now();
         let now = Instant::now();
-        if due > now + Duration::from_millis(1) {
-            tokio::time::sleep_until(due.into()).await;
-        } else if due > now {
-            tokio::task::yield_now().await;
+        if due > now {
+            std::thread::sleep(due - now);
         } else {
             // Behind (a slow machine): do not try to catch up on the past.
             offset += now - due;
         }
-        if let Some(p) = &publisher
+        if let Some(p) = publisher
             && !step.events.is_empty()
         {
             p.send(step.events, dp_rank);
@@ -200,7 +207,7 @@ async fn run(
                 streams.remove(&id);
             }
         }
-        publish_snapshot(&engine, &snapshot);
+        publish_snapshot(&engine, snapshot);
     }
 }
 

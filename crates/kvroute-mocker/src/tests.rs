@@ -15,8 +15,26 @@ fn config(num_blocks: usize) -> EngineConfig {
     EngineConfig { num_blocks, block_size: BlockSize::new(16).unwrap(), ..EngineConfig::default() }
 }
 
+/// Answers of words 7 (first), then 8 and 9.
+fn plan() -> OutputPlan {
+    let words = kvroute_preprocess::Words { first: vec![7], rest: vec![8, 9] };
+    OutputPlan { key: 1, words: std::sync::Arc::new(words), end: None, vocab_size: 1000 }
+}
+
 fn request(id: &str, tokens: Vec<u32>, max_tokens: usize) -> EngineRequest {
-    EngineRequest { id: id.to_owned(), tokens, block_mm_infos: None, max_tokens }
+    EngineRequest { id: id.to_owned(), tokens, block_mm_infos: None, max_tokens, plan: plan() }
+}
+
+/// The tokens `id` generated, in order.
+fn generated(steps: &[Step], id: &str) -> Vec<u32> {
+    steps
+        .iter()
+        .flat_map(|s| &s.outputs)
+        .filter_map(|o| match o {
+            Output::Token { id: t, token, .. } if t == id => Some(*token),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Steps until idle (bounded); returns every step.
@@ -147,6 +165,7 @@ fn image_blocks_carry_the_identifier() {
             tokens,
             block_mm_infos: Some(infos),
             max_tokens: 1,
+            plan: plan(),
         })
         .unwrap();
     let events = events(&run(&mut engine));
@@ -215,7 +234,7 @@ fn cancelling_frees_blocks_and_full_caches_preempt() {
             .iter()
             .flat_map(|s| &s.outputs)
             .filter_map(|o| match o {
-                Output::Token { id: t, index } if t == id => Some(*index),
+                Output::Token { id: t, index, .. } if t == id => Some(*index),
                 _ => None,
             })
             .collect();
@@ -236,4 +255,95 @@ fn reset_clears_an_idle_cache() {
     assert_eq!(engine.reset_prefix_cache(), vec![EngineEvent::AllBlocksCleared]);
     engine.submit(request("b", (0..64).collect(), 1)).unwrap();
     assert_eq!(usage_of(&run(&mut engine), "b").cached_tokens, 0);
+}
+
+#[test]
+fn generated_blocks_are_cached_and_a_conversation_sent_back_hits_them() {
+    let mut engine = Engine::new(config(100));
+    let prompt: Vec<u32> = (0..20).collect();
+    engine.submit(request("r1", prompt.clone(), 30)).unwrap();
+    let steps = run(&mut engine);
+    let answer = generated(&steps, "r1");
+    assert_eq!(answer.len(), 30);
+    assert_eq!((answer[0], answer[1..].iter().all(|t| [8, 9].contains(t))), (7, true));
+    // 20 + 29 computed tokens (the last sampled token's KV never is): 3 full blocks stored,
+    // two of them holding generated tokens.
+    let stored: Vec<u64> = events(&steps)
+        .iter()
+        .flat_map(|e| match e {
+            EngineEvent::BlockStored(s) => s.token_ids.clone(),
+            _ => Vec::new(),
+        })
+        .collect();
+    let mut conversation = prompt.clone();
+    conversation.extend(&answer);
+    let expect: Vec<u64> = conversation[..48].iter().map(|&t| u64::from(t)).collect();
+    assert_eq!(stored, expect);
+    // The next turn sends the conversation back, plus a new question.
+    conversation.extend(500..520);
+    engine.submit(request("r2", conversation, 1)).unwrap();
+    assert_eq!(usage_of(&run(&mut engine), "r2").cached_tokens, 48);
+    // The same answer for the same prompt, whatever the engine.
+    let mut other = Engine::new(config(100));
+    other.submit(request("again", prompt, 30)).unwrap();
+    assert_eq!(generated(&run(&mut other), "again"), answer);
+}
+
+#[test]
+fn a_fully_cached_prompt_recomputes_its_last_block() {
+    let mut engine = Engine::new(config(100));
+    let prompt: Vec<u32> = (0..64).collect();
+    engine.submit(request("a", prompt.clone(), 1)).unwrap();
+    run(&mut engine);
+    engine.submit(request("b", prompt, 1)).unwrap();
+    assert_eq!(usage_of(&run(&mut engine), "b").cached_tokens, 48, "3 of 4 blocks: vLLM's cap");
+}
+
+#[test]
+fn admission_waits_for_memory_instead_of_preempting() {
+    // 10 blocks: a 6-block request runs; a 6-block one waits until it finishes.
+    let mut engine = Engine::new(config(10));
+    engine.submit(request("a", (0..96).collect(), 3)).unwrap();
+    engine.submit(request("b", (1000..1096).collect(), 3)).unwrap();
+    let first = engine.step().unwrap();
+    assert_eq!((engine.running(), engine.waiting()), (1, 1), "b does not fit next to a");
+    assert!(first.outputs.iter().any(|o| matches!(o, Output::FirstToken { id, .. } if id == "a")));
+    let rest = run(&mut engine);
+    assert_eq!(engine.stats().preemptions, 0);
+    assert_eq!(usage_of(&rest, "b").completion_tokens, 3);
+}
+
+#[test]
+fn the_decode_step_prices_the_decoding_requests_logical_tokens() {
+    // Two requests sharing a 512-token prefix decode together: the step reads both contexts
+    // (Dynamo's mocker counts logical tokens, shared blocks once per request).
+    let mut engine = Engine::new(config(100)); // 1,600 tokens of capacity
+    let shared: Vec<u32> = (0..512).collect();
+    for id in ["a", "b"] {
+        engine.submit(request(id, shared.clone(), 5)).unwrap();
+    }
+    engine.step().unwrap(); // both prefills, first tokens from the prefill pass
+    let decode = engine.step().unwrap();
+    let p = 2.0 * 513.0 / 1600.0;
+    assert_eq!(decode.duration, Timing::default().decode(p));
+}
+
+#[test]
+fn preemption_takes_the_newest_running_request() {
+    // 8 blocks; three requests of 2 blocks each generating long answers: the newest gives way.
+    let mut engine = Engine::new(config(8));
+    for (k, id) in ["old", "mid", "new"].iter().enumerate() {
+        engine
+            .submit(request(id, ((k as u32) * 100..(k as u32) * 100 + 32).collect(), 40))
+            .unwrap();
+    }
+    let mut first_preempted = None;
+    for _ in 0..200 {
+        let before = engine.stats().preemptions;
+        let Some(_) = engine.step() else { break };
+        if engine.stats().preemptions > before && first_preempted.is_none() {
+            first_preempted = engine.next_waiting().map(str::to_owned);
+        }
+    }
+    assert_eq!(first_preempted.as_deref(), Some("new"));
 }

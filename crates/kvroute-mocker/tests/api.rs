@@ -81,13 +81,17 @@ async fn repeated_prompts_report_their_cached_tokens() {
     assert_eq!(first["object"], "chat.completion");
     assert_eq!(first["usage"]["completion_tokens"], 5);
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Four words of the vocabulary, then the end of the turn: the text tokenizes back to the
+    // words, and the answer stops (not cut at its length).
     let words = first["choices"][0]["message"]["content"].as_str().unwrap();
-    assert_eq!(words.split(' ').count(), 5, "readable words: {words}");
+    let tokens = kvroute_preprocess::Preprocessor::builtin().encode(words).unwrap();
+    assert_eq!((words.split(' ').count(), tokens.len()), (4, 4), "words: {words}");
+    assert_eq!(first["choices"][0]["finish_reason"], "stop");
     let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
     let (_, second) = m.post("/v1/chat/completions", &chat(LONG, 5)).await;
     assert_eq!(
         second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
-        prompt_tokens / 16 * 16
+        (prompt_tokens - 1) / 16 * 16
     );
     assert_eq!(
         second["choices"][0]["message"]["content"], first["choices"][0]["message"]["content"],
@@ -128,9 +132,15 @@ async fn streams_as_openai_does() {
     assert!(chunks.iter().all(|c| c.object == "chat.completion.chunk"));
     let content: String =
         chunks.iter().flat_map(|c| c.choices.iter().filter_map(|ch| ch.new_text())).collect();
-    assert_eq!(content.split(' ').count(), 3);
-    assert_eq!(chunks[chunks.len() - 2].choices[0].finish_reason.as_deref(), Some("length"));
+    assert_eq!(content.split(' ').count(), 2, "two words, then the end of the turn");
+    assert_eq!(chunks[chunks.len() - 2].choices[0].finish_reason.as_deref(), Some("stop"));
     assert_eq!(chunks.last().unwrap().usage.unwrap().completion_tokens, 3);
+    // With ignore_eos, all three are words and the answer is cut at its length.
+    body["ignore_eos"] = json!(true);
+    let (_, text) = m.post("/v1/chat/completions", &body).await;
+    let (chunks, _) = stream_chunks(text.as_str().unwrap().as_bytes()).unwrap();
+    assert_eq!(chunks.iter().filter(|c| c.has_text()).count(), 3);
+    assert_eq!(chunks[chunks.len() - 2].choices[0].finish_reason.as_deref(), Some("length"));
 }
 
 fn png(shade: u8) -> Vec<u8> {

@@ -53,13 +53,22 @@ pub struct Simulated {
     pub engine: EngineConfig,
     /// Whether they publish KV events (otherwise they are routed approximately).
     pub events: bool,
-    /// Worker k's generated text is seeded `seed + k`.
+    /// Seeds the generated text, the same on every worker (so every routing policy sees the
+    /// same conversations).
     pub seed: u64,
+    /// The longest prompt plus output (`None`: the model's, at most the KV capacity).
+    pub max_model_len: Option<u64>,
 }
 
 impl Default for Simulated {
     fn default() -> Self {
-        Self { count: 0, engine: EngineConfig::default(), events: true, seed: 0 }
+        Self {
+            count: 0,
+            engine: EngineConfig::default(),
+            events: true,
+            seed: 0,
+            max_model_len: None,
+        }
     }
 }
 
@@ -121,7 +130,8 @@ impl Stack {
                 engine: EngineConfig { block_size: router.block_size, ..simulated.engine },
                 endpoints,
                 model_path: model_path.clone(),
-                seed: simulated.seed + k as u64,
+                seed: simulated.seed,
+                max_model_len: simulated.max_model_len,
                 dp_rank: 0,
                 fetch: fetch.clone(),
             };

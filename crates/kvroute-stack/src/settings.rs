@@ -70,6 +70,7 @@ pub struct Settings {
     pub max_batched_tokens: Option<usize>,
     pub speedup: Option<f64>,
     pub seed: Option<u64>,
+    pub max_model_len: Option<u64>,
     pub model_path: Option<PathBuf>,
     pub allow_private_image_urls: Option<bool>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -91,12 +92,13 @@ pub mod keys {
         "ready_timeout",
         "workers",
     ];
-    const ENGINE: [&str; 7] = [
+    const ENGINE: [&str; 8] = [
         "num_blocks",
         "max_num_seqs",
         "max_batched_tokens",
         "speedup",
         "seed",
+        "max_model_len",
         "model_path",
         "allow_private_image_urls",
     ];
@@ -172,7 +174,7 @@ impl Settings {
         Ok(overlay!(low, high, workers; host, port, block_size, policy, temperature,
             overlap_weight, shards, max_index_blocks, max_dp_size, approx_ttl, ready_timeout,
             router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
-            seed, model_path, allow_private_image_urls))
+            seed, max_model_len, model_path, allow_private_image_urls))
     }
 
     /// The settings as TOML (what `--print-config` shows).
@@ -275,6 +277,7 @@ impl Settings {
                 engine,
                 events: true,
                 seed: self.seed.unwrap_or(0),
+                max_model_len: self.max_model_len,
             },
             router: self.router_config()?,
             router_url: self.router_url.clone(),

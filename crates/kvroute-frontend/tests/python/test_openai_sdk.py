@@ -58,7 +58,8 @@ def test_the_openai_sdk_chats_streams_and_sends_images(serve):
     while True:
         again = client.chat.completions.create(model="kvroute-tiny", messages=question, max_tokens=1)
         cached = again.usage.prompt_tokens_details.cached_tokens
-        if cached == again.usage.prompt_tokens // 16 * 16:
+        # Every full block but a last one that ends the prompt (engines recompute it).
+        if cached == (again.usage.prompt_tokens - 1) // 16 * 16:
             break
         assert time.monotonic() < deadline, f"never fully cached: {again.usage}"
 
@@ -67,8 +68,9 @@ def test_the_openai_sdk_chats_streams_and_sends_images(serve):
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert len(text.split()) == 4
+    assert len(text.split()) == 3, "three words, then the end of the turn"
     assert chunks[-1].usage.completion_tokens == 4
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
     picture = "data:image/png;base64," + base64.b64encode(png(56, 84, 7)).decode()
     r = client.chat.completions.create(

@@ -101,9 +101,13 @@ pub(crate) struct EngineArgs {
     /// [default: 1].
     #[arg(long, env = "KVROUTE_SPEEDUP")]
     speedup: Option<f64>,
-    /// Seed of the generated words [default: 0].
+    /// Seed of the generated words, the same on every worker [default: 0].
     #[arg(long, env = "KVROUTE_SEED")]
     seed: Option<u64>,
+    /// Longest prompt plus output a worker takes [default: the model's context length, else
+    /// 32768; at most the KV capacity].
+    #[arg(long, env = "KVROUTE_MAX_MODEL_LEN")]
+    max_model_len: Option<u64>,
 }
 
 /// `--config` and `--print-config`.
@@ -160,6 +164,7 @@ impl EngineArgs {
         s.max_batched_tokens = self.max_batched_tokens;
         s.speedup = self.speedup;
         s.seed = self.seed;
+        s.max_model_len = self.max_model_len;
     }
 }
 

@@ -52,6 +52,7 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         endpoints: Endpoints { events, replay, metrics: Some(args.load_metrics.clone()) },
         model_path: settings.model_path.clone(),
         seed: settings.seed.unwrap_or(0),
+        max_model_len: settings.max_model_len,
         dp_rank: 0,
         fetch: settings.fetch_config(),
     };

@@ -1,0 +1,123 @@
+//! One request inside the engine: its tokens (prompt, then generated), which of its blocks the
+//! cache holds for it, and how far its KV is computed.
+//!
+//! ```text
+//!  tokens   [p p p p | p p p p | p p g g | g .  ]      p prompt, g generated (bs = 4)
+//!  blocks   [Cached  | Cached  | Private]              full + computed blocks become Cached
+//!  computed ───────────────────────────▶|              (the last generated token's KV is
+//!                                                       computed by the next step, as vLLM)
+//! ```
+//!
+//! Block `b`'s [`SequenceHash`] chains the local hashes of blocks `0..=b` (images of the
+//! prompt included), exactly as the router hashes a request, so a generated block is found by
+//! the next turn of the conversation that sends it back.
+
+use kvroute_core::{BlockExtraInfo, BlockHasher, SequenceHash};
+use kvroute_preprocess::Words;
+use std::sync::Arc;
+
+use crate::kv::KvCache;
+
+/// What an engine generates for a request: a function of the prompt and the seed (`key`),
+/// the same on every worker; the last token is the model's end of turn unless the request
+/// ignores it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutputPlan {
+    pub key: u64,
+    pub words: Arc<Words>,
+    /// The end-of-turn token generated last (`None`: the answer stops at its length).
+    pub end: Option<u32>,
+    /// A token for vocabularies without words (any id below it).
+    pub vocab_size: u32,
+}
+
+impl OutputPlan {
+    /// The `index`-th generated token of an answer of `len` tokens.
+    pub fn token(&self, index: usize, len: usize) -> u32 {
+        if let Some(end) = self.end
+            && index + 1 == len
+        {
+            return end;
+        }
+        self.words.pick(self.key, index).unwrap_or_else(|| {
+            let x = self.key ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (x % u64::from(self.vocab_size.max(1))) as u32
+        })
+    }
+}
+
+/// A block of a request: shared through the cache, or its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Block {
+    /// Full, computed and in the cache (shared with others holding the same hash).
+    Cached(SequenceHash),
+    /// Allocated to this request alone: not yet full or computed, or a duplicate of a block
+    /// another request cached first (vLLM keeps both copies).
+    Private,
+}
+
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub(crate) id: String,
+    pub(crate) prompt_len: usize,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) mm: Option<Vec<Option<BlockExtraInfo>>>,
+    pub(crate) max_tokens: usize,
+    pub(crate) plan: OutputPlan,
+    /// Sequence hashes of the full blocks of `tokens`, as far as computed.
+    pub(crate) hashes: Vec<SequenceHash>,
+    pub(crate) blocks: Vec<Block>,
+    /// Leading blocks already full and dealt with (cached, or kept as duplicates).
+    pub(crate) filled: usize,
+    /// Tokens whose KV is computed (a cache hit counts as computed).
+    pub(crate) computed: usize,
+    pub(crate) generated: usize,
+    /// The prefix found cached when first admitted (vLLM's `num_cached_tokens`).
+    pub(crate) cached_tokens: Option<usize>,
+}
+
+impl Sequence {
+    pub(crate) fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Hashes of every full block of the known tokens.
+    pub(crate) fn full_hashes(&mut self, hasher: &BlockHasher) -> &[SequenceHash] {
+        let bs = hasher.block_size().tokens();
+        let full = self.tokens.len() / bs;
+        while self.hashes.len() < full {
+            let b = self.hashes.len();
+            let info = self.mm.as_ref().and_then(|m| m.get(b)).and_then(Option::as_ref);
+            let local = hasher.hash_block(&self.tokens[b * bs..(b + 1) * bs], info);
+            let seq = match self.hashes.last() {
+                Some(&parent) => kvroute_core::hash::chain(parent, local),
+                None => SequenceHash(local.0),
+            };
+            self.hashes.push(seq);
+        }
+        &self.hashes
+    }
+
+    /// Blocks currently referenced in the cache, in order.
+    pub(crate) fn cached(&self) -> Vec<SequenceHash> {
+        self.blocks
+            .iter()
+            .filter_map(|b| match b {
+                Block::Cached(s) => Some(*s),
+                Block::Private => None,
+            })
+            .collect()
+    }
+
+    pub(crate) fn private(&self) -> usize {
+        self.blocks.iter().filter(|b| **b == Block::Private).count()
+    }
+
+    /// Gives every block back to the cache (tail first) and forgets the computed KV.
+    pub(crate) fn release(&mut self, cache: &mut KvCache) {
+        cache.release(&self.cached(), self.private());
+        self.blocks.clear();
+        self.filled = 0;
+        self.computed = 0;
+    }
+}
