@@ -234,7 +234,7 @@ impl BenchArgs {
                 rate: rate.unwrap_or(self.multi_turn_rate),
                 think_time: self.think_time,
             }
-            .generate(self.seed, bs, self.warmup),
+            .generate(self.seed, self.warmup, preprocessor)?,
             WorkloadKind::Multimodal => Multimodal {
                 requests: self.mm_requests,
                 images: self.images,
@@ -278,8 +278,9 @@ fn progress_bar() -> ProgressBar {
 pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
     args.check()?;
     let fleet = args.fleet();
-    let preprocessor =
-        Preprocessor::load_or_builtin(fleet.model_path.as_deref()).context("loading the model")?;
+    let preprocessor = std::sync::Arc::new(
+        Preprocessor::load_or_builtin(fleet.model_path.as_deref()).context("loading the model")?,
+    );
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let targets: Vec<(String, Target)> = match &args.target {
@@ -320,7 +321,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
             let mut runs = Vec::new();
             for (label, target) in &targets {
                 let bar = progress_bar();
-                let data = run::run(&workload, target, &fleet, label, &bar)?;
+                let data = run::run(&workload, target, &fleet, label, &bar, &preprocessor)?;
                 bar.finish_and_clear();
                 let bs = fleet.block_size as usize;
                 // A remote fleet's capacity: what its workers report.
@@ -328,7 +329,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                     let blocks: u64 = data.stats_end.iter().map(|s| s.kv_total_blocks).sum();
                     (blocks > 0).then_some(blocks as usize)
                 });
-                let summary = summary::summarize(&workload, &data, bs, cap);
+                let summary = summary::summarize(&data, bs, cap);
                 tracing::info!(
                     workload = %kind,
                     policy = %label,

@@ -18,12 +18,13 @@ use kvroute_core::schedule::PolicyKind;
 use kvroute_http::openai::{Completion, ModelList};
 use kvroute_http::{HttpClient, SseEvent, SseReader};
 use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_preprocess::{ChatMessage, Preprocessor};
 use kvroute_router::RouterConfig;
 use kvroute_stack::{Simulated, Stack, StackConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::workload::{BenchRequest, Prompt, Start, Workload};
+use crate::workload::{BenchRequest, Prompt, Start, Workload, extended_blocks, token_blocks};
 
 /// The simulated fleet of self-contained runs.
 #[derive(Clone, Debug, Serialize)]
@@ -98,6 +99,18 @@ pub struct RequestRecord {
     pub predicted_tokens: Option<u64>,
     /// `x-kvroute-worker`, when the endpoint says.
     pub worker: Option<String>,
+    /// Prompt tokens as the harness derived them (the preprocessor of the engines).
+    pub prompt_len: usize,
+    /// Sequence hashes of the prompt's full blocks ...
+    #[serde(skip)]
+    pub prompt_blocks: Vec<u64>,
+    /// ... and of every full block the request left computed (its answer's included; the last
+    /// answer token's KV never is).
+    #[serde(skip)]
+    pub computed_blocks: Vec<u64>,
+    /// The answer's text.
+    #[serde(skip)]
+    pub answer: String,
     pub error: Option<String>,
 }
 
@@ -140,14 +153,28 @@ pub struct RunData {
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 const SAMPLE_EVERY: Duration = Duration::from_millis(250);
 
-/// Plays `workload` against `target` on a runtime of its own.
+/// What every request of a run shares.
+#[derive(Clone, Debug)]
+struct Driver {
+    client: HttpClient,
+    base: String,
+    model: Option<String>,
+    preprocessor: Arc<Preprocessor>,
+    block_size: BlockSize,
+    t0: tokio::time::Instant,
+}
+
+/// Plays `workload` against `target` on a runtime of its own; `preprocessor` is the engines'
+/// (conversation turns are tokenized with it when sent).
 pub fn run(
     workload: &Workload,
     target: &Target,
     fleet: &FleetConfig,
     label: &str,
     progress: &ProgressBar,
+    preprocessor: &Arc<Preprocessor>,
 ) -> anyhow::Result<RunData> {
+    let bs = fleet.block_size()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -157,14 +184,16 @@ pub fn run(
         match target {
             Target::Fleet { policy, events } => {
                 let (url, stats) = start_fleet(fleet, *policy, *events).await?;
-                drive(workload, &url, &stats, None, label, progress).await
+                let driver = Driver::new(url, None, preprocessor, bs);
+                drive(workload, &driver, &stats, label, progress).await
             }
             Target::Remote { url, worker_stats, model } => {
                 let model = match model {
                     Some(m) => Some(m.clone()),
                     None => first_model(url).await,
                 };
-                drive(workload, url, worker_stats, model.as_deref(), label, progress).await
+                let driver = Driver::new(url.clone(), model, preprocessor, bs);
+                drive(workload, &driver, worker_stats, label, progress).await
             }
         }
     });
@@ -194,6 +223,7 @@ pub async fn start_fleet(
             },
             events,
             seed: 0,
+            max_model_len: None,
         },
         router,
         model_path: fleet.model_path.clone(),
@@ -260,15 +290,27 @@ fn chains(requests: &[BenchRequest]) -> Vec<Vec<usize>> {
     chains
 }
 
+impl Driver {
+    fn new(base: String, model: Option<String>, pre: &Arc<Preprocessor>, bs: BlockSize) -> Self {
+        Self {
+            client: HttpClient::new(),
+            base,
+            model,
+            preprocessor: Arc::clone(pre),
+            block_size: bs,
+            t0: tokio::time::Instant::now() + Duration::from_millis(50),
+        }
+    }
+}
+
 async fn drive(
     workload: &Workload,
-    base: &str,
+    driver: &Driver,
     stats_urls: &[String],
-    model: Option<&str>,
     label: &str,
     progress: &ProgressBar,
 ) -> anyhow::Result<RunData> {
-    let client = HttpClient::new();
+    let client = driver.client.clone();
     let stats_start = read_stats(&client, stats_urls).await;
     let n = workload.requests.len();
     progress.set_length(n as u64);
@@ -276,14 +318,16 @@ async fn drive(
     progress.set_message(format!("{} / {label}", workload.kind));
     let records: Arc<Mutex<Vec<RequestRecord>>> = Arc::new(Mutex::new(Vec::with_capacity(n)));
     let sent = Arc::new(AtomicUsize::new(0));
-    let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
+    let t0 = driver.t0;
     let requests = Arc::new(workload.requests.clone());
     let mut handles = Vec::new();
     for chain in chains(&workload.requests) {
-        let (client, records, sent, requests) =
-            (client.clone(), Arc::clone(&records), Arc::clone(&sent), Arc::clone(&requests));
-        let (base, model, progress) = (base.to_owned(), model.map(str::to_owned), progress.clone());
+        let (records, sent, requests) =
+            (Arc::clone(&records), Arc::clone(&sent), Arc::clone(&requests));
+        let (driver, progress) = (driver.clone(), progress.clone());
         handles.push(tokio::spawn(async move {
+            // A chain is one user's conversation when its requests are turns.
+            let mut conversation: Vec<Value> = Vec::new();
             for i in chain {
                 let request = &requests[i];
                 match request.start {
@@ -295,7 +339,7 @@ async fn drive(
                     }
                 }
                 let order = sent.fetch_add(1, Ordering::Relaxed);
-                let mut record = send(&client, &base, request, model.as_deref(), t0).await;
+                let mut record = send(&driver, request, &mut conversation).await;
                 record.index = i;
                 record.sent_order = order;
                 record.warmup = request.warmup;
@@ -349,14 +393,23 @@ async fn drive(
     Ok(RunData { label: label.to_owned(), records, samples, stats_start, stats_end, wall_secs })
 }
 
-fn request_body(request: &BenchRequest, model: Option<&str>) -> (&'static str, Value) {
-    let mut body = match &request.prompt {
-        Prompt::Tokens(tokens) => json!({"prompt": tokens}),
-        Prompt::Chat(messages) => json!({"messages": messages.as_ref()}),
-    };
-    let path = match request.prompt {
-        Prompt::Tokens(_) => "/v1/completions",
-        Prompt::Chat(_) => "/v1/chat/completions",
+/// The path and body of a request; a conversation turn appends its messages to
+/// `conversation` (the answer follows once it is known).
+fn request_body(
+    request: &BenchRequest,
+    model: Option<&str>,
+    conversation: &mut Vec<Value>,
+) -> (&'static str, Value) {
+    let (path, mut body) = match &request.prompt {
+        Prompt::Tokens(tokens) => ("/v1/completions", json!({"prompt": tokens})),
+        Prompt::Chat(messages) => ("/v1/chat/completions", json!({"messages": messages.as_ref()})),
+        Prompt::Turn { context, text } => {
+            if let Some(context) = context {
+                conversation.push(json!({"role": "system", "content": context.as_ref()}));
+            }
+            conversation.push(json!({"role": "user", "content": text}));
+            ("/v1/chat/completions", json!({"messages": conversation}))
+        }
     };
     body["max_tokens"] = json!(request.max_tokens);
     body["stream"] = json!(true);
@@ -368,27 +421,60 @@ fn request_body(request: &BenchRequest, model: Option<&str>) -> (&'static str, V
     (path, body)
 }
 
+/// The prompt's token ids and full blocks: precomputed, or (a conversation turn) derived from
+/// the messages with the engines' preprocessor.
+fn prompt_of(driver: &Driver, request: &BenchRequest, body: &Value) -> (Arc<Vec<u32>>, Vec<u64>) {
+    if !matches!(request.prompt, Prompt::Turn { .. }) {
+        return (Arc::clone(&request.prompt_ids), request.blocks.clone());
+    }
+    let messages: Vec<ChatMessage> =
+        serde_json::from_value(body["messages"].clone()).unwrap_or_default();
+    let tokens = driver
+        .preprocessor
+        .prepare_chat(&messages, true, Vec::new())
+        .map(|p| p.tokens)
+        .unwrap_or_default();
+    let blocks = token_blocks(&tokens, driver.block_size);
+    (Arc::new(tokens), blocks)
+}
+
 async fn send(
-    client: &HttpClient,
-    base: &str,
+    driver: &Driver,
     request: &BenchRequest,
-    model: Option<&str>,
-    t0: tokio::time::Instant,
+    conversation: &mut Vec<Value>,
 ) -> RequestRecord {
     let start = tokio::time::Instant::now();
+    let (path, body) = request_body(request, driver.model.as_deref(), conversation);
+    let (prompt_ids, prompt_blocks) = prompt_of(driver, request, &body);
     let mut record = RequestRecord {
-        sent_at: micros(start.saturating_duration_since(t0)) / 1e6,
+        sent_at: micros(start.saturating_duration_since(driver.t0)) / 1e6,
+        prompt_len: prompt_ids.len(),
         ..RequestRecord::default()
     };
+    let url = format!("{}{path}", driver.base);
     let outcome = tokio::time::timeout(
         REQUEST_TIMEOUT,
-        stream_one(client, base, request, model, start, &mut record),
+        stream_one(&driver.client, &url, &body, start, &mut record),
     )
     .await;
     match outcome {
         Ok(Ok(())) => record.e2e_ms = Some(micros(start.elapsed()) / 1e3),
         Ok(Err(e)) => record.error = Some(format!("{e:#}")),
         Err(_) => record.error = Some(format!("no answer in {} s", REQUEST_TIMEOUT.as_secs())),
+    }
+    // What the request left computed: its prompt and, but for the last, its answer's tokens
+    // (the answer's text tokenizes back to the engine's token ids).
+    record.computed_blocks = match record.error {
+        Some(_) => prompt_blocks.clone(),
+        None => {
+            let answer = driver.preprocessor.encode(&record.answer).unwrap_or_default();
+            let kept = answer.len().min(record.output_tokens).saturating_sub(1);
+            extended_blocks(&prompt_blocks, &prompt_ids, &answer[..kept], driver.block_size)
+        }
+    };
+    record.prompt_blocks = prompt_blocks;
+    if matches!(request.prompt, Prompt::Turn { .. }) && record.error.is_none() {
+        conversation.push(json!({"role": "assistant", "content": record.answer}));
     }
     record
 }
@@ -404,15 +490,12 @@ fn header(response: &hyper::Response<hyper::body::Incoming>, name: &str) -> Opti
 
 async fn stream_one(
     client: &HttpClient,
-    base: &str,
-    request: &BenchRequest,
-    model: Option<&str>,
+    url: &str,
+    body: &Value,
     start: tokio::time::Instant,
     record: &mut RequestRecord,
 ) -> anyhow::Result<()> {
-    let (path, body) = request_body(request, model);
-    let url = format!("{base}{path}");
-    let response = client.call(hyper::Method::POST, &url, Some(&body)).await.context("sending")?;
+    let response = client.call(hyper::Method::POST, url, Some(body)).await.context("sending")?;
     record.worker = header(&response, kvroute_frontend::WORKER_HEADER);
     record.predicted_tokens =
         header(&response, kvroute_frontend::OVERLAP_HEADER).and_then(|v| v.parse().ok());
@@ -442,6 +525,9 @@ async fn stream_one(
             }
             let chunk: Completion = serde_json::from_str(&chunk)
                 .with_context(|| format!("an undecodable chunk: {chunk:.80}"))?;
+            for text in chunk.choices.iter().filter_map(|c| c.new_text()) {
+                record.answer.push_str(text);
+            }
             if chunk.has_text() {
                 let now = tokio::time::Instant::now();
                 match last_token {
@@ -473,7 +559,7 @@ mod tests {
             start,
             prompt: Prompt::Tokens(vec![1]),
             max_tokens: 1,
-            prompt_tokens: 1,
+            prompt_ids: Arc::new(vec![1]),
             blocks: vec![],
             group: 0,
             warmup: false,

@@ -58,16 +58,32 @@ pub fn cdf_points(values: &[f64], max_points: usize) -> Vec<(f64, f64)> {
     out
 }
 
+/// One request's blocks (sequence hashes): those it can find cached (its prompt's leading
+/// full blocks, at most `(prompt tokens - 1) / block size`: the last token is always computed)
+/// and those it leaves computed (its prompt's full blocks and those its answer filled).
+#[derive(Clone, Copy, Debug)]
+pub struct Uses<'a> {
+    pub query: &'a [u64],
+    pub computed: &'a [u64],
+}
+
+impl<'a> Uses<'a> {
+    /// A request whose computed blocks are its query (no answer counted).
+    pub fn prompt(blocks: &'a [u64]) -> Self {
+        Self { query: blocks, computed: blocks }
+    }
+}
+
 /// Cached tokens per request if every block ever computed stayed cached somewhere and every
-/// request went where its longest computed prefix is: the leading full blocks that any
-/// earlier request (in `order`) also had. An upper bound on any fleet's hits.
-pub fn unbounded_cache_hits(requests: &[&[u64]], block_size: usize) -> Vec<usize> {
+/// request went where its longest computed prefix is: the leading blocks of its query that any
+/// earlier request (in `order`) computed. An upper bound on any fleet's hits.
+pub fn unbounded_cache_hits(requests: &[Uses<'_>], block_size: usize) -> Vec<usize> {
     let mut seen: HashSet<u64> = HashSet::new();
     requests
         .iter()
-        .map(|blocks| {
-            let hit = blocks.iter().take_while(|b| seen.contains(b)).count();
-            seen.extend(blocks.iter().copied());
+        .map(|r| {
+            let hit = r.query.iter().take_while(|b| seen.contains(b)).count();
+            seen.extend(r.computed.iter().copied());
             hit * block_size
         })
         .collect()
@@ -80,16 +96,16 @@ pub fn unbounded_cache_hits(requests: &[&[u64]], block_size: usize) -> Vec<usize
 /// counted one by one (hits here only count as a leading run, where it is a close estimate
 /// rather than a proof), so this is the best achievable figure a fleet is measured against
 /// when its caches cannot hold the whole workload.
-pub fn pooled_cache_hits(requests: &[&[u64]], block_size: usize, capacity: usize) -> Vec<usize> {
-    // Next use of each (request, block position): the index of the next request using it.
+pub fn pooled_cache_hits(requests: &[Uses<'_>], block_size: usize, capacity: usize) -> Vec<usize> {
+    // Next use of each (request, computed block): the next request whose query holds it.
     let mut next_use: Vec<Vec<usize>> =
-        requests.iter().map(|b| vec![usize::MAX; b.len()]).collect();
+        requests.iter().map(|r| vec![usize::MAX; r.computed.len()]).collect();
     let mut last_seen: HashMap<u64, usize> = HashMap::new();
-    for (i, blocks) in requests.iter().enumerate().rev() {
-        for (j, b) in blocks.iter().enumerate() {
+    for (i, r) in requests.iter().enumerate().rev() {
+        for (j, b) in r.computed.iter().enumerate() {
             next_use[i][j] = last_seen.get(b).copied().unwrap_or(usize::MAX);
         }
-        for b in blocks.iter() {
+        for b in r.query.iter() {
             last_seen.insert(*b, i);
         }
     }
@@ -97,9 +113,9 @@ pub fn pooled_cache_hits(requests: &[&[u64]], block_size: usize, capacity: usize
     let mut cached: HashMap<u64, usize> = HashMap::new();
     let mut by_next: BTreeSet<(usize, u64)> = BTreeSet::new();
     let mut hits = Vec::with_capacity(requests.len());
-    for (i, blocks) in requests.iter().enumerate() {
-        hits.push(blocks.iter().take_while(|b| cached.contains_key(b)).count() * block_size);
-        for (j, &b) in blocks.iter().enumerate() {
+    for (i, r) in requests.iter().enumerate() {
+        hits.push(r.query.iter().take_while(|b| cached.contains_key(b)).count() * block_size);
+        for (j, &b) in r.computed.iter().enumerate() {
             if let Some(old) = cached.insert(b, next_use[i][j]) {
                 by_next.remove(&(old, b));
             }
@@ -152,12 +168,29 @@ mod tests {
         assert!(cdf_points(&[], 10).is_empty());
     }
 
+    fn prompts<'a>(blocks: &[&'a [u64]]) -> Vec<Uses<'a>> {
+        blocks.iter().map(|b| Uses::prompt(b)).collect()
+    }
+
     #[test]
     fn unbounded_counts_leading_blocks_seen_before() {
         let a: &[u64] = &[1, 2, 3];
         let b: &[u64] = &[1, 2, 4];
         let c: &[u64] = &[9, 2, 3];
-        assert_eq!(unbounded_cache_hits(&[a, b, a, c], 16), vec![0, 32, 48, 0]);
+        assert_eq!(unbounded_cache_hits(&prompts(&[a, b, a, c]), 16), vec![0, 32, 48, 0]);
+    }
+
+    #[test]
+    fn blocks_an_answer_filled_count_for_the_next_turn() {
+        // Turn 1 asks [1, 2] and leaves [1, 2, 3] (its answer filled block 3); turn 2 asks
+        // [1, 2, 3, 4].
+        let turn1 = Uses { query: &[1, 2], computed: &[1, 2, 3] };
+        let turn2 = Uses { query: &[1, 2, 3, 4], computed: &[1, 2, 3, 4] };
+        assert_eq!(unbounded_cache_hits(&[turn1, turn2], 16), vec![0, 48]);
+        assert_eq!(pooled_cache_hits(&[turn1, turn2], 16, 3), vec![0, 48]);
+        // Without the answer's block only the prompt's blocks are found.
+        let asked_only = Uses::prompt(&[1, 2]);
+        assert_eq!(unbounded_cache_hits(&[asked_only, turn2], 16), vec![0, 32]);
     }
 
     #[test]
@@ -166,11 +199,11 @@ mod tests {
         let a: &[u64] = &[1, 2, 3];
         let b: &[u64] = &[7, 8];
         let c: &[u64] = &[1, 2];
-        let hits = pooled_cache_hits(&[a, b, c, b], 1, 3);
+        let hits = pooled_cache_hits(&prompts(&[a, b, c, b]), 1, 3);
         // [7,8] evicts 3 (never used again) and then one of 7/8 or 1/2: 1,2 are used next.
         assert_eq!(hits[..3], [0, 0, 2]);
         // Unlimited capacity equals the unbounded figure.
-        let reqs = [a, b, c, b, a];
+        let reqs = prompts(&[a, b, c, b, a]);
         assert_eq!(pooled_cache_hits(&reqs, 16, 1000), unbounded_cache_hits(&reqs, 16));
         // Never above the unbounded figure, whatever the capacity.
         for cap in 0..6 {

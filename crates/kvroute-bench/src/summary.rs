@@ -4,10 +4,9 @@ use serde::Serialize;
 
 use crate::run::{RunData, WorkerStats};
 use crate::stats::{
-    coefficient_of_variation, mean_absolute_error, pooled_cache_hits, quantile,
+    Uses, coefficient_of_variation, mean_absolute_error, pooled_cache_hits, quantile,
     unbounded_cache_hits,
 };
-use crate::workload::Workload;
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Percentiles {
@@ -73,12 +72,7 @@ fn ratio(num: f64, den: f64) -> Option<f64> {
 
 /// `capacity_blocks`: the fleet's blocks together (`None`: unknown, e.g. a remote target
 /// without worker stats).
-pub fn summarize(
-    workload: &Workload,
-    run: &RunData,
-    block_size: usize,
-    capacity_blocks: Option<usize>,
-) -> Summary {
+pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize>) -> Summary {
     let records = &run.records;
     let ok: Vec<_> = records.iter().filter(|r| r.error.is_none()).collect();
     let measured: Vec<_> = ok.iter().filter(|r| !r.warmup).collect();
@@ -93,13 +87,23 @@ pub fn summarize(
     // Best achievable over the order the requests actually left in.
     let mut sent: Vec<_> = records.iter().collect();
     sent.sort_by_key(|r| r.sent_order);
-    let blocks: Vec<&[u64]> =
-        sent.iter().map(|r| workload.requests[r.index].blocks.as_slice()).collect();
-    let prompt_total: usize = sent.iter().map(|r| workload.requests[r.index].prompt_tokens).sum();
-    let unbounded = unbounded_cache_hits(&blocks, block_size);
+    // A prompt finds at most (len - 1) / block size of its blocks cached (the last token is
+    // always computed); it leaves its own blocks and its answer's computed.
+    let uses: Vec<Uses<'_>> = sent
+        .iter()
+        .map(|r| {
+            let findable = r.prompt_len.saturating_sub(1) / block_size.max(1);
+            Uses {
+                query: &r.prompt_blocks[..r.prompt_blocks.len().min(findable)],
+                computed: &r.computed_blocks,
+            }
+        })
+        .collect();
+    let prompt_total: usize = sent.iter().map(|r| r.prompt_len).sum();
+    let unbounded = unbounded_cache_hits(&uses, block_size);
     let best_unbounded = ratio(unbounded.iter().sum::<usize>() as f64, prompt_total as f64);
     let best_capacity = capacity_blocks.and_then(|cap| {
-        let hits = pooled_cache_hits(&blocks, block_size, cap);
+        let hits = pooled_cache_hits(&uses, block_size, cap);
         ratio(hits.iter().sum::<usize>() as f64, prompt_total as f64)
     });
 

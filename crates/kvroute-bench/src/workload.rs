@@ -3,8 +3,11 @@
 //! Every request carries the prompt as the engine will see it: the token ids (text workloads
 //! send them as ids to `/v1/completions`, so nothing is lost to a tokenizer round trip) or,
 //! for images, the chat messages plus the tokens and block hashes the shared preprocessor
-//! derives from them. From the block hashes the harness computes the best achievable cache
-//! hit rate of the workload (see [`crate::stats`]).
+//! derives from them. Multi-turn requests are chat turns: each resends the conversation with
+//! the server's own answers, so their prompts are known only when sent; the harness derives
+//! their tokens then, with the same preprocessor. From the block hashes (prompts' and those
+//! the answers fill) the harness computes the best achievable cache hit rate (see
+//! [`crate::stats`]).
 //!
 //! Arrivals are open loop: a Poisson process at a given rate, drawn once, so every policy of
 //! a run sees the same schedule. Multi-turn rounds are the exception by nature: a user's next
@@ -73,6 +76,10 @@ pub enum Prompt {
     Tokens(Vec<u32>),
     /// `/v1/chat/completions` with these messages (images inline as `data:` URLs).
     Chat(Arc<Value>),
+    /// `/v1/chat/completions` with the user's conversation so far (the server's answers
+    /// included) and then `text`; the first turn opens with the user's `context` as the system
+    /// message.
+    Turn { context: Option<Arc<str>>, text: String },
 }
 
 /// When a request leaves.
@@ -90,9 +97,11 @@ pub struct BenchRequest {
     pub start: Start,
     pub prompt: Prompt,
     pub max_tokens: u32,
-    /// Prompt tokens as the engine sees them (images expanded).
-    pub prompt_tokens: usize,
-    /// Sequence hashes of the prompt's full blocks, as the engine computes them.
+    /// Prompt tokens as the engine sees them (images expanded); empty for a conversation turn
+    /// (known when sent).
+    pub prompt_ids: Arc<Vec<u32>>,
+    /// Sequence hashes of the prompt's full blocks, as the engine computes them (empty for a
+    /// conversation turn).
     pub blocks: Vec<u64>,
     /// The group, user or image set the request belongs to (for tests and plots).
     pub group: usize,
@@ -245,6 +254,25 @@ pub fn token_blocks(tokens: &[u32], block_size: BlockSize) -> Vec<u64> {
     sequence_hashes(&local).into_iter().map(|h| h.0).collect()
 }
 
+/// The sequence hashes of every full block once `more` tokens (an answer's, no images)
+/// follow a prompt whose full blocks are `blocks` and whose tokens are `prompt`.
+pub fn extended_blocks(blocks: &[u64], prompt: &[u32], more: &[u32], bs: BlockSize) -> Vec<u64> {
+    let hasher = BlockHasher::new(bs);
+    let n = bs.tokens();
+    let mut out = blocks.to_vec();
+    let mut tail: Vec<u32> = prompt[blocks.len() * n..].to_vec();
+    tail.extend_from_slice(more);
+    for chunk in tail.chunks_exact(n) {
+        let local = hasher.hash_block(chunk, None);
+        let next = match out.last() {
+            Some(&parent) => kvroute_core::hash::chain(kvroute_core::SequenceHash(parent), local),
+            None => kvroute_core::SequenceHash(local.0),
+        };
+        out.push(next.0);
+    }
+    out
+}
+
 fn tokens_request(
     start: Start,
     tokens: Vec<u32>,
@@ -254,8 +282,8 @@ fn tokens_request(
 ) -> BenchRequest {
     BenchRequest {
         start,
-        prompt_tokens: tokens.len(),
         blocks: token_blocks(&tokens, bs),
+        prompt_ids: Arc::new(tokens.clone()),
         prompt: Prompt::Tokens(tokens),
         max_tokens,
         group,
@@ -310,20 +338,30 @@ impl SharedPrefix {
 
 impl MultiTurn {
     /// Requests are numbered round by round within a user: user `u`'s round `r` is request
-    /// `u * rounds + r`.
-    pub fn generate(&self, seed: u64, bs: BlockSize, warmup: f64) -> Workload {
+    /// `u * rounds + r`. Each user's context and turns are words of the model's vocabulary
+    /// (exactly `context_tokens` and `turn_tokens` tokens); the answers are the server's.
+    pub fn generate(
+        &self,
+        seed: u64,
+        warmup: f64,
+        preprocessor: &Preprocessor,
+    ) -> anyhow::Result<Workload> {
+        let words = preprocessor.words();
+        anyhow::ensure!(
+            words.usable(),
+            "multi-turn: the model's vocabulary has no words to write with"
+        );
         let mut rng = Rng::new(seed ^ 0x4d55_4c54_4954);
         let starts = poisson_arrivals(&mut rng, self.users, self.rate);
         let warm_rounds = (self.rounds as f64 * warmup).round() as usize;
+        let text = |rng: &mut Rng, n: usize| -> anyhow::Result<String> {
+            let ids: Vec<u32> = (0..n).filter_map(|i| words.pick(rng.next_u64(), i)).collect();
+            Ok(preprocessor.decode(&ids)?)
+        };
         let mut requests = Vec::with_capacity(self.users * self.rounds);
         for (u, &at) in starts.iter().enumerate() {
-            let mut conversation = random_tokens(&mut rng, self.context_tokens);
+            let context: Arc<str> = text(&mut rng, self.context_tokens)?.into();
             for r in 0..self.rounds {
-                if r > 0 {
-                    // The previous answer, as the client keeps it.
-                    conversation.extend(random_tokens(&mut rng, self.output_tokens as usize));
-                }
-                conversation.extend(random_tokens(&mut rng, self.turn_tokens));
                 let start = if r == 0 {
                     Start::At(at)
                 } else {
@@ -332,24 +370,36 @@ impl MultiTurn {
                         think: exponential(&mut rng, self.think_time),
                     }
                 };
-                let mut request =
-                    tokens_request(start, conversation.clone(), self.output_tokens, u, bs);
-                request.warmup = r < warm_rounds;
-                requests.push(request);
+                let turn = text(&mut rng, self.turn_tokens)?;
+                requests.push(BenchRequest {
+                    start,
+                    prompt: Prompt::Turn {
+                        context: (r == 0).then(|| Arc::clone(&context)),
+                        text: turn,
+                    },
+                    max_tokens: self.output_tokens,
+                    prompt_ids: Arc::new(Vec::new()),
+                    blocks: Vec::new(),
+                    group: u,
+                    warmup: r < warm_rounds,
+                });
             }
         }
-        Workload {
+        Ok(Workload {
             kind: WorkloadKind::MultiTurn,
             params: vec![
                 ("users x rounds".into(), format!("{} x {}", self.users, self.rounds)),
-                ("context".into(), format!("{} tokens", self.context_tokens)),
+                ("context".into(), format!("{} tokens (system message)", self.context_tokens)),
                 ("turn".into(), format!("{} tokens", self.turn_tokens)),
-                ("output".into(), format!("{} tokens", self.output_tokens)),
+                (
+                    "output".into(),
+                    format!("{} tokens, sent back as the server wrote them", self.output_tokens),
+                ),
                 ("user arrivals".into(), format!("Poisson, {} users/s", self.rate)),
                 ("think time".into(), format!("exponential, mean {} s", self.think_time)),
             ],
             requests,
-        }
+        })
     }
 }
 
@@ -461,8 +511,8 @@ impl Multimodal {
                 start: Start::At(at),
                 prompt: Prompt::Chat(Arc::new(messages)),
                 max_tokens: self.output_tokens,
-                prompt_tokens: prepared.tokens.len(),
                 blocks: sequence_hashes(&local).into_iter().map(|h| h.0).collect(),
+                prompt_ids: Arc::new(prepared.tokens),
                 group,
                 warmup: false,
             });

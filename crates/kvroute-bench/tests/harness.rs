@@ -33,6 +33,7 @@ fn small_shared_prefix() -> kvroute_bench::workload::Workload {
 fn a_fresh_fleet_per_policy_and_its_ground_truth() {
     let workload = small_shared_prefix();
     let fleet = fleet();
+    let pre = std::sync::Arc::new(Preprocessor::builtin());
     let mut runs = Vec::new();
     for policy in [PolicyKind::Kv, PolicyKind::RoundRobin] {
         let label = policy.to_string();
@@ -42,6 +43,7 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
             &fleet,
             &label,
             &ProgressBar::hidden(),
+            &pre,
         )
         .unwrap();
         assert_eq!(data.records.len(), 16);
@@ -55,7 +57,7 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
         }
         // A fresh fleet: its counters start at zero.
         assert!(data.stats_start.iter().all(|s| s.requests_finished == 0 && s.cached_tokens == 0));
-        let s = summarize(&workload, &data, 16, Some(fleet.capacity_blocks()));
+        let s = summarize(&data, 16, Some(fleet.capacity_blocks()));
         // The workers' counters and the answers' usage agree.
         let cached: u64 = data.records.iter().map(|r| r.cached_tokens.unwrap()).sum();
         assert_eq!(s.hit_rate, Some(cached as f64 / (16.0 * 544.0)));
@@ -110,7 +112,7 @@ fn a_target_by_url_with_worker_stats() {
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let fleet = fleet();
     let (url, workers) = host.block_on(run::start_fleet(&fleet, PolicyKind::Kv, true)).unwrap();
-    let pre = Preprocessor::builtin();
+    let pre = std::sync::Arc::new(Preprocessor::builtin());
     let workload = Multimodal {
         requests: 12,
         images: 3,
@@ -122,13 +124,14 @@ fn a_target_by_url_with_worker_stats() {
     .generate(2, fleet.block_size().unwrap(), 0.0, &pre)
     .unwrap();
     let target = Target::Remote { url, worker_stats: workers, model: None };
-    let data = run::run(&workload, &target, &fleet, "target", &ProgressBar::hidden()).unwrap();
+    let data =
+        run::run(&workload, &target, &fleet, "target", &ProgressBar::hidden(), &pre).unwrap();
     assert!(data.records.iter().all(|r| r.error.is_none()), "{:?}", data.records);
-    let s = summarize(&workload, &data, 16, None);
+    let s = summarize(&data, 16, None);
     assert_eq!(s.worker_requests.iter().sum::<u64>(), 12);
     // Every request's prompt as the engine counted it is what the generator derived.
     for r in &data.records {
-        assert_eq!(r.prompt_tokens, Some(workload.requests[r.index].prompt_tokens as u64));
+        assert_eq!(r.prompt_tokens, Some(workload.requests[r.index].prompt_ids.len() as u64));
     }
     assert_eq!(s.predicted, 12);
     assert_eq!(s.false_hits, 0);

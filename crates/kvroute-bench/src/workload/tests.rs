@@ -9,7 +9,7 @@ fn bs() -> BlockSize {
 fn tokens(r: &BenchRequest) -> &[u32] {
     match &r.prompt {
         Prompt::Tokens(t) => t,
-        Prompt::Chat(_) => panic!("a chat request"),
+        Prompt::Chat(_) | Prompt::Turn { .. } => panic!("a chat request"),
     }
 }
 
@@ -27,7 +27,7 @@ fn shared_prefix_sizes_and_sharing() {
     let mut by_group: HashMap<usize, Vec<&BenchRequest>> = HashMap::new();
     for r in &w.requests {
         assert_eq!(tokens(r).len(), 2048 + 64);
-        assert_eq!(r.prompt_tokens, 2112);
+        assert_eq!(r.prompt_ids.len(), 2112);
         assert_eq!(r.blocks.len(), 2112 / 16);
         assert_eq!(r.max_tokens, 32);
         by_group.entry(r.group).or_default().push(r);
@@ -83,43 +83,64 @@ fn generators_are_deterministic_per_seed() {
     assert_eq!(key(&a), key(&b));
     assert_ne!(key(&a), key(&c));
     let m = MultiTurn::default();
-    assert_eq!(key(&m.generate(5, bs(), 0.1)), key(&m.generate(5, bs(), 0.1)));
+    let pre = Preprocessor::builtin();
+    let turns = |w: &Workload| -> Vec<String> {
+        w.requests.iter().map(|r| format!("{:?} {:?}", r.prompt, r.start)).collect()
+    };
+    assert_eq!(
+        turns(&m.generate(5, 0.1, &pre).unwrap()),
+        turns(&m.generate(5, 0.1, &pre).unwrap())
+    );
     let r = RandomPrompts::default();
     assert_eq!(key(&r.generate(5, bs(), 0.1)), key(&r.generate(5, bs(), 0.1)));
 }
 
 #[test]
-fn multi_turn_resends_the_conversation() {
+fn multi_turn_users_write_exact_turns_of_words() {
+    let pre = Preprocessor::builtin();
     let m = MultiTurn::default();
-    let w = m.generate(9, bs(), 0.1);
+    let w = m.generate(9, 0.1, &pre).unwrap();
     assert_eq!(w.requests.len(), 24 * 28);
+    let mut contexts = HashSet::new();
     for u in 0..24 {
         let rounds = &w.requests[u * 28..(u + 1) * 28];
         assert!(matches!(rounds[0].start, Start::At(_)));
         for (r, req) in rounds.iter().enumerate() {
             assert_eq!(req.group, u);
-            assert_eq!(tokens(req).len(), 256 + 32 + r * 64, "user {u} round {r}");
             assert_eq!(req.warmup, r < 3, "the first 10% of rounds are warm-up");
-            if r > 0 {
-                let prev = &rounds[r - 1];
-                // The previous prompt is a prefix of this one.
-                assert_eq!(tokens(req)[..tokens(prev).len()], *tokens(prev));
-                assert!(req.blocks.starts_with(&prev.blocks));
-                match req.start {
+            let Prompt::Turn { context, text } = &req.prompt else { panic!("not a turn") };
+            assert_eq!(pre.encode(text).unwrap().len(), 32, "user {u} round {r}: {text}");
+            match (r, context) {
+                (0, Some(c)) => {
+                    assert_eq!(pre.encode(c).unwrap().len(), 256);
+                    contexts.insert(c.to_string());
+                }
+                (0, None) => panic!("the first turn opens the conversation"),
+                (_, Some(_)) => panic!("only the first turn carries the context"),
+                (_, None) => match req.start {
                     Start::After { prev: p, think } => {
                         assert_eq!(p, u * 28 + r - 1);
                         assert!(think >= 0.0);
                     }
                     Start::At(_) => panic!("round {r} is not after the previous one"),
-                }
+                },
             }
         }
     }
-    // Users share nothing.
-    let firsts: HashSet<u64> = (0..24).map(|u| w.requests[u * 28].blocks[0]).collect();
-    assert_eq!(firsts.len(), 24);
-    // The last rounds hold about 2,048 tokens each: more than the fleet's 35,200 together.
-    assert_eq!(w.requests[27].prompt_tokens, 256 + 32 + 27 * 64);
+    assert_eq!(contexts.len(), 24, "users share nothing");
+}
+
+#[test]
+fn an_answer_extends_the_prompts_blocks() {
+    let prompt: Vec<u32> = (0..40).collect();
+    let blocks = token_blocks(&prompt, bs());
+    assert_eq!(blocks.len(), 2);
+    let answer: Vec<u32> = (100..130).collect();
+    let extended = extended_blocks(&blocks, &prompt, &answer, bs());
+    let mut all = prompt;
+    all.extend(&answer);
+    assert_eq!(extended, token_blocks(&all, bs()), "the same chain as one prompt of both");
+    assert_eq!(extended.len(), 4);
 }
 
 #[test]
@@ -128,7 +149,7 @@ fn random_prompts_share_nothing() {
     assert_eq!(w.requests.len(), 160);
     let firsts: HashSet<u64> = w.requests.iter().map(|r| r.blocks[0]).collect();
     assert_eq!(firsts.len(), 160);
-    assert!(w.requests.iter().all(|r| r.prompt_tokens == 1024 && r.blocks.len() == 64));
+    assert!(w.requests.iter().all(|r| r.prompt_ids.len() == 1024 && r.blocks.len() == 64));
     assert!(w.requests.iter().flat_map(tokens).all(|&t| (TOKEN_LO..TOKEN_HI).contains(&t)));
 }
 
