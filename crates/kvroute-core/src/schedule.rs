@@ -244,6 +244,11 @@ impl TreeSizes for crate::index::ShardedIndex {
 /// Picks one of the candidates (never given an empty slice).
 pub trait Policy: Send + Sync + fmt::Debug {
     fn name(&self) -> &'static str;
+    /// A baseline blind to load (round-robin, random): busy workers stay candidates, so it
+    /// spreads requests exactly as its name says. Load-aware policies see only idle ones.
+    fn blind(&self) -> bool {
+        false
+    }
     fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize;
 }
 
@@ -447,7 +452,7 @@ impl Scheduler {
     }
 
     /// The candidates for a request: ready ones (all, if none is), of which busy ones are
-    /// dropped (unless all are busy).
+    /// dropped (unless all are busy, or the policy is blind to load).
     pub fn candidates(
         &self,
         local: &[LocalBlockHash],
@@ -475,7 +480,7 @@ impl Scheduler {
                 prefill_tokens_per_s: e.prefill_tokens_per_s,
             })
             .collect();
-        if all.iter().any(|c| !self.is_busy(c)) {
+        if !self.policy.blind() && all.iter().any(|c| !self.is_busy(c)) {
             all.retain(|c| !self.is_busy(c));
         }
         all

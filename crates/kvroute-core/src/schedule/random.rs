@@ -10,6 +10,10 @@ impl Policy for RandomPolicy {
         "random"
     }
 
+    fn blind(&self) -> bool {
+        true
+    }
+
     fn select(&mut self, _: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize {
         rng.below(candidates.len())
     }

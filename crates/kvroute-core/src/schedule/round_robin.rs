@@ -12,6 +12,10 @@ impl Policy for RoundRobin {
         "round-robin"
     }
 
+    fn blind(&self) -> bool {
+        true
+    }
+
     fn select(&mut self, _: &RequestInfo, candidates: &[Candidate], _: &mut Rng) -> usize {
         let i = self.next % candidates.len();
         self.next = self.next.wrapping_add(1);

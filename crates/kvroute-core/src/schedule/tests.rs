@@ -269,6 +269,29 @@ fn busy_workers_are_skipped_unless_all_are_busy() {
 }
 
 #[test]
+fn blind_baselines_keep_busy_workers() {
+    // Round-robin stays a strict rotation when a worker is busy: skipping it would shift the
+    // rotation and load the others unevenly (it is a baseline, blind to load by definition).
+    let p = prompt(&(0..64).collect::<Vec<_>>());
+    let busy = WorkerLoad { kv_cache_usage: Some(0.99), ..WorkerLoad::default() };
+    let mut s = scheduler(PolicyKind::RoundRobin, 3);
+    s.update_load(w(1), busy);
+    let picks: Vec<_> = (0..6)
+        .map(|_| {
+            s.route(
+                &request(&p, None),
+                &OverlapScores::default(),
+                &UnknownTreeSizes,
+                Instant::now(),
+            )
+            .unwrap()
+            .worker
+        })
+        .collect();
+    assert_eq!(picks, [w(0), w(1), w(2), w(0), w(1), w(2)]);
+}
+
+#[test]
 fn no_workers_no_decision() {
     let p = prompt(&(0..64).collect::<Vec<_>>());
     let mut s = scheduler(PolicyKind::Kv, 0);
