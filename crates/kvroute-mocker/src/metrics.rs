@@ -93,27 +93,27 @@ impl Metrics {
         );
         vllm.register(
             VLLM_RUNNING,
-            "Number of requests in model execution batches.",
+            "Number of requests in model execution batches",
             m.vllm_running.clone(),
         );
         vllm.register(
             VLLM_WAITING,
-            "Number of requests waiting to be processed.",
+            "Number of requests waiting to be processed",
             m.vllm_waiting.clone(),
         );
         vllm.register(
             VLLM_KV_USAGE,
-            "KV-cache usage. 1 means 100 percent usage.",
+            "KV-cache usage. 1 means 100 percent usage",
             m.vllm_kv_usage.clone(),
         );
         vllm.register(
             VLLM_PREFIX_QUERIES,
-            "Prefix cache queries, in terms of number of queried tokens.",
+            "Prefix cache queries, in terms of number of queried tokens",
             m.vllm_queries.counter.clone(),
         );
         vllm.register(
             VLLM_PREFIX_HITS,
-            "Prefix cache hits, in terms of number of cached tokens.",
+            "Prefix cache hits, in terms of number of cached tokens",
             m.vllm_hits.counter.clone(),
         );
         let config: Gauge = Gauge::default();
