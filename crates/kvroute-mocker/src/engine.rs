@@ -11,9 +11,10 @@
 //!    `max_num_seqs` run and nothing was preempted in this step: a request is admitted when its
 //!    known tokens' blocks, less its cached prefix blocks that running requests already hold,
 //!    fit in the blocks running requests do not hold (cached blocks nobody holds are evicted
-//!    as needed, least recently freed first); otherwise it and every later one wait. Its cached
-//!    prefix is at most `(len - 1) / block_size` blocks: the last token is always computed,
-//!    for its logits.
+//!    as needed, least recently freed first, a request's tail before its prefix); otherwise it
+//!    and every later one wait. There is no free-block watermark (vLLM v1 and Dynamo's vLLM
+//!    path keep none). Its cached prefix is at most `(len - 1) / block_size` blocks: the last
+//!    token is always computed, for its logits.
 //! 3. **Time**: the step lasts the prefill time of the prompt tokens it computed,
 //!    `poly(count x (mean isl - mean prefix))` over the requests that computed prompt tokens,
 //!    plus, when some request decodes, a decode step at `p = min(1, sum of the decoding

@@ -119,6 +119,33 @@ async fn repeated_prompts_report_their_cached_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_sent_back_hits_the_answer_too() {
+    // What every chat client does: the next round carries the assistant's text. Its tokens are
+    // the ones the engine generated, so the cached prefix covers the previous prompt and the
+    // answer's full blocks (all computed tokens but the last sampled one).
+    let m = start(1000, Endpoints::default()).await;
+    let mut messages = vec![json!({"role": "user", "content": LONG})];
+    for round in 0..3 {
+        let body = json!({"messages": messages, "max_tokens": 40, "ignore_eos": true});
+        let (status, r) = m.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{r}");
+        let (prompt, answer) = (
+            r["usage"]["prompt_tokens"].as_u64().unwrap(),
+            r["usage"]["completion_tokens"].as_u64().unwrap(),
+        );
+        assert_eq!(answer, 40);
+        let text = r["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+        messages.push(json!({"role": "assistant", "content": text}));
+        messages.push(json!({"role": "user", "content": format!("And round {round}?")}));
+        let (_, next) =
+            m.post("/v1/chat/completions", &json!({"messages": messages, "max_tokens": 1})).await;
+        let cached = next["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        assert_eq!(cached, (prompt + answer - 1) / 16 * 16, "round {round}: {}", next["usage"]);
+        assert!(cached > prompt, "the answer's blocks hit too");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_as_openai_does() {
     let m = start(1000, Endpoints::default()).await;
     let mut body = chat("Tell me a joke.", 3);
