@@ -9,8 +9,9 @@
 //!
 //! Each task applies its worker's batches in sequence order, so per-worker ordering holds.
 //! A jump in sequence numbers is a gap: the missed batches are asked of the replay endpoint
-//! when there is one (else the gap is counted and logged). A sequence number going back to 0
-//! is a restarted engine, whose cache is empty: its blocks are cleared. Lost connections are
+//! when there is one (else the gap is counted and logged). A sequence number going back is a
+//! restarted engine (the live stream never repeats a number), whose cache is empty: its blocks
+//! are cleared, and the batches it sent before we reconnected are asked of its replay. Lost connections are
 //! retried with capped exponential backoff; undecodable messages are counted and skipped.
 
 use std::sync::Arc;
@@ -43,8 +44,12 @@ pub struct Subscription {
 /// Subscribes forever, reconnecting with capped backoff.
 pub async fn run(state: Arc<RouterState>, sub: Subscription) {
     let mut backoff = Duration::from_millis(50);
-    let mut stream =
-        Stream { converter: Converter::new(sub.convert), last: None, connected: false };
+    let mut stream = Stream {
+        converter: Converter::new(sub.convert),
+        last: None,
+        connected: false,
+        replays: ReplayBudget::default(),
+    };
     loop {
         if let Err(err) = run_once(&state, &sub, &mut stream).await {
             tracing::debug!(worker = %sub.worker, endpoint = %sub.endpoint, %err, "event stream down");
@@ -63,6 +68,46 @@ struct Stream {
     converter: Converter,
     last: Option<u64>,
     connected: bool,
+    replays: ReplayBudget,
+}
+
+/// Most replay requests per subscription per minute: a publisher (or something posing as
+/// one) whose sequence numbers jump on every batch must not turn each batch into a request
+/// to the engine.
+pub(crate) const REPLAYS_PER_MINUTE: u32 = 30;
+/// After a replay that timed out, none is asked for this long (a replay socket that never
+/// answers would otherwise stall the stream at every gap).
+const REPLAY_QUIET: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Default)]
+struct ReplayBudget {
+    window_start: Option<std::time::Instant>,
+    used: u32,
+    quiet_until: Option<std::time::Instant>,
+}
+
+impl ReplayBudget {
+    /// Whether a replay may be asked for now (and counts it).
+    fn take(&mut self, now: std::time::Instant) -> bool {
+        if self.quiet_until.is_some_and(|q| now < q) {
+            return false;
+        }
+        let fresh =
+            self.window_start.is_none_or(|s| now.duration_since(s) >= Duration::from_secs(60));
+        if fresh {
+            self.window_start = Some(now);
+            self.used = 0;
+        }
+        if self.used >= REPLAYS_PER_MINUTE {
+            return false;
+        }
+        self.used += 1;
+        true
+    }
+
+    fn timed_out(&mut self, now: std::time::Instant) {
+        self.quiet_until = Some(now + REPLAY_QUIET);
+    }
 }
 
 async fn run_once(
@@ -106,10 +151,11 @@ async fn handle_vllm(
     };
     match stream.last {
         Some(last) if seq == last.wrapping_add(1) => {}
-        Some(_) if seq == 0 => {
-            // The publisher restarted: its cache is new, so is ours for it.
+        Some(last) if seq <= last => {
+            // The publisher restarted: its cache is new, so is ours for it. Its first batches
+            // may have gone out before the subscription reconnected.
             state.metrics.restarts.inc();
-            tracing::info!(worker = %sub.worker, "publisher restarted; clearing its blocks");
+            tracing::info!(worker = %sub.worker, last, seq, "publisher restarted; clearing its blocks");
             let clear = RouterEvent {
                 worker_id: sub.worker.worker_id,
                 event: KvCacheEvent {
@@ -119,8 +165,11 @@ async fn handle_vllm(
                 },
             };
             state.apply(&[clear]);
+            stream.last = None;
+            if seq > 0 {
+                recover(state, sub, stream, 0, seq, false).await;
+            }
         }
-        Some(last) if seq <= last => return, // a duplicate (e.g. already replayed)
         last => {
             let from = last.map_or(0, |l| l + 1);
             if seq > from {
@@ -150,6 +199,11 @@ async fn recover(
         }
         return;
     };
+    if !stream.replays.take(std::time::Instant::now()) {
+        state.metrics.rejected("replay_budget");
+        tracing::debug!(worker = %sub.worker, from, until, "gap not replayed: replay budget spent or replay quiet");
+        return;
+    }
     state.metrics.replays.inc();
     match tokio::time::timeout(REPLAY_TIMEOUT * 2, replay(endpoint, from, until)).await {
         Ok(Ok(batches)) => {
@@ -165,7 +219,10 @@ async fn recover(
             }
         }
         Ok(Err(err)) => tracing::warn!(worker = %sub.worker, error = ?err, "replay failed"),
-        Err(_) => tracing::warn!(worker = %sub.worker, "replay timed out"),
+        Err(_) => {
+            stream.replays.timed_out(std::time::Instant::now());
+            tracing::warn!(worker = %sub.worker, quiet_secs = REPLAY_QUIET.as_secs(), "replay timed out; no replay for a while");
+        }
     }
 }
 
@@ -267,5 +324,22 @@ pub async fn replay(
         if seq >= from && seq < until {
             out.push((seq, payload.to_vec()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replays_are_capped_per_minute_and_quiet_after_a_timeout() {
+        let mut b = ReplayBudget::default();
+        let t = std::time::Instant::now();
+        let granted = (0..100).filter(|_| b.take(t)).count();
+        assert_eq!(granted, REPLAYS_PER_MINUTE as usize);
+        assert!(b.take(t + Duration::from_secs(61)), "a new minute");
+        b.timed_out(t + Duration::from_secs(61));
+        assert!(!b.take(t + Duration::from_secs(62)));
+        assert!(b.take(t + Duration::from_secs(92)));
     }
 }

@@ -7,6 +7,11 @@ use crate::WireError;
 /// Deepest nesting accepted (KV events nest four levels; garbage may nest thousands).
 const MAX_DEPTH: usize = 32;
 
+/// Most values one message may decode into. Each costs up to 48 bytes decoded for as little as
+/// one byte on the wire (a nil), so a frame of nils would otherwise grow fifty-fold; a
+/// batch of 10,000 blocks of 64 token ids stays well within it.
+pub const MAX_VALUES: usize = 1 << 20;
+
 /// A decoded MessagePack value. Integers keep their full range (u64 and i64 both fit i128).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
@@ -108,7 +113,7 @@ impl Value {
 
 /// Decodes exactly one value from `bytes` (trailing bytes are an error).
 pub fn decode(bytes: &[u8]) -> Result<Value, WireError> {
-    let mut reader = Reader { bytes, pos: 0 };
+    let mut reader = Reader { bytes, pos: 0, values_left: MAX_VALUES };
     let value = reader.value(0)?;
     if reader.pos != bytes.len() {
         return Err(WireError::Msgpack("trailing bytes after the value"));
@@ -119,6 +124,7 @@ pub fn decode(bytes: &[u8]) -> Result<Value, WireError> {
 struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
+    values_left: usize,
 }
 
 impl Reader<'_> {
@@ -208,6 +214,8 @@ impl Reader<'_> {
         if depth > MAX_DEPTH {
             return Err(WireError::Msgpack("nested too deeply"));
         }
+        self.values_left =
+            self.values_left.checked_sub(1).ok_or(WireError::Msgpack("too many values"))?;
         let marker = self.byte()?;
         Ok(match marker {
             0x00..=0x7f => Value::Int(i128::from(marker)),
@@ -390,6 +398,20 @@ mod tests {
         assert!(decode(&[0x91; 100]).is_err(), "too deep");
         assert!(decode(&[0xc1]).is_err());
         assert!(decode(&[0x01, 0x02]).is_err(), "trailing bytes");
+    }
+
+    /// A frame of nils: one byte each on the wire, tens decoded. Past `MAX_VALUES` it is
+    /// refused rather than grown fifty-fold.
+    #[test]
+    fn values_per_message_are_bounded() {
+        let frame = |n: usize| {
+            let mut w = Writer::default();
+            w.array(n);
+            w.buf.resize(w.buf.len() + n, 0xc0);
+            w.buf
+        };
+        assert!(decode(&frame(MAX_VALUES - 1)).is_ok(), "the array and its items");
+        assert!(matches!(decode(&frame(MAX_VALUES)), Err(WireError::Msgpack("too many values"))));
     }
 
     proptest! {
