@@ -50,9 +50,17 @@ impl ClientError {
 }
 
 /// A kept-alive HTTP/1 client; cheap to clone.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct HttpClient {
     inner: Client<HttpConnector, Full<Bytes>>,
+    /// `Authorization` sent with every request.
+    bearer: Option<header::HeaderValue>,
+}
+
+impl std::fmt::Debug for HttpClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpClient").field("bearer", &self.bearer.is_some()).finish()
+    }
 }
 
 impl Default for HttpClient {
@@ -65,14 +73,29 @@ impl HttpClient {
     pub fn new() -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        Self { inner: Client::builder(TokioExecutor::new()).build(connector) }
+        Self { inner: Client::builder(TokioExecutor::new()).build(connector), bearer: None }
+    }
+
+    /// The same client sending `Authorization: Bearer <token>` with every request (a token
+    /// that is no valid header value is not sent; the server's 401 says so).
+    #[must_use]
+    pub fn with_bearer(mut self, token: &str) -> Self {
+        self.bearer =
+            header::HeaderValue::from_str(&format!("Bearer {token}")).ok().map(|mut v| {
+                v.set_sensitive(true);
+                v
+            });
+        self
     }
 
     /// Sends a request; the answer's body is left to the caller (streams stay streams).
     pub async fn send(
         &self,
-        request: Request<Full<Bytes>>,
+        mut request: Request<Full<Bytes>>,
     ) -> Result<Response<Incoming>, ClientError> {
+        if let Some(bearer) = &self.bearer {
+            request.headers_mut().entry(header::AUTHORIZATION).or_insert_with(|| bearer.clone());
+        }
         self.inner.request(request).await.map_err(|e| {
             if e.is_connect() { ClientError::Connect(e) } else { ClientError::Send(e) }
         })

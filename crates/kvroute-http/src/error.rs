@@ -21,7 +21,26 @@ pub struct ApiError {
     status: StatusCode,
     message: String,
     param: Option<&'static str>,
+    /// OpenAI's `type` when not the status's.
+    kind: Option<&'static str>,
+    code: Code,
     source: Option<Source>,
+}
+
+/// The `code` of an error body: the HTTP status by default (as vLLM answers), a name where
+/// OpenAI gives one (`invalid_api_key`), or none.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ErrorCode {
+    Status(u16),
+    Name(String),
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Code {
+    Status,
+    Name(&'static str),
+    None,
 }
 
 /// The body of an error answer, for clients that read one.
@@ -38,13 +57,20 @@ pub struct ErrorDetail {
     #[serde(default)]
     pub param: Option<String>,
     #[serde(default)]
-    pub code: Option<u16>,
+    pub code: Option<ErrorCode>,
 }
 
 impl ApiError {
     /// An error whose OpenAI `type` follows from its status; `message` is shown to the client.
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), param: None, source: None }
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+            kind: None,
+            code: Code::Status,
+            source: None,
+        }
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -80,6 +106,27 @@ impl ApiError {
         self
     }
 
+    /// Sets OpenAI's `type` (otherwise derived from the status).
+    #[must_use]
+    pub fn kind(mut self, kind: &'static str) -> Self {
+        self.kind = Some(kind);
+        self
+    }
+
+    /// Sets a named `code` (otherwise the status).
+    #[must_use]
+    pub fn code(mut self, code: &'static str) -> Self {
+        self.code = Code::Name(code);
+        self
+    }
+
+    /// A `code` of `null`.
+    #[must_use]
+    pub fn no_code(mut self) -> Self {
+        self.code = Code::None;
+        self
+    }
+
     /// Keeps the error behind this one (logged for a 5xx, never sent).
     #[must_use]
     pub fn with_source(mut self, source: impl Into<Source>) -> Self {
@@ -95,8 +142,11 @@ impl ApiError {
         &self.message
     }
 
-    /// OpenAI's `type` for a status.
-    pub fn kind(&self) -> &'static str {
+    /// OpenAI's `type`: as set, else by status.
+    pub fn type_name(&self) -> &'static str {
+        if let Some(kind) = self.kind {
+            return kind;
+        }
         match self.status {
             StatusCode::UNAUTHORIZED => "authentication_error",
             StatusCode::FORBIDDEN => "permission_error",
@@ -113,9 +163,13 @@ impl ApiError {
         ErrorBody {
             error: ErrorDetail {
                 message: self.message.clone(),
-                kind: self.kind().to_owned(),
+                kind: self.type_name().to_owned(),
                 param: self.param.map(str::to_owned),
-                code: Some(self.status.as_u16()),
+                code: match self.code {
+                    Code::Status => Some(ErrorCode::Status(self.status.as_u16())),
+                    Code::Name(name) => Some(ErrorCode::Name(name.to_owned())),
+                    Code::None => None,
+                },
             },
         }
     }
@@ -135,6 +189,11 @@ impl StdError for ApiError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         self.source.as_deref().map(|s| s as &(dyn StdError + 'static))
     }
+}
+
+/// An error and its sources, `a: b: c` (for logs).
+pub fn chain(e: &(dyn StdError + 'static)) -> String {
+    Chain(e).to_string()
 }
 
 /// An error and its sources, `a: b: c`.
@@ -233,7 +292,7 @@ mod tests {
         let parsed: ErrorBody = serde_json::from_value(v).unwrap();
         assert_eq!(parsed.error.kind, "invalid_request_error");
         assert_eq!(parsed.error.param.as_deref(), Some("messages"));
-        assert_eq!(parsed.error.code, Some(400));
+        assert_eq!(parsed.error.code, Some(ErrorCode::Status(400)));
         let (_, v) = body(ApiError::not_found("no such route")).await;
         assert_eq!(v["error"]["type"], "not_found_error");
         assert_eq!(v["error"]["param"], serde_json::Value::Null);

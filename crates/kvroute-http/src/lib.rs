@@ -6,8 +6,9 @@
 //! - [`router_api`]: the router's API, for its server and its clients alike;
 //! - [`client`]: the one HTTP client, and [`sse`]: the one reader of event streams;
 //! - [`metrics`]: the Prometheus registry and its `/metrics` answer;
-//! - [`serve`] and [`fallbacks`]: how every listener is served; [`testing`]: calling an app
-//!   in-process.
+//! - [`server`]: how every listener is served (TLS, timeouts, a connection limit), and
+//!   [`fallbacks`]; [`auth`]: bearer keys (API keys, the admin token);
+//! - [`testing`]: calling an app in-process.
 //!
 //! ```text
 //!  kvroute-router ─┐                         ┌─ server: axum Router + fallbacks, serve()
@@ -16,21 +17,24 @@
 //!  kvroute-bench ──┘
 //! ```
 
+pub mod auth;
 pub mod client;
 pub mod error;
 pub mod metrics;
 pub mod openai;
 pub mod router_api;
+pub mod server;
 pub mod sse;
 pub mod testing;
 
 use std::future::Future;
 
 use axum::Router;
-use axum::serve::ListenerExt as _;
 
+pub use auth::Credentials;
 pub use client::{ClientError, HttpClient};
 pub use error::ApiError;
+pub use server::{ServeOptions, serve_with};
 pub use sse::{SseEvent, SseReader};
 
 /// Answers unknown routes (404) and methods (405) with an [`ApiError`] body.
@@ -42,16 +46,12 @@ pub fn fallbacks<S: Clone + Send + Sync + 'static>(router: Router<S>) -> Router<
     )
 }
 
-/// Serves `app` on `listener` until `shutdown` resolves, then lets open responses finish (bound
-/// that wait outside). Writes go out without Nagle's delay: a streamed chunk otherwise waits
-/// for the previous one's ACK, which a delayed ACK holds up to 40 ms.
+/// Serves `app` on `listener` with the default limits ([`ServeOptions`]) until `shutdown`
+/// resolves, then lets open responses finish (bound that wait outside).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    serve_with(listener, app, shutdown, ServeOptions::default()).await
 }

@@ -1,0 +1,209 @@
+//! Bearer credentials: the front door's API keys and the router's admin token, checked the
+//! same way (`Authorization: Bearer <key>`), refused with OpenAI's 401 body.
+//!
+//! Keys are kept only as BLAKE3 digests, compared in constant time, and never logged or
+//! echoed (OpenAI echoes a masked key; a 401 here names none).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+
+use crate::ApiError;
+
+/// A set of accepted bearer keys; empty accepts everyone. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct Credentials {
+    digests: Arc<[blake3::Hash]>,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Credentials({} keys)", self.digests.len())
+    }
+}
+
+/// Why keys could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CredentialsError {
+    #[error("reading {path}")]
+    Read { path: String, source: std::io::Error },
+    #[error("{0}: a key must be 8 to 256 visible ASCII characters")]
+    Invalid(String),
+}
+
+impl Credentials {
+    /// Accepts each of `keys` (surrounding whitespace trimmed; empty entries skipped). `origin`
+    /// names where they came from, in errors (never the key).
+    pub fn new<I, S>(keys: I, origin: &str) -> Result<Self, CredentialsError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let mut digests = Vec::new();
+        for key in keys {
+            let key = key.as_ref().trim();
+            if key.is_empty() {
+                continue;
+            }
+            let visible = key.bytes().all(|b| b.is_ascii_graphic());
+            if !(8..=256).contains(&key.len()) || !visible {
+                return Err(CredentialsError::Invalid(origin.to_owned()));
+            }
+            digests.push(blake3::hash(key.as_bytes()));
+        }
+        Ok(Self { digests: digests.into() })
+    }
+
+    /// Keys from a file, one per line; blank lines and lines starting with `#` are skipped.
+    pub fn from_file(path: &Path) -> Result<Self, CredentialsError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| CredentialsError::Read { path: origin.clone(), source })?;
+        Self::new(text.lines().filter(|l| !l.trim_start().starts_with('#')), &origin)
+    }
+
+    /// These keys and `other`'s.
+    #[must_use]
+    pub fn and(&self, other: &Self) -> Self {
+        Self { digests: self.digests.iter().chain(other.digests.iter()).copied().collect() }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.digests.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.digests.len()
+    }
+
+    /// Whether `key` is one of the keys.
+    pub fn accepts(&self, key: &str) -> bool {
+        let digest = blake3::hash(key.as_bytes());
+        // `Hash` compares in constant time; every key is compared.
+        self.digests.iter().fold(false, |found, d| found | (*d == digest))
+    }
+
+    /// Checks a request's `Authorization: Bearer` header; `Ok` when no key is set.
+    pub fn check(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        if self.is_empty() {
+            return Ok(());
+        }
+        let Some(value) = headers.get(header::AUTHORIZATION) else {
+            return Err(unauthorized(
+                "You didn't provide an API key. You need to provide your API key in an Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+                None,
+            ));
+        };
+        let key = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
+        match key {
+            Some(key) if self.accepts(key.trim()) => Ok(()),
+            _ => Err(unauthorized("Incorrect API key provided.", Some("invalid_api_key"))),
+        }
+    }
+}
+
+fn unauthorized(message: &str, code: Option<&'static str>) -> ApiError {
+    let e = ApiError::new(StatusCode::UNAUTHORIZED, message).kind("invalid_request_error");
+    match code {
+        Some(code) => e.code(code),
+        None => e.no_code(),
+    }
+}
+
+/// `router`'s routes (those added so far) answer only requests that carry one of `keys`;
+/// nothing changes when `keys` is empty.
+pub fn require<S: Clone + Send + Sync + 'static>(
+    router: Router<S>,
+    keys: Credentials,
+) -> Router<S> {
+    if keys.is_empty() {
+        return router;
+    }
+    router.route_layer(middleware::from_fn_with_state(keys, check_request))
+}
+
+async fn check_request(State(keys): State<Credentials>, request: Request, next: Next) -> Response {
+    match keys.check(request.headers()) {
+        Ok(()) => next.run(request).await,
+        Err(e) => {
+            let mut response = e.into_response();
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            response
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use axum::routing::get;
+
+    fn bearer(key: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, format!("Bearer {key}").parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn several_keys_each_accepted_others_refused() {
+        let keys = Credentials::new(["sk-first-key", " sk-second-key ", ""], "test").unwrap();
+        assert_eq!(keys.len(), 2);
+        assert!(keys.check(&bearer("sk-first-key")).is_ok());
+        assert!(keys.check(&bearer("sk-second-key")).is_ok());
+        let wrong = keys.check(&bearer("sk-first-kez")).unwrap_err();
+        assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+        let body = serde_json::to_value(wrong.body()).unwrap();
+        assert_eq!(body["error"]["code"], "invalid_api_key");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert!(!body.to_string().contains("sk-first"), "no key in the body: {body}");
+        let missing = keys.check(&HeaderMap::new()).unwrap_err();
+        assert!(missing.message().starts_with("You didn't provide an API key"));
+        assert!(Credentials::default().check(&HeaderMap::new()).is_ok(), "no keys: open");
+        assert!(format!("{keys:?}").ends_with("(2 keys)"), "Debug shows no key");
+    }
+
+    #[test]
+    fn short_or_invisible_keys_are_refused() {
+        assert!(Credentials::new(["short"], "t").is_err());
+        assert!(Credentials::new(["has a space in it"], "t").is_err());
+        let err = Credentials::new(["sk-\u{e9}t\u{e9}-key"], "KVROUTE_API_KEYS").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "KVROUTE_API_KEYS: a key must be 8 to 256 visible ASCII characters"
+        );
+    }
+
+    #[tokio::test]
+    async fn routes_added_before_require_need_a_key_later_ones_do_not() {
+        let keys = Credentials::new(["sk-test-0001"], "t").unwrap();
+        let app = require(Router::new().route("/secret", get(|| async { "yes" })), keys)
+            .route("/health", get(|| async { "ok" }));
+        let call = |uri: &'static str, key: Option<&'static str>| {
+            let app = app.clone();
+            async move {
+                let mut r = axum::http::Request::get(uri);
+                if let Some(k) = key {
+                    r = r.header(header::AUTHORIZATION, format!("Bearer {k}"));
+                }
+                crate::testing::call_raw(&app, r.body(axum::body::Body::empty()).unwrap()).await
+            }
+        };
+        assert_eq!(call("/secret", None).await.0, StatusCode::UNAUTHORIZED);
+        assert_eq!(call("/secret", Some("sk-test-0002")).await.0, StatusCode::UNAUTHORIZED);
+        assert_eq!(call("/secret", Some("sk-test-0001")).await.0, StatusCode::OK);
+        assert_eq!(call("/health", None).await.0, StatusCode::OK);
+    }
+}
