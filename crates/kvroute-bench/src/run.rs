@@ -227,6 +227,8 @@ pub async fn start_fleet(
         },
         router,
         model_path: fleet.model_path.clone(),
+        // The predictions are part of the report.
+        expose_overlap: true,
         ..StackConfig::default()
     };
     let stack = Stack::start(config).await?;

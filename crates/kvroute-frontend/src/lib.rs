@@ -9,12 +9,16 @@
 //! ```
 //!
 //! The request body is passed on as the client sent it (fields kvroute does not read
-//! included), but for image parts, which are inlined. A worker that refuses the connection is
-//! skipped for another before any byte was sent.
+//! included), but for image parts, which are inlined. A worker that refuses the connection, or
+//! sends nothing back within the first-byte timeout, is skipped for another and ejected for a
+//! while ([`health`]); one that breaks a stream mid-answer ends it with an SSE error event in
+//! OpenAI's shape. A refused connection means the engine process is gone, and its cache with
+//! it: the embedded router forgets its blocks.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
@@ -28,15 +32,18 @@ use futures_util::StreamExt;
 use http_body_util::Full;
 use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_http::metrics::{Counter, Gauge, Registry};
-use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest, ModelList, check_model};
-use kvroute_http::{ApiError, HttpClient};
+use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest, ModelList};
+use kvroute_http::{ApiError, ClientError, Credentials, HttpClient};
 use kvroute_preprocess::fetch::{Fetcher, LoadedImage};
 use kvroute_preprocess::{Prepared, Preprocessor};
 use kvroute_router::{RouterState, WorkerSpec};
 use serde_json::{Value, json};
 
+pub mod health;
 mod placer;
 pub use placer::{Placed, Placer, RemoteRouter};
+
+use health::{Failure, Health};
 
 /// Largest request body accepted: room for inline images (20 MB each once decoded, a third
 /// more as base64).
@@ -48,12 +55,22 @@ pub const WORKER_HEADER: &str = "x-kvroute-worker";
 /// Header with the prompt tokens the router expected the chosen worker to serve from its cache
 /// (its leading blocks held by the worker's KV events, in tokens, less the last block of a
 /// fully cached prompt, which engines recompute): compare with the response's
-/// `usage.prompt_tokens_details.cached_tokens` to see how exact the router's view is.
+/// `usage.prompt_tokens_details.cached_tokens` to see how exact the router's view is. Sent
+/// only when asked for ([`FrontendState::expose_overlap`]): it tells a client how much of its
+/// prompt someone sent before, so clients could probe each other's prompts with it.
 pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-tokens";
 
 pub const PROXIED: &str = "kvroute_frontend_proxied";
 pub const RETRIES: &str = "kvroute_frontend_retries";
 pub const IN_FLIGHT: &str = "kvroute_frontend_in_flight";
+pub const EJECTIONS: &str = "kvroute_frontend_worker_ejections";
+pub const EJECTED: &str = "kvroute_frontend_workers_ejected";
+pub const BROKEN_STREAMS: &str = "kvroute_frontend_broken_streams";
+
+/// How long a worker has to send a streamed answer's first bytes (its headers), and a whole
+/// answer that is not streamed.
+pub const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(15);
+pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Default)]
 struct Metrics {
@@ -61,6 +78,9 @@ struct Metrics {
     proxied: Counter,
     retried: Counter,
     in_flight: Gauge,
+    ejections: Counter,
+    ejected: Gauge,
+    broken: Counter,
 }
 
 impl Metrics {
@@ -70,13 +90,20 @@ impl Metrics {
         r.register(PROXIED, "Requests proxied to a worker", m.proxied.clone());
         r.register(
             RETRIES,
-            "Workers skipped because they refused the connection",
+            "Workers skipped because they refused the connection or did not answer in time",
             m.retried.clone(),
         );
         r.register(IN_FLIGHT, "Requests between routing and their end", m.in_flight.clone());
+        r.register(EJECTIONS, "Workers taken out of rotation after a failure", m.ejections.clone());
+        r.register(EJECTED, "Workers out of rotation now", m.ejected.clone());
+        r.register(BROKEN_STREAMS, "Answers a worker broke off mid-way", m.broken.clone());
         Self { registry: r, ..m }
     }
 }
+
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often each worker's `/health` is checked.
+pub const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 
 pub struct FrontendState {
     pub preprocessor: Arc<Preprocessor>,
@@ -84,9 +111,18 @@ pub struct FrontendState {
     pub placer: Placer,
     block_size: BlockSize,
     urls: BTreeMap<WorkerId, String>,
+    /// Each worker's data-parallel ranks (all are excluded when it is ejected).
+    ranks: BTreeMap<WorkerId, u32>,
+    pub health: Health,
+    first_byte_timeout: Duration,
     client: HttpClient,
     next_id: AtomicU64,
     metrics: Metrics,
+    api_keys: Credentials,
+    admin: Credentials,
+    expose_overlap: bool,
+    /// Prompt plus output tokens at most (checked before routing, as vLLM checks it).
+    max_model_len: u64,
 }
 
 impl std::fmt::Debug for FrontendState {
@@ -102,6 +138,10 @@ fn urls(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, String> {
         .collect()
 }
 
+fn ranks(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, u32> {
+    workers.iter().map(|w| (w.id, w.dp_size)).collect()
+}
+
 impl FrontendState {
     /// A front door over the embedded `router`, proxying to its workers that have a URL.
     pub fn new(
@@ -109,8 +149,8 @@ impl FrontendState {
         fetcher: Fetcher,
         router: Arc<RouterState>,
     ) -> Self {
-        let (block_size, urls) = (router.config.block_size, urls(&router.config.workers));
-        Self::with(preprocessor, fetcher, Placer::Embedded(router), block_size, urls)
+        let (block_size, workers) = (router.config.block_size, router.config.workers.clone());
+        Self::with(preprocessor, fetcher, Placer::Embedded(router), block_size, &workers)
     }
 
     /// A front door asking the `kvroute router` at `router_url`, proxying to `workers`.
@@ -118,11 +158,12 @@ impl FrontendState {
         preprocessor: Arc<Preprocessor>,
         fetcher: Fetcher,
         router_url: &str,
+        router_token: Option<&str>,
         workers: &[WorkerSpec],
         block_size: BlockSize,
     ) -> Self {
-        let placer = Placer::Remote(RemoteRouter::new(router_url));
-        Self::with(preprocessor, fetcher, placer, block_size, urls(workers))
+        let placer = Placer::Remote(RemoteRouter::new(router_url, router_token));
+        Self::with(preprocessor, fetcher, placer, block_size, workers)
     }
 
     fn with(
@@ -130,18 +171,125 @@ impl FrontendState {
         fetcher: Fetcher,
         placer: Placer,
         block_size: BlockSize,
-        urls: BTreeMap<WorkerId, String>,
+        workers: &[WorkerSpec],
     ) -> Self {
         Self {
-            preprocessor,
             fetcher,
             placer,
             block_size,
-            urls,
+            urls: urls(workers),
+            ranks: ranks(workers),
+            health: Health::new(workers.iter().filter(|w| w.url.is_some()).map(|w| w.id)),
+            first_byte_timeout: FIRST_BYTE_TIMEOUT,
             client: HttpClient::new(),
             next_id: AtomicU64::new(0),
             metrics: Metrics::new(),
+            api_keys: Credentials::default(),
+            admin: Credentials::default(),
+            expose_overlap: false,
+            max_model_len: preprocessor
+                .max_model_len()
+                .unwrap_or(kvroute_http::openai::DEFAULT_MAX_MODEL_LEN),
+            preprocessor,
         }
+    }
+
+    /// The longest prompt plus output accepted (default: the model's context length, else
+    /// [`kvroute_http::openai::DEFAULT_MAX_MODEL_LEN`]).
+    #[must_use]
+    pub fn max_model_len(mut self, max_model_len: u64) -> Self {
+        self.max_model_len = max_model_len;
+        self
+    }
+
+    /// The OpenAI routes need one of `api_keys`, `/metrics` the `admin` token (each open when
+    /// empty); `/health` is always open.
+    #[must_use]
+    pub fn guarded(mut self, api_keys: Credentials, admin: Credentials) -> Self {
+        self.api_keys = api_keys;
+        self.admin = admin;
+        self
+    }
+
+    /// How long a worker has to start a streamed answer ([`FIRST_BYTE_TIMEOUT`]).
+    #[must_use]
+    pub fn first_byte_timeout(mut self, timeout: Duration) -> Self {
+        self.first_byte_timeout = timeout;
+        self
+    }
+
+    /// Every rank of `worker`.
+    fn all_ranks(&self, worker: WorkerId) -> impl Iterator<Item = WorkerWithDpRank> + use<> {
+        let n = self.ranks.get(&worker).copied().unwrap_or(1);
+        (0..n).map(move |r| WorkerWithDpRank::new(worker, r))
+    }
+
+    /// A worker failed a request: out of rotation for a while; a refused connection also
+    /// means its cache is gone.
+    fn worker_failed(&self, worker: WorkerId, why: Failure) {
+        let was_ejected = self.health.is_ejected(worker);
+        let backoff = self.health.failed(worker, why, Instant::now());
+        if was_ejected {
+            tracing::debug!(%worker, ?why, backoff_secs = backoff.as_secs_f64(), "still failing");
+        } else {
+            self.metrics.ejections.inc();
+            tracing::warn!(%worker, ?why, backoff_secs = backoff.as_secs_f64(), "worker ejected");
+        }
+        if why == Failure::Connect
+            && let Some(router) = self.placer.router()
+        {
+            router.forget_blocks(worker);
+        }
+    }
+
+    /// Checks every worker's `GET /health` each [`HEALTH_INTERVAL`] until the front door is
+    /// dropped: a refused connection means its engine died (ejected, its blocks forgotten,
+    /// before a client finds out); an ejected worker that answers once its backoff is over is
+    /// back in rotation.
+    pub fn spawn_probes(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(HEALTH_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(state) = weak.upgrade() else { return };
+                let checks = state.urls.iter().map(|(&worker, base)| {
+                    let state = Arc::clone(&state);
+                    let url = format!("{base}/health");
+                    async move { (worker, state.probe(&url).await) }
+                });
+                let results = futures_util::future::join_all(checks).await;
+                let due = state.health.due_for_probe(Instant::now());
+                for (worker, result) in results {
+                    match result {
+                        Ok(()) if due.contains(&worker) => {
+                            state.health.succeeded(worker);
+                            tracing::info!(%worker, "worker answers again: back in rotation");
+                        }
+                        Ok(()) => {}
+                        Err(why) => state.worker_failed(worker, why),
+                    }
+                }
+            }
+        })
+    }
+
+    /// One health check: `Err(Connect)` when the connection is refused, `Err(Probe)` for no
+    /// or a bad answer in time.
+    async fn probe(&self, url: &str) -> Result<(), Failure> {
+        match tokio::time::timeout(PROBE_TIMEOUT, self.client.get(url)).await {
+            Ok(Ok((status, _))) if status.is_success() => Ok(()),
+            Ok(Err(e)) if e.is_connect() => Err(Failure::Connect),
+            _ => Err(Failure::Probe),
+        }
+    }
+
+    /// Answers carry [`OVERLAP_HEADER`].
+    #[must_use]
+    pub fn expose_overlap(mut self, expose: bool) -> Self {
+        self.expose_overlap = expose;
+        self
     }
 
     /// Requests routed and not yet ended.
@@ -161,39 +309,57 @@ pub async fn serve(
 }
 
 pub fn app(state: Arc<FrontendState>) -> Router {
-    let routes = Router::new()
+    use kvroute_http::auth::require;
+    let openai = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
+        .route("/v1/models", get(models));
+    let routes = require(openai, state.api_keys.clone())
+        .merge(require(
+            Router::new().route("/metrics", get(metrics)).route("/workers", get(workers)),
+            state.admin.clone(),
+        ))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
-        .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     kvroute_http::fallbacks(routes).with_state(state)
 }
 
-/// The body as JSON: an object, also decoded as `T` (the fields kvroute reads).
+/// The body decoded as `T` (the fields kvroute reads). The whole body as a JSON value, to
+/// pass on, is read only once the request has passed its checks ([`raw`]): a body refused for
+/// its size is never held twice.
 fn parse<T: serde::de::DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     param: &'static str,
-) -> Result<(Value, T), ApiError> {
+) -> Result<(Bytes, T), ApiError> {
     let body = body?;
-    let value: Value = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
-    if !value.is_object() {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::bad_request("the body must be a JSON object"));
     }
-    let fields = T::deserialize(&value)
-        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}")).param(param))?;
-    Ok((value, fields))
+    let fields = serde_json::from_slice(&body).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => {
+            ApiError::bad_request(format!("invalid request: {e}")).param(param)
+        }
+        _ => ApiError::bad_request(format!("the body is not valid JSON: {e}")),
+    })?;
+    Ok((body, fields))
+}
+
+/// The body as a JSON value (it decoded as a request already).
+fn raw(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(body).map_err(ApiError::internal)
 }
 
 async fn chat(
     State(state): State<Arc<FrontendState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (mut raw, req) = parse::<ChatCompletionRequest>(body, "messages")?;
+    let (body, req) = parse::<ChatCompletionRequest>(body, "messages")?;
     // Images: fetched once here, forwarded inline, named by their identifier.
-    let (prepared, images) = state.preprocessor.prepare_chat_request(&req, &state.fetcher).await?;
+    let (prepared, images) =
+        state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
+    drop(req);
+    let mut raw = raw(&body)?;
+    drop(body);
     rewrite_image_parts(&mut raw, &images);
     route_and_proxy(&state, "/v1/chat/completions", &raw, &prepared).await
 }
@@ -225,12 +391,9 @@ async fn completions(
     State(state): State<Arc<FrontendState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (raw, req) = parse::<CompletionRequest>(body, "prompt")?;
-    check_model(state.preprocessor.model_name(), req.model.as_deref())?;
-    let prepared = state
-        .preprocessor
-        .prepare_completion(req.prompt)
-        .map_err(|e| ApiError::from(e).param("prompt"))?;
+    let (body, req) = parse::<CompletionRequest>(body, "prompt")?;
+    let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
+    let raw = raw(&body)?;
     route_and_proxy(&state, "/v1/completions", &raw, &prepared).await
 }
 
@@ -270,7 +433,14 @@ async fn route_and_proxy(
         .then(|| prepared.mm.to_block_level(bs, prepared.tokens.len()));
     let local = BlockHasher::new(bs).local_hashes(&prepared.tokens, block_infos.as_deref());
     let body = Bytes::from(serde_json::to_vec(raw).map_err(ApiError::internal)?);
-    let mut excluded: Vec<WorkerWithDpRank> = Vec::new();
+    let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
+    let timeout = if streamed { state.first_byte_timeout } else { RESPONSE_TIMEOUT };
+    let mut excluded: Vec<WorkerWithDpRank> = state
+        .health
+        .excluded(Instant::now())
+        .into_iter()
+        .flat_map(|w| state.all_ranks(w))
+        .collect();
     loop {
         let id = format!("kvr-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
         let placed = state.placer.place(&local, prepared.tokens.len(), &id, &excluded).await?;
@@ -288,27 +458,35 @@ async fn route_and_proxy(
             .header(header::CONTENT_TYPE, "application/json")
             .body(Full::new(body.clone()))
             .map_err(ApiError::internal)?;
-        let response = match state.client.send(request).await {
+        // Until the answer's head arrives nothing has reached the client: another worker may
+        // take the request (the first one drops it when we hang up).
+        let failure = match tokio::time::timeout(timeout, state.client.send(request)).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) if e.is_connect() => Err((Failure::Connect, e)),
+            Ok(Err(e)) => Err((Failure::Broken, e)),
+            Err(_) => Err((Failure::Timeout, ClientError::Timeout(timeout))),
+        };
+        let response = match failure {
             Ok(r) => r,
-            Err(e) if e.is_connect() => {
-                // Nothing was sent: another worker may take it.
-                tracing::warn!(%worker, error = %e, "worker unreachable; trying another");
+            Err((why, error)) => {
+                let error = kvroute_http::error::chain(&error);
+                tracing::warn!(%worker, %error, "worker failed; trying another");
+                state.worker_failed(worker.worker_id, why);
                 state.metrics.retried.inc();
-                excluded.push(worker);
+                excluded.extend(state.all_ranks(worker.worker_id));
                 continue;
             }
-            Err(e) => return Err(ApiError::bad_gateway(format!("worker {worker} failed"), e)),
         };
+        if state.health.succeeded(worker.worker_id) {
+            tracing::info!(%worker, "worker answers again: back in rotation");
+        }
         state.metrics.proxied.inc();
         let (parts, incoming) = response.into_parts();
-        let mut guard = guard;
-        let stream = http_body_util::BodyExt::into_data_stream(incoming).map(move |chunk| {
-            if !guard.prefilled {
-                guard.prefilled = true;
-                guard.state.placer.prefill_done(&guard.id);
-            }
-            chunk.map_err(std::io::Error::other)
-        });
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let stream = proxy_body(incoming, guard, worker.worker_id, sse);
         let mut out = Response::builder().status(parts.status);
         for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
             if let Some(v) = parts.headers.get(&name) {
@@ -316,21 +494,77 @@ async fn route_and_proxy(
             }
         }
         out = out.header(WORKER_HEADER, HeaderValue::from(worker.worker_id.0));
-        let overlap_tokens = kvroute_core::schedule::reusable_tokens(
-            overlap_blocks,
-            prepared.tokens.len(),
-            bs.tokens(),
-        );
-        out = out.header(OVERLAP_HEADER, HeaderValue::from(overlap_tokens));
+        if state.expose_overlap {
+            let overlap_tokens = kvroute_core::schedule::reusable_tokens(
+                overlap_blocks,
+                prepared.tokens.len(),
+                bs.tokens(),
+            );
+            out = out.header(OVERLAP_HEADER, HeaderValue::from(overlap_tokens));
+        }
         return out.body(Body::from_stream(stream)).map_err(ApiError::internal);
     }
 }
 
+/// The worker's answer, passed on as it arrives: its first bytes mark the prefill done, its
+/// end (or the client leaving) frees the request. A worker that breaks off mid-answer is
+/// ejected, and an event stream ends with an error event in OpenAI's shape and `[DONE]`
+/// rather than a truncated body.
+fn proxy_body(
+    incoming: hyper::body::Incoming,
+    guard: InFlight,
+    worker: WorkerId,
+    sse: bool,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    let chunks = http_body_util::BodyExt::into_data_stream(incoming);
+    chunks.scan((guard, false), move |(guard, done), chunk| {
+        if *done {
+            return std::future::ready(None);
+        }
+        if !guard.prefilled {
+            guard.prefilled = true;
+            guard.state.placer.prefill_done(&guard.id);
+        }
+        let item = match chunk {
+            Ok(bytes) => Ok(bytes),
+            Err(e) => {
+                *done = true;
+                guard.state.metrics.broken.inc();
+                guard.state.worker_failed(worker, Failure::Broken);
+                tracing::warn!(%worker, error = %e, "the worker broke off its answer");
+                match sse {
+                    true => Ok(Bytes::from(stream_error_event(worker))),
+                    false => Err(std::io::Error::other(e)),
+                }
+            }
+        };
+        std::future::ready(Some(item))
+    })
+}
+
+/// An error event ending a broken stream (the shape vLLM sends mid-stream), then `[DONE]`.
+fn stream_error_event(worker: WorkerId) -> String {
+    let error = ApiError::new(
+        axum::http::StatusCode::BAD_GATEWAY,
+        format!("worker {worker} failed mid-answer; the answer is incomplete"),
+    );
+    let body = serde_json::to_string(&error.body()).unwrap_or_default();
+    format!("data: {body}\n\ndata: [DONE]\n\n")
+}
+
 async fn models(State(state): State<Arc<FrontendState>>) -> Json<ModelList> {
-    Json(ModelList::one(state.preprocessor.model_name(), state.preprocessor.max_model_len()))
+    Json(ModelList::one(state.preprocessor.model_name(), Some(state.max_model_len)))
+}
+
+/// The workers as the front door sees them (their health), and the embedded router's view.
+async fn workers(State(state): State<Arc<FrontendState>>) -> Json<Value> {
+    let health = state.health.snapshot(Instant::now());
+    let router = state.placer.router().map(|r| r.workers());
+    Json(json!({"health": health, "workers": router}))
 }
 
 async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {
+    state.metrics.ejected.set(state.health.ejected_count() as i64);
     match state.placer.router() {
         Some(router) => {
             kvroute_http::metrics::response(&[&state.metrics.registry, router.registry()])

@@ -16,16 +16,26 @@ pub enum Placer {
     Remote(RemoteRouter),
 }
 
-/// A `kvroute router` at `base`.
-#[derive(Clone, Debug)]
+/// A `kvroute router` at `base`, called with its admin token when it has one.
+#[derive(Clone)]
 pub struct RemoteRouter {
     base: String,
     client: HttpClient,
 }
 
+impl std::fmt::Debug for RemoteRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteRouter").field("base", &self.base).finish_non_exhaustive()
+    }
+}
+
 impl RemoteRouter {
-    pub fn new(base: &str) -> Self {
-        Self { base: base.trim_end_matches('/').to_owned(), client: HttpClient::new() }
+    pub fn new(base: &str, token: Option<&str>) -> Self {
+        let client = match token {
+            Some(t) => HttpClient::new().with_bearer(t),
+            None => HttpClient::new(),
+        };
+        Self { base: base.trim_end_matches('/').to_owned(), client }
     }
 }
 

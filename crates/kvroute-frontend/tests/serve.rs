@@ -45,6 +45,7 @@ fn config(engines: usize, external: Vec<WorkerSpec>) -> StackConfig {
         },
         router: RouterConfig { workers: external, ..RouterConfig::default() },
         fetch: FetchConfig { allow_private: true, ..FetchConfig::default() },
+        expose_overlap: true,
         ..StackConfig::default()
     }
 }
@@ -174,7 +175,8 @@ async fn an_unreachable_worker_is_skipped_for_another() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_stream_leaves_no_load() {
     let f = fleet(1, 0).await;
-    let body = json!({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1_000_000, "stream": true});
+    let body = json!({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 30_000,
+        "ignore_eos": true, "stream": true});
     let client = HttpClient::new();
     let url = format!("{}/v1/chat/completions", f.base);
     let response = client.call(hyper::Method::POST, &url, Some(&body)).await.unwrap();
@@ -353,4 +355,88 @@ async fn load_read_from_an_engines_prometheus_metrics() {
     assert_eq!((load.kv_total_blocks, load.num_running_reqs), (Some(777), Some(0)));
     let a = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
     assert_eq!((a.status, a.worker), (200, Some(5)), "{}", a.body);
+}
+
+/// `method base+path` with an optional bearer key: status and body.
+async fn call_with_key(
+    method: hyper::Method,
+    url: &str,
+    key: Option<&str>,
+    body: Option<&Value>,
+) -> (u16, Value) {
+    let client = match key {
+        Some(k) => HttpClient::new().with_bearer(k),
+        None => HttpClient::new(),
+    };
+    let response = client.call(method, url, body).await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned())),
+    )
+}
+
+/// API keys guard the OpenAI routes, the admin token `/metrics` and `/workers` (and every
+/// route of a remote router, whose token the front door sends); `/health` stays open; the
+/// overlap header is not sent unless asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_guard_the_front_door_and_the_remote_router() {
+    use kvroute_http::Credentials;
+    use kvroute_stack::Access;
+    let admin = Credentials::new(["admin-token-1"], "test").unwrap();
+    // A router service with an admin token, and a front door that asks it with that token.
+    let mut c = config(1, Vec::new());
+    c.frontend = false;
+    let routed = Stack::start(c).await.unwrap();
+    assert!(routed.ready(Duration::from_secs(10)).await.is_empty());
+    let router_app =
+        kvroute_router::http::app(Arc::clone(routed.router.as_ref().unwrap()), admin.clone());
+    let router_url = kvroute_stack::serve_on_loopback(router_app).await.unwrap();
+    let access = Access {
+        api_keys: Credentials::new(["sk-client-1", "sk-client-2"], "test").unwrap(),
+        admin: admin.clone(),
+        router_token: Some("admin-token-1".to_owned()),
+    };
+    let front = StackConfig {
+        router: RouterConfig { workers: routed.workers.clone(), ..RouterConfig::default() },
+        router_url: Some(router_url.clone()),
+        access,
+        ..StackConfig::default()
+    };
+    let f = fleet_of(front).await;
+    let url = format!("{}/v1/chat/completions", f.base);
+    let post = hyper::Method::POST;
+
+    let (status, v) = call_with_key(post.clone(), &url, None, Some(&chat(PROMPT))).await;
+    assert_eq!((status, v["error"]["type"].as_str()), (401, Some("invalid_request_error")), "{v}");
+    let (status, v) =
+        call_with_key(post.clone(), &url, Some("sk-client-3"), Some(&chat(PROMPT))).await;
+    assert_eq!((status, v["error"]["code"].as_str()), (401, Some("invalid_api_key")), "{v}");
+    for key in ["sk-client-1", "sk-client-2"] {
+        let client = HttpClient::new().with_bearer(key);
+        let response = client.call(post.clone(), &url, Some(&chat(PROMPT))).await.unwrap();
+        assert_eq!(response.status(), 200, "through the guarded remote router");
+        assert!(response.headers().get("x-kvroute-overlap-tokens").is_none(), "not asked for");
+        assert!(response.headers().get("x-kvroute-worker").is_some());
+    }
+    let get = hyper::Method::GET;
+    for path in ["/metrics", "/workers"] {
+        let at = format!("{}{path}", f.base);
+        assert_eq!(
+            call_with_key(get.clone(), &at, Some("sk-client-1"), None).await.0,
+            401,
+            "{path}"
+        );
+        assert_eq!(
+            call_with_key(get.clone(), &at, Some("admin-token-1"), None).await.0,
+            200,
+            "{path}"
+        );
+    }
+    assert_eq!(call_with_key(get.clone(), &format!("{}/health", f.base), None, None).await.0, 200);
+    // The remote router refuses callers without its token.
+    let (status, _) = call_with_key(get, &format!("{router_url}/workers"), None, None).await;
+    assert_eq!(status, 401);
 }

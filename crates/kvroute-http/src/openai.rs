@@ -16,7 +16,7 @@ pub struct ChatMessage {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "content must be a string or an array of content parts")]
 pub enum MessageContent {
     Text(String),
     Parts(Vec<ContentPart>),
@@ -65,7 +65,7 @@ pub fn image_urls(messages: &[ChatMessage]) -> Vec<&str> {
 
 /// A `/v1/completions` prompt: text, or token ids given directly.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "prompt must be a string or an array of token ids")]
 pub enum CompletionPrompt {
     Text(String),
     Tokens(Vec<u32>),
@@ -264,6 +264,34 @@ impl ModelList {
 
 /// A request naming another model than the one served is a 404 (an empty or absent name is
 /// taken as the served one).
+/// The context length of a model that does not state one.
+pub const DEFAULT_MAX_MODEL_LEN: u64 = 32_768;
+
+/// vLLM's length checks, before anything is routed: the prompt leaves room for at least one
+/// token, `max_tokens` is at least 1 and fits in what is left of the context.
+pub fn check_lengths(
+    prompt_tokens: usize,
+    max_tokens: Option<u64>,
+    max_model_len: u64,
+) -> Result<(), ApiError> {
+    let prompt = prompt_tokens as u64;
+    if prompt >= max_model_len {
+        return Err(ApiError::bad_request(format!(
+            "This model's maximum context length is {max_model_len} tokens. However, your request has {prompt} input tokens. Please reduce the length of the input messages."
+        ))
+        .param("messages"));
+    }
+    match max_tokens {
+        Some(0) => Err(ApiError::bad_request("max_tokens must be at least 1, got 0.")
+            .param("max_tokens")),
+        Some(m) if m > max_model_len - prompt => Err(ApiError::bad_request(format!(
+            "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum context length is {max_model_len} tokens and your request has {prompt} input tokens ({m} > {max_model_len} - {prompt})."
+        ))
+        .param("max_tokens")),
+        _ => Ok(()),
+    }
+}
+
 pub fn check_model(served: &str, requested: Option<&str>) -> Result<(), ApiError> {
     match requested {
         Some(m) if !m.is_empty() && m != served => Err(ApiError::not_found(format!(
@@ -280,6 +308,34 @@ mod tests {
 
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn lengths_are_checked_as_vllm_checks_them() {
+        assert!(check_lengths(10, Some(22), 32).is_ok());
+        assert!(check_lengths(10, None, 32).is_ok());
+        let e = check_lengths(10, Some(23), 32).unwrap_err();
+        assert!(e.message().contains("(23 > 32 - 10)"), "{}", e.message());
+        let e = check_lengths(10, Some(0), 32).unwrap_err();
+        assert_eq!(e.body().error.param.as_deref(), Some("max_tokens"));
+        let e = check_lengths(32, None, 32).unwrap_err();
+        assert!(e.message().contains("your request has 32 input tokens"), "{}", e.message());
+        assert!(check_lengths(1, Some(u64::MAX), 32).is_err());
+    }
+
+    #[test]
+    fn shape_errors_name_fields_not_rust_types() {
+        let e = serde_json::from_value::<ChatCompletionRequest>(
+            json!({"messages": [{"role": "user", "content": 5}]}),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("content must be a string or an array of content parts"), "{e}");
+        assert!(!e.contains("enum"), "{e}");
+        let e = serde_json::from_value::<CompletionRequest>(json!({"prompt": {"x": 1}}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("prompt must be a string or an array of token ids"), "{e}");
+    }
 
     #[test]
     fn requests_read_what_clients_send() {

@@ -20,6 +20,12 @@ pub const INJECT_EVENT: &str = "/debug/inject_event";
 pub const TREE_INFO: &str = "/debug/tree_info";
 pub const WORKERS: &str = "/workers";
 
+/// Longest request id the router keeps (it is held while the request is in flight).
+pub const MAX_REQUEST_ID_BYTES: usize = 256;
+
+/// Most block hashes in one `find_best_worker` request (the body limit bounds it too).
+pub const MAX_LOCAL_HASHES: usize = 1 << 20;
+
 /// `POST /requests/{id}/prefill_done`: the request's first token arrived.
 pub fn prefill_done_path(request_id: &str) -> String {
     format!("/requests/{request_id}/prefill_done")

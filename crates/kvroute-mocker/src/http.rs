@@ -21,7 +21,7 @@ use futures_util::stream::{self, Stream};
 use kvroute_http::ApiError;
 use kvroute_http::openai::{
     AssistantMessage, ChatCompletionRequest, Choice, Completion, CompletionRequest, Delta,
-    ModelList, check_model,
+    ModelList,
 };
 use kvroute_preprocess::fetch::Fetcher;
 use kvroute_preprocess::{Prepared, Preprocessor};
@@ -47,8 +47,7 @@ pub struct AppState {
     next_id: AtomicU64,
 }
 
-/// The context length of a model that does not state one.
-pub const DEFAULT_MAX_MODEL_LEN: u64 = 32_768;
+pub use kvroute_http::openai::DEFAULT_MAX_MODEL_LEN;
 
 impl AppState {
     /// `max_model_len`: the model's context length (default: the model directory's, else
@@ -134,7 +133,8 @@ async fn chat(
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    let (prepared, _) = state.preprocessor.prepare_chat_request(&req, &state.fetcher).await?;
+    let (prepared, _) =
+        state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     let ask = Ask {
         kind: Kind::Chat,
         max_tokens: req.max_output_tokens().unwrap_or(16),
@@ -150,11 +150,7 @@ async fn completions(
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    check_model(state.preprocessor.model_name(), req.model.as_deref())?;
-    let prepared = state
-        .preprocessor
-        .prepare_completion(req.prompt)
-        .map_err(|e| ApiError::from(e).param("prompt"))?;
+    let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let ask = Ask {
         kind: Kind::Completion,
         max_tokens: req.max_tokens.unwrap_or(16),

@@ -10,9 +10,7 @@ use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
 use kvroute_http::ApiError;
-use kvroute_http::openai::{
-    ChatCompletionRequest, ChatMessage, CompletionPrompt, CompletionRequest, check_model,
-};
+use kvroute_http::openai::{ChatCompletionRequest, ChatMessage, CompletionRequest, check_model};
 use serde::{Deserialize, Serialize};
 
 use crate::http::AppState;
@@ -133,7 +131,8 @@ pub(crate) async fn render_chat(
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Json<RenderResponse>, ApiError> {
     let Json(req) = body?;
-    let (prepared, _) = state.preprocessor.prepare_chat_request(&req, &state.fetcher).await?;
+    let (prepared, _) =
+        state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     state.metrics.rendered();
     Ok(Json(rendered(&state, prepared.tokens)))
 }
@@ -143,14 +142,7 @@ pub(crate) async fn render_completion(
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Json<RenderResponse>, ApiError> {
     let Json(req) = body?;
-    let pre = &state.preprocessor;
-    check_model(pre.model_name(), req.model.as_deref())?;
-    let tokens = match req.prompt {
-        CompletionPrompt::Text(text) => {
-            pre.encode(&text).map_err(|e| ApiError::from(e).param("prompt"))?
-        }
-        CompletionPrompt::Tokens(tokens) => tokens,
-    };
+    let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     state.metrics.rendered();
-    Ok(Json(rendered(&state, tokens)))
+    Ok(Json(rendered(&state, prepared.tokens)))
 }

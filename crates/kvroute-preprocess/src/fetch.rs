@@ -19,9 +19,12 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use kvroute_http::ApiError;
-use kvroute_http::openai::{ChatCompletionRequest, check_model};
+use kvroute_http::openai::{ChatCompletionRequest, check_lengths, check_model};
 
-use crate::{ChatMessage, Image, Prepared, PreprocessError, Preprocessor, image_urls, images};
+use crate::{
+    ChatMessage, ContentPart, Image, MessageContent, Prepared, PreprocessError, Preprocessor,
+    image_urls, images,
+};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FetchConfig {
@@ -62,31 +65,56 @@ impl Preprocessor {
         fetcher: &Fetcher,
     ) -> Result<Vec<LoadedImage>, PreprocessError> {
         self.check_images(messages)?;
-        let config = self.image_config();
+        let config = *self.image_config();
+        let urls = image_urls(messages);
+        if urls.len() > config.max_images {
+            let (count, limit) = (urls.len(), config.max_images);
+            return Err(PreprocessError::TooManyImages { count, limit });
+        }
         let mut out = Vec::new();
-        for url in image_urls(messages) {
+        let mut pixels_left = config.max_request_pixels;
+        for url in urls {
             let (bytes, fetched) = match url.strip_prefix("data:") {
-                Some(_) => (images::data_url_bytes(url, config)?, false),
+                Some(_) => (images::data_url_bytes(url, &config)?, false),
                 None => (fetcher.fetch(url).await?, true),
             };
-            let image = images::decode(&bytes, config)?;
+            let (image, bytes) = decode_off_runtime(bytes, config, pixels_left).await?;
+            pixels_left -= u64::from(image.width) * u64::from(image.height);
             out.push(LoadedImage { image, fetched: fetched.then_some(bytes) });
         }
         Ok(out)
     }
 
-    /// A chat request as a server takes it: the model checked, the messages present, the
-    /// images loaded ([`Preprocessor::load_images`]) and the prompt prepared. Refusals are the
-    /// client's errors, naming the field at fault.
+    /// A chat request as a server takes it: the model checked, the messages present and within
+    /// `max_model_len` by size ([`Preprocessor::check_size`]), the images loaded
+    /// ([`Preprocessor::load_images`]), the prompt prepared, and its length and `max_tokens`
+    /// checked as vLLM checks them. Refusals are the client's errors, naming the field at fault.
     pub async fn prepare_chat_request(
         &self,
         req: &ChatCompletionRequest,
         fetcher: &Fetcher,
+        max_model_len: u64,
     ) -> Result<(Prepared, Vec<LoadedImage>), ApiError> {
         check_model(self.model_name(), req.model.as_deref())?;
         if req.messages.is_empty() {
             return Err(ApiError::bad_request("messages must not be empty").param("messages"));
         }
+        let texts = req.messages.iter().flat_map(|m| {
+            let parts: Vec<&str> = match &m.content {
+                None => Vec::new(),
+                Some(MessageContent::Text(t)) => vec![t.as_str()],
+                Some(MessageContent::Parts(parts)) => parts
+                    .iter()
+                    .filter_map(|p| match p {
+                        ContentPart::Text { text } => Some(text.as_str()),
+                        ContentPart::ImageUrl { .. } => None,
+                    })
+                    .collect(),
+            };
+            std::iter::once(m.role.as_str()).chain(parts)
+        });
+        self.check_size(req.messages.len(), texts, max_model_len)
+            .map_err(|e| ApiError::from(e).param("messages"))?;
         let loaded = self
             .load_images(&req.messages, fetcher)
             .await
@@ -95,8 +123,30 @@ impl Preprocessor {
         let prepared = self
             .prepare_chat(&req.messages, true, images)
             .map_err(|e| ApiError::from(e).param("messages"))?;
+        check_lengths(prepared.tokens.len(), req.max_output_tokens(), max_model_len)?;
         Ok((prepared, loaded))
     }
+}
+
+/// Images decoded at once in this process: decoding is CPU work, kept off the async
+/// runtime's threads (so `/health` and streams keep answering) and to a few at a time (so
+/// concurrent requests full of images queue instead of multiplying peak memory).
+static DECODING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+
+async fn decode_off_runtime(
+    bytes: Vec<u8>,
+    config: images::ImageConfig,
+    max_pixels: u64,
+) -> Result<(images::Image, Vec<u8>), PreprocessError> {
+    let _permit = DECODING
+        .acquire()
+        .await
+        .map_err(|_| PreprocessError::Image("the decoder is shut down".into()))?;
+    tokio::task::spawn_blocking(move || {
+        images::decode_within(&bytes, &config, max_pixels).map(|image| (image, bytes))
+    })
+    .await
+    .map_err(|e| PreprocessError::Image(format!("decoding stopped: {e}")))?
 }
 
 /// Fetches images under a [`FetchConfig`]; cheap to clone.

@@ -8,7 +8,7 @@
 //! then one token per 28 x 28 patch.
 
 use base64::Engine as _;
-use image::{ImageReader, Limits};
+use image::{ImageDecoder as _, ImageReader, Limits};
 use kvroute_core::hash::mm_hash_from_identifier;
 
 use crate::PreprocessError;
@@ -24,6 +24,13 @@ pub struct ImageConfig {
     pub max_bytes: usize,
     /// Largest decoded side accepted (pixels).
     pub max_side: u32,
+    /// Most pixels of one image, read from its header before anything is decoded: a few
+    /// hundred compressed bytes can claim 8192 x 8192 (256 MiB of RGBA).
+    pub max_image_pixels: u64,
+    /// Most pixels of all of a request's images together (bounds its decoding time).
+    pub max_request_pixels: u64,
+    /// Most images in one request.
+    pub max_images: usize,
 }
 
 impl Default for ImageConfig {
@@ -34,6 +41,10 @@ impl Default for ImageConfig {
             max_pixels: 28 * 28 * 1280,
             max_bytes: 20 << 20,
             max_side: 8192,
+            // 12 Mpx: a 4000 x 3000 photo; 48 MiB as RGBA.
+            max_image_pixels: 12 << 20,
+            max_request_pixels: 24 << 20,
+            max_images: 16,
         }
     }
 }
@@ -71,27 +82,61 @@ pub fn data_url_bytes(url: &str, config: &ImageConfig) -> Result<Vec<u8>, Prepro
 
 /// Decodes an encoded image (PNG, JPEG or WebP) and describes it.
 pub fn decode(bytes: &[u8], config: &ImageConfig) -> Result<Image, PreprocessError> {
+    decode_within(bytes, config, config.max_image_pixels)
+}
+
+/// [`decode`], refusing more than `max_pixels` (what is left of the request's budget) by the
+/// image's header, before decoding. Memory stays within one decoded copy of the image: RGBA8
+/// images are hashed in place, others converted a row at a time.
+pub fn decode_within(
+    bytes: &[u8],
+    config: &ImageConfig,
+    max_pixels: u64,
+) -> Result<Image, PreprocessError> {
     if bytes.len() > config.max_bytes {
         return Err(PreprocessError::ImageTooLarge { limit: config.max_bytes });
     }
-    let mut reader = ImageReader::new(std::io::Cursor::new(bytes))
+    let reader = ImageReader::new(std::io::Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| PreprocessError::ImageDecode { what: "unreadable", source: e.into() })?;
+    let mut decoder = reader
+        .into_decoder()
+        .map_err(|source| PreprocessError::ImageDecode { what: "unreadable", source })?;
+    let (width, height) = decoder.dimensions();
+    let pixels = u64::from(width) * u64::from(height);
+    let limit = max_pixels.min(config.max_image_pixels);
+    if pixels > limit || width > config.max_side || height > config.max_side {
+        return Err(PreprocessError::ImagePixels { width, height, limit });
+    }
     let mut limits = Limits::default();
     limits.max_image_width = Some(config.max_side);
     limits.max_image_height = Some(config.max_side);
-    limits.max_alloc =
-        Some(u64::from(config.max_side) * u64::from(config.max_side) * 4 + (64 << 20));
-    reader.limits(limits);
-    let decoded = reader
-        .decode()
+    // One decoded copy at up to 8 bytes a pixel (16-bit RGBA), and the decoder's buffers.
+    limits.max_alloc = Some(pixels * 8 + (8 << 20));
+    decoder
+        .set_limits(limits)
+        .map_err(|source| PreprocessError::ImageDecode { what: "too large", source })?;
+    let decoded = image::DynamicImage::from_decoder(decoder)
         .map_err(|source| PreprocessError::ImageDecode { what: "undecodable", source })?;
-    let rgba = decoded.to_rgba8();
-    let (width, height) = rgba.dimensions();
     let mut hasher = blake3::Hasher::new();
     hasher.update(&width.to_le_bytes());
     hasher.update(&height.to_le_bytes());
-    hasher.update(rgba.as_raw());
+    match &decoded {
+        image::DynamicImage::ImageRgba8(rgba) => {
+            hasher.update(rgba.as_raw());
+        }
+        other => {
+            // The same bytes as the RGBA8 conversion, a row at a time.
+            let mut row = Vec::with_capacity(width as usize * 4);
+            for y in 0..height {
+                row.clear();
+                for x in 0..width {
+                    row.extend_from_slice(&image::GenericImageView::get_pixel(other, x, y).0);
+                }
+                hasher.update(&row);
+            }
+        }
+    }
     let identifier = hasher.finalize().to_hex().to_string();
     Ok(Image {
         width,
@@ -146,5 +191,59 @@ mod tests {
             Err(PreprocessError::ImageTooLarge { .. })
         ));
         assert!(decode(b"not an image", &c).is_err());
+    }
+
+    fn png(width: u32, height: u32, color: image::ColorType) -> Vec<u8> {
+        let mut out = Vec::new();
+        let raw = vec![7u8; width as usize * height as usize * color.bytes_per_pixel() as usize];
+        image::ImageEncoder::write_image(
+            image::codecs::png::PngEncoder::new(&mut out),
+            &raw,
+            width,
+            height,
+            color.into(),
+        )
+        .unwrap();
+        out
+    }
+
+    /// The identifier hashes RGBA8 pixels whatever the stored format: an RGB image and the
+    /// same pixels stored as RGBA get the same one (the row-wise conversion is the image
+    /// crate's own).
+    #[test]
+    fn rgb_and_rgba_of_the_same_pixels_share_an_identifier() {
+        let c = ImageConfig::default();
+        let rgb = decode(&png(30, 20, image::ColorType::Rgb8), &c).unwrap();
+        let rgba_pixels: Vec<u8> = [7u8, 7, 7, 255].repeat(30 * 20);
+        let mut rgba_png = Vec::new();
+        image::ImageEncoder::write_image(
+            image::codecs::png::PngEncoder::new(&mut rgba_png),
+            &rgba_pixels,
+            30,
+            20,
+            image::ExtendedColorType::Rgba8,
+        )
+        .unwrap();
+        let rgba = decode(&rgba_png, &c).unwrap();
+        assert_eq!(rgb.identifier, rgba.identifier);
+        assert_eq!((rgb.width, rgb.height), (30, 20));
+    }
+
+    /// A small file that claims many pixels is refused by its header, before decoding.
+    #[test]
+    fn pixel_bombs_are_refused_before_decoding() {
+        let c = ImageConfig { max_image_pixels: 1000, ..ImageConfig::default() };
+        let bomb = png(100, 100, image::ColorType::L8);
+        assert!(bomb.len() < 1000, "{} bytes", bomb.len());
+        let err = decode(&bomb, &c).unwrap_err();
+        assert!(
+            matches!(err, PreprocessError::ImagePixels { width: 100, height: 100, limit: 1000 }),
+            "{err}"
+        );
+        assert!(
+            decode_within(&png(20, 20, image::ColorType::L8), &c, 399).is_err(),
+            "the request's budget"
+        );
+        assert!(decode_within(&png(20, 20, image::ColorType::L8), &c, 400).is_ok());
     }
 }

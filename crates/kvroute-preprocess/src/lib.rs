@@ -29,8 +29,10 @@ use std::path::{Path, PathBuf};
 use kvroute_core::{RequestExtraInfo, RequestMmObjectInfo};
 use kvroute_http::ApiError;
 pub use kvroute_http::openai::{
-    ChatMessage, CompletionPrompt, ContentPart, ImageUrl, MessageContent, image_urls,
+    ChatMessage, CompletionPrompt, CompletionRequest, ContentPart, ImageUrl, MessageContent,
+    image_urls,
 };
+use kvroute_http::openai::{check_lengths, check_model};
 use minijinja::Environment;
 use serde::Deserialize;
 use tokenizers::Tokenizer;
@@ -70,10 +72,19 @@ pub enum PreprocessError {
     ImageDecode { what: &'static str, source: image::ImageError },
     #[error("image larger than {limit} bytes")]
     ImageTooLarge { limit: usize },
+    #[error(
+        "image of {width} x {height} pixels: above the {limit} pixels left for this request's images; resize it"
+    )]
+    ImagePixels { width: u32, height: u32, limit: u64 },
+    #[error("{count} images in one request; at most {limit}")]
+    TooManyImages { count: usize, limit: usize },
     #[error("the request names {parts} images but {given} were given")]
     ImageCount { parts: usize, given: usize },
     #[error("model {model:?} takes text only; remove the image parts")]
     TextOnly { model: String },
+    /// Refused by size before tokenizing.
+    #[error("{0}")]
+    TooLong(String),
 }
 
 impl From<PreprocessError> for ApiError {
@@ -82,12 +93,16 @@ impl From<PreprocessError> for ApiError {
     fn from(e: PreprocessError) -> Self {
         match e {
             PreprocessError::ImageTooLarge { .. } => ApiError::too_large(e.to_string()),
+            PreprocessError::ImagePixels { .. } | PreprocessError::TooManyImages { .. } => {
+                ApiError::bad_request(e.to_string())
+            }
             PreprocessError::Model { .. } | PreprocessError::Tokenizer(_) => ApiError::internal(e),
             PreprocessError::Template(_)
             | PreprocessError::Image(_)
             | PreprocessError::ImageDecode { .. }
             | PreprocessError::ImageCount { .. }
-            | PreprocessError::TextOnly { .. } => ApiError::bad_request(e.to_string()),
+            | PreprocessError::TextOnly { .. }
+            | PreprocessError::TooLong(_) => ApiError::bad_request(e.to_string()),
         }
     }
 }
@@ -159,6 +174,8 @@ pub struct Preprocessor {
     max_model_len: Option<u64>,
     image_config: ImageConfig,
     words: std::sync::OnceLock<std::sync::Arc<Words>>,
+    /// The longest vocabulary entry, in bytes (found on first use).
+    max_token_bytes: std::sync::OnceLock<usize>,
 }
 
 impl Preprocessor {
@@ -260,6 +277,7 @@ impl Preprocessor {
             max_model_len,
             image_config,
             words: std::sync::OnceLock::new(),
+            max_token_bytes: std::sync::OnceLock::new(),
         })
     }
 
@@ -331,6 +349,40 @@ impl Preprocessor {
         tokens.iter().map(|&t| self.tokenizer.id_to_token(t).unwrap_or_default()).collect()
     }
 
+    /// Most bytes of text one token stands for: its vocabulary entry's UTF-8 length (byte-level
+    /// BPE writes each byte as one character of one or two bytes; SentencePiece writes a space
+    /// as three), so no text of more than `n x` this bytes is `n` tokens or fewer.
+    pub fn max_token_bytes(&self) -> usize {
+        *self.max_token_bytes.get_or_init(|| {
+            self.tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1)
+        })
+    }
+
+    /// Refuses, before rendering and tokenizing, what cannot fit in `max_model_len` tokens:
+    /// more messages than tokens, or more text than that many of the longest tokens could
+    /// hold. Rendering and tokenizing cost time in proportion to the text (about a second per
+    /// megabyte here), so a body of tens of megabytes is turned away in microseconds.
+    pub fn check_size<'a>(
+        &self,
+        messages: usize,
+        texts: impl IntoIterator<Item = &'a str>,
+        max_model_len: u64,
+    ) -> Result<(), PreprocessError> {
+        if messages as u64 > max_model_len {
+            return Err(PreprocessError::TooLong(format!(
+                "{messages} messages cannot fit in this model's maximum context length of {max_model_len} tokens"
+            )));
+        }
+        let bytes: usize = texts.into_iter().map(str::len).sum();
+        let limit = (max_model_len as usize).saturating_mul(self.max_token_bytes());
+        if bytes > limit {
+            return Err(PreprocessError::TooLong(format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your request has {bytes} bytes of text, more than {max_model_len} tokens. Please reduce the length of the input messages."
+            )));
+        }
+        Ok(())
+    }
+
     /// Refuses images for a text-only model.
     pub fn check_images(&self, messages: &[ChatMessage]) -> Result<(), PreprocessError> {
         if self.image_token_id.is_none() && !image_urls(messages).is_empty() {
@@ -368,6 +420,37 @@ impl Preprocessor {
                 Ok(Prepared { tokens, mm: RequestExtraInfo::default(), images: Vec::new() })
             }
         }
+    }
+
+    /// A `/v1/completions` request as a server takes it: the model checked, the prompt within
+    /// `max_model_len` by size, then tokenized, and its length and `max_tokens` checked as
+    /// vLLM checks them.
+    pub fn prepare_completion_request(
+        &self,
+        req: &CompletionRequest,
+        max_model_len: u64,
+    ) -> Result<Prepared, ApiError> {
+        check_model(self.model_name(), req.model.as_deref())?;
+        if let CompletionPrompt::Text(text) = &req.prompt {
+            self.check_size(0, [text.as_str()], max_model_len)
+                .map_err(|e| ApiError::from(e).param("prompt"))?;
+        }
+        let prepared = self
+            .prepare_completion(req.prompt.clone())
+            .map_err(|e| ApiError::from(e).param("prompt"))?;
+        if prepared.tokens.is_empty() {
+            return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
+        }
+        check_lengths(prepared.tokens.len(), req.max_tokens, max_model_len).map_err(|e| match e
+            .body()
+            .error
+            .param
+            .as_deref()
+        {
+            Some("messages") => e.param("prompt"),
+            _ => e,
+        })?;
+        Ok(prepared)
     }
 
     /// Replaces the i-th image token with `images[i].tokens` copies and records where.

@@ -185,6 +185,9 @@ impl FromStr for WorkerSpec {
 /// Default of [`RouterConfig::max_dp_size`]: more than any data-parallel deployment uses.
 pub const DEFAULT_MAX_DP_SIZE: u32 = 256;
 
+/// Default of [`RouterConfig::max_learned_workers`].
+pub const DEFAULT_MAX_LEARNED_WORKERS: usize = 1024;
+
 /// Everything the router service needs, with kvroute's defaults.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RouterConfig {
@@ -197,6 +200,10 @@ pub struct RouterConfig {
     /// refused (a rank is a slot in every per-worker table, so an unbounded one from the wire
     /// would size memory).
     pub max_dp_size: u32,
+    /// Most workers the router learns from posted events (`/events`, `/debug/inject_event`)
+    /// when no worker is configured; with configured workers, posted events naming another
+    /// worker are refused.
+    pub max_learned_workers: usize,
     /// Approximate mode (workers without `events`).
     pub approx: ApproxConfig,
     pub scheduler: SchedulerConfig,
@@ -211,6 +218,7 @@ impl Default for RouterConfig {
             // 16M (worker, block) pairs: ~0.8 GB of index at most, whatever the event flood.
             index: IndexConfig { max_held_blocks: Some(16 << 20) },
             max_dp_size: DEFAULT_MAX_DP_SIZE,
+            max_learned_workers: DEFAULT_MAX_LEARNED_WORKERS,
             approx: ApproxConfig::default(),
             scheduler: SchedulerConfig::default(),
         }

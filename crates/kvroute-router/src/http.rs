@@ -9,10 +9,17 @@
 //! | `GET /debug/tree_info` | `{"num_blocks", "events": first 20 dumped events}` |
 //! | `GET /workers`, `GET /metrics`, `GET /health` | status, Prometheus text, liveness |
 //!
+//! With an admin token, every route but `/health` needs it (`Authorization: Bearer`): the
+//! index, the in-flight accounting and the fleet's status are the router's to change and to
+//! show. Posted events for workers the router does not know are refused when any worker is
+//! configured (see [`RouterState::apply_posted`]). The tree dump is rebuilt at most once per
+//! [`TREE_INFO_TTL`] (it walks the whole index).
+//!
 //! Errors are OpenAI-shaped: `{"error":{"message","type","param","code"}}`. The request
 //! and answer types are [`kvroute_http::router_api`]'s, shared with the front door's client.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
@@ -24,13 +31,24 @@ use kvroute_core::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
     LocalBlockHash, RouterEvent,
 };
-use kvroute_http::ApiError;
 use kvroute_http::router_api::{self, BestWorker, EventsReply, FindBestWorker, InjectEvent};
+use kvroute_http::{ApiError, Credentials};
 use serde_json::json;
 
 use crate::state::{Placement, RouterState};
 
-pub fn app(state: Arc<RouterState>) -> Router {
+/// How long a tree dump is served before it is rebuilt.
+pub const TREE_INFO_TTL: Duration = Duration::from_secs(10);
+
+#[derive(Debug)]
+struct Api {
+    state: Arc<RouterState>,
+    tree_info: Mutex<Option<(Instant, serde_json::Value)>>,
+}
+
+/// The router's API; with `admin` keys, every route but `/health` needs one of them.
+pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
+    let api = Arc::new(Api { state, tree_info: Mutex::new(None) });
     let routes = Router::new()
         .route(router_api::FIND_BEST_WORKER, post(find_best_worker))
         .route("/requests/{id}/prefill_done", post(prefill_done))
@@ -39,16 +57,41 @@ pub fn app(state: Arc<RouterState>) -> Router {
         .route(router_api::INJECT_EVENT, post(inject_event))
         .route(router_api::TREE_INFO, get(tree_info))
         .route(router_api::WORKERS, get(workers))
-        .route("/metrics", get(metrics))
-        .route("/health", get(health));
-    kvroute_http::fallbacks(routes).with_state(state)
+        .route("/metrics", get(metrics));
+    let routes = kvroute_http::auth::require(routes, admin).route("/health", get(health));
+    kvroute_http::fallbacks(routes).with_state(api)
+}
+
+type ApiState = State<Arc<Api>>;
+
+fn check_request_id(id: &str) -> Result<(), ApiError> {
+    match id.len() {
+        0 => Err(ApiError::bad_request("request_id must not be empty").param("request_id")),
+        n if n > router_api::MAX_REQUEST_ID_BYTES => Err(ApiError::bad_request(format!(
+            "request_id must be at most {} bytes",
+            router_api::MAX_REQUEST_ID_BYTES
+        ))
+        .param("request_id")),
+        _ => Ok(()),
+    }
 }
 
 async fn find_best_worker(
-    State(state): State<Arc<RouterState>>,
+    State(api): ApiState,
     body: Result<Json<FindBestWorker>, JsonRejection>,
 ) -> Result<Json<BestWorker>, ApiError> {
+    let state = &api.state;
     let Json(req) = body?;
+    if let Some(id) = &req.request_id {
+        check_request_id(id)?;
+    }
+    if req.local_hashes.len() > router_api::MAX_LOCAL_HASHES {
+        return Err(ApiError::bad_request(format!(
+            "at most {} local_hashes",
+            router_api::MAX_LOCAL_HASHES
+        ))
+        .param("local_hashes"));
+    }
     if req.num_tokens <= 0 {
         return Err(ApiError::bad_request("num_tokens must be greater than 0").param("num_tokens"));
     }
@@ -78,34 +121,33 @@ async fn find_best_worker(
     }))
 }
 
-async fn prefill_done(State(state): State<Arc<RouterState>>, Path(id): Path<String>) -> StatusCode {
-    state.prefill_done(&id);
+async fn prefill_done(State(api): ApiState, Path(id): Path<String>) -> StatusCode {
+    api.state.prefill_done(&id);
     StatusCode::NO_CONTENT
 }
 
-async fn finish(
-    State(state): State<Arc<RouterState>>,
-    Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
-    match state.finish(&id) {
+async fn finish(State(api): ApiState, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    check_request_id(&id)?;
+    match api.state.finish(&id) {
         true => Ok(StatusCode::NO_CONTENT),
         false => Err(ApiError::not_found(format!("request {id:?} is not in flight"))),
     }
 }
 
 async fn events(
-    State(state): State<Arc<RouterState>>,
+    State(api): ApiState,
     body: Result<Json<Vec<RouterEvent>>, JsonRejection>,
 ) -> Result<Json<EventsReply>, ApiError> {
     let Json(events) = body?;
-    let applied = state.apply(&events);
+    let applied = api.state.apply_posted(&events);
     Ok(Json(EventsReply { received: events.len(), applied }))
 }
 
 async fn inject_event(
-    State(state): State<Arc<RouterState>>,
+    State(api): ApiState,
     body: Result<Json<InjectEvent>, JsonRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    let state = &api.state;
     let Json(req) = body?;
     if !state.valid_dp_rank(req.dp_rank) {
         return Err(ApiError::bad_request(format!(
@@ -125,7 +167,15 @@ async fn inject_event(
     });
     let event =
         RouterEvent::new(req.worker_id, KvCacheEvent { event_id: 0, data, dp_rank: req.dp_rank });
-    if state.apply(&[event]) == 0 {
+    let worker = event.worker();
+    if state.apply_posted(&[event]) == 0 {
+        if !state.knows_worker(worker.worker_id) {
+            return Err(ApiError::bad_request(format!(
+                "worker {} is not one of the router's workers",
+                worker.worker_id
+            ))
+            .param("worker_id"));
+        }
         return Err(
             ApiError::bad_request("the worker does not hold the parent block").param("parent_hash")
         );
@@ -133,18 +183,35 @@ async fn inject_event(
     Ok(Json(json!({"status": "ok"})))
 }
 
-async fn tree_info(State(state): State<Arc<RouterState>>) -> Json<serde_json::Value> {
-    let mut events = state.index.dump_as_events();
-    events.truncate(20);
-    Json(json!({"num_blocks": state.index.stats().blocks, "events": events}))
+/// The index's size and its first 20 events as a dump, rebuilt at most once per
+/// [`TREE_INFO_TTL`] (callers in between, and while it is rebuilt, get the last one).
+async fn tree_info(State(api): ApiState) -> Result<Json<serde_json::Value>, ApiError> {
+    let api2 = Arc::clone(&api);
+    let value = tokio::task::spawn_blocking(move || {
+        let mut cached = api2.tree_info.lock().unwrap_or_else(PoisonError::into_inner);
+        match &*cached {
+            Some((at, value)) if at.elapsed() < TREE_INFO_TTL => value.clone(),
+            _ => {
+                let state = &api2.state;
+                let mut events = state.index.dump_as_events();
+                events.truncate(20);
+                let value = json!({"num_blocks": state.index.stats().blocks, "events": events});
+                *cached = Some((Instant::now(), value.clone()));
+                value
+            }
+        }
+    })
+    .await
+    .map_err(ApiError::internal)?;
+    Ok(Json(value))
 }
 
-async fn workers(State(state): State<Arc<RouterState>>) -> Json<serde_json::Value> {
-    Json(json!({"workers": state.workers(), "in_flight": state.in_flight()}))
+async fn workers(State(api): ApiState) -> Json<serde_json::Value> {
+    Json(json!({"workers": api.state.workers(), "in_flight": api.state.in_flight()}))
 }
 
-async fn metrics(State(state): State<Arc<RouterState>>) -> Response {
-    kvroute_http::metrics::response(&[state.registry()])
+async fn metrics(State(api): ApiState) -> Response {
+    kvroute_http::metrics::response(&[api.state.registry()])
 }
 
 async fn health() -> Json<serde_json::Value> {

@@ -118,12 +118,12 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
     Ok(Tasks(tasks))
 }
 
-/// Serves the HTTP API on `listener` until `shutdown` resolves.
+/// Serves the HTTP API, open (no admin token), on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<RouterState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
-    kvroute_http::serve(listener, http::app(state), shutdown).await?;
+    kvroute_http::serve(listener, http::app(state, Default::default()), shutdown).await?;
     Ok(())
 }

@@ -125,6 +125,24 @@ impl WorkerStatus {
     }
 }
 
+/// What the router knows of an event's worker.
+enum Known {
+    No,
+    /// The worker, not this rank.
+    Worker {
+        configured: bool,
+    },
+    Rank,
+}
+
+fn kind_of(e: &RouterEvent) -> EventKind {
+    match e.event.data {
+        KvCacheEventData::Stored(_) => EventKind::Stored,
+        KvCacheEventData::Removed(_) => EventKind::Removed,
+        KvCacheEventData::Cleared => EventKind::Cleared,
+    }
+}
+
 /// A request to place, as the HTTP API (or an embedding front door) gives it.
 #[derive(Clone, Debug)]
 pub struct Placement<'a> {
@@ -237,15 +255,40 @@ impl RouterState {
         tracing::info!(%worker, "events arrive for a worker routed approximately: following its events");
     }
 
+    /// Forgets every block of `worker` (all ranks): its engine is gone, its cache with it.
+    pub fn forget_blocks(&self, worker: WorkerId) {
+        let ranks = self.read_workers().get(&worker).map_or(0, |w| w.dp_size);
+        let held: usize =
+            (0..ranks).map(|r| self.index.tree_size(WorkerWithDpRank::new(worker, r))).sum();
+        if held == 0 {
+            return;
+        }
+        self.index.clear_all_blocks(worker);
+        tracing::info!(%worker, blocks = held, "its engine is unreachable: its blocks are forgotten");
+    }
+
     /// Whether `rank` is within the configured bound of data-parallel ranks.
     pub fn valid_dp_rank(&self, rank: DpRank) -> bool {
         rank.0 < self.config.max_dp_size
     }
 
-    /// Applies core events to the index; returns how many were applied cleanly. Events naming
-    /// a data-parallel rank at or above `max_dp_size` are refused (counted) before they can
-    /// register anything.
+    /// Applies events from the engines' own streams to the index; returns how many were applied
+    /// cleanly. Events naming a data-parallel rank at or above `max_dp_size` are refused
+    /// (counted) before they can register anything.
     pub fn apply(&self, events: &[RouterEvent]) -> usize {
+        self.apply_from(events, false)
+    }
+
+    /// Applies events posted over HTTP (`/events`, `/debug/inject_event`). A worker the router
+    /// does not know is learned only when no worker is configured (the standalone router learns
+    /// its fleet this way), at most `max_learned_workers` of them, and only by a Stored event
+    /// that stores something; anything else naming an unknown worker is refused (counted as
+    /// `unknown_worker`) and registers nothing.
+    pub fn apply_posted(&self, events: &[RouterEvent]) -> usize {
+        self.apply_from(events, true)
+    }
+
+    fn apply_from(&self, events: &[RouterEvent], posted: bool) -> usize {
         let mut ok = 0;
         for e in events {
             if !self.valid_dp_rank(e.event.dp_rank) {
@@ -253,18 +296,67 @@ impl RouterState {
                 tracing::debug!(worker = %e.worker_id, dp_rank = %e.event.dp_rank, "event refused: dp rank out of range");
                 continue;
             }
-            self.ensure_worker(e.worker());
-            ok += usize::from(self.apply_one(e));
+            let worker = e.worker();
+            match self.knows(worker) {
+                Known::Rank => {}
+                Known::Worker { configured } if !(posted && configured) => {}
+                Known::Worker { .. } => {
+                    // A configured worker's ranks are its configuration's.
+                    self.metrics.rejected("dp_rank");
+                    continue;
+                }
+                Known::No if posted && !self.may_learn() => {
+                    self.metrics.rejected("unknown_worker");
+                    tracing::debug!(%worker, "posted event refused: unknown worker");
+                    continue;
+                }
+                Known::No => {}
+            }
+            if self.knows_rank(worker) {
+                // Known: what it says overrides approximate mode, before it applies.
+                self.ensure_worker(worker);
+                ok += usize::from(self.apply_one(e));
+                continue;
+            }
+            if !matches!(e.event.data, KvCacheEventData::Stored(_)) {
+                // Nothing to remove or clear: it must not register the worker either.
+                self.metrics.event(kind_of(e), false);
+                continue;
+            }
+            let applied = self.apply_one(e);
+            if self.index.tree_size(worker) > 0 {
+                self.ensure_worker(worker);
+            }
+            ok += usize::from(applied);
         }
         ok
     }
 
+    fn knows(&self, worker: WorkerWithDpRank) -> Known {
+        match self.read_workers().get(&worker.worker_id) {
+            None => Known::No,
+            Some(w) if worker.dp_rank.0 < w.dp_size => Known::Rank,
+            Some(w) => Known::Worker { configured: w.configured },
+        }
+    }
+
+    /// Whether the worker is configured or was learned.
+    pub fn knows_worker(&self, worker: WorkerId) -> bool {
+        self.read_workers().contains_key(&worker)
+    }
+
+    fn knows_rank(&self, worker: WorkerWithDpRank) -> bool {
+        matches!(self.knows(worker), Known::Rank)
+    }
+
+    /// Whether a posted event may add a worker.
+    fn may_learn(&self) -> bool {
+        self.config.workers.is_empty()
+            && self.read_workers().len() < self.config.max_learned_workers
+    }
+
     fn apply_one(&self, e: &RouterEvent) -> bool {
-        let kind = match e.event.data {
-            KvCacheEventData::Stored(_) => EventKind::Stored,
-            KvCacheEventData::Removed(_) => EventKind::Removed,
-            KvCacheEventData::Cleared => EventKind::Cleared,
-        };
+        let kind = kind_of(e);
         let result = self.index.apply_event(e);
         if let Err(err) = &result {
             tracing::debug!(worker = %e.worker(), %err, "event not applied cleanly");

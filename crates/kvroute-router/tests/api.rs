@@ -11,7 +11,7 @@ use kvroute_core::{
     BlockExtraInfo, BlockHasher, BlockSize, LocalBlockHash, RequestExtraInfo, RequestMmObjectInfo,
     sequence_hashes,
 };
-use kvroute_http::testing;
+use kvroute_http::{Credentials, testing};
 use kvroute_router::{RouterConfig, RouterState, WorkerSpec, http::app};
 use serde_json::{Value, json};
 
@@ -39,9 +39,12 @@ async fn call(
                 .header("content-type", "application/json")
                 .body(Body::from(raw))
                 .unwrap();
-            testing::call_raw(&app(Arc::clone(state)), req).await
+            testing::call_raw(&app(Arc::clone(state), Credentials::default()), req).await
         }
-        body => testing::call(&app(Arc::clone(state)), method, uri, body.as_ref()).await,
+        body => {
+            let app = app(Arc::clone(state), Credentials::default());
+            testing::call(&app, method, uri, body.as_ref()).await
+        }
     }
 }
 
@@ -247,6 +250,107 @@ async fn an_out_of_range_dp_rank_is_refused_not_allocated() {
     let (status, _) =
         call(&state, Method::POST, "/debug/inject_event", Some(body.to_string())).await;
     assert_eq!(status, StatusCode::OK);
+}
+
+/// Posted events cannot invent workers: with configured workers, events naming another one
+/// are refused (counted); without, a worker is learned only from a Stored event that stores
+/// something (a Removed that applies nothing, or a refused inject, registers nothing), and
+/// at most `max_learned_workers` of them.
+#[tokio::test]
+async fn posted_events_cannot_invent_workers() {
+    let stored = |worker: u64, hash: u64| {
+        json!([{"worker_id": worker, "event": {"event_id": 1, "dp_rank": 0,
+            "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": hash, "tokens_hash": hash}]}}}}])
+        .to_string()
+    };
+    let configured = state(&[1]);
+    let (status, v) = call(&configured, Method::POST, "/events", Some(stored(4242, 7))).await;
+    assert_eq!((status, v["applied"].as_u64()), (StatusCode::OK, Some(0)), "{v}");
+    let inject = json!({"worker_id": 4242, "tokens_hash": 7}).to_string();
+    let (status, v) = call(&configured, Method::POST, "/debug/inject_event", Some(inject)).await;
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("worker_id"))
+    );
+    let (_, v) = call(&configured, Method::POST, "/events", Some(stored(1, 7))).await;
+    assert_eq!(v["applied"].as_u64(), Some(1), "a configured worker's events apply");
+    let (_, workers) = call(&configured, Method::GET, "/workers", None).await;
+    let ids: Vec<u64> =
+        workers["workers"].as_array().unwrap().iter().map(|w| w["id"].as_u64().unwrap()).collect();
+    assert_eq!(ids, [1], "{workers}");
+    let best = best(&configured, &[LocalBlockHash(7)], 16).await;
+    assert_eq!(best["worker_id"].as_u64(), Some(1));
+    let (_, text) = call(&configured, Method::GET, "/metrics", None).await;
+    assert!(
+        text.as_str()
+            .unwrap()
+            .contains("kvroute_router_events_rejected_total{reason=\"unknown_worker\"} 2"),
+        "{text}"
+    );
+
+    let open = Arc::new(RouterState::new(RouterConfig {
+        max_learned_workers: 2,
+        ..RouterConfig::default()
+    }));
+    let removed = json!([{"worker_id": 31337, "event": {"event_id": 1, "dp_rank": 0,
+        "data": {"removed": {"block_hashes": [1]}}}}]);
+    let (_, v) = call(&open, Method::POST, "/events", Some(removed.to_string())).await;
+    assert_eq!(v["applied"].as_u64(), Some(0));
+    let orphan = json!({"worker_id": 3, "tokens_hash": 1, "parent_hash": 99}).to_string();
+    assert_eq!(
+        call(&open, Method::POST, "/debug/inject_event", Some(orphan)).await.0,
+        StatusCode::BAD_REQUEST
+    );
+    let (_, workers) = call(&open, Method::GET, "/workers", None).await;
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 0, "nothing registered: {workers}");
+    for worker in [10, 11, 12] {
+        call(&open, Method::POST, "/events", Some(stored(worker, worker))).await;
+    }
+    let (_, workers) = call(&open, Method::GET, "/workers", None).await;
+    let ids: Vec<u64> =
+        workers["workers"].as_array().unwrap().iter().map(|w| w["id"].as_u64().unwrap()).collect();
+    assert_eq!(ids, [10, 11], "at most max_learned_workers: {workers}");
+}
+
+/// With an admin token, everything but `/health` needs it.
+#[tokio::test]
+async fn an_admin_token_guards_everything_but_health() {
+    let state = state(&[1]);
+    let admin = Credentials::new(["admin-token-1"], "test").unwrap();
+    let app = app(Arc::clone(&state), admin);
+    let request = |method: &str, uri: &str, token: Option<&str>| {
+        let mut r =
+            Request::builder().method(method).uri(uri).header("content-type", "application/json");
+        if let Some(t) = token {
+            r = r.header("authorization", format!("Bearer {t}"));
+        }
+        let body = match method {
+            "POST" if uri == "/find_best_worker" => r#"{"local_hashes":[1],"num_tokens":16}"#,
+            "POST" => "[]",
+            _ => "",
+        };
+        r.body(Body::from(body)).unwrap()
+    };
+    let routes = [
+        ("POST", "/find_best_worker"),
+        ("POST", "/events"),
+        ("POST", "/requests/x/prefill_done"),
+        ("DELETE", "/requests/x"),
+        ("GET", "/debug/tree_info"),
+        ("GET", "/workers"),
+        ("GET", "/metrics"),
+    ];
+    for (method, uri) in routes {
+        let (status, v) = testing::call_raw(&app, request(method, uri, None)).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {uri}: {v}");
+        let (status, _) =
+            testing::call_raw(&app, request(method, uri, Some("admin-token-2"))).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {uri} with a wrong token");
+        let (status, v) =
+            testing::call_raw(&app, request(method, uri, Some("admin-token-1"))).await;
+        assert_ne!(status, StatusCode::UNAUTHORIZED, "{method} {uri}: {v}");
+    }
+    assert_eq!(testing::call_raw(&app, request("GET", "/health", None)).await.0, StatusCode::OK);
 }
 
 /// Workers without an `events` endpoint are routed in approximate mode: the router assumes

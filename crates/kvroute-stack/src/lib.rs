@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use kvroute_core::WorkerWithDpRank;
 use kvroute_frontend::FrontendState;
+use kvroute_http::Credentials;
 use kvroute_mocker::{EngineConfig, MockerConfig};
 use kvroute_preprocess::Preprocessor;
 use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
@@ -43,6 +44,19 @@ pub enum StackError {
     Model(#[from] kvroute_preprocess::PreprocessError),
     #[error("I/O")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Credentials(#[from] kvroute_http::auth::CredentialsError),
+    #[error(transparent)]
+    Tls(#[from] kvroute_http::server::TlsError),
+}
+
+/// Who may call what: the front door's API keys, the admin token of the router's API and of
+/// `/metrics`, and the token to send a remote router. Empty sets leave routes open.
+#[derive(Clone, Debug, Default)]
+pub struct Access {
+    pub api_keys: Credentials,
+    pub admin: Credentials,
+    pub router_token: Option<String>,
 }
 
 /// The simulated workers of a stack.
@@ -87,6 +101,11 @@ pub struct StackConfig {
     pub model_path: Option<PathBuf>,
     /// Image fetching of the front door and the simulated workers.
     pub fetch: FetchConfig,
+    pub access: Access,
+    /// The front door sends `x-kvroute-overlap-tokens` (the bench reads it).
+    pub expose_overlap: bool,
+    /// How long a worker has to start a streamed answer (`None`: the front door's default).
+    pub first_byte_timeout: Option<Duration>,
 }
 
 impl Default for StackConfig {
@@ -98,6 +117,9 @@ impl Default for StackConfig {
             frontend: true,
             model_path: None,
             fetch: FetchConfig::default(),
+            access: Access::default(),
+            expose_overlap: false,
+            first_byte_timeout: None,
         }
     }
 }
@@ -111,14 +133,37 @@ pub struct Stack {
     /// The embedded router, if any.
     pub router: Option<Arc<RouterState>>,
     pub frontend: Option<Arc<FrontendState>>,
+    /// The admin token of the router's API.
+    admin: Credentials,
     _tasks: Option<Tasks>,
+    _probes: Option<Probes>,
+}
+
+/// The front door's health probes; stopped when the stack is dropped.
+#[derive(Debug)]
+struct Probes(tokio::task::JoinHandle<()>);
+
+impl Drop for Probes {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl Stack {
     /// Starts everything `config` asks for on the current runtime. Returns as soon as it is
     /// started; [`Stack::ready`] waits for the workers.
     pub async fn start(config: StackConfig) -> Result<Self, StackError> {
-        let StackConfig { simulated, mut router, router_url, frontend, model_path, fetch } = config;
+        let StackConfig {
+            simulated,
+            mut router,
+            router_url,
+            frontend,
+            model_path,
+            fetch,
+            access,
+            expose_overlap,
+            first_byte_timeout,
+        } = config;
         let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
         let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
         for k in 0..simulated.count {
@@ -161,12 +206,38 @@ impl Stack {
             (true, Some(router), _) => {
                 Some(FrontendState::new(preprocessor, fetcher, Arc::clone(router)))
             }
-            (true, None, Some(url)) => {
-                Some(FrontendState::remote(preprocessor, fetcher, url, &workers, block_size))
-            }
+            (true, None, Some(url)) => Some(FrontendState::remote(
+                preprocessor,
+                fetcher,
+                url,
+                access.router_token.as_deref(),
+                &workers,
+                block_size,
+            )),
             (true, None, None) => unreachable!("no router URL means an embedded router"),
         };
-        Ok(Self { workers, router: state, frontend: frontend.map(Arc::new), _tasks: tasks })
+        let frontend = frontend.map(|f| {
+            let f = f
+                .guarded(access.api_keys.clone(), access.admin.clone())
+                .expose_overlap(expose_overlap);
+            let f = match first_byte_timeout {
+                Some(t) => f.first_byte_timeout(t),
+                None => f,
+            };
+            Arc::new(match simulated.max_model_len {
+                Some(n) => f.max_model_len(n),
+                None => f,
+            })
+        });
+        let probes = frontend.as_ref().map(|f| Probes(f.spawn_probes()));
+        Ok(Self {
+            workers,
+            router: state,
+            frontend,
+            admin: access.admin,
+            _tasks: tasks,
+            _probes: probes,
+        })
     }
 
     /// Waits until every worker is ready (its event subscription connected and caught up by
@@ -201,7 +272,7 @@ impl Stack {
 
     /// The router's HTTP API (`None` without an embedded router).
     pub fn router_app(&self) -> Option<axum::Router> {
-        self.router.as_ref().map(|r| kvroute_router::http::app(Arc::clone(r)))
+        self.router.as_ref().map(|r| kvroute_router::http::app(Arc::clone(r), self.admin.clone()))
     }
 }
 

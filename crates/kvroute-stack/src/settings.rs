@@ -19,7 +19,9 @@ use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::{RouterConfig, WorkerSpec};
 use serde::{Deserialize, Serialize};
 
-use crate::{Simulated, StackConfig, StackError};
+use kvroute_http::{Credentials, ServeOptions};
+
+use crate::{Access, Simulated, StackConfig, StackError};
 
 pub const DEFAULT_HOST: &str = "127.0.0.1";
 pub const DEFAULT_SHARDS: usize = 4;
@@ -73,13 +75,35 @@ pub struct Settings {
     pub max_model_len: Option<u64>,
     pub model_path: Option<PathBuf>,
     pub allow_private_image_urls: Option<bool>,
+    /// API keys of the OpenAI routes, one per line (and `KVROUTE_API_KEYS`).
+    pub api_keys_file: Option<PathBuf>,
+    /// The admin token of the router's API and `/metrics` (or `KVROUTE_ADMIN_TOKEN`).
+    pub admin_token_file: Option<PathBuf>,
+    /// The remote router's admin token (or `KVROUTE_ROUTER_TOKEN`).
+    pub router_token_file: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// Listen beyond loopback without credentials.
+    pub insecure: Option<bool>,
+    /// Send `x-kvroute-overlap-tokens` with answers.
+    pub expose_overlap: Option<bool>,
+    /// Seconds a worker has to start a streamed answer.
+    pub first_byte_timeout: Option<f64>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<WorkerSpec>,
 }
 
+/// Environment variables holding secrets themselves (flags and files name files instead, so
+/// no key shows in `ps` or `--print-config`).
+pub const ENV_API_KEYS: &str = "KVROUTE_API_KEYS";
+pub const ENV_ADMIN_TOKEN: &str = "KVROUTE_ADMIN_TOKEN";
+pub const ENV_ROUTER_TOKEN: &str = "KVROUTE_ROUTER_TOKEN";
+
 /// The keys each command reads (from a file; its flags are these by construction).
 pub mod keys {
-    const LISTEN: [&str; 2] = ["host", "port"];
+    const LISTEN: [&str; 6] =
+        ["host", "port", "admin_token_file", "tls_cert", "tls_key", "insecure"];
+    const FRONT_DOOR: [&str; 3] = ["api_keys_file", "expose_overlap", "first_byte_timeout"];
     const ROUTING: [&str; 10] = [
         "block_size",
         "policy",
@@ -108,12 +132,12 @@ pub mod keys {
     }
 
     pub fn serve() -> Vec<&'static str> {
-        [&LISTEN[..], &ROUTING[..], &ENGINE[..], &["simulated_workers"]].concat()
+        [&LISTEN[..], &ROUTING[..], &ENGINE[..], &FRONT_DOOR[..], &["simulated_workers"]].concat()
     }
 
     pub fn frontend() -> Vec<&'static str> {
-        let image = ["model_path", "allow_private_image_urls", "router_url"];
-        [&LISTEN[..], &ROUTING[..], &image[..]].concat()
+        let image = ["model_path", "allow_private_image_urls", "router_url", "router_token_file"];
+        [&LISTEN[..], &ROUTING[..], &image[..], &FRONT_DOOR[..]].concat()
     }
 }
 
@@ -174,7 +198,9 @@ impl Settings {
         Ok(overlay!(low, high, workers; host, port, block_size, policy, temperature,
             overlap_weight, shards, max_index_blocks, max_dp_size, approx_ttl, ready_timeout,
             router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
-            seed, max_model_len, model_path, allow_private_image_urls))
+            seed, max_model_len, model_path, allow_private_image_urls, api_keys_file,
+            admin_token_file, router_token_file, tls_cert, tls_key, insecure, expose_overlap,
+            first_byte_timeout))
     }
 
     /// The settings as TOML (what `--print-config` shows).
@@ -190,6 +216,71 @@ impl Settings {
             true => format!("[{host}]:{port}"),
             false => format!("{host}:{port}"),
         }
+    }
+
+    /// The credentials: keys from the files and from the environment (`KVROUTE_API_KEYS`,
+    /// comma-separated; `KVROUTE_ADMIN_TOKEN`; `KVROUTE_ROUTER_TOKEN`).
+    pub fn access(&self) -> Result<Access, StackError> {
+        self.access_with_env(|name| std::env::var(name).ok())
+    }
+
+    fn access_with_env(&self, env: impl Fn(&str) -> Option<String>) -> Result<Access, StackError> {
+        let keys = |file: &Option<PathBuf>, var: &str, split: bool| {
+            let from_file = match file {
+                Some(path) => Credentials::from_file(path)?,
+                None => Credentials::default(),
+            };
+            let value = env(var).unwrap_or_default();
+            let list: Vec<&str> = match split {
+                true => value.split(',').collect(),
+                false => vec![value.as_str()],
+            };
+            Ok::<_, kvroute_http::auth::CredentialsError>(
+                from_file.and(&Credentials::new(list, var)?),
+            )
+        };
+        let router_token = match (&self.router_token_file, env(ENV_ROUTER_TOKEN)) {
+            (Some(path), _) => Some(first_line(path)?),
+            (None, token) => token.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()),
+        };
+        Ok(Access {
+            api_keys: keys(&self.api_keys_file, ENV_API_KEYS, true)?,
+            admin: keys(&self.admin_token_file, ENV_ADMIN_TOKEN, false)?,
+            router_token,
+        })
+    }
+
+    /// Refuses to listen beyond loopback without the credentials the command's routes need
+    /// (`api_keys`: it serves OpenAI routes), unless `insecure`.
+    pub fn check_exposure(&self, access: &Access, api_keys: bool) -> Result<(), StackError> {
+        let host = self.host.as_deref().unwrap_or(DEFAULT_HOST);
+        if self.insecure == Some(true) || is_loopback(host) {
+            return Ok(());
+        }
+        let mut missing = Vec::new();
+        if api_keys && access.api_keys.is_empty() {
+            missing.push("API keys (--api-keys-file or KVROUTE_API_KEYS)");
+        }
+        if access.admin.is_empty() {
+            missing.push("an admin token (--admin-token-file or KVROUTE_ADMIN_TOKEN)");
+        }
+        match missing.is_empty() {
+            true => Ok(()),
+            false => Err(StackError::Config(format!(
+                "refusing to listen on {host} without {}: anyone who reaches it could use it. Give them, listen on 127.0.0.1, or pass --insecure when a proxy in front authenticates",
+                missing.join(" and ")
+            ))),
+        }
+    }
+
+    /// The listener's options: TLS when a certificate and key are given.
+    pub fn serve_options(&self) -> Result<ServeOptions, StackError> {
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(kvroute_http::server::tls_acceptor(cert, key)?),
+            (None, None) => None,
+            _ => return Err(StackError::Config("--tls-cert and --tls-key go together".into())),
+        };
+        Ok(ServeOptions { tls, ..ServeOptions::default() })
     }
 
     pub fn ready_timeout(&self) -> Result<Duration, StackError> {
@@ -284,8 +375,31 @@ impl Settings {
             frontend,
             model_path: self.model_path.clone(),
             fetch: self.fetch_config(),
+            access: self.access()?,
+            expose_overlap: self.expose_overlap.unwrap_or(false),
+            first_byte_timeout: self
+                .first_byte_timeout
+                .map(|t| secs(t, "first_byte_timeout"))
+                .transpose()?,
         })
     }
+}
+
+fn first_line(path: &Path) -> Result<String, StackError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| StackError::Config(format!("reading {}: {e}", path.display())))?;
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .ok_or_else(|| StackError::Config(format!("{}: no token in it", path.display())))
+}
+
+/// Whether `host` names only this machine.
+pub fn is_loopback(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 fn secs(value: f64, name: &str) -> Result<Duration, StackError> {
@@ -378,5 +492,51 @@ mod tests {
         assert_eq!(v6.address(8000), "[::1]:8000");
         let bad = Settings { speedup: Some(0.0), ..Settings::default() };
         assert!(bad.engine_config().is_err());
+    }
+
+    #[test]
+    fn keys_come_from_files_and_the_environment_and_exposure_needs_them() {
+        let dir = std::env::temp_dir().join(format!("kvroute-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let keys_file = dir.join("keys");
+        std::fs::write(&keys_file, "# clients\nsk-from-file-1\n\nsk-from-file-2\n").unwrap();
+        let token_file = dir.join("token");
+        std::fs::write(&token_file, "router-token-1\n").unwrap();
+        let s = Settings {
+            api_keys_file: Some(keys_file),
+            router_token_file: Some(token_file),
+            host: Some("0.0.0.0".into()),
+            ..Settings::default()
+        };
+        let env = |name: &str| match name {
+            ENV_API_KEYS => Some("sk-from-env-1, sk-from-env-2".to_owned()),
+            _ => None,
+        };
+        let access = s.access_with_env(env).unwrap();
+        assert_eq!(access.api_keys.len(), 4);
+        assert!(
+            access.api_keys.accepts("sk-from-env-2") && access.api_keys.accepts("sk-from-file-1")
+        );
+        assert_eq!(access.router_token.as_deref(), Some("router-token-1"));
+        let err = s.check_exposure(&access, true).unwrap_err().to_string();
+        assert!(err.contains("without an admin token") && !err.contains("API keys"), "{err}");
+        let admin = |_: &str| Some("admin-token-1".to_owned());
+        let full = s.access_with_env(admin).unwrap();
+        assert!(s.check_exposure(&full, true).is_ok());
+        let open = Settings { host: Some("0.0.0.0".into()), ..Settings::default() };
+        let err = open.check_exposure(&Access::default(), true).unwrap_err().to_string();
+        assert!(err.contains("API keys") && err.contains("admin token"), "{err}");
+        assert!(open.check_exposure(&Access::default(), true).is_err());
+        let insecure = Settings { insecure: Some(true), ..open.clone() };
+        assert!(insecure.check_exposure(&Access::default(), true).is_ok());
+        for host in ["127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"] {
+            assert!(is_loopback(host), "{host}");
+        }
+        for host in ["0.0.0.0", "::", "10.0.0.1", "example.invalid"] {
+            assert!(!is_loopback(host), "{host}");
+        }
+        let bad = |_: &str| Some("short".to_owned());
+        assert!(open.access_with_env(bad).is_err(), "a short key is refused");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -34,17 +34,24 @@ pub(crate) async fn bind(address: &str) -> anyhow::Result<tokio::net::TcpListene
     tokio::net::TcpListener::bind(address).await.with_context(|| format!("binding {address}"))
 }
 
+/// `http` or `https`, as the listener serves.
+pub(crate) fn scheme(options: &kvroute_http::ServeOptions) -> &'static str {
+    if options.tls.is_some() { "https" } else { "http" }
+}
+
 /// Serves `app` until Ctrl-C or SIGTERM, then stops accepting and gives open responses
 /// [`GRACE`] to finish.
 pub(crate) async fn serve_until_signal(
     listener: tokio::net::TcpListener,
     app: axum::Router,
+    options: kvroute_http::ServeOptions,
 ) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = kvroute_http::serve(listener, app, async move {
+    let shutdown = async move {
         crate::shutdown_signal().await;
         let _ = stop_tx.send(());
-    });
+    };
+    let server = kvroute_http::serve_with(listener, app, shutdown, options);
     let grace = async move {
         let _ = stop_rx.await;
         tokio::time::sleep(GRACE).await;

@@ -21,6 +21,45 @@ pub(crate) struct ListenArgs {
     port: Option<u16>,
 }
 
+/// Who may call the listener, and TLS.
+#[derive(Debug, Args)]
+pub(crate) struct SecurityArgs {
+    /// File holding the admin token (first line): the router's API (events, lifecycle, debug,
+    /// status) and /metrics then need `Authorization: Bearer <token>`. Or the token itself in
+    /// KVROUTE_ADMIN_TOKEN.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<PathBuf>,
+    /// PEM certificate chain to serve HTTPS with (with --tls-key); leave both out when a proxy
+    /// in front terminates TLS.
+    #[arg(long, env = "KVROUTE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "KVROUTE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Listen on a non-loopback address without API keys or an admin token (refused
+    /// otherwise), e.g. behind a proxy that authenticates.
+    #[arg(long, env = "KVROUTE_INSECURE")]
+    insecure: bool,
+}
+
+/// The OpenAI routes' keys and what answers tell.
+#[derive(Debug, Args)]
+pub(crate) struct FrontDoorArgs {
+    /// File of API keys the OpenAI routes accept (`Authorization: Bearer <key>`), one per line,
+    /// several at once; or the keys themselves, comma-separated, in KVROUTE_API_KEYS. Without
+    /// keys anyone who reaches the port may call.
+    #[arg(long, env = "KVROUTE_API_KEYS_FILE")]
+    api_keys_file: Option<PathBuf>,
+    /// Answer with x-kvroute-overlap-tokens (the prompt tokens the router expects cached).
+    /// Off by default: it lets a client test guesses of other clients' prompts.
+    #[arg(long, env = "KVROUTE_EXPOSE_OVERLAP")]
+    expose_overlap: bool,
+    /// Seconds a worker has to start a streamed answer before the request goes to another
+    /// worker and this one is ejected for a while [default: 15].
+    #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT")]
+    first_byte_timeout: Option<f64>,
+}
+
 /// Tokens per KV block.
 #[derive(Debug, Args)]
 pub(crate) struct BlockSizeArg {
@@ -127,6 +166,23 @@ impl ListenArgs {
     pub(crate) fn apply(&self, s: &mut Settings) {
         s.host.clone_from(&self.host);
         s.port = self.port;
+    }
+}
+
+impl SecurityArgs {
+    pub(crate) fn apply(&self, s: &mut Settings) {
+        s.admin_token_file.clone_from(&self.admin_token_file);
+        s.tls_cert.clone_from(&self.tls_cert);
+        s.tls_key.clone_from(&self.tls_key);
+        s.insecure = self.insecure.then_some(true);
+    }
+}
+
+impl FrontDoorArgs {
+    pub(crate) fn apply(&self, s: &mut Settings) {
+        s.api_keys_file.clone_from(&self.api_keys_file);
+        s.expose_overlap = self.expose_overlap.then_some(true);
+        s.first_byte_timeout = self.first_byte_timeout;
     }
 }
 

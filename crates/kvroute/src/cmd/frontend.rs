@@ -6,7 +6,11 @@ use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{Settings, keys};
 
-use super::args::{BlockSizeArg, ConfigArgs, ListenArgs, ModelArgs, RoutingArgs};
+use std::path::PathBuf;
+
+use super::args::{
+    BlockSizeArg, ConfigArgs, FrontDoorArgs, ListenArgs, ModelArgs, RoutingArgs, SecurityArgs,
+};
 
 #[derive(Debug, Args)]
 pub(crate) struct FrontendArgs {
@@ -16,6 +20,14 @@ pub(crate) struct FrontendArgs {
     /// router runs embedded, subscribed to the workers' events.
     #[arg(long, env = "KVROUTE_ROUTER_URL")]
     router_url: Option<String>,
+    /// File holding the remote router's admin token (first line), sent with every call to it;
+    /// or the token itself in KVROUTE_ROUTER_TOKEN.
+    #[arg(long, env = "KVROUTE_ROUTER_TOKEN_FILE")]
+    router_token_file: Option<PathBuf>,
+    #[command(flatten)]
+    security: SecurityArgs,
+    #[command(flatten)]
+    front_door: FrontDoorArgs,
     #[command(flatten)]
     block_size: BlockSizeArg,
     #[command(flatten)]
@@ -27,8 +39,14 @@ pub(crate) struct FrontendArgs {
 }
 
 pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
-    let mut flags = Settings { router_url: args.router_url.clone(), ..Settings::default() };
+    let mut flags = Settings {
+        router_url: args.router_url.clone(),
+        router_token_file: args.router_token_file.clone(),
+        ..Settings::default()
+    };
     args.listen.apply(&mut flags);
+    args.security.apply(&mut flags);
+    args.front_door.apply(&mut flags);
     args.block_size.apply(&mut flags);
     args.routing.apply(&mut flags);
     args.model.apply(&mut flags);
@@ -38,6 +56,9 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     }
     anyhow::ensure!(!settings.workers.is_empty(), "no workers: give --worker id=..,url=..");
     let config = settings.stack_config(0, true)?;
+    settings.check_exposure(&config.access, true)?;
+    let options = settings.serve_options()?;
+    let scheme = super::scheme(&options);
     let timeout = settings.ready_timeout()?;
     super::runtime()?.block_on(async move {
         let listener = super::bind(&settings.address(8000)).await?;
@@ -47,10 +68,10 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
         let via = settings.router_url.as_deref().unwrap_or("an embedded router");
         let n = stack.workers.len();
         super::announce(&[format!(
-            "kvroute frontend ready on http://{local} ({n} workers, via {via})"
+            "kvroute frontend ready on {scheme}://{local} ({n} workers, via {via})"
         )]);
         let app = stack.frontend_app().ok_or_else(|| anyhow::anyhow!("no front door"))?;
-        super::serve_until_signal(listener, app).await?;
+        super::serve_until_signal(listener, app, options).await?;
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -73,7 +73,8 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
                 "try: curl -s http://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'"
             ),
         ]);
-        super::serve_until_signal(listener, kvroute_mocker::http::app(state)).await?;
+        let app = kvroute_mocker::http::app(state);
+        super::serve_until_signal(listener, app, kvroute_http::ServeOptions::default()).await?;
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -6,12 +6,14 @@ use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{Settings, keys};
 
-use super::args::{BlockSizeArg, ConfigArgs, ListenArgs, RoutingArgs};
+use super::args::{BlockSizeArg, ConfigArgs, ListenArgs, RoutingArgs, SecurityArgs};
 
 #[derive(Debug, Args)]
 pub(crate) struct RouterArgs {
     #[command(flatten)]
     listen: ListenArgs,
+    #[command(flatten)]
+    security: SecurityArgs,
     #[command(flatten)]
     block_size: BlockSizeArg,
     #[command(flatten)]
@@ -23,6 +25,7 @@ pub(crate) struct RouterArgs {
 pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
     let mut flags = Settings::default();
     args.listen.apply(&mut flags);
+    args.security.apply(&mut flags);
     args.block_size.apply(&mut flags);
     args.routing.apply(&mut flags);
     let settings = args.config.merge(flags, &keys::router(), "router")?;
@@ -30,6 +33,9 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let config = settings.stack_config(0, false)?;
+    settings.check_exposure(&config.access, false)?;
+    let options = settings.serve_options()?;
+    let scheme = super::scheme(&options);
     let policy = config.router.scheduler.policy;
     let timeout = settings.ready_timeout()?;
     super::runtime()?.block_on(async move {
@@ -40,13 +46,13 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
         let workers = stack.workers.len();
         tracing::info!(%local, workers, %policy, "kvroute router ready");
         super::announce(&[
-            format!("kvroute router listening on http://{local} ({workers} configured workers, policy {policy})"),
+            format!("kvroute router listening on {scheme}://{local} ({workers} configured workers, policy {policy})"),
             format!(
-                "try: curl -s http://{local}/find_best_worker -H 'content-type: application/json' -d '{{\"local_hashes\":[1,2,3],\"num_tokens\":48}}'"
+                "try: curl -s {scheme}://{local}/find_best_worker -H 'content-type: application/json' -d '{{\"local_hashes\":[1,2,3],\"num_tokens\":48}}'"
             ),
         ]);
         let app = stack.router_app().ok_or_else(|| anyhow::anyhow!("no router"))?;
-        super::serve_until_signal(listener, app).await?;
+        super::serve_until_signal(listener, app, options).await?;
         Ok(ExitCode::SUCCESS)
     })
 }

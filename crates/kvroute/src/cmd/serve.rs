@@ -6,12 +6,19 @@ use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{DEFAULT_SIMULATED_WORKERS, Settings, keys};
 
-use super::args::{BlockSizeArg, ConfigArgs, EngineArgs, ListenArgs, ModelArgs, RoutingArgs};
+use super::args::{
+    BlockSizeArg, ConfigArgs, EngineArgs, FrontDoorArgs, ListenArgs, ModelArgs, RoutingArgs,
+    SecurityArgs,
+};
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
     #[command(flatten)]
     listen: ListenArgs,
+    #[command(flatten)]
+    security: SecurityArgs,
+    #[command(flatten)]
+    front_door: FrontDoorArgs,
     /// Simulated workers to start in-process, on free loopback ports; 0 with --worker for
     /// external workers only [default: 4].
     #[arg(long, visible_alias = "workers", env = "KVROUTE_SIMULATED_WORKERS")]
@@ -32,6 +39,8 @@ pub(crate) struct ServeArgs {
 pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let mut flags = Settings { simulated_workers: args.simulated_workers, ..Settings::default() };
     args.listen.apply(&mut flags);
+    args.security.apply(&mut flags);
+    args.front_door.apply(&mut flags);
     args.block_size.apply(&mut flags);
     args.routing.apply(&mut flags);
     args.model.apply(&mut flags);
@@ -46,6 +55,9 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         "no workers: use --simulated-workers N or --worker ..."
     );
     let config = settings.stack_config(simulated, true)?;
+    settings.check_exposure(&config.access, true)?;
+    let options = settings.serve_options()?;
+    let scheme = super::scheme(&options);
     let policy = config.router.scheduler.policy;
     let timeout = settings.ready_timeout()?;
     super::runtime()?.block_on(async move {
@@ -55,13 +67,13 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         let local = listener.local_addr()?;
         let n = stack.workers.len();
         super::announce(&[
-            format!("kvroute serve ready on http://{local} ({n} workers, policy {policy})"),
+            format!("kvroute serve ready on {scheme}://{local} ({n} workers, policy {policy})"),
             format!(
-                "try: curl -s http://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":16}}'"
+                "try: curl -s {scheme}://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":16}}'"
             ),
         ]);
         let app = stack.frontend_app().ok_or_else(|| anyhow::anyhow!("no front door"))?;
-        super::serve_until_signal(listener, app).await?;
+        super::serve_until_signal(listener, app, options).await?;
         Ok(ExitCode::SUCCESS)
     })
 }
