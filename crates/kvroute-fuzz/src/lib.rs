@@ -1,0 +1,155 @@
+//! One function per decoder of untrusted bytes, each taking the bytes the whole way a server
+//! would: decoded, converted and applied to a router's index, or prepared as a request. The
+//! cargo-fuzz targets in `fuzz/` call them; `tests/corpus.rs` replays `fuzz/corpus` and
+//! `fuzz/regressions` through them in the ordinary test suite. Each must return, never panic,
+//! whatever the bytes.
+//!
+//! | target | bytes | path |
+//! |---|---|---|
+//! | `vllm` | a vLLM / SGLang msgpack batch | decode, convert, apply |
+//! | `trtllm_json`, `trtllm_msgpack` | TensorRT-LLM event dicts | decode, convert, apply |
+//! | `router_events` | kvroute `RouterEvent` JSON (`POST /events`) | decode, apply as posted |
+//! | `router_api` | a `find_best_worker` body | decode, place |
+//! | `openai_chat`, `openai_completion` | OpenAI request bodies | decode, size checks, template, tokens |
+//! | `image` | an encoded image | header checks, decode, identifier |
+
+use std::sync::{Arc, OnceLock};
+
+use kvroute_core::{BlockSize, LocalBlockHash, RouterEvent, WorkerId};
+use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest};
+use kvroute_http::router_api::FindBestWorker;
+use kvroute_preprocess::{ImageConfig, Preprocessor, images};
+use kvroute_router::{Placement, RouterConfig, RouterState, WorkerSpec};
+use kvroute_wire::{ConvertConfig, Converter, trtllm};
+
+/// What a target does with its input.
+pub type Target = fn(&[u8]);
+
+/// Every target, by the name of its corpus directory.
+pub const TARGETS: &[(&str, Target)] = &[
+    ("vllm", vllm),
+    ("trtllm_json", trtllm_json),
+    ("trtllm_msgpack", trtllm_msgpack),
+    ("router_events", router_events),
+    ("router_api", router_api),
+    ("openai_chat", openai_chat),
+    ("openai_completion", openai_completion),
+    ("image", image),
+];
+
+/// A router over two configured workers, with small bounds.
+fn router() -> RouterState {
+    let config = RouterConfig {
+        workers: vec![WorkerSpec::new(1), WorkerSpec::new(2)],
+        shards: 2,
+        max_dp_size: 8,
+        ..RouterConfig::default()
+    };
+    RouterState::new(config)
+}
+
+fn converter() -> Converter {
+    let block_size = BlockSize::new(4).unwrap_or_default();
+    Converter::new(ConvertConfig {
+        block_size,
+        image_token_id: Some(151_655),
+        vocab_size: Some(151_936),
+    })
+}
+
+fn apply(state: &RouterState, worker: u64, events: Vec<kvroute_core::KvCacheEvent>) {
+    let events: Vec<RouterEvent> = events
+        .into_iter()
+        .map(|event| RouterEvent { worker_id: WorkerId(worker), event })
+        .collect();
+    state.apply(&events);
+    let _ = state.workers();
+}
+
+pub fn vllm(data: &[u8]) {
+    let Ok(batch) = kvroute_wire::vllm::decode_batch(data) else { return };
+    let state = router();
+    let events = converter().vllm_batch(&batch, 0);
+    apply(&state, 1, events);
+}
+
+fn trtllm_events(decoded: Result<Vec<trtllm::TrtEvent>, kvroute_wire::WireError>) {
+    let Ok(decoded) = decoded else { return };
+    let state = router();
+    let mut converter = converter();
+    let events = decoded.iter().filter_map(|e| converter.trtllm_event(e)).collect();
+    apply(&state, 2, events);
+}
+
+pub fn trtllm_json(data: &[u8]) {
+    trtllm_events(trtllm::decode_json(data));
+}
+
+pub fn trtllm_msgpack(data: &[u8]) {
+    trtllm_events(trtllm::decode_msgpack(data));
+}
+
+pub fn router_events(data: &[u8]) {
+    let Ok(events) = kvroute_wire::decode_router_events(data) else { return };
+    let state = router();
+    state.apply_posted(&events);
+    let _ = state.workers();
+}
+
+pub fn router_api(data: &[u8]) {
+    let Ok(req) = serde_json::from_slice::<FindBestWorker>(data) else { return };
+    let Ok(num_tokens) = usize::try_from(req.num_tokens) else { return };
+    if num_tokens == 0 {
+        return;
+    }
+    let state = router();
+    let local: Vec<LocalBlockHash> = req.local_hashes.iter().copied().map(LocalBlockHash).collect();
+    let placement = Placement {
+        local_hashes: &local,
+        num_tokens,
+        request_id: req.request_id.as_deref(),
+        overlap_weight: req.overlap_score_weight.filter(|w| w.is_finite()),
+        temperature: req.temperature.filter(|t| t.is_finite() && *t >= 0.0),
+        exclude: &req.exclude,
+    };
+    let _ = state.place(&placement);
+}
+
+fn preprocessor() -> &'static Arc<Preprocessor> {
+    static MODEL: OnceLock<Arc<Preprocessor>> = OnceLock::new();
+    MODEL.get_or_init(|| Arc::new(Preprocessor::builtin()))
+}
+
+/// The context length the request targets use (small, so the size checks are exercised).
+const MAX_MODEL_LEN: u64 = 4096;
+
+pub fn openai_chat(data: &[u8]) {
+    let Ok(req) = serde_json::from_slice::<ChatCompletionRequest>(data) else { return };
+    let p = preprocessor();
+    let texts = req.messages.iter().map(|m| m.role.as_str());
+    if p.check_size(req.messages.len(), texts, MAX_MODEL_LEN).is_err() {
+        return;
+    }
+    // Images are the `image` target's; here they are left out as a text-only request.
+    let messages: Vec<_> = req
+        .messages
+        .into_iter()
+        .filter(|m| kvroute_preprocess::image_urls(std::slice::from_ref(m)).is_empty())
+        .collect();
+    let _ = p.prepare_chat(&messages, true, Vec::new());
+}
+
+pub fn openai_completion(data: &[u8]) {
+    let Ok(req) = serde_json::from_slice::<CompletionRequest>(data) else { return };
+    let _ = preprocessor().prepare_completion_request(&req, MAX_MODEL_LEN);
+}
+
+pub fn image(data: &[u8]) {
+    // Bounds small enough that each input decodes in milliseconds.
+    let config = ImageConfig {
+        max_image_pixels: 1 << 20,
+        max_request_pixels: 1 << 20,
+        ..ImageConfig::default()
+    };
+    let _ = images::decode(data, &config);
+}
