@@ -1,0 +1,337 @@
+//! The fault suite: real `kvroute mocker` processes behind a real `kvroute frontend`, killed
+//! (SIGKILL), stopped (SIGSTOP) and restarted on the same ports under streaming load, and what
+//! the clients saw. `scripts/faults` runs it with the report printed.
+//!
+//! - SIGKILL under 8 requests/s of streams: at most the requests in flight on the killed
+//!   worker fail, each ending with an SSE error event (not a truncated body); every request
+//!   started after the kill succeeds; none reaches it 2 s after.
+//! - Restart on the same ports: its old blocks are forgotten (the router's predictions match
+//!   what the engine then serves from cache).
+//! - SIGSTOP: no request waits longer than the first-byte timeout (plus its own generation).
+
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+const FIRST_BYTE_TIMEOUT_SECS: f64 = 2.0;
+
+fn kvroute() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("KVROUTE_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+struct Process {
+    child: Child,
+    line: String,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = signal(&self.child, "CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn signal(child: &Child, name: &str) -> bool {
+    Command::new("kill")
+        .args([format!("-{name}"), child.id().to_string()])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Starts `cmd` and waits for its ready line (`None` if it exits first).
+fn start(cmd: &mut Command) -> Option<Process> {
+    // `KVROUTE_FAULTS_LOG=dir` keeps each process's log there.
+    let stderr = match std::env::var_os("KVROUTE_FAULTS_LOG") {
+        Some(dir) => {
+            let name = format!("{}.log", NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            Stdio::from(std::fs::File::create(std::path::Path::new(&dir).join(name)).unwrap())
+        }
+        None => Stdio::null(),
+    };
+    let mut child = cmd.stdout(Stdio::piped()).stderr(stderr).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    if line.is_empty() {
+        let _ = child.wait();
+        return None;
+    }
+    Some(Process { child, line })
+}
+
+/// A mocker's URL and ZMQ endpoints, from its ready line.
+#[derive(Clone, Debug)]
+struct Mocker {
+    url: String,
+    events: String,
+    replay: String,
+    load: String,
+}
+
+fn word_after<'a>(line: &'a str, key: &str) -> &'a str {
+    let at = line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len();
+    line[at..].split_whitespace().next().unwrap().trim_end_matches(';')
+}
+
+fn mocker_args(m: Option<&Mocker>) -> Vec<String> {
+    let mut args: Vec<String> = ["mocker", "--speedup", "1", "--num-blocks", "4096"]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    match m {
+        None => args.extend(["--port".to_owned(), "0".to_owned()]),
+        Some(m) => {
+            let port = m.url.rsplit(':').next().unwrap().to_owned();
+            args.extend(["--port".to_owned(), port]);
+            args.extend(["--events".to_owned(), m.events.clone()]);
+            args.extend(["--replay".to_owned(), m.replay.clone()]);
+            args.extend(["--load-metrics".to_owned(), m.load.clone()]);
+        }
+    }
+    args
+}
+
+fn start_mocker(same_as: Option<&Mocker>) -> (Process, Mocker) {
+    // The same ports again right after a kill may take a moment to be free.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(p) = start(kvroute().args(mocker_args(same_as))) {
+            let m = Mocker {
+                url: word_after(&p.line, "listening on ").to_owned(),
+                events: word_after(&p.line, "events ").to_owned(),
+                replay: word_after(&p.line, "replay ").to_owned(),
+                load: word_after(&p.line, "load ").to_owned(),
+            };
+            return (p, m);
+        }
+        assert!(Instant::now() < deadline, "the mocker did not start again on its ports");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn worker_flag(id: u64, m: &Mocker) -> String {
+    format!("id={id},url={},events={},replay={},metrics={}", m.url, m.events, m.replay, m.load)
+}
+
+/// What one client saw.
+#[derive(Clone, Debug)]
+struct Seen {
+    started: Duration,
+    took: Duration,
+    status: u16,
+    worker: Option<u64>,
+    outcome: Outcome,
+    predicted: Option<u64>,
+    cached: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    Done,
+    ErrorEvent,
+    Truncated,
+    Refused,
+}
+
+async fn chat(client: &kvroute_http::HttpClient, base: &str, prompt: &str, t0: Instant) -> Seen {
+    // 128 tokens: ~0.8 s of decoding at a GPU's pace, so several streams are in flight.
+    let body = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 128,
+        "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
+    let started = t0.elapsed();
+    let url = format!("{base}/v1/chat/completions");
+    let response = client.call(hyper::Method::POST, &url, Some(&body)).await;
+    let mut seen = Seen {
+        started,
+        took: Duration::ZERO,
+        status: 0,
+        worker: None,
+        outcome: Outcome::Refused,
+        predicted: None,
+        cached: None,
+    };
+    let Ok(response) = response else {
+        seen.took = t0.elapsed() - started;
+        return seen;
+    };
+    seen.status = response.status().as_u16();
+    let header = |name: &str| {
+        response.headers().get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
+    };
+    seen.worker = header("x-kvroute-worker");
+    seen.predicted = header("x-kvroute-overlap-tokens");
+    let body = kvroute_http::client::read_body(response.into_body(), 16 << 20).await;
+    seen.took = t0.elapsed() - started;
+    let Ok(bytes) = body else {
+        seen.outcome = Outcome::Truncated;
+        return seen;
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    seen.outcome = if events.iter().any(|e| e.starts_with("{\"error\"")) {
+        Outcome::ErrorEvent
+    } else if events.last() == Some(&"[DONE]") {
+        Outcome::Done
+    } else {
+        Outcome::Truncated
+    };
+    seen.cached = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find_map(|v| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64());
+    seen
+}
+
+fn prompt(k: usize) -> String {
+    format!("Conversation {k}: tell me everything about the number {k} and its friends. ").repeat(8)
+}
+
+fn report(title: &str, seen: &[Seen]) {
+    eprintln!("\n{title}");
+    eprintln!("  start_ms  took_ms  status  worker  outcome     predicted  cached");
+    for s in seen {
+        eprintln!(
+            "  {:>8} {:>8} {:>7} {:>7}  {:<11} {:>9} {:>7}",
+            s.started.as_millis(),
+            s.took.as_millis(),
+            s.status,
+            s.worker.map_or("-".to_owned(), |w| w.to_string()),
+            format!("{:?}", s.outcome),
+            s.predicted.map_or("-".to_owned(), |w| w.to_string()),
+            s.cached.map_or("-".to_owned(), |w| w.to_string()),
+        );
+    }
+}
+
+async fn get_json(client: &kvroute_http::HttpClient, url: &str) -> Value {
+    client.get_json(url).await.unwrap()
+}
+
+#[test]
+fn workers_killed_stopped_and_restarted_under_load() {
+    let (mut a, ma) = start_mocker(None);
+    let (b, mb) = start_mocker(None);
+    let front = start(kvroute().args([
+        "frontend",
+        "--port",
+        "0",
+        "--expose-overlap",
+        "--first-byte-timeout",
+        &FIRST_BYTE_TIMEOUT_SECS.to_string(),
+        "--worker",
+        &worker_flag(1, &ma),
+        "--worker",
+        &worker_flag(2, &mb),
+    ]))
+    .expect("the front door starts");
+    let base = word_after(&front.line, "ready on ").to_owned();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let client = Arc::new(kvroute_http::HttpClient::new());
+
+    // 1. SIGKILL worker 1 under 8 streams a second.
+    let t0 = Instant::now();
+    let kill_at = Duration::from_millis(1500);
+    let seen: Vec<Seen> = runtime.block_on(async {
+        let mut tasks = Vec::new();
+        for k in 0..40 {
+            let (client, base) = (Arc::clone(&client), base.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep_until((t0 + Duration::from_millis(125 * k as u64)).into()).await;
+                chat(&client, &base, &prompt(k % 10), t0).await
+            }));
+        }
+        tokio::time::sleep_until((t0 + kill_at).into()).await;
+        a.child.kill().unwrap();
+        let _ = a.child.wait();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    report("SIGKILL of worker 1 at 1500 ms, 8 streams/s", &seen);
+    let failed: Vec<&Seen> = seen.iter().filter(|s| s.outcome != Outcome::Done).collect();
+    for s in &failed {
+        assert_eq!(s.worker, Some(1), "only the killed worker's requests fail: {s:?}");
+        assert!(s.started < kill_at, "only requests in flight at the kill fail: {s:?}");
+        assert_eq!(s.outcome, Outcome::ErrorEvent, "a broken stream ends with an error event");
+    }
+    for s in seen.iter().filter(|s| s.started >= kill_at) {
+        assert_eq!((s.status, s.outcome), (200, Outcome::Done), "after the kill: {s:?}");
+    }
+    for s in seen.iter().filter(|s| s.started >= kill_at + Duration::from_secs(2)) {
+        assert_eq!(s.worker, Some(2), "nothing reaches the dead worker 2 s on: {s:?}");
+    }
+    eprintln!("  failed: {} (all in flight on worker 1 at the kill)", failed.len());
+
+    // 2. Restart it on the same ports: back in rotation, its old blocks gone.
+    let (a2, _) = start_mocker(Some(&ma));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    runtime.block_on(async {
+        loop {
+            let workers = get_json(&client, &format!("{base}/workers")).await;
+            let ejected = workers["health"]["1"]["ejected"].as_bool();
+            let tree = workers["workers"][0]["tree_size"][0].as_u64();
+            if ejected == Some(false) {
+                assert_eq!(tree, Some(0), "the restarted worker's old blocks are forgotten");
+                break;
+            }
+            assert!(Instant::now() < deadline, "worker 1 not back in rotation: {workers}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let t1 = Instant::now();
+    let again: Vec<Seen> = runtime.block_on(async {
+        let mut out = Vec::new();
+        for k in 0..10 {
+            out.push(chat(&client, &base, &prompt(k), t1).await);
+        }
+        out
+    });
+    report("after the restart on the same ports: the same prompts again", &again);
+    for s in &again {
+        assert_eq!((s.status, s.outcome), (200, Outcome::Done), "{s:?}");
+        assert_eq!(s.predicted, s.cached, "the router predicts what the engine serves: {s:?}");
+    }
+
+    // 3. SIGSTOP worker 2: nobody waits longer than the first-byte timeout.
+    assert!(signal(&b.child, "STOP"));
+    let t2 = Instant::now();
+    let stopped: Vec<Seen> = runtime.block_on(async {
+        let mut tasks = Vec::new();
+        for k in 0..12 {
+            let (client, base) = (Arc::clone(&client), base.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep_until((t2 + Duration::from_millis(250 * k as u64)).into()).await;
+                chat(&client, &base, &prompt(100 + k as usize), t2).await
+            }));
+        }
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    assert!(signal(&b.child, "CONT"));
+    report("SIGSTOP of worker 2, 4 streams/s", &stopped);
+    // A 128-token answer takes about a second here: the rest is waiting.
+    let bound = Duration::from_secs_f64(FIRST_BYTE_TIMEOUT_SECS) + Duration::from_secs(2);
+    for s in &stopped {
+        assert_eq!((s.status, s.outcome, s.worker), (200, Outcome::Done, Some(1)), "{s:?}");
+        assert!(s.took < bound, "waited {:?}, more than the first-byte timeout: {s:?}", s.took);
+    }
+    drop((a2, b, front));
+}
