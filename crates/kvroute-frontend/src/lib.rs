@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Extension, State};
 use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use axum::routing::{get, post};
@@ -31,6 +31,7 @@ use base64::Engine as _;
 use futures_util::StreamExt;
 use http_body_util::Full;
 use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
+use kvroute_http::auth::KeyId;
 use kvroute_http::metrics::{Counter, Gauge, Registry};
 use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest, ModelList};
 use kvroute_http::{ApiError, ClientError, Credentials, HttpClient};
@@ -121,6 +122,8 @@ pub struct FrontendState {
     api_keys: Credentials,
     admin: Credentials,
     expose_overlap: bool,
+    /// Each API key gets its own cache namespace.
+    namespace_per_key: bool,
     /// Prompt plus output tokens at most (checked before routing, as vLLM checks it).
     max_model_len: u64,
 }
@@ -187,6 +190,7 @@ impl FrontendState {
             api_keys: Credentials::default(),
             admin: Credentials::default(),
             expose_overlap: false,
+            namespace_per_key: false,
             max_model_len: preprocessor
                 .max_model_len()
                 .unwrap_or(kvroute_http::openai::DEFAULT_MAX_MODEL_LEN),
@@ -209,6 +213,29 @@ impl FrontendState {
         self.api_keys = api_keys;
         self.admin = admin;
         self
+    }
+
+    /// Gives each API key its own cache namespace: requests reuse cached prefixes only of
+    /// requests with the same key, so one client cannot learn from `cached_tokens` (or timing)
+    /// what another sent. The namespace goes to the engine as vLLM's `cache_salt` (a client's
+    /// own salt is kept inside the key's) and into the router's block hashes.
+    #[must_use]
+    pub fn namespace_per_key(mut self, on: bool) -> Self {
+        self.namespace_per_key = on;
+        self
+    }
+
+    /// The cache namespace of a request: the client's `cache_salt`, inside its key's when
+    /// namespaces are per key.
+    fn namespace(&self, key: Option<&KeyId>, client: Option<&str>) -> Option<String> {
+        let client = client.filter(|c| !c.is_empty());
+        match (self.namespace_per_key, key) {
+            (true, Some(KeyId(key))) => Some(match client {
+                Some(c) => format!("key-{key}/{c}"),
+                None => format!("key-{key}"),
+            }),
+            _ => client.map(str::to_owned),
+        }
     }
 
     /// How long a worker has to start a streamed answer ([`FIRST_BYTE_TIMEOUT`]).
@@ -351,9 +378,11 @@ fn raw(body: &[u8]) -> Result<Value, ApiError> {
 
 async fn chat(
     State(state): State<Arc<FrontendState>>,
+    key: Option<Extension<KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, req) = parse::<ChatCompletionRequest>(body, "messages")?;
+    let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     // Images: fetched once here, forwarded inline, named by their identifier.
     let (prepared, images) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
@@ -361,7 +390,7 @@ async fn chat(
     let mut raw = raw(&body)?;
     drop(body);
     rewrite_image_parts(&mut raw, &images);
-    route_and_proxy(&state, "/v1/chat/completions", &raw, &prepared).await
+    route_and_proxy(&state, "/v1/chat/completions", raw, &prepared, namespace).await
 }
 
 /// Each `image_url` part, in order, gets its image inline (a fetched one as a `data:` URL)
@@ -389,12 +418,14 @@ fn rewrite_image_parts(raw: &mut Value, images: &[LoadedImage]) {
 
 async fn completions(
     State(state): State<Arc<FrontendState>>,
+    key: Option<Extension<KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, req) = parse::<CompletionRequest>(body, "prompt")?;
+    let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let raw = raw(&body)?;
-    route_and_proxy(&state, "/v1/completions", &raw, &prepared).await
+    route_and_proxy(&state, "/v1/completions", raw, &prepared, namespace).await
 }
 
 /// Frees the request's in-flight accounting when dropped: at the end of the response body,
@@ -422,8 +453,9 @@ impl Drop for InFlight {
 async fn route_and_proxy(
     state: &Arc<FrontendState>,
     path: &str,
-    raw: &Value,
+    mut raw: Value,
     prepared: &Prepared,
+    namespace: Option<String>,
 ) -> Result<Response, ApiError> {
     if prepared.tokens.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty"));
@@ -431,8 +463,13 @@ async fn route_and_proxy(
     let bs = state.block_size;
     let block_infos = (!prepared.mm.mm_objects.is_empty())
         .then(|| prepared.mm.to_block_level(bs, prepared.tokens.len()));
-    let local = BlockHasher::new(bs).local_hashes(&prepared.tokens, block_infos.as_deref());
-    let body = Bytes::from(serde_json::to_vec(raw).map_err(ApiError::internal)?);
+    let local = BlockHasher::new(bs)
+        .with_namespace(namespace.as_deref())
+        .local_hashes(&prepared.tokens, block_infos.as_deref());
+    if let (Some(ns), Some(fields)) = (namespace, raw.as_object_mut()) {
+        fields.insert("cache_salt".to_owned(), Value::String(ns));
+    }
+    let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
     let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
     let timeout = if streamed { state.first_byte_timeout } else { RESPONSE_TIMEOUT };
     let mut excluded: Vec<WorkerWithDpRank> = state

@@ -440,3 +440,60 @@ async fn keys_guard_the_front_door_and_the_remote_router() {
     let (status, _) = call_with_key(get, &format!("{router_url}/workers"), None, None).await;
     assert_eq!(status, 401);
 }
+
+/// With a cache namespace per API key, a client reuses only its own cached prefixes: another
+/// key's identical prompt is computed afresh (0 cached tokens, and the router predicts 0), so
+/// `cached_tokens` tells nothing of what others sent. Without it, keys share as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_key_its_own_cache_namespace() {
+    use kvroute_http::Credentials;
+    use kvroute_stack::Access;
+    let keys = Credentials::new(["sk-tenant-a", "sk-tenant-b"], "test").unwrap();
+    for per_key in [true, false] {
+        let mut c = config(1, Vec::new());
+        c.access = Access { api_keys: keys.clone(), ..Access::default() };
+        c.namespace_per_key = per_key;
+        let f = fleet_of(c).await;
+        let url = format!("{}/v1/chat/completions", f.base);
+        let ask = |key: &'static str| {
+            let url = url.clone();
+            async move {
+                let client = HttpClient::new().with_bearer(key);
+                let response =
+                    client.call(hyper::Method::POST, &url, Some(&chat(PROMPT))).await.unwrap();
+                let predicted: u64 = response.headers()["x-kvroute-overlap-tokens"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                let bytes = response.into_body().collect().await.unwrap().to_bytes();
+                (predicted, cached(&serde_json::from_slice(&bytes).unwrap()))
+            }
+        };
+        let worker = f.simulated()[0];
+        assert_eq!(ask("sk-tenant-a").await, (0, 0));
+        stored_within(f.router(), worker, PROMPT, per_key).await;
+        let (predicted, cached_b) = ask("sk-tenant-b").await;
+        assert_eq!(predicted, cached_b, "the router predicts what the engine serves");
+        match per_key {
+            true => assert_eq!(cached_b, 0, "another key's prompt is not served from cache"),
+            false => assert!(cached_b > 0, "one namespace for all"),
+        }
+        let (predicted, cached_a) = ask("sk-tenant-a").await;
+        assert!(cached_a > 0 && predicted == cached_a, "{predicted} {cached_a}");
+    }
+}
+
+/// Waits until the router holds `text`'s blocks on `worker`, hashed in some key's namespace
+/// (`namespaced`) or none.
+async fn stored_within(router: &RouterState, worker: u64, text: &str, namespaced: bool) {
+    if !namespaced {
+        return stored(router, worker, text).await;
+    }
+    let w = WorkerWithDpRank::new(worker, 0u32);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while router.index.tree_size(w) < blocks_of(text).len() {
+        assert!(Instant::now() < deadline, "the worker's Stored events never reached the router");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -15,6 +15,12 @@ use axum::response::{IntoResponse, Response};
 
 use crate::ApiError;
 
+/// Which key a request carried: the first 16 hex digits of its digest (no secret; the same
+/// for every request with that key). Handlers behind [`require`] find it in the request's
+/// extensions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyId(pub String);
+
 /// A set of accepted bearer keys; empty accepts everyone. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct Credentials {
@@ -84,15 +90,22 @@ impl Credentials {
 
     /// Whether `key` is one of the keys.
     pub fn accepts(&self, key: &str) -> bool {
-        let digest = blake3::hash(key.as_bytes());
-        // `Hash` compares in constant time; every key is compared.
-        self.digests.iter().fold(false, |found, d| found | (*d == digest))
+        self.find(key).is_some()
     }
 
-    /// Checks a request's `Authorization: Bearer` header; `Ok` when no key is set.
-    pub fn check(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+    /// The id of `key` if it is one of the keys.
+    fn find(&self, key: &str) -> Option<KeyId> {
+        let digest = blake3::hash(key.as_bytes());
+        // `Hash` compares in constant time; every key is compared.
+        let found = self.digests.iter().fold(false, |found, d| found | (*d == digest));
+        found.then(|| KeyId(digest.to_hex()[..16].to_owned()))
+    }
+
+    /// Checks a request's `Authorization: Bearer` header: the key's id, or `None` when no key
+    /// is set.
+    pub fn check(&self, headers: &HeaderMap) -> Result<Option<KeyId>, ApiError> {
         if self.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let Some(value) = headers.get(header::AUTHORIZATION) else {
             return Err(unauthorized(
@@ -104,9 +117,9 @@ impl Credentials {
             .to_str()
             .ok()
             .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
-        match key {
-            Some(key) if self.accepts(key.trim()) => Ok(()),
-            _ => Err(unauthorized("Incorrect API key provided.", Some("invalid_api_key"))),
+        match key.and_then(|k| self.find(k.trim())) {
+            Some(id) => Ok(Some(id)),
+            None => Err(unauthorized("Incorrect API key provided.", Some("invalid_api_key"))),
         }
     }
 }
@@ -131,9 +144,18 @@ pub fn require<S: Clone + Send + Sync + 'static>(
     router.route_layer(middleware::from_fn_with_state(keys, check_request))
 }
 
-async fn check_request(State(keys): State<Credentials>, request: Request, next: Next) -> Response {
+async fn check_request(
+    State(keys): State<Credentials>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     match keys.check(request.headers()) {
-        Ok(()) => next.run(request).await,
+        Ok(id) => {
+            if let Some(id) = id {
+                request.extensions_mut().insert(id);
+            }
+            next.run(request).await
+        }
         Err(e) => {
             let mut response = e.into_response();
             response
@@ -161,8 +183,12 @@ mod tests {
     fn several_keys_each_accepted_others_refused() {
         let keys = Credentials::new(["sk-first-key", " sk-second-key ", ""], "test").unwrap();
         assert_eq!(keys.len(), 2);
-        assert!(keys.check(&bearer("sk-first-key")).is_ok());
-        assert!(keys.check(&bearer("sk-second-key")).is_ok());
+        let first = keys.check(&bearer("sk-first-key")).unwrap().unwrap();
+        let second = keys.check(&bearer("sk-second-key")).unwrap().unwrap();
+        assert_ne!(first, second, "each key its id");
+        assert_eq!(keys.check(&bearer("sk-first-key")).unwrap(), Some(first.clone()));
+        assert_eq!(first.0.len(), 16);
+        assert!(!first.0.contains("first"), "the id is no part of the key");
         let wrong = keys.check(&bearer("sk-first-kez")).unwrap_err();
         assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
         let body = serde_json::to_value(wrong.body()).unwrap();
@@ -171,7 +197,7 @@ mod tests {
         assert!(!body.to_string().contains("sk-first"), "no key in the body: {body}");
         let missing = keys.check(&HeaderMap::new()).unwrap_err();
         assert!(missing.message().starts_with("You didn't provide an API key"));
-        assert!(Credentials::default().check(&HeaderMap::new()).is_ok(), "no keys: open");
+        assert_eq!(Credentials::default().check(&HeaderMap::new()).unwrap(), None, "open");
         assert!(format!("{keys:?}").ends_with("(2 keys)"), "Debug shows no key");
     }
 

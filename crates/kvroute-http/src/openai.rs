@@ -94,6 +94,9 @@ pub struct ChatCompletionRequest {
     /// vLLM's extension: generate past the end-of-turn token, up to the output limit.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// vLLM's cache namespace: prefixes are shared only between requests with the same salt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
 }
 
 impl ChatCompletionRequest {
@@ -118,6 +121,9 @@ pub struct CompletionRequest {
     /// vLLM's extension: generate past the end-of-turn token, up to the output limit.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// vLLM's cache namespace (see [`ChatCompletionRequest::cache_salt`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
 }
 
 /// Tokens of one request; `prompt_tokens_details.cached_tokens` are the prompt tokens the

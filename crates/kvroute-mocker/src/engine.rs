@@ -75,6 +75,9 @@ pub struct EngineRequest {
     /// Tokens to generate (at least 1).
     pub max_tokens: usize,
     pub plan: OutputPlan,
+    /// The request's cache namespace (vLLM's `cache_salt`): its blocks are shared only with
+    /// requests of the same one, and its events carry it.
+    pub cache_salt: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -239,6 +242,7 @@ impl Engine {
             prompt_len: req.tokens.len(),
             tokens: req.tokens,
             mm: req.block_mm_infos,
+            namespace: req.cache_salt.filter(|s| !s.is_empty()),
             max_tokens: req.max_tokens.max(1),
             plan: req.plan,
             hashes: Vec::new(),
@@ -516,7 +520,7 @@ fn stored_event(bs: usize, s: &Sequence, blocks: &[usize]) -> EngineEvent {
         medium: Some("GPU".to_owned()),
         lora_name: None,
         extra_keys,
-        cache_salt: None,
+        cache_salt: s.namespace.clone(),
         group_idx: None,
     })
 }

@@ -141,6 +141,7 @@ async fn chat(
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         ignore_eos: req.ignore_eos,
+        cache_salt: req.cache_salt,
     };
     generate(&state, prepared, ask).await
 }
@@ -157,18 +158,20 @@ async fn completions(
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         ignore_eos: req.ignore_eos,
+        cache_salt: req.cache_salt,
     };
     generate(&state, prepared, ask).await
 }
 
 /// What a request asks of the engine besides its prompt.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Ask {
     kind: Kind,
     max_tokens: u64,
     stream: bool,
     include_usage: bool,
     ignore_eos: bool,
+    cache_salt: Option<String>,
 }
 
 async fn generate(
@@ -176,7 +179,7 @@ async fn generate(
     prepared: Prepared,
     ask: Ask,
 ) -> Result<Response, ApiError> {
-    let Ask { kind, max_tokens, stream, include_usage, ignore_eos } = ask;
+    let Ask { kind, max_tokens, stream, include_usage, ignore_eos, cache_salt } = ask;
     let config = state.engine.config;
     let bs = config.block_size;
     if prepared.tokens.is_empty() {
@@ -204,6 +207,7 @@ async fn generate(
         block_mm_infos,
         max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX).max(1),
         plan,
+        cache_salt,
     };
     let (outputs, guard) = state.engine.submit(request);
     let created = std::time::SystemTime::now()

@@ -62,6 +62,8 @@ pub(crate) struct Sequence {
     pub(crate) prompt_len: usize,
     pub(crate) tokens: Vec<u32>,
     pub(crate) mm: Option<Vec<Option<BlockExtraInfo>>>,
+    /// Its cache namespace (`cache_salt`), folded into every block hash.
+    pub(crate) namespace: Option<String>,
     pub(crate) max_tokens: usize,
     pub(crate) plan: OutputPlan,
     /// Sequence hashes of the full blocks of `tokens`, as far as computed.
@@ -84,6 +86,7 @@ impl Sequence {
     /// Hashes of every full block of the known tokens.
     pub(crate) fn full_hashes(&mut self, hasher: &BlockHasher) -> &[SequenceHash] {
         let bs = hasher.block_size().tokens();
+        let hasher = hasher.with_namespace(self.namespace.as_deref());
         let full = self.tokens.len() / bs;
         while self.hashes.len() < full {
             let b = self.hashes.len();

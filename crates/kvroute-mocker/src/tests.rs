@@ -22,7 +22,14 @@ fn plan() -> OutputPlan {
 }
 
 fn request(id: &str, tokens: Vec<u32>, max_tokens: usize) -> EngineRequest {
-    EngineRequest { id: id.to_owned(), tokens, block_mm_infos: None, max_tokens, plan: plan() }
+    EngineRequest {
+        id: id.to_owned(),
+        tokens,
+        block_mm_infos: None,
+        max_tokens,
+        plan: plan(),
+        cache_salt: None,
+    }
 }
 
 /// The tokens `id` generated, in order.
@@ -166,6 +173,7 @@ fn image_blocks_carry_the_identifier() {
             block_mm_infos: Some(infos),
             max_tokens: 1,
             plan: plan(),
+            cache_salt: None,
         })
         .unwrap();
     let events = events(&run(&mut engine));
@@ -346,4 +354,42 @@ fn preemption_takes_the_newest_running_request() {
         }
     }
     assert_eq!(first_preempted.as_deref(), Some("new"));
+}
+
+/// `cache_salt` namespaces the cache: the same prompt under another salt shares nothing, the
+/// same salt shares everything, and the events carry the salt, so the router's hashes (the
+/// salt folded in) match the salted request's and not the plain one's.
+#[test]
+fn a_cache_salt_namespaces_blocks_and_their_events() {
+    let mut engine = Engine::new(config(1000));
+    let prompt: Vec<u32> = (2000..2064).collect();
+    let salted = |id: &str, salt: &str| EngineRequest {
+        cache_salt: Some(salt.to_owned()),
+        ..request(id, prompt.clone(), 1)
+    };
+    engine.submit(salted("a", "key-a")).unwrap();
+    let steps = run(&mut engine);
+    engine.submit(salted("b", "key-b")).unwrap();
+    engine.submit(request("plain", prompt.clone(), 1)).unwrap();
+    let later = run(&mut engine);
+    engine.submit(salted("a2", "key-a")).unwrap();
+    let again = run(&mut engine);
+    assert_eq!(usage_of(&later, "b").cached_tokens, 0, "another salt shares nothing");
+    assert_eq!(usage_of(&later, "plain").cached_tokens, 0, "nor does no salt");
+    assert_eq!(usage_of(&again, "a2").cached_tokens, 48, "the same salt shares its blocks");
+
+    let mut index = RadixIndex::new();
+    let mut converter = Converter::new(ConvertConfig::new(BlockSize::new(16).unwrap()));
+    for (seq, step) in steps.iter().enumerate() {
+        let bytes =
+            encode_batch(&KvEventBatch { ts: 0.0, events: step.events.clone(), dp_rank: Some(0) });
+        for event in converter.vllm_batch(&decode_batch(&bytes).unwrap(), seq as u64) {
+            index.apply_event(&RouterEvent::new(3u64, event)).unwrap();
+        }
+    }
+    let hasher = BlockHasher::new(BlockSize::new(16).unwrap());
+    let w = WorkerWithDpRank::new(3u64, 0u32);
+    let salted_hashes = hasher.with_namespace(Some("key-a")).local_hashes(&prompt, None);
+    assert_eq!(index.find_matches(&salted_hashes).score(w), 4);
+    assert_eq!(index.find_matches(&hasher.local_hashes(&prompt, None)).score(w), 0);
 }

@@ -320,3 +320,40 @@ async fn kv_events_and_load_reports_are_published() {
     let prompt_blocks = m.state.engine.snapshot().stats.prompt_tokens as usize / 16;
     assert_eq!(stored, prompt_blocks, "every full prompt block announced once");
 }
+
+/// The largest request the context allows, on a cache it fills alone, beside ordinary ones:
+/// everyone finishes. (An unbounded `max_tokens` once left a small engine with a preempted
+/// giant, nothing running and the others waiting for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_as_large_as_the_cache_does_not_starve_the_others() {
+    let m = Arc::new(start(16, Endpoints::default()).await);
+    let max_model_len = m.state.max_model_len;
+    assert_eq!(max_model_len, 16 * 16, "the context is capped at the cache");
+    let (_, rendered) = m
+        .post(
+            "/v1/chat/completions/render",
+            &json!({"messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    let prompt = rendered["token_ids"].as_array().map_or(0, Vec::len) as u64;
+    assert!(prompt > 0, "{rendered}");
+    let mut giant = chat("hi", (max_model_len - prompt) as usize);
+    giant["ignore_eos"] = json!(true);
+    let too_big = chat("hi", (max_model_len - prompt + 1) as usize);
+    assert_eq!(m.post("/v1/chat/completions", &too_big).await.0, 400);
+    let mut tasks = vec![{
+        let m = Arc::clone(&m);
+        tokio::spawn(async move { m.post("/v1/chat/completions", &giant).await })
+    }];
+    for k in 0..3 {
+        let m = Arc::clone(&m);
+        let mut small = chat(&format!("question {k}"), 8);
+        small["ignore_eos"] = json!(true);
+        tasks.push(tokio::spawn(async move { m.post("/v1/chat/completions", &small).await }));
+    }
+    for task in tasks {
+        let (status, v) =
+            tokio::time::timeout(Duration::from_secs(60), task).await.unwrap().unwrap();
+        assert_eq!(status, 200, "{v}");
+    }
+}

@@ -106,6 +106,8 @@ pub struct StackConfig {
     pub expose_overlap: bool,
     /// How long a worker has to start a streamed answer (`None`: the front door's default).
     pub first_byte_timeout: Option<Duration>,
+    /// Each API key its own cache namespace (see `FrontendState::namespace_per_key`).
+    pub namespace_per_key: bool,
 }
 
 impl Default for StackConfig {
@@ -120,6 +122,7 @@ impl Default for StackConfig {
             access: Access::default(),
             expose_overlap: false,
             first_byte_timeout: None,
+            namespace_per_key: false,
         }
     }
 }
@@ -163,6 +166,7 @@ impl Stack {
             access,
             expose_overlap,
             first_byte_timeout,
+            namespace_per_key,
         } = config;
         let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
         let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
@@ -219,7 +223,8 @@ impl Stack {
         let frontend = frontend.map(|f| {
             let f = f
                 .guarded(access.api_keys.clone(), access.admin.clone())
-                .expose_overlap(expose_overlap);
+                .expose_overlap(expose_overlap)
+                .namespace_per_key(namespace_per_key);
             let f = match first_byte_timeout {
                 Some(t) => f.first_byte_timeout(t),
                 None => f,

@@ -89,6 +89,8 @@ pub struct Settings {
     pub expose_overlap: Option<bool>,
     /// Seconds a worker has to start a streamed answer.
     pub first_byte_timeout: Option<f64>,
+    /// Each API key its own cache namespace.
+    pub cache_namespace_per_key: Option<bool>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<WorkerSpec>,
 }
@@ -103,7 +105,8 @@ pub const ENV_ROUTER_TOKEN: &str = "KVROUTE_ROUTER_TOKEN";
 pub mod keys {
     const LISTEN: [&str; 6] =
         ["host", "port", "admin_token_file", "tls_cert", "tls_key", "insecure"];
-    const FRONT_DOOR: [&str; 3] = ["api_keys_file", "expose_overlap", "first_byte_timeout"];
+    const FRONT_DOOR: [&str; 4] =
+        ["api_keys_file", "expose_overlap", "first_byte_timeout", "cache_namespace_per_key"];
     const ROUTING: [&str; 10] = [
         "block_size",
         "policy",
@@ -200,7 +203,7 @@ impl Settings {
             router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
             seed, max_model_len, model_path, allow_private_image_urls, api_keys_file,
             admin_token_file, router_token_file, tls_cert, tls_key, insecure, expose_overlap,
-            first_byte_timeout))
+            first_byte_timeout, cache_namespace_per_key))
     }
 
     /// The settings as TOML (what `--print-config` shows).
@@ -377,6 +380,7 @@ impl Settings {
             fetch: self.fetch_config(),
             access: self.access()?,
             expose_overlap: self.expose_overlap.unwrap_or(false),
+            namespace_per_key: self.cache_namespace_per_key.unwrap_or(false),
             first_byte_timeout: self
                 .first_byte_timeout
                 .map(|t| secs(t, "first_byte_timeout"))

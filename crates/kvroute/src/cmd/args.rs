@@ -58,6 +58,11 @@ pub(crate) struct FrontDoorArgs {
     /// worker and this one is ejected for a while [default: 15].
     #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT")]
     first_byte_timeout: Option<f64>,
+    /// Give each API key its own cache namespace (vLLM's cache_salt, also in the router's
+    /// hashes): a client then reuses only its own cached prefixes and cannot learn from
+    /// cached_tokens what other clients sent. Engines must honour cache_salt.
+    #[arg(long, env = "KVROUTE_CACHE_NAMESPACE_PER_KEY")]
+    cache_namespace_per_key: bool,
 }
 
 /// Tokens per KV block.
@@ -183,6 +188,7 @@ impl FrontDoorArgs {
         s.api_keys_file.clone_from(&self.api_keys_file);
         s.expose_overlap = self.expose_overlap.then_some(true);
         s.first_byte_timeout = self.first_byte_timeout;
+        s.cache_namespace_per_key = self.cache_namespace_per_key.then_some(true);
     }
 }
 
