@@ -337,6 +337,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                     ttft_p50_ms = format!("{:.1}", summary.ttft_ms.p50.unwrap_or(f64::NAN)),
                     hit_rate = format!("{:.3}", summary.hit_rate.unwrap_or(f64::NAN)),
                     errors = summary.errors,
+                    drifts = data.drifts.map_or("-".to_owned(), |d| d.to_string()),
                     "run done"
                 );
                 runs.push((data, summary));

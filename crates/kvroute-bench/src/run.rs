@@ -147,6 +147,9 @@ pub struct RunData {
     pub stats_end: Vec<WorkerStats>,
     /// From the first request sent to the last answer.
     pub wall_secs: f64,
+    /// Workers the router found drifted during the run (its self-check; `None` when the
+    /// target does not say).
+    pub drifts: Option<u64>,
 }
 
 /// A request that has not finished after this long is recorded as failed.
@@ -392,7 +395,25 @@ async fn drive(
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     samples.push(Sample { t: wall_secs, workers: stats_end.clone() });
-    Ok(RunData { label: label.to_owned(), records, samples, stats_start, stats_end, wall_secs })
+    let drifts = drifts(&client, &driver.base).await;
+    Ok(RunData {
+        label: label.to_owned(),
+        records,
+        samples,
+        stats_start,
+        stats_end,
+        wall_secs,
+        drifts,
+    })
+}
+
+/// The drifts a kvroute front door's embedded router counted (its `/workers`).
+async fn drifts(client: &HttpClient, base: &str) -> Option<u64> {
+    let url = format!("{}/workers", base.trim_end_matches('/'));
+    let workers: Value =
+        tokio::time::timeout(Duration::from_secs(5), client.get_json(&url)).await.ok()?.ok()?;
+    let list = workers.get("workers")?.as_array()?;
+    Some(list.iter().filter_map(|w| w.pointer("/checks/drifts")?.as_u64()).sum())
 }
 
 /// The path and body of a request; a conversation turn appends its messages to

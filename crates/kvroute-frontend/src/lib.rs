@@ -434,12 +434,16 @@ struct InFlight {
     state: Arc<FrontendState>,
     id: String,
     prefilled: bool,
+    /// What the router predicted (worker, cached tokens, whether the prompt has a full block)
+    /// and what the engine reported it served, compared when the request ends.
+    predicted: Option<(WorkerWithDpRank, u64, bool)>,
+    served: Option<u64>,
 }
 
 impl InFlight {
     fn new(state: &Arc<FrontendState>, id: String) -> Self {
         state.metrics.in_flight.inc();
-        Self { state: Arc::clone(state), id, prefilled: false }
+        Self { state: Arc::clone(state), id, prefilled: false, predicted: None, served: None }
     }
 }
 
@@ -447,6 +451,11 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.state.metrics.in_flight.dec();
         self.state.placer.finish(&self.id);
+        if let (Some((worker, predicted, full)), Some(served), Some(router)) =
+            (self.predicted, self.served, self.state.placer.router())
+        {
+            router.record_answer(worker, predicted, served, full);
+        }
     }
 }
 
@@ -469,8 +478,20 @@ async fn route_and_proxy(
     if let (Some(ns), Some(fields)) = (namespace, raw.as_object_mut()) {
         fields.insert("cache_salt".to_owned(), Value::String(ns));
     }
-    let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
+    // The engine's cached tokens are compared with the router's prediction: a stream is asked
+    // for its usage, which a client that did not ask for it does not see.
     let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
+    let client_usage =
+        raw.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
+    if streamed && !client_usage {
+        let options =
+            raw.as_object_mut().map(|o| o.entry("stream_options").or_insert_with(|| json!({})));
+        if let Some(Value::Object(options)) = options {
+            options.insert("include_usage".to_owned(), Value::Bool(true));
+        }
+    }
+    let full_blocks = prepared.tokens.len() >= bs.tokens();
+    let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
     let timeout = if streamed { state.first_byte_timeout } else { RESPONSE_TIMEOUT };
     let mut excluded: Vec<WorkerWithDpRank> = state
         .health
@@ -523,7 +544,17 @@ async fn route_and_proxy(
             .headers
             .get(header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-        let stream = proxy_body(incoming, guard, worker.worker_id, sse);
+        let overlap_tokens = kvroute_core::schedule::reusable_tokens(
+            overlap_blocks,
+            prepared.tokens.len(),
+            bs.tokens(),
+        );
+        let mut guard = guard;
+        if parts.status.is_success() {
+            guard.predicted = Some((worker, overlap_tokens as u64, full_blocks));
+        }
+        let usage = Usage { sse, strip: streamed && !client_usage, ..Usage::default() };
+        let stream = proxy_body(incoming, guard, worker.worker_id, usage);
         let mut out = Response::builder().status(parts.status);
         for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
             if let Some(v) = parts.headers.get(&name) {
@@ -532,11 +563,6 @@ async fn route_and_proxy(
         }
         out = out.header(WORKER_HEADER, HeaderValue::from(worker.worker_id.0));
         if state.expose_overlap {
-            let overlap_tokens = kvroute_core::schedule::reusable_tokens(
-                overlap_blocks,
-                prepared.tokens.len(),
-                bs.tokens(),
-            );
             out = out.header(OVERLAP_HEADER, HeaderValue::from(overlap_tokens));
         }
         return out.body(Body::from_stream(stream)).map_err(ApiError::internal);
@@ -551,10 +577,11 @@ fn proxy_body(
     incoming: hyper::body::Incoming,
     guard: InFlight,
     worker: WorkerId,
-    sse: bool,
+    usage: Usage,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
     let chunks = http_body_util::BodyExt::into_data_stream(incoming);
-    chunks.scan((guard, false), move |(guard, done), chunk| {
+    let sse = usage.sse;
+    chunks.scan((guard, false, usage), move |(guard, done, usage), chunk| {
         if *done {
             return std::future::ready(None);
         }
@@ -563,7 +590,13 @@ fn proxy_body(
             guard.state.placer.prefill_done(&guard.id);
         }
         let item = match chunk {
-            Ok(bytes) => Ok(bytes),
+            Ok(bytes) => {
+                let (bytes, served) = usage.pass(bytes);
+                if served.is_some() {
+                    guard.served = served;
+                }
+                Ok(bytes)
+            }
             Err(e) => {
                 *done = true;
                 guard.state.metrics.broken.inc();
@@ -577,6 +610,73 @@ fn proxy_body(
         };
         std::future::ready(Some(item))
     })
+}
+
+/// Finds the engine's cached tokens in an answer as it passes: in an event stream, the usage
+/// chunk (dropped when only the front door asked for it; events are passed on whole, as they
+/// complete); in a whole JSON answer, its `usage` (the first [`USAGE_SCAN_LIMIT`] bytes).
+#[derive(Debug, Default)]
+struct Usage {
+    sse: bool,
+    strip: bool,
+    reader: kvroute_http::SseReader,
+    whole: Vec<u8>,
+}
+
+/// Whole answers longer than this are not scanned for their usage.
+const USAGE_SCAN_LIMIT: usize = 1 << 20;
+
+/// An answer's `usage.prompt_tokens_details.cached_tokens` (vLLM reports it only when started
+/// with `--enable-prompt-tokens-details`; without it nothing is compared).
+fn cached_tokens(v: &Value) -> Option<u64> {
+    v.pointer("/usage/prompt_tokens_details/cached_tokens").and_then(Value::as_u64)
+}
+
+impl Usage {
+    /// The bytes to pass on, and the cached tokens if this chunk completed the usage.
+    fn pass(&mut self, bytes: Bytes) -> (Bytes, Option<u64>) {
+        if !self.sse {
+            if self.whole.len() + bytes.len() <= USAGE_SCAN_LIMIT {
+                self.whole.extend_from_slice(&bytes);
+            }
+            let served =
+                serde_json::from_slice::<Value>(&self.whole).ok().and_then(|v| cached_tokens(&v));
+            return (bytes, served);
+        }
+        let mut out = Vec::with_capacity(bytes.len());
+        let mut served = None;
+        for event in self.reader.push(&bytes) {
+            match event {
+                kvroute_http::SseEvent::Done => out.extend_from_slice(b"data: [DONE]\n\n"),
+                kvroute_http::SseEvent::Data(data) => {
+                    let parsed = serde_json::from_str::<Value>(&data).ok();
+                    let found = parsed.as_ref().and_then(cached_tokens);
+                    if found.is_some() {
+                        served = found;
+                    }
+                    let usage_only = parsed.as_ref().is_some_and(|v| {
+                        v.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty)
+                    });
+                    if self.strip && found.is_some() {
+                        if usage_only {
+                            continue;
+                        }
+                        if let Some(mut v) = parsed {
+                            if let Some(o) = v.as_object_mut() {
+                                o.remove("usage");
+                            }
+                            out.extend_from_slice(format!("data: {v}\n\n").as_bytes());
+                            continue;
+                        }
+                    }
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(data.as_bytes());
+                    out.extend_from_slice(b"\n\n");
+                }
+            }
+        }
+        (Bytes::from(out), served)
+    }
 }
 
 /// An error event ending a broken stream (the shape vLLM sends mid-stream), then `[DONE]`.

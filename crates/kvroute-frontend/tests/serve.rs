@@ -497,3 +497,99 @@ async fn stored_within(router: &RouterState, worker: u64, text: &str, namespaced
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// One worker's Removed events are lost on the way to the router (its replay buffer keeps
+/// them) while it evicts: the router goes on predicting blocks the engine no longer holds.
+/// The over-predictions mark it drifted within 50 requests routed to it; it is resynchronised
+/// from its replay; once the link is whole again its predictions agree with what it serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_index_drifts_is_found_and_resynchronised() {
+    let mut c = config(2, Vec::new());
+    c.simulated.engine.num_blocks = 48;
+    let f = fleet_of(c).await;
+    let lossy = f.simulated()[0];
+    f.stack.simulated[0].engine.lose_removed_events(true);
+    let text = |k: usize| format!("Topic {k}. {}", "alpha beta gamma delta epsilon ".repeat(24));
+    let checks = |f: &Fleet| {
+        let w = f.router().workers().into_iter().find(|w| w.id.0 == lossy).unwrap();
+        w.checks
+    };
+    let mut to_lossy = 0;
+    let mut detected = None;
+    'rounds: for round in 0..20 {
+        for k in 0..12 {
+            let a = post(&f.base, "/v1/chat/completions", &chat(&text(k))).await;
+            assert_eq!(a.status, 200, "{}", a.body);
+            if a.worker == Some(lossy) {
+                to_lossy += 1;
+            }
+            if checks(&f).drifts > 0 {
+                detected = Some((round, to_lossy));
+                break 'rounds;
+            }
+        }
+    }
+    let Some((_, routed)) = detected else {
+        panic!("never found drifted ({to_lossy} requests routed to it): {:?}", checks(&f))
+    };
+    assert!(routed <= 50, "found after {routed} requests routed to the drifting worker");
+    // The link is whole again: after the resynchronisation, predictions agree.
+    f.stack.simulated[0].engine.lose_removed_events(false);
+    let mut last = Vec::new();
+    for round in 0..10 {
+        for k in 0..12 {
+            let a = post(&f.base, "/v1/chat/completions", &chat(&text(k + round % 3))).await;
+            if a.worker == Some(lossy) {
+                last.push((a.predicted.unwrap(), cached(&a.body)));
+            }
+        }
+    }
+    let status = checks(&f);
+    assert!(!status.drifted, "{status:?}");
+    let tail = &last[last.len().saturating_sub(8)..];
+    let over = tail.iter().filter(|(p, c)| p > c).count();
+    assert!(over <= 1, "predictions still over what it serves: {tail:?}");
+    assert!(!tail.is_empty());
+    let metrics = f.router().render_metrics();
+    let drifts = format!("kvroute_router_worker_drifts_total{{worker_id=\"{lossy}\"}} 1");
+    assert!(metrics.contains(&drifts), "{metrics}");
+}
+
+/// An engine started without KV events behind a worker whose `events` endpoint is connected
+/// but silent (here another engine's publisher that serves nobody): after 20 answered
+/// requests without one event it is flagged, in `/workers` and `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_serves_without_events_is_flagged_silent() {
+    let engine = |endpoints| kvroute_mocker::MockerConfig {
+        engine: EngineConfig { timing: Timing { speedup: 100.0 }, ..EngineConfig::default() },
+        endpoints,
+        model_path: None,
+        seed: 0,
+        max_model_len: None,
+        dp_rank: 0,
+        fetch: FetchConfig::default(),
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let quiet = kvroute_mocker::spawn(engine(kvroute_mocker::Endpoints::ephemeral()), listener)
+        .await
+        .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let serving =
+        kvroute_mocker::spawn(engine(kvroute_mocker::Endpoints::without_events()), listener)
+            .await
+            .unwrap();
+    let mut spec = WorkerSpec::new(1);
+    spec.url = Some(serving.url.clone());
+    spec.events = quiet.events.clone();
+    let f = fleet_of(config(0, vec![spec])).await;
+    for k in 0..20 {
+        let silent = f.router().workers()[0].checks.silent;
+        assert!(!silent, "flagged after {k} requests");
+        let a = post(&f.base, "/v1/chat/completions", &chat(&format!("{k} {PROMPT}"))).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    assert!(f.router().workers()[0].checks.silent);
+    assert!(
+        f.router().render_metrics().contains("kvroute_router_worker_silent{worker_id=\"1\"} 1")
+    );
+}

@@ -54,13 +54,15 @@ pub enum MockerError {
     Io(#[from] std::io::Error),
 }
 
-/// An engine started by [`spawn`]: where to reach it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// An engine started by [`spawn`]: where to reach it, and its state (for tests that look
+/// inside or inject faults).
+#[derive(Clone, Debug)]
 pub struct Spawned {
     pub url: String,
     pub events: Option<String>,
     pub replay: Option<String>,
     pub metrics: Option<String>,
+    pub state: Arc<http::AppState>,
 }
 
 /// Starts an engine serving its API on `listener`, publishing where `config.endpoints` says
@@ -72,12 +74,14 @@ pub async fn spawn(
     let state = start(config).await?;
     let addr = listener.local_addr()?;
     let bound = state.engine.bound.clone();
-    tokio::spawn(kvroute_http::serve(listener, http::app(state), std::future::pending()));
+    let app = http::app(Arc::clone(&state));
+    tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
     Ok(Spawned {
         url: format!("http://{addr}"),
         events: bound.events,
         replay: bound.replay,
         metrics: bound.metrics,
+        state,
     })
 }
 

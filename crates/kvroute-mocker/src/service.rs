@@ -19,6 +19,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use kvroute_wire::EngineEvent;
 use kvroute_wire::publisher::EventPublisher;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -79,6 +80,7 @@ pub struct EngineHandle {
     pub bound: Endpoints,
     pub dp_rank: u32,
     pub config: EngineConfig,
+    faults: Arc<Faults>,
 }
 
 /// Cancels its request when dropped before being disarmed: a client that goes away frees
@@ -132,10 +134,12 @@ impl EngineHandle {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::clone(&snapshot);
-        std::thread::Builder::new()
-            .name(format!("kvroute-engine-{dp_rank}"))
-            .spawn(move || run(Engine::new(config), rx, publisher.as_ref(), &shared, dp_rank))?;
-        Ok(Self { tx, snapshot, bound, dp_rank, config })
+        let faults = Arc::new(Faults::default());
+        let lossy = Arc::clone(&faults);
+        std::thread::Builder::new().name(format!("kvroute-engine-{dp_rank}")).spawn(move || {
+            run(Engine::new(config), rx, publisher.as_ref(), &shared, dp_rank, &lossy);
+        })?;
+        Ok(Self { tx, snapshot, bound, dp_rank, config, faults })
     }
 
     /// Queues a request; its outputs arrive on the returned channel. The guard cancels the
@@ -150,6 +154,19 @@ impl EngineHandle {
     pub fn snapshot(&self) -> Snapshot {
         *self.snapshot.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// Fault injection for tests: while on, `BlockRemoved` events are left out of the live
+    /// stream (kept for replay, with no gap in sequence numbers), as a lossy link would lose
+    /// them; a router then believes the engine holds blocks it evicted.
+    pub fn lose_removed_events(&self, on: bool) {
+        self.faults.lose_removed.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Faults a test can switch on.
+#[derive(Debug, Default)]
+struct Faults {
+    lose_removed: std::sync::atomic::AtomicBool,
 }
 
 fn run(
@@ -158,6 +175,7 @@ fn run(
     publisher: Option<&EventPublisher>,
     snapshot: &Mutex<Snapshot>,
     dp_rank: u32,
+    faults: &Faults,
 ) {
     let mut streams = Streams::default();
     // Real time paces simulated time: a step may end early, never the clock as a whole.
@@ -188,7 +206,11 @@ fn run(
         if let Some(p) = publisher
             && !step.events.is_empty()
         {
-            p.send(step.events, dp_rank);
+            if faults.lose_removed.load(std::sync::atomic::Ordering::Relaxed) {
+                p.send_lossy(step.events, dp_rank, |e| matches!(e, EngineEvent::BlockRemoved(_)));
+            } else {
+                p.send(step.events, dp_rank);
+            }
         }
         for output in step.outputs {
             let (id, done) = match &output {

@@ -8,6 +8,7 @@
 //!  HTTP clients / the front door ──▶ axum app (http.rs) ────────────────┘
 //! ```
 
+pub mod checks;
 pub mod config;
 pub mod http;
 pub mod load;

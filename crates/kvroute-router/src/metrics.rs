@@ -29,6 +29,11 @@ pub const WORKER_DECISIONS: &str = "kvroute_router_worker_decisions";
 pub const WORKER_READY: &str = "kvroute_router_worker_ready";
 pub const WORKER_BLOCKS: &str = "kvroute_router_worker_blocks";
 pub const IN_FLIGHT: &str = "kvroute_router_in_flight_requests";
+pub const PREDICTIONS: &str = "kvroute_router_predictions";
+pub const PREDICTION_ERROR: &str = "kvroute_router_prediction_error_tokens";
+pub const DRIFTS: &str = "kvroute_router_worker_drifts";
+pub const WORKER_DRIFTED: &str = "kvroute_router_worker_drifted";
+pub const WORKER_SILENT: &str = "kvroute_router_worker_silent";
 
 /// Event kinds, a label of [`EVENTS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -87,6 +92,26 @@ pub struct ConvertLabels {
     pub outcome: &'static str,
 }
 
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct WorkerIdLabels {
+    pub worker_id: u64,
+}
+
+/// A prediction's outcome, a label of [`PREDICTIONS`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PredictionLabels {
+    pub worker_id: u64,
+    /// `exact`, `over` (predicted more than served) or `under`.
+    pub outcome: &'static str,
+}
+
+/// Upper bounds (tokens) of the prediction-error histogram.
+const ERROR_BUCKETS: [f64; 8] = [0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0];
+
+fn error_histogram() -> Histogram {
+    Histogram::new(ERROR_BUCKETS)
+}
+
 fn event_labels(kind: EventKind, ok: bool) -> EventLabels {
     EventLabels { kind: kind.label(), status: if ok { "ok" } else { "error" } }
 }
@@ -116,6 +141,11 @@ pub struct Metrics {
     pub worker_ready: Family<WorkerLabels, Gauge>,
     pub worker_blocks: Family<BlocksLabels, Gauge>,
     pub in_flight: Gauge,
+    pub predictions: Family<PredictionLabels, Counter>,
+    pub prediction_error: Family<WorkerIdLabels, Histogram>,
+    pub drifts: Family<WorkerIdLabels, Counter>,
+    pub worker_drifted: Family<WorkerIdLabels, Gauge>,
+    pub worker_silent: Family<WorkerIdLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -146,6 +176,11 @@ impl Metrics {
             worker_ready: Family::default(),
             worker_blocks: Family::default(),
             in_flight: Gauge::default(),
+            predictions: Family::default(),
+            prediction_error: Family::new_with_constructor(error_histogram),
+            drifts: Family::default(),
+            worker_drifted: Family::default(),
+            worker_silent: Family::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -202,6 +237,31 @@ impl Metrics {
             m.worker_blocks.clone(),
         );
         r.register(IN_FLIGHT, "Requests routed and not yet finished", m.in_flight.clone());
+        r.register(
+            PREDICTIONS,
+            "Answered requests by how the predicted cached tokens compared with the engine's",
+            m.predictions.clone(),
+        );
+        r.register(
+            PREDICTION_ERROR,
+            "Absolute difference of predicted and served cached tokens, tokens",
+            m.prediction_error.clone(),
+        );
+        r.register(
+            DRIFTS,
+            "Times a worker's index was found drifted and resynchronised",
+            m.drifts.clone(),
+        );
+        r.register(
+            WORKER_DRIFTED,
+            "1 while a worker's predictions are discounted",
+            m.worker_drifted.clone(),
+        );
+        r.register(
+            WORKER_SILENT,
+            "1 while a worker serves without publishing KV events",
+            m.worker_silent.clone(),
+        );
         Self { registry: r, ..m }
     }
 

@@ -21,8 +21,11 @@ use kvroute_http::metrics::Registry;
 use kvroute_wire::ConvertStats;
 use serde::Serialize;
 
+use crate::checks::{Change, CheckStatus, Checks};
 use crate::config::{RouterConfig, WorkerSpec};
-use crate::metrics::{BlocksLabels, EventKind, Metrics, WorkerLabels};
+use crate::metrics::{
+    BlocksLabels, EventKind, Metrics, PredictionLabels, WorkerIdLabels, WorkerLabels,
+};
 
 /// How the router knows a worker's cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -66,6 +69,8 @@ pub struct WorkerStatus {
     pub conversion: ConvertStats,
     /// Known from configuration (false: it appeared through events).
     pub configured: bool,
+    /// Its predictions against what it served: drift and silence (see [`crate::checks`]).
+    pub checks: CheckStatus,
     /// Ranks with an event subscription of their own (the configured ones).
     #[serde(skip)]
     subscribed: usize,
@@ -93,6 +98,7 @@ impl WorkerStatus {
             load: vec![None; n],
             conversion: ConvertStats::default(),
             configured,
+            checks: CheckStatus::default(),
             subscribed: if configured { n } else { 0 },
         };
         for rank in 0..n {
@@ -167,6 +173,10 @@ pub struct RouterState {
     approx: Mutex<ApproxTracker>,
     /// Signalled whenever a rank's readiness may have changed.
     changed: tokio::sync::Notify,
+    /// Predictions against answers, per worker.
+    checks: Mutex<Checks>,
+    /// Ranks whose subscription should replay all its engine still buffers (after a drift).
+    resync: Mutex<std::collections::BTreeSet<WorkerWithDpRank>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -184,6 +194,8 @@ impl RouterState {
             workers: RwLock::new(BTreeMap::new()),
             approx: Mutex::new(ApproxTracker::new(config.approx)),
             changed: tokio::sync::Notify::new(),
+            checks: Mutex::new(Checks::default()),
+            resync: Mutex::new(std::collections::BTreeSet::new()),
             config,
         };
         for spec in &state.config.workers {
@@ -255,6 +267,68 @@ impl RouterState {
         tracing::info!(%worker, "events arrive for a worker routed approximately: following its events");
     }
 
+    /// Workers whose predictions are discounted now.
+    fn drifted(&self) -> Vec<WorkerId> {
+        let checks = lock(&self.checks);
+        checks.workers.iter().filter(|(_, c)| c.drifted).map(|(w, _)| *w).collect()
+    }
+
+    /// The worker's event stream delivered something (it is not silent).
+    fn event_seen(&self, worker: WorkerId) {
+        lock(&self.checks).workers.entry(worker).or_default().event_seen(Instant::now());
+    }
+
+    /// Records an answered request: `predicted` cached tokens against the `actual` the engine
+    /// served. Counts it, and acts on what it shows: a worker found drifted is logged, its
+    /// blocks cleared and its subscription asked to replay; one serving without events is
+    /// flagged.
+    pub fn record_answer(
+        &self,
+        worker: WorkerWithDpRank,
+        predicted: u64,
+        actual: u64,
+        full_blocks: bool,
+    ) {
+        let id = worker.worker_id;
+        // A worker routed approximately publishes no events by design.
+        let expects_events = self.mode(id) == Some(CacheMode::Events);
+        let (outcome, change) = lock(&self.checks).workers.entry(id).or_default().record(
+            predicted,
+            actual,
+            full_blocks && expects_events,
+        );
+        let m = &self.metrics;
+        m.predictions
+            .get_or_create(&PredictionLabels { worker_id: id.0, outcome: outcome.name() })
+            .inc();
+        m.prediction_error
+            .get_or_create(&WorkerIdLabels { worker_id: id.0 })
+            .observe(predicted.abs_diff(actual) as f64);
+        match change {
+            Change::None => {}
+            Change::Drifted => {
+                m.drifts.get_or_create(&WorkerIdLabels { worker_id: id.0 }).inc();
+                tracing::warn!(worker = %id, "the index no longer matches the worker's cache (predictions over what it serves): resynchronising, its overlaps discounted until they agree");
+                self.index.clear_all_blocks(id);
+                let ranks = self.read_workers().get(&id).map_or(1, |w| w.dp_size);
+                let mut resync = lock(&self.resync);
+                resync.extend((0..ranks).map(|r| WorkerWithDpRank::new(id, r)));
+            }
+            Change::Recovered => {
+                tracing::info!(worker = %id, "predictions agree with the worker again");
+            }
+            Change::Silent => tracing::warn!(
+                worker = %id,
+                "the worker serves requests but publishes no KV events (started without them, or on another port?): its cache is invisible to the router"
+            ),
+        }
+    }
+
+    /// Whether `worker`'s subscription should replay everything its engine buffers (once).
+    pub fn take_resync(&self, worker: WorkerWithDpRank) -> bool {
+        lock(&self.resync).remove(&worker)
+    }
+
     /// Forgets every block of `worker` (all ranks): its engine is gone, its cache with it.
     pub fn forget_blocks(&self, worker: WorkerId) {
         let ranks = self.read_workers().get(&worker).map_or(0, |w| w.dp_size);
@@ -290,7 +364,12 @@ impl RouterState {
 
     fn apply_from(&self, events: &[RouterEvent], posted: bool) -> usize {
         let mut ok = 0;
+        let mut seen: Option<WorkerId> = None;
         for e in events {
+            if seen != Some(e.worker_id) && self.knows_worker(e.worker_id) {
+                seen = Some(e.worker_id);
+                self.event_seen(e.worker_id);
+            }
             if !self.valid_dp_rank(e.event.dp_rank) {
                 self.metrics.rejected("dp_rank");
                 tracing::debug!(worker = %e.worker_id, dp_rank = %e.event.dp_rank, "event refused: dp rank out of range");
@@ -365,10 +444,18 @@ impl RouterState {
         result.is_ok()
     }
 
-    /// Chooses a worker. `None` when there is none to choose.
+    /// Chooses a worker. `None` when there is none to choose. A drifted worker's overlap counts
+    /// half until its predictions agree again (not nothing: it must still be routed the
+    /// prefixes only it holds, or its predictions could never be seen to agree).
     pub fn place(&self, p: &Placement<'_>) -> Option<(RouteDecision, OverlapScores)> {
         let start = Instant::now();
-        let scores = self.index.find_matches(p.local_hashes);
+        let mut scores = self.index.find_matches(p.local_hashes);
+        let drifted = self.drifted();
+        for (w, score) in &mut scores.scores {
+            if drifted.contains(&w.worker_id) {
+                *score /= 2;
+            }
+        }
         let sequence = sequence_hashes(p.local_hashes);
         let request = RouteRequest {
             id: p.request_id,
@@ -537,6 +624,9 @@ impl RouterState {
                 w.tree_size = (0..w.dp_size)
                     .map(|r| self.index.tree_size(WorkerWithDpRank::new(w.id, r)))
                     .collect();
+                if let Some(c) = lock(&self.checks).workers.get(&w.id) {
+                    w.checks = c.clone();
+                }
                 w
             })
             .collect()
@@ -564,6 +654,9 @@ impl RouterState {
                 let blocks = BlocksLabels { worker_id: w.id.0, dp_rank: rank, mode: w.mode.name() };
                 m.worker_blocks.get_or_create(&blocks).set(w.tree_size[r] as i64);
             }
+            let id = WorkerIdLabels { worker_id: w.id.0 };
+            m.worker_drifted.get_or_create(&id).set(i64::from(w.checks.drifted));
+            m.worker_silent.get_or_create(&id).set(i64::from(w.checks.silent));
         }
         &m.registry
     }

@@ -149,6 +149,11 @@ async fn handle_vllm(
         state.metrics.garbage.inc();
         return;
     };
+    if state.take_resync(sub.worker) {
+        // Drifted: its blocks were cleared; rebuild from what the engine still buffers.
+        tracing::info!(worker = %sub.worker, "resynchronising from the engine's replay");
+        stream.last = None;
+    }
     match stream.last {
         Some(last) if seq == last.wrapping_add(1) => {}
         Some(last) if seq <= last => {

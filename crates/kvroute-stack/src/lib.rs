@@ -133,6 +133,8 @@ impl Default for StackConfig {
 pub struct Stack {
     /// Every worker, simulated ones included.
     pub workers: Vec<WorkerSpec>,
+    /// The simulated workers' engines, in the order of their ids.
+    pub simulated: Vec<Arc<kvroute_mocker::http::AppState>>,
     /// The embedded router, if any.
     pub router: Option<Arc<RouterState>>,
     pub frontend: Option<Arc<FrontendState>>,
@@ -170,6 +172,7 @@ impl Stack {
         } = config;
         let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
         let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
+        let mut engines = Vec::new();
         for k in 0..simulated.count {
             let endpoints = match simulated.events {
                 true => kvroute_mocker::Endpoints::ephemeral(),
@@ -192,6 +195,7 @@ impl Stack {
             spec.replay = spawned.replay;
             spec.metrics = spawned.metrics;
             router.workers.push(spec);
+            engines.push(spawned.state);
         }
         router.validate()?;
         let workers = router.workers.clone();
@@ -237,6 +241,7 @@ impl Stack {
         let probes = frontend.as_ref().map(|f| Probes(f.spawn_probes()));
         Ok(Self {
             workers,
+            simulated: engines,
             router: state,
             frontend,
             admin: access.admin,

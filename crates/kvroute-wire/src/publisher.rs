@@ -21,7 +21,8 @@ type Kept = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
 /// with the runtime that runs them.
 #[derive(Debug, Clone)]
 pub struct EventPublisher {
-    tx: mpsc::UnboundedSender<Vec<u8>>,
+    /// Each batch as kept for replay, and as published live when that differs.
+    tx: mpsc::UnboundedSender<(Vec<u8>, Option<Vec<u8>>)>,
     /// The PUB endpoint bound (a port 0 resolved).
     pub endpoint: String,
     /// The replay endpoint bound, if any.
@@ -59,20 +60,40 @@ impl EventPublisher {
         let ts = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
-        self.tx.send(encode_batch(&KvEventBatch { ts, events, dp_rank: Some(dp_rank) })).is_ok()
+        self.tx
+            .send((encode_batch(&KvEventBatch { ts, events, dp_rank: Some(dp_rank) }), None))
+            .is_ok()
+    }
+
+    /// Fault injection: publishes the batch live without the events `lost` picks, while the
+    /// replay buffer keeps them all under the same sequence number, as a lossy link would
+    /// deliver it (no gap to notice). For testing a router's drift detection.
+    pub fn send_lossy(
+        &self,
+        events: Vec<EngineEvent>,
+        dp_rank: u32,
+        lost: impl Fn(&EngineEvent) -> bool,
+    ) -> bool {
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let live: Vec<EngineEvent> = events.iter().filter(|e| !lost(e)).cloned().collect();
+        let live = encode_batch(&KvEventBatch { ts, events: live, dp_rank: Some(dp_rank) });
+        let kept = encode_batch(&KvEventBatch { ts, events, dp_rank: Some(dp_rank) });
+        self.tx.send((kept, Some(live))).is_ok()
     }
 }
 
 /// Numbers the batches, keeps the last `keep` for replay, publishes them.
 async fn publish(
     mut socket: PubSocket,
-    mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
+    mut rx: mpsc::UnboundedReceiver<(Vec<u8>, Option<Vec<u8>>)>,
     topic: Vec<u8>,
     kept: Kept,
     keep: usize,
 ) {
     let mut seq: u64 = 0;
-    while let Some(payload) = rx.recv().await {
+    while let Some((payload, live)) = rx.recv().await {
         {
             let mut kept = kept.lock().unwrap_or_else(PoisonError::into_inner);
             kept.push_back((seq, payload.clone()));
@@ -82,7 +103,7 @@ async fn publish(
         }
         let mut message = ZmqMessage::from(topic.clone());
         message.push_back(seq.to_be_bytes().to_vec().into());
-        message.push_back(payload.into());
+        message.push_back(live.unwrap_or(payload).into());
         // A PUB socket with no subscriber drops the message; that is what replay is for.
         let _ = socket.send(message).await;
         seq += 1;
