@@ -41,6 +41,7 @@ use kvroute_router::{RouterState, WorkerSpec};
 use serde_json::{Value, json};
 
 pub mod health;
+pub mod parity;
 mod placer;
 pub use placer::{Placed, Placer, RemoteRouter};
 
@@ -124,6 +125,10 @@ pub struct FrontendState {
     expose_overlap: bool,
     /// Each API key gets its own cache namespace.
     namespace_per_key: bool,
+    /// Workers still to be parity-probed (all at start; a restarted one again).
+    to_probe: std::sync::Mutex<std::collections::BTreeSet<WorkerId>>,
+    parity_probe: bool,
+    probed: tokio::sync::Notify,
     /// Prompt plus output tokens at most (checked before routing, as vLLM checks it).
     max_model_len: u64,
 }
@@ -191,6 +196,15 @@ impl FrontendState {
             admin: Credentials::default(),
             expose_overlap: false,
             namespace_per_key: false,
+            to_probe: std::sync::Mutex::new(
+                workers
+                    .iter()
+                    .filter(|w| w.url.is_some() && w.events.is_some())
+                    .map(|w| w.id)
+                    .collect(),
+            ),
+            parity_probe: true,
+            probed: tokio::sync::Notify::new(),
             max_model_len: preprocessor
                 .max_model_len()
                 .unwrap_or(kvroute_http::openai::DEFAULT_MAX_MODEL_LEN),
@@ -213,6 +227,35 @@ impl FrontendState {
         self.api_keys = api_keys;
         self.admin = admin;
         self
+    }
+
+    /// Whether workers get the parity probe when they join ([`parity`]; on by default).
+    #[must_use]
+    pub fn parity_probe(mut self, on: bool) -> Self {
+        self.parity_probe = on;
+        self
+    }
+
+    fn probes_left(&self) -> Vec<WorkerId> {
+        match self.parity_probe {
+            true => self.to_probe.lock().map(|s| s.iter().copied().collect()).unwrap_or_default(),
+            false => Vec::new(),
+        }
+    }
+
+    /// Waits until every reachable worker had its parity probe, or `timeout`; the workers
+    /// left (an unreachable one is probed when it answers; the health checks report it).
+    pub async fn parity_done(&self, timeout: Duration) -> Vec<WorkerId> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.probed.notified();
+            let mut left = self.probes_left();
+            left.retain(|w| !self.health.is_ejected(*w));
+            if left.is_empty() || tokio::time::Instant::now() >= deadline {
+                return left;
+            }
+            let _ = tokio::time::timeout_at(deadline, notified).await;
+        }
     }
 
     /// Gives each API key its own cache namespace: requests reuse cached prefixes only of
@@ -266,6 +309,11 @@ impl FrontendState {
             && let Some(router) = self.placer.router()
         {
             router.forget_blocks(worker);
+            // Whatever comes back on its port is probed again.
+            let probed = router.workers().iter().any(|w| w.id == worker && w.events.is_some());
+            if let (true, Ok(mut to_probe)) = (probed, self.to_probe.lock()) {
+                to_probe.insert(worker);
+            }
         }
     }
 
@@ -296,6 +344,21 @@ impl FrontendState {
                         }
                         Ok(()) => {}
                         Err(why) => state.worker_failed(worker, why),
+                    }
+                }
+                let probes =
+                    state.probes_left().into_iter().filter(|w| !state.health.is_ejected(*w)).map(
+                        |worker| {
+                            let state = Arc::clone(&state);
+                            async move { (worker, parity::probe(&state, worker).await) }
+                        },
+                    );
+                for (worker, outcome) in futures_util::future::join_all(probes).await {
+                    if outcome.is_some() {
+                        if let Ok(mut to_probe) = state.to_probe.lock() {
+                            to_probe.remove(&worker);
+                        }
+                        state.probed.notify_waiters();
                     }
                 }
             }

@@ -581,7 +581,10 @@ async fn a_worker_that_serves_without_events_is_flagged_silent() {
     let mut spec = WorkerSpec::new(1);
     spec.url = Some(serving.url.clone());
     spec.events = quiet.events.clone();
-    let f = fleet_of(config(0, vec![spec])).await;
+    // The parity probe would find it at join (see the next test); without it, serving shows.
+    let mut c = config(0, vec![spec]);
+    c.parity_probe = false;
+    let f = fleet_of(c).await;
     for k in 0..20 {
         let silent = f.router().workers()[0].checks.silent;
         assert!(!silent, "flagged after {k} requests");
@@ -592,4 +595,81 @@ async fn a_worker_that_serves_without_events_is_flagged_silent() {
     assert!(
         f.router().render_metrics().contains("kvroute_router_worker_silent{worker_id=\"1\"} 1")
     );
+}
+
+/// The parity probe at join: a worker whose engine uses another block size, one started
+/// without KV events and one with another tokenizer and chat template are each flagged with
+/// their cause and routed approximately (their events ignored); a proper one passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_parity_probe_names_what_differs_at_join() {
+    let engine = |endpoints, block_size: u32, model: Option<std::path::PathBuf>| {
+        kvroute_mocker::MockerConfig {
+            engine: EngineConfig {
+                timing: Timing { speedup: 100.0 },
+                block_size: BlockSize::new(block_size).unwrap(),
+                ..EngineConfig::default()
+            },
+            endpoints,
+            model_path: model,
+            seed: 0,
+            max_model_len: None,
+            dp_rank: 0,
+            fetch: FetchConfig::default(),
+        }
+    };
+    let spawn = |config| async move {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        kvroute_mocker::spawn(config, listener).await.unwrap()
+    };
+    let ephemeral = kvroute_mocker::Endpoints::ephemeral;
+    let big_blocks = spawn(engine(ephemeral(), 32, None)).await;
+    let quiet = spawn(engine(ephemeral(), 16, None)).await;
+    let no_events = spawn(engine(kvroute_mocker::Endpoints::without_events(), 16, None)).await;
+    let text_model =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny-text");
+    let other_model = spawn(engine(ephemeral(), 16, Some(text_model))).await;
+    let spec = |id: u64, s: &kvroute_mocker::Spawned, events: &Option<String>| {
+        let mut spec = WorkerSpec::new(id);
+        spec.url = Some(s.url.clone());
+        spec.events.clone_from(events);
+        spec.replay = if events == &s.events { s.replay.clone() } else { None };
+        spec
+    };
+    let workers = vec![
+        spec(1, &big_blocks, &big_blocks.events),
+        spec(2, &no_events, &quiet.events),
+        spec(3, &other_model, &other_model.events),
+    ];
+    let stack = Stack::start(config(1, workers)).await.unwrap();
+    // Three probes fail, each after waiting 5 s for blocks that never come (on a loaded
+    // machine a probe may be tried twice).
+    let waiting = stack.ready(Duration::from_secs(30)).await;
+    assert!(waiting.is_empty(), "not ready: {waiting:?}");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let f = Fleet { base, stack };
+    let parity: std::collections::BTreeMap<u64, kvroute_router::Parity> =
+        f.router().workers().into_iter().map(|w| (w.id.0, w.parity)).collect();
+    let cause = |id: u64| match &parity[&id] {
+        kvroute_router::Parity::Failed(cause) => cause.clone(),
+        other => panic!("worker {id}: {other:?}"),
+    };
+    assert!(
+        cause(1).starts_with("block size: the engine's KV events carry blocks of 32 tokens"),
+        "{}",
+        cause(1)
+    );
+    assert!(cause(2).starts_with("no KV events"), "{}", cause(2));
+    assert!(cause(3).starts_with("token ids"), "{}", cause(3));
+    let good = f.stack.workers.last().unwrap().id.0; // the simulated one, after the others
+    assert_eq!(parity[&good], kvroute_router::Parity::Ok);
+    let modes: Vec<(u64, kvroute_router::CacheMode)> =
+        f.router().workers().into_iter().map(|w| (w.id.0, w.mode)).collect();
+    for (id, mode) in modes {
+        let want = if id == good {
+            kvroute_router::CacheMode::Events
+        } else {
+            kvroute_router::CacheMode::Approximate
+        };
+        assert_eq!(mode, want, "worker {id}");
+    }
 }

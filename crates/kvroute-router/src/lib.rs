@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 pub use config::{EventFormat, RouterConfig, WorkerSpec};
 use kvroute_core::{BlockSize, WorkerWithDpRank};
 use kvroute_wire::ConvertConfig;
-pub use state::{CacheMode, Placement, RouterState, WorkerStatus};
+pub use state::{CacheMode, Parity, Placement, RouterState, WorkerStatus};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 

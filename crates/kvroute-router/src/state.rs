@@ -46,6 +46,18 @@ impl CacheMode {
     }
 }
 
+/// Whether a worker's KV events describe the blocks the front door hashes (the parity probe
+/// at join: a known prompt sent to the worker, its announced blocks compared).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "state", content = "cause")]
+pub enum Parity {
+    #[default]
+    Unchecked,
+    Ok,
+    /// Its events cannot be trusted: ignored, the worker routed approximately.
+    Failed(String),
+}
+
 /// What the router knows of one worker.
 #[derive(Clone, Debug, Serialize)]
 pub struct WorkerStatus {
@@ -71,6 +83,7 @@ pub struct WorkerStatus {
     pub configured: bool,
     /// Its predictions against what it served: drift and silence (see [`crate::checks`]).
     pub checks: CheckStatus,
+    pub parity: Parity,
     /// Ranks with an event subscription of their own (the configured ones).
     #[serde(skip)]
     subscribed: usize,
@@ -99,6 +112,7 @@ impl WorkerStatus {
             conversion: ConvertStats::default(),
             configured,
             checks: CheckStatus::default(),
+            parity: Parity::Unchecked,
             subscribed: if configured { n } else { 0 },
         };
         for rank in 0..n {
@@ -267,6 +281,30 @@ impl RouterState {
         tracing::info!(%worker, "events arrive for a worker routed approximately: following its events");
     }
 
+    fn parity_failed(&self, worker: WorkerId) -> bool {
+        self.read_workers().get(&worker).is_some_and(|w| matches!(w.parity, Parity::Failed(_)))
+    }
+
+    /// Records a worker's parity probe. A failure (with its cause) makes its events untrusted:
+    /// its blocks are cleared, its events ignored (counted as rejected `parity`) and it is
+    /// routed approximately; `Ok` (or `Unchecked`, before a new probe) trusts them again.
+    pub fn set_parity(&self, worker: WorkerId, parity: Parity) {
+        let failed = matches!(parity, Parity::Failed(_));
+        let mut approx = lock(&self.approx);
+        let mut workers = self.write_workers();
+        let Some(status) = workers.get_mut(&worker) else { return };
+        let was_failed = matches!(status.parity, Parity::Failed(_));
+        status.parity = parity;
+        if failed && status.mode == CacheMode::Events {
+            status.mode = CacheMode::Approximate;
+            self.index.clear_all_blocks(worker);
+        } else if !failed && was_failed && status.events.is_some() {
+            status.mode = CacheMode::Events;
+            approx.remove_worker(worker);
+            self.index.clear_all_blocks(worker);
+        }
+    }
+
     /// Workers whose predictions are discounted now.
     fn drifted(&self) -> Vec<WorkerId> {
         let checks = lock(&self.checks);
@@ -364,11 +402,18 @@ impl RouterState {
 
     fn apply_from(&self, events: &[RouterEvent], posted: bool) -> usize {
         let mut ok = 0;
-        let mut seen: Option<WorkerId> = None;
+        let mut seen: Option<(WorkerId, bool)> = None;
         for e in events {
-            if seen != Some(e.worker_id) && self.knows_worker(e.worker_id) {
-                seen = Some(e.worker_id);
-                self.event_seen(e.worker_id);
+            if seen.is_none_or(|(w, _)| w != e.worker_id) {
+                let failed = self.parity_failed(e.worker_id);
+                if !failed && self.knows_worker(e.worker_id) {
+                    self.event_seen(e.worker_id);
+                }
+                seen = Some((e.worker_id, failed));
+            }
+            if seen.is_some_and(|(_, failed)| failed) {
+                self.metrics.rejected("parity");
+                continue;
             }
             if !self.valid_dp_rank(e.event.dp_rank) {
                 self.metrics.rejected("dp_rank");

@@ -108,6 +108,8 @@ pub struct StackConfig {
     pub first_byte_timeout: Option<Duration>,
     /// Each API key its own cache namespace (see `FrontendState::namespace_per_key`).
     pub namespace_per_key: bool,
+    /// The front door probes each joining worker's parity (`kvroute_frontend::parity`).
+    pub parity_probe: bool,
 }
 
 impl Default for StackConfig {
@@ -123,6 +125,7 @@ impl Default for StackConfig {
             expose_overlap: false,
             first_byte_timeout: None,
             namespace_per_key: false,
+            parity_probe: true,
         }
     }
 }
@@ -169,6 +172,7 @@ impl Stack {
             expose_overlap,
             first_byte_timeout,
             namespace_per_key,
+            parity_probe,
         } = config;
         let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
         let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
@@ -228,7 +232,8 @@ impl Stack {
             let f = f
                 .guarded(access.api_keys.clone(), access.admin.clone())
                 .expose_overlap(expose_overlap)
-                .namespace_per_key(namespace_per_key);
+                .namespace_per_key(namespace_per_key)
+                .parity_probe(parity_probe);
             let f = match first_byte_timeout {
                 Some(t) => f.first_byte_timeout(t),
                 None => f,
@@ -256,7 +261,17 @@ impl Stack {
     /// to only when no ready worker is left, until they become ready.
     pub async fn ready(&self, timeout: Duration) -> Vec<WorkerWithDpRank> {
         let Some(router) = &self.router else { return Vec::new() };
-        let waiting = router.wait_ready(timeout).await;
+        let start = tokio::time::Instant::now();
+        let mut waiting = router.wait_ready(timeout).await;
+        if let Some(frontend) = &self.frontend {
+            let left = timeout.saturating_sub(start.elapsed());
+            for worker in frontend.parity_done(left).await {
+                let w = WorkerWithDpRank::new(worker, 0u32);
+                if !waiting.contains(&w) {
+                    waiting.push(w);
+                }
+            }
+        }
         if !waiting.is_empty() {
             let names: Vec<String> = waiting.iter().map(ToString::to_string).collect();
             tracing::warn!(

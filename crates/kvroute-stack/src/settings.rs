@@ -91,6 +91,8 @@ pub struct Settings {
     pub first_byte_timeout: Option<f64>,
     /// Each API key its own cache namespace.
     pub cache_namespace_per_key: Option<bool>,
+    /// Probe each joining worker's parity (default on).
+    pub parity_probe: Option<bool>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<WorkerSpec>,
 }
@@ -105,8 +107,13 @@ pub const ENV_ROUTER_TOKEN: &str = "KVROUTE_ROUTER_TOKEN";
 pub mod keys {
     const LISTEN: [&str; 6] =
         ["host", "port", "admin_token_file", "tls_cert", "tls_key", "insecure"];
-    const FRONT_DOOR: [&str; 4] =
-        ["api_keys_file", "expose_overlap", "first_byte_timeout", "cache_namespace_per_key"];
+    const FRONT_DOOR: [&str; 5] = [
+        "api_keys_file",
+        "expose_overlap",
+        "first_byte_timeout",
+        "cache_namespace_per_key",
+        "parity_probe",
+    ];
     const ROUTING: [&str; 10] = [
         "block_size",
         "policy",
@@ -203,7 +210,7 @@ impl Settings {
             router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
             seed, max_model_len, model_path, allow_private_image_urls, api_keys_file,
             admin_token_file, router_token_file, tls_cert, tls_key, insecure, expose_overlap,
-            first_byte_timeout, cache_namespace_per_key))
+            first_byte_timeout, cache_namespace_per_key, parity_probe))
     }
 
     /// The settings as TOML (what `--print-config` shows).
@@ -381,6 +388,7 @@ impl Settings {
             access: self.access()?,
             expose_overlap: self.expose_overlap.unwrap_or(false),
             namespace_per_key: self.cache_namespace_per_key.unwrap_or(false),
+            parity_probe: self.parity_probe.unwrap_or(true),
             first_byte_timeout: self
                 .first_byte_timeout
                 .map(|t| secs(t, "first_byte_timeout"))

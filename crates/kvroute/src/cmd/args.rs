@@ -63,6 +63,11 @@ pub(crate) struct FrontDoorArgs {
     /// cached_tokens what other clients sent. Engines must honour cache_salt.
     #[arg(long, env = "KVROUTE_CACHE_NAMESPACE_PER_KEY")]
     cache_namespace_per_key: bool,
+    /// Do not send joining workers the parity probe (one short prompt whose announced blocks
+    /// are compared with the front door's; a mismatch names its cause and routes the worker
+    /// approximately). For engines that cannot take a request of their own.
+    #[arg(long, env = "KVROUTE_NO_PARITY_PROBE")]
+    no_parity_probe: bool,
 }
 
 /// Tokens per KV block.
@@ -189,6 +194,7 @@ impl FrontDoorArgs {
         s.expose_overlap = self.expose_overlap.then_some(true);
         s.first_byte_timeout = self.first_byte_timeout;
         s.cache_namespace_per_key = self.cache_namespace_per_key.then_some(true);
+        s.parity_probe = self.no_parity_probe.then_some(false);
     }
 }
 
