@@ -266,7 +266,8 @@ async fn a_worker_not_ready_is_routed_last() {
     silent.url = Some(format!("http://{closed}"));
     silent.events = Some(format!("tcp://{closed}"));
     let stack = Stack::start(config(1, vec![silent])).await.unwrap();
-    let waiting = stack.ready(Duration::from_millis(300)).await;
+    // Long enough for the other worker's parity probe on a loaded machine.
+    let waiting = stack.ready(Duration::from_secs(3)).await;
     assert_eq!(waiting, [WorkerWithDpRank::new(50u64, 0u32)]);
     let router = stack.router.as_ref().unwrap();
     let status = router.workers().into_iter().find(|w| w.id.0 == 50).unwrap();

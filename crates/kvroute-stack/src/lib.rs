@@ -261,15 +261,18 @@ impl Stack {
     /// to only when no ready worker is left, until they become ready.
     pub async fn ready(&self, timeout: Duration) -> Vec<WorkerWithDpRank> {
         let Some(router) = &self.router else { return Vec::new() };
-        let start = tokio::time::Instant::now();
-        let mut waiting = router.wait_ready(timeout).await;
-        if let Some(frontend) = &self.frontend {
-            let left = timeout.saturating_sub(start.elapsed());
-            for worker in frontend.parity_done(left).await {
-                let w = WorkerWithDpRank::new(worker, 0u32);
-                if !waiting.contains(&w) {
-                    waiting.push(w);
-                }
+        // The subscriptions and the parity probes, side by side, within the one timeout.
+        let parity = async {
+            match &self.frontend {
+                Some(frontend) => frontend.parity_done(timeout).await,
+                None => Vec::new(),
+            }
+        };
+        let (mut waiting, unprobed) = tokio::join!(router.wait_ready(timeout), parity);
+        for worker in unprobed {
+            let w = WorkerWithDpRank::new(worker, 0u32);
+            if !waiting.contains(&w) {
+                waiting.push(w);
             }
         }
         if !waiting.is_empty() {
