@@ -410,6 +410,7 @@ pub fn app(state: Arc<FrontendState>) -> Router {
             state.admin.clone(),
         ))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/ui", get(kvroute_http::status_page))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     kvroute_http::fallbacks(routes).with_state(state)
 }

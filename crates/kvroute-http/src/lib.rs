@@ -34,6 +34,17 @@ use axum::Router;
 pub use auth::Credentials;
 pub use client::{ClientError, HttpClient};
 pub use error::ApiError;
+
+/// The live status page the front door and the router serve at `/ui`: one HTML file (script
+/// and style inline, no asset fetched from anywhere) that reads `/workers` and `/metrics`
+/// with the admin token it is given as `?token=`; served to anyone, it shows nothing of the
+/// fleet without the token.
+pub const STATUS_PAGE: &str = include_str!("ui.html");
+
+/// `GET /ui`.
+pub async fn status_page() -> axum::response::Html<&'static str> {
+    axum::response::Html(STATUS_PAGE)
+}
 pub use server::{ServeOptions, serve_with};
 pub use sse::{SseEvent, SseReader};
 

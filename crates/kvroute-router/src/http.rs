@@ -58,7 +58,9 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         .route(router_api::TREE_INFO, get(tree_info))
         .route(router_api::WORKERS, get(workers))
         .route("/metrics", get(metrics));
-    let routes = kvroute_http::auth::require(routes, admin).route("/health", get(health));
+    let routes = kvroute_http::auth::require(routes, admin)
+        .route("/health", get(health))
+        .route("/ui", get(kvroute_http::status_page));
     kvroute_http::fallbacks(routes).with_state(api)
 }
 

@@ -351,6 +351,10 @@ async fn an_admin_token_guards_everything_but_health() {
         assert_ne!(status, StatusCode::UNAUTHORIZED, "{method} {uri}: {v}");
     }
     assert_eq!(testing::call_raw(&app, request("GET", "/health", None)).await.0, StatusCode::OK);
+    // The status page is served to anyone: it holds no data, and reads the guarded routes.
+    let (status, page) = testing::call_raw(&app, request("GET", "/ui", None)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(page.as_str().is_some_and(|p| p.contains("fetch(\"workers\"")), "{page}");
 }
 
 /// Workers without an `events` endpoint are routed in approximate mode: the router assumes
