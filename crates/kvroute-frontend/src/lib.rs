@@ -679,12 +679,31 @@ fn proxy_body(
 /// Finds the engine's cached tokens in an answer as it passes: in an event stream, the usage
 /// chunk (dropped when only the front door asked for it; events are passed on whole, as they
 /// complete); in a whole JSON answer, its `usage` (the first [`USAGE_SCAN_LIMIT`] bytes).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Usage {
     sse: bool,
     strip: bool,
     reader: kvroute_http::SseReader,
     whole: Vec<u8>,
+    /// Nesting depth of a whole JSON answer so far (`None`: no longer scanned), and the
+    /// string state of the scan.
+    depth: Option<u32>,
+    in_string: bool,
+    escaped: bool,
+}
+
+impl Default for Usage {
+    fn default() -> Self {
+        Self {
+            sse: false,
+            strip: false,
+            reader: kvroute_http::SseReader::default(),
+            whole: Vec::new(),
+            depth: Some(0),
+            in_string: false,
+            escaped: false,
+        }
+    }
 }
 
 /// Whole answers longer than this are not scanned for their usage.
@@ -697,14 +716,46 @@ fn cached_tokens(v: &Value) -> Option<u64> {
 }
 
 impl Usage {
+    /// Feeds one byte of a whole JSON answer; true when it closes the top-level value.
+    fn scan(&mut self, b: u8) -> bool {
+        let Some(depth) = self.depth.as_mut() else { return false };
+        if self.in_string {
+            match (self.escaped, b) {
+                (true, _) => self.escaped = false,
+                (false, b'\\') => self.escaped = true,
+                (false, b'"') => self.in_string = false,
+                _ => {}
+            }
+            return false;
+        }
+        match b {
+            b'"' => self.in_string = true,
+            b'{' | b'[' => *depth += 1,
+            b'}' | b']' => {
+                *depth = depth.saturating_sub(1);
+                return *depth == 0;
+            }
+            _ => {}
+        }
+        false
+    }
+
     /// The bytes to pass on, and the cached tokens if this chunk completed the usage.
     fn pass(&mut self, bytes: Bytes) -> (Bytes, Option<u64>) {
         if !self.sse {
-            if self.whole.len() + bytes.len() <= USAGE_SCAN_LIMIT {
-                self.whole.extend_from_slice(&bytes);
+            if self.whole.len() + bytes.len() > USAGE_SCAN_LIMIT {
+                self.whole = Vec::new();
+                self.depth = None; // too long to scan: not compared
+                return (bytes, None);
             }
-            let served =
-                serde_json::from_slice::<Value>(&self.whole).ok().and_then(|v| cached_tokens(&v));
+            self.whole.extend_from_slice(&bytes);
+            // Parsed once, when the top-level object closes (a running count of brackets
+            // outside strings), not at every chunk.
+            let complete = self.depth.is_some_and(|_| bytes.iter().any(|&b| self.scan(b)));
+            let served = complete
+                .then(|| serde_json::from_slice::<Value>(&self.whole).ok())
+                .flatten()
+                .and_then(|v| cached_tokens(&v));
             return (bytes, served);
         }
         let mut out = Vec::with_capacity(bytes.len());
@@ -771,5 +822,44 @@ async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {
             kvroute_http::metrics::response(&[&state.metrics.registry, router.registry()])
         }
         None => kvroute_http::metrics::response(&[&state.metrics.registry]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A whole answer is scanned once it closes, whatever its chunking (brackets inside
+    /// strings do not count).
+    #[test]
+    fn the_usage_of_a_whole_answer_is_found_at_its_end() {
+        let answer = br#"{"choices":[{"message":{"content":"a } tricky \" { text ]"}}],"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+        for cut in 1..answer.len() {
+            let mut u = Usage::default();
+            let (_, first) = u.pass(Bytes::copy_from_slice(&answer[..cut]));
+            let (_, second) = u.pass(Bytes::copy_from_slice(&answer[cut..]));
+            assert_eq!((first, second), (None, Some(32)), "cut at {cut}");
+        }
+        let mut u = Usage::default();
+        let (_, none) = u.pass(Bytes::from_static(br#"{"usage":{"prompt_tokens":4}}"#));
+        assert_eq!(none, None, "no details: nothing to compare");
+    }
+
+    /// A stream the front door asked for usage: the usage chunk is read and dropped; a
+    /// stream whose client asked keeps it.
+    #[test]
+    fn a_usage_chunk_only_the_front_door_asked_for_is_dropped() {
+        let stream = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\ndata: [DONE]\n\n";
+        for strip in [true, false] {
+            let mut u = Usage { sse: true, strip, ..Usage::default() };
+            let (a, s1) = u.pass(Bytes::copy_from_slice(&stream.as_bytes()[..30]));
+            let (b, s2) = u.pass(Bytes::copy_from_slice(&stream.as_bytes()[30..]));
+            let out = String::from_utf8([a, b].concat()).unwrap();
+            assert_eq!((s1, s2), (None, Some(16)));
+            assert_eq!(out.contains("usage"), !strip, "{out}");
+            assert!(out.contains("\"hi\"") && out.ends_with("data: [DONE]\n\n"), "{out}");
+        }
     }
 }
