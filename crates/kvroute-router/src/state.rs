@@ -191,6 +191,8 @@ pub struct RouterState {
     checks: Mutex<Checks>,
     /// Ranks whose subscription should replay all its engine still buffers (after a drift).
     resync: Mutex<std::collections::BTreeSet<WorkerWithDpRank>>,
+    /// Whether `resync` may hold anything (checked on every event batch without the lock).
+    resync_pending: std::sync::atomic::AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -210,6 +212,7 @@ impl RouterState {
             changed: tokio::sync::Notify::new(),
             checks: Mutex::new(Checks::default()),
             resync: Mutex::new(std::collections::BTreeSet::new()),
+            resync_pending: std::sync::atomic::AtomicBool::new(false),
             config,
         };
         for spec in &state.config.workers {
@@ -351,6 +354,7 @@ impl RouterState {
                 let ranks = self.read_workers().get(&id).map_or(1, |w| w.dp_size);
                 let mut resync = lock(&self.resync);
                 resync.extend((0..ranks).map(|r| WorkerWithDpRank::new(id, r)));
+                self.resync_pending.store(true, std::sync::atomic::Ordering::Release);
             }
             Change::Recovered => {
                 tracing::info!(worker = %id, "predictions agree with the worker again");
@@ -364,7 +368,15 @@ impl RouterState {
 
     /// Whether `worker`'s subscription should replay everything its engine buffers (once).
     pub fn take_resync(&self, worker: WorkerWithDpRank) -> bool {
-        lock(&self.resync).remove(&worker)
+        if !self.resync_pending.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        let mut resync = lock(&self.resync);
+        let taken = resync.remove(&worker);
+        if resync.is_empty() {
+            self.resync_pending.store(false, std::sync::atomic::Ordering::Release);
+        }
+        taken
     }
 
     /// Forgets every block of `worker` (all ranks): its engine is gone, its cache with it.

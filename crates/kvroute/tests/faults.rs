@@ -286,7 +286,9 @@ fn workers_killed_stopped_and_restarted_under_load() {
             let ejected = workers["health"]["1"]["ejected"].as_bool();
             let tree = workers["workers"][0]["tree_size"][0].as_u64();
             if ejected == Some(false) {
-                assert_eq!(tree, Some(0), "the restarted worker's old blocks are forgotten");
+                // Its old blocks (about a hundred) are forgotten; what it may hold already is
+                // the parity probe it gets on coming back (a few blocks).
+                assert!(tree.is_some_and(|t| t < 16), "old blocks remain: {tree:?}");
                 break;
             }
             assert!(Instant::now() < deadline, "worker 1 not back in rotation: {workers}");
