@@ -67,6 +67,21 @@ fn usage_of(steps: &[Step], id: &str) -> Usage {
         .unwrap_or_else(|| panic!("{id} never finished"))
 }
 
+/// The steps' events through the real wire (encode, decode, convert) into an index, as
+/// worker 3.
+fn indexed(steps: &[Step]) -> RadixIndex {
+    let mut index = RadixIndex::new();
+    let mut converter = Converter::new(ConvertConfig::new(BlockSize::new(16).unwrap()));
+    for (seq, step) in steps.iter().enumerate() {
+        let bytes =
+            encode_batch(&KvEventBatch { ts: 0.0, events: step.events.clone(), dp_rank: Some(0) });
+        for event in converter.vllm_batch(&decode_batch(&bytes).unwrap(), seq as u64) {
+            index.apply_event(&RouterEvent::new(3u64, event)).unwrap();
+        }
+    }
+    index
+}
+
 fn events(steps: &[Step]) -> Vec<EngineEvent> {
     steps.iter().flat_map(|s| s.events.clone()).collect()
 }
@@ -97,16 +112,7 @@ fn stored_events_chain_and_hash_like_the_router() {
     let prompt: Vec<u32> = (1000..1064).collect();
     engine.submit(request("a", prompt.clone(), 1)).unwrap();
     let steps = run(&mut engine);
-    // Through the real wire: encode, decode, convert, index.
-    let mut index = RadixIndex::new();
-    let mut converter = Converter::new(ConvertConfig::new(BlockSize::new(16).unwrap()));
-    for (seq, step) in steps.iter().enumerate() {
-        let bytes =
-            encode_batch(&KvEventBatch { ts: 0.0, events: step.events.clone(), dp_rank: Some(0) });
-        for event in converter.vllm_batch(&decode_batch(&bytes).unwrap(), seq as u64) {
-            index.apply_event(&RouterEvent::new(3u64, event)).unwrap();
-        }
-    }
+    let index = indexed(&steps);
     let local = BlockHasher::new(BlockSize::new(16).unwrap()).local_hashes(&prompt, None);
     assert_eq!(index.find_matches(&local).score(WorkerWithDpRank::new(3u64, 0u32)), 4);
 }
@@ -378,15 +384,7 @@ fn a_cache_salt_namespaces_blocks_and_their_events() {
     assert_eq!(usage_of(&later, "plain").cached_tokens, 0, "nor does no salt");
     assert_eq!(usage_of(&again, "a2").cached_tokens, 48, "the same salt shares its blocks");
 
-    let mut index = RadixIndex::new();
-    let mut converter = Converter::new(ConvertConfig::new(BlockSize::new(16).unwrap()));
-    for (seq, step) in steps.iter().enumerate() {
-        let bytes =
-            encode_batch(&KvEventBatch { ts: 0.0, events: step.events.clone(), dp_rank: Some(0) });
-        for event in converter.vllm_batch(&decode_batch(&bytes).unwrap(), seq as u64) {
-            index.apply_event(&RouterEvent::new(3u64, event)).unwrap();
-        }
-    }
+    let index = indexed(&steps);
     let hasher = BlockHasher::new(BlockSize::new(16).unwrap());
     let w = WorkerWithDpRank::new(3u64, 0u32);
     let salted_hashes = hasher.with_namespace(Some("key-a")).local_hashes(&prompt, None);

@@ -10,16 +10,8 @@ use std::process::{Child, Command, Output, Stdio};
 
 use serde_json::{Value, json};
 
-fn kvroute() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
-    // Nothing of the developer's environment leaks into the settings under test.
-    for (key, _) in std::env::vars() {
-        if key.starts_with("KVROUTE_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd
-}
+mod common;
+use common::kvroute;
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvroute-cli-{name}-{}", std::process::id()));

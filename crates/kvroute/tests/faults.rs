@@ -18,17 +18,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-const FIRST_BYTE_TIMEOUT_SECS: f64 = 2.0;
+mod common;
+use common::kvroute;
 
-fn kvroute() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("KVROUTE_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd
-}
+const FIRST_BYTE_TIMEOUT_SECS: f64 = 2.0;
 
 struct Process {
     child: Child,
