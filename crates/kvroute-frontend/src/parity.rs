@@ -1,12 +1,16 @@
-//! The parity probe: when a worker joins, the front door sends it one prompt nobody sent
-//! before and checks that the blocks its engine announces are the blocks the front door
-//! hashes for that prompt, token for token (the router's index holds them under the same
-//! hashes only if every token id matches). A mismatch is named by what it can tell:
+//! The parity probe: when a worker joins, the front door sends it prompts nobody sent before
+//! and checks that the blocks its engine announces are the blocks the front door hashes for
+//! them, token for token (the router's index holds them under the same hashes only if every
+//! token id matches) and, for a model that takes images, image key for image key (a block
+//! that covers an image is hashed with the image's `mm_hash`). A mismatch is named by what it
+//! can tell:
 //!
 //! | what the router saw | cause |
 //! |---|---|
 //! | blocks of another size | the engine's block size |
-//! | blocks, under other hashes | other token ids: chat template or tokenizer differ |
+//! | the text probe's blocks, under other hashes | other token ids: chat template or tokenizer differ |
+//! | the image probe's blocks, held without their image keys | the engine announces no image keys |
+//! | the image probe's blocks, under other hashes | image placeholders or image keys differ |
 //! | nothing | no KV events (an engine started without them, or on another endpoint) |
 //!
 //! A worker that fails is routed approximately, its events ignored, until it passes a later
@@ -16,13 +20,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::{BlockHasher, WorkerId, WorkerWithDpRank};
-use kvroute_http::openai::ChatMessage;
-use kvroute_router::{Parity, RouterState};
-use serde_json::json;
+use kvroute_core::{BlockHasher, LocalBlockHash, WorkerId, WorkerWithDpRank};
+use kvroute_http::ClientError;
+use kvroute_http::openai::{ChatMessage, ContentPart, ImageUrl, MessageContent};
+use kvroute_preprocess::images;
+use kvroute_router::{ConvertStats, Parity, RouterState};
+use serde_json::{Value, json};
 
 use crate::FrontendState;
-use kvroute_http::ClientError;
 
 fn fail(router: &RouterState, worker: WorkerId, cause: String) -> Parity {
     tracing::error!(%worker, %cause, "parity probe failed: the worker's events cannot be used; routing it approximately");
@@ -31,14 +36,28 @@ fn fail(router: &RouterState, worker: WorkerId, cause: String) -> Parity {
     parity
 }
 
-/// How long the probe's blocks have to reach the router.
+/// How long a probe's blocks have to reach the router.
 pub const PROBE_WAIT: Duration = Duration::from_secs(5);
 
-/// Full blocks the probe prompt spans at least.
+/// Full blocks a probe prompt spans at least.
 const PROBE_BLOCKS: usize = 3;
 
+/// Side of the image probe's picture, pixels (16 placeholder tokens at Qwen2-VL's geometry).
+const PROBE_IMAGE_SIDE: u32 = 112;
+
+const FILLER: &str = " the quick brown fox jumps over the lazy dog";
+
+/// One probe prompt: its body for the engine and the blocks the front door hashes for it.
+struct Probe {
+    body: Value,
+    hashes: Vec<LocalBlockHash>,
+    /// The image probe's blocks hashed without image keys (what an engine that announces
+    /// none is indexed under).
+    without_images: Option<Vec<LocalBlockHash>>,
+}
+
 /// Probes `worker` and records the outcome in the embedded router; the outcome, or `None`
-/// when there is nothing to probe (no embedded router, no URL) or the request itself failed
+/// when there is nothing to probe (no embedded router, no URL) or a request itself failed
 /// (the health checks deal with that; the probe is tried again).
 pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Option<Parity> {
     let router = state.placer.router()?;
@@ -53,14 +72,33 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Option<Parit
     }
     // Trust its events while it is probed (a failed worker gets another chance).
     router.set_parity(worker, Parity::Unchecked);
-    let before = router.workers().into_iter().find(|w| w.id == worker)?.conversion;
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
+    let url = format!("{base}/v1/chat/completions");
+    let mut probes = vec![text_probe(state, worker, nonce)?];
+    if state.preprocessor.image_token_id().is_some() {
+        probes.push(image_probe(state, worker, nonce)?);
+    }
+    for p in &probes {
+        if let Err(cause) = run(state, router, worker, status.dp_size, &url, p).await? {
+            return Some(fail(router, worker, cause));
+        }
+    }
+    tracing::info!(%worker, probes = probes.len(), "parity probe passed");
+    router.set_parity(worker, Parity::Ok);
+    Some(Parity::Ok)
+}
+
+/// The nonce leads a system message, so a probe's first block is its own: it must not warm a
+/// prefix (a template's default system prompt) that real requests share.
+fn system(nonce: u128, worker: WorkerId, what: &str) -> String {
+    format!("{nonce:x} kvroute {what} parity probe of worker {worker}")
+}
+
+fn text_probe(state: &FrontendState, worker: WorkerId, nonce: u128) -> Option<Probe> {
     let bs = state.block_size.tokens();
-    // The nonce leads a system message, so the probe's first block is its own: it must not
-    // warm a prefix (a template's default system prompt) that real requests share.
-    let system = format!("{nonce:x} kvroute parity probe of worker {worker}");
+    let system = system(nonce, worker, "text");
     let mut text = "Parity probe:".to_owned();
     let mut tokens = Vec::new();
     for _ in 0..64 {
@@ -69,49 +107,123 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Option<Parit
         if tokens.len() >= bs * PROBE_BLOCKS {
             break;
         }
-        text.push_str(" the quick brown fox jumps over the lazy dog");
+        text.push_str(FILLER);
     }
-    let hashes = BlockHasher::new(state.block_size).local_hashes(&tokens, None);
     // No model name: the engine's own (the front door's may be named otherwise).
     let body = json!({"messages": [{"role": "system", "content": system},
         {"role": "user", "content": text}], "max_tokens": 1});
-    let url = format!("{base}/v1/chat/completions");
-    let answer = state.client.post_json::<serde_json::Value>(&url, &body);
+    let hashes = BlockHasher::new(state.block_size).local_hashes(&tokens, None);
+    Some(Probe { body, hashes, without_images: None })
+}
+
+/// A picture unique to this probe between two runs of text, the text after it spanning
+/// full blocks, so the blocks that cover the picture are full and checked.
+fn image_probe(state: &FrontendState, worker: WorkerId, nonce: u128) -> Option<Probe> {
+    let bs = state.block_size;
+    let config = state.preprocessor.image_config();
+    let png = images::seeded_png(nonce as u64 ^ worker.0, PROBE_IMAGE_SIDE);
+    let picture = images::decode(&png, config).ok()?;
+    let system = system(nonce, worker, "image");
+    let image = ContentPart::ImageUrl {
+        image_url: ImageUrl { url: images::png_data_url(&png), detail: None, uuid: None },
+    };
+    let mut after = "What does the picture show?".to_owned();
+    let (mut messages, mut prepared) = (Vec::new(), None);
+    for _ in 0..64 {
+        let parts = vec![
+            ContentPart::Text { text: "Parity probe picture:".to_owned() },
+            image.clone(),
+            ContentPart::Text { text: after.clone() },
+        ];
+        messages = vec![
+            ChatMessage::text("system", &system),
+            ChatMessage { role: "user".to_owned(), content: Some(MessageContent::Parts(parts)) },
+        ];
+        let p = state.preprocessor.prepare_chat(&messages, true, vec![picture.clone()]).ok()?;
+        let image_end = p.mm.mm_objects.iter().flat_map(|o| &o.offsets).map(|r| r.1).max()?;
+        let done = p.tokens.len() >= image_end + bs.tokens() * 2;
+        prepared = Some(p);
+        if done {
+            break;
+        }
+        after.push_str(FILLER);
+    }
+    let prepared = prepared?;
+    let infos = prepared.mm.to_block_level(bs, prepared.tokens.len());
+    let hasher = BlockHasher::new(bs);
+    let body = json!({"messages": messages, "max_tokens": 1});
+    Some(Probe {
+        body,
+        hashes: hasher.local_hashes(&prepared.tokens, Some(&infos)),
+        without_images: Some(hasher.local_hashes(&prepared.tokens, None)),
+    })
+}
+
+/// Sends one probe and waits for its blocks in the index; `Err` names what differs.
+async fn run(
+    state: &FrontendState,
+    router: &RouterState,
+    worker: WorkerId,
+    dp_size: u32,
+    url: &str,
+    probe: &Probe,
+) -> Option<Result<(), String>> {
+    let conversion = |router: &RouterState| -> Option<ConvertStats> {
+        Some(router.workers().into_iter().find(|w| w.id == worker)?.conversion)
+    };
+    let before = conversion(router)?;
+    let answer = state.client.post_json::<Value>(url, &probe.body);
     match tokio::time::timeout(PROBE_WAIT, answer).await {
         Ok(Ok(_)) => {}
         Ok(Err(ClientError::Status { status, message })) if status.is_client_error() => {
-            let cause = format!("the engine refused the probe prompt ({status}: {message})");
-            return Some(fail(router, worker, cause));
+            return Some(Err(format!("the engine refused the probe prompt ({status}: {message})")));
         }
         // Unreachable or slow: the health checks deal with it; probed again later.
         _ => return None,
     }
-    let deadline = Instant::now() + PROBE_WAIT;
-    let held = |router: &RouterState| {
-        let scores = router.index.find_matches(&hashes);
-        (0..status.dp_size)
+    let held = |hashes: &[LocalBlockHash]| {
+        let scores = router.index.find_matches(hashes);
+        (0..dp_size)
             .map(|r| scores.score(WorkerWithDpRank::new(worker, r)) as usize)
             .max()
             .unwrap_or(0)
     };
-    while held(router) < hashes.len() {
+    let deadline = Instant::now() + PROBE_WAIT;
+    while held(&probe.hashes) < probe.hashes.len() {
         if Instant::now() > deadline {
-            let after = router.workers().into_iter().find(|w| w.id == worker)?.conversion;
-            let cause = if after.wrong_block_size > before.wrong_block_size {
-                format!(
-                    "block size: the engine's KV events carry blocks of {} tokens, the router's are {bs}",
-                    after.seen_block_size.map_or("another number of".to_owned(), |s| s.to_string())
-                )
-            } else if after.blocks_stored > before.blocks_stored {
-                "token ids: the engine's blocks for the probe prompt carry other token ids than the front door's (the chat template or the tokenizer differ; give both the same model directory)".to_owned()
-            } else {
-                "no KV events: none arrived for the probe prompt (the engine publishes none, or on another endpoint than the worker's `events`)".to_owned()
-            };
-            return Some(fail(router, worker, cause));
+            return Some(Err(cause(state, before, conversion(router)?, probe, held)));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    tracing::info!(%worker, blocks = hashes.len(), "parity probe passed");
-    router.set_parity(worker, Parity::Ok);
-    Some(Parity::Ok)
+    Some(Ok(()))
+}
+
+/// Why a probe's blocks did not arrive as hashed, as far as the router can tell.
+fn cause(
+    state: &FrontendState,
+    before: ConvertStats,
+    after: ConvertStats,
+    probe: &Probe,
+    held: impl Fn(&[LocalBlockHash]) -> usize,
+) -> String {
+    let bs = state.block_size.tokens();
+    if after.wrong_block_size > before.wrong_block_size {
+        return format!(
+            "block size: the engine's KV events carry blocks of {} tokens, the router's are {bs}",
+            after.seen_block_size.map_or("another number of".to_owned(), |s| s.to_string())
+        );
+    }
+    if let Some(plain) = &probe.without_images
+        && held(plain) > held(&probe.hashes)
+    {
+        return "image keys: the engine's blocks that cover the probe's picture carry no image key (its KV events leave out `extra_keys`/`mm_keys`), so two pictures behind the same placeholders look alike to the router".to_owned();
+    }
+    if after.blocks_stored > before.blocks_stored {
+        return match probe.without_images {
+            Some(_) => "image placeholders or keys: the engine's blocks for the image probe carry other token ids or image keys than the front door's (the image's placeholder count or its hashing differ; give both the same model directory)",
+            None => "token ids: the engine's blocks for the probe prompt carry other token ids than the front door's (the chat template or the tokenizer differ; give both the same model directory)",
+        }
+        .to_owned();
+    }
+    "no KV events: none arrived for the probe prompt (the engine publishes none, or on another endpoint than the worker's `events`)".to_owned()
 }

@@ -161,12 +161,20 @@ impl EngineHandle {
     pub fn lose_removed_events(&self, on: bool) {
         self.faults.lose_removed.store(on, std::sync::atomic::Ordering::Relaxed);
     }
+
+    /// Fault injection for tests: while on, `BlockStored` events leave out their image keys
+    /// (`extra_keys`), as an engine that does not announce them would: blocks covering two
+    /// different pictures then look alike to a router.
+    pub fn drop_image_keys(&self, on: bool) {
+        self.faults.no_image_keys.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Faults a test can switch on.
 #[derive(Debug, Default)]
 struct Faults {
     lose_removed: std::sync::atomic::AtomicBool,
+    no_image_keys: std::sync::atomic::AtomicBool,
 }
 
 fn run(
@@ -203,13 +211,21 @@ fn run(
             // Behind (a slow machine): do not try to catch up on the past.
             offset += now - due;
         }
+        let mut events = step.events;
+        if faults.no_image_keys.load(std::sync::atomic::Ordering::Relaxed) {
+            for e in &mut events {
+                if let EngineEvent::BlockStored(s) = e {
+                    s.extra_keys = None;
+                }
+            }
+        }
         if let Some(p) = publisher
-            && !step.events.is_empty()
+            && !events.is_empty()
         {
             if faults.lose_removed.load(std::sync::atomic::Ordering::Relaxed) {
-                p.send_lossy(step.events, dp_rank, |e| matches!(e, EngineEvent::BlockRemoved(_)));
+                p.send_lossy(events, dp_rank, |e| matches!(e, EngineEvent::BlockRemoved(_)));
             } else {
-                p.send(step.events, dp_rank);
+                p.send(events, dp_rank);
             }
         }
         for output in step.outputs {

@@ -147,6 +147,28 @@ pub fn decode_within(
     })
 }
 
+/// A `side` x `side` PNG whose pixels follow from `seed` (the parity probe's picture: a new
+/// seed, a picture no engine has cached).
+pub fn seeded_png(seed: u64, side: u32) -> Vec<u8> {
+    let mut state = seed | 1;
+    let picture = image::RgbaImage::from_fn(side, side, |_, _| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let [r, g, b, ..] = state.to_le_bytes();
+        image::Rgba([r, g, b, 255])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    // Encoding an in-memory RGBA8 picture into memory cannot fail.
+    let _ = picture.write_to(&mut out, image::ImageFormat::Png);
+    out.into_inner()
+}
+
+/// A PNG as a `data:` URL.
+pub fn png_data_url(png: &[u8]) -> String {
+    format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(png))
+}
+
 /// Qwen2-VL's `smart_resize`, then one token per patch.
 pub fn placeholder_tokens(width: u32, height: u32, config: &ImageConfig) -> usize {
     let f = f64::from(config.patch);
@@ -176,6 +198,21 @@ mod tests {
         assert_eq!(placeholder_tokens(448, 448, &c), 256, "the common 448 x 448 -> 256 tokens");
         assert_eq!(placeholder_tokens(10, 10, &c), 4, "small images grow to min_pixels");
         assert!(placeholder_tokens(8000, 8000, &c) <= 1280, "large ones shrink to max_pixels");
+    }
+
+    #[test]
+    fn seeded_pictures_differ_by_seed_and_round_trip() {
+        let c = ImageConfig::default();
+        let a = seeded_png(1, 112);
+        let url = png_data_url(&a);
+        let image = decode(&data_url_bytes(&url, &c).unwrap(), &c).unwrap();
+        assert_eq!((image.width, image.height, image.tokens), (112, 112, 16));
+        assert_eq!(
+            image,
+            decode(&seeded_png(1, 112), &c).unwrap(),
+            "the same seed, the same picture"
+        );
+        assert_ne!(image.mm_hash, decode(&seeded_png(2, 112), &c).unwrap().mm_hash);
     }
 
     #[test]

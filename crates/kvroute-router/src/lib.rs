@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 pub use config::{EventFormat, RouterConfig, WorkerSpec};
 use kvroute_core::{BlockSize, WorkerWithDpRank};
 use kvroute_wire::ConvertConfig;
+pub use kvroute_wire::ConvertStats;
 pub use state::{CacheMode, Parity, Placement, RouterState, WorkerStatus};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
