@@ -241,7 +241,9 @@ impl TreeSizes for crate::index::ShardedIndex {
     }
 }
 
-/// Picks one of the candidates (never given an empty slice).
+/// Picks one of the candidates (never given an empty slice): by cost ([`Policy::costs`], the
+/// lowest or a softmax sample, see [`pick_by_cost`]) or by a rule of its own
+/// ([`Policy::select`], the baselines).
 pub trait Policy: Send + Sync + fmt::Debug {
     fn name(&self) -> &'static str;
     /// A baseline blind to load (round-robin, random): busy workers stay candidates, so it
@@ -249,7 +251,16 @@ pub trait Policy: Send + Sync + fmt::Debug {
     fn blind(&self) -> bool {
         false
     }
-    fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize;
+    /// Each candidate's cost, in order (lower is better), for a policy that prices them; the
+    /// scheduler picks by [`pick_by_cost`] and shows the costs with its recent decisions.
+    fn costs(&self, _request: &RequestInfo, _candidates: &[Candidate]) -> Option<Vec<f64>> {
+        None
+    }
+    /// The choice of a policy without costs (a priced one picks by its costs).
+    fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize {
+        let costs = self.costs(request, candidates).unwrap_or_else(|| vec![0.0; candidates.len()]);
+        pick_by_cost(&costs, candidates, request.temperature, rng)
+    }
 }
 
 /// Picks the lowest of `costs`, or samples with a softmax at temperature `t > 0`:
@@ -319,6 +330,35 @@ pub struct RouteDecision {
     pub predicted_prefill_tokens: usize,
 }
 
+/// Decisions the scheduler keeps for the status page.
+pub const RECENT_DECISIONS: usize = 20;
+/// Candidates kept of each: the chosen one and the cheapest others.
+pub const RECORDED_CANDIDATES: usize = 4;
+
+/// One routing decision as the status page shows it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DecisionRecord {
+    /// Milliseconds since the Unix epoch.
+    pub at_ms: u64,
+    pub isl_tokens: usize,
+    /// Candidates considered in all.
+    pub considered: usize,
+    /// The chosen candidate first, then the cheapest others.
+    pub candidates: Vec<ScoredCandidate>,
+}
+
+/// A candidate of a [`DecisionRecord`], with what its policy priced it at.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct ScoredCandidate {
+    pub worker: WorkerWithDpRank,
+    pub overlap_blocks: u32,
+    pub inflight_prefix_blocks: u32,
+    /// Requests in flight on it.
+    pub running: usize,
+    /// The policy's cost (seconds for `kv`, blocks for `dynamo`); none for the baselines.
+    pub cost: Option<f64>,
+}
+
 #[derive(Debug)]
 pub struct Scheduler {
     config: SchedulerConfig,
@@ -328,6 +368,7 @@ pub struct Scheduler {
     ids: Vec<WorkerWithDpRank>,
     active: ActiveSequences,
     rng: Rng,
+    recent: std::collections::VecDeque<DecisionRecord>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -362,6 +403,7 @@ impl Scheduler {
             ids: Vec::new(),
             active: ActiveSequences::new(),
             rng: Rng::new(config.seed),
+            recent: std::collections::VecDeque::with_capacity(RECENT_DECISIONS),
         }
     }
 
@@ -433,7 +475,7 @@ impl Scheduler {
     ) -> Option<RouteDecision> {
         let mut candidates = self.candidates(request.local_hashes, scores, sizes);
         candidates.retain(|c| !request.exclude.contains(&c.worker));
-        let chosen = self.select(request, &candidates)?;
+        let (chosen, costs) = self.select(request, &candidates)?;
         let c = candidates[chosen];
         let bs = self.config.block_size.tokens();
         let cached =
@@ -447,8 +489,59 @@ impl Scheduler {
             let blocks =
                 RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
             self.active.add(id, c.worker, decision.predicted_prefill_tokens, blocks, now);
+            self.remember(request.isl_tokens, &candidates, chosen, costs.as_deref());
         }
         Some(decision)
+    }
+
+    /// Keeps the decision among the last [`RECENT_DECISIONS`]: the chosen candidate and the
+    /// cheapest others, up to [`RECORDED_CANDIDATES`] in all (linear in the candidates).
+    fn remember(
+        &mut self,
+        isl_tokens: usize,
+        candidates: &[Candidate],
+        chosen: usize,
+        costs: Option<&[f64]>,
+    ) {
+        let cost = |i: usize| costs.map(|c| c[i]);
+        let mut order: Vec<usize> = (0..candidates.len()).filter(|&i| i != chosen).collect();
+        let key =
+            |i: &usize| (cost(*i).unwrap_or(0.0), std::cmp::Reverse(candidates[*i].overlap_blocks));
+        let keep = RECORDED_CANDIDATES - 1;
+        if order.len() > keep {
+            order.select_nth_unstable_by(keep, |a, b| {
+                key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal)
+            });
+            order.truncate(keep);
+        }
+        order.sort_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal));
+        let scored = |i: usize| {
+            let c = &candidates[i];
+            ScoredCandidate {
+                worker: c.worker,
+                overlap_blocks: c.overlap_blocks,
+                inflight_prefix_blocks: c.inflight_prefix_blocks,
+                running: c.active.requests,
+                cost: cost(i),
+            }
+        };
+        let record = DecisionRecord {
+            at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            isl_tokens,
+            considered: candidates.len(),
+            candidates: std::iter::once(chosen).chain(order).map(scored).collect(),
+        };
+        if self.recent.len() == RECENT_DECISIONS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(record);
+    }
+
+    /// The last [`RECENT_DECISIONS`] decisions of tracked requests, oldest first.
+    pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
+        self.recent.iter().cloned().collect()
     }
 
     /// The candidates for a request: ready ones (all, if none is), of which busy ones are
@@ -493,12 +586,13 @@ impl Scheduler {
         kv_busy || prefill_busy
     }
 
-    /// Runs the policy over prepared candidates; the index of the chosen one.
+    /// Runs the policy over prepared candidates; the index of the chosen one, with every
+    /// candidate's cost when the policy prices them.
     pub fn select(
         &mut self,
         request: &RouteRequest<'_>,
         candidates: &[Candidate],
-    ) -> Option<usize> {
+    ) -> Option<(usize, Option<Vec<f64>>)> {
         if candidates.is_empty() {
             return None;
         }
@@ -509,7 +603,13 @@ impl Scheduler {
             overlap_weight: request.overlap_weight.unwrap_or(self.config.overlap_weight),
             temperature: request.temperature.unwrap_or(self.config.temperature),
         };
-        Some(self.policy.select(&info, candidates, &mut self.rng).min(candidates.len() - 1))
+        let (chosen, costs) = match self.policy.costs(&info, candidates) {
+            Some(costs) => {
+                (pick_by_cost(&costs, candidates, info.temperature, &mut self.rng), Some(costs))
+            }
+            None => (self.policy.select(&info, candidates, &mut self.rng), None),
+        };
+        Some((chosen.min(candidates.len() - 1), costs))
     }
 
     /// The request's first token arrived at `now`: its prefill no longer queues, and the time

@@ -8,7 +8,7 @@
 //! The decode term is why it scatters a shared prefix: the worker that holds a prefix also runs
 //! that prefix's requests, so its decode blocks grow and a cold worker soon looks cheaper.
 
-use super::{Candidate, Policy, RequestInfo, Rng, pick_by_cost};
+use super::{Candidate, Policy, RequestInfo};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DynamoPolicy;
@@ -28,8 +28,7 @@ impl Policy for DynamoPolicy {
         "dynamo"
     }
 
-    fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize {
-        let costs: Vec<f64> = candidates.iter().map(|c| cost(request, c)).collect();
-        pick_by_cost(&costs, candidates, request.temperature, rng)
+    fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Option<Vec<f64>> {
+        Some(candidates.iter().map(|c| cost(request, c)).collect())
     }
 }

@@ -50,7 +50,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Candidate, Policy, RequestInfo, Rng, pick_by_cost};
+use super::{Candidate, Policy, RequestInfo};
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -137,7 +137,7 @@ impl Policy for KvPolicy {
         "kv"
     }
 
-    fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize {
-        pick_by_cost(&self.costs(request, candidates), candidates, request.temperature, rng)
+    fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Option<Vec<f64>> {
+        Some(KvPolicy::costs(self, request, candidates))
     }
 }

@@ -673,3 +673,32 @@ fn kv_keeps_prefix_groups_together_and_hits_more_than_dynamo() {
     assert!(kv.workers_per_group < dynamo.workers_per_group);
     assert!(dynamo.hit_rate > rr.hit_rate, "the model must reward cache-aware routing at all");
 }
+
+/// The scheduler keeps its last decisions of tracked requests for the status page: the
+/// chosen worker first with its cost, then the cheapest others, at most four of six.
+#[test]
+fn recent_decisions_keep_the_chosen_and_the_cheapest_others() {
+    let p = prompt(&(0..512).collect::<Vec<_>>());
+    let mut s = scheduler(PolicyKind::Kv, 6);
+    let overlaps = scores(&[(1, 10), (2, 32), (3, 5), (4, 20)]);
+    s.route(&request(&p, None), &overlaps, &UnknownTreeSizes, Instant::now());
+    assert!(s.recent_decisions().is_empty(), "an untracked request is not kept");
+    let ids: Vec<String> = (0..RECENT_DECISIONS + 3).map(|k| format!("r{k}")).collect();
+    for id in &ids {
+        s.route(&request(&p, Some(id)), &overlaps, &UnknownTreeSizes, Instant::now());
+    }
+    let recent = s.recent_decisions();
+    assert_eq!(recent.len(), RECENT_DECISIONS);
+    let first = &recent[0];
+    assert_eq!((first.considered, first.candidates.len()), (6, RECORDED_CANDIDATES));
+    assert_eq!((first.candidates[0].worker, first.candidates[0].overlap_blocks), (w(2), 32));
+    let costs: Vec<f64> = first.candidates.iter().map(|c| c.cost.unwrap()).collect();
+    assert!(costs.windows(2).all(|c| c[0] <= c[1]), "{costs:?}");
+    // The other owners of the prefix are cheaper than the workers without it.
+    let others: Vec<u64> = first.candidates[1..].iter().map(|c| c.worker.worker_id.0).collect();
+    assert_eq!(others, vec![4, 1, 3]);
+    // Baselines have no costs to show.
+    let mut rr = scheduler(PolicyKind::RoundRobin, 3);
+    rr.route(&request(&p, Some("x")), &overlaps, &UnknownTreeSizes, Instant::now());
+    assert!(rr.recent_decisions()[0].candidates.iter().all(|c| c.cost.is_none()));
+}
