@@ -34,6 +34,7 @@ use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_http::auth::KeyId;
 use kvroute_http::metrics::{Counter, Gauge, Registry};
 use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest, ModelList};
+use kvroute_http::router_api::Answered;
 use kvroute_http::{ApiError, ClientError, Credentials, HttpClient};
 use kvroute_preprocess::fetch::{Fetcher, LoadedImage};
 use kvroute_preprocess::{Prepared, Preprocessor};
@@ -498,9 +499,9 @@ struct InFlight {
     state: Arc<FrontendState>,
     id: String,
     prefilled: bool,
-    /// What the router predicted (worker, cached tokens, whether the prompt has a full block)
-    /// and what the engine reported it served, compared when the request ends.
-    predicted: Option<(WorkerWithDpRank, u64, bool)>,
+    /// What the router predicted (worker, cached tokens, prompt tokens) and what the engine
+    /// reported it served, compared when the request ends.
+    predicted: Option<(WorkerWithDpRank, u64, u64)>,
     served: Option<u64>,
 }
 
@@ -515,10 +516,16 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.state.metrics.in_flight.dec();
         self.state.placer.finish(&self.id);
-        if let (Some((worker, predicted, full)), Some(served), Some(router)) =
-            (self.predicted, self.served, self.state.placer.router())
+        if let (Some((worker, predicted, prompt_tokens)), Some(served)) =
+            (self.predicted, self.served)
         {
-            router.record_answer(worker, predicted, served, full);
+            self.state.placer.answered(Answered {
+                worker_id: worker.worker_id,
+                dp_rank: worker.dp_rank,
+                prompt_tokens,
+                predicted_cached_tokens: predicted,
+                cached_tokens: served,
+            });
         }
     }
 }
@@ -554,7 +561,6 @@ async fn route_and_proxy(
             options.insert("include_usage".to_owned(), Value::Bool(true));
         }
     }
-    let full_blocks = prepared.tokens.len() >= bs.tokens();
     let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
     let timeout = if streamed { state.first_byte_timeout } else { RESPONSE_TIMEOUT };
     let mut excluded: Vec<WorkerWithDpRank> = state
@@ -615,7 +621,7 @@ async fn route_and_proxy(
         );
         let mut guard = guard;
         if parts.status.is_success() {
-            guard.predicted = Some((worker, overlap_tokens as u64, full_blocks));
+            guard.predicted = Some((worker, overlap_tokens as u64, prepared.tokens.len() as u64));
         }
         let usage = Usage { sse, strip: streamed && !client_usage, ..Usage::default() };
         let stream = proxy_body(incoming, guard, worker.worker_id, usage);
@@ -811,8 +817,10 @@ async fn models(State(state): State<Arc<FrontendState>>) -> Json<ModelList> {
 /// The workers as the front door sees them (their health), and the embedded router's view.
 async fn workers(State(state): State<Arc<FrontendState>>) -> Json<Value> {
     let health = state.health.snapshot(Instant::now());
-    let router = state.placer.router().map(|r| r.workers());
-    Json(json!({"health": health, "workers": router}))
+    let router = state.placer.router();
+    let decisions = router.map(|r| r.recent_decisions());
+    Json(json!({"health": health, "workers": router.map(|r| r.workers()),
+        "recent_decisions": decisions}))
 }
 
 async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {

@@ -1,12 +1,13 @@
 //! Where routing decisions come from: the router embedded in this process, or a `kvroute
 //! router` reached over HTTP (its `/find_best_worker` with a request id, then
-//! `/requests/{id}/prefill_done` and `DELETE /requests/{id}`), both with the same exclusions.
+//! `/requests/{id}/prefill_done`, `DELETE /requests/{id}` and `/answers`), both with the same
+//! exclusions.
 
 use std::sync::Arc;
 
 use axum::http::{Method, StatusCode};
 use kvroute_core::{LocalBlockHash, WorkerWithDpRank};
-use kvroute_http::router_api::{self, BestWorker, FindBestWorker};
+use kvroute_http::router_api::{self, Answered, BestWorker, FindBestWorker};
 use kvroute_http::{ApiError, ClientError, HttpClient};
 use kvroute_router::{Placement, RouterState};
 
@@ -101,7 +102,7 @@ impl Placer {
         match self {
             Self::Embedded(router) => router.prefill_done(id),
             Self::Remote(remote) => {
-                remote.notify(Method::POST, router_api::prefill_done_path(id));
+                remote.notify(Method::POST, router_api::prefill_done_path(id), None);
             }
         }
     }
@@ -111,7 +112,22 @@ impl Placer {
             Self::Embedded(router) => {
                 router.finish(id);
             }
-            Self::Remote(remote) => remote.notify(Method::DELETE, router_api::request_path(id)),
+            Self::Remote(remote) => {
+                remote.notify(Method::DELETE, router_api::request_path(id), None);
+            }
+        }
+    }
+
+    /// Reports an answered request's predicted and served cached tokens to the router's
+    /// checks of itself.
+    pub(crate) fn answered(&self, answer: Answered) {
+        match self {
+            Self::Embedded(router) => {
+                router.record_answer(&answer);
+            }
+            Self::Remote(remote) => {
+                remote.notify(Method::POST, router_api::ANSWERS.to_owned(), Some(answer));
+            }
         }
     }
 
@@ -126,11 +142,11 @@ impl Placer {
 
 impl RemoteRouter {
     /// Tells the router something in the background (the lifecycle calls).
-    fn notify(&self, method: Method, path: String) {
+    fn notify(&self, method: Method, path: String, body: Option<Answered>) {
         let remote = self.clone();
         tokio::spawn(async move {
             let url = format!("{}{path}", remote.base);
-            match remote.client.call(method, &url, None::<&()>).await {
+            match remote.client.call(method, &url, body.as_ref()).await {
                 Ok(r) if r.status().is_success() || r.status() == StatusCode::NOT_FOUND => {}
                 Ok(r) => tracing::warn!(%path, status = %r.status(), "router notification refused"),
                 Err(e) => tracing::warn!(%path, error = %e, "router notification failed"),

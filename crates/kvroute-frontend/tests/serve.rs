@@ -15,6 +15,7 @@ use kvroute_http::openai::{ChatMessage, stream_chunks};
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::Preprocessor;
 use kvroute_preprocess::fetch::FetchConfig;
+use kvroute_router::checks::SILENT_AFTER;
 use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
 use kvroute_stack::{Simulated, Stack, StackConfig};
 use serde_json::{Value, json};
@@ -334,6 +335,21 @@ async fn a_remote_router_by_url() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(router.render_metrics().contains("kvroute_router_decisions_total 1"));
+    // So does the answer's outcome, for the router's checks of itself (`POST /answers`).
+    let worker = routed.workers[0].id;
+    let answered = || router.workers().into_iter().find(|w| w.id == worker).unwrap().checks;
+    while answered().answered == 0 {
+        assert!(Instant::now() < deadline, "the remote router never heard of the answer");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let checks = answered();
+    assert_eq!((checks.answered, checks.exact), (1, 1), "a cold prompt: 0 predicted, 0 served");
+    let prompt_tokens = a.body["usage"]["prompt_tokens"].as_u64().unwrap();
+    let line = format!(
+        "kvroute_router_answered_prompt_tokens_total{{worker_id=\"{}\"}} {prompt_tokens}",
+        worker.0
+    );
+    assert!(router.render_metrics().contains(&line), "{line}");
 }
 
 /// A worker whose load the router reads from its Prometheus `/metrics` (vLLM's names, here the
@@ -558,7 +574,8 @@ async fn a_worker_whose_index_drifts_is_found_and_resynchronised() {
 
 /// An engine started without KV events behind a worker whose `events` endpoint is connected
 /// but silent (here another engine's publisher that serves nobody): after 20 answered
-/// requests without one event it is flagged, in `/workers` and `/metrics`.
+/// requests that stored new blocks without one event it is flagged, in `/workers` and
+/// `/metrics`; answers served from cache do not count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_serves_without_events_is_flagged_silent() {
     let engine = |endpoints| kvroute_mocker::MockerConfig {
@@ -586,9 +603,16 @@ async fn a_worker_that_serves_without_events_is_flagged_silent() {
     let mut c = config(0, vec![spec]);
     c.parity_probe = false;
     let f = fleet_of(c).await;
-    for k in 0..20 {
+    // One prompt asked again and again is served from the engine's cache: nothing new to
+    // announce, so only its first answer counts (a quiet worker is not a silent one).
+    for _ in 0..SILENT_AFTER {
+        let a = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    assert!(!f.router().workers()[0].checks.silent, "answers served from cache are no evidence");
+    for k in 1..SILENT_AFTER {
         let silent = f.router().workers()[0].checks.silent;
-        assert!(!silent, "flagged after {k} requests");
+        assert!(!silent, "flagged after {k} requests that stored blocks");
         let a = post(&f.base, "/v1/chat/completions", &chat(&format!("{k} {PROMPT}"))).await;
         assert_eq!(a.status, 200, "{}", a.body);
     }
@@ -599,8 +623,9 @@ async fn a_worker_that_serves_without_events_is_flagged_silent() {
 }
 
 /// The parity probe at join: a worker whose engine uses another block size, one started
-/// without KV events and one with another tokenizer and chat template are each flagged with
-/// their cause and routed approximately (their events ignored); a proper one passes.
+/// without KV events, one with another tokenizer and chat template and one that announces
+/// no image keys are each flagged with their cause and routed approximately (their events
+/// ignored); a proper one passes both the text and the image probe.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_parity_probe_names_what_differs_at_join() {
     let engine = |endpoints, block_size: u32, model: Option<std::path::PathBuf>| {
@@ -629,6 +654,8 @@ async fn the_parity_probe_names_what_differs_at_join() {
     let text_model =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny-text");
     let other_model = spawn(engine(ephemeral(), 16, Some(text_model))).await;
+    let no_image_keys = spawn(engine(ephemeral(), 16, None)).await;
+    no_image_keys.state.engine.drop_image_keys(true);
     let spec = |id: u64, s: &kvroute_mocker::Spawned, events: &Option<String>| {
         let mut spec = WorkerSpec::new(id);
         spec.url = Some(s.url.clone());
@@ -640,9 +667,10 @@ async fn the_parity_probe_names_what_differs_at_join() {
         spec(1, &big_blocks, &big_blocks.events),
         spec(2, &no_events, &quiet.events),
         spec(3, &other_model, &other_model.events),
+        spec(4, &no_image_keys, &no_image_keys.events),
     ];
     let stack = Stack::start(config(1, workers)).await.unwrap();
-    // Three probes fail, each after waiting 5 s for blocks that never come (on a loaded
+    // Four probes fail, each after waiting 5 s for blocks that never come (on a loaded
     // machine a probe may be tried twice).
     let waiting = stack.ready(Duration::from_secs(30)).await;
     assert!(waiting.is_empty(), "not ready: {waiting:?}");
@@ -661,6 +689,7 @@ async fn the_parity_probe_names_what_differs_at_join() {
     );
     assert!(cause(2).starts_with("no KV events"), "{}", cause(2));
     assert!(cause(3).starts_with("token ids"), "{}", cause(3));
+    assert!(cause(4).starts_with("image keys"), "{}", cause(4));
     let good = f.stack.workers.last().unwrap().id.0; // the simulated one, after the others
     assert_eq!(parity[&good], kvroute_router::Parity::Ok);
     let modes: Vec<(u64, kvroute_router::CacheMode)> =

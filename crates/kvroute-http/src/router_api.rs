@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | `POST /find_best_worker` | [`FindBestWorker`] | [`BestWorker`] |
 //! | `POST /requests/{id}/prefill_done`, `DELETE /requests/{id}` | - | 204 |
+//! | `POST /answers` | [`Answered`] | 204 |
 //! | `POST /events` | `[RouterEvent]` | [`EventsReply`] |
 //! | `POST /debug/inject_event` | [`InjectEvent`] | `{"status":"ok"}` |
 //!
@@ -19,6 +20,7 @@ pub const EVENTS: &str = "/events";
 pub const INJECT_EVENT: &str = "/debug/inject_event";
 pub const TREE_INFO: &str = "/debug/tree_info";
 pub const WORKERS: &str = "/workers";
+pub const ANSWERS: &str = "/answers";
 
 /// Longest request id the router keeps (it is held while the request is in flight).
 pub const MAX_REQUEST_ID_BYTES: usize = 256;
@@ -69,6 +71,26 @@ pub struct BestWorker {
 }
 
 impl BestWorker {
+    pub fn worker(&self) -> WorkerWithDpRank {
+        WorkerWithDpRank { worker_id: self.worker_id, dp_rank: self.dp_rank }
+    }
+}
+
+/// `POST /answers`: what a front door saw of an answered request, for the router's checks of
+/// itself: the cached tokens it predicted on the worker against those the engine reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Answered {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    pub prompt_tokens: u64,
+    /// Cached tokens the router's decision predicted.
+    pub predicted_cached_tokens: u64,
+    /// Cached tokens the engine reported (`usage.prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: u64,
+}
+
+impl Answered {
     pub fn worker(&self) -> WorkerWithDpRank {
         WorkerWithDpRank { worker_id: self.worker_id, dp_rank: self.dp_rank }
     }

@@ -12,9 +12,13 @@
 //!   A drifted worker is **resynchronised**: its blocks are cleared and its subscription asked
 //!   to replay what its engine still buffers; until [`RECOVER`] answers in a row are not over,
 //!   its overlaps count half in routing.
-//! - **Silence**: a worker that answered [`SILENT_AFTER`] requests of at least one full block
-//!   while its event stream delivered nothing (an engine started without KV events, a
-//!   publisher on another port) is flagged.
+//! - **Silence**: a worker that answered [`SILENT_AFTER`] requests that each made its engine
+//!   compute a full block it did not hold (prompt tokens beyond its cached ones by two blocks
+//!   or more: one of them full and new) while its event stream delivered nothing (an engine
+//!   started without KV events, a publisher on another port) is flagged. Answers served from
+//!   cache store nothing new and say nothing: a fleet that replays known conversations is
+//!   quiet, not silent (`kvroute bench` run twice against one `kvroute serve` flagged every
+//!   worker before this rule).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -94,9 +98,9 @@ pub enum Change {
 
 impl CheckStatus {
     /// Records one answer of a request predicted at `predicted` cached tokens that the engine
-    /// served `actual` of; `full_blocks` tells whether the prompt had a full block (a prompt
-    /// without one produces no event, so says nothing of silence).
-    pub fn record(&mut self, predicted: u64, actual: u64, full_blocks: bool) -> (Outcome, Change) {
+    /// served `actual` of; `stores` tells whether the engine must have stored a new block for
+    /// it (only those count towards silence).
+    pub fn record(&mut self, predicted: u64, actual: u64, stores: bool) -> (Outcome, Change) {
         let outcome = Outcome::of(predicted, actual);
         self.answered += 1;
         match outcome {
@@ -108,7 +112,7 @@ impl CheckStatus {
         if self.window.len() > WINDOW {
             self.window.pop_front();
         }
-        if full_blocks {
+        if stores {
             self.answered_since_event += 1;
         }
         let change = if self.drifted {
@@ -186,7 +190,11 @@ mod tests {
         for _ in 0..SILENT_AFTER - 1 {
             assert_eq!(c.record(0, 0, true).1, Change::None);
         }
-        assert_eq!(c.record(0, 0, false).1, Change::None, "a prompt of no full block says nothing");
+        assert_eq!(
+            c.record(0, 0, false).1,
+            Change::None,
+            "an answer that stores nothing says nothing"
+        );
         assert_eq!(c.record(0, 0, true).1, Change::Silent);
         assert!(c.silent);
         c.event_seen(Instant::now());

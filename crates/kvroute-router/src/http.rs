@@ -4,6 +4,7 @@
 //! |---|---|
 //! | `POST /find_best_worker` | `{"local_hashes":[u64], "num_tokens":n, "request_id"?}` -> worker, overlap |
 //! | `POST /requests/{id}/prefill_done`, `DELETE /requests/{id}` | in-flight accounting |
+//! | `POST /answers` | an answered request's predicted and served cached tokens (self-checks) |
 //! | `POST /events` | a JSON array of `RouterEvent`s |
 //! | `POST /debug/inject_event` | one Stored block: `{worker_id, tokens_hash, block_hash?, mm_extra_info?}` |
 //! | `GET /debug/tree_info` | `{"num_blocks", "events": first 20 dumped events}` |
@@ -31,7 +32,9 @@ use kvroute_core::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
     LocalBlockHash, RouterEvent,
 };
-use kvroute_http::router_api::{self, BestWorker, EventsReply, FindBestWorker, InjectEvent};
+use kvroute_http::router_api::{
+    self, Answered, BestWorker, EventsReply, FindBestWorker, InjectEvent,
+};
 use kvroute_http::{ApiError, Credentials};
 use serde_json::json;
 
@@ -53,6 +56,7 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         .route(router_api::FIND_BEST_WORKER, post(find_best_worker))
         .route("/requests/{id}/prefill_done", post(prefill_done))
         .route("/requests/{id}", delete(finish))
+        .route(router_api::ANSWERS, post(answers))
         .route(router_api::EVENTS, post(events))
         .route(router_api::INJECT_EVENT, post(inject_event))
         .route(router_api::TREE_INFO, get(tree_info))
@@ -136,6 +140,39 @@ async fn finish(State(api): ApiState, Path(id): Path<String>) -> Result<StatusCo
     }
 }
 
+/// Most prompt tokens an answer may claim (beyond any model's context).
+const MAX_ANSWER_TOKENS: u64 = 1 << 32;
+
+async fn answers(
+    State(api): ApiState,
+    body: Result<Json<Answered>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    let Json(a) = body?;
+    if a.prompt_tokens > MAX_ANSWER_TOKENS {
+        return Err(ApiError::bad_request(format!(
+            "prompt_tokens must be at most {MAX_ANSWER_TOKENS}"
+        ))
+        .param("prompt_tokens"));
+    }
+    for (name, value) in
+        [("predicted_cached_tokens", a.predicted_cached_tokens), ("cached_tokens", a.cached_tokens)]
+    {
+        if value > a.prompt_tokens {
+            return Err(
+                ApiError::bad_request(format!("{name} must not exceed prompt_tokens")).param(name)
+            );
+        }
+    }
+    if !api.state.record_answer(&a) {
+        return Err(ApiError::bad_request(format!(
+            "worker {} is not one of the router's workers",
+            a.worker_id
+        ))
+        .param("worker_id"));
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
 async fn events(
     State(api): ApiState,
     body: Result<Json<Vec<RouterEvent>>, JsonRejection>,
@@ -209,7 +246,9 @@ async fn tree_info(State(api): ApiState) -> Result<Json<serde_json::Value>, ApiE
 }
 
 async fn workers(State(api): ApiState) -> Json<serde_json::Value> {
-    Json(json!({"workers": api.state.workers(), "in_flight": api.state.in_flight()}))
+    let state = &api.state;
+    Json(json!({"workers": state.workers(), "in_flight": state.in_flight(),
+        "recent_decisions": state.recent_decisions()}))
 }
 
 async fn metrics(State(api): ApiState) -> Response {

@@ -34,6 +34,8 @@ pub const PREDICTION_ERROR: &str = "kvroute_router_prediction_error_tokens";
 pub const DRIFTS: &str = "kvroute_router_worker_drifts";
 pub const WORKER_DRIFTED: &str = "kvroute_router_worker_drifted";
 pub const WORKER_SILENT: &str = "kvroute_router_worker_silent";
+pub const ANSWERED_PROMPT_TOKENS: &str = "kvroute_router_answered_prompt_tokens";
+pub const ANSWERED_CACHED_TOKENS: &str = "kvroute_router_answered_cached_tokens";
 
 /// Event kinds, a label of [`EVENTS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -146,6 +148,8 @@ pub struct Metrics {
     pub drifts: Family<WorkerIdLabels, Counter>,
     pub worker_drifted: Family<WorkerIdLabels, Gauge>,
     pub worker_silent: Family<WorkerIdLabels, Gauge>,
+    pub prompt_tokens: Family<WorkerIdLabels, Counter>,
+    pub cached_tokens: Family<WorkerIdLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -181,6 +185,8 @@ impl Metrics {
             drifts: Family::default(),
             worker_drifted: Family::default(),
             worker_silent: Family::default(),
+            prompt_tokens: Family::default(),
+            cached_tokens: Family::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -261,6 +267,16 @@ impl Metrics {
             WORKER_SILENT,
             "1 while a worker serves without publishing KV events",
             m.worker_silent.clone(),
+        );
+        r.register(
+            ANSWERED_PROMPT_TOKENS,
+            "Prompt tokens of answered requests (the fleet's hit rate is cached over prompt)",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            ANSWERED_CACHED_TOKENS,
+            "Prompt tokens answered requests were served from the engines' caches (their own count)",
+            m.cached_tokens.clone(),
         );
         Self { registry: r, ..m }
     }

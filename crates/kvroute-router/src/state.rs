@@ -12,12 +12,13 @@ use std::sync::{Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use kvroute_core::index::{ApproxTracker, OverlapScores, ShardedIndex};
-use kvroute_core::schedule::{RouteDecision, RouteRequest, Scheduler, WorkerLoad};
+use kvroute_core::schedule::{DecisionRecord, RouteDecision, RouteRequest, Scheduler, WorkerLoad};
 use kvroute_core::{
     DpRank, KvCacheEventData, LocalBlockHash, RouterEvent, WorkerId, WorkerWithDpRank,
     sequence_hashes,
 };
 use kvroute_http::metrics::Registry;
+use kvroute_http::router_api::Answered;
 use kvroute_wire::ConvertStats;
 use serde::Serialize;
 
@@ -319,26 +320,32 @@ impl RouterState {
         lock(&self.checks).workers.entry(worker).or_default().event_seen(Instant::now());
     }
 
-    /// Records an answered request: `predicted` cached tokens against the `actual` the engine
-    /// served. Counts it, and acts on what it shows: a worker found drifted is logged, its
-    /// blocks cleared and its subscription asked to replay; one serving without events is
-    /// flagged.
-    pub fn record_answer(
-        &self,
-        worker: WorkerWithDpRank,
-        predicted: u64,
-        actual: u64,
-        full_blocks: bool,
-    ) {
-        let id = worker.worker_id;
-        // A worker routed approximately publishes no events by design.
+    /// Records an answered request (from this process's front door, or one posted to
+    /// `/answers`): the cached tokens predicted against those the engine served. Counts it,
+    /// and acts on what it shows: a worker found drifted is logged, its blocks cleared and its
+    /// subscription asked to replay; one serving without events is flagged. A worker the
+    /// router does not know is refused (`false`).
+    pub fn record_answer(&self, a: &Answered) -> bool {
+        let id = a.worker_id;
+        if !self.knows_worker(id) {
+            return false;
+        }
+        let (predicted, actual) = (a.predicted_cached_tokens, a.cached_tokens);
+        // Only an answer for which the engine computed a full block it did not hold must have
+        // produced an event (see `checks`); a worker routed approximately publishes none by
+        // design.
+        let bs = self.config.block_size.tokens() as u64;
+        let stores = a.prompt_tokens >= actual.saturating_add(2 * bs);
         let expects_events = self.mode(id) == Some(CacheMode::Events);
         let (outcome, change) = lock(&self.checks).workers.entry(id).or_default().record(
             predicted,
             actual,
-            full_blocks && expects_events,
+            stores && expects_events,
         );
         let m = &self.metrics;
+        let labels = WorkerIdLabels { worker_id: id.0 };
+        m.prompt_tokens.get_or_create(&labels).inc_by(a.prompt_tokens);
+        m.cached_tokens.get_or_create(&labels).inc_by(actual.min(a.prompt_tokens));
         m.predictions
             .get_or_create(&PredictionLabels { worker_id: id.0, outcome: outcome.name() })
             .inc();
@@ -364,6 +371,12 @@ impl RouterState {
                 "the worker serves requests but publishes no KV events (started without them, or on another port?): its cache is invisible to the router"
             ),
         }
+        true
+    }
+
+    /// The scheduler's last decisions of tracked requests, oldest first.
+    pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
+        lock(&self.scheduler).recent_decisions()
     }
 
     /// Whether `worker`'s subscription should replay everything its engine buffers (once).

@@ -401,3 +401,61 @@ async fn workers_without_events_are_predicted_from_routing() {
         "{text}"
     );
 }
+
+/// `POST /answers`: a front door's report of an answered request feeds the router's checks
+/// (and the fleet's hit rate); reports naming an unknown worker or impossible counts are
+/// refused, and the decisions it made show in `/workers` with their scores.
+#[tokio::test]
+async fn answers_feed_the_checks_and_decisions_show_their_scores() {
+    let state = state(&[1, 2]);
+    let local = hashes(&prompt(64, None, 0).0, None);
+    store(&state, 1, &local).await;
+    let body = json!({"local_hashes": local.iter().map(|l| l.0).collect::<Vec<_>>(),
+        "num_tokens": 64, "request_id": "r1"});
+    let (status, r) = call(&state, Method::POST, "/find_best_worker", Some(body.to_string())).await;
+    assert_eq!((status, r["worker_id"].as_u64()), (StatusCode::OK, Some(1)));
+    let answer = |worker: u64, prompt: u64, predicted: u64, cached: u64| {
+        Some(
+            json!({"worker_id": worker, "dp_rank": 0, "prompt_tokens": prompt,
+            "predicted_cached_tokens": predicted, "cached_tokens": cached})
+            .to_string(),
+        )
+    };
+    let post = |body| call(&state, Method::POST, "/answers", body);
+    assert_eq!(post(answer(1, 64, 48, 48)).await.0, StatusCode::NO_CONTENT);
+    assert_eq!(post(answer(1, 64, 48, 16)).await.0, StatusCode::NO_CONTENT);
+    for (bad, param) in [
+        (answer(9, 64, 0, 0), "worker_id"),
+        (answer(1, 64, 65, 0), "predicted_cached_tokens"),
+        (answer(1, 64, 0, 65), "cached_tokens"),
+        (answer(1, 1 << 40, 0, 0), "prompt_tokens"),
+    ] {
+        let (status, e) = post(bad).await;
+        assert_eq!((status, e["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some(param)));
+    }
+    let (status, _) = post(Some(json!({"worker_id": 1}).to_string())).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "fields are required");
+    let (_, workers) = call(&state, Method::GET, "/workers", None).await;
+    let checks = &workers["workers"][0]["checks"];
+    assert_eq!(
+        (checks["answered"].as_u64(), checks["exact"].as_u64(), checks["over"].as_u64()),
+        (Some(2), Some(1), Some(1))
+    );
+    let decisions = workers["recent_decisions"].as_array().unwrap();
+    assert_eq!(decisions.len(), 1);
+    let chosen = &decisions[0]["candidates"][0];
+    assert_eq!(
+        (chosen["worker"]["worker_id"].as_u64(), chosen["overlap_blocks"].as_u64()),
+        (Some(1), Some(4))
+    );
+    assert!(
+        chosen["cost"].as_f64().unwrap() < decisions[0]["candidates"][1]["cost"].as_f64().unwrap()
+    );
+    let (_, text) = call(&state, Method::GET, "/metrics", None).await;
+    let text = text.as_str().unwrap();
+    assert!(
+        text.contains("kvroute_router_answered_prompt_tokens_total{worker_id=\"1\"} 128"),
+        "{text}"
+    );
+    assert!(text.contains("kvroute_router_answered_cached_tokens_total{worker_id=\"1\"} 64"));
+}

@@ -71,6 +71,10 @@ def test_the_status_page_shows_every_worker_and_matches_the_metrics(serve):
     decisions = int(re.search(r"^kvroute_router_decisions_total (\d+)", metrics, re.M).group(1))
     workers = json.loads(get(base + "/workers"))["workers"]
     answered = sum(w["checks"]["answered"] for w in workers)
+    def total(name):
+        return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)", metrics, re.M))
+    prompt, cached = total("kvroute_router_answered_prompt_tokens_total"), total("kvroute_router_answered_cached_tokens_total")
+    assert prompt > 0 and cached > 0, "repeated questions are served from cache"
 
     html, log = dom(f"{base}/ui?token={TOKEN}")
     assert 'data-loaded="yes"' in html, html[:2000]
@@ -81,6 +85,9 @@ def test_the_status_page_shows_every_worker_and_matches_the_metrics(serve):
     assert re.search(rf'id="decisions-total">{decisions}<', html), (decisions, html[:3000])
     assert re.search(rf'id="answered">{answered}<', html), (answered, html[:3000])
     assert decisions == 12
+    assert re.search(rf'id="hit-rate">{100 * cached / prompt:.1f} %<', html), (cached / prompt, html[:3000])
+    # Every decision is among the recent ones, each with its chosen worker first.
+    assert len(re.findall(r'data-decision="\d+"', html)) == 12
 
     # Without the token the page loads but shows no worker.
     html, _ = dom(f"{base}/ui")
