@@ -206,3 +206,50 @@ fn multimodal_images_change_the_blocks_they_cover() {
     }
     assert!(repeats > 0 && same_text_other_image > 0, "{repeats} {same_text_other_image}");
 }
+
+/// A trace's ids become token blocks: equal leading ids, equal tokens (and block hashes), a
+/// partial last block is its id's first tokens, lengths and times scale as asked.
+#[test]
+fn a_trace_replays_with_equal_ids_as_equal_tokens() {
+    let dir = std::env::temp_dir().join(format!("kvroute-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.jsonl");
+    let lines = [
+        r#"{"timestamp": 1000, "input_length": 1300, "output_length": 100, "hash_ids": [1, 2, 3]}"#,
+        "",
+        r#"{"timestamp": 3000, "input_length": 1100, "output_length": 8, "hash_ids": [1, 2, 4]}"#,
+        r#"{"timestamp": 5000, "input_length": 600, "output_length": 500, "hash_ids": [1, 3]}"#,
+        r#"{"timestamp": 9000, "input_length": 512, "output_length": 1, "hash_ids": [9]}"#,
+    ];
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    let trace = TraceReplay {
+        path: path.clone(),
+        requests: 3,
+        block_tokens: 64,
+        time_scale: 0.5,
+        rate: None,
+    };
+    let w = trace.generate(7, bs(), 0.0).unwrap();
+    assert_eq!(w.requests.len(), 3, "the first 3 requests (blank lines skipped)");
+    let t: Vec<&[u32]> = w.requests.iter().map(tokens).collect();
+    // 1300 = 2 x 512 + 276: two 64-token blocks and ceil(276 / 8) = 35 tokens.
+    assert_eq!(t.iter().map(|t| t.len()).collect::<Vec<_>>(), vec![163, 128 + 10, 64 + 11]);
+    assert_eq!(t[0][..128], t[1][..128], "ids 1, 2 shared");
+    assert_ne!(t[0][128..136], t[1][128..136], "ids 3 and 4 differ");
+    assert_eq!(t[2][..64], t[0][..64], "id 1 again");
+    assert_eq!(t[2][64..], t[0][128..139], "id 3's partial block is its first tokens");
+    assert_eq!(w.requests[0].blocks[..8], w.requests[1].blocks[..8]);
+    assert_eq!(w.requests.iter().map(at).collect::<Vec<_>>(), vec![0.0, 1.0, 2.0]);
+    assert_eq!(w.requests.iter().map(|r| r.max_tokens).collect::<Vec<_>>(), vec![13, 1, 63]);
+    // The same seed, the same prompts; a rate instead of a scale: 3 requests over 4 s at 3/s.
+    assert_eq!(tokens(&trace.generate(7, bs(), 0.0).unwrap().requests[0]), t[0]);
+    let fast = TraceReplay { rate: Some(3.0), ..trace.clone() }.generate(7, bs(), 0.0).unwrap();
+    assert!((at(&fast.requests[2]) - 1.0).abs() < 1e-9, "{}", at(&fast.requests[2]));
+    // Broken traces are errors that say where.
+    std::fs::write(&path, "{\"timestamp\": 1}\n").unwrap();
+    let e = trace.generate(7, bs(), 0.0).unwrap_err();
+    assert!(format!("{e:#}").contains("line 1"), "{e:#}");
+    let missing = TraceReplay { path: dir.join("none.jsonl"), ..trace };
+    assert!(format!("{:#}", missing.generate(7, bs(), 0.0).unwrap_err()).contains("--trace PATH"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
