@@ -2,10 +2,12 @@
 //! report people would rather look at than read.
 //!
 //! - [`workload`]: the generators (shared-prefix, multi-turn, multimodal, random);
+//! - [`goodput`]: the highest rate each policy serves within a TTFT SLO;
 //! - [`run`]: one run against a fresh simulated fleet or a `--target` endpoint;
 //! - [`stats`] and [`summary`]: percentiles, spread, prediction error, best achievable hits;
 //! - [`report`] and [`plot`]: `report.md`, `results.json` and SVG plots.
 
+pub mod goodput;
 pub mod plot;
 pub mod report;
 pub mod run;
@@ -22,27 +24,29 @@ use kvroute_core::schedule::PolicyKind;
 use kvroute_preprocess::Preprocessor;
 
 use crate::run::{FleetConfig, Target};
-use crate::workload::{MultiTurn, Multimodal, RandomPrompts, SharedPrefix, Workload, WorkloadKind};
+use crate::workload::{
+    MultiTurn, Multimodal, RandomPrompts, SharedPrefix, TraceReplay, Workload, WorkloadKind,
+};
 
 /// The command line of `kvroute bench` (every default is the pinned configuration).
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Workloads to run, in order.
-    #[arg(
-        long,
-        env = "KVROUTE_BENCH_WORKLOADS",
-        value_delimiter = ',',
-        default_value = "shared-prefix,multi-turn,multimodal,random"
-    )]
+    /// Workloads to run, in order: shared-prefix, multi-turn, multimodal, random, and trace
+    /// (a recorded trace replayed, see --trace; not in the default set: 6 runs of ~100 s).
+    /// Default: shared-prefix,multi-turn,multimodal,random (with --slo-ttft-p99:
+    /// shared-prefix,multi-turn).
+    #[arg(long, env = "KVROUTE_BENCH_WORKLOADS", value_delimiter = ',')]
     pub workloads: Vec<WorkloadKind>,
-    /// Routing policies compared (self-contained mode).
-    #[arg(
-        long,
-        env = "KVROUTE_BENCH_POLICIES",
-        value_delimiter = ',',
-        default_value = "kv,dynamo,round-robin,random,least-loaded"
-    )]
+    /// Routing policies compared (self-contained mode). Default:
+    /// kv,dynamo,round-robin,random,least-loaded (with --slo-ttft-p99: kv,dynamo,round-robin).
+    #[arg(long, env = "KVROUTE_BENCH_POLICIES", value_delimiter = ',')]
     pub policies: Vec<PolicyKind>,
+    /// Goodput search instead of one run per policy: for each SLO (TTFT p99, ms), the
+    /// highest arrival rate each policy keeps under it, found by whole runs at chosen rates
+    /// (doubling or halving from the workload's rate, then bisecting to within 20%; at most 6
+    /// probes per SLO). Approximate-mode runs are left out.
+    #[arg(long, env = "KVROUTE_BENCH_SLO_TTFT_P99", value_delimiter = ',')]
+    pub slo_ttft_p99: Vec<f64>,
     /// Policies also run with the simulated workers' KV events switched off, the router
     /// predicting their caches from its own decisions (approximate mode; labelled
     /// `<policy>-approx`). `--approximate` with no value runs none.
@@ -152,6 +156,27 @@ pub struct BenchArgs {
     #[arg(long, env = "KVROUTE_BENCH_RANDOM_RATE", default_value_t = 12.0)]
     pub random_rate: f64,
 
+    /// trace: the trace replayed (Mooncake format: timestamp ms, input_length, output_length,
+    /// hash_ids of 512-token blocks); default: the repository's
+    /// traces/mooncake_conversation_trace.jsonl.
+    #[arg(long, env = "KVROUTE_BENCH_TRACE")]
+    pub trace: Option<PathBuf>,
+    /// trace: its first requests replayed.
+    #[arg(long, env = "KVROUTE_BENCH_TRACE_REQUESTS", default_value_t = 600)]
+    pub trace_requests: usize,
+    /// trace: tokens each 512-token hash_id becomes (every length scales by this / 512;
+    /// keep it a multiple of --block-size).
+    #[arg(long, env = "KVROUTE_BENCH_TRACE_BLOCK_TOKENS", default_value_t = 64)]
+    pub trace_block_tokens: usize,
+    /// trace: arrival times are multiplied by this (0.5 replays twice as fast); a --rates
+    /// sweep scales to each mean rate instead.
+    #[arg(long, env = "KVROUTE_BENCH_TRACE_TIME_SCALE", default_value_t = 0.5)]
+    pub trace_time_scale: f64,
+    /// trace: KV blocks of each simulated worker for the trace (its prompts are far longer
+    /// than the synthetic workloads': the fleet is sized to it).
+    #[arg(long, env = "KVROUTE_BENCH_TRACE_NUM_BLOCKS", default_value_t = 8192)]
+    pub trace_num_blocks: usize,
+
     /// Drive this OpenAI-compatible endpoint instead of starting a fleet per policy (e.g.
     /// another router in front of `kvroute mocker` workers).
     #[arg(long, env = "KVROUTE_BENCH_TARGET")]
@@ -181,11 +206,65 @@ impl BenchArgs {
         }
     }
 
+    /// The workloads run: as given, or the mode's default.
+    pub fn workloads(&self) -> Vec<WorkloadKind> {
+        use WorkloadKind::*;
+        match (self.workloads.is_empty(), self.slo_ttft_p99.is_empty()) {
+            (false, _) => self.workloads.clone(),
+            (true, true) => vec![SharedPrefix, MultiTurn, Multimodal, Random],
+            (true, false) => vec![SharedPrefix, MultiTurn],
+        }
+    }
+
+    /// The policies compared: as given, or the mode's default.
+    pub fn policies(&self) -> Vec<PolicyKind> {
+        use PolicyKind::*;
+        match (self.policies.is_empty(), self.slo_ttft_p99.is_empty()) {
+            (false, _) => self.policies.clone(),
+            (true, true) => vec![Kv, Dynamo, RoundRobin, Random, LeastLoaded],
+            (true, false) => vec![Kv, Dynamo, RoundRobin],
+        }
+    }
+
+    /// The arrival rate a workload runs at by default (the goodput search starts there).
+    pub fn default_rate(&self, kind: WorkloadKind, preprocessor: &Preprocessor) -> f64 {
+        match kind {
+            WorkloadKind::SharedPrefix => self.shared_prefix_rate,
+            WorkloadKind::MultiTurn => self.multi_turn_rate,
+            WorkloadKind::Multimodal => self.multimodal_rate,
+            WorkloadKind::Random => self.random_rate,
+            WorkloadKind::Trace => match self.workload(kind, None, preprocessor) {
+                Ok(w) => {
+                    let last = w.requests.iter().filter_map(|r| match r.start {
+                        workload::Start::At(t) => Some(t),
+                        workload::Start::After { .. } => None,
+                    });
+                    let span = last.fold(0.0, f64::max);
+                    if span > 0.0 { w.requests.len() as f64 / span } else { 1.0 }
+                }
+                Err(_) => 1.0,
+            },
+        }
+    }
+
+    /// The fleet a workload runs on: the trace's is sized to it.
+    pub fn fleet_for(&self, kind: WorkloadKind) -> FleetConfig {
+        match kind {
+            WorkloadKind::Trace => {
+                FleetConfig { num_blocks: self.trace_num_blocks, ..self.fleet() }
+            }
+            _ => self.fleet(),
+        }
+    }
+
     fn check(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(!self.workloads.is_empty(), "--workloads: at least one");
         anyhow::ensure!(
-            self.target.is_some() || !self.policies.is_empty(),
-            "--policies: at least one"
+            self.slo_ttft_p99.iter().all(|s| s.is_finite() && *s > 0.0),
+            "--slo-ttft-p99: milliseconds > 0"
+        );
+        anyhow::ensure!(
+            self.slo_ttft_p99.is_empty() || self.rates.is_empty(),
+            "--slo-ttft-p99 chooses its own rates: leave out --rates"
         );
         anyhow::ensure!(self.target.is_some() || self.workers > 0, "--workers must be > 0");
         anyhow::ensure!((0.0..1.0).contains(&self.warmup), "--warmup must be in [0, 1)");
@@ -197,6 +276,11 @@ impl BenchArgs {
             "rates must be > 0"
         );
         anyhow::ensure!(self.think_time >= 0.0, "--think-time must be >= 0");
+        anyhow::ensure!(
+            self.trace_time_scale.is_finite() && self.trace_time_scale > 0.0,
+            "--trace-time-scale must be > 0"
+        );
+        anyhow::ensure!(self.trace_requests > 0, "--trace-requests must be > 0");
         for url in self.target.iter().chain(&self.worker_stats) {
             anyhow::ensure!(
                 url.starts_with("http://"),
@@ -251,6 +335,26 @@ impl BenchArgs {
                 rate: rate.unwrap_or(self.random_rate),
             }
             .generate(self.seed, bs, self.warmup),
+            WorkloadKind::Trace => TraceReplay {
+                path: self.trace.clone().unwrap_or_else(TraceReplay::default_path),
+                requests: self.trace_requests,
+                block_tokens: self.trace_block_tokens,
+                time_scale: self.trace_time_scale,
+                rate,
+            }
+            .generate(self.seed, bs, self.warmup)
+            .map(|mut w| {
+                let f = self.fleet_for(kind);
+                let line = format!(
+                    "{} workers x {} blocks of {} tokens ({} tokens in all), sized to the trace (--trace-num-blocks)",
+                    f.workers,
+                    f.num_blocks,
+                    f.block_size,
+                    f.capacity_blocks() * f.block_size as usize
+                );
+                w.params.push(("fleet".into(), line));
+                w
+            })?,
         })
     }
 }
@@ -294,20 +398,21 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
         )],
         None => {
             let with_events = args
-                .policies
-                .iter()
-                .map(|&p| (p.to_string(), Target::Fleet { policy: p, events: true }));
+                .policies()
+                .into_iter()
+                .map(|p| (p.to_string(), Target::Fleet { policy: p, events: true }));
             let approximate = args
                 .approximate
                 .iter()
+                .filter(|_| args.slo_ttft_p99.is_empty())
                 .map(|&p| (format!("{p}-approx"), Target::Fleet { policy: p, events: false }));
             with_events.chain(approximate).collect()
         }
     };
-    let capacity = match &args.target {
-        None => Some(fleet.capacity_blocks()),
-        Some(_) => None,
-    };
+    if !args.slo_ttft_p99.is_empty() {
+        return goodput_search(args, &targets, &preprocessor);
+    }
+
     let rates: Vec<Option<f64>> = if args.rates.is_empty() {
         vec![None]
     } else {
@@ -315,7 +420,12 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
     };
     let started = Instant::now();
     let mut results = Vec::new();
-    for &kind in &args.workloads {
+    for kind in args.workloads() {
+        let fleet = args.fleet_for(kind);
+        let capacity = match &args.target {
+            None => Some(fleet.capacity_blocks()),
+            Some(_) => None,
+        };
         for &rate in &rates {
             let workload = args.workload(kind, rate, &preprocessor)?;
             let mut runs = Vec::new();
@@ -347,4 +457,54 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
     }
     let elapsed = started.elapsed();
     report::write(&args.out, args, &fleet, &results, elapsed)
+}
+
+/// `--slo-ttft-p99`: the goodput search of every workload and target; writes its report.
+fn goodput_search(
+    args: &BenchArgs,
+    targets: &[(String, Target)],
+    preprocessor: &std::sync::Arc<Preprocessor>,
+) -> anyhow::Result<PathBuf> {
+    let started = Instant::now();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let mut results = Vec::new();
+    for kind in args.workloads() {
+        let fleet = args.fleet_for(kind);
+        let capacity = args.target.is_none().then(|| fleet.capacity_blocks());
+        let start = args.default_rate(kind, preprocessor);
+        let mut policies = Vec::new();
+        for (label, target) in targets {
+            let probes = goodput::search(&args.slo_ttft_p99, start, |rate| {
+                let workload = args.workload(kind, Some(rate), preprocessor)?;
+                let bar = progress_bar();
+                let cpu_before = goodput::process_cpu_secs();
+                let t0 = Instant::now();
+                let data = run::run(&workload, target, &fleet, label, &bar, preprocessor)?;
+                let wall = t0.elapsed().as_secs_f64();
+                bar.finish_and_clear();
+                let cpu = cpu_before.zip(goodput::process_cpu_secs()).map(|(a, b)| b - a);
+                let share = cpu.map(|c| c / (wall * cores));
+                let summary = summary::summarize(&data, fleet.block_size as usize, capacity);
+                let probe = goodput::Probe::new(rate, &summary, wall, share);
+                tracing::info!(
+                    workload = %kind,
+                    policy = %label,
+                    rate,
+                    ttft_p99_ms = format!("{:.1}", probe.ttft_p99_ms.unwrap_or(f64::NAN)),
+                    errors = probe.errors,
+                    cpu = format!("{:.0}%", 100.0 * share.unwrap_or(f64::NAN)),
+                    "goodput probe"
+                );
+                Ok(probe)
+            })?;
+            policies.push(goodput::PolicyGoodput { label: label.clone(), probes });
+        }
+        results.push(goodput::GoodputResult {
+            workload: kind,
+            start_rate: start,
+            slos_ms: args.slo_ttft_p99.clone(),
+            policies,
+        });
+    }
+    report::write_goodput(&args.out, args, &results, started.elapsed())
 }

@@ -111,7 +111,7 @@ pub fn check_targets(results: &[WorkloadResult]) -> Vec<TargetCheck> {
                     });
                 }
             }
-            WorkloadKind::Random => {}
+            WorkloadKind::Random | WorkloadKind::Trace => {}
         }
     }
     out
@@ -175,7 +175,7 @@ pub fn write(
         None => {
             let _ = writeln!(
                 md,
-                "Fleet, fresh for every policy: {} simulated workers (`kvroute mocker`'s engine) x {} blocks of {} tokens ({} tokens in all), speedup {}, max {} sequences and {} batched tokens per step; the front door and router of `kvroute serve`. Seed {}; the first {:.0}% of each schedule is warm-up, left out of the latency figures.\n",
+                "Fleet, fresh for every policy: {} simulated workers (`kvroute mocker`'s engine) x {} blocks of {} tokens ({} tokens in all), speedup {}, max {} sequences and {} batched tokens per step; the front door and router of `kvroute serve`. Seed {}; the first {:.0}% of each schedule is warm-up, left out of the latency figures (a trace's fleet is sized to it: see its section).\n",
                 fleet.workers,
                 fleet.num_blocks,
                 fleet.block_size,
@@ -318,4 +318,122 @@ fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyho
         let _ = writeln!(md, "![{title}]({file})\n");
     }
     Ok(())
+}
+
+/// The goodput search's report (`--slo-ttft-p99`): the goodput table first, then every probe;
+/// `results.json` beside it. Returns the path of `report.md`.
+pub fn write_goodput(
+    out: &Path,
+    args: &BenchArgs,
+    results: &[crate::goodput::GoodputResult],
+    elapsed: Duration,
+) -> anyhow::Result<PathBuf> {
+    use crate::goodput::{HOST_BOUND, MAX_PROBES, RESOLUTION};
+    let mut md = String::new();
+    let secs = elapsed.as_secs();
+    let _ = writeln!(md, "# kvroute bench: goodput\n");
+    let _ = writeln!(
+        md,
+        "`{}` (kvroute {}), {} min {} s in all.\n",
+        command_line(),
+        env!("CARGO_PKG_VERSION"),
+        secs / 60,
+        secs % 60
+    );
+    let fleet = args.fleet();
+    let _ = writeln!(
+        md,
+        "Fleet, fresh for every probe: {} simulated workers x {} blocks of {} tokens (the trace's: {} blocks), speedup {}; the front door and router of `kvroute serve`. Seed {}.\n",
+        fleet.workers,
+        fleet.num_blocks,
+        fleet.block_size,
+        args.trace_num_blocks,
+        fleet.speedup,
+        args.seed
+    );
+    let _ = writeln!(
+        md,
+        "How to read it: *goodput* = the highest arrival rate (requests/s; users/s for multi-turn) whose TTFT p99 stayed under the SLO with no errors, below the lowest rate that failed it. Each probe is a whole run of the workload at that rate. From the workload's default rate the search doubles or halves until it has seen both sides, then bisects until they are within {:.0}% (at most {MAX_PROBES} probes per SLO), so a goodput is exact to that step. *CPU* = the bench process's CPU time (fleet, router and front door run in it) over the probe's wall time and the machine's cores; a probe above {:.0}% is marked host-bound: there the machine, not the fleet, set the limit.\n",
+        (RESOLUTION - 1.0) * 100.0,
+        HOST_BOUND * 100.0
+    );
+    let slos: Vec<f64> = results.first().map(|r| r.slos_ms.clone()).unwrap_or_default();
+    let _ = write!(md, "## Goodput\n\n| workload | policy |");
+    for slo in &slos {
+        let _ = write!(md, " at {slo} ms | vs round-robin | vs dynamo |");
+    }
+    let _ = write!(md, "\n|---|---|");
+    for _ in &slos {
+        let _ = write!(md, "---|---|---|");
+    }
+    let _ = writeln!(md);
+    for r in results {
+        let find = |label: &str| r.policies.iter().find(|p| p.label == label);
+        for p in &r.policies {
+            let _ = write!(md, "| {} | {} |", r.workload, p.label);
+            for &slo in &slos {
+                let own = p.goodput(slo);
+                let ratio = |other: &str| {
+                    let base = find(other).and_then(|o| o.goodput(slo));
+                    match (own, base) {
+                        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+                        _ => "-".to_owned(),
+                    }
+                };
+                let host = p.probes.iter().any(|q| q.host_bound() && q.meets(slo));
+                let _ = write!(
+                    md,
+                    " {}{} | {} | {} |",
+                    own.map_or("none".to_owned(), |g| format!("{g}")),
+                    if host { " (host-bound)" } else { "" },
+                    ratio("round-robin"),
+                    ratio("dynamo")
+                );
+            }
+            let _ = writeln!(md);
+        }
+    }
+    let _ = writeln!(md);
+    for r in results {
+        let _ = writeln!(md, "## {}: probes (search from {:.2})\n", r.workload, r.start_rate);
+        let _ = writeln!(
+            md,
+            "| policy | rate | TTFT p50 | TTFT p99 | hit rate | errors | wall s | CPU |\n|---|---|---|---|---|---|---|---|"
+        );
+        for p in &r.policies {
+            for q in &p.probes {
+                let cpu = q.cpu_share.map_or("-".to_owned(), |c| {
+                    format!("{:.0}%{}", c * 100.0, if q.host_bound() { " host-bound" } else { "" })
+                });
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {} | {} | {} | {:.1} | {} |",
+                    p.label,
+                    q.rate,
+                    ms(q.ttft_p50_ms),
+                    ms(q.ttft_p99_ms),
+                    frac(q.hit_rate),
+                    q.errors,
+                    q.wall_secs,
+                    cpu
+                );
+            }
+        }
+        let _ = writeln!(md);
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let report = out.join("report.md");
+    std::fs::write(&report, md).with_context(|| format!("writing {}", report.display()))?;
+    let json = json!({
+        "kvroute_version": env!("CARGO_PKG_VERSION"),
+        "command": command_line(),
+        "fleet": fleet,
+        "seed": args.seed,
+        "elapsed_secs": elapsed.as_secs_f64(),
+        "goodput": results,
+    });
+    let path = out.join("results.json");
+    std::fs::write(&path, serde_json::to_vec(&json)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(report)
 }

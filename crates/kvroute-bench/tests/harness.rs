@@ -143,3 +143,48 @@ fn a_target_by_url_with_worker_stats() {
     assert_eq!(s.over_predicted, 0);
     host.shutdown_timeout(Duration::from_secs(1));
 }
+
+/// `--slo-ttft-p99`: the search end to end on a tiny workload: probes are real runs; an SLO
+/// no run can miss doubles the rate up to the highest rate probed; the report opens with the
+/// goodput table and lists every probe with its CPU share. (The bracketing itself is unit
+/// tested in `goodput`.)
+#[test]
+fn the_goodput_search_writes_its_table() {
+    let out = std::env::temp_dir().join(format!("kvroute-goodput-{}", std::process::id()));
+    let args = <BenchArgs as clap::FromArgMatches>::from_arg_matches(
+        &<BenchArgs as clap::Args>::augment_args(clap::Command::new("bench")).get_matches_from([
+            "bench",
+            "--workers",
+            "2",
+            "--workloads",
+            "random",
+            "--policies",
+            "kv,round-robin",
+            "--random-requests",
+            "6",
+            "--random-prompt-tokens",
+            "64",
+            "--output-tokens",
+            "2",
+            "--random-rate",
+            "40",
+            "--slo-ttft-p99",
+            "100000",
+            "--out",
+            out.to_str().unwrap(),
+        ]),
+    )
+    .unwrap();
+    let report = kvroute_bench::bench(&args).unwrap();
+    let md = std::fs::read_to_string(report).unwrap();
+    assert!(md.starts_with("# kvroute bench: goodput"), "{md}");
+    let table = md.split("## random: probes").next().unwrap();
+    assert!(table.contains("| random | kv | 320 | 1.00x |"), "{table}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let probes = json["goodput"][0]["policies"][0]["probes"].as_array().unwrap();
+    let rates: Vec<f64> = probes.iter().map(|p| p["rate"].as_f64().unwrap()).collect();
+    assert_eq!(rates, vec![40.0, 80.0, 160.0, 320.0], "doubling up to the highest rate probed");
+    assert!(probes.iter().all(|p| p["errors"] == 0 && p["cpu_share"].as_f64().is_some()));
+    std::fs::remove_dir_all(&out).unwrap();
+}

@@ -1,0 +1,210 @@
+//! Goodput at an SLO: per policy, the highest arrival rate at which the TTFT p99 stays under
+//! a target (`kvroute bench --slo-ttft-p99 100,250`).
+//!
+//! The search, per workload and policy, probes whole runs (a fresh fleet each) at chosen
+//! rates and keeps every probe; for each SLO in turn it brackets the goodput between the
+//! highest rate that met it (below the lowest that failed) and the lowest that failed: from
+//! the workload's default rate it doubles or halves until both sides are seen, then bisects
+//! (geometric mean) until they are within [`RESOLUTION`], at most [`MAX_PROBES`] probes per
+//! SLO (probes of an earlier SLO count for the next). A probe with errors fails every SLO.
+//!
+//! Each probe records the CPU the bench process used (its fleet, router and front door run
+//! in it) over the probe's wall time and cores: above [`HOST_BOUND`] the host, not the
+//! fleet, is what limits the rate, and the report says so.
+
+use serde::Serialize;
+
+use crate::summary::Summary;
+
+/// Bisection stops once the failing rate is within this factor of the meeting one.
+pub const RESOLUTION: f64 = 1.2;
+/// Probes per SLO at most.
+pub const MAX_PROBES: usize = 6;
+/// Lowest and highest rates probed (requests/s; users/s for multi-turn).
+pub const MIN_RATE: f64 = 0.25;
+pub const MAX_RATE: f64 = 512.0;
+/// A probe whose process used more than this share of the machine's CPU is host-bound.
+pub const HOST_BOUND: f64 = 0.8;
+
+/// One probe: a whole run at one rate.
+#[derive(Clone, Debug, Serialize)]
+pub struct Probe {
+    pub rate: f64,
+    pub ttft_p99_ms: Option<f64>,
+    pub ttft_p50_ms: Option<f64>,
+    pub hit_rate: Option<f64>,
+    pub errors: usize,
+    pub wall_secs: f64,
+    /// CPU seconds of the bench process over wall seconds x cores.
+    pub cpu_share: Option<f64>,
+}
+
+impl Probe {
+    pub fn new(rate: f64, summary: &Summary, wall_secs: f64, cpu_share: Option<f64>) -> Self {
+        Self {
+            rate,
+            ttft_p99_ms: summary.ttft_ms.p99,
+            ttft_p50_ms: summary.ttft_ms.p50,
+            hit_rate: summary.hit_rate,
+            errors: summary.errors,
+            wall_secs,
+            cpu_share,
+        }
+    }
+
+    pub fn meets(&self, slo_ms: f64) -> bool {
+        self.errors == 0 && self.ttft_p99_ms.is_some_and(|p| p < slo_ms)
+    }
+
+    pub fn host_bound(&self) -> bool {
+        self.cpu_share.is_some_and(|c| c > HOST_BOUND)
+    }
+}
+
+/// The goodput bracket of `slo_ms` among `probes`: the highest meeting rate below the lowest
+/// failing one, and that failing one.
+pub fn bracket(probes: &[Probe], slo_ms: f64) -> (Option<f64>, Option<f64>) {
+    let failed = probes.iter().filter(|p| !p.meets(slo_ms)).map(|p| p.rate).reduce(f64::min);
+    let met = probes
+        .iter()
+        .filter(|p| p.meets(slo_ms) && failed.is_none_or(|f| p.rate < f))
+        .map(|p| p.rate)
+        .reduce(f64::max);
+    (met, failed)
+}
+
+/// The next rate to probe for `slo_ms`, or `None` when the bracket is tight enough (or the
+/// rate left the probed range).
+pub fn next_rate(probes: &[Probe], slo_ms: f64, start: f64) -> Option<f64> {
+    match bracket(probes, slo_ms) {
+        (None, None) => Some(start),
+        (Some(met), None) => Some(met * 2.0).filter(|r| *r <= MAX_RATE),
+        (None, Some(failed)) => Some(failed / 2.0).filter(|r| *r >= MIN_RATE),
+        (Some(met), Some(failed)) => (failed / met > RESOLUTION).then(|| (met * failed).sqrt()),
+    }
+}
+
+/// Runs the search for every SLO: `probe(rate)` runs one probe.
+pub fn search(
+    slos_ms: &[f64],
+    start: f64,
+    mut probe: impl FnMut(f64) -> anyhow::Result<Probe>,
+) -> anyhow::Result<Vec<Probe>> {
+    let mut probes: Vec<Probe> = Vec::new();
+    for &slo in slos_ms {
+        for _ in 0..MAX_PROBES {
+            let Some(rate) = next_rate(&probes, slo, start) else { break };
+            // Rates are rounded so a bisection does not probe 23.9999 beside 24.
+            let rate = (rate * 100.0).round() / 100.0;
+            if probes.iter().any(|p| (p.rate - rate).abs() < 1e-9) {
+                break;
+            }
+            probes.push(probe(rate)?);
+        }
+    }
+    probes.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+    Ok(probes)
+}
+
+/// One policy's probes on one workload.
+#[derive(Clone, Debug, Serialize)]
+pub struct PolicyGoodput {
+    pub label: String,
+    pub probes: Vec<Probe>,
+}
+
+impl PolicyGoodput {
+    /// The goodput at `slo_ms` (`None`: not even the lowest rate probed met it).
+    pub fn goodput(&self, slo_ms: f64) -> Option<f64> {
+        bracket(&self.probes, slo_ms).0
+    }
+}
+
+/// Every policy's search on one workload.
+#[derive(Clone, Debug, Serialize)]
+pub struct GoodputResult {
+    pub workload: crate::workload::WorkloadKind,
+    pub start_rate: f64,
+    pub slos_ms: Vec<f64>,
+    pub policies: Vec<PolicyGoodput>,
+}
+
+/// CPU seconds this process has used (user + system), from `/proc/self/stat`.
+pub fn process_cpu_secs() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) in parentheses.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the name.
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // The kernel reports them in USER_HZ, 100 on every Linux architecture we run on.
+    Some(ticks / 100.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fleet whose p99 grows with the rate past a knee: the search finds each SLO's
+    /// goodput within the resolution, sharing probes between SLOs, within its bounds.
+    #[test]
+    fn the_search_brackets_each_slo() {
+        let p99 = |rate: f64| if rate <= 30.0 { 40.0 + rate } else { 70.0 + (rate - 30.0) * 20.0 };
+        let mut calls = 0;
+        let probes = search(&[100.0, 250.0], 24.0, |rate| {
+            calls += 1;
+            Ok(Probe {
+                rate,
+                ttft_p99_ms: Some(p99(rate)),
+                ttft_p50_ms: None,
+                hit_rate: None,
+                errors: 0,
+                wall_secs: 1.0,
+                cpu_share: None,
+            })
+        })
+        .unwrap();
+        assert_eq!(calls, probes.len());
+        let result = PolicyGoodput { label: "kv".into(), probes };
+        // True goodputs: p99 < 100 below 31.5; < 250 below 39.
+        let at100 = result.goodput(100.0).unwrap();
+        let at250 = result.goodput(250.0).unwrap();
+        assert!((31.5 / RESOLUTION..31.5).contains(&at100), "{at100}");
+        assert!((39.0 / RESOLUTION..39.0).contains(&at250), "{at250}");
+        assert!(calls <= 2 * MAX_PROBES, "{calls} probes");
+        // A fleet that fails everything: goodput none, the search stops at the floor.
+        let none = search(&[100.0], 24.0, |rate| {
+            Ok(Probe {
+                rate,
+                ttft_p99_ms: Some(1e6),
+                ttft_p50_ms: None,
+                hit_rate: None,
+                errors: 0,
+                wall_secs: 1.0,
+                cpu_share: None,
+            })
+        })
+        .unwrap();
+        assert_eq!(bracket(&none, 100.0).0, None);
+        assert!(none.len() <= MAX_PROBES);
+        // Errors fail a probe whatever its latency.
+        let failed = Probe { errors: 1, ..none[0].clone() };
+        assert!(!Probe { ttft_p99_ms: Some(1.0), ..failed }.meets(100.0));
+    }
+
+    #[test]
+    fn cpu_time_is_counted() {
+        let before = process_cpu_secs().unwrap();
+        // Work until the counter moves (it ticks every 10 ms of CPU).
+        let mut x = 1u64;
+        let t0 = std::time::Instant::now();
+        while process_cpu_secs().unwrap() <= before && t0.elapsed().as_secs() < 10 {
+            for _ in 0..100_000 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            }
+        }
+        std::hint::black_box(x);
+        let spent = process_cpu_secs().unwrap() - before;
+        assert!(spent > 0.0 && spent < 10.0, "{spent}");
+    }
+}
