@@ -124,8 +124,11 @@ fn image_probe(state: &FrontendState, worker: WorkerId, nonce: u128) -> Option<P
     let png = images::seeded_png(nonce as u64 ^ worker.0, PROBE_IMAGE_SIDE);
     let picture = images::decode(&png, config).ok()?;
     let system = system(nonce, worker, "image");
+    // As the front door sends every image: its identifier as vLLM's multimodal `uuid`, so
+    // the engine keys the picture as the router does.
+    let uuid = Some(picture.identifier.clone());
     let image = ContentPart::ImageUrl {
-        image_url: ImageUrl { url: images::png_data_url(&png), detail: None, uuid: None },
+        image_url: ImageUrl { url: images::png_data_url(&png), detail: None, uuid },
     };
     let mut after = "What does the picture show?".to_owned();
     let (mut messages, mut prepared) = (Vec::new(), None);
