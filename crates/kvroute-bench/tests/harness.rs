@@ -55,10 +55,10 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
             assert_eq!(r.itl_ms.len(), 3);
             assert!(r.worker.is_some() && r.predicted_tokens.is_some());
         }
-        // A fresh fleet: its counters start at the front door's parity probe (one request
-        // of a prompt nobody sent, so nothing cached).
+        // A fresh fleet: its counters start at the front door's parity probes (a text and an
+        // image request of prompts nobody sent, so nothing cached).
         assert!(
-            data.stats_start.iter().all(|s| s.requests_finished <= 1 && s.cached_tokens == 0),
+            data.stats_start.iter().all(|s| s.requests_finished <= 2 && s.cached_tokens == 0),
             "{:?}",
             data.stats_start
         );

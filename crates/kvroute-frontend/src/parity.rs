@@ -90,10 +90,11 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Option<Parit
     Some(Parity::Ok)
 }
 
-/// The nonce leads a system message, so a probe's first block is its own: it must not warm a
-/// prefix (a template's default system prompt) that real requests share.
+/// The probe's kind and nonce lead a system message, so each probe's first block is its own:
+/// it must not warm a prefix (a template's default system prompt, or the other probe's
+/// opening) that real requests or the next probe share.
 fn system(nonce: u128, worker: WorkerId, what: &str) -> String {
-    format!("{nonce:x} kvroute {what} parity probe of worker {worker}")
+    format!("{what} {nonce:x} kvroute parity probe of worker {worker}")
 }
 
 fn text_probe(state: &FrontendState, worker: WorkerId, nonce: u128) -> Option<Probe> {
