@@ -145,6 +145,19 @@ pub fn process_cpu_secs() -> Option<f64> {
 mod tests {
     use super::*;
 
+    /// A probe that measured `p99` ms and nothing else.
+    fn probe(rate: f64, p99: f64) -> Probe {
+        Probe {
+            rate,
+            ttft_p99_ms: Some(p99),
+            ttft_p50_ms: None,
+            hit_rate: None,
+            errors: 0,
+            wall_secs: 1.0,
+            cpu_share: None,
+        }
+    }
+
     /// A fleet whose p99 grows with the rate past a knee: the search finds each SLO's
     /// goodput within the resolution, sharing probes between SLOs, within its bounds.
     #[test]
@@ -153,15 +166,7 @@ mod tests {
         let mut calls = 0;
         let probes = search(&[100.0, 250.0], 24.0, |rate| {
             calls += 1;
-            Ok(Probe {
-                rate,
-                ttft_p99_ms: Some(p99(rate)),
-                ttft_p50_ms: None,
-                hit_rate: None,
-                errors: 0,
-                wall_secs: 1.0,
-                cpu_share: None,
-            })
+            Ok(probe(rate, p99(rate)))
         })
         .unwrap();
         assert_eq!(calls, probes.len());
@@ -173,18 +178,7 @@ mod tests {
         assert!((39.0 / RESOLUTION..39.0).contains(&at250), "{at250}");
         assert!(calls <= 2 * MAX_PROBES, "{calls} probes");
         // A fleet that fails everything: goodput none, the search stops at the floor.
-        let none = search(&[100.0], 24.0, |rate| {
-            Ok(Probe {
-                rate,
-                ttft_p99_ms: Some(1e6),
-                ttft_p50_ms: None,
-                hit_rate: None,
-                errors: 0,
-                wall_secs: 1.0,
-                cpu_share: None,
-            })
-        })
-        .unwrap();
+        let none = search(&[100.0], 24.0, |rate| Ok(probe(rate, 1e6))).unwrap();
         assert_eq!(bracket(&none, 100.0).0, None);
         assert!(none.len() <= MAX_PROBES);
         // Errors fail a probe whatever its latency.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use serde::Serialize;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::run::FleetConfig;
 use crate::summary::Summary;
@@ -160,17 +160,7 @@ pub fn write(
     elapsed: Duration,
 ) -> anyhow::Result<PathBuf> {
     let targets = check_targets(results);
-    let mut md = String::new();
-    let secs = elapsed.as_secs();
-    let _ = writeln!(md, "# kvroute bench\n");
-    let _ = writeln!(
-        md,
-        "`{}` (kvroute {}), {} min {} s in all.\n",
-        command_line(),
-        env!("CARGO_PKG_VERSION"),
-        secs / 60,
-        secs % 60
-    );
+    let mut md = heading("kvroute bench", elapsed);
     match &args.target {
         None => {
             let _ = writeln!(
@@ -221,8 +211,6 @@ pub fn write(
     for result in results {
         write_workload(&mut md, out, result)?;
     }
-    let report = out.join("report.md");
-    std::fs::write(&report, md).with_context(|| format!("writing {}", report.display()))?;
     let json = json!({
         "kvroute_version": env!("CARGO_PKG_VERSION"),
         "command": command_line(),
@@ -243,8 +231,27 @@ pub fn write(
             })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     });
+    save(out, &md, &json)
+}
+
+/// A report's title and the line saying how it was made.
+fn heading(title: &str, elapsed: Duration) -> String {
+    let secs = elapsed.as_secs();
+    format!(
+        "# {title}\n\n`{}` (kvroute {}), {} min {} s in all.\n\n",
+        command_line(),
+        env!("CARGO_PKG_VERSION"),
+        secs / 60,
+        secs % 60
+    )
+}
+
+/// Writes `report.md` and `results.json` under `out`; returns the report's path.
+fn save(out: &Path, md: &str, json: &Value) -> anyhow::Result<PathBuf> {
+    let report = out.join("report.md");
+    std::fs::write(&report, md).with_context(|| format!("writing {}", report.display()))?;
     let path = out.join("results.json");
-    std::fs::write(&path, serde_json::to_vec(&json)?)
+    std::fs::write(&path, serde_json::to_vec(json)?)
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(report)
 }
@@ -329,17 +336,7 @@ pub fn write_goodput(
     elapsed: Duration,
 ) -> anyhow::Result<PathBuf> {
     use crate::goodput::{HOST_BOUND, MAX_PROBES, RESOLUTION};
-    let mut md = String::new();
-    let secs = elapsed.as_secs();
-    let _ = writeln!(md, "# kvroute bench: goodput\n");
-    let _ = writeln!(
-        md,
-        "`{}` (kvroute {}), {} min {} s in all.\n",
-        command_line(),
-        env!("CARGO_PKG_VERSION"),
-        secs / 60,
-        secs % 60
-    );
+    let mut md = heading("kvroute bench: goodput", elapsed);
     let fleet = args.fleet();
     let _ = writeln!(
         md,
@@ -422,8 +419,6 @@ pub fn write_goodput(
         let _ = writeln!(md);
     }
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let report = out.join("report.md");
-    std::fs::write(&report, md).with_context(|| format!("writing {}", report.display()))?;
     let json = json!({
         "kvroute_version": env!("CARGO_PKG_VERSION"),
         "command": command_line(),
@@ -432,8 +427,5 @@ pub fn write_goodput(
         "elapsed_secs": elapsed.as_secs_f64(),
         "goodput": results,
     });
-    let path = out.join("results.json");
-    std::fs::write(&path, serde_json::to_vec(&json)?)
-        .with_context(|| format!("writing {}", path.display()))?;
-    Ok(report)
+    save(out, &md, &json)
 }
