@@ -627,6 +627,30 @@ impl Scheduler {
         }
     }
 
+    /// Tracks a request another router routed (a replica's decision) as in flight on
+    /// `worker`, without choosing anything; ignored for a worker that is not a candidate.
+    /// Returns whether it is tracked.
+    pub fn track(
+        &mut self,
+        id: &str,
+        worker: WorkerWithDpRank,
+        prefill_tokens: usize,
+        blocks: RequestBlocks<'_>,
+        now: Instant,
+    ) -> bool {
+        if self.entry(worker).is_none() {
+            return false;
+        }
+        self.active.add(id, worker, prefill_tokens, blocks, now);
+        true
+    }
+
+    /// Another router's request produced its first token: its prefill no longer queues (its
+    /// timing, measured elsewhere, teaches nothing here).
+    pub fn prefill_done_elsewhere(&mut self, id: &str) {
+        self.active.mark_prefill_done(id);
+    }
+
     /// The request ended: completed, failed or abandoned by its client.
     pub fn free(&mut self, id: &str) -> bool {
         self.active.free(id)

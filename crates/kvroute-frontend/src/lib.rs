@@ -410,7 +410,7 @@ pub fn app(state: Arc<FrontendState>) -> Router {
             Router::new().route("/metrics", get(metrics)).route("/workers", get(workers)),
             state.admin.clone(),
         ))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(health))
         .route("/ui", get(kvroute_http::status_page))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     kvroute_http::fallbacks(routes).with_state(state)
@@ -820,7 +820,15 @@ async fn workers(State(state): State<Arc<FrontendState>>) -> Json<Value> {
     let router = state.placer.router();
     let decisions = router.map(|r| r.recent_decisions());
     Json(json!({"health": health, "workers": router.map(|r| r.workers()),
-        "recent_decisions": decisions}))
+        "recent_decisions": decisions, "nats": router.and_then(|r| r.nats()).map(|n| n.summary())}))
+}
+
+/// Liveness; with an embedded router, its state (NATS away is degraded, not down).
+async fn health(State(state): State<Arc<FrontendState>>) -> Json<Value> {
+    match state.placer.router() {
+        Some(router) => Json(router.health()),
+        None => Json(json!({"status": "ok", "degraded": false})),
+    }
 }
 
 async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {

@@ -207,6 +207,8 @@ pub struct RouterConfig {
     /// Approximate mode (workers without `events`).
     pub approx: ApproxConfig,
     pub scheduler: SchedulerConfig,
+    /// Replicas over NATS: decisions shared, events from a JetStream stream (SPEC section 12).
+    pub nats: Option<crate::nats::NatsConfig>,
 }
 
 impl Default for RouterConfig {
@@ -221,6 +223,7 @@ impl Default for RouterConfig {
             max_learned_workers: DEFAULT_MAX_LEARNED_WORKERS,
             approx: ApproxConfig::default(),
             scheduler: SchedulerConfig::default(),
+            nats: None,
         }
     }
 }
@@ -228,6 +231,9 @@ impl Default for RouterConfig {
 impl RouterConfig {
     /// Checks what serde cannot: unique worker ids, usable endpoints.
     pub fn validate(&self) -> Result<(), RouterError> {
+        if let Some(nats) = &self.nats {
+            nats.validate().map_err(RouterError::Config)?;
+        }
         if self.max_dp_size == 0 {
             return Err(RouterError::Config("max_dp_size must be at least 1".into()));
         }

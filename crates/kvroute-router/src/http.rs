@@ -248,13 +248,13 @@ async fn tree_info(State(api): ApiState) -> Result<Json<serde_json::Value>, ApiE
 async fn workers(State(api): ApiState) -> Json<serde_json::Value> {
     let state = &api.state;
     Json(json!({"workers": state.workers(), "in_flight": state.in_flight(),
-        "recent_decisions": state.recent_decisions()}))
+        "recent_decisions": state.recent_decisions(), "nats": state.nats().map(|n| n.summary())}))
 }
 
 async fn metrics(State(api): ApiState) -> Response {
     kvroute_http::metrics::response(&[api.state.registry()])
 }
 
-async fn health() -> Json<serde_json::Value> {
-    Json(json!({"status": "ok"}))
+async fn health(State(api): ApiState) -> Json<serde_json::Value> {
+    Json(api.state.health())
 }

@@ -13,7 +13,9 @@ pub mod config;
 pub mod http;
 pub mod load;
 pub mod metrics;
+pub mod nats;
 pub mod state;
+pub mod stream;
 pub mod subscriber;
 
 use std::future::Future;
@@ -58,37 +60,62 @@ impl Drop for Tasks {
     }
 }
 
-/// Starts the event and load subscriptions of every configured worker, and the reclaiming of
-/// requests whose end was never reported.
-pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> {
-    state.config.validate()?;
-    let mut tasks = Vec::new();
+/// The event subscriptions of every configured worker rank.
+pub(crate) fn subscriptions(state: &RouterState) -> Vec<subscriber::Subscription> {
+    let mut out = Vec::new();
     for spec in &state.config.workers {
-        let block_size = match spec.block_size {
-            Some(bs) => BlockSize::new(bs)?,
-            None => state.config.block_size,
-        };
+        let block_size = spec.block_size.and_then(|bs| BlockSize::new(bs).ok());
         let convert = ConvertConfig {
-            block_size,
+            block_size: block_size.unwrap_or(state.config.block_size),
             image_token_id: spec.image_token_id,
             vocab_size: spec.vocab_size,
         };
-        if let Some(events) = &spec.events {
+        let Some(events) = &spec.events else { continue };
+        for rank in 0..spec.dp_size {
+            // Validated at start: the endpoints are tcp:// with a port.
+            let Ok(endpoint) = WorkerSpec::endpoint_for_rank(events, rank) else { continue };
+            let replay =
+                spec.replay.as_deref().and_then(|r| WorkerSpec::endpoint_for_rank(r, rank).ok());
+            out.push(subscriber::Subscription {
+                worker: WorkerWithDpRank::new(spec.id, rank),
+                endpoint,
+                replay,
+                format: spec.format,
+                convert,
+                resume_after: None,
+            });
+        }
+    }
+    out
+}
+
+/// Starts the event and load subscriptions of every configured worker, NATS (replica sync,
+/// the event stream) when configured, and the reclaiming of requests whose end was never
+/// reported.
+pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> {
+    state.config.validate()?;
+    for spec in &state.config.workers {
+        if let Some(bs) = spec.block_size {
+            BlockSize::new(bs)?;
+        }
+        for endpoint in [&spec.events, &spec.replay].into_iter().flatten() {
             for rank in 0..spec.dp_size {
-                let sub = subscriber::Subscription {
-                    worker: WorkerWithDpRank::new(spec.id, rank),
-                    endpoint: WorkerSpec::endpoint_for_rank(events, rank)?,
-                    replay: spec
-                        .replay
-                        .as_deref()
-                        .map(|r| WorkerSpec::endpoint_for_rank(r, rank))
-                        .transpose()?,
-                    format: spec.format,
-                    convert,
-                };
-                tasks.push(tokio::spawn(subscriber::run(Arc::clone(state), sub)));
+                WorkerSpec::endpoint_for_rank(endpoint, rank)?;
             }
         }
+    }
+    let mut tasks = Vec::new();
+    let events_via = state.config.nats.as_ref().map(|n| n.events).unwrap_or_default();
+    if events_via == nats::EventsVia::Zmq {
+        for sub in subscriptions(state) {
+            tasks.push(tokio::spawn(subscriber::run(Arc::clone(state), sub)));
+        }
+    }
+    if let Some(config) = &state.config.nats {
+        // The relay starts the subscriptions itself, once it knows where the stream ends.
+        tasks.extend(nats::spawn(state, config.clone()));
+    }
+    for spec in &state.config.workers {
         if let Some(metrics) = &spec.metrics {
             tasks.push(tokio::spawn(load::run(Arc::clone(state), spec.id, metrics.clone())));
         }

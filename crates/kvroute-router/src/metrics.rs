@@ -36,6 +36,14 @@ pub const WORKER_DRIFTED: &str = "kvroute_router_worker_drifted";
 pub const WORKER_SILENT: &str = "kvroute_router_worker_silent";
 pub const ANSWERED_PROMPT_TOKENS: &str = "kvroute_router_answered_prompt_tokens";
 pub const ANSWERED_CACHED_TOKENS: &str = "kvroute_router_answered_cached_tokens";
+pub const NATS_CONNECTED: &str = "kvroute_nats_connected";
+pub const REPLICA_MESSAGES: &str = "kvroute_replica_messages";
+pub const REPLICA_PEERS: &str = "kvroute_replica_peers";
+pub const REPLICA_EXPIRED: &str = "kvroute_replica_expired_requests";
+pub const REPLICA_AGREEMENT: &str = "kvroute_replica_agreement";
+pub const STREAM_MESSAGES: &str = "kvroute_stream_messages";
+pub const STREAM_SEQUENCE: &str = "kvroute_stream_applied_sequence";
+pub const SNAPSHOTS: &str = "kvroute_stream_snapshots";
 
 /// Event kinds, a label of [`EVENTS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -65,6 +73,11 @@ pub struct EventLabels {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -150,6 +163,14 @@ pub struct Metrics {
     pub worker_silent: Family<WorkerIdLabels, Gauge>,
     pub prompt_tokens: Family<WorkerIdLabels, Counter>,
     pub cached_tokens: Family<WorkerIdLabels, Counter>,
+    pub nats_connected: Gauge,
+    replica_messages: Family<OutcomeLabels, Counter>,
+    pub replica_peers: Gauge,
+    pub replica_expired: Counter,
+    replica_agreement: Family<OutcomeLabels, Counter>,
+    stream_messages: Family<OutcomeLabels, Counter>,
+    pub stream_sequence: Gauge,
+    snapshots: Family<OutcomeLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -187,6 +208,14 @@ impl Metrics {
             worker_silent: Family::default(),
             prompt_tokens: Family::default(),
             cached_tokens: Family::default(),
+            nats_connected: Gauge::default(),
+            replica_messages: Family::default(),
+            replica_peers: Gauge::default(),
+            replica_expired: Counter::default(),
+            replica_agreement: Family::default(),
+            stream_messages: Family::default(),
+            stream_sequence: Gauge::default(),
+            snapshots: Family::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -278,7 +307,77 @@ impl Metrics {
             "Prompt tokens answered requests were served from the engines' caches (their own count)",
             m.cached_tokens.clone(),
         );
+        m.register_replicas(&mut r);
         Self { registry: r, ..m }
+    }
+
+    fn register_replicas(&self, r: &mut Registry) {
+        r.register(
+            NATS_CONNECTED,
+            "1 while NATS is reachable (-1 without NATS); 0 is degraded: routing on local state",
+            self.nats_connected.clone(),
+        );
+        r.register(
+            REPLICA_MESSAGES,
+            "Decisions shared with other replicas: received, unsent (NATS away or outbox full), garbage, unknown_worker, peer_full, too_many_peers",
+            self.replica_messages.clone(),
+        );
+        r.register(REPLICA_PEERS, "Other replicas heard from", self.replica_peers.clone());
+        r.register(
+            REPLICA_EXPIRED,
+            "Peers' in-flight requests freed because their replica went silent",
+            self.replica_expired.clone(),
+        );
+        r.register(
+            REPLICA_AGREEMENT,
+            "Peers' decisions this replica would have made too (agree) or not (disagree)",
+            self.replica_agreement.clone(),
+        );
+        r.register(
+            STREAM_MESSAGES,
+            "Event stream messages: relayed, duplicate, retried, applied, lost (outside retention)",
+            self.stream_messages.clone(),
+        );
+        r.register(
+            STREAM_SEQUENCE,
+            "Event stream sequence applied last",
+            self.stream_sequence.clone(),
+        );
+        r.register(SNAPSHOTS, "Index snapshots written, loaded or failed", self.snapshots.clone());
+    }
+
+    pub fn replica_message(&self, outcome: &'static str) {
+        self.replica_messages.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    pub fn replica_messages(&self, outcome: &'static str) -> u64 {
+        self.replica_messages.get_or_create(&OutcomeLabels { outcome }).get()
+    }
+
+    pub fn agreement(&self, agree: bool) {
+        let outcome = if agree { "agree" } else { "disagree" };
+        self.replica_agreement.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    pub fn agreements(&self, agree: bool) -> u64 {
+        let outcome = if agree { "agree" } else { "disagree" };
+        self.replica_agreement.get_or_create(&OutcomeLabels { outcome }).get()
+    }
+
+    pub fn stream_message(&self, outcome: &'static str) {
+        self.stream_messages.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    pub fn stream_messages(&self, outcome: &'static str) -> u64 {
+        self.stream_messages.get_or_create(&OutcomeLabels { outcome }).get()
+    }
+
+    pub fn snapshot(&self, outcome: &'static str) {
+        self.snapshots.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    pub fn snapshots(&self, outcome: &'static str) -> u64 {
+        self.snapshots.get_or_create(&OutcomeLabels { outcome }).get()
     }
 
     pub fn event(&self, kind: EventKind, ok: bool) {

@@ -8,11 +8,13 @@
 //! router cannot see.
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use kvroute_core::index::{ApproxTracker, OverlapScores, ShardedIndex};
-use kvroute_core::schedule::{DecisionRecord, RouteDecision, RouteRequest, Scheduler, WorkerLoad};
+use kvroute_core::schedule::{
+    DecisionRecord, RequestBlocks, RouteDecision, RouteRequest, Scheduler, WorkerLoad,
+};
 use kvroute_core::{
     DpRank, KvCacheEventData, LocalBlockHash, RouterEvent, WorkerId, WorkerWithDpRank,
     sequence_hashes,
@@ -20,6 +22,7 @@ use kvroute_core::{
 use kvroute_http::metrics::Registry;
 use kvroute_http::router_api::Answered;
 use kvroute_wire::ConvertStats;
+use kvroute_wire::replica::SyncMessage;
 use serde::Serialize;
 
 use crate::checks::{Change, CheckStatus, Checks};
@@ -27,6 +30,8 @@ use crate::config::{RouterConfig, WorkerSpec};
 use crate::metrics::{
     BlocksLabels, EventKind, Metrics, PredictionLabels, WorkerIdLabels, WorkerLabels,
 };
+use crate::nats::NatsLinks;
+use crate::stream::Relayed;
 
 /// How the router knows a worker's cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -122,6 +127,14 @@ impl WorkerStatus {
         status
     }
 
+    fn follow_stream(&mut self, source: String) {
+        self.events = Some(source);
+        self.mode = CacheMode::Events;
+        for rank in 0..self.ready.len() {
+            self.ready[rank] = self.rank_ready(rank);
+        }
+    }
+
     fn rank_ready(&self, rank: usize) -> bool {
         // Workers and ranks learned from events are as ready as what brought them.
         if rank >= self.subscribed {
@@ -194,6 +207,8 @@ pub struct RouterState {
     resync: Mutex<std::collections::BTreeSet<WorkerWithDpRank>>,
     /// Whether `resync` may hold anything (checked on every event batch without the lock).
     resync_pending: std::sync::atomic::AtomicBool,
+    /// Replica sync and the event stream, when NATS is configured (set once it starts).
+    nats: OnceLock<NatsLinks>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -214,6 +229,7 @@ impl RouterState {
             checks: Mutex::new(Checks::default()),
             resync: Mutex::new(std::collections::BTreeSet::new()),
             resync_pending: std::sync::atomic::AtomicBool::new(false),
+            nats: OnceLock::new(),
             config,
         };
         for spec in &state.config.workers {
@@ -231,7 +247,11 @@ impl RouterState {
     }
 
     fn add_worker(&self, spec: &WorkerSpec, configured: bool) {
-        let status = WorkerStatus::new(spec, configured);
+        let mut status = WorkerStatus::new(spec, configured);
+        if let Some(nats) = self.config.nats.as_ref().filter(|n| n.events.from_stream()) {
+            // Its events come from the stream: ready once the stream's consumer caught up.
+            status.follow_stream(format!("jetstream:{}.events.{}.*", nats.prefix, spec.id));
+        }
         let mut scheduler = lock(&self.scheduler);
         for rank in 0..spec.dp_size {
             let w = WorkerWithDpRank::new(spec.id, rank);
@@ -537,6 +557,19 @@ impl RouterState {
             exclude: p.exclude,
         };
         let decision = lock(&self.scheduler).route(&request, &scores, &self.index, start)?;
+        if let (Some(id), Some(nats)) = (p.request_id, self.nats.get()) {
+            nats.send(
+                self,
+                SyncMessage::Routed {
+                    id: id.to_owned(),
+                    worker_id: decision.worker.worker_id.0,
+                    dp_rank: decision.worker.dp_rank.0,
+                    isl_tokens: p.num_tokens,
+                    prefill_tokens: decision.predicted_prefill_tokens,
+                    local_hashes: p.local_hashes.iter().map(|h| h.0).collect(),
+                },
+            );
+        }
         if self.mode(decision.worker.worker_id) == Some(CacheMode::Approximate) {
             let mut approx = lock(&self.approx);
             for e in approx.record_routed(decision.worker, p.local_hashes, start) {
@@ -566,11 +599,120 @@ impl RouterState {
 
     pub fn prefill_done(&self, request_id: &str) {
         lock(&self.scheduler).mark_prefill_done(request_id, Instant::now());
+        if let Some(nats) = self.nats.get() {
+            nats.send(self, SyncMessage::PrefillDone { id: request_id.to_owned() });
+        }
     }
 
     /// Returns whether the request was in flight.
     pub fn finish(&self, request_id: &str) -> bool {
-        lock(&self.scheduler).free(request_id)
+        let tracked = lock(&self.scheduler).free(request_id);
+        if let (true, Some(nats)) = (tracked, self.nats.get()) {
+            nats.send(self, SyncMessage::Freed { id: request_id.to_owned() });
+        }
+        tracked
+    }
+
+    /// What `/health` says: always ok while the process serves (NATS away is degraded, not
+    /// down: routing goes on from local state), with the NATS link's state when there is one.
+    pub fn health(&self) -> serde_json::Value {
+        match self.nats.get() {
+            Some(n) => serde_json::json!({
+                "status": "ok",
+                "degraded": !n.status.connected(),
+                "nats": n.summary(),
+            }),
+            None => serde_json::json!({"status": "ok", "degraded": false}),
+        }
+    }
+
+    pub(crate) fn set_nats(&self, links: NatsLinks) {
+        if self.nats.set(links).is_err() {
+            tracing::warn!("NATS links set twice; keeping the first");
+        }
+    }
+
+    /// The replica's NATS links (`None` without NATS).
+    pub fn nats(&self) -> Option<&NatsLinks> {
+        self.nats.get()
+    }
+
+    /// A peer replica routed a request: this replica first checks which worker it would have
+    /// chosen (counted as agreement, nothing accounted), then tracks the peer's as in flight.
+    /// Returns whether the worker is one of ours.
+    pub(crate) fn track_peer(
+        &self,
+        key: &str,
+        worker: WorkerWithDpRank,
+        isl_tokens: usize,
+        prefill_tokens: usize,
+        local: &[LocalBlockHash],
+    ) -> bool {
+        let now = Instant::now();
+        let scores = self.index.find_matches(local);
+        let sequence = sequence_hashes(local);
+        let request = RouteRequest {
+            id: None,
+            isl_tokens,
+            local_hashes: local,
+            sequence_hashes: &sequence,
+            overlap_weight: None,
+            temperature: None,
+            exclude: &[],
+        };
+        let mut scheduler = lock(&self.scheduler);
+        if let Some(mine) = scheduler.route(&request, &scores, &self.index, now) {
+            self.metrics.agreement(mine.worker == worker);
+        }
+        let blocks = RequestBlocks { local, sequence: &sequence };
+        scheduler.track(key, worker, prefill_tokens, blocks, now)
+    }
+
+    pub(crate) fn peer_prefill_done(&self, key: &str) {
+        lock(&self.scheduler).prefill_done_elsewhere(key);
+    }
+
+    /// Frees a peer's request without telling the peers.
+    pub(crate) fn free_peer(&self, key: &str) {
+        lock(&self.scheduler).free(key);
+    }
+
+    /// Hands an engine's converted batch on: into the event stream (relay) or the index.
+    pub(crate) async fn ingest(
+        &self,
+        worker: WorkerWithDpRank,
+        seq: Option<u64>,
+        events: Vec<RouterEvent>,
+    ) {
+        let relay = self.nats.get().and_then(|n| n.relay.as_ref());
+        match relay {
+            Some(relay) => {
+                let batch = Relayed { worker, seq, events };
+                if let Err(tokio::sync::mpsc::error::SendError(batch)) = relay.send(batch).await {
+                    self.apply(&batch.events);
+                }
+            }
+            None => {
+                self.apply(&events);
+            }
+        }
+    }
+
+    /// The event stream's consumer has seen what the stream held: every worker that follows
+    /// it is connected and caught up.
+    pub(crate) fn stream_caught_up(&self) {
+        let ranks: Vec<WorkerWithDpRank> = self
+            .read_workers()
+            .values()
+            .filter(|w| w.configured)
+            .flat_map(|w| (0..w.dp_size).map(move |r| WorkerWithDpRank::new(w.id, r)))
+            .collect();
+        for w in ranks {
+            self.update_rank(w, |s, rank| {
+                s.connected[rank] = true;
+                s.caught_up[rank] = true;
+            });
+        }
     }
 
     pub fn reclaim_stale(&self) -> usize {
@@ -716,6 +858,17 @@ impl RouterState {
         m.index_budget.set(self.index.budget().map_or(-1, |b| b as i64));
         m.index_evicted.sync(stats.evicted_blocks);
         m.in_flight.set(self.in_flight() as i64);
+        match self.nats.get() {
+            Some(n) => {
+                m.nats_connected.set(i64::from(n.status.connected()));
+                m.replica_peers.set(n.status.peers.load(std::sync::atomic::Ordering::Relaxed) as i64);
+                let seq = n.status.applied_seq.load(std::sync::atomic::Ordering::Relaxed);
+                m.stream_sequence.set(seq as i64);
+            }
+            None => {
+                m.nats_connected.set(-1);
+            }
+        }
         for w in self.workers() {
             for rank in 0..w.dp_size {
                 let labels = WorkerLabels { worker_id: w.id.0, dp_rank: rank };

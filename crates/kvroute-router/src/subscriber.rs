@@ -39,6 +39,9 @@ pub struct Subscription {
     pub replay: Option<String>,
     pub format: EventFormat,
     pub convert: ConvertConfig,
+    /// The last sequence number already handled elsewhere (a restarted relay's, read from
+    /// the stream): the engine's replay is asked for what follows it.
+    pub resume_after: Option<u64>,
 }
 
 /// Subscribes forever, reconnecting with capped backoff.
@@ -46,7 +49,7 @@ pub async fn run(state: Arc<RouterState>, sub: Subscription) {
     let mut backoff = Duration::from_millis(50);
     let mut stream = Stream {
         converter: Converter::new(sub.convert),
-        last: None,
+        last: sub.resume_after,
         connected: false,
         replays: ReplayBudget::default(),
     };
@@ -134,7 +137,7 @@ async fn run_once(
         let frames: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
         match sub.format {
             EventFormat::Vllm => handle_vllm(state, sub, stream, &frames).await,
-            _ => handle_other(state, sub, stream, &frames),
+            _ => handle_other(state, sub, stream, &frames).await,
         }
     }
 }
@@ -169,7 +172,7 @@ async fn handle_vllm(
                     dp_rank: sub.worker.dp_rank,
                 },
             };
-            state.apply(&[clear]);
+            state.ingest(sub.worker, None, vec![clear]).await;
             stream.last = None;
             if seq > 0 {
                 recover(state, sub, stream, 0, seq, false).await;
@@ -182,7 +185,7 @@ async fn handle_vllm(
             }
         }
     }
-    apply_batch(state, sub, stream, seq, payload);
+    apply_batch(state, sub, stream, seq, payload).await;
 }
 
 /// Batches `from..until` went missing (`gap`: between two we saw): replay them if the engine
@@ -220,7 +223,7 @@ async fn recover(
                     continue;
                 }
                 state.metrics.replayed_batches.inc();
-                apply_batch(state, sub, stream, seq, &payload);
+                apply_batch(state, sub, stream, seq, &payload).await;
             }
         }
         Ok(Err(err)) => tracing::warn!(worker = %sub.worker, error = ?err, "replay failed"),
@@ -231,7 +234,7 @@ async fn recover(
     }
 }
 
-fn apply_batch(
+async fn apply_batch(
     state: &RouterState,
     sub: &Subscription,
     stream: &mut Stream,
@@ -260,11 +263,16 @@ fn apply_batch(
         })
         .collect();
     state.record_conversion(sub.worker, &before, &stream.converter.stats());
-    state.apply(&events);
+    state.ingest(sub.worker, Some(seq), events).await;
     state.set_connection(sub.worker, true, Some(seq));
 }
 
-fn handle_other(state: &RouterState, sub: &Subscription, stream: &mut Stream, frames: &[Vec<u8>]) {
+async fn handle_other(
+    state: &RouterState,
+    sub: &Subscription,
+    stream: &mut Stream,
+    frames: &[Vec<u8>],
+) {
     let Some(payload) = frames.last() else { return };
     let before = stream.converter.stats();
     let events: Result<Vec<RouterEvent>, _> = match sub.format {
@@ -290,9 +298,7 @@ fn handle_other(state: &RouterState, sub: &Subscription, stream: &mut Stream, fr
     };
     state.record_conversion(sub.worker, &before, &stream.converter.stats());
     match events {
-        Ok(events) => {
-            state.apply(&events);
-        }
+        Ok(events) => state.ingest(sub.worker, None, events).await,
         Err(err) => {
             state.metrics.garbage.inc();
             tracing::debug!(worker = %sub.worker, %err, "undecodable message");

@@ -14,6 +14,7 @@
 //!
 //! [`settings`] reads what configures a stack from flags, environment and a TOML file.
 
+pub mod nats_server;
 pub mod settings;
 
 use std::path::PathBuf;
@@ -296,6 +297,12 @@ impl Stack {
     /// The front door's app (`None` without one).
     pub fn frontend_app(&self) -> Option<axum::Router> {
         self.frontend.as_ref().map(|f| kvroute_frontend::app(Arc::clone(f)))
+    }
+
+    /// Stops the embedded router's background tasks (event subscriptions, NATS): its state
+    /// stays and still routes, on what it last knew. Tests use it to kill a replica's links.
+    pub fn stop_router_tasks(&mut self) {
+        self._tasks = None;
     }
 
     /// The router's HTTP API (`None` without an embedded router).

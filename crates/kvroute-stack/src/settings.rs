@@ -16,6 +16,7 @@ use kvroute_core::index::{ApproxConfig, IndexConfig};
 use kvroute_core::schedule::PolicyKind;
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::fetch::FetchConfig;
+use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
 use kvroute_router::{RouterConfig, WorkerSpec};
 use serde::{Deserialize, Serialize};
 
@@ -93,6 +94,28 @@ pub struct Settings {
     pub cache_namespace_per_key: Option<bool>,
     /// Probe each joining worker's parity (default on).
     pub parity_probe: Option<bool>,
+    /// NATS server(s) of the replicas (SPEC section 12); absent: one router alone.
+    pub nats_url: Option<String>,
+    /// Names the fleet's subjects, stream and bucket.
+    pub nats_prefix: Option<String>,
+    /// This replica's name (default: host, pid and a nonce).
+    pub nats_replica: Option<String>,
+    /// Share routing decisions with the other replicas (default on with NATS).
+    pub nats_sync: Option<bool>,
+    /// zmq (default), stream or relay.
+    pub nats_events: Option<String>,
+    pub nats_snapshot_every: Option<u64>,
+    pub nats_stream_max_bytes: Option<i64>,
+    /// Seconds the event stream keeps a message.
+    pub nats_stream_max_age: Option<f64>,
+    /// The NATS token (first line; or `KVROUTE_NATS_TOKEN`).
+    pub nats_token_file: Option<PathBuf>,
+    pub nats_user: Option<String>,
+    /// The NATS user's password (first line; or `KVROUTE_NATS_PASSWORD`).
+    pub nats_password_file: Option<PathBuf>,
+    pub nats_tls_ca: Option<PathBuf>,
+    pub nats_tls_cert: Option<PathBuf>,
+    pub nats_tls_key: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<WorkerSpec>,
 }
@@ -102,6 +125,8 @@ pub struct Settings {
 pub const ENV_API_KEYS: &str = "KVROUTE_API_KEYS";
 pub const ENV_ADMIN_TOKEN: &str = "KVROUTE_ADMIN_TOKEN";
 pub const ENV_ROUTER_TOKEN: &str = "KVROUTE_ROUTER_TOKEN";
+pub const ENV_NATS_TOKEN: &str = "KVROUTE_NATS_TOKEN";
+pub const ENV_NATS_PASSWORD: &str = "KVROUTE_NATS_PASSWORD";
 
 /// The keys each command reads (from a file; its flags are these by construction).
 pub mod keys {
@@ -126,6 +151,22 @@ pub mod keys {
         "ready_timeout",
         "workers",
     ];
+    const NATS: [&str; 14] = [
+        "nats_url",
+        "nats_prefix",
+        "nats_replica",
+        "nats_sync",
+        "nats_events",
+        "nats_snapshot_every",
+        "nats_stream_max_bytes",
+        "nats_stream_max_age",
+        "nats_token_file",
+        "nats_user",
+        "nats_password_file",
+        "nats_tls_ca",
+        "nats_tls_cert",
+        "nats_tls_key",
+    ];
     const ENGINE: [&str; 8] = [
         "num_blocks",
         "max_num_seqs",
@@ -138,16 +179,18 @@ pub mod keys {
     ];
 
     pub fn router() -> Vec<&'static str> {
-        [&LISTEN[..], &ROUTING[..]].concat()
+        [&LISTEN[..], &ROUTING[..], &NATS[..]].concat()
     }
 
     pub fn serve() -> Vec<&'static str> {
-        [&LISTEN[..], &ROUTING[..], &ENGINE[..], &FRONT_DOOR[..], &["simulated_workers"]].concat()
+        let simulated = ["simulated_workers"];
+        [&LISTEN[..], &ROUTING[..], &NATS[..], &ENGINE[..], &FRONT_DOOR[..], &simulated[..]]
+            .concat()
     }
 
     pub fn frontend() -> Vec<&'static str> {
         let image = ["model_path", "allow_private_image_urls", "router_url", "router_token_file"];
-        [&LISTEN[..], &ROUTING[..], &image[..], &FRONT_DOOR[..]].concat()
+        [&LISTEN[..], &ROUTING[..], &NATS[..], &image[..], &FRONT_DOOR[..]].concat()
     }
 }
 
@@ -210,7 +253,10 @@ impl Settings {
             router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
             seed, max_model_len, model_path, allow_private_image_urls, api_keys_file,
             admin_token_file, router_token_file, tls_cert, tls_key, insecure, expose_overlap,
-            first_byte_timeout, cache_namespace_per_key, parity_probe))
+            first_byte_timeout, cache_namespace_per_key, parity_probe, nats_url, nats_prefix,
+            nats_replica, nats_sync, nats_events, nats_snapshot_every, nats_stream_max_bytes,
+            nats_stream_max_age, nats_token_file, nats_user, nats_password_file, nats_tls_ca,
+            nats_tls_cert, nats_tls_key))
     }
 
     /// The settings as TOML (what `--print-config` shows).
@@ -328,8 +374,56 @@ impl Settings {
         if config.shards == 0 {
             return Err(StackError::Config("shards must be at least 1".into()));
         }
+        config.nats = self.nats_config(|name| std::env::var(name).ok())?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// The replicas' NATS settings (`None` without `nats_url`); secrets from their files or
+    /// the environment.
+    fn nats_config(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<NatsConfig>, StackError> {
+        let Some(url) = &self.nats_url else {
+            if self.nats_events.as_deref().is_some_and(|e| e != "zmq") {
+                return Err(StackError::Config("--nats-events needs --nats-url".into()));
+            }
+            return Ok(None);
+        };
+        let mut n = NatsConfig::new(url.clone());
+        if let Some(prefix) = &self.nats_prefix {
+            n.prefix.clone_from(prefix);
+        }
+        if let Some(replica) = &self.nats_replica {
+            n.replica.clone_from(replica);
+        }
+        n.sync = self.nats_sync.unwrap_or(true);
+        if let Some(events) = &self.nats_events {
+            n.events = events.parse().map_err(StackError::Config)?;
+        }
+        let default_every = match n.events {
+            EventsVia::Relay => DEFAULT_SNAPSHOT_EVERY,
+            _ => 0,
+        };
+        n.snapshot_every = self.nats_snapshot_every.unwrap_or(default_every);
+        if let Some(bytes) = self.nats_stream_max_bytes {
+            n.stream_max_bytes = bytes;
+        }
+        if let Some(age) = self.nats_stream_max_age {
+            n.stream_max_age = secs(age, "nats_stream_max_age")?;
+        }
+        let secret = |file: &Option<PathBuf>, var: &str| match (file, env(var)) {
+            (Some(path), _) => first_line(path).map(Some),
+            (None, value) => Ok(value.map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())),
+        };
+        n.auth.token = secret(&self.nats_token_file, ENV_NATS_TOKEN)?;
+        n.auth.password = secret(&self.nats_password_file, ENV_NATS_PASSWORD)?;
+        n.auth.user.clone_from(&self.nats_user);
+        n.tls_ca.clone_from(&self.nats_tls_ca);
+        n.tls_cert.clone_from(&self.nats_tls_cert);
+        n.tls_key.clone_from(&self.nats_tls_key);
+        Ok(Some(n))
     }
 
     /// A simulated engine's settings (SPEC 11; defaults as Dynamo's mocker).

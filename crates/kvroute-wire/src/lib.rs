@@ -17,6 +17,7 @@ pub mod convert;
 pub mod msgpack;
 #[cfg(feature = "publisher")]
 pub mod publisher;
+pub mod replica;
 pub mod trtllm;
 pub mod vllm;
 

@@ -120,6 +120,61 @@ pub(crate) struct RoutingArgs {
     ready_timeout: Option<f64>,
 }
 
+/// Replicas over NATS with JetStream (SPEC section 12).
+#[derive(Debug, Args)]
+pub(crate) struct NatsArgs {
+    /// NATS server URL (nats://host:4222, tls://..., comma-separated for a cluster; the server
+    /// runs with JetStream: `nats-server -js -sd DIR`). With it, this replica shares its
+    /// routing decisions with the others on the same prefix, and may take its KV events from a
+    /// JetStream stream (--nats-events). NATS down is degraded (local state), never fatal.
+    #[arg(long, env = "KVROUTE_NATS_URL")]
+    nats_url: Option<String>,
+    /// Names the fleet: subjects PREFIX.decisions and PREFIX.events.>, the stream
+    /// PREFIX_EVENTS, the snapshot bucket PREFIX_snapshots [default: kvroute].
+    #[arg(long, env = "KVROUTE_NATS_PREFIX")]
+    nats_prefix: Option<String>,
+    /// This replica's name among its peers [default: host, pid and a nonce].
+    #[arg(long, env = "KVROUTE_NATS_REPLICA")]
+    nats_replica: Option<String>,
+    /// Do not share routing decisions (each replica then prices only its own in-flight load).
+    #[arg(long, env = "KVROUTE_NATS_NO_SYNC")]
+    nats_no_sync: bool,
+    /// Where the workers' KV events come from: zmq (each worker's stream, directly), stream
+    /// (the JetStream stream another replica relays), or relay (subscribe to the engines and
+    /// relay them into the stream, route from the stream, write snapshots) [default: zmq].
+    #[arg(long, env = "KVROUTE_NATS_EVENTS")]
+    nats_events: Option<String>,
+    /// Write an index snapshot every this many stream messages, 0 for never [default: 10000
+    /// with --nats-events relay, else 0].
+    #[arg(long, env = "KVROUTE_NATS_SNAPSHOT_EVERY")]
+    nats_snapshot_every: Option<u64>,
+    /// The event stream keeps at most this many bytes [default: 1073741824] ...
+    #[arg(long, env = "KVROUTE_NATS_STREAM_MAX_BYTES")]
+    nats_stream_max_bytes: Option<i64>,
+    /// ... for at most this many seconds [default: 86400]. Keep it well above the snapshot
+    /// interval: a replica starts from the latest snapshot and needs what follows it.
+    #[arg(long, env = "KVROUTE_NATS_STREAM_MAX_AGE")]
+    nats_stream_max_age: Option<f64>,
+    /// File holding the NATS token (first line); or the token itself in KVROUTE_NATS_TOKEN.
+    #[arg(long, env = "KVROUTE_NATS_TOKEN_FILE")]
+    nats_token_file: Option<PathBuf>,
+    /// NATS user (with its password in --nats-password-file or KVROUTE_NATS_PASSWORD).
+    #[arg(long, env = "KVROUTE_NATS_USER")]
+    nats_user: Option<String>,
+    /// File holding the NATS user's password (first line).
+    #[arg(long, env = "KVROUTE_NATS_PASSWORD_FILE")]
+    nats_password_file: Option<PathBuf>,
+    /// CA certificate (PEM) the NATS server's certificate must chain to; implies TLS.
+    #[arg(long, env = "KVROUTE_NATS_TLS_CA")]
+    nats_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for a NATS server that verifies clients (with --nats-tls-key).
+    #[arg(long, env = "KVROUTE_NATS_TLS_CERT", requires = "nats_tls_key")]
+    nats_tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --nats-tls-cert.
+    #[arg(long, env = "KVROUTE_NATS_TLS_KEY", requires = "nats_tls_cert")]
+    nats_tls_key: Option<PathBuf>,
+}
+
 /// The model and its images (front door and simulated workers).
 #[derive(Debug, Args)]
 pub(crate) struct ModelArgs {
@@ -215,6 +270,25 @@ impl RoutingArgs {
         s.max_dp_size = self.max_dp_size;
         s.approx_ttl = self.approx_ttl;
         s.ready_timeout = self.ready_timeout;
+    }
+}
+
+impl NatsArgs {
+    pub(crate) fn apply(&self, s: &mut Settings) {
+        s.nats_url.clone_from(&self.nats_url);
+        s.nats_prefix.clone_from(&self.nats_prefix);
+        s.nats_replica.clone_from(&self.nats_replica);
+        s.nats_sync = self.nats_no_sync.then_some(false);
+        s.nats_events.clone_from(&self.nats_events);
+        s.nats_snapshot_every = self.nats_snapshot_every;
+        s.nats_stream_max_bytes = self.nats_stream_max_bytes;
+        s.nats_stream_max_age = self.nats_stream_max_age;
+        s.nats_token_file.clone_from(&self.nats_token_file);
+        s.nats_user.clone_from(&self.nats_user);
+        s.nats_password_file.clone_from(&self.nats_password_file);
+        s.nats_tls_ca.clone_from(&self.nats_tls_ca);
+        s.nats_tls_cert.clone_from(&self.nats_tls_cert);
+        s.nats_tls_key.clone_from(&self.nats_tls_key);
     }
 }
 

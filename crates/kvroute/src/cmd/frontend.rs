@@ -9,7 +9,7 @@ use kvroute_stack::settings::{Settings, keys};
 use std::path::PathBuf;
 
 use super::args::{
-    BlockSizeArg, ConfigArgs, FrontDoorArgs, ListenArgs, ModelArgs, RoutingArgs, SecurityArgs,
+    BlockSizeArg, ConfigArgs, FrontDoorArgs, ListenArgs, ModelArgs, NatsArgs, RoutingArgs, SecurityArgs,
 };
 
 #[derive(Debug, Args)]
@@ -33,6 +33,8 @@ pub(crate) struct FrontendArgs {
     #[command(flatten)]
     routing: RoutingArgs,
     #[command(flatten)]
+    nats: NatsArgs,
+    #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
     config: ConfigArgs,
@@ -49,6 +51,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     args.front_door.apply(&mut flags);
     args.block_size.apply(&mut flags);
     args.routing.apply(&mut flags);
+    args.nats.apply(&mut flags);
     args.model.apply(&mut flags);
     let settings = args.config.merge(flags, &keys::frontend(), "frontend")?;
     if args.config.printed(&settings) {

