@@ -10,6 +10,8 @@
 //! | `trtllm_json`, `trtllm_msgpack` | TensorRT-LLM event dicts | decode, convert, apply |
 //! | `router_events` | kvroute `RouterEvent` JSON (`POST /events`) | decode, apply as posted |
 //! | `router_api` | a `find_best_worker` body | decode, place |
+//! | `replica_sync` | a replica's decisions (NATS) | decode, apply to in-flight accounting |
+//! | `index_snapshot` | an index snapshot (JetStream object store) | decode, apply |
 //! | `openai_chat`, `openai_completion` | OpenAI request bodies | decode, size checks, template, tokens |
 //! | `image` | an encoded image | header checks, decode, identifier |
 
@@ -32,6 +34,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("trtllm_msgpack", trtllm_msgpack),
     ("router_events", router_events),
     ("router_api", router_api),
+    ("replica_sync", replica_sync),
+    ("index_snapshot", index_snapshot),
     ("openai_chat", openai_chat),
     ("openai_completion", openai_completion),
     ("image", image),
@@ -94,6 +98,21 @@ pub fn router_events(data: &[u8]) {
     let state = router();
     state.apply_posted(&events);
     let _ = state.workers();
+}
+
+pub fn replica_sync(data: &[u8]) {
+    let Ok(batch) = kvroute_wire::replica::decode_sync(data) else { return };
+    let state = router();
+    let mut peers = kvroute_router::nats::Peers::default();
+    peers.apply(&state, batch);
+    let _ = state.in_flight();
+}
+
+pub fn index_snapshot(data: &[u8]) {
+    let Ok(snapshot) = kvroute_wire::replica::decode_snapshot(data) else { return };
+    let state = router();
+    state.apply(&snapshot.events);
+    let _ = state.index.dump_as_events();
 }
 
 pub fn router_api(data: &[u8]) {

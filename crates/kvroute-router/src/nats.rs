@@ -179,7 +179,8 @@ impl NatsConfig {
                 self.prefix
             ));
         }
-        if self.replica.is_empty() || self.replica.len() > kvroute_wire::replica::MAX_SYNC_ID_BYTES {
+        if self.replica.is_empty() || self.replica.len() > kvroute_wire::replica::MAX_SYNC_ID_BYTES
+        {
             return Err("replica name must be 1 to 256 bytes".into());
         }
         if self.tls_cert.is_some() != self.tls_key.is_some() {
@@ -231,7 +232,12 @@ fn default_replica_name() -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
-    format!("{}-{}-{:08x}", if host.is_empty() { "kvroute" } else { &host }, std::process::id(), nanos)
+    format!(
+        "{}-{}-{:08x}",
+        if host.is_empty() { "kvroute" } else { &host },
+        std::process::id(),
+        nanos
+    )
 }
 
 /// What `/health`, `/workers` and `/metrics` show of NATS.
@@ -328,8 +334,7 @@ pub(crate) fn spawn(state: &Arc<RouterState>, config: NatsConfig) -> Vec<JoinHan
     state.set_nats(links);
     let state = Arc::clone(state);
     vec![tokio::spawn(async move {
-        let client = match config.options(Arc::clone(&status)).connect(config.url.as_str()).await
-        {
+        let client = match config.options(Arc::clone(&status)).connect(config.url.as_str()).await {
             Ok(client) => client,
             Err(err) => {
                 // Only a malformed address or unreadable TLS files get here.
@@ -389,7 +394,8 @@ async fn send_decisions(client: Client, config: NatsConfig, mut rx: mpsc::Receiv
             Ok(_) => {}
             Err(_) => buf.push(SyncMessage::Heartbeat),
         }
-        let batch = SyncBatch { replica: config.replica.clone(), messages: std::mem::take(&mut buf) };
+        let batch =
+            SyncBatch { replica: config.replica.clone(), messages: std::mem::take(&mut buf) };
         if let Err(err) = client.publish(subject.clone(), encode_sync(&batch).into()).await {
             tracing::debug!(%err, "NATS: decisions not sent");
         }
@@ -412,7 +418,7 @@ async fn receive_decisions(
     config: NatsConfig,
     status: Arc<NatsStatus>,
 ) {
-    let mut peers: HashMap<String, Peer> = HashMap::new();
+    let mut peers = Peers::default();
     let mut sweep = tokio::time::interval(HEARTBEAT);
     loop {
         let mut sub = match client.subscribe(config.decisions_subject()).await {
@@ -429,22 +435,44 @@ async fn receive_decisions(
                     let Some(message) = message else { break };
                     match decode_sync(&message.payload) {
                         Ok(batch) if batch.replica == config.replica => {}
-                        Ok(batch) => apply_peer_batch(&state, &mut peers, batch),
+                        Ok(batch) => peers.apply(&state, batch),
                         Err(err) => {
                             state.metrics.replica_message("garbage");
                             tracing::debug!(%err, "undecodable decisions message");
                         }
                     }
                 }
-                _ = sweep.tick() => expire_peers(&state, &mut peers, Instant::now()),
+                _ = sweep.tick() => peers.expire(&state, Instant::now()),
             }
-            status.peers.store(peers.len() as u64, Ordering::Relaxed);
+            status.peers.store(peers.0.len() as u64, Ordering::Relaxed);
         }
     }
 }
 
 fn peer_request_id(replica: &str, id: &str) -> String {
     format!("{replica}\u{1f}{id}")
+}
+
+/// The peer replicas this one follows, with their requests it tracks.
+#[derive(Default)]
+pub struct Peers(HashMap<String, Peer>);
+
+impl std::fmt::Debug for Peers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.0.iter().map(|(k, p)| (k, p.in_flight.len()))).finish()
+    }
+}
+
+impl Peers {
+    /// Applies a peer's batch (decoded from the wire) to `state`'s in-flight accounting.
+    pub fn apply(&mut self, state: &RouterState, batch: SyncBatch) {
+        apply_peer_batch(state, &mut self.0, batch);
+    }
+
+    /// Frees the entries of peers not heard from for [`PEER_TIMEOUT`].
+    pub fn expire(&mut self, state: &RouterState, now: Instant) {
+        expire_peers(state, &mut self.0, now);
+    }
 }
 
 fn apply_peer_batch(state: &RouterState, peers: &mut HashMap<String, Peer>, batch: SyncBatch) {
@@ -463,7 +491,14 @@ fn apply_peer_batch(state: &RouterState, peers: &mut HashMap<String, Peer>, batc
     for message in batch.messages {
         state.metrics.replica_message("received");
         match message {
-            SyncMessage::Routed { id, worker_id, dp_rank, isl_tokens, prefill_tokens, local_hashes } => {
+            SyncMessage::Routed {
+                id,
+                worker_id,
+                dp_rank,
+                isl_tokens,
+                prefill_tokens,
+                local_hashes,
+            } => {
                 if peer.in_flight.len() >= MAX_PEER_IN_FLIGHT && !peer.in_flight.contains(&id) {
                     state.metrics.replica_message("peer_full");
                     continue;

@@ -861,7 +861,8 @@ impl RouterState {
         match self.nats.get() {
             Some(n) => {
                 m.nats_connected.set(i64::from(n.status.connected()));
-                m.replica_peers.set(n.status.peers.load(std::sync::atomic::Ordering::Relaxed) as i64);
+                m.replica_peers
+                    .set(n.status.peers.load(std::sync::atomic::Ordering::Relaxed) as i64);
                 let seq = n.status.applied_seq.load(std::sync::atomic::Ordering::Relaxed);
                 m.stream_sequence.set(seq as i64);
             }

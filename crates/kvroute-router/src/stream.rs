@@ -109,10 +109,7 @@ async fn last_relayed(stream: &js_stream::Stream, subject: &str) -> Option<u64> 
                 return message.headers.get(SEQ_HEADER).and_then(|v| v.as_str().parse().ok());
             }
             Err(err)
-                if matches!(
-                    err.kind(),
-                    js_stream::LastRawMessageErrorKind::NoMessageFound
-                ) =>
+                if matches!(err.kind(), js_stream::LastRawMessageErrorKind::NoMessageFound) =>
             {
                 return None;
             }
@@ -203,7 +200,12 @@ async fn consume_once(
             state.apply(&snapshot.events);
             cursor.next = snapshot.stream_seq + 1;
             state.metrics.snapshot("loaded");
-            tracing::info!(stream_seq = snapshot.stream_seq, events = n, took_ms = started.elapsed().as_millis() as u64, "index loaded from the snapshot");
+            tracing::info!(
+                stream_seq = snapshot.stream_seq,
+                events = n,
+                took_ms = started.elapsed().as_millis() as u64,
+                "index loaded from the snapshot"
+            );
         }
         cursor.loaded = true;
     }
@@ -274,7 +276,10 @@ async fn consume_once(
 
 fn mark_caught_up(state: &RouterState, status: &NatsStatus) {
     if !status.caught_up.swap(true, Ordering::Relaxed) {
-        tracing::info!(seq = status.applied_seq.load(Ordering::Relaxed), "caught up with the event stream");
+        tracing::info!(
+            seq = status.applied_seq.load(Ordering::Relaxed),
+            "caught up with the event stream"
+        );
         state.stream_caught_up();
     }
 }

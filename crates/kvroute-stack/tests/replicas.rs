@@ -175,15 +175,20 @@ async fn nats_away_is_degraded_and_the_replicas_reconnect() {
     });
     assert!(back.await, "both reconnect within 5 s of the server's return");
     place(&a, "after", &hashes(99, 4));
-    assert!(eventually(Duration::from_secs(5), || b.in_flight() == 1).await, "decisions flow again");
+    assert!(
+        eventually(Duration::from_secs(5), || b.in_flight() == 1).await,
+        "decisions flow again"
+    );
 }
 
 /// Every (worker, chain of content hashes) the index holds, from its dump: equal sets mean
 /// equal overlaps for every query.
 fn chains(state: &RouterState) -> BTreeMap<WorkerWithDpRank, Vec<Vec<u64>>> {
     let events: Vec<RouterEvent> = state.index.dump_as_events();
-    let mut parent_of: HashMap<(WorkerWithDpRank, ExternalBlockHash), (Option<ExternalBlockHash>, u64)> =
-        HashMap::new();
+    let mut parent_of: HashMap<
+        (WorkerWithDpRank, ExternalBlockHash),
+        (Option<ExternalBlockHash>, u64),
+    > = HashMap::new();
     for e in &events {
         if let KvCacheEventData::Stored(s) = &e.event.data {
             let mut parent = s.parent_hash;
@@ -194,7 +199,7 @@ fn chains(state: &RouterState) -> BTreeMap<WorkerWithDpRank, Vec<Vec<u64>>> {
         }
     }
     let mut out: BTreeMap<WorkerWithDpRank, Vec<Vec<u64>>> = BTreeMap::new();
-    for (&(worker, block), _) in &parent_of {
+    for &(worker, block) in parent_of.keys() {
         let mut chain = Vec::new();
         let mut at = Some(block);
         while let Some(b) = at {
@@ -263,7 +268,8 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
 
     // A new replica, events from the stream only (no ZMQ, no engine replay).
     let started = Instant::now();
-    let (fresh, _fresh_tasks) = replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
+    let (fresh, _fresh_tasks) =
+        replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
     let warm = fresh.wait_ready(Duration::from_secs(10)).await;
     assert!(warm.is_empty(), "caught up: {warm:?}");
     let took = started.elapsed();
@@ -290,7 +296,11 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
     // stream's last batch and the engines' replay; every engine batch is in the stream once.
     let relay_tasks = relay_restart(&mut stack, relay_config).await;
     for i in 30..40 {
-        chat(&base, &format!("conversation {i}: more questions about the sea and mountains number {i}")).await;
+        chat(
+            &base,
+            &format!("conversation {i}: more questions about the sea and mountains number {i}"),
+        )
+        .await;
     }
     let relay2 = &relay_tasks.0;
     assert!(
@@ -300,7 +310,11 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
     assert!(!seqs.is_empty());
     for (subject, list) in &seqs {
         for pair in list.windows(2) {
-            assert_eq!(pair[1], pair[0] + 1, "{subject}: one message per engine batch, none missing");
+            assert_eq!(
+                pair[1],
+                pair[0] + 1,
+                "{subject}: one message per engine batch, none missing"
+            );
         }
     }
     assert!(

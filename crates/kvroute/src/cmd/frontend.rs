@@ -9,7 +9,8 @@ use kvroute_stack::settings::{Settings, keys};
 use std::path::PathBuf;
 
 use super::args::{
-    BlockSizeArg, ConfigArgs, FrontDoorArgs, ListenArgs, ModelArgs, NatsArgs, RoutingArgs, SecurityArgs,
+    BlockSizeArg, ConfigArgs, FrontDoorArgs, ListenArgs, ModelArgs, NatsArgs, RoutingArgs,
+    SecurityArgs,
 };
 
 #[derive(Debug, Args)]

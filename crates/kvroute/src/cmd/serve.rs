@@ -7,8 +7,8 @@ use kvroute_stack::Stack;
 use kvroute_stack::settings::{DEFAULT_SIMULATED_WORKERS, Settings, keys};
 
 use super::args::{
-    BlockSizeArg, ConfigArgs, EngineArgs, FrontDoorArgs, ListenArgs, ModelArgs, NatsArgs, RoutingArgs,
-    SecurityArgs,
+    BlockSizeArg, ConfigArgs, EngineArgs, FrontDoorArgs, ListenArgs, ModelArgs, NatsArgs,
+    RoutingArgs, SecurityArgs,
 };
 
 #[derive(Debug, Args)]
