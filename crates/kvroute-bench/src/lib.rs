@@ -23,7 +23,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvroute_core::schedule::PolicyKind;
 use kvroute_preprocess::Preprocessor;
 
-use crate::run::{FleetConfig, Target};
+use crate::run::{FleetConfig, Replicas, Target};
 use crate::workload::{
     MultiTurn, Multimodal, RandomPrompts, SharedPrefix, TraceReplay, Workload, WorkloadKind,
 };
@@ -178,7 +178,9 @@ pub struct BenchArgs {
     pub trace_num_blocks: usize,
 
     /// Drive this OpenAI-compatible endpoint instead of starting a fleet per policy (e.g.
-    /// another router in front of `kvroute mocker` workers).
+    /// another router in front of `kvroute mocker` workers); several, comma-separated, are
+    /// replicas of one front door: requests are sprayed across them round-robin, skipping one
+    /// that refuses connections.
     #[arg(long, env = "KVROUTE_BENCH_TARGET")]
     pub target: Option<String>,
     /// With --target: the workers' base URLs, whose /stats give the ground-truth cache
@@ -191,6 +193,17 @@ pub struct BenchArgs {
     /// With --target: the model name to send (default: the first of its /v1/models).
     #[arg(long, env = "KVROUTE_BENCH_MODEL", requires = "target")]
     pub model: Option<String>,
+
+    /// Router replicas: each policy also runs with N front doors (each with its router) over
+    /// the one fleet, requests sprayed round-robin across them as a load balancer would (a
+    /// replica that refuses connections is skipped), once with the replicas sharing their
+    /// decisions over NATS ("-sync") and once without ("-alone"), beside the one-replica run.
+    #[arg(long, env = "KVROUTE_BENCH_REPLICAS", default_value_t = 1)]
+    pub replicas: usize,
+    /// With --replicas: the NATS server the replicas use (default: the bench starts a
+    /// nats-server from PATH, or KVROUTE_NATS_SERVER, in a temporary directory).
+    #[arg(long, env = "KVROUTE_BENCH_NATS")]
+    pub nats: Option<String>,
 }
 
 impl BenchArgs {
@@ -281,7 +294,13 @@ impl BenchArgs {
             "--trace-time-scale must be > 0"
         );
         anyhow::ensure!(self.trace_requests > 0, "--trace-requests must be > 0");
-        for url in self.target.iter().chain(&self.worker_stats) {
+        anyhow::ensure!(self.replicas >= 1, "--replicas must be at least 1");
+        anyhow::ensure!(
+            self.replicas == 1 || self.target.is_none(),
+            "--replicas starts its own fleet: leave out --target"
+        );
+        let targets = self.target.iter().flat_map(|t| t.split(',')).map(str::trim);
+        for url in targets.chain(self.worker_stats.iter().map(String::as_str)) {
             anyhow::ensure!(
                 url.starts_with("http://"),
                 "{url:?}: give an http:// URL (--target, --worker-stats)"
@@ -367,6 +386,30 @@ pub struct WorkloadResult {
     pub runs: Vec<(run::RunData, summary::Summary)>,
 }
 
+fn set_nats(targets: &mut [(String, Target)], url: &str) {
+    for (_, target) in targets {
+        if let Target::Fleet { replicas: Some(r), .. } = target {
+            r.nats_url = Some(url.to_owned());
+        }
+    }
+}
+
+/// A nats-server with JetStream in `out/nats`, on a runtime that keeps its log drained.
+fn own_nats_server(
+    out: &std::path::Path,
+) -> anyhow::Result<(kvroute_stack::nats_server::NatsServer, tokio::runtime::Runtime)> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting a runtime")?;
+    let store = out.join("nats");
+    let server = runtime
+        .block_on(kvroute_stack::nats_server::NatsServer::start(&store, 0))
+        .context("starting nats-server for --replicas (or give --nats URL)")?;
+    Ok((server, runtime))
+}
+
 fn progress_bar() -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
     let style = ProgressStyle::with_template(
@@ -391,22 +434,50 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
         Some(url) => vec![(
             args.label.clone().unwrap_or_else(|| "target".to_owned()),
             Target::Remote {
-                url: url.trim_end_matches('/').to_owned(),
+                urls: url.split(',').map(|u| u.trim().trim_end_matches('/').to_owned()).collect(),
                 worker_stats: args.worker_stats.clone(),
                 model: args.model.clone(),
             },
         )],
         None => {
-            let with_events = args
-                .policies()
-                .into_iter()
-                .map(|p| (p.to_string(), Target::Fleet { policy: p, events: true }));
-            let approximate = args
-                .approximate
-                .iter()
-                .filter(|_| args.slo_ttft_p99.is_empty())
-                .map(|&p| (format!("{p}-approx"), Target::Fleet { policy: p, events: false }));
+            let fleet = |policy, replicas: Option<Replicas>| Target::Fleet {
+                policy,
+                events: true,
+                replicas,
+            };
+            let with_events = args.policies().into_iter().flat_map(|p| {
+                let mut runs = vec![(p.to_string(), fleet(p, None))];
+                if args.replicas > 1 {
+                    for sync in [true, false] {
+                        let suffix = if sync { "sync" } else { "alone" };
+                        let r = Replicas { n: args.replicas, sync, nats_url: None };
+                        runs.push((format!("{p}-x{}-{suffix}", args.replicas), fleet(p, Some(r))));
+                    }
+                }
+                runs
+            });
+            let approximate =
+                args.approximate.iter().filter(|_| args.slo_ttft_p99.is_empty()).map(|&p| {
+                    (
+                        format!("{p}-approx"),
+                        Target::Fleet { policy: p, events: false, replicas: None },
+                    )
+                });
             with_events.chain(approximate).collect()
+        }
+    };
+    // The replicas' NATS: given, or a server of the bench's own for as long as it runs.
+    let mut targets = targets;
+    let _nats = match (args.replicas > 1, &args.nats) {
+        (false, _) => None,
+        (true, Some(url)) => {
+            set_nats(&mut targets, url);
+            None
+        }
+        (true, None) => {
+            let (server, runtime) = own_nats_server(&args.out)?;
+            set_nats(&mut targets, &server.url());
+            Some((server, runtime))
         }
     };
     if !args.slo_ttft_p99.is_empty() {

@@ -70,10 +70,19 @@ impl FleetConfig {
 pub enum Target {
     /// A fresh fleet with this policy; with `events` off the simulated workers publish no KV
     /// events and the router predicts their caches from its own decisions (approximate mode).
-    Fleet { policy: PolicyKind, events: bool },
-    /// An OpenAI-compatible endpoint, and the workers' base URLs whose `/stats` give the
-    /// ground truth.
-    Remote { url: String, worker_stats: Vec<String>, model: Option<String> },
+    Fleet { policy: PolicyKind, events: bool, replicas: Option<Replicas> },
+    /// OpenAI-compatible endpoints (replicas of one front door: requests are sprayed across
+    /// them), and the workers' base URLs whose `/stats` give the ground truth.
+    Remote { urls: Vec<String>, worker_stats: Vec<String>, model: Option<String> },
+}
+
+/// Router replicas in front of one fleet.
+#[derive(Clone, Debug)]
+pub struct Replicas {
+    pub n: usize,
+    /// Share decisions over NATS.
+    pub sync: bool,
+    pub nats_url: Option<String>,
 }
 
 /// One request as it went.
@@ -160,7 +169,8 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(250);
 #[derive(Clone, Debug)]
 struct Driver {
     client: HttpClient,
-    base: String,
+    /// The front doors, requests sprayed across them round-robin.
+    bases: Vec<String>,
     model: Option<String>,
     preprocessor: Arc<Preprocessor>,
     block_size: BlockSize,
@@ -185,17 +195,20 @@ pub fn run(
         .context("starting a runtime")?;
     let result = runtime.block_on(async {
         match target {
-            Target::Fleet { policy, events } => {
-                let (url, stats) = start_fleet(fleet, *policy, *events).await?;
-                let driver = Driver::new(url, None, preprocessor, bs);
+            Target::Fleet { policy, events, replicas } => {
+                let (urls, stats) = start_fleet(fleet, *policy, *events, replicas.as_ref()).await?;
+                let driver = Driver::new(urls, None, preprocessor, bs);
                 drive(workload, &driver, &stats, label, progress).await
             }
-            Target::Remote { url, worker_stats, model } => {
+            Target::Remote { urls, worker_stats, model } => {
                 let model = match model {
                     Some(m) => Some(m.clone()),
-                    None => first_model(url).await,
+                    None => {
+                        let models = urls.iter().map(|u| first_model(u));
+                        futures_util::future::join_all(models).await.into_iter().flatten().next()
+                    }
                 };
-                let driver = Driver::new(url.clone(), model, preprocessor, bs);
+                let driver = Driver::new(urls.clone(), model, preprocessor, bs);
                 drive(workload, &driver, worker_stats, label, progress).await
             }
         }
@@ -205,15 +218,29 @@ pub fn run(
 }
 
 /// Starts `fleet.workers` simulated workers (publishing KV events or not), a router with
-/// `policy` and a front door, through the stack builder of `kvroute serve`; returns the front
-/// door's URL and the workers' URLs once every worker is ready.
+/// `policy` and a front door (or `replicas` of them), through the stack builder of `kvroute
+/// serve`; returns the front doors' URLs and the workers' URLs once every worker is ready.
 pub async fn start_fleet(
     fleet: &FleetConfig,
     policy: PolicyKind,
     events: bool,
-) -> anyhow::Result<(String, Vec<String>)> {
+    replicas: Option<&Replicas>,
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
     let mut router = RouterConfig { block_size: fleet.block_size()?, ..RouterConfig::default() };
     router.scheduler.policy = policy;
+    if let Some(r) = replicas {
+        anyhow::ensure!(r.nats_url.is_some() || !r.sync, "replica sync needs a NATS URL");
+    }
+    // Subjects of this run's own: nothing of one run's decisions reaches the next.
+    let prefix = format!("bench{}", fleet_nonce());
+    let nats_for = |k: usize| {
+        let r = replicas.filter(|r| r.sync)?;
+        let mut n = kvroute_router::nats::NatsConfig::new(r.nats_url.clone()?);
+        n.replica = format!("bench-{k}");
+        n.prefix.clone_from(&prefix);
+        Some(n)
+    };
+    router.nats = nats_for(0);
     let config = StackConfig {
         simulated: Simulated {
             count: fleet.workers,
@@ -240,13 +267,42 @@ pub async fn start_fleet(
     let waiting = stack.ready(Duration::from_secs(10)).await;
     anyhow::ensure!(waiting.is_empty(), "workers not ready in 10 s: {waiting:?}");
     let urls: Vec<String> = stack.workers.iter().filter_map(|w| w.url.clone()).collect();
-    let url = stack.serve_frontend_on_loopback().await?;
-    // The stack (the router's tasks) lives as long as the runtime of the run.
+    let mut fronts = vec![stack.serve_frontend_on_loopback().await?];
+    let mut stacks = vec![stack];
+    for k in 1..replicas.map_or(1, |r| r.n) {
+        // Another front door and router over the same workers (external to it).
+        let mut router = RouterConfig {
+            block_size: fleet.block_size()?,
+            workers: stacks[0].workers.clone(),
+            ..RouterConfig::default()
+        };
+        router.scheduler.policy = policy;
+        router.nats = nats_for(k);
+        let config = StackConfig {
+            router,
+            model_path: fleet.model_path.clone(),
+            expose_overlap: true,
+            ..StackConfig::default()
+        };
+        let replica = Stack::start(config).await?;
+        let waiting = replica.ready(Duration::from_secs(10)).await;
+        anyhow::ensure!(waiting.is_empty(), "replica {k}: workers not ready in 10 s: {waiting:?}");
+        fronts.push(replica.serve_frontend_on_loopback().await?);
+        stacks.push(replica);
+    }
+    // The stacks (the routers' tasks) live as long as the runtime of the run.
     tokio::spawn(async move {
-        let _stack = stack;
+        let _stacks = stacks;
         std::future::pending::<()>().await;
     });
-    Ok((url, urls))
+    Ok((fronts, urls))
+}
+
+/// A number that differs between runs (names each run's NATS subjects).
+fn fleet_nonce() -> u32 {
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let run = RUNS.fetch_add(1, Ordering::Relaxed) as u32;
+    std::process::id().wrapping_mul(1000).wrapping_add(run)
 }
 
 async fn first_model(base: &str) -> Option<String> {
@@ -296,10 +352,15 @@ fn chains(requests: &[BenchRequest]) -> Vec<Vec<usize>> {
 }
 
 impl Driver {
-    fn new(base: String, model: Option<String>, pre: &Arc<Preprocessor>, bs: BlockSize) -> Self {
+    fn new(
+        bases: Vec<String>,
+        model: Option<String>,
+        pre: &Arc<Preprocessor>,
+        bs: BlockSize,
+    ) -> Self {
         Self {
             client: HttpClient::new(),
-            base,
+            bases,
             model,
             preprocessor: Arc::clone(pre),
             block_size: bs,
@@ -344,7 +405,7 @@ async fn drive(
                     }
                 }
                 let order = sent.fetch_add(1, Ordering::Relaxed);
-                let mut record = send(&driver, request, &mut conversation).await;
+                let mut record = send(&driver, request, &mut conversation, order).await;
                 record.index = i;
                 record.sent_order = order;
                 record.warmup = request.warmup;
@@ -395,7 +456,13 @@ async fn drive(
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     samples.push(Sample { t: wall_secs, workers: stats_end.clone() });
-    let drifts = drifts(&client, &driver.base).await;
+    let mut drifts_seen = None;
+    for base in &driver.bases {
+        if let Some(d) = drifts(&client, base).await {
+            drifts_seen = Some(drifts_seen.unwrap_or(0) + d);
+        }
+    }
+    let drifts = drifts_seen;
     Ok(RunData {
         label: label.to_owned(),
         records,
@@ -465,6 +532,7 @@ async fn send(
     driver: &Driver,
     request: &BenchRequest,
     conversation: &mut Vec<Value>,
+    order: usize,
 ) -> RequestRecord {
     let start = tokio::time::Instant::now();
     let (path, body) = request_body(request, driver.model.as_deref(), conversation);
@@ -474,12 +542,22 @@ async fn send(
         prompt_len: prompt_ids.len(),
         ..RequestRecord::default()
     };
-    let url = format!("{}{path}", driver.base);
-    let outcome = tokio::time::timeout(
-        REQUEST_TIMEOUT,
-        stream_one(&driver.client, &url, &body, start, &mut record),
-    )
-    .await;
+    // Round-robin over the front doors; one that refuses the connection is skipped, as a
+    // load balancer skips a backend that is down.
+    let n = driver.bases.len().max(1);
+    let mut outcome = Ok(Err(anyhow::anyhow!("no front door")));
+    for k in 0..n {
+        let url = format!("{}{path}", driver.bases[(order + k) % n]);
+        outcome = tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            stream_one(&driver.client, &url, &body, start, &mut record),
+        )
+        .await;
+        let refused = matches!(&outcome, Ok(Err(e)) if refused(e));
+        if !refused {
+            break;
+        }
+    }
     match outcome {
         Ok(Ok(())) => record.e2e_ms = Some(micros(start.elapsed()) / 1e3),
         Ok(Err(e)) => record.error = Some(format!("{e:#}")),
@@ -509,6 +587,16 @@ fn micros(d: Duration) -> f64 {
 
 fn header(response: &hyper::Response<hyper::body::Incoming>, name: &str) -> Option<String> {
     response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+}
+
+/// Whether the connection was refused (nothing was sent).
+fn refused(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<kvroute_http::ClientError>(),
+            Some(kvroute_http::ClientError::Connect(_))
+        )
+    })
 }
 
 async fn stream_one(

@@ -39,7 +39,7 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
         let label = policy.to_string();
         let data = run::run(
             &workload,
-            &Target::Fleet { policy, events: true },
+            &Target::Fleet { policy, events: true, replicas: None },
             &fleet,
             &label,
             &ProgressBar::hidden(),
@@ -116,7 +116,8 @@ fn a_target_by_url_with_worker_stats() {
     let host =
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let fleet = fleet();
-    let (url, workers) = host.block_on(run::start_fleet(&fleet, PolicyKind::Kv, true)).unwrap();
+    let (urls, workers) =
+        host.block_on(run::start_fleet(&fleet, PolicyKind::Kv, true, None)).unwrap();
     let pre = std::sync::Arc::new(Preprocessor::builtin());
     let workload = Multimodal {
         requests: 12,
@@ -128,7 +129,7 @@ fn a_target_by_url_with_worker_stats() {
     }
     .generate(2, fleet.block_size().unwrap(), 0.0, &pre)
     .unwrap();
-    let target = Target::Remote { url, worker_stats: workers, model: None };
+    let target = Target::Remote { urls, worker_stats: workers, model: None };
     let data =
         run::run(&workload, &target, &fleet, "target", &ProgressBar::hidden(), &pre).unwrap();
     assert!(data.records.iter().all(|r| r.error.is_none()), "{:?}", data.records);
@@ -187,4 +188,42 @@ fn the_goodput_search_writes_its_table() {
     assert_eq!(rates, vec![40.0, 80.0, 160.0, 320.0], "doubling up to the highest rate probed");
     assert!(probes.iter().all(|p| p["errors"] == 0 && p["cpu_share"].as_f64().is_some()));
     std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[test]
+fn replicas_share_one_fleet_and_a_dead_front_door_is_skipped() {
+    let host =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let store = std::env::temp_dir().join(format!("kvroute-bench-nats-{}", std::process::id()));
+    let nats = host.block_on(kvroute_stack::nats_server::NatsServer::start(&store, 0)).unwrap();
+    let fleet = fleet();
+    let replicas = run::Replicas { n: 2, sync: true, nats_url: Some(nats.url()) };
+    let (mut urls, workers) =
+        host.block_on(run::start_fleet(&fleet, PolicyKind::Kv, true, Some(&replicas))).unwrap();
+    assert_eq!(urls.len(), 2, "two front doors");
+    // A third that refuses connections: a port bound, then closed.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    urls.push(format!("http://{closed}"));
+    let pre = std::sync::Arc::new(Preprocessor::builtin());
+    let workload = small_shared_prefix();
+    let target = Target::Remote { urls: urls.clone(), worker_stats: workers, model: None };
+    let data =
+        run::run(&workload, &target, &fleet, "replicas", &ProgressBar::hidden(), &pre).unwrap();
+    assert!(data.records.iter().all(|r| r.error.is_none()), "{:?}", data.records);
+    // Both live front doors served (their routers each counted decisions).
+    let client = kvroute_http::HttpClient::new();
+    for url in &urls[..2] {
+        let (_, body) = host.block_on(client.get(&format!("{url}/metrics"))).unwrap();
+        let text = String::from_utf8_lossy(&body).into_owned();
+        let decisions: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("kvroute_router_decisions_total "))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(decisions >= 5.0, "{url}: {decisions} decisions");
+        assert!(text.contains("kvroute_replica_peers 1"), "{url} hears the other replica");
+    }
+    drop(nats);
+    let _ = std::fs::remove_dir_all(&store);
 }
