@@ -21,6 +21,7 @@ pub struct NatsServer {
     pub port: u16,
     /// JetStream's storage directory (kept across [`NatsServer::restart`]).
     pub store: PathBuf,
+    extra: Vec<String>,
 }
 
 impl NatsServer {
@@ -32,11 +33,17 @@ impl NatsServer {
     /// Starts a server with JetStream storing in `store`, on `port` (0: any free one), and
     /// waits until it is ready.
     pub async fn start(store: &Path, port: u16) -> Result<Self, StackError> {
+        Self::start_with(store, port, &[]).await
+    }
+
+    /// [`NatsServer::start`] with more arguments (e.g. `--auth TOKEN`), kept for restarts.
+    pub async fn start_with(store: &Path, port: u16, extra: &[&str]) -> Result<Self, StackError> {
         std::fs::create_dir_all(store)?;
         let port_arg = if port == 0 { "-1".to_owned() } else { port.to_string() };
         let mut child = Command::new(Self::binary())
             .args(["-js", "-a", "127.0.0.1", "-p", &port_arg, "-sd"])
             .arg(store)
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -73,7 +80,8 @@ impl NatsServer {
         };
         // Keep draining its log so it never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Ok(Self { child, port, store: store.to_owned() })
+        let extra = extra.iter().map(|a| (*a).to_owned()).collect();
+        Ok(Self { child, port, store: store.to_owned(), extra })
     }
 
     pub fn url(&self) -> String {
@@ -88,7 +96,9 @@ impl NatsServer {
     /// Starts it again on the same port and storage.
     pub async fn restart(&mut self) -> Result<(), StackError> {
         self.stop().await;
-        *self = Self::start(&self.store.clone(), self.port).await?;
+        let extra: Vec<String> = std::mem::take(&mut self.extra);
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        *self = Self::start_with(&self.store.clone(), self.port, &extra).await?;
         Ok(())
     }
 }

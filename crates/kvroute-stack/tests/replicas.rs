@@ -332,3 +332,75 @@ async fn relay_restart(stack: &mut Stack, mut config: NatsConfig) -> (Arc<Router
     assert!(state.wait_ready(Duration::from_secs(10)).await.is_empty());
     (state, tasks)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_nats_outage_the_stream_has_everything_the_engines_did() {
+    let mut server = NatsServer::start(&store_dir("stream-outage"), 0).await.unwrap();
+    let mut relay_config = nats_config(&server, "relay", EventsVia::Relay);
+    relay_config.sync = false;
+    let stack = fleet(2, relay_config, true).await;
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let relay = Arc::clone(stack.router.as_ref().unwrap());
+    let (follower, _f) =
+        replica(&stack.workers, nats_config(&server, "follower", EventsVia::Stream));
+    assert!(follower.wait_ready(Duration::from_secs(10)).await.is_empty());
+    // The ground truth: a router on the engines' own ZMQ streams, beside NATS.
+    let mut direct_config = nats_config(&server, "direct", EventsVia::Zmq);
+    direct_config.sync = false;
+    let (direct, _d) = replica(&stack.workers, direct_config);
+    assert!(direct.wait_ready(Duration::from_secs(10)).await.is_empty());
+    for i in 0..10 {
+        chat(&base, &format!("before the outage, question {i} about rivers and their long names"))
+            .await;
+    }
+
+    // NATS away for 10 s while the engines keep working: nothing exits, routing goes on.
+    server.stop().await;
+    assert!(eventually(Duration::from_secs(10), || relay.health()["degraded"] == true).await);
+    let outage = Instant::now();
+    let mut i = 0;
+    while outage.elapsed() < Duration::from_secs(10) {
+        chat(&base, &format!("during the outage, question {i} about deserts and dunes")).await;
+        i += 1;
+    }
+    server.restart().await.unwrap();
+    let back = Instant::now();
+
+    // Within 5 s the follower's index equals a fresh replica's and what the engines' own
+    // streams say (the direct router): nothing the engines did during the outage is missing.
+    let (fresh, _fr) = replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
+    assert!(fresh.wait_ready(Duration::from_secs(10)).await.is_empty());
+    let equal = eventually(Duration::from_secs(5), || {
+        let f = chains(&follower);
+        f == chains(&fresh) && f == chains(&relay) && f == chains(&direct)
+    });
+    assert!(equal.await, "caught up within 5 s of NATS's return");
+    eprintln!(
+        "caught up {} ms after NATS returned; {i} requests during the outage; {} batches relayed, {} retried, {} gaps replayed",
+        back.elapsed().as_millis(),
+        relay.metrics.stream_messages("relayed"),
+        relay.metrics.stream_messages("retried"),
+        relay.metrics.gaps.get()
+    );
+    assert!(chains(&follower).values().map(Vec::len).sum::<usize>() > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_token_is_sent_and_a_wrong_one_is_degraded() {
+    let server =
+        NatsServer::start_with(&store_dir("auth"), 0, &["--auth", "s3cret"]).await.unwrap();
+    let mut good = nats_config(&server, "good", EventsVia::Zmq);
+    good.auth.token = Some("s3cret".into());
+    let stack = fleet(1, good, false).await;
+    let a = Arc::clone(stack.router.as_ref().unwrap());
+    assert!(eventually(Duration::from_secs(10), || a.health()["degraded"] == false).await);
+    let mut bad = nats_config(&server, "bad", EventsVia::Zmq);
+    bad.auth.token = Some("wrong".into());
+    let (b, _t) = replica(&stack.workers, bad);
+    // Refused by the server: it stays degraded (and routes on local state); no peer is heard.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(b.health()["degraded"], true);
+    assert!(format!("{:?}", b.nats().unwrap().config).contains("<redacted>"));
+    assert!(!format!("{:?}", b.nats().unwrap().config).contains("wrong"), "the token never shows");
+    assert_eq!(peers(&a), 0);
+}
