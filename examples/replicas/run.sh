@@ -69,8 +69,8 @@ start() {
     up "http://127.0.0.1:$port/health"
     upstream+="    server 127.0.0.1:$port max_fails=1 fail_timeout=5s;"$'\n'
   done
-  sed -e "s|@UPSTREAM@|$upstream|" -e "s|@PORT@|$lb_port|" -e "s|@STATE@|$state|g" \
-    "$here/nginx.conf.in" >"$state/nginx.conf"
+  printf '%s' "$upstream" >"$state/upstream.conf"
+  sed -e "s|@PORT@|$lb_port|" -e "s|@STATE@|$state|g" "$here/nginx.conf.in" >"$state/nginx.conf"
   nginx -c "$state/nginx.conf" -p "$state"
   up "http://127.0.0.1:$lb_port/health"
   echo "ready: http://127.0.0.1:$lb_port/v1/chat/completions ($replicas replicas, $workers workers)"

@@ -6,7 +6,13 @@
 //!  workers' PUB sockets ──▶ subscriber tasks (one per rank) ──▶ RouterState { index, scheduler }
 //!  workers' load (ZMQ / HTTP) ▶ load tasks (load.rs) ──────────┘        ▲
 //!  HTTP clients / the front door ──▶ axum app (http.rs) ────────────────┘
+//!  other replicas ◀─ decisions (nats.rs) ─▶ in-flight accounting    ▲
+//!  JetStream stream (stream.rs: relay in, ordered consumer, snapshots) ┘
 //! ```
+//!
+//! With NATS (`RouterConfig::nats`) a replica shares its decisions with the others and may
+//! take its workers' events from a JetStream stream instead of their ZMQ sockets: see
+//! [`nats`] and [`stream`].
 
 pub mod checks;
 pub mod config;

@@ -404,3 +404,35 @@ async fn a_nats_token_is_sent_and_a_wrong_one_is_degraded() {
     assert!(!format!("{:?}", b.nats().unwrap().config).contains("wrong"), "the token never shows");
     assert_eq!(peers(&a), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_over_tls_with_the_servers_ca() {
+    let dir = store_dir("tls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let (cert_path, key_path) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let (c, k) = (cert_path.to_str().unwrap(), key_path.to_str().unwrap());
+    let server =
+        NatsServer::start_with(&dir.join("js"), 0, &["--tls", "--tlscert", c, "--tlskey", k])
+            .await
+            .unwrap();
+    let url = format!("tls://localhost:{}", server.port);
+    let mut trusted = NatsConfig::new(url.clone());
+    trusted.replica = "trusted".into();
+    trusted.tls_ca = Some(cert_path.clone());
+    let stack = fleet(1, trusted, false).await;
+    let a = Arc::clone(stack.router.as_ref().unwrap());
+    assert!(
+        eventually(Duration::from_secs(10), || a.health()["degraded"] == false).await,
+        "connected over TLS"
+    );
+    // Without the CA the server's certificate is not trusted: degraded, never connected.
+    let mut untrusted = NatsConfig::new(url);
+    untrusted.replica = "untrusted".into();
+    let (b, _t) = replica(&stack.workers, untrusted);
+    let connected = eventually(Duration::from_secs(2), || b.health()["degraded"] == false).await;
+    assert!(!connected);
+    assert_eq!(peers(&a), 0, "nothing of the untrusted replica reaches a");
+}
