@@ -255,17 +255,9 @@ pub async fn start_fleet(
             seed: 0,
             max_model_len: None,
         },
-        router,
-        model_path: fleet.model_path.clone(),
-        // The predictions are part of the report.
-        expose_overlap: true,
-        ..StackConfig::default()
+        ..front_door(router, fleet)
     };
-    let stack = Stack::start(config).await?;
-    // Ready when every subscription is up and every worker has reported its load (its
-    // capacity is part of the kv policy's cost).
-    let waiting = stack.ready(Duration::from_secs(10)).await;
-    anyhow::ensure!(waiting.is_empty(), "workers not ready in 10 s: {waiting:?}");
+    let stack = started(config, "the fleet").await?;
     let urls: Vec<String> = stack.workers.iter().filter_map(|w| w.url.clone()).collect();
     let mut fronts = vec![stack.serve_frontend_on_loopback().await?];
     let mut stacks = vec![stack];
@@ -278,15 +270,7 @@ pub async fn start_fleet(
         };
         router.scheduler.policy = policy;
         router.nats = nats_for(k);
-        let config = StackConfig {
-            router,
-            model_path: fleet.model_path.clone(),
-            expose_overlap: true,
-            ..StackConfig::default()
-        };
-        let replica = Stack::start(config).await?;
-        let waiting = replica.ready(Duration::from_secs(10)).await;
-        anyhow::ensure!(waiting.is_empty(), "replica {k}: workers not ready in 10 s: {waiting:?}");
+        let replica = started(front_door(router, fleet), &format!("replica {k}")).await?;
         fronts.push(replica.serve_frontend_on_loopback().await?);
         stacks.push(replica);
     }
@@ -296,6 +280,26 @@ pub async fn start_fleet(
         std::future::pending::<()>().await;
     });
     Ok((fronts, urls))
+}
+
+/// A front door and router over `router`'s workers, as the bench runs them.
+fn front_door(router: RouterConfig, fleet: &FleetConfig) -> StackConfig {
+    StackConfig {
+        router,
+        model_path: fleet.model_path.clone(),
+        // The predictions are part of the report.
+        expose_overlap: true,
+        ..StackConfig::default()
+    }
+}
+
+/// Starts a stack, ready when every subscription is up and every worker has reported its load
+/// (its capacity is part of the kv policy's cost).
+async fn started(config: StackConfig, what: &str) -> anyhow::Result<Stack> {
+    let stack = Stack::start(config).await?;
+    let waiting = stack.ready(Duration::from_secs(10)).await;
+    anyhow::ensure!(waiting.is_empty(), "{what}: workers not ready in 10 s: {waiting:?}");
+    Ok(stack)
 }
 
 /// A number that differs between runs (names each run's NATS subjects).
