@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! cached_i = max(kv overlap_i, in-flight prefix_i) * bs        tokens it has or is computing
-//! ttft_i   = queued_prefill_i + (isl - cached_i)               work ahead of the first token
+//! ttft_i   = queue_weight * queued_prefill_i + (isl - cached_i) work ahead of the first token
 //! evict_i  = eviction_weight * (isl - cached_i) * fullness_i   what storing the rest evicts
 //! decode_i = decode_full_cache_tokens * active_blocks_i / kv_total_blocks_i
 //! wait_i   = memory_wait_tokens if active_blocks_i + the request's blocks not in flight there
@@ -16,6 +16,16 @@
 //!
 //! - The in-flight prefix counts as cached: a request routed behind an identical one reuses
 //!   its blocks as they are computed, so a burst of cold duplicates stays together.
+//! - `queue_weight` (0.5): the prompt tokens queued at a worker count half. In a chunked-prefill
+//!   engine they share steps with this request's (up to the step's token budget) rather than
+//!   all running before it, and moving a prefix away from its owner because of a queue makes
+//!   the other worker compute it too, which queues the next request there. At full weight that
+//!   feedback loop undid a fleet near saturation: `kvroute serve` at speedup 1 under the shared
+//!   load generator's shared-prefix at 24 req/s (`../shared/peers/sidebyside.sh`) spread every
+//!   prompt group over all 4 workers within 5 s and fell to a 0.41 hit rate and a 4.7 s median
+//!   TTFT (13.5 req/s done), where Dynamo's stack held 0.935; at 0.5 it holds 0.966 with a 75 ms
+//!   median (0.25 alike; 0 too, but then no queue ever moves a prefix). Below saturation
+//!   (`kvroute bench` at speedup 2) the weight changes nothing measurable.
 //! - `evict_i` prices the future: every block the request adds to a cache evicts another there
 //!   once the cache is full (`fullness_i = tree_size / kv_total_blocks`, 1 when unknown), and
 //!   some later request pays to prefill that one again. Away from a prefix's owner that is the
@@ -70,6 +80,8 @@ pub struct KvConfig {
     /// Price of waiting for memory on a worker whose cache cannot hold the request next to its
     /// running ones, in prefill tokens.
     pub memory_wait_tokens: f64,
+    /// Weight of the prompt tokens already queued at a worker (see the module notes).
+    pub queue_weight: f64,
 }
 
 impl Default for KvConfig {
@@ -81,6 +93,7 @@ impl Default for KvConfig {
             decode_full_cache_tokens: 2_500.0,
             decode_weight: 0.02,
             memory_wait_tokens: 20_000.0,
+            queue_weight: 0.5,
         }
     }
 }
@@ -108,7 +121,7 @@ impl KvPolicy {
                 let total = c.load.kv_total_blocks.filter(|&t| t > 0).map(|t| t as f64);
                 let fullness = total.map_or(1.0, |t| (c.tree_size as f64 / t).min(1.0));
                 let uncached = (request.isl_tokens - have) as f64;
-                let ttft = c.active.prefill_tokens as f64 + uncached;
+                let ttft = self.config.queue_weight * c.active.prefill_tokens as f64 + uncached;
                 let evict = self.config.eviction_weight * uncached * fullness;
                 let decode = match total {
                     Some(t) => {

@@ -123,10 +123,11 @@ fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
     // 400 + 128 lacking = 528 > 128 prefill + 128 lacking; at 100 in flight, 228 < 256.
     owner.active.blocks = 100;
     assert_eq!(dynamo::DynamoPolicy.select(&info(isl), &[owner, idle], &mut rng), 0);
-    // kv: only a long prefill queue at the owner sends the request away.
+    // kv: only a long prefill queue at the owner sends the request away (queued tokens count
+    // half: 6000 queued weigh 3000 < 2 x 2048).
     let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
-    owner.active = ActiveLoad { prefill_tokens: 3000, blocks: 400, requests: 10 };
-    assert_eq!(kv.select(&info(isl), &[owner, idle], &mut rng), 0, "3000 queued < 2 x 2048");
+    owner.active = ActiveLoad { prefill_tokens: 6000, blocks: 400, requests: 10 };
+    assert_eq!(kv.select(&info(isl), &[owner, idle], &mut rng), 0, "6000 x 0.5 < 2 x 2048");
     owner.active.prefill_tokens = 20_000;
     assert_eq!(kv.select(&info(isl), &[owner, idle], &mut rng), 1);
 }
@@ -135,7 +136,8 @@ fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
 fn kv_duplication_is_cheap_onto_an_empty_cache() {
     let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
     let mut owner = candidate(0, 128);
-    owner.active.prefill_tokens = 3000;
+    // 6000 queued weigh 3000: more than the 2048 the empty cache computes (evicting nothing).
+    owner.active.prefill_tokens = 6000;
     let mut empty = candidate(1, 0);
     empty.load.kv_total_blocks = Some(1000);
     empty.tree_size = 0;
