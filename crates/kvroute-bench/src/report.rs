@@ -51,20 +51,21 @@ pub fn check_targets(results: &[WorkloadResult]) -> Vec<TargetCheck> {
                 }
                 if let (Some(hit), Some(share)) = (kv.hit_rate, kv.share_of_best) {
                     let best = kv.best_capacity.unwrap_or(kv.best_unbounded);
+                    // Multi-turn's bar is the capacity issue's (#18): an eviction-aware router
+                    // keeps 93% of what a clairvoyant pooled cache would.
+                    let bar = match r.workload.kind {
+                        WorkloadKind::MultiTurn => 93,
+                        _ => 90,
+                    };
                     out.push(TargetCheck {
-                        target: format!("{name}: kv hit rate >= 90% of the best achievable"),
+                        target: format!("{name}: kv hit rate >= {bar}% of the best achievable"),
                         measured: format!("{hit:.3} of {best:.3} = {:.1}%", share * 100.0),
-                        met: share >= 0.9,
+                        met: share * 100.0 >= f64::from(bar),
                     });
                 }
                 let Some(dynamo) = find(r, "dynamo") else { continue };
-                if let (Some(k), Some(d)) = (kv.ttft_ms.p50, dynamo.ttft_ms.p50) {
-                    out.push(TargetCheck {
-                        target: format!("{name}: kv TTFT p50 at least 1.3x better than dynamo"),
-                        measured: format!("{k:.1} ms vs {d:.1} ms = {:.2}x", d / k),
-                        met: d >= 1.3 * k,
-                    });
-                }
+                // (Wave 1's "p50 1.3x better" is gone: a cache hit's first token waits for the
+                // engine's step under any router; the gain is capacity, see the goodput search.)
                 if let (Some(k), Some(d)) = (kv.ttft_ms.p99, dynamo.ttft_ms.p99) {
                     out.push(TargetCheck {
                         target: format!("{name}: kv TTFT p99 better than dynamo"),

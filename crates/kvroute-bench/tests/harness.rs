@@ -99,6 +99,7 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
         md.contains("## shared-prefix") && md.contains("| kv |") && md.contains("| round-robin |")
     );
     assert!(md.contains("kv hit rate >= 90% of the best achievable"));
+    assert!(!md.contains("p50 at least"), "wave 1's p50 targets left the report");
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
     assert_eq!(json["workloads"][0]["runs"][0]["records"].as_array().unwrap().len(), 16);
