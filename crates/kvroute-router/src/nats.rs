@@ -466,77 +466,70 @@ impl std::fmt::Debug for Peers {
 impl Peers {
     /// Applies a peer's batch (decoded from the wire) to `state`'s in-flight accounting.
     pub fn apply(&mut self, state: &RouterState, batch: SyncBatch) {
-        apply_peer_batch(state, &mut self.0, batch);
+        let now = Instant::now();
+        if !self.0.contains_key(&batch.replica) {
+            if self.0.len() >= MAX_PEERS {
+                state.metrics.replica_message("too_many_peers");
+                return;
+            }
+            tracing::info!(peer = %batch.replica, "a replica joined");
+        }
+        let peer = self
+            .0
+            .entry(batch.replica.clone())
+            .or_insert_with(|| Peer { heard: now, in_flight: HashSet::new() });
+        peer.heard = now;
+        for message in batch.messages {
+            state.metrics.replica_message("received");
+            match message {
+                SyncMessage::Routed {
+                    id,
+                    worker_id,
+                    dp_rank,
+                    isl_tokens,
+                    prefill_tokens,
+                    local_hashes,
+                } => {
+                    if peer.in_flight.len() >= MAX_PEER_IN_FLIGHT && !peer.in_flight.contains(&id) {
+                        state.metrics.replica_message("peer_full");
+                        continue;
+                    }
+                    let local: Vec<LocalBlockHash> =
+                        local_hashes.into_iter().map(LocalBlockHash).collect();
+                    let worker = WorkerWithDpRank::new(worker_id, dp_rank);
+                    let key = peer_request_id(&batch.replica, &id);
+                    if state.track_peer(&key, worker, isl_tokens, prefill_tokens, &local) {
+                        peer.in_flight.insert(id);
+                    } else {
+                        state.metrics.replica_message("unknown_worker");
+                    }
+                }
+                SyncMessage::PrefillDone { id } => {
+                    state.peer_prefill_done(&peer_request_id(&batch.replica, &id));
+                }
+                SyncMessage::Freed { id } => {
+                    if peer.in_flight.remove(&id) {
+                        state.free_peer(&peer_request_id(&batch.replica, &id));
+                    }
+                }
+                SyncMessage::Heartbeat => {}
+            }
+        }
     }
 
     /// Frees the entries of peers not heard from for [`PEER_TIMEOUT`].
     pub fn expire(&mut self, state: &RouterState, now: Instant) {
-        expire_peers(state, &mut self.0, now);
-    }
-}
-
-fn apply_peer_batch(state: &RouterState, peers: &mut HashMap<String, Peer>, batch: SyncBatch) {
-    let now = Instant::now();
-    if !peers.contains_key(&batch.replica) {
-        if peers.len() >= MAX_PEERS {
-            state.metrics.replica_message("too_many_peers");
-            return;
-        }
-        tracing::info!(peer = %batch.replica, "a replica joined");
-    }
-    let peer = peers
-        .entry(batch.replica.clone())
-        .or_insert_with(|| Peer { heard: now, in_flight: HashSet::new() });
-    peer.heard = now;
-    for message in batch.messages {
-        state.metrics.replica_message("received");
-        match message {
-            SyncMessage::Routed {
-                id,
-                worker_id,
-                dp_rank,
-                isl_tokens,
-                prefill_tokens,
-                local_hashes,
-            } => {
-                if peer.in_flight.len() >= MAX_PEER_IN_FLIGHT && !peer.in_flight.contains(&id) {
-                    state.metrics.replica_message("peer_full");
-                    continue;
-                }
-                let local: Vec<LocalBlockHash> =
-                    local_hashes.into_iter().map(LocalBlockHash).collect();
-                let worker = WorkerWithDpRank::new(worker_id, dp_rank);
-                let key = peer_request_id(&batch.replica, &id);
-                if state.track_peer(&key, worker, isl_tokens, prefill_tokens, &local) {
-                    peer.in_flight.insert(id);
-                } else {
-                    state.metrics.replica_message("unknown_worker");
-                }
+        self.0.retain(|name, peer| {
+            if now.saturating_duration_since(peer.heard) < PEER_TIMEOUT {
+                return true;
             }
-            SyncMessage::PrefillDone { id } => {
-                state.peer_prefill_done(&peer_request_id(&batch.replica, &id));
+            let n = peer.in_flight.len();
+            for id in &peer.in_flight {
+                state.free_peer(&peer_request_id(name, id));
             }
-            SyncMessage::Freed { id } => {
-                if peer.in_flight.remove(&id) {
-                    state.free_peer(&peer_request_id(&batch.replica, &id));
-                }
-            }
-            SyncMessage::Heartbeat => {}
-        }
+            state.metrics.replica_expired.inc_by(n as u64);
+            tracing::warn!(peer = %name, freed = n, "a replica went silent: its in-flight requests expire");
+            false
+        });
     }
-}
-
-fn expire_peers(state: &RouterState, peers: &mut HashMap<String, Peer>, now: Instant) {
-    peers.retain(|name, peer| {
-        if now.saturating_duration_since(peer.heard) < PEER_TIMEOUT {
-            return true;
-        }
-        let n = peer.in_flight.len();
-        for id in &peer.in_flight {
-            state.free_peer(&peer_request_id(name, id));
-        }
-        state.metrics.replica_expired.inc_by(n as u64);
-        tracing::warn!(peer = %name, freed = n, "a replica went silent: its in-flight requests expire");
-        false
-    });
 }

@@ -220,7 +220,7 @@ async fn consume_once(
         cursor.next = info.first_sequence;
     }
     let start_at = cursor.next;
-    let mut catch_up_to = info.last_sequence;
+    let catch_up_to = info.last_sequence;
     if catch_up_to < start_at {
         mark_caught_up(state, status);
     }
@@ -259,7 +259,6 @@ async fn consume_once(
         cursor.since_snapshot += 1;
         status.applied_seq.store(seq, Ordering::Relaxed);
         if seq >= catch_up_to || pending == 0 {
-            catch_up_to = 0;
             mark_caught_up(state, status);
         }
         let due = config.snapshot_every > 0
