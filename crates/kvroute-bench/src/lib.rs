@@ -64,6 +64,11 @@ pub struct BenchArgs {
     /// Seed of every workload (same seed, same requests and schedule).
     #[arg(long, env = "KVROUTE_BENCH_SEED", default_value_t = 42)]
     pub seed: u64,
+    /// Send shared-prefix and random prompts to /v1/completions as text instead of token ids
+    /// (each token a word of the model's vocabulary, so shared prefixes stay shared block for
+    /// block), for routers that take no token ids, such as sglang-router.
+    #[arg(long, env = "KVROUTE_BENCH_TEXT_PROMPTS")]
+    pub text_prompts: bool,
     /// Rate sweep: run every workload at each of these arrival rates (requests/s; users/s
     /// for multi-turn) instead of its own default.
     #[arg(long, env = "KVROUTE_BENCH_RATES", value_delimiter = ',')]
@@ -318,7 +323,7 @@ impl BenchArgs {
     ) -> anyhow::Result<Workload> {
         let bs = self.fleet().block_size()?;
         let o = self.output_tokens;
-        Ok(match kind {
+        let workload = match kind {
             WorkloadKind::SharedPrefix => SharedPrefix {
                 groups: self.groups,
                 prompts_per_group: self.prompts_per_group,
@@ -374,7 +379,11 @@ impl BenchArgs {
                 w.params.push(("fleet".into(), line));
                 w
             })?,
-        })
+        };
+        match self.text_prompts {
+            true => workload.into_text(preprocessor, bs),
+            false => Ok(workload),
+        }
     }
 }
 

@@ -496,6 +496,7 @@ fn request_body(
 ) -> (&'static str, Value) {
     let (path, mut body) = match &request.prompt {
         Prompt::Tokens(tokens) => ("/v1/completions", json!({"prompt": tokens})),
+        Prompt::Text(text) => ("/v1/completions", json!({"prompt": text})),
         Prompt::Chat(messages) => ("/v1/chat/completions", json!({"messages": messages.as_ref()})),
         Prompt::Turn { context, text } => {
             if let Some(context) = context {

@@ -77,6 +77,8 @@ impl std::str::FromStr for WorkloadKind {
 pub enum Prompt {
     /// `/v1/completions` with token ids.
     Tokens(Vec<u32>),
+    /// `/v1/completions` with text (see [`Workload::into_text`]).
+    Text(String),
     /// `/v1/chat/completions` with these messages (images inline as `data:` URLs).
     Chat(Arc<Value>),
     /// `/v1/chat/completions` with the user's conversation so far (the server's answers
@@ -118,6 +120,47 @@ pub struct Workload {
     /// Human-readable parameters, printed in the report.
     pub params: Vec<(String, String)>,
     pub requests: Vec<BenchRequest>,
+}
+
+impl Workload {
+    /// Token-id prompts become text, for routers that take no token ids (sglang-router): each
+    /// token becomes a word of the model's vocabulary (by its id; the prompt's first from the
+    /// words without a leading space), and a run of words tokenizes back to exactly those
+    /// words ([`kvroute_preprocess::Words`]), so equal prefixes stay equal block for block. The
+    /// prompt as the engine sees it is the tokenized text (checked to end with the words).
+    pub fn into_text(mut self, preprocessor: &Preprocessor, bs: BlockSize) -> anyhow::Result<Self> {
+        let words = preprocessor.words();
+        anyhow::ensure!(words.usable(), "--text-prompts: the model's vocabulary has no words");
+        let mut converted = 0;
+        for request in &mut self.requests {
+            let Prompt::Tokens(tokens) = &request.prompt else { continue };
+            let ids: Vec<u32> = tokens
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| {
+                    let pool = match i == 0 && !words.first.is_empty() {
+                        true => &words.first,
+                        false => &words.rest,
+                    };
+                    pool[t as usize % pool.len()]
+                })
+                .collect();
+            let text = preprocessor.decode(&ids)?;
+            let seen = preprocessor.prepare_prompt(&text)?.tokens;
+            anyhow::ensure!(
+                seen.ends_with(&ids),
+                "--text-prompts: a prompt's words do not tokenize back to themselves"
+            );
+            request.blocks = token_blocks(&seen, bs);
+            request.prompt_ids = Arc::new(seen);
+            request.prompt = Prompt::Text(text);
+            converted += 1;
+        }
+        if converted > 0 {
+            self.params.push(("prompts".into(), "text (words of the vocabulary)".into()));
+        }
+        Ok(self)
+    }
 }
 
 /// `shared-prefix`: groups of prompts sharing a long system prompt.

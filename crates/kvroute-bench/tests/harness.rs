@@ -111,6 +111,26 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
+/// `--text-prompts`: the same workload as text through a real front door: the engines count
+/// the prompts the bench derived, the router predicts their cached blocks exactly, and kv
+/// keeps each group together as it does with token ids.
+#[test]
+fn text_prompts_reach_the_engines_as_the_same_blocks() {
+    let fleet = fleet();
+    let pre = std::sync::Arc::new(Preprocessor::builtin());
+    let workload = small_shared_prefix().into_text(&pre, fleet.block_size().unwrap()).unwrap();
+    let target = Target::Fleet { policy: PolicyKind::Kv, events: true, replicas: None };
+    let data = run::run(&workload, &target, &fleet, "kv", &ProgressBar::hidden(), &pre).unwrap();
+    for r in &data.records {
+        assert!(r.error.is_none(), "{r:?}");
+        assert_eq!(r.prompt_tokens, Some(workload.requests[r.index].prompt_ids.len() as u64));
+    }
+    let s = summarize(&data, 16, Some(fleet.capacity_blocks()));
+    assert_eq!((s.false_hits, s.over_predicted), (0, 0));
+    assert!((s.best_unbounded - 14.0 * 512.0 / (16.0 * 544.0)).abs() < 1e-9);
+    assert!(s.hit_rate.unwrap() > 0.5, "{s:?}");
+}
+
 #[test]
 fn a_target_by_url_with_worker_stats() {
     // The endpoint under test runs on a runtime of its own, as another process would.

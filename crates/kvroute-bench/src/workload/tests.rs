@@ -9,7 +9,7 @@ fn bs() -> BlockSize {
 fn tokens(r: &BenchRequest) -> &[u32] {
     match &r.prompt {
         Prompt::Tokens(t) => t,
-        Prompt::Chat(_) | Prompt::Turn { .. } => panic!("a chat request"),
+        Prompt::Text(_) | Prompt::Chat(_) | Prompt::Turn { .. } => panic!("not token ids"),
     }
 }
 
@@ -55,6 +55,34 @@ fn shared_prefix_sizes_and_sharing() {
     assert!(first_64.len() > 6, "the first 64 requests span {} groups", first_64.len());
     assert_eq!(w.requests.iter().filter(|r| r.warmup).count(), 77);
     assert!(w.requests[..77].iter().all(|r| r.warmup));
+}
+
+#[test]
+fn text_prompts_keep_the_sharing_of_token_prompts() {
+    let pre = Preprocessor::builtin();
+    let small = SharedPrefix { groups: 3, prompts_per_group: 4, ..SharedPrefix::default() };
+    let ids = small.generate(7, bs(), 0.1);
+    let text = small.generate(7, bs(), 0.1).into_text(&pre, bs()).unwrap();
+    assert!(text.params.iter().any(|(k, _)| k == "prompts"));
+    for (a, b) in ids.requests.iter().zip(&text.requests) {
+        let Prompt::Text(prompt) = &b.prompt else { panic!("not converted") };
+        // What the bench expects the engine to see is what the engine's tokenizer makes of
+        // the text, block for block.
+        let seen = pre.prepare_prompt(prompt).unwrap().tokens;
+        assert_eq!(*b.prompt_ids, seen);
+        assert_eq!(b.blocks, token_blocks(&seen, bs()));
+        assert_eq!((a.group, a.start, a.warmup), (b.group, b.start, b.warmup));
+    }
+    // Every block equal between two token prompts is equal between their texts, and no
+    // other: a group's system prompt is shared, groups share nothing.
+    let offset = text.requests[0].blocks.len() - ids.requests[0].blocks.len();
+    assert_eq!(offset, 0, "the built-in model adds no tokens to a plain prompt");
+    for (a1, b1) in ids.requests.iter().zip(&text.requests) {
+        for (a2, b2) in ids.requests.iter().zip(&text.requests) {
+            let shared = |x: &[u64], y: &[u64]| x.iter().zip(y).take_while(|(p, q)| p == q).count();
+            assert_eq!(shared(&a1.blocks, &a2.blocks), shared(&b1.blocks, &b2.blocks));
+        }
+    }
 }
 
 #[test]
