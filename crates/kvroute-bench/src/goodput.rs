@@ -1,6 +1,10 @@
 //! Goodput at an SLO: per policy, the highest arrival rate at which the TTFT p99 stays under
 //! a target (`kvroute bench --slo-ttft-p99 100,250`).
 //!
+//! Multi-turn is a closed loop: its load is how many users hold a conversation at once (each
+//! sends its next turn after an answer and a think time), not how fast they arrive, so its
+//! search is over the number of users ([`Load::of`]); the others' is over the arrival rate.
+//!
 //! The search, per workload and policy, probes whole runs (a fresh fleet each) at chosen
 //! rates and keeps every probe; for each SLO in turn it brackets the goodput between the
 //! highest rate that met it (below the lowest that failed) and the lowest that failed: from
@@ -20,7 +24,7 @@ use crate::summary::Summary;
 pub const RESOLUTION: f64 = 1.2;
 /// Probes per SLO at most.
 pub const MAX_PROBES: usize = 6;
-/// Lowest and highest rates probed (requests/s; users/s for multi-turn).
+/// Lowest and highest loads probed (requests/s; users for multi-turn).
 pub const MIN_RATE: f64 = 0.25;
 pub const MAX_RATE: f64 = 512.0;
 /// A probe whose process used more than this share of the machine's CPU is host-bound.
@@ -84,18 +88,53 @@ pub fn next_rate(probes: &[Probe], slo_ms: f64, start: f64) -> Option<f64> {
     }
 }
 
-/// Runs the search for every SLO: `probe(rate)` runs one probe.
+/// What a workload's goodput search varies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Load {
+    /// Arrivals per second (open loop).
+    Rate,
+    /// Users holding a conversation at once (closed loop).
+    Users,
+}
+
+impl Load {
+    pub fn of(kind: crate::workload::WorkloadKind) -> Self {
+        match kind {
+            crate::workload::WorkloadKind::MultiTurn => Self::Users,
+            _ => Self::Rate,
+        }
+    }
+
+    pub fn unit(self) -> &'static str {
+        match self {
+            Self::Rate => "req/s",
+            Self::Users => "users",
+        }
+    }
+
+    /// The step loads are rounded to, so a bisection does not probe 23.9999 beside 24 (and
+    /// users come whole).
+    fn quantum(self) -> f64 {
+        match self {
+            Self::Rate => 0.01,
+            Self::Users => 1.0,
+        }
+    }
+}
+
+/// Runs the search for every SLO: `probe(load)` runs one probe.
 pub fn search(
     slos_ms: &[f64],
     start: f64,
+    load: Load,
     mut probe: impl FnMut(f64) -> anyhow::Result<Probe>,
 ) -> anyhow::Result<Vec<Probe>> {
     let mut probes: Vec<Probe> = Vec::new();
     for &slo in slos_ms {
         for _ in 0..MAX_PROBES {
             let Some(rate) = next_rate(&probes, slo, start) else { break };
-            // Rates are rounded so a bisection does not probe 23.9999 beside 24.
-            let rate = (rate * 100.0).round() / 100.0;
+            let rate = ((rate / load.quantum()).round() * load.quantum()).max(load.quantum());
             if probes.iter().any(|p| (p.rate - rate).abs() < 1e-9) {
                 break;
             }
@@ -124,6 +163,7 @@ impl PolicyGoodput {
 #[derive(Clone, Debug, Serialize)]
 pub struct GoodputResult {
     pub workload: crate::workload::WorkloadKind,
+    pub load: Load,
     pub start_rate: f64,
     pub slos_ms: Vec<f64>,
     pub policies: Vec<PolicyGoodput>,
@@ -164,7 +204,7 @@ mod tests {
     fn the_search_brackets_each_slo() {
         let p99 = |rate: f64| if rate <= 30.0 { 40.0 + rate } else { 70.0 + (rate - 30.0) * 20.0 };
         let mut calls = 0;
-        let probes = search(&[100.0, 250.0], 24.0, |rate| {
+        let probes = search(&[100.0, 250.0], 24.0, Load::Rate, |rate| {
             calls += 1;
             Ok(probe(rate, p99(rate)))
         })
@@ -178,12 +218,28 @@ mod tests {
         assert!((39.0 / RESOLUTION..39.0).contains(&at250), "{at250}");
         assert!(calls <= 2 * MAX_PROBES, "{calls} probes");
         // A fleet that fails everything: goodput none, the search stops at the floor.
-        let none = search(&[100.0], 24.0, |rate| Ok(probe(rate, 1e6))).unwrap();
+        let none = search(&[100.0], 24.0, Load::Rate, |rate| Ok(probe(rate, 1e6))).unwrap();
         assert_eq!(bracket(&none, 100.0).0, None);
         assert!(none.len() <= MAX_PROBES);
         // Errors fail a probe whatever its latency.
         let failed = Probe { errors: 1, ..none[0].clone() };
         assert!(!Probe { ttft_p99_ms: Some(1.0), ..failed }.meets(100.0));
+    }
+
+    /// Users come whole: a search over users probes integers only, each once.
+    #[test]
+    fn a_search_over_users_probes_whole_users() {
+        let probes =
+            search(&[100.0], 24.0, Load::Users, |users| Ok(probe(users, 3.0 * users))).unwrap();
+        assert!(probes.iter().all(|p| p.rate.fract() == 0.0 && p.rate >= 1.0), "{probes:?}");
+        let mut seen: Vec<f64> = probes.iter().map(|p| p.rate).collect();
+        seen.dedup();
+        assert_eq!(seen.len(), probes.len());
+        // p99 = 3 ms per user: 33 users meet 100 ms, 34 do not.
+        let g = PolicyGoodput { label: "kv".into(), probes }.goodput(100.0).unwrap();
+        assert!((33.0 / RESOLUTION..=33.0).contains(&g), "{g}");
+        assert_eq!(Load::of(crate::workload::WorkloadKind::MultiTurn), Load::Users);
+        assert_eq!(Load::of(crate::workload::WorkloadKind::SharedPrefix), Load::Rate);
     }
 
     #[test]

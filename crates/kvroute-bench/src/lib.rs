@@ -42,9 +42,10 @@ pub struct BenchArgs {
     #[arg(long, env = "KVROUTE_BENCH_POLICIES", value_delimiter = ',')]
     pub policies: Vec<PolicyKind>,
     /// Goodput search instead of one run per policy: for each SLO (TTFT p99, ms), the
-    /// highest arrival rate each policy keeps under it, found by whole runs at chosen rates
-    /// (doubling or halving from the workload's rate, then bisecting to within 20%; at most 6
-    /// probes per SLO). Approximate-mode runs are left out.
+    /// highest load each policy keeps under it (the arrival rate; for multi-turn, a closed
+    /// loop, the number of users), found by whole runs at chosen loads (doubling or halving
+    /// from the workload's default, then bisecting to within 20%; at most 6 probes per SLO).
+    /// Approximate-mode runs are left out.
     #[arg(long, env = "KVROUTE_BENCH_SLO_TTFT_P99", value_delimiter = ',')]
     pub slo_ttft_p99: Vec<f64>,
     /// Policies also run with the simulated workers' KV events switched off, the router
@@ -551,11 +552,21 @@ fn goodput_search(
     for kind in args.workloads() {
         let fleet = args.fleet_for(kind);
         let capacity = args.target.is_none().then(|| fleet.capacity_blocks());
-        let start = args.default_rate(kind, preprocessor);
+        let load = goodput::Load::of(kind);
+        let start = match load {
+            goodput::Load::Rate => args.default_rate(kind, preprocessor),
+            goodput::Load::Users => args.users as f64,
+        };
         let mut policies = Vec::new();
         for (label, target) in targets {
-            let probes = goodput::search(&args.slo_ttft_p99, start, |rate| {
-                let workload = args.workload(kind, Some(rate), preprocessor)?;
+            let probes = goodput::search(&args.slo_ttft_p99, start, load, |rate| {
+                let workload = match load {
+                    goodput::Load::Rate => args.workload(kind, Some(rate), preprocessor)?,
+                    goodput::Load::Users => {
+                        let args = BenchArgs { users: rate as usize, ..args.clone() };
+                        args.workload(kind, None, preprocessor)?
+                    }
+                };
                 let bar = progress_bar();
                 let cpu_before = goodput::process_cpu_secs();
                 let t0 = Instant::now();
@@ -581,6 +592,7 @@ fn goodput_search(
         }
         results.push(goodput::GoodputResult {
             workload: kind,
+            load,
             start_rate: start,
             slos_ms: args.slo_ttft_p99.clone(),
             policies,

@@ -351,7 +351,7 @@ pub fn write_goodput(
     );
     let _ = writeln!(
         md,
-        "How to read it: *goodput* = the highest arrival rate (requests/s; users/s for multi-turn) whose TTFT p99 stayed under the SLO with no errors, below the lowest rate that failed it. Each probe is a whole run of the workload at that rate. From the workload's default rate the search doubles or halves until it has seen both sides, then bisects until they are within {:.0}% (at most {MAX_PROBES} probes per SLO), so a goodput is exact to that step. *CPU* = the bench process's CPU time (fleet, router and front door run in it) over the probe's wall time and the machine's cores; a probe above {:.0}% is marked host-bound: there the machine, not the fleet, set the limit.\n",
+        "How to read it: *goodput* = the highest load whose TTFT p99 stayed under the SLO with no errors, below the lowest load that failed it: the arrival rate (requests/s) of an open-loop workload; for multi-turn, a closed loop whose users each send their next turn after an answer and a think time, the number of users holding a conversation at once (they arrive at the workload's rate). Each probe is a whole run of the workload at that load. From the workload's default the search doubles or halves until it has seen both sides, then bisects until they are within {:.0}% (at most {MAX_PROBES} probes per SLO), so a goodput is exact to that step. *CPU* = the bench process's CPU time (fleet, router and front door run in it) over the probe's wall time and the machine's cores; a probe above {:.0}% is marked host-bound: there the machine, not the fleet, set the limit.\n",
         (RESOLUTION - 1.0) * 100.0,
         HOST_BOUND * 100.0
     );
@@ -382,7 +382,7 @@ pub fn write_goodput(
                 let _ = write!(
                     md,
                     " {}{} | {} | {} |",
-                    own.map_or("none".to_owned(), |g| format!("{g}")),
+                    own.map_or("none".to_owned(), |g| format!("{g} {}", r.load.unit())),
                     if host { " (host-bound)" } else { "" },
                     ratio("round-robin"),
                     ratio("dynamo")
@@ -393,10 +393,11 @@ pub fn write_goodput(
     }
     let _ = writeln!(md);
     for r in results {
-        let _ = writeln!(md, "## {}: probes (search from {:.2})\n", r.workload, r.start_rate);
+        let unit = r.load.unit();
+        let _ = writeln!(md, "## {}: probes (search from {} {unit})\n", r.workload, r.start_rate);
         let _ = writeln!(
             md,
-            "| policy | rate | TTFT p50 | TTFT p99 | hit rate | errors | wall s | CPU |\n|---|---|---|---|---|---|---|---|"
+            "| policy | {unit} | TTFT p50 | TTFT p99 | hit rate | errors | wall s | CPU |\n|---|---|---|---|---|---|---|---|"
         );
         for p in &r.policies {
             for q in &p.probes {

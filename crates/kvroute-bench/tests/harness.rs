@@ -201,13 +201,58 @@ fn the_goodput_search_writes_its_table() {
     let md = std::fs::read_to_string(report).unwrap();
     assert!(md.starts_with("# kvroute bench: goodput"), "{md}");
     let table = md.split("## random: probes").next().unwrap();
-    assert!(table.contains("| random | kv | 320 | 1.00x |"), "{table}");
+    assert!(table.contains("| random | kv | 320 req/s | 1.00x |"), "{table}");
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
     let probes = json["goodput"][0]["policies"][0]["probes"].as_array().unwrap();
     let rates: Vec<f64> = probes.iter().map(|p| p["rate"].as_f64().unwrap()).collect();
     assert_eq!(rates, vec![40.0, 80.0, 160.0, 320.0], "doubling up to the highest rate probed");
     assert!(probes.iter().all(|p| p["errors"] == 0 && p["cpu_share"].as_f64().is_some()));
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// Multi-turn's goodput is searched over users (a closed loop), whole ones: an SLO every run
+/// misses halves the users from the default down to one.
+#[test]
+fn multi_turn_goodput_is_searched_over_users() {
+    let out = std::env::temp_dir().join(format!("kvroute-goodput-users-{}", std::process::id()));
+    let args = <BenchArgs as clap::FromArgMatches>::from_arg_matches(
+        &<BenchArgs as clap::Args>::augment_args(clap::Command::new("bench")).get_matches_from([
+            "bench",
+            "--workers",
+            "2",
+            "--workloads",
+            "multi-turn",
+            "--policies",
+            "kv",
+            "--users",
+            "3",
+            "--rounds",
+            "2",
+            "--context-tokens",
+            "16",
+            "--turn-tokens",
+            "8",
+            "--think-time",
+            "0.01",
+            "--output-tokens",
+            "2",
+            "--slo-ttft-p99",
+            "0.001",
+            "--out",
+            out.to_str().unwrap(),
+        ]),
+    )
+    .unwrap();
+    let md = std::fs::read_to_string(kvroute_bench::bench(&args).unwrap()).unwrap();
+    assert!(md.contains("| multi-turn | kv | none |"), "{md}");
+    assert!(md.contains("| policy | users | TTFT p50 |"), "{md}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(json["goodput"][0]["load"], "users");
+    let probes = json["goodput"][0]["policies"][0]["probes"].as_array().unwrap();
+    let users: Vec<f64> = probes.iter().map(|p| p["rate"].as_f64().unwrap()).collect();
+    assert_eq!(users, vec![1.0, 2.0, 3.0], "3 users, halved to 2 (1.5 rounded), then 1");
     std::fs::remove_dir_all(&out).unwrap();
 }
 
