@@ -17,6 +17,14 @@ fn fleet() -> FleetConfig {
     FleetConfig { workers: 2, ..FleetConfig::default() }
 }
 
+/// `kvroute bench` arguments as the command line parses them (after `bench`; no argument
+/// holds a space).
+fn bench_args(line: &str) -> BenchArgs {
+    let command = <BenchArgs as clap::Args>::augment_args(clap::Command::new("bench"));
+    let matches = command.get_matches_from(std::iter::once("bench").chain(line.split_whitespace()));
+    <BenchArgs as clap::FromArgMatches>::from_arg_matches(&matches).unwrap()
+}
+
 fn small_shared_prefix() -> kvroute_bench::workload::Workload {
     SharedPrefix {
         groups: 2,
@@ -85,12 +93,7 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
     // The report of these runs.
     let out = std::env::temp_dir().join(format!("kvroute-bench-report-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
-    let args =
-        <BenchArgs as clap::FromArgMatches>::from_arg_matches(
-            &<BenchArgs as clap::Args>::augment_args(clap::Command::new("bench"))
-                .get_matches_from(["bench", "--workers", "2"]),
-        )
-        .unwrap();
+    let args = bench_args("--workers 2");
     let results = vec![WorkloadResult { workload, rate: None, runs }];
     let report =
         kvroute_bench::report::write(&out, &args, &fleet, &results, Duration::ZERO).unwrap();
@@ -173,30 +176,12 @@ fn a_target_by_url_with_worker_stats() {
 #[test]
 fn the_goodput_search_writes_its_table() {
     let out = std::env::temp_dir().join(format!("kvroute-goodput-{}", std::process::id()));
-    let args = <BenchArgs as clap::FromArgMatches>::from_arg_matches(
-        &<BenchArgs as clap::Args>::augment_args(clap::Command::new("bench")).get_matches_from([
-            "bench",
-            "--workers",
-            "2",
-            "--workloads",
-            "random",
-            "--policies",
-            "kv,round-robin",
-            "--random-requests",
-            "6",
-            "--random-prompt-tokens",
-            "64",
-            "--output-tokens",
-            "2",
-            "--random-rate",
-            "40",
-            "--slo-ttft-p99",
-            "100000",
-            "--out",
-            out.to_str().unwrap(),
-        ]),
-    )
-    .unwrap();
+    let args = bench_args(&format!(
+        "--workers 2 --workloads random --policies kv,round-robin --random-requests 6 \
+         --random-prompt-tokens 64 --output-tokens 2 --random-rate 40 --slo-ttft-p99 100000 \
+         --out {}",
+        out.display()
+    ));
     let report = kvroute_bench::bench(&args).unwrap();
     let md = std::fs::read_to_string(report).unwrap();
     assert!(md.starts_with("# kvroute bench: goodput"), "{md}");
@@ -216,34 +201,12 @@ fn the_goodput_search_writes_its_table() {
 #[test]
 fn multi_turn_goodput_is_searched_over_users() {
     let out = std::env::temp_dir().join(format!("kvroute-goodput-users-{}", std::process::id()));
-    let args = <BenchArgs as clap::FromArgMatches>::from_arg_matches(
-        &<BenchArgs as clap::Args>::augment_args(clap::Command::new("bench")).get_matches_from([
-            "bench",
-            "--workers",
-            "2",
-            "--workloads",
-            "multi-turn",
-            "--policies",
-            "kv",
-            "--users",
-            "3",
-            "--rounds",
-            "2",
-            "--context-tokens",
-            "16",
-            "--turn-tokens",
-            "8",
-            "--think-time",
-            "0.01",
-            "--output-tokens",
-            "2",
-            "--slo-ttft-p99",
-            "0.001",
-            "--out",
-            out.to_str().unwrap(),
-        ]),
-    )
-    .unwrap();
+    let args = bench_args(&format!(
+        "--workers 2 --workloads multi-turn --policies kv --users 3 --rounds 2 \
+         --context-tokens 16 --turn-tokens 8 --think-time 0.01 --output-tokens 2 \
+         --slo-ttft-p99 0.001 --out {}",
+        out.display()
+    ));
     let md = std::fs::read_to_string(kvroute_bench::bench(&args).unwrap()).unwrap();
     assert!(md.contains("| multi-turn | kv | none |"), "{md}");
     assert!(md.contains("| policy | users | TTFT p50 |"), "{md}");
