@@ -1,14 +1,14 @@
-//! Goodput at an SLO: per policy, the highest arrival rate at which the TTFT p99 stays under
-//! a target (`kvroute bench --slo-ttft-p99 100,250`).
+//! Goodput at an SLO: per policy, the highest load at which the TTFT p99 stays under a
+//! target (`kvroute bench --slo-ttft-p99 100,250`).
 //!
 //! Multi-turn is a closed loop: its load is how many users hold a conversation at once (each
 //! sends its next turn after an answer and a think time), not how fast they arrive, so its
 //! search is over the number of users ([`Load::of`]); the others' is over the arrival rate.
 //!
 //! The search, per workload and policy, probes whole runs (a fresh fleet each) at chosen
-//! rates and keeps every probe; for each SLO in turn it brackets the goodput between the
-//! highest rate that met it (below the lowest that failed) and the lowest that failed: from
-//! the workload's default rate it doubles or halves until both sides are seen, then bisects
+//! loads and keeps every probe; for each SLO in turn it brackets the goodput between the
+//! highest load that met it (below the lowest that failed) and the lowest that failed: from
+//! the workload's default it doubles or halves until both sides are seen, then bisects
 //! (geometric mean) until they are within [`RESOLUTION`], at most [`MAX_PROBES`] probes per
 //! SLO (probes of an earlier SLO count for the next). A probe with errors fails every SLO.
 //!
