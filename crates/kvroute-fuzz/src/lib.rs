@@ -14,6 +14,7 @@
 //! | `index_snapshot` | an index snapshot (JetStream object store) | decode, apply |
 //! | `openai_chat`, `openai_completion` | OpenAI request bodies | decode, size checks, template, tokens |
 //! | `image` | an encoded image | header checks, decode, identifier |
+//! | `zmtp` | what a ZMQ peer sends, from its greeting on | ZMTP decoder: greeting, handshake, frames |
 
 use std::sync::{Arc, OnceLock};
 
@@ -39,6 +40,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("openai_chat", openai_chat),
     ("openai_completion", openai_completion),
     ("image", image),
+    ("zmtp", zmtp),
 ];
 
 /// A router over two configured workers, with small bounds.
@@ -171,4 +173,48 @@ pub fn image(data: &[u8]) {
         ..ImageConfig::default()
     };
     let _ = images::decode(data, &config);
+}
+
+/// The message budget of the `zmtp` target (a publisher's, the smallest kvroute sets).
+const ZMTP_BUDGET: usize = kvroute_wire::transport::CONTROL_MAX_MESSAGE_BYTES;
+
+/// Bytes as a ZMQ socket receives them from a peer, from the greeting on, through the
+/// transport's bounded decoder. The first byte sets the read size (1-255), so frames arrive
+/// split as TCP may split them; the rest is the stream. A decode error ends it (the socket
+/// drops the peer). Every message decoded fits the budget, and the buffer never grows past
+/// a small multiple of the budget and the input, whatever lengths the frames announce.
+pub fn zmtp(data: &[u8]) {
+    zmtp_messages(data);
+}
+
+/// [`zmtp`], returning how many messages were decoded and whether the stream was refused.
+pub fn zmtp_messages(data: &[u8]) -> (usize, bool) {
+    use asynchronous_codec::Decoder;
+    use zeromq::__bench::{Message, ZmqCodec};
+
+    let Some((&read, stream)) = data.split_first() else { return (0, false) };
+    let mut messages = 0;
+    let mut codec = ZmqCodec::with_max_message_size(ZMTP_BUDGET);
+    let mut buffer = bytes::BytesMut::new();
+    for piece in stream.chunks(usize::from(read).max(1)) {
+        buffer.extend_from_slice(piece);
+        loop {
+            match codec.decode(&mut buffer) {
+                Ok(Some(Message::Message(m))) => {
+                    let size: usize = m.iter().map(|f| f.len() + zeromq::FRAME_OVERHEAD).sum();
+                    assert!(size <= ZMTP_BUDGET, "a message of {size} bytes passed the budget");
+                    messages += 1;
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(_) => return (messages, true),
+            }
+        }
+        assert!(
+            buffer.capacity() <= 4 * (ZMTP_BUDGET + stream.len()),
+            "the decoder reserved {} bytes",
+            buffer.capacity()
+        );
+    }
+    (messages, false)
 }

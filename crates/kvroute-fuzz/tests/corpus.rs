@@ -42,3 +42,18 @@ fn every_cargo_fuzz_target_is_listed() {
     listed.sort();
     assert_eq!(on_disk, listed);
 }
+
+#[test]
+fn the_zmtp_seeds_decode_as_a_socket_would_and_the_attacks_are_refused() {
+    let seed = |name: &str| std::fs::read(root().join("corpus/zmtp").join(name)).unwrap();
+    for split in [0, 7, 255] {
+        assert_eq!(kvroute_fuzz::zmtp_messages(&seed(&format!("pub-batches-{split}"))), (3, false));
+        assert_eq!(
+            kvroute_fuzz::zmtp_messages(&seed(&format!("router-replay-{split}"))),
+            (2, false)
+        );
+    }
+    for attack in ["packet-73", "message-400mib", "empty-parts", "bad-greeting"] {
+        assert_eq!(kvroute_fuzz::zmtp_messages(&seed(attack)), (0, true), "{attack}");
+    }
+}

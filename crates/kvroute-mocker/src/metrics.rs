@@ -18,6 +18,7 @@ pub const EVICTED: &str = "kvroute_mocker_evicted_blocks";
 pub const PREEMPTIONS: &str = "kvroute_mocker_preemptions";
 pub const FINISHED: &str = "kvroute_mocker_requests_finished";
 pub const RENDERED: &str = "kvroute_mocker_render_requests";
+pub const ZMQ_REFUSED: &str = "kvroute_mocker_zmq_refused_messages";
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
 pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
@@ -37,6 +38,7 @@ pub struct Metrics {
     preemptions: CounterOf,
     finished: CounterOf,
     rendered: kvroute_http::metrics::Counter,
+    zmq_refused: CounterOf,
     vllm_running: Gauge,
     vllm_waiting: Gauge,
     vllm_kv_usage: FloatGauge,
@@ -57,6 +59,7 @@ impl Metrics {
             preemptions: CounterOf::default(),
             finished: CounterOf::default(),
             rendered: kvroute_http::metrics::Counter::default(),
+            zmq_refused: CounterOf::default(),
             vllm_running: Gauge::default(),
             vllm_waiting: Gauge::default(),
             vllm_kv_usage: FloatGauge::default(),
@@ -84,6 +87,11 @@ impl Metrics {
             RENDERED,
             "Requests rendered to token ids (vLLM's render endpoints)",
             m.rendered.clone(),
+        );
+        r.register(
+            ZMQ_REFUSED,
+            "Messages its ZMQ sockets refused before allocation for exceeding their size limit",
+            m.zmq_refused.counter.clone(),
         );
         // vLLM's labels: the model and the data-parallel engine.
         let label = |k: &'static str, v: String| (k.into(), v.into());
@@ -144,6 +152,7 @@ impl Metrics {
         self.evicted.sync(s.stats.evicted_blocks);
         self.preemptions.sync(s.stats.preemptions);
         self.finished.sync(s.stats.requests_finished);
+        self.zmq_refused.sync(s.zmq_refused);
         self.vllm_running.set(s.num_running_reqs as i64);
         self.vllm_waiting.set(s.num_waiting_reqs as i64);
         self.vllm_kv_usage.set(s.kv_cache_usage);

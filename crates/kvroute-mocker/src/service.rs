@@ -16,11 +16,13 @@
 //! step at `--speedup 10` is ~0.6 ms; the runtime's timers would round it to 1 ms and bunch
 //! tokens). The thread ends once the engine is idle and every handle on it is gone.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use kvroute_wire::EngineEvent;
 use kvroute_wire::publisher::EventPublisher;
+use kvroute_wire::transport::{SocketRole, ZmqLimits};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -60,6 +62,8 @@ pub struct Snapshot {
     pub kv_cache_usage: f64,
     pub kv_total_blocks: usize,
     pub simulated_seconds: f64,
+    /// Messages its ZMQ sockets refused for exceeding their size limit.
+    pub zmq_refused: u64,
     /// Ground truth: requests, prompt and cached tokens, evictions, preemptions.
     #[serde(flatten)]
     pub stats: EngineStats,
@@ -81,6 +85,8 @@ pub struct EngineHandle {
     pub dp_rank: u32,
     pub config: EngineConfig,
     faults: Arc<Faults>,
+    /// Messages its ZMQ sockets refused for their size.
+    zmq_refused: Arc<AtomicU64>,
 }
 
 /// Cancels its request when dropped before being disarmed: a client that goes away frees
@@ -112,9 +118,17 @@ impl EngineHandle {
         endpoints: &Endpoints,
         dp_rank: u32,
     ) -> Result<Self, crate::MockerError> {
+        // Its sockets hear only subscriptions and replay requests; whatever is bigger is
+        // refused before it is allocated, and counted.
+        let zmq_refused = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&zmq_refused);
+        let limits = ZmqLimits::default().counting(move |_| {
+            counter.fetch_add(1, Ordering::Relaxed);
+        });
         let publisher = match &endpoints.events {
             Some(events) => {
-                Some(EventPublisher::bind(events, endpoints.replay.as_deref(), "", 10_000).await?)
+                let replay = endpoints.replay.as_deref();
+                Some(EventPublisher::bind_with(events, replay, "", 10_000, &limits).await?)
             }
             None => None,
         };
@@ -128,7 +142,7 @@ impl EngineHandle {
             ..Snapshot::default()
         }));
         if let Some(metrics) = &endpoints.metrics {
-            let mut socket = PubSocket::new();
+            let mut socket = PubSocket::with_options(limits.options(SocketRole::Publisher));
             bound.metrics = Some(socket.bind(metrics).await?.to_string());
             tokio::spawn(publish_load(socket, Arc::clone(&snapshot), dp_rank));
         }
@@ -139,7 +153,7 @@ impl EngineHandle {
         std::thread::Builder::new().name(format!("kvroute-engine-{dp_rank}")).spawn(move || {
             run(Engine::new(config), rx, publisher.as_ref(), &shared, dp_rank, &lossy);
         })?;
-        Ok(Self { tx, snapshot, bound, dp_rank, config, faults })
+        Ok(Self { tx, snapshot, bound, dp_rank, config, faults, zmq_refused })
     }
 
     /// Queues a request; its outputs arrive on the returned channel. The guard cancels the
@@ -152,7 +166,9 @@ impl EngineHandle {
     }
 
     pub fn snapshot(&self) -> Snapshot {
-        *self.snapshot.lock().unwrap_or_else(PoisonError::into_inner)
+        let mut s = *self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+        s.zmq_refused = self.zmq_refused.load(Ordering::Relaxed);
+        s
     }
 
     /// Fault injection for tests: while on, `BlockRemoved` events are left out of the live
@@ -276,6 +292,7 @@ fn publish_snapshot(engine: &Engine, snapshot: &Mutex<Snapshot>) {
         kv_cache_usage: engine.kv_usage(),
         kv_total_blocks: engine.config().num_blocks,
         simulated_seconds: engine.now().as_secs_f64(),
+        zmq_refused: 0,
         stats: engine.stats(),
     };
 }

@@ -305,9 +305,15 @@ async fn kv_events_and_load_reports_are_published() {
     let (status, _) = m.post("/v1/chat/completions", &chat(LONG, 1)).await;
     assert_eq!(status, 200);
     // What was published (before any subscriber) comes back through replay.
-    let batches = kvroute_router::subscriber::replay(bound.replay.as_deref().unwrap(), 0, u64::MAX)
-        .await
-        .unwrap();
+    let batches = kvroute_router::subscriber::replay(
+        &Default::default(),
+        bound.replay.as_deref().unwrap(),
+        0,
+        u64::MAX,
+    )
+    .await
+    .unwrap()
+    .batches;
     assert!(!batches.is_empty());
     let stored: usize = batches
         .iter()

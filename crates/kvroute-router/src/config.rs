@@ -185,6 +185,9 @@ impl FromStr for WorkerSpec {
 /// Default of [`RouterConfig::max_dp_size`]: more than any data-parallel deployment uses.
 pub const DEFAULT_MAX_DP_SIZE: u32 = 256;
 
+/// Default of [`RouterConfig::zmq_max_message_bytes`].
+pub use kvroute_wire::transport::DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_ZMQ_MAX_MESSAGE_BYTES;
+
 /// Default of [`RouterConfig::max_learned_workers`].
 pub const DEFAULT_MAX_LEARNED_WORKERS: usize = 1024;
 
@@ -209,6 +212,10 @@ pub struct RouterConfig {
     pub scheduler: SchedulerConfig,
     /// Replicas over NATS: decisions shared, events from a JetStream stream (SPEC section 12).
     pub nats: Option<crate::nats::NatsConfig>,
+    /// The largest ZMQ message (all frames) an engine's event, replay or load socket may
+    /// send; larger ones are refused before anything is allocated and the peer dropped
+    /// (see [`kvroute_wire::transport`]).
+    pub zmq_max_message_bytes: usize,
 }
 
 impl Default for RouterConfig {
@@ -224,6 +231,7 @@ impl Default for RouterConfig {
             approx: ApproxConfig::default(),
             scheduler: SchedulerConfig::default(),
             nats: None,
+            zmq_max_message_bytes: DEFAULT_ZMQ_MAX_MESSAGE_BYTES,
         }
     }
 }

@@ -17,6 +17,7 @@ use std::time::Duration;
 use kvroute_core::schedule::WorkerLoad;
 use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::HttpClient;
+use kvroute_wire::transport::SocketRole;
 use serde::Deserialize;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
@@ -49,7 +50,7 @@ async fn subscribe(state: Arc<RouterState>, worker: WorkerId, endpoint: String) 
     let mut backoff = Duration::from_millis(50);
     loop {
         let result: Result<(), RouterError> = async {
-            let mut socket = SubSocket::new();
+            let mut socket = SubSocket::with_options(state.zmq.options(SocketRole::Load));
             socket.connect(&endpoint).await?;
             socket.subscribe("").await?;
             backoff = Duration::from_millis(50);

@@ -44,6 +44,7 @@ pub const REPLICA_AGREEMENT: &str = "kvroute_replica_agreement";
 pub const STREAM_MESSAGES: &str = "kvroute_stream_messages";
 pub const STREAM_SEQUENCE: &str = "kvroute_stream_applied_sequence";
 pub const SNAPSHOTS: &str = "kvroute_stream_snapshots";
+pub const ZMQ_REFUSED: &str = "kvroute_zmq_refused_messages";
 
 /// Event kinds, a label of [`EVENTS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -71,6 +72,11 @@ pub struct EventLabels {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SocketLabels {
+    pub socket: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: &'static str,
 }
@@ -171,6 +177,10 @@ pub struct Metrics {
     stream_messages: Family<OutcomeLabels, Counter>,
     pub stream_sequence: Gauge,
     snapshots: Family<OutcomeLabels, Counter>,
+    /// ZMQ messages over the size limit, by socket: this process's (see
+    /// [`kvroute_wire::transport::refused`]), brought up to date at scrape time.
+    zmq_refused: Family<SocketLabels, Counter>,
+    zmq_refused_seen: [std::sync::atomic::AtomicU64; 4],
 }
 
 impl Default for Metrics {
@@ -198,6 +208,8 @@ impl Metrics {
             decisions: Counter::default(),
             decision_seconds: Histogram::new(BUCKETS),
             worker_decisions: Family::default(),
+            zmq_refused: Family::default(),
+            zmq_refused_seen: Default::default(),
             worker_ready: Family::default(),
             worker_blocks: Family::default(),
             in_flight: Gauge::default(),
@@ -227,6 +239,11 @@ impl Metrics {
             REJECTED,
             "KV events refused before the index (e.g. an out-of-range dp rank)",
             m.rejected.clone(),
+        );
+        r.register(
+            ZMQ_REFUSED,
+            "ZMQ messages refused before allocation for exceeding the maximum message size, by socket",
+            m.zmq_refused.clone(),
         );
         r.register(GAPS, "Jumps in a publisher's sequence numbers", m.gaps.clone());
         r.register(REPLAYS, "Replay requests sent to engines", m.replays.clone());
@@ -386,6 +403,18 @@ impl Metrics {
 
     pub fn events(&self, kind: EventKind, ok: bool) -> u64 {
         self.events.get_or_create(&event_labels(kind, ok)).get()
+    }
+
+    /// Brings the ZMQ refusal counts up to what the process's sockets refused.
+    pub fn sync_zmq_refused(&self) {
+        use kvroute_wire::transport::{SocketRole, refused};
+        for role in SocketRole::ALL {
+            let total = refused(role);
+            let seen = self.zmq_refused_seen[role as usize]
+                .swap(total, std::sync::atomic::Ordering::Relaxed);
+            let counter = self.zmq_refused.get_or_create(&SocketLabels { socket: role.label() });
+            counter.inc_by(total.saturating_sub(seen));
+        }
     }
 
     pub fn rejected(&self, reason: &'static str) {

@@ -23,6 +23,7 @@ use kvroute_http::metrics::Registry;
 use kvroute_http::router_api::Answered;
 use kvroute_wire::ConvertStats;
 use kvroute_wire::replica::SyncMessage;
+use kvroute_wire::transport::ZmqLimits;
 use serde::Serialize;
 
 use crate::checks::{Change, CheckStatus, Checks};
@@ -70,6 +71,7 @@ pub struct WorkerStatus {
     pub id: WorkerId,
     pub url: Option<String>,
     pub events: Option<String>,
+    pub replay: Option<String>,
     pub metrics: Option<String>,
     pub mode: CacheMode,
     pub dp_size: u32,
@@ -106,6 +108,7 @@ impl WorkerStatus {
             id: spec.id,
             url: spec.url.clone(),
             events: spec.events.clone(),
+            replay: spec.replay.clone(),
             metrics: spec.metrics.clone(),
             mode,
             dp_size: spec.dp_size,
@@ -209,6 +212,8 @@ pub struct RouterState {
     resync_pending: std::sync::atomic::AtomicBool,
     /// Replica sync and the event stream, when NATS is configured (set once it starts).
     nats: OnceLock<NatsLinks>,
+    /// What every ZMQ socket of the router may receive; refusals count in `metrics`.
+    pub zmq: ZmqLimits,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -220,6 +225,7 @@ impl RouterState {
         let mut scheduler_config = config.scheduler;
         scheduler_config.block_size = config.block_size;
         let state = Self {
+            zmq: ZmqLimits::new(config.zmq_max_message_bytes),
             index: ShardedIndex::new(config.shards, config.index),
             metrics: Metrics::new(),
             scheduler: Mutex::new(Scheduler::new(scheduler_config)),
@@ -857,6 +863,7 @@ impl RouterState {
         m.index_held_blocks.set(stats.held_blocks as i64);
         m.index_budget.set(self.index.budget().map_or(-1, |b| b as i64));
         m.index_evicted.sync(stats.evicted_blocks);
+        m.sync_zmq_refused();
         m.in_flight.set(self.in_flight() as i64);
         match self.nats.get() {
             Some(n) => {

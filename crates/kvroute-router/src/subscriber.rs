@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::{KvCacheEvent, KvCacheEventData, RouterEvent, WorkerWithDpRank};
+use kvroute_wire::transport::{SocketRole, ZmqLimits};
 use kvroute_wire::vllm::{decode_batch, split_frames};
 use kvroute_wire::{ConvertConfig, Converter, decode_router_events, trtllm};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
@@ -118,7 +119,7 @@ async fn run_once(
     sub: &Subscription,
     stream: &mut Stream,
 ) -> Result<(), RouterError> {
-    let mut socket = SubSocket::new();
+    let mut socket = SubSocket::with_options(state.zmq.options(SocketRole::Events));
     socket.connect(&sub.endpoint).await?;
     socket.subscribe("").await?;
     stream.connected = true;
@@ -213,8 +214,13 @@ async fn recover(
         return;
     }
     state.metrics.replays.inc();
-    match tokio::time::timeout(REPLAY_TIMEOUT * 2, replay(endpoint, from, until)).await {
-        Ok(Ok(batches)) => {
+    match tokio::time::timeout(REPLAY_TIMEOUT * 2, replay(&state.zmq, endpoint, from, until)).await
+    {
+        Ok(Ok(Replayed { batches, cut })) => {
+            if cut {
+                state.metrics.rejected("replay_bytes");
+                tracing::warn!(worker = %sub.worker, from, until, got = batches.len(), limit = state.zmq.max_replay_bytes(), "replay answer cut at its byte limit");
+            }
             if !batches.is_empty() {
                 tracing::info!(worker = %sub.worker, from, until, got = batches.len(), "replayed missed batches");
             }
@@ -306,18 +312,32 @@ async fn handle_other(
     }
 }
 
-/// Asks a replay endpoint for batches from `from` on; returns those before `until`.
+/// A replay's answer.
+#[derive(Debug)]
+pub struct Replayed {
+    /// `(sequence number, payload)` in the order they came.
+    pub batches: Vec<(u64, Vec<u8>)>,
+    /// The answer outgrew [`ZmqLimits::max_replay_bytes`] and was cut short.
+    pub cut: bool,
+}
+
+/// Asks a replay endpoint for batches from `from` on; returns those before `until`. Each
+/// message is bounded by `limits`, and so is the whole answer: past
+/// [`ZmqLimits::max_replay_bytes`] of batches the answer is cut there (what came is
+/// returned, the rest stays a gap).
 pub async fn replay(
+    limits: &ZmqLimits,
     endpoint: &str,
     from: u64,
     until: u64,
-) -> Result<Vec<(u64, Vec<u8>)>, RouterError> {
-    let mut dealer = DealerSocket::new();
+) -> Result<Replayed, RouterError> {
+    let mut dealer = DealerSocket::with_options(limits.options(SocketRole::Replay));
     dealer.connect(endpoint).await?;
     let mut request = ZmqMessage::from(Vec::<u8>::new());
     request.push_back(from.to_be_bytes().to_vec().into());
     dealer.send(request).await?;
     let mut out = Vec::new();
+    let mut bytes = 0usize;
     loop {
         let reply = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
             .await
@@ -330,9 +350,13 @@ pub async fn replay(
         };
         let (_, seq, payload) = split_frames(rest).map_err(RouterError::ReplayFrame)?;
         if seq == END_OF_REPLAY {
-            return Ok(out);
+            return Ok(Replayed { batches: out, cut: false });
         }
         if seq >= from && seq < until {
+            bytes = bytes.saturating_add(payload.len());
+            if bytes > limits.max_replay_bytes() {
+                return Ok(Replayed { batches: out, cut: true });
+            }
             out.push((seq, payload.to_vec()));
         }
     }

@@ -66,6 +66,8 @@ pub struct Settings {
     pub approx_ttl: Option<f64>,
     /// Seconds to wait for the workers before serving anyway.
     pub ready_timeout: Option<f64>,
+    /// Largest ZMQ message an engine's socket may send the router.
+    pub zmq_max_message_bytes: Option<usize>,
     pub router_url: Option<String>,
     pub simulated_workers: Option<usize>,
     pub num_blocks: Option<usize>,
@@ -139,7 +141,7 @@ pub mod keys {
         "cache_namespace_per_key",
         "parity_probe",
     ];
-    const ROUTING: [&str; 10] = [
+    const ROUTING: [&str; 11] = [
         "block_size",
         "policy",
         "temperature",
@@ -149,6 +151,7 @@ pub mod keys {
         "max_dp_size",
         "approx_ttl",
         "ready_timeout",
+        "zmq_max_message_bytes",
         "workers",
     ];
     const NATS: [&str; 14] = [
@@ -250,7 +253,7 @@ impl Settings {
         let workers = order.iter().filter_map(|id| by_id.remove(id)).collect();
         Ok(overlay!(low, high, workers; host, port, block_size, policy, temperature,
             overlap_weight, shards, max_index_blocks, max_dp_size, approx_ttl, ready_timeout,
-            router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
+            zmq_max_message_bytes, router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
             seed, max_model_len, model_path, allow_private_image_urls, api_keys_file,
             admin_token_file, router_token_file, tls_cert, tls_key, insecure, expose_overlap,
             first_byte_timeout, cache_namespace_per_key, parity_probe, nats_url, nats_prefix,
@@ -358,6 +361,9 @@ impl Settings {
                 max_held_blocks: Some(self.max_index_blocks.unwrap_or(DEFAULT_MAX_INDEX_BLOCKS)),
             },
             max_dp_size: self.max_dp_size.unwrap_or(kvroute_router::config::DEFAULT_MAX_DP_SIZE),
+            zmq_max_message_bytes: self
+                .zmq_max_message_bytes
+                .unwrap_or(kvroute_router::config::DEFAULT_ZMQ_MAX_MESSAGE_BYTES),
             approx: ApproxConfig {
                 ttl: secs(self.approx_ttl.unwrap_or(120.0), "approx_ttl")?,
                 ..ApproxConfig::default()

@@ -18,6 +18,8 @@ pub mod msgpack;
 #[cfg(feature = "publisher")]
 pub mod publisher;
 pub mod replica;
+#[cfg(feature = "zmq")]
+pub mod transport;
 pub mod trtllm;
 pub mod vllm;
 

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::mpsc;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
+use crate::transport::{SocketRole, ZmqLimits};
 use crate::vllm::encode_batch;
 use crate::{EngineEvent, KvEventBatch};
 
@@ -30,21 +31,34 @@ pub struct EventPublisher {
 }
 
 impl EventPublisher {
-    /// Binds the sockets and spawns the tasks on the current tokio runtime.
+    /// Binds the sockets and spawns the tasks on the current tokio runtime, with the default
+    /// [`ZmqLimits`].
     pub async fn bind(
         endpoint: &str,
         replay_endpoint: Option<&str>,
         topic: &str,
         keep: usize,
     ) -> Result<Self, zeromq::ZmqError> {
-        let mut socket = PubSocket::new();
+        Self::bind_with(endpoint, replay_endpoint, topic, keep, &ZmqLimits::default()).await
+    }
+
+    /// [`EventPublisher::bind`], the sockets receiving (subscriptions, replay requests) within
+    /// `limits`.
+    pub async fn bind_with(
+        endpoint: &str,
+        replay_endpoint: Option<&str>,
+        topic: &str,
+        keep: usize,
+        limits: &ZmqLimits,
+    ) -> Result<Self, zeromq::ZmqError> {
+        let mut socket = PubSocket::with_options(limits.options(SocketRole::Publisher));
         let bound = socket.bind(endpoint).await?.to_string();
         let kept: Kept = Arc::new(Mutex::new(VecDeque::new()));
         let topic = topic.as_bytes().to_vec();
         let replay_bound = match replay_endpoint {
             None => None,
             Some(r) => {
-                let mut router = RouterSocket::new();
+                let mut router = RouterSocket::with_options(limits.options(SocketRole::Publisher));
                 let bound = router.bind(r).await?.to_string();
                 tokio::spawn(serve_replay(router, topic.clone(), Arc::clone(&kept)));
                 Some(bound)

@@ -8,6 +8,7 @@
 //! - Restart on the same ports: its old blocks are forgotten (the router's predictions match
 //!   what the engine then serves from cache).
 //! - SIGSTOP: no request waits longer than the first-byte timeout (plus its own generation).
+//! - The wire under attack (`wire`): oversized ZMQ frames to every port of each process.
 
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
@@ -20,6 +21,8 @@ use serde_json::{Value, json};
 
 mod common;
 use common::kvroute;
+#[path = "faults/wire.rs"]
+mod wire;
 
 const FIRST_BYTE_TIMEOUT_SECS: f64 = 2.0;
 

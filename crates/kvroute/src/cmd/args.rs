@@ -118,6 +118,13 @@ pub(crate) struct RoutingArgs {
     /// ready line comes after [default: 10].
     #[arg(long, env = "KVROUTE_READY_TIMEOUT")]
     ready_timeout: Option<f64>,
+    /// Largest ZMQ message, in bytes, an engine's event, replay or load socket may send
+    /// (all its frames, 64 bytes counted per frame); a peer announcing more is refused
+    /// before anything is allocated, disconnected and counted
+    /// (kvroute_zmq_refused_messages_total). A replay answer may bring 4 times this
+    /// [default: 16777216, one engine step's batch with a wide margin].
+    #[arg(long, env = "KVROUTE_ZMQ_MAX_MESSAGE_BYTES")]
+    zmq_max_message_bytes: Option<usize>,
 }
 
 /// Replicas over NATS with JetStream (SPEC section 12).
@@ -270,6 +277,7 @@ impl RoutingArgs {
         s.max_dp_size = self.max_dp_size;
         s.approx_ttl = self.approx_ttl;
         s.ready_timeout = self.ready_timeout;
+        s.zmq_max_message_bytes = self.zmq_max_message_bytes;
     }
 }
 
