@@ -30,7 +30,7 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use kvroute_core::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
-    LocalBlockHash, RouterEvent,
+    LocalBlockHash, RouterEvent, WorkerWithDpRank,
 };
 use kvroute_http::router_api::{
     self, Answered, BestWorker, EventsReply, FindBestWorker, InjectEvent,
@@ -163,6 +163,9 @@ async fn answers(
             );
         }
     }
+    if let Err(why) = api.state.check_rank(a.worker()) {
+        return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
+    }
     if !api.state.record_answer(&a) {
         return Err(ApiError::bad_request(format!(
             "worker {} is not one of the router's workers",
@@ -188,12 +191,10 @@ async fn inject_event(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let state = &api.state;
     let Json(req) = body?;
-    if !state.valid_dp_rank(req.dp_rank) {
-        return Err(ApiError::bad_request(format!(
-            "dp_rank must be below {}",
-            state.config.max_dp_size
-        ))
-        .param("dp_rank"));
+    if let Err(why) =
+        state.check_rank(WorkerWithDpRank { worker_id: req.worker_id, dp_rank: req.dp_rank })
+    {
+        return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
     }
     let block = KvCacheStoredBlockData {
         block_hash: ExternalBlockHash(req.block_hash.unwrap_or(req.tokens_hash)),

@@ -58,7 +58,7 @@ async fn subscribe(state: Arc<RouterState>, worker: WorkerId, endpoint: String) 
                 let message = socket.recv().await?;
                 let Some(payload) = message.into_vec().pop() else { continue };
                 match serde_json::from_slice::<LoadReport>(&payload) {
-                    Ok(r) if state.valid_dp_rank(r.dp_rank.into()) => {
+                    Ok(r) if state.check_rank(WorkerWithDpRank::new(worker, r.dp_rank)).is_ok() => {
                         state.update_load(WorkerWithDpRank::new(worker, r.dp_rank), r.load);
                     }
                     _ => {
@@ -95,7 +95,7 @@ async fn poll(state: Arc<RouterState>, worker: WorkerId, url: String) {
         };
         failing = false;
         for (rank, load) in parse_prometheus(&String::from_utf8_lossy(&text)) {
-            if state.valid_dp_rank(rank.into()) {
+            if state.check_rank(WorkerWithDpRank::new(worker, rank)).is_ok() {
                 state.update_load(WorkerWithDpRank::new(worker, rank), load);
             }
         }

@@ -163,6 +163,15 @@ impl WorkerStatus {
 }
 
 /// What the router knows of an event's worker.
+/// Why a rank named from outside was refused ([`RouterState::check_rank`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RankRefused {
+    #[error("the worker is configured with dp_size {dp_size}")]
+    NotConfigured { dp_size: u32 },
+    #[error("dp_rank must be below max_dp_size {max_dp_size}")]
+    AboveMax { max_dp_size: u32 },
+}
+
 enum Known {
     No,
     /// The worker, not this rank.
@@ -353,7 +362,7 @@ impl RouterState {
     /// router does not know is refused (`false`).
     pub fn record_answer(&self, a: &Answered) -> bool {
         let id = a.worker_id;
-        if !self.knows_worker(id) {
+        if !self.knows_worker(id) || self.check_rank(a.worker()).is_err() {
             return false;
         }
         let (predicted, actual) = (a.predicted_cached_tokens, a.cached_tokens);
@@ -435,6 +444,27 @@ impl RouterState {
         rank.0 < self.config.max_dp_size
     }
 
+    /// The one check of a rank named by outside bytes (engine events, `/events`,
+    /// `/answers`, `/debug/inject_event`). A configured worker has exactly the ranks of its
+    /// `dp_size`: bytes never add one. A worker the router learned from posted events (no
+    /// worker configured) may be named at any rank below `max_dp_size`, as may one not
+    /// known yet.
+    pub fn check_rank(&self, worker: WorkerWithDpRank) -> Result<(), RankRefused> {
+        match self.knows(worker) {
+            Known::Rank => Ok(()),
+            Known::Worker { configured: true } => {
+                let dp_size = self.read_workers().get(&worker.worker_id).map_or(1, |w| w.dp_size);
+                Err(RankRefused::NotConfigured { dp_size })
+            }
+            Known::Worker { configured: false } | Known::No
+                if self.valid_dp_rank(worker.dp_rank) =>
+            {
+                Ok(())
+            }
+            _ => Err(RankRefused::AboveMax { max_dp_size: self.config.max_dp_size }),
+        }
+    }
+
     /// Applies events from the engines' own streams to the index; returns how many were applied
     /// cleanly. Events naming a data-parallel rank at or above `max_dp_size` are refused
     /// (counted) before they can register anything.
@@ -466,26 +496,19 @@ impl RouterState {
                 self.metrics.rejected("parity");
                 continue;
             }
-            if !self.valid_dp_rank(e.event.dp_rank) {
+            let worker = e.worker();
+            if let Err(why) = self.check_rank(worker) {
                 self.metrics.rejected("dp_rank");
-                tracing::debug!(worker = %e.worker_id, dp_rank = %e.event.dp_rank, "event refused: dp rank out of range");
+                tracing::debug!(%worker, %why, "event refused");
                 continue;
             }
-            let worker = e.worker();
             match self.knows(worker) {
-                Known::Rank => {}
-                Known::Worker { configured } if !(posted && configured) => {}
-                Known::Worker { .. } => {
-                    // A configured worker's ranks are its configuration's.
-                    self.metrics.rejected("dp_rank");
-                    continue;
-                }
                 Known::No if posted && !self.may_learn() => {
                     self.metrics.rejected("unknown_worker");
                     tracing::debug!(%worker, "posted event refused: unknown worker");
                     continue;
                 }
-                Known::No => {}
+                _ => {}
             }
             if self.knows_rank(worker) {
                 // Known: what it says overrides approximate mode, before it applies.

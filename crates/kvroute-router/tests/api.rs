@@ -435,6 +435,17 @@ async fn answers_feed_the_checks_and_decisions_show_their_scores() {
     }
     let (status, _) = post(Some(json!({"worker_id": 1}).to_string())).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "fields are required");
+    // One validation of ranks with /events: worker 1 has one rank, and 2^31 is no rank at all.
+    for rank in [1u64, 200, 2_147_483_648] {
+        let body = json!({"worker_id": 1, "dp_rank": rank, "prompt_tokens": 64,
+            "predicted_cached_tokens": 0, "cached_tokens": 0});
+        let (status, e) = post(Some(body.to_string())).await;
+        assert_eq!(
+            (status, e["error"]["param"].as_str()),
+            (StatusCode::BAD_REQUEST, Some("dp_rank")),
+            "{e}"
+        );
+    }
     let (_, workers) = call(&state, Method::GET, "/workers", None).await;
     let checks = &workers["workers"][0]["checks"];
     assert_eq!(

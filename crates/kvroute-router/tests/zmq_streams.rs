@@ -117,6 +117,64 @@ async fn a_batch_with_an_out_of_range_dp_rank_is_refused() {
     }
 }
 
+/// Ranks come from configuration, not from event bytes: batches naming ranks 3, 200 and 255
+/// (all below `max_dp_size`) for a worker configured with one rank are refused and counted,
+/// the worker keeps its one rank, and no placement names a rank it does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
+    use kvroute_core::LocalBlockHash;
+    use kvroute_router::Placement;
+    use kvroute_wire::publisher::EventPublisher;
+    use kvroute_wire::{BlockStored, EngineEvent};
+    let publisher = EventPublisher::bind("tcp://127.0.0.1:0", None, "", 16).await.unwrap();
+    let mut spec = WorkerSpec::new(9);
+    spec.events = Some(publisher.endpoint.clone());
+    spec.block_size = Some(4);
+    let state =
+        Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
+    let _tasks = kvroute_router::spawn_background(&state).unwrap();
+    let stored = |hash: u64| {
+        vec![EngineEvent::BlockStored(BlockStored {
+            block_hashes: vec![hash],
+            parent_block_hash: None,
+            token_ids: vec![1, 2, 3, hash],
+            block_size: 4,
+            ..BlockStored::default()
+        })]
+    };
+    let refused = || {
+        let text = state.render_metrics();
+        text.lines()
+            .find(|l| l.starts_with("kvroute_router_events_rejected_total{reason=\"dp_rank\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    for (k, rank) in [3u32, 200, 255].into_iter().enumerate() {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while refused() <= k as u64 {
+            assert!(Instant::now() < deadline, "the batch for rank {rank} never arrived");
+            publisher.send(stored(10 + u64::from(rank)), rank);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let worker = &state.workers()[0];
+    assert_eq!((worker.dp_size, worker.tree_size.len()), (1, 1), "no rank was added");
+    assert_eq!(state.index.tree_size(WorkerWithDpRank::new(9u64, 0u32)), 0);
+    let hashes = [LocalBlockHash(1), LocalBlockHash(2)];
+    for _ in 0..50 {
+        let placement = Placement {
+            local_hashes: &hashes,
+            num_tokens: 8,
+            request_id: None,
+            overlap_weight: None,
+            temperature: None,
+            exclude: &[],
+        };
+        let (decision, _) = state.place(&placement).unwrap();
+        assert_eq!(decision.worker, WorkerWithDpRank::new(9u64, 0u32));
+    }
+}
+
 /// A worker publishing blocks of another size than the router's: its blocks are counted on
 /// `/metrics` and `/workers` (with the size it uses), not silently dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
