@@ -416,29 +416,13 @@ pub fn app(state: Arc<FrontendState>) -> Router {
     kvroute_http::fallbacks(routes).with_state(state)
 }
 
-/// The body decoded as `T` (the fields kvroute reads). The whole body as a JSON value, to
-/// pass on, is read only once the request has passed its checks ([`raw`]): a body refused for
-/// its size is never held twice.
+/// The body as a JSON value (to pass on) and decoded as `T`, checked as an engine checks it
+/// ([`openai::parse_request`]); the bytes are dropped.
 fn parse<T: serde::de::DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     param: &'static str,
-) -> Result<(Bytes, T), ApiError> {
-    let body = body?;
-    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(ApiError::bad_request("the body must be a JSON object"));
-    }
-    let fields = serde_json::from_slice(&body).map_err(|e| match e.classify() {
-        serde_json::error::Category::Data => {
-            ApiError::bad_request(format!("invalid request: {e}")).param(param)
-        }
-        _ => ApiError::bad_request(format!("the body is not valid JSON: {e}")),
-    })?;
-    Ok((body, fields))
-}
-
-/// The body as a JSON value (it decoded as a request already).
-fn raw(body: &[u8]) -> Result<Value, ApiError> {
-    serde_json::from_slice(body).map_err(ApiError::internal)
+) -> Result<(Value, T), ApiError> {
+    kvroute_http::openai::parse_request(&body?, param, None)
 }
 
 async fn chat(
@@ -446,14 +430,12 @@ async fn chat(
     key: Option<Extension<KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (body, req) = parse::<ChatCompletionRequest>(body, "messages")?;
+    let (mut raw, req) = parse::<ChatCompletionRequest>(body, "messages")?;
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     // Images: fetched once here, forwarded inline, named by their identifier.
     let (prepared, images) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     drop(req);
-    let mut raw = raw(&body)?;
-    drop(body);
     rewrite_image_parts(&mut raw, &images);
     route_and_proxy(&state, "/v1/chat/completions", raw, &prepared, namespace).await
 }
@@ -486,10 +468,9 @@ async fn completions(
     key: Option<Extension<KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (body, req) = parse::<CompletionRequest>(body, "prompt")?;
+    let (raw, req) = parse::<CompletionRequest>(body, "prompt")?;
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
-    let raw = raw(&body)?;
     route_and_proxy(&state, "/v1/completions", raw, &prepared, namespace).await
 }
 

@@ -66,6 +66,46 @@ async fn bad_requests_are_refused_before_routing() {
     }
 }
 
+/// What a client sends is the client's error, wherever it sits in the body: nesting past the
+/// parser's depth in a field kvroute does not read, numbers no f64 holds, sampling fields
+/// out of range. Each is a 400 naming its field, never a 500; a long model name is not echoed
+/// whole.
+#[tokio::test]
+async fn hostile_fields_are_400s_that_name_them() {
+    let app = app();
+    let chat = |extra: &str| format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+    let deep = format!(",\"x\":{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let cases = [
+        (chat(&deep), "x"),
+        (chat(",\"temperature\":1e400"), "temperature"),
+        (chat(",\"top_p\":-1e400"), "top_p"),
+        (chat(",\"n\":0"), "n"),
+        (chat(",\"n\":-1"), "n"),
+        (chat(",\"n\":1.5"), "n"),
+        (chat(",\"n\":2,\"best_of\":1"), "best_of"),
+        (chat(",\"top_logprobs\":1000000000"), "top_logprobs"),
+        (chat(",\"top_logprobs\":-1"), "top_logprobs"),
+    ];
+    for (body, param) in cases {
+        let (status, v) = raw(&app, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{}: {v}", &body[..body.len().min(80)]);
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    let (status, v) =
+        raw(&app, "/v1/completions", json!({"prompt": "hi", "logprobs": 21}).to_string()).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("logprobs")));
+    let model = "m".repeat(1 << 20);
+    let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let (status, v) = raw(&app, "/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(v["error"]["message"].as_str().unwrap().len() < 200, "{v}");
+    // Within bounds they pass the checks (and meet the router with no worker: 503).
+    let (status, _) =
+        raw(&app, "/v1/chat/completions", chat(",\"n\":1,\"logprobs\":true,\"top_logprobs\":20"))
+            .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+}
+
 #[tokio::test]
 async fn no_worker_is_503_and_unknown_routes_are_openai_errors() {
     let app = app();

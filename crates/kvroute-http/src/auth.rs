@@ -113,15 +113,25 @@ impl Credentials {
                 None,
             ));
         };
-        let key = value
-            .to_str()
-            .ok()
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
-        match key.and_then(|k| self.find(k.trim())) {
+        match bearer_token(value.as_bytes()).and_then(|k| self.find(k)) {
             Some(id) => Ok(Some(id)),
             None => Err(unauthorized("Incorrect API key provided.", Some("invalid_api_key"))),
         }
     }
+}
+
+/// The token of `Bearer <token>` as RFC 9110 (section 11) and RFC 6750 parse it: the scheme
+/// matched without regard to case, then one or more spaces, then the token, which ends at the
+/// field's end (trailing whitespace is not part of a field value) and holds no space.
+/// Anything else, another scheme or a token with a space inside, is no token.
+pub fn bearer_token(value: &[u8]) -> Option<&str> {
+    let value = std::str::from_utf8(value).ok()?.trim_matches([' ', '\t']);
+    let (scheme, rest) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let token = rest.trim_start_matches(' ');
+    (!token.is_empty() && !token.contains([' ', '\t'])).then_some(token)
 }
 
 fn unauthorized(message: &str, code: Option<&'static str>) -> ApiError {
@@ -199,6 +209,25 @@ mod tests {
         assert!(missing.message().starts_with("You didn't provide an API key"));
         assert_eq!(Credentials::default().check(&HeaderMap::new()).unwrap(), None, "open");
         assert!(format!("{keys:?}").ends_with("(2 keys)"), "Debug shows no key");
+    }
+
+    #[test]
+    fn the_scheme_is_case_insensitive_and_spaces_are_not_part_of_the_key() {
+        for ok in ["Bearer k", "bearer k", "BEARER k", "bEaReR   k", "Bearer k  ", "\tBearer k"] {
+            assert_eq!(bearer_token(ok.as_bytes()), Some("k"), "{ok:?}");
+        }
+        for bad in
+            ["Bearer", "Bearer ", "Bearer  ", "Bearer k k", "Basic k", "Bearerk", "Bearer\tk", ""]
+        {
+            assert_eq!(bearer_token(bad.as_bytes()), None, "{bad:?}");
+        }
+        let keys = Credentials::new(["sk-test-0123456789"], "test").unwrap();
+        assert!(keys.check(&bearer("sk-test-0123456789")).is_ok());
+        let mut headers = HeaderMap::new();
+        headers.insert(header::AUTHORIZATION, "BEARER sk-test-0123456789".parse().unwrap());
+        assert!(keys.check(&headers).is_ok());
+        headers.insert(header::AUTHORIZATION, "Bearer sk-test-0123456789 x".parse().unwrap());
+        assert!(keys.check(&headers).is_err(), "a space inside is no key");
     }
 
     #[test]

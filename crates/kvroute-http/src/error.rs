@@ -20,7 +20,7 @@ type Source = Box<dyn StdError + Send + Sync + 'static>;
 pub struct ApiError {
     status: StatusCode,
     message: String,
-    param: Option<&'static str>,
+    param: Option<std::borrow::Cow<'static, str>>,
     /// OpenAI's `type` when not the status's.
     kind: Option<&'static str>,
     code: Code,
@@ -102,7 +102,14 @@ impl ApiError {
     /// Names the request field at fault.
     #[must_use]
     pub fn param(mut self, param: &'static str) -> Self {
-        self.param = Some(param);
+        self.param = Some(param.into());
+        self
+    }
+
+    /// [`ApiError::param`] of a name known only at run time (a client's field).
+    #[must_use]
+    pub fn param_owned(mut self, param: String) -> Self {
+        self.param = Some(param.into());
         self
     }
 
@@ -164,7 +171,7 @@ impl ApiError {
             error: ErrorDetail {
                 message: self.message.clone(),
                 kind: self.type_name().to_owned(),
-                param: self.param.map(str::to_owned),
+                param: self.param.as_deref().map(str::to_owned),
                 code: match self.code {
                     Code::Status => Some(ErrorCode::Status(self.status.as_u16())),
                     Code::Name(name) => Some(ErrorCode::Name(name.to_owned())),

@@ -4,6 +4,7 @@
 //! engine writes and the bench reads, and the model list.
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::ApiError;
 
@@ -300,12 +301,121 @@ pub fn check_lengths(
 
 pub fn check_model(served: &str, requested: Option<&str>) -> Result<(), ApiError> {
     match requested {
-        Some(m) if !m.is_empty() && m != served => Err(ApiError::not_found(format!(
-            "model {m:?} not found; this server serves {served:?}"
-        ))
-        .param("model")),
+        Some(m) if !m.is_empty() && m != served => {
+            // A name is echoed at most this long: a megabyte of it is not sent back.
+            const ECHOED: usize = 64;
+            let shown: String = m.chars().take(ECHOED).collect();
+            let cut = if m.chars().nth(ECHOED).is_some() { "..." } else { "" };
+            Err(ApiError::not_found(format!(
+                "model {shown:?}{cut} not found; this server serves {served:?}"
+            ))
+            .param("model"))
+        }
         _ => Ok(()),
     }
+}
+
+/// The body as a JSON value (to pass on) and decoded as `T` (the fields kvroute reads), its
+/// bytes dropped. Whatever the body holds is the client's: nesting past serde_json's depth
+/// limit (128) or a number no `f64` holds (`1e400`) anywhere in it, in a field kvroute
+/// reads or not, is a 400 that names the top-level field, never a 500. Then the sampling
+/// fields every engine refuses alike ([`check_sampling`]).
+///
+/// `max_n`: the most choices the server returns (`None`: the engine behind decides).
+pub fn parse_request<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    param: &'static str,
+    max_n: Option<i64>,
+) -> Result<(Value, T), ApiError> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    }
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        let error = ApiError::bad_request(format!("the body is not valid JSON: {e}"));
+        match offending_field(body) {
+            Some(field) => error.param_owned(field),
+            None => error,
+        }
+    })?;
+    let fields = T::deserialize(&value)
+        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}")).param(param))?;
+    check_sampling(&value, max_n)?;
+    Ok((value, fields))
+}
+
+/// The top-level field of a JSON object whose value does not decode (too deep, a number out
+/// of range), when the object itself is well formed.
+fn offending_field(body: &[u8]) -> Option<String> {
+    let fields: std::collections::BTreeMap<String, &serde_json::value::RawValue> =
+        serde_json::from_slice(body).ok()?;
+    fields
+        .into_iter()
+        .find(|(_, v)| serde_json::from_str::<Value>(v.get()).is_err())
+        .map(|(k, _)| k.chars().take(MAX_ECHOED_CHARS).collect())
+}
+
+/// The most characters of a client's string an error message repeats.
+const MAX_ECHOED_CHARS: usize = 64;
+
+/// Most log probabilities per token an engine returns (vLLM's default `max_logprobs`).
+const MAX_LOGPROBS: i64 = 20;
+
+/// The sampling fields whose bounds are the same on every engine, answered as vLLM answers
+/// them: `n` at least 1, `best_of` at least `n`, `top_logprobs` and `logprobs` within
+/// 0..=20. Fields absent or `null` are the engine's defaults.
+pub fn check_sampling(body: &Value, max_n: Option<i64>) -> Result<(), ApiError> {
+    // An integer, or a float with no fraction (saturated), as pydantic takes them.
+    let int = |name: &'static str| -> Result<Option<i64>, ApiError> {
+        match body.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_i64()
+                .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
+                .map(Some)
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!("{name} must be an integer")).param(name)
+                }),
+        }
+    };
+    let n = int("n")?;
+    if let Some(n) = n.filter(|&n| n < 1) {
+        return Err(ApiError::bad_request(format!("n must be at least 1, got {n}.")).param("n"));
+    }
+    if let (Some(n), Some(max)) = (n, max_n)
+        && n > max
+    {
+        return Err(ApiError::bad_request(format!(
+            "n must be at most {max} on this server, got {n}."
+        ))
+        .param("n"));
+    }
+    if let Some(best_of) = int("best_of")? {
+        let n = n.unwrap_or(1);
+        if best_of < n {
+            return Err(ApiError::bad_request(format!(
+                "best_of must be greater than or equal to n, got n={n} and best_of={best_of}."
+            ))
+            .param("best_of"));
+        }
+        if let Some(max) = max_n.filter(|&max| best_of > max) {
+            return Err(ApiError::bad_request(format!(
+                "best_of must be at most {max} on this server, got {best_of}."
+            ))
+            .param("best_of"));
+        }
+    }
+    for name in ["top_logprobs", "logprobs"] {
+        if body.get(name).is_some_and(Value::is_boolean) && name == "logprobs" {
+            continue; // chat's `logprobs: true` switches top_logprobs on
+        }
+        if let Some(k) = int(name)?.filter(|k| !(0..=MAX_LOGPROBS).contains(k)) {
+            return Err(ApiError::bad_request(format!(
+                "{name} must be between 0 and {MAX_LOGPROBS}, got {k}."
+            ))
+            .param(name));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -11,7 +11,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use axum::extract::rejection::JsonRejection;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -21,7 +22,7 @@ use futures_util::stream::{self, Stream};
 use kvroute_http::ApiError;
 use kvroute_http::openai::{
     AssistantMessage, ChatCompletionRequest, Choice, Completion, CompletionRequest, Delta,
-    ModelList,
+    ModelList, parse_request,
 };
 use kvroute_preprocess::fetch::Fetcher;
 use kvroute_preprocess::{Prepared, Preprocessor};
@@ -130,9 +131,9 @@ enum Kind {
 
 async fn chat(
     State(state): State<Arc<AppState>>,
-    body: Result<Json<ChatCompletionRequest>, JsonRejection>,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let Json(req) = body?;
+    let (_, req): (_, ChatCompletionRequest) = parse_request(&body?, "messages", Some(1))?;
     let (prepared, _) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     let ask = Ask {
@@ -148,9 +149,9 @@ async fn chat(
 
 async fn completions(
     State(state): State<Arc<AppState>>,
-    body: Result<Json<CompletionRequest>, JsonRejection>,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let Json(req) = body?;
+    let (_, req): (_, CompletionRequest) = parse_request(&body?, "prompt", Some(1))?;
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let ask = Ask {
         kind: Kind::Completion,
