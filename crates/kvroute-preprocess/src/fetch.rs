@@ -73,12 +73,13 @@ impl Preprocessor {
         }
         let mut out = Vec::new();
         let mut pixels_left = config.max_request_pixels;
+        let mut flow = crate::decoding::Flow::default();
         for url in urls {
             let (bytes, fetched) = match url.strip_prefix("data:") {
                 Some(_) => (images::data_url_bytes(url, &config)?, false),
                 None => (fetcher.fetch(url).await?, true),
             };
-            let (image, bytes) = decode_off_runtime(bytes, config, pixels_left).await?;
+            let (image, bytes) = decode_off_runtime(bytes, config, pixels_left, &mut flow).await?;
             pixels_left -= u64::from(image.width) * u64::from(image.height);
             out.push(LoadedImage { image, fetched: fetched.then_some(bytes) });
         }
@@ -128,20 +129,19 @@ impl Preprocessor {
     }
 }
 
-/// Images decoded at once in this process: decoding is CPU work, kept off the async
-/// runtime's threads (so `/health` and streams keep answering) and to a few at a time (so
-/// concurrent requests full of images queue instead of multiplying peak memory).
-static DECODING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
-
+/// Decodes an image off the async runtime's threads (so `/health` and streams keep
+/// answering), as many at once as there are cores (so concurrent requests full of images
+/// queue instead of multiplying peak memory), in the fair order of [`crate::decoding`]: a
+/// request's small image does not wait behind other requests' heavy ones.
 async fn decode_off_runtime(
     bytes: Vec<u8>,
     config: images::ImageConfig,
     max_pixels: u64,
+    flow: &mut crate::decoding::Flow,
 ) -> Result<(images::Image, Vec<u8>), PreprocessError> {
-    let _permit = DECODING
-        .acquire()
-        .await
-        .map_err(|_| PreprocessError::Image("the decoder is shut down".into()))?;
+    // Its cost, from its header (what cannot be read costs its size; decoding will refuse it).
+    let cost = images::header_pixels(&bytes).unwrap_or(bytes.len() as u64);
+    let _slot = crate::decoding::queue().acquire(flow, cost).await;
     tokio::task::spawn_blocking(move || {
         images::decode_within(&bytes, &config, max_pixels).map(|image| (image, bytes))
     })

@@ -85,6 +85,17 @@ pub fn decode(bytes: &[u8], config: &ImageConfig) -> Result<Image, PreprocessErr
     decode_within(bytes, config, config.max_image_pixels)
 }
 
+/// The pixels an image's header claims, read without decoding it (`None`: no header this
+/// crate reads).
+pub fn header_pixels(bytes: &[u8]) -> Option<u64> {
+    let (w, h) = ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .ok()?
+        .into_dimensions()
+        .ok()?;
+    Some(u64::from(w) * u64::from(h))
+}
+
 /// [`decode`], refusing more than `max_pixels` (what is left of the request's budget) by the
 /// image's header, before decoding. Memory stays within one decoded copy of the image: RGBA8
 /// images are hashed in place, others converted a row at a time.

@@ -20,6 +20,7 @@
 //! given, so an installed binary needs no files.
 
 #[cfg(feature = "fetch")]
+mod decoding;
 pub mod fetch;
 pub mod images;
 mod words;
