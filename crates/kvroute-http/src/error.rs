@@ -230,6 +230,16 @@ impl From<JsonRejection> for ApiError {
 
 impl From<BytesRejection> for ApiError {
     fn from(rejection: BytesRejection) -> Self {
+        // The listener's body budget (server::BodyBudget) is the server's state, not the
+        // client's error: 503, to be retried.
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&rejection);
+        while let Some(e) = source {
+            if e.is::<crate::server::BodyBudget>() {
+                return Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+                    .kind("server_error");
+            }
+            source = e.source();
+        }
         let status = match rejection.status() {
             StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
             _ => StatusCode::BAD_REQUEST,

@@ -5,16 +5,24 @@
 //!   keep-alive connection is closed after it (hyper's timer runs while it waits for a head);
 //! - **body timeout**: a request's whole body must arrive within it of its headers;
 //! - **TLS handshake timeout**, and a **connection limit** (accepting waits when it is reached);
+//! - **per-client shares**: one client (a peer IP address) holds at most
+//!   `max_connections_per_client` connections (more are closed as they are accepted) and
+//!   `max_body_bytes_per_client` of request bodies being received;
+//! - **body bytes in flight**: all connections together receive at most
+//!   `max_body_bytes_in_flight` of request bodies at once; a body that would pass either
+//!   bound fails with [`BodyBudget`] (a 503 from the handlers), so held-open bodies cannot
+//!   pile up memory;
 //! - graceful shutdown: stop accepting, let open requests finish (bound that wait outside).
 //!
 //! Writes go out without Nagle's delay: a streamed chunk otherwise waits for the previous
 //! one's ACK, which a delayed ACK holds up to 40 ms.
 
 use std::future::Future;
+use std::net::IpAddr;
 use std::path::Path;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use axum::Router;
@@ -40,6 +48,12 @@ pub struct ServeOptions {
     pub handshake_timeout: Duration,
     /// Open connections at most; more wait to be accepted.
     pub max_connections: usize,
+    /// Open connections of one client (peer IP address) at most; more are closed at once.
+    pub max_connections_per_client: usize,
+    /// Request body bytes being received, all connections together, at most.
+    pub max_body_bytes_in_flight: usize,
+    /// Request body bytes one client may be sending at once.
+    pub max_body_bytes_per_client: usize,
 }
 
 impl std::fmt::Debug for ServeOptions {
@@ -49,6 +63,9 @@ impl std::fmt::Debug for ServeOptions {
             .field("header_timeout", &self.header_timeout)
             .field("body_timeout", &self.body_timeout)
             .field("max_connections", &self.max_connections)
+            .field("max_connections_per_client", &self.max_connections_per_client)
+            .field("max_body_bytes_in_flight", &self.max_body_bytes_in_flight)
+            .field("max_body_bytes_per_client", &self.max_body_bytes_per_client)
             .finish_non_exhaustive()
     }
 }
@@ -56,6 +73,12 @@ impl std::fmt::Debug for ServeOptions {
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// A quarter of the connections: one client cannot shut the others out.
+pub const DEFAULT_MAX_CONNECTIONS_PER_CLIENT: usize = DEFAULT_MAX_CONNECTIONS / 4;
+/// Eight of the largest bodies the front door takes (64 MiB) being received at once.
+pub const DEFAULT_MAX_BODY_BYTES_IN_FLIGHT: usize = 512 << 20;
+/// A quarter of [`DEFAULT_MAX_BODY_BYTES_IN_FLIGHT`]: two of the largest bodies.
+pub const DEFAULT_MAX_BODY_BYTES_PER_CLIENT: usize = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT / 4;
 
 impl Default for ServeOptions {
     fn default() -> Self {
@@ -65,6 +88,9 @@ impl Default for ServeOptions {
             body_timeout: DEFAULT_BODY_TIMEOUT,
             handshake_timeout: DEFAULT_HEADER_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_client: DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+            max_body_bytes_in_flight: DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
+            max_body_bytes_per_client: DEFAULT_MAX_BODY_BYTES_PER_CLIENT,
         }
     }
 }
@@ -112,6 +138,7 @@ pub async fn serve_with(
     options: ServeOptions,
 ) -> std::io::Result<()> {
     let slots = Arc::new(tokio::sync::Semaphore::new(options.max_connections.max(1)));
+    let clients = Arc::new(Clients::new(&options));
     let graceful = GracefulShutdown::new();
     let mut shutdown = pin!(shutdown);
     loop {
@@ -122,7 +149,7 @@ pub async fn serve_with(
             },
             () = &mut shutdown => break,
         };
-        let (tcp, _) = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
                 Err(e) => {
@@ -134,15 +161,24 @@ pub async fn serve_with(
             },
             () = &mut shutdown => break,
         };
+        let Some(client) = clients.connect(peer.ip()) else {
+            // Over its share: closed before anything is read from it.
+            tracing::debug!(client = %peer.ip(), "connection refused: the client holds its share");
+            drop(tcp);
+            continue;
+        };
         let _ = tcp.set_nodelay(true);
         let options = options.clone();
         let body_timeout = options.body_timeout;
+        let body_client = client.clone();
         let service = app.clone().map_request(move |r: hyper::Request<Incoming>| {
-            r.map(|b| Body::new(Deadline::new(b, body_timeout)))
+            let client = body_client.clone();
+            r.map(|b| Body::new(Deadline::new(b, body_timeout, client)))
         });
         let watcher = graceful.watcher();
         tokio::spawn(async move {
             let _permit = permit;
+            let _client = client;
             let io: Box<dyn Io> = match &options.tls {
                 None => Box::new(tcp),
                 Some(tls) => {
@@ -170,17 +206,124 @@ pub async fn serve_with(
     Ok(())
 }
 
-/// A request body that fails once its time is up.
+/// What each client (peer IP address) holds of a listener: connections, and body bytes being
+/// received; and the body bytes of all clients together.
+#[derive(Debug)]
+struct Clients {
+    held: std::sync::Mutex<std::collections::HashMap<IpAddr, Held>>,
+    body_bytes: std::sync::atomic::AtomicUsize,
+    max_connections: usize,
+    max_body_bytes: usize,
+    max_client_body_bytes: usize,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    connections: usize,
+    body_bytes: usize,
+}
+
+impl Clients {
+    fn new(options: &ServeOptions) -> Self {
+        Self {
+            held: std::sync::Mutex::default(),
+            body_bytes: std::sync::atomic::AtomicUsize::new(0),
+            max_connections: options.max_connections_per_client.max(1),
+            max_body_bytes: options.max_body_bytes_in_flight,
+            max_client_body_bytes: options.max_body_bytes_per_client,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<IpAddr, Held>> {
+        self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A connection of `ip`, unless it holds its share already.
+    fn connect(self: &Arc<Self>, ip: IpAddr) -> Option<Client> {
+        let mut held = self.lock();
+        let entry = held.entry(ip).or_default();
+        if entry.connections >= self.max_connections {
+            return None;
+        }
+        entry.connections += 1;
+        Some(Client(Arc::new(ClientConnection { clients: Arc::clone(self), ip })))
+    }
+
+    /// Takes `n` body bytes for `ip`, if both its share and the total allow them.
+    fn take_body(&self, ip: IpAddr, n: usize) -> bool {
+        use std::sync::atomic::Ordering;
+        let mut held = self.lock();
+        let Some(entry) = held.get_mut(&ip) else { return false };
+        let total = self.body_bytes.load(Ordering::Relaxed);
+        if entry.body_bytes + n > self.max_client_body_bytes || total + n > self.max_body_bytes {
+            return false;
+        }
+        entry.body_bytes += n;
+        self.body_bytes.store(total + n, Ordering::Relaxed);
+        true
+    }
+
+    fn give_body(&self, ip: IpAddr, n: usize) {
+        use std::sync::atomic::Ordering;
+        let mut held = self.lock();
+        if let Some(entry) = held.get_mut(&ip) {
+            entry.body_bytes = entry.body_bytes.saturating_sub(n);
+        }
+        let total = self.body_bytes.load(Ordering::Relaxed);
+        self.body_bytes.store(total.saturating_sub(n), Ordering::Relaxed);
+    }
+}
+
+/// One open connection of a client; the last clone gone, the connection is counted closed.
+#[derive(Clone, Debug)]
+struct Client(Arc<ClientConnection>);
+
+#[derive(Debug)]
+struct ClientConnection {
+    clients: Arc<Clients>,
+    ip: IpAddr,
+}
+
+impl Drop for ClientConnection {
+    fn drop(&mut self) {
+        let mut held = self.clients.lock();
+        if let Some(entry) = held.get_mut(&self.ip) {
+            entry.connections = entry.connections.saturating_sub(1);
+            if entry.connections == 0 && entry.body_bytes == 0 {
+                held.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// A request body that fails once its time is up, or once it would take more body bytes
+/// than its client's share or the listener's total leave; what it took is given back when
+/// it is dropped (received whole or abandoned).
 struct Deadline {
     inner: Incoming,
     sleep: Pin<Box<Sleep>>,
+    client: Client,
+    taken: usize,
 }
 
 impl Deadline {
-    fn new(inner: Incoming, timeout: Duration) -> Self {
-        Self { inner, sleep: Box::pin(tokio::time::sleep(timeout)) }
+    fn new(inner: Incoming, timeout: Duration, client: Client) -> Self {
+        Self { inner, sleep: Box::pin(tokio::time::sleep(timeout)), client, taken: 0 }
     }
 }
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        let c = &self.client.0;
+        c.clients.give_body(c.ip, self.taken);
+    }
+}
+
+/// The request body would take more bytes than the listener lets one client, or all of
+/// them, receive at once.
+#[derive(Debug, thiserror::Error)]
+#[error("too many request body bytes in flight; try again shortly")]
+pub struct BodyBudget;
 
 /// The request body did not arrive in time.
 #[derive(Debug, thiserror::Error)]
@@ -201,7 +344,16 @@ impl HttpBody for Deadline {
         if self.sleep.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Some(Err(Box::new(BodyTimeout))));
         }
-        Pin::new(&mut self.inner).poll_frame(cx).map_err(Into::into)
+        let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        if let Some(Ok(data)) = frame.as_ref().map(|f| f.as_ref().map(Frame::data_ref)) {
+            let n = data.map_or(0, bytes::Bytes::len);
+            let c = &self.client.0;
+            if !c.clients.take_body(c.ip, n) {
+                return Poll::Ready(Some(Err(Box::new(BodyBudget))));
+            }
+            self.taken += n;
+        }
+        Poll::Ready(frame.map(|f| f.map_err(Into::into)))
     }
 
     fn is_end_stream(&self) -> bool {

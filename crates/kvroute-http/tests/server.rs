@@ -18,9 +18,10 @@ fn app() -> Router {
     Router::new().route("/health", get(|| async { "ok" })).route(
         "/echo",
         post(|body: Result<Bytes, axum::extract::rejection::BytesRejection>| async move {
+            use axum::response::IntoResponse;
             match body {
-                Ok(b) => (axum::http::StatusCode::OK, b.len().to_string()),
-                Err(e) => (e.status(), e.body_text()),
+                Ok(b) => (axum::http::StatusCode::OK, b.len().to_string()).into_response(),
+                Err(e) => kvroute_http::ApiError::from(e).into_response(),
             }
         }),
     )
@@ -152,4 +153,120 @@ async fn tls_from_pem_files() {
         panic!("a missing certificate file is an error")
     };
     assert!(err.to_string().contains("nope.pem"), "{err}");
+}
+
+/// A connection from `source` (another loopback address is another client).
+async fn connect_from(source: &str, addr: std::net::SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+    socket.connect(addr).await.unwrap()
+}
+
+async fn health(stream: &mut TcpStream) -> String {
+    stream
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    read_to_close(stream, Duration::from_secs(5)).await.0
+}
+
+/// One client holding half-sent requests on every connection it may open cannot take the
+/// others' connections: past its share its connections are closed as they come, and another
+/// client is served at once; its share comes back as its connections close.
+#[tokio::test]
+async fn one_client_cannot_hold_more_than_its_share_of_connections() {
+    let options = ServeOptions {
+        max_connections: 8,
+        max_connections_per_client: 3,
+        ..ServeOptions::default()
+    };
+    let addr = serve(options).await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let mut s = connect_from("127.0.0.1", addr).await;
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        held.push(s);
+    }
+    let mut over = connect_from("127.0.0.1", addr).await;
+    let _ = over.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    let (answer, after) = read_to_close(&mut over, Duration::from_secs(2)).await;
+    assert!(answer.is_empty() && after < Duration::from_secs(1), "served past its share: {answer}");
+    let start = Instant::now();
+    let answer = health(&mut connect_from("127.0.0.2", addr).await).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        start.elapsed() < Duration::from_millis(500),
+        "another client waited {:?}",
+        start.elapsed()
+    );
+    held.clear();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let answer = health(&mut connect_from("127.0.0.1", addr).await).await;
+        if answer.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "its share never came back");
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Request bodies being received are bounded per client and in all: a client whose held
+/// bodies pass its share gets a 503 for the next, another client's body still goes through,
+/// and the bytes come back when the held bodies go away.
+#[tokio::test]
+async fn body_bytes_in_flight_are_bounded_per_client_and_in_all() {
+    let options = ServeOptions {
+        max_body_bytes_in_flight: 3 << 20,
+        max_body_bytes_per_client: 2 << 20,
+        ..ServeOptions::default()
+    };
+    let addr = serve(options).await;
+    let chunk = vec![b'a'; 1 << 20];
+    let post = |n: usize| {
+        format!(
+            "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {n}\r\nConnection: close\r\n\r\n"
+        )
+    };
+    // Two bodies of 1 MiB + 1 sent but for their last byte: the client's share is used.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = connect_from("127.0.0.1", addr).await;
+        s.write_all(post((1 << 20) + 1).as_bytes()).await.unwrap();
+        s.write_all(&chunk).await.unwrap();
+        held.push(s);
+    }
+    // A small body (read whole at once, so the refusal leaves nothing unread to reset the
+    // connection) once the held ones are in.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let refused = loop {
+        let mut s = connect_from("127.0.0.1", addr).await;
+        s.write_all(post(4096).as_bytes()).await.unwrap();
+        s.write_all(&chunk[..4096]).await.unwrap();
+        let (answer, _) = read_to_close(&mut s, Duration::from_secs(5)).await;
+        if answer.starts_with("HTTP/1.1 503") {
+            break answer;
+        }
+        assert!(Instant::now() < deadline, "the client's share was never full: {answer}");
+    };
+    assert!(refused.contains("in flight"), "{refused}");
+    // Another client: within the total.
+    let mut other = connect_from("127.0.0.2", addr).await;
+    other.write_all(post(1 << 19).as_bytes()).await.unwrap();
+    other.write_all(&chunk[..1 << 19]).await.unwrap();
+    let (answer, _) = read_to_close(&mut other, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // The held bodies gone, their bytes are free again.
+    held.clear();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut s = connect_from("127.0.0.1", addr).await;
+        s.write_all(post(1 << 20).as_bytes()).await.unwrap();
+        s.write_all(&chunk).await.unwrap();
+        let (answer, _) = read_to_close(&mut s, Duration::from_secs(5)).await;
+        if answer.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the bytes never came back: {answer}");
+    }
 }

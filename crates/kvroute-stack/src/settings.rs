@@ -55,6 +55,12 @@ pub enum SettingsError {
 pub struct Settings {
     pub host: Option<String>,
     pub port: Option<u16>,
+    /// Connections one client may hold on the listener.
+    pub max_connections_per_client: Option<usize>,
+    /// Request body bytes being received, all clients together.
+    pub max_body_bytes_in_flight: Option<usize>,
+    /// Request body bytes one client may be sending.
+    pub max_body_bytes_per_client: Option<usize>,
     pub block_size: Option<u32>,
     pub policy: Option<PolicyKind>,
     pub temperature: Option<f64>,
@@ -132,8 +138,17 @@ pub const ENV_NATS_PASSWORD: &str = "KVROUTE_NATS_PASSWORD";
 
 /// The keys each command reads (from a file; its flags are these by construction).
 pub mod keys {
-    const LISTEN: [&str; 6] =
-        ["host", "port", "admin_token_file", "tls_cert", "tls_key", "insecure"];
+    const LISTEN: [&str; 9] = [
+        "host",
+        "port",
+        "admin_token_file",
+        "tls_cert",
+        "tls_key",
+        "insecure",
+        "max_connections_per_client",
+        "max_body_bytes_in_flight",
+        "max_body_bytes_per_client",
+    ];
     const FRONT_DOOR: [&str; 5] = [
         "api_keys_file",
         "expose_overlap",
@@ -251,7 +266,8 @@ impl Settings {
             }
         }
         let workers = order.iter().filter_map(|id| by_id.remove(id)).collect();
-        Ok(overlay!(low, high, workers; host, port, block_size, policy, temperature,
+        Ok(overlay!(low, high, workers; host, port, max_connections_per_client,
+            max_body_bytes_in_flight, max_body_bytes_per_client, block_size, policy, temperature,
             overlap_weight, shards, max_index_blocks, max_dp_size, approx_ttl, ready_timeout,
             zmq_max_message_bytes, router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
             seed, max_model_len, model_path, allow_private_image_urls, api_keys_file,
@@ -339,7 +355,21 @@ impl Settings {
             (None, None) => None,
             _ => return Err(StackError::Config("--tls-cert and --tls-key go together".into())),
         };
-        Ok(ServeOptions { tls, ..ServeOptions::default() })
+        let d = ServeOptions::default();
+        let in_flight = self.max_body_bytes_in_flight.unwrap_or(d.max_body_bytes_in_flight);
+        let options = ServeOptions {
+            tls,
+            max_connections_per_client: self
+                .max_connections_per_client
+                .unwrap_or(d.max_connections_per_client),
+            max_body_bytes_in_flight: in_flight,
+            max_body_bytes_per_client: self.max_body_bytes_per_client.unwrap_or(in_flight / 4),
+            ..d
+        };
+        if options.max_connections_per_client == 0 {
+            return Err(StackError::Config("max_connections_per_client must be at least 1".into()));
+        }
+        Ok(options)
     }
 
     pub fn ready_timeout(&self) -> Result<Duration, StackError> {

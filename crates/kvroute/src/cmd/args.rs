@@ -19,6 +19,19 @@ pub(crate) struct ListenArgs {
     /// for router, 8100 for mocker].
     #[arg(long, env = "KVROUTE_PORT")]
     port: Option<u16>,
+    /// Open connections one client (peer IP address) may hold; more are closed as they are
+    /// accepted, so one client cannot take the listener's 4096. Behind a proxy every client
+    /// is the proxy: raise it there [default: 1024].
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS_PER_CLIENT")]
+    max_connections_per_client: Option<usize>,
+    /// Request body bytes being received at once, all connections together; a body past it
+    /// gets a 503 (retry) [default: 536870912, eight 64 MiB bodies].
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES_IN_FLIGHT")]
+    max_body_bytes_in_flight: Option<usize>,
+    /// Request body bytes one client may be sending at once [default: a quarter of
+    /// --max-body-bytes-in-flight].
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES_PER_CLIENT")]
+    max_body_bytes_per_client: Option<usize>,
 }
 
 /// Who may call the listener, and TLS.
@@ -238,6 +251,9 @@ impl ListenArgs {
     pub(crate) fn apply(&self, s: &mut Settings) {
         s.host.clone_from(&self.host);
         s.port = self.port;
+        s.max_connections_per_client = self.max_connections_per_client;
+        s.max_body_bytes_in_flight = self.max_body_bytes_in_flight;
+        s.max_body_bytes_per_client = self.max_body_bytes_per_client;
     }
 }
 
