@@ -445,7 +445,16 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
             args.label.clone().unwrap_or_else(|| "target".to_owned()),
             Target::Remote {
                 urls: url.split(',').map(|u| u.trim().trim_end_matches('/').to_owned()).collect(),
-                worker_stats: args.worker_stats.clone(),
+                worker_stats: args
+                    .worker_stats
+                    .iter()
+                    .enumerate()
+                    .map(|(k, url)| {
+                        let mut w = kvroute_router::WorkerSpec::new(k as u64);
+                        w.url = Some(url.trim_end_matches('/').to_owned());
+                        w
+                    })
+                    .collect(),
                 model: args.model.clone(),
             },
         )],

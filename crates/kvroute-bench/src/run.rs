@@ -19,7 +19,7 @@ use kvroute_http::openai::{Completion, ModelList};
 use kvroute_http::{HttpClient, SseEvent, SseReader};
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::{ChatMessage, Preprocessor};
-use kvroute_router::RouterConfig;
+use kvroute_router::{RouterConfig, WorkerSpec};
 use kvroute_stack::{Simulated, Stack, StackConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -73,7 +73,9 @@ pub enum Target {
     Fleet { policy: PolicyKind, events: bool, replicas: Option<Replicas> },
     /// OpenAI-compatible endpoints (replicas of one front door: requests are sprayed across
     /// them), and the workers' base URLs whose `/stats` give the ground truth.
-    Remote { urls: Vec<String>, worker_stats: Vec<String>, model: Option<String> },
+    /// `worker_stats`: the workers whose `/stats` are the ground truth (their tokens, if
+    /// they have any, sent to them alone).
+    Remote { urls: Vec<String>, worker_stats: Vec<WorkerSpec>, model: Option<String> },
 }
 
 /// Router replicas in front of one fleet.
@@ -197,8 +199,8 @@ pub fn run(
         match target {
             Target::Fleet { policy, events, replicas } => {
                 let (urls, stats) = start_fleet(fleet, *policy, *events, replicas.as_ref()).await?;
-                let driver = Driver::new(urls, None, preprocessor, bs);
-                drive(workload, &driver, &stats, label, progress).await
+                let driver = Driver::new(urls, None, preprocessor, bs, &stats);
+                drive(workload, &driver, &stats_urls(&stats), label, progress).await
             }
             Target::Remote { urls, worker_stats, model } => {
                 let model = match model {
@@ -208,8 +210,8 @@ pub fn run(
                         futures_util::future::join_all(models).await.into_iter().flatten().next()
                     }
                 };
-                let driver = Driver::new(urls.clone(), model, preprocessor, bs);
-                drive(workload, &driver, worker_stats, label, progress).await
+                let driver = Driver::new(urls.clone(), model, preprocessor, bs, worker_stats);
+                drive(workload, &driver, &stats_urls(worker_stats), label, progress).await
             }
         }
     });
@@ -219,13 +221,13 @@ pub fn run(
 
 /// Starts `fleet.workers` simulated workers (publishing KV events or not), a router with
 /// `policy` and a front door (or `replicas` of them), through the stack builder of `kvroute
-/// serve`; returns the front doors' URLs and the workers' URLs once every worker is ready.
+/// serve`; returns the front doors' URLs and the workers once every worker is ready.
 pub async fn start_fleet(
     fleet: &FleetConfig,
     policy: PolicyKind,
     events: bool,
     replicas: Option<&Replicas>,
-) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+) -> anyhow::Result<(Vec<String>, Vec<WorkerSpec>)> {
     let mut router = RouterConfig { block_size: fleet.block_size()?, ..RouterConfig::default() };
     router.scheduler.policy = policy;
     if let Some(r) = replicas {
@@ -258,7 +260,7 @@ pub async fn start_fleet(
         ..front_door(router, fleet)
     };
     let stack = started(config, "the fleet").await?;
-    let urls: Vec<String> = stack.workers.iter().filter_map(|w| w.url.clone()).collect();
+    let urls: Vec<WorkerSpec> = stack.workers.iter().filter(|w| w.url.is_some()).cloned().collect();
     let mut fronts = vec![stack.serve_frontend_on_loopback().await?];
     let mut stacks = vec![stack];
     for k in 1..replicas.map_or(1, |r| r.n) {
@@ -321,6 +323,10 @@ async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, bytes::Byte
     Ok((status.as_u16(), body))
 }
 
+fn stats_urls(workers: &[WorkerSpec]) -> Vec<String> {
+    workers.iter().filter_map(|w| w.url.clone()).collect()
+}
+
 fn stats_url(base: &str) -> String {
     let base = base.trim_end_matches('/');
     if base.ends_with("/stats") { base.to_owned() } else { format!("{base}/stats") }
@@ -361,9 +367,10 @@ impl Driver {
         model: Option<String>,
         pre: &Arc<Preprocessor>,
         bs: BlockSize,
+        workers: &[WorkerSpec],
     ) -> Self {
         Self {
-            client: HttpClient::new(),
+            client: kvroute_router::workers_client(workers),
             bases,
             model,
             preprocessor: Arc::clone(pre),

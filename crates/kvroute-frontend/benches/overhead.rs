@@ -54,7 +54,8 @@ async fn main() {
     let bodies: Vec<serde_json::Value> = (0..16)
         .map(|k| serde_json::json!({"messages": [{"role": "user", "content": format!("{text} Question {k}.")}], "max_tokens": 1}))
         .collect();
-    let client = HttpClient::new();
+    // The worker's own token goes to it (as the front door's client sends it).
+    let client = kvroute_router::workers_client(&stack.workers);
     for b in &bodies {
         once(&client, &front, b).await; // warm up both paths, the connections and the caches
         once(&client, &worker, b).await;

@@ -190,7 +190,7 @@ impl FrontendState {
             ranks: ranks(workers),
             health: Health::new(workers.iter().filter(|w| w.url.is_some()).map(|w| w.id)),
             first_byte_timeout: FIRST_BYTE_TIMEOUT,
-            client: HttpClient::new(),
+            client: kvroute_router::workers_client(workers),
             next_id: AtomicU64::new(0),
             metrics: Metrics::new(),
             api_keys: Credentials::default(),

@@ -586,6 +586,7 @@ async fn a_worker_that_serves_without_events_is_flagged_silent() {
         max_model_len: None,
         dp_rank: 0,
         fetch: FetchConfig::default(),
+        api_keys: kvroute_http::Credentials::default(),
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let quiet = kvroute_mocker::spawn(engine(kvroute_mocker::Endpoints::ephemeral()), listener)
@@ -641,6 +642,7 @@ async fn the_parity_probe_names_what_differs_at_join() {
             max_model_len: None,
             dp_rank: 0,
             fetch: FetchConfig::default(),
+            api_keys: kvroute_http::Credentials::default(),
         }
     };
     let spawn = |config| async move {

@@ -3,6 +3,7 @@
 //! alive and written without Nagle's delay (small SSE and JSON writes otherwise wait up to
 //! 40 ms for a delayed ACK). Bodies read whole are capped in size.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -55,6 +56,8 @@ pub struct HttpClient {
     inner: Client<HttpConnector, Full<Bytes>>,
     /// `Authorization` sent with every request.
     bearer: Option<header::HeaderValue>,
+    /// `Authorization` sent to one origin (`http://host:port`) only, instead.
+    origin_bearers: Arc<Vec<(String, header::HeaderValue)>>,
 }
 
 impl std::fmt::Debug for HttpClient {
@@ -73,18 +76,30 @@ impl HttpClient {
     pub fn new() -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        Self { inner: Client::builder(TokioExecutor::new()).build(connector), bearer: None }
+        Self {
+            inner: Client::builder(TokioExecutor::new()).build(connector),
+            bearer: None,
+            origin_bearers: Arc::default(),
+        }
+    }
+
+    /// The same client sending `Authorization: Bearer <token>` to `origin`
+    /// (`scheme://host:port`) only, in place of [`HttpClient::with_bearer`]'s: a worker's own
+    /// token goes to that worker and nowhere else.
+    #[must_use]
+    pub fn with_bearer_for(mut self, origin: &str, token: &str) -> Self {
+        if let Some(value) = bearer_value(token) {
+            let origin = origin.trim_end_matches('/').to_owned();
+            Arc::make_mut(&mut self.origin_bearers).push((origin, value));
+        }
+        self
     }
 
     /// The same client sending `Authorization: Bearer <token>` with every request (a token
     /// that is no valid header value is not sent; the server's 401 says so).
     #[must_use]
     pub fn with_bearer(mut self, token: &str) -> Self {
-        self.bearer =
-            header::HeaderValue::from_str(&format!("Bearer {token}")).ok().map(|mut v| {
-                v.set_sensitive(true);
-                v
-            });
+        self.bearer = bearer_value(token);
         self
     }
 
@@ -93,8 +108,15 @@ impl HttpClient {
         &self,
         mut request: Request<Full<Bytes>>,
     ) -> Result<Response<Incoming>, ClientError> {
-        if let Some(bearer) = &self.bearer {
-            request.headers_mut().entry(header::AUTHORIZATION).or_insert_with(|| bearer.clone());
+        let origin = |uri: &hyper::Uri| match (uri.scheme_str(), uri.authority()) {
+            (Some(s), Some(a)) => Some(format!("{s}://{a}")),
+            _ => None,
+        };
+        let own = origin(request.uri()).and_then(|o| {
+            self.origin_bearers.iter().find(|(origin, _)| *origin == o).map(|(_, v)| v.clone())
+        });
+        if let Some(bearer) = own.or_else(|| self.bearer.clone()) {
+            request.headers_mut().entry(header::AUTHORIZATION).or_insert(bearer);
         }
         self.inner.request(request).await.map_err(|e| {
             if e.is_connect() { ClientError::Connect(e) } else { ClientError::Send(e) }
@@ -166,4 +188,11 @@ pub fn error_message(bytes: &[u8]) -> String {
         Ok(body) => body.error.message,
         Err(_) => String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned(),
     }
+}
+
+fn bearer_value(token: &str) -> Option<header::HeaderValue> {
+    header::HeaderValue::from_str(&format!("Bearer {token}")).ok().map(|mut v| {
+        v.set_sensitive(true);
+        v
+    })
 }

@@ -46,6 +46,8 @@ pub struct AppState {
     pub max_model_len: u64,
     pub(crate) metrics: Metrics,
     next_id: AtomicU64,
+    /// Keys every route but `/health` needs; empty: open.
+    pub api_keys: kvroute_http::Credentials,
 }
 
 pub use kvroute_http::openai::DEFAULT_MAX_MODEL_LEN;
@@ -80,6 +82,7 @@ impl AppState {
             max_model_len,
             metrics,
             next_id: AtomicU64::new(0),
+            api_keys: kvroute_http::Credentials::default(),
         }
     }
 
@@ -106,18 +109,21 @@ impl std::fmt::Debug for AppState {
     }
 }
 
+/// The engine's routes: `/health` always open, every other one behind
+/// [`AppState::api_keys`] when it has any.
 pub fn app(state: Arc<AppState>) -> Router {
-    let routes = Router::new()
+    let guarded = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/stats", get(stats))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(crate::vllm::tokenize))
         .route("/detokenize", post(crate::vllm::detokenize))
         .route("/v1/chat/completions/render", post(crate::vllm::render_chat))
-        .route("/v1/completions/render", post(crate::vllm::render_completion))
+        .route("/v1/completions/render", post(crate::vllm::render_completion));
+    let routes = kvroute_http::auth::require(guarded, state.api_keys.clone())
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     kvroute_http::fallbacks(routes).with_state(state)
 }

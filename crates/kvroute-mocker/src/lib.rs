@@ -41,6 +41,9 @@ pub struct MockerConfig {
     pub dp_rank: u32,
     /// Limits on fetching `http(s)://` image URLs (private addresses refused by default).
     pub fetch: kvroute_preprocess::fetch::FetchConfig,
+    /// Keys every route but `/health` needs (`Authorization: Bearer`), as vLLM's
+    /// `--api-key`; empty: open.
+    pub api_keys: kvroute_http::Credentials,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,13 +95,10 @@ pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerEr
         Arc::new(kvroute_preprocess::Preprocessor::load_or_builtin(config.model_path.as_deref())?);
     let engine = EngineHandle::start(config.engine, &config.endpoints, config.dp_rank).await?;
     let fetcher = kvroute_preprocess::fetch::Fetcher::new(config.fetch)?;
-    Ok(Arc::new(http::AppState::new(
-        engine,
-        preprocessor,
-        config.seed,
-        fetcher,
-        config.max_model_len,
-    )))
+    let mut state =
+        http::AppState::new(engine, preprocessor, config.seed, fetcher, config.max_model_len);
+    state.api_keys = config.api_keys;
+    Ok(Arc::new(state))
 }
 
 #[cfg(test)]

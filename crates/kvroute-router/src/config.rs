@@ -105,6 +105,29 @@ pub struct WorkerSpec {
     pub vocab_size: Option<u32>,
     #[serde(default)]
     pub format: EventFormat,
+    /// The token its HTTP routes want (`Authorization: Bearer`), sent to it alone: a
+    /// simulated worker embedded in `kvroute serve` gets an unguessable one. Never
+    /// serialized, never shown.
+    #[serde(skip)]
+    pub api_key: Option<WorkerKey>,
+}
+
+/// An HTTP client of `workers`: each worker's own token (if it has one) goes to it alone.
+pub fn workers_client(workers: &[WorkerSpec]) -> kvroute_http::HttpClient {
+    workers.iter().fold(kvroute_http::HttpClient::new(), |client, w| match (&w.url, &w.api_key) {
+        (Some(url), Some(key)) => client.with_bearer_for(url, &key.0),
+        _ => client,
+    })
+}
+
+/// A worker's token; its `Debug` shows none of it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct WorkerKey(pub String);
+
+impl std::fmt::Debug for WorkerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WorkerKey(<redacted>)")
+    }
 }
 
 fn one() -> u32 {
@@ -124,6 +147,7 @@ impl WorkerSpec {
             image_token_id: None,
             vocab_size: None,
             format: EventFormat::Vllm,
+            api_key: None,
         }
     }
 

@@ -28,7 +28,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use config::{EventFormat, RouterConfig, WorkerSpec};
+pub use config::{EventFormat, RouterConfig, WorkerKey, WorkerSpec, workers_client};
 use kvroute_core::{BlockSize, WorkerWithDpRank};
 use kvroute_wire::ConvertConfig;
 pub use kvroute_wire::ConvertStats;

@@ -183,7 +183,12 @@ impl Stack {
                 true => kvroute_mocker::Endpoints::ephemeral(),
                 false => kvroute_mocker::Endpoints::without_events(),
             };
+            // Its HTTP routes answer only the front door: a token of 256 random bits, known to
+            // this process alone (its ZMQ ports stay on loopback, see the README).
+            let token = worker_token()?;
             let mocker = MockerConfig {
+                api_keys: kvroute_http::Credentials::new([&token], "the embedded worker's token")
+                    .map_err(|e| StackError::Config(e.to_string()))?,
                 engine: EngineConfig { block_size: router.block_size, ..simulated.engine },
                 endpoints,
                 model_path: model_path.clone(),
@@ -199,6 +204,7 @@ impl Stack {
             spec.events = spawned.events;
             spec.replay = spawned.replay;
             spec.metrics = spawned.metrics;
+            spec.api_key = Some(kvroute_router::WorkerKey(token));
             router.workers.push(spec);
             engines.push(spawned.state);
         }
@@ -318,4 +324,12 @@ pub async fn serve_on_loopback(app: axum::Router) -> Result<String, StackError> 
     let url = format!("http://{}", listener.local_addr()?);
     tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
     Ok(url)
+}
+
+/// An unguessable token: 32 bytes from the operating system's generator, in hex.
+fn worker_token() -> Result<String, StackError> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes)
+        .map_err(|e| StackError::Config(format!("no randomness for a worker token: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }

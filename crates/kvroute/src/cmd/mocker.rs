@@ -35,6 +35,11 @@ pub(crate) struct MockerArgs {
     /// Publish no KV events (an engine started without them: routers see it approximately).
     #[arg(long, env = "KVROUTE_NO_EVENTS")]
     no_events: bool,
+    /// Key every HTTP route but /health then needs (`Authorization: Bearer <key>`), as
+    /// vLLM's --api-key; repeat for several. Without one, anyone who reaches the port may
+    /// call it (and /detokenize turns the token ids of its KV events back into text).
+    #[arg(long = "api-key", env = "KVROUTE_MOCKER_API_KEY", value_delimiter = ',')]
+    api_keys: Vec<String>,
 }
 
 pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
@@ -55,7 +60,9 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         max_model_len: settings.max_model_len,
         dp_rank: 0,
         fetch: settings.fetch_config(),
+        api_keys: kvroute_http::Credentials::new(&args.api_keys, "--api-key")?,
     };
+    let options = settings.serve_options()?;
     super::runtime()?.block_on(async move {
         let listener = super::bind(&settings.address(8100)).await?;
         let state = kvroute_mocker::start(config).await?;
@@ -74,7 +81,7 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
             ),
         ]);
         let app = kvroute_mocker::http::app(state);
-        super::serve_until_signal(listener, app, kvroute_http::ServeOptions::default()).await?;
+        super::serve_until_signal(listener, app, options).await?;
         Ok(ExitCode::SUCCESS)
     })
 }
