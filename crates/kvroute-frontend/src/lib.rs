@@ -416,13 +416,23 @@ pub fn app(state: Arc<FrontendState>) -> Router {
     kvroute_http::fallbacks(routes).with_state(state)
 }
 
-/// The body as a JSON value (to pass on) and decoded as `T`, checked as an engine checks it
-/// ([`openai::parse_request`]); the bytes are dropped.
+/// The body decoded as `T` (the fields kvroute reads), checked as an engine checks it
+/// ([`kvroute_http::openai::parse_request`]). The whole body as a JSON value, to pass on, is
+/// read only once the request has passed its checks ([`raw`]): a body refused for its size is
+/// never held twice.
 fn parse<T: serde::de::DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     param: &'static str,
-) -> Result<(Value, T), ApiError> {
-    kvroute_http::openai::parse_request(&body?, param, None)
+) -> Result<(Bytes, T), ApiError> {
+    let body = body?;
+    let fields = kvroute_http::openai::parse_request(&body, param, None)?;
+    Ok((body, fields))
+}
+
+/// The body as a JSON value (it decoded as a request already); what no JSON value holds is a
+/// 400 naming its field ([`kvroute_http::openai::body_value`]).
+fn raw(body: &[u8]) -> Result<Value, ApiError> {
+    kvroute_http::openai::body_value(body)
 }
 
 async fn chat(
@@ -430,12 +440,14 @@ async fn chat(
     key: Option<Extension<KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (mut raw, req) = parse::<ChatCompletionRequest>(body, "messages")?;
+    let (body, req) = parse::<ChatCompletionRequest>(body, "messages")?;
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     // Images: fetched once here, forwarded inline, named by their identifier.
     let (prepared, images) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     drop(req);
+    let mut raw = raw(&body)?;
+    drop(body);
     rewrite_image_parts(&mut raw, &images);
     route_and_proxy(&state, "/v1/chat/completions", raw, &prepared, namespace).await
 }
@@ -468,9 +480,10 @@ async fn completions(
     key: Option<Extension<KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (raw, req) = parse::<CompletionRequest>(body, "prompt")?;
+    let (body, req) = parse::<CompletionRequest>(body, "prompt")?;
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
+    let raw = raw(&body)?;
     route_and_proxy(&state, "/v1/completions", raw, &prepared, namespace).await
 }
 

@@ -315,32 +315,60 @@ pub fn check_model(served: &str, requested: Option<&str>) -> Result<(), ApiError
     }
 }
 
-/// The body as a JSON value (to pass on) and decoded as `T` (the fields kvroute reads), its
-/// bytes dropped. Whatever the body holds is the client's: nesting past serde_json's depth
-/// limit (128) or a number no `f64` holds (`1e400`) anywhere in it, in a field kvroute
-/// reads or not, is a 400 that names the top-level field, never a 500. Then the sampling
-/// fields every engine refuses alike ([`check_sampling`]).
+/// The body decoded as `T` (the fields kvroute reads), then the sampling fields every engine
+/// refuses alike ([`check_sampling`]). Fields kvroute does not read are skipped unparsed, so
+/// a large body is not held twice here; [`body_value`] reads the whole body once the request
+/// has passed its checks.
 ///
 /// `max_n`: the most choices the server returns (`None`: the engine behind decides).
 pub fn parse_request<T: serde::de::DeserializeOwned>(
     body: &[u8],
     param: &'static str,
     max_n: Option<i64>,
-) -> Result<(Value, T), ApiError> {
+) -> Result<T, ApiError> {
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::bad_request("the body must be a JSON object"));
     }
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
-        let error = ApiError::bad_request(format!("the body is not valid JSON: {e}"));
-        match offending_field(body) {
-            Some(field) => error.param_owned(field),
-            None => error,
+    let fields = serde_json::from_slice(body).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => {
+            ApiError::bad_request(format!("invalid request: {e}")).param(param)
         }
+        _ => not_json(body, &e),
     })?;
-    let fields = T::deserialize(&value)
-        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}")).param(param))?;
-    check_sampling(&value, max_n)?;
-    Ok((value, fields))
+    #[derive(Deserialize)]
+    struct Sampling {
+        n: Option<Value>,
+        best_of: Option<Value>,
+        top_logprobs: Option<Value>,
+        logprobs: Option<Value>,
+    }
+    let s: Sampling = serde_json::from_slice(body).map_err(|e| not_json(body, &e))?;
+    let fields_of = [
+        ("n", s.n),
+        ("best_of", s.best_of),
+        ("top_logprobs", s.top_logprobs),
+        ("logprobs", s.logprobs),
+    ];
+    let sampling: serde_json::Map<String, Value> =
+        fields_of.into_iter().filter_map(|(k, v)| Some((k.to_owned(), v?))).collect();
+    check_sampling(&Value::Object(sampling), max_n)?;
+    Ok(fields)
+}
+
+/// The whole body as a JSON value (to pass on), once it decoded as a request. Whatever it
+/// holds is the client's: nesting past serde_json's depth limit (128) or a number no `f64`
+/// holds (`1e400`), in a field kvroute reads or not, is a 400 that names the top-level field,
+/// never a 500.
+pub fn body_value(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(body).map_err(|e| not_json(body, &e))
+}
+
+fn not_json(body: &[u8], e: &serde_json::Error) -> ApiError {
+    let error = ApiError::bad_request(format!("the body is not valid JSON: {e}"));
+    match offending_field(body) {
+        Some(field) => error.param_owned(field),
+        None => error,
+    }
 }
 
 /// The top-level field of a JSON object whose value does not decode (too deep, a number out

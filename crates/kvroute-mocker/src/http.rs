@@ -139,7 +139,7 @@ async fn chat(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (_, req): (_, ChatCompletionRequest) = parse_request(&body?, "messages", Some(1))?;
+    let req: ChatCompletionRequest = parse_request(&body?, "messages", Some(1))?;
     let (prepared, _) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     let ask = Ask {
@@ -157,7 +157,7 @@ async fn completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (_, req): (_, CompletionRequest) = parse_request(&body?, "prompt", Some(1))?;
+    let req: CompletionRequest = parse_request(&body?, "prompt", Some(1))?;
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let ask = Ask {
         kind: Kind::Completion,

@@ -243,7 +243,6 @@ async fn bad_requests_get_openai_errors() {
         // It returns one choice: more is refused, not answered with one.
         (json!({"messages": [{"role": "user", "content": "hi"}], "n": 1000}).to_string(), 400),
         (json!({"messages": [{"role": "user", "content": "hi"}], "best_of": 3}).to_string(), 400),
-        (r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}"#.to_owned(), 400),
     ];
     for (body, want) in cases {
         let (status, v) = m.post_raw("/v1/chat/completions", &body).await;
