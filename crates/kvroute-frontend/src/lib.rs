@@ -50,6 +50,9 @@ use health::{Failure, Health};
 
 /// Largest request body accepted: room for inline images (20 MB each once decoded, a third
 /// more as base64).
+/// Longest wait between two tries of a parity probe that could not be made.
+pub const PROBE_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
 pub const BODY_LIMIT: usize = 64 << 20;
 
 /// Header naming the worker a response came from.
@@ -128,6 +131,8 @@ pub struct FrontendState {
     namespace_per_key: bool,
     /// Workers still to be parity-probed (all at start; a restarted one again).
     to_probe: std::sync::Mutex<std::collections::BTreeSet<WorkerId>>,
+    /// Probes that could not be made: when each is tried next, and its backoff.
+    probe_retries: std::sync::Mutex<std::collections::BTreeMap<WorkerId, (Instant, Duration)>>,
     parity_probe: bool,
     probed: tokio::sync::Notify,
     /// Prompt plus output tokens at most (checked before routing, as vLLM checks it).
@@ -197,6 +202,7 @@ impl FrontendState {
             admin: Credentials::default(),
             expose_overlap: false,
             namespace_per_key: false,
+            probe_retries: std::sync::Mutex::default(),
             to_probe: std::sync::Mutex::new(
                 workers
                     .iter()
@@ -295,6 +301,33 @@ impl FrontendState {
         (0..n).map(move |r| WorkerWithDpRank::new(worker, r))
     }
 
+    /// Whether `worker`'s parity probe may be tried at `now` (not backing off).
+    fn probe_due(&self, worker: WorkerId, now: Instant) -> bool {
+        self.probe_retries.lock().map_or(true, |r| r.get(&worker).is_none_or(|(at, _)| now >= *at))
+    }
+
+    /// A probe could not be made: tried again after a backoff that doubles from 1 s to
+    /// [`PROBE_BACKOFF_MAX`], its cause in `/workers` (unless the worker failed a probe
+    /// before: that cause stands) and logged when it first happens.
+    fn probe_later(&self, worker: WorkerId, why: &parity::Retry) {
+        let Ok(mut retries) = self.probe_retries.lock() else { return };
+        let backoff = match retries.get(&worker) {
+            Some((_, b)) => (*b * 2).min(PROBE_BACKOFF_MAX),
+            None => {
+                tracing::info!(%worker, cause = %why, "parity probe not made yet; trying again with a backoff");
+                Duration::from_secs(1)
+            }
+        };
+        retries.insert(worker, (Instant::now() + backoff, backoff));
+        tracing::debug!(%worker, cause = %why, backoff_secs = backoff.as_secs(), "parity probe deferred");
+        if let Some(router) = self.placer.router()
+            && !router.parity_failed(worker)
+        {
+            let cause = format!("{why}; next try in {} s", backoff.as_secs());
+            router.set_parity(worker, kvroute_router::Parity::Retrying(cause));
+        }
+    }
+
     /// A worker failed a request: out of rotation for a while; a refused connection also
     /// means its cache is gone.
     fn worker_failed(&self, worker: WorkerId, why: Failure) {
@@ -347,19 +380,26 @@ impl FrontendState {
                         Err(why) => state.worker_failed(worker, why),
                     }
                 }
-                let probes =
-                    state.probes_left().into_iter().filter(|w| !state.health.is_ejected(*w)).map(
-                        |worker| {
-                            let state = Arc::clone(&state);
-                            async move { (worker, parity::probe(&state, worker).await) }
-                        },
-                    );
+                let now = Instant::now();
+                let probes = state
+                    .probes_left()
+                    .into_iter()
+                    .filter(|w| !state.health.is_ejected(*w) && state.probe_due(*w, now))
+                    .map(|worker| {
+                        let state = Arc::clone(&state);
+                        async move { (worker, parity::probe(&state, worker).await) }
+                    });
                 for (worker, outcome) in futures_util::future::join_all(probes).await {
-                    if outcome.is_some() {
-                        if let Ok(mut to_probe) = state.to_probe.lock() {
-                            to_probe.remove(&worker);
+                    match outcome {
+                        Ok(Some(_)) => {
+                            if let Ok(mut to_probe) = state.to_probe.lock() {
+                                to_probe.remove(&worker);
+                            }
+                            state.probe_retries.lock().map(|mut r| r.remove(&worker)).ok();
+                            state.probed.notify_waiters();
                         }
-                        state.probed.notify_waiters();
+                        Ok(None) => {}
+                        Err(why) => state.probe_later(worker, &why),
                     }
                 }
             }

@@ -56,19 +56,33 @@ struct Probe {
     without_images: Option<Vec<LocalBlockHash>>,
 }
 
-/// Probes `worker` and records the outcome in the embedded router; the outcome, or `None`
-/// when there is nothing to probe (no embedded router, no URL) or a request itself failed
-/// (the health checks deal with that; the probe is tried again).
-pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Option<Parity> {
-    let router = state.placer.router()?;
-    let base = state.urls.get(&worker)?;
-    let status = router.workers().into_iter().find(|w| w.id == worker)?;
+/// Why a probe could not be made now; it is tried again after a backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum Retry {
+    #[error("its KV event subscription is not connected and caught up yet")]
+    NotSubscribed,
+    #[error("the probe prompt could not be prepared with the front door's model")]
+    Unprepared,
+    #[error("the probe request got no answer in time, or the worker is unreachable")]
+    NoAnswer,
+    #[error("the worker is gone from the router")]
+    Gone,
+}
+
+/// Probes `worker` and records the outcome in the embedded router; `Ok(None)` when there is
+/// nothing to probe (no embedded router, no URL), `Err` when it cannot be probed now (the
+/// caller tries again after a backoff, and records why).
+pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Option<Parity>, Retry> {
+    let (Some(router), Some(base)) = (state.placer.router(), state.urls.get(&worker)) else {
+        return Ok(None);
+    };
+    let status = router.workers().into_iter().find(|w| w.id == worker).ok_or(Retry::Gone)?;
     // Nothing to compare for a worker without events; wait for its subscription otherwise.
     if status.events.is_none() {
-        return Some(Parity::Unchecked);
+        return Ok(Some(Parity::Unchecked));
     }
     if !status.connected.iter().all(|c| *c) || !status.caught_up.iter().all(|c| *c) {
-        return None;
+        return Err(Retry::NotSubscribed);
     }
     // Trust its events while it is probed (a failed worker gets another chance).
     router.set_parity(worker, Parity::Unchecked);
@@ -76,18 +90,20 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Option<Parit
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let url = format!("{base}/v1/chat/completions");
-    let mut probes = vec![text_probe(state, worker, nonce)?];
+    let mut probes = vec![text_probe(state, worker, nonce).ok_or(Retry::Unprepared)?];
     if state.preprocessor.image_token_id().is_some() {
-        probes.push(image_probe(state, worker, nonce)?);
+        probes.push(image_probe(state, worker, nonce).ok_or(Retry::Unprepared)?);
     }
     for p in &probes {
-        if let Err(cause) = run(state, router, worker, status.dp_size, &url, p).await? {
-            return Some(fail(router, worker, cause));
+        match run(state, router, worker, status.dp_size, &url, p).await {
+            Some(Ok(())) => {}
+            Some(Err(cause)) => return Ok(Some(fail(router, worker, cause))),
+            None => return Err(Retry::NoAnswer),
         }
     }
     tracing::info!(%worker, probes = probes.len(), "parity probe passed");
     router.set_parity(worker, Parity::Ok);
-    Some(Parity::Ok)
+    Ok(Some(Parity::Ok))
 }
 
 /// The probe's kind and nonce lead a system message, so each probe's first block is its own:

@@ -705,3 +705,39 @@ async fn the_parity_probe_names_what_differs_at_join() {
         assert_eq!(mode, want, "worker {id}");
     }
 }
+
+/// A probe that cannot be made costs nothing and says so: a worker that answers but whose
+/// event stream never connects is not probed until it does, each try after a backoff that
+/// doubles, and `/workers` names the cause; readiness waits no longer than its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_that_cannot_be_made_backs_off_and_names_its_cause() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine = kvroute_mocker::spawn(
+        kvroute_mocker::MockerConfig {
+            endpoints: kvroute_mocker::Endpoints::without_events(),
+            ..kvroute_mocker::MockerConfig::default()
+        },
+        listener,
+    )
+    .await
+    .unwrap();
+    // Its `events` name a port bound and closed again: the subscription never connects.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let mut spec = WorkerSpec::new(7);
+    spec.url = Some(engine.url.clone());
+    spec.events = Some(format!("tcp://{dead}"));
+    let stack = Stack::start(config(0, vec![spec])).await.unwrap();
+    let start = std::time::Instant::now();
+    let waiting = stack.ready(Duration::from_millis(2500)).await;
+    assert!(start.elapsed() < Duration::from_secs(4), "ready waited {:?}", start.elapsed());
+    assert_eq!(waiting.len(), 1);
+    let said = stack.waiting_for(&waiting);
+    assert!(said.contains("its event stream") && said.contains("its parity probe"), "{said}");
+    let parity = stack.router.as_ref().unwrap().workers()[0].parity.clone();
+    let kvroute_router::Parity::Retrying(cause) = parity else { panic!("{parity:?}") };
+    assert!(cause.contains("not connected and caught up"), "{cause}");
+    // 1 s, then 2 s: two or three tries in 2.5 s, not one a second.
+    let next: u64 =
+        cause.rsplit("next try in ").next().unwrap().trim_end_matches(" s").parse().unwrap();
+    assert!(next >= 2, "{cause}");
+}

@@ -21,6 +21,7 @@
 
 #[cfg(feature = "fetch")]
 mod decoding;
+#[cfg(feature = "fetch")]
 pub mod fetch;
 pub mod images;
 mod words;
@@ -81,8 +82,8 @@ pub enum PreprocessError {
     TooManyImages { count: usize, limit: usize },
     #[error("the request names {parts} images but {given} were given")]
     ImageCount { parts: usize, given: usize },
-    #[error("model {model:?} takes text only; remove the image parts")]
-    TextOnly { model: String },
+    #[error("model {model:?} takes text only; remove the image parts{why}")]
+    TextOnly { model: String, why: String },
     /// Refused by size before tokenizing.
     #[error("{0}")]
     TooLong(String),
@@ -177,6 +178,8 @@ pub struct Preprocessor {
     words: std::sync::OnceLock<std::sync::Arc<Words>>,
     /// The longest vocabulary entry, in bytes (found on first use).
     max_token_bytes: std::sync::OnceLock<usize>,
+    /// Why a model whose vocabulary has an image token is text-only all the same.
+    text_only: Option<String>,
 }
 
 impl Preprocessor {
@@ -279,7 +282,47 @@ impl Preprocessor {
             image_config,
             words: std::sync::OnceLock::new(),
             max_token_bytes: std::sync::OnceLock::new(),
-        })
+            text_only: None,
+        }
+        .with_images_checked())
+    }
+
+    /// A vocabulary with an image token makes a vision model only if its chat template puts
+    /// a placeholder where a message has an image: one chat with a small picture is rendered
+    /// to see. A template that prints content parts as text (or drops them) cannot take
+    /// images: the model is text-only, and [`Preprocessor::text_only_reason`] says why.
+    fn with_images_checked(mut self) -> Self {
+        let Some(pad) = self.image_token_id else { return self };
+        let picture = images::seeded_png(0, 56);
+        let Ok(image) = images::decode(&picture, &self.image_config) else { return self };
+        let part = ContentPart::ImageUrl {
+            image_url: ImageUrl { url: images::png_data_url(&picture), detail: None, uuid: None },
+        };
+        let messages = [ChatMessage {
+            role: "user".to_owned(),
+            content: Some(MessageContent::Parts(vec![part])),
+        }];
+        if let Err(e) = self.prepare_chat(&messages, true, vec![image]) {
+            let token = self.tokenizer.id_to_token(pad).unwrap_or_default();
+            self.text_only = Some(format!(
+                "its vocabulary has the image token {token:?} (id {pad}), but its chat template puts no image placeholder where a message has an image ({e}); it takes no images"
+            ));
+            self.image_token_id = None;
+        }
+        self
+    }
+
+    fn text_only_error(&self) -> PreprocessError {
+        PreprocessError::TextOnly {
+            model: self.model_name.clone(),
+            why: self.text_only.as_ref().map_or_else(String::new, |w| format!(": {w}")),
+        }
+    }
+
+    /// Why this model takes no images though its vocabulary has an image token (`None`: it
+    /// takes images, or its vocabulary has none).
+    pub fn text_only_reason(&self) -> Option<&str> {
+        self.text_only.as_deref()
     }
 
     /// Where the repository keeps the built-in model's files (for tools that rebuild it).
@@ -387,7 +430,7 @@ impl Preprocessor {
     /// Refuses images for a text-only model.
     pub fn check_images(&self, messages: &[ChatMessage]) -> Result<(), PreprocessError> {
         if self.image_token_id.is_none() && !image_urls(messages).is_empty() {
-            return Err(PreprocessError::TextOnly { model: self.model_name.clone() });
+            return Err(self.text_only_error());
         }
         Ok(())
     }
@@ -460,7 +503,7 @@ impl Preprocessor {
             if images.is_empty() {
                 return Ok(Prepared { tokens, mm: RequestExtraInfo::default(), images });
             }
-            return Err(PreprocessError::TextOnly { model: self.model_name.clone() });
+            return Err(self.text_only_error());
         };
         let pads = tokens.iter().filter(|&&t| t == pad).count();
         if pads != images.len() {

@@ -195,3 +195,40 @@ proptest::proptest! {
         }
     }
 }
+
+/// A vocabulary with `<|image_pad|>` whose chat template prints content parts as text (the
+/// peers' `tinymodel-mm`: tinymodel with three added vision tokens, its template unchanged)
+/// takes no images, and says why; the built-in model, whose template places the pads, does.
+#[test]
+fn image_tokens_without_a_template_that_places_them_make_a_text_only_model() {
+    let dir = std::env::temp_dir().join(format!("kvroute-mm-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let source = Preprocessor::repository_model_dir().join("../tiny-text/tokenizer.json");
+    let mut tokenizer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source).unwrap()).unwrap();
+    let n = tokenizer["model"]["vocab"].as_object().unwrap().len();
+    for (i, token) in ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"].iter().enumerate() {
+        tokenizer["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({
+            "id": n + i, "content": token, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}));
+    }
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template}).to_string(),
+    )
+    .unwrap();
+    let m = Preprocessor::load(&dir).unwrap();
+    assert_eq!(m.image_token_id(), None);
+    let why = m.text_only_reason().unwrap();
+    assert!(why.contains("<|image_pad|>") && why.contains("no image placeholder"), "{why}");
+    let with_image =
+        vec![user(MessageContent::Parts(vec![image_part("data:image/png;base64,AAAA".into())]))];
+    let err = m.check_images(&with_image).unwrap_err();
+    assert!(err.to_string().contains("no image placeholder"), "{err}");
+    let builtin = Preprocessor::builtin();
+    assert!(builtin.image_token_id().is_some());
+    assert_eq!(builtin.text_only_reason(), None);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -60,6 +60,9 @@ impl CacheMode {
 pub enum Parity {
     #[default]
     Unchecked,
+    /// Not probed yet, and why: it is tried again after a backoff (its events trusted
+    /// meanwhile).
+    Retrying(String),
     Ok,
     /// Its events cannot be trusted: ignored, the worker routed approximately.
     Failed(String),
@@ -320,7 +323,8 @@ impl RouterState {
         tracing::info!(%worker, "events arrive for a worker routed approximately: following its events");
     }
 
-    fn parity_failed(&self, worker: WorkerId) -> bool {
+    /// Whether the worker's last parity probe failed.
+    pub fn parity_failed(&self, worker: WorkerId) -> bool {
         self.read_workers().get(&worker).is_some_and(|w| matches!(w.parity, Parity::Failed(_)))
     }
 

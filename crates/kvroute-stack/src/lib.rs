@@ -176,6 +176,9 @@ impl Stack {
             parity_probe,
         } = config;
         let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
+        if let Some(why) = preprocessor.text_only_reason() {
+            tracing::warn!(model = preprocessor.model_name(), %why, "the model takes text only");
+        }
         let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
         let mut engines = Vec::new();
         for k in 0..simulated.count {
@@ -283,14 +286,46 @@ impl Stack {
             }
         }
         if !waiting.is_empty() {
-            let names: Vec<String> = waiting.iter().map(ToString::to_string).collect();
             tracing::warn!(
-                workers = %names.join(", "),
+                workers = %self.waiting_for(&waiting),
                 timeout_secs = timeout.as_secs_f64(),
-                "workers not ready (no event stream or no load report yet): routed only when no other worker is"
+                "workers not ready: routed only when no other worker is"
             );
         }
         waiting
+    }
+
+    /// What each of `waiting` still waits for: its event stream, its first load report, or
+    /// its parity probe (with the probe's cause when it could not be made).
+    pub fn waiting_for(&self, waiting: &[WorkerWithDpRank]) -> String {
+        let Some(router) = &self.router else { return String::new() };
+        let workers = router.workers();
+        let what = |w: &WorkerWithDpRank| {
+            let Some(s) = workers.iter().find(|s| s.id == w.worker_id) else {
+                return format!("{w}: unknown");
+            };
+            let r = w.dp_rank.0 as usize;
+            let mut missing = Vec::new();
+            if s.events.is_some()
+                && !(s.connected.get(r) == Some(&true) && s.caught_up.get(r) == Some(&true))
+            {
+                missing.push("its event stream".to_owned());
+            }
+            if s.metrics.is_some() && s.load.get(r).is_none_or(Option::is_none) {
+                missing.push("its first load report".to_owned());
+            }
+            match &s.parity {
+                kvroute_router::Parity::Retrying(cause) => {
+                    missing.push(format!("its parity probe ({cause})"));
+                }
+                kvroute_router::Parity::Unchecked if s.events.is_some() => {
+                    missing.push("its parity probe".to_owned());
+                }
+                _ => {}
+            }
+            format!("{w}: {}", missing.join(", "))
+        };
+        waiting.iter().map(what).collect::<Vec<_>>().join("; ")
     }
 
     /// Serves the front door on a free loopback port in the background (as long as the

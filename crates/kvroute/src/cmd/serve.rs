@@ -66,11 +66,15 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     super::runtime()?.block_on(async move {
         let listener = super::bind(&settings.address(8000)).await?;
         let stack = Stack::start(config).await?;
-        stack.ready(timeout).await;
+        let waiting = stack.ready(timeout).await;
         let local = listener.local_addr()?;
         let n = stack.workers.len();
+        let still = match waiting.is_empty() {
+            true => String::new(),
+            false => format!("; still waiting for {}", stack.waiting_for(&waiting)),
+        };
         super::announce(&[
-            format!("kvroute serve ready on {scheme}://{local} ({n} workers, policy {policy})"),
+            format!("kvroute serve ready on {scheme}://{local} ({n} workers, policy {policy}{still})"),
             format!(
                 "try: curl -s {scheme}://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":16}}'"
             ),
