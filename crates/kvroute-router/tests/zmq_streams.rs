@@ -74,28 +74,38 @@ async fn load_reports_trtllm_and_kvroute_json_streams() {
     .await;
 }
 
-/// The event plane: a vLLM-format batch whose `dp_rank` is 2^31 (real msgpack bytes on a real
-/// PUB socket) is refused and counted; the worker's later batches still apply.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_with_an_out_of_range_dp_rank_is_refused() {
-    use kvroute_wire::publisher::EventPublisher;
-    use kvroute_wire::{BlockStored, EngineEvent};
-    let publisher = EventPublisher::bind("tcp://127.0.0.1:0", None, "", 16).await.unwrap();
+/// Worker 9 (one rank, blocks of 4) following a vLLM-format publisher here, and its router.
+async fn worker_9_on_a_publisher()
+-> (kvroute_wire::publisher::EventPublisher, Arc<RouterState>, kvroute_router::Tasks) {
+    let publisher =
+        kvroute_wire::publisher::EventPublisher::bind("tcp://127.0.0.1:0", None, "", 16)
+            .await
+            .unwrap();
     let mut spec = WorkerSpec::new(9);
     spec.events = Some(publisher.endpoint.clone());
     spec.block_size = Some(4);
     let state =
         Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
-    let _tasks = kvroute_router::spawn_background(&state).unwrap();
-    let stored = |hash: u64| {
-        vec![EngineEvent::BlockStored(BlockStored {
-            block_hashes: vec![hash],
-            parent_block_hash: None,
-            token_ids: vec![1, 2, 3, hash],
-            block_size: 4,
-            ..BlockStored::default()
-        })]
-    };
+    let tasks = kvroute_router::spawn_background(&state).unwrap();
+    (publisher, state, tasks)
+}
+
+/// One stored block of tokens `[1, 2, 3, hash]` under engine hash `hash`.
+fn stored(hash: u64) -> Vec<kvroute_wire::EngineEvent> {
+    vec![kvroute_wire::EngineEvent::BlockStored(kvroute_wire::BlockStored {
+        block_hashes: vec![hash],
+        parent_block_hash: None,
+        token_ids: vec![1, 2, 3, hash],
+        block_size: 4,
+        ..kvroute_wire::BlockStored::default()
+    })]
+}
+
+/// The event plane: a vLLM-format batch whose `dp_rank` is 2^31 (real msgpack bytes on a real
+/// PUB socket) is refused and counted; the worker's later batches still apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_with_an_out_of_range_dp_rank_is_refused() {
+    let (publisher, state, _tasks) = worker_9_on_a_publisher().await;
     let rejected = || {
         state
             .render_metrics()
@@ -124,24 +134,7 @@ async fn a_batch_with_an_out_of_range_dp_rank_is_refused() {
 async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
     use kvroute_core::LocalBlockHash;
     use kvroute_router::Placement;
-    use kvroute_wire::publisher::EventPublisher;
-    use kvroute_wire::{BlockStored, EngineEvent};
-    let publisher = EventPublisher::bind("tcp://127.0.0.1:0", None, "", 16).await.unwrap();
-    let mut spec = WorkerSpec::new(9);
-    spec.events = Some(publisher.endpoint.clone());
-    spec.block_size = Some(4);
-    let state =
-        Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
-    let _tasks = kvroute_router::spawn_background(&state).unwrap();
-    let stored = |hash: u64| {
-        vec![EngineEvent::BlockStored(BlockStored {
-            block_hashes: vec![hash],
-            parent_block_hash: None,
-            token_ids: vec![1, 2, 3, hash],
-            block_size: 4,
-            ..BlockStored::default()
-        })]
-    };
+    let (publisher, state, _tasks) = worker_9_on_a_publisher().await;
     let refused = || {
         let text = state.render_metrics();
         text.lines()

@@ -87,14 +87,7 @@ fn attack(endpoint: &str, peer: &str) {
 /// A plain HTTP/1.1 GET on loopback: status and body.
 fn get(base: &str, path: &str) -> (u16, String) {
     let host = base.trim_start_matches("http://");
-    let mut s = TcpStream::connect(host).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
-    (status, body)
+    get_on(TcpStream::connect(host).unwrap(), base, path)
 }
 
 fn post(base: &str, path: &str, body: &str) -> (u16, String) {
@@ -119,6 +112,13 @@ fn post_with(base: &str, path: &str, body: &str, key: &str) -> (u16, String) {
     let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
     let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
     (status, body)
+}
+
+/// A two-token chat at `base` answers 200.
+fn assert_chat_answers(base: &str) {
+    let chat = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
+    let (status, body) = post(base, "/v1/chat/completions", chat);
+    assert_eq!(status, 200, "{body}");
 }
 
 /// The sum of a Prometheus counter's samples whose line contains `filter`.
@@ -191,12 +191,7 @@ fn a_mocker_refuses_oversized_zmq_messages_on_every_port_and_keeps_serving() {
     eventually("every attack counted", || {
         counter(&get(&url, "/metrics").1, "kvroute_mocker_zmq_refused_messages_total", "") >= 6
     });
-    let (status, body) = post(
-        &url,
-        "/v1/chat/completions",
-        r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#,
-    );
-    assert_eq!(status, 200, "{body}");
+    assert_chat_answers(&url);
     memory.assert_within_twice_idle("kvroute mocker");
 }
 
@@ -234,12 +229,7 @@ fn serve_refuses_oversized_zmq_messages_to_its_workers_and_keeps_serving() {
         let metrics = get(&base, "/metrics").1;
         counter(&metrics, "kvroute_zmq_refused_messages_total", "socket=\"publisher\"") >= attacks
     });
-    let (status, body) = post(
-        &base,
-        "/v1/chat/completions",
-        r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#,
-    );
-    assert_eq!(status, 200, "{body}");
+    assert_chat_answers(&base);
     memory.assert_within_twice_idle("kvroute serve");
 }
 
@@ -351,5 +341,6 @@ fn get_on(mut s: TcpStream, base: &str, path: &str) -> (u16, String) {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, out)
+    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    (status, body)
 }
