@@ -48,11 +48,11 @@ pub use placer::{Placed, Placer, RemoteRouter};
 
 use health::{Failure, Health};
 
-/// Largest request body accepted: room for inline images (20 MB each once decoded, a third
-/// more as base64).
 /// Longest wait between two tries of a parity probe that could not be made.
 pub const PROBE_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
+/// Largest request body accepted: room for inline images (20 MB each once decoded, a third
+/// more as base64).
 pub const BODY_LIMIT: usize = 64 << 20;
 
 /// Header naming the worker a response came from.
