@@ -143,12 +143,38 @@ impl WorkerStatus {
 
     fn rank_ready(&self, rank: usize) -> bool {
         // Workers and ranks learned from events are as ready as what brought them.
-        if rank >= self.subscribed {
-            return true;
+        rank >= self.subscribed || (self.stream_up(rank) && self.load_in(rank))
+    }
+
+    /// Its event stream (if it has one) connected and caught up at `rank`.
+    fn stream_up(&self, rank: usize) -> bool {
+        self.events.is_none()
+            || (self.connected.get(rank) == Some(&true) && self.caught_up.get(rank) == Some(&true))
+    }
+
+    /// Its first load report (if it sends any) in at `rank`.
+    fn load_in(&self, rank: usize) -> bool {
+        self.metrics.is_none() || self.load.get(rank).is_some_and(Option::is_some)
+    }
+
+    /// What `rank` still waits for before it is ready: its event stream, its first load
+    /// report, its parity probe (with the cause when the probe could not be made yet).
+    pub fn waiting_for(&self, rank: usize) -> Vec<String> {
+        let mut missing = Vec::new();
+        if !self.stream_up(rank) {
+            missing.push("its event stream".to_owned());
         }
-        let events = self.events.is_none() || (self.connected[rank] && self.caught_up[rank]);
-        let load = self.metrics.is_none() || self.load[rank].is_some();
-        events && load
+        if !self.load_in(rank) {
+            missing.push("its first load report".to_owned());
+        }
+        match &self.parity {
+            Parity::Retrying(cause) => missing.push(format!("its parity probe ({cause})")),
+            Parity::Unchecked if self.events.is_some() => {
+                missing.push("its parity probe".to_owned());
+            }
+            _ => {}
+        }
+        missing
     }
 
     fn grow(&mut self, n: usize) {
@@ -165,7 +191,6 @@ impl WorkerStatus {
     }
 }
 
-/// What the router knows of an event's worker.
 /// Why a rank named from outside was refused ([`RouterState::check_rank`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RankRefused {
@@ -175,6 +200,7 @@ pub enum RankRefused {
     AboveMax { max_dp_size: u32 },
 }
 
+/// What the router knows of an event's worker.
 enum Known {
     No,
     /// The worker, not this rank.

@@ -300,30 +300,9 @@ impl Stack {
     pub fn waiting_for(&self, waiting: &[WorkerWithDpRank]) -> String {
         let Some(router) = &self.router else { return String::new() };
         let workers = router.workers();
-        let what = |w: &WorkerWithDpRank| {
-            let Some(s) = workers.iter().find(|s| s.id == w.worker_id) else {
-                return format!("{w}: unknown");
-            };
-            let r = w.dp_rank.0 as usize;
-            let mut missing = Vec::new();
-            if s.events.is_some()
-                && !(s.connected.get(r) == Some(&true) && s.caught_up.get(r) == Some(&true))
-            {
-                missing.push("its event stream".to_owned());
-            }
-            if s.metrics.is_some() && s.load.get(r).is_none_or(Option::is_none) {
-                missing.push("its first load report".to_owned());
-            }
-            match &s.parity {
-                kvroute_router::Parity::Retrying(cause) => {
-                    missing.push(format!("its parity probe ({cause})"));
-                }
-                kvroute_router::Parity::Unchecked if s.events.is_some() => {
-                    missing.push("its parity probe".to_owned());
-                }
-                _ => {}
-            }
-            format!("{w}: {}", missing.join(", "))
+        let what = |w: &WorkerWithDpRank| match workers.iter().find(|s| s.id == w.worker_id) {
+            Some(s) => format!("{w}: {}", s.waiting_for(w.dp_rank.0 as usize).join(", ")),
+            None => format!("{w}: unknown"),
         };
         waiting.iter().map(what).collect::<Vec<_>>().join("; ")
     }
