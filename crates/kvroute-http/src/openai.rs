@@ -302,10 +302,9 @@ pub fn check_lengths(
 pub fn check_model(served: &str, requested: Option<&str>) -> Result<(), ApiError> {
     match requested {
         Some(m) if !m.is_empty() && m != served => {
-            // A name is echoed at most this long: a megabyte of it is not sent back.
-            const ECHOED: usize = 64;
-            let shown: String = m.chars().take(ECHOED).collect();
-            let cut = if m.chars().nth(ECHOED).is_some() { "..." } else { "" };
+            // A megabyte of a name is not sent back.
+            let shown: String = m.chars().take(MAX_ECHOED_CHARS).collect();
+            let cut = if m.chars().nth(MAX_ECHOED_CHARS).is_some() { "..." } else { "" };
             Err(ApiError::not_found(format!(
                 "model {shown:?}{cut} not found; this server serves {served:?}"
             ))
@@ -316,7 +315,7 @@ pub fn check_model(served: &str, requested: Option<&str>) -> Result<(), ApiError
 }
 
 /// The body decoded as `T` (the fields kvroute reads), then the sampling fields every engine
-/// refuses alike ([`check_sampling`]). Fields kvroute does not read are skipped unparsed, so
+/// refuses alike ([`Sampling::check`]). Fields kvroute does not read are skipped unparsed, so
 /// a large body is not held twice here; [`body_value`] reads the whole body once the request
 /// has passed its checks.
 ///
@@ -335,23 +334,8 @@ pub fn parse_request<T: serde::de::DeserializeOwned>(
         }
         _ => not_json(body, &e),
     })?;
-    #[derive(Deserialize)]
-    struct Sampling {
-        n: Option<Value>,
-        best_of: Option<Value>,
-        top_logprobs: Option<Value>,
-        logprobs: Option<Value>,
-    }
-    let s: Sampling = serde_json::from_slice(body).map_err(|e| not_json(body, &e))?;
-    let fields_of = [
-        ("n", s.n),
-        ("best_of", s.best_of),
-        ("top_logprobs", s.top_logprobs),
-        ("logprobs", s.logprobs),
-    ];
-    let sampling: serde_json::Map<String, Value> =
-        fields_of.into_iter().filter_map(|(k, v)| Some((k.to_owned(), v?))).collect();
-    check_sampling(&Value::Object(sampling), max_n)?;
+    let sampling: Sampling = serde_json::from_slice(body).map_err(|e| not_json(body, &e))?;
+    sampling.check(max_n)?;
     Ok(fields)
 }
 
@@ -390,60 +374,70 @@ const MAX_LOGPROBS: i64 = 20;
 
 /// The sampling fields whose bounds are the same on every engine, answered as vLLM answers
 /// them: `n` at least 1, `best_of` at least `n`, `top_logprobs` and `logprobs` within
-/// 0..=20. Fields absent or `null` are the engine's defaults.
-pub fn check_sampling(body: &Value, max_n: Option<i64>) -> Result<(), ApiError> {
-    // An integer, or a float with no fraction (saturated), as pydantic takes them.
-    let int = |name: &'static str| -> Result<Option<i64>, ApiError> {
-        match body.get(name) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_i64()
-                .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
-                .map(Some)
-                .ok_or_else(|| {
-                    ApiError::bad_request(format!("{name} must be an integer")).param(name)
-                }),
+/// 0..=20 (chat's `logprobs: true` only switches `top_logprobs` on). Fields absent or `null`
+/// are the engine's defaults.
+#[derive(Debug, Default, Deserialize)]
+pub struct Sampling {
+    n: Option<Value>,
+    best_of: Option<Value>,
+    top_logprobs: Option<Value>,
+    logprobs: Option<Value>,
+}
+
+impl Sampling {
+    /// `max_n`: the most choices the server returns (`None`: no bound of its own).
+    pub fn check(&self, max_n: Option<i64>) -> Result<(), ApiError> {
+        let n = int("n", self.n.as_ref())?;
+        if let Some(n) = n.filter(|&n| n < 1) {
+            return Err(ApiError::bad_request(format!("n must be at least 1, got {n}.")).param("n"));
         }
-    };
-    let n = int("n")?;
-    if let Some(n) = n.filter(|&n| n < 1) {
-        return Err(ApiError::bad_request(format!("n must be at least 1, got {n}.")).param("n"));
-    }
-    if let (Some(n), Some(max)) = (n, max_n)
-        && n > max
-    {
-        return Err(ApiError::bad_request(format!(
-            "n must be at most {max} on this server, got {n}."
-        ))
-        .param("n"));
-    }
-    if let Some(best_of) = int("best_of")? {
-        let n = n.unwrap_or(1);
-        if best_of < n {
+        if let (Some(n), Some(max)) = (n, max_n)
+            && n > max
+        {
             return Err(ApiError::bad_request(format!(
-                "best_of must be greater than or equal to n, got n={n} and best_of={best_of}."
+                "n must be at most {max} on this server, got {n}."
             ))
-            .param("best_of"));
+            .param("n"));
         }
-        if let Some(max) = max_n.filter(|&max| best_of > max) {
-            return Err(ApiError::bad_request(format!(
-                "best_of must be at most {max} on this server, got {best_of}."
-            ))
-            .param("best_of"));
+        if let Some(best_of) = int("best_of", self.best_of.as_ref())? {
+            let n = n.unwrap_or(1);
+            if best_of < n {
+                return Err(ApiError::bad_request(format!(
+                    "best_of must be greater than or equal to n, got n={n} and best_of={best_of}."
+                ))
+                .param("best_of"));
+            }
+            if let Some(max) = max_n.filter(|&max| best_of > max) {
+                return Err(ApiError::bad_request(format!(
+                    "best_of must be at most {max} on this server, got {best_of}."
+                ))
+                .param("best_of"));
+            }
         }
+        let logprobs = self.logprobs.as_ref().filter(|v| !v.is_boolean());
+        for (name, value) in [("top_logprobs", self.top_logprobs.as_ref()), ("logprobs", logprobs)]
+        {
+            if let Some(k) = int(name, value)?.filter(|k| !(0..=MAX_LOGPROBS).contains(k)) {
+                return Err(ApiError::bad_request(format!(
+                    "{name} must be between 0 and {MAX_LOGPROBS}, got {k}."
+                ))
+                .param(name));
+            }
+        }
+        Ok(())
     }
-    for name in ["top_logprobs", "logprobs"] {
-        if body.get(name).is_some_and(Value::is_boolean) && name == "logprobs" {
-            continue; // chat's `logprobs: true` switches top_logprobs on
-        }
-        if let Some(k) = int(name)?.filter(|k| !(0..=MAX_LOGPROBS).contains(k)) {
-            return Err(ApiError::bad_request(format!(
-                "{name} must be between 0 and {MAX_LOGPROBS}, got {k}."
-            ))
-            .param(name));
-        }
+}
+
+/// `value` as an integer, or a float with no fraction (saturated), as pydantic takes them.
+fn int(name: &'static str, value: Option<&Value>) -> Result<Option<i64>, ApiError> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
+            .map(Some)
+            .ok_or_else(|| ApiError::bad_request(format!("{name} must be an integer")).param(name)),
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -210,11 +210,16 @@ pub async fn serve_with(
 /// received; and the body bytes of all clients together.
 #[derive(Debug)]
 struct Clients {
-    held: std::sync::Mutex<std::collections::HashMap<IpAddr, Held>>,
-    body_bytes: std::sync::atomic::AtomicUsize,
+    held: std::sync::Mutex<AllHeld>,
     max_connections: usize,
     max_body_bytes: usize,
     max_client_body_bytes: usize,
+}
+
+#[derive(Debug, Default)]
+struct AllHeld {
+    per_client: std::collections::HashMap<IpAddr, Held>,
+    body_bytes: usize,
 }
 
 #[derive(Debug, Default)]
@@ -227,21 +232,20 @@ impl Clients {
     fn new(options: &ServeOptions) -> Self {
         Self {
             held: std::sync::Mutex::default(),
-            body_bytes: std::sync::atomic::AtomicUsize::new(0),
             max_connections: options.max_connections_per_client.max(1),
             max_body_bytes: options.max_body_bytes_in_flight,
             max_client_body_bytes: options.max_body_bytes_per_client,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<IpAddr, Held>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, AllHeld> {
         self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A connection of `ip`, unless it holds its share already.
     fn connect(self: &Arc<Self>, ip: IpAddr) -> Option<Client> {
         let mut held = self.lock();
-        let entry = held.entry(ip).or_default();
+        let entry = held.per_client.entry(ip).or_default();
         if entry.connections >= self.max_connections {
             return None;
         }
@@ -251,26 +255,23 @@ impl Clients {
 
     /// Takes `n` body bytes for `ip`, if both its share and the total allow them.
     fn take_body(&self, ip: IpAddr, n: usize) -> bool {
-        use std::sync::atomic::Ordering;
         let mut held = self.lock();
-        let Some(entry) = held.get_mut(&ip) else { return false };
-        let total = self.body_bytes.load(Ordering::Relaxed);
-        if entry.body_bytes + n > self.max_client_body_bytes || total + n > self.max_body_bytes {
+        let total = held.body_bytes + n;
+        let Some(entry) = held.per_client.get_mut(&ip) else { return false };
+        if entry.body_bytes + n > self.max_client_body_bytes || total > self.max_body_bytes {
             return false;
         }
         entry.body_bytes += n;
-        self.body_bytes.store(total + n, Ordering::Relaxed);
+        held.body_bytes = total;
         true
     }
 
     fn give_body(&self, ip: IpAddr, n: usize) {
-        use std::sync::atomic::Ordering;
         let mut held = self.lock();
-        if let Some(entry) = held.get_mut(&ip) {
+        if let Some(entry) = held.per_client.get_mut(&ip) {
             entry.body_bytes = entry.body_bytes.saturating_sub(n);
         }
-        let total = self.body_bytes.load(Ordering::Relaxed);
-        self.body_bytes.store(total.saturating_sub(n), Ordering::Relaxed);
+        held.body_bytes = held.body_bytes.saturating_sub(n);
     }
 }
 
@@ -287,10 +288,10 @@ struct ClientConnection {
 impl Drop for ClientConnection {
     fn drop(&mut self) {
         let mut held = self.clients.lock();
-        if let Some(entry) = held.get_mut(&self.ip) {
+        if let Some(entry) = held.per_client.get_mut(&self.ip) {
             entry.connections = entry.connections.saturating_sub(1);
             if entry.connections == 0 && entry.body_bytes == 0 {
-                held.remove(&self.ip);
+                held.per_client.remove(&self.ip);
             }
         }
     }
