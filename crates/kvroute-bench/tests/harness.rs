@@ -186,7 +186,10 @@ fn the_goodput_search_writes_its_table() {
     let md = std::fs::read_to_string(report).unwrap();
     assert!(md.starts_with("# kvroute bench: goodput"), "{md}");
     let table = md.split("## random: probes").next().unwrap();
-    assert!(table.contains("| random | kv | 320 req/s | 1.00x |"), "{table}");
+    // A loaded machine may mark the probe host-bound; the goodput itself is still 320.
+    let kv_row = table.lines().find(|l| l.starts_with("| random | kv |")).unwrap_or_default();
+    assert!(kv_row.starts_with("| random | kv | 320 req/s"), "{table}");
+    assert!(kv_row.contains("| 1.00x |"), "{table}");
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
     let probes = json["goodput"][0]["policies"][0]["probes"].as_array().unwrap();
@@ -256,3 +259,4 @@ fn replicas_share_one_fleet_and_a_dead_front_door_is_skipped() {
     drop(nats);
     let _ = std::fs::remove_dir_all(&store);
 }
+
