@@ -14,6 +14,7 @@ use std::time::Duration;
 use kvroute_core::BlockSize;
 use kvroute_core::index::{ApproxConfig, IndexConfig};
 use kvroute_core::schedule::PolicyKind;
+use kvroute_core::schedule::kv::KvConfig;
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
@@ -126,6 +127,9 @@ pub struct Settings {
     pub nats_tls_key: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<WorkerSpec>,
+    /// Weights of the `kv` cost by [`KvConfig`] field name; each one overrides its default.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub kv_cost: BTreeMap<String, f64>,
 }
 
 /// Environment variables holding secrets themselves (flags and files name files instead, so
@@ -156,7 +160,7 @@ pub mod keys {
         "cache_namespace_per_key",
         "parity_probe",
     ];
-    const ROUTING: [&str; 11] = [
+    const ROUTING: [&str; 12] = [
         "block_size",
         "policy",
         "temperature",
@@ -168,6 +172,7 @@ pub mod keys {
         "ready_timeout",
         "zmq_max_message_bytes",
         "workers",
+        "kv_cost",
     ];
     const NATS: [&str; 14] = [
         "nats_url",
@@ -213,8 +218,8 @@ pub mod keys {
 }
 
 macro_rules! overlay {
-    ($low:ident, $high:ident, $workers:expr; $($field:ident),* $(,)?) => {
-        Settings { $($field: $high.$field.or($low.$field),)* workers: $workers }
+    ($low:ident, $high:ident, $workers:expr, $kv_cost:expr; $($field:ident),* $(,)?) => {
+        Settings { $($field: $high.$field.or($low.$field),)* workers: $workers, kv_cost: $kv_cost }
     };
 }
 
@@ -266,7 +271,9 @@ impl Settings {
             }
         }
         let workers = order.iter().filter_map(|id| by_id.remove(id)).collect();
-        Ok(overlay!(low, high, workers; host, port, max_connections_per_client,
+        let mut kv_cost = low.kv_cost.clone();
+        kv_cost.extend(high.kv_cost.iter().map(|(k, &v)| (k.clone(), v)));
+        Ok(overlay!(low, high, workers, kv_cost; host, port, max_connections_per_client,
             max_body_bytes_in_flight, max_body_bytes_per_client, block_size, policy, temperature,
             overlap_weight, shards, max_index_blocks, max_dp_size, approx_ttl, ready_timeout,
             zmq_max_message_bytes, router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
@@ -404,6 +411,7 @@ impl Settings {
         s.policy = self.policy.unwrap_or_default();
         s.temperature = self.temperature.unwrap_or(0.0);
         s.overlap_weight = self.overlap_weight.unwrap_or(1.0);
+        s.kv = kv_config(&self.kv_cost)?;
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
             return Err(StackError::Config("temperature must be >= 0".into()));
         }
@@ -549,6 +557,27 @@ fn secs(value: f64, name: &str) -> Result<Duration, StackError> {
         .map_err(|_| StackError::Config(format!("{name} must be a number of seconds >= 0")))
 }
 
+/// The `kv` cost's weights: the defaults, each named one overridden. Names are
+/// [`KvConfig`]'s fields (an unknown one is an error); values are finite and non-negative.
+fn kv_config(overrides: &BTreeMap<String, f64>) -> Result<KvConfig, StackError> {
+    let mut fields = toml::Table::try_from(KvConfig::default())
+        .map_err(|e| StackError::Config(format!("kv_cost: {e}")))?;
+    for (name, &value) in overrides {
+        if !fields.contains_key(name) {
+            let known: Vec<&str> = fields.keys().map(String::as_str).collect();
+            return Err(StackError::Config(format!(
+                "unknown kv_cost weight `{name}` (known: {})",
+                known.join(", ")
+            )));
+        }
+        if !(value.is_finite() && value >= 0.0) {
+            return Err(StackError::Config(format!("kv_cost {name} must be >= 0, not {value}")));
+        }
+        fields.insert(name.clone(), value.into());
+    }
+    fields.try_into().map_err(|e| StackError::Config(format!("kv_cost: {e}")))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -618,6 +647,38 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("worker 2 is given twice"), "{err}");
+    }
+
+    #[test]
+    fn kv_cost_weights_come_by_name_from_the_file_and_the_flags() {
+        let from_file = file("[kv_cost]\nqueue_weight = 0.25\neviction_weight = 2.0\n");
+        let flags = Settings {
+            kv_cost: [("eviction_weight".to_owned(), 0.5)].into(),
+            ..Settings::default()
+        };
+        let merged = from_file.overlaid_by(flags).unwrap();
+        let kv = merged.router_config().unwrap().scheduler.kv;
+        let default = KvConfig::default();
+        assert_eq!(
+            (kv.queue_weight, kv.eviction_weight),
+            (0.25, 0.5),
+            "file, then the flag over it"
+        );
+        assert_eq!(
+            kv.decode_full_cache_tokens, default.decode_full_cache_tokens,
+            "the rest default"
+        );
+        assert_eq!(file(&merged.to_toml()), merged, "printed back as a [kv_cost] table");
+        let named = |name: &str, value: f64| Settings {
+            kv_cost: [(name.to_owned(), value)].into(),
+            ..Settings::default()
+        };
+        let err = named("queue_wieght", 1.0).router_config().unwrap_err().to_string();
+        assert!(err.contains("unknown kv_cost weight `queue_wieght`"), "{err}");
+        assert!(err.contains("queue_weight"), "the known names are listed: {err}");
+        let err = named("queue_weight", -1.0).router_config().unwrap_err().to_string();
+        assert!(err.contains("must be >= 0"), "{err}");
+        assert!(named("queue_weight", f64::NAN).router_config().is_err());
     }
 
     #[test]

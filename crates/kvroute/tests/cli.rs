@@ -61,6 +61,28 @@ fn a_flag_wins_over_its_env_which_wins_over_the_file() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The `kv` cost's weights are settings by name: the file's `[kv_cost]` table, each one
+/// overridden by `--kv-cost NAME=VALUE`.
+#[test]
+fn kv_cost_weights_are_settings() {
+    let dir = temp_dir("kv-cost");
+    let file = dir.join("kvroute.toml");
+    std::fs::write(&file, "[kv_cost]\nqueue_weight = 0.25\neviction_weight = 2.0\n").unwrap();
+    let (out, stdout, stderr) = output(
+        kvroute()
+            .args(["router", "--kv-cost", "eviction_weight=0.5", "--print-config", "--config"])
+            .arg(&file),
+    );
+    assert!(out.status.success(), "{stderr}");
+    let merged: toml::Table = toml::from_str(&stdout).unwrap();
+    assert_eq!(merged["kv_cost"]["queue_weight"].as_float(), Some(0.25), "from the file");
+    assert_eq!(merged["kv_cost"]["eviction_weight"].as_float(), Some(0.5), "the flag over it");
+    let (out, _, stderr) = output(kvroute().args(["router", "--kv-cost", "queue_weight"]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("expected NAME=VALUE"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn what_would_be_dropped_is_an_error() {
     let dir = temp_dir("refuse");

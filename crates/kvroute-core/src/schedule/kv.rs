@@ -62,8 +62,10 @@ use serde::{Deserialize, Serialize};
 
 use super::{Candidate, Policy, RequestInfo};
 
+/// The `kv` cost's weights; each one is a setting by its field name (`--kv-cost NAME=VALUE`,
+/// the config file's `[kv_cost]` table).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct KvConfig {
     /// Prefill speed assumed until a worker's is learned (tokens per second).
     pub prefill_tokens_per_s: f64,

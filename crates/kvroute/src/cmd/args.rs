@@ -112,6 +112,10 @@ pub(crate) struct RoutingArgs {
     /// Weight of prefill against decode blocks in the dynamo policy [default: 1].
     #[arg(long, env = "KVROUTE_OVERLAP_WEIGHT")]
     overlap_weight: Option<f64>,
+    /// A weight of the kv policy's cost as NAME=VALUE; repeat or separate with ','. Names and
+    /// defaults: docs/routing.md ("The kv cost"). Example: --kv-cost queue_weight=0.5
+    #[arg(long = "kv-cost", env = "KVROUTE_KV_COST", value_delimiter = ',', value_parser = kv_weight)]
+    kv_cost: Vec<(String, f64)>,
     /// Index shards: parallel readers, one writer each [default: 4].
     #[arg(long, env = "KVROUTE_SHARDS")]
     shards: Option<usize>,
@@ -288,6 +292,7 @@ impl RoutingArgs {
         s.policy = self.policy;
         s.temperature = self.temperature;
         s.overlap_weight = self.overlap_weight;
+        s.kv_cost = self.kv_cost.iter().cloned().collect();
         s.shards = self.shards;
         s.max_index_blocks = self.max_index_blocks;
         s.max_dp_size = self.max_dp_size;
@@ -359,4 +364,11 @@ impl ConfigArgs {
         }
         self.print_config
     }
+}
+
+/// `NAME=VALUE` of `--kv-cost` (the name is checked against the cost's weights later).
+fn kv_weight(arg: &str) -> Result<(String, f64), String> {
+    let (name, value) = arg.split_once('=').ok_or("expected NAME=VALUE")?;
+    let value = value.trim().parse().map_err(|e| format!("{value}: {e}"))?;
+    Ok((name.trim().to_owned(), value))
 }
