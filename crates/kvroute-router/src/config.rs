@@ -16,9 +16,12 @@ use crate::RouterError;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum EventFormat {
-    /// vLLM and SGLang: ZMQ `[topic, seq, msgpack batch]`.
+    /// vLLM: ZMQ `[topic, seq, msgpack batch]`.
     #[default]
     Vllm,
+    /// SGLang: the same wire as vLLM's (its publisher follows vLLM's), kept by name so a
+    /// configuration prints back as written.
+    Sglang,
     /// TensorRT-LLM event dicts as JSON, one ZMQ frame (or `[topic, payload]`).
     TrtllmJson,
     /// TensorRT-LLM event dicts as MessagePack.
@@ -31,6 +34,7 @@ impl EventFormat {
     pub fn name(self) -> &'static str {
         match self {
             Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
             Self::TrtllmJson => "trtllm-json",
             Self::TrtllmMsgpack => "trtllm-msgpack",
             Self::Kvroute => "kvroute",
@@ -61,7 +65,8 @@ impl FromStr for EventFormat {
     type Err = RouterError;
     fn from_str(s: &str) -> Result<Self, RouterError> {
         match s {
-            "vllm" | "sglang" => Ok(Self::Vllm),
+            "vllm" => Ok(Self::Vllm),
+            "sglang" => Ok(Self::Sglang),
             "trtllm-json" => Ok(Self::TrtllmJson),
             "trtllm-msgpack" => Ok(Self::TrtllmMsgpack),
             "kvroute" => Ok(Self::Kvroute),

@@ -137,8 +137,12 @@ async fn run_once(
         let message = socket.recv().await?;
         let frames: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
         match sub.format {
-            EventFormat::Vllm => handle_vllm(state, sub, stream, &frames).await,
-            _ => handle_other(state, sub, stream, &frames).await,
+            EventFormat::Vllm | EventFormat::Sglang => {
+                handle_vllm(state, sub, stream, &frames).await;
+            }
+            EventFormat::TrtllmJson | EventFormat::TrtllmMsgpack | EventFormat::Kvroute => {
+                handle_other(state, sub, stream, &frames).await;
+            }
         }
     }
 }
@@ -281,26 +285,26 @@ async fn handle_other(
 ) {
     let Some(payload) = frames.last() else { return };
     let before = stream.converter.stats();
-    let events: Result<Vec<RouterEvent>, _> = match sub.format {
-        EventFormat::TrtllmJson | EventFormat::TrtllmMsgpack => {
-            let decoded = match sub.format {
-                EventFormat::TrtllmJson => trtllm::decode_json(payload),
-                _ => trtllm::decode_msgpack(payload),
-            };
-            decoded.map(|events| {
-                events
-                    .iter()
-                    .filter_map(|e| stream.converter.trtllm_event(e))
-                    .map(|mut event| {
-                        if event.dp_rank.0 == 0 {
-                            event.dp_rank = sub.worker.dp_rank;
-                        }
-                        RouterEvent { worker_id: sub.worker.worker_id, event }
-                    })
-                    .collect()
-            })
-        }
-        _ => decode_router_events(payload),
+    let from_trtllm = match sub.format {
+        EventFormat::TrtllmJson => Some(trtllm::decode_json(payload)),
+        EventFormat::TrtllmMsgpack => Some(trtllm::decode_msgpack(payload)),
+        // (vLLM's and SGLang's frames never come here: `run_once` sends them to `handle_vllm`.)
+        EventFormat::Kvroute | EventFormat::Vllm | EventFormat::Sglang => None,
+    };
+    let events: Result<Vec<RouterEvent>, _> = match from_trtllm {
+        Some(decoded) => decoded.map(|events| {
+            events
+                .iter()
+                .filter_map(|e| stream.converter.trtllm_event(e))
+                .map(|mut event| {
+                    if event.dp_rank.0 == 0 {
+                        event.dp_rank = sub.worker.dp_rank;
+                    }
+                    RouterEvent { worker_id: sub.worker.worker_id, event }
+                })
+                .collect()
+        }),
+        None => decode_router_events(payload),
     };
     state.record_conversion(sub.worker, &before, &stream.converter.stats());
     match events {

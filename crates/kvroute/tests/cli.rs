@@ -57,7 +57,7 @@ fn a_flag_wins_over_its_env_which_wins_over_the_file() {
     assert_eq!(merged["port"].as_integer(), Some(1234));
     let workers = merged["workers"].as_array().unwrap();
     assert_eq!(workers.len(), 2, "the file's worker and the flag's");
-    assert_eq!(workers[0]["format"].as_str(), Some("vllm"), "sglang is vLLM's format");
+    assert_eq!(workers[0]["format"].as_str(), Some("sglang"), "a format prints back as written");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
