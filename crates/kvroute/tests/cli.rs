@@ -83,6 +83,31 @@ fn kv_cost_weights_are_settings() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `serve --help` groups its flags, the common ones first: the fleet and routing before the
+/// listener and security, the replicas' NATS flags last; the simulated engine's say so.
+#[test]
+fn serve_help_is_grouped_common_flags_first() {
+    let (out, stdout, stderr) = output(kvroute().args(["serve", "--help"]));
+    assert!(out.status.success(), "{stderr}");
+    let at = |heading: &str| {
+        stdout.find(&format!("\n{heading}:\n")).unwrap_or_else(|| panic!("no {heading}:\n{stdout}"))
+    };
+    let order = [
+        at("Fleet"),
+        at("Routing"),
+        at("Model"),
+        at("Simulated engine (on serve: its simulated workers only)"),
+        at("Listener"),
+        at("Front door"),
+        at("Security"),
+        at("Replicas (NATS)"),
+    ];
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{stdout}");
+    let flag = |name: &str| stdout.find(name).unwrap();
+    assert!(flag("--simulated-workers") < flag("--policy"), "{stdout}");
+    assert!(flag("--policy") < flag("--nats-url"), "{stdout}");
+}
+
 #[test]
 fn what_would_be_dropped_is_an_error() {
     let dir = temp_dir("refuse");

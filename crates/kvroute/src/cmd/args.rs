@@ -11,6 +11,7 @@ use kvroute_stack::settings::Settings;
 
 /// Where an HTTP API listens.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Listener")]
 pub(crate) struct ListenArgs {
     /// Address to listen on [default: 127.0.0.1].
     #[arg(long, env = "KVROUTE_HOST")]
@@ -36,6 +37,7 @@ pub(crate) struct ListenArgs {
 
 /// Who may call the listener, and TLS.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Security")]
 pub(crate) struct SecurityArgs {
     /// File holding the admin token (first line): the router's API (events, lifecycle, debug,
     /// status) and /metrics then need `Authorization: Bearer <token>`. Or the token itself in
@@ -57,6 +59,7 @@ pub(crate) struct SecurityArgs {
 
 /// The OpenAI routes' keys and what answers tell.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Front door")]
 pub(crate) struct FrontDoorArgs {
     /// File of API keys the OpenAI routes accept (`Authorization: Bearer <key>`), one per line,
     /// several at once; or the keys themselves, comma-separated, in KVROUTE_API_KEYS. Without
@@ -85,6 +88,7 @@ pub(crate) struct FrontDoorArgs {
 
 /// Tokens per KV block.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Fleet")]
 pub(crate) struct BlockSizeArg {
     /// Tokens per KV block; the engines must use the same [default: 16].
     #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
@@ -93,6 +97,7 @@ pub(crate) struct BlockSizeArg {
 
 /// The router's settings and its workers.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Routing")]
 pub(crate) struct RoutingArgs {
     /// A worker, as comma-separated key=value pairs: id (required), url, events, replay,
     /// metrics (tcp:// load reports or http://.../metrics), block_size, dp_size,
@@ -146,6 +151,7 @@ pub(crate) struct RoutingArgs {
 
 /// Replicas over NATS with JetStream (SPEC section 12).
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Replicas (NATS)")]
 pub(crate) struct NatsArgs {
     /// NATS server URL (nats://host:4222, tls://..., comma-separated for a cluster; the server
     /// runs with JetStream: `nats-server -js -sd DIR`). With it, this replica shares its
@@ -201,6 +207,7 @@ pub(crate) struct NatsArgs {
 
 /// The model and its images (front door and simulated workers).
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Model")]
 pub(crate) struct ModelArgs {
     /// Model directory (tokenizer.json, tokenizer_config.json) [default: the built-in
     /// kvroute-tiny].
@@ -215,6 +222,7 @@ pub(crate) struct ModelArgs {
 /// A simulated engine's knobs, the same on `kvroute mocker` and `kvroute serve` (SPEC 11);
 /// defaults follow Dynamo's mocker.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Simulated engine (on serve: its simulated workers only)")]
 pub(crate) struct EngineArgs {
     /// KV cache capacity in blocks [default: 16384].
     #[arg(long, env = "KVROUTE_NUM_BLOCKS")]
@@ -240,6 +248,7 @@ pub(crate) struct EngineArgs {
 
 /// `--config` and `--print-config`.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Config file")]
 pub(crate) struct ConfigArgs {
     /// TOML file of settings: the flags' names in snake_case (block_size = 32) and
     /// [[workers]] tables of the --worker keys. Flags and environment win over it.

@@ -13,27 +13,32 @@ use super::args::{
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
-    #[command(flatten)]
-    listen: ListenArgs,
-    #[command(flatten)]
-    security: SecurityArgs,
-    #[command(flatten)]
-    front_door: FrontDoorArgs,
     /// Simulated workers to start in-process, on free loopback ports; 0 with --worker for
     /// external workers only [default: 4].
-    #[arg(long, visible_alias = "workers", env = "KVROUTE_SIMULATED_WORKERS")]
+    #[arg(
+        long,
+        visible_alias = "workers",
+        env = "KVROUTE_SIMULATED_WORKERS",
+        help_heading = "Fleet"
+    )]
     simulated_workers: Option<usize>,
     #[command(flatten)]
     block_size: BlockSizeArg,
     #[command(flatten)]
     routing: RoutingArgs,
     #[command(flatten)]
-    nats: NatsArgs,
-    #[command(flatten)]
     model: ModelArgs,
     /// Each simulated worker's knobs.
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    listen: ListenArgs,
+    #[command(flatten)]
+    front_door: FrontDoorArgs,
+    #[command(flatten)]
+    security: SecurityArgs,
+    #[command(flatten)]
+    nats: NatsArgs,
     #[command(flatten)]
     config: ConfigArgs,
 }
