@@ -37,6 +37,11 @@ pub struct BenchArgs {
     /// shared-prefix,multi-turn).
     #[arg(long, env = "KVROUTE_BENCH_WORKLOADS", value_delimiter = ',')]
     pub workloads: Vec<WorkloadKind>,
+    /// A first look in about 10 seconds: shared-prefix only, 4 groups x 24 prompts of
+    /// 1,024 + 64 tokens with 8 out, speedup 4, kv against round-robin. Sets those settings
+    /// (workloads, policies, sizes, speedup; no approximate runs) over any given.
+    #[arg(long, env = "KVROUTE_BENCH_QUICK")]
+    pub quick: bool,
     /// Routing policies compared (self-contained mode). Default:
     /// kv,dynamo,round-robin,random,least-loaded (with --slo-ttft-p99: kv,dynamo,round-robin).
     #[arg(long, env = "KVROUTE_BENCH_POLICIES", value_delimiter = ',')]
@@ -276,6 +281,22 @@ impl BenchArgs {
         }
     }
 
+    /// `--quick`: these settings with the quick look's workload, policies and sizes.
+    fn quick_look(&self) -> BenchArgs {
+        BenchArgs {
+            quick: false,
+            workloads: vec![WorkloadKind::SharedPrefix],
+            policies: vec![PolicyKind::Kv, PolicyKind::RoundRobin],
+            approximate: Vec::new(),
+            groups: 4,
+            prompts_per_group: 24,
+            system_tokens: 1024,
+            output_tokens: 8,
+            speedup: 4.0,
+            ..self.clone()
+        }
+    }
+
     fn check(&self) -> anyhow::Result<()> {
         anyhow::ensure!(
             self.slo_ttft_p99.iter().all(|s| s.is_finite() && *s > 0.0),
@@ -433,6 +454,14 @@ fn progress_bar() -> ProgressBar {
 
 /// Runs everything `args` asks for and writes the report; returns the report's path.
 pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
+    let quick;
+    let args = match args.quick {
+        true => {
+            quick = args.quick_look();
+            &quick
+        }
+        false => args,
+    };
     args.check()?;
     let fleet = args.fleet();
     let preprocessor = std::sync::Arc::new(

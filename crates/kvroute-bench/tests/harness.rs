@@ -260,3 +260,23 @@ fn replicas_share_one_fleet_and_a_dead_front_door_is_skipped() {
     let _ = std::fs::remove_dir_all(&store);
 }
 
+/// `--quick`: shared-prefix alone, kv against round-robin, 96 requests each, whatever else
+/// the command line says about workloads and policies.
+#[test]
+fn the_quick_look_runs_shared_prefix_for_kv_and_round_robin() {
+    let out = std::env::temp_dir().join(format!("kvroute-quick-{}", std::process::id()));
+    let args = bench_args(&format!(
+        "--quick --workloads multi-turn --policies dynamo --out {}",
+        out.display()
+    ));
+    let md = std::fs::read_to_string(kvroute_bench::bench(&args).unwrap()).unwrap();
+    assert!(md.contains("## shared-prefix") && !md.contains("## multi-turn"), "{md}");
+    assert!(md.contains("| kv |") && md.contains("| round-robin |"), "{md}");
+    assert!(!md.contains("| dynamo |") && !md.contains("kv-approx"), "{md}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let runs = json["workloads"][0]["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert!(runs.iter().all(|r| r["records"].as_array().unwrap().len() == 96));
+    std::fs::remove_dir_all(&out).unwrap();
+}
