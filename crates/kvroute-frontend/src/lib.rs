@@ -301,8 +301,12 @@ impl FrontendState {
         (0..n).map(move |r| WorkerWithDpRank::new(worker, r))
     }
 
-    /// Whether `worker`'s parity probe may be tried at `now` (not backing off).
+    /// Whether `worker`'s parity probe may be tried at `now` (not backing off). Probes run on
+    /// the health tick, and a backoff is counted from the end of the last round of probes: a
+    /// deadline less than half a tick away counts as reached, or a 1 s backoff would wait for
+    /// the tick after next (2 s; serve's readiness waited that long on a startup race).
     fn probe_due(&self, worker: WorkerId, now: Instant) -> bool {
+        let now = now + HEALTH_INTERVAL / 2;
         self.probe_retries.lock().map_or(true, |r| r.get(&worker).is_none_or(|(at, _)| now >= *at))
     }
 
