@@ -86,6 +86,10 @@ def test_the_status_page_shows_every_worker_and_matches_the_metrics(serve):
     assert re.search(rf'id="answered">{answered}<', html), (answered, html[:3000])
     assert decisions == 12
     assert re.search(rf'id="hit-rate">{100 * cached / prompt:.1f} %<', html), (cached / prompt, html[:3000])
+    # The chart has its axes: decisions/s, %, and time.
+    for axis in ("rate", "error", "time"):
+        assert f'data-axis="{axis}"' in html, html[:3000]
+    assert "decisions / s" in html and "100 %" in html and "seconds ago" in html
     # Every decision is among the recent ones, each with its chosen worker first.
     assert len(re.findall(r'data-decision="\d+"', html)) == 12
 
