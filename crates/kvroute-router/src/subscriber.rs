@@ -285,14 +285,8 @@ async fn handle_other(
 ) {
     let Some(payload) = frames.last() else { return };
     let before = stream.converter.stats();
-    let from_trtllm = match sub.format {
-        EventFormat::TrtllmJson => Some(trtllm::decode_json(payload)),
-        EventFormat::TrtllmMsgpack => Some(trtllm::decode_msgpack(payload)),
-        // (vLLM's and SGLang's frames never come here: `run_once` sends them to `handle_vllm`.)
-        EventFormat::Kvroute | EventFormat::Vllm | EventFormat::Sglang => None,
-    };
-    let events: Result<Vec<RouterEvent>, _> = match from_trtllm {
-        Some(decoded) => decoded.map(|events| {
+    let converted = |stream: &mut Stream, decoded: Result<Vec<_>, _>| {
+        decoded.map(|events: Vec<_>| {
             events
                 .iter()
                 .filter_map(|e| stream.converter.trtllm_event(e))
@@ -302,9 +296,15 @@ async fn handle_other(
                     }
                     RouterEvent { worker_id: sub.worker.worker_id, event }
                 })
-                .collect()
-        }),
-        None => decode_router_events(payload),
+                .collect::<Vec<_>>()
+        })
+    };
+    let events: Result<Vec<RouterEvent>, _> = match sub.format {
+        EventFormat::TrtllmJson => converted(stream, trtllm::decode_json(payload)),
+        EventFormat::TrtllmMsgpack => converted(stream, trtllm::decode_msgpack(payload)),
+        EventFormat::Kvroute => decode_router_events(payload),
+        // `run_once` sends these to `handle_vllm`; never decoded as anything else.
+        EventFormat::Vllm | EventFormat::Sglang => return,
     };
     state.record_conversion(sub.worker, &before, &stream.converter.stats());
     match events {
