@@ -271,8 +271,8 @@ impl Settings {
             }
         }
         let workers = order.iter().filter_map(|id| by_id.remove(id)).collect();
-        let mut kv_cost = low.kv_cost.clone();
-        kv_cost.extend(high.kv_cost.iter().map(|(k, &v)| (k.clone(), v)));
+        let mut kv_cost = low.kv_cost;
+        kv_cost.extend(high.kv_cost);
         Ok(overlay!(low, high, workers, kv_cost; host, port, max_connections_per_client,
             max_body_bytes_in_flight, max_body_bytes_per_client, block_size, policy, temperature,
             overlap_weight, shards, max_index_blocks, max_dp_size, approx_ttl, ready_timeout,
