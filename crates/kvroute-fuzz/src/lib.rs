@@ -6,8 +6,8 @@
 //!
 //! | target | bytes | path |
 //! |---|---|---|
-//! | `vllm` | a vLLM / SGLang msgpack batch | decode, convert, apply |
-//! | `trtllm_json`, `trtllm_msgpack` | TensorRT-LLM event dicts | decode, convert, apply |
+//! | `vllm` | a vLLM / SGLang msgpack batch | the subscription's pipeline, apply |
+//! | `trtllm_json`, `trtllm_msgpack` | TensorRT-LLM event dicts | the subscription's pipeline, apply |
 //! | `router_events` | kvroute `RouterEvent` JSON (`POST /events`) | decode, apply as posted |
 //! | `router_api` | a `find_best_worker` body | decode, place |
 //! | `replica_sync` | a replica's decisions (NATS) | decode, apply to in-flight accounting |
@@ -18,12 +18,12 @@
 
 use std::sync::{Arc, OnceLock};
 
-use kvroute_core::{BlockSize, LocalBlockHash, RouterEvent, WorkerId};
+use kvroute_core::{BlockSize, LocalBlockHash, WorkerId, WorkerWithDpRank};
 use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest};
 use kvroute_http::router_api::FindBestWorker;
 use kvroute_preprocess::{ImageConfig, Preprocessor, images};
 use kvroute_router::{Placement, RouterConfig, RouterState, WorkerSpec};
-use kvroute_wire::{ConvertConfig, Converter, trtllm};
+use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
 
 /// What a target does with its input.
 pub type Target = fn(&[u8]);
@@ -54,45 +54,36 @@ fn router() -> RouterState {
     RouterState::new(config)
 }
 
-fn converter() -> Converter {
+/// The pipeline a router's subscription runs for worker 1's rank 0 in `format`.
+fn pipeline(format: EventFormat) -> Pipeline {
     let block_size = BlockSize::new(4).unwrap_or_default();
-    Converter::new(ConvertConfig {
-        block_size,
-        image_token_id: Some(151_655),
-        vocab_size: Some(151_936),
-    })
+    let convert =
+        ConvertConfig { block_size, image_token_id: Some(151_655), vocab_size: Some(151_936) };
+    Pipeline::new(WorkerWithDpRank::new(WorkerId(1), 0), format, convert)
 }
 
-fn apply(state: &RouterState, worker: u64, events: Vec<kvroute_core::KvCacheEvent>) {
-    let events: Vec<RouterEvent> = events
-        .into_iter()
-        .map(|event| RouterEvent { worker_id: WorkerId(worker), event })
-        .collect();
-    state.apply(&events);
+/// One message's payload through the format's pipeline, as the subscription decodes it, and
+/// into a router's index.
+fn events(format: EventFormat, data: &[u8]) {
+    let Ok(decoded) = pipeline(format).decode(Framed { seq: Some(0), payload: data }) else {
+        return;
+    };
+    let state = router();
+    state.record_conversion(WorkerWithDpRank::new(WorkerId(1), 0), &decoded.stats);
+    state.apply(&decoded.events);
     let _ = state.workers();
 }
 
 pub fn vllm(data: &[u8]) {
-    let Ok(batch) = kvroute_wire::vllm::decode_batch(data) else { return };
-    let state = router();
-    let events = converter().vllm_batch(&batch, 0);
-    apply(&state, 1, events);
-}
-
-fn trtllm_events(decoded: Result<Vec<trtllm::TrtEvent>, kvroute_wire::WireError>) {
-    let Ok(decoded) = decoded else { return };
-    let state = router();
-    let mut converter = converter();
-    let events = decoded.iter().filter_map(|e| converter.trtllm_event(e)).collect();
-    apply(&state, 2, events);
+    events(EventFormat::Vllm, data);
 }
 
 pub fn trtllm_json(data: &[u8]) {
-    trtllm_events(trtllm::decode_json(data));
+    events(EventFormat::TrtllmJson, data);
 }
 
 pub fn trtllm_msgpack(data: &[u8]) {
-    trtllm_events(trtllm::decode_msgpack(data));
+    events(EventFormat::TrtllmMsgpack, data);
 }
 
 pub fn router_events(data: &[u8]) {

@@ -1,7 +1,6 @@
 //! Workers and router settings: `--worker id=7,url=http://..,events=tcp://..` values or TOML
 //! `[[workers]]` tables with the same keys and values (SPEC section 11).
 
-use std::fmt;
 use std::str::FromStr;
 
 use kvroute_core::index::{ApproxConfig, IndexConfig};
@@ -9,72 +8,62 @@ use kvroute_core::schedule::SchedulerConfig;
 use kvroute_core::{BlockSize, WorkerId};
 use serde::{Deserialize, Serialize};
 
-use crate::RouterError;
+pub mod nats;
 
-/// How a worker publishes its KV events (in flags and files alike: `vllm`, `sglang`,
-/// `trtllm-json`, `trtllm-msgpack`, `kvroute`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub enum EventFormat {
-    /// vLLM: ZMQ `[topic, seq, msgpack batch]`.
-    #[default]
-    Vllm,
-    /// SGLang: the same wire as vLLM's (its publisher follows vLLM's), kept by name so a
-    /// configuration prints back as written.
-    Sglang,
-    /// TensorRT-LLM event dicts as JSON, one ZMQ frame (or `[topic, payload]`).
-    TrtllmJson,
-    /// TensorRT-LLM event dicts as MessagePack.
-    TrtllmMsgpack,
-    /// kvroute's own `RouterEvent` JSON.
-    Kvroute,
+pub use kvroute_wire::EventFormat;
+
+/// What a configuration cannot be (flags, files and their checks alike).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("endpoint {0:?} has no port")]
+    NoPort(String),
+    #[error("--worker {flag:?}: {why}")]
+    WorkerFlag { flag: String, why: WorkerFlagError },
+    #[error(transparent)]
+    Nats(#[from] nats::NatsConfigError),
+    #[error("max_dp_size must be at least 1")]
+    MaxDpSize,
+    #[error("worker id {0} given twice")]
+    DuplicateWorker(WorkerId),
+    #[error("worker {worker}: {why}")]
+    Worker { worker: WorkerId, why: WorkerError },
 }
 
-impl EventFormat {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Vllm => "vllm",
-            Self::Sglang => "sglang",
-            Self::TrtllmJson => "trtllm-json",
-            Self::TrtllmMsgpack => "trtllm-msgpack",
-            Self::Kvroute => "kvroute",
-        }
-    }
+/// What is wrong with one `--worker key=value,...` flag.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerFlagError {
+    #[error("{0:?} is not key=value")]
+    NotKeyValue(String),
+    #[error("{key} must be a number, not {value:?}")]
+    NotANumber { key: String, value: String },
+    #[error("unknown key {0:?}")]
+    UnknownKey(String),
+    #[error("id is required")]
+    NoId,
+    #[error("dp_size must be at least 1")]
+    NoRanks,
+    #[error(transparent)]
+    Format(#[from] kvroute_wire::UnknownFormat),
 }
 
-impl fmt::Display for EventFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl TryFrom<String> for EventFormat {
-    type Error = RouterError;
-    fn try_from(s: String) -> Result<Self, RouterError> {
-        s.parse()
-    }
-}
-
-impl From<EventFormat> for String {
-    fn from(f: EventFormat) -> String {
-        f.name().to_owned()
-    }
-}
-
-impl FromStr for EventFormat {
-    type Err = RouterError;
-    fn from_str(s: &str) -> Result<Self, RouterError> {
-        match s {
-            "vllm" => Ok(Self::Vllm),
-            "sglang" => Ok(Self::Sglang),
-            "trtllm-json" => Ok(Self::TrtllmJson),
-            "trtllm-msgpack" => Ok(Self::TrtllmMsgpack),
-            "kvroute" => Ok(Self::Kvroute),
-            other => Err(RouterError::Config(format!(
-                "unknown event format {other:?} (vllm, sglang, trtllm-json, trtllm-msgpack, kvroute)"
-            ))),
-        }
-    }
+/// What is wrong with one configured worker.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    #[error("endpoint {0:?} must be tcp://host:port")]
+    Endpoint(String),
+    #[error(
+        "metrics {0:?} must be tcp://host:port (load reports) or http://host:port/metrics (Prometheus)"
+    )]
+    Metrics(String),
+    #[error("replay without events (give events, or neither for approximate mode)")]
+    ReplayWithoutEvents,
+    #[error("dp_size {dp_size} is above max_dp_size {max_dp_size}")]
+    TooManyRanks { dp_size: u32, max_dp_size: u32 },
+    #[error("{0}")]
+    BlockSize(#[from] kvroute_core::Error),
 }
 
 /// One worker (engine instance) of the fleet.
@@ -157,38 +146,34 @@ impl WorkerSpec {
     }
 
     /// The event endpoint of data-parallel rank `rank` (the port moved up by `rank`).
-    pub fn endpoint_for_rank(endpoint: &str, rank: u32) -> Result<String, RouterError> {
+    pub fn endpoint_for_rank(endpoint: &str, rank: u32) -> Result<String, ConfigError> {
         if rank == 0 {
             return Ok(endpoint.to_owned());
         }
-        let (head, port) = endpoint
-            .rsplit_once(':')
-            .ok_or_else(|| RouterError::Config(format!("endpoint {endpoint:?} has no port")))?;
-        let port: u32 = port
-            .parse()
-            .map_err(|_| RouterError::Config(format!("endpoint {endpoint:?} has no port")))?;
+        let no_port = || ConfigError::NoPort(endpoint.to_owned());
+        let (head, port) = endpoint.rsplit_once(':').ok_or_else(no_port)?;
+        let port: u32 = port.parse().map_err(|_| no_port())?;
         Ok(format!("{head}:{}", port + rank))
     }
 }
 
 impl FromStr for WorkerSpec {
-    type Err = RouterError;
+    type Err = ConfigError;
 
     /// `id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://..:5558`
-    fn from_str(s: &str) -> Result<Self, RouterError> {
-        let bad = |msg: String| RouterError::Config(format!("--worker {s:?}: {msg}"));
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        let bad = |why: WorkerFlagError| ConfigError::WorkerFlag { flag: s.to_owned(), why };
         let mut id = None;
         let mut spec = WorkerSpec::new(0);
         for pair in s.split(',').filter(|p| !p.trim().is_empty()) {
-            let (key, value) =
-                pair.split_once('=').ok_or_else(|| bad(format!("{pair:?} is not key=value")))?;
+            let (key, value) = pair
+                .split_once('=')
+                .ok_or_else(|| bad(WorkerFlagError::NotKeyValue(pair.into())))?;
             let (key, value) = (key.trim(), value.trim().to_owned());
-            let number = |v: &str| {
-                v.parse::<u64>().map_err(|_| bad(format!("{key} must be a number, not {v:?}")))
-            };
-            let small = |v: &str| {
-                v.parse::<u32>().map_err(|_| bad(format!("{key} must be a number, not {v:?}")))
-            };
+            let nan =
+                |v: &str| bad(WorkerFlagError::NotANumber { key: key.into(), value: v.into() });
+            let number = |v: &str| v.parse::<u64>().map_err(|_| nan(v));
+            let small = |v: &str| v.parse::<u32>().map_err(|_| nan(v));
             match key {
                 "id" => id = Some(number(&value)?),
                 "url" => spec.url = Some(value),
@@ -199,13 +184,15 @@ impl FromStr for WorkerSpec {
                 "dp_size" => spec.dp_size = small(&value)?,
                 "image_token_id" => spec.image_token_id = Some(small(&value)?),
                 "vocab_size" => spec.vocab_size = Some(small(&value)?),
-                "format" => spec.format = value.parse()?,
-                other => return Err(bad(format!("unknown key {other:?}"))),
+                "format" => {
+                    spec.format = value.parse().map_err(|e| bad(WorkerFlagError::Format(e)))?;
+                }
+                other => return Err(bad(WorkerFlagError::UnknownKey(other.into()))),
             }
         }
-        spec.id = WorkerId(id.ok_or_else(|| bad("id is required".into()))?);
+        spec.id = WorkerId(id.ok_or_else(|| bad(WorkerFlagError::NoId))?);
         if spec.dp_size == 0 {
-            return Err(bad("dp_size must be at least 1".into()));
+            return Err(bad(WorkerFlagError::NoRanks));
         }
         Ok(spec)
     }
@@ -240,7 +227,7 @@ pub struct RouterConfig {
     pub approx: ApproxConfig,
     pub scheduler: SchedulerConfig,
     /// Replicas over NATS: decisions shared, events from a JetStream stream (SPEC section 12).
-    pub nats: Option<crate::nats::NatsConfig>,
+    pub nats: Option<nats::NatsConfig>,
     /// The largest ZMQ message (all frames) an engine's event, replay or load socket may
     /// send; larger ones are refused before anything is allocated and the peer dropped
     /// (see [`kvroute_wire::transport`]).
@@ -267,52 +254,47 @@ impl Default for RouterConfig {
 
 impl RouterConfig {
     /// Checks what serde cannot: unique worker ids, usable endpoints.
-    pub fn validate(&self) -> Result<(), RouterError> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if let Some(nats) = &self.nats {
-            nats.validate().map_err(RouterError::Config)?;
+            nats.validate()?;
         }
         if self.max_dp_size == 0 {
-            return Err(RouterError::Config("max_dp_size must be at least 1".into()));
+            return Err(ConfigError::MaxDpSize);
         }
         let mut ids: Vec<_> = self.workers.iter().map(|w| w.id).collect();
         ids.sort_unstable();
         if let Some(dup) = ids.windows(2).find(|p| p[0] == p[1]) {
-            return Err(RouterError::Config(format!("worker id {} given twice", dup[0])));
+            return Err(ConfigError::DuplicateWorker(dup[0]));
         }
         for w in &self.workers {
-            for endpoint in [&w.events, &w.replay].into_iter().flatten() {
-                if !endpoint.starts_with("tcp://") {
-                    return Err(RouterError::Config(format!(
-                        "worker {}: endpoint {endpoint:?} must be tcp://host:port",
-                        w.id
-                    )));
-                }
+            w.validate(self.max_dp_size)
+                .map_err(|why| ConfigError::Worker { worker: w.id, why })?;
+        }
+        Ok(())
+    }
+}
+
+impl WorkerSpec {
+    fn validate(&self, max_dp_size: u32) -> Result<(), WorkerError> {
+        for endpoint in [&self.events, &self.replay].into_iter().flatten() {
+            if !endpoint.starts_with("tcp://") {
+                return Err(WorkerError::Endpoint(endpoint.clone()));
             }
-            if let Some(m) = &w.metrics
-                && !m.starts_with("tcp://")
-                && !m.starts_with("http://")
-            {
-                return Err(RouterError::Config(format!(
-                    "worker {}: metrics {m:?} must be tcp://host:port (load reports) or http://host:port/metrics (Prometheus)",
-                    w.id
-                )));
-            }
-            if w.replay.is_some() && w.events.is_none() {
-                return Err(RouterError::Config(format!(
-                    "worker {}: replay without events (give events, or neither for approximate mode)",
-                    w.id
-                )));
-            }
-            if w.dp_size > self.max_dp_size {
-                return Err(RouterError::Config(format!(
-                    "worker {}: dp_size {} is above max_dp_size {}",
-                    w.id, w.dp_size, self.max_dp_size
-                )));
-            }
-            if let Some(bs) = w.block_size {
-                BlockSize::new(bs)
-                    .map_err(|e| RouterError::Config(format!("worker {}: {e}", w.id)))?;
-            }
+        }
+        if let Some(m) = &self.metrics
+            && !m.starts_with("tcp://")
+            && !m.starts_with("http://")
+        {
+            return Err(WorkerError::Metrics(m.clone()));
+        }
+        if self.replay.is_some() && self.events.is_none() {
+            return Err(WorkerError::ReplayWithoutEvents);
+        }
+        if self.dp_size > max_dp_size {
+            return Err(WorkerError::TooManyRanks { dp_size: self.dp_size, max_dp_size });
+        }
+        if let Some(bs) = self.block_size {
+            BlockSize::new(bs)?;
         }
         Ok(())
     }

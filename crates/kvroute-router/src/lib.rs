@@ -16,84 +16,28 @@
 
 pub mod checks;
 pub mod config;
+mod error;
 pub mod http;
+pub mod links;
 pub mod load;
 pub mod metrics;
 pub mod nats;
 pub mod state;
 pub mod stream;
 pub mod subscriber;
+mod tasks;
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use config::{EventFormat, RouterConfig, WorkerKey, WorkerSpec, workers_client};
-use kvroute_core::{BlockSize, WorkerWithDpRank};
-use kvroute_wire::ConvertConfig;
+pub use config::{ConfigError, EventFormat, RouterConfig, WorkerKey, WorkerSpec, workers_client};
+pub use error::RouterError;
+use kvroute_core::BlockSize;
 pub use kvroute_wire::ConvertStats;
 pub use state::{CacheMode, Parity, Placement, RouterState, WorkerStatus};
+pub use tasks::Tasks;
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
-
-/// Everything the router service can fail with.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum RouterError {
-    #[error("configuration: {0}")]
-    Config(String),
-    #[error("ZMQ: {0}")]
-    Zmq(#[from] zeromq::ZmqError),
-    #[error("replay: no reply in time")]
-    ReplayTimeout,
-    #[error("replay: a bad frame")]
-    ReplayFrame(#[source] kvroute_wire::WireError),
-    #[error("block size")]
-    BlockSize(#[from] kvroute_core::Error),
-    #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
-}
-
-/// Background tasks of a running router; dropping it stops them.
-#[derive(Debug, Default)]
-pub struct Tasks(Vec<JoinHandle<()>>);
-
-impl Drop for Tasks {
-    fn drop(&mut self) {
-        for task in &self.0 {
-            task.abort();
-        }
-    }
-}
-
-/// The event subscriptions of every configured worker rank.
-pub(crate) fn subscriptions(state: &RouterState) -> Vec<subscriber::Subscription> {
-    let mut out = Vec::new();
-    for spec in &state.config.workers {
-        let block_size = spec.block_size.and_then(|bs| BlockSize::new(bs).ok());
-        let convert = ConvertConfig {
-            block_size: block_size.unwrap_or(state.config.block_size),
-            image_token_id: spec.image_token_id,
-            vocab_size: spec.vocab_size,
-        };
-        let Some(events) = &spec.events else { continue };
-        for rank in 0..spec.dp_size {
-            // Validated at start: the endpoints are tcp:// with a port.
-            let Ok(endpoint) = WorkerSpec::endpoint_for_rank(events, rank) else { continue };
-            let replay =
-                spec.replay.as_deref().and_then(|r| WorkerSpec::endpoint_for_rank(r, rank).ok());
-            out.push(subscriber::Subscription {
-                worker: WorkerWithDpRank::new(spec.id, rank),
-                endpoint,
-                replay,
-                format: spec.format,
-                convert,
-                resume_after: None,
-            });
-        }
-    }
-    out
-}
 
 /// Starts the event and load subscriptions of every configured worker, NATS (replica sync,
 /// the event stream) when configured, and the reclaiming of requests whose end was never
@@ -113,7 +57,7 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
     let mut tasks = Vec::new();
     let events_via = state.config.nats.as_ref().map(|n| n.events).unwrap_or_default();
     if events_via == nats::EventsVia::Zmq {
-        for sub in subscriptions(state) {
+        for sub in subscriber::subscriptions(state) {
             tasks.push(tokio::spawn(subscriber::run(Arc::clone(state), sub)));
         }
     }

@@ -21,7 +21,7 @@ use kvroute_wire::transport::SocketRole;
 use serde::Deserialize;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
-use crate::RouterError;
+use crate::error::RouterError;
 use crate::state::RouterState;
 use crate::subscriber::MAX_BACKOFF;
 

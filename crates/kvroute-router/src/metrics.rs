@@ -428,20 +428,13 @@ impl Metrics {
     }
 
     /// Adds what conversion did with `worker`'s blocks since `before`.
-    pub fn converted(&self, worker: u64, before: &ConvertStats, now: &ConvertStats) {
-        for (outcome, a, b) in [
-            ("stored", before.blocks_stored, now.blocks_stored),
-            ("removed", before.blocks_removed, now.blocks_removed),
-            ("skipped_medium", before.skipped_medium, now.skipped_medium),
-            ("skipped_group", before.skipped_group, now.skipped_group),
-            ("wrong_block_size", before.wrong_block_size, now.wrong_block_size),
-            ("malformed_event", before.malformed, now.malformed),
-            ("other_event", before.other_events, now.other_events),
-        ] {
-            if b > a {
+    /// Counts what conversion did with one message's blocks.
+    pub fn converted(&self, worker: u64, stats: &ConvertStats) {
+        for (outcome, n) in stats.counts() {
+            if n > 0 {
                 self.converted
                     .get_or_create(&ConvertLabels { worker_id: worker, outcome })
-                    .inc_by(b - a);
+                    .inc_by(n);
             }
         }
     }

@@ -28,11 +28,10 @@ use serde::Serialize;
 
 use crate::checks::{Change, CheckStatus, Checks};
 use crate::config::{RouterConfig, WorkerSpec};
+use crate::links::{NatsLinks, Relayed};
 use crate::metrics::{
     BlocksLabels, EventKind, Metrics, PredictionLabels, WorkerIdLabels, WorkerLabels,
 };
-use crate::nats::NatsLinks;
-use crate::stream::Relayed;
 
 /// How the router knows a worker's cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -618,7 +617,7 @@ impl RouterState {
         let decision = lock(&self.scheduler).route(&request, &scores, &self.index, start)?;
         if let (Some(id), Some(nats)) = (p.request_id, self.nats.get()) {
             nats.send(
-                self,
+                &self.metrics,
                 SyncMessage::Routed {
                     id: id.to_owned(),
                     worker_id: decision.worker.worker_id.0,
@@ -659,7 +658,7 @@ impl RouterState {
     pub fn prefill_done(&self, request_id: &str) {
         lock(&self.scheduler).mark_prefill_done(request_id, Instant::now());
         if let Some(nats) = self.nats.get() {
-            nats.send(self, SyncMessage::PrefillDone { id: request_id.to_owned() });
+            nats.send(&self.metrics, SyncMessage::PrefillDone { id: request_id.to_owned() });
         }
     }
 
@@ -667,7 +666,7 @@ impl RouterState {
     pub fn finish(&self, request_id: &str) -> bool {
         let tracked = lock(&self.scheduler).free(request_id);
         if let (true, Some(nats)) = (tracked, self.nats.get()) {
-            nats.send(self, SyncMessage::Freed { id: request_id.to_owned() });
+            nats.send(&self.metrics, SyncMessage::Freed { id: request_id.to_owned() });
         }
         tracked
     }
@@ -803,38 +802,24 @@ impl RouterState {
         self.update_rank(worker, |w, rank| w.caught_up[rank] = true);
     }
 
-    /// Adds what conversion did with a worker's blocks since `before`; the first blocks of
+    /// Adds what conversion did with one message of a worker's blocks; the first blocks of
     /// another size are logged as an error (its events cannot be used).
-    pub fn record_conversion(
-        &self,
-        worker: WorkerWithDpRank,
-        before: &ConvertStats,
-        now: &ConvertStats,
-    ) {
-        if before == now {
+    pub fn record_conversion(&self, worker: WorkerWithDpRank, stats: &ConvertStats) {
+        if *stats == ConvertStats::default() {
             return;
         }
-        self.metrics.converted(worker.worker_id.0, before, now);
+        self.metrics.converted(worker.worker_id.0, stats);
         let mut workers = self.write_workers();
         let Some(w) = workers.get_mut(&worker.worker_id) else { return };
-        let c = &mut w.conversion;
-        if c.wrong_block_size == 0 && now.wrong_block_size > before.wrong_block_size {
+        if w.conversion.wrong_block_size == 0 && stats.wrong_block_size > 0 {
             tracing::error!(
                 worker = %worker,
-                engine_block_size = ?now.seen_block_size,
+                engine_block_size = ?stats.seen_block_size,
                 router_block_size = self.config.block_size.get(),
                 "the worker publishes blocks of another size: its KV events are ignored (set block_size for this worker or the router to match the engine)"
             );
         }
-        c.blocks_stored += now.blocks_stored - before.blocks_stored;
-        c.blocks_removed += now.blocks_removed - before.blocks_removed;
-        c.clears += now.clears - before.clears;
-        c.skipped_medium += now.skipped_medium - before.skipped_medium;
-        c.skipped_group += now.skipped_group - before.skipped_group;
-        c.wrong_block_size += now.wrong_block_size - before.wrong_block_size;
-        c.malformed += now.malformed - before.malformed;
-        c.other_events += now.other_events - before.other_events;
-        c.seen_block_size = now.seen_block_size.or(c.seen_block_size);
+        w.conversion += *stats;
     }
 
     /// Changes one rank's status and re-derives its readiness.

@@ -22,12 +22,13 @@ use async_nats::jetstream::consumer::{DeliverPolicy, push};
 use async_nats::jetstream::{self, object_store, stream as js_stream};
 use async_nats::{Client, HeaderMap};
 use futures_util::StreamExt;
-use kvroute_core::{RouterEvent, WorkerWithDpRank};
+
 use kvroute_wire::replica::{IndexSnapshot, decode_snapshot, encode_snapshot};
 use tokio::io::AsyncReadExt;
 use tokio::sync::mpsc;
 
-use crate::nats::{NatsConfig, NatsStatus};
+use crate::config::nats::NatsConfig;
+use crate::links::{NatsStatus, Relayed};
 use crate::state::RouterState;
 use crate::subscriber;
 
@@ -41,15 +42,6 @@ const SNAPSHOT_OBJECT: &str = "index";
 const MIN_SNAPSHOT_INTERVAL: Duration = Duration::from_secs(1);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// One engine batch on its way into the stream.
-#[derive(Debug)]
-pub(crate) struct Relayed {
-    pub worker: WorkerWithDpRank,
-    /// The engine's sequence number (vLLM / SGLang); `None` for formats without one.
-    pub seq: Option<u64>,
-    pub events: Vec<RouterEvent>,
-}
 
 async fn ensure_stream(
     js: &jetstream::Context,
@@ -87,7 +79,7 @@ pub(crate) async fn relay(
         }
     };
     let mut subscriptions = Vec::new();
-    for mut sub in crate::subscriptions(&state) {
+    for mut sub in subscriber::subscriptions(&state) {
         let last = last_relayed(&stream, &config.events_subject(sub.worker)).await;
         if let Some(seq) = last {
             tracing::info!(worker = %sub.worker, seq, "relay resumes after the stream's last batch");
@@ -95,7 +87,7 @@ pub(crate) async fn relay(
         sub.resume_after = last;
         subscriptions.push(tokio::spawn(subscriber::run(Arc::clone(&state), sub)));
     }
-    let _subscriptions = crate::Tasks(subscriptions);
+    let _subscriptions = crate::tasks::Tasks(subscriptions);
     while let Some(batch) = rx.recv().await {
         publish_until_stored(&state, &js, &config, &batch).await;
     }

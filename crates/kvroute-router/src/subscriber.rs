@@ -2,7 +2,7 @@
 //! stream.
 //!
 //! ```text
-//!  engine PUB ──[topic, seq, batch]──▶ SUB task ──decode──▶ Converter ──▶ RouterState::apply
+//!  engine PUB ──[topic, seq, batch]──▶ SUB task ──kvroute_wire::Pipeline──▶ RouterState::ingest
 //!        ▲                                │ seq jumped?
 //!  engine ROUTER ◀──["", from_seq]── DEALER (replay): ["", topic, seq, batch]... until seq = 2^64-1
 //! ```
@@ -13,18 +13,23 @@
 //! restarted engine (the live stream never repeats a number), whose cache is empty: its blocks
 //! are cleared, and the batches it sent before we reconnected are asked of its replay. Lost connections are
 //! retried with capped exponential backoff; undecodable messages are counted and skipped.
+//!
+//! This is transport only: how a format frames and decodes its messages, and which rank an
+//! event lands on, is the wire crate's [`Pipeline`]. Formats without sequence numbers
+//! (TensorRT-LLM, kvroute JSON) have no gaps to see and no replay.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvroute_core::BlockSize;
 use kvroute_core::{KvCacheEvent, KvCacheEventData, RouterEvent, WorkerWithDpRank};
 use kvroute_wire::transport::{SocketRole, ZmqLimits};
-use kvroute_wire::vllm::{decode_batch, split_frames};
-use kvroute_wire::{ConvertConfig, Converter, decode_router_events, trtllm};
+use kvroute_wire::vllm::split_frames;
+use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use crate::RouterError;
-use crate::config::EventFormat;
+use crate::config::WorkerSpec;
+use crate::error::RouterError;
 use crate::state::RouterState;
 
 pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -45,11 +50,40 @@ pub struct Subscription {
     pub resume_after: Option<u64>,
 }
 
+/// The event subscriptions of every configured worker rank.
+pub(crate) fn subscriptions(state: &RouterState) -> Vec<Subscription> {
+    let mut out = Vec::new();
+    for spec in &state.config.workers {
+        let block_size = spec.block_size.and_then(|bs| BlockSize::new(bs).ok());
+        let convert = ConvertConfig {
+            block_size: block_size.unwrap_or(state.config.block_size),
+            image_token_id: spec.image_token_id,
+            vocab_size: spec.vocab_size,
+        };
+        let Some(events) = &spec.events else { continue };
+        for rank in 0..spec.dp_size {
+            // Validated at start: the endpoints are tcp:// with a port.
+            let Ok(endpoint) = WorkerSpec::endpoint_for_rank(events, rank) else { continue };
+            let replay =
+                spec.replay.as_deref().and_then(|r| WorkerSpec::endpoint_for_rank(r, rank).ok());
+            out.push(Subscription {
+                worker: WorkerWithDpRank::new(spec.id, rank),
+                endpoint,
+                replay,
+                format: spec.format,
+                convert,
+                resume_after: None,
+            });
+        }
+    }
+    out
+}
+
 /// Subscribes forever, reconnecting with capped backoff.
 pub async fn run(state: Arc<RouterState>, sub: Subscription) {
     let mut backoff = Duration::from_millis(50);
     let mut stream = Stream {
-        converter: Converter::new(sub.convert),
+        pipeline: Pipeline::new(sub.worker, sub.format, sub.convert),
         last: sub.resume_after,
         connected: false,
         replays: ReplayBudget::default(),
@@ -67,9 +101,9 @@ pub async fn run(state: Arc<RouterState>, sub: Subscription) {
     }
 }
 
-/// What survives reconnections: the converter's counters and the last sequence number.
+/// What survives reconnections: the pipeline's counters and the last sequence number.
 struct Stream {
-    converter: Converter,
+    pipeline: Pipeline,
     last: Option<u64>,
     connected: bool,
     replays: ReplayBudget,
@@ -136,27 +170,20 @@ async fn run_once(
     loop {
         let message = socket.recv().await?;
         let frames: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
-        match sub.format {
-            EventFormat::Vllm | EventFormat::Sglang => {
-                handle_vllm(state, sub, stream, &frames).await;
-            }
-            EventFormat::TrtllmJson | EventFormat::TrtllmMsgpack | EventFormat::Kvroute => {
-                handle_other(state, sub, stream, &frames).await;
-            }
+        let Ok(framed) = stream.pipeline.frame(&frames) else {
+            state.metrics.garbage.inc();
+            continue;
+        };
+        if let Some(seq) = framed.seq {
+            follow_sequence(state, sub, stream, seq).await;
         }
+        apply(state, sub, stream, framed).await;
     }
 }
 
-async fn handle_vllm(
-    state: &RouterState,
-    sub: &Subscription,
-    stream: &mut Stream,
-    frames: &[Vec<u8>],
-) {
-    let Ok((_, seq, payload)) = split_frames(frames) else {
-        state.metrics.garbage.inc();
-        return;
-    };
+/// Before batch `seq` is applied: a resync asked for, a restarted publisher, or batches
+/// missed since the last one.
+async fn follow_sequence(state: &RouterState, sub: &Subscription, stream: &mut Stream, seq: u64) {
     if state.take_resync(sub.worker) {
         // Drifted: its blocks were cleared; rebuild from what the engine still buffers.
         tracing::info!(worker = %sub.worker, "resynchronising from the engine's replay");
@@ -190,7 +217,6 @@ async fn handle_vllm(
             }
         }
     }
-    apply_batch(state, sub, stream, seq, payload).await;
 }
 
 /// Batches `from..until` went missing (`gap`: between two we saw): replay them if the engine
@@ -233,7 +259,7 @@ async fn recover(
                     continue;
                 }
                 state.metrics.replayed_batches.inc();
-                apply_batch(state, sub, stream, seq, &payload).await;
+                apply(state, sub, stream, Framed { seq: Some(seq), payload: &payload }).await;
             }
         }
         Ok(Err(err)) => tracing::warn!(worker = %sub.worker, error = ?err, "replay failed"),
@@ -244,75 +270,24 @@ async fn recover(
     }
 }
 
-async fn apply_batch(
-    state: &RouterState,
-    sub: &Subscription,
-    stream: &mut Stream,
-    seq: u64,
-    payload: &[u8],
-) {
-    let batch = match decode_batch(payload) {
-        Ok(batch) => batch,
+/// Decodes one message through the pipeline and hands its events on. An undecodable batch
+/// is not consumed: to us it is missing, and the next one asks for it again.
+async fn apply(state: &RouterState, sub: &Subscription, stream: &mut Stream, framed: Framed<'_>) {
+    let decoded = match stream.pipeline.decode(framed) {
+        Ok(decoded) => decoded,
         Err(err) => {
-            // Not consumed: to us the batch is missing, and the next one will ask for it again.
             state.metrics.garbage.inc();
-            tracing::debug!(worker = %sub.worker, seq, %err, "undecodable batch");
+            tracing::debug!(worker = %sub.worker, seq = ?framed.seq, %err, "undecodable message");
             return;
         }
     };
-    stream.last = Some(seq);
-    let rank = batch.dp_rank.map_or(sub.worker.dp_rank, Into::into);
-    let before = stream.converter.stats();
-    let events: Vec<RouterEvent> = stream
-        .converter
-        .vllm_batch(&batch, seq)
-        .into_iter()
-        .map(|mut event| {
-            event.dp_rank = rank;
-            RouterEvent { worker_id: sub.worker.worker_id, event }
-        })
-        .collect();
-    state.record_conversion(sub.worker, &before, &stream.converter.stats());
-    state.ingest(sub.worker, Some(seq), events).await;
-    state.set_connection(sub.worker, true, Some(seq));
-}
-
-async fn handle_other(
-    state: &RouterState,
-    sub: &Subscription,
-    stream: &mut Stream,
-    frames: &[Vec<u8>],
-) {
-    let Some(payload) = frames.last() else { return };
-    let before = stream.converter.stats();
-    let converted = |stream: &mut Stream, decoded: Result<Vec<_>, _>| {
-        decoded.map(|events: Vec<_>| {
-            events
-                .iter()
-                .filter_map(|e| stream.converter.trtllm_event(e))
-                .map(|mut event| {
-                    if event.dp_rank.0 == 0 {
-                        event.dp_rank = sub.worker.dp_rank;
-                    }
-                    RouterEvent { worker_id: sub.worker.worker_id, event }
-                })
-                .collect::<Vec<_>>()
-        })
-    };
-    let events: Result<Vec<RouterEvent>, _> = match sub.format {
-        EventFormat::TrtllmJson => converted(stream, trtllm::decode_json(payload)),
-        EventFormat::TrtllmMsgpack => converted(stream, trtllm::decode_msgpack(payload)),
-        EventFormat::Kvroute => decode_router_events(payload),
-        // `run_once` sends these to `handle_vllm`; never decoded as anything else.
-        EventFormat::Vllm | EventFormat::Sglang => return,
-    };
-    state.record_conversion(sub.worker, &before, &stream.converter.stats());
-    match events {
-        Ok(events) => state.ingest(sub.worker, None, events).await,
-        Err(err) => {
-            state.metrics.garbage.inc();
-            tracing::debug!(worker = %sub.worker, %err, "undecodable message");
-        }
+    state.record_conversion(sub.worker, &decoded.stats);
+    if let Some(seq) = framed.seq {
+        stream.last = Some(seq);
+    }
+    state.ingest(sub.worker, framed.seq, decoded.events).await;
+    if let Some(seq) = framed.seq {
+        state.set_connection(sub.worker, true, Some(seq));
     }
 }
 

@@ -39,6 +39,10 @@ pub enum StackError {
     Settings(#[from] settings::SettingsError),
     #[error(transparent)]
     Router(#[from] kvroute_router::RouterError),
+    #[error("configuration: {0}")]
+    RouterConfig(#[from] kvroute_router::ConfigError),
+    #[error("configuration: {0}")]
+    Nats(#[from] kvroute_router::config::nats::NatsConfigError),
     #[error("a simulated worker")]
     Mocker(#[from] kvroute_mocker::MockerError),
     #[error("the model")]

@@ -444,7 +444,7 @@ impl Settings {
         }
         n.sync = self.nats_sync.unwrap_or(true);
         if let Some(events) = &self.nats_events {
-            n.events = events.parse().map_err(StackError::Config)?;
+            n.events = events.parse()?;
         }
         let default_every = match n.events {
             EventsVia::Relay => DEFAULT_SNAPSHOT_EVERY,

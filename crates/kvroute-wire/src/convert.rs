@@ -59,6 +59,46 @@ pub struct ConvertStats {
     pub other_events: u64,
 }
 
+impl ConvertStats {
+    /// Every count with its name (the `outcome` label of
+    /// `kvroute_router_converted_blocks_total`): the one list of the counts, which adding and
+    /// the metrics both read.
+    pub fn counts(&self) -> [(&'static str, u64); 8] {
+        [
+            ("stored", self.blocks_stored),
+            ("removed", self.blocks_removed),
+            ("cleared", self.clears),
+            ("skipped_medium", self.skipped_medium),
+            ("skipped_group", self.skipped_group),
+            ("wrong_block_size", self.wrong_block_size),
+            ("malformed_event", self.malformed),
+            ("other_event", self.other_events),
+        ]
+    }
+
+    fn counts_mut(&mut self) -> [&mut u64; 8] {
+        [
+            &mut self.blocks_stored,
+            &mut self.blocks_removed,
+            &mut self.clears,
+            &mut self.skipped_medium,
+            &mut self.skipped_group,
+            &mut self.wrong_block_size,
+            &mut self.malformed,
+            &mut self.other_events,
+        ]
+    }
+}
+
+impl std::ops::AddAssign for ConvertStats {
+    fn add_assign(&mut self, other: Self) {
+        for (mine, (_, theirs)) in self.counts_mut().into_iter().zip(other.counts()) {
+            *mine = mine.saturating_add(theirs);
+        }
+        self.seen_block_size = other.seen_block_size.or(self.seen_block_size);
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Converter {
     config: ConvertConfig,
@@ -75,9 +115,10 @@ impl Converter {
     }
 
     /// A vLLM/SGLang batch. Batches carry no event ids: every event gets the batch's ZMQ
-    /// sequence number.
+    /// sequence number. Events come out at rank 0: which rank they belong to is the
+    /// [`crate::pipeline::Pipeline`]'s to say.
     pub fn vllm_batch(&mut self, batch: &KvEventBatch, seq: u64) -> Vec<KvCacheEvent> {
-        let dp_rank = DpRank(batch.dp_rank.unwrap_or(0));
+        let dp_rank = DpRank(0);
         let mut out = Vec::with_capacity(batch.events.len());
         for event in &batch.events {
             let data = match event {
@@ -166,7 +207,8 @@ impl Converter {
         Some(KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }))
     }
 
-    /// A TensorRT-LLM event; `None` for events that do not touch the index.
+    /// A TensorRT-LLM event; `None` for events that do not touch the index. At rank 0, as
+    /// [`Self::vllm_batch`].
     pub fn trtllm_event(&mut self, e: &TrtEvent) -> Option<KvCacheEvent> {
         let data = match &e.data {
             TrtData::Stored { parent_hash, blocks } => {
@@ -209,11 +251,7 @@ impl Converter {
                 return None;
             }
         };
-        Some(KvCacheEvent {
-            event_id: e.event_id,
-            data,
-            dp_rank: DpRank(e.attention_dp_rank.unwrap_or(0)),
-        })
+        Some(KvCacheEvent { event_id: e.event_id, data, dp_rank: DpRank(0) })
     }
 
     /// One block: placeholders normalised, images attached, content hashed.

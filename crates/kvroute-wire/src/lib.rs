@@ -7,7 +7,8 @@
 //! ```
 //!
 //! Wire types mirror each engine's layout; [`convert::Converter`] is the one bridge into core
-//! types. Every decoder takes untrusted bytes and returns an error, never panics (property
+//! types, and [`pipeline::Pipeline`] the one way from a socket's frames to events (one
+//! decoder per [`EventFormat`]). Every decoder takes untrusted bytes and returns an error, never panics (property
 //! tests feed them garbage and mutated real payloads). The encoder writes vLLM's map form, for
 //! kvroute's simulated engine and the Python publisher.
 
@@ -15,6 +16,7 @@
 
 pub mod convert;
 pub mod msgpack;
+pub mod pipeline;
 #[cfg(feature = "publisher")]
 pub mod publisher;
 pub mod replica;
@@ -25,6 +27,7 @@ pub mod vllm;
 
 pub use convert::{ConvertConfig, ConvertStats, Converter};
 use kvroute_core::RouterEvent;
+pub use pipeline::{Decoded, EventFormat, Framed, Pipeline, UnknownFormat};
 pub use vllm::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, KvEventBatch};
 
 /// Why bytes could not be decoded.
