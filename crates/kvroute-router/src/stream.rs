@@ -22,8 +22,9 @@ use async_nats::jetstream::consumer::{DeliverPolicy, push};
 use async_nats::jetstream::{self, object_store, stream as js_stream};
 use async_nats::{Client, HeaderMap};
 use futures_util::StreamExt;
-
+use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_wire::replica::{IndexSnapshot, decode_snapshot, encode_snapshot};
+use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
 use tokio::io::AsyncReadExt;
 use tokio::sync::mpsc;
 
@@ -186,20 +187,7 @@ async fn consume_once(
 ) -> Result<(), BoxError> {
     let mut stream = ensure_stream(js, config).await?;
     if !cursor.loaded {
-        let started = Instant::now();
-        if let Some(snapshot) = load_snapshot(js, config).await? {
-            let n = snapshot.events.len();
-            state.apply(&snapshot.events);
-            cursor.next = snapshot.stream_seq + 1;
-            state.metrics.snapshot("loaded");
-            tracing::info!(
-                stream_seq = snapshot.stream_seq,
-                events = n,
-                took_ms = started.elapsed().as_millis() as u64,
-                "index loaded from the snapshot"
-            );
-        }
-        cursor.loaded = true;
+        load_index(state, js, config, cursor).await?;
     }
     let info = stream.info().await?.state.clone();
     if info.messages > 0 && info.first_sequence > cursor.next {
@@ -228,6 +216,7 @@ async fn consume_once(
         })
         .await?;
     let mut messages = consumer.messages().await?;
+    let mut pipeline = relayed_events();
     while let Some(message) = messages.next().await {
         let message = message?;
         let (seq, pending) = match message.info() {
@@ -237,16 +226,7 @@ async fn consume_once(
         if seq < cursor.next {
             continue;
         }
-        match kvroute_wire::decode_router_events(&message.payload) {
-            Ok(events) => {
-                state.apply(&events);
-                state.metrics.stream_message("applied");
-            }
-            Err(err) => {
-                state.metrics.garbage.inc();
-                tracing::debug!(%err, seq, "undecodable stream message");
-            }
-        }
+        apply_message(state, &mut pipeline, seq, &message.payload);
         cursor.next = seq + 1;
         cursor.since_snapshot += 1;
         status.applied_seq.store(seq, Ordering::Relaxed);
@@ -263,6 +243,53 @@ async fn consume_once(
         }
     }
     Ok(())
+}
+
+/// The index as the last snapshot left it, once per consumer (a fresh replica's first
+/// minutes are a snapshot load, not a replay of the whole stream).
+async fn load_index(
+    state: &RouterState,
+    js: &jetstream::Context,
+    config: &NatsConfig,
+    cursor: &mut Cursor,
+) -> Result<(), BoxError> {
+    let started = Instant::now();
+    if let Some(snapshot) = load_snapshot(js, config).await? {
+        let n = snapshot.events.len();
+        state.apply(&snapshot.events);
+        cursor.next = snapshot.stream_seq + 1;
+        state.metrics.snapshot("loaded");
+        tracing::info!(
+            stream_seq = snapshot.stream_seq,
+            events = n,
+            took_ms = started.elapsed().as_millis() as u64,
+            "index loaded from the snapshot"
+        );
+    }
+    cursor.loaded = true;
+    Ok(())
+}
+
+/// The stream carries kvroute `RouterEvent` JSON (what the relay publishes), decoded by the
+/// same pipeline as a `kvroute`-format engine. Each event names its worker and rank, so the
+/// pipeline's own worker is never used.
+fn relayed_events() -> Pipeline {
+    let any = WorkerWithDpRank::new(WorkerId(0), 0);
+    Pipeline::new(any, EventFormat::Kvroute, ConvertConfig::new(Default::default()))
+}
+
+/// One stream message into the index.
+fn apply_message(state: &RouterState, pipeline: &mut Pipeline, seq: u64, payload: &[u8]) {
+    match pipeline.decode(Framed { seq: Some(seq), payload }) {
+        Ok(decoded) => {
+            state.apply(&decoded.events);
+            state.metrics.stream_message("applied");
+        }
+        Err(err) => {
+            state.metrics.garbage.inc();
+            tracing::debug!(%err, seq, "undecodable stream message");
+        }
+    }
 }
 
 fn mark_caught_up(state: &RouterState, status: &NatsStatus) {

@@ -1,0 +1,92 @@
+//! The self-checks as they act on the router: answers recorded, drifted workers discounted
+//! and resynchronised, event streams seen (the checks themselves are [`crate::checks`]).
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use kvroute_core::{WorkerId, WorkerWithDpRank};
+use kvroute_http::router_api::Answered;
+
+use super::{CacheMode, RouterState, lock};
+use crate::checks::Change;
+use crate::metrics::{PredictionLabels, WorkerIdLabels};
+
+impl RouterState {
+    /// Records an answered request (from this process's front door, or one posted to
+    /// `/answers`): the cached tokens predicted against those the engine served. Counts it,
+    /// and acts on what it shows: a worker found drifted is logged, its blocks cleared and its
+    /// subscription asked to replay; one serving without events is flagged. A worker the
+    /// router does not know is refused (`false`).
+    pub fn record_answer(&self, a: &Answered) -> bool {
+        let id = a.worker_id;
+        if !self.knows_worker(id) || self.check_rank(a.worker()).is_err() {
+            return false;
+        }
+        let (predicted, actual) = (a.predicted_cached_tokens, a.cached_tokens);
+        // Only an answer for which the engine computed a full block it did not hold must have
+        // produced an event (see `checks`); a worker routed approximately publishes none by
+        // design.
+        let bs = self.config.block_size.tokens() as u64;
+        let stores = a.prompt_tokens >= actual.saturating_add(2 * bs);
+        let expects_events = self.mode(id) == Some(CacheMode::Events);
+        let (outcome, change) = lock(&self.checks.per_worker)
+            .workers
+            .entry(id)
+            .or_default()
+            .record(predicted, actual, stores && expects_events);
+        let m = &self.metrics;
+        let labels = WorkerIdLabels { worker_id: id.0 };
+        m.prompt_tokens.get_or_create(&labels).inc_by(a.prompt_tokens);
+        m.cached_tokens.get_or_create(&labels).inc_by(actual.min(a.prompt_tokens));
+        m.predictions
+            .get_or_create(&PredictionLabels { worker_id: id.0, outcome: outcome.name() })
+            .inc();
+        m.prediction_error
+            .get_or_create(&WorkerIdLabels { worker_id: id.0 })
+            .observe(predicted.abs_diff(actual) as f64);
+        match change {
+            Change::None => {}
+            Change::Drifted => {
+                m.drifts.get_or_create(&WorkerIdLabels { worker_id: id.0 }).inc();
+                tracing::warn!(worker = %id, "the index no longer matches the worker's cache (predictions over what it serves): resynchronising, its overlaps discounted until they agree");
+                self.index.clear_all_blocks(id);
+                let ranks = self.read_workers().get(&id).map_or(1, |w| w.dp_size);
+                let mut resync = lock(&self.checks.resync);
+                resync.extend((0..ranks).map(|r| WorkerWithDpRank::new(id, r)));
+                self.checks.pending.store(true, Ordering::Release);
+            }
+            Change::Recovered => {
+                tracing::info!(worker = %id, "predictions agree with the worker again");
+            }
+            Change::Silent => tracing::warn!(
+                worker = %id,
+                "the worker serves requests but publishes no KV events (started without them, or on another port?): its cache is invisible to the router"
+            ),
+        }
+        true
+    }
+
+    /// Whether `worker`'s subscription should replay everything its engine buffers (once).
+    pub fn take_resync(&self, worker: WorkerWithDpRank) -> bool {
+        if !self.checks.pending.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut resync = lock(&self.checks.resync);
+        let taken = resync.remove(&worker);
+        if resync.is_empty() {
+            self.checks.pending.store(false, Ordering::Release);
+        }
+        taken
+    }
+
+    /// Workers whose predictions are discounted now.
+    pub(super) fn drifted(&self) -> Vec<WorkerId> {
+        let checks = lock(&self.checks.per_worker);
+        checks.workers.iter().filter(|(_, c)| c.drifted).map(|(w, _)| *w).collect()
+    }
+
+    /// The worker's event stream delivered something (it is not silent).
+    pub(super) fn event_seen(&self, worker: WorkerId) {
+        lock(&self.checks.per_worker).workers.entry(worker).or_default().event_seen(Instant::now());
+    }
+}

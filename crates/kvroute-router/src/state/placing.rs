@@ -1,0 +1,141 @@
+//! The scheduler and in-flight accounting: placing a request, its prefill and end, the
+//! peers' requests (replica sync), load reports.
+
+use std::time::Instant;
+
+use kvroute_core::index::OverlapScores;
+use kvroute_core::schedule::{
+    DecisionRecord, RequestBlocks, RouteDecision, RouteRequest, WorkerLoad,
+};
+use kvroute_core::{LocalBlockHash, WorkerWithDpRank, sequence_hashes};
+use kvroute_wire::replica::SyncMessage;
+
+use super::{CacheMode, Placement, RouterState, lock};
+
+impl RouterState {
+    /// Chooses a worker. `None` when there is none to choose. A drifted worker's overlap counts
+    /// half until its predictions agree again (not nothing: it must still be routed the
+    /// prefixes only it holds, or its predictions could never be seen to agree).
+    pub fn place(&self, p: &Placement<'_>) -> Option<(RouteDecision, OverlapScores)> {
+        let start = Instant::now();
+        let mut scores = self.index.find_matches(p.local_hashes);
+        let drifted = self.drifted();
+        for (w, score) in &mut scores.scores {
+            if drifted.contains(&w.worker_id) {
+                *score /= 2;
+            }
+        }
+        let sequence = sequence_hashes(p.local_hashes);
+        let request = RouteRequest {
+            id: p.request_id,
+            isl_tokens: p.num_tokens,
+            local_hashes: p.local_hashes,
+            sequence_hashes: &sequence,
+            overlap_weight: p.overlap_weight,
+            temperature: p.temperature,
+            exclude: p.exclude,
+        };
+        let decision =
+            lock(&self.placing.scheduler).route(&request, &scores, &self.index, start)?;
+        if let (Some(id), Some(nats)) = (p.request_id, self.nats.get()) {
+            nats.send(
+                &self.metrics,
+                SyncMessage::Routed {
+                    id: id.to_owned(),
+                    worker_id: decision.worker.worker_id.0,
+                    dp_rank: decision.worker.dp_rank.0,
+                    isl_tokens: p.num_tokens,
+                    prefill_tokens: decision.predicted_prefill_tokens,
+                    local_hashes: p.local_hashes.iter().map(|h| h.0).collect(),
+                },
+            );
+        }
+        if self.mode(decision.worker.worker_id) == Some(CacheMode::Approximate) {
+            let mut approx = lock(&self.placing.approx);
+            for e in approx.record_routed(decision.worker, p.local_hashes, start) {
+                self.apply_one(&e);
+            }
+        }
+        self.metrics.decision(decision.worker, start.elapsed());
+        Some((decision, scores))
+    }
+
+    pub fn prefill_done(&self, request_id: &str) {
+        lock(&self.placing.scheduler).mark_prefill_done(request_id, Instant::now());
+        if let Some(nats) = self.nats.get() {
+            nats.send(&self.metrics, SyncMessage::PrefillDone { id: request_id.to_owned() });
+        }
+    }
+
+    /// Returns whether the request was in flight.
+    pub fn finish(&self, request_id: &str) -> bool {
+        let tracked = lock(&self.placing.scheduler).free(request_id);
+        if let (true, Some(nats)) = (tracked, self.nats.get()) {
+            nats.send(&self.metrics, SyncMessage::Freed { id: request_id.to_owned() });
+        }
+        tracked
+    }
+
+    /// A peer replica routed a request: this replica first checks which worker it would have
+    /// chosen (counted as agreement, nothing accounted), then tracks the peer's as in flight.
+    /// Returns whether the worker is one of ours.
+    pub(crate) fn track_peer(
+        &self,
+        key: &str,
+        worker: WorkerWithDpRank,
+        isl_tokens: usize,
+        prefill_tokens: usize,
+        local: &[LocalBlockHash],
+    ) -> bool {
+        let now = Instant::now();
+        let scores = self.index.find_matches(local);
+        let sequence = sequence_hashes(local);
+        let request = RouteRequest {
+            id: None,
+            isl_tokens,
+            local_hashes: local,
+            sequence_hashes: &sequence,
+            overlap_weight: None,
+            temperature: None,
+            exclude: &[],
+        };
+        let mut scheduler = lock(&self.placing.scheduler);
+        if let Some(mine) = scheduler.route(&request, &scores, &self.index, now) {
+            self.metrics.agreement(mine.worker == worker);
+        }
+        let blocks = RequestBlocks { local, sequence: &sequence };
+        scheduler.track(key, worker, prefill_tokens, blocks, now)
+    }
+
+    pub(crate) fn peer_prefill_done(&self, key: &str) {
+        lock(&self.placing.scheduler).prefill_done_elsewhere(key);
+    }
+
+    /// Frees a peer's request without telling the peers.
+    pub(crate) fn free_peer(&self, key: &str) {
+        lock(&self.placing.scheduler).free(key);
+    }
+
+    pub fn reclaim_stale(&self) -> usize {
+        lock(&self.placing.scheduler).reclaim_stale(Instant::now())
+    }
+
+    pub fn update_load(&self, worker: WorkerWithDpRank, load: WorkerLoad) {
+        lock(&self.placing.scheduler).update_load(worker, load);
+        if self.mode(worker.worker_id) == Some(CacheMode::Approximate) {
+            let capacity = load.kv_total_blocks.map(|b| b as usize);
+            lock(&self.placing.approx).set_capacity(worker, capacity);
+        }
+        self.update_rank(worker, |w, rank| w.load[rank] = Some(load));
+    }
+
+    /// The scheduler's last decisions of tracked requests, oldest first.
+    pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
+        lock(&self.placing.scheduler).recent_decisions()
+    }
+
+    /// The in-flight requests the scheduler tracks.
+    pub fn in_flight(&self) -> usize {
+        lock(&self.placing.scheduler).active().len()
+    }
+}
