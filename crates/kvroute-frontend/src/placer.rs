@@ -6,10 +6,11 @@
 use std::sync::Arc;
 
 use axum::http::{Method, StatusCode};
-use kvroute_core::{LocalBlockHash, WorkerWithDpRank};
+use kvroute_core::schedule::reusable_tokens;
+use kvroute_core::{BlockSize, LocalBlockHash, WorkerWithDpRank};
 use kvroute_http::router_api::{self, Answered, BestWorker, FindBestWorker};
 use kvroute_http::{ApiError, ClientError, HttpClient};
-use kvroute_router::{Placement, RouterState};
+use kvroute_router::{PlaceRequest, RouterState};
 
 #[derive(Clone, Debug)]
 pub enum Placer {
@@ -40,11 +41,27 @@ impl RemoteRouter {
     }
 }
 
-/// Where a request goes and how many of its leading blocks the router expects cached there.
+/// What the router knew when it placed a request: where it goes, how many of its leading
+/// blocks that worker holds by its KV events, and the prompt tokens it should therefore
+/// serve from its cache (those blocks in tokens, less the last block of a fully cached
+/// prompt, which engines recompute: [`reusable_tokens`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Placed {
+pub struct Placement {
     pub worker: WorkerWithDpRank,
     pub overlap_blocks: u32,
+    pub predicted_cached_tokens: u64,
+}
+
+impl Placement {
+    fn new(
+        worker: WorkerWithDpRank,
+        overlap_blocks: u32,
+        num_tokens: usize,
+        bs: BlockSize,
+    ) -> Self {
+        let cached = reusable_tokens(overlap_blocks, num_tokens, bs.tokens());
+        Self { worker, overlap_blocks, predicted_cached_tokens: cached as u64 }
+    }
 }
 
 impl Placer {
@@ -54,12 +71,13 @@ impl Placer {
         &self,
         local: &[LocalBlockHash],
         num_tokens: usize,
+        block_size: BlockSize,
         id: &str,
         exclude: &[WorkerWithDpRank],
-    ) -> Result<Option<Placed>, ApiError> {
+    ) -> Result<Option<Placement>, ApiError> {
         match self {
             Self::Embedded(router) => {
-                let placement = Placement {
+                let placement = PlaceRequest {
                     local_hashes: local,
                     num_tokens,
                     request_id: Some(id),
@@ -67,9 +85,9 @@ impl Placer {
                     temperature: None,
                     exclude,
                 };
-                Ok(router
-                    .place(&placement)
-                    .map(|(d, _)| Placed { worker: d.worker, overlap_blocks: d.overlap_blocks }))
+                Ok(router.place(&placement).map(|(d, _)| {
+                    Placement::new(d.worker, d.overlap_blocks, num_tokens, block_size)
+                }))
             }
             Self::Remote(remote) => {
                 let request = FindBestWorker {
@@ -82,10 +100,12 @@ impl Placer {
                 };
                 let url = format!("{}{}", remote.base, router_api::FIND_BEST_WORKER);
                 match remote.client.post_json::<BestWorker>(&url, &request).await {
-                    Ok(best) => Ok(Some(Placed {
-                        worker: best.worker(),
-                        overlap_blocks: best.overlap_blocks,
-                    })),
+                    Ok(best) => Ok(Some(Placement::new(
+                        best.worker(),
+                        best.overlap_blocks,
+                        num_tokens,
+                        block_size,
+                    ))),
                     Err(ClientError::Status {
                         status: StatusCode::SERVICE_UNAVAILABLE, ..
                     }) => Ok(None),

@@ -22,7 +22,7 @@ use kvroute_core::{BlockSize, LocalBlockHash, WorkerId, WorkerWithDpRank};
 use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest};
 use kvroute_http::router_api::FindBestWorker;
 use kvroute_preprocess::{ImageConfig, Preprocessor, images};
-use kvroute_router::{Placement, RouterConfig, RouterState, WorkerSpec};
+use kvroute_router::{PlaceRequest, RouterConfig, RouterState, WorkerSpec};
 use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
 
 /// What a target does with its input.
@@ -116,7 +116,7 @@ pub fn router_api(data: &[u8]) {
     }
     let state = router();
     let local: Vec<LocalBlockHash> = req.local_hashes.iter().copied().map(LocalBlockHash).collect();
-    let placement = Placement {
+    let placement = PlaceRequest {
         local_hashes: &local,
         num_tokens,
         request_id: req.request_id.as_deref(),

@@ -20,7 +20,7 @@ use kvroute_core::{BlockHasher, BlockSize, LocalBlockHash};
 use kvroute_http::HttpClient;
 use kvroute_http::router_api::{self, BestWorker, FindBestWorker};
 use kvroute_router::metrics::EventKind;
-use kvroute_router::{Placement, RouterConfig, RouterState, WorkerSpec};
+use kvroute_router::{PlaceRequest, RouterConfig, RouterState, WorkerSpec};
 use kvroute_wire::vllm::encode_batch;
 use kvroute_wire::{BlockStored, EngineEvent, KvEventBatch};
 use tokio::net::TcpListener;
@@ -204,7 +204,7 @@ async fn main() {
         }
         let q = &queries[i % queries.len()];
         let t = Instant::now();
-        let placement = Placement {
+        let placement = PlaceRequest {
             local_hashes: q,
             num_tokens: 512 * BS,
             request_id: None,

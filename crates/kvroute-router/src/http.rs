@@ -38,7 +38,7 @@ use kvroute_http::router_api::{
 use kvroute_http::{ApiError, Credentials};
 use serde_json::json;
 
-use crate::state::{Placement, RouterState};
+use crate::state::{PlaceRequest, RouterState};
 
 /// How long a tree dump is served before it is rebuilt.
 pub const TREE_INFO_TTL: Duration = Duration::from_secs(10);
@@ -106,7 +106,7 @@ async fn find_best_worker(
             .param("temperature"));
     }
     let local: Vec<LocalBlockHash> = req.local_hashes.iter().copied().map(LocalBlockHash).collect();
-    let placement = Placement {
+    let placement = PlaceRequest {
         local_hashes: &local,
         num_tokens: req.num_tokens as usize,
         request_id: req.request_id.as_deref(),

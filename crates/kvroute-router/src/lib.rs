@@ -35,7 +35,7 @@ pub use config::{ConfigError, EventFormat, RouterConfig, WorkerKey, WorkerSpec, 
 pub use error::RouterError;
 use kvroute_core::BlockSize;
 pub use kvroute_wire::ConvertStats;
-pub use state::{CacheMode, Parity, Placement, RouterState, WorkerStatus};
+pub use state::{CacheMode, Parity, PlaceRequest, RouterState, WorkerStatus};
 pub use tasks::Tasks;
 use tokio::net::TcpListener;
 

@@ -42,7 +42,7 @@ pub use fleet::{CacheMode, Parity, RankRefused, WorkerStatus};
 
 /// A request to place, as the HTTP API (or an embedding front door) gives it.
 #[derive(Clone, Debug)]
-pub struct Placement<'a> {
+pub struct PlaceRequest<'a> {
     pub local_hashes: &'a [LocalBlockHash],
     pub num_tokens: usize,
     pub request_id: Option<&'a str>,

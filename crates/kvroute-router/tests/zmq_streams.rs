@@ -133,7 +133,7 @@ async fn a_batch_with_an_out_of_range_dp_rank_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
     use kvroute_core::LocalBlockHash;
-    use kvroute_router::Placement;
+    use kvroute_router::PlaceRequest;
     let (publisher, state, _tasks) = worker_9_on_a_publisher().await;
     let refused = || {
         let text = state.render_metrics();
@@ -155,7 +155,7 @@ async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
     assert_eq!(state.index.tree_size(WorkerWithDpRank::new(9u64, 0u32)), 0);
     let hashes = [LocalBlockHash(1), LocalBlockHash(2)];
     for _ in 0..50 {
-        let placement = Placement {
+        let placement = PlaceRequest {
             local_hashes: &hashes,
             num_tokens: 8,
             request_id: None,

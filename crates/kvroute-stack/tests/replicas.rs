@@ -15,7 +15,7 @@ use kvroute_core::{
 use kvroute_http::HttpClient;
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_router::nats::{EventsVia, NatsConfig, PEER_TIMEOUT};
-use kvroute_router::{Placement, RouterConfig, RouterState, Tasks, WorkerSpec};
+use kvroute_router::{PlaceRequest, RouterConfig, RouterState, Tasks, WorkerSpec};
 use kvroute_stack::nats_server::NatsServer;
 use kvroute_stack::{Simulated, Stack, StackConfig};
 use serde_json::json;
@@ -90,7 +90,7 @@ fn hashes(seed: u64, n: u64) -> Vec<LocalBlockHash> {
 }
 
 fn place(state: &RouterState, id: &str, local: &[LocalBlockHash]) -> WorkerWithDpRank {
-    let p = Placement {
+    let p = PlaceRequest {
         local_hashes: local,
         num_tokens: local.len() * 16,
         request_id: Some(id),
@@ -116,7 +116,7 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
     let prefix = hashes(1, 64);
     let first = place(&a, "r1", &prefix);
     assert!(eventually(Duration::from_secs(5), || b.in_flight() == 1).await);
-    let untracked = Placement {
+    let untracked = PlaceRequest {
         local_hashes: &prefix,
         num_tokens: prefix.len() * 16,
         request_id: None,
@@ -280,7 +280,7 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
     // The same choice at temperature 0 with nothing in flight.
     for i in 0..20 {
         let local = hashes(500 + i, 6);
-        let p = Placement {
+        let p = PlaceRequest {
             local_hashes: &local,
             num_tokens: 96,
             request_id: None,

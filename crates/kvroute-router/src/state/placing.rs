@@ -10,13 +10,13 @@ use kvroute_core::schedule::{
 use kvroute_core::{LocalBlockHash, WorkerWithDpRank, sequence_hashes};
 use kvroute_wire::replica::SyncMessage;
 
-use super::{CacheMode, Placement, RouterState, lock};
+use super::{CacheMode, PlaceRequest, RouterState, lock};
 
 impl RouterState {
     /// Chooses a worker. `None` when there is none to choose. A drifted worker's overlap counts
     /// half until its predictions agree again (not nothing: it must still be routed the
     /// prefixes only it holds, or its predictions could never be seen to agree).
-    pub fn place(&self, p: &Placement<'_>) -> Option<(RouteDecision, OverlapScores)> {
+    pub fn place(&self, p: &PlaceRequest<'_>) -> Option<(RouteDecision, OverlapScores)> {
         let start = Instant::now();
         let mut scores = self.index.find_matches(p.local_hashes);
         let drifted = self.drifted();

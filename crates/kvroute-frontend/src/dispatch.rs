@@ -1,0 +1,292 @@
+//! Dispatch: the one seam that knows how a placed request reaches an engine. Today that is
+//! one hop: the request goes to the worker the router placed it on. Everything about the hop
+//! is here: the in-flight accounting ([`InFlight`], from placement to the answer's end), the
+//! timeouts, retries on another worker and ejection of a failing one, and the answer passed
+//! back with its cached tokens read on the way ([`crate::usage`]). A prefill-then-decode
+//! dispatch is another [`dispatch`] over the same [`Outbound`] request.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderValue, header};
+use axum::response::Response;
+use futures_util::StreamExt;
+use http_body_util::Full;
+use kvroute_core::{BlockHasher, BlockSize, LocalBlockHash, WorkerId, WorkerWithDpRank};
+use kvroute_http::router_api::Answered;
+use kvroute_http::{ApiError, ClientError};
+use kvroute_preprocess::Prepared;
+use serde_json::{Value, json};
+
+use crate::health::Failure;
+use crate::placer::Placement;
+use crate::usage::{Usage, stream_error_event};
+use crate::{FrontendState, OVERLAP_HEADER, RESPONSE_TIMEOUT, WORKER_HEADER};
+
+/// A request ready for an engine: its body as the engine gets it, and what routing needs.
+#[derive(Debug)]
+pub(crate) struct Outbound {
+    pub path: &'static str,
+    pub body: Bytes,
+    /// The prompt's block hashes (with its images and cache namespace).
+    pub local: Vec<LocalBlockHash>,
+    pub prompt_tokens: usize,
+    pub streamed: bool,
+    /// The front door asked a stream for its usage, which the client did not: the usage
+    /// chunk is read and dropped.
+    pub strip_usage: bool,
+}
+
+impl Outbound {
+    /// The client's body (`raw`) as the engine gets it: in the cache `namespace` (as vLLM's
+    /// `cache_salt`), a stream asked for its usage (the engine's cached tokens are compared
+    /// with the router's prediction).
+    pub(crate) fn new(
+        path: &'static str,
+        mut raw: Value,
+        prepared: &Prepared,
+        namespace: Option<String>,
+        block_size: BlockSize,
+    ) -> Result<Self, ApiError> {
+        if prepared.tokens.is_empty() {
+            return Err(ApiError::bad_request("the prompt is empty"));
+        }
+        let block_infos = (!prepared.mm.mm_objects.is_empty())
+            .then(|| prepared.mm.to_block_level(block_size, prepared.tokens.len()));
+        let local = BlockHasher::new(block_size)
+            .with_namespace(namespace.as_deref())
+            .local_hashes(&prepared.tokens, block_infos.as_deref());
+        if let (Some(ns), Some(fields)) = (namespace, raw.as_object_mut()) {
+            fields.insert("cache_salt".to_owned(), Value::String(ns));
+        }
+        let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
+        let client_usage =
+            raw.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
+        if streamed && !client_usage {
+            let options =
+                raw.as_object_mut().map(|o| o.entry("stream_options").or_insert_with(|| json!({})));
+            if let Some(Value::Object(options)) = options {
+                options.insert("include_usage".to_owned(), Value::Bool(true));
+            }
+        }
+        let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
+        let prompt_tokens = prepared.tokens.len();
+        Ok(Self {
+            path,
+            body,
+            local,
+            prompt_tokens,
+            streamed,
+            strip_usage: streamed && !client_usage,
+        })
+    }
+}
+
+/// Places the request and sends it, trying another worker while none has answered: until an
+/// answer's head arrives nothing has reached the client, so a worker that refuses the
+/// connection, breaks it or stays silent past the timeout is ejected and the request placed
+/// again without it (the first one drops the request when we hang up).
+pub(crate) async fn dispatch(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+) -> Result<Response, ApiError> {
+    let timeout = if out.streamed { state.first_byte_timeout } else { RESPONSE_TIMEOUT };
+    let mut excluded: Vec<WorkerWithDpRank> = state
+        .health
+        .excluded(Instant::now())
+        .into_iter()
+        .flat_map(|w| state.all_ranks(w))
+        .collect();
+    loop {
+        let id = format!("kvr-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
+        let placed = state
+            .placer
+            .place(&out.local, out.prompt_tokens, state.block_size, &id, &excluded)
+            .await?;
+        let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
+            return Err(ApiError::unavailable("no worker is available"));
+        };
+        let guard = InFlight::new(state, id);
+        let worker = placement.worker;
+        let Some(base) = state.urls.get(&worker.worker_id) else {
+            excluded.push(worker);
+            continue;
+        };
+        let request = hyper::Request::post(format!("{base}{}", out.path))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(out.body.clone()))
+            .map_err(ApiError::internal)?;
+        let failure = match tokio::time::timeout(timeout, state.client.send(request)).await {
+            Ok(Ok(r)) => return respond(state, out, placement, guard, r),
+            Ok(Err(e)) if e.is_connect() => (Failure::Connect, e),
+            Ok(Err(e)) => (Failure::Broken, e),
+            Err(_) => (Failure::Timeout, ClientError::Timeout(timeout)),
+        };
+        let (why, error) = failure;
+        let error = kvroute_http::error::chain(&error);
+        tracing::warn!(%worker, %error, "worker failed; trying another");
+        state.worker_failed(worker.worker_id, why);
+        state.metrics.retried.inc();
+        excluded.extend(state.all_ranks(worker.worker_id));
+    }
+}
+
+/// The worker's answer to the client: its status and content headers, which worker it was
+/// (and, when asked for, the cached tokens predicted there), its body passed on as it comes.
+fn respond(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+    placement: Placement,
+    mut guard: InFlight,
+    response: hyper::Response<hyper::body::Incoming>,
+) -> Result<Response, ApiError> {
+    let worker = placement.worker;
+    if state.health.succeeded(worker.worker_id) {
+        tracing::info!(%worker, "worker answers again: back in rotation");
+    }
+    state.metrics.proxied.inc();
+    let (parts, incoming) = response.into_parts();
+    let sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if parts.status.is_success() {
+        guard.predicted = Some((placement, out.prompt_tokens as u64));
+    }
+    let usage = Usage::new(sse, out.strip_usage);
+    let stream = proxy_body(incoming, guard, worker.worker_id, usage);
+    let mut answer = Response::builder().status(parts.status);
+    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
+        if let Some(v) = parts.headers.get(&name) {
+            answer = answer.header(name, v.clone());
+        }
+    }
+    answer = answer.header(WORKER_HEADER, HeaderValue::from(worker.worker_id.0));
+    if state.expose_overlap {
+        answer =
+            answer.header(OVERLAP_HEADER, HeaderValue::from(placement.predicted_cached_tokens));
+    }
+    answer.body(Body::from_stream(stream)).map_err(ApiError::internal)
+}
+
+/// Frees the request's in-flight accounting when dropped: at the end of the response body,
+/// on an error, or when the client goes away.
+struct InFlight {
+    state: Arc<FrontendState>,
+    id: String,
+    prefilled: bool,
+    /// What the router predicted (where, and the cached tokens) with the prompt's length, and
+    /// what the engine reported it served, compared when the request ends.
+    predicted: Option<(Placement, u64)>,
+    served: Option<u64>,
+}
+
+impl InFlight {
+    fn new(state: &Arc<FrontendState>, id: String) -> Self {
+        state.metrics.in_flight.inc();
+        Self { state: Arc::clone(state), id, prefilled: false, predicted: None, served: None }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.state.metrics.in_flight.dec();
+        self.state.placer.finish(&self.id);
+        if let (Some((placement, prompt_tokens)), Some(served)) = (self.predicted, self.served) {
+            self.state.placer.answered(Answered {
+                worker_id: placement.worker.worker_id,
+                dp_rank: placement.worker.dp_rank,
+                prompt_tokens,
+                predicted_cached_tokens: placement.predicted_cached_tokens,
+                cached_tokens: served,
+            });
+        }
+    }
+}
+
+/// The worker's answer, passed on as it arrives: its first bytes mark the prefill done, its
+/// end (or the client leaving) frees the request. A worker that breaks off mid-answer is
+/// ejected, and an event stream ends with an error event in OpenAI's shape and `[DONE]`
+/// rather than a truncated body.
+fn proxy_body(
+    incoming: hyper::body::Incoming,
+    guard: InFlight,
+    worker: WorkerId,
+    usage: Usage,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    let chunks = http_body_util::BodyExt::into_data_stream(incoming);
+    let sse = usage.sse;
+    chunks.scan((guard, false, usage), move |(guard, done, usage), chunk| {
+        if *done {
+            return std::future::ready(None);
+        }
+        if !guard.prefilled {
+            guard.prefilled = true;
+            guard.state.placer.prefill_done(&guard.id);
+        }
+        let item = match chunk {
+            Ok(bytes) => {
+                let (bytes, served) = usage.pass(bytes);
+                if served.is_some() {
+                    guard.served = served;
+                }
+                Ok(bytes)
+            }
+            Err(e) => {
+                *done = true;
+                guard.state.metrics.broken.inc();
+                guard.state.worker_failed(worker, Failure::Broken);
+                tracing::warn!(%worker, error = %e, "the worker broke off its answer");
+                match sse {
+                    true => Ok(Bytes::from(stream_error_event(worker))),
+                    false => Err(std::io::Error::other(e)),
+                }
+            }
+        };
+        std::future::ready(Some(item))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use kvroute_preprocess::Preprocessor;
+
+    use super::*;
+
+    fn prepared(text: &str) -> Prepared {
+        let p = Preprocessor::builtin();
+        let req = serde_json::from_value(json!({"prompt": text})).unwrap();
+        p.prepare_completion_request(&req, 4096).unwrap()
+    }
+
+    /// A stream is asked for its usage unless the client asked itself (then it is kept), and
+    /// the namespace goes to the engine as `cache_salt` and into the block hashes.
+    #[test]
+    fn the_outbound_body_asks_for_usage_and_carries_the_namespace() {
+        let bs = BlockSize::new(4).unwrap();
+        let p = prepared("one two three four five six seven eight nine ten eleven twelve");
+        let raw = json!({"prompt": "x", "stream": true, "extra_field": 1});
+        let out = Outbound::new("/v1/completions", raw.clone(), &p, Some("k".into()), bs).unwrap();
+        let body: Value = serde_json::from_slice(&out.body).unwrap();
+        assert_eq!(body["stream_options"]["include_usage"], true);
+        assert_eq!(
+            (body["cache_salt"].as_str(), body["extra_field"].as_i64()),
+            (Some("k"), Some(1))
+        );
+        assert!(out.streamed && out.strip_usage);
+        let plain = Outbound::new("/v1/completions", raw, &p, None, bs).unwrap();
+        assert_ne!(plain.local, out.local, "the namespace changes every block's hash");
+
+        let asked = json!({"stream": true, "stream_options": {"include_usage": true}});
+        let out = Outbound::new("/v1/completions", asked, &p, None, bs).unwrap();
+        assert!(out.streamed && !out.strip_usage);
+        let whole = Outbound::new("/v1/completions", json!({}), &p, None, bs).unwrap();
+        assert!(!whole.streamed && !whole.strip_usage);
+        let body: Value = serde_json::from_slice(&whole.body).unwrap();
+        assert!(body.get("stream_options").is_none());
+    }
+}

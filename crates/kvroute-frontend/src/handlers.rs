@@ -1,0 +1,126 @@
+//! The OpenAI routes and the front door's own views, as stages: the body parsed and checked
+//! ([`parse`]), preprocessed into tokens and images (`kvroute_preprocess`), made an
+//! [`Outbound`] request (hashed, namespaced), then placed and dispatched ([`dispatch`]).
+//! Auth and limits come before all of them (`kvroute_http::auth`, the listener's bounds).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Extension, State};
+use axum::response::Response;
+use base64::Engine as _;
+use kvroute_http::ApiError;
+use kvroute_http::auth::KeyId;
+use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest, ModelList};
+use kvroute_preprocess::fetch::LoadedImage;
+use serde_json::{Value, json};
+
+use crate::FrontendState;
+use crate::dispatch::{Outbound, dispatch};
+
+/// The body decoded as `T` (the fields kvroute reads), checked as an engine checks it
+/// ([`kvroute_http::openai::parse_request`]). The whole body as a JSON value, to pass on, is
+/// read only once the request has passed its checks ([`raw`]): a body refused for its size is
+/// never held twice.
+fn parse<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    param: &'static str,
+) -> Result<(Bytes, T), ApiError> {
+    let body = body?;
+    let fields = kvroute_http::openai::parse_request(&body, param, None)?;
+    Ok((body, fields))
+}
+
+/// The body as a JSON value (it decoded as a request already); what no JSON value holds is a
+/// 400 naming its field ([`kvroute_http::openai::body_value`]).
+fn raw(body: &[u8]) -> Result<Value, ApiError> {
+    kvroute_http::openai::body_value(body)
+}
+
+pub(crate) async fn chat(
+    State(state): State<Arc<FrontendState>>,
+    key: Option<Extension<KeyId>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let (body, req) = parse::<ChatCompletionRequest>(body, "messages")?;
+    let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
+    // Images: fetched once here, forwarded inline, named by their identifier.
+    let (prepared, images) =
+        state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
+    drop(req);
+    let mut raw = raw(&body)?;
+    drop(body);
+    rewrite_image_parts(&mut raw, &images);
+    let out = Outbound::new("/v1/chat/completions", raw, &prepared, namespace, state.block_size)?;
+    dispatch(&state, &out).await
+}
+
+/// Each `image_url` part, in order, gets its image inline (a fetched one as a `data:` URL)
+/// and its identifier as `uuid`.
+fn rewrite_image_parts(raw: &mut Value, images: &[LoadedImage]) {
+    let mut next = images.iter();
+    let Some(messages) = raw.get_mut("messages").and_then(Value::as_array_mut) else { return };
+    let parts = messages
+        .iter_mut()
+        .filter_map(|m| m.get_mut("content").and_then(Value::as_array_mut))
+        .flatten()
+        .filter(|p| p.get("type").and_then(Value::as_str) == Some("image_url"));
+    for part in parts {
+        let Some(loaded) = next.next() else { return };
+        let Some(image_url) = part.get_mut("image_url").and_then(Value::as_object_mut) else {
+            continue;
+        };
+        if let Some(bytes) = &loaded.fetched {
+            let inline = base64::engine::general_purpose::STANDARD.encode(bytes);
+            image_url.insert("url".into(), Value::String(format!("data:image;base64,{inline}")));
+        }
+        image_url.insert("uuid".into(), Value::String(loaded.image.identifier.clone()));
+    }
+}
+
+pub(crate) async fn completions(
+    State(state): State<Arc<FrontendState>>,
+    key: Option<Extension<KeyId>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let (body, req) = parse::<CompletionRequest>(body, "prompt")?;
+    let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
+    let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
+    let raw = raw(&body)?;
+    let out = Outbound::new("/v1/completions", raw, &prepared, namespace, state.block_size)?;
+    dispatch(&state, &out).await
+}
+
+pub(crate) async fn models(State(state): State<Arc<FrontendState>>) -> Json<ModelList> {
+    Json(ModelList::one(state.preprocessor.model_name(), Some(state.max_model_len)))
+}
+
+/// The workers as the front door sees them (their health), and the embedded router's view.
+pub(crate) async fn workers(State(state): State<Arc<FrontendState>>) -> Json<Value> {
+    let health = state.health.snapshot(Instant::now());
+    let router = state.placer.router();
+    let decisions = router.map(|r| r.recent_decisions());
+    Json(json!({"health": health, "workers": router.map(|r| r.workers()),
+        "recent_decisions": decisions, "nats": router.and_then(|r| r.nats()).map(|n| n.summary())}))
+}
+
+/// Liveness; with an embedded router, its state (NATS away is degraded, not down).
+pub(crate) async fn health(State(state): State<Arc<FrontendState>>) -> Json<Value> {
+    match state.placer.router() {
+        Some(router) => Json(router.health()),
+        None => Json(json!({"status": "ok", "degraded": false})),
+    }
+}
+
+pub(crate) async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {
+    state.metrics.ejected.set(state.health.ejected_count() as i64);
+    match state.placer.router() {
+        Some(router) => {
+            kvroute_http::metrics::response(&[&state.metrics.registry, router.registry()])
+        }
+        None => kvroute_http::metrics::response(&[&state.metrics.registry]),
+    }
+}

@@ -1,0 +1,130 @@
+//! The health tick: each worker's `/health` checked every [`HEALTH_INTERVAL`] (ejection and
+//! return), and the parity probe of workers that joined, with its backoff.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::WorkerId;
+
+use crate::health::Failure;
+use crate::{FrontendState, HEALTH_INTERVAL, PROBE_BACKOFF_MAX, PROBE_TIMEOUT, parity};
+
+impl FrontendState {
+    fn probes_left(&self) -> Vec<WorkerId> {
+        match self.parity_probe {
+            true => self.to_probe.lock().map(|s| s.iter().copied().collect()).unwrap_or_default(),
+            false => Vec::new(),
+        }
+    }
+
+    /// Waits until every reachable worker had its parity probe, or `timeout`; the workers
+    /// left (an unreachable one is probed when it answers; the health checks report it).
+    pub async fn parity_done(&self, timeout: Duration) -> Vec<WorkerId> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.probed.notified();
+            let mut left = self.probes_left();
+            left.retain(|w| !self.health.is_ejected(*w));
+            if left.is_empty() || tokio::time::Instant::now() >= deadline {
+                return left;
+            }
+            let _ = tokio::time::timeout_at(deadline, notified).await;
+        }
+    }
+
+    /// Whether `worker`'s parity probe may be tried at `now` (not backing off). Probes run on
+    /// the health tick, and a backoff is counted from the end of the last round of probes: a
+    /// deadline less than half a tick away counts as reached, or a 1 s backoff would wait for
+    /// the tick after next (2 s; serve's readiness waited that long on a startup race).
+    fn probe_due(&self, worker: WorkerId, now: Instant) -> bool {
+        let now = now + HEALTH_INTERVAL / 2;
+        self.probe_retries.lock().map_or(true, |r| r.get(&worker).is_none_or(|(at, _)| now >= *at))
+    }
+
+    /// A probe could not be made: tried again after a backoff that doubles from 1 s to
+    /// [`PROBE_BACKOFF_MAX`], its cause in `/workers` (unless the worker failed a probe
+    /// before: that cause stands) and logged when it first happens.
+    fn probe_later(&self, worker: WorkerId, why: &parity::Retry) {
+        let Ok(mut retries) = self.probe_retries.lock() else { return };
+        let backoff = match retries.get(&worker) {
+            Some((_, b)) => (*b * 2).min(PROBE_BACKOFF_MAX),
+            None => {
+                tracing::info!(%worker, cause = %why, "parity probe not made yet; trying again with a backoff");
+                Duration::from_secs(1)
+            }
+        };
+        retries.insert(worker, (Instant::now() + backoff, backoff));
+        tracing::debug!(%worker, cause = %why, backoff_secs = backoff.as_secs(), "parity probe deferred");
+        if let Some(router) = self.placer.router()
+            && !router.parity_failed(worker)
+        {
+            let cause = format!("{why}; next try in {} s", backoff.as_secs());
+            router.set_parity(worker, kvroute_router::Parity::Retrying(cause));
+        }
+    }
+
+    /// Checks every worker's `GET /health` each [`HEALTH_INTERVAL`] until the front door is
+    /// dropped: a refused connection means its engine died (ejected, its blocks forgotten,
+    /// before a client finds out); an ejected worker that answers once its backoff is over is
+    /// back in rotation.
+    pub fn spawn_probes(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(HEALTH_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(state) = weak.upgrade() else { return };
+                let checks = state.urls.iter().map(|(&worker, base)| {
+                    let state = Arc::clone(&state);
+                    let url = format!("{base}/health");
+                    async move { (worker, state.probe(&url).await) }
+                });
+                let results = futures_util::future::join_all(checks).await;
+                let due = state.health.due_for_probe(Instant::now());
+                for (worker, result) in results {
+                    match result {
+                        Ok(()) if due.contains(&worker) => {
+                            state.health.succeeded(worker);
+                            tracing::info!(%worker, "worker answers again: back in rotation");
+                        }
+                        Ok(()) => {}
+                        Err(why) => state.worker_failed(worker, why),
+                    }
+                }
+                let now = Instant::now();
+                let probes = state
+                    .probes_left()
+                    .into_iter()
+                    .filter(|w| !state.health.is_ejected(*w) && state.probe_due(*w, now))
+                    .map(|worker| {
+                        let state = Arc::clone(&state);
+                        async move { (worker, parity::probe(&state, worker).await) }
+                    });
+                for (worker, outcome) in futures_util::future::join_all(probes).await {
+                    match outcome {
+                        Ok(Some(_)) => {
+                            if let Ok(mut to_probe) = state.to_probe.lock() {
+                                to_probe.remove(&worker);
+                            }
+                            state.probe_retries.lock().map(|mut r| r.remove(&worker)).ok();
+                            state.probed.notify_waiters();
+                        }
+                        Ok(None) => {}
+                        Err(why) => state.probe_later(worker, &why),
+                    }
+                }
+            }
+        })
+    }
+
+    /// One health check: `Err(Connect)` when the connection is refused, `Err(Probe)` for no
+    /// or a bad answer in time.
+    async fn probe(&self, url: &str) -> Result<(), Failure> {
+        match tokio::time::timeout(PROBE_TIMEOUT, self.client.get(url)).await {
+            Ok(Ok((status, _))) if status.is_success() => Ok(()),
+            Ok(Err(e)) if e.is_connect() => Err(Failure::Connect),
+            _ => Err(Failure::Probe),
+        }
+    }
+}
