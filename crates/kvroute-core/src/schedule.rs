@@ -172,8 +172,6 @@ pub struct Candidate {
     pub tree_size: usize,
     pub active: ActiveLoad,
     pub load: WorkerLoad,
-    /// Learned (or configured) prefill speed of the worker.
-    pub prefill_tokens_per_s: f64,
 }
 
 /// The request as policies see it.
@@ -375,7 +373,6 @@ pub struct Scheduler {
 struct WorkerEntry {
     worker: WorkerWithDpRank,
     load: WorkerLoad,
-    prefill_tokens_per_s: f64,
     /// Not ready (e.g. its event stream is down): chosen only when no ready worker is left.
     ready: bool,
 }
@@ -419,12 +416,7 @@ impl Scheduler {
     pub fn add_worker(&mut self, worker: WorkerWithDpRank) {
         if let Err(at) = self.ids.binary_search(&worker) {
             self.ids.insert(at, worker);
-            let entry = WorkerEntry {
-                worker,
-                load: WorkerLoad::default(),
-                prefill_tokens_per_s: self.config.kv.prefill_tokens_per_s,
-                ready: true,
-            };
+            let entry = WorkerEntry { worker, load: WorkerLoad::default(), ready: true };
             self.workers.insert(at, entry);
         }
     }
@@ -570,7 +562,6 @@ impl Scheduler {
                 tree_size: tree_size(e.worker).unwrap_or_else(|| sizes.tree_size(e.worker)),
                 active: self.active.load(e.worker),
                 load: e.load,
-                prefill_tokens_per_s: e.prefill_tokens_per_s,
             })
             .collect();
         if !self.policy.blind() && all.iter().any(|c| !self.is_busy(c)) {
@@ -612,19 +603,9 @@ impl Scheduler {
         Some((chosen.min(candidates.len() - 1), costs))
     }
 
-    /// The request's first token arrived at `now`: its prefill no longer queues, and the time
-    /// it took teaches the worker's prefill speed.
-    pub fn mark_prefill_done(&mut self, id: &str, now: Instant) {
-        let Some((worker, tokens, added)) = self.active.mark_prefill_done(id) else { return };
-        let elapsed = now.saturating_duration_since(added).as_secs_f64();
-        if tokens >= self.config.block_size.tokens() && elapsed > 0.0 {
-            let observed = tokens as f64 / elapsed;
-            let alpha = self.config.kv.speed_learning_rate;
-            if let Some(entry) = self.entry(worker) {
-                entry.prefill_tokens_per_s =
-                    (1.0 - alpha) * entry.prefill_tokens_per_s + alpha * observed;
-            }
-        }
+    /// The request's first token arrived: its prefill no longer queues.
+    pub fn mark_prefill_done(&mut self, id: &str) {
+        self.active.mark_prefill_done(id);
     }
 
     /// Tracks a request another router routed (a replica's decision) as in flight on

@@ -32,8 +32,6 @@ struct ActiveRequest {
     worker: WorkerWithDpRank,
     blocks: Vec<SequenceHash>,
     prefill_tokens: usize,
-    /// Prefill tokens queued on the worker ahead of this request when it was added.
-    queued_before: usize,
     prefill_done: bool,
     added: Instant,
 }
@@ -72,7 +70,6 @@ impl ActiveSequences {
     ) {
         self.free(id);
         let load = self.loads.entry(worker).or_default();
-        let queued_before = load.prefill_tokens;
         load.prefill_tokens += prefill_tokens;
         load.requests += 1;
         let n = blocks.local.len().min(blocks.sequence.len());
@@ -104,26 +101,24 @@ impl ActiveSequences {
             worker,
             blocks: blocks.sequence[..n].to_vec(),
             prefill_tokens,
-            queued_before,
             prefill_done: false,
             added: now,
         };
         self.requests.insert(id.to_owned(), request);
     }
 
-    /// The request produced its first token: its prefill tokens no longer wait. Returns the
-    /// worker, the prefill tokens it computed before that token (this request's and those
-    /// queued ahead of it) and when it was added; the first time only.
-    pub fn mark_prefill_done(&mut self, id: &str) -> Option<(WorkerWithDpRank, usize, Instant)> {
-        let request = self.requests.get_mut(id)?;
+    /// The request produced its first token: its prefill tokens no longer wait. Returns
+    /// whether it was waiting (the first time only).
+    pub fn mark_prefill_done(&mut self, id: &str) -> bool {
+        let Some(request) = self.requests.get_mut(id) else { return false };
         if request.prefill_done {
-            return None;
+            return false;
         }
         request.prefill_done = true;
         if let Some(load) = self.loads.get_mut(&request.worker) {
             load.prefill_tokens -= request.prefill_tokens;
         }
-        Some((request.worker, request.queued_before + request.prefill_tokens, request.added))
+        true
     }
 
     /// The request ended (completed, failed or its client left). Unknown ids and repeated

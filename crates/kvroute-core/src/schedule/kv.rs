@@ -1,8 +1,8 @@
 //! kvroute's default policy: the lowest predicted time to first token, counting the price of
 //! copying a prefix away from the worker that holds it.
 //!
-//! For each candidate `i`, in tokens of prefill work (divided by the worker's prefill speed to
-//! get seconds):
+//! For each candidate `i`, in tokens of prefill work (divided by `prefill_tokens_per_s` to get
+//! seconds):
 //!
 //! ```text
 //! cached_i = max(kv overlap_i, in-flight prefix_i) * bs        tokens it has or is computing
@@ -11,7 +11,7 @@
 //! decode_i = decode_full_cache_tokens * active_blocks_i / kv_total_blocks_i
 //! wait_i   = memory_wait_tokens if active_blocks_i + the request's blocks not in flight there
 //!            exceed kv_total_blocks_i, else 0
-//! cost_i   = (ttft_i + evict_i + decode_i + wait_i) / speed_i
+//! cost_i   = (ttft_i + evict_i + decode_i + wait_i) / prefill_tokens_per_s
 //! ```
 //!
 //! - The in-flight prefix counts as cached: a request routed behind an identical one reuses
@@ -47,12 +47,12 @@
 //!   only once some of them finish (vLLM and the mocker queue it, or preempt): hundreds of
 //!   milliseconds, far more than recomputing a prefix elsewhere. On `kvroute bench`'s
 //!   multi-turn workload conversations that outgrew their worker waited up to 250 ms there.
-//! - Prefill speed can be learned per worker from first-token times ([`super::Scheduler::
-//!   mark_prefill_done`], `speed_learning_rate`), starting from `prefill_tokens_per_s`. It is
-//!   off by default: a first-token time also holds the step's fixed cost and the queue ahead,
-//!   so a worker that once answered slowly looked slow for everything, got fewer requests and
-//!   so no new evidence (`kvroute bench`'s random workload starved one worker that way: 7 of
-//!   160 requests).
+//! - Every worker is priced at one prefill speed. A speed learned per worker from first-token
+//!   times was tried and removed: a first-token time also holds the step's fixed cost and the
+//!   queue ahead, so a worker that once answered slowly looked slow for everything, got fewer
+//!   requests and so no new evidence (`kvroute bench`'s random workload starved one worker that
+//!   way: 7 of 160 requests). A speed that can be learned needs the engine's own prefill
+//!   timings (vLLM's `vllm:request_prefill_time_seconds`), not the router's view of them.
 //!
 //! Dynamo's cost ([`super::dynamo`]) adds every in-flight block of a worker to its cost, which
 //! pushes requests off the worker that holds their prefix as soon as it is busy decoding; the
@@ -67,11 +67,8 @@ use super::{Candidate, Policy, RequestInfo};
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KvConfig {
-    /// Prefill speed assumed until a worker's is learned (tokens per second).
+    /// The workers' prefill speed (tokens per second): the unit of the cost, in seconds.
     pub prefill_tokens_per_s: f64,
-    /// Weight of each new observation in the learned speed (exponential moving average; 0:
-    /// every worker keeps `prefill_tokens_per_s`).
-    pub speed_learning_rate: f64,
     /// Price of each token a request adds to a full cache (what it evicts), in prefill tokens.
     pub eviction_weight: f64,
     /// What running requests filling a worker's whole cache add to its time to first token,
@@ -90,7 +87,6 @@ impl Default for KvConfig {
     fn default() -> Self {
         Self {
             prefill_tokens_per_s: 20_000.0,
-            speed_learning_rate: 0.0,
             eviction_weight: 1.0,
             decode_full_cache_tokens: 2_500.0,
             decode_weight: 0.02,
@@ -141,7 +137,7 @@ impl KvPolicy {
                     }
                     _ => 0.0,
                 };
-                (ttft + evict + decode + wait) / c.prefill_tokens_per_s.max(1.0)
+                (ttft + evict + decode + wait) / self.config.prefill_tokens_per_s.max(1.0)
             })
             .collect()
     }

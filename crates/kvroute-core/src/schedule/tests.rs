@@ -70,12 +70,7 @@ fn info(isl: usize) -> RequestInfo {
 }
 
 fn candidate(k: u64, overlap: u32) -> Candidate {
-    Candidate {
-        worker: w(k),
-        overlap_blocks: overlap,
-        prefill_tokens_per_s: 20_000.0,
-        ..Candidate::default()
-    }
+    Candidate { worker: w(k), overlap_blocks: overlap, ..Candidate::default() }
 }
 
 #[test]
@@ -374,25 +369,6 @@ fn baselines_behave() {
 }
 
 #[test]
-fn prefill_speed_is_learned_from_first_tokens() {
-    let p = prompt(&(0..2048).collect::<Vec<_>>());
-    let t0 = Instant::now();
-    let mut config = SchedulerConfig { policy: PolicyKind::Kv, ..SchedulerConfig::default() };
-    config.kv.speed_learning_rate = 0.1;
-    let mut s = Scheduler::new(config);
-    s.add_worker(w(0));
-    s.route(&request(&p, Some("a")), &OverlapScores::default(), &UnknownTreeSizes, t0).unwrap();
-    // 2048 tokens in 0.2 s = 10k tokens/s, below the 20k prior.
-    s.mark_prefill_done("a", t0 + Duration::from_millis(200));
-    let c = s.candidates(&p.local, &OverlapScores::default(), &UnknownTreeSizes)[0];
-    let expected = 0.9 * 20_000.0 + 0.1 * 10_240.0;
-    assert!((c.prefill_tokens_per_s - expected).abs() < 1.0, "{}", c.prefill_tokens_per_s);
-    s.mark_prefill_done("a", t0 + Duration::from_secs(9)); // twice: ignored
-    let again = s.candidates(&p.local, &OverlapScores::default(), &UnknownTreeSizes)[0];
-    assert_eq!(again.prefill_tokens_per_s, c.prefill_tokens_per_s);
-}
-
-#[test]
 fn stale_requests_are_reclaimed() {
     let p = prompt(&(0..64).collect::<Vec<_>>());
     let t0 = Instant::now();
@@ -560,14 +536,14 @@ fn simulate(policy: PolicyKind) -> SimResult {
     for (n, &(g, q)) in order.iter().enumerate() {
         now += -(1.0 - rng.unit()).ln() / RATE;
         while heap.peek().is_some_and(|d| d.0 <= now) {
-            let Due(t, _, what) = heap.pop().unwrap();
+            let Due(_, _, what) = heap.pop().unwrap();
             match what {
                 Pending::Events(events) => {
                     for e in events {
                         let _ = index.apply_event(&e);
                     }
                 }
-                Pending::PrefillDone(id) => s.mark_prefill_done(&id, at(t)),
+                Pending::PrefillDone(id) => s.mark_prefill_done(&id),
                 Pending::Finished(id) => assert!(s.free(&id)),
             }
         }

@@ -61,7 +61,7 @@ impl RouterState {
     }
 
     pub fn prefill_done(&self, request_id: &str) {
-        lock(&self.placing.scheduler).mark_prefill_done(request_id, Instant::now());
+        lock(&self.placing.scheduler).mark_prefill_done(request_id);
         if let Some(nats) = self.nats.get() {
             nats.send(&self.metrics, SyncMessage::PrefillDone { id: request_id.to_owned() });
         }
