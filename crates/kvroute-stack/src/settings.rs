@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use kvroute_core::BlockSize;
 use kvroute_core::index::{ApproxConfig, IndexConfig};
-use kvroute_core::schedule::PolicyKind;
 use kvroute_core::schedule::kv::KvConfig;
+use kvroute_core::schedule::{PolicyKind, SchedulerConfig};
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
@@ -26,11 +26,11 @@ use kvroute_http::{Credentials, ServeOptions};
 use crate::{Access, Simulated, StackConfig, StackError};
 
 pub const DEFAULT_HOST: &str = "127.0.0.1";
-pub const DEFAULT_SHARDS: usize = 4;
-/// (worker, block) pairs: ~0.8 GB of index at most, whatever the event flood.
-pub const DEFAULT_MAX_INDEX_BLOCKS: usize = 16 << 20;
 pub const DEFAULT_READY_TIMEOUT_SECS: f64 = 10.0;
 pub const DEFAULT_SIMULATED_WORKERS: usize = 4;
+/// The ports the commands listen on by default.
+pub const DEFAULT_FRONT_DOOR_PORT: u16 = 8000;
+pub const DEFAULT_ROUTER_PORT: u16 = 8001;
 
 /// Why settings could not be read or merged.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +48,10 @@ pub enum SettingsError {
         "worker {0} is given twice with different keys (in the file and by --worker or KVROUTE_WORKERS)"
     )]
     WorkerTwice(kvroute_core::WorkerId),
+    #[error("the settings cannot be written as TOML")]
+    Print(#[source] toml::ser::Error),
+    #[error("the merged settings do not read back")]
+    Merge(#[source] toml::de::Error),
 }
 
 /// Every setting, each optional (absent: the next source, or the default).
@@ -217,12 +221,6 @@ pub mod keys {
     }
 }
 
-macro_rules! overlay {
-    ($low:ident, $high:ident, $workers:expr, $kv_cost:expr; $($field:ident),* $(,)?) => {
-        Settings { $($field: $high.$field.or($low.$field),)* workers: $workers, kv_cost: $kv_cost }
-    };
-}
-
 impl Settings {
     /// Reads a TOML file, refusing keys that `command` (named in errors) does not use.
     pub fn from_file(path: &Path, allowed: &[&str], command: &str) -> Result<Self, SettingsError> {
@@ -271,18 +269,83 @@ impl Settings {
             }
         }
         let workers = order.iter().filter_map(|id| by_id.remove(id)).collect();
+        // Every other setting: `high`'s where it has one. Read off the settings' own
+        // serialized form (an absent setting is an absent key), so no list of them is kept.
+        let table = |s: &Settings| toml::Table::try_from(s).map_err(SettingsError::Print);
+        let mut merged = table(&low)?;
+        merged.extend(table(&high)?);
+        let mut out: Settings = merged.try_into().map_err(SettingsError::Merge)?;
         let mut kv_cost = low.kv_cost;
         kv_cost.extend(high.kv_cost);
-        Ok(overlay!(low, high, workers, kv_cost; host, port, max_connections_per_client,
-            max_body_bytes_in_flight, max_body_bytes_per_client, block_size, policy, temperature,
-            overlap_weight, shards, max_index_blocks, max_dp_size, approx_ttl, ready_timeout,
-            zmq_max_message_bytes, router_url, simulated_workers, num_blocks, max_num_seqs, max_batched_tokens, speedup,
-            seed, max_model_len, model_path, allow_private_image_urls, api_keys_file,
-            admin_token_file, router_token_file, tls_cert, tls_key, insecure, expose_overlap,
-            first_byte_timeout, cache_namespace_per_key, parity_probe, nats_url, nats_prefix,
-            nats_replica, nats_sync, nats_events, nats_snapshot_every, nats_stream_max_bytes,
-            nats_stream_max_age, nats_token_file, nats_user, nats_password_file, nats_tls_ca,
-            nats_tls_cert, nats_tls_key))
+        out.workers = workers;
+        out.kv_cost = kv_cost;
+        Ok(out)
+    }
+
+    /// Every setting at its default, taken from the libraries' own `Default`s: what applies
+    /// where no flag, variable or file sets one (`port`: the command's). Settings without a
+    /// default (no NATS server, no files, the model's own context length) stay absent.
+    pub fn defaults(port: u16) -> Settings {
+        let listener = ServeOptions::default();
+        let router = RouterConfig::default();
+        let scheduler = SchedulerConfig::default();
+        let engine = EngineConfig::default();
+        let kv_cost = toml::Table::try_from(KvConfig::default())
+            .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
+            .unwrap_or_default();
+        Settings {
+            host: Some(DEFAULT_HOST.to_owned()),
+            port: Some(port),
+            max_connections_per_client: Some(listener.max_connections_per_client),
+            max_body_bytes_in_flight: Some(listener.max_body_bytes_in_flight),
+            max_body_bytes_per_client: Some(listener.max_body_bytes_per_client),
+            block_size: Some(BlockSize::default().get()),
+            policy: Some(scheduler.policy),
+            temperature: Some(scheduler.temperature),
+            overlap_weight: Some(scheduler.overlap_weight),
+            shards: Some(router.shards),
+            max_index_blocks: router.index.max_held_blocks,
+            max_dp_size: Some(router.max_dp_size),
+            approx_ttl: Some(router.approx.ttl.as_secs_f64()),
+            ready_timeout: Some(DEFAULT_READY_TIMEOUT_SECS),
+            zmq_max_message_bytes: Some(router.zmq_max_message_bytes),
+            simulated_workers: Some(DEFAULT_SIMULATED_WORKERS),
+            num_blocks: Some(engine.num_blocks),
+            max_num_seqs: Some(engine.max_num_seqs),
+            max_batched_tokens: Some(engine.max_batched_tokens),
+            speedup: Some(engine.timing.speedup),
+            seed: Some(Simulated::default().seed),
+            allow_private_image_urls: Some(FetchConfig::default().allow_private),
+            insecure: Some(false),
+            expose_overlap: Some(false),
+            first_byte_timeout: Some(kvroute_frontend::FIRST_BYTE_TIMEOUT.as_secs_f64()),
+            cache_namespace_per_key: Some(false),
+            parity_probe: Some(true),
+            nats_prefix: Some(kvroute_router::nats::DEFAULT_PREFIX.to_owned()),
+            nats_sync: Some(true),
+            nats_events: Some("zmq".to_owned()),
+            nats_stream_max_bytes: Some(kvroute_router::nats::DEFAULT_STREAM_MAX_BYTES),
+            nats_stream_max_age: Some(kvroute_router::nats::DEFAULT_STREAM_MAX_AGE.as_secs_f64()),
+            kv_cost,
+            ..Settings::default()
+        }
+    }
+
+    /// The settings `--print-config` shows: these over every default, as a config file of
+    /// `allowed`'s keys (what the command reads back).
+    pub fn printed(&self, port: u16, allowed: &[&str]) -> String {
+        let full = match Self::defaults(port).overlaid_by(self.clone()) {
+            Ok(full) => full,
+            Err(e) => return format!("# cannot print the settings: {e}\n"),
+        };
+        match toml::Table::try_from(&full) {
+            Ok(mut table) => {
+                table.retain(|k, _| allowed.contains(&k));
+                toml::to_string(&table)
+                    .unwrap_or_else(|e| format!("# cannot print the settings: {e}\n"))
+            }
+            Err(e) => format!("# cannot print the settings: {e}\n"),
+        }
     }
 
     /// The settings as TOML (what `--print-config` shows).
@@ -384,33 +447,35 @@ impl Settings {
     }
 
     pub fn block_size(&self) -> Result<BlockSize, StackError> {
-        BlockSize::new(self.block_size.unwrap_or(16))
+        BlockSize::new(self.block_size.unwrap_or(BlockSize::default().get()))
             .map_err(|e| StackError::Config(format!("block_size: {e}")))
     }
 
     /// The router's configuration, with the settings' workers.
     pub fn router_config(&self) -> Result<RouterConfig, StackError> {
+        let d = RouterConfig::default();
         let mut config = RouterConfig {
             block_size: self.block_size()?,
             workers: self.workers.clone(),
-            shards: self.shards.unwrap_or(DEFAULT_SHARDS),
+            shards: self.shards.unwrap_or(d.shards),
             index: IndexConfig {
-                max_held_blocks: Some(self.max_index_blocks.unwrap_or(DEFAULT_MAX_INDEX_BLOCKS)),
+                max_held_blocks: self.max_index_blocks.or(d.index.max_held_blocks),
             },
-            max_dp_size: self.max_dp_size.unwrap_or(kvroute_router::config::DEFAULT_MAX_DP_SIZE),
-            zmq_max_message_bytes: self
-                .zmq_max_message_bytes
-                .unwrap_or(kvroute_router::config::DEFAULT_ZMQ_MAX_MESSAGE_BYTES),
+            max_dp_size: self.max_dp_size.unwrap_or(d.max_dp_size),
+            zmq_max_message_bytes: self.zmq_max_message_bytes.unwrap_or(d.zmq_max_message_bytes),
             approx: ApproxConfig {
-                ttl: secs(self.approx_ttl.unwrap_or(120.0), "approx_ttl")?,
-                ..ApproxConfig::default()
+                ttl: match self.approx_ttl {
+                    Some(t) => secs(t, "approx_ttl")?,
+                    None => d.approx.ttl,
+                },
+                ..d.approx
             },
-            ..RouterConfig::default()
+            ..d
         };
         let s = &mut config.scheduler;
-        s.policy = self.policy.unwrap_or_default();
-        s.temperature = self.temperature.unwrap_or(0.0);
-        s.overlap_weight = self.overlap_weight.unwrap_or(1.0);
+        s.policy = self.policy.unwrap_or(s.policy);
+        s.temperature = self.temperature.unwrap_or(s.temperature);
+        s.overlap_weight = self.overlap_weight.unwrap_or(s.overlap_weight);
         s.kv = kv_config(&self.kv_cost)?;
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
             return Err(StackError::Config("temperature must be >= 0".into()));
@@ -515,7 +580,7 @@ impl Settings {
                 count: simulated,
                 engine,
                 events: true,
-                seed: self.seed.unwrap_or(0),
+                seed: self.seed.unwrap_or(Simulated::default().seed),
                 max_model_len: self.max_model_len,
             },
             router: self.router_config()?,
@@ -616,7 +681,11 @@ mod tests {
         let router = merged.router_config().unwrap();
         assert_eq!(router.scheduler.policy, PolicyKind::RoundRobin, "flag over file");
         assert_eq!((router.block_size.get(), router.shards), (32, 2), "file over default");
-        assert_eq!(router.index.max_held_blocks, Some(DEFAULT_MAX_INDEX_BLOCKS), "default");
+        assert_eq!(
+            router.index.max_held_blocks,
+            RouterConfig::default().index.max_held_blocks,
+            "default"
+        );
         assert_eq!(merged.engine_config().unwrap().block_size.get(), 32, "one block size for all");
     }
 

@@ -261,3 +261,70 @@ fn serve_takes_a_text_only_model_directory() {
     assert_eq!(status, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("takes text only"), "{v}");
 }
+
+/// `--print-config` with nothing set prints every setting at its default, and that output is
+/// a config file the command reads back unchanged.
+#[test]
+fn print_config_shows_the_defaults_and_reads_back() {
+    for (command, port) in [("serve", 8000), ("frontend", 8000), ("router", 8001)] {
+        let (out, printed, stderr) = output(kvroute().args([command, "--print-config"]));
+        assert!(out.status.success(), "{command}: {stderr}");
+        let table: toml::Table = toml::from_str(&printed).unwrap();
+        assert_eq!(table["port"].as_integer(), Some(port), "{command}");
+        assert_eq!(table["block_size"].as_integer(), Some(16), "{command}");
+        assert_eq!(table["kv_cost"]["queue_weight"].as_float(), Some(0.5), "{command}");
+        let dir = temp_dir(&format!("print-{command}"));
+        let file = dir.join("printed.toml");
+        std::fs::write(&file, &printed).unwrap();
+        let (out, again, stderr) =
+            output(kvroute().args([command, "--print-config", "--config"]).arg(&file));
+        assert!(out.status.success(), "{command} reads its printed config back: {stderr}");
+        assert_eq!(again, printed, "{command}");
+    }
+}
+
+/// Every `[default: V]` in `serve --help` is what `--print-config` says the default is: the
+/// help's figures cannot drift from the libraries' defaults, where they come from.
+#[test]
+fn help_defaults_are_the_printed_defaults() {
+    let (_, help, _) = output(kvroute().args(["serve", "--help"]));
+    let (_, printed, _) = output(kvroute().args(["serve", "--print-config"]));
+    let defaults: toml::Table = toml::from_str(&printed).unwrap();
+    // Each flag's help, its lines joined.
+    let mut flags: Vec<(String, String)> = Vec::new();
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        // A flag starts its line at column 6; its help (and the help's wrapped lines) further in.
+        let indent = line.len() - trimmed.len();
+        if let Some(rest) = trimmed.strip_prefix("--").filter(|_| indent <= 6) {
+            let name = rest.split([' ', '\t']).next().unwrap_or_default().replace('-', "_");
+            flags.push((name, String::new()));
+        } else if let Some((_, text)) = flags.last_mut() {
+            text.push(' ');
+            text.push_str(trimmed);
+        }
+    }
+    let mut checked = 0;
+    for (name, text) in &flags {
+        let Some(start) = text.find("[default: ") else { continue };
+        let said = &text[start + 10..];
+        let said = &said[..said.find(']').unwrap()];
+        let Some(value) = defaults.get(name) else { continue };
+        let value = match value {
+            toml::Value::String(s) => s.clone(),
+            toml::Value::Float(f) => format!("{f}"),
+            other => other.to_string(),
+        };
+        // Descriptive defaults ("the model's context length", "a quarter of ...") are words.
+        if said.parse::<f64>().is_err() && said.contains(' ') {
+            continue;
+        }
+        let same = match (said.parse::<f64>(), value.parse::<f64>()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => said == value,
+        };
+        assert!(same, "--{name}: the help says {said}, the default is {value}");
+        checked += 1;
+    }
+    assert!(checked >= 15, "only {checked} defaults checked: is the help's format still read?");
+}

@@ -254,8 +254,8 @@ pub(crate) struct ConfigArgs {
     /// [[workers]] tables of the --worker keys. Flags and environment win over it.
     #[arg(long, env = "KVROUTE_CONFIG")]
     pub(crate) config: Option<PathBuf>,
-    /// Print the settings after merging flags, environment and file (as a config file), and
-    /// exit.
+    /// Print every setting the command reads, after merging flags, environment and file over
+    /// the defaults (as a config file it reads back), and exit.
     #[arg(long)]
     pub(crate) print_config: bool,
 }
@@ -363,12 +363,13 @@ impl ConfigArgs {
         Ok(file.overlaid_by(flags)?)
     }
 
-    /// With `--print-config`: prints `settings` and says to stop.
-    pub(crate) fn printed(&self, settings: &Settings) -> bool {
+    /// With `--print-config`: prints `settings` over the defaults (the command's `port`,
+    /// its `allowed` keys) and says to stop.
+    pub(crate) fn printed(&self, settings: &Settings, port: u16, allowed: &[&str]) -> bool {
         if self.print_config {
             #[allow(clippy::print_stdout)]
             {
-                print!("{}", settings.to_toml());
+                print!("{}", settings.printed(port, allowed));
             }
         }
         self.print_config

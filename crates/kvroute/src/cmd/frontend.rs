@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvroute_stack::Stack;
-use kvroute_stack::settings::{Settings, keys};
+use kvroute_stack::settings::{DEFAULT_FRONT_DOOR_PORT, Settings, keys};
 
 use std::path::PathBuf;
 
@@ -55,7 +55,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     args.nats.apply(&mut flags);
     args.model.apply(&mut flags);
     let settings = args.config.merge(flags, &keys::frontend(), "frontend")?;
-    if args.config.printed(&settings) {
+    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys::frontend()) {
         return Ok(ExitCode::SUCCESS);
     }
     anyhow::ensure!(!settings.workers.is_empty(), "no workers: give --worker id=..,url=..");
@@ -65,7 +65,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     let scheme = super::scheme(&options);
     let timeout = settings.ready_timeout()?;
     super::runtime()?.block_on(async move {
-        let listener = super::bind(&settings.address(8000)).await?;
+        let listener = super::bind(&settings.address(DEFAULT_FRONT_DOOR_PORT)).await?;
         let stack = Stack::start(config).await?;
         stack.ready(timeout).await;
         let local = listener.local_addr()?;

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvroute_stack::Stack;
-use kvroute_stack::settings::{Settings, keys};
+use kvroute_stack::settings::{DEFAULT_ROUTER_PORT, Settings, keys};
 
 use super::args::{BlockSizeArg, ConfigArgs, ListenArgs, NatsArgs, RoutingArgs, SecurityArgs};
 
@@ -32,7 +32,7 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
     args.routing.apply(&mut flags);
     args.nats.apply(&mut flags);
     let settings = args.config.merge(flags, &keys::router(), "router")?;
-    if args.config.printed(&settings) {
+    if args.config.printed(&settings, DEFAULT_ROUTER_PORT, &keys::router()) {
         return Ok(ExitCode::SUCCESS);
     }
     let config = settings.stack_config(0, false)?;
@@ -42,7 +42,7 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
     let policy = config.router.scheduler.policy;
     let timeout = settings.ready_timeout()?;
     super::runtime()?.block_on(async move {
-        let listener = super::bind(&settings.address(8001)).await?;
+        let listener = super::bind(&settings.address(DEFAULT_ROUTER_PORT)).await?;
         let stack = Stack::start(config).await?;
         stack.ready(timeout).await;
         let local = listener.local_addr()?;

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvroute_stack::Stack;
-use kvroute_stack::settings::{DEFAULT_SIMULATED_WORKERS, Settings, keys};
+use kvroute_stack::settings::{DEFAULT_FRONT_DOOR_PORT, DEFAULT_SIMULATED_WORKERS, Settings, keys};
 
 use super::args::{
     BlockSizeArg, ConfigArgs, EngineArgs, FrontDoorArgs, ListenArgs, ModelArgs, NatsArgs,
@@ -54,7 +54,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     args.model.apply(&mut flags);
     args.engine.apply(&mut flags);
     let settings = args.config.merge(flags, &keys::serve(), "serve")?;
-    if args.config.printed(&settings) {
+    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys::serve()) {
         return Ok(ExitCode::SUCCESS);
     }
     let simulated = settings.simulated_workers.unwrap_or(DEFAULT_SIMULATED_WORKERS);
@@ -69,7 +69,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let policy = config.router.scheduler.policy;
     let timeout = settings.ready_timeout()?;
     super::runtime()?.block_on(async move {
-        let listener = super::bind(&settings.address(8000)).await?;
+        let listener = super::bind(&settings.address(DEFAULT_FRONT_DOOR_PORT)).await?;
         let stack = Stack::start(config).await?;
         let waiting = stack.ready(timeout).await;
         let local = listener.local_addr()?;
