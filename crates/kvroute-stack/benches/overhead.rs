@@ -3,7 +3,7 @@
 //! alternating, in one run. The worker runs at a very high speedup so its own time is tiny.
 //! Target: the front door adds <= 0.2 ms at p50.
 //!
-//! `cargo bench -p kvroute-frontend --bench overhead` (without `--bench`: a quick pass).
+//! `cargo bench -p kvroute-stack --bench overhead` (without `--bench`: a quick pass).
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
