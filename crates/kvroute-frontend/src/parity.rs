@@ -29,9 +29,10 @@ use serde_json::{Value, json};
 
 use crate::FrontendState;
 
-fn fail(router: &RouterState, worker: WorkerId, cause: String) -> Parity {
+fn fail(router: &RouterState, worker: WorkerId, cause: &Mismatch) -> Parity {
     tracing::error!(%worker, %cause, "parity probe failed: the worker's events cannot be used; routing it approximately");
-    let parity = Parity::Failed(cause);
+    // The router keeps the cause as text: it is what `/workers` shows.
+    let parity = Parity::Failed(cause.to_string());
     router.set_parity(worker, parity.clone());
     parity
 }
@@ -97,7 +98,7 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
     for p in &probes {
         match run(state, router, worker, status.dp_size, &url, p).await {
             Some(Ok(())) => {}
-            Some(Err(cause)) => return Ok(Some(fail(router, worker, cause))),
+            Some(Err(cause)) => return Ok(Some(fail(router, worker, &cause))),
             None => return Err(Retry::NoAnswer),
         }
     }
@@ -187,7 +188,7 @@ async fn run(
     dp_size: u32,
     url: &str,
     probe: &Probe,
-) -> Option<Result<(), String>> {
+) -> Option<Result<(), Mismatch>> {
     let conversion = |router: &RouterState| -> Option<ConvertStats> {
         Some(router.workers().into_iter().find(|w| w.id == worker)?.conversion)
     };
@@ -196,7 +197,7 @@ async fn run(
     match tokio::time::timeout(PROBE_WAIT, answer).await {
         Ok(Ok(_)) => {}
         Ok(Err(ClientError::Status { status, message })) if status.is_client_error() => {
-            return Some(Err(format!("the engine refused the probe prompt ({status}: {message})")));
+            return Some(Err(Mismatch::Refused { status: status.as_u16(), message }));
         }
         // Unreachable or slow: the health checks deal with it; probed again later.
         _ => return None,
@@ -218,6 +219,31 @@ async fn run(
     Some(Ok(()))
 }
 
+/// What differs between a worker's blocks and the front door's (the table in the module docs).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Mismatch {
+    #[error("the engine refused the probe prompt ({status}: {message})")]
+    Refused { status: u16, message: String },
+    #[error("block size: the engine's KV events carry blocks of {} tokens, the router's are {router}", engine.map_or("another number of".to_owned(), |s| s.to_string()))]
+    BlockSize { engine: Option<u32>, router: usize },
+    #[error(
+        "image keys: the engine's blocks that cover the probe's picture carry no image key (its KV events leave out `extra_keys`/`mm_keys`), so two pictures behind the same placeholders look alike to the router"
+    )]
+    NoImageKeys,
+    #[error(
+        "image placeholders or keys: the engine's blocks for the image probe carry other token ids or image keys than the front door's (the image's placeholder count or its hashing differ; give both the same model directory)"
+    )]
+    ImageTokens,
+    #[error(
+        "token ids: the engine's blocks for the probe prompt carry other token ids than the front door's (the chat template or the tokenizer differ; give both the same model directory)"
+    )]
+    TokenIds,
+    #[error(
+        "no KV events: none arrived for the probe prompt (the engine publishes none, or on another endpoint than the worker's `events`)"
+    )]
+    NoEvents,
+}
+
 /// Why a probe's blocks did not arrive as hashed, as far as the router can tell.
 fn cause(
     state: &FrontendState,
@@ -225,25 +251,21 @@ fn cause(
     after: ConvertStats,
     probe: &Probe,
     held: impl Fn(&[LocalBlockHash]) -> usize,
-) -> String {
-    let bs = state.block_size.tokens();
+) -> Mismatch {
     if after.wrong_block_size > before.wrong_block_size {
-        return format!(
-            "block size: the engine's KV events carry blocks of {} tokens, the router's are {bs}",
-            after.seen_block_size.map_or("another number of".to_owned(), |s| s.to_string())
-        );
+        let router = state.block_size.tokens();
+        return Mismatch::BlockSize { engine: after.seen_block_size, router };
     }
     if let Some(plain) = &probe.without_images
         && held(plain) > held(&probe.hashes)
     {
-        return "image keys: the engine's blocks that cover the probe's picture carry no image key (its KV events leave out `extra_keys`/`mm_keys`), so two pictures behind the same placeholders look alike to the router".to_owned();
+        return Mismatch::NoImageKeys;
     }
     if after.blocks_stored > before.blocks_stored {
         return match probe.without_images {
-            Some(_) => "image placeholders or keys: the engine's blocks for the image probe carry other token ids or image keys than the front door's (the image's placeholder count or its hashing differ; give both the same model directory)",
-            None => "token ids: the engine's blocks for the probe prompt carry other token ids than the front door's (the chat template or the tokenizer differ; give both the same model directory)",
-        }
-        .to_owned();
+            Some(_) => Mismatch::ImageTokens,
+            None => Mismatch::TokenIds,
+        };
     }
-    "no KV events: none arrived for the probe prompt (the engine publishes none, or on another endpoint than the worker's `events`)".to_owned()
+    Mismatch::NoEvents
 }

@@ -146,7 +146,7 @@ async fn decode_off_runtime(
         images::decode_within(&bytes, &config, max_pixels).map(|image| (image, bytes))
     })
     .await
-    .map_err(|e| PreprocessError::Image(format!("decoding stopped: {e}")))?
+    .map_err(|e| PreprocessError::Image(crate::ImageError::DecodeStopped(e.to_string())))?
 }
 
 /// Fetches images under a [`FetchConfig`]; cheap to clone.
@@ -163,12 +163,12 @@ impl Fetcher {
         for der in &config.extra_roots {
             roots
                 .add(CertificateDer::from(der.clone()))
-                .map_err(|e| fetch_err(format!("an extra root certificate is unusable: {e}")))?;
+                .map_err(|source| FetchError::RootCertificate { source })?;
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let tls = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
-            .map_err(|e| fetch_err(format!("TLS setup: {e}")))?
+            .map_err(|source| FetchError::TlsSetup { source })?
             .with_root_certificates(roots)
             .with_no_client_auth();
         Ok(Self { config, tls: Arc::new(tls) })
@@ -182,16 +182,55 @@ impl Fetcher {
     pub async fn fetch(&self, url: &str) -> Result<Vec<u8>, PreprocessError> {
         match tokio::time::timeout(self.config.timeout, self.fetch_inner(url)).await {
             Ok(result) => result,
-            Err(_) => Err(fetch_err(format!(
-                "fetching {url}: no answer within {:?}",
-                self.config.timeout
-            ))),
+            Err(_) => {
+                Err(FetchError::Timeout { url: url.to_owned(), after: self.config.timeout }.into())
+            }
         }
     }
 }
 
-fn fetch_err(message: impl Into<String>) -> PreprocessError {
-    PreprocessError::Image(message.into())
+/// Why an image could not be fetched.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FetchError {
+    #[error("an extra root certificate is unusable: {source}")]
+    RootCertificate { source: rustls::Error },
+    #[error("TLS setup: {source}")]
+    TlsSetup { source: rustls::Error },
+    #[error("fetching {url}: no answer within {after:?}")]
+    Timeout { url: String, after: Duration },
+    #[error("bad image URL {url:?}: {source}")]
+    BadUrl { url: String, source: hyper::http::uri::InvalidUri },
+    #[error("unsupported image URL {0:?}: use http(s):// or data:")]
+    Scheme(String),
+    #[error("image URL {0:?} has no host")]
+    NoHost(String),
+    #[error("resolving {host}: {source}")]
+    Resolve { host: String, source: std::io::Error },
+    #[error("image host {0} resolves only to private or local addresses, which are not fetched")]
+    Private(String),
+    #[error("connecting to {host}: {source}")]
+    Connect { host: String, source: std::io::Error },
+    #[error("TLS name {name:?}: {source}")]
+    TlsName { name: String, source: rustls::pki_types::InvalidDnsNameError },
+    #[error("TLS with {host}: {source}")]
+    Tls { host: String, source: std::io::Error },
+    #[error("talking to {authority}: {source}")]
+    Handshake { authority: String, source: hyper::Error },
+    #[error("building the request for {url}: {source}")]
+    Request { url: String, source: hyper::http::Error },
+    #[error("fetching {url}: {source}")]
+    Send { url: String, source: hyper::Error },
+    #[error("fetching {url}: HTTP {status} (redirects are not followed)")]
+    Status { url: String, status: hyper::StatusCode },
+    #[error("reading {url}: {source}")]
+    Read { url: String, source: Box<dyn std::error::Error + Send + Sync> },
+}
+
+impl From<FetchError> for PreprocessError {
+    fn from(e: FetchError) -> Self {
+        PreprocessError::Image(e.into())
+    }
 }
 
 /// Whether an address is on the public internet (what may be fetched by default).
@@ -228,38 +267,39 @@ pub fn is_public(ip: IpAddr) -> bool {
 impl Fetcher {
     async fn fetch_inner(&self, url: &str) -> Result<Vec<u8>, PreprocessError> {
         let config = &self.config;
-        let uri: Uri = url.parse().map_err(|e| fetch_err(format!("bad image URL {url:?}: {e}")))?;
+        let uri: Uri =
+            url.parse().map_err(|source| FetchError::BadUrl { url: url.to_owned(), source })?;
         let tls = match uri.scheme_str() {
             Some("http") => false,
             Some("https") => true,
             _ => {
-                return Err(fetch_err(format!(
-                    "unsupported image URL {url:?}: use http(s):// or data:"
-                )));
+                return Err(FetchError::Scheme(url.to_owned()).into());
             }
         };
-        let host = uri.host().ok_or_else(|| fetch_err(format!("image URL {url:?} has no host")))?;
+        let host = uri.host().ok_or_else(|| FetchError::NoHost(url.to_owned()))?;
         let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host((bare, port))
             .await
-            .map_err(|e| fetch_err(format!("resolving {host}: {e}")))?
+            .map_err(|source| FetchError::Resolve { host: host.to_owned(), source })?
             .collect();
-        let addr = addrs.iter().copied().find(|a| config.allow_private || is_public(a.ip())).ok_or_else(|| {
-            fetch_err(format!("image host {host} resolves only to private or local addresses, which are not fetched"))
-        })?;
+        let addr = addrs
+            .iter()
+            .copied()
+            .find(|a| config.allow_private || is_public(a.ip()))
+            .ok_or_else(|| FetchError::Private(host.to_owned()))?;
         let stream = TcpStream::connect(addr)
             .await
-            .map_err(|e| fetch_err(format!("connecting to {host}: {e}")))?;
+            .map_err(|source| FetchError::Connect { host: host.to_owned(), source })?;
         let path = uri.path_and_query().map_or("/", |p| p.as_str());
         let authority = uri.authority().map_or(host, |a| a.as_str());
         if tls {
             let name = ServerName::try_from(bare.to_owned())
-                .map_err(|e| fetch_err(format!("TLS name {bare:?}: {e}")))?;
+                .map_err(|source| FetchError::TlsName { name: bare.to_owned(), source })?;
             let stream = tokio_rustls::TlsConnector::from(Arc::clone(&self.tls))
                 .connect(name, stream)
                 .await
-                .map_err(|e| fetch_err(format!("TLS with {host}: {e}")))?;
+                .map_err(|source| FetchError::Tls { host: host.to_owned(), source })?;
             get(stream, url, authority, path, config.max_bytes).await
         } else {
             get(stream, url, authority, path, config.max_bytes).await
@@ -281,29 +321,26 @@ where
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
             .await
-            .map_err(|e| fetch_err(format!("talking to {authority}: {e}")))?;
+            .map_err(|source| FetchError::Handshake { authority: authority.to_owned(), source })?;
     tokio::spawn(connection);
     let request = Request::get(path)
         .header(hyper::header::HOST, authority)
         .header(hyper::header::USER_AGENT, "kvroute")
         .body(Empty::<Bytes>::new())
-        .map_err(|e| fetch_err(format!("building the request for {url}: {e}")))?;
+        .map_err(|source| FetchError::Request { url: url.to_owned(), source })?;
     let response = sender
         .send_request(request)
         .await
-        .map_err(|e| fetch_err(format!("fetching {url}: {e}")))?;
+        .map_err(|source| FetchError::Send { url: url.to_owned(), source })?;
     if !response.status().is_success() {
-        return Err(fetch_err(format!(
-            "fetching {url}: HTTP {} (redirects are not followed)",
-            response.status()
-        )));
+        return Err(FetchError::Status { url: url.to_owned(), status: response.status() }.into());
     }
     match Limited::new(response.into_body(), max_bytes).collect().await {
         Ok(body) => Ok(body.to_bytes().to_vec()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             Err(PreprocessError::ImageTooLarge { limit: max_bytes })
         }
-        Err(e) => Err(fetch_err(format!("reading {url}: {e}"))),
+        Err(source) => Err(FetchError::Read { url: url.to_owned(), source }.into()),
     }
 }
 

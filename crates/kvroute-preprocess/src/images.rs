@@ -11,7 +11,7 @@ use base64::Engine as _;
 use image::{ImageDecoder as _, ImageReader, Limits};
 use kvroute_core::hash::mm_hash_from_identifier;
 
-use crate::PreprocessError;
+use crate::{ImageError, PreprocessError};
 
 /// Limits and geometry of image handling.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,21 +63,19 @@ pub struct Image {
 
 /// The bytes of a `data:` URL (`data:image/png;base64,...`).
 pub fn data_url_bytes(url: &str, config: &ImageConfig) -> Result<Vec<u8>, PreprocessError> {
-    let rest = url
-        .strip_prefix("data:")
-        .ok_or_else(|| PreprocessError::Image("not a data: URL".into()))?;
-    let (meta, payload) = rest
-        .split_once(',')
-        .ok_or_else(|| PreprocessError::Image("a data: URL needs a ',' before its data".into()))?;
+    let rest =
+        url.strip_prefix("data:").ok_or_else(|| PreprocessError::Image(ImageError::NotDataUrl))?;
+    let (meta, payload) =
+        rest.split_once(',').ok_or_else(|| PreprocessError::Image(ImageError::NoComma))?;
     if !meta.ends_with(";base64") {
-        return Err(PreprocessError::Image("only base64 data: URLs are supported".into()));
+        return Err(PreprocessError::Image(ImageError::NotBase64));
     }
     if payload.len() / 4 * 3 > config.max_bytes {
         return Err(PreprocessError::ImageTooLarge { limit: config.max_bytes });
     }
     base64::engine::general_purpose::STANDARD
         .decode(payload.trim())
-        .map_err(|e| PreprocessError::Image(format!("bad base64 in data: URL: {e}")))
+        .map_err(|e| PreprocessError::Image(ImageError::BadBase64(e)))
 }
 
 /// Decodes an encoded image (PNG, JPEG or WebP) and describes it.

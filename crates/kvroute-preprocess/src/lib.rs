@@ -68,7 +68,7 @@ pub enum PreprocessError {
     #[error("tokenizer")]
     Tokenizer(#[source] tokenizers::Error),
     #[error("image: {0}")]
-    Image(String),
+    Image(#[from] ImageError),
     /// The image's bytes are no image this server reads.
     #[error("image: {what}: {source}")]
     ImageDecode { what: &'static str, source: image::ImageError },
@@ -85,8 +85,41 @@ pub enum PreprocessError {
     #[error("model {model:?} takes text only; remove the image parts{why}")]
     TextOnly { model: String, why: String },
     /// Refused by size before tokenizing.
+    #[error(transparent)]
+    TooLong(#[from] TooLong),
+}
+
+/// What is wrong with an image reference or its bytes, before it is decoded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ImageError {
+    #[error("not a data: URL")]
+    NotDataUrl,
+    #[error("a data: URL needs a ',' before its data")]
+    NoComma,
+    #[error("only base64 data: URLs are supported")]
+    NotBase64,
+    #[error("bad base64 in data: URL")]
+    BadBase64(#[source] base64::DecodeError),
+    #[error("decoding stopped: {0}")]
+    DecodeStopped(String),
+    #[cfg(feature = "fetch")]
     #[error("{0}")]
-    TooLong(String),
+    Fetch(#[from] fetch::FetchError),
+}
+
+/// A request that cannot fit the model's context, told before it is tokenized.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TooLong {
+    #[error(
+        "{messages} messages cannot fit in this model's maximum context length of {max_model_len} tokens"
+    )]
+    Messages { messages: usize, max_model_len: u64 },
+    #[error(
+        "This model's maximum context length is {max_model_len} tokens. However, your request has {bytes} bytes of text, more than {max_model_len} tokens. Please reduce the length of the input messages."
+    )]
+    Text { bytes: usize, max_model_len: u64 },
 }
 
 impl From<PreprocessError> for ApiError {
@@ -413,16 +446,12 @@ impl Preprocessor {
         max_model_len: u64,
     ) -> Result<(), PreprocessError> {
         if messages as u64 > max_model_len {
-            return Err(PreprocessError::TooLong(format!(
-                "{messages} messages cannot fit in this model's maximum context length of {max_model_len} tokens"
-            )));
+            return Err(TooLong::Messages { messages, max_model_len }.into());
         }
         let bytes: usize = texts.into_iter().map(str::len).sum();
         let limit = (max_model_len as usize).saturating_mul(self.max_token_bytes());
         if bytes > limit {
-            return Err(PreprocessError::TooLong(format!(
-                "This model's maximum context length is {max_model_len} tokens. However, your request has {bytes} bytes of text, more than {max_model_len} tokens. Please reduce the length of the input messages."
-            )));
+            return Err(TooLong::Text { bytes, max_model_len }.into());
         }
         Ok(())
     }

@@ -34,7 +34,14 @@ use kvroute_router::{RouterConfig, RouterState, Tasks, WorkerSpec};
 #[non_exhaustive]
 pub enum StackError {
     #[error("configuration: {0}")]
-    Config(String),
+    Config(#[from] settings::Invalid),
+    /// The local NATS server (tests, the bench) could not be started.
+    #[error("nats-server: {0}")]
+    NatsServer(#[from] nats_server::NatsServerError),
+    #[error("no randomness for a worker token")]
+    Randomness(#[source] getrandom::Error),
+    #[error("the stack has no front door")]
+    NoFrontDoor,
     #[error(transparent)]
     Settings(#[from] settings::SettingsError),
     #[error(transparent)]
@@ -194,8 +201,7 @@ impl Stack {
             // this process alone (its ZMQ ports stay on loopback, see the README).
             let token = worker_token()?;
             let mocker = MockerConfig {
-                api_keys: kvroute_http::Credentials::new([&token], "the embedded worker's token")
-                    .map_err(|e| StackError::Config(e.to_string()))?,
+                api_keys: kvroute_http::Credentials::new([&token], "the embedded worker's token")?,
                 engine: EngineConfig { block_size: router.block_size, ..simulated.engine },
                 endpoints,
                 model_path: model_path.clone(),
@@ -314,7 +320,7 @@ impl Stack {
     /// Serves the front door on a free loopback port in the background (as long as the
     /// runtime runs); its base URL. Tests and the bench use it.
     pub async fn serve_frontend_on_loopback(&self) -> Result<String, StackError> {
-        let app = self.frontend_app().ok_or_else(|| StackError::Config("no front door".into()))?;
+        let app = self.frontend_app().ok_or(StackError::NoFrontDoor)?;
         serve_on_loopback(app).await
     }
 
@@ -347,7 +353,6 @@ pub async fn serve_on_loopback(app: axum::Router) -> Result<String, StackError> 
 /// An unguessable token: 32 bytes from the operating system's generator, in hex.
 fn worker_token() -> Result<String, StackError> {
     let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes)
-        .map_err(|e| StackError::Config(format!("no randomness for a worker token: {e}")))?;
+    getrandom::fill(&mut bytes).map_err(StackError::Randomness)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }

