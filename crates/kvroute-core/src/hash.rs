@@ -150,7 +150,7 @@ pub fn chain(parent: SequenceHash, local: LocalBlockHash) -> SequenceHash {
     SequenceHash(xxh3_64_with_seed(&bytes, KV_HASH_SEED))
 }
 
-/// The `mm_hash` of an image from its identifier (SPEC section 4): a hex identifier (the
+/// The `mm_hash` of an image from its identifier (docs/architecture.md, "Invariants"): a hex identifier (the
 /// front door's BLAKE3 hex, TensorRT-LLM's 64-hex `mm_keys`, the publisher's 16-hex form)
 /// gives its first 16 hex digits as a number, as the seed's example does; any other string
 /// (an engine's own digest name) gives `xxh3_64` of its UTF-8 bytes.

@@ -112,7 +112,7 @@ impl BlockSize {
 }
 
 impl Default for BlockSize {
-    /// 16 tokens, kvroute's default (SPEC section 11).
+    /// 16 tokens, kvroute's default (docs/running.md).
     fn default() -> Self {
         Self(NonZeroU32::new(16).expect("16 is not zero"))
     }

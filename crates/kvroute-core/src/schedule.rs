@@ -43,7 +43,7 @@ pub use round_robin::RoundRobin;
 use crate::index::{OverlapScores, RadixIndex, ShardedIndex};
 use crate::protocols::{BlockSize, LocalBlockHash, SequenceHash, WorkerWithDpRank};
 
-/// Load a worker reports about itself (SPEC section 9); absent fields are unknown.
+/// Load a worker reports about itself (docs/mocker.md); absent fields are unknown.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkerLoad {
     #[serde(default)]

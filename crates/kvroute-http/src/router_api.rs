@@ -1,4 +1,4 @@
-//! The router's HTTP API (SPEC section 8), one definition for the server (`kvroute router`)
+//! The router's HTTP API (docs/router-api.md), one definition for the server (`kvroute router`)
 //! and its clients (a front door with `--router-url`).
 //!
 //! | route | body | answer |

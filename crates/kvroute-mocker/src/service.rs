@@ -297,7 +297,7 @@ fn publish_snapshot(engine: &Engine, snapshot: &Mutex<Snapshot>) {
     };
 }
 
-/// Load reports (SPEC section 9): every 100 ms, and within 10 ms of a change.
+/// Load reports (docs/mocker.md): every 100 ms, and within 10 ms of a change.
 async fn publish_load(mut socket: PubSocket, snapshot: Arc<Mutex<Snapshot>>, dp_rank: u32) {
     let mut last: Option<(usize, usize, u64)> = None;
     let mut last_sent = Instant::now() - Duration::from_secs(1);

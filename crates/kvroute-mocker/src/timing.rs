@@ -1,4 +1,4 @@
-//! The timing model of Dynamo's mocker (SPEC section 9), fitted to a real GPU:
+//! The timing model of Dynamo's mocker (docs/mocker.md), fitted to a real GPU:
 //! prefill of `t` uncached tokens takes `4.209989e-7 t^2 + 1.518344e-2 t + 16.50142` ms, a
 //! decode step `-25.74 p^2 + 54.01 p + 5.74` ms where `p` is the share of the KV capacity the
 //! running requests use; both divided by `speedup`.

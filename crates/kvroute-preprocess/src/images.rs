@@ -1,5 +1,5 @@
 //! Images: data-URL decoding, pixel decoding with limits, the identifier, and how many
-//! placeholder tokens an image becomes (SPEC section 4).
+//! placeholder tokens an image becomes (docs/architecture.md, "Invariants").
 //!
 //! The identifier is the lowercase hex BLAKE3 of `width ‖ height` (u32 LE) and the RGBA8
 //! pixels, so the same picture gets the same identifier however it was sent; its `mm_hash`

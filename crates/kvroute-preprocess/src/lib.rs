@@ -146,7 +146,7 @@ impl From<PreprocessError> for ApiError {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Prepared {
     pub tokens: Vec<u32>,
-    /// Where each image's placeholder tokens are, request-level (SPEC section 4).
+    /// Where each image's placeholder tokens are, request-level (docs/architecture.md, "Invariants").
     pub mm: RequestExtraInfo,
     pub images: Vec<Image>,
 }

@@ -1,5 +1,5 @@
 //! Workers and router settings: `--worker id=7,url=http://..,events=tcp://..` values or TOML
-//! `[[workers]]` tables with the same keys and values (SPEC section 11).
+//! `[[workers]]` tables with the same keys and values (docs/running.md).
 
 use std::str::FromStr;
 
@@ -226,7 +226,7 @@ pub struct RouterConfig {
     /// Approximate mode (workers without `events`).
     pub approx: ApproxConfig,
     pub scheduler: SchedulerConfig,
-    /// Replicas over NATS: decisions shared, events from a JetStream stream (SPEC section 12).
+    /// Replicas over NATS: decisions shared, events from a JetStream stream (docs/replicas.md).
     pub nats: Option<nats::NatsConfig>,
     /// The largest ZMQ message (all frames) an engine's event, replay or load socket may
     /// send; larger ones are refused before anything is allocated and the peer dropped

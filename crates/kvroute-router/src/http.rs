@@ -1,4 +1,4 @@
-//! The router's HTTP API (SPEC section 8; the seed's standalone router API):
+//! The router's HTTP API (docs/router-api.md; the seed's standalone router API):
 //!
 //! | route | what |
 //! |---|---|

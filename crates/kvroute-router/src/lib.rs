@@ -1,6 +1,6 @@
 //! kvroute's router service: subscribes to every worker's KV events (vLLM/SGLang ZMQ +
 //! msgpack, TensorRT-LLM dicts, kvroute JSON), keeps the sharded KV index and the scheduler,
-//! and answers "which worker?" over HTTP (SPEC sections 5, 8 and 10).
+//! and answers "which worker?" over HTTP (docs/architecture.md).
 //!
 //! ```text
 //!  workers' PUB sockets ──▶ subscriber tasks (one per rank) ──▶ RouterState { index, scheduler }

@@ -1,6 +1,6 @@
 //! Workers' load, two ways (a worker's `metrics` key):
 //!
-//! - `tcp://...`: a ZMQ stream of JSON load reports (SPEC section 9, as the simulated engine
+//! - `tcp://...`: a ZMQ stream of JSON load reports (docs/mocker.md, as the simulated engine
 //!   publishes them): `{"num_waiting_reqs", "kv_cache_usage", "num_running_reqs",
 //!   "kv_total_blocks", "dp_rank"}`, unknown keys ignored;
 //! - `http://.../metrics`: the engine's Prometheus endpoint, polled every
@@ -28,7 +28,7 @@ use crate::subscriber::MAX_BACKOFF;
 /// How often a Prometheus endpoint is read.
 pub const POLL_EVERY: Duration = Duration::from_millis(500);
 
-/// SPEC section 9's load report.
+/// The load report (docs/mocker.md).
 #[derive(Debug, Deserialize)]
 struct LoadReport {
     #[serde(flatten)]

@@ -1,4 +1,4 @@
-//! Router replicas over NATS (SPEC section 12). Every replica routes alone from its own index;
+//! Router replicas over NATS (docs/replicas.md). Every replica routes alone from its own index;
 //! NATS carries what one replica cannot see by itself:
 //!
 //! ```text

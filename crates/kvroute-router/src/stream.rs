@@ -1,4 +1,4 @@
-//! The event plane on JetStream (SPEC section 12): a relay writes the engines' events into one
+//! The event plane on JetStream (docs/replicas.md): a relay writes the engines' events into one
 //! stream, a subject per worker rank; every replica consumes it in order; snapshots of the
 //! index (as events, with the stream sequence they cover) let a new replica start warm.
 //!

@@ -146,7 +146,7 @@ pub struct Settings {
     pub cache_namespace_per_key: Option<bool>,
     /// Probe each joining worker's parity (default on).
     pub parity_probe: Option<bool>,
-    /// NATS server(s) of the replicas (SPEC section 12); absent: one router alone.
+    /// NATS server(s) of the replicas (docs/replicas.md); absent: one router alone.
     pub nats_url: Option<String>,
     /// Names the fleet's subjects, stream and bucket.
     pub nats_prefix: Option<String>,
@@ -574,7 +574,7 @@ impl Settings {
         Ok(Some(n))
     }
 
-    /// A simulated engine's settings (SPEC 11; defaults as Dynamo's mocker).
+    /// A simulated engine's settings (docs/running.md; defaults as Dynamo's mocker).
     pub fn engine_config(&self) -> Result<EngineConfig, StackError> {
         let d = EngineConfig::default();
         let engine = EngineConfig {

@@ -1,4 +1,4 @@
-//! What router replicas tell each other over NATS (SPEC section 12), as JSON:
+//! What router replicas tell each other over NATS (docs/replicas.md), as JSON:
 //!
 //! - [`SyncBatch`]: one replica's routing decisions and their lifecycle (routed, prefill done,
 //!   freed), batched, on the fleet's decisions subject. Peers apply them to their in-flight

@@ -16,47 +16,23 @@
 //!
 //! - The in-flight prefix counts as cached: a request routed behind an identical one reuses
 //!   its blocks as they are computed, so a burst of cold duplicates stays together.
-//! - `queue_weight` (0.5): the prompt tokens queued at a worker count half. In a chunked-prefill
-//!   engine they share steps with this request's (up to the step's token budget) rather than
-//!   all running before it, and moving a prefix away from its owner because of a queue makes
-//!   the other worker compute it too, which queues the next request there. At full weight that
-//!   feedback loop undid a fleet near saturation: `kvroute serve` at speedup 1 under the shared
-//!   load generator's shared-prefix at 24 req/s (`../shared/peers/sidebyside.sh`) spread every
-//!   prompt group over all 4 workers within 5 s and fell to a 0.41 hit rate and a 4.7 s median
-//!   TTFT (13.5 req/s done), where Dynamo's stack held 0.935; at 0.5 it holds 0.966 with a 75 ms
-//!   median (0.25 alike; 0 too, but then no queue ever moves a prefix). Below saturation
-//!   (`kvroute bench` at speedup 2) the weight changes nothing measurable.
-//! - `evict_i` prices the future: every block the request adds to a cache evicts another there
-//!   once the cache is full (`fullness_i = tree_size / kv_total_blocks`, 1 when unknown), and
-//!   some later request pays to prefill that one again. Away from a prefix's owner that is the
-//!   whole prefix, so a prefix moves only when the owner's queue makes the wait longer than
-//!   computing the prefix elsewhere twice over (once now, once for what it evicts); and a new
-//!   prefix goes where the cache has room, which spreads prefix groups evenly.
-//! - `decode_i` is what the worker's running requests add to the wait: every engine step
-//!   decodes them all, and a decode step grows with the KV it reads (vLLM's and the mocker's
-//!   alike: 5.7 ms empty, ~34 ms at a full cache in Dynamo's fitted model), so the request's
-//!   first token, computed within such steps, comes later on a worker whose cache is full of
-//!   running requests. `decode_full_cache_tokens` is that delay at a full cache, in prefill
-//!   tokens: in that model a cache's worth of running requests adds ~28 ms to a step near half
-//!   full, a first token waits ~1.5 steps, and prefill runs at ~66k tokens/s, so ~2,800; we
-//!   use 2,500 (on `kvroute bench`'s multi-turn workload 4,000 moved conversations off their
-//!   worker for small load differences: hit rate 0.81 against 0.86 at 2,500). It is what
-//!   spreads requests that share nothing. With the capacity unknown, `decode_weight` per
-//!   in-flight token stands in.
-//! - `wait_i`: a worker whose cache cannot hold the request next to its running ones admits it
-//!   only once some of them finish (vLLM and the mocker queue it, or preempt): hundreds of
-//!   milliseconds, far more than recomputing a prefix elsewhere. On `kvroute bench`'s
-//!   multi-turn workload conversations that outgrew their worker waited up to 250 ms there.
-//! - Every worker is priced at one prefill speed. A speed learned per worker from first-token
-//!   times was tried and removed: a first-token time also holds the step's fixed cost and the
-//!   queue ahead, so a worker that once answered slowly looked slow for everything, got fewer
-//!   requests and so no new evidence (`kvroute bench`'s random workload starved one worker that
-//!   way: 7 of 160 requests). A speed that can be learned needs the engine's own prefill
-//!   timings (vLLM's `vllm:request_prefill_time_seconds`), not the router's view of them.
+//! - `queue_weight` < 1: in a chunked-prefill engine queued prompts share steps with this one;
+//!   at full weight a queue moved prefixes off their owner and a fleet near saturation spread
+//!   every prefix group over every worker.
+//! - `evict_i` prices the future: what a request adds to a full cache evicts something a later
+//!   request computes again, so a prefix moves only when waiting costs more than computing it
+//!   twice, and new prefixes go where there is room.
+//! - `decode_i`: a step decodes every running request and grows with the KV it reads, so a
+//!   first token comes later on a worker full of running requests; it spreads requests that
+//!   share nothing.
+//! - `wait_i`: a worker that cannot hold the request next to its running ones admits it only
+//!   when some finish, far longer than recomputing a prefix elsewhere.
+//! - Every worker is priced at one prefill speed (a speed learned from first-token times
+//!   starved workers and was removed).
 //!
-//! Dynamo's cost ([`super::dynamo`]) adds every in-flight block of a worker to its cost, which
-//! pushes requests off the worker that holds their prefix as soon as it is busy decoding; the
-//! prefix is then copied to 3-4 workers and evicts others (SPEC section 7).
+//! Why each weight has its value, with the runs that chose them, and the variants tried and
+//! dropped: `docs/bench/kv-cost.md` and `docs/routing.md`. Dynamo's cost is
+//! [`super::dynamo`].
 
 use serde::{Deserialize, Serialize};
 

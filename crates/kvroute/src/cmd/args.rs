@@ -149,7 +149,7 @@ pub(crate) struct RoutingArgs {
     zmq_max_message_bytes: Option<usize>,
 }
 
-/// Replicas over NATS with JetStream (SPEC section 12).
+/// Replicas over NATS with JetStream (docs/replicas.md).
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Replicas (NATS)")]
 pub(crate) struct NatsArgs {
@@ -219,7 +219,7 @@ pub(crate) struct ModelArgs {
     allow_private_image_urls: bool,
 }
 
-/// A simulated engine's knobs, the same on `kvroute mocker` and `kvroute serve` (SPEC 11);
+/// A simulated engine's knobs, the same on `kvroute mocker` and `kvroute serve` (docs/running.md);
 /// defaults follow Dynamo's mocker.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Simulated engine (on serve: its simulated workers only)")]

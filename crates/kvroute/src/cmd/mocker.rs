@@ -1,4 +1,4 @@
-//! `kvroute mocker`: one simulated engine (SPEC section 9).
+//! `kvroute mocker`: one simulated engine (docs/mocker.md).
 
 use std::process::ExitCode;
 

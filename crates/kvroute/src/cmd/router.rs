@@ -1,4 +1,4 @@
-//! `kvroute router`: the standalone router service (SPEC section 8).
+//! `kvroute router`: the standalone router service (docs/router-api.md).
 
 use std::process::ExitCode;
 
