@@ -62,8 +62,8 @@ impl EventFormat {
         match self {
             Self::Vllm => &Vllm,
             Self::Sglang => &Sglang,
-            Self::TrtllmJson => &TrtllmJson,
-            Self::TrtllmMsgpack => &TrtllmMsgpack,
+            Self::TrtllmJson => &Trtllm { msgpack: false },
+            Self::TrtllmMsgpack => &Trtllm { msgpack: true },
             Self::Kvroute => &KvrouteJson,
         }
     }
@@ -199,31 +199,23 @@ impl FormatDecoder for Sglang {
     }
 }
 
-/// TensorRT-LLM's event dicts as JSON.
+/// TensorRT-LLM's event dicts, as JSON or as MessagePack (its publisher writes either).
 #[derive(Debug)]
-pub struct TrtllmJson;
-
-impl FormatDecoder for TrtllmJson {
-    fn frame<'a>(&self, frames: &'a [Vec<u8>]) -> Result<Framed<'a>, WireError> {
-        last_frame(frames)
-    }
-
-    fn decode(&self, f: Framed<'_>, c: &mut Converter) -> Result<Vec<Tagged>, WireError> {
-        Ok(trtllm_events(&trtllm::decode_json(f.payload)?, c))
-    }
+pub struct Trtllm {
+    pub msgpack: bool,
 }
 
-/// TensorRT-LLM's event dicts as MessagePack.
-#[derive(Debug)]
-pub struct TrtllmMsgpack;
-
-impl FormatDecoder for TrtllmMsgpack {
+impl FormatDecoder for Trtllm {
     fn frame<'a>(&self, frames: &'a [Vec<u8>]) -> Result<Framed<'a>, WireError> {
         last_frame(frames)
     }
 
     fn decode(&self, f: Framed<'_>, c: &mut Converter) -> Result<Vec<Tagged>, WireError> {
-        Ok(trtllm_events(&trtllm::decode_msgpack(f.payload)?, c))
+        let events = match self.msgpack {
+            true => trtllm::decode_msgpack(f.payload)?,
+            false => trtllm::decode_json(f.payload)?,
+        };
+        Ok(trtllm_events(&events, c))
     }
 }
 
