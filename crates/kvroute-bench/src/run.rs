@@ -20,7 +20,7 @@ use kvroute_http::{HttpClient, SseEvent, SseReader};
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::{ChatMessage, Preprocessor};
 use kvroute_router::{RouterConfig, WorkerSpec};
-use kvroute_stack::{Simulated, Stack, StackConfig};
+use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -290,7 +290,7 @@ fn front_door(router: RouterConfig, fleet: &FleetConfig) -> StackConfig {
         router,
         model_path: fleet.model_path.clone(),
         // The predictions are part of the report.
-        expose_overlap: true,
+        front_door: FrontDoorOptions { expose_overlap: true, ..FrontDoorOptions::default() },
         ..StackConfig::default()
     }
 }

@@ -105,6 +105,31 @@ impl Metrics {
     }
 }
 
+/// The front door's own settings (its model, router, workers and keys are given apart): a
+/// new front-door setting is a field here, its flag and its settings key.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FrontDoorOptions {
+    /// Answers carry [`OVERLAP_HEADER`] (off by default: it tells a client what others sent).
+    pub expose_overlap: bool,
+    /// How long a worker has to start a streamed answer.
+    pub first_byte_timeout: Duration,
+    /// Each API key its own cache namespace ([`FrontendState::namespace_per_key`]).
+    pub namespace_per_key: bool,
+    /// Probe each joining worker's parity ([`parity`]).
+    pub parity_probe: bool,
+}
+
+impl Default for FrontDoorOptions {
+    fn default() -> Self {
+        Self {
+            expose_overlap: false,
+            first_byte_timeout: FIRST_BYTE_TIMEOUT,
+            namespace_per_key: false,
+            parity_probe: true,
+        }
+    }
+}
+
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often each worker's `/health` is checked.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
@@ -298,6 +323,15 @@ impl FrontendState {
                 to_probe.insert(worker);
             }
         }
+    }
+
+    /// Every one of `options`.
+    #[must_use]
+    pub fn with_options(self, options: FrontDoorOptions) -> Self {
+        self.expose_overlap(options.expose_overlap)
+            .namespace_per_key(options.namespace_per_key)
+            .parity_probe(options.parity_probe)
+            .first_byte_timeout(options.first_byte_timeout)
     }
 
     /// Answers carry [`OVERLAP_HEADER`].

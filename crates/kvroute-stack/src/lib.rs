@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::WorkerWithDpRank;
+pub use kvroute_frontend::FrontDoorOptions;
 use kvroute_frontend::FrontendState;
 use kvroute_http::Credentials;
 use kvroute_mocker::{EngineConfig, MockerConfig};
@@ -114,14 +115,8 @@ pub struct StackConfig {
     /// Image fetching of the front door and the simulated workers.
     pub fetch: FetchConfig,
     pub access: Access,
-    /// The front door sends `x-kvroute-overlap-tokens` (the bench reads it).
-    pub expose_overlap: bool,
-    /// How long a worker has to start a streamed answer (`None`: the front door's default).
-    pub first_byte_timeout: Option<Duration>,
-    /// Each API key its own cache namespace (see `FrontendState::namespace_per_key`).
-    pub namespace_per_key: bool,
-    /// The front door probes each joining worker's parity (`kvroute_frontend::parity`).
-    pub parity_probe: bool,
+    /// The front door's own settings (the bench asks for `expose_overlap`).
+    pub front_door: FrontDoorOptions,
 }
 
 impl Default for StackConfig {
@@ -134,10 +129,7 @@ impl Default for StackConfig {
             model_path: None,
             fetch: FetchConfig::default(),
             access: Access::default(),
-            expose_overlap: false,
-            first_byte_timeout: None,
-            namespace_per_key: false,
-            parity_probe: true,
+            front_door: FrontDoorOptions::default(),
         }
     }
 }
@@ -181,10 +173,7 @@ impl Stack {
             model_path,
             fetch,
             access,
-            expose_overlap,
-            first_byte_timeout,
-            namespace_per_key,
-            parity_probe,
+            front_door,
         } = config;
         let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
         if let Some(why) = preprocessor.text_only_reason() {
@@ -249,15 +238,8 @@ impl Stack {
             (true, None, None) => unreachable!("no router URL means an embedded router"),
         };
         let frontend = frontend.map(|f| {
-            let f = f
-                .guarded(access.api_keys.clone(), access.admin.clone())
-                .expose_overlap(expose_overlap)
-                .namespace_per_key(namespace_per_key)
-                .parity_probe(parity_probe);
-            let f = match first_byte_timeout {
-                Some(t) => f.first_byte_timeout(t),
-                None => f,
-            };
+            let f =
+                f.guarded(access.api_keys.clone(), access.admin.clone()).with_options(front_door);
             Arc::new(match simulated.max_model_len {
                 Some(n) => f.max_model_len(n),
                 None => f,

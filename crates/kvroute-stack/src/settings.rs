@@ -15,6 +15,7 @@ use kvroute_core::BlockSize;
 use kvroute_core::index::{ApproxConfig, IndexConfig};
 use kvroute_core::schedule::kv::KvConfig;
 use kvroute_core::schedule::{PolicyKind, SchedulerConfig};
+use kvroute_frontend::FrontDoorOptions;
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
@@ -329,6 +330,7 @@ impl Settings {
         let router = RouterConfig::default();
         let scheduler = SchedulerConfig::default();
         let engine = EngineConfig::default();
+        let front_door = FrontDoorOptions::default();
         let kv_cost = toml::Table::try_from(KvConfig::default())
             .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
             .unwrap_or_default();
@@ -356,10 +358,10 @@ impl Settings {
             seed: Some(Simulated::default().seed),
             allow_private_image_urls: Some(FetchConfig::default().allow_private),
             insecure: Some(false),
-            expose_overlap: Some(false),
-            first_byte_timeout: Some(kvroute_frontend::FIRST_BYTE_TIMEOUT.as_secs_f64()),
-            cache_namespace_per_key: Some(false),
-            parity_probe: Some(true),
+            expose_overlap: Some(front_door.expose_overlap),
+            first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
+            cache_namespace_per_key: Some(front_door.namespace_per_key),
+            parity_probe: Some(front_door.parity_probe),
             nats_prefix: Some(kvroute_router::nats::DEFAULT_PREFIX.to_owned()),
             nats_sync: Some(true),
             nats_events: Some("zmq".to_owned()),
@@ -594,6 +596,20 @@ impl Settings {
         Ok(engine)
     }
 
+    /// The front door's own settings, each over its default.
+    pub fn front_door(&self) -> Result<FrontDoorOptions, StackError> {
+        let d = FrontDoorOptions::default();
+        Ok(FrontDoorOptions {
+            expose_overlap: self.expose_overlap.unwrap_or(d.expose_overlap),
+            first_byte_timeout: match self.first_byte_timeout {
+                Some(t) => secs(t, "first_byte_timeout")?,
+                None => d.first_byte_timeout,
+            },
+            namespace_per_key: self.cache_namespace_per_key.unwrap_or(d.namespace_per_key),
+            parity_probe: self.parity_probe.unwrap_or(d.parity_probe),
+        })
+    }
+
     pub fn fetch_config(&self) -> FetchConfig {
         FetchConfig {
             allow_private: self.allow_private_image_urls.unwrap_or(false),
@@ -626,13 +642,7 @@ impl Settings {
             model_path: self.model_path.clone(),
             fetch: self.fetch_config(),
             access: self.access()?,
-            expose_overlap: self.expose_overlap.unwrap_or(false),
-            namespace_per_key: self.cache_namespace_per_key.unwrap_or(false),
-            parity_probe: self.parity_probe.unwrap_or(true),
-            first_byte_timeout: self
-                .first_byte_timeout
-                .map(|t| secs(t, "first_byte_timeout"))
-                .transpose()?,
+            front_door: self.front_door()?,
         })
     }
 }

@@ -17,7 +17,7 @@ use kvroute_preprocess::Preprocessor;
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::checks::SILENT_AFTER;
 use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
-use kvroute_stack::{Simulated, Stack, StackConfig};
+use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
@@ -46,7 +46,7 @@ fn config(engines: usize, external: Vec<WorkerSpec>) -> StackConfig {
         },
         router: RouterConfig { workers: external, ..RouterConfig::default() },
         fetch: FetchConfig { allow_private: true, ..FetchConfig::default() },
-        expose_overlap: true,
+        front_door: FrontDoorOptions { expose_overlap: true, ..FrontDoorOptions::default() },
         ..StackConfig::default()
     }
 }
@@ -469,7 +469,7 @@ async fn each_key_its_own_cache_namespace() {
     for per_key in [true, false] {
         let mut c = config(1, Vec::new());
         c.access = Access { api_keys: keys.clone(), ..Access::default() };
-        c.namespace_per_key = per_key;
+        c.front_door.namespace_per_key = per_key;
         let f = fleet_of(c).await;
         let url = format!("{}/v1/chat/completions", f.base);
         let ask = |key: &'static str| {
@@ -602,7 +602,7 @@ async fn a_worker_that_serves_without_events_is_flagged_silent() {
     spec.events = quiet.events.clone();
     // The parity probe would find it at join (see the next test); without it, serving shows.
     let mut c = config(0, vec![spec]);
-    c.parity_probe = false;
+    c.front_door.parity_probe = false;
     let f = fleet_of(c).await;
     // One prompt asked again and again is served from the engine's cache: nothing new to
     // announce, so only its first answer counts (a quiet worker is not a silent one).

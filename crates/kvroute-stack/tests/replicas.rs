@@ -17,7 +17,7 @@ use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_router::nats::{EventsVia, NatsConfig, PEER_TIMEOUT};
 use kvroute_router::{PlaceRequest, RouterConfig, RouterState, Tasks, WorkerSpec};
 use kvroute_stack::nats_server::NatsServer;
-use kvroute_stack::{Simulated, Stack, StackConfig};
+use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
 use serde_json::json;
 
 fn store_dir(name: &str) -> std::path::PathBuf {
@@ -43,7 +43,7 @@ async fn fleet(workers: usize, nats: NatsConfig, frontend: bool) -> Stack {
         },
         router: RouterConfig { nats: Some(nats), ..RouterConfig::default() },
         frontend,
-        parity_probe: false,
+        front_door: FrontDoorOptions { parity_probe: false, ..FrontDoorOptions::default() },
         ..StackConfig::default()
     };
     let stack = Stack::start(config).await.unwrap();

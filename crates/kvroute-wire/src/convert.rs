@@ -144,7 +144,12 @@ impl Converter {
         out
     }
 
-    fn device_resident(&mut self, medium: Option<&str>, group: Option<u32>, blocks: usize) -> bool {
+    pub(crate) fn device_resident(
+        &mut self,
+        medium: Option<&str>,
+        group: Option<u32>,
+        blocks: usize,
+    ) -> bool {
         if !medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("device"))
         {
             self.stats.skipped_medium += blocks as u64;
@@ -259,7 +264,7 @@ impl Converter {
     /// Images come from the engine's names for them (`named`, in order) matched to the runs
     /// of image tokens in the block; placeholder runs with no name (SGLang) are named by their
     /// pad value.
-    fn block(
+    pub(crate) fn block(
         &self,
         hasher: &BlockHasher,
         hash: u64,

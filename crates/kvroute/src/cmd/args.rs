@@ -101,7 +101,8 @@ pub(crate) struct BlockSizeArg {
 pub(crate) struct RoutingArgs {
     /// A worker, as comma-separated key=value pairs: id (required), url, events, replay,
     /// metrics (tcp:// load reports or http://.../metrics), block_size, dp_size,
-    /// image_token_id, vocab_size, format (vllm|sglang|trtllm-json|trtllm-msgpack|kvroute).
+    /// image_token_id, vocab_size, format (the engine's event format: vllm by default; a name
+    /// that is none lists them).
     /// Without events, the worker is routed approximately. Repeat for each worker; in the env
     /// twin, separate workers with ';'.
     /// Example: --worker id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
