@@ -197,7 +197,7 @@ async fn run(
     match tokio::time::timeout(PROBE_WAIT, answer).await {
         Ok(Ok(_)) => {}
         Ok(Err(ClientError::Status { status, message })) if status.is_client_error() => {
-            return Some(Err(Mismatch::Refused { status: status.as_u16(), message }));
+            return Some(Err(Mismatch::Refused { status, message }));
         }
         // Unreachable or slow: the health checks deal with it; probed again later.
         _ => return None,
@@ -223,7 +223,7 @@ async fn run(
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Mismatch {
     #[error("the engine refused the probe prompt ({status}: {message})")]
-    Refused { status: u16, message: String },
+    Refused { status: axum::http::StatusCode, message: String },
     #[error("block size: the engine's KV events carry blocks of {} tokens, the router's are {router}", engine.map_or("another number of".to_owned(), |s| s.to_string()))]
     BlockSize { engine: Option<u32>, router: usize },
     #[error(
