@@ -119,12 +119,6 @@ pub struct Tagged {
     pub event: KvCacheEvent,
 }
 
-impl Tagged {
-    fn anonymous(event: KvCacheEvent) -> Self {
-        Self { worker: None, rank: None, event }
-    }
-}
-
 /// One engine format: how its messages are framed and how a payload becomes core events.
 pub trait FormatDecoder: Sync {
     /// The payload (and sequence number) of one message's frames.
@@ -235,7 +229,7 @@ impl FormatDecoder for KvrouteJson {
             .map(|e| Tagged {
                 worker: Some(e.worker_id),
                 rank: Some(e.event.dp_rank),
-                ..Tagged::anonymous(e.event)
+                event: e.event,
             })
             .collect())
     }
@@ -249,23 +243,19 @@ pub struct Decoded {
     pub stats: ConvertStats,
 }
 
-/// One worker rank's event stream: its format's decoder, its model's conversion settings,
-/// and the counts of everything converted so far.
+/// One worker rank's event stream: its format's decoder and its model's conversion settings
+/// (what was converted is counted per message, in [`Decoded::stats`]; the router adds them up
+/// per worker).
 #[derive(Clone, Debug)]
 pub struct Pipeline {
     worker: WorkerWithDpRank,
     format: EventFormat,
     convert: ConvertConfig,
-    totals: ConvertStats,
 }
 
 impl Pipeline {
     pub fn new(worker: WorkerWithDpRank, format: EventFormat, convert: ConvertConfig) -> Self {
-        Self { worker, format, convert, totals: ConvertStats::default() }
-    }
-
-    pub fn format(&self) -> EventFormat {
-        self.format
+        Self { worker, format, convert }
     }
 
     /// The payload and sequence number of one message as the socket received it.
@@ -286,14 +276,7 @@ impl Pipeline {
                 RouterEvent { worker_id: worker.unwrap_or(self.worker.worker_id), event }
             })
             .collect();
-        let stats = converter.stats();
-        self.totals += stats;
-        Ok(Decoded { events, stats })
-    }
-
-    /// Everything converted on this stream so far.
-    pub fn totals(&self) -> ConvertStats {
-        self.totals
+        Ok(Decoded { events, stats: converter.stats() })
     }
 }
 
@@ -363,18 +346,20 @@ mod tests {
         }
     }
 
-    /// Stats are per message, and the pipeline's totals add them up.
+    /// Stats are per message (what the router adds up per worker, as here).
     #[test]
     fn the_totals_add_up_each_messages_counts() {
         let mut p = pipeline(EventFormat::Sglang);
+        let mut totals = ConvertStats::default();
         for seq in 0..3u64 {
             let frames = vec![seq.to_be_bytes().to_vec(), batch(None)];
             let d = p.decode(p.frame(&frames).unwrap()).unwrap();
             assert_eq!(d.stats.blocks_stored, 1);
+            totals += d.stats;
         }
-        assert_eq!((p.totals().blocks_stored, p.totals().clears), (3, 3));
+        assert_eq!((totals.blocks_stored, totals.clears), (3, 3));
         assert!(p.decode(Framed { seq: Some(9), payload: b"\xc1" }).is_err());
-        assert_eq!(p.totals().blocks_stored, 3, "an undecodable payload counts nothing");
+        assert_eq!(totals.blocks_stored, 3, "an undecodable payload counts nothing");
     }
 
     #[test]

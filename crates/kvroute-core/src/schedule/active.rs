@@ -107,18 +107,17 @@ impl ActiveSequences {
         self.requests.insert(id.to_owned(), request);
     }
 
-    /// The request produced its first token: its prefill tokens no longer wait. Returns
-    /// whether it was waiting (the first time only).
-    pub fn mark_prefill_done(&mut self, id: &str) -> bool {
-        let Some(request) = self.requests.get_mut(id) else { return false };
+    /// The request produced its first token: its prefill tokens no longer wait (counted the
+    /// first time only).
+    pub fn mark_prefill_done(&mut self, id: &str) {
+        let Some(request) = self.requests.get_mut(id) else { return };
         if request.prefill_done {
-            return false;
+            return;
         }
         request.prefill_done = true;
         if let Some(load) = self.loads.get_mut(&request.worker) {
             load.prefill_tokens -= request.prefill_tokens;
         }
-        true
     }
 
     /// The request ended (completed, failed or its client left). Unknown ids and repeated
