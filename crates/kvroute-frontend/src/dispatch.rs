@@ -92,7 +92,7 @@ pub(crate) async fn dispatch(
     state: &Arc<FrontendState>,
     out: &Outbound,
 ) -> Result<Response, ApiError> {
-    let timeout = if out.streamed { state.first_byte_timeout } else { RESPONSE_TIMEOUT };
+    let timeout = if out.streamed { state.options.first_byte_timeout } else { RESPONSE_TIMEOUT };
     let mut excluded: Vec<WorkerWithDpRank> = state
         .health
         .excluded(Instant::now())
@@ -164,7 +164,7 @@ fn respond(
         }
     }
     answer = answer.header(WORKER_HEADER, HeaderValue::from(worker.worker_id.0));
-    if state.expose_overlap {
+    if state.options.expose_overlap {
         answer =
             answer.header(OVERLAP_HEADER, HeaderValue::from(placement.predicted_cached_tokens));
     }

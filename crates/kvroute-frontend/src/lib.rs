@@ -60,7 +60,7 @@ pub const WORKER_HEADER: &str = "x-kvroute-worker";
 /// (its leading blocks held by the worker's KV events, in tokens, less the last block of a
 /// fully cached prompt, which engines recompute): compare with the response's
 /// `usage.prompt_tokens_details.cached_tokens` to see how exact the router's view is. Sent
-/// only when asked for ([`FrontendState::expose_overlap`]): it tells a client how much of its
+/// only when asked for ([`FrontDoorOptions::expose_overlap`]): it tells a client how much of its
 /// prompt someone sent before, so clients could probe each other's prompts with it.
 pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-tokens";
 
@@ -113,7 +113,10 @@ pub struct FrontDoorOptions {
     pub expose_overlap: bool,
     /// How long a worker has to start a streamed answer.
     pub first_byte_timeout: Duration,
-    /// Each API key its own cache namespace ([`FrontendState::namespace_per_key`]).
+    /// Each API key its own cache namespace: requests reuse cached prefixes only of requests
+    /// with the same key, so one client cannot learn from `cached_tokens` (or timing) what
+    /// another sent. The namespace goes to the engine as vLLM's `cache_salt` (a client's own
+    /// salt is kept inside the key's) and into the router's block hashes.
     pub namespace_per_key: bool,
     /// Probe each joining worker's parity ([`parity`]).
     pub parity_probe: bool,
@@ -143,20 +146,17 @@ pub struct FrontendState {
     /// Each worker's data-parallel ranks (all are excluded when it is ejected).
     ranks: BTreeMap<WorkerId, u32>,
     pub health: Health,
-    first_byte_timeout: Duration,
+    /// What the settings chose ([`FrontendState::with_options`]).
+    options: FrontDoorOptions,
     client: HttpClient,
     next_id: AtomicU64,
     metrics: Metrics,
     api_keys: Credentials,
     admin: Credentials,
-    expose_overlap: bool,
-    /// Each API key gets its own cache namespace.
-    namespace_per_key: bool,
     /// Workers still to be parity-probed (all at start; a restarted one again).
     to_probe: std::sync::Mutex<std::collections::BTreeSet<WorkerId>>,
     /// Probes that could not be made: when each is tried next, and its backoff.
     probe_retries: std::sync::Mutex<std::collections::BTreeMap<WorkerId, (Instant, Duration)>>,
-    parity_probe: bool,
     probed: tokio::sync::Notify,
     /// Prompt plus output tokens at most (checked before routing, as vLLM checks it).
     max_model_len: u64,
@@ -217,14 +217,12 @@ impl FrontendState {
             urls: urls(workers),
             ranks: ranks(workers),
             health: Health::new(workers.iter().filter(|w| w.url.is_some()).map(|w| w.id)),
-            first_byte_timeout: FIRST_BYTE_TIMEOUT,
+            options: FrontDoorOptions::default(),
             client: kvroute_router::workers_client(workers),
             next_id: AtomicU64::new(0),
             metrics: Metrics::new(),
             api_keys: Credentials::default(),
             admin: Credentials::default(),
-            expose_overlap: false,
-            namespace_per_key: false,
             probe_retries: std::sync::Mutex::default(),
             to_probe: std::sync::Mutex::new(
                 workers
@@ -233,7 +231,6 @@ impl FrontendState {
                     .map(|w| w.id)
                     .collect(),
             ),
-            parity_probe: true,
             probed: tokio::sync::Notify::new(),
             max_model_len: preprocessor
                 .max_model_len()
@@ -259,41 +256,17 @@ impl FrontendState {
         self
     }
 
-    /// Whether workers get the parity probe when they join ([`parity`]; on by default).
-    #[must_use]
-    pub fn parity_probe(mut self, on: bool) -> Self {
-        self.parity_probe = on;
-        self
-    }
-
-    /// Gives each API key its own cache namespace: requests reuse cached prefixes only of
-    /// requests with the same key, so one client cannot learn from `cached_tokens` (or timing)
-    /// what another sent. The namespace goes to the engine as vLLM's `cache_salt` (a client's
-    /// own salt is kept inside the key's) and into the router's block hashes.
-    #[must_use]
-    pub fn namespace_per_key(mut self, on: bool) -> Self {
-        self.namespace_per_key = on;
-        self
-    }
-
     /// The cache namespace of a request: the client's `cache_salt`, inside its key's when
     /// namespaces are per key.
     fn namespace(&self, key: Option<&KeyId>, client: Option<&str>) -> Option<String> {
         let client = client.filter(|c| !c.is_empty());
-        match (self.namespace_per_key, key) {
+        match (self.options.namespace_per_key, key) {
             (true, Some(KeyId(key))) => Some(match client {
                 Some(c) => format!("key-{key}/{c}"),
                 None => format!("key-{key}"),
             }),
             _ => client.map(str::to_owned),
         }
-    }
-
-    /// How long a worker has to start a streamed answer ([`FIRST_BYTE_TIMEOUT`]).
-    #[must_use]
-    pub fn first_byte_timeout(mut self, timeout: Duration) -> Self {
-        self.first_byte_timeout = timeout;
-        self
     }
 
     /// Every rank of `worker`.
@@ -327,17 +300,8 @@ impl FrontendState {
 
     /// Every one of `options`.
     #[must_use]
-    pub fn with_options(self, options: FrontDoorOptions) -> Self {
-        self.expose_overlap(options.expose_overlap)
-            .namespace_per_key(options.namespace_per_key)
-            .parity_probe(options.parity_probe)
-            .first_byte_timeout(options.first_byte_timeout)
-    }
-
-    /// Answers carry [`OVERLAP_HEADER`].
-    #[must_use]
-    pub fn expose_overlap(mut self, expose: bool) -> Self {
-        self.expose_overlap = expose;
+    pub fn with_options(mut self, options: FrontDoorOptions) -> Self {
+        self.options = options;
         self
     }
 

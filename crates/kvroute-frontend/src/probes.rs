@@ -11,7 +11,7 @@ use crate::{FrontendState, HEALTH_INTERVAL, PROBE_BACKOFF_MAX, PROBE_TIMEOUT, pa
 
 impl FrontendState {
     fn probes_left(&self) -> Vec<WorkerId> {
-        match self.parity_probe {
+        match self.options.parity_probe {
             true => self.to_probe.lock().map(|s| s.iter().copied().collect()).unwrap_or_default(),
             false => Vec::new(),
         }

@@ -15,6 +15,23 @@ use anyhow::Context;
 /// How long open responses get to finish after Ctrl-C or SIGTERM.
 const GRACE: Duration = Duration::from_secs(5);
 
+/// The command line with the settings' flags decorated: each one's environment variable and,
+/// in its help, its default for that command ([`kvroute_stack::settings::decorate`]).
+pub(crate) fn decorated(command: clap::Command) -> clap::Command {
+    use kvroute_stack::settings::{
+        DEFAULT_FRONT_DOOR_PORT, DEFAULT_MOCKER_PORT, DEFAULT_ROUTER_PORT, Settings, decorate,
+    };
+    let ports = [
+        ("serve", DEFAULT_FRONT_DOOR_PORT),
+        ("frontend", DEFAULT_FRONT_DOOR_PORT),
+        ("router", DEFAULT_ROUTER_PORT),
+        ("mocker", DEFAULT_MOCKER_PORT),
+    ];
+    ports.into_iter().fold(command, |command, (name, port)| {
+        command.mut_subcommand(name, |sub| decorate(sub, &Settings::defaults(port)))
+    })
+}
+
 /// Writes the ready line (and a hint) to stdout. A closed stdout (`kvroute serve | head -1`)
 /// must not take the server down, so write errors are ignored.
 pub(crate) fn announce(lines: &[String]) {

@@ -4,7 +4,7 @@
 use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand, ValueEnum};
 
 mod cmd;
 
@@ -49,7 +49,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut command = cmd::decorated(Cli::command());
+    let matches = command.get_matches_mut();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit());
     let default_filter = match cli.command {
         Command::Bench(_) => "warn,kvroute_bench=info",
         _ => "info",

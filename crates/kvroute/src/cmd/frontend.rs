@@ -4,61 +4,53 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvroute_stack::Stack;
-use kvroute_stack::settings::{DEFAULT_FRONT_DOOR_PORT, Settings, keys};
-
-use std::path::PathBuf;
-
-use super::args::{
-    BlockSizeArg, ConfigArgs, FrontDoorArgs, ListenArgs, ModelArgs, NatsArgs, RoutingArgs,
-    SecurityArgs,
+use kvroute_stack::settings::{
+    Blocks, DEFAULT_FRONT_DOOR_PORT, FrontDoor, Listen, Model, Nats, RemoteRouter, Routing,
+    Security, Settings, keys_of,
 };
+
+use super::args::ConfigArgs;
 
 #[derive(Debug, Args)]
 pub(crate) struct FrontendArgs {
     #[command(flatten)]
-    listen: ListenArgs,
-    /// A `kvroute router` to ask (its /find_best_worker and request lifecycle). Without it, a
-    /// router runs embedded, subscribed to the workers' events.
-    #[arg(long, env = "KVROUTE_ROUTER_URL")]
-    router_url: Option<String>,
-    /// File holding the remote router's admin token (first line), sent with every call to it;
-    /// or the token itself in KVROUTE_ROUTER_TOKEN.
-    #[arg(long, env = "KVROUTE_ROUTER_TOKEN_FILE")]
-    router_token_file: Option<PathBuf>,
+    remote: RemoteRouter,
     #[command(flatten)]
-    security: SecurityArgs,
+    listen: Listen,
     #[command(flatten)]
-    front_door: FrontDoorArgs,
+    security: Security,
     #[command(flatten)]
-    block_size: BlockSizeArg,
+    front_door: FrontDoor,
     #[command(flatten)]
-    routing: RoutingArgs,
+    blocks: Blocks,
     #[command(flatten)]
-    nats: NatsArgs,
+    routing: Routing,
     #[command(flatten)]
-    model: ModelArgs,
+    nats: Nats,
+    #[command(flatten)]
+    model: Model,
     #[command(flatten)]
     config: ConfigArgs,
 }
 
 pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
-    let mut flags = Settings {
-        router_url: args.router_url.clone(),
-        router_token_file: args.router_token_file.clone(),
+    let flags = Settings {
+        remote: args.remote.clone(),
+        listen: args.listen.clone(),
+        security: args.security.clone(),
+        front_door: args.front_door.clone(),
+        blocks: args.blocks.clone(),
+        routing: args.routing.clone(),
+        nats: args.nats.clone(),
+        model: args.model.clone(),
         ..Settings::default()
     };
-    args.listen.apply(&mut flags);
-    args.security.apply(&mut flags);
-    args.front_door.apply(&mut flags);
-    args.block_size.apply(&mut flags);
-    args.routing.apply(&mut flags);
-    args.nats.apply(&mut flags);
-    args.model.apply(&mut flags);
-    let settings = args.config.merge(flags, &keys::frontend(), "frontend")?;
-    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys::frontend()) {
+    let keys = keys_of::<FrontendArgs>();
+    let settings = args.config.merge(flags, &keys, "frontend")?;
+    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys) {
         return Ok(ExitCode::SUCCESS);
     }
-    anyhow::ensure!(!settings.workers.is_empty(), "no workers: give --worker id=..,url=..");
+    anyhow::ensure!(!settings.routing.workers.is_empty(), "no workers: give --worker id=..,url=..");
     let config = settings.stack_config(0, true)?;
     settings.check_exposure(&config.access, true)?;
     let options = settings.serve_options()?;
@@ -69,7 +61,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
         let stack = Stack::start(config).await?;
         stack.ready(timeout).await;
         let local = listener.local_addr()?;
-        let via = settings.router_url.as_deref().unwrap_or("an embedded router");
+        let via = settings.remote.router_url.as_deref().unwrap_or("an embedded router");
         let n = stack.workers.len();
         super::announce(&[format!(
             "kvroute frontend ready on {scheme}://{local} ({n} workers, via {via})"

@@ -4,20 +4,18 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvroute_mocker::{Endpoints, MockerConfig};
-use kvroute_stack::settings::Settings;
-
-use super::args::{BlockSizeArg, EngineArgs, ListenArgs, ModelArgs};
+use kvroute_stack::settings::{Blocks, DEFAULT_MOCKER_PORT, Engine, Listen, Model, Settings};
 
 #[derive(Debug, Args)]
 pub(crate) struct MockerArgs {
     #[command(flatten)]
-    listen: ListenArgs,
+    listen: Listen,
     #[command(flatten)]
-    block_size: BlockSizeArg,
+    blocks: Blocks,
     #[command(flatten)]
-    engine: EngineArgs,
+    engine: Engine,
     #[command(flatten)]
-    model: ModelArgs,
+    model: Model,
     /// ZMQ PUB endpoint of the KV events (vLLM format; port 0: any). They carry the token ids
     /// of every prompt: keep them on loopback or a private network.
     #[arg(long, env = "KVROUTE_EVENTS", default_value = "tcp://127.0.0.1:0")]
@@ -43,11 +41,13 @@ pub(crate) struct MockerArgs {
 }
 
 pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
-    let mut settings = Settings::default();
-    args.listen.apply(&mut settings);
-    args.block_size.apply(&mut settings);
-    args.engine.apply(&mut settings);
-    args.model.apply(&mut settings);
+    let settings = Settings {
+        listen: args.listen.clone(),
+        blocks: args.blocks.clone(),
+        engine: args.engine.clone(),
+        model: args.model.clone(),
+        ..Settings::default()
+    };
     let (events, replay) = match args.no_events {
         true => (None, None),
         false => (Some(args.events.clone()), Some(args.replay.clone())),
@@ -55,16 +55,16 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
     let config = MockerConfig {
         engine: settings.engine_config()?,
         endpoints: Endpoints { events, replay, metrics: Some(args.load_metrics.clone()) },
-        model_path: settings.model_path.clone(),
-        seed: settings.seed.unwrap_or(0),
-        max_model_len: settings.max_model_len,
+        model_path: settings.model.model_path.clone(),
+        seed: settings.seed(),
+        max_model_len: settings.engine.max_model_len,
         dp_rank: 0,
         fetch: settings.fetch_config(),
         api_keys: kvroute_http::Credentials::new(&args.api_keys, "--api-key")?,
     };
     let options = settings.serve_options()?;
     super::runtime()?.block_on(async move {
-        let listener = super::bind(&settings.address(8100)).await?;
+        let listener = super::bind(&settings.address(DEFAULT_MOCKER_PORT)).await?;
         let state = kvroute_mocker::start(config).await?;
         let local = listener.local_addr()?;
         let b = &state.engine.bound;

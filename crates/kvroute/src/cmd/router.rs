@@ -4,35 +4,40 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvroute_stack::Stack;
-use kvroute_stack::settings::{DEFAULT_ROUTER_PORT, Settings, keys};
+use kvroute_stack::settings::{
+    Blocks, DEFAULT_ROUTER_PORT, Listen, Nats, Routing, Security, Settings, keys_of,
+};
 
-use super::args::{BlockSizeArg, ConfigArgs, ListenArgs, NatsArgs, RoutingArgs, SecurityArgs};
+use super::args::ConfigArgs;
 
 #[derive(Debug, Args)]
 pub(crate) struct RouterArgs {
     #[command(flatten)]
-    listen: ListenArgs,
+    listen: Listen,
     #[command(flatten)]
-    security: SecurityArgs,
+    security: Security,
     #[command(flatten)]
-    block_size: BlockSizeArg,
+    blocks: Blocks,
     #[command(flatten)]
-    routing: RoutingArgs,
+    routing: Routing,
     #[command(flatten)]
-    nats: NatsArgs,
+    nats: Nats,
     #[command(flatten)]
     config: ConfigArgs,
 }
 
 pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
-    let mut flags = Settings::default();
-    args.listen.apply(&mut flags);
-    args.security.apply(&mut flags);
-    args.block_size.apply(&mut flags);
-    args.routing.apply(&mut flags);
-    args.nats.apply(&mut flags);
-    let settings = args.config.merge(flags, &keys::router(), "router")?;
-    if args.config.printed(&settings, DEFAULT_ROUTER_PORT, &keys::router()) {
+    let flags = Settings {
+        listen: args.listen.clone(),
+        security: args.security.clone(),
+        blocks: args.blocks.clone(),
+        routing: args.routing.clone(),
+        nats: args.nats.clone(),
+        ..Settings::default()
+    };
+    let keys = keys_of::<RouterArgs>();
+    let settings = args.config.merge(flags, &keys, "router")?;
+    if args.config.printed(&settings, DEFAULT_ROUTER_PORT, &keys) {
         return Ok(ExitCode::SUCCESS);
     }
     let config = settings.stack_config(0, false)?;

@@ -4,62 +4,58 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvroute_stack::Stack;
-use kvroute_stack::settings::{DEFAULT_FRONT_DOOR_PORT, DEFAULT_SIMULATED_WORKERS, Settings, keys};
-
-use super::args::{
-    BlockSizeArg, ConfigArgs, EngineArgs, FrontDoorArgs, ListenArgs, ModelArgs, NatsArgs,
-    RoutingArgs, SecurityArgs,
+use kvroute_stack::settings::{
+    Blocks, DEFAULT_FRONT_DOOR_PORT, Engine, FrontDoor, Listen, Model, Nats, Routing, Security,
+    Settings, SimulatedFleet, keys_of,
 };
+
+use super::args::ConfigArgs;
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
-    /// Simulated workers to start in-process, on free loopback ports; 0 with --worker for
-    /// external workers only [default: 4].
-    #[arg(
-        long,
-        visible_alias = "workers",
-        env = "KVROUTE_SIMULATED_WORKERS",
-        help_heading = "Fleet"
-    )]
-    simulated_workers: Option<usize>,
     #[command(flatten)]
-    block_size: BlockSizeArg,
+    simulated: SimulatedFleet,
     #[command(flatten)]
-    routing: RoutingArgs,
+    blocks: Blocks,
     #[command(flatten)]
-    model: ModelArgs,
-    /// Each simulated worker's knobs.
+    routing: Routing,
     #[command(flatten)]
-    engine: EngineArgs,
+    model: Model,
     #[command(flatten)]
-    listen: ListenArgs,
+    engine: Engine,
     #[command(flatten)]
-    front_door: FrontDoorArgs,
+    listen: Listen,
     #[command(flatten)]
-    security: SecurityArgs,
+    front_door: FrontDoor,
     #[command(flatten)]
-    nats: NatsArgs,
+    security: Security,
+    #[command(flatten)]
+    nats: Nats,
     #[command(flatten)]
     config: ConfigArgs,
 }
 
 pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
-    let mut flags = Settings { simulated_workers: args.simulated_workers, ..Settings::default() };
-    args.listen.apply(&mut flags);
-    args.security.apply(&mut flags);
-    args.front_door.apply(&mut flags);
-    args.block_size.apply(&mut flags);
-    args.routing.apply(&mut flags);
-    args.nats.apply(&mut flags);
-    args.model.apply(&mut flags);
-    args.engine.apply(&mut flags);
-    let settings = args.config.merge(flags, &keys::serve(), "serve")?;
-    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys::serve()) {
+    let flags = Settings {
+        simulated: args.simulated.clone(),
+        blocks: args.blocks.clone(),
+        routing: args.routing.clone(),
+        model: args.model.clone(),
+        engine: args.engine.clone(),
+        listen: args.listen.clone(),
+        front_door: args.front_door.clone(),
+        security: args.security.clone(),
+        nats: args.nats.clone(),
+        ..Settings::default()
+    };
+    let keys = keys_of::<ServeArgs>();
+    let settings = args.config.merge(flags, &keys, "serve")?;
+    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys) {
         return Ok(ExitCode::SUCCESS);
     }
-    let simulated = settings.simulated_workers.unwrap_or(DEFAULT_SIMULATED_WORKERS);
+    let simulated = settings.simulated_workers();
     anyhow::ensure!(
-        simulated > 0 || !settings.workers.is_empty(),
+        simulated > 0 || !settings.routing.workers.is_empty(),
         "no workers: use --simulated-workers N or --worker ..."
     );
     let config = settings.stack_config(simulated, true)?;

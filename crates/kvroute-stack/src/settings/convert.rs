@@ -1,0 +1,440 @@
+//! From settings to the libraries' configurations, and back: each setting's default is the
+//! library's own `Default` ([`Settings::defaults`]), and each configuration is built from the
+//! settings over those defaults, its values checked.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kvroute_core::BlockSize;
+use kvroute_core::index::{ApproxConfig, IndexConfig};
+use kvroute_core::schedule::SchedulerConfig;
+use kvroute_core::schedule::kv::KvConfig;
+use kvroute_frontend::FrontDoorOptions;
+use kvroute_http::{Credentials, ServeOptions};
+use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_preprocess::fetch::FetchConfig;
+use kvroute_router::RouterConfig;
+use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
+
+use super::groups::{Blocks, Engine, FrontDoor, Listen, Model, Nats, Routing, Security};
+use super::{
+    DEFAULT_HOST, DEFAULT_READY_TIMEOUT_SECS, DEFAULT_SIMULATED_WORKERS, ENV_ADMIN_TOKEN,
+    ENV_API_KEYS, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN, Invalid, Settings,
+    SimulatedFleet,
+};
+use crate::{Access, Simulated, StackConfig, StackError};
+
+impl Settings {
+    /// Every setting at its default, taken from the libraries' own `Default`s: what applies
+    /// where no flag, variable or file sets one (`port`: the command's). Settings without a
+    /// default (no NATS server, no files, the model's own context length) stay absent.
+    pub fn defaults(port: u16) -> Settings {
+        let listener = ServeOptions::default();
+        let router = RouterConfig::default();
+        let scheduler = SchedulerConfig::default();
+        let engine = EngineConfig::default();
+        let front_door = FrontDoorOptions::default();
+        let kv_cost = toml::Table::try_from(KvConfig::default())
+            .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
+            .unwrap_or_default();
+        Settings {
+            listen: Listen {
+                host: Some(DEFAULT_HOST.to_owned()),
+                port: Some(port),
+                max_connections_per_client: Some(listener.max_connections_per_client),
+                max_body_bytes_in_flight: Some(listener.max_body_bytes_in_flight),
+                max_body_bytes_per_client: Some(listener.max_body_bytes_per_client),
+            },
+            security: Security { insecure: Some(false), ..Security::default() },
+            front_door: FrontDoor {
+                api_keys_file: None,
+                expose_overlap: Some(front_door.expose_overlap),
+                first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
+                cache_namespace_per_key: Some(front_door.namespace_per_key),
+                parity_probe: Some(front_door.parity_probe),
+            },
+            blocks: Blocks { block_size: Some(BlockSize::default().get()) },
+            simulated: SimulatedFleet { simulated_workers: Some(DEFAULT_SIMULATED_WORKERS) },
+            routing: Routing {
+                workers: Vec::new(),
+                policy: Some(scheduler.policy),
+                temperature: Some(scheduler.temperature),
+                overlap_weight: Some(scheduler.overlap_weight),
+                kv_cost,
+                shards: Some(router.shards),
+                max_index_blocks: router.index.max_held_blocks,
+                max_dp_size: Some(router.max_dp_size),
+                approx_ttl: Some(router.approx.ttl.as_secs_f64()),
+                ready_timeout: Some(DEFAULT_READY_TIMEOUT_SECS),
+                zmq_max_message_bytes: Some(router.zmq_max_message_bytes),
+            },
+            nats: Nats {
+                nats_prefix: Some(kvroute_router::nats::DEFAULT_PREFIX.to_owned()),
+                nats_sync: Some(true),
+                nats_events: Some("zmq".to_owned()),
+                nats_stream_max_bytes: Some(kvroute_router::nats::DEFAULT_STREAM_MAX_BYTES),
+                nats_stream_max_age: Some(
+                    kvroute_router::nats::DEFAULT_STREAM_MAX_AGE.as_secs_f64(),
+                ),
+                ..Nats::default()
+            },
+            model: Model {
+                model_path: None,
+                allow_private_image_urls: Some(FetchConfig::default().allow_private),
+            },
+            engine: Engine {
+                num_blocks: Some(engine.num_blocks),
+                max_num_seqs: Some(engine.max_num_seqs),
+                max_batched_tokens: Some(engine.max_batched_tokens),
+                speedup: Some(engine.timing.speedup),
+                seed: Some(Simulated::default().seed),
+                max_model_len: None,
+            },
+            ..Settings::default()
+        }
+    }
+
+    /// Each setting's default as `--help` says it: the value `--print-config` shows, or in
+    /// words where it depends on something else. Switches and tables are left out.
+    pub(super) fn shown_defaults(&self) -> BTreeMap<String, String> {
+        let mut shown: BTreeMap<String, String> = toml::Table::try_from(self)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|(key, value)| {
+                let text = match value {
+                    toml::Value::String(s) => s,
+                    toml::Value::Integer(i) => i.to_string(),
+                    toml::Value::Float(f) => f.to_string(),
+                    _ => return None,
+                };
+                Some((key, text))
+            })
+            .collect();
+        let words = [
+            ("max_body_bytes_per_client", "a quarter of --max-body-bytes-in-flight".to_owned()),
+            ("nats_replica", "host, pid and a nonce".to_owned()),
+            (
+                "nats_snapshot_every",
+                format!("{DEFAULT_SNAPSHOT_EVERY} with --nats-events relay, else 0"),
+            ),
+            ("model_path", format!("the built-in {}", kvroute_preprocess::BUILTIN_MODEL)),
+            (
+                "max_model_len",
+                format!(
+                    "the model's context length, else {}",
+                    kvroute_http::openai::DEFAULT_MAX_MODEL_LEN
+                ),
+            ),
+        ];
+        shown.extend(words.map(|(key, text)| (key.to_owned(), text)));
+        shown
+    }
+
+    /// `host:port`, with `default_port`.
+    pub fn address(&self, default_port: u16) -> String {
+        let host = self.listen.host.as_deref().unwrap_or(DEFAULT_HOST);
+        let port = self.listen.port.unwrap_or(default_port);
+        match host.contains(':') && !host.starts_with('[') {
+            true => format!("[{host}]:{port}"),
+            false => format!("{host}:{port}"),
+        }
+    }
+
+    /// The credentials: keys from the files and from the environment (`KVROUTE_API_KEYS`,
+    /// comma-separated; `KVROUTE_ADMIN_TOKEN`; `KVROUTE_ROUTER_TOKEN`).
+    pub fn access(&self) -> Result<Access, StackError> {
+        self.access_with_env(|name| std::env::var(name).ok())
+    }
+
+    pub(super) fn access_with_env(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Access, StackError> {
+        let keys = |file: &Option<PathBuf>, var: &str, split: bool| {
+            let from_file = match file {
+                Some(path) => Credentials::from_file(path)?,
+                None => Credentials::default(),
+            };
+            let value = env(var).unwrap_or_default();
+            let list: Vec<&str> = match split {
+                true => value.split(',').collect(),
+                false => vec![value.as_str()],
+            };
+            Ok::<_, kvroute_http::auth::CredentialsError>(
+                from_file.and(&Credentials::new(list, var)?),
+            )
+        };
+        let router_token = match (&self.remote.router_token_file, env(ENV_ROUTER_TOKEN)) {
+            (Some(path), _) => Some(first_line(path)?),
+            (None, token) => token.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()),
+        };
+        Ok(Access {
+            api_keys: keys(&self.front_door.api_keys_file, ENV_API_KEYS, true)?,
+            admin: keys(&self.security.admin_token_file, ENV_ADMIN_TOKEN, false)?,
+            router_token,
+        })
+    }
+
+    /// Refuses to listen beyond loopback without the credentials the command's routes need
+    /// (`api_keys`: it serves OpenAI routes), unless `insecure`.
+    pub fn check_exposure(&self, access: &Access, api_keys: bool) -> Result<(), StackError> {
+        let host = self.listen.host.as_deref().unwrap_or(DEFAULT_HOST);
+        if self.security.insecure == Some(true) || is_loopback(host) {
+            return Ok(());
+        }
+        let mut missing = Vec::new();
+        if api_keys && access.api_keys.is_empty() {
+            missing.push("API keys (--api-keys-file or KVROUTE_API_KEYS)");
+        }
+        if access.admin.is_empty() {
+            missing.push("an admin token (--admin-token-file or KVROUTE_ADMIN_TOKEN)");
+        }
+        match missing.is_empty() {
+            true => Ok(()),
+            false => {
+                Err(Invalid::Exposed { host: host.to_owned(), missing: missing.join(" and ") }
+                    .into())
+            }
+        }
+    }
+
+    /// The listener's options: TLS when a certificate and key are given.
+    pub fn serve_options(&self) -> Result<ServeOptions, StackError> {
+        let tls = match (&self.security.tls_cert, &self.security.tls_key) {
+            (Some(cert), Some(key)) => Some(kvroute_http::server::tls_acceptor(cert, key)?),
+            (None, None) => None,
+            _ => return Err(Invalid::TlsPair.into()),
+        };
+        let (l, d) = (&self.listen, ServeOptions::default());
+        let in_flight = l.max_body_bytes_in_flight.unwrap_or(d.max_body_bytes_in_flight);
+        let options = ServeOptions {
+            tls,
+            max_connections_per_client: l
+                .max_connections_per_client
+                .unwrap_or(d.max_connections_per_client),
+            max_body_bytes_in_flight: in_flight,
+            max_body_bytes_per_client: l.max_body_bytes_per_client.unwrap_or(in_flight / 4),
+            ..d
+        };
+        if options.max_connections_per_client == 0 {
+            return Err(Invalid::AtLeastOne("max_connections_per_client").into());
+        }
+        Ok(options)
+    }
+
+    pub fn ready_timeout(&self) -> Result<Duration, StackError> {
+        let timeout = self.routing.ready_timeout.unwrap_or(DEFAULT_READY_TIMEOUT_SECS);
+        secs(timeout, "ready_timeout")
+    }
+
+    pub fn block_size(&self) -> Result<BlockSize, StackError> {
+        BlockSize::new(self.blocks.block_size.unwrap_or(BlockSize::default().get()))
+            .map_err(|e| Invalid::BlockSize(e).into())
+    }
+
+    /// How many simulated workers `serve` starts.
+    pub fn simulated_workers(&self) -> usize {
+        self.simulated.simulated_workers.unwrap_or(DEFAULT_SIMULATED_WORKERS)
+    }
+
+    /// The router's configuration, with the settings' workers.
+    pub fn router_config(&self) -> Result<RouterConfig, StackError> {
+        let (r, d) = (&self.routing, RouterConfig::default());
+        let mut config = RouterConfig {
+            block_size: self.block_size()?,
+            workers: r.workers.clone(),
+            shards: r.shards.unwrap_or(d.shards),
+            index: IndexConfig { max_held_blocks: r.max_index_blocks.or(d.index.max_held_blocks) },
+            max_dp_size: r.max_dp_size.unwrap_or(d.max_dp_size),
+            zmq_max_message_bytes: r.zmq_max_message_bytes.unwrap_or(d.zmq_max_message_bytes),
+            approx: ApproxConfig {
+                ttl: match r.approx_ttl {
+                    Some(t) => secs(t, "approx_ttl")?,
+                    None => d.approx.ttl,
+                },
+                ..d.approx
+            },
+            ..d
+        };
+        let s = &mut config.scheduler;
+        s.policy = r.policy.unwrap_or(s.policy);
+        s.temperature = r.temperature.unwrap_or(s.temperature);
+        s.overlap_weight = r.overlap_weight.unwrap_or(s.overlap_weight);
+        s.kv = kv_config(&r.kv_cost)?;
+        if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+            return Err(Invalid::Temperature.into());
+        }
+        if config.shards == 0 {
+            return Err(Invalid::AtLeastOne("shards").into());
+        }
+        config.nats = self.nats_config(|name| std::env::var(name).ok())?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The replicas' NATS settings (`None` without `nats_url`); secrets from their files or
+    /// the environment.
+    fn nats_config(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<NatsConfig>, StackError> {
+        let s = &self.nats;
+        let Some(url) = &s.nats_url else {
+            if s.nats_events.as_deref().is_some_and(|e| e != "zmq") {
+                return Err(Invalid::NatsEventsWithoutUrl.into());
+            }
+            return Ok(None);
+        };
+        let mut n = NatsConfig::new(url.clone());
+        if let Some(prefix) = &s.nats_prefix {
+            n.prefix.clone_from(prefix);
+        }
+        if let Some(replica) = &s.nats_replica {
+            n.replica.clone_from(replica);
+        }
+        n.sync = s.nats_sync.unwrap_or(true);
+        if let Some(events) = &s.nats_events {
+            n.events = events.parse()?;
+        }
+        let default_every = match n.events {
+            EventsVia::Relay => DEFAULT_SNAPSHOT_EVERY,
+            _ => 0,
+        };
+        n.snapshot_every = s.nats_snapshot_every.unwrap_or(default_every);
+        if let Some(bytes) = s.nats_stream_max_bytes {
+            n.stream_max_bytes = bytes;
+        }
+        if let Some(age) = s.nats_stream_max_age {
+            n.stream_max_age = secs(age, "nats_stream_max_age")?;
+        }
+        let secret = |file: &Option<PathBuf>, var: &str| match (file, env(var)) {
+            (Some(path), _) => first_line(path).map(Some),
+            (None, value) => Ok(value.map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())),
+        };
+        n.auth.token = secret(&s.nats_token_file, ENV_NATS_TOKEN)?;
+        n.auth.password = secret(&s.nats_password_file, ENV_NATS_PASSWORD)?;
+        n.auth.user.clone_from(&s.nats_user);
+        n.tls_ca.clone_from(&s.nats_tls_ca);
+        n.tls_cert.clone_from(&s.nats_tls_cert);
+        n.tls_key.clone_from(&s.nats_tls_key);
+        Ok(Some(n))
+    }
+
+    /// A simulated engine's settings (docs/mocker.md; defaults as Dynamo's mocker).
+    pub fn engine_config(&self) -> Result<EngineConfig, StackError> {
+        let (e, d) = (&self.engine, EngineConfig::default());
+        let engine = EngineConfig {
+            num_blocks: e.num_blocks.unwrap_or(d.num_blocks),
+            block_size: self.block_size()?,
+            max_num_seqs: e.max_num_seqs.unwrap_or(d.max_num_seqs),
+            max_batched_tokens: e.max_batched_tokens.unwrap_or(d.max_batched_tokens),
+            timing: Timing { speedup: e.speedup.unwrap_or(d.timing.speedup) },
+        };
+        let speedup = engine.timing.speedup;
+        if !(speedup.is_finite() && speedup > 0.0) {
+            return Err(Invalid::Speedup.into());
+        }
+        if engine.num_blocks == 0 || engine.max_num_seqs == 0 || engine.max_batched_tokens == 0 {
+            return Err(Invalid::EngineZero.into());
+        }
+        Ok(engine)
+    }
+
+    /// The front door's own settings, each over its default.
+    pub fn front_door(&self) -> Result<FrontDoorOptions, StackError> {
+        let (f, d) = (&self.front_door, FrontDoorOptions::default());
+        Ok(FrontDoorOptions {
+            expose_overlap: f.expose_overlap.unwrap_or(d.expose_overlap),
+            first_byte_timeout: match f.first_byte_timeout {
+                Some(t) => secs(t, "first_byte_timeout")?,
+                None => d.first_byte_timeout,
+            },
+            namespace_per_key: f.cache_namespace_per_key.unwrap_or(d.namespace_per_key),
+            parity_probe: f.parity_probe.unwrap_or(d.parity_probe),
+        })
+    }
+
+    pub fn fetch_config(&self) -> FetchConfig {
+        let d = FetchConfig::default();
+        FetchConfig {
+            allow_private: self.model.allow_private_image_urls.unwrap_or(d.allow_private),
+            ..d
+        }
+    }
+
+    /// The simulated engines' seed.
+    pub fn seed(&self) -> u64 {
+        self.engine.seed.unwrap_or(Simulated::default().seed)
+    }
+
+    /// A stack of `simulated` simulated workers (with the engine settings) and the settings'
+    /// external workers, the router (embedded unless `router_url`) and, if asked, a front door.
+    pub fn stack_config(
+        &self,
+        simulated: usize,
+        frontend: bool,
+    ) -> Result<StackConfig, StackError> {
+        let engine = match simulated {
+            0 => EngineConfig::default(),
+            _ => self.engine_config()?,
+        };
+        Ok(StackConfig {
+            simulated: Simulated {
+                count: simulated,
+                engine,
+                events: true,
+                seed: self.seed(),
+                max_model_len: self.engine.max_model_len,
+            },
+            router: self.router_config()?,
+            router_url: self.remote.router_url.clone(),
+            frontend,
+            model_path: self.model.model_path.clone(),
+            fetch: self.fetch_config(),
+            access: self.access()?,
+            front_door: self.front_door()?,
+        })
+    }
+}
+
+fn first_line(path: &Path) -> Result<String, StackError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| Invalid::ReadSecret { path: path.to_owned(), source })?;
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .ok_or_else(|| Invalid::NoToken(path.to_owned()).into())
+}
+
+/// Whether `host` names only this machine.
+pub fn is_loopback(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+fn secs(value: f64, name: &str) -> Result<Duration, StackError> {
+    Duration::try_from_secs_f64(value).map_err(|_| Invalid::Seconds(name.to_owned()).into())
+}
+
+/// The `kv` cost's weights: the defaults, each named one overridden (the last of a name given
+/// twice). Names are [`KvConfig`]'s fields (an unknown one is an error); values are finite and
+/// non-negative.
+fn kv_config(overrides: &[(String, f64)]) -> Result<KvConfig, StackError> {
+    let mut fields = toml::Table::try_from(KvConfig::default()).map_err(Invalid::KvCostWrite)?;
+    for (name, value) in overrides {
+        let value = *value;
+        if !fields.contains_key(name) {
+            let known: Vec<&str> = fields.keys().map(String::as_str).collect();
+            let known = known.join(", ");
+            return Err(Invalid::KvCostName { name: name.clone(), known }.into());
+        }
+        if !(value.is_finite() && value >= 0.0) {
+            return Err(Invalid::KvCostValue { name: name.clone(), value }.into());
+        }
+        fields.insert(name.clone(), value.into());
+    }
+    fields.try_into().map_err(|e| Invalid::KvCostRead(e).into())
+}

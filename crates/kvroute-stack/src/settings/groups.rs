@@ -1,0 +1,288 @@
+//! Every setting, declared once: its name is the field's, which is also its key in a config
+//! file and, in kebab case, its flag; its environment variable is `KVROUTE_` and the flag's
+//! name (see [`super::decorate`]); its help is the doc comment; its default is the library's
+//! (`Settings::defaults`, shown in `--help` by [`super::decorate`]). Each group derives both
+//! the flags (`clap::Args`, flattened into the commands that take it) and the file's keys
+//! (serde, flattened into [`super::Settings`]). Every field is optional: absent, the next
+//! source decides.
+//!
+//! A switch is `--name` (or its variable set to true, 1, yes or on); a negated switch
+//! (`--no-parity-probe`) sets its setting (`parity_probe`) to false.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use clap::builder::{BoolishValueParser, TypedValueParser as _};
+use kvroute_core::schedule::PolicyKind;
+use kvroute_router::WorkerSpec;
+use serde::{Deserialize, Serialize};
+
+/// A switch's value: true, named or set (`--name`, `KVROUTE_NAME=1`).
+fn switch() -> BoolishValueParser {
+    BoolishValueParser::new()
+}
+
+/// A negated switch's value: false when named or set (`--no-name`, `KVROUTE_NO_NAME=1`).
+fn negated() -> impl clap::builder::TypedValueParser<Value = bool> {
+    BoolishValueParser::new().map(|on: bool| !on)
+}
+
+/// Where an HTTP API listens.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Listener")]
+pub struct Listen {
+    /// Address to listen on.
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on, 0 for any free port.
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Open connections one client (peer IP address) may hold; more are closed as they are
+    /// accepted, so one client cannot take the listener's 4096. Behind a proxy every client
+    /// is the proxy: raise it there.
+    #[arg(long)]
+    pub max_connections_per_client: Option<usize>,
+    /// Request body bytes being received at once, all connections together; a body past it
+    /// gets a 503 (retry).
+    #[arg(long)]
+    pub max_body_bytes_in_flight: Option<usize>,
+    /// Request body bytes one client may be sending at once.
+    #[arg(long)]
+    pub max_body_bytes_per_client: Option<usize>,
+}
+
+/// Who may call the listener, and TLS.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Security")]
+pub struct Security {
+    /// File holding the admin token (first line): the router's API (events, lifecycle, debug,
+    /// status) and /metrics then need `Authorization: Bearer <token>`. Or the token itself in
+    /// KVROUTE_ADMIN_TOKEN.
+    #[arg(long)]
+    pub admin_token_file: Option<PathBuf>,
+    /// PEM certificate chain to serve HTTPS with (with --tls-key); leave both out when a proxy
+    /// in front terminates TLS.
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Listen on a non-loopback address without API keys or an admin token (refused
+    /// otherwise), e.g. behind a proxy that authenticates.
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub insecure: Option<bool>,
+}
+
+/// The OpenAI routes' keys and what answers tell.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Front door")]
+pub struct FrontDoor {
+    /// File of API keys the OpenAI routes accept (`Authorization: Bearer <key>`), one per line,
+    /// several at once; or the keys themselves, comma-separated, in KVROUTE_API_KEYS. Without
+    /// keys anyone who reaches the port may call.
+    #[arg(long)]
+    pub api_keys_file: Option<PathBuf>,
+    /// Answer with x-kvroute-overlap-tokens (the prompt tokens the router expects cached).
+    /// Off by default: it lets a client test guesses of other clients' prompts.
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub expose_overlap: Option<bool>,
+    /// Seconds a worker has to start a streamed answer before the request goes to another
+    /// worker and this one is ejected for a while.
+    #[arg(long)]
+    pub first_byte_timeout: Option<f64>,
+    /// Give each API key its own cache namespace (vLLM's cache_salt, also in the router's
+    /// hashes): a client then reuses only its own cached prefixes and cannot learn from
+    /// cached_tokens what other clients sent. Engines must honour cache_salt.
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub cache_namespace_per_key: Option<bool>,
+    /// Do not send joining workers the parity probe (one short prompt whose announced blocks
+    /// are compared with the front door's; a mismatch names its cause and routes the worker
+    /// approximately). For engines that cannot take a request of their own. In a file:
+    /// parity_probe = false.
+    #[arg(long = "no-parity-probe", num_args = 0, default_missing_value = "true", value_parser = negated())]
+    pub parity_probe: Option<bool>,
+}
+
+/// Tokens per KV block, for the router and the simulated engines alike.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Fleet")]
+pub struct Blocks {
+    /// Tokens per KV block; the engines must use the same.
+    #[arg(long)]
+    pub block_size: Option<u32>,
+}
+
+/// How many simulated workers `kvroute serve` starts.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Fleet")]
+pub struct SimulatedFleet {
+    /// Simulated workers to start in-process, on free loopback ports; 0 with --worker for
+    /// external workers only.
+    #[arg(long, visible_alias = "workers")]
+    pub simulated_workers: Option<usize>,
+}
+
+/// The router's settings and its workers.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Routing")]
+pub struct Routing {
+    /// A worker, as comma-separated key=value pairs: id (required), url, events, replay,
+    /// metrics (tcp:// load reports or http://.../metrics), block_size, dp_size,
+    /// image_token_id, vocab_size, format (the engine's event format: vllm by default; a name
+    /// that is none lists them).
+    /// Without events, the worker is routed approximately. Repeat for each worker; in the env
+    /// twin, separate workers with ';'. In a file: [[workers]] tables of these keys.
+    /// Example: --worker id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
+    #[arg(long = "worker", env = "KVROUTE_WORKERS", value_delimiter = ';', verbatim_doc_comment)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub workers: Vec<WorkerSpec>,
+    /// Routing policy: kv (predicted time to first token), dynamo (Dynamo's cost), or the
+    /// baselines round-robin, random, least-loaded.
+    #[arg(long)]
+    pub policy: Option<PolicyKind>,
+    /// Softmax temperature of the choice; 0 always takes the lowest cost.
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Weight of prefill against decode blocks in the dynamo policy.
+    #[arg(long)]
+    pub overlap_weight: Option<f64>,
+    /// A weight of the kv policy's cost as NAME=VALUE; repeat or separate with ','. Names and
+    /// defaults: docs/routing.md ("The kv cost"), or --print-config. In a file: a [kv_cost]
+    /// table. Example: --kv-cost queue_weight=0.5
+    #[arg(long, value_delimiter = ',', value_parser = super::kv_weight)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "super::weights")]
+    pub kv_cost: Vec<(String, f64)>,
+    /// Index shards: parallel readers, one writer each.
+    #[arg(long)]
+    pub shards: Option<usize>,
+    /// Most (worker, block) pairs the index keeps, all shards together, before evicting the
+    /// coldest (~48 bytes each).
+    #[arg(long)]
+    pub max_index_blocks: Option<usize>,
+    /// Most data-parallel ranks of one worker; events naming a higher rank are refused.
+    #[arg(long)]
+    pub max_dp_size: Option<u32>,
+    /// Seconds a request's blocks are assumed cached on a worker without events
+    /// (approximate mode).
+    #[arg(long)]
+    pub approx_ttl: Option<f64>,
+    /// Seconds to wait at start for every worker's event stream and first load report; the
+    /// ready line comes after.
+    #[arg(long)]
+    pub ready_timeout: Option<f64>,
+    /// Largest ZMQ message, in bytes, an engine's event, replay or load socket may send
+    /// (all its frames, 64 bytes counted per frame); a peer announcing more is refused
+    /// before anything is allocated, disconnected and counted
+    /// (kvroute_zmq_refused_messages_total). A replay answer may bring 4 times this. The
+    /// default is one engine step's batch with a wide margin.
+    #[arg(long)]
+    pub zmq_max_message_bytes: Option<usize>,
+}
+
+/// A front door's remote router (`kvroute frontend`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Routing")]
+pub struct RemoteRouter {
+    /// A `kvroute router` to ask (its /find_best_worker and request lifecycle). Without it, a
+    /// router runs embedded, subscribed to the workers' events.
+    #[arg(long)]
+    pub router_url: Option<String>,
+    /// File holding the remote router's admin token (first line), sent with every call to it;
+    /// or the token itself in KVROUTE_ROUTER_TOKEN.
+    #[arg(long)]
+    pub router_token_file: Option<PathBuf>,
+}
+
+/// Replicas over NATS with JetStream (docs/replicas.md).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Replicas (NATS)")]
+pub struct Nats {
+    /// NATS server URL (nats://host:4222, tls://..., comma-separated for a cluster; the server
+    /// runs with JetStream: `nats-server -js -sd DIR`). With it, this replica shares its
+    /// routing decisions with the others on the same prefix, and may take its KV events from a
+    /// JetStream stream (--nats-events). NATS down is degraded (local state), never fatal.
+    #[arg(long)]
+    pub nats_url: Option<String>,
+    /// Names the fleet: subjects PREFIX.decisions and PREFIX.events.>, the stream
+    /// PREFIX_EVENTS, the snapshot bucket PREFIX_snapshots.
+    #[arg(long)]
+    pub nats_prefix: Option<String>,
+    /// This replica's name among its peers.
+    #[arg(long)]
+    pub nats_replica: Option<String>,
+    /// Do not share routing decisions (each replica then prices only its own in-flight
+    /// load). In a file: nats_sync = false.
+    #[arg(long = "nats-no-sync", num_args = 0, default_missing_value = "true", value_parser = negated())]
+    pub nats_sync: Option<bool>,
+    /// Where the workers' KV events come from: zmq (each worker's stream, directly), stream
+    /// (the JetStream stream another replica relays), or relay (subscribe to the engines and
+    /// relay them into the stream, route from the stream, write snapshots).
+    #[arg(long)]
+    pub nats_events: Option<String>,
+    /// Write an index snapshot every this many stream messages, 0 for never.
+    #[arg(long)]
+    pub nats_snapshot_every: Option<u64>,
+    /// Most bytes the event stream keeps.
+    #[arg(long)]
+    pub nats_stream_max_bytes: Option<i64>,
+    /// Seconds the event stream keeps a message. Keep it well above the snapshot interval: a
+    /// replica starts from the latest snapshot and needs what follows it.
+    #[arg(long)]
+    pub nats_stream_max_age: Option<f64>,
+    /// File holding the NATS token (first line); or the token itself in KVROUTE_NATS_TOKEN.
+    #[arg(long)]
+    pub nats_token_file: Option<PathBuf>,
+    /// NATS user (with its password in --nats-password-file or KVROUTE_NATS_PASSWORD).
+    #[arg(long)]
+    pub nats_user: Option<String>,
+    /// File holding the NATS user's password (first line).
+    #[arg(long)]
+    pub nats_password_file: Option<PathBuf>,
+    /// CA certificate (PEM) the NATS server's certificate must chain to; implies TLS.
+    #[arg(long)]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for a NATS server that verifies clients (with --nats-tls-key).
+    #[arg(long, requires = "nats_tls_key")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --nats-tls-cert.
+    #[arg(long, requires = "nats_tls_cert")]
+    pub nats_tls_key: Option<PathBuf>,
+}
+
+/// The model and its images (front door and simulated workers).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Model")]
+pub struct Model {
+    /// Model directory (tokenizer.json, tokenizer_config.json).
+    #[arg(long)]
+    pub model_path: Option<PathBuf>,
+    /// Fetch image URLs that resolve to loopback or private addresses (refused by default, so
+    /// the server is no relay into private networks).
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub allow_private_image_urls: Option<bool>,
+}
+
+/// A simulated engine's knobs, the same on `kvroute mocker` and `kvroute serve`
+/// (docs/mocker.md); defaults follow Dynamo's mocker.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Simulated engine (on serve: its simulated workers only)")]
+pub struct Engine {
+    /// KV cache capacity in blocks.
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// Most requests running at once.
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Token budget of one scheduler step (chunked prefill).
+    #[arg(long)]
+    pub max_batched_tokens: Option<usize>,
+    /// Time runs this many times faster than the timing model; 1 is a real GPU's pace.
+    #[arg(long)]
+    pub speedup: Option<f64>,
+    /// Seed of the generated words, the same on every worker.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Longest prompt plus output a worker takes (at most the KV capacity).
+    #[arg(long)]
+    pub max_model_len: Option<u64>,
+}
