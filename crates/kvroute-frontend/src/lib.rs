@@ -257,12 +257,12 @@ impl FrontendState {
     }
 
     /// The cache namespace of a request: the client's `cache_salt`, inside its key's when
-    /// namespaces are per key.
+    /// namespaces are per key (`key-<id>:<salt>`: vLLM 0.33 refuses `/` and `@` in a salt).
     fn namespace(&self, key: Option<&KeyId>, client: Option<&str>) -> Option<String> {
         let client = client.filter(|c| !c.is_empty());
         match (self.options.namespace_per_key, key) {
             (true, Some(KeyId(key))) => Some(match client {
-                Some(c) => format!("key-{key}/{c}"),
+                Some(c) => format!("key-{key}:{c}"),
                 None => format!("key-{key}"),
             }),
             _ => client.map(str::to_owned),

@@ -13,6 +13,7 @@
 //! | `replica_sync` | a replica's decisions (NATS) | decode, apply to in-flight accounting |
 //! | `index_snapshot` | an index snapshot (JetStream object store) | decode, apply |
 //! | `openai_chat`, `openai_completion` | OpenAI request bodies | decode, size checks, template, tokens |
+//! | `vllm_generate` | a vLLM `/inference/v1/generate` body | decode, vLLM's checks, image blocks |
 //! | `image` | an encoded image | header checks, decode, identifier |
 //! | `zmtp` | what a ZMQ peer sends, from its greeting on | ZMTP decoder: greeting, handshake, frames |
 
@@ -39,6 +40,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("index_snapshot", index_snapshot),
     ("openai_chat", openai_chat),
     ("openai_completion", openai_completion),
+    ("vllm_generate", vllm_generate),
     ("image", image),
     ("zmtp", zmtp),
 ];
@@ -154,6 +156,20 @@ pub fn openai_chat(data: &[u8]) {
 pub fn openai_completion(data: &[u8]) {
     let Ok(req) = serde_json::from_slice::<CompletionRequest>(data) else { return };
     let _ = preprocessor().prepare_completion_request(&req, MAX_MODEL_LEN);
+}
+
+/// A body of vLLM's token-in API as the simulated engine takes it: decoded, checked, and (when
+/// it passes) its images cut into the blocks of its prompt.
+pub fn vllm_generate(data: &[u8]) {
+    use kvroute_http::vllm_generate::GenerateRequest;
+    let Ok(req) = serde_json::from_slice::<GenerateRequest>(data) else { return };
+    if req.check().is_err() {
+        return;
+    }
+    if let Some(features) = &req.features {
+        let block_size = BlockSize::new(4).unwrap_or_default();
+        let _ = features.extra_info().to_block_level(block_size, req.token_ids.len());
+    }
 }
 
 pub fn image(data: &[u8]) {

@@ -8,6 +8,7 @@
 //! - [`metrics`]: the Prometheus registry and its `/metrics` answer;
 //! - [`server`]: how every listener is served (TLS, timeouts, a connection limit), and
 //!   [`fallbacks`]; [`auth`]: bearer keys (API keys, the admin token);
+//! - [`vllm_generate`]: vLLM's token-in, token-out API;
 //! - [`testing`]: calling an app in-process.
 //!
 //! ```text
@@ -26,6 +27,7 @@ pub mod router_api;
 pub mod server;
 pub mod sse;
 pub mod testing;
+pub mod vllm_generate;
 
 use std::future::Future;
 

@@ -24,6 +24,7 @@ use kvroute_http::openai::{
     AssistantMessage, ChatCompletionRequest, Choice, Completion, CompletionRequest, Delta,
     ModelList, parse_request,
 };
+use kvroute_http::vllm_generate::check_cache_salt;
 use kvroute_preprocess::fetch::Fetcher;
 use kvroute_preprocess::{Prepared, Preprocessor};
 use serde_json::{Value, json};
@@ -121,7 +122,8 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(crate::vllm::tokenize))
         .route("/detokenize", post(crate::vllm::detokenize))
         .route("/v1/chat/completions/render", post(crate::vllm::render_chat))
-        .route("/v1/completions/render", post(crate::vllm::render_completion));
+        .route("/v1/completions/render", post(crate::vllm::render_completion))
+        .route(kvroute_http::vllm_generate::PATH, post(crate::generate::generate));
     let routes = kvroute_http::auth::require(guarded, state.api_keys.clone())
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
@@ -140,6 +142,7 @@ async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_request(&body?, "messages", Some(1))?;
+    check_cache_salt(req.cache_salt.as_deref())?;
     let (prepared, _) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     let ask = Ask {
@@ -158,6 +161,7 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_request(&body?, "prompt", Some(1))?;
+    check_cache_salt(req.cache_salt.as_deref())?;
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let ask = Ask {
         kind: Kind::Completion,
@@ -181,50 +185,93 @@ struct Ask {
     cache_salt: Option<String>,
 }
 
+/// A prompt for the engine, from any of its APIs.
+pub(crate) struct Submission {
+    pub id: String,
+    pub tokens: Vec<u32>,
+    /// Where each image's placeholder tokens are (request-level).
+    pub mm: Option<kvroute_core::RequestExtraInfo>,
+    pub max_tokens: u64,
+    pub ignore_eos: bool,
+    pub cache_salt: Option<String>,
+}
+
+/// What the engine sends back for one submission, and the guard that cancels it when dropped.
+pub(crate) struct Submitted {
+    pub outputs: mpsc::UnboundedReceiver<Output>,
+    pub guard: CancelOnDrop,
+    /// The end-of-turn token, if the answer ends with it.
+    pub end: Option<u32>,
+}
+
+impl AppState {
+    /// A fresh request number.
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Hands a prompt to the engine; one that could never fit its cache is refused (413).
+    pub(crate) fn submit(&self, s: Submission) -> Result<Submitted, ApiError> {
+        let config = self.engine.config;
+        let bs = config.block_size;
+        if s.tokens.is_empty() {
+            return Err(ApiError::bad_request("the prompt is empty"));
+        }
+        let needed = s.tokens.len().div_ceil(bs.tokens()) + 1;
+        if needed > config.num_blocks {
+            return Err(ApiError::too_large(format!(
+                "the prompt needs {needed} KV blocks; this engine has {}",
+                config.num_blocks
+            )));
+        }
+        let plan = self.plan(&s.tokens, s.ignore_eos);
+        let end = plan.end;
+        let block_mm_infos =
+            s.mm.filter(|mm| !mm.mm_objects.is_empty())
+                .map(|mm| mm.to_block_level(bs, s.tokens.len()));
+        let request = EngineRequest {
+            id: s.id,
+            tokens: s.tokens,
+            block_mm_infos,
+            max_tokens: usize::try_from(s.max_tokens).unwrap_or(usize::MAX).max(1),
+            plan,
+            cache_salt: s.cache_salt,
+        };
+        let (outputs, guard) = self.engine.submit(request);
+        Ok(Submitted { outputs, guard, end })
+    }
+}
+
+/// Seconds since the epoch.
+pub(crate) fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
 async fn generate(
     state: &Arc<AppState>,
     prepared: Prepared,
     ask: Ask,
 ) -> Result<Response, ApiError> {
     let Ask { kind, max_tokens, stream, include_usage, ignore_eos, cache_salt } = ask;
-    let config = state.engine.config;
-    let bs = config.block_size;
-    if prepared.tokens.is_empty() {
-        return Err(ApiError::bad_request("the prompt is empty"));
-    }
-    let needed = prepared.tokens.len().div_ceil(bs.tokens()) + 1;
-    if needed > config.num_blocks {
-        return Err(ApiError::too_large(format!(
-            "the prompt needs {needed} KV blocks; this engine has {}",
-            config.num_blocks
-        )));
-    }
-    let n = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let n = state.next_id();
     let id = match kind {
         Kind::Chat => format!("chatcmpl-{n}"),
         Kind::Completion => format!("cmpl-{n}"),
     };
-    let plan = state.plan(&prepared.tokens, ignore_eos);
-    let end = plan.end;
-    let block_mm_infos = (!prepared.mm.mm_objects.is_empty())
-        .then(|| prepared.mm.to_block_level(bs, prepared.tokens.len()));
-    let request = EngineRequest {
+    let submission = Submission {
         id: id.clone(),
         tokens: prepared.tokens,
-        block_mm_infos,
-        max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX).max(1),
-        plan,
+        mm: Some(prepared.mm),
+        max_tokens,
+        ignore_eos,
         cache_salt,
     };
-    let (outputs, guard) = state.engine.submit(request);
-    let created = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let Submitted { outputs, guard, end } = state.submit(submission)?;
     let reply = Reply {
         kind,
         id,
         model: state.preprocessor.model_name().to_owned(),
-        created,
+        created: now_secs(),
         preprocessor: Arc::clone(&state.preprocessor),
         end,
     };

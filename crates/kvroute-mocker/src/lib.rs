@@ -9,6 +9,7 @@
 //! - [`http`]: its OpenAI-compatible API; [`vllm`]: vLLM's endpoints for routers.
 
 pub mod engine;
+pub mod generate;
 pub mod http;
 mod kv;
 pub mod metrics;

@@ -18,6 +18,7 @@ pub const EVICTED: &str = "kvroute_mocker_evicted_blocks";
 pub const PREEMPTIONS: &str = "kvroute_mocker_preemptions";
 pub const FINISHED: &str = "kvroute_mocker_requests_finished";
 pub const RENDERED: &str = "kvroute_mocker_render_requests";
+pub const GENERATED: &str = "kvroute_mocker_generate_requests";
 pub const ZMQ_REFUSED: &str = "kvroute_mocker_zmq_refused_messages";
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
@@ -38,6 +39,7 @@ pub struct Metrics {
     preemptions: CounterOf,
     finished: CounterOf,
     rendered: kvroute_http::metrics::Counter,
+    generated: kvroute_http::metrics::Counter,
     zmq_refused: CounterOf,
     vllm_running: Gauge,
     vllm_waiting: Gauge,
@@ -59,6 +61,7 @@ impl Metrics {
             preemptions: CounterOf::default(),
             finished: CounterOf::default(),
             rendered: kvroute_http::metrics::Counter::default(),
+            generated: kvroute_http::metrics::Counter::default(),
             zmq_refused: CounterOf::default(),
             vllm_running: Gauge::default(),
             vllm_waiting: Gauge::default(),
@@ -87,6 +90,11 @@ impl Metrics {
             RENDERED,
             "Requests rendered to token ids (vLLM's render endpoints)",
             m.rendered.clone(),
+        );
+        r.register(
+            GENERATED,
+            "Requests taken as token ids by vLLM's /inference/v1/generate",
+            m.generated.clone(),
         );
         r.register(
             ZMQ_REFUSED,
@@ -140,6 +148,11 @@ impl Metrics {
     /// A render endpoint answered.
     pub fn rendered(&self) {
         self.rendered.inc();
+    }
+
+    /// vLLM's generate endpoint took a request.
+    pub fn generated(&self) {
+        self.generated.inc();
     }
 
     /// The registry, brought up to date with `s`.

@@ -1,0 +1,307 @@
+//! vLLM's token-in, token-out `/inference/v1/generate` on the simulated engine, case by case
+//! from vLLM 0.33's `scale_out/token_in_token_out/protocol.py` and `serving.py`: the shapes it
+//! answers (whole and streamed, tokens and text), the prefix cache it shares with the chat API
+//! (the same token ids are the same blocks), images by their hash, and what it refuses, with
+//! vLLM's statuses and error types.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use axum::http::Method;
+use kvroute_core::BlockSize;
+use kvroute_http::testing;
+use kvroute_http::vllm_generate::{GenerateChunk, PATH};
+use kvroute_mocker::{EngineConfig, MockerConfig, Timing, http};
+use serde_json::{Value, json};
+
+struct Engine {
+    app: axum::Router,
+}
+
+async fn engine(num_blocks: usize) -> Engine {
+    let config = MockerConfig {
+        engine: EngineConfig {
+            num_blocks,
+            block_size: BlockSize::new(16).unwrap(),
+            timing: Timing { speedup: 100.0 },
+            ..EngineConfig::default()
+        },
+        ..MockerConfig::default()
+    };
+    let state = kvroute_mocker::start(config).await.unwrap();
+    Engine { app: http::app(Arc::clone(&state)) }
+}
+
+impl Engine {
+    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, v) = testing::call(&self.app, Method::POST, path, Some(body)).await;
+        (status.as_u16(), v)
+    }
+
+    /// The token ids of a chat prompt, as the engine renders it.
+    async fn rendered(&self, text: &str) -> Vec<u32> {
+        let chat = json!({"messages": [{"role": "user", "content": text}]});
+        let (status, r) = self.post("/v1/chat/completions/render", &chat).await;
+        assert_eq!(status, 200, "{r}");
+        serde_json::from_value(r["token_ids"].clone()).unwrap()
+    }
+
+    async fn metric(&self, name: &str) -> Option<f64> {
+        let (_, m) = testing::call(&self.app, Method::GET, "/metrics", None).await;
+        kvroute_http::metrics::sample(m.as_str().unwrap(), name)
+    }
+}
+
+const LONG: &str = "Please summarize the following text in three bullet points. The router sends each request to the worker that already holds the longest part of its prompt, unless that worker is too busy. A block is a fixed number of tokens.";
+
+#[allow(clippy::needless_pass_by_value)]
+fn generate(tokens: &[u32], sampling: Value) -> Value {
+    json!({"token_ids": tokens, "sampling_params": sampling})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_ids_in_token_ids_out_sharing_the_chat_apis_cache() {
+    let e = engine(1000).await;
+    let tokens = e.rendered(LONG).await;
+    // The chat request computes the prompt's blocks ...
+    let chat = json!({"messages": [{"role": "user", "content": LONG}], "max_tokens": 2});
+    let (status, _) = e.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, 200);
+    // ... and the same token ids by generate hit all of them: the same prompt, the same blocks.
+    let mut body = generate(&tokens, json!({"max_tokens": 3, "ignore_eos": true}));
+    body["request_id"] = json!("abc");
+    let (status, r) = e.post(PATH, &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["request_id"], "generate-tokens-abc");
+    assert_eq!(r["output_mode"], "tokens");
+    assert_eq!(r["model"], "kvroute-tiny");
+    assert!(r["created"].as_u64().is_some(), "{r}");
+    let choice = &r["choices"][0];
+    assert_eq!(choice["index"], 0);
+    assert_eq!(choice["finish_reason"], "length", "ignore_eos: cut at max_tokens");
+    assert_eq!(choice["token_ids"].as_array().unwrap().len(), 3);
+    assert!(choice.get("text").is_none(), "tokens mode has no text: {choice}");
+    assert!(r["prompt_token_ids"].is_null(), "only with return_token_ids");
+    let len = tokens.len() as u64;
+    assert_eq!(r["usage"]["prompt_tokens"], len);
+    assert_eq!(r["usage"]["completion_tokens"], 3);
+    assert_eq!(r["usage"]["total_tokens"], len + 3);
+    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], (len - 1) / 16 * 16);
+    assert_eq!(e.metric("kvroute_mocker_generate_requests_total").await, Some(1.0));
+    // Text mode: the text is the tokens' own; with return_token_ids, the prompt's ids too.
+    body["output_mode"] = json!("text");
+    body["return_token_ids"] = json!(true);
+    let (status, t) = e.post(PATH, &body).await;
+    assert_eq!(status, 200, "{t}");
+    assert_eq!(t["output_mode"], "text");
+    let ids: Vec<u32> = serde_json::from_value(t["choices"][0]["token_ids"].clone()).unwrap();
+    assert_eq!(
+        ids,
+        serde_json::from_value::<Vec<u32>>(choice["token_ids"].clone()).unwrap(),
+        "deterministic"
+    );
+    let text = kvroute_preprocess::Preprocessor::builtin().decode(&ids).unwrap();
+    assert_eq!(t["choices"][0]["text"], text);
+    assert_eq!(t["prompt_token_ids"], json!(tokens));
+    // Unknown fields are ignored, as pydantic ignores them; kv_transfer_params come back.
+    body["something_new"] = json!({"x": 1});
+    body["sampling_params"]["seed"] = json!(7);
+    body["kv_transfer_params"] = json!({"do_remote_decode": false});
+    let (status, u) = e.post(PATH, &body).await;
+    assert_eq!(status, 200, "{u}");
+    assert_eq!(u["kv_transfer_params"], json!({"do_remote_decode": false}));
+    // Without max_tokens: as many as the context holds (vLLM's server-side default), so the
+    // answer runs to the end of its turn.
+    let (_, d) = e.post(PATH, &generate(&tokens, json!({}))).await;
+    assert_eq!(d["choices"][0]["finish_reason"], "stop", "{d}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_as_vllm_does() {
+    let e = engine(1000).await;
+    let tokens = e.rendered("Tell me a joke.").await;
+    let mut body = generate(&tokens, json!({"max_tokens": 3, "ignore_eos": true}));
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    body["return_token_ids"] = json!(true);
+    let (status, text) = e.post(PATH, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let text = text.as_str().unwrap();
+    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+    let chunks: Vec<GenerateChunk> =
+        data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks.len(), 4, "a chunk per token, then the usage: {text}");
+    assert!(chunks.iter().all(|c| c.request_id.starts_with("generate-tokens-")));
+    assert_eq!(chunks[0].prompt_token_ids.as_deref(), Some(&tokens[..]), "on the first only");
+    assert!(chunks[1..].iter().all(|c| c.prompt_token_ids.is_none()));
+    for (i, c) in chunks[..3].iter().enumerate() {
+        assert_eq!(c.choices[0].token_ids.as_ref().map(Vec::len), Some(1));
+        assert_eq!(c.usage.unwrap().completion_tokens, i as u64 + 1, "continuous usage");
+        let finish = c.choices[0].finish_reason.as_deref();
+        assert_eq!(finish, (i == 2).then_some("length"), "the last token's chunk ends it");
+    }
+    let last = &chunks[3];
+    assert!(last.choices.is_empty());
+    let usage = last.usage.unwrap();
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (tokens.len() as u64, 3));
+    // Text mode: each chunk's text is its token's.
+    body["output_mode"] = json!("text");
+    body["stream_options"] = json!({"include_usage": false});
+    let (_, text) = e.post(PATH, &body).await;
+    let text = text.as_str().unwrap();
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks.len(), 3, "no usage chunk: {text}");
+    assert!(
+        chunks.iter().all(|c| c["output_mode"] == "text" && c["choices"][0]["text"].is_string())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_cache_by_their_hash_over_their_placeholders() {
+    let e = engine(1000).await;
+    let tokens: Vec<u32> = (100..196).collect();
+    let with_image = |hash: &str| {
+        let mut body = generate(&tokens, json!({"max_tokens": 1}));
+        body["features"] = json!({
+            "mm_hashes": {"image": [hash]},
+            "mm_placeholders": {"image": [{"offset": 16, "length": 32}]},
+        });
+        body
+    };
+    let cached = |r: &Value| r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let (status, first) = e.post(PATH, &with_image("00000000000000aa")).await;
+    assert_eq!((status, cached(&first)), (200, 0), "{first}");
+    let (_, same) = e.post(PATH, &with_image("00000000000000aa")).await;
+    assert_eq!(cached(&same), 80, "the same image: every full block but the last");
+    let (_, other) = e.post(PATH, &with_image("00000000000000bb")).await;
+    assert_eq!(cached(&other), 16, "another image: only the block before it");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_what_vllm_refuses_in_its_shapes() {
+    let e = engine(8).await;
+    let ok = || generate(&[1, 2, 3], json!({"max_tokens": 1}));
+    let with = |key: &str, value: Value| {
+        let mut b = ok();
+        b[key] = value;
+        b
+    };
+    let sampling = |key: &str, value: Value| {
+        let mut b = ok();
+        b["sampling_params"][key] = value;
+        b
+    };
+    let features = |f: Value| with("features", f);
+    let image = |offset: i64, length: i64| json!({"offset": offset, "length": length});
+    let long: Vec<u32> = (0..128).map(|i| 10 + i % 50).collect();
+    // (body, status, error type, param)
+    let cases: Vec<(Value, u16, &str, Option<&str>)> = vec![
+        (json!({"token_ids": [1]}), 400, "Bad Request", None),
+        (with("token_ids", json!([])), 400, "Bad Request", Some("token_ids")),
+        (with("token_ids", json!([1, -2])), 400, "Bad Request", Some("token_ids")),
+        (with("token_ids", json!([1, 99_999_999])), 400, "BadRequestError", Some("token_ids")),
+        (with("cache_salt", json!("")), 400, "Bad Request", Some("cache_salt")),
+        (with("cache_salt", json!("tenant/a")), 400, "Bad Request", Some("cache_salt")),
+        (with("cache_salt", json!("x".repeat(129))), 400, "Bad Request", Some("cache_salt")),
+        (with("output_mode", json!("loud")), 400, "Bad Request", None),
+        (sampling("max_tokens", json!(0)), 400, "Bad Request", Some("max_tokens")),
+        (sampling("temperature", json!(2.5)), 400, "Bad Request", Some("temperature")),
+        (sampling("top_p", json!(0.0)), 400, "Bad Request", Some("top_p")),
+        (sampling("n", json!(0)), 400, "Bad Request", Some("n")),
+        (sampling("n", json!(2)), 400, "BadRequestError", Some("n")),
+        (sampling("min_tokens", json!(5)), 400, "Bad Request", Some("min_tokens")),
+        (
+            {
+                let mut b = sampling("detokenize", json!(false));
+                b["output_mode"] = json!("text");
+                b
+            },
+            400,
+            "Bad Request",
+            Some("output_mode"),
+        ),
+        (
+            features(json!({"mm_hashes": {"image": ["a"]}, "mm_placeholders": {}})),
+            400,
+            "Bad Request",
+            Some("features"),
+        ),
+        (
+            features(
+                json!({"mm_hashes": {"image": ["a"]}, "mm_placeholders": {"image": [image(0, 9)]}}),
+            ),
+            400,
+            "Bad Request",
+            Some("features"),
+        ),
+        (
+            features(
+                json!({"mm_hashes": {"image": ["a", "b"]}, "mm_placeholders": {"image": [image(0, 2), image(1, 2)]}}),
+            ),
+            400,
+            "Bad Request",
+            Some("features"),
+        ),
+        (
+            features(
+                json!({"mm_hashes": {"image": ["a"]}, "mm_placeholders": {"image": [image(0, 0)]}}),
+            ),
+            400,
+            "Bad Request",
+            Some("features"),
+        ),
+        (
+            {
+                let mut b = features(
+                    json!({"mm_hashes": {"image": ["a"]}, "mm_placeholders": {"image": [image(0, 1)]}}),
+                );
+                b["content_parts"] =
+                    json!([{"type": "image_url", "url": "http://127.0.0.1/x.png"}]);
+                b
+            },
+            400,
+            "Bad Request",
+            Some("features"),
+        ),
+        (
+            {
+                let mut b = with("output_mode", json!("derender"));
+                b["stream"] = json!(true);
+                b
+            },
+            400,
+            "BadRequestError",
+            None,
+        ),
+        (with("priority", json!(1)), 400, "BadRequestError", Some("priority")),
+        (with("model", json!("gpt-9")), 404, "NotFoundError", Some("model")),
+        // The 8-block cache caps the context at 128 tokens: a prompt of 128 leaves no room.
+        (generate(&long, json!({"max_tokens": 1})), 400, "BadRequestError", None),
+    ];
+    for (body, status, kind, param) in cases {
+        let (got, v) = e.post(PATH, &body).await;
+        assert_eq!(got, status, "{body}: {v}");
+        assert_eq!(v["error"]["type"], kind, "{body}: {v}");
+        assert_eq!(v["error"]["code"], status, "{body}: {v}");
+        if let Some(param) = param {
+            assert_eq!(v["error"]["param"], param, "{body}: {v}");
+        }
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    }
+    let (status, v) = e.post(PATH, &json!([1, 2])).await;
+    assert_eq!((status, v["error"]["type"].as_str()), (400, Some("Bad Request")), "{v}");
+    // vLLM 0.33 holds its chat and completions APIs to the same salt rule.
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "cache_salt": "a/b"});
+    let (status, v) = e.post("/v1/chat/completions", &chat).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("cache_salt")), "{v}");
+    // What it does take: the same checks passed.
+    let (status, v) = e.post(PATH, &with("cache_salt", json!("tenant-a"))).await;
+    assert_eq!(status, 200, "{v}");
+}
