@@ -75,6 +75,10 @@ pub struct BenchArgs {
     /// block), for routers that take no token ids, such as sglang-router.
     #[arg(long, env = "KVROUTE_BENCH_TEXT_PROMPTS")]
     pub text_prompts: bool,
+    /// How the front door speaks to the simulated workers: vllm-generate (its token ids to
+    /// vLLM's generate API) or openai-chat (the client's body, tokenized again by the engine).
+    #[arg(long, env = "KVROUTE_BENCH_DIALECT", default_value = "vllm-generate")]
+    pub dialect: kvroute_router::Dialect,
     /// Rate sweep: run every workload at each of these arrival rates (requests/s; users/s
     /// for multi-turn) instead of its own default.
     #[arg(long, env = "KVROUTE_BENCH_RATES", value_delimiter = ',')]
@@ -227,6 +231,7 @@ impl BenchArgs {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
             model_path: self.model_path.clone(),
+            dialect: self.dialect,
         }
     }
 

@@ -38,6 +38,8 @@ pub struct FleetConfig {
     /// The model (`None`: the built-in one).
     #[serde(skip)]
     pub model_path: Option<PathBuf>,
+    /// How the front door speaks to the simulated workers.
+    pub dialect: kvroute_router::Dialect,
 }
 
 impl Default for FleetConfig {
@@ -50,6 +52,7 @@ impl Default for FleetConfig {
             max_num_seqs: 256,
             max_batched_tokens: 8192,
             model_path: None,
+            dialect: Simulated::default().dialect,
         }
     }
 }
@@ -256,6 +259,7 @@ pub async fn start_fleet(
             events,
             seed: 0,
             max_model_len: None,
+            dialect: fleet.dialect,
         },
         ..front_door(router, fleet)
     };

@@ -20,6 +20,7 @@ use kvroute_http::{ApiError, ClientError};
 use kvroute_preprocess::Prepared;
 use serde_json::{Value, json};
 
+use crate::dialect::{Kind, Translator, VLLM_GENERATE_PATH, vllm_generate_body};
 use crate::health::Failure;
 use crate::placer::Placement;
 use crate::usage::{Usage, stream_error_event};
@@ -30,6 +31,11 @@ use crate::{FrontendState, OVERLAP_HEADER, RESPONSE_TIMEOUT, WORKER_HEADER};
 pub(crate) struct Outbound {
     pub path: &'static str,
     pub body: Bytes,
+    /// The OpenAI answer the client expects.
+    pub kind: Kind,
+    /// The body of a tokens dialect (vLLM's generate API), when one is spoken and the request
+    /// fits it.
+    pub tokens: Option<Bytes>,
     /// The prompt's block hashes (with its images and cache namespace).
     pub local: Vec<LocalBlockHash>,
     pub prompt_tokens: usize,
@@ -50,6 +56,10 @@ impl Outbound {
         namespace: Option<String>,
         block_size: BlockSize,
     ) -> Result<Self, ApiError> {
+        let kind = match path {
+            "/v1/completions" => Kind::Completion,
+            _ => Kind::Chat,
+        };
         if prepared.tokens.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty"));
         }
@@ -71,11 +81,14 @@ impl Outbound {
                 options.insert("include_usage".to_owned(), Value::Bool(true));
             }
         }
+        let tokens = vllm_generate_body(&raw, prepared, namespace_of(&raw), streamed);
         let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
         let prompt_tokens = prepared.tokens.len();
         Ok(Self {
             path,
             body,
+            kind,
+            tokens,
             local,
             prompt_tokens,
             streamed,
@@ -114,12 +127,19 @@ pub(crate) async fn dispatch(
             excluded.push(worker);
             continue;
         };
-        let request = hyper::Request::post(format!("{base}{}", out.path))
+        let (path, body, as_tokens) = state.hop(worker.worker_id, out);
+        let request = hyper::Request::post(format!("{base}{path}"))
             .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(out.body.clone()))
+            .body(Full::new(body))
             .map_err(ApiError::internal)?;
         let failure = match tokio::time::timeout(timeout, state.client.send(request)).await {
-            Ok(Ok(r)) => return respond(state, out, placement, guard, r),
+            Ok(Ok(r)) => {
+                let translator = as_tokens.then(|| {
+                    let model = state.preprocessor.model_name().to_owned();
+                    Translator::new(out.kind, &guard.id, model, false)
+                });
+                return respond(state, out, placement, guard, r, translator);
+            }
             Ok(Err(e)) if e.is_connect() => (Failure::Connect, e),
             Ok(Err(e)) => (Failure::Broken, e),
             Err(_) => (Failure::Timeout, ClientError::Timeout(timeout)),
@@ -133,14 +153,41 @@ pub(crate) async fn dispatch(
     }
 }
 
+impl FrontendState {
+    /// How `out` goes to `worker`: the path, the body, and whether it goes as tokens (its
+    /// answer then comes back in vLLM's shape, to be turned into OpenAI's).
+    fn hop(&self, worker: WorkerId, out: &Outbound) -> (&'static str, Bytes, bool) {
+        let dialect = self.dialects.get(&worker).copied().unwrap_or_default();
+        match (dialect.sends_tokens(), &out.tokens) {
+            (true, Some(tokens)) => {
+                self.metrics.as_tokens.inc();
+                (VLLM_GENERATE_PATH, tokens.clone(), true)
+            }
+            (true, None) => {
+                self.metrics.fallbacks.inc();
+                (out.path, out.body.clone(), false)
+            }
+            (false, _) => (out.path, out.body.clone(), false),
+        }
+    }
+}
+
+/// The cache namespace the body carries (set as `cache_salt` by [`Outbound::new`]).
+fn namespace_of(raw: &Value) -> Option<&str> {
+    raw.get("cache_salt").and_then(Value::as_str)
+}
+
 /// The worker's answer to the client: its status and content headers, which worker it was
-/// (and, when asked for, the cached tokens predicted there), its body passed on as it comes.
+/// (and, when asked for, the cached tokens predicted there), its body passed on as it comes
+/// (turned into OpenAI's shape on the way by `translator`, when it went as tokens and
+/// succeeded).
 fn respond(
     state: &Arc<FrontendState>,
     out: &Outbound,
     placement: Placement,
     mut guard: InFlight,
     response: hyper::Response<hyper::body::Incoming>,
+    translator: Option<Translator>,
 ) -> Result<Response, ApiError> {
     let worker = placement.worker;
     if state.health.succeeded(worker.worker_id) {
@@ -156,7 +203,9 @@ fn respond(
         guard.predicted = Some((placement, out.prompt_tokens as u64));
     }
     let usage = Usage::new(sse, out.strip_usage);
-    let stream = proxy_body(incoming, guard, worker.worker_id, usage);
+    let translator = translator.filter(|_| parts.status.is_success()).map(|t| t.with_sse(sse));
+    let data = translated(incoming, translator);
+    let stream = proxy_body(data, guard, worker.worker_id, usage);
     let mut answer = Response::builder().status(parts.status);
     for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
         if let Some(v) = parts.headers.get(&name) {
@@ -211,12 +260,11 @@ impl Drop for InFlight {
 /// ejected, and an event stream ends with an error event in OpenAI's shape and `[DONE]`
 /// rather than a truncated body.
 fn proxy_body(
-    incoming: hyper::body::Incoming,
+    chunks: impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     guard: InFlight,
     worker: WorkerId,
     usage: Usage,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
-    let chunks = http_body_util::BodyExt::into_data_stream(incoming);
     let sse = usage.sse;
     chunks.scan((guard, false, usage), move |(guard, done, usage), chunk| {
         if *done {
@@ -247,6 +295,30 @@ fn proxy_body(
         };
         std::future::ready(Some(item))
     })
+}
+
+/// Largest whole answer of a tokens dialect read to be turned into OpenAI's.
+const WHOLE_ANSWER_LIMIT: usize = 64 << 20;
+
+/// The answer's bytes, through `translator` when there is one: a stream event by event, a
+/// whole answer once it has all come.
+fn translated(
+    incoming: hyper::body::Incoming,
+    translator: Option<Translator>,
+) -> futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Error>> {
+    use http_body_util::BodyExt as _;
+    match translator {
+        None => incoming.into_data_stream().map(|c| c.map_err(std::io::Error::other)).boxed(),
+        Some(mut t) if t.sse() => incoming
+            .into_data_stream()
+            .map(move |c| c.map(|b| t.stream(&b)).map_err(std::io::Error::other))
+            .boxed(),
+        Some(t) => futures_util::stream::once(async move {
+            let whole = http_body_util::Limited::new(incoming, WHOLE_ANSWER_LIMIT).collect().await;
+            whole.map(|w| t.whole(&w.to_bytes())).map_err(std::io::Error::other)
+        })
+        .boxed(),
+    }
 }
 
 #[cfg(test)]

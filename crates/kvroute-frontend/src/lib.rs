@@ -33,8 +33,9 @@ use kvroute_http::metrics::{Counter, Gauge, Registry};
 use kvroute_http::{Credentials, HttpClient};
 use kvroute_preprocess::Preprocessor;
 use kvroute_preprocess::fetch::Fetcher;
-use kvroute_router::{RouterState, WorkerSpec};
+use kvroute_router::{Dialect, RouterState, WorkerSpec};
 
+mod dialect;
 mod dispatch;
 mod handlers;
 pub mod health;
@@ -70,6 +71,8 @@ pub const IN_FLIGHT: &str = "kvroute_frontend_in_flight";
 pub const EJECTIONS: &str = "kvroute_frontend_worker_ejections";
 pub const EJECTED: &str = "kvroute_frontend_workers_ejected";
 pub const BROKEN_STREAMS: &str = "kvroute_frontend_broken_streams";
+pub const AS_TOKENS: &str = "kvroute_frontend_sent_as_tokens";
+pub const DIALECT_FALLBACKS: &str = "kvroute_frontend_dialect_fallbacks";
 
 /// How long a worker has to send a streamed answer's first bytes (its headers), and a whole
 /// answer that is not streamed.
@@ -85,6 +88,8 @@ struct Metrics {
     ejections: Counter,
     ejected: Gauge,
     broken: Counter,
+    as_tokens: Counter,
+    fallbacks: Counter,
 }
 
 impl Metrics {
@@ -101,6 +106,16 @@ impl Metrics {
         r.register(EJECTIONS, "Workers taken out of rotation after a failure", m.ejections.clone());
         r.register(EJECTED, "Workers out of rotation now", m.ejected.clone());
         r.register(BROKEN_STREAMS, "Answers a worker broke off mid-way", m.broken.clone());
+        r.register(
+            AS_TOKENS,
+            "Requests sent as the front door's token ids (a worker's tokens dialect)",
+            m.as_tokens.clone(),
+        );
+        r.register(
+            DIALECT_FALLBACKS,
+            "Requests sent as chat to a tokens-dialect worker: they asked for what its API does not carry",
+            m.fallbacks.clone(),
+        );
         Self { registry: r, ..m }
     }
 }
@@ -143,6 +158,8 @@ pub struct FrontendState {
     pub placer: Placer,
     block_size: BlockSize,
     urls: BTreeMap<WorkerId, String>,
+    /// How each worker is spoken to (absent: the client's OpenAI body).
+    dialects: BTreeMap<WorkerId, Dialect>,
     /// Each worker's data-parallel ranks (all are excluded when it is ejected).
     ranks: BTreeMap<WorkerId, u32>,
     pub health: Health,
@@ -215,6 +232,7 @@ impl FrontendState {
             placer,
             block_size,
             urls: urls(workers),
+            dialects: workers.iter().map(|w| (w.id, w.dialect)).collect(),
             ranks: ranks(workers),
             health: Health::new(workers.iter().filter(|w| w.url.is_some()).map(|w| w.id)),
             options: FrontDoorOptions::default(),

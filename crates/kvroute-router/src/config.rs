@@ -46,6 +46,8 @@ pub enum WorkerFlagError {
     NoRanks,
     #[error(transparent)]
     Format(#[from] kvroute_wire::UnknownFormat),
+    #[error("unknown dialect {0:?} (known: {known})", known = Dialect::NAMES.join(", "))]
+    Dialect(String),
 }
 
 /// What is wrong with one configured worker.
@@ -64,6 +66,41 @@ pub enum WorkerError {
     TooManyRanks { dp_size: u32, max_dp_size: u32 },
     #[error("{0}")]
     BlockSize(#[from] kvroute_core::Error),
+}
+
+/// How the front door speaks to a worker (docs/dialects.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Dialect {
+    /// The client's OpenAI body as it came, to any OpenAI-compatible server (which renders
+    /// and tokenizes the prompt again).
+    #[default]
+    OpenaiChat,
+    /// vLLM 0.33's `/inference/v1/generate`: the token ids the front door hashed go in, the
+    /// text comes out; what that API cannot carry goes as chat.
+    VllmGenerate,
+}
+
+impl Dialect {
+    /// Every dialect's name, as `--worker dialect=` takes it.
+    pub const NAMES: [&str; 2] = ["openai-chat", "vllm-generate"];
+
+    /// Whether the engine gets the front door's token ids.
+    pub fn sends_tokens(self) -> bool {
+        self != Dialect::OpenaiChat
+    }
+}
+
+impl FromStr for Dialect {
+    type Err = WorkerFlagError;
+
+    fn from_str(s: &str) -> Result<Self, WorkerFlagError> {
+        match s {
+            "openai-chat" => Ok(Dialect::OpenaiChat),
+            "vllm-generate" => Ok(Dialect::VllmGenerate),
+            other => Err(WorkerFlagError::Dialect(other.to_owned())),
+        }
+    }
 }
 
 /// One worker (engine instance) of the fleet.
@@ -99,6 +136,9 @@ pub struct WorkerSpec {
     pub vocab_size: Option<u32>,
     #[serde(default)]
     pub format: EventFormat,
+    /// How the front door sends it requests.
+    #[serde(default)]
+    pub dialect: Dialect,
     /// The token its HTTP routes want (`Authorization: Bearer`), sent to it alone: a
     /// simulated worker embedded in `kvroute serve` gets an unguessable one. Never
     /// serialized, never shown.
@@ -141,6 +181,7 @@ impl WorkerSpec {
             image_token_id: None,
             vocab_size: None,
             format: EventFormat::Vllm,
+            dialect: Dialect::OpenaiChat,
             api_key: None,
         }
     }
@@ -187,6 +228,7 @@ impl FromStr for WorkerSpec {
                 "format" => {
                     spec.format = value.parse().map_err(|e| bad(WorkerFlagError::Format(e)))?;
                 }
+                "dialect" => spec.dialect = value.parse().map_err(bad)?,
                 other => return Err(bad(WorkerFlagError::UnknownKey(other.into()))),
             }
         }
@@ -334,6 +376,16 @@ mod tests {
         .unwrap();
         let flag: WorkerSpec = "id=1,events=tcp://127.0.0.1:5557,format=sglang".parse().unwrap();
         assert_eq!(file.workers[0], flag);
+        assert_eq!(flag.dialect, Dialect::OpenaiChat, "the client's body by default");
+        let tokens: WorkerSpec = "id=3,dialect=vllm-generate".parse().unwrap();
+        let table: File =
+            toml::from_str("[[workers]]\nid = 3\ndialect = \"vllm-generate\"\n").unwrap();
+        assert_eq!((tokens.dialect, &table.workers[0]), (Dialect::VllmGenerate, &tokens));
+        let err = "id=3,dialect=grpc".parse::<WorkerSpec>().unwrap_err().to_string();
+        assert!(
+            err.contains("unknown dialect \"grpc\" (known: openai-chat, vllm-generate)"),
+            "{err}"
+        );
         assert_eq!(file.workers[1].format, EventFormat::TrtllmJson);
         let bad = toml::from_str::<File>("[[workers]]\nid = 1\nformat = \"vlm\"\n");
         assert!(bad.is_err_and(|e| e.to_string().contains("unknown event format")));

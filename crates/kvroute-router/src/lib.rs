@@ -31,7 +31,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use config::{ConfigError, EventFormat, RouterConfig, WorkerKey, WorkerSpec, workers_client};
+pub use config::{
+    ConfigError, Dialect, EventFormat, RouterConfig, WorkerKey, WorkerSpec, workers_client,
+};
 pub use error::RouterError;
 use kvroute_core::BlockSize;
 pub use kvroute_wire::ConvertStats;

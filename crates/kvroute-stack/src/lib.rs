@@ -28,7 +28,7 @@ use kvroute_http::Credentials;
 use kvroute_mocker::{EngineConfig, MockerConfig};
 use kvroute_preprocess::Preprocessor;
 use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
-use kvroute_router::{RouterConfig, RouterState, Tasks, WorkerSpec};
+use kvroute_router::{Dialect, RouterConfig, RouterState, Tasks, WorkerSpec};
 
 /// Everything a stack can fail with at start-up.
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +85,8 @@ pub struct Simulated {
     pub seed: u64,
     /// The longest prompt plus output (`None`: the model's, at most the KV capacity).
     pub max_model_len: Option<u64>,
+    /// How the front door speaks to them (they serve every dialect).
+    pub dialect: Dialect,
 }
 
 impl Default for Simulated {
@@ -95,6 +97,7 @@ impl Default for Simulated {
             events: true,
             seed: 0,
             max_model_len: None,
+            dialect: Dialect::VllmGenerate,
         }
     }
 }
@@ -207,6 +210,7 @@ impl Stack {
             spec.replay = spawned.replay;
             spec.metrics = spawned.metrics;
             spec.api_key = Some(kvroute_router::WorkerKey(token));
+            spec.dialect = simulated.dialect;
             router.workers.push(spec);
             engines.push(spawned.state);
         }

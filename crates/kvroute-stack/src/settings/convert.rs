@@ -55,7 +55,10 @@ impl Settings {
                 parity_probe: Some(front_door.parity_probe),
             },
             blocks: Blocks { block_size: Some(BlockSize::default().get()) },
-            simulated: SimulatedFleet { simulated_workers: Some(DEFAULT_SIMULATED_WORKERS) },
+            simulated: SimulatedFleet {
+                simulated_workers: Some(DEFAULT_SIMULATED_WORKERS),
+                simulated_dialect: Some(Simulated::default().dialect),
+            },
             routing: Routing {
                 workers: Vec::new(),
                 policy: Some(scheduler.policy),
@@ -386,6 +389,7 @@ impl Settings {
                 events: true,
                 seed: self.seed(),
                 max_model_len: self.engine.max_model_len,
+                dialect: self.simulated.simulated_dialect.unwrap_or(Simulated::default().dialect),
             },
             router: self.router_config()?,
             router_url: self.remote.router_url.clone(),

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use clap::Args;
 use clap::builder::{BoolishValueParser, TypedValueParser as _};
 use kvroute_core::schedule::PolicyKind;
-use kvroute_router::WorkerSpec;
+use kvroute_router::{Dialect, WorkerSpec};
 use serde::{Deserialize, Serialize};
 
 /// A switch's value: true, named or set (`--name`, `KVROUTE_NAME=1`).
@@ -120,6 +120,11 @@ pub struct SimulatedFleet {
     /// external workers only.
     #[arg(long, visible_alias = "workers")]
     pub simulated_workers: Option<usize>,
+    /// How the front door speaks to the simulated workers: vllm-generate (the front door's
+    /// token ids to vLLM's /inference/v1/generate) or openai-chat (the client's body, which the
+    /// engine renders and tokenizes again). External workers take theirs in --worker.
+    #[arg(long)]
+    pub simulated_dialect: Option<Dialect>,
 }
 
 /// The router's settings and its workers.
@@ -129,7 +134,8 @@ pub struct Routing {
     /// A worker, as comma-separated key=value pairs: id (required), url, events, replay,
     /// metrics (tcp:// load reports or http://.../metrics), block_size, dp_size,
     /// image_token_id, vocab_size, format (the engine's event format: vllm by default; a name
-    /// that is none lists them).
+    /// that is none lists them), dialect (openai-chat by default, or vllm-generate: see
+    /// docs/dialects.md).
     /// Without events, the worker is routed approximately. Repeat for each worker; in the env
     /// twin, separate workers with ';'. In a file: [[workers]] tables of these keys.
     /// Example: --worker id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558

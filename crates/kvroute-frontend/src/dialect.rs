@@ -1,0 +1,278 @@
+//! Dialects: how a request reaches an engine besides the client's own OpenAI body
+//! (docs/dialects.md). With `vllm-generate` the front door sends vLLM 0.33's
+//! `/inference/v1/generate` the token ids it rendered and hashed, so the engine caches exactly
+//! the blocks the router predicted and tokenizes nothing again, and it turns the engine's
+//! answer back into OpenAI's (a whole answer, or chunk by chunk) as it passes.
+//!
+//! A request carries as tokens only what the generate API has a field for: the sampling
+//! fields below, streaming and its usage, the cache namespace and images (by their hash and
+//! placeholder range). Anything else (tools, `response_format`, `logprobs`, `n` above 1, ...)
+//! goes to the same worker as chat, counted as a fallback.
+
+use axum::body::Bytes;
+use kvroute_http::SseEvent;
+use kvroute_http::openai::{AssistantMessage, Choice, Completion, Delta};
+use kvroute_http::vllm_generate::{
+    self, GenerateChunk, GenerateRequest, GenerateResponse, MultiModalFeatures, OutputMode,
+    PlaceholderRange, SamplingParams, StreamOptions,
+};
+use kvroute_preprocess::Prepared;
+use serde_json::{Map, Value};
+
+/// Sampling fields of an OpenAI body that vLLM's `SamplingParams` takes under the same name.
+const SAMPLING: [&str; 17] = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "length_penalty",
+    "bad_words",
+];
+
+/// Fields the front door carries itself (the prompt as tokens, streaming, the namespace) or
+/// that change nothing an engine computes.
+const CARRIED: [&str; 11] = [
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "cache_salt",
+    "user",
+    "metadata",
+    "store",
+];
+
+/// Which OpenAI answer the client expects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Chat,
+    Completion,
+}
+
+/// The generate body of the client's OpenAI body `raw` with its `prepared` prompt, or `None`
+/// when it asks for something the generate API cannot carry (it then goes as chat).
+pub(crate) fn vllm_generate_body(
+    raw: &Value,
+    prepared: &Prepared,
+    namespace: Option<&str>,
+    streamed: bool,
+) -> Option<Bytes> {
+    let fields = raw.as_object()?;
+    let n_is_one = fields.get("n").is_none_or(|n| n.as_i64() == Some(1));
+    let carried = fields
+        .keys()
+        .all(|k| CARRIED.contains(&k.as_str()) || SAMPLING.contains(&k.as_str()) || k == "n");
+    if !(carried && n_is_one) {
+        return None;
+    }
+    let mut other = Map::new();
+    for key in SAMPLING {
+        if let Some(v) = fields.get(key).filter(|v| !v.is_null()) {
+            other.insert(key.to_owned(), v.clone());
+        }
+    }
+    let max_tokens = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| fields.get(*k).and_then(Value::as_i64));
+    let sampling_params = SamplingParams { max_tokens, other, ..SamplingParams::default() };
+    let features = (!prepared.mm.mm_objects.is_empty()).then(|| features(prepared));
+    let request = GenerateRequest {
+        token_ids: prepared.tokens.iter().map(|&t| i64::from(t)).collect(),
+        features,
+        sampling_params,
+        output_mode: OutputMode::Text,
+        stream: streamed.then_some(true),
+        stream_options: streamed
+            .then_some(StreamOptions { include_usage: Some(true), continuous_usage_stats: None }),
+        cache_salt: namespace.map(str::to_owned),
+        ..GenerateRequest::default()
+    };
+    serde_json::to_vec(&request).ok().map(Bytes::from)
+}
+
+/// The prompt's images as vLLM's features: each one's hash (kvroute's 16-hex form) over its
+/// placeholder ranges.
+fn features(prepared: &Prepared) -> MultiModalFeatures {
+    let mut f = MultiModalFeatures::default();
+    for object in &prepared.mm.mm_objects {
+        for &(start, end) in &object.offsets {
+            let range = PlaceholderRange {
+                offset: i64::try_from(start).unwrap_or(i64::MAX),
+                length: i64::try_from(end.saturating_sub(start)).unwrap_or(0),
+            };
+            f.mm_hashes
+                .entry("image".to_owned())
+                .or_default()
+                .push(format!("{:016x}", object.mm_hash));
+            f.mm_placeholders.entry("image".to_owned()).or_default().push(range);
+        }
+    }
+    f
+}
+
+/// The path the generate body goes to.
+pub(crate) const VLLM_GENERATE_PATH: &str = vllm_generate::PATH;
+
+/// Turns a vLLM generate answer into the OpenAI answer the client asked for, as it passes: a
+/// stream event by event, a whole answer at its end. An error answer (not 2xx) passes as it
+/// is (vLLM's errors are OpenAI's shape).
+#[derive(Debug)]
+pub(crate) struct Translator {
+    kind: Kind,
+    id: String,
+    model: String,
+    created: u64,
+    sse: bool,
+    reader: kvroute_http::SseReader,
+    /// The role goes out with the first delta.
+    first: bool,
+}
+
+impl Translator {
+    /// For the request numbered `id` (the answer's id is OpenAI's form of it).
+    pub(crate) fn new(kind: Kind, id: &str, model: String, sse: bool) -> Self {
+        let id = match kind {
+            Kind::Chat => format!("chatcmpl-{id}"),
+            Kind::Completion => format!("cmpl-{id}"),
+        };
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Self {
+            kind,
+            id,
+            model,
+            created,
+            sse,
+            reader: kvroute_http::SseReader::default(),
+            first: true,
+        }
+    }
+
+    pub(crate) fn sse(&self) -> bool {
+        self.sse
+    }
+
+    /// The same, for an answer that is (`sse`) or is not a stream.
+    pub(crate) fn with_sse(self, sse: bool) -> Self {
+        Self { sse, ..self }
+    }
+
+    fn completion(
+        &self,
+        chunk: bool,
+        choices: Vec<Choice>,
+        usage: Option<kvroute_http::openai::Usage>,
+    ) -> Completion {
+        let object = match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        };
+        Completion {
+            id: self.id.clone(),
+            object: object.to_owned(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        }
+    }
+
+    /// A stream's bytes: the events they complete, each as OpenAI's chunk (the usage chunk
+    /// and `[DONE]` kept; anything that is not a generate chunk, such as an error event,
+    /// passed as it is).
+    pub(crate) fn stream(&mut self, bytes: &[u8]) -> Bytes {
+        let mut out = Vec::new();
+        for event in self.reader.push(bytes) {
+            let data = match event {
+                SseEvent::Done => "[DONE]".to_owned(),
+                SseEvent::Data(data) => match serde_json::from_str::<GenerateChunk>(&data) {
+                    Ok(chunk) => self.chunk(chunk),
+                    Err(_) => data,
+                },
+            };
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(data.as_bytes());
+            out.extend_from_slice(b"\n\n");
+        }
+        Bytes::from(out)
+    }
+
+    fn chunk(&mut self, chunk: GenerateChunk) -> String {
+        let choices = chunk
+            .choices
+            .into_iter()
+            .map(|c| {
+                let text = c.text.unwrap_or_default();
+                let first = std::mem::replace(&mut self.first, false);
+                match self.kind {
+                    Kind::Chat => Choice {
+                        index: c.index,
+                        delta: Some(Delta {
+                            role: first.then(|| "assistant".to_owned()),
+                            content: Some(text),
+                        }),
+                        finish_reason: c.finish_reason,
+                        ..Choice::default()
+                    },
+                    Kind::Completion => Choice {
+                        index: c.index,
+                        text: Some(text),
+                        finish_reason: c.finish_reason,
+                        ..Choice::default()
+                    },
+                }
+            })
+            .collect();
+        serde_json::to_string(&self.completion(true, choices, chunk.usage)).unwrap_or_default()
+    }
+
+    /// A whole answer: OpenAI's, or the bytes as they came when they are not a generate
+    /// answer.
+    pub(crate) fn whole(&self, bytes: &[u8]) -> Bytes {
+        let Ok(answer) = serde_json::from_slice::<GenerateResponse>(bytes) else {
+            return Bytes::copy_from_slice(bytes);
+        };
+        let choices = answer
+            .choices
+            .into_iter()
+            .map(|c| {
+                let text = c.text.unwrap_or_default();
+                match self.kind {
+                    Kind::Chat => Choice {
+                        index: c.index,
+                        message: Some(AssistantMessage {
+                            role: "assistant".to_owned(),
+                            content: text,
+                        }),
+                        finish_reason: c.finish_reason,
+                        ..Choice::default()
+                    },
+                    Kind::Completion => Choice {
+                        index: c.index,
+                        text: Some(text),
+                        finish_reason: c.finish_reason,
+                        ..Choice::default()
+                    },
+                }
+            })
+            .collect();
+        let completion = self.completion(false, choices, answer.usage);
+        serde_json::to_vec(&completion).map_or_else(|_| Bytes::copy_from_slice(bytes), Bytes::from)
+    }
+}

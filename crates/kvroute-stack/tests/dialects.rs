@@ -1,0 +1,151 @@
+//! How the front door speaks to its workers, over real sockets on 127.0.0.1: with
+//! `vllm-generate` (the simulated workers' default) a chat goes to vLLM's
+//! `/inference/v1/generate` as the token ids the router hashed and comes back in OpenAI's
+//! shape, whole or streamed; what that API cannot carry goes as chat and is counted; with
+//! `openai-chat` the client's body goes as it came.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use kvroute_http::HttpClient;
+use kvroute_http::openai::stream_chunks;
+use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_router::Dialect;
+use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
+use serde_json::{Value, json};
+
+async fn fleet(dialect: Dialect) -> (Stack, String) {
+    let config = StackConfig {
+        simulated: Simulated {
+            count: 2,
+            engine: EngineConfig { timing: Timing { speedup: 100.0 }, ..EngineConfig::default() },
+            dialect,
+            ..Simulated::default()
+        },
+        front_door: FrontDoorOptions { expose_overlap: true, ..FrontDoorOptions::default() },
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    (stack, base)
+}
+
+/// Status, the predicted cached tokens (`x-kvroute-overlap-tokens`) and the body (JSON, or
+/// the SSE text as a string).
+async fn post(base: &str, path: &str, body: &Value) -> (u16, Option<u64>, Value) {
+    let client = HttpClient::new();
+    let response =
+        client.call(hyper::Method::POST, &format!("{base}{path}"), Some(body)).await.unwrap();
+    let predicted = response
+        .headers()
+        .get("x-kvroute-overlap-tokens")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, predicted, body)
+}
+
+async fn metric(base: &str, name: &str) -> f64 {
+    let client = HttpClient::new();
+    let response =
+        client.call(hyper::Method::GET, &format!("{base}/metrics"), None::<&Value>).await.unwrap();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    kvroute_http::metrics::sample(&String::from_utf8_lossy(&bytes), name).unwrap_or(0.0)
+}
+
+const PROMPT: &str = "Please summarize the following text in three bullet points. The router sends each request to the worker that already holds the longest part of its prompt.";
+
+#[allow(clippy::needless_pass_by_value)]
+fn chat(extra: Value) -> Value {
+    let mut body = json!({"model": "kvroute-tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_goes_as_token_ids_and_comes_back_as_openais() {
+    let (_stack, base) = fleet(Dialect::VllmGenerate).await;
+    let (status, _, first) = post(&base, "/v1/chat/completions", &chat(json!({}))).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["object"], "chat.completion");
+    assert!(first["id"].as_str().unwrap().starts_with("chatcmpl-"), "{first}");
+    assert_eq!(first["model"], "kvroute-tiny");
+    let choice = &first["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert!(!choice["message"]["content"].as_str().unwrap().is_empty(), "{first}");
+    assert!(choice["finish_reason"].is_string());
+    assert_eq!(first["usage"]["completion_tokens"], 4);
+    // The repeat: the engine serves from its cache exactly what the router predicted, since
+    // it ran the very token ids the router hashed.
+    let (_, predicted, second) = post(&base, "/v1/chat/completions", &chat(json!({}))).await;
+    let served = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(served > 0);
+    assert_eq!(predicted, Some(served), "predicted is served");
+    assert_eq!(second["choices"][0]["message"], choice["message"], "the same answer");
+    // Streamed, with usage asked for: OpenAI's chunks, the role first, the end last.
+    let stream = json!({"stream": true, "stream_options": {"include_usage": true}});
+    let (status, _, text) = post(&base, "/v1/chat/completions", &chat(stream)).await;
+    assert_eq!(status, 200, "{text}");
+    let (chunks, done) = stream_chunks(text.as_str().unwrap().as_bytes()).unwrap();
+    assert!(done, "{text}");
+    assert!(chunks.iter().all(|c| c.object == "chat.completion.chunk"));
+    assert_eq!(chunks[0].choices[0].delta.as_ref().unwrap().role.as_deref(), Some("assistant"));
+    let content: String =
+        chunks.iter().flat_map(|c| c.choices.iter().filter_map(|ch| ch.new_text())).collect();
+    assert_eq!(content, choice["message"]["content"].as_str().unwrap(), "the same text");
+    let ends = chunks.iter().filter(|c| c.choices.iter().any(|ch| ch.finish_reason.is_some()));
+    assert_eq!(ends.count(), 1, "{text}");
+    assert_eq!(chunks.last().unwrap().usage.unwrap().completion_tokens, 4);
+    // Streamed without usage: the usage the front door asked for is not passed on.
+    let (_, _, text) = post(&base, "/v1/chat/completions", &chat(json!({"stream": true}))).await;
+    assert!(!text.as_str().unwrap().contains("usage"), "{text}");
+    // Completions, by text and by token ids.
+    let body = json!({"prompt": "Hello there, friend", "max_tokens": 2});
+    let (status, _, c) = post(&base, "/v1/completions", &body).await;
+    assert_eq!((status, c["object"].as_str()), (200, Some("text_completion")), "{c}");
+    assert!(c["choices"][0]["text"].is_string(), "{c}");
+    let body = json!({"prompt": (1..40).collect::<Vec<u32>>(), "max_tokens": 2, "stream": true});
+    let (status, _, text) = post(&base, "/v1/completions", &body).await;
+    assert_eq!(status, 200);
+    let (chunks, _) = stream_chunks(text.as_str().unwrap().as_bytes()).unwrap();
+    assert!(chunks.iter().all(|c| c.object == "text_completion"), "{text}");
+    assert_eq!(metric(&base, "kvroute_frontend_sent_as_tokens_total").await, 6.0);
+    assert_eq!(metric(&base, "kvroute_frontend_dialect_fallbacks_total").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_generate_api_cannot_carry_goes_as_chat() {
+    let (_stack, base) = fleet(Dialect::VllmGenerate).await;
+    for extra in [
+        json!({"logprobs": true, "top_logprobs": 2}),
+        json!({"response_format": {"type": "json_object"}}),
+        json!({"n": 2}),
+    ] {
+        let (status, _, answer) = post(&base, "/v1/chat/completions", &chat(extra.clone())).await;
+        // Answered as the engine's chat API answers it (n = 2: its own refusal).
+        assert!(status == 200 || status == 400, "{extra}: {answer}");
+    }
+    assert_eq!(metric(&base, "kvroute_frontend_dialect_fallbacks_total").await, 3.0);
+    assert_eq!(metric(&base, "kvroute_frontend_sent_as_tokens_total").await, 0.0);
+    // Sampling fields it does carry stay on the tokens path.
+    let extra = json!({"temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["zz"]});
+    let (status, _, answer) = post(&base, "/v1/chat/completions", &chat(extra)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(metric(&base, "kvroute_frontend_sent_as_tokens_total").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_chat_workers_get_the_clients_body() {
+    let (_stack, base) = fleet(Dialect::OpenaiChat).await;
+    let (status, _, answer) = post(&base, "/v1/chat/completions", &chat(json!({}))).await;
+    assert_eq!((status, answer["object"].as_str()), (200, Some("chat.completion")), "{answer}");
+    assert_eq!(metric(&base, "kvroute_frontend_sent_as_tokens_total").await, 0.0);
+    assert_eq!(metric(&base, "kvroute_frontend_dialect_fallbacks_total").await, 0.0);
+}
