@@ -76,9 +76,16 @@ pub struct BenchArgs {
     #[arg(long, env = "KVROUTE_BENCH_TEXT_PROMPTS")]
     pub text_prompts: bool,
     /// How the front door speaks to the simulated workers: vllm-generate (its token ids to
-    /// vLLM's generate API) or openai-chat (the client's body, tokenized again by the engine).
-    #[arg(long, env = "KVROUTE_BENCH_DIALECT", default_value = "vllm-generate")]
-    pub dialect: kvroute_router::Dialect,
+    /// vLLM's generate API) or openai-chat (the client's body, tokenized again by the
+    /// engine). Several, comma-separated: each policy runs over each, side by side (labelled
+    /// `<policy>@<dialect>`).
+    #[arg(
+        long = "dialect",
+        env = "KVROUTE_BENCH_DIALECT",
+        value_delimiter = ',',
+        default_value = "vllm-generate"
+    )]
+    pub dialects: Vec<kvroute_router::Dialect>,
     /// Rate sweep: run every workload at each of these arrival rates (requests/s; users/s
     /// for multi-turn) instead of its own default.
     #[arg(long, env = "KVROUTE_BENCH_RATES", value_delimiter = ',')]
@@ -231,7 +238,7 @@ impl BenchArgs {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
             model_path: self.model_path.clone(),
-            dialect: self.dialect,
+            dialect: self.dialects.first().copied().unwrap_or_default(),
         }
     }
 
@@ -493,10 +500,16 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
             },
         )],
         None => {
+            let dialects = match args.dialects.is_empty() {
+                true => vec![kvroute_router::Dialect::VllmGenerate],
+                false => args.dialects.clone(),
+            };
+            let several = dialects.len() > 1;
             let fleet = |policy, replicas: Option<Replicas>| Target::Fleet {
                 policy,
                 events: true,
                 replicas,
+                dialect: dialects[0],
             };
             let with_events = args.policies().into_iter().flat_map(|p| {
                 let mut runs = vec![(p.to_string(), fleet(p, None))];
@@ -513,10 +526,29 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                 args.approximate.iter().filter(|_| args.slo_ttft_p99.is_empty()).map(|&p| {
                     (
                         format!("{p}-approx"),
-                        Target::Fleet { policy: p, events: false, replicas: None },
+                        Target::Fleet {
+                            policy: p,
+                            events: false,
+                            replicas: None,
+                            dialect: dialects[0],
+                        },
                     )
                 });
-            with_events.chain(approximate).collect()
+            // Each run over each dialect, side by side.
+            let per_dialect = |(label, target): (String, Target)| -> Vec<(String, Target)> {
+                match target {
+                    Target::Fleet { policy, events, replicas, .. } if several => dialects
+                        .iter()
+                        .map(|&dialect| {
+                            let replicas = replicas.clone();
+                            let target = Target::Fleet { policy, events, replicas, dialect };
+                            (format!("{label}@{dialect}"), target)
+                        })
+                        .collect(),
+                    other => vec![(label, other)],
+                }
+            };
+            with_events.chain(approximate).flat_map(per_dialect).collect()
         }
     };
     // The replicas' NATS: given, or a server of the bench's own for as long as it runs.

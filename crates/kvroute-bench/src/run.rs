@@ -19,6 +19,7 @@ use kvroute_http::openai::{Completion, ModelList};
 use kvroute_http::{HttpClient, SseEvent, SseReader};
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::{ChatMessage, Preprocessor};
+use kvroute_router::Dialect;
 use kvroute_router::{RouterConfig, WorkerSpec};
 use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
 use serde::{Deserialize, Serialize};
@@ -39,7 +40,7 @@ pub struct FleetConfig {
     #[serde(skip)]
     pub model_path: Option<PathBuf>,
     /// How the front door speaks to the simulated workers.
-    pub dialect: kvroute_router::Dialect,
+    pub dialect: Dialect,
 }
 
 impl Default for FleetConfig {
@@ -73,7 +74,8 @@ impl FleetConfig {
 pub enum Target {
     /// A fresh fleet with this policy; with `events` off the simulated workers publish no KV
     /// events and the router predicts their caches from its own decisions (approximate mode).
-    Fleet { policy: PolicyKind, events: bool, replicas: Option<Replicas> },
+    /// `dialect`: how the front door speaks to the simulated workers.
+    Fleet { policy: PolicyKind, events: bool, replicas: Option<Replicas>, dialect: Dialect },
     /// OpenAI-compatible endpoints (replicas of one front door: requests are sprayed across
     /// them), and the workers' base URLs whose `/stats` give the ground truth.
     /// `worker_stats`: the workers whose `/stats` are the ground truth (their tokens, if
@@ -200,8 +202,10 @@ pub fn run(
         .context("starting a runtime")?;
     let result = runtime.block_on(async {
         match target {
-            Target::Fleet { policy, events, replicas } => {
-                let (urls, stats) = start_fleet(fleet, *policy, *events, replicas.as_ref()).await?;
+            Target::Fleet { policy, events, replicas, dialect } => {
+                let fleet = FleetConfig { dialect: *dialect, ..fleet.clone() };
+                let (urls, stats) =
+                    start_fleet(&fleet, *policy, *events, replicas.as_ref()).await?;
                 let driver = Driver::new(urls, None, preprocessor, bs, &stats);
                 drive(workload, &driver, &stats_urls(&stats), label, progress).await
             }

@@ -12,6 +12,7 @@ use kvroute_bench::workload::{Multimodal, SharedPrefix};
 use kvroute_bench::{BenchArgs, WorkloadResult};
 use kvroute_core::schedule::PolicyKind;
 use kvroute_preprocess::Preprocessor;
+use kvroute_router::Dialect;
 
 fn fleet() -> FleetConfig {
     FleetConfig { workers: 2, ..FleetConfig::default() }
@@ -47,7 +48,7 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
         let label = policy.to_string();
         let data = run::run(
             &workload,
-            &Target::Fleet { policy, events: true, replicas: None },
+            &Target::Fleet { policy, events: true, replicas: None, dialect: Dialect::VllmGenerate },
             &fleet,
             &label,
             &ProgressBar::hidden(),
@@ -122,7 +123,12 @@ fn text_prompts_reach_the_engines_as_the_same_blocks() {
     let fleet = fleet();
     let pre = std::sync::Arc::new(Preprocessor::builtin());
     let workload = small_shared_prefix().into_text(&pre, fleet.block_size().unwrap()).unwrap();
-    let target = Target::Fleet { policy: PolicyKind::Kv, events: true, replicas: None };
+    let target = Target::Fleet {
+        policy: PolicyKind::Kv,
+        events: true,
+        replicas: None,
+        dialect: Dialect::VllmGenerate,
+    };
     let data = run::run(&workload, &target, &fleet, "kv", &ProgressBar::hidden(), &pre).unwrap();
     for r in &data.records {
         assert!(r.error.is_none(), "{r:?}");

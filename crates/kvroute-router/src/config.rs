@@ -91,6 +91,15 @@ impl Dialect {
     }
 }
 
+impl std::fmt::Display for Dialect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Dialect::OpenaiChat => Dialect::NAMES[0],
+            Dialect::VllmGenerate => Dialect::NAMES[1],
+        })
+    }
+}
+
 impl FromStr for Dialect {
     type Err = WorkerFlagError;
 
