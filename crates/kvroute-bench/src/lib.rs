@@ -86,6 +86,11 @@ pub struct BenchArgs {
         default_value = "vllm-generate"
     )]
     pub dialects: Vec<kvroute_router::Dialect>,
+    /// A chat template of the simulated engines' own (a Jinja file, as vLLM's
+    /// --chat-template), unlike the front door's: chats then tokenize differently in the
+    /// engine, which the openai-chat dialect shows as drift and vllm-generate does not.
+    #[arg(long, env = "KVROUTE_BENCH_ENGINE_CHAT_TEMPLATE")]
+    pub engine_chat_template: Option<PathBuf>,
     /// Rate sweep: run every workload at each of these arrival rates (requests/s; users/s
     /// for multi-turn) instead of its own default.
     #[arg(long, env = "KVROUTE_BENCH_RATES", value_delimiter = ',')]
@@ -239,6 +244,7 @@ impl BenchArgs {
             max_batched_tokens: self.max_batched_tokens,
             model_path: self.model_path.clone(),
             dialect: self.dialects.first().copied().unwrap_or_default(),
+            engine_chat_template: self.engine_chat_template.clone(),
         }
     }
 
@@ -604,6 +610,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                     hit_rate = format!("{:.3}", summary.hit_rate.unwrap_or(f64::NAN)),
                     errors = summary.errors,
                     drifts = data.drifts.map_or("-".to_owned(), |d| d.to_string()),
+                    exact = format!("{}/{}", summary.exactly_predicted, summary.predicted),
                     "run done"
                 );
                 runs.push((data, summary));

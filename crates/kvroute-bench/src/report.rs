@@ -267,13 +267,13 @@ fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyho
     let _ = writeln!(md);
     let _ = writeln!(
         md,
-        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | req/s | out tok/s | hit rate | best (unbounded) | of best | pred. MAE (tok) | pred. > actual | false hits | load CV | evicted blocks | errors |"
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | req/s | out tok/s | hit rate | best (unbounded) | of best | pred. MAE (tok) | pred. = actual | pred. > actual | false hits | load CV | evicted blocks | errors |"
     );
-    let _ = writeln!(md, "|{}", "---|".repeat(19));
+    let _ = writeln!(md, "|{}", "---|".repeat(20));
     for (_, s) in &result.runs {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.0} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.0} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} |",
             s.label,
             ms(s.ttft_ms.p50),
             ms(s.ttft_ms.p90),
@@ -289,6 +289,10 @@ fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyho
             frac(Some(s.best_unbounded)),
             pct(s.share_of_best),
             s.prediction_mae.map_or("-".into(), |m| format!("{m:.1}")),
+            match s.predicted {
+                0 => "-".into(),
+                n => format!("{:.1}%", 100.0 * s.exactly_predicted as f64 / n as f64),
+            },
             if s.predicted > 0 { s.over_predicted.to_string() } else { "-".into() },
             if s.predicted > 0 { s.false_hits.to_string() } else { "-".into() },
             frac(s.load_cv),

@@ -41,6 +41,8 @@ pub struct FleetConfig {
     pub model_path: Option<PathBuf>,
     /// How the front door speaks to the simulated workers.
     pub dialect: Dialect,
+    /// A chat template of the engines' own (a Jinja file), unlike the front door's.
+    pub engine_chat_template: Option<PathBuf>,
 }
 
 impl Default for FleetConfig {
@@ -54,6 +56,7 @@ impl Default for FleetConfig {
             max_batched_tokens: 8192,
             model_path: None,
             dialect: Simulated::default().dialect,
+            engine_chat_template: None,
         }
     }
 }
@@ -264,6 +267,13 @@ pub async fn start_fleet(
             seed: 0,
             max_model_len: None,
             dialect: fleet.dialect,
+            chat_template: match &fleet.engine_chat_template {
+                Some(path) => Some(
+                    std::fs::read_to_string(path)
+                        .with_context(|| format!("reading {}", path.display()))?,
+                ),
+                None => None,
+            },
         },
         ..front_door(router, fleet)
     };

@@ -49,8 +49,10 @@ pub struct Summary {
     pub predicted: usize,
     /// Mean |predicted - actual cached tokens|, tokens.
     pub prediction_mae: Option<f64>,
-    /// Requests whose prediction exceeded the cached tokens the worker reported.
+    /// Requests whose prediction exceeded the cached tokens the worker reported ...
     pub over_predicted: usize,
+    /// ... and whose prediction was exactly what it served.
+    pub exactly_predicted: usize,
     /// Requests predicted to hit blocks no earlier request ever computed (a false hit: e.g.
     /// the same text with another image taken for a match).
     pub false_hits: usize,
@@ -123,7 +125,7 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
     let best = best_capacity.or(best_unbounded);
 
     let mut pairs = Vec::new();
-    let (mut over_predicted, mut false_hits) = (0, 0);
+    let (mut over_predicted, mut exactly_predicted, mut false_hits) = (0, 0, 0);
     for (k, r) in sent.iter().enumerate() {
         let Some(p) = r.predicted_tokens else { continue };
         if p > unbounded[k] as u64 {
@@ -133,6 +135,9 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
             pairs.push((p as f64, c as f64));
             if p > c {
                 over_predicted += 1;
+            }
+            if p == c {
+                exactly_predicted += 1;
             }
         }
     }
@@ -160,6 +165,7 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
         predicted: pairs.len(),
         prediction_mae: mean_absolute_error(&pairs),
         over_predicted,
+        exactly_predicted,
         false_hits,
         load_cv: coefficient_of_variation(&loads),
         worker_requests,

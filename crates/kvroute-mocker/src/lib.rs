@@ -35,6 +35,9 @@ pub struct MockerConfig {
     pub endpoints: Endpoints,
     /// Tokenizer and chat template (`None`: the built-in `kvroute-tiny`).
     pub model_path: Option<PathBuf>,
+    /// A chat template of its own (Jinja text) instead of the model's, as vLLM's
+    /// `--chat-template`: chats are then rendered unlike a front door that uses the model's.
+    pub chat_template: Option<String>,
     /// Seeds the generated words (the same seed, the same answers on every engine).
     pub seed: u64,
     /// The longest prompt plus output accepted (`None`: the model's, at most the KV capacity).
@@ -92,8 +95,12 @@ pub async fn spawn(
 /// Loads the model, starts the engine task and its publishers on the current runtime; serve
 /// [`http::app`] with the returned state.
 pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerError> {
-    let preprocessor =
-        Arc::new(kvroute_preprocess::Preprocessor::load_or_builtin(config.model_path.as_deref())?);
+    let mut preprocessor =
+        kvroute_preprocess::Preprocessor::load_or_builtin(config.model_path.as_deref())?;
+    if let Some(template) = config.chat_template {
+        preprocessor = preprocessor.with_chat_template(template)?;
+    }
+    let preprocessor = Arc::new(preprocessor);
     let engine = EngineHandle::start(config.engine, &config.endpoints, config.dp_rank).await?;
     let fetcher = kvroute_preprocess::fetch::Fetcher::new(config.fetch)?;
     let mut state =

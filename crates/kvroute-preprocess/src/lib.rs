@@ -320,6 +320,16 @@ impl Preprocessor {
         .with_images_checked())
     }
 
+    /// The same model rendering chats with `template` (Jinja) instead of its own, as vLLM's
+    /// `--chat-template` does; whether it takes images is judged again.
+    pub fn with_chat_template(mut self, template: String) -> Result<Self, PreprocessError> {
+        let mut templates = Environment::new();
+        templates.add_template_owned("chat", template).map_err(PreprocessError::Template)?;
+        self.templates = templates;
+        self.text_only = None;
+        Ok(self.with_images_checked())
+    }
+
     /// A vocabulary with an image token makes a vision model only if its chat template puts
     /// a placeholder where a message has an image: one chat with a small picture is rendered
     /// to see. A template that prints content parts as text (or drops them) cannot take

@@ -87,6 +87,8 @@ pub struct Simulated {
     pub max_model_len: Option<u64>,
     /// How the front door speaks to them (they serve every dialect).
     pub dialect: Dialect,
+    /// A chat template of their own (Jinja text) instead of the model's.
+    pub chat_template: Option<String>,
 }
 
 impl Default for Simulated {
@@ -98,6 +100,7 @@ impl Default for Simulated {
             seed: 0,
             max_model_len: None,
             dialect: Dialect::VllmGenerate,
+            chat_template: None,
         }
     }
 }
@@ -197,6 +200,7 @@ impl Stack {
                 engine: EngineConfig { block_size: router.block_size, ..simulated.engine },
                 endpoints,
                 model_path: model_path.clone(),
+                chat_template: simulated.chat_template.clone(),
                 seed: simulated.seed,
                 max_model_len: simulated.max_model_len,
                 dp_rank: 0,

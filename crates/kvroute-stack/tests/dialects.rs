@@ -149,3 +149,63 @@ async fn openai_chat_workers_get_the_clients_body() {
     assert_eq!(metric(&base, "kvroute_frontend_sent_as_tokens_total").await, 0.0);
     assert_eq!(metric(&base, "kvroute_frontend_dialect_fallbacks_total").await, 0.0);
 }
+
+/// Each worker's prediction record (`/workers`): (answered, exact, over, under).
+async fn predictions(base: &str) -> (u64, u64, u64, u64) {
+    let client = HttpClient::new();
+    let workers: Value = client.get_json(&format!("{base}/workers")).await.unwrap();
+    let mut sum = (0, 0, 0, 0);
+    for w in workers["workers"].as_array().unwrap() {
+        let n = |k: &str| w["checks"][k].as_u64().unwrap_or(0);
+        sum = (sum.0 + n("answered"), sum.1 + n("exact"), sum.2 + n("over"), sum.3 + n("under"));
+    }
+    sum
+}
+
+/// An engine that renders chats with a template of its own (a blank line after each
+/// message): sent the client's body it caches prompts the router never hashed, so the
+/// predictions of a conversation miss; sent the router's token ids, every one is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/templates");
+    let template = std::fs::read_to_string(dir.join("blank-line.jinja")).unwrap();
+    for dialect in [Dialect::OpenaiChat, Dialect::VllmGenerate] {
+        let config = StackConfig {
+            simulated: Simulated {
+                count: 1,
+                engine: EngineConfig {
+                    timing: Timing { speedup: 100.0 },
+                    ..EngineConfig::default()
+                },
+                dialect,
+                chat_template: Some(template.clone()),
+                ..Simulated::default()
+            },
+            ..StackConfig::default()
+        };
+        let stack = Stack::start(config).await.unwrap();
+        assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
+        let base = stack.serve_frontend_on_loopback().await.unwrap();
+        // A conversation: each turn sends back the server's answer and a new question.
+        let mut messages = vec![json!({"role": "user", "content": PROMPT})];
+        for turn in 0..4 {
+            let body = json!({"messages": messages, "max_tokens": 6, "ignore_eos": true});
+            let (status, _, answer) = post(&base, "/v1/chat/completions", &body).await;
+            assert_eq!(status, 200, "{answer}");
+            messages.push(answer["choices"][0]["message"].clone());
+            let next = format!("And what follows from that, in turn {turn}, for the router?");
+            messages.push(json!({"role": "user", "content": next}));
+        }
+        let (answered, exact, _, under) = predictions(&base).await;
+        assert_eq!(answered, 4, "{dialect}");
+        match dialect {
+            Dialect::VllmGenerate => assert_eq!(exact, 4, "token ids: every prediction exact"),
+            Dialect::OpenaiChat => {
+                assert!(
+                    exact < 4 && under > 0,
+                    "chat: the engine's own blocks go unseen ({exact} exact, {under} under)"
+                );
+            }
+        }
+    }
+}

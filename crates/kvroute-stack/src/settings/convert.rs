@@ -93,6 +93,7 @@ impl Settings {
                 speedup: Some(engine.timing.speedup),
                 seed: Some(Simulated::default().seed),
                 max_model_len: None,
+                chat_template: None,
             },
             ..Settings::default()
         }
@@ -366,6 +367,14 @@ impl Settings {
         }
     }
 
+    /// The simulated engines' own chat template (`--chat-template`), read.
+    pub fn chat_template(&self) -> Result<Option<String>, StackError> {
+        let Some(path) = &self.engine.chat_template else { return Ok(None) };
+        std::fs::read_to_string(path)
+            .map(Some)
+            .map_err(|source| Invalid::ReadChatTemplate { path: path.clone(), source }.into())
+    }
+
     /// The simulated engines' seed.
     pub fn seed(&self) -> u64 {
         self.engine.seed.unwrap_or(Simulated::default().seed)
@@ -390,6 +399,7 @@ impl Settings {
                 seed: self.seed(),
                 max_model_len: self.engine.max_model_len,
                 dialect: self.simulated.simulated_dialect.unwrap_or(Simulated::default().dialect),
+                chat_template: self.chat_template()?,
             },
             router: self.router_config()?,
             router_url: self.remote.router_url.clone(),

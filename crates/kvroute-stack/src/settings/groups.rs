@@ -291,4 +291,9 @@ pub struct Engine {
     /// Longest prompt plus output a worker takes (at most the KV capacity).
     #[arg(long)]
     pub max_model_len: Option<u64>,
+    /// A chat template of the engine's own (a Jinja file), as vLLM's --chat-template: chats
+    /// are rendered with it instead of the model's, so they tokenize unlike the front door's
+    /// (the openai-chat dialect then drifts; vllm-generate, which sends token ids, does not).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
 }

@@ -81,6 +81,8 @@ pub enum Invalid {
     EngineZero,
     #[error("reading {}: {source}", path.display())]
     ReadSecret { path: PathBuf, source: std::io::Error },
+    #[error("reading the chat template {}: {source}", path.display())]
+    ReadChatTemplate { path: PathBuf, source: std::io::Error },
     #[error("{}: no token in it", .0.display())]
     NoToken(PathBuf),
     #[error("{0} must be a number of seconds >= 0")]

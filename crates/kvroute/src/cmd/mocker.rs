@@ -56,6 +56,7 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         engine: settings.engine_config()?,
         endpoints: Endpoints { events, replay, metrics: Some(args.load_metrics.clone()) },
         model_path: settings.model.model_path.clone(),
+        chat_template: settings.chat_template()?,
         seed: settings.seed(),
         max_model_len: settings.engine.max_model_len,
         dp_rank: 0,
