@@ -1,22 +1,25 @@
 //! Dialects: how a request reaches an engine besides the client's own OpenAI body
-//! (docs/dialects.md). With `vllm-generate` the front door sends vLLM 0.33's
-//! `/inference/v1/generate` the token ids it rendered and hashed, so the engine caches exactly
-//! the blocks the router predicted and tokenizes nothing again, and it turns the engine's
-//! answer back into OpenAI's (a whole answer, or chunk by chunk) as it passes.
+//! (docs/dialects.md). With a tokens dialect the front door sends the token ids it rendered
+//! and hashed, so the engine caches exactly the blocks the router predicted and tokenizes
+//! nothing again, and it turns the engine's answer back into the OpenAI answer the client
+//! asked for (a whole answer, or chunk by chunk) as it passes:
+//! - `vllm-generate`: vLLM 0.33's `/inference/v1/generate`;
+//! - `openai-completions-tokens`: `/v1/completions` with the token ids as the prompt.
 //!
-//! A request carries as tokens only what the generate API has a field for: the sampling
-//! fields below, streaming and its usage, the cache namespace and images (by their hash and
-//! placeholder range). Anything else (tools, `response_format`, `logprobs`, `n` above 1, ...)
-//! goes to the same worker as chat, counted as a fallback.
+//! A request carries as tokens only what the API has a field for: the sampling fields below,
+//! streaming and its usage, the cache namespace, and images (by their hash and placeholder
+//! range; generate only). Anything else (tools, `response_format`, `logprobs`, `n` above 1,
+//! ...) goes to the same worker as chat, counted as a fallback.
 
 use axum::body::Bytes;
 use kvroute_http::SseEvent;
 use kvroute_http::openai::{AssistantMessage, Choice, Completion, Delta};
 use kvroute_http::vllm_generate::{
-    self, GenerateChunk, GenerateRequest, GenerateResponse, MultiModalFeatures, OutputMode,
-    PlaceholderRange, SamplingParams, StreamOptions,
+    self, GenerateChunk, GenerateRequest, MultiModalFeatures, OutputMode, PlaceholderRange,
+    SamplingParams, StreamOptions,
 };
 use kvroute_preprocess::Prepared;
+use kvroute_router::Dialect;
 use serde_json::{Map, Value};
 
 /// Sampling fields of an OpenAI body that vLLM's `SamplingParams` takes under the same name.
@@ -63,9 +66,11 @@ pub(crate) enum Kind {
     Completion,
 }
 
-/// The generate body of the client's OpenAI body `raw` with its `prepared` prompt, or `None`
-/// when it asks for something the generate API cannot carry (it then goes as chat).
-pub(crate) fn vllm_generate_body(
+/// The request's body in a tokens `dialect`: the client's OpenAI body `raw` with its
+/// `prepared` prompt as token ids, or `None` when it asks for what that API cannot carry (it
+/// then goes as chat).
+pub(crate) fn tokens_body(
+    dialect: Dialect,
     raw: &Value,
     prepared: &Prepared,
     namespace: Option<&str>,
@@ -79,15 +84,47 @@ pub(crate) fn vllm_generate_body(
     if !(carried && n_is_one) {
         return None;
     }
-    let mut other = Map::new();
+    let mut sampling = Map::new();
     for key in SAMPLING {
         if let Some(v) = fields.get(key).filter(|v| !v.is_null()) {
-            other.insert(key.to_owned(), v.clone());
+            sampling.insert(key.to_owned(), v.clone());
         }
     }
     let max_tokens = ["max_completion_tokens", "max_tokens"]
         .iter()
         .find_map(|k| fields.get(*k).and_then(Value::as_i64));
+    let body = match dialect {
+        Dialect::OpenaiChat => return None,
+        Dialect::VllmGenerate => {
+            generate_body(prepared, sampling, max_tokens, namespace, streamed)?
+        }
+        Dialect::OpenaiCompletionsTokens => {
+            if !prepared.mm.mm_objects.is_empty() {
+                return None; // a completion's prompt has no images
+            }
+            let mut body = sampling;
+            body.insert("prompt".to_owned(), prepared.tokens.clone().into());
+            for key in ["model", "stream", "stream_options", "cache_salt"] {
+                if let Some(v) = fields.get(key) {
+                    body.insert(key.to_owned(), v.clone());
+                }
+            }
+            if let Some(m) = max_tokens {
+                body.insert("max_tokens".to_owned(), m.into());
+            }
+            serde_json::to_vec(&body).ok()?
+        }
+    };
+    Some(Bytes::from(body))
+}
+
+fn generate_body(
+    prepared: &Prepared,
+    other: Map<String, Value>,
+    max_tokens: Option<i64>,
+    namespace: Option<&str>,
+    streamed: bool,
+) -> Option<Vec<u8>> {
     let sampling_params = SamplingParams { max_tokens, other, ..SamplingParams::default() };
     let features = (!prepared.mm.mm_objects.is_empty()).then(|| features(prepared));
     let request = GenerateRequest {
@@ -101,7 +138,16 @@ pub(crate) fn vllm_generate_body(
         cache_salt: namespace.map(str::to_owned),
         ..GenerateRequest::default()
     };
-    serde_json::to_vec(&request).ok().map(Bytes::from)
+    serde_json::to_vec(&request).ok()
+}
+
+/// Where a tokens dialect's body goes.
+pub(crate) fn path(dialect: Dialect) -> &'static str {
+    match dialect {
+        Dialect::OpenaiChat => "/v1/chat/completions",
+        Dialect::VllmGenerate => vllm_generate::PATH,
+        Dialect::OpenaiCompletionsTokens => "/v1/completions",
+    }
 }
 
 /// The prompt's images as vLLM's features: each one's hash (kvroute's 16-hex form) over its
@@ -124,14 +170,13 @@ fn features(prepared: &Prepared) -> MultiModalFeatures {
     f
 }
 
-/// The path the generate body goes to.
-pub(crate) const VLLM_GENERATE_PATH: &str = vllm_generate::PATH;
-
 /// Turns a vLLM generate answer into the OpenAI answer the client asked for, as it passes: a
 /// stream event by event, a whole answer at its end. An error answer (not 2xx) passes as it
 /// is (vLLM's errors are OpenAI's shape).
 #[derive(Debug)]
 pub(crate) struct Translator {
+    /// What the engine answers in: vLLM's generate shape, or OpenAI's completions.
+    from: Dialect,
     kind: Kind,
     id: String,
     model: String,
@@ -144,7 +189,7 @@ pub(crate) struct Translator {
 
 impl Translator {
     /// For the request numbered `id` (the answer's id is OpenAI's form of it).
-    pub(crate) fn new(kind: Kind, id: &str, model: String, sse: bool) -> Self {
+    pub(crate) fn new(from: Dialect, kind: Kind, id: &str, model: String, sse: bool) -> Self {
         let id = match kind {
             Kind::Chat => format!("chatcmpl-{id}"),
             Kind::Completion => format!("cmpl-{id}"),
@@ -153,6 +198,7 @@ impl Translator {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         Self {
+            from,
             kind,
             id,
             model,
@@ -194,16 +240,19 @@ impl Translator {
     }
 
     /// A stream's bytes: the events they complete, each as OpenAI's chunk (the usage chunk
-    /// and `[DONE]` kept; anything that is not a generate chunk, such as an error event,
+    /// and `[DONE]` kept; anything that is not the engine's chunk, such as an error event,
     /// passed as it is).
     pub(crate) fn stream(&mut self, bytes: &[u8]) -> Bytes {
         let mut out = Vec::new();
         for event in self.reader.push(bytes) {
             let data = match event {
                 SseEvent::Done => "[DONE]".to_owned(),
-                SseEvent::Data(data) => match serde_json::from_str::<GenerateChunk>(&data) {
-                    Ok(chunk) => self.chunk(chunk),
-                    Err(_) => data,
+                SseEvent::Data(data) => match self.piece(data.as_bytes()) {
+                    Some(piece) => {
+                        let c = self.emit(piece, true);
+                        serde_json::to_string(&c).unwrap_or_default()
+                    }
+                    None => data,
                 },
             };
             out.extend_from_slice(b"data: ");
@@ -213,66 +262,69 @@ impl Translator {
         Bytes::from(out)
     }
 
-    fn chunk(&mut self, chunk: GenerateChunk) -> String {
-        let choices = chunk
-            .choices
-            .into_iter()
-            .map(|c| {
-                let text = c.text.unwrap_or_default();
-                let first = std::mem::replace(&mut self.first, false);
-                match self.kind {
-                    Kind::Chat => Choice {
-                        index: c.index,
-                        delta: Some(Delta {
-                            role: first.then(|| "assistant".to_owned()),
-                            content: Some(text),
-                        }),
-                        finish_reason: c.finish_reason,
-                        ..Choice::default()
-                    },
-                    Kind::Completion => Choice {
-                        index: c.index,
-                        text: Some(text),
-                        finish_reason: c.finish_reason,
-                        ..Choice::default()
-                    },
-                }
-            })
-            .collect();
-        serde_json::to_string(&self.completion(true, choices, chunk.usage)).unwrap_or_default()
-    }
-
-    /// A whole answer: OpenAI's, or the bytes as they came when they are not a generate
+    /// A whole answer: OpenAI's, or the bytes as they came when they are not the engine's
     /// answer.
-    pub(crate) fn whole(&self, bytes: &[u8]) -> Bytes {
-        let Ok(answer) = serde_json::from_slice::<GenerateResponse>(bytes) else {
-            return Bytes::copy_from_slice(bytes);
-        };
-        let choices = answer
-            .choices
-            .into_iter()
-            .map(|c| {
-                let text = c.text.unwrap_or_default();
-                match self.kind {
-                    Kind::Chat => Choice {
-                        index: c.index,
-                        message: Some(AssistantMessage {
-                            role: "assistant".to_owned(),
-                            content: text,
-                        }),
-                        finish_reason: c.finish_reason,
-                        ..Choice::default()
-                    },
-                    Kind::Completion => Choice {
-                        index: c.index,
-                        text: Some(text),
-                        finish_reason: c.finish_reason,
-                        ..Choice::default()
-                    },
-                }
-            })
-            .collect();
-        let completion = self.completion(false, choices, answer.usage);
+    pub(crate) fn whole(&mut self, bytes: &[u8]) -> Bytes {
+        let Some(piece) = self.piece(bytes) else { return Bytes::copy_from_slice(bytes) };
+        let completion = self.emit(piece, false);
         serde_json::to_vec(&completion).map_or_else(|_| Bytes::copy_from_slice(bytes), Bytes::from)
     }
+
+    /// The engine's answer or chunk, whatever its shape.
+    fn piece(&self, data: &[u8]) -> Option<Piece> {
+        match self.from {
+            Dialect::VllmGenerate => {
+                let chunk: GenerateChunk = serde_json::from_slice(data).ok()?;
+                let choices = chunk
+                    .choices
+                    .into_iter()
+                    .map(|c| (c.index, c.text.unwrap_or_default(), c.finish_reason))
+                    .collect();
+                Some(Piece { choices, usage: chunk.usage })
+            }
+            Dialect::OpenaiCompletionsTokens | Dialect::OpenaiChat => {
+                let c: Completion = serde_json::from_slice(data).ok()?;
+                let choices = c
+                    .choices
+                    .into_iter()
+                    .map(|ch| {
+                        let text = ch.new_text().unwrap_or_default().to_owned();
+                        (ch.index, text, ch.finish_reason)
+                    })
+                    .collect();
+                Some(Piece { choices, usage: c.usage })
+            }
+        }
+    }
+
+    /// `piece` as the OpenAI answer (or, `chunk`, stream chunk) the client asked for.
+    fn emit(&mut self, piece: Piece, chunk: bool) -> Completion {
+        let choices = piece
+            .choices
+            .into_iter()
+            .map(|(index, text, finish_reason)| match (self.kind, chunk) {
+                (Kind::Chat, true) => {
+                    let first = std::mem::replace(&mut self.first, false);
+                    let role = first.then(|| "assistant".to_owned());
+                    let delta = Some(Delta { role, content: Some(text) });
+                    Choice { index, delta, finish_reason, ..Choice::default() }
+                }
+                (Kind::Chat, false) => {
+                    let message = AssistantMessage { role: "assistant".to_owned(), content: text };
+                    Choice { index, message: Some(message), finish_reason, ..Choice::default() }
+                }
+                (Kind::Completion, _) => {
+                    Choice { index, text: Some(text), finish_reason, ..Choice::default() }
+                }
+            })
+            .collect();
+        self.completion(chunk, choices, piece.usage)
+    }
+}
+
+/// An engine's answer or chunk: each choice's index, new text and finish reason; the usage.
+#[derive(Debug)]
+struct Piece {
+    choices: Vec<(u32, String, Option<String>)>,
+    usage: Option<kvroute_http::openai::Usage>,
 }

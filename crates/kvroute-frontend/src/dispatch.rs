@@ -18,9 +18,10 @@ use kvroute_core::{BlockHasher, BlockSize, LocalBlockHash, WorkerId, WorkerWithD
 use kvroute_http::router_api::Answered;
 use kvroute_http::{ApiError, ClientError};
 use kvroute_preprocess::Prepared;
+use kvroute_router::Dialect;
 use serde_json::{Value, json};
 
-use crate::dialect::{Kind, Translator, VLLM_GENERATE_PATH, vllm_generate_body};
+use crate::dialect::{self, Kind, Translator, tokens_body};
 use crate::health::Failure;
 use crate::placer::Placement;
 use crate::usage::{Usage, stream_error_event};
@@ -33,9 +34,8 @@ pub(crate) struct Outbound {
     pub body: Bytes,
     /// The OpenAI answer the client expects.
     pub kind: Kind,
-    /// The body of a tokens dialect (vLLM's generate API), when one is spoken and the request
-    /// fits it.
-    pub tokens: Option<Bytes>,
+    /// The body in each tokens dialect the fleet speaks that the request fits.
+    pub tokens: Vec<(Dialect, Bytes)>,
     /// The prompt's block hashes (with its images and cache namespace).
     pub local: Vec<LocalBlockHash>,
     pub prompt_tokens: usize,
@@ -55,6 +55,7 @@ impl Outbound {
         prepared: &Prepared,
         namespace: Option<String>,
         block_size: BlockSize,
+        dialects: &[Dialect],
     ) -> Result<Self, ApiError> {
         let kind = match path {
             "/v1/completions" => Kind::Completion,
@@ -81,7 +82,12 @@ impl Outbound {
                 options.insert("include_usage".to_owned(), Value::Bool(true));
             }
         }
-        let tokens = vllm_generate_body(&raw, prepared, namespace_of(&raw), streamed);
+        let tokens = dialects
+            .iter()
+            .filter_map(|&d| {
+                Some((d, tokens_body(d, &raw, prepared, namespace_of(&raw), streamed)?))
+            })
+            .collect();
         let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
         let prompt_tokens = prepared.tokens.len();
         Ok(Self {
@@ -127,16 +133,16 @@ pub(crate) async fn dispatch(
             excluded.push(worker);
             continue;
         };
-        let (path, body, as_tokens) = state.hop(worker.worker_id, out);
+        let (path, body, from) = state.hop(worker.worker_id, out);
         let request = hyper::Request::post(format!("{base}{path}"))
             .header(header::CONTENT_TYPE, "application/json")
             .body(Full::new(body))
             .map_err(ApiError::internal)?;
         let failure = match tokio::time::timeout(timeout, state.client.send(request)).await {
             Ok(Ok(r)) => {
-                let translator = as_tokens.then(|| {
+                let translator = from.map(|from| {
                     let model = state.preprocessor.model_name().to_owned();
-                    Translator::new(out.kind, &guard.id, model, false)
+                    Translator::new(from, out.kind, &guard.id, model, false)
                 });
                 return respond(state, out, placement, guard, r, translator);
             }
@@ -154,20 +160,22 @@ pub(crate) async fn dispatch(
 }
 
 impl FrontendState {
-    /// How `out` goes to `worker`: the path, the body, and whether it goes as tokens (its
-    /// answer then comes back in vLLM's shape, to be turned into OpenAI's).
-    fn hop(&self, worker: WorkerId, out: &Outbound) -> (&'static str, Bytes, bool) {
+    /// How `out` goes to `worker`: the path, the body, and the tokens dialect it went in
+    /// (its answer then comes back in that dialect's shape, to be turned into the client's).
+    fn hop(&self, worker: WorkerId, out: &Outbound) -> (&'static str, Bytes, Option<Dialect>) {
         let dialect = self.dialects.get(&worker).copied().unwrap_or_default();
-        match (dialect.sends_tokens(), &out.tokens) {
-            (true, Some(tokens)) => {
+        if !dialect.sends_tokens() {
+            return (out.path, out.body.clone(), None);
+        }
+        match out.tokens.iter().find(|(d, _)| *d == dialect) {
+            Some((_, tokens)) => {
                 self.metrics.as_tokens.inc();
-                (VLLM_GENERATE_PATH, tokens.clone(), true)
+                (dialect::path(dialect), tokens.clone(), Some(dialect))
             }
-            (true, None) => {
+            None => {
                 self.metrics.fallbacks.inc();
-                (out.path, out.body.clone(), false)
+                (out.path, out.body.clone(), None)
             }
-            (false, _) => (out.path, out.body.clone(), false),
         }
     }
 }
@@ -313,7 +321,7 @@ fn translated(
             .into_data_stream()
             .map(move |c| c.map(|b| t.stream(&b)).map_err(std::io::Error::other))
             .boxed(),
-        Some(t) => futures_util::stream::once(async move {
+        Some(mut t) => futures_util::stream::once(async move {
             let whole = http_body_util::Limited::new(incoming, WHOLE_ANSWER_LIMIT).collect().await;
             whole.map(|w| t.whole(&w.to_bytes())).map_err(std::io::Error::other)
         })
@@ -342,7 +350,8 @@ mod tests {
         let bs = BlockSize::new(4).unwrap();
         let p = prepared("one two three four five six seven eight nine ten eleven twelve");
         let raw = json!({"prompt": "x", "stream": true, "extra_field": 1});
-        let out = Outbound::new("/v1/completions", raw.clone(), &p, Some("k".into()), bs).unwrap();
+        let out =
+            Outbound::new("/v1/completions", raw.clone(), &p, Some("k".into()), bs, &[]).unwrap();
         let body: Value = serde_json::from_slice(&out.body).unwrap();
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(
@@ -350,13 +359,13 @@ mod tests {
             (Some("k"), Some(1))
         );
         assert!(out.streamed && out.strip_usage);
-        let plain = Outbound::new("/v1/completions", raw, &p, None, bs).unwrap();
+        let plain = Outbound::new("/v1/completions", raw, &p, None, bs, &[]).unwrap();
         assert_ne!(plain.local, out.local, "the namespace changes every block's hash");
 
         let asked = json!({"stream": true, "stream_options": {"include_usage": true}});
-        let out = Outbound::new("/v1/completions", asked, &p, None, bs).unwrap();
+        let out = Outbound::new("/v1/completions", asked, &p, None, bs, &[]).unwrap();
         assert!(out.streamed && !out.strip_usage);
-        let whole = Outbound::new("/v1/completions", json!({}), &p, None, bs).unwrap();
+        let whole = Outbound::new("/v1/completions", json!({}), &p, None, bs, &[]).unwrap();
         assert!(!whole.streamed && !whole.strip_usage);
         let body: Value = serde_json::from_slice(&whole.body).unwrap();
         assert!(body.get("stream_options").is_none());

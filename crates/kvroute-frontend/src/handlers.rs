@@ -54,7 +54,15 @@ pub(crate) async fn chat(
     let mut raw = raw(&body)?;
     drop(body);
     rewrite_image_parts(&mut raw, &images);
-    let out = Outbound::new("/v1/chat/completions", raw, &prepared, namespace, state.block_size)?;
+    let dialects = state.tokens_dialects();
+    let out = Outbound::new(
+        "/v1/chat/completions",
+        raw,
+        &prepared,
+        namespace,
+        state.block_size,
+        &dialects,
+    )?;
     dispatch(&state, &out).await
 }
 
@@ -90,7 +98,9 @@ pub(crate) async fn completions(
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let raw = raw(&body)?;
-    let out = Outbound::new("/v1/completions", raw, &prepared, namespace, state.block_size)?;
+    let dialects = state.tokens_dialects();
+    let out =
+        Outbound::new("/v1/completions", raw, &prepared, namespace, state.block_size, &dialects)?;
     dispatch(&state, &out).await
 }
 

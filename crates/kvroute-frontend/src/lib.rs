@@ -287,6 +287,15 @@ impl FrontendState {
         }
     }
 
+    /// The tokens dialects some worker speaks (a request is made a body in each).
+    fn tokens_dialects(&self) -> Vec<Dialect> {
+        let mut dialects: Vec<Dialect> =
+            self.dialects.values().copied().filter(|d| d.sends_tokens()).collect();
+        dialects.sort_unstable_by_key(|d| *d as u8);
+        dialects.dedup();
+        dialects
+    }
+
     /// Every rank of `worker`.
     fn all_ranks(&self, worker: WorkerId) -> impl Iterator<Item = WorkerWithDpRank> + use<> {
         let n = self.ranks.get(&worker).copied().unwrap_or(1);

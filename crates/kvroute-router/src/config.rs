@@ -79,11 +79,14 @@ pub enum Dialect {
     /// vLLM 0.33's `/inference/v1/generate`: the token ids the front door hashed go in, the
     /// text comes out; what that API cannot carry goes as chat.
     VllmGenerate,
+    /// OpenAI's `/v1/completions` with the token ids as the prompt (vLLM, SGLang and most
+    /// OpenAI-compatible engines take them); chat answers are made from its completions.
+    OpenaiCompletionsTokens,
 }
 
 impl Dialect {
     /// Every dialect's name, as `--worker dialect=` takes it.
-    pub const NAMES: [&str; 2] = ["openai-chat", "vllm-generate"];
+    pub const NAMES: [&str; 3] = ["openai-chat", "vllm-generate", "openai-completions-tokens"];
 
     /// Whether the engine gets the front door's token ids.
     pub fn sends_tokens(self) -> bool {
@@ -96,6 +99,7 @@ impl std::fmt::Display for Dialect {
         f.write_str(match self {
             Dialect::OpenaiChat => Dialect::NAMES[0],
             Dialect::VllmGenerate => Dialect::NAMES[1],
+            Dialect::OpenaiCompletionsTokens => Dialect::NAMES[2],
         })
     }
 }
@@ -107,6 +111,7 @@ impl FromStr for Dialect {
         match s {
             "openai-chat" => Ok(Dialect::OpenaiChat),
             "vllm-generate" => Ok(Dialect::VllmGenerate),
+            "openai-completions-tokens" => Ok(Dialect::OpenaiCompletionsTokens),
             other => Err(WorkerFlagError::Dialect(other.to_owned())),
         }
     }
@@ -392,7 +397,7 @@ mod tests {
         assert_eq!((tokens.dialect, &table.workers[0]), (Dialect::VllmGenerate, &tokens));
         let err = "id=3,dialect=grpc".parse::<WorkerSpec>().unwrap_err().to_string();
         assert!(
-            err.contains("unknown dialect \"grpc\" (known: openai-chat, vllm-generate)"),
+            err.contains("unknown dialect \"grpc\" (known: openai-chat, vllm-generate, openai-completions-tokens)"),
             "{err}"
         );
         assert_eq!(file.workers[1].format, EventFormat::TrtllmJson);

@@ -1,6 +1,8 @@
 //! The front door's added latency: the same ~100-token chat request (1 output token) sent
-//! straight to a simulated worker and through the front door (preprocess, hash, route, proxy),
-//! alternating, in one run. The worker runs at a very high speedup so its own time is tiny.
+//! straight to a simulated worker's chat API and through the front door (preprocess, hash,
+//! route, proxy), alternating, in one run, once per dialect (the client's body to the chat
+//! API; the front door's token ids to vLLM's generate API, the answer turned back into
+//! OpenAI's). The worker runs at a very high speedup so its own time is tiny.
 //! Target: the front door adds <= 0.2 ms at p50.
 //!
 //! `cargo bench -p kvroute-stack --bench overhead` (without `--bench`: a quick pass).
@@ -11,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_http::HttpClient;
 use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_router::Dialect;
 use kvroute_stack::{Simulated, Stack, StackConfig};
 
 async fn once(client: &HttpClient, url: &str, body: &serde_json::Value) -> Duration {
@@ -32,6 +35,15 @@ fn pct(v: &mut [Duration], p: f64) -> f64 {
 async fn main() {
     let quick = !std::env::args().any(|a| a == "--bench");
     let n = if quick { 50 } else { 3_000 };
+    println!("| ~100-token chat, 1 output token, kept-alive connections | p50 us | p99 us |");
+    println!("|---|---|---|");
+    for dialect in [Dialect::OpenaiChat, Dialect::VllmGenerate] {
+        measure(dialect, n).await;
+    }
+}
+
+/// `n` requests each way over a fleet of one worker spoken to in `dialect`.
+async fn measure(dialect: Dialect, n: usize) {
     let config = StackConfig {
         simulated: Simulated {
             count: 1,
@@ -39,6 +51,7 @@ async fn main() {
                 timing: Timing { speedup: 100_000.0 },
                 ..EngineConfig::default()
             },
+            dialect,
             ..Simulated::default()
         },
         ..StackConfig::default()
@@ -68,9 +81,7 @@ async fn main() {
     }
     let (d50, d99) = (pct(&mut direct, 0.5), pct(&mut direct, 0.99));
     let (f50, f99) = (pct(&mut through, 0.5), pct(&mut through, 0.99));
-    println!("| ~100-token chat, 1 output token, kept-alive connections | p50 us | p99 us |");
-    println!("|---|---|---|");
-    println!("| straight to the worker | {d50:.0} | {d99:.0} |");
-    println!("| through the front door | {f50:.0} | {f99:.0} |");
-    println!("| added by the front door | {:.0} | {:.0} |", f50 - d50, f99 - d99);
+    println!("| {dialect}: straight to the worker's chat API | {d50:.0} | {d99:.0} |");
+    println!("| {dialect}: through the front door | {f50:.0} | {f99:.0} |");
+    println!("| {dialect}: added by the front door | {:.0} | {:.0} |", f50 - d50, f99 - d99);
 }

@@ -1,7 +1,8 @@
 //! How the front door speaks to its workers, over real sockets on 127.0.0.1: with
 //! `vllm-generate` (the simulated workers' default) a chat goes to vLLM's
 //! `/inference/v1/generate` as the token ids the router hashed and comes back in OpenAI's
-//! shape, whole or streamed; what that API cannot carry goes as chat and is counted; with
+//! shape, whole or streamed (and with `openai-completions-tokens`, to `/v1/completions` with
+//! the token ids as its prompt); what that API cannot carry goes as chat and is counted; with
 //! `openai-chat` the client's body goes as it came.
 
 #![allow(clippy::unwrap_used)]
@@ -71,7 +72,13 @@ fn chat(extra: Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_goes_as_token_ids_and_comes_back_as_openais() {
-    let (_stack, base) = fleet(Dialect::VllmGenerate).await;
+    for dialect in [Dialect::VllmGenerate, Dialect::OpenaiCompletionsTokens] {
+        as_token_ids(dialect).await;
+    }
+}
+
+async fn as_token_ids(dialect: Dialect) {
+    let (_stack, base) = fleet(dialect).await;
     let (status, _, first) = post(&base, "/v1/chat/completions", &chat(json!({}))).await;
     assert_eq!(status, 200, "{first}");
     assert_eq!(first["object"], "chat.completion");
@@ -169,7 +176,7 @@ async fn predictions(base: &str) -> (u64, u64, u64, u64) {
 async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/templates");
     let template = std::fs::read_to_string(dir.join("blank-line.jinja")).unwrap();
-    for dialect in [Dialect::OpenaiChat, Dialect::VllmGenerate] {
+    for dialect in [Dialect::OpenaiChat, Dialect::VllmGenerate, Dialect::OpenaiCompletionsTokens] {
         let config = StackConfig {
             simulated: Simulated {
                 count: 1,
@@ -198,14 +205,12 @@ async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
         }
         let (answered, exact, _, under) = predictions(&base).await;
         assert_eq!(answered, 4, "{dialect}");
-        match dialect {
-            Dialect::VllmGenerate => assert_eq!(exact, 4, "token ids: every prediction exact"),
-            Dialect::OpenaiChat => {
-                assert!(
-                    exact < 4 && under > 0,
-                    "chat: the engine's own blocks go unseen ({exact} exact, {under} under)"
-                );
-            }
+        match dialect.sends_tokens() {
+            true => assert_eq!(exact, 4, "{dialect}: token ids, every prediction exact"),
+            false => assert!(
+                exact < 4 && under > 0,
+                "chat: the engine's own blocks go unseen ({exact} exact, {under} under)"
+            ),
         }
     }
 }
