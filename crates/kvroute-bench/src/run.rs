@@ -315,10 +315,16 @@ fn front_door(router: RouterConfig, fleet: &FleetConfig) -> StackConfig {
 
 /// Starts a stack, ready when every subscription is up and every worker has reported its load
 /// (its capacity is part of the kv policy's cost).
+/// How long a fleet has to be ready: room for parity probes that fail (an engine rendering
+/// with a template of its own): a failing probe waits out its 5 s, after any retries while a
+/// worker's subscription catches up.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
 async fn started(config: StackConfig, what: &str) -> anyhow::Result<Stack> {
     let stack = Stack::start(config).await?;
-    let waiting = stack.ready(Duration::from_secs(10)).await;
-    anyhow::ensure!(waiting.is_empty(), "{what}: workers not ready in 10 s: {waiting:?}");
+    let waiting = stack.ready(READY_TIMEOUT).await;
+    let secs = READY_TIMEOUT.as_secs();
+    anyhow::ensure!(waiting.is_empty(), "{what}: workers not ready in {secs} s: {waiting:?}");
     Ok(stack)
 }
 

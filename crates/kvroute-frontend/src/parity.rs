@@ -23,11 +23,11 @@ use std::time::{Duration, Instant};
 use kvroute_core::{BlockHasher, LocalBlockHash, WorkerId, WorkerWithDpRank};
 use kvroute_http::ClientError;
 use kvroute_http::openai::{ChatMessage, ContentPart, ImageUrl, MessageContent};
-use kvroute_preprocess::images;
+use kvroute_preprocess::{Prepared, images};
 use kvroute_router::{ConvertStats, Parity, RouterState};
 use serde_json::{Value, json};
 
-use crate::FrontendState;
+use crate::{FrontendState, dialect};
 
 fn fail(router: &RouterState, worker: WorkerId, cause: &Mismatch) -> Parity {
     tracing::error!(%worker, %cause, "parity probe failed: the worker's events cannot be used; routing it approximately");
@@ -48,9 +48,11 @@ const PROBE_IMAGE_SIDE: u32 = 112;
 
 const FILLER: &str = " the quick brown fox jumps over the lazy dog";
 
-/// One probe prompt: its body for the engine and the blocks the front door hashes for it.
+/// One probe prompt: its chat body, the prompt as the front door prepared it (a tokens
+/// dialect sends that), and the blocks the front door hashes for it.
 struct Probe {
     body: Value,
+    prepared: Prepared,
     hashes: Vec<LocalBlockHash>,
     /// The image probe's blocks hashed without image keys (what an engine that announces
     /// none is indexed under).
@@ -90,13 +92,20 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    let url = format!("{base}/v1/chat/completions");
     let mut probes = vec![text_probe(state, worker, nonce).ok_or(Retry::Unprepared)?];
     if state.preprocessor.image_token_id().is_some() {
         probes.push(image_probe(state, worker, nonce).ok_or(Retry::Unprepared)?);
     }
+    // Each probe goes as a request would: in the worker's dialect when it carries it.
+    let dialect = state.dialects.get(&worker).copied().unwrap_or_default();
     for p in &probes {
-        match run(state, router, worker, status.dp_size, &url, p).await {
+        let tokens = dialect::tokens_body(dialect, &p.body, &p.prepared, None, false);
+        let (path, body) = match tokens.and_then(|b| serde_json::from_slice(&b).ok()) {
+            Some(tokens) => (dialect::path(dialect), tokens),
+            None => ("/v1/chat/completions", p.body.clone()),
+        };
+        let url = format!("{base}{path}");
+        match run(state, router, worker, status.dp_size, &url, body, p).await {
             Some(Ok(())) => {}
             Some(Err(cause)) => return Ok(Some(fail(router, worker, &cause))),
             None => return Err(Retry::NoAnswer),
@@ -118,20 +127,23 @@ fn text_probe(state: &FrontendState, worker: WorkerId, nonce: u128) -> Option<Pr
     let bs = state.block_size.tokens();
     let system = system(nonce, worker, "text");
     let mut text = "Parity probe:".to_owned();
-    let mut tokens = Vec::new();
+    let mut prepared = None;
     for _ in 0..64 {
         let messages = [ChatMessage::text("system", &system), ChatMessage::text("user", &text)];
-        tokens = state.preprocessor.prepare_chat(&messages, true, Vec::new()).ok()?.tokens;
-        if tokens.len() >= bs * PROBE_BLOCKS {
+        let p = state.preprocessor.prepare_chat(&messages, true, Vec::new()).ok()?;
+        let done = p.tokens.len() >= bs * PROBE_BLOCKS;
+        prepared = Some(p);
+        if done {
             break;
         }
         text.push_str(FILLER);
     }
+    let prepared = prepared?;
     // No model name: the engine's own (the front door's may be named otherwise).
     let body = json!({"messages": [{"role": "system", "content": system},
         {"role": "user", "content": text}], "max_tokens": 1});
-    let hashes = BlockHasher::new(state.block_size).local_hashes(&tokens, None);
-    Some(Probe { body, hashes, without_images: None })
+    let hashes = BlockHasher::new(state.block_size).local_hashes(&prepared.tokens, None);
+    Some(Probe { body, prepared, hashes, without_images: None })
 }
 
 /// A picture unique to this probe between two runs of text, the text after it spanning
@@ -177,6 +189,7 @@ fn image_probe(state: &FrontendState, worker: WorkerId, nonce: u128) -> Option<P
         body,
         hashes: hasher.local_hashes(&prepared.tokens, Some(&infos)),
         without_images: Some(hasher.local_hashes(&prepared.tokens, None)),
+        prepared,
     })
 }
 
@@ -187,13 +200,14 @@ async fn run(
     worker: WorkerId,
     dp_size: u32,
     url: &str,
+    body: Value,
     probe: &Probe,
 ) -> Option<Result<(), Mismatch>> {
     let conversion = |router: &RouterState| -> Option<ConvertStats> {
         Some(router.workers().into_iter().find(|w| w.id == worker)?.conversion)
     };
     let before = conversion(router)?;
-    let answer = state.client.post_json::<Value>(url, &probe.body);
+    let answer = state.client.post_json::<Value>(url, &body);
     match tokio::time::timeout(PROBE_WAIT, answer).await {
         Ok(Ok(_)) => {}
         Ok(Err(ClientError::Status { status, message })) if status.is_client_error() => {

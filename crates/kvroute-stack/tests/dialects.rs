@@ -205,6 +205,17 @@ async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
         }
         let (answered, exact, _, under) = predictions(&base).await;
         assert_eq!(answered, 4, "{dialect}");
+        // The parity probe goes as requests go: as token ids it passes; as chat it finds the
+        // template differs, and the worker is routed approximately. The model takes images,
+        // which a completion cannot carry: that dialect's image probe goes as chat and fails.
+        let parity = stack.router.as_ref().unwrap().workers()[0].parity.clone();
+        let failed =
+            |what: &str| matches!(&parity, kvroute_router::Parity::Failed(c) if c.contains(what));
+        match dialect {
+            Dialect::VllmGenerate => assert_eq!(parity, kvroute_router::Parity::Ok),
+            Dialect::OpenaiCompletionsTokens => assert!(failed("image"), "{parity:?}"),
+            Dialect::OpenaiChat => assert!(failed("token ids"), "{parity:?}"),
+        }
         match dialect.sends_tokens() {
             true => assert_eq!(exact, 4, "{dialect}: token ids, every prediction exact"),
             false => assert!(
