@@ -13,7 +13,7 @@
 
 use axum::body::Bytes;
 use kvroute_http::SseEvent;
-use kvroute_http::openai::{AssistantMessage, Choice, Completion, Delta};
+use kvroute_http::openai::{Api, AssistantMessage, Choice, Completion, Delta, Envelope};
 use kvroute_http::vllm_generate::{
     self, GenerateChunk, GenerateRequest, MultiModalFeatures, OutputMode, PlaceholderRange,
     SamplingParams, StreamOptions,
@@ -58,13 +58,6 @@ const CARRIED: [&str; 11] = [
     "metadata",
     "store",
 ];
-
-/// Which OpenAI answer the client expects.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Chat,
-    Completion,
-}
 
 /// The request's body in a tokens `dialect`: the client's OpenAI body `raw` with its
 /// `prepared` prompt as token ids, or `None` when it asks for what that API cannot carry (it
@@ -177,10 +170,7 @@ fn features(prepared: &Prepared) -> MultiModalFeatures {
 pub(crate) struct Translator {
     /// What the engine answers in: vLLM's generate shape, or OpenAI's completions.
     from: Dialect,
-    kind: Kind,
-    id: String,
-    model: String,
-    created: u64,
+    envelope: Envelope,
     sse: bool,
     reader: kvroute_http::SseReader,
     /// The role goes out with the first delta.
@@ -189,24 +179,9 @@ pub(crate) struct Translator {
 
 impl Translator {
     /// For the request numbered `id` (the answer's id is OpenAI's form of it).
-    pub(crate) fn new(from: Dialect, kind: Kind, id: &str, model: String, sse: bool) -> Self {
-        let id = match kind {
-            Kind::Chat => format!("chatcmpl-{id}"),
-            Kind::Completion => format!("cmpl-{id}"),
-        };
-        let created = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        Self {
-            from,
-            kind,
-            id,
-            model,
-            created,
-            sse,
-            reader: kvroute_http::SseReader::default(),
-            first: true,
-        }
+    pub(crate) fn new(from: Dialect, api: Api, id: &str, model: String, sse: bool) -> Self {
+        let envelope = Envelope::new(api, id, model);
+        Self { from, envelope, sse, reader: kvroute_http::SseReader::default(), first: true }
     }
 
     pub(crate) fn sse(&self) -> bool {
@@ -216,27 +191,6 @@ impl Translator {
     /// The same, for an answer that is (`sse`) or is not a stream.
     pub(crate) fn with_sse(self, sse: bool) -> Self {
         Self { sse, ..self }
-    }
-
-    fn completion(
-        &self,
-        chunk: bool,
-        choices: Vec<Choice>,
-        usage: Option<kvroute_http::openai::Usage>,
-    ) -> Completion {
-        let object = match (self.kind, chunk) {
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
-            (Kind::Completion, _) => "text_completion",
-        };
-        Completion {
-            id: self.id.clone(),
-            object: object.to_owned(),
-            created: self.created,
-            model: self.model.clone(),
-            choices,
-            usage,
-        }
     }
 
     /// A stream's bytes: the events they complete, each as OpenAI's chunk (the usage chunk
@@ -302,23 +256,23 @@ impl Translator {
         let choices = piece
             .choices
             .into_iter()
-            .map(|(index, text, finish_reason)| match (self.kind, chunk) {
-                (Kind::Chat, true) => {
+            .map(|(index, text, finish_reason)| match (self.envelope.api, chunk) {
+                (Api::Chat, true) => {
                     let first = std::mem::replace(&mut self.first, false);
                     let role = first.then(|| "assistant".to_owned());
                     let delta = Some(Delta { role, content: Some(text) });
                     Choice { index, delta, finish_reason, ..Choice::default() }
                 }
-                (Kind::Chat, false) => {
+                (Api::Chat, false) => {
                     let message = AssistantMessage { role: "assistant".to_owned(), content: text };
                     Choice { index, message: Some(message), finish_reason, ..Choice::default() }
                 }
-                (Kind::Completion, _) => {
+                (Api::Completion, _) => {
                     Choice { index, text: Some(text), finish_reason, ..Choice::default() }
                 }
             })
             .collect();
-        self.completion(chunk, choices, piece.usage)
+        self.envelope.completion(chunk, choices, piece.usage)
     }
 }
 

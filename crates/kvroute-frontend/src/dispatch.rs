@@ -15,13 +15,14 @@ use axum::response::Response;
 use futures_util::StreamExt;
 use http_body_util::Full;
 use kvroute_core::{BlockHasher, BlockSize, LocalBlockHash, WorkerId, WorkerWithDpRank};
+use kvroute_http::openai::Api;
 use kvroute_http::router_api::Answered;
 use kvroute_http::{ApiError, ClientError};
 use kvroute_preprocess::Prepared;
 use kvroute_router::Dialect;
 use serde_json::{Value, json};
 
-use crate::dialect::{self, Kind, Translator, tokens_body};
+use crate::dialect::{self, Translator, tokens_body};
 use crate::health::Failure;
 use crate::placer::Placement;
 use crate::usage::{Usage, stream_error_event};
@@ -33,7 +34,7 @@ pub(crate) struct Outbound {
     pub path: &'static str,
     pub body: Bytes,
     /// The OpenAI answer the client expects.
-    pub kind: Kind,
+    pub kind: Api,
     /// The body in each tokens dialect the fleet speaks that the request fits.
     pub tokens: Vec<(Dialect, Bytes)>,
     /// The prompt's block hashes (with its images and cache namespace).
@@ -58,8 +59,8 @@ impl Outbound {
         dialects: &[Dialect],
     ) -> Result<Self, ApiError> {
         let kind = match path {
-            "/v1/completions" => Kind::Completion,
-            _ => Kind::Chat,
+            "/v1/completions" => Api::Completion,
+            _ => Api::Chat,
         };
         if prepared.tokens.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty"));

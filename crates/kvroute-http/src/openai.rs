@@ -214,6 +214,59 @@ pub struct Completion {
     pub usage: Option<Usage>,
 }
 
+/// Which OpenAI API a request and its answer are of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completion,
+}
+
+/// What every answer and stream chunk of one request shares: its API, id, time and model.
+#[derive(Clone, Debug)]
+pub struct Envelope {
+    pub api: Api,
+    /// The answer's id (`chatcmpl-...`, `cmpl-...`).
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl Envelope {
+    /// For request `n` of `api`, now: the id is OpenAI's form of `n`.
+    pub fn new(api: Api, n: &str, model: String) -> Self {
+        let id = match api {
+            Api::Chat => format!("chatcmpl-{n}"),
+            Api::Completion => format!("cmpl-{n}"),
+        };
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Self { api, id, created, model }
+    }
+
+    /// The answer (or, `chunk`, the stream chunk) carrying `choices`.
+    pub fn completion(
+        &self,
+        chunk: bool,
+        choices: Vec<Choice>,
+        usage: Option<Usage>,
+    ) -> Completion {
+        let object = match (self.api, chunk) {
+            (Api::Chat, false) => "chat.completion",
+            (Api::Chat, true) => "chat.completion.chunk",
+            (Api::Completion, _) => "text_completion",
+        };
+        Completion {
+            id: self.id.clone(),
+            object: object.to_owned(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        }
+    }
+}
+
 impl Completion {
     /// Whether any choice carries new text.
     pub fn has_text(&self) -> bool {

@@ -21,8 +21,8 @@ use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
 use kvroute_http::ApiError;
 use kvroute_http::openai::{
-    AssistantMessage, ChatCompletionRequest, Choice, Completion, CompletionRequest, Delta,
-    ModelList, parse_request,
+    Api, AssistantMessage, ChatCompletionRequest, Choice, Completion, CompletionRequest, Delta,
+    Envelope, ModelList, parse_request,
 };
 use kvroute_http::vllm_generate::check_cache_salt;
 use kvroute_preprocess::fetch::Fetcher;
@@ -130,13 +130,6 @@ pub fn app(state: Arc<AppState>) -> Router {
     kvroute_http::fallbacks(routes).with_state(state)
 }
 
-/// Which API shape to answer in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Completion,
-}
-
 async fn chat(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
@@ -146,7 +139,7 @@ async fn chat(
     let (prepared, _) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     let ask = Ask {
-        kind: Kind::Chat,
+        kind: Api::Chat,
         max_tokens: req.max_output_tokens().unwrap_or(16),
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
@@ -164,7 +157,7 @@ async fn completions(
     check_cache_salt(req.cache_salt.as_deref())?;
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let ask = Ask {
-        kind: Kind::Completion,
+        kind: Api::Completion,
         max_tokens: req.max_tokens.unwrap_or(16),
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
@@ -177,7 +170,7 @@ async fn completions(
 /// What a request asks of the engine besides its prompt.
 #[derive(Clone, Debug)]
 struct Ask {
-    kind: Kind,
+    kind: Api,
     max_tokens: u64,
     stream: bool,
     include_usage: bool,
@@ -253,13 +246,10 @@ async fn generate(
     ask: Ask,
 ) -> Result<Response, ApiError> {
     let Ask { kind, max_tokens, stream, include_usage, ignore_eos, cache_salt } = ask;
-    let n = state.next_id();
-    let id = match kind {
-        Kind::Chat => format!("chatcmpl-{n}"),
-        Kind::Completion => format!("cmpl-{n}"),
-    };
+    let model = state.preprocessor.model_name().to_owned();
+    let envelope = Envelope::new(kind, &state.next_id().to_string(), model);
     let submission = Submission {
-        id: id.clone(),
+        id: envelope.id.clone(),
         tokens: prepared.tokens,
         mm: Some(prepared.mm),
         max_tokens,
@@ -267,14 +257,7 @@ async fn generate(
         cache_salt,
     };
     let Submitted { outputs, guard, end } = state.submit(submission)?;
-    let reply = Reply {
-        kind,
-        id,
-        model: state.preprocessor.model_name().to_owned(),
-        created: now_secs(),
-        preprocessor: Arc::clone(&state.preprocessor),
-        end,
-    };
+    let reply = Reply { envelope, preprocessor: Arc::clone(&state.preprocessor), end };
     if stream {
         Ok(sse(reply, outputs, guard, include_usage).into_response())
     } else {
@@ -283,10 +266,7 @@ async fn generate(
 }
 
 struct Reply {
-    kind: Kind,
-    id: String,
-    model: String,
-    created: u64,
+    envelope: Envelope,
     preprocessor: Arc<Preprocessor>,
     /// The end-of-turn token, if the answer ends with it.
     end: Option<u32>,
@@ -294,26 +274,14 @@ struct Reply {
 
 impl Reply {
     fn completion(&self, chunk: bool, choices: Vec<Choice>, usage: Option<Usage>) -> Completion {
-        let object = match (self.kind, chunk) {
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
-            (Kind::Completion, _) => "text_completion",
-        };
-        Completion {
-            id: self.id.clone(),
-            object: object.to_owned(),
-            created: self.created,
-            model: self.model.clone(),
-            choices,
-            usage: usage.map(openai_usage),
-        }
+        self.envelope.completion(chunk, choices, usage.map(openai_usage))
     }
 
     /// A streamed choice with `text` new.
     fn delta(&self, text: &str, finish: Option<&str>, first: bool) -> Choice {
         let finish_reason = finish.map(str::to_owned);
-        match self.kind {
-            Kind::Chat => Choice {
+        match self.envelope.api {
+            Api::Chat => Choice {
                 delta: Some(Delta {
                     role: first.then(|| "assistant".to_owned()),
                     content: Some(text.to_owned()),
@@ -321,7 +289,7 @@ impl Reply {
                 finish_reason,
                 ..Choice::default()
             },
-            Kind::Completion => {
+            Api::Completion => {
                 Choice { text: Some(text.to_owned()), finish_reason, ..Choice::default() }
             }
         }
@@ -338,13 +306,13 @@ impl Reply {
     /// The whole answer's choice.
     fn whole(&self, text: String, last: Option<u32>) -> Choice {
         let finish_reason = Some(self.finish_reason(last));
-        match self.kind {
-            Kind::Chat => Choice {
+        match self.envelope.api {
+            Api::Chat => Choice {
                 message: Some(AssistantMessage { role: "assistant".into(), content: text }),
                 finish_reason,
                 ..Choice::default()
             },
-            Kind::Completion => Choice { text: Some(text), finish_reason, ..Choice::default() },
+            Api::Completion => Choice { text: Some(text), finish_reason, ..Choice::default() },
         }
     }
 

@@ -21,7 +21,7 @@ fn tokenize(c: &mut Criterion) {
     group.bench_function("encode", |b| b.iter(|| p.encode(std::hint::black_box(&text)).unwrap()));
     let messages = [ChatMessage::text("user", &text)];
     group.bench_function("prepare_chat", |b| {
-        b.iter(|| p.prepare_chat(std::hint::black_box(&messages), true, Vec::new()).unwrap())
+        b.iter(|| p.prepare_chat(std::hint::black_box(&messages), true, Vec::new()).unwrap());
     });
     group.finish();
 }
