@@ -45,22 +45,7 @@ fn file(text: &str) -> Settings {
 
 fn router_file(text: &str) -> String {
     let err = Settings::from_toml(text, Path::new("f.toml"), &router_keys(), "router");
-    DisplayChain(&err.unwrap_err()).to_string()
-}
-
-/// An error and its sources.
-struct DisplayChain<'a>(&'a dyn std::error::Error);
-
-impl std::fmt::Display for DisplayChain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut next = self.0.source();
-        while let Some(e) = next {
-            write!(f, ": {e}")?;
-            next = e.source();
-        }
-        Ok(())
-    }
+    kvroute_http::error::chain(&err.unwrap_err())
 }
 
 #[test]
@@ -300,5 +285,5 @@ fn a_switch_is_named_or_left_out_and_a_bad_value_names_its_key() {
         "serve",
     )
     .unwrap_err();
-    assert!(err.to_string().contains("`block_size`"), "{}", DisplayChain(&err));
+    assert!(err.to_string().contains("`block_size`"), "{}", kvroute_http::error::chain(&err));
 }
