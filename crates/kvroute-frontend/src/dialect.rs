@@ -188,11 +188,6 @@ impl Translator {
         self.sse
     }
 
-    /// The same, for an answer that is (`sse`) or is not a stream.
-    pub(crate) fn with_sse(self, sse: bool) -> Self {
-        Self { sse, ..self }
-    }
-
     /// A stream's bytes: the events they complete, each as OpenAI's chunk (the usage chunk
     /// and `[DONE]` kept; anything that is not the engine's chunk, such as an error event,
     /// passed as it is).

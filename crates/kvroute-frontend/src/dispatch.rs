@@ -54,7 +54,7 @@ impl Outbound {
         path: &'static str,
         mut raw: Value,
         prepared: &Prepared,
-        namespace: Option<String>,
+        namespace: Option<&str>,
         block_size: BlockSize,
         dialects: &[Dialect],
     ) -> Result<Self, ApiError> {
@@ -68,10 +68,10 @@ impl Outbound {
         let block_infos = (!prepared.mm.mm_objects.is_empty())
             .then(|| prepared.mm.to_block_level(block_size, prepared.tokens.len()));
         let local = BlockHasher::new(block_size)
-            .with_namespace(namespace.as_deref())
+            .with_namespace(namespace)
             .local_hashes(&prepared.tokens, block_infos.as_deref());
         if let (Some(ns), Some(fields)) = (namespace, raw.as_object_mut()) {
-            fields.insert("cache_salt".to_owned(), Value::String(ns));
+            fields.insert("cache_salt".to_owned(), Value::String(ns.to_owned()));
         }
         let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
         let client_usage =
@@ -85,9 +85,7 @@ impl Outbound {
         }
         let tokens = dialects
             .iter()
-            .filter_map(|&d| {
-                Some((d, tokens_body(d, &raw, prepared, namespace_of(&raw), streamed)?))
-            })
+            .filter_map(|&d| Some((d, tokens_body(d, &raw, prepared, namespace, streamed)?)))
             .collect();
         let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
         let prompt_tokens = prepared.tokens.len();
@@ -140,13 +138,7 @@ pub(crate) async fn dispatch(
             .body(Full::new(body))
             .map_err(ApiError::internal)?;
         let failure = match tokio::time::timeout(timeout, state.client.send(request)).await {
-            Ok(Ok(r)) => {
-                let translator = from.map(|from| {
-                    let model = state.preprocessor.model_name().to_owned();
-                    Translator::new(from, out.kind, &guard.id, model, false)
-                });
-                return respond(state, out, placement, guard, r, translator);
-            }
+            Ok(Ok(r)) => return respond(state, out, placement, guard, r, from),
             Ok(Err(e)) if e.is_connect() => (Failure::Connect, e),
             Ok(Err(e)) => (Failure::Broken, e),
             Err(_) => (Failure::Timeout, ClientError::Timeout(timeout)),
@@ -181,14 +173,9 @@ impl FrontendState {
     }
 }
 
-/// The cache namespace the body carries (set as `cache_salt` by [`Outbound::new`]).
-fn namespace_of(raw: &Value) -> Option<&str> {
-    raw.get("cache_salt").and_then(Value::as_str)
-}
-
 /// The worker's answer to the client: its status and content headers, which worker it was
 /// (and, when asked for, the cached tokens predicted there), its body passed on as it comes
-/// (turned into OpenAI's shape on the way by `translator`, when it went as tokens and
+/// (turned into OpenAI's shape on the way when it went in the tokens dialect `from` and
 /// succeeded).
 fn respond(
     state: &Arc<FrontendState>,
@@ -196,7 +183,7 @@ fn respond(
     placement: Placement,
     mut guard: InFlight,
     response: hyper::Response<hyper::body::Incoming>,
-    translator: Option<Translator>,
+    from: Option<Dialect>,
 ) -> Result<Response, ApiError> {
     let worker = placement.worker;
     if state.health.succeeded(worker.worker_id) {
@@ -212,7 +199,10 @@ fn respond(
         guard.predicted = Some((placement, out.prompt_tokens as u64));
     }
     let usage = Usage::new(sse, out.strip_usage);
-    let translator = translator.filter(|_| parts.status.is_success()).map(|t| t.with_sse(sse));
+    let translator = from.filter(|_| parts.status.is_success()).map(|from| {
+        let model = state.preprocessor.model_name().to_owned();
+        Translator::new(from, out.kind, &guard.id, model, sse)
+    });
     let data = translated(incoming, translator);
     let stream = proxy_body(data, guard, worker.worker_id, usage);
     let mut answer = Response::builder().status(parts.status);
@@ -351,8 +341,7 @@ mod tests {
         let bs = BlockSize::new(4).unwrap();
         let p = prepared("one two three four five six seven eight nine ten eleven twelve");
         let raw = json!({"prompt": "x", "stream": true, "extra_field": 1});
-        let out =
-            Outbound::new("/v1/completions", raw.clone(), &p, Some("k".into()), bs, &[]).unwrap();
+        let out = Outbound::new("/v1/completions", raw.clone(), &p, Some("k"), bs, &[]).unwrap();
         let body: Value = serde_json::from_slice(&out.body).unwrap();
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(

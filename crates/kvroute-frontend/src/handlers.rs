@@ -59,7 +59,7 @@ pub(crate) async fn chat(
         "/v1/chat/completions",
         raw,
         &prepared,
-        namespace,
+        namespace.as_deref(),
         state.block_size,
         &dialects,
     )?;
@@ -99,8 +99,14 @@ pub(crate) async fn completions(
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let raw = raw(&body)?;
     let dialects = state.tokens_dialects();
-    let out =
-        Outbound::new("/v1/completions", raw, &prepared, namespace, state.block_size, &dialects)?;
+    let out = Outbound::new(
+        "/v1/completions",
+        raw,
+        &prepared,
+        namespace.as_deref(),
+        state.block_size,
+        &dialects,
+    )?;
     dispatch(&state, &out).await
 }
 
