@@ -420,7 +420,7 @@ fn offending_field(body: &[u8]) -> Option<String> {
 }
 
 /// The most characters of a client's string an error message repeats.
-const MAX_ECHOED_CHARS: usize = 64;
+pub const MAX_ECHOED_CHARS: usize = 64;
 
 /// Most log probabilities per token an engine returns (vLLM's default `max_logprobs`).
 const MAX_LOGPROBS: i64 = 20;

@@ -23,7 +23,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream};
 use kvroute_http::ApiError;
-use kvroute_http::openai::Usage as ApiUsage;
+use kvroute_http::openai::{MAX_ECHOED_CHARS, Usage as ApiUsage};
 use kvroute_http::vllm_generate::{
     GenerateChoice, GenerateChunk, GenerateRequest, GenerateResponse, MultiModalFeatures,
     OutputMode, refused,
@@ -43,8 +43,10 @@ pub(crate) async fn generate(
     req.check()?;
     let model = state.preprocessor.model_name().to_owned();
     if let Some(asked) = req.model.as_deref().filter(|m| !m.is_empty() && *m != model) {
-        let shown: String = asked.chars().take(256).collect();
-        let message = format!("The model `{shown}` does not exist. Valid aliases: {model}.");
+        // A megabyte of a name is not sent back, as on the other APIs.
+        let shown: String = asked.chars().take(MAX_ECHOED_CHARS).collect();
+        let cut = if asked.chars().nth(MAX_ECHOED_CHARS).is_some() { "..." } else { "" };
+        let message = format!("The model `{shown}{cut}` does not exist. Valid aliases: {model}.");
         return Err(ApiError::not_found(message).kind("NotFoundError").param("model"));
     }
     let tokens = served_tokens(&state, &req)?;

@@ -297,6 +297,11 @@ async fn refuses_what_vllm_refuses_in_its_shapes() {
     }
     let (status, v) = e.post(PATH, &json!([1, 2])).await;
     assert_eq!((status, v["error"]["type"].as_str()), (400, Some("Bad Request")), "{v}");
+    // A long model name is not echoed whole.
+    let (status, v) = e.post(PATH, &with("model", json!("m".repeat(10_000)))).await;
+    let message = v["error"]["message"].as_str().unwrap();
+    assert_eq!(status, 404);
+    assert!(message.len() < 200 && message.contains("mmm..."), "{message}");
     // vLLM 0.33 holds its chat and completions APIs to the same salt rule.
     let chat = json!({"messages": [{"role": "user", "content": "hi"}], "cache_salt": "a/b"});
     let (status, v) = e.post("/v1/chat/completions", &chat).await;
