@@ -14,6 +14,7 @@
 //! | `index_snapshot` | an index snapshot (JetStream object store) | decode, apply |
 //! | `openai_chat`, `openai_completion` | OpenAI request bodies | decode, size checks, template, tokens |
 //! | `vllm_generate` | a vLLM `/inference/v1/generate` body | decode, vLLM's checks, image blocks |
+//! | `sglang_generate` | an SGLang `/generate` body, or its answer | decode, SGLang's checks; the answer's decode |
 //! | `image` | an encoded image | header checks, decode, identifier |
 //! | `zmtp` | what a ZMQ peer sends, from its greeting on | ZMTP decoder: greeting, handshake, frames |
 
@@ -41,6 +42,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("openai_chat", openai_chat),
     ("openai_completion", openai_completion),
     ("vllm_generate", vllm_generate),
+    ("sglang_generate", sglang_generate),
     ("image", image),
     ("zmtp", zmtp),
 ];
@@ -170,6 +172,18 @@ pub fn vllm_generate(data: &[u8]) {
         let block_size = BlockSize::new(4).unwrap_or_default();
         let _ = features.extra_info().to_block_level(block_size, req.token_ids.len());
     }
+}
+
+/// A body of SGLang's `/generate` as the simulated engine takes it (decoded against the
+/// contract, then SGLang's checks), and the same bytes as an answer or chunk the front door
+/// reads back from an SGLang worker.
+pub fn sglang_generate(data: &[u8]) {
+    use kvroute_http::sglang_generate::{GenerateResponse, decode};
+    if let Ok(req) = decode(data) {
+        let _ = req.check();
+        let _ = (req.params(), req.is_batch());
+    }
+    let _ = serde_json::from_slice::<GenerateResponse>(data);
 }
 
 pub fn image(data: &[u8]) {

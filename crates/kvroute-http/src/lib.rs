@@ -8,7 +8,8 @@
 //! - [`metrics`]: the Prometheus registry and its `/metrics` answer;
 //! - [`server`]: how every listener is served (TLS, timeouts, a connection limit), and
 //!   [`fallbacks`]; [`auth`]: bearer keys (API keys, the admin token);
-//! - [`vllm_generate`]: vLLM's token-in, token-out API;
+//! - [`vllm_generate`]: vLLM's token-in, token-out API; [`sglang_generate`]: SGLang's native
+//!   `/generate`;
 //! - [`testing`]: calling an app in-process.
 //!
 //! ```text
@@ -25,6 +26,7 @@ pub mod metrics;
 pub mod openai;
 pub mod router_api;
 pub mod server;
+pub mod sglang_generate;
 pub mod sse;
 pub mod testing;
 pub mod vllm_generate;

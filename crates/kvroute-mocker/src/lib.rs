@@ -15,6 +15,7 @@ mod kv;
 pub mod metrics;
 mod sequence;
 pub mod service;
+mod sglang;
 pub mod timing;
 pub mod vllm;
 

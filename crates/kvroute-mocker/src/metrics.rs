@@ -19,6 +19,7 @@ pub const PREEMPTIONS: &str = "kvroute_mocker_preemptions";
 pub const FINISHED: &str = "kvroute_mocker_requests_finished";
 pub const RENDERED: &str = "kvroute_mocker_render_requests";
 pub const GENERATED: &str = "kvroute_mocker_generate_requests";
+pub const SGLANG_GENERATED: &str = "kvroute_mocker_sglang_generate_requests";
 pub const ZMQ_REFUSED: &str = "kvroute_mocker_zmq_refused_messages";
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
@@ -40,6 +41,7 @@ pub struct Metrics {
     finished: CounterOf,
     rendered: kvroute_http::metrics::Counter,
     generated: kvroute_http::metrics::Counter,
+    sglang_generated: kvroute_http::metrics::Counter,
     zmq_refused: CounterOf,
     vllm_running: Gauge,
     vllm_waiting: Gauge,
@@ -62,6 +64,7 @@ impl Metrics {
             finished: CounterOf::default(),
             rendered: kvroute_http::metrics::Counter::default(),
             generated: kvroute_http::metrics::Counter::default(),
+            sglang_generated: kvroute_http::metrics::Counter::default(),
             zmq_refused: CounterOf::default(),
             vllm_running: Gauge::default(),
             vllm_waiting: Gauge::default(),
@@ -95,6 +98,11 @@ impl Metrics {
             GENERATED,
             "Requests taken as token ids by vLLM's /inference/v1/generate",
             m.generated.clone(),
+        );
+        r.register(
+            SGLANG_GENERATED,
+            "Requests taken by SGLang's native /generate",
+            m.sglang_generated.clone(),
         );
         r.register(
             ZMQ_REFUSED,
@@ -153,6 +161,11 @@ impl Metrics {
     /// vLLM's generate endpoint took a request.
     pub fn generated(&self) {
         self.generated.inc();
+    }
+
+    /// SGLang's generate endpoint took a request.
+    pub fn sglang_generated(&self) {
+        self.sglang_generated.inc();
     }
 
     /// The registry, brought up to date with `s`.

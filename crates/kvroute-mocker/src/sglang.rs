@@ -1,0 +1,272 @@
+//! SGLang's native API as sglang 0.5.23 serves it ([`kvroute_http::sglang_generate`]):
+//! `POST /generate` (a prompt as token ids or text, SGLang's sampling parameters, an answer
+//! of text, ids and `meta_info`, whole or as a cumulative SSE stream ending in
+//! `data: [DONE]`). Requests are refused in SGLang's two shapes: `{"error": "..."}` for the contract, `{"error": {"message": "..."}}` for the
+//! server's checks, both 400.
+//!
+//! Where the simulated engine differs from SGLang: one prompt per request (a batch is
+//! refused), one sample (`n` above 1 is refused), no images (`image_data`), no adapters
+//! (`lora_path` is refused as SGLang refuses it without `--enable-lora`), no logprobs, and a
+//! token id outside the vocabulary is refused rather than left to the scheduler.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, Stream};
+use kvroute_http::sglang_generate::{
+    FinishReason, GenerateRequest, GenerateResponse, MetaInfo, OneOrMany, Refusal, TokenIdsOrList,
+    decode,
+};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::engine::{Output, Usage};
+use crate::http::{AppState, Submission, Submitted};
+use crate::service::CancelOnDrop;
+
+/// Why a request is not run: SGLang's refusal, or the engine's own (a prompt its cache can
+/// never hold).
+enum Refused {
+    Sglang(Refusal),
+    Engine(Box<kvroute_http::ApiError>),
+}
+
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        match self {
+            Refused::Sglang(r) => (StatusCode::BAD_REQUEST, Json(r.body())).into_response(),
+            Refused::Engine(e) => e.into_response(),
+        }
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Refused {
+    Refused::Sglang(Refusal::Invalid(message.into()))
+}
+
+pub(crate) async fn generate(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return kvroute_http::ApiError::from(e).into_response(),
+    };
+    let req = match decode(&body).and_then(|r| r.check().map(|()| r)) {
+        Ok(r) => r,
+        Err(r) => return Refused::Sglang(r).into_response(),
+    };
+    match admit(&state, &req) {
+        Ok((answer, submitted)) if req.stream => stream_answer(answer, submitted).into_response(),
+        Ok((answer, submitted)) => whole(answer, submitted).await,
+        Err(refused) => refused.into_response(),
+    }
+}
+
+/// The prompt handed to the engine and its answer, once SGLang's checks pass.
+fn admit(state: &Arc<AppState>, req: &GenerateRequest) -> Result<(Answer, Submitted), Refused> {
+    let tokens = prompt(state, req)?;
+    let params = req.params();
+    if params.n.unwrap_or(1) != 1 {
+        return Err(invalid("the simulated engine answers one sample: n must be 1"));
+    }
+    if params.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(invalid("logit_bias is not served by the simulated engine"));
+    }
+    let len = tokens.len() as u64;
+    let context = state.max_model_len;
+    if len >= context {
+        return Err(invalid(format!(
+            "The input ({len} tokens) is longer than the model's context length ({context} tokens)."
+        )));
+    }
+    let max_tokens = match params.max_new_tokens {
+        Some(m) => {
+            let m = u64::try_from(m).unwrap_or(0);
+            if m + len > context {
+                return Err(invalid(format!(
+                    "Requested token count exceeds the model's maximum context length of {context} tokens. You requested a total of {} tokens: {len} tokens from the input messages and {m} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+                    m + len
+                )));
+            }
+            m
+        }
+        None => context - len,
+    };
+    if max_tokens == 0 {
+        return Err(invalid(
+            "the simulated engine generates at least one token: max_new_tokens must be at least 1",
+        ));
+    }
+    let id = match req.rid.as_ref().and_then(OneOrMany::one) {
+        Some(rid) => rid.clone(),
+        None => format!("{:032x}", state.next_id()),
+    };
+    let submission = Submission {
+        id: id.clone(),
+        tokens,
+        mm: None,
+        max_tokens,
+        ignore_eos: params.ignore_eos == Some(true),
+        cache_salt: req.cache_salt.as_ref().and_then(OneOrMany::one).cloned(),
+    };
+    let submitted = state.submit(submission).map_err(|e| Refused::Engine(Box::new(e)))?;
+    state.metrics.sglang_generated();
+    let answer = Answer {
+        meta: MetaInfo { id, prompt_tokens: len, ..MetaInfo::default() },
+        preprocessor: Arc::clone(&state.preprocessor),
+        max_tokens,
+    };
+    Ok((answer, submitted))
+}
+
+/// The prompt's token ids: `input_ids` (in the vocabulary), else `text` tokenized as it is.
+fn prompt(state: &AppState, req: &GenerateRequest) -> Result<Vec<u32>, Refused> {
+    if req.is_batch() {
+        return Err(invalid(
+            "the simulated engine takes one prompt per request: send input_ids as a flat list",
+        ));
+    }
+    if req.image_data.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(invalid("image_data is not served by the simulated engine"));
+    }
+    let lora = req.lora_path.as_ref().filter(|v| !v.is_null() && v.as_str() != Some(""));
+    if let Some(lora) = lora {
+        let first = match lora {
+            Value::Array(a) => a.iter().find(|v| !v.is_null()).cloned().unwrap_or(Value::Null),
+            other => other.clone(),
+        };
+        let name = first.as_str().map_or_else(|| first.to_string(), str::to_owned);
+        return Err(invalid(format!(
+            "LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+        )));
+    }
+    let vocab = i64::try_from(state.preprocessor.vocab_size()).unwrap_or(i64::MAX);
+    match (&req.input_ids, &req.text) {
+        (Some(TokenIdsOrList::One(ids)), _) => {
+            if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= vocab) {
+                return Err(invalid(format!(
+                    "input_ids contains out-of-vocabulary token id {bad}; valid range is [0, {vocab})."
+                )));
+            }
+            Ok(ids.iter().map(|&t| u32::try_from(t).unwrap_or(0)).collect())
+        }
+        (None, Some(OneOrMany::One(text))) => {
+            state.preprocessor.encode(text).map_err(|e| invalid(e.to_string()))
+        }
+        _ => Err(invalid("Either text, input_ids or input_embeds should be provided.")),
+    }
+}
+
+/// What every answer to one request shares.
+struct Answer {
+    meta: MetaInfo,
+    preprocessor: Arc<kvroute_preprocess::Preprocessor>,
+    max_tokens: u64,
+}
+
+impl Answer {
+    /// The answer so far: its whole text and ids, why it ended (if it has), its counts.
+    fn so_far(&self, ids: &[u32], finish: Option<FinishReason>, usage: Option<Usage>) -> Value {
+        let mut meta = self.meta.clone();
+        meta.completion_tokens = ids.len() as u64;
+        meta.finish_reason = finish;
+        meta.weight_version = Some("default".to_owned());
+        if let Some(u) = usage {
+            meta.cached_tokens = u.cached_tokens as u64;
+            meta.completion_tokens = u.completion_tokens as u64;
+        }
+        let text = self.preprocessor.decode(ids).unwrap_or_default();
+        let response =
+            GenerateResponse { text: Some(text), output_ids: ids.to_vec(), meta_info: meta };
+        serde_json::to_value(response).unwrap_or_default()
+    }
+
+    /// Why `ids` ended: the stop token it generated, or its length.
+    fn finish(&self, end: Option<u32>, ids: &[u32]) -> FinishReason {
+        match ids.last().copied().filter(|&t| Some(t) == end) {
+            Some(token) => FinishReason::matched_token(token),
+            None => FinishReason::length(self.max_tokens),
+        }
+    }
+}
+
+async fn whole(answer: Answer, submitted: Submitted) -> Response {
+    let Submitted { mut outputs, mut guard, end } = submitted;
+    let mut ids = Vec::new();
+    while let Some(output) = outputs.recv().await {
+        match output {
+            Output::Token { token, .. } => ids.push(token),
+            Output::FirstToken { .. } => {}
+            Output::Finished { usage, .. } => {
+                guard.disarm();
+                let finish = answer.finish(end, &ids);
+                return Json(answer.so_far(&ids, Some(finish), Some(usage))).into_response();
+            }
+        }
+    }
+    let message = "the engine stopped before the request finished";
+    (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": {"message": message}}))).into_response()
+}
+
+/// SSE as SGLang streams it by default: a chunk per token with the whole text and ids so
+/// far, the last with `finish_reason` and the cache hits, then `data: [DONE]`. Dropping the
+/// stream (the client gone) cancels the request.
+fn stream_answer(
+    answer: Answer,
+    submitted: Submitted,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    struct St {
+        answer: Answer,
+        outputs: mpsc::UnboundedReceiver<Output>,
+        guard: CancelOnDrop,
+        end: Option<u32>,
+        ids: Vec<u32>,
+        /// `[DONE]` is due: the answer's last chunk went out.
+        finished: bool,
+        done: bool,
+    }
+    fn data(v: &Value) -> Event {
+        Event::default().data(v.to_string())
+    }
+    let Submitted { outputs, guard, end } = submitted;
+    let st = St { answer, outputs, guard, end, ids: Vec::new(), finished: false, done: false };
+    let events = stream::unfold(st, |mut st| async move {
+        loop {
+            if st.done {
+                return None;
+            }
+            if st.finished {
+                st.done = true;
+                return Some((Ok(Event::default().data("[DONE]")), st));
+            }
+            match st.outputs.recv().await {
+                Some(Output::FirstToken { .. }) => {}
+                Some(Output::Token { token, index, .. }) => {
+                    st.ids.push(token);
+                    // The last token's chunk waits for the engine's usage (the cache hits).
+                    let last = Some(token) == st.end || index as u64 + 1 >= st.answer.max_tokens;
+                    if !last {
+                        return Some((Ok(data(&st.answer.so_far(&st.ids, None, None))), st));
+                    }
+                }
+                Some(Output::Finished { usage, .. }) => {
+                    st.guard.disarm();
+                    st.finished = true;
+                    let finish = st.answer.finish(st.end, &st.ids);
+                    let last = data(&st.answer.so_far(&st.ids, Some(finish), Some(usage)));
+                    return Some((Ok(last), st));
+                }
+                None => return None,
+            }
+        }
+    });
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
