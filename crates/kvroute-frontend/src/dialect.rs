@@ -4,16 +4,18 @@
 //! nothing again, and it turns the engine's answer back into the OpenAI answer the client
 //! asked for (a whole answer, or chunk by chunk) as it passes:
 //! - `vllm-generate`: vLLM 0.33's `/inference/v1/generate`;
-//! - `openai-completions-tokens`: `/v1/completions` with the token ids as the prompt.
+//! - `openai-completions-tokens`: `/v1/completions` with the token ids as the prompt;
+//! - `sglang-generate`: SGLang's native `/generate`, the token ids as `input_ids`.
 //!
 //! A request carries as tokens only what the API has a field for: the sampling fields below,
 //! streaming and its usage, the cache namespace, and images (by their hash and placeholder
-//! range; generate only). Anything else (tools, `response_format`, `logprobs`, `n` above 1,
+//! range; vLLM's generate only). Anything else (tools, `response_format`, `logprobs`, `n` above 1,
 //! ...) goes to the same worker as chat, counted as a fallback.
 
 use axum::body::Bytes;
 use kvroute_http::SseEvent;
 use kvroute_http::openai::{Api, AssistantMessage, Choice, Completion, Delta, Envelope};
+use kvroute_http::sglang_generate::{self, OneOrMany, TokenIdsOrList};
 use kvroute_http::vllm_generate::{
     self, GenerateChunk, GenerateRequest, MultiModalFeatures, OutputMode, PlaceholderRange,
     SamplingParams, StreamOptions,
@@ -107,8 +109,61 @@ pub(crate) fn tokens_body(
             }
             serde_json::to_vec(&body).ok()?
         }
+        Dialect::SglangGenerate => {
+            sglang_body(prepared, &sampling, max_tokens, namespace, streamed)?
+        }
     };
     Some(Bytes::from(body))
+}
+
+/// OpenAI's sampling fields under SGLang's names; those SGLang has no field for are not
+/// carried (the request then goes as chat).
+const SGLANG_NAMES: [(&str, &str); 14] = [
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("top_k", "top_k"),
+    ("min_p", "min_p"),
+    ("presence_penalty", "presence_penalty"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("seed", "sampling_seed"),
+    ("stop", "stop"),
+    ("stop_token_ids", "stop_token_ids"),
+    ("ignore_eos", "ignore_eos"),
+    ("min_tokens", "min_new_tokens"),
+    ("skip_special_tokens", "skip_special_tokens"),
+    ("spaces_between_special_tokens", "spaces_between_special_tokens"),
+];
+
+fn sglang_body(
+    prepared: &Prepared,
+    sampling: &Map<String, Value>,
+    max_tokens: Option<i64>,
+    namespace: Option<&str>,
+    streamed: bool,
+) -> Option<Vec<u8>> {
+    if !prepared.mm.mm_objects.is_empty() {
+        return None; // images go as chat (SGLang's image_data would need the pixels)
+    }
+    let mut params = Map::new();
+    for (key, v) in sampling {
+        let (_, name) = SGLANG_NAMES.iter().find(|(openai, _)| openai == key)?;
+        params.insert((*name).to_owned(), v.clone());
+    }
+    // OpenAI's default is as many as fit; SGLang's (the field absent) is 128.
+    params.insert("max_new_tokens".to_owned(), max_tokens.into());
+    // A value SGLang's contract refuses: the request goes as chat, refused there as usual.
+    let params = serde_json::from_value(Value::Object(params)).ok()?;
+    let request = sglang_generate::GenerateRequest {
+        input_ids: Some(TokenIdsOrList::One(
+            prepared.tokens.iter().map(|&t| i64::from(t)).collect(),
+        )),
+        stream: streamed,
+        sampling_params: Some(OneOrMany::One(params)),
+        cache_salt: namespace.map(|ns| OneOrMany::One(ns.to_owned())),
+        ..sglang_generate::GenerateRequest::default()
+    };
+    serde_json::to_vec(&request).ok()
 }
 
 fn generate_body(
@@ -140,6 +195,7 @@ pub(crate) fn path(dialect: Dialect) -> &'static str {
         Dialect::OpenaiChat => "/v1/chat/completions",
         Dialect::VllmGenerate => vllm_generate::PATH,
         Dialect::OpenaiCompletionsTokens => "/v1/completions",
+        Dialect::SglangGenerate => sglang_generate::PATH,
     }
 }
 
@@ -163,25 +219,39 @@ fn features(prepared: &Prepared) -> MultiModalFeatures {
     f
 }
 
-/// Turns a vLLM generate answer into the OpenAI answer the client asked for, as it passes: a
-/// stream event by event, a whole answer at its end. An error answer (not 2xx) passes as it
-/// is (vLLM's errors are OpenAI's shape).
+/// Turns a tokens dialect's answer into the OpenAI answer the client asked for, as it
+/// passes: a stream event by event, a whole answer at its end. An error answer (not 2xx)
+/// passes as it is from vLLM (its errors are OpenAI's shape) and is put in OpenAI's shape
+/// from SGLang ([`Translator::failed`]).
 #[derive(Debug)]
 pub(crate) struct Translator {
-    /// What the engine answers in: vLLM's generate shape, or OpenAI's completions.
+    /// What the engine answers in: vLLM's or SGLang's generate shape, or OpenAI's
+    /// completions.
     from: Dialect,
     envelope: Envelope,
     sse: bool,
     reader: kvroute_http::SseReader,
     /// The role goes out with the first delta.
     first: bool,
+    /// SGLang streams the whole text so far: how much of it has gone out.
+    sent: usize,
+    /// The engine refused the request with this status: its error is what passes.
+    failed: Option<u16>,
 }
 
 impl Translator {
     /// For the request numbered `id` (the answer's id is OpenAI's form of it).
     pub(crate) fn new(from: Dialect, api: Api, id: &str, model: String, sse: bool) -> Self {
         let envelope = Envelope::new(api, id, model);
-        Self { from, envelope, sse, reader: kvroute_http::SseReader::default(), first: true }
+        let reader = kvroute_http::SseReader::default();
+        Self { from, envelope, sse, reader, first: true, sent: 0, failed: None }
+    }
+
+    /// For an error answer of `status`: SGLang's two error shapes become OpenAI's; any other
+    /// dialect's error passes as it is.
+    pub(crate) fn failed(from: Dialect, status: u16) -> Option<Self> {
+        let translator = Self::new(from, Api::Chat, "", String::new(), false);
+        (from == Dialect::SglangGenerate).then_some(Self { failed: Some(status), ..translator })
     }
 
     pub(crate) fn sse(&self) -> bool {
@@ -194,19 +264,32 @@ impl Translator {
     pub(crate) fn stream(&mut self, bytes: &[u8]) -> Bytes {
         let mut out = Vec::new();
         for event in self.reader.push(bytes) {
-            let data = match event {
-                SseEvent::Done => "[DONE]".to_owned(),
+            let mut datas = Vec::with_capacity(2);
+            match event {
+                SseEvent::Done => datas.push("[DONE]".to_owned()),
                 SseEvent::Data(data) => match self.piece(data.as_bytes()) {
-                    Some(piece) => {
+                    Some(mut piece) => {
+                        // SGLang's last chunk carries the usage: OpenAI sends it apart.
+                        let usage = match self.from {
+                            Dialect::SglangGenerate => piece.usage.take(),
+                            _ => None,
+                        };
                         let c = self.emit(piece, true);
-                        serde_json::to_string(&c).unwrap_or_default()
+                        datas.push(serde_json::to_string(&c).unwrap_or_default());
+                        if let Some(usage) = usage {
+                            let apart = Piece { choices: Vec::new(), usage: Some(usage) };
+                            let c = self.emit(apart, true);
+                            datas.push(serde_json::to_string(&c).unwrap_or_default());
+                        }
                     }
-                    None => data,
+                    None => datas.push(data),
                 },
-            };
-            out.extend_from_slice(b"data: ");
-            out.extend_from_slice(data.as_bytes());
-            out.extend_from_slice(b"\n\n");
+            }
+            for data in datas {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(data.as_bytes());
+                out.extend_from_slice(b"\n\n");
+            }
         }
         Bytes::from(out)
     }
@@ -214,13 +297,16 @@ impl Translator {
     /// A whole answer: OpenAI's, or the bytes as they came when they are not the engine's
     /// answer.
     pub(crate) fn whole(&mut self, bytes: &[u8]) -> Bytes {
+        if let Some(status) = self.failed {
+            return sglang_error(status, bytes);
+        }
         let Some(piece) = self.piece(bytes) else { return Bytes::copy_from_slice(bytes) };
         let completion = self.emit(piece, false);
         serde_json::to_vec(&completion).map_or_else(|_| Bytes::copy_from_slice(bytes), Bytes::from)
     }
 
     /// The engine's answer or chunk, whatever its shape.
-    fn piece(&self, data: &[u8]) -> Option<Piece> {
+    fn piece(&mut self, data: &[u8]) -> Option<Piece> {
         match self.from {
             Dialect::VllmGenerate => {
                 let chunk: GenerateChunk = serde_json::from_slice(data).ok()?;
@@ -230,6 +316,31 @@ impl Translator {
                     .map(|c| (c.index, c.text.unwrap_or_default(), c.finish_reason))
                     .collect();
                 Some(Piece { choices, usage: chunk.usage })
+            }
+            Dialect::SglangGenerate => {
+                let r: sglang_generate::GenerateResponse = serde_json::from_slice(data).ok()?;
+                let meta = r.meta_info;
+                // Whole so far by default; with --incremental-streaming-output, only the new
+                // text (then its ids are fewer than the tokens generated).
+                let text = r.text.unwrap_or_default();
+                let cumulative = r.output_ids.len() as u64 == meta.completion_tokens;
+                let new = match cumulative && self.sent <= text.len() {
+                    true => text.get(self.sent..).unwrap_or_default().to_owned(),
+                    false => text.clone(),
+                };
+                self.sent = match cumulative {
+                    true => text.len(),
+                    false => self.sent + text.len(),
+                };
+                let finish = meta.finish_reason.as_ref().map(|f| f.kind.clone());
+                let usage = finish.is_some().then(|| {
+                    kvroute_http::openai::Usage::new(
+                        meta.prompt_tokens,
+                        meta.completion_tokens,
+                        meta.cached_tokens,
+                    )
+                });
+                Some(Piece { choices: vec![(0, new, finish)], usage })
             }
             Dialect::OpenaiCompletionsTokens | Dialect::OpenaiChat => {
                 let c: Completion = serde_json::from_slice(data).ok()?;
@@ -276,4 +387,20 @@ impl Translator {
 struct Piece {
     choices: Vec<(u32, String, Option<String>)>,
     usage: Option<kvroute_http::openai::Usage>,
+}
+
+/// SGLang's error body (`{"error": "..."}` or `{"error": {"message": "..."}}`) in OpenAI's
+/// shape, with the engine's status.
+fn sglang_error(status: u16, bytes: &[u8]) -> Bytes {
+    let body: Value = serde_json::from_slice(bytes).unwrap_or_default();
+    let message = match &body["error"] {
+        Value::String(m) => m.clone(),
+        e => e["message"]
+            .as_str()
+            .map_or_else(|| String::from_utf8_lossy(bytes).into_owned(), str::to_owned),
+    };
+    let status =
+        axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
+    let error = kvroute_http::ApiError::new(status, message);
+    serde_json::to_vec(&error.body()).map_or_else(|_| Bytes::copy_from_slice(bytes), Bytes::from)
 }

@@ -199,10 +199,14 @@ fn respond(
         guard.predicted = Some((placement, out.prompt_tokens as u64));
     }
     let usage = Usage::new(sse, out.strip_usage);
-    let translator = from.filter(|_| parts.status.is_success()).map(|from| {
-        let model = state.preprocessor.model_name().to_owned();
-        Translator::new(from, out.kind, &guard.id, model, sse)
-    });
+    let translator = match (from, parts.status.is_success()) {
+        (Some(from), true) => {
+            let model = state.preprocessor.model_name().to_owned();
+            Some(Translator::new(from, out.kind, &guard.id, model, sse))
+        }
+        (Some(from), false) => Translator::failed(from, parts.status.as_u16()),
+        (None, _) => None,
+    };
     let data = translated(incoming, translator);
     let stream = proxy_body(data, guard, worker.worker_id, usage);
     let mut answer = Response::builder().status(parts.status);

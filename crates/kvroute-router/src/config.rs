@@ -82,11 +82,14 @@ pub enum Dialect {
     /// OpenAI's `/v1/completions` with the token ids as the prompt (vLLM, SGLang and most
     /// OpenAI-compatible engines take them); chat answers are made from its completions.
     OpenaiCompletionsTokens,
+    /// SGLang's native `/generate`: the token ids go in as `input_ids`, the text comes out.
+    SglangGenerate,
 }
 
 impl Dialect {
     /// Every dialect's name, as `--worker dialect=` takes it.
-    pub const NAMES: [&str; 3] = ["openai-chat", "vllm-generate", "openai-completions-tokens"];
+    pub const NAMES: [&str; 4] =
+        ["openai-chat", "vllm-generate", "openai-completions-tokens", "sglang-generate"];
 
     /// Whether the engine gets the front door's token ids.
     pub fn sends_tokens(self) -> bool {
@@ -100,6 +103,7 @@ impl std::fmt::Display for Dialect {
             Dialect::OpenaiChat => Dialect::NAMES[0],
             Dialect::VllmGenerate => Dialect::NAMES[1],
             Dialect::OpenaiCompletionsTokens => Dialect::NAMES[2],
+            Dialect::SglangGenerate => Dialect::NAMES[3],
         })
     }
 }
@@ -112,6 +116,7 @@ impl FromStr for Dialect {
             "openai-chat" => Ok(Dialect::OpenaiChat),
             "vllm-generate" => Ok(Dialect::VllmGenerate),
             "openai-completions-tokens" => Ok(Dialect::OpenaiCompletionsTokens),
+            "sglang-generate" => Ok(Dialect::SglangGenerate),
             other => Err(WorkerFlagError::Dialect(other.to_owned())),
         }
     }

@@ -2,8 +2,9 @@
 //! `vllm-generate` (the simulated workers' default) a chat goes to vLLM's
 //! `/inference/v1/generate` as the token ids the router hashed and comes back in OpenAI's
 //! shape, whole or streamed (and with `openai-completions-tokens`, to `/v1/completions` with
-//! the token ids as its prompt); what that API cannot carry goes as chat and is counted; with
-//! `openai-chat` the client's body goes as it came.
+//! the token ids as its prompt; with `sglang-generate`, to SGLang's `/generate` as
+//! `input_ids`); what that API cannot carry goes as chat and is counted; with `openai-chat`
+//! the client's body goes as it came.
 
 #![allow(clippy::unwrap_used)]
 
@@ -72,7 +73,9 @@ fn chat(extra: Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_goes_as_token_ids_and_comes_back_as_openais() {
-    for dialect in [Dialect::VllmGenerate, Dialect::OpenaiCompletionsTokens] {
+    for dialect in
+        [Dialect::VllmGenerate, Dialect::OpenaiCompletionsTokens, Dialect::SglangGenerate]
+    {
         as_token_ids(dialect).await;
     }
 }
@@ -148,6 +151,23 @@ async fn what_the_generate_api_cannot_carry_goes_as_chat() {
     assert_eq!(metric(&base, "kvroute_frontend_sent_as_tokens_total").await, 1.0);
 }
 
+/// SGLang refuses in shapes of its own (`{"error": "..."}`, `{"error": {"message"}}`): the
+/// client gets OpenAI's, with SGLang's status and message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglangs_refusals_reach_the_client_in_openais_shape() {
+    let (_stack, base) = fleet(Dialect::SglangGenerate).await;
+    let (status, _, answer) = post(&base, "/v1/chat/completions", &chat(json!({"top_p": 0}))).await;
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(answer["error"]["message"], "top_p must be in (0, 1], got 0.0.", "{answer}");
+    assert_eq!(answer["error"]["type"], "invalid_request_error", "{answer}");
+    assert_eq!(metric(&base, "kvroute_frontend_sent_as_tokens_total").await, 1.0);
+    // What SGLang's sampling parameters have no field for goes as chat.
+    let (status, _, _) =
+        post(&base, "/v1/chat/completions", &chat(json!({"length_penalty": 1.0}))).await;
+    assert_eq!(status, 200);
+    assert_eq!(metric(&base, "kvroute_frontend_dialect_fallbacks_total").await, 1.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_chat_workers_get_the_clients_body() {
     let (_stack, base) = fleet(Dialect::OpenaiChat).await;
@@ -176,7 +196,12 @@ async fn predictions(base: &str) -> (u64, u64, u64, u64) {
 async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/templates");
     let template = std::fs::read_to_string(dir.join("blank-line.jinja")).unwrap();
-    for dialect in [Dialect::OpenaiChat, Dialect::VllmGenerate, Dialect::OpenaiCompletionsTokens] {
+    for dialect in [
+        Dialect::OpenaiChat,
+        Dialect::VllmGenerate,
+        Dialect::OpenaiCompletionsTokens,
+        Dialect::SglangGenerate,
+    ] {
         let config = StackConfig {
             simulated: Simulated {
                 count: 1,
@@ -213,7 +238,10 @@ async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
             |what: &str| matches!(&parity, kvroute_router::Parity::Failed(c) if c.contains(what));
         match dialect {
             Dialect::VllmGenerate => assert_eq!(parity, kvroute_router::Parity::Ok),
-            Dialect::OpenaiCompletionsTokens => assert!(failed("image"), "{parity:?}"),
+            // Neither carries images (SGLang's would need the pixels): that probe goes as chat.
+            Dialect::OpenaiCompletionsTokens | Dialect::SglangGenerate => {
+                assert!(failed("image"), "{parity:?}");
+            }
             Dialect::OpenaiChat => assert!(failed("token ids"), "{parity:?}"),
         }
         match dialect.sends_tokens() {
