@@ -220,6 +220,18 @@ pub struct BenchArgs {
     /// With --target: the model name to send (default: the first of its /v1/models).
     #[arg(long, env = "KVROUTE_BENCH_MODEL", requires = "target")]
     pub model: Option<String>,
+    /// With --target: the API its requests use: openai (/v1/completions for prompts,
+    /// /v1/chat/completions for chats) or sglang-generate (SGLang's native /generate, a
+    /// prompt's token ids as input_ids or its text as text; not for multi-turn or
+    /// multimodal, whose requests are chats).
+    #[arg(
+        long,
+        env = "KVROUTE_BENCH_TARGET_API",
+        value_enum,
+        default_value_t,
+        requires = "target"
+    )]
+    pub target_api: run::TargetApi,
 
     /// Router replicas: each policy also runs with N front doors (each with its router) over
     /// the one fleet, requests sprayed round-robin across them as a load balancer would (a
@@ -343,6 +355,12 @@ impl BenchArgs {
         anyhow::ensure!(
             self.replicas == 1 || self.target.is_none(),
             "--replicas starts its own fleet: leave out --target"
+        );
+        let chats = [WorkloadKind::MultiTurn, WorkloadKind::Multimodal];
+        anyhow::ensure!(
+            self.target_api == run::TargetApi::Openai
+                || !self.workloads.iter().any(|w| chats.contains(w)),
+            "--target-api sglang-generate sends prompts, and multi-turn and multimodal send chats: pick other --workloads"
         );
         let targets = self.target.iter().flat_map(|t| t.split(',')).map(str::trim);
         for url in targets.chain(self.worker_stats.iter().map(String::as_str)) {
@@ -491,6 +509,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
         Some(url) => vec![(
             args.label.clone().unwrap_or_else(|| "target".to_owned()),
             Target::Remote {
+                api: args.target_api,
                 urls: url.split(',').map(|u| u.trim().trim_end_matches('/').to_owned()).collect(),
                 worker_stats: args
                     .worker_stats

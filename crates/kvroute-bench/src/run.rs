@@ -83,7 +83,22 @@ pub enum Target {
     /// them), and the workers' base URLs whose `/stats` give the ground truth.
     /// `worker_stats`: the workers whose `/stats` are the ground truth (their tokens, if
     /// they have any, sent to them alone).
-    Remote { urls: Vec<String>, worker_stats: Vec<WorkerSpec>, model: Option<String> },
+    Remote {
+        urls: Vec<String>,
+        worker_stats: Vec<WorkerSpec>,
+        model: Option<String>,
+        api: TargetApi,
+    },
+}
+
+/// The API a `--target`'s requests use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TargetApi {
+    /// OpenAI's: `/v1/completions` for prompts, `/v1/chat/completions` for chats.
+    #[default]
+    Openai,
+    /// SGLang's native `/generate`: `input_ids` or `text`, its cumulative stream.
+    SglangGenerate,
 }
 
 /// Router replicas in front of one fleet.
@@ -185,6 +200,7 @@ struct Driver {
     preprocessor: Arc<Preprocessor>,
     block_size: BlockSize,
     t0: tokio::time::Instant,
+    api: TargetApi,
 }
 
 /// Plays `workload` against `target` on a runtime of its own; `preprocessor` is the engines'
@@ -212,7 +228,7 @@ pub fn run(
                 let driver = Driver::new(urls, None, preprocessor, bs, &stats);
                 drive(workload, &driver, &stats_urls(&stats), label, progress).await
             }
-            Target::Remote { urls, worker_stats, model } => {
+            Target::Remote { urls, worker_stats, model, api } => {
                 let model = match model {
                     Some(m) => Some(m.clone()),
                     None => {
@@ -220,7 +236,10 @@ pub fn run(
                         futures_util::future::join_all(models).await.into_iter().flatten().next()
                     }
                 };
-                let driver = Driver::new(urls.clone(), model, preprocessor, bs, worker_stats);
+                let driver = Driver {
+                    api: *api,
+                    ..Driver::new(urls.clone(), model, preprocessor, bs, worker_stats)
+                };
                 drive(workload, &driver, &stats_urls(worker_stats), label, progress).await
             }
         }
@@ -400,6 +419,7 @@ impl Driver {
             preprocessor: Arc::clone(pre),
             block_size: bs,
             t0: tokio::time::Instant::now() + Duration::from_millis(50),
+            api: TargetApi::Openai,
         }
     }
 }
@@ -524,7 +544,11 @@ fn request_body(
     request: &BenchRequest,
     model: Option<&str>,
     conversation: &mut Vec<Value>,
+    api: TargetApi,
 ) -> (&'static str, Value) {
+    if api == TargetApi::SglangGenerate {
+        return sglang_body(request);
+    }
     let (path, mut body) = match &request.prompt {
         Prompt::Tokens(tokens) => ("/v1/completions", json!({"prompt": tokens})),
         Prompt::Text(text) => ("/v1/completions", json!({"prompt": text})),
@@ -545,6 +569,18 @@ fn request_body(
         body["model"] = json!(model);
     }
     (path, body)
+}
+
+/// SGLang's `/generate` body: the prompt's token ids or text, streamed (a chat has no such
+/// body: `--target-api` refuses workloads of chats).
+fn sglang_body(request: &BenchRequest) -> (&'static str, Value) {
+    let mut body = match &request.prompt {
+        Prompt::Text(text) => json!({"text": text}),
+        _ => json!({"input_ids": request.prompt_ids.as_ref()}),
+    };
+    body["stream"] = json!(true);
+    body["sampling_params"] = json!({"max_new_tokens": request.max_tokens, "ignore_eos": true});
+    (kvroute_http::sglang_generate::PATH, body)
 }
 
 /// The prompt's token ids and full blocks: precomputed, or (a conversation turn) derived from
@@ -571,7 +607,7 @@ async fn send(
     order: usize,
 ) -> RequestRecord {
     let start = tokio::time::Instant::now();
-    let (path, body) = request_body(request, driver.model.as_deref(), conversation);
+    let (path, body) = request_body(request, driver.model.as_deref(), conversation, driver.api);
     let (prompt_ids, prompt_blocks) = prompt_of(driver, request, &body);
     let mut record = RequestRecord {
         sent_at: micros(start.saturating_duration_since(driver.t0)) / 1e6,
@@ -586,7 +622,7 @@ async fn send(
         let url = format!("{}{path}", driver.bases[(order + k) % n]);
         outcome = tokio::time::timeout(
             REQUEST_TIMEOUT,
-            stream_one(&driver.client, &url, &body, start, &mut record),
+            stream_one(&driver.client, &url, &body, start, &mut record, driver.api),
         )
         .await;
         let refused = matches!(&outcome, Ok(Err(e)) if refused(e));
@@ -641,6 +677,7 @@ async fn stream_one(
     body: &Value,
     start: tokio::time::Instant,
     record: &mut RequestRecord,
+    api: TargetApi,
 ) -> anyhow::Result<()> {
     let response = client.call(hyper::Method::POST, url, Some(body)).await.context("sending")?;
     record.worker = header(&response, kvroute_frontend::WORKER_HEADER);
@@ -670,6 +707,10 @@ async fn stream_one(
             if let Ok(error) = serde_json::from_str::<kvroute_http::error::ErrorBody>(&chunk) {
                 anyhow::bail!("error in the stream: {}", error.error.message);
             }
+            if api == TargetApi::SglangGenerate {
+                sglang_chunk(&chunk, start, &mut last_token, record)?;
+                continue;
+            }
             let chunk: Completion = serde_json::from_str(&chunk)
                 .with_context(|| format!("an undecodable chunk: {chunk:.80}"))?;
             for text in chunk.choices.iter().filter_map(|c| c.new_text()) {
@@ -693,6 +734,37 @@ async fn stream_one(
     }
     anyhow::ensure!(done, "the stream ended without [DONE]");
     anyhow::ensure!(record.ttft_ms.is_some(), "no token was streamed");
+    Ok(())
+}
+
+/// One chunk of SGLang's stream, which carries the whole answer so far: its new tokens
+/// timed, its text and (on the last) its counts recorded.
+fn sglang_chunk(
+    chunk: &str,
+    start: tokio::time::Instant,
+    last_token: &mut Option<tokio::time::Instant>,
+    record: &mut RequestRecord,
+) -> anyhow::Result<()> {
+    let chunk: kvroute_http::sglang_generate::GenerateResponse = serde_json::from_str(chunk)
+        .with_context(|| format!("an undecodable chunk: {chunk:.80}"))?;
+    let now = tokio::time::Instant::now();
+    for _ in record.output_tokens..chunk.output_ids.len() {
+        match last_token {
+            None => record.ttft_ms = Some(micros(now - start) / 1e3),
+            Some(prev) => record.itl_ms.push(micros(now - *prev) / 1e3),
+        }
+        *last_token = Some(now);
+    }
+    record.output_tokens = record.output_tokens.max(chunk.output_ids.len());
+    if let Some(text) = chunk.text {
+        record.answer = text;
+    }
+    let meta = chunk.meta_info;
+    if meta.finish_reason.is_some() {
+        record.prompt_tokens = Some(meta.prompt_tokens);
+        record.cached_tokens = Some(meta.cached_tokens);
+        record.output_tokens = meta.completion_tokens as usize;
+    }
     Ok(())
 }
 

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use indicatif::ProgressBar;
-use kvroute_bench::run::{self, FleetConfig, Target};
+use kvroute_bench::run::{self, FleetConfig, Target, TargetApi};
 use kvroute_bench::summary::summarize;
 use kvroute_bench::workload::{Multimodal, SharedPrefix};
 use kvroute_bench::{BenchArgs, WorkloadResult};
@@ -159,7 +159,8 @@ fn a_target_by_url_with_worker_stats() {
     }
     .generate(2, fleet.block_size().unwrap(), 0.0, &pre)
     .unwrap();
-    let target = Target::Remote { urls, worker_stats: workers, model: None };
+    let target =
+        Target::Remote { urls, worker_stats: workers, model: None, api: TargetApi::Openai };
     let data =
         run::run(&workload, &target, &fleet, "target", &ProgressBar::hidden(), &pre).unwrap();
     assert!(data.records.iter().all(|r| r.error.is_none()), "{:?}", data.records);
@@ -172,6 +173,39 @@ fn a_target_by_url_with_worker_stats() {
     assert_eq!(s.predicted, 12);
     assert_eq!(s.false_hits, 0);
     assert_eq!(s.over_predicted, 0);
+    host.shutdown_timeout(Duration::from_secs(1));
+}
+
+/// `--target-api sglang-generate`: a workload sent to an engine's SGLang `/generate` as token
+/// ids, its cumulative stream read back (tokens timed, the answer and the cache hits kept).
+#[test]
+fn a_target_by_sglangs_native_api() {
+    let host =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let fleet = fleet();
+    let (_, workers) = host.block_on(run::start_fleet(&fleet, PolicyKind::Kv, true, None)).unwrap();
+    let pre = std::sync::Arc::new(Preprocessor::builtin());
+    let workload = small_shared_prefix();
+    // One engine, straight: every repeat of a group's prefix is a hit there.
+    let engine = workers[0].url.clone().unwrap();
+    let target = Target::Remote {
+        urls: vec![engine],
+        worker_stats: workers[..1].to_vec(),
+        model: None,
+        api: TargetApi::SglangGenerate,
+    };
+    let data =
+        run::run(&workload, &target, &fleet, "sglang", &ProgressBar::hidden(), &pre).unwrap();
+    assert_eq!(data.records.len(), 16);
+    for r in &data.records {
+        assert!(r.error.is_none(), "{r:?}");
+        assert_eq!(r.output_tokens, 4, "{r:?}");
+        assert_eq!(r.itl_ms.len(), 3, "a token per chunk: {r:?}");
+        assert!(r.ttft_ms.is_some() && !r.answer.is_empty(), "{r:?}");
+        assert_eq!(r.prompt_tokens, Some(workload.requests[r.index].prompt_ids.len() as u64));
+    }
+    let hits = data.records.iter().filter(|r| r.cached_tokens.unwrap_or(0) >= 512).count();
+    assert!(hits >= 12, "the repeats of each group's 512-token prefix hit: {hits} of 16");
     host.shutdown_timeout(Duration::from_secs(1));
 }
 
@@ -244,7 +278,12 @@ fn replicas_share_one_fleet_and_a_dead_front_door_is_skipped() {
     urls.push(format!("http://{closed}"));
     let pre = std::sync::Arc::new(Preprocessor::builtin());
     let workload = small_shared_prefix();
-    let target = Target::Remote { urls: urls.clone(), worker_stats: workers, model: None };
+    let target = Target::Remote {
+        urls: urls.clone(),
+        worker_stats: workers,
+        model: None,
+        api: TargetApi::Openai,
+    };
     let data =
         run::run(&workload, &target, &fleet, "replicas", &ProgressBar::hidden(), &pre).unwrap();
     assert!(data.records.iter().all(|r| r.error.is_none()), "{:?}", data.records);

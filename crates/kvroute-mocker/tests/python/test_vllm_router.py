@@ -5,24 +5,14 @@ token ids from the workers' `/v1/chat/completions/render`; the test checks that 
 and that a repeated prefix goes to the worker holding it."""
 
 import json
-import os
-import pathlib
-import re
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 import vllm_router  # noqa: F401  (pip vllm-router==0.1.17; scripts/test installs it)
 
-ROOT = pathlib.Path(__file__).resolve().parents[4]
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
+from peer_fleet import free_port, get, metric, start_mockers, stop, wait_until
 
 
 def chat(base: str, text: str) -> dict:
@@ -34,52 +24,11 @@ def chat(base: str, text: str) -> dict:
         return json.loads(r.read())
 
 
-def metric(text: str, name: str, **labels) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^([^#\s{]+)(?:\{([^}]*)\})?\s+(\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
-
-
-def free_port() -> int:
-    # vllm-router refuses port 0, so the port is picked here (a small window: it is started at once).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(check, what: str, seconds: float = 30):
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            if check():
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def fleet():
-    binary = os.environ.get("KVROUTE_BIN") or str(ROOT / "target/debug/kvroute")
-    if not os.path.exists(binary):
-        pytest.fail(f"{binary} not found: build it with `cargo build -p kvroute` (or set KVROUTE_BIN)")
-    procs, workers = [], []
+    procs = []
     try:
-        for _ in range(4):
-            p = subprocess.Popen([binary, "mocker", "--port", "0", "--speedup", "20"], stdout=subprocess.PIPE, text=True)
-            procs.append(p)
-            line = p.stdout.readline()
-            m = re.search(r"listening on (\S+) .*events (\S+) replay (\S+)", line)
-            assert m, line
-            workers.append({"url": m.group(1), "events": m.group(2), "replay": m.group(3)})
+        workers = start_mockers(procs)
         port, prom = free_port(), free_port()
         cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                "--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", "kvroute-tiny",
@@ -99,14 +48,7 @@ def fleet():
         wait_until(up, "vllm-router")
         yield base, f"http://127.0.0.1:{prom}", workers
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 def served(workers) -> list:

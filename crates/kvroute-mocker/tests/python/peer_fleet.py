@@ -1,0 +1,80 @@
+"""What the peer-router tests share: four `kvroute mocker` processes on free loopback ports, the
+peer router's port, readiness waits, and reading Prometheus samples."""
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[4]
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([^#\s{]+)(?:\{([^}]*)\})?\s+(\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def free_port() -> int:
+    # The peer routers refuse port 0, so the port is picked here (a small window: the router is
+    # started at once).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, what: str, seconds: float = 30):
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def start_mockers(procs: list, n: int = 4) -> list:
+    """`n` simulated engines (their processes appended to `procs`): each one's URL and its
+    event, replay and load ports, as it prints them."""
+    binary = os.environ.get("KVROUTE_BIN") or str(ROOT / "target/debug/kvroute")
+    if not os.path.exists(binary):
+        pytest.fail(f"{binary} not found: build it with `cargo build -p kvroute` (or set KVROUTE_BIN)")
+    workers = []
+    for _ in range(n):
+        p = subprocess.Popen([binary, "mocker", "--port", "0", "--speedup", "20"], stdout=subprocess.PIPE, text=True)
+        procs.append(p)
+        line = p.stdout.readline()
+        m = re.search(r"listening on (\S+) .*events (\S+) replay (\S+)", line)
+        assert m, line
+        workers.append({"url": m.group(1), "events": m.group(2), "replay": m.group(3)})
+    return workers
+
+
+def stop(procs: list):
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
