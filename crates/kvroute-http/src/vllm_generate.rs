@@ -199,6 +199,84 @@ pub struct GenerateChunk {
     pub choices: Vec<GenerateChoice>,
 }
 
+/// `POST /v1/chat/completions/derender`: a whole `output_mode: "tokens"` answer turned into
+/// OpenAI's chat completion, with no engine run.
+pub const DERENDER_CHAT_PATH: &str = "/v1/chat/completions/derender";
+/// `POST /v1/completions/derender`: one tokens answer per prompt into OpenAI's completion.
+pub const DERENDER_COMPLETION_PATH: &str = "/v1/completions/derender";
+
+/// vLLM's `DerenderChatRequest` (and, with `stream: true`, the streamed form's marker).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DerenderChatRequest {
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    pub generate_response: GenerateResponse,
+    /// For the usage (0 when absent: the answer carries only output tokens).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    /// The chat request as `/render` took it (vLLM's parsers read it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_request: Option<Value>,
+}
+
+/// vLLM's `DerenderCompletionRequest`: one tokens answer per prompt.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DerenderCompletionRequest {
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    pub generate_responses: Vec<GenerateResponse>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<Option<Vec<u32>>>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_request: Option<Value>,
+}
+
+/// vLLM's `VLLM_MAX_N_SEQUENCES` default: the most answers, or choices of one, derendered.
+pub const MAX_N_SEQUENCES: usize = 16384;
+
+/// vLLM's checks of answers to derender, before any decoding: each is `output_mode:
+/// "tokens"` (the others are already text), and none is larger than the server allows.
+pub fn check_derender(answers: &[GenerateResponse], max_model_len: u64) -> Result<(), ApiError> {
+    if let Some(a) = answers.iter().find(|a| a.output_mode != OutputMode::Tokens) {
+        let mode = serde_json::to_string(&a.output_mode).unwrap_or_default().replace('"', "'");
+        let m = format!("Input should be 'tokens' (output_mode is {mode})");
+        return Err(invalid("output_mode", &m));
+    }
+    if answers.len() > MAX_N_SEQUENCES {
+        return Err(refused(format!(
+            "generate_responses count ({}) exceeds server maximum ({MAX_N_SEQUENCES}). Set VLLM_MAX_N_SEQUENCES to increase this limit.",
+            answers.len()
+        )));
+    }
+    for a in answers {
+        if a.choices.len() > MAX_N_SEQUENCES {
+            return Err(refused(format!(
+                "choices count ({}) in response '{}' exceeds server maximum ({MAX_N_SEQUENCES}).",
+                a.choices.len(),
+                a.request_id
+            )));
+        }
+        for c in &a.choices {
+            let n = c.token_ids.as_ref().map_or(0, Vec::len);
+            if n as u64 > max_model_len {
+                return Err(refused(format!(
+                    "token_ids length ({n}) in choice {} exceeds max_model_len ({max_model_len}).",
+                    c.index
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// vLLM's length limit and forbidden characters of `cache_salt`.
 pub const MAX_CACHE_SALT_CHARS: usize = 128;
 const CACHE_SALT_FORBIDDEN: [char; 4] = ['@', '/', '\\', '\0'];

@@ -7,7 +7,8 @@
 //!
 //! Where the simulated engine differs from vLLM: it always reports `cached_tokens` (vLLM does
 //! with `--enable-prompt-tokens-details`), answers one choice (`n` above 1 is refused), takes
-//! no `content_parts` and no `derender`, and has no priority scheduling (a priority other
+//! no `content_parts` and no `output_mode: "derender"` (the derender endpoints are
+//! [`crate::derender`]'s), and has no priority scheduling (a priority other
 //! than 0 is refused, as vLLM refuses it without `--scheduling-policy priority`).
 
 use std::collections::VecDeque;

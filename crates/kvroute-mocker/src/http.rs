@@ -124,6 +124,11 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions/render", post(crate::vllm::render_chat))
         .route("/v1/completions/render", post(crate::vllm::render_completion))
         .route(kvroute_http::vllm_generate::PATH, post(crate::generate::generate))
+        .route(kvroute_http::vllm_generate::DERENDER_CHAT_PATH, post(crate::derender::chat))
+        .route(
+            kvroute_http::vllm_generate::DERENDER_COMPLETION_PATH,
+            post(crate::derender::completion),
+        )
         .route(kvroute_http::sglang_generate::PATH, post(crate::sglang::generate));
     let routes = kvroute_http::auth::require(guarded, state.api_keys.clone())
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))

@@ -8,6 +8,7 @@
 //! - [`service`]: the engine in real time, publishing KV events and load reports;
 //! - [`http`]: its OpenAI-compatible API; [`vllm`]: vLLM's endpoints for routers.
 
+mod derender;
 pub mod engine;
 pub mod generate;
 pub mod http;

@@ -310,3 +310,71 @@ async fn refuses_what_vllm_refuses_in_its_shapes() {
     let (status, v) = e.post(PATH, &with("cache_salt", json!("tenant-a"))).await;
     assert_eq!(status, 200, "{v}");
 }
+
+/// vLLM's derender endpoints: a tokens answer becomes OpenAI's, with the text the engine's
+/// text mode gives for the same tokens, and no engine run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn derender_turns_a_tokens_answer_into_openais() {
+    use kvroute_http::vllm_generate::{DERENDER_CHAT_PATH, DERENDER_COMPLETION_PATH};
+    let e = engine(1000).await;
+    let tokens = e.rendered("Tell me a story about routers.").await;
+    let sampling = json!({"max_tokens": 5, "ignore_eos": true});
+    let (_, answer) = e.post(PATH, &generate(&tokens, sampling.clone())).await;
+    let mut text_body = generate(&tokens, sampling);
+    text_body["output_mode"] = json!("text");
+    let (_, text) = e.post(PATH, &text_body).await;
+    let want = text["choices"][0]["text"].as_str().unwrap();
+    let before = e.metric("vllm:prefix_cache_queries_total").await;
+
+    let body = json!({"generate_response": answer, "prompt_tokens": tokens.len()});
+    let (status, chat) = e.post(DERENDER_CHAT_PATH, &body).await;
+    assert_eq!(status, 200, "{chat}");
+    assert_eq!(chat["object"], "chat.completion");
+    assert_eq!(chat["id"], answer["request_id"]);
+    assert_eq!(chat["model"], "kvroute-tiny");
+    assert_eq!(chat["choices"][0]["message"]["content"], want, "{chat}");
+    assert_eq!(chat["choices"][0]["finish_reason"], "length");
+    assert_eq!(chat["usage"]["prompt_tokens"], tokens.len());
+    assert_eq!(chat["usage"]["completion_tokens"], 5);
+
+    let body = json!({"generate_responses": [answer, answer]});
+    let (status, c) = e.post(DERENDER_COMPLETION_PATH, &body).await;
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(c["object"], "text_completion");
+    let indices: Vec<_> =
+        c["choices"].as_array().unwrap().iter().map(|c| c["index"].clone()).collect();
+    assert_eq!(indices, [json!(0), json!(1)], "numbered across the prompts");
+    assert_eq!(c["choices"][1]["text"], want);
+    assert_eq!(
+        (c["usage"]["prompt_tokens"].as_u64(), c["usage"]["completion_tokens"].as_u64()),
+        (Some(0), Some(10))
+    );
+    assert_eq!(e.metric("vllm:prefix_cache_queries_total").await, before, "no engine run");
+
+    // What vLLM refuses: a text-mode answer, mismatched lists, empty ids, another model.
+    let cases = [
+        (DERENDER_CHAT_PATH, json!({"generate_response": text}), "Bad Request"),
+        (
+            DERENDER_COMPLETION_PATH,
+            json!({"generate_responses": [answer], "prompt_tokens": [1, 2]}),
+            "Bad Request",
+        ),
+        (
+            DERENDER_COMPLETION_PATH,
+            json!({"generate_responses": [{"request_id": "x", "choices": [{"index": 0, "token_ids": []}]}]}),
+            "BadRequestError",
+        ),
+        (
+            DERENDER_CHAT_PATH,
+            json!({"generate_response": answer, "stream": true}),
+            "BadRequestError",
+        ),
+    ];
+    for (path, body, kind) in cases {
+        let (status, r) = e.post(path, &body).await;
+        assert_eq!((status, r["error"]["type"].as_str()), (400, Some(kind)), "{path} {body}: {r}");
+    }
+    let (status, _) =
+        e.post(DERENDER_CHAT_PATH, &json!({"generate_response": answer, "model": "other"})).await;
+    assert_eq!(status, 404);
+}
