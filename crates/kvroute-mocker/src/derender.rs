@@ -21,8 +21,15 @@ use kvroute_http::vllm_generate::{
 
 use crate::http::{AppState, now_secs};
 
-fn streamed_refused() -> ApiError {
-    refused("streamed derender (stream: true with stream_state) is not served by the simulated engine; derender the whole answer").param("stream")
+/// The model name the answer carries, once the request is one this engine derenders: the
+/// whole form, for its model.
+fn admitted(state: &AppState, stream: bool, model: Option<&str>) -> Result<String, ApiError> {
+    if stream {
+        return Err(refused("streamed derender (stream: true with stream_state) is not served by the simulated engine; derender the whole answer").param("stream"));
+    }
+    let served = state.preprocessor.model_name();
+    check_model(served, model)?;
+    Ok(model.filter(|m| !m.is_empty()).unwrap_or(served).to_owned())
 }
 
 /// Each choice's token ids decoded, as OpenAI's choices of `chat` or of a completion.
@@ -68,11 +75,7 @@ pub(crate) async fn chat(
     body: Result<Json<DerenderChatRequest>, JsonRejection>,
 ) -> Result<Json<Completion>, ApiError> {
     let Json(req) = body?;
-    if req.stream {
-        return Err(streamed_refused());
-    }
-    let served = state.preprocessor.model_name();
-    check_model(served, req.model.as_deref())?;
+    let model = admitted(&state, req.stream, req.model.as_deref())?;
     let answer = &req.generate_response;
     check_derender(std::slice::from_ref(answer), state.max_model_len)?;
     let choices = choices(&state, answer, true)?;
@@ -80,7 +83,7 @@ pub(crate) async fn chat(
         id: answer.request_id.clone(),
         object: "chat.completion".to_owned(),
         created: now_secs(),
-        model: req.model.clone().unwrap_or_else(|| served.to_owned()),
+        model,
         choices,
         usage: Some(usage(req.prompt_tokens.unwrap_or(0), &[answer])),
     }))
@@ -91,11 +94,7 @@ pub(crate) async fn completion(
     body: Result<Json<DerenderCompletionRequest>, JsonRejection>,
 ) -> Result<Json<Completion>, ApiError> {
     let Json(req) = body?;
-    if req.stream {
-        return Err(streamed_refused());
-    }
-    let served = state.preprocessor.model_name();
-    check_model(served, req.model.as_deref())?;
+    let model = admitted(&state, req.stream, req.model.as_deref())?;
     let answers = &req.generate_responses;
     for (name, len) in [
         ("prompt_tokens", req.prompt_tokens.as_ref().map(Vec::len)),
@@ -133,7 +132,7 @@ pub(crate) async fn completion(
         id,
         object: "text_completion".to_owned(),
         created: now_secs(),
-        model: req.model.clone().unwrap_or_else(|| served.to_owned()),
+        model,
         choices: all,
         usage: Some(usage(prompt_tokens, &answers.iter().collect::<Vec<_>>())),
     }))

@@ -6,54 +6,11 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
+mod common;
 
-use axum::http::Method;
-use kvroute_core::BlockSize;
-use kvroute_http::testing;
+use common::{LONG, engine};
 use kvroute_http::vllm_generate::{GenerateChunk, PATH};
-use kvroute_mocker::{EngineConfig, MockerConfig, Timing, http};
 use serde_json::{Value, json};
-
-struct Engine {
-    app: axum::Router,
-}
-
-async fn engine(num_blocks: usize) -> Engine {
-    let config = MockerConfig {
-        engine: EngineConfig {
-            num_blocks,
-            block_size: BlockSize::new(16).unwrap(),
-            timing: Timing { speedup: 100.0 },
-            ..EngineConfig::default()
-        },
-        ..MockerConfig::default()
-    };
-    let state = kvroute_mocker::start(config).await.unwrap();
-    Engine { app: http::app(Arc::clone(&state)) }
-}
-
-impl Engine {
-    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (status, v) = testing::call(&self.app, Method::POST, path, Some(body)).await;
-        (status.as_u16(), v)
-    }
-
-    /// The token ids of a chat prompt, as the engine renders it.
-    async fn rendered(&self, text: &str) -> Vec<u32> {
-        let chat = json!({"messages": [{"role": "user", "content": text}]});
-        let (status, r) = self.post("/v1/chat/completions/render", &chat).await;
-        assert_eq!(status, 200, "{r}");
-        serde_json::from_value(r["token_ids"].clone()).unwrap()
-    }
-
-    async fn metric(&self, name: &str) -> Option<f64> {
-        let (_, m) = testing::call(&self.app, Method::GET, "/metrics", None).await;
-        kvroute_http::metrics::sample(m.as_str().unwrap(), name)
-    }
-}
-
-const LONG: &str = "Please summarize the following text in three bullet points. The router sends each request to the worker that already holds the longest part of its prompt, unless that worker is too busy. A block is a fixed number of tokens.";
 
 #[allow(clippy::needless_pass_by_value)]
 fn generate(tokens: &[u32], sampling: Value) -> Value {

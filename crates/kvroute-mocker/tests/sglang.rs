@@ -7,53 +7,17 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
+mod common;
 
 use axum::http::Method;
-use kvroute_core::BlockSize;
+use common::{Engine, LONG};
 use kvroute_http::sglang_generate::{GenerateResponse, PATH};
 use kvroute_http::testing;
-use kvroute_mocker::{EngineConfig, MockerConfig, Timing, http};
-use serde_json::{Value, json};
-
-struct Engine {
-    app: axum::Router,
-}
+use serde_json::json;
 
 async fn engine() -> Engine {
-    let config = MockerConfig {
-        engine: EngineConfig {
-            num_blocks: 1000,
-            block_size: BlockSize::new(16).unwrap(),
-            timing: Timing { speedup: 100.0 },
-            ..EngineConfig::default()
-        },
-        ..MockerConfig::default()
-    };
-    let state = kvroute_mocker::start(config).await.unwrap();
-    Engine { app: http::app(Arc::clone(&state)) }
+    common::engine(1000).await
 }
-
-impl Engine {
-    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (status, v) = testing::call(&self.app, Method::POST, path, Some(body)).await;
-        (status.as_u16(), v)
-    }
-
-    async fn rendered(&self, text: &str) -> Vec<u32> {
-        let chat = json!({"messages": [{"role": "user", "content": text}]});
-        let (status, r) = self.post("/v1/chat/completions/render", &chat).await;
-        assert_eq!(status, 200, "{r}");
-        serde_json::from_value(r["token_ids"].clone()).unwrap()
-    }
-
-    async fn metric(&self, name: &str) -> Option<f64> {
-        let (_, m) = testing::call(&self.app, Method::GET, "/metrics", None).await;
-        kvroute_http::metrics::sample(m.as_str().unwrap(), name)
-    }
-}
-
-const LONG: &str = "Please summarize the following text in three bullet points. The router sends each request to the worker that already holds the longest part of its prompt, unless that worker is too busy. A block is a fixed number of tokens.";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn input_ids_in_text_and_ids_out_sharing_the_chat_apis_cache() {

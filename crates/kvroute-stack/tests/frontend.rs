@@ -237,6 +237,21 @@ async fn images_decide_what_is_reused() {
     let c = png(3);
     let (_, other) = usage(&f.base, &image_chat(&[&c, &a])).await;
     assert_eq!(other, swapped, "a different image is not reused");
+    // Each went to the simulated worker in its default dialect, vLLM's generate API: the
+    // images by the router's hash over their placeholders, so the engine caches an image's
+    // blocks under the hash the router predicts with.
+    let metrics: String = {
+        let client = HttpClient::new();
+        let response = client
+            .call(hyper::Method::GET, &format!("{}/metrics", f.base), None::<&Value>)
+            .await
+            .unwrap();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    let sample = |name: &str| kvroute_http::metrics::sample(&metrics, name);
+    assert_eq!(sample("kvroute_frontend_sent_as_tokens_total"), Some(4.0), "{metrics}");
+    assert_eq!(sample("kvroute_frontend_dialect_fallbacks_total"), Some(0.0));
 }
 
 /// Workers started without KV events: the router predicts their caches from where it sent
