@@ -402,7 +402,7 @@ mod tests {
         assert_eq!((tokens.dialect, &table.workers[0]), (Dialect::VllmGenerate, &tokens));
         let err = "id=3,dialect=grpc".parse::<WorkerSpec>().unwrap_err().to_string();
         assert!(
-            err.contains("unknown dialect \"grpc\" (known: openai-chat, vllm-generate, openai-completions-tokens)"),
+            err.contains("unknown dialect \"grpc\" (known: openai-chat, vllm-generate, openai-completions-tokens, sglang-generate)"),
             "{err}"
         );
         assert_eq!(file.workers[1].format, EventFormat::TrtllmJson);
