@@ -1,6 +1,7 @@
 //! What the front door spends tokenizing a prompt: the built-in model's tokenizer on the
-//! bench's shared-prefix prompt size (2,112 tokens of text), and the whole chat preparation
-//! (template, tokenizer) of the same text.
+//! bench's shared-prefix prompt size (2,112 tokens of text), cold (a beginning never seen)
+//! and sharing a 2,048-token beginning tokenized before (the prefix cache,
+//! `kvroute_preprocess::prefix_cache`), and the whole chat preparation (template, tokenizer).
 //!
 //! `cargo bench -p kvroute-preprocess --bench tokenize`
 
@@ -12,16 +13,43 @@ use kvroute_preprocess::Preprocessor;
 
 fn tokenize(c: &mut Criterion) {
     let p = Preprocessor::builtin();
-    // Text of 2,112 tokens of the vocabulary's words, as the bench's text prompts are.
+    // Text of the vocabulary's words, as the bench's text prompts are: a 2,048-token
+    // beginning and 64-token questions.
     let words = p.words();
-    let ids: Vec<u32> = (0..2_112).map(|i| words.rest[i * 7 % words.rest.len()]).collect();
-    let text = p.decode(&ids).unwrap();
-    let tokens = p.encode(&text).unwrap().len();
+    let text_of = |n: usize, salt: usize| {
+        let ids: Vec<u32> =
+            (0..n).map(|i| words.rest[(i * 7 + salt * 13) % words.rest.len()]).collect();
+        p.decode(&ids).unwrap()
+    };
+    let system = text_of(2_048, 0);
+    let questions: Vec<String> = (1..=64).map(|k| text_of(64, k)).collect();
+    let tokens = p.encode(&format!("{system}{}", questions[0])).unwrap().len();
     let mut group = c.benchmark_group(format!("tokenize/{tokens}_tokens"));
-    group.bench_function("encode", |b| b.iter(|| p.encode(std::hint::black_box(&text)).unwrap()));
-    let messages = [ChatMessage::text("user", &text)];
-    group.bench_function("prepare_chat", |b| {
-        b.iter(|| p.prepare_chat(std::hint::black_box(&messages), true, Vec::new()).unwrap());
+    let mut n = 0usize;
+    group.bench_function("encode_cold", |b| {
+        b.iter(|| {
+            n += 1;
+            // A beginning never seen: nothing cached applies.
+            let text = format!("{n} {system}{}", questions[n % 64]);
+            p.encode(std::hint::black_box(&text)).unwrap()
+        });
+    });
+    let mut k = 0usize;
+    group.bench_function("encode_shared_prefix", |b| {
+        b.iter(|| {
+            k += 1;
+            let text = format!("{system}{}", questions[k % 64]);
+            p.encode(std::hint::black_box(&text)).unwrap()
+        });
+    });
+    let mut m = 0usize;
+    group.bench_function("prepare_chat_cold", |b| {
+        b.iter(|| {
+            m += 1;
+            let messages =
+                [ChatMessage::text("user", &format!("{m} {system}{}", questions[m % 64]))];
+            p.prepare_chat(std::hint::black_box(&messages), true, Vec::new()).unwrap()
+        });
     });
     group.finish();
 }

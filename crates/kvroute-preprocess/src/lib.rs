@@ -24,6 +24,7 @@ mod decoding;
 #[cfg(feature = "fetch")]
 pub mod fetch;
 pub mod images;
+pub mod prefix_cache;
 mod words;
 
 use std::path::{Path, PathBuf};
@@ -41,6 +42,27 @@ use tokenizers::Tokenizer;
 
 pub use images::{Image, ImageConfig};
 pub use words::Words;
+
+/// Text of at least this many bytes (about a thousand tokens, a millisecond or more of
+/// tokenizing) is tokenized off the async runtime's worker thread.
+pub const OFF_RUNTIME_BYTES: usize = 4096;
+
+/// Runs `f`, a CPU-bound step over `bytes` of input: a large one, on a multi-threaded tokio
+/// runtime, in `block_in_place`, so the runtime hands this thread's other tasks (streams,
+/// engine clocks, `/health`) to another worker meanwhile instead of stalling them for
+/// milliseconds. Anywhere else it just runs.
+fn off_runtime<T>(bytes: usize, f: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "fetch")]
+    if bytes >= OFF_RUNTIME_BYTES
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+    {
+        return tokio::task::block_in_place(f);
+    }
+    #[cfg(not(feature = "fetch"))]
+    let _ = bytes;
+    f()
+}
 
 /// The name of the built-in model ([`Preprocessor::builtin`]).
 pub const BUILTIN_MODEL: &str = "kvroute-tiny";
@@ -213,6 +235,9 @@ pub struct Preprocessor {
     max_token_bytes: std::sync::OnceLock<usize>,
     /// Why a model whose vocabulary has an image token is text-only all the same.
     text_only: Option<String>,
+    /// Ids of prompt beginnings seen before, for a tokenizer whose output composes
+    /// ([`prefix_cache`]).
+    prefix_cache: Option<prefix_cache::PrefixCache>,
 }
 
 impl Preprocessor {
@@ -306,7 +331,6 @@ impl Preprocessor {
             .filter(|&n| n >= 1.0 && n < (1u64 << 40) as f64)
             .map(|n| n as u64);
         Ok(Self {
-            tokenizer,
             templates,
             model_name: config.model_name.unwrap_or_else(|| default_name.to_owned()),
             image_token_id,
@@ -316,6 +340,8 @@ impl Preprocessor {
             words: std::sync::OnceLock::new(),
             max_token_bytes: std::sync::OnceLock::new(),
             text_only: None,
+            prefix_cache: prefix_cache::PrefixCache::for_tokenizer(&tokenizer),
+            tokenizer,
         }
         .with_images_checked())
     }
@@ -422,8 +448,13 @@ impl Preprocessor {
 
     /// Tokens of `text`, special tokens recognised.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, PreprocessError> {
-        let encoding = self.tokenizer.encode(text, false).map_err(PreprocessError::Tokenizer)?;
-        Ok(encoding.get_ids().to_vec())
+        off_runtime(text.len(), || match &self.prefix_cache {
+            Some(cache) if text.len() > 2 * prefix_cache::CHECKPOINT_BYTES => {
+                cache.encode(&self.tokenizer, text)
+            }
+            _ => self.tokenizer.encode(text, false).map(|e| e.get_ids().to_vec()),
+        })
+        .map_err(PreprocessError::Tokenizer)
     }
 
     /// Text of `tokens` (special tokens skipped).

@@ -232,3 +232,21 @@ fn image_tokens_without_a_template_that_places_them_make_a_text_only_model() {
     assert_eq!(builtin.text_only_reason(), None);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A large prompt is tokenized off the runtime's worker wherever it is asked for: on a
+/// multi-threaded runtime's worker, in its `block_on`, on a current-thread runtime, and with
+/// no runtime at all; the tokens are the same everywhere.
+#[test]
+fn large_prompts_tokenize_the_same_on_and_off_a_runtime() {
+    let p = std::sync::Arc::new(model());
+    let text = "the router sends each request to the worker that holds its prefix ".repeat(100);
+    assert!(text.len() >= crate::OFF_RUNTIME_BYTES);
+    let plain = p.encode(&text).unwrap();
+    let multi = tokio::runtime::Builder::new_multi_thread().worker_threads(2).build().unwrap();
+    let (p2, t2) = (std::sync::Arc::clone(&p), text.clone());
+    let on_worker = multi.block_on(multi.spawn(async move { p2.encode(&t2).unwrap() })).unwrap();
+    let in_block_on = multi.block_on(async { p.encode(&text).unwrap() });
+    let single = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let on_current = single.block_on(async { p.encode(&text).unwrap() });
+    assert_eq!((&on_worker, &in_block_on, &on_current), (&plain, &plain, &plain));
+}
