@@ -97,8 +97,10 @@ pub async fn spawn(
 /// Loads the model, starts the engine task and its publishers on the current runtime; serve
 /// [`http::app`] with the returned state.
 pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerError> {
+    // Tokenizing as an engine's server does, every prompt in full: what openai-chat costs it.
     let mut preprocessor =
-        kvroute_preprocess::Preprocessor::load_or_builtin(config.model_path.as_deref())?;
+        kvroute_preprocess::Preprocessor::load_or_builtin(config.model_path.as_deref())?
+            .without_prefix_cache();
     if let Some(template) = config.chat_template {
         preprocessor = preprocessor.with_chat_template(template)?;
     }

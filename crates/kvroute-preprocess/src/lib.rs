@@ -346,6 +346,14 @@ impl Preprocessor {
         .with_images_checked())
     }
 
+    /// The same model tokenizing every prompt in full, as an engine's own server does: the
+    /// simulated engine keeps a real engine's tokenizing cost (the prefix cache is the front
+    /// door's).
+    pub fn without_prefix_cache(mut self) -> Self {
+        self.prefix_cache = None;
+        self
+    }
+
     /// The same model rendering chats with `template` (Jinja) instead of its own, as vLLM's
     /// `--chat-template` does; whether it takes images is judged again.
     pub fn with_chat_template(mut self, template: String) -> Result<Self, PreprocessError> {
