@@ -1,7 +1,8 @@
 //! What the front door spends tokenizing a prompt: the built-in model's tokenizer on the
 //! bench's shared-prefix prompt size (2,112 tokens of text), cold (a beginning never seen)
 //! and sharing a 2,048-token beginning tokenized before (the prefix cache,
-//! `kvroute_preprocess::prefix_cache`), and the whole chat preparation (template, tokenizer).
+//! `kvroute_preprocess::prefix_cache`), beside the tokenizer without the cache; and the whole
+//! chat preparation (template, tokenizer).
 //!
 //! `cargo bench -p kvroute-preprocess --bench tokenize`
 
@@ -25,6 +26,15 @@ fn tokenize(c: &mut Criterion) {
     let questions: Vec<String> = (1..=64).map(|k| text_of(64, k)).collect();
     let tokens = p.encode(&format!("{system}{}", questions[0])).unwrap().len();
     let mut group = c.benchmark_group(format!("tokenize/{tokens}_tokens"));
+    let plain = Preprocessor::builtin().without_prefix_cache();
+    let mut u = 0usize;
+    group.bench_function("encode_without_cache", |b| {
+        b.iter(|| {
+            u += 1;
+            let text = format!("{u} {system}{}", questions[u % 64]);
+            plain.encode(std::hint::black_box(&text)).unwrap()
+        });
+    });
     let mut n = 0usize;
     group.bench_function("encode_cold", |b| {
         b.iter(|| {

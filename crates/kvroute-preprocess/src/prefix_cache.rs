@@ -13,10 +13,10 @@
 //!
 //! The cut points are single ASCII spaces between two ASCII letters (`…a b…`): the letter run
 //! before ends there in any text, the next piece starts there (` ?\p{L}+`), and no piece or
-//! added token spans it. The cache keeps the ids of prompt prefixes ending at checkpoints
-//! (the first cut point past every [`CHECKPOINT_BYTES`]), keyed by the prefix's blake3 hash, so
-//! two prompts that share a beginning share its checkpoints. A prompt is tokenized from its
-//! longest cached checkpoint on. `tests::cached_tokenizing_is_the_tokenizers` checks the
+//! added token spans it. The cache keeps the ids between checkpoints (the first cut point past
+//! every [`CHECKPOINT_BYTES`]), each chunk keyed by the blake3 hash of the text up to its end,
+//! so two prompts that share a beginning share its chunks, and a prompt's ids are held once.
+//! A prompt is tokenized from the end of its longest run of cached chunks on. `tests::cached_tokenizing_is_the_tokenizers` checks the
 //! result against the tokenizer's own on random texts.
 
 use std::collections::HashMap;
@@ -28,11 +28,13 @@ use tokenizers::Tokenizer;
 /// 250 tokens of English).
 pub const CHECKPOINT_BYTES: usize = 1024;
 
-/// The most token ids the cache holds in all (16 MiB); the least recently used prefixes go
+/// The most token ids the cache holds in all (4 MiB, room for 500 beginnings of 2,000 tokens;
+/// a larger cache slowed cold prompts by its memory traffic); the least recently used chunks go
 /// first.
-pub const MAX_CACHED_TOKENS: usize = 4 << 20;
+pub const MAX_CACHED_TOKENS: usize = 1 << 20;
 
-/// Cached prefix ids by the blake3 hash of the prefix's bytes.
+/// Cached chunks of ids by the blake3 hash of the text up to the chunk's end: the chunk is
+/// the ids from the checkpoint before (or the start) to that one.
 #[derive(Debug)]
 pub(crate) struct PrefixCache {
     inner: Mutex<Inner>,
@@ -73,36 +75,38 @@ impl PrefixCache {
             keys.push(*hasher.finalize().as_bytes());
             from = cut;
         }
-        let (first_new, start, mut ids) = match self.longest(&keys) {
-            Some((k, ids)) => (k + 1, cuts[k], ids.to_vec()),
-            None => (0, 0, Vec::new()),
-        };
+        let (mut ids, first_new) = self.cached_chunks(&keys);
+        let start = first_new.checked_sub(1).map_or(0, |k| cuts[k]);
         let rest = tokenizer.encode(&text[start..], false)?;
         let (new_ids, offsets) = (rest.get_ids(), rest.get_offsets());
-        // The prefixes up to the checkpoints past the hit, for the prompts to come: a cut
-        // point starts a token (its start, trimmed of the space, lies past the cut).
+        // The chunks up to the checkpoints past the cached ones, for the prompts to come: a
+        // cut point starts a token (its start, trimmed of the space, lies past the cut).
         let mut fresh = Vec::new();
+        let mut from = 0;
         for k in first_new..cuts.len() {
             let split = offsets.partition_point(|&(s, _)| start + s < cuts[k]);
-            let mut prefix = ids.clone();
-            prefix.extend_from_slice(&new_ids[..split]);
-            fresh.push((keys[k], Arc::<[u32]>::from(prefix)));
+            fresh.push((keys[k], Arc::<[u32]>::from(&new_ids[from..split])));
+            from = split;
         }
         ids.extend_from_slice(new_ids);
         self.insert(fresh);
         Ok(ids)
     }
 
-    /// The last of `keys` cached (its index and ids), marked used.
-    fn longest(&self, keys: &[[u8; 32]]) -> Option<(usize, Arc<[u32]>)> {
+    /// The ids of the text up to its longest run of cached checkpoints from the start (each
+    /// entry holds the chunk since the checkpoint before it), and how many checkpoints that
+    /// covers; the chunks are marked used.
+    fn cached_chunks(&self, keys: &[[u8; 32]]) -> (Vec<u32>, usize) {
         let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         inner.clock += 1;
         let now = inner.clock;
-        keys.iter().enumerate().rev().find_map(|(k, key)| {
-            let entry = inner.map.get_mut(key)?;
+        let mut ids = Vec::new();
+        for (k, key) in keys.iter().enumerate() {
+            let Some(entry) = inner.map.get_mut(key) else { return (ids, k) };
             entry.used = now;
-            Some((k, Arc::clone(&entry.ids)))
-        })
+            ids.extend_from_slice(&entry.ids);
+        }
+        (ids, keys.len())
     }
 
     fn insert(&self, fresh: Vec<([u8; 32], Arc<[u32]>)>) {
@@ -130,7 +134,7 @@ impl PrefixCache {
     }
 }
 
-/// Drops the least recently used prefixes until at most `target` ids are held.
+/// Drops the least recently used chunks until at most `target` ids are held.
 fn evict(inner: &mut Inner, target: usize) {
     let mut by_age: Vec<([u8; 32], u64, usize)> =
         inner.map.iter().map(|(k, e)| (*k, e.used, e.ids.len())).collect();
