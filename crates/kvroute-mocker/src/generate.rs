@@ -198,29 +198,21 @@ fn finish_reason(end: Option<u32>, last: Option<u32>) -> &'static str {
 }
 
 async fn whole(answer: Answer, submitted: Submitted) -> Result<GenerateResponse, ApiError> {
-    let Submitted { mut outputs, mut guard, end } = submitted;
-    let mut tokens = Vec::new();
-    while let Some(output) = outputs.recv().await {
-        match output {
-            Output::Token { token, .. } => tokens.push(token),
-            Output::FirstToken { .. } => {}
-            Output::Finished { usage: u, .. } => {
-                guard.disarm();
-                let reason = finish_reason(end, tokens.last().copied());
-                let choice = answer.choice(tokens, Some(reason));
-                return Ok(GenerateResponse {
-                    request_id: answer.id,
-                    usage: Some(usage(u)),
-                    prompt_token_ids: answer.prompt,
-                    kv_transfer_params: answer.kv_transfer_params,
-                    output_mode: answer.mode,
-                    choices: vec![choice],
-                    ..GenerateResponse::default()
-                });
-            }
-        }
-    }
-    Err(ApiError::unavailable("the engine stopped before the request finished"))
+    let end = submitted.end;
+    let Some((tokens, u)) = submitted.finished().await else {
+        return Err(ApiError::unavailable("the engine stopped before the request finished"));
+    };
+    let reason = finish_reason(end, tokens.last().copied());
+    let choice = answer.choice(tokens, Some(reason));
+    Ok(GenerateResponse {
+        request_id: answer.id,
+        usage: Some(usage(u)),
+        prompt_token_ids: answer.prompt,
+        kv_transfer_params: answer.kv_transfer_params,
+        output_mode: answer.mode,
+        choices: vec![choice],
+        ..GenerateResponse::default()
+    })
 }
 
 /// Which usage a stream carries: a last chunk of it, and a running count on every chunk.

@@ -203,6 +203,25 @@ pub(crate) struct Submitted {
     pub end: Option<u32>,
 }
 
+impl Submitted {
+    /// The whole answer, once the engine has finished it: its token ids and usage (`None`
+    /// when the engine stopped first). Until then dropping it cancels the request.
+    pub(crate) async fn finished(mut self) -> Option<(Vec<u32>, Usage)> {
+        let mut tokens = Vec::new();
+        while let Some(output) = self.outputs.recv().await {
+            match output {
+                Output::Token { token, .. } => tokens.push(token),
+                Output::FirstToken { .. } => {}
+                Output::Finished { usage, .. } => {
+                    self.guard.disarm();
+                    return Some((tokens, usage));
+                }
+            }
+        }
+        None
+    }
+}
+
 impl AppState {
     /// A fresh request number.
     pub(crate) fn next_id(&self) -> u64 {

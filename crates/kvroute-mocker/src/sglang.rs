@@ -199,21 +199,18 @@ impl Answer {
 }
 
 async fn whole(answer: Answer, submitted: Submitted) -> Response {
-    let Submitted { mut outputs, mut guard, end } = submitted;
-    let mut ids = Vec::new();
-    while let Some(output) = outputs.recv().await {
-        match output {
-            Output::Token { token, .. } => ids.push(token),
-            Output::FirstToken { .. } => {}
-            Output::Finished { usage, .. } => {
-                guard.disarm();
-                let finish = answer.finish(end, &ids);
-                return Json(answer.so_far(&ids, Some(finish), Some(usage))).into_response();
-            }
+    let end = submitted.end;
+    match submitted.finished().await {
+        Some((ids, usage)) => {
+            let finish = answer.finish(end, &ids);
+            Json(answer.so_far(&ids, Some(finish), Some(usage))).into_response()
+        }
+        None => {
+            let message = "the engine stopped before the request finished";
+            let body = Json(json!({"error": {"message": message}}));
+            (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
         }
     }
-    let message = "the engine stopped before the request finished";
-    (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": {"message": message}}))).into_response()
 }
 
 /// SSE as SGLang streams it by default: a chunk per token with the whole text and ids so
