@@ -264,12 +264,6 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    pub fn message(&self) -> &str {
-        match self {
-            Refusal::Contract(m) | Refusal::Invalid(m) => m,
-        }
-    }
-
     /// The answer's body.
     pub fn body(&self) -> Value {
         match self {
@@ -409,11 +403,6 @@ impl FinishReason {
         let detail = Map::from_iter([("matched".to_owned(), token.into())]);
         Self { kind: "stop".to_owned(), detail }
     }
-
-    /// OpenAI's `finish_reason` for it (`stop`, `length`, or SGLang's own kind).
-    pub fn openai(&self) -> String {
-        self.kind.clone()
-    }
 }
 
 /// `meta_info`: the answer's id, why it ended, and what it cost.
@@ -449,11 +438,6 @@ pub struct GenerateResponse {
     pub output_ids: Vec<u32>,
     #[serde(default)]
     pub meta_info: MetaInfo,
-}
-
-/// An error in a stream: `{"error": {"message", "type", "code", "retryable"}}`.
-pub fn stream_error(message: &str, code: u16) -> Value {
-    json!({"error": {"message": message, "type": "invalid_request_error", "code": code, "retryable": false}})
 }
 
 #[cfg(test)]

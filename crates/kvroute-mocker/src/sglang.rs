@@ -174,7 +174,13 @@ struct Answer {
 
 impl Answer {
     /// The answer so far: its whole text and ids, why it ended (if it has), its counts.
-    fn so_far(&self, ids: &[u32], finish: Option<FinishReason>, usage: Option<Usage>) -> Value {
+    fn so_far(
+        &self,
+        ids: &[u32],
+        text: &str,
+        finish: Option<FinishReason>,
+        usage: Option<Usage>,
+    ) -> Value {
         let mut meta = self.meta.clone();
         meta.completion_tokens = ids.len() as u64;
         meta.finish_reason = finish;
@@ -183,9 +189,8 @@ impl Answer {
             meta.cached_tokens = u.cached_tokens as u64;
             meta.completion_tokens = u.completion_tokens as u64;
         }
-        let text = self.preprocessor.decode(ids).unwrap_or_default();
-        let response =
-            GenerateResponse { text: Some(text), output_ids: ids.to_vec(), meta_info: meta };
+        let text = Some(text.to_owned());
+        let response = GenerateResponse { text, output_ids: ids.to_vec(), meta_info: meta };
         serde_json::to_value(response).unwrap_or_default()
     }
 
@@ -203,7 +208,8 @@ async fn whole(answer: Answer, submitted: Submitted) -> Response {
     match submitted.finished().await {
         Some((ids, usage)) => {
             let finish = answer.finish(end, &ids);
-            Json(answer.so_far(&ids, Some(finish), Some(usage))).into_response()
+            let text = answer.preprocessor.decode(&ids).unwrap_or_default();
+            Json(answer.so_far(&ids, &text, Some(finish), Some(usage))).into_response()
         }
         None => {
             let message = "the engine stopped before the request finished";
@@ -226,6 +232,9 @@ fn stream_answer(
         guard: CancelOnDrop,
         end: Option<u32>,
         ids: Vec<u32>,
+        /// The text so far, a token's piece at a time (decoding the whole answer again for
+        /// every chunk would cost the square of its length).
+        text: String,
         /// `[DONE]` is due: the answer's last chunk went out.
         finished: bool,
         done: bool,
@@ -234,7 +243,8 @@ fn stream_answer(
         Event::default().data(v.to_string())
     }
     let Submitted { outputs, guard, end } = submitted;
-    let st = St { answer, outputs, guard, end, ids: Vec::new(), finished: false, done: false };
+    let (ids, text) = (Vec::new(), String::new());
+    let st = St { answer, outputs, guard, end, ids, text, finished: false, done: false };
     let events = stream::unfold(st, |mut st| async move {
         loop {
             if st.done {
@@ -248,17 +258,22 @@ fn stream_answer(
                 Some(Output::FirstToken { .. }) => {}
                 Some(Output::Token { token, index, .. }) => {
                     st.ids.push(token);
+                    st.text.push_str(&st.answer.preprocessor.decode(&[token]).unwrap_or_default());
                     // The last token's chunk waits for the engine's usage (the cache hits).
                     let last = Some(token) == st.end || index as u64 + 1 >= st.answer.max_tokens;
                     if !last {
-                        return Some((Ok(data(&st.answer.so_far(&st.ids, None, None))), st));
+                        return Some((
+                            Ok(data(&st.answer.so_far(&st.ids, &st.text, None, None))),
+                            st,
+                        ));
                     }
                 }
                 Some(Output::Finished { usage, .. }) => {
                     st.guard.disarm();
                     st.finished = true;
                     let finish = st.answer.finish(st.end, &st.ids);
-                    let last = data(&st.answer.so_far(&st.ids, Some(finish), Some(usage)));
+                    let last =
+                        data(&st.answer.so_far(&st.ids, &st.text, Some(finish), Some(usage)));
                     return Some((Ok(last), st));
                 }
                 None => return None,
