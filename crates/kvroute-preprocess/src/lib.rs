@@ -21,6 +21,7 @@
 
 #[cfg(feature = "fetch")]
 mod decoding;
+mod detokenize;
 #[cfg(feature = "fetch")]
 pub mod fetch;
 pub mod images;
@@ -40,6 +41,7 @@ use minijinja::Environment;
 use serde::Deserialize;
 use tokenizers::Tokenizer;
 
+pub use detokenize::DecodeWindow;
 pub use images::{Image, ImageConfig};
 pub use words::Words;
 
