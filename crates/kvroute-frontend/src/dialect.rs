@@ -4,13 +4,20 @@
 //! nothing again, and it turns the engine's answer back into the OpenAI answer the client
 //! asked for (a whole answer, or chunk by chunk) as it passes:
 //! - `vllm-generate`: vLLM 0.33's `/inference/v1/generate`;
+//! - `vllm-generate-tokens`: the same with token ids back (`output_mode: "tokens"`), which
+//!   the front door detokenizes as vLLM does (`Preprocessor::decode_next`);
 //! - `openai-completions-tokens`: `/v1/completions` with the token ids as the prompt;
 //! - `sglang-generate`: SGLang's native `/generate`, the token ids as `input_ids`.
 //!
 //! A request carries as tokens only what the API has a field for: the sampling fields below,
-//! streaming and its usage, the cache namespace, and images (by their hash and placeholder
-//! range; vLLM's generate only). Anything else (tools, `response_format`, `logprobs`, `n` above 1,
-//! ...) goes to the same worker as chat, counted as a fallback.
+//! streaming and its usage, the cache namespace, images (by their hash and placeholder
+//! range; vLLM's generate only) and chat's logprobs (vLLM's generate only: its
+//! `sampling_params.logprobs`, answered in OpenAI's chat shape in text mode and by token id
+//! in tokens mode, which the front door turns into text). Anything else (tools,
+//! `response_format`, a completion's `logprobs`, `n` above 1, ...) goes to the same worker as
+//! chat, counted as a fallback.
+
+use std::sync::Arc;
 
 use axum::body::Bytes;
 use kvroute_http::SseEvent;
@@ -20,7 +27,7 @@ use kvroute_http::vllm_generate::{
     self, GenerateChunk, GenerateRequest, MultiModalFeatures, OutputMode, PlaceholderRange,
     SamplingParams, StreamOptions,
 };
-use kvroute_preprocess::Prepared;
+use kvroute_preprocess::{DecodeWindow, Prepared, Preprocessor};
 use kvroute_router::Dialect;
 use serde_json::{Map, Value};
 
@@ -73,10 +80,17 @@ pub(crate) fn tokens_body(
 ) -> Option<Bytes> {
     let fields = raw.as_object()?;
     let n_is_one = fields.get("n").is_none_or(|n| n.as_i64() == Some(1));
-    let carried = fields
-        .keys()
-        .all(|k| CARRIED.contains(&k.as_str()) || SAMPLING.contains(&k.as_str()) || k == "n");
+    let logprobs = chat_logprobs(fields)?;
+    let carried = fields.keys().all(|k| {
+        CARRIED.contains(&k.as_str())
+            || SAMPLING.contains(&k.as_str())
+            || ["n", "logprobs", "top_logprobs"].contains(&k.as_str())
+    });
     if !(carried && n_is_one) {
+        return None;
+    }
+    let generate = matches!(dialect, Dialect::VllmGenerate | Dialect::VllmGenerateTokens);
+    if logprobs.is_some() && !generate {
         return None;
     }
     let mut sampling = Map::new();
@@ -88,10 +102,16 @@ pub(crate) fn tokens_body(
     let max_tokens = ["max_completion_tokens", "max_tokens"]
         .iter()
         .find_map(|k| fields.get(*k).and_then(Value::as_i64));
+    if let Some(k) = logprobs {
+        sampling.insert("logprobs".to_owned(), k.into());
+    }
     let body = match dialect {
         Dialect::OpenaiChat => return None,
         Dialect::VllmGenerate => {
-            generate_body(prepared, sampling, max_tokens, namespace, streamed)?
+            generate_body(prepared, sampling, max_tokens, namespace, streamed, OutputMode::Text)?
+        }
+        Dialect::VllmGenerateTokens => {
+            generate_body(prepared, sampling, max_tokens, namespace, streamed, OutputMode::Tokens)?
         }
         Dialect::OpenaiCompletionsTokens => {
             if !prepared.mm.mm_objects.is_empty() {
@@ -110,10 +130,28 @@ pub(crate) fn tokens_body(
             serde_json::to_vec(&body).ok()?
         }
         Dialect::SglangGenerate => {
-            sglang_body(prepared, &sampling, max_tokens, namespace, streamed)?
+            sglang_body(prepared, raw, &sampling, max_tokens, namespace, streamed)?
         }
     };
     Some(Bytes::from(body))
+}
+
+/// Chat's logprobs as the count of candidates per token vLLM's `sampling_params.logprobs`
+/// takes: `Some(None)` when none are asked for, `Some(Some(k))` for `logprobs: true` with
+/// `top_logprobs: k` (0 when absent), and `None` for what that field cannot say (a
+/// completion's `logprobs`, or `top_logprobs` without `logprobs: true`, which vLLM refuses):
+/// the request then goes as chat.
+fn chat_logprobs(fields: &Map<String, Value>) -> Option<Option<u64>> {
+    let chat = fields.contains_key("messages");
+    let top = fields.get("top_logprobs").filter(|v| !v.is_null());
+    match fields.get("logprobs").filter(|v| !v.is_null()) {
+        None | Some(Value::Bool(false)) if top.is_none() => Some(None),
+        Some(Value::Bool(true)) if chat => match top {
+            None => Some(Some(0)),
+            Some(k) => k.as_u64().map(Some),
+        },
+        _ => None,
+    }
 }
 
 /// OpenAI's sampling fields under SGLang's names; those SGLang has no field for are not
@@ -137,14 +175,13 @@ const SGLANG_NAMES: [(&str, &str); 14] = [
 
 fn sglang_body(
     prepared: &Prepared,
+    raw: &Value,
     sampling: &Map<String, Value>,
     max_tokens: Option<i64>,
     namespace: Option<&str>,
     streamed: bool,
 ) -> Option<Vec<u8>> {
-    if !prepared.mm.mm_objects.is_empty() {
-        return None; // images go as chat (SGLang's image_data would need the pixels)
-    }
+    let (input_ids, images) = sglang_images(prepared, raw)?;
     let mut params = Map::new();
     for (key, v) in sampling {
         let (_, name) = SGLANG_NAMES.iter().find(|(openai, _)| openai == key)?;
@@ -154,10 +191,14 @@ fn sglang_body(
     params.insert("max_new_tokens".to_owned(), max_tokens.into());
     // A value SGLang's contract refuses: the request goes as chat, refused there as usual.
     let params = serde_json::from_value(Value::Object(params)).ok()?;
+    let (image_data, mm_hashes) = match images {
+        Some((urls, hashes)) => (Some(urls.into()), Some(hashes.into())),
+        None => (None, None),
+    };
     let request = sglang_generate::GenerateRequest {
-        input_ids: Some(TokenIdsOrList::One(
-            prepared.tokens.iter().map(|&t| i64::from(t)).collect(),
-        )),
+        input_ids: Some(TokenIdsOrList::One(input_ids)),
+        image_data,
+        mm_hashes,
         stream: streamed,
         sampling_params: Some(OneOrMany::One(params)),
         cache_salt: namespace.map(|ns| OneOrMany::One(ns.to_owned())),
@@ -166,12 +207,56 @@ fn sglang_body(
     serde_json::to_vec(&request).ok()
 }
 
+/// The prompt as SGLang takes it with images: `input_ids` with each image's placeholder run
+/// back to its one image token (SGLang expands it again by the image's size, as the front
+/// door did), each image's URL (`image_data`, as the client sent it) and its hash in
+/// kvroute's 16-hex form (`mm_hashes`, which SGLang keys its prefix cache by, so its blocks
+/// are the router's). `None` when the images and the client's URLs do not pair up.
+#[allow(clippy::type_complexity)]
+fn sglang_images(
+    prepared: &Prepared,
+    raw: &Value,
+) -> Option<(Vec<i64>, Option<(Vec<String>, Vec<String>)>)> {
+    let mut runs: Vec<(usize, usize, u64)> = prepared
+        .mm
+        .mm_objects
+        .iter()
+        .flat_map(|o| o.offsets.iter().map(|&(start, end)| (start, end, o.mm_hash)))
+        .collect();
+    if runs.is_empty() {
+        return Some((prepared.tokens.iter().map(|&t| i64::from(t)).collect(), None));
+    }
+    runs.sort_unstable();
+    let urls: Vec<String> = raw["messages"]
+        .as_array()?
+        .iter()
+        .filter_map(|m| m["content"].as_array())
+        .flatten()
+        .filter(|part| part["type"] == "image_url")
+        .map(|part| part["image_url"]["url"].as_str().map(str::to_owned))
+        .collect::<Option<_>>()?;
+    if urls.len() != runs.len() {
+        return None;
+    }
+    let mut ids = Vec::with_capacity(prepared.tokens.len());
+    let mut at = 0;
+    for &(start, end, _) in &runs {
+        ids.extend(prepared.tokens.get(at..start)?.iter().map(|&t| i64::from(t)));
+        ids.push(i64::from(*prepared.tokens.get(start)?));
+        at = end;
+    }
+    ids.extend(prepared.tokens.get(at..)?.iter().map(|&t| i64::from(t)));
+    let hashes = runs.iter().map(|&(_, _, h)| format!("{h:016x}")).collect();
+    Some((ids, Some((urls, hashes))))
+}
+
 fn generate_body(
     prepared: &Prepared,
     other: Map<String, Value>,
     max_tokens: Option<i64>,
     namespace: Option<&str>,
     streamed: bool,
+    output_mode: OutputMode,
 ) -> Option<Vec<u8>> {
     let sampling_params = SamplingParams { max_tokens, other, ..SamplingParams::default() };
     let features = (!prepared.mm.mm_objects.is_empty()).then(|| features(prepared));
@@ -179,7 +264,7 @@ fn generate_body(
         token_ids: prepared.tokens.iter().map(|&t| i64::from(t)).collect(),
         features,
         sampling_params,
-        output_mode: OutputMode::Text,
+        output_mode,
         stream: streamed.then_some(true),
         stream_options: streamed
             .then_some(StreamOptions { include_usage: Some(true), continuous_usage_stats: None }),
@@ -193,7 +278,7 @@ fn generate_body(
 pub(crate) fn path(dialect: Dialect) -> &'static str {
     match dialect {
         Dialect::OpenaiChat => "/v1/chat/completions",
-        Dialect::VllmGenerate => vllm_generate::PATH,
+        Dialect::VllmGenerate | Dialect::VllmGenerateTokens => vllm_generate::PATH,
         Dialect::OpenaiCompletionsTokens => "/v1/completions",
         Dialect::SglangGenerate => sglang_generate::PATH,
     }
@@ -237,6 +322,61 @@ pub(crate) struct Translator {
     sent: usize,
     /// The engine refused the request with this status: its error is what passes.
     failed: Option<u16>,
+    /// The engine answers in token ids: the front door's tokenizer turns them into text.
+    detokenizer: Option<Detokenizer>,
+}
+
+/// Token ids into text, for an answer in `vllm-generate-tokens`: a whole answer decoded at
+/// once, a stream's choices each through their own window.
+#[derive(Debug)]
+struct Detokenizer {
+    preprocessor: Arc<Preprocessor>,
+    /// The prompt's end, which seeds each choice's window.
+    prompt_tail: Vec<u32>,
+    windows: Vec<(u32, DecodeWindow)>,
+}
+
+impl Detokenizer {
+    fn text(&mut self, index: u32, ids: &[u32], streamed: bool) -> String {
+        if !streamed {
+            return self.preprocessor.decode(ids).unwrap_or_default();
+        }
+        let at = match self.windows.iter().position(|(i, _)| *i == index) {
+            Some(at) => at,
+            None => {
+                let window = self.preprocessor.decode_window(&self.prompt_tail);
+                self.windows.push((index, window));
+                self.windows.len() - 1
+            }
+        };
+        self.preprocessor.decode_next(&mut self.windows[at].1, ids)
+    }
+
+    /// vLLM's logprobs by token id (`{"content": [{"token_id", "logprob", "top_logprobs":
+    /// [...]}]}`) in OpenAI's chat shape, each token's text decoded alone (as vLLM's derender
+    /// does); what is not that shape passes as it came.
+    fn logprobs(&self, by_id: &Value) -> Value {
+        let Some(content) = by_id["content"].as_array() else { return by_id.clone() };
+        let entry = |e: &Value| {
+            let id = e["token_id"].as_u64().and_then(|t| u32::try_from(t).ok());
+            let token =
+                id.map_or_else(String::new, |t| self.preprocessor.decode(&[t]).unwrap_or_default());
+            let bytes: Vec<u8> = token.as_bytes().to_vec();
+            serde_json::json!({"token": token, "logprob": e["logprob"], "bytes": bytes})
+        };
+        let content: Vec<Value> = content
+            .iter()
+            .map(|e| {
+                let top = e["top_logprobs"]
+                    .as_array()
+                    .map_or_else(Vec::new, |t| t.iter().map(entry).collect());
+                let mut out = entry(e);
+                out["top_logprobs"] = Value::Array(top);
+                out
+            })
+            .collect();
+        serde_json::json!({ "content": content })
+    }
 }
 
 impl Translator {
@@ -244,7 +384,15 @@ impl Translator {
     pub(crate) fn new(from: Dialect, api: Api, id: &str, model: String, sse: bool) -> Self {
         let envelope = Envelope::new(api, id, model);
         let reader = kvroute_http::SseReader::default();
-        Self { from, envelope, sse, reader, first: true, sent: 0, failed: None }
+        Self { from, envelope, sse, reader, first: true, sent: 0, failed: None, detokenizer: None }
+    }
+
+    /// The same, for an answer in token ids that `preprocessor` decodes, each stream's
+    /// window seeded with the prompt's end (`prompt_tail`).
+    pub(crate) fn detokenizing(self, preprocessor: Arc<Preprocessor>, prompt_tail: &[u32]) -> Self {
+        let prompt_tail = prompt_tail.to_vec();
+        let detokenizer = Detokenizer { preprocessor, prompt_tail, windows: Vec::new() };
+        Self { detokenizer: Some(detokenizer), ..self }
     }
 
     /// For an error answer of `status`: SGLang's two error shapes become OpenAI's; any other
@@ -308,12 +456,24 @@ impl Translator {
     /// The engine's answer or chunk, whatever its shape.
     fn piece(&mut self, data: &[u8]) -> Option<Piece> {
         match self.from {
-            Dialect::VllmGenerate => {
+            Dialect::VllmGenerate | Dialect::VllmGenerateTokens => {
                 let chunk: GenerateChunk = serde_json::from_slice(data).ok()?;
+                let streamed = self.sse;
+                let detokenizer = &mut self.detokenizer;
                 let choices = chunk
                     .choices
                     .into_iter()
-                    .map(|c| (c.index, c.text.unwrap_or_default(), c.finish_reason))
+                    .map(|c| {
+                        let (text, logprobs) = match (detokenizer.as_mut(), c.token_ids.as_deref())
+                        {
+                            (Some(d), Some(ids)) => {
+                                let logprobs = c.logprobs.as_ref().map(|l| d.logprobs(l));
+                                (d.text(c.index, ids, streamed), logprobs)
+                            }
+                            _ => (c.text.unwrap_or_default(), c.logprobs),
+                        };
+                        Said { index: c.index, text, finish: c.finish_reason, logprobs }
+                    })
                     .collect();
                 Some(Piece { choices, usage: chunk.usage })
             }
@@ -340,7 +500,8 @@ impl Translator {
                         meta.cached_tokens,
                     )
                 });
-                Some(Piece { choices: vec![(0, new, finish)], usage })
+                let said = Said { index: 0, text: new, finish, logprobs: None };
+                Some(Piece { choices: vec![said], usage })
             }
             Dialect::OpenaiCompletionsTokens | Dialect::OpenaiChat => {
                 let c: Completion = serde_json::from_slice(data).ok()?;
@@ -349,7 +510,8 @@ impl Translator {
                     .into_iter()
                     .map(|ch| {
                         let text = ch.new_text().unwrap_or_default().to_owned();
-                        (ch.index, text, ch.finish_reason)
+                        let (index, finish) = (ch.index, ch.finish_reason);
+                        Said { index, text, finish, logprobs: None }
                     })
                     .collect();
                 Some(Piece { choices, usage: c.usage })
@@ -362,19 +524,23 @@ impl Translator {
         let choices = piece
             .choices
             .into_iter()
-            .map(|(index, text, finish_reason)| match (self.envelope.api, chunk) {
-                (Api::Chat, true) => {
-                    let first = std::mem::replace(&mut self.first, false);
-                    let role = first.then(|| "assistant".to_owned());
-                    let delta = Some(Delta { role, content: Some(text) });
-                    Choice { index, delta, finish_reason, ..Choice::default() }
-                }
-                (Api::Chat, false) => {
-                    let message = AssistantMessage { role: "assistant".to_owned(), content: text };
-                    Choice { index, message: Some(message), finish_reason, ..Choice::default() }
-                }
-                (Api::Completion, _) => {
-                    Choice { index, text: Some(text), finish_reason, ..Choice::default() }
+            .map(|Said { index, text, finish: finish_reason, logprobs }| {
+                match (self.envelope.api, chunk) {
+                    (Api::Chat, true) => {
+                        let first = std::mem::replace(&mut self.first, false);
+                        let role = first.then(|| "assistant".to_owned());
+                        let delta = Some(Delta { role, content: Some(text) });
+                        Choice { index, delta, finish_reason, logprobs, ..Choice::default() }
+                    }
+                    (Api::Chat, false) => {
+                        let message =
+                            AssistantMessage { role: "assistant".to_owned(), content: text };
+                        let message = Some(message);
+                        Choice { index, message, finish_reason, logprobs, ..Choice::default() }
+                    }
+                    (Api::Completion, _) => {
+                        Choice { index, text: Some(text), finish_reason, ..Choice::default() }
+                    }
                 }
             })
             .collect();
@@ -382,11 +548,21 @@ impl Translator {
     }
 }
 
-/// An engine's answer or chunk: each choice's index, new text and finish reason; the usage.
+/// An engine's answer or chunk: what each choice said; the usage.
 #[derive(Debug)]
 struct Piece {
-    choices: Vec<(u32, String, Option<String>)>,
+    choices: Vec<Said>,
     usage: Option<kvroute_http::openai::Usage>,
+}
+
+/// One choice of an engine's answer or chunk: its new text, finish reason and logprobs (in
+/// OpenAI's chat shape).
+#[derive(Debug)]
+struct Said {
+    index: u32,
+    text: String,
+    finish: Option<String>,
+    logprobs: Option<Value>,
 }
 
 /// SGLang's error body (`{"error": "..."}` or `{"error": {"message": "..."}}`) in OpenAI's

@@ -40,6 +40,9 @@ pub(crate) struct Outbound {
     /// The prompt's block hashes (with its images and cache namespace).
     pub local: Vec<LocalBlockHash>,
     pub prompt_tokens: usize,
+    /// The prompt's last ids, which seed the decoding of an answer that comes back as token
+    /// ids (`vllm-generate-tokens`).
+    pub prompt_tail: Vec<u32>,
     pub streamed: bool,
     /// The front door asked a stream for its usage, which the client did not: the usage
     /// chunk is read and dropped.
@@ -89,6 +92,7 @@ impl Outbound {
             .collect();
         let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
         let prompt_tokens = prepared.tokens.len();
+        let prompt_tail = prepared.tokens[prompt_tokens.saturating_sub(8)..].to_vec();
         Ok(Self {
             path,
             body,
@@ -96,6 +100,7 @@ impl Outbound {
             tokens,
             local,
             prompt_tokens,
+            prompt_tail,
             streamed,
             strip_usage: streamed && !client_usage,
         })
@@ -202,7 +207,13 @@ fn respond(
     let translator = match (from, parts.status.is_success()) {
         (Some(from), true) => {
             let model = state.preprocessor.model_name().to_owned();
-            Some(Translator::new(from, out.kind, &guard.id, model, sse))
+            let translator = Translator::new(from, out.kind, &guard.id, model, sse);
+            Some(match from {
+                Dialect::VllmGenerateTokens => {
+                    translator.detokenizing(Arc::clone(&state.preprocessor), &out.prompt_tail)
+                }
+                _ => translator,
+            })
         }
         (Some(from), false) => Translator::failed(from, parts.status.as_u16()),
         (None, _) => None,

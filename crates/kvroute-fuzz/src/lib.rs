@@ -42,6 +42,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("openai_chat", openai_chat),
     ("openai_completion", openai_completion),
     ("vllm_generate", vllm_generate),
+    ("vllm_derender", vllm_derender),
     ("sglang_generate", sglang_generate),
     ("image", image),
     ("zmtp", zmtp),
@@ -171,6 +172,34 @@ pub fn vllm_generate(data: &[u8]) {
     if let Some(features) = &req.features {
         let block_size = BlockSize::new(4).unwrap_or_default();
         let _ = features.extra_info().to_block_level(block_size, req.token_ids.len());
+    }
+}
+
+/// A streamed derender call (`/v1/chat/completions/derender` with `stream: true`): its
+/// carried state checked, then its chunk's ids decoded through the client's own window, as
+/// the simulated engine does; and the same bytes as a tokens chunk the front door decodes.
+pub fn vllm_derender(data: &[u8]) {
+    use kvroute_http::vllm_generate::{DerenderStreamRequest, GenerateChunk};
+    use kvroute_preprocess::DecodeWindow;
+    let p = preprocessor();
+    if let Ok(req) = serde_json::from_slice::<DerenderStreamRequest>(data) {
+        let state = req.stream_state.unwrap_or_default();
+        if state.check().is_ok() {
+            let mut window = DecodeWindow {
+                prev_tokens: state.prev_tokens,
+                prefix_offset: state.prefix_offset,
+                read_offset: state.read_offset,
+            };
+            for c in &req.generate_chunk.choices {
+                let _ = p.decode_next(&mut window, c.token_ids.as_deref().unwrap_or_default());
+            }
+        }
+    }
+    if let Ok(chunk) = serde_json::from_slice::<GenerateChunk>(data) {
+        let mut window = p.decode_window(chunk.prompt_token_ids.as_deref().unwrap_or_default());
+        for c in &chunk.choices {
+            let _ = p.decode_next(&mut window, c.token_ids.as_deref().unwrap_or_default());
+        }
     }
 }
 

@@ -239,6 +239,109 @@ pub struct DerenderCompletionRequest {
     pub completion_request: Option<Value>,
 }
 
+/// vLLM's `DerenderStreamState`: what a streamed derender's client carries from one call to
+/// the next. The first three fields are the decoding window
+/// (`kvroute_preprocess::DecodeWindow`); the parser fields are kept as they came (no parser
+/// runs here), within vLLM's bounds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DerenderStreamState {
+    #[serde(default)]
+    pub prev_tokens: Vec<String>,
+    #[serde(default)]
+    pub prefix_offset: usize,
+    #[serde(default)]
+    pub read_offset: usize,
+    #[serde(default)]
+    pub role_sent: bool,
+    #[serde(default)]
+    pub logprob_context_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub logprob_text_offset: usize,
+    #[serde(default)]
+    pub output_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub output_chunk_lens: Vec<u64>,
+    #[serde(default)]
+    pub tools_streamed: bool,
+    #[serde(default)]
+    pub last_tool_call_ids: Vec<String>,
+}
+
+/// vLLM's bound on a carried window (`DerenderStreamState._bound_prev_tokens`).
+pub const MAX_PREV_TOKENS: usize = 1024;
+
+impl DerenderStreamState {
+    /// vLLM's validators of a carried state: the window within [`MAX_PREV_TOKENS`], at most
+    /// 4 logprob context ids, chunk lengths positive and summing to the output ids.
+    pub fn check(&self) -> Result<(), ApiError> {
+        let n = self.prev_tokens.len();
+        if n > MAX_PREV_TOKENS {
+            let m = format!(
+                "Value error, prev_tokens length ({n}) exceeds maximum ({MAX_PREV_TOKENS})"
+            );
+            return Err(invalid("stream_state", &m));
+        }
+        if self.logprob_context_token_ids.len() > 4 {
+            let m = "List should have at most 4 items after validation";
+            return Err(invalid("stream_state", m));
+        }
+        if self.output_chunk_lens.contains(&0) {
+            return Err(invalid("stream_state", "Input should be greater than 0"));
+        }
+        let total: u64 = self.output_chunk_lens.iter().sum();
+        if total != self.output_token_ids.len() as u64 {
+            let m = format!(
+                "Value error, output_chunk_lens must sum to len(output_token_ids) (got sum={total}, len(output_token_ids)={})",
+                self.output_token_ids.len()
+            );
+            return Err(invalid("stream_state", &m));
+        }
+        Ok(())
+    }
+}
+
+/// vLLM's `DerenderChatStreamRequest` and `DerenderCompletionStreamRequest` (the request
+/// field is `chat_request` or `completion_request`): one chunk of a tokens stream, with the
+/// state the previous call returned.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DerenderStreamRequest {
+    pub stream: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    pub generate_chunk: GenerateChunk,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_state: Option<DerenderStreamState>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_request: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_request: Option<Value>,
+}
+
+/// The answer to one streamed derender call: OpenAI's chunk and the state for the next.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DerenderStreamResponse {
+    pub chunk: crate::openai::Completion,
+    pub stream_state: DerenderStreamState,
+}
+
+/// vLLM's refusal of stop strings in a streamed derender.
+pub const STREAM_STOP_STRINGS: &str = "stop strings are not supported by streaming derender because text already sent cannot be cut. Use non-streaming derender or output_mode=text on /inference/v1/generate which holds stop strings back.";
+
+/// Whether a derender body asks for the streamed form (`stream: true`): vLLM tells its two
+/// request shapes apart by that field alone.
+pub fn derender_streamed(body: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Flag {
+        #[serde(default)]
+        stream: Option<Value>,
+    }
+    serde_json::from_slice::<Flag>(body).is_ok_and(|f| f.stream == Some(Value::Bool(true)))
+}
+
 /// vLLM's `VLLM_MAX_N_SEQUENCES` default: the most answers, or choices of one, derendered.
 pub const MAX_N_SEQUENCES: usize = 16384;
 

@@ -40,7 +40,7 @@ pub(crate) async fn generate(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req = parse(&body?)?;
+    let req: GenerateRequest = parse(&body?)?;
     req.check()?;
     let model = state.preprocessor.model_name().to_owned();
     if let Some(asked) = req.model.as_deref().filter(|m| !m.is_empty() && *m != model) {
@@ -51,6 +51,7 @@ pub(crate) async fn generate(
         return Err(ApiError::not_found(message).kind("NotFoundError").param("model"));
     }
     let tokens = served_tokens(&state, &req)?;
+    let logprobs = asked_logprobs(&req.sampling_params)?;
     let base = headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
@@ -73,9 +74,16 @@ pub(crate) async fn generate(
     };
     let submitted = state.submit(submission)?;
     state.metrics.generated();
+    // A stream's text grows token by token through a window seeded with the prompt's end,
+    // as vLLM's incremental detokenizer does.
+    let window = (req.streamed() && req.output_mode == OutputMode::Text)
+        .then(|| state.preprocessor.decode_window(&tokens));
     let answer = Answer {
         id,
         mode: req.output_mode,
+        logprobs,
+        vocab: u32::try_from(state.preprocessor.vocab_size()).unwrap_or(u32::MAX),
+        window,
         prompt_len: tokens.len() as u64,
         prompt: req.return_token_ids.unwrap_or(false).then_some(tokens),
         preprocessor: Arc::clone(&state.preprocessor),
@@ -100,7 +108,8 @@ pub(crate) async fn generate(
 }
 
 /// The body as vLLM's model reads it: a JSON object, its fields of the right types.
-fn parse(body: &[u8]) -> Result<GenerateRequest, ApiError> {
+/// A JSON object body as vLLM's pydantic models take it: anything else is 400 `Bad Request`.
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::bad_request("1 validation error:\n  the body must be a JSON object")
             .kind("Bad Request"));
@@ -109,6 +118,33 @@ fn parse(body: &[u8]) -> Result<GenerateRequest, ApiError> {
         ApiError::bad_request(format!("1 validation error:\n  {e}")).kind("Bad Request")
     })
 }
+
+/// `sampling_params.logprobs`, as vLLM bounds it by its `max_logprobs` (20): a count from 0
+/// (the sampled token only) to 20; -1 (the whole vocabulary) is past that bound too.
+fn asked_logprobs(
+    p: &kvroute_http::vllm_generate::SamplingParams,
+) -> Result<Option<u32>, ApiError> {
+    let k = match p.other.get("logprobs") {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(v) => v.as_i64().ok_or_else(|| {
+            ApiError::bad_request("1 validation error:\n  Input should be a valid integer")
+                .kind("Bad Request")
+                .param("sampling_params")
+        })?,
+    };
+    if k < -1 {
+        return Err(refused(format!("logprobs must be non-negative or -1, got {k}.")));
+    }
+    match u32::try_from(k).ok().filter(|&k| k <= MAX_LOGPROBS) {
+        Some(k) => Ok(Some(k)),
+        None => Err(refused(format!(
+            "Requested sample logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}"
+        ))),
+    }
+}
+
+/// vLLM's default `max_logprobs`.
+const MAX_LOGPROBS: u32 = 20;
 
 /// The prompt's token ids, once the server's own checks pass (vLLM's order: the request,
 /// then the prompt against the vocabulary and the context length).
@@ -161,6 +197,11 @@ fn served_tokens(state: &AppState, req: &GenerateRequest) -> Result<Vec<u32>, Ap
 struct Answer {
     id: String,
     mode: OutputMode,
+    /// A text stream's decoding, so far.
+    window: Option<kvroute_preprocess::DecodeWindow>,
+    /// `sampling_params.logprobs`: this many candidates per token (simulated).
+    logprobs: Option<u32>,
+    vocab: u32,
     /// The prompt's ids, when asked for (`return_token_ids`).
     prompt: Option<Vec<u32>>,
     prompt_len: u64,
@@ -170,16 +211,26 @@ struct Answer {
 
 impl Answer {
     /// A choice of `tokens` (with their text in text mode).
-    fn choice(&self, tokens: Vec<u32>, finish: Option<&str>) -> GenerateChoice {
-        let text = match self.mode {
-            OutputMode::Text => Some(self.preprocessor.decode(&tokens).unwrap_or_default()),
+    fn choice(&mut self, tokens: Vec<u32>, finish: Option<&str>) -> GenerateChoice {
+        let text = match (self.mode, self.window.as_mut()) {
+            (OutputMode::Text, Some(window)) => {
+                Some(self.preprocessor.decode_next(window, &tokens))
+            }
+            (OutputMode::Text, None) => Some(self.preprocessor.decode(&tokens).unwrap_or_default()),
             _ => None,
         };
+        let logprobs = self.logprobs.map(|k| match self.mode {
+            OutputMode::Text => {
+                crate::logprobs::as_text(&self.preprocessor, &tokens, k, self.vocab)
+            }
+            _ => crate::logprobs::by_id(&tokens, k, self.vocab),
+        });
         GenerateChoice {
             index: 0,
             finish_reason: finish.map(str::to_owned),
             token_ids: Some(tokens),
             text,
+            logprobs,
             ..GenerateChoice::default()
         }
     }
@@ -203,6 +254,7 @@ async fn whole(answer: Answer, submitted: Submitted) -> Result<GenerateResponse,
         return Err(ApiError::unavailable("the engine stopped before the request finished"));
     };
     let reason = finish_reason(end, tokens.last().copied());
+    let mut answer = answer;
     let choice = answer.choice(tokens, Some(reason));
     Ok(GenerateResponse {
         request_id: answer.id,

@@ -140,8 +140,10 @@ async fn chat(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req: ChatCompletionRequest = parse_request(&body?, "messages", Some(1))?;
+    let body = body?;
+    let req: ChatCompletionRequest = parse_request(&body, "messages", Some(1))?;
     check_cache_salt(req.cache_salt.as_deref())?;
+    let logprobs = crate::logprobs::asked_by_chat(&body);
     let (prepared, _) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     let ask = Ask {
@@ -151,6 +153,7 @@ async fn chat(
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         ignore_eos: req.ignore_eos,
         cache_salt: req.cache_salt,
+        logprobs,
     };
     generate(&state, prepared, ask).await
 }
@@ -169,6 +172,7 @@ async fn completions(
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         ignore_eos: req.ignore_eos,
         cache_salt: req.cache_salt,
+        logprobs: None,
     };
     generate(&state, prepared, ask).await
 }
@@ -182,6 +186,8 @@ struct Ask {
     include_usage: bool,
     ignore_eos: bool,
     cache_salt: Option<String>,
+    /// Chat's `logprobs: true`, with this many alternatives per token (simulated).
+    logprobs: Option<u32>,
 }
 
 /// A prompt for the engine, from any of its APIs.
@@ -270,9 +276,10 @@ async fn generate(
     prepared: Prepared,
     ask: Ask,
 ) -> Result<Response, ApiError> {
-    let Ask { kind, max_tokens, stream, include_usage, ignore_eos, cache_salt } = ask;
+    let Ask { kind, max_tokens, stream, include_usage, ignore_eos, cache_salt, logprobs } = ask;
     let model = state.preprocessor.model_name().to_owned();
     let envelope = Envelope::new(kind, &state.next_id().to_string(), model);
+    let window = state.preprocessor.decode_window(&prepared.tokens);
     let submission = Submission {
         id: envelope.id.clone(),
         tokens: prepared.tokens,
@@ -282,7 +289,9 @@ async fn generate(
         cache_salt,
     };
     let Submitted { outputs, guard, end } = state.submit(submission)?;
-    let reply = Reply { envelope, preprocessor: Arc::clone(&state.preprocessor), end };
+    let vocab = u32::try_from(state.preprocessor.vocab_size()).unwrap_or(u32::MAX);
+    let preprocessor = Arc::clone(&state.preprocessor);
+    let reply = Reply { envelope, preprocessor, end, window, logprobs, vocab };
     if stream {
         Ok(sse(reply, outputs, guard, include_usage).into_response())
     } else {
@@ -295,9 +304,21 @@ struct Reply {
     preprocessor: Arc<Preprocessor>,
     /// The end-of-turn token, if the answer ends with it.
     end: Option<u32>,
+    /// The answer's decoding so far, seeded with the prompt's end (vLLM's incremental
+    /// detokenizer): a character split across tokens goes out whole.
+    window: kvroute_preprocess::DecodeWindow,
+    /// Logprobs asked for: this many alternatives per token.
+    logprobs: Option<u32>,
+    vocab: u32,
 }
 
 impl Reply {
+    /// The logprobs of `tokens`, when asked for.
+    fn logprobs(&self, tokens: &[u32]) -> Option<serde_json::Value> {
+        let k = self.logprobs?;
+        Some(crate::logprobs::as_text(&self.preprocessor, tokens, k, self.vocab))
+    }
+
     fn completion(&self, chunk: bool, choices: Vec<Choice>, usage: Option<Usage>) -> Completion {
         self.envelope.completion(chunk, choices, usage.map(openai_usage))
     }
@@ -341,10 +362,10 @@ impl Reply {
         }
     }
 
-    /// The text of one generated token (special tokens, the end of turn among them, have
-    /// none).
-    fn piece(&self, token: u32) -> String {
-        self.preprocessor.decode(&[token]).unwrap_or_default()
+    /// The text one generated token adds (special tokens, the end of turn among them, add
+    /// none; a token that leaves a character unfinished adds it with the next).
+    fn piece(&mut self, token: u32) -> String {
+        self.preprocessor.decode_next(&mut self.window, &[token])
     }
 }
 
@@ -357,22 +378,24 @@ fn openai_usage(u: Usage) -> kvroute_http::openai::Usage {
 }
 
 async fn whole(
-    reply: Reply,
+    mut reply: Reply,
     mut outputs: mpsc::UnboundedReceiver<Output>,
     mut guard: CancelOnDrop,
 ) -> Result<Completion, ApiError> {
     let mut text = String::new();
-    let mut last = None;
+    let mut tokens = Vec::new();
     while let Some(output) = outputs.recv().await {
         match output {
             Output::Token { token, .. } => {
                 text.push_str(&reply.piece(token));
-                last = Some(token);
+                tokens.push(token);
             }
             Output::FirstToken { .. } => {}
             Output::Finished { usage, .. } => {
                 guard.disarm();
-                return Ok(reply.completion(false, vec![reply.whole(text, last)], Some(usage)));
+                let mut choice = reply.whole(text, tokens.last().copied());
+                choice.logprobs = reply.logprobs(&tokens);
+                return Ok(reply.completion(false, vec![choice], Some(usage)));
             }
         }
     }
@@ -419,11 +442,12 @@ fn sse(
             match st.outputs.recv().await {
                 Some(Output::Token { index, token, .. }) => {
                     st.last = Some(token);
+                    let piece = st.reply.piece(token);
                     let r = &st.reply;
-                    let piece = r.piece(token);
                     // The end of turn has no text: the last chunk says `stop` instead.
                     if index == 0 || !piece.is_empty() {
-                        let choice = r.delta(&piece, None, index == 0);
+                        let mut choice = r.delta(&piece, None, index == 0);
+                        choice.logprobs = r.logprobs(&[token]);
                         st.pending.push_back(data(&r.completion(true, vec![choice], None)));
                     }
                 }

@@ -13,6 +13,7 @@ pub mod engine;
 pub mod generate;
 pub mod http;
 mod kv;
+mod logprobs;
 pub mod metrics;
 mod sequence;
 pub mod service;

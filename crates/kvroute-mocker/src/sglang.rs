@@ -2,10 +2,12 @@
 //! `POST /generate` (a prompt as token ids or text, SGLang's sampling parameters, an answer
 //! of text, ids and `meta_info`, whole or as a cumulative SSE stream ending in
 //! `data: [DONE]`). Requests are refused in SGLang's two shapes: `{"error": "..."}` for the contract, `{"error": {"message": "..."}}` for the
-//! server's checks, both 400.
+//! server's checks, both 400. Images come as `image_data` beside `input_ids` that hold one
+//! image token per image, which is expanded by the image's size (SGLang's
+//! `_expand_input_ids`) and keyed by the caller's `mm_hashes` when given.
 //!
 //! Where the simulated engine differs from SGLang: one prompt per request (a batch is
-//! refused), one sample (`n` above 1 is refused), no images (`image_data`), no adapters
+//! refused), one sample (`n` above 1 is refused), no adapters
 //! (`lora_path` is refused as SGLang refuses it without `--enable-lora`), no logprobs, and a
 //! token id outside the vocabulary is refused rather than left to the scheduler.
 
@@ -63,7 +65,11 @@ pub(crate) async fn generate(
         Ok(r) => r,
         Err(r) => return Refused::Sglang(r).into_response(),
     };
-    match admit(&state, &req) {
+    let images = match images(&state, &req).await {
+        Ok(images) => images,
+        Err(refused) => return refused.into_response(),
+    };
+    match admit(&state, &req, images) {
         Ok((answer, submitted)) if req.stream => stream_answer(answer, submitted).into_response(),
         Ok((answer, submitted)) => whole(answer, submitted).await,
         Err(refused) => refused.into_response(),
@@ -71,8 +77,21 @@ pub(crate) async fn generate(
 }
 
 /// The prompt handed to the engine and its answer, once SGLang's checks pass.
-fn admit(state: &Arc<AppState>, req: &GenerateRequest) -> Result<(Answer, Submitted), Refused> {
+fn admit(
+    state: &Arc<AppState>,
+    req: &GenerateRequest,
+    images: Vec<kvroute_preprocess::Image>,
+) -> Result<(Answer, Submitted), Refused> {
     let tokens = prompt(state, req)?;
+    // Each image's one token expanded by its size, as SGLang's processor does for input_ids.
+    let (tokens, mm) = match images.is_empty() {
+        true => (tokens, None),
+        false => {
+            let p = state.preprocessor.expand_images(tokens, images);
+            let p = p.map_err(|e| invalid(e.to_string()))?;
+            (p.tokens, Some(p.mm))
+        }
+    };
     let params = req.params();
     if params.n.unwrap_or(1) != 1 {
         return Err(invalid("the simulated engine answers one sample: n must be 1"));
@@ -112,7 +131,7 @@ fn admit(state: &Arc<AppState>, req: &GenerateRequest) -> Result<(Answer, Submit
     let submission = Submission {
         id: id.clone(),
         tokens,
-        mm: None,
+        mm,
         max_tokens,
         ignore_eos: params.ignore_eos == Some(true),
         cache_salt: req.cache_salt.as_ref().and_then(OneOrMany::one).cloned(),
@@ -127,15 +146,61 @@ fn admit(state: &Arc<AppState>, req: &GenerateRequest) -> Result<(Answer, Submit
     Ok((answer, submitted))
 }
 
+/// The request's images (`image_data`: a URL, a data URL, or a list of them, each a string
+/// or `{"url": ...}`), loaded within the model's image limits, each keyed by the caller's hash
+/// when `mm_hashes` gives one (SGLang's prefix cache keys by it, so a router's hash is the
+/// engine's), else by its pixels.
+async fn images(
+    state: &AppState,
+    req: &GenerateRequest,
+) -> Result<Vec<kvroute_preprocess::Image>, Refused> {
+    let urls: Vec<&str> = match req.image_data.as_ref() {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items.iter().map(image_url).collect::<Result<_, _>>()?,
+        Some(one) => vec![image_url(one)?],
+    };
+    let hashes: Vec<Option<&str>> = match req.mm_hashes.as_ref() {
+        None | Some(Value::Null) => vec![None; urls.len()],
+        Some(Value::Array(h)) if h.len() == urls.len() => h.iter().map(Value::as_str).collect(),
+        Some(Value::Array(h)) => {
+            let (n, m) = (h.len(), urls.len());
+            return Err(invalid(format!("mm_hashes has {n} entries for {m} images")));
+        }
+        Some(_) => return Err(invalid("mm_hashes must be a list of hex strings")),
+    };
+    let loaded = state.preprocessor.load_image_urls(&urls, &state.fetcher).await;
+    let loaded = loaded.map_err(|e| invalid(e.to_string()))?;
+    Ok(loaded
+        .into_iter()
+        .zip(hashes)
+        .map(|(l, hash)| {
+            let mut image = l.image;
+            if let Some(h) = hash {
+                image.mm_hash = kvroute_core::hash::mm_hash_from_identifier(h);
+            }
+            image
+        })
+        .collect())
+}
+
+/// One `image_data` item's URL.
+fn image_url(item: &Value) -> Result<&str, Refused> {
+    match item {
+        Value::String(url) => Ok(url),
+        Value::Object(o) => o
+            .get("url")
+            .and_then(Value::as_str)
+            .ok_or_else(|| invalid("an image_data item needs a url")),
+        _ => Err(invalid("an image_data item must be a URL string or an object with a url")),
+    }
+}
+
 /// The prompt's token ids: `input_ids` (in the vocabulary), else `text` tokenized as it is.
 fn prompt(state: &AppState, req: &GenerateRequest) -> Result<Vec<u32>, Refused> {
     if req.is_batch() {
         return Err(invalid(
             "the simulated engine takes one prompt per request: send input_ids as a flat list",
         ));
-    }
-    if req.image_data.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(invalid("image_data is not served by the simulated engine"));
     }
     let lora = req.lora_path.as_ref().filter(|v| !v.is_null() && v.as_str() != Some(""));
     if let Some(lora) = lora {
@@ -233,8 +298,10 @@ fn stream_answer(
         end: Option<u32>,
         ids: Vec<u32>,
         /// The text so far, a token's piece at a time (decoding the whole answer again for
-        /// every chunk would cost the square of its length).
+        /// every chunk would cost the square of its length), a character split across
+        /// tokens added whole once its last token is in.
         text: String,
+        window: kvroute_preprocess::DecodeWindow,
         /// `[DONE]` is due: the answer's last chunk went out.
         finished: bool,
         done: bool,
@@ -244,7 +311,8 @@ fn stream_answer(
     }
     let Submitted { outputs, guard, end } = submitted;
     let (ids, text) = (Vec::new(), String::new());
-    let st = St { answer, outputs, guard, end, ids, text, finished: false, done: false };
+    let window = kvroute_preprocess::DecodeWindow::default();
+    let st = St { answer, outputs, guard, end, ids, text, window, finished: false, done: false };
     let events = stream::unfold(st, |mut st| async move {
         loop {
             if st.done {
@@ -258,7 +326,8 @@ fn stream_answer(
                 Some(Output::FirstToken { .. }) => {}
                 Some(Output::Token { token, index, .. }) => {
                     st.ids.push(token);
-                    st.text.push_str(&st.answer.preprocessor.decode(&[token]).unwrap_or_default());
+                    let piece = st.answer.preprocessor.decode_next(&mut st.window, &[token]);
+                    st.text.push_str(&piece);
                     // The last token's chunk waits for the engine's usage (the cache hits).
                     let last = Some(token) == st.end || index as u64 + 1 >= st.answer.max_tokens;
                     if !last {

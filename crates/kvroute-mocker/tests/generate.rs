@@ -321,11 +321,7 @@ async fn derender_turns_a_tokens_answer_into_openais() {
             json!({"generate_responses": [{"request_id": "x", "choices": [{"index": 0, "token_ids": []}]}]}),
             "BadRequestError",
         ),
-        (
-            DERENDER_CHAT_PATH,
-            json!({"generate_response": answer, "stream": true}),
-            "BadRequestError",
-        ),
+        (DERENDER_CHAT_PATH, json!({"generate_response": answer, "stream": true}), "Bad Request"),
     ];
     for (path, body, kind) in cases {
         let (status, r) = e.post(path, &body).await;
@@ -334,4 +330,138 @@ async fn derender_turns_a_tokens_answer_into_openais() {
     let (status, _) =
         e.post(DERENDER_CHAT_PATH, &json!({"generate_response": answer, "model": "other"})).await;
     assert_eq!(status, 404);
+}
+
+/// vLLM's streamed derender: one call per chunk of a tokens stream, the client carrying
+/// `stream_state` from each answer to the next. Fed the engine's own tokens stream, the
+/// deltas are its text mode's text; fed a token at a time of text whose characters span
+/// tokens, every character comes out whole, and the carried window stays short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_derender_carries_its_state_between_calls() {
+    use kvroute_http::vllm_generate::{DERENDER_CHAT_PATH, DERENDER_COMPLETION_PATH};
+    let e = engine(1000).await;
+    let tokens = e.rendered("Tell me a story about routers.").await;
+    let mut body = generate(&tokens, json!({"max_tokens": 12, "ignore_eos": true}));
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (_, sse) = e.post(PATH, &body).await;
+    let chunks: Vec<Value> = sse
+        .as_str()
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    body["output_mode"] = json!("text");
+    body["stream"] = json!(false);
+    let (_, whole) = e.post(PATH, &body).await;
+    let want = whole["choices"][0]["text"].as_str().unwrap();
+
+    let mut state = Value::Null;
+    let (mut content, mut roles, mut usage) = (String::new(), 0, Value::Null);
+    for chunk in &chunks {
+        let mut call =
+            json!({"stream": true, "generate_chunk": chunk, "prompt_tokens": tokens.len()});
+        match state.is_null() {
+            true => call["prompt_token_ids"] = json!(tokens),
+            false => call["stream_state"] = state.clone(),
+        }
+        let (status, r) = e.post(DERENDER_CHAT_PATH, &call).await;
+        assert_eq!(status, 200, "{r}");
+        assert_eq!(r["chunk"]["object"], "chat.completion.chunk");
+        assert_eq!(r["chunk"]["id"], chunk["request_id"]);
+        if let Some(choice) = r["chunk"]["choices"].get(0) {
+            roles += usize::from(choice["delta"]["role"] == "assistant");
+            content.push_str(choice["delta"]["content"].as_str().unwrap_or_default());
+        }
+        if !r["chunk"]["usage"].is_null() {
+            usage = r["chunk"]["usage"].clone();
+        }
+        state = r["stream_state"].clone();
+        assert!(state["prev_tokens"].as_array().unwrap().len() <= 7, "{state}");
+    }
+    assert_eq!(content, want, "the engine's own text");
+    assert_eq!(roles, 1, "the role on the first delta only");
+    assert_eq!(
+        (usage["prompt_tokens"].as_u64(), usage["completion_tokens"].as_u64()),
+        (Some(tokens.len() as u64), Some(12))
+    );
+
+    // Characters split across tokens, a token per call, as completions.
+    let p = kvroute_preprocess::Preprocessor::builtin();
+    let text = "déjà vu: 東京 🦀";
+    let ids = p.encode(text).unwrap();
+    let mut state = Value::Null;
+    let mut out = String::new();
+    for id in &ids {
+        let chunk = json!({"request_id": "r", "output_mode": "tokens", "choices": [{"index": 0, "token_ids": [id]}]});
+        let mut call = json!({"stream": true, "generate_chunk": chunk});
+        if !state.is_null() {
+            call["stream_state"] = state.clone();
+        }
+        let (status, r) = e.post(DERENDER_COMPLETION_PATH, &call).await;
+        assert_eq!(status, 200, "{r}");
+        assert_eq!(r["chunk"]["object"], "text_completion");
+        let piece = r["chunk"]["choices"][0]["text"].as_str().unwrap();
+        assert!(!piece.contains('\u{FFFD}'), "{piece:?}");
+        out.push_str(piece);
+        state = r["stream_state"].clone();
+    }
+    assert!(ids.len() > text.chars().filter(|c| *c != ' ').count() / 2);
+    assert_eq!(out, text);
+    assert_eq!(state["logprob_text_offset"], text.chars().count());
+
+    // What vLLM refuses there: stop strings, two choices, a window past its bound, a text chunk.
+    let one = json!({"request_id": "r", "output_mode": "tokens", "choices": [{"index": 0, "token_ids": [ids[0]]}]});
+    let two = json!({"request_id": "r", "choices": [{"index": 0, "token_ids": [1]}, {"index": 1, "token_ids": [2]}]});
+    let long = json!({"prev_tokens": vec!["a"; 1025]});
+    let cases = [
+        (
+            json!({"stream": true, "generate_chunk": one, "chat_request": {"stop": ["."]}}),
+            "BadRequestError",
+        ),
+        (json!({"stream": true, "generate_chunk": two}), "BadRequestError"),
+        (json!({"stream": true, "generate_chunk": one, "stream_state": long}), "Bad Request"),
+        (
+            json!({"stream": true, "generate_chunk": {"request_id": "r", "output_mode": "text", "choices": []}}),
+            "Bad Request",
+        ),
+    ];
+    for (body, kind) in cases {
+        let (status, r) = e.post(DERENDER_CHAT_PATH, &body).await;
+        assert_eq!((status, r["error"]["type"].as_str()), (400, Some(kind)), "{body}: {r}");
+    }
+}
+
+/// `sampling_params.logprobs`: by token id in tokens mode (vLLM's `GenerateLogProbs`, the
+/// sampled token first among its candidates), in OpenAI's chat shape in text mode; past
+/// vLLM's `max_logprobs` (20, so -1 too) a 400 `BadRequestError`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_in_both_modes_within_vllms_bound() {
+    let e = engine(1000).await;
+    let tokens = e.rendered("Tell me about logprobs.").await;
+    let body = generate(&tokens, json!({"max_tokens": 3, "ignore_eos": true, "logprobs": 2}));
+    let (status, r) = e.post(PATH, &body).await;
+    assert_eq!(status, 200, "{r}");
+    let choice = &r["choices"][0];
+    let content = choice["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3);
+    for (entry, id) in content.iter().zip(choice["token_ids"].as_array().unwrap()) {
+        assert_eq!(&entry["token_id"], id);
+        assert_eq!(entry["rank"], 1);
+        assert_eq!(entry["top_logprobs"][0]["token_id"], *id, "the sampled token first");
+        assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
+    }
+    let mut text = body.clone();
+    text["output_mode"] = json!("text");
+    let (_, t) = e.post(PATH, &text).await;
+    let entry = &t["choices"][0]["logprobs"]["content"][0];
+    assert!(entry["token"].is_string() && entry["bytes"].is_array(), "{entry}");
+    assert!(entry.get("token_id").is_none());
+    for k in [21, -1] {
+        let body = generate(&tokens, json!({"max_tokens": 3, "logprobs": k}));
+        let (status, r) = e.post(PATH, &body).await;
+        assert_eq!((status, r["error"]["type"].as_str()), (400, Some("BadRequestError")), "{r}");
+    }
 }

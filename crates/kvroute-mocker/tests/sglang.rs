@@ -173,3 +173,41 @@ async fn refuses_what_sglang_refuses_in_its_shapes() {
     }
     assert_eq!(e.metric("kvroute_mocker_sglang_generate_requests_total").await, Some(0.0));
 }
+
+/// Images as SGLang takes them with `input_ids`: each one's URL in `image_data`, one image
+/// token for it in the ids, expanded by the image's size; keyed in the prefix cache by the
+/// caller's `mm_hashes` (what a KV router sends so that the engine's blocks are its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_beside_input_ids_expand_and_are_keyed_by_the_callers_hashes() {
+    use kvroute_preprocess::images::{png_data_url, seeded_png};
+    let e = engine().await;
+    let p = kvroute_preprocess::Preprocessor::builtin();
+    let ids = p.encode(&format!("{LONG} Look at <|image_pad|> and say what it is.")).unwrap();
+    let pad = p.image_token_id().unwrap();
+    assert_eq!(ids.iter().filter(|&&t| t == pad).count(), 1);
+    let url = png_data_url(&seeded_png(1, 64));
+    let body = |hash: &str| {
+        json!({"input_ids": ids, "image_data": [url], "mm_hashes": [hash],
+            "sampling_params": {"max_new_tokens": 1}})
+    };
+    let (status, r) = e.post(PATH, &body("00000000000000ab")).await;
+    assert_eq!(status, 200, "{r}");
+    let prompt = r["meta_info"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > ids.len() as u64, "the image token expanded: {prompt}");
+    assert_eq!(r["meta_info"]["cached_tokens"], 0);
+    let (_, again) = e.post(PATH, &body("00000000000000ab")).await;
+    let full = (prompt - 1) / 16 * 16;
+    assert_eq!(again["meta_info"]["cached_tokens"], full, "{again}");
+    // The same pixels under another caller's hash: only the blocks before the image.
+    let (_, other) = e.post(PATH, &body("00000000000000cd")).await;
+    let before = other["meta_info"]["cached_tokens"].as_u64().unwrap();
+    assert!(before > 0 && before < full, "{before} of {full}");
+    // Mismatches are refused in SGLang's server shape.
+    let two = json!({"input_ids": ids, "image_data": [url, url]});
+    let hashes = json!({"input_ids": ids, "image_data": [url], "mm_hashes": ["a", "b"]});
+    for bad in [two, hashes] {
+        let (status, r) = e.post(PATH, &bad).await;
+        assert_eq!(status, 400, "{r}");
+        assert!(r["error"]["message"].is_string(), "{r}");
+    }
+}

@@ -65,8 +65,20 @@ impl Preprocessor {
         fetcher: &Fetcher,
     ) -> Result<Vec<LoadedImage>, PreprocessError> {
         self.check_images(messages)?;
+        self.load_image_urls(&image_urls(messages), fetcher).await
+    }
+
+    /// Images by their URLs, in order, as [`Preprocessor::load_images`] loads a request's:
+    /// for an API that takes them beside the prompt (SGLang's `image_data`).
+    pub async fn load_image_urls(
+        &self,
+        urls: &[&str],
+        fetcher: &Fetcher,
+    ) -> Result<Vec<LoadedImage>, PreprocessError> {
+        if self.image_token_id().is_none() && !urls.is_empty() {
+            return Err(self.text_only_error());
+        }
         let config = *self.image_config();
-        let urls = image_urls(messages);
         if urls.len() > config.max_images {
             let (count, limit) = (urls.len(), config.max_images);
             return Err(PreprocessError::TooManyImages { count, limit });
@@ -74,7 +86,7 @@ impl Preprocessor {
         let mut out = Vec::new();
         let mut pixels_left = config.max_request_pixels;
         let mut flow = crate::decoding::Flow::default();
-        for url in urls {
+        for &url in urls {
             let (bytes, fetched) = match url.strip_prefix("data:") {
                 Some(_) => (images::data_url_bytes(url, &config)?, false),
                 None => (fetcher.fetch(url).await?, true),

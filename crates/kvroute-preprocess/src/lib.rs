@@ -577,6 +577,17 @@ impl Preprocessor {
         Ok(prepared)
     }
 
+    /// Token ids with one image token per image, as an API that takes images beside its
+    /// ids (SGLang's `input_ids` with `image_data`) has them: each expanded to its image's
+    /// placeholder tokens, as a chat's are, and recorded where.
+    pub fn expand_images(
+        &self,
+        tokens: Vec<u32>,
+        images: Vec<Image>,
+    ) -> Result<Prepared, PreprocessError> {
+        self.expand(tokens, images)
+    }
+
     /// Replaces the i-th image token with `images[i].tokens` copies and records where.
     fn expand(&self, tokens: Vec<u32>, images: Vec<Image>) -> Result<Prepared, PreprocessError> {
         let Some(pad) = self.image_token_id else {

@@ -84,12 +84,21 @@ pub enum Dialect {
     OpenaiCompletionsTokens,
     /// SGLang's native `/generate`: the token ids go in as `input_ids`, the text comes out.
     SglangGenerate,
+    /// vLLM's `/inference/v1/generate` with token ids both ways (`output_mode: "tokens"`):
+    /// the front door detokenizes, so the engine needs no tokenizer at all (vLLM's
+    /// `--skip-tokenizer-init`).
+    VllmGenerateTokens,
 }
 
 impl Dialect {
     /// Every dialect's name, as `--worker dialect=` takes it.
-    pub const NAMES: [&str; 4] =
-        ["openai-chat", "vllm-generate", "openai-completions-tokens", "sglang-generate"];
+    pub const NAMES: [&str; 5] = [
+        "openai-chat",
+        "vllm-generate",
+        "openai-completions-tokens",
+        "sglang-generate",
+        "vllm-generate-tokens",
+    ];
 
     /// Whether the engine gets the front door's token ids.
     pub fn sends_tokens(self) -> bool {
@@ -104,6 +113,7 @@ impl std::fmt::Display for Dialect {
             Dialect::VllmGenerate => Dialect::NAMES[1],
             Dialect::OpenaiCompletionsTokens => Dialect::NAMES[2],
             Dialect::SglangGenerate => Dialect::NAMES[3],
+            Dialect::VllmGenerateTokens => Dialect::NAMES[4],
         })
     }
 }
@@ -117,6 +127,7 @@ impl FromStr for Dialect {
             "vllm-generate" => Ok(Dialect::VllmGenerate),
             "openai-completions-tokens" => Ok(Dialect::OpenaiCompletionsTokens),
             "sglang-generate" => Ok(Dialect::SglangGenerate),
+            "vllm-generate-tokens" => Ok(Dialect::VllmGenerateTokens),
             other => Err(WorkerFlagError::Dialect(other.to_owned())),
         }
     }
@@ -402,7 +413,7 @@ mod tests {
         assert_eq!((tokens.dialect, &table.workers[0]), (Dialect::VllmGenerate, &tokens));
         let err = "id=3,dialect=grpc".parse::<WorkerSpec>().unwrap_err().to_string();
         assert!(
-            err.contains("unknown dialect \"grpc\" (known: openai-chat, vllm-generate, openai-completions-tokens, sglang-generate)"),
+            err.contains("unknown dialect \"grpc\" (known: openai-chat, vllm-generate, openai-completions-tokens, sglang-generate, vllm-generate-tokens)"),
             "{err}"
         );
         assert_eq!(file.workers[1].format, EventFormat::TrtllmJson);

@@ -73,11 +73,43 @@ fn chat(extra: Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_goes_as_token_ids_and_comes_back_as_openais() {
-    for dialect in
-        [Dialect::VllmGenerate, Dialect::OpenaiCompletionsTokens, Dialect::SglangGenerate]
-    {
+    for dialect in [
+        Dialect::VllmGenerate,
+        Dialect::OpenaiCompletionsTokens,
+        Dialect::SglangGenerate,
+        Dialect::VllmGenerateTokens,
+    ] {
         as_token_ids(dialect).await;
     }
+}
+
+/// With `vllm-generate-tokens` the engine answers in token ids only and the front door
+/// detokenizes: the client gets the text the engine itself sends with `vllm-generate`, whole
+/// and chunk by chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_in_token_ids_are_detokenized_by_the_front_door_as_the_engine_would() {
+    let mut texts = Vec::new();
+    for dialect in [Dialect::VllmGenerate, Dialect::VllmGenerateTokens] {
+        let (_stack, base) = fleet(dialect).await;
+        let long = json!({"max_tokens": 48, "ignore_eos": true});
+        let (status, _, whole) = post(&base, "/v1/chat/completions", &chat(long)).await;
+        assert_eq!(status, 200, "{whole}");
+        let content = whole["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+        let streamed = json!({"max_tokens": 48, "ignore_eos": true, "stream": true});
+        let (_, _, text) = post(&base, "/v1/chat/completions", &chat(streamed)).await;
+        let (chunks, done) = stream_chunks(text.as_str().unwrap().as_bytes()).unwrap();
+        assert!(done, "{text}");
+        let pieces: Vec<String> = chunks
+            .iter()
+            .flat_map(|c| c.choices.iter().filter_map(|ch| ch.new_text().map(str::to_owned)))
+            .collect();
+        assert_eq!(pieces.concat(), content, "{dialect}: streamed as whole");
+        texts.push((content, pieces.len()));
+        let sent = metric(&base, "kvroute_frontend_sent_as_tokens_total").await;
+        assert_eq!(sent, 2.0, "{dialect}");
+    }
+    assert!(!texts[0].0.is_empty());
+    assert_eq!(texts[0], texts[1], "the same text, in as many chunks");
 }
 
 async fn as_token_ids(dialect: Dialect) {
@@ -134,7 +166,7 @@ async fn as_token_ids(dialect: Dialect) {
 async fn what_the_generate_api_cannot_carry_goes_as_chat() {
     let (_stack, base) = fleet(Dialect::VllmGenerate).await;
     for extra in [
-        json!({"logprobs": true, "top_logprobs": 2}),
+        json!({"top_logprobs": 2}),
         json!({"response_format": {"type": "json_object"}}),
         json!({"n": 2}),
     ] {
@@ -149,6 +181,50 @@ async fn what_the_generate_api_cannot_carry_goes_as_chat() {
     let (status, _, answer) = post(&base, "/v1/chat/completions", &chat(extra)).await;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(metric(&base, "kvroute_frontend_sent_as_tokens_total").await, 1.0);
+}
+
+/// Chat's logprobs go on vLLM's generate API as `sampling_params.logprobs` and come back in
+/// OpenAI's chat shape: from the engine's text mode as they are, from its tokens mode by
+/// token id, made text by the front door. Every way gives the logprobs the engine's own chat
+/// API gives, whole and streamed; with SGLang's dialect they go as chat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_are_the_engines_whichever_way_the_request_goes() {
+    let asked = json!({"logprobs": true, "top_logprobs": 2, "max_tokens": 6, "ignore_eos": true});
+    let mut seen = Vec::new();
+    for dialect in [
+        Dialect::OpenaiChat,
+        Dialect::VllmGenerate,
+        Dialect::VllmGenerateTokens,
+        Dialect::SglangGenerate,
+    ] {
+        let (_stack, base) = fleet(dialect).await;
+        let (status, _, whole) = post(&base, "/v1/chat/completions", &chat(asked.clone())).await;
+        assert_eq!(status, 200, "{whole}");
+        let logprobs = whole["choices"][0]["logprobs"].clone();
+        let content = logprobs["content"].as_array().unwrap();
+        assert_eq!(content.len(), 6, "{dialect}: one per token: {logprobs}");
+        assert!(content.iter().all(|e| e["top_logprobs"].as_array().unwrap().len() == 2));
+        assert!(content.iter().all(|e| e["token"].is_string() && e["bytes"].is_array()));
+        let mut streamed = asked.clone();
+        streamed["stream"] = json!(true);
+        let (_, _, text) = post(&base, "/v1/chat/completions", &chat(streamed)).await;
+        let (chunks, _) = stream_chunks(text.as_str().unwrap().as_bytes()).unwrap();
+        let per_chunk: Vec<Value> = chunks
+            .iter()
+            .flat_map(|c| c.choices.iter().filter_map(|ch| ch.logprobs.clone()))
+            .filter(|l| !l.is_null())
+            .flat_map(|l| l["content"].as_array().cloned().unwrap_or_default())
+            .collect();
+        assert_eq!(per_chunk, *content, "{dialect}: streamed as whole");
+        let as_tokens = metric(&base, "kvroute_frontend_sent_as_tokens_total").await;
+        let expected = match dialect {
+            Dialect::VllmGenerate | Dialect::VllmGenerateTokens => 2.0,
+            _ => 0.0,
+        };
+        assert_eq!(as_tokens, expected, "{dialect}");
+        seen.push(logprobs);
+    }
+    assert!(seen.windows(2).all(|w| w[0] == w[1]), "{seen:?}");
 }
 
 /// SGLang refuses in shapes of its own (`{"error": "..."}`, `{"error": {"message"}}`): the
@@ -201,6 +277,7 @@ async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
         Dialect::VllmGenerate,
         Dialect::OpenaiCompletionsTokens,
         Dialect::SglangGenerate,
+        Dialect::VllmGenerateTokens,
     ] {
         let config = StackConfig {
             simulated: Simulated {
@@ -237,11 +314,11 @@ async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
         let failed =
             |what: &str| matches!(&parity, kvroute_router::Parity::Failed(c) if c.contains(what));
         match dialect {
-            Dialect::VllmGenerate => assert_eq!(parity, kvroute_router::Parity::Ok),
-            // Neither carries images (SGLang's would need the pixels): that probe goes as chat.
-            Dialect::OpenaiCompletionsTokens | Dialect::SglangGenerate => {
-                assert!(failed("image"), "{parity:?}");
+            Dialect::VllmGenerate | Dialect::VllmGenerateTokens | Dialect::SglangGenerate => {
+                assert_eq!(parity, kvroute_router::Parity::Ok);
             }
+            // A completion carries no images: that probe goes as chat.
+            Dialect::OpenaiCompletionsTokens => assert!(failed("image"), "{parity:?}"),
             Dialect::OpenaiChat => assert!(failed("token ids"), "{parity:?}"),
         }
         match dialect.sends_tokens() {

@@ -224,7 +224,18 @@ async fn usage(base: &str, body: &Value) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn images_decide_what_is_reused() {
-    let f = fleet(1, 0).await;
+    // vLLM's generate API takes each image as its hash over its placeholders; SGLang's
+    // /generate as its URL beside one image token, with the router's hash in `mm_hashes`.
+    for dialect in [kvroute_router::Dialect::VllmGenerate, kvroute_router::Dialect::SglangGenerate]
+    {
+        images_reused_through(dialect).await;
+    }
+}
+
+async fn images_reused_through(dialect: kvroute_router::Dialect) {
+    let mut c = config(1, Vec::new());
+    c.simulated.dialect = dialect;
+    let f = fleet_of(c).await;
     let (a, b) = (png(1), png(2));
     let (prompt, cold) = usage(&f.base, &image_chat(&[&a, &b])).await;
     assert_eq!(cold, 0);
@@ -237,9 +248,9 @@ async fn images_decide_what_is_reused() {
     let c = png(3);
     let (_, other) = usage(&f.base, &image_chat(&[&c, &a])).await;
     assert_eq!(other, swapped, "a different image is not reused");
-    // Each went to the simulated worker in its default dialect, vLLM's generate API: the
-    // images by the router's hash over their placeholders, so the engine caches an image's
-    // blocks under the hash the router predicts with.
+    // Each went to the simulated worker as tokens, the images keyed by the router's hash, so
+    // the engine caches an image's blocks under the hash the router predicts with (and the
+    // repeat's cached tokens above are the prediction).
     let metrics: String = {
         let client = HttpClient::new();
         let response = client

@@ -121,7 +121,8 @@ pub struct SimulatedFleet {
     #[arg(long, visible_alias = "workers")]
     pub simulated_workers: Option<usize>,
     /// How the front door speaks to the simulated workers: vllm-generate (the front door's
-    /// token ids to vLLM's /inference/v1/generate), sglang-generate (as input_ids to SGLang's
+    /// token ids to vLLM's /inference/v1/generate), vllm-generate-tokens (the same with token
+    /// ids back, which the front door detokenizes), sglang-generate (as input_ids to SGLang's
     /// /generate), openai-completions-tokens (the token ids as a /v1/completions prompt) or
     /// openai-chat (the client's body, which the engine renders and tokenizes again). External workers take theirs in --worker.
     #[arg(long)]
@@ -136,7 +137,8 @@ pub struct Routing {
     /// metrics (tcp:// load reports or http://.../metrics), block_size, dp_size,
     /// image_token_id, vocab_size, format (the engine's event format: vllm by default; a name
     /// that is none lists them), dialect (openai-chat by default, vllm-generate,
-    /// sglang-generate or openai-completions-tokens: see docs/dialects.md).
+    /// vllm-generate-tokens, sglang-generate or openai-completions-tokens: see
+    /// docs/dialects.md).
     /// Without events, the worker is routed approximately. Repeat for each worker; in the env
     /// twin, separate workers with ';'. In a file: [[workers]] tables of these keys.
     /// Example: --worker id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
