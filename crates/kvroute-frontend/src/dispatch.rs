@@ -22,9 +22,10 @@ use kvroute_preprocess::Prepared;
 use kvroute_router::Dialect;
 use serde_json::{Value, json};
 
-use crate::dialect::{self, Translator, tokens_body};
+use crate::dialect::{self, tokens_body};
 use crate::health::Failure;
 use crate::placer::Placement;
+use crate::translate::Translator;
 use crate::usage::{Usage, stream_error_event};
 use crate::{FrontendState, OVERLAP_HEADER, RESPONSE_TIMEOUT, WORKER_HEADER};
 

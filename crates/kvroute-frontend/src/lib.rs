@@ -42,6 +42,7 @@ pub mod health;
 pub mod parity;
 mod placer;
 mod probes;
+mod translate;
 mod usage;
 pub use placer::{Placement, Placer, RemoteRouter};
 

@@ -145,6 +145,12 @@ pub struct GenerateRequest {
     pub sampling_params: Option<OneOrMany<SamplingParams>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub return_logprob: Option<OneOrMany<bool>>,
+    /// With `return_logprob`: this many top candidates per output token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_logprobs_num: Option<OneOrMany<i64>>,
+    /// With `return_logprob`: each logprob entry carries its token's text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub return_text_in_logprobs: Option<bool>,
     /// Images: URLs, paths or base64, one per image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_data: Option<Value>,
@@ -425,7 +431,26 @@ pub struct MetaInfo {
     pub cached_tokens: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub e2e_latency: Option<f64>,
+    /// With `return_logprob`: each output token's `[logprob, token_id, text or null]`, all
+    /// of them so far in every chunk of a cumulative stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_token_logprobs: Option<Vec<LogprobEntry>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_token_logprobs_length: Option<u64>,
+    /// The prompt's (empty: SGLang's default `logprob_start_len` of -1 asks none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_token_logprobs: Option<Vec<LogprobEntry>>,
+    /// With `top_logprobs_num` above 0: each output token's top candidates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_top_logprobs: Option<Vec<Option<Vec<LogprobEntry>>>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_top_logprobs: Option<Vec<Option<Vec<LogprobEntry>>>>,
 }
+
+/// One logprob as SGLang writes it: `[logprob, token_id, text]`, the text `null` unless
+/// `return_text_in_logprobs`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LogprobEntry(pub f64, pub i64, pub Option<String>);
 
 /// An answer, or (streamed) a chunk of one. SGLang's stream is cumulative by default: every
 /// chunk carries the whole text and ids so far (with `--incremental-streaming-output`, only

@@ -6,8 +6,11 @@
 //! - the generate API's tokens mode: `{"content": [{"token_id", "logprob", "rank",
 //!   "top_logprobs": [...]}]}` (`GenerateLogProbs`, ids only: that server has no tokenizer);
 //! - its text mode and the chat API: OpenAI's chat logprobs, `{"content": [{"token",
-//!   "logprob", "bytes", "top_logprobs": [...]}]}`, each token's text decoded alone.
+//!   "logprob", "bytes", "top_logprobs": [...]}]}`, each token's text decoded alone;
+//! - SGLang's `/generate`: `meta_info.output_token_logprobs` and `output_top_logprobs`,
+//!   `[logprob, token_id, text or null]` each.
 
+use kvroute_http::sglang_generate::LogprobEntry;
 use kvroute_preprocess::Preprocessor;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -73,6 +76,30 @@ pub(crate) fn as_text(p: &Preprocessor, tokens: &[u32], k: u32, vocab: u32) -> V
         })
         .collect();
     json!({ "content": content })
+}
+
+/// SGLang's logprobs of `tokens` (`meta_info.output_token_logprobs`, and with `k` above 0
+/// `output_top_logprobs`): `[logprob, id, text]` entries, the text only when `with_text`.
+#[allow(clippy::type_complexity)]
+pub(crate) fn sglang(
+    p: &Preprocessor,
+    tokens: &[u32],
+    k: u32,
+    with_text: bool,
+    vocab: u32,
+) -> (Vec<LogprobEntry>, Option<Vec<Option<Vec<LogprobEntry>>>>) {
+    let entry = |id: u32, lp: f64| {
+        let text = with_text.then(|| p.decode(&[id]).unwrap_or_default());
+        LogprobEntry(lp, i64::from(id), text)
+    };
+    let sampled = tokens.iter().map(|&t| entry(t, SAMPLED)).collect();
+    let top = (k > 0).then(|| {
+        tokens
+            .iter()
+            .map(|&t| Some(candidates(t, k, vocab).map(|(id, lp, _)| entry(id, lp)).collect()))
+            .collect()
+    });
+    (sampled, top)
 }
 
 #[cfg(test)]

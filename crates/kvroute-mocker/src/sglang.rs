@@ -8,7 +8,8 @@
 //!
 //! Where the simulated engine differs from SGLang: one prompt per request (a batch is
 //! refused), one sample (`n` above 1 is refused), no adapters
-//! (`lora_path` is refused as SGLang refuses it without `--enable-lora`), no logprobs, and a
+//! (`lora_path` is refused as SGLang refuses it without `--enable-lora`), logprobs simulated
+//! ([`crate::logprobs`]) and only for the output, and a
 //! token id outside the vocabulary is refused rather than left to the scheduler.
 
 use std::convert::Infallible;
@@ -139,6 +140,8 @@ fn admit(
     let submitted = state.submit(submission).map_err(|e| Refused::Engine(Box::new(e)))?;
     state.metrics.sglang_generated();
     let answer = Answer {
+        logprobs: asked_logprobs(req)?,
+        vocab: u32::try_from(state.preprocessor.vocab_size()).unwrap_or(u32::MAX),
         meta: MetaInfo { id, prompt_tokens: len, ..MetaInfo::default() },
         preprocessor: Arc::clone(&state.preprocessor),
         max_tokens,
@@ -181,6 +184,21 @@ async fn images(
             image
         })
         .collect())
+}
+
+/// `return_logprob` with `top_logprobs_num` (0 when absent) and `return_text_in_logprobs`,
+/// within vLLM's and SGLang's usual bound of 20 candidates.
+fn asked_logprobs(req: &GenerateRequest) -> Result<Option<(u32, bool)>, Refused> {
+    if req.return_logprob.as_ref().and_then(OneOrMany::one) != Some(&true) {
+        return Ok(None);
+    }
+    let k = req.top_logprobs_num.as_ref().and_then(OneOrMany::one).copied().unwrap_or(0);
+    match u32::try_from(k).ok().filter(|&k| k <= 20) {
+        Some(k) => Ok(Some((k, req.return_text_in_logprobs == Some(true)))),
+        None => Err(invalid(format!(
+            "top_logprobs_num must be between 0 and 20 on the simulated engine, got {k}"
+        ))),
+    }
 }
 
 /// One `image_data` item's URL.
@@ -235,6 +253,9 @@ struct Answer {
     meta: MetaInfo,
     preprocessor: Arc<kvroute_preprocess::Preprocessor>,
     max_tokens: u64,
+    /// `return_logprob`: this many top candidates, and whether entries carry their text.
+    logprobs: Option<(u32, bool)>,
+    vocab: u32,
 }
 
 impl Answer {
@@ -253,6 +274,17 @@ impl Answer {
         if let Some(u) = usage {
             meta.cached_tokens = u.cached_tokens as u64;
             meta.completion_tokens = u.completion_tokens as u64;
+        }
+        if let Some((k, with_text)) = self.logprobs {
+            let (sampled, top) =
+                crate::logprobs::sglang(&self.preprocessor, ids, k, with_text, self.vocab);
+            meta.output_token_logprobs_length = Some(sampled.len() as u64);
+            meta.output_token_logprobs = Some(sampled);
+            meta.input_token_logprobs = Some(Vec::new());
+            if top.is_some() {
+                meta.input_top_logprobs = Some(Vec::new());
+            }
+            meta.output_top_logprobs = top;
         }
         let text = Some(text.to_owned());
         let response = GenerateResponse { text, output_ids: ids.to_vec(), meta_info: meta };

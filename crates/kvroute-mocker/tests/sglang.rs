@@ -211,3 +211,44 @@ async fn images_beside_input_ids_expand_and_are_keyed_by_the_callers_hashes() {
         assert!(r["error"]["message"].is_string(), "{r}");
     }
 }
+
+/// `return_logprob` with `top_logprobs_num`: `[logprob, token_id, text]` per output token in
+/// `meta_info` (the text only with `return_text_in_logprobs`), all of them so far in every
+/// chunk of the default stream; values simulated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_in_meta_info_as_sglang_writes_them() {
+    let e = engine().await;
+    let tokens = e.rendered("Tell me about logprobs.").await;
+    let body = json!({"input_ids": tokens, "return_logprob": true, "top_logprobs_num": 2,
+        "return_text_in_logprobs": true, "sampling_params": {"max_new_tokens": 3, "ignore_eos": true}});
+    let (status, r) = e.post(PATH, &body).await;
+    assert_eq!(status, 200, "{r}");
+    let meta = &r["meta_info"];
+    let entries = meta["output_token_logprobs"].as_array().unwrap();
+    assert_eq!(entries.len(), 3);
+    for (entry, id) in entries.iter().zip(r["output_ids"].as_array().unwrap()) {
+        assert_eq!(&entry[1], id, "{entry}");
+        assert!(entry[0].is_f64() && entry[2].is_string(), "{entry}");
+    }
+    assert_eq!(meta["output_token_logprobs_length"], 3);
+    assert_eq!(meta["output_top_logprobs"][0].as_array().unwrap().len(), 2);
+    assert_eq!(meta["input_token_logprobs"], json!([]));
+    // Streamed: every chunk carries all of them so far.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, text) = e.post(PATH, &streamed).await;
+    let lens: Vec<usize> = text
+        .as_str()
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<serde_json::Value>(d).unwrap())
+        .map(|c| c["meta_info"]["output_token_logprobs"].as_array().unwrap().len())
+        .collect();
+    assert_eq!(lens, [1, 2, 3]);
+    let without_text = json!({"input_ids": tokens, "return_logprob": true, "sampling_params": {"max_new_tokens": 1}});
+    let (_, r) = e.post(PATH, &without_text).await;
+    assert!(r["meta_info"]["output_token_logprobs"][0][2].is_null(), "{r}");
+    assert!(r["meta_info"].get("output_top_logprobs").is_none(), "{r}");
+}

@@ -185,8 +185,9 @@ async fn what_the_generate_api_cannot_carry_goes_as_chat() {
 
 /// Chat's logprobs go on vLLM's generate API as `sampling_params.logprobs` and come back in
 /// OpenAI's chat shape: from the engine's text mode as they are, from its tokens mode by
-/// token id, made text by the front door. Every way gives the logprobs the engine's own chat
-/// API gives, whole and streamed; with SGLang's dialect they go as chat.
+/// token id, made text by the front door; on SGLang's `/generate` as `return_logprob` with
+/// `top_logprobs_num`, read back from `meta_info`. Every way gives the logprobs the engine's
+/// own chat API gives, whole and streamed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprobs_are_the_engines_whichever_way_the_request_goes() {
     let asked = json!({"logprobs": true, "top_logprobs": 2, "max_tokens": 6, "ignore_eos": true});
@@ -218,8 +219,8 @@ async fn logprobs_are_the_engines_whichever_way_the_request_goes() {
         assert_eq!(per_chunk, *content, "{dialect}: streamed as whole");
         let as_tokens = metric(&base, "kvroute_frontend_sent_as_tokens_total").await;
         let expected = match dialect {
-            Dialect::VllmGenerate | Dialect::VllmGenerateTokens => 2.0,
-            _ => 0.0,
+            Dialect::OpenaiChat => 0.0,
+            _ => 2.0,
         };
         assert_eq!(as_tokens, expected, "{dialect}");
         seen.push(logprobs);
