@@ -10,8 +10,9 @@
 //! - `sglang-generate`: SGLang's native `/generate`, the token ids as `input_ids`.
 //!
 //! A request carries as tokens only what the API has a field for: the sampling fields below,
-//! streaming and its usage, the cache namespace, images (vLLM's generate: by their hash and
-//! placeholder range; SGLang's: by URL beside one image token each, with the router's hash)
+//! streaming and its usage, the cache namespace, images (by URL beside one image token each,
+//! with the router's hash: vLLM's `content_parts` with their `uuid`, SGLang's `image_data`
+//! with `mm_hashes`)
 //! and chat's logprobs (both generate APIs). Anything else (tools, `response_format`, a
 //! completion's `logprobs`, `n` above 1, ...) goes to the same worker as chat, counted as a
 //! fallback.
@@ -19,8 +20,7 @@
 use axum::body::Bytes;
 use kvroute_http::sglang_generate::{self, OneOrMany, TokenIdsOrList};
 use kvroute_http::vllm_generate::{
-    self, GenerateRequest, MultiModalFeatures, OutputMode, PlaceholderRange, SamplingParams,
-    StreamOptions,
+    self, GenerateRequest, OutputMode, SamplingParams, StreamOptions,
 };
 use kvroute_preprocess::Prepared;
 use kvroute_router::Dialect;
@@ -102,11 +102,13 @@ pub(crate) fn tokens_body(
     }
     let body = match dialect {
         Dialect::OpenaiChat => return None,
-        Dialect::VllmGenerate => {
-            generate_body(prepared, sampling, max_tokens, namespace, streamed, OutputMode::Text)?
-        }
-        Dialect::VllmGenerateTokens => {
-            generate_body(prepared, sampling, max_tokens, namespace, streamed, OutputMode::Tokens)?
+        Dialect::VllmGenerate | Dialect::VllmGenerateTokens => {
+            let mode = match dialect {
+                Dialect::VllmGenerateTokens => OutputMode::Tokens,
+                _ => OutputMode::Text,
+            };
+            let asked = Asked { max_tokens, namespace, streamed, logprobs };
+            generate_body(prepared, raw, sampling, &asked, mode)?
         }
         Dialect::OpenaiCompletionsTokens => {
             if !prepared.mm.mm_objects.is_empty() {
@@ -185,7 +187,7 @@ fn sglang_body(
     asked: &Asked<'_>,
 ) -> Option<Vec<u8>> {
     let Asked { max_tokens, namespace, streamed, logprobs } = *asked;
-    let (input_ids, images) = sglang_images(prepared, raw)?;
+    let (input_ids, images) = collapsed_images(prepared, raw)?;
     let mut params = Map::new();
     for (key, v) in sampling {
         let (_, name) = SGLANG_NAMES.iter().find(|(openai, _)| openai == key)?;
@@ -214,13 +216,14 @@ fn sglang_body(
     serde_json::to_vec(&request).ok()
 }
 
-/// The prompt as SGLang takes it with images: `input_ids` with each image's placeholder run
-/// back to its one image token (SGLang expands it again by the image's size, as the front
-/// door did), each image's URL (`image_data`, as the client sent it) and its hash in
-/// kvroute's 16-hex form (`mm_hashes`, which SGLang keys its prefix cache by, so its blocks
-/// are the router's). `None` when the images and the client's URLs do not pair up.
+/// The prompt as vLLM and SGLang take it with images beside token ids: each image's
+/// placeholder run back to its one image token (the engine expands it again by the image's
+/// size, as the front door did), with each image's URL as the client sent it and its hash in
+/// kvroute's 16-hex form, which both engines key their prefix cache by (SGLang's
+/// `mm_hashes`, vLLM's multimodal `uuid`), so their blocks are the router's. `None` when the
+/// images and the client's URLs do not pair up.
 #[allow(clippy::type_complexity)]
-fn sglang_images(
+fn collapsed_images(
     prepared: &Prepared,
     raw: &Value,
 ) -> Option<(Vec<i64>, Option<(Vec<String>, Vec<String>)>)> {
@@ -257,19 +260,31 @@ fn sglang_images(
     Some((ids, Some((urls, hashes))))
 }
 
+/// vLLM's generate body. Images go as `content_parts` (each one's URL as the client sent it,
+/// its `uuid` the router's hash, which vLLM takes as the item's hash), beside token ids with
+/// one image token each, which vLLM's processor expands by the image's size as the front door
+/// did; vLLM resolves the media itself. (`features` would carry only hashes and placeholders,
+/// which a vLLM serves only for images it already holds.)
 fn generate_body(
     prepared: &Prepared,
+    raw: &Value,
     other: Map<String, Value>,
-    max_tokens: Option<i64>,
-    namespace: Option<&str>,
-    streamed: bool,
+    asked: &Asked<'_>,
     output_mode: OutputMode,
 ) -> Option<Vec<u8>> {
+    let Asked { max_tokens, namespace, streamed, .. } = *asked;
     let sampling_params = SamplingParams { max_tokens, other, ..SamplingParams::default() };
-    let features = (!prepared.mm.mm_objects.is_empty()).then(|| features(prepared));
+    let (token_ids, images) = collapsed_images(prepared, raw)?;
+    let content_parts = images.map(|(urls, hashes)| {
+        let part = |(url, uuid)| {
+            let part = serde_json::json!({"type": "image_url", "url": url, "uuid": uuid});
+            part.as_object().cloned().unwrap_or_default()
+        };
+        urls.into_iter().zip(hashes).map(part).collect()
+    });
     let request = GenerateRequest {
-        token_ids: prepared.tokens.iter().map(|&t| i64::from(t)).collect(),
-        features,
+        token_ids,
+        content_parts,
         sampling_params,
         output_mode,
         stream: streamed.then_some(true),
@@ -289,24 +304,4 @@ pub(crate) fn path(dialect: Dialect) -> &'static str {
         Dialect::OpenaiCompletionsTokens => "/v1/completions",
         Dialect::SglangGenerate => sglang_generate::PATH,
     }
-}
-
-/// The prompt's images as vLLM's features: each one's hash (kvroute's 16-hex form) over its
-/// placeholder ranges.
-fn features(prepared: &Prepared) -> MultiModalFeatures {
-    let mut f = MultiModalFeatures::default();
-    for object in &prepared.mm.mm_objects {
-        for &(start, end) in &object.offsets {
-            let range = PlaceholderRange {
-                offset: i64::try_from(start).unwrap_or(i64::MAX),
-                length: i64::try_from(end.saturating_sub(start)).unwrap_or(0),
-            };
-            f.mm_hashes
-                .entry("image".to_owned())
-                .or_default()
-                .push(format!("{:016x}", object.mm_hash));
-            f.mm_placeholders.entry("image".to_owned()).or_default().push(range);
-        }
-    }
-    f
 }

@@ -7,7 +7,7 @@
 //!
 //! Where the simulated engine differs from vLLM: it always reports `cached_tokens` (vLLM does
 //! with `--enable-prompt-tokens-details`), answers one choice (`n` above 1 is refused), takes
-//! no `content_parts` and no `output_mode: "derender"` (the derender endpoints are
+//! no media but images in `content_parts` and no `output_mode: "derender"` (the derender endpoints are
 //! [`crate::derender`]'s), and has no priority scheduling (a priority other
 //! than 0 is refused, as vLLM refuses it without `--scheduling-policy priority`).
 
@@ -51,6 +51,7 @@ pub(crate) async fn generate(
         return Err(ApiError::not_found(message).kind("NotFoundError").param("model"));
     }
     let tokens = served_tokens(&state, &req)?;
+    let (tokens, mm) = with_images(&state, &req, tokens).await?;
     let logprobs = asked_logprobs(&req.sampling_params)?;
     let base = headers
         .get("x-request-id")
@@ -66,7 +67,7 @@ pub(crate) async fn generate(
     };
     let submission = Submission {
         id: id.clone(),
-        mm: req.features.as_ref().map(MultiModalFeatures::extra_info),
+        mm,
         tokens: tokens.clone(),
         max_tokens,
         ignore_eos: req.sampling_params.ignore_eos == Some(true),
@@ -143,6 +144,62 @@ fn asked_logprobs(
     }
 }
 
+/// The prompt with its images: `features` as they are (hashes over placeholder ranges the
+/// ids already hold), or `content_parts`, whose media the engine resolves itself as vLLM's
+/// server does: each image part's URL loaded, keyed by its `uuid` (vLLM's multimodal UUID,
+/// the item's hash) when given, and the prompt's one image token per part expanded by the
+/// image's size, as vLLM's processor expands a token prompt's.
+async fn with_images(
+    state: &AppState,
+    req: &GenerateRequest,
+    tokens: Vec<u32>,
+) -> Result<(Vec<u32>, Option<kvroute_core::RequestExtraInfo>), ApiError> {
+    let Some(parts) = req.content_parts.as_ref().filter(|c| !c.is_empty()) else {
+        return Ok((tokens, req.features.as_ref().map(MultiModalFeatures::extra_info)));
+    };
+    let mut urls = Vec::with_capacity(parts.len());
+    let mut uuids = Vec::with_capacity(parts.len());
+    for part in parts {
+        let field = |k: &str| part.get(k).and_then(serde_json::Value::as_str);
+        match (field("type"), field("url")) {
+            (Some("image_url"), Some(url)) => {
+                urls.push(url);
+                uuids.push(field("uuid"));
+            }
+            (Some("image_url"), None) => {
+                return Err(refused("an image_url content part needs a url").param("content_parts"));
+            }
+            (kind, _) => {
+                let kind = kind.unwrap_or("untyped");
+                let m = format!("{kind} content parts are not served by the simulated engine");
+                return Err(refused(m).param("content_parts"));
+            }
+        }
+    }
+    let loaded = state.preprocessor.load_image_urls(&urls, &state.fetcher).await;
+    let loaded = loaded.map_err(|e| ApiError::from(e).param("content_parts"))?;
+    let images = loaded
+        .into_iter()
+        .zip(uuids)
+        .map(|(l, uuid)| {
+            let mut image = l.image;
+            if let Some(uuid) = uuid {
+                image.mm_hash = kvroute_core::hash::mm_hash_from_identifier(uuid);
+            }
+            image
+        })
+        .collect();
+    let expanded = state.preprocessor.expand_images(tokens, images);
+    let expanded = expanded.map_err(|e| ApiError::from(e).param("content_parts"))?;
+    let (len, limit) = (expanded.tokens.len() as u64, state.max_model_len);
+    if len > limit {
+        return Err(refused(format!(
+            "The decoder prompt (length {len}) is longer than the maximum model length of {limit}. Make sure that `max_model_len` is no smaller than the number of text tokens."
+        )));
+    }
+    Ok((expanded.tokens, Some(expanded.mm)))
+}
+
 /// vLLM's default `max_logprobs`.
 const MAX_LOGPROBS: u32 = 20;
 
@@ -161,10 +218,6 @@ fn served_tokens(state: &AppState, req: &GenerateRequest) -> Result<Vec<u32>, Ap
             return Err(refused("output_mode='derender' is not served by the simulated engine; use 'tokens' or 'text'").param("output_mode"));
         }
         _ => {}
-    }
-    if req.content_parts.as_ref().is_some_and(|c| !c.is_empty()) {
-        return Err(refused("content_parts are not served by the simulated engine; send features")
-            .param("content_parts"));
     }
     if req.priority != 0 {
         return Err(refused(format!(

@@ -141,6 +141,44 @@ async fn images_cache_by_their_hash_over_their_placeholders() {
     assert_eq!(cached(&other), 16, "another image: only the block before it");
 }
 
+/// `content_parts`, whose media the server resolves itself: one image token per part in the
+/// ids, expanded by the image's size as vLLM's processor expands a token prompt's, the image
+/// keyed by the part's `uuid` (vLLM's multimodal UUID).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_parts_resolve_their_images_and_key_them_by_uuid() {
+    use kvroute_preprocess::images::{png_data_url, seeded_png};
+    let e = engine(1000).await;
+    let p = kvroute_preprocess::Preprocessor::builtin();
+    let ids = p.encode(&format!("{LONG} Look at <|image_pad|> and say what it is.")).unwrap();
+    let url = png_data_url(&seeded_png(2, 64));
+    let body = |uuid: &str| {
+        let mut b = generate(&ids, json!({"max_tokens": 1}));
+        b["content_parts"] = json!([{"type": "image_url", "url": url, "uuid": uuid}]);
+        b["return_token_ids"] = json!(true);
+        b
+    };
+    let cached = |r: &Value| r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let (status, first) = e.post(PATH, &body("00000000000000aa")).await;
+    assert_eq!((status, cached(&first)), (200, 0), "{first}");
+    let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > ids.len() as u64, "the image token expanded: {prompt}");
+    assert_eq!(first["prompt_token_ids"].as_array().unwrap().len() as u64, prompt);
+    let (_, same) = e.post(PATH, &body("00000000000000aa")).await;
+    assert_eq!(cached(&same), (prompt - 1) / 16 * 16, "{same}");
+    let (_, other) = e.post(PATH, &body("00000000000000bb")).await;
+    assert!(cached(&other) < cached(&same), "another uuid: only the blocks before the image");
+    // Two parts for one image token, and media the engine does not take, are refused.
+    let mut two = body("aa");
+    two["content_parts"] =
+        json!([{"type": "image_url", "url": url}, {"type": "image_url", "url": url}]);
+    let mut audio = body("aa");
+    audio["content_parts"] = json!([{"type": "audio_url", "url": "data:audio/wav;base64,AA=="}]);
+    for bad in [two, audio] {
+        let (status, r) = e.post(PATH, &bad).await;
+        assert_eq!((status, r["error"]["param"].as_str()), (400, Some("content_parts")), "{r}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_what_vllm_refuses_in_its_shapes() {
     let e = engine(8).await;
