@@ -146,9 +146,10 @@ fn asked_logprobs(
 
 /// The prompt with its images: `features` as they are (hashes over placeholder ranges the
 /// ids already hold), or `content_parts`, whose media the engine resolves itself as vLLM's
-/// server does: each image part's URL loaded, keyed by its `uuid` (vLLM's multimodal UUID,
-/// the item's hash) when given, and the prompt's one image token per part expanded by the
-/// image's size, as vLLM's processor expands a token prompt's.
+/// server does: each image part's URL loaded (or, for a `uuid` processed before, its image
+/// taken from the cache, as vLLM's processor cache does), keyed by its `uuid` (vLLM's
+/// multimodal UUID, the item's hash) when given, and the prompt's one image token per part
+/// expanded by the image's size, as vLLM's processor expands a token prompt's.
 async fn with_images(
     state: &AppState,
     req: &GenerateRequest,
@@ -176,19 +177,8 @@ async fn with_images(
             }
         }
     }
-    let loaded = state.preprocessor.load_image_urls(&urls, &state.fetcher).await;
-    let loaded = loaded.map_err(|e| ApiError::from(e).param("content_parts"))?;
-    let images = loaded
-        .into_iter()
-        .zip(uuids)
-        .map(|(l, uuid)| {
-            let mut image = l.image;
-            if let Some(uuid) = uuid {
-                image.mm_hash = kvroute_core::hash::mm_hash_from_identifier(uuid);
-            }
-            image
-        })
-        .collect();
+    let images = crate::media::images(state, &urls, &uuids).await;
+    let images = images.map_err(|e| ApiError::from(e).param("content_parts"))?;
     let expanded = state.preprocessor.expand_images(tokens, images);
     let expanded = expanded.map_err(|e| ApiError::from(e).param("content_parts"))?;
     let (len, limit) = (expanded.tokens.len() as u64, state.max_model_len);

@@ -49,6 +49,8 @@ pub struct AppState {
     next_id: AtomicU64,
     /// Keys every route but `/health` needs; empty: open.
     pub api_keys: kvroute_http::Credentials,
+    /// Images processed before, by their caller's key ([`crate::media`]).
+    pub(crate) processed: crate::media::Processed,
 }
 
 pub use kvroute_http::openai::DEFAULT_MAX_MODEL_LEN;
@@ -84,6 +86,7 @@ impl AppState {
             metrics,
             next_id: AtomicU64::new(0),
             api_keys: kvroute_http::Credentials::default(),
+            processed: crate::media::Processed::default(),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod generate;
 pub mod http;
 mod kv;
 mod logprobs;
+mod media;
 pub mod metrics;
 mod sequence;
 pub mod service;

@@ -152,7 +152,7 @@ fn admit(
 /// The request's images (`image_data`: a URL, a data URL, or a list of them, each a string
 /// or `{"url": ...}`), loaded within the model's image limits, each keyed by the caller's hash
 /// when `mm_hashes` gives one (SGLang's prefix cache keys by it, so a router's hash is the
-/// engine's), else by its pixels.
+/// engine's; one processed before comes from the cache), else by its pixels.
 async fn images(
     state: &AppState,
     req: &GenerateRequest,
@@ -171,19 +171,8 @@ async fn images(
         }
         Some(_) => return Err(invalid("mm_hashes must be a list of hex strings")),
     };
-    let loaded = state.preprocessor.load_image_urls(&urls, &state.fetcher).await;
-    let loaded = loaded.map_err(|e| invalid(e.to_string()))?;
-    Ok(loaded
-        .into_iter()
-        .zip(hashes)
-        .map(|(l, hash)| {
-            let mut image = l.image;
-            if let Some(h) = hash {
-                image.mm_hash = kvroute_core::hash::mm_hash_from_identifier(h);
-            }
-            image
-        })
-        .collect())
+    let images = crate::media::images(state, &urls, &hashes).await;
+    images.map_err(|e| invalid(e.to_string()))
 }
 
 /// `return_logprob` with `top_logprobs_num` (0 when absent) and `return_text_in_logprobs`,

@@ -167,6 +167,15 @@ async fn content_parts_resolve_their_images_and_key_them_by_uuid() {
     assert_eq!(cached(&same), (prompt - 1) / 16 * 16, "{same}");
     let (_, other) = e.post(PATH, &body("00000000000000bb")).await;
     assert!(cached(&other) < cached(&same), "another uuid: only the blocks before the image");
+    // A uuid processed before is not processed again (vLLM's processor cache): its media is
+    // not even read, so a part that could not be decoded is served all the same.
+    let mut known = body("00000000000000aa");
+    known["content_parts"][0]["url"] = json!("data:image/png;base64,AAAA");
+    let (status, r) = e.post(PATH, &known).await;
+    assert_eq!((status, cached(&r)), (200, cached(&same)), "{r}");
+    let mut unknown = body("00000000000000cc");
+    unknown["content_parts"][0]["url"] = json!("data:image/png;base64,AAAA");
+    assert_eq!(e.post(PATH, &unknown).await.0, 400, "an unseen uuid's media is read");
     // Two parts for one image token, and media the engine does not take, are refused.
     let mut two = body("aa");
     two["content_parts"] =

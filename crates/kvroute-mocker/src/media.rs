@@ -1,0 +1,67 @@
+//! Images that come beside token ids, for both engines' APIs: vLLM's `content_parts` (each
+//! keyed by its `uuid`) and SGLang's `image_data` (keyed by `mm_hashes`). Both engines keep a
+//! cache of processed media by the caller's key, so a repeated image is not processed again
+//! (vLLM's multimodal processor cache, SGLang's trusted content hashes): so does the simulated
+//! engine, holding each image's size and placeholder count by its key. An image without a
+//! key, or not seen before, is loaded within the model's image limits and keyed by its key,
+//! or by its pixels when it has none.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use kvroute_preprocess::{Image, PreprocessError};
+
+use crate::http::AppState;
+
+/// Keys the cache holds before it drops its oldest.
+const CAPACITY: usize = 4096;
+
+/// Processed images by their caller's key, oldest first out.
+#[derive(Debug, Default)]
+pub(crate) struct Processed {
+    inner: Mutex<(HashMap<String, Image>, VecDeque<String>)>,
+}
+
+impl Processed {
+    fn get(&self, key: &str) -> Option<Image> {
+        let inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        inner.0.get(key).cloned()
+    }
+
+    fn put(&self, key: &str, image: &Image) {
+        let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (map, order) = &mut *inner;
+        if map.insert(key.to_owned(), image.clone()).is_none() {
+            order.push_back(key.to_owned());
+        }
+        while order.len() > CAPACITY {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+    }
+}
+
+/// The images at `urls`, the i-th keyed by `keys[i]` when it has one: from the cache when
+/// that key was processed before, else loaded (all the rest in one go, as a request's images
+/// are) and, keyed, remembered.
+pub(crate) async fn images(
+    state: &AppState,
+    urls: &[&str],
+    keys: &[Option<&str>],
+) -> Result<Vec<Image>, PreprocessError> {
+    let mut found: Vec<Option<Image>> =
+        keys.iter().map(|k| k.and_then(|k| state.processed.get(k))).collect();
+    let missing: Vec<usize> = (0..urls.len()).filter(|&i| found[i].is_none()).collect();
+    let to_load: Vec<&str> = missing.iter().map(|&i| urls[i]).collect();
+    let loaded = state.preprocessor.load_image_urls(&to_load, &state.fetcher).await?;
+    for (&i, l) in missing.iter().zip(loaded) {
+        let mut image = l.image;
+        if let Some(key) = keys.get(i).copied().flatten() {
+            image.mm_hash = kvroute_core::hash::mm_hash_from_identifier(key);
+            state.processed.put(key, &image);
+        }
+        found[i] = Some(image);
+    }
+    Ok(found.into_iter().flatten().collect())
+}
