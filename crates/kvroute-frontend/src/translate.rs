@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use kvroute_http::SseEvent;
-use kvroute_http::openai::{Api, AssistantMessage, Choice, Completion, Delta, Envelope};
+use kvroute_http::openai::{
+    Api, AssistantMessage, Choice, Completion, Delta, Envelope, chat_logprob,
+};
 use kvroute_http::sglang_generate;
 use kvroute_http::vllm_generate::GenerateChunk;
 use kvroute_preprocess::{DecodeWindow, Preprocessor};
@@ -73,8 +75,7 @@ impl Detokenizer {
             let id = e["token_id"].as_u64().and_then(|t| u32::try_from(t).ok());
             let token =
                 id.map_or_else(String::new, |t| self.preprocessor.decode(&[t]).unwrap_or_default());
-            let bytes: Vec<u8> = token.as_bytes().to_vec();
-            serde_json::json!({"token": token, "logprob": e["logprob"], "bytes": bytes})
+            chat_logprob(&token, e["logprob"].clone())
         };
         let content: Vec<Value> = content
             .iter()
@@ -258,8 +259,7 @@ impl Translator {
         };
         let top = meta.output_top_logprobs.as_deref().unwrap_or_default();
         let entry = |e: &sglang_generate::LogprobEntry| {
-            let token = e.2.clone().unwrap_or_default();
-            serde_json::json!({"token": token, "logprob": e.0, "bytes": token.as_bytes()})
+            chat_logprob(e.2.as_deref().unwrap_or_default(), e.0)
         };
         let content: Vec<Value> = (from..all.len())
             .map(|i| {

@@ -48,6 +48,12 @@ impl ChatMessage {
     }
 }
 
+/// One token's entry of OpenAI's chat logprobs (`choices[].logprobs.content[]`, and each of
+/// its `top_logprobs`): the token's text, its log probability and its UTF-8 bytes.
+pub fn chat_logprob(token: &str, logprob: impl Into<Value>) -> Value {
+    serde_json::json!({"token": token, "logprob": logprob.into(), "bytes": token.as_bytes()})
+}
+
 /// The image URLs of `messages`, in the order their placeholders appear.
 pub fn image_urls(messages: &[ChatMessage]) -> Vec<&str> {
     messages

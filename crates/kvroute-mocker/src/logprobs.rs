@@ -10,6 +10,7 @@
 //! - SGLang's `/generate`: `meta_info.output_token_logprobs` and `output_top_logprobs`,
 //!   `[logprob, token_id, text or null]` each.
 
+use kvroute_http::openai::chat_logprob;
 use kvroute_http::sglang_generate::LogprobEntry;
 use kvroute_preprocess::Preprocessor;
 use serde::Deserialize;
@@ -59,10 +60,7 @@ pub(crate) fn by_id(tokens: &[u32], k: u32, vocab: u32) -> Value {
 
 /// OpenAI's chat logprobs of `tokens`, `k` alternatives each (`top_logprobs` empty for 0).
 pub(crate) fn as_text(p: &Preprocessor, tokens: &[u32], k: u32, vocab: u32) -> Value {
-    let entry = |id: u32, lp: f64| {
-        let token = p.decode(&[id]).unwrap_or_default();
-        json!({"token": token, "logprob": lp, "bytes": token.as_bytes()})
-    };
+    let entry = |id: u32, lp: f64| chat_logprob(&p.decode(&[id]).unwrap_or_default(), lp);
     let content: Vec<Value> = tokens
         .iter()
         .map(|&t| {
