@@ -293,6 +293,7 @@ pub async fn start_fleet(
                 ),
                 None => None,
             },
+            ..Simulated::default()
         },
         ..front_door(router, fleet)
     };

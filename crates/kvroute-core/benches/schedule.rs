@@ -55,6 +55,8 @@ fn bench_decision(c: &mut Criterion) {
                     overlap_weight: None,
                     temperature: None,
                     exclude: &[],
+                    adapter: None,
+                    session: None,
                 };
                 s.route(&req, &OverlapScores::default(), &UnknownTreeSizes, now);
             }
@@ -75,6 +77,8 @@ fn bench_decision(c: &mut Criterion) {
                 overlap_weight: None,
                 temperature: None,
                 exclude: &[],
+                adapter: None,
+                session: None,
             };
             group.bench_function(BenchmarkId::new(policy.name(), workers), |b| {
                 b.iter(|| s.route(black_box(&req), black_box(&scores), &UnknownTreeSizes, now));

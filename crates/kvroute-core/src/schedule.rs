@@ -21,11 +21,13 @@
 //! ([`Scheduler::free`]); requests whose end never comes are reclaimed after a timeout.
 
 mod active;
+pub mod adapters;
 pub mod dynamo;
 pub mod kv;
 mod least_loaded;
 mod random;
 mod round_robin;
+pub mod sessions;
 #[cfg(test)]
 mod tests;
 
@@ -36,9 +38,11 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 pub use active::{ActiveLoad, ActiveSequences, RequestBlocks};
+pub use adapters::{AdapterFit, AdapterTable};
 pub use least_loaded::LeastLoaded;
 pub use random::RandomPolicy;
 pub use round_robin::RoundRobin;
+pub use sessions::{Affinity, SessionConfig, Sessions};
 
 use crate::index::{OverlapScores, RadixIndex, ShardedIndex};
 use crate::protocols::{BlockSize, LocalBlockHash, SequenceHash, WorkerWithDpRank};
@@ -66,11 +70,25 @@ pub enum PolicyKind {
     RoundRobin,
     Random,
     LeastLoaded,
+    /// `kv`, and a session's later requests always on its worker (a baseline).
+    Sticky,
+    /// `kv` blind to adapter residency (a baseline).
+    KvAdapterBlind,
+    /// Adapter residency alone, scored as llm-d's LoRA affinity scores it (a baseline).
+    LoraAffinity,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 5] =
-        [Self::Kv, Self::Dynamo, Self::RoundRobin, Self::Random, Self::LeastLoaded];
+    pub const ALL: [PolicyKind; 8] = [
+        Self::Kv,
+        Self::Dynamo,
+        Self::RoundRobin,
+        Self::Random,
+        Self::LeastLoaded,
+        Self::Sticky,
+        Self::KvAdapterBlind,
+        Self::LoraAffinity,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -79,12 +97,18 @@ impl PolicyKind {
             Self::RoundRobin => "round-robin",
             Self::Random => "random",
             Self::LeastLoaded => "least-loaded",
+            Self::Sticky => "sticky",
+            Self::KvAdapterBlind => "kv-adapter-blind",
+            Self::LoraAffinity => "lora-affinity",
         }
     }
 
     pub fn build(self, config: &SchedulerConfig) -> Box<dyn Policy> {
         match self {
             Self::Kv => Box::new(kv::KvPolicy::new(config.kv)),
+            Self::Sticky => Box::new(kv::KvPolicy::new(config.kv).named("sticky")),
+            Self::KvAdapterBlind => Box::new(kv::KvPolicy::new(config.kv).adapter_blind()),
+            Self::LoraAffinity => Box::new(adapters::LoraAffinity),
             Self::Dynamo => Box::new(dynamo::DynamoPolicy),
             Self::RoundRobin => Box::new(RoundRobin::default()),
             Self::Random => Box::new(RandomPolicy),
@@ -127,6 +151,8 @@ pub struct SchedulerConfig {
     pub stale_after: Duration,
     pub seed: u64,
     pub kv: kv::KvConfig,
+    /// Conversation affinity ([`sessions`]).
+    pub sessions: SessionConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -141,6 +167,7 @@ impl Default for SchedulerConfig {
             stale_after: Duration::from_secs(600),
             seed: 0x006b_7672_6f75_7465,
             kv: kv::KvConfig::default(),
+            sessions: SessionConfig::default(),
         }
     }
 }
@@ -158,6 +185,12 @@ pub struct RouteRequest<'a> {
     pub temperature: Option<f64>,
     /// Caches not to choose (e.g. one that just refused a connection).
     pub exclude: &'a [WorkerWithDpRank],
+    /// The LoRA adapter it runs with: only workers that serve it are candidates, and what
+    /// loading it costs is priced ([`adapters`]).
+    pub adapter: Option<&'a str>,
+    /// Its conversation: it stays on the session's worker unless another is cheaper by a
+    /// margin ([`sessions`]).
+    pub session: Option<&'a str>,
 }
 
 /// Everything a policy knows about one candidate cache.
@@ -172,6 +205,8 @@ pub struct Candidate {
     pub tree_size: usize,
     pub active: ActiveLoad,
     pub load: WorkerLoad,
+    /// What running the request's adapter there takes.
+    pub adapter: AdapterFit,
 }
 
 /// The request as policies see it.
@@ -367,6 +402,20 @@ pub struct Scheduler {
     active: ActiveSequences,
     rng: Rng,
     recent: std::collections::VecDeque<DecisionRecord>,
+    adapters: AdapterTable,
+    sessions: Sessions,
+    affinity: AffinityCounts,
+}
+
+/// What session affinity did, since the start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AffinityCounts {
+    /// Requests of a session seen for the first time (or whose worker was forgotten).
+    pub new: u64,
+    /// Requests kept on their session's worker.
+    pub kept: u64,
+    /// Requests moved off it, another worker being cheaper by the margin.
+    pub moved: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -401,7 +450,24 @@ impl Scheduler {
             active: ActiveSequences::new(),
             rng: Rng::new(config.seed),
             recent: std::collections::VecDeque::with_capacity(RECENT_DECISIONS),
+            adapters: AdapterTable::default(),
+            sessions: Sessions::new(config.sessions),
+            affinity: AffinityCounts::default(),
         }
+    }
+
+    /// Which adapters each worker serves and holds.
+    pub fn adapters(&self) -> &AdapterTable {
+        &self.adapters
+    }
+
+    pub fn adapters_mut(&mut self) -> &mut AdapterTable {
+        &mut self.adapters
+    }
+
+    /// What session affinity did so far, and how many sessions are remembered.
+    pub fn affinity(&self) -> (AffinityCounts, usize) {
+        (self.affinity, self.sessions.len())
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -427,6 +493,8 @@ impl Scheduler {
             self.workers.remove(at);
         }
         self.active.remove_worker(worker);
+        self.adapters.remove_worker(worker);
+        self.sessions.remove_worker(worker);
     }
 
     pub fn workers(&self) -> &[WorkerWithDpRank] {
@@ -466,8 +534,17 @@ impl Scheduler {
         now: Instant,
     ) -> Option<RouteDecision> {
         let mut candidates = self.candidates(request.local_hashes, scores, sizes);
-        candidates.retain(|c| !request.exclude.contains(&c.worker));
-        let (chosen, costs) = self.select(request, &candidates)?;
+        let adapters = &self.adapters;
+        candidates.retain(|c| {
+            !request.exclude.contains(&c.worker) && adapters.serves(c.worker, request.adapter)
+        });
+        for c in &mut candidates {
+            c.adapter = adapters.fit(c.worker, request.adapter);
+        }
+        let (mut chosen, costs) = self.select(request, &candidates)?;
+        if let Some(session) = request.session {
+            chosen = self.affine(session, &candidates, chosen, costs.as_deref(), now);
+        }
         let c = candidates[chosen];
         let bs = self.config.block_size.tokens();
         let cached =
@@ -482,8 +559,45 @@ impl Scheduler {
                 RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
             self.active.add(id, c.worker, decision.predicted_prefill_tokens, blocks, now);
             self.remember(request.isl_tokens, &candidates, chosen, costs.as_deref());
+            if let Some(adapter) = request.adapter {
+                self.adapters.routed(id, c.worker, adapter);
+            }
+            if let Some(session) = request.session {
+                self.sessions.record(session, c.worker, now);
+            }
         }
         Some(decision)
+    }
+
+    /// A session's request stays on the session's worker (a candidate still) unless the
+    /// policy's choice is cheaper by the margin (never, for `sticky`); counted.
+    fn affine(
+        &mut self,
+        session: &str,
+        candidates: &[Candidate],
+        chosen: usize,
+        costs: Option<&[f64]>,
+        now: Instant,
+    ) -> usize {
+        let last = self.sessions.worker(session, now);
+        let Some(at) = last.and_then(|w| candidates.iter().position(|c| c.worker == w)) else {
+            self.affinity.new += 1;
+            return chosen;
+        };
+        let margin = match self.config.policy {
+            PolicyKind::Sticky => f64::INFINITY,
+            _ => self.config.sessions.margin_s,
+        };
+        match costs {
+            Some(c) if c[chosen] + margin < c[at] => {
+                self.affinity.moved += 1;
+                chosen
+            }
+            _ => {
+                self.affinity.kept += 1;
+                at
+            }
+        }
     }
 
     /// Keeps the decision among the last [`RECENT_DECISIONS`]: the chosen candidate and the
@@ -562,6 +676,7 @@ impl Scheduler {
                 tree_size: tree_size(e.worker).unwrap_or_else(|| sizes.tree_size(e.worker)),
                 active: self.active.load(e.worker),
                 load: e.load,
+                adapter: AdapterFit::Resident,
             })
             .collect();
         if !self.policy.blind() && all.iter().any(|c| !self.is_busy(c)) {
@@ -634,11 +749,17 @@ impl Scheduler {
 
     /// The request ended: completed, failed or abandoned by its client.
     pub fn free(&mut self, id: &str) -> bool {
+        self.adapters.freed(id);
         self.active.free(id)
     }
 
     /// Frees requests older than the configured timeout; returns how many.
     pub fn reclaim_stale(&mut self, now: Instant) -> usize {
-        self.active.reclaim_stale(now, self.config.stale_after)
+        let reclaimed = self.active.reclaim_stale(now, self.config.stale_after);
+        if reclaimed > 0 {
+            let active = &self.active;
+            self.adapters.retain_requests(|id| active.contains(id));
+        }
+        reclaimed
     }
 }

@@ -47,10 +47,11 @@ const SAMPLING: [&str; 17] = [
     "bad_words",
 ];
 
-/// Fields the front door carries itself (the prompt as tokens, streaming, the namespace) or
-/// that change nothing an engine computes.
-const CARRIED: [&str; 11] = [
+/// Fields the front door carries itself (the prompt as tokens, streaming, the namespace, the
+/// model as an adapter) or that change nothing an engine computes (a session's key).
+const CARRIED: [&str; 12] = [
     "model",
+    "prompt_cache_key",
     "messages",
     "prompt",
     "stream",
@@ -70,9 +71,10 @@ pub(crate) fn tokens_body(
     dialect: Dialect,
     raw: &Value,
     prepared: &Prepared,
-    namespace: Option<&str>,
+    keys: &crate::dispatch::Keys<'_>,
     streamed: bool,
 ) -> Option<Bytes> {
+    let (namespace, adapter) = (keys.namespace, keys.adapter);
     let fields = raw.as_object()?;
     let n_is_one = fields.get("n").is_none_or(|n| n.as_i64() == Some(1));
     let logprobs = chat_logprobs(fields)?;
@@ -107,7 +109,7 @@ pub(crate) fn tokens_body(
                 Dialect::VllmGenerateTokens => OutputMode::Tokens,
                 _ => OutputMode::Text,
             };
-            let asked = Asked { max_tokens, namespace, streamed, logprobs };
+            let asked = Asked { max_tokens, namespace, adapter, streamed, logprobs };
             generate_body(prepared, raw, sampling, &asked, mode)?
         }
         Dialect::OpenaiCompletionsTokens => {
@@ -127,7 +129,7 @@ pub(crate) fn tokens_body(
             serde_json::to_vec(&body).ok()?
         }
         Dialect::SglangGenerate => {
-            let asked = Asked { max_tokens, namespace, streamed, logprobs };
+            let asked = Asked { max_tokens, namespace, adapter, streamed, logprobs };
             sglang_body(prepared, raw, &sampling, &asked)?
         }
     };
@@ -175,6 +177,8 @@ const SGLANG_NAMES: [(&str, &str); 14] = [
 struct Asked<'a> {
     max_tokens: Option<i64>,
     namespace: Option<&'a str>,
+    /// The LoRA adapter: vLLM's `model`, SGLang's `lora_path` (an adapter's name there).
+    adapter: Option<&'a str>,
     streamed: bool,
     /// Chat's logprobs: this many top candidates per token.
     logprobs: Option<u64>,
@@ -186,7 +190,7 @@ fn sglang_body(
     sampling: &Map<String, Value>,
     asked: &Asked<'_>,
 ) -> Option<Vec<u8>> {
-    let Asked { max_tokens, namespace, streamed, logprobs } = *asked;
+    let Asked { max_tokens, namespace, adapter, streamed, logprobs } = *asked;
     let (input_ids, images) = collapsed_images(prepared, raw)?;
     let mut params = Map::new();
     for (key, v) in sampling {
@@ -211,6 +215,7 @@ fn sglang_body(
         stream: streamed,
         sampling_params: Some(OneOrMany::One(params)),
         cache_salt: namespace.map(|ns| OneOrMany::One(ns.to_owned())),
+        lora_path: adapter.map(|a| Value::String(a.to_owned())),
         ..sglang_generate::GenerateRequest::default()
     };
     serde_json::to_vec(&request).ok()
@@ -272,7 +277,7 @@ fn generate_body(
     asked: &Asked<'_>,
     output_mode: OutputMode,
 ) -> Option<Vec<u8>> {
-    let Asked { max_tokens, namespace, streamed, .. } = *asked;
+    let Asked { max_tokens, namespace, adapter, streamed, .. } = *asked;
     let sampling_params = SamplingParams { max_tokens, other, ..SamplingParams::default() };
     let (token_ids, images) = collapsed_images(prepared, raw)?;
     let content_parts = images.map(|(urls, hashes)| {
@@ -291,6 +296,7 @@ fn generate_body(
         stream_options: streamed
             .then_some(StreamOptions { include_usage: Some(true), continuous_usage_stats: None }),
         cache_salt: namespace.map(str::to_owned),
+        model: adapter.map(str::to_owned),
         ..GenerateRequest::default()
     };
     serde_json::to_vec(&request).ok()

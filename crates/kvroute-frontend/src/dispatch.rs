@@ -29,6 +29,15 @@ use crate::translate::Translator;
 use crate::usage::{Usage, stream_error_event};
 use crate::{FrontendState, OVERLAP_HEADER, RESPONSE_TIMEOUT, WORKER_HEADER};
 
+/// What keys a request beyond its prompt: its cache namespace (vLLM's `cache_salt`), its
+/// LoRA adapter (both salt its block hashes, as engines salt theirs) and its session.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Keys<'a> {
+    pub namespace: Option<&'a str>,
+    pub adapter: Option<&'a str>,
+    pub session: Option<&'a str>,
+}
+
 /// A request ready for an engine: its body as the engine gets it, and what routing needs.
 #[derive(Debug)]
 pub(crate) struct Outbound {
@@ -38,8 +47,12 @@ pub(crate) struct Outbound {
     pub kind: Api,
     /// The body in each tokens dialect the fleet speaks that the request fits.
     pub tokens: Vec<(Dialect, Bytes)>,
-    /// The prompt's block hashes (with its images and cache namespace).
+    /// The prompt's block hashes (with its images, adapter and cache namespace).
     pub local: Vec<LocalBlockHash>,
+    /// Its LoRA adapter (routed only to workers that serve it).
+    pub adapter: Option<String>,
+    /// Its session, if it names one.
+    pub session: Option<String>,
     pub prompt_tokens: usize,
     /// The prompt's last ids, which seed the decoding of an answer that comes back as token
     /// ids (`vllm-generate-tokens`).
@@ -58,10 +71,11 @@ impl Outbound {
         path: &'static str,
         mut raw: Value,
         prepared: &Prepared,
-        namespace: Option<&str>,
+        keys: &Keys<'_>,
         block_size: BlockSize,
         dialects: &[Dialect],
     ) -> Result<Self, ApiError> {
+        let namespace = keys.namespace;
         let kind = match path {
             "/v1/completions" => Api::Completion,
             _ => Api::Chat,
@@ -73,6 +87,7 @@ impl Outbound {
             .then(|| prepared.mm.to_block_level(block_size, prepared.tokens.len()));
         let local = BlockHasher::new(block_size)
             .with_namespace(namespace)
+            .with_lora(keys.adapter)
             .local_hashes(&prepared.tokens, block_infos.as_deref());
         if let (Some(ns), Some(fields)) = (namespace, raw.as_object_mut()) {
             fields.insert("cache_salt".to_owned(), Value::String(ns.to_owned()));
@@ -89,7 +104,7 @@ impl Outbound {
         }
         let tokens = dialects
             .iter()
-            .filter_map(|&d| Some((d, tokens_body(d, &raw, prepared, namespace, streamed)?)))
+            .filter_map(|&d| Some((d, tokens_body(d, &raw, prepared, keys, streamed)?)))
             .collect();
         let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
         let prompt_tokens = prepared.tokens.len();
@@ -100,11 +115,25 @@ impl Outbound {
             kind,
             tokens,
             local,
+            adapter: keys.adapter.map(str::to_owned),
+            session: keys.session.map(str::to_owned),
             prompt_tokens,
             prompt_tail,
             streamed,
             strip_usage: streamed && !client_usage,
         })
+    }
+}
+
+impl Outbound {
+    /// What routing needs of it.
+    pub(crate) fn ask(&self) -> crate::placer::Ask<'_> {
+        crate::placer::Ask {
+            local: &self.local,
+            num_tokens: self.prompt_tokens,
+            adapter: self.adapter.as_deref(),
+            session: self.session.as_deref(),
+        }
     }
 }
 
@@ -125,10 +154,7 @@ pub(crate) async fn dispatch(
         .collect();
     loop {
         let id = format!("kvr-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
-        let placed = state
-            .placer
-            .place(&out.local, out.prompt_tokens, state.block_size, &id, &excluded)
-            .await?;
+        let placed = state.placer.place(out.ask(), state.block_size, &id, &excluded).await?;
         let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
             return Err(ApiError::unavailable("no worker is available"));
         };
@@ -357,7 +383,8 @@ mod tests {
         let bs = BlockSize::new(4).unwrap();
         let p = prepared("one two three four five six seven eight nine ten eleven twelve");
         let raw = json!({"prompt": "x", "stream": true, "extra_field": 1});
-        let out = Outbound::new("/v1/completions", raw.clone(), &p, Some("k"), bs, &[]).unwrap();
+        let keys = Keys { namespace: Some("k"), ..Keys::default() };
+        let out = Outbound::new("/v1/completions", raw.clone(), &p, &keys, bs, &[]).unwrap();
         let body: Value = serde_json::from_slice(&out.body).unwrap();
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(
@@ -365,13 +392,21 @@ mod tests {
             (Some("k"), Some(1))
         );
         assert!(out.streamed && out.strip_usage);
-        let plain = Outbound::new("/v1/completions", raw, &p, None, bs, &[]).unwrap();
+        let plain = Outbound::new("/v1/completions", raw.clone(), &p, &Keys::default(), bs, &[]);
+        let plain = plain.unwrap();
         assert_ne!(plain.local, out.local, "the namespace changes every block's hash");
+        let both = Keys { adapter: Some("sql"), ..keys };
+        let adapted = Outbound::new("/v1/completions", raw, &p, &both, bs, &[]).unwrap();
+        assert_ne!(adapted.local, out.local, "the adapter salts them too");
+        let hasher = BlockHasher::new(bs).with_namespace(Some("k")).with_lora(Some("sql"));
+        assert_eq!(adapted.local, hasher.local_hashes(&p.tokens, None));
+        assert_eq!(adapted.adapter.as_deref(), Some("sql"));
 
         let asked = json!({"stream": true, "stream_options": {"include_usage": true}});
-        let out = Outbound::new("/v1/completions", asked, &p, None, bs, &[]).unwrap();
+        let out = Outbound::new("/v1/completions", asked, &p, &Keys::default(), bs, &[]).unwrap();
         assert!(out.streamed && !out.strip_usage);
-        let whole = Outbound::new("/v1/completions", json!({}), &p, None, bs, &[]).unwrap();
+        let whole = Outbound::new("/v1/completions", json!({}), &p, &Keys::default(), bs, &[]);
+        let whole = whole.unwrap();
         assert!(!whole.streamed && !whole.strip_usage);
         let body: Value = serde_json::from_slice(&whole.body).unwrap();
         assert!(body.get("stream_options").is_none());

@@ -10,6 +10,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Extension, State};
+use axum::http::HeaderMap;
 use axum::response::Response;
 use base64::Engine as _;
 use kvroute_http::ApiError;
@@ -19,7 +20,34 @@ use kvroute_preprocess::fetch::LoadedImage;
 use serde_json::{Value, json};
 
 use crate::FrontendState;
-use crate::dispatch::{Outbound, dispatch};
+use crate::dispatch::{Keys, Outbound, dispatch};
+
+/// The header that names a request's session, when its body has no `prompt_cache_key`.
+pub(crate) const SESSION_HEADER: &str = "x-session-id";
+
+/// A request's session: its `prompt_cache_key`, else its `x-session-id` header; a key past
+/// [`kvroute_http::router_api::MAX_SESSION_KEY`] bytes is a 400 naming where it came from.
+fn session(headers: &HeaderMap, body_key: Option<&str>) -> Result<Option<String>, ApiError> {
+    let max = kvroute_http::router_api::MAX_SESSION_KEY;
+    let too_long = |param: &'static str| {
+        ApiError::bad_request(format!("{param} must be at most {max} bytes")).param(param)
+    };
+    if let Some(key) = body_key.filter(|k| !k.is_empty()) {
+        return match key.len() > max {
+            true => Err(too_long("prompt_cache_key")),
+            false => Ok(Some(key.to_owned())),
+        };
+    }
+    let Some(value) = headers.get(SESSION_HEADER) else { return Ok(None) };
+    if value.len() > max {
+        return Err(too_long(SESSION_HEADER));
+    }
+    let key = value.to_str().map_err(|_| {
+        ApiError::bad_request(format!("{SESSION_HEADER} must be visible ASCII"))
+            .param(SESSION_HEADER)
+    })?;
+    Ok(Some(key.to_owned()).filter(|k| !k.is_empty()))
+}
 
 /// The body decoded as `T` (the fields kvroute reads), checked as an engine checks it
 /// ([`kvroute_http::openai::parse_request`]). The whole body as a JSON value, to pass on, is
@@ -43,9 +71,12 @@ fn raw(body: &[u8]) -> Result<Value, ApiError> {
 pub(crate) async fn chat(
     State(state): State<Arc<FrontendState>>,
     key: Option<Extension<KeyId>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, req) = parse::<ChatCompletionRequest>(body, "messages")?;
+    let adapter = state.models.resolve(req.model.as_deref())?;
+    let session = session(&headers, req.prompt_cache_key.as_deref())?;
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     // Images: fetched once here, forwarded inline, named by their identifier.
     let (prepared, images) =
@@ -55,14 +86,13 @@ pub(crate) async fn chat(
     drop(body);
     rewrite_image_parts(&mut raw, &images);
     let dialects = state.tokens_dialects();
-    let out = Outbound::new(
-        "/v1/chat/completions",
-        raw,
-        &prepared,
-        namespace.as_deref(),
-        state.block_size,
-        &dialects,
-    )?;
+    let keys = Keys {
+        namespace: namespace.as_deref(),
+        adapter: adapter.as_deref(),
+        session: session.as_deref(),
+    };
+    let out =
+        Outbound::new("/v1/chat/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
     dispatch(&state, &out).await
 }
 
@@ -92,26 +122,29 @@ fn rewrite_image_parts(raw: &mut Value, images: &[LoadedImage]) {
 pub(crate) async fn completions(
     State(state): State<Arc<FrontendState>>,
     key: Option<Extension<KeyId>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, req) = parse::<CompletionRequest>(body, "prompt")?;
+    let adapter = state.models.resolve(req.model.as_deref())?;
+    let session = session(&headers, req.prompt_cache_key.as_deref())?;
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let raw = raw(&body)?;
     let dialects = state.tokens_dialects();
-    let out = Outbound::new(
-        "/v1/completions",
-        raw,
-        &prepared,
-        namespace.as_deref(),
-        state.block_size,
-        &dialects,
-    )?;
+    let keys = Keys {
+        namespace: namespace.as_deref(),
+        adapter: adapter.as_deref(),
+        session: session.as_deref(),
+    };
+    let out = Outbound::new("/v1/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
     dispatch(&state, &out).await
 }
 
+/// The base model and every adapter the fleet serves (from the settings and the workers'
+/// own lists).
 pub(crate) async fn models(State(state): State<Arc<FrontendState>>) -> Json<ModelList> {
-    Json(ModelList::one(state.preprocessor.model_name(), Some(state.max_model_len)))
+    Json(state.models.list())
 }
 
 /// The workers as the front door sees them (their health), and the embedded router's view.

@@ -30,6 +30,7 @@ use axum::routing::{get, post};
 use kvroute_core::{BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_http::auth::KeyId;
 use kvroute_http::metrics::{Counter, Gauge, Registry};
+use kvroute_http::models::Catalog;
 use kvroute_http::{Credentials, HttpClient};
 use kvroute_preprocess::Preprocessor;
 use kvroute_preprocess::fetch::Fetcher;
@@ -39,6 +40,7 @@ mod dialect;
 mod dispatch;
 mod handlers;
 pub mod health;
+mod models;
 pub mod parity;
 mod placer;
 mod probes;
@@ -178,6 +180,12 @@ pub struct FrontendState {
     probed: tokio::sync::Notify,
     /// Prompt plus output tokens at most (checked before routing, as vLLM checks it).
     max_model_len: u64,
+    /// The base model and the adapters the fleet serves ([`crate::models`]).
+    pub models: Catalog,
+    /// The adapters the settings name (always served).
+    configured_adapters: Vec<String>,
+    /// What each worker listed in its `/v1/models`, when last read.
+    listed: std::sync::Mutex<BTreeMap<WorkerId, std::collections::BTreeSet<String>>>,
 }
 
 impl std::fmt::Debug for FrontendState {
@@ -228,6 +236,8 @@ impl FrontendState {
         block_size: BlockSize,
         workers: &[WorkerSpec],
     ) -> Self {
+        let max_model_len =
+            preprocessor.max_model_len().unwrap_or(kvroute_http::openai::DEFAULT_MAX_MODEL_LEN);
         Self {
             fetcher,
             placer,
@@ -251,11 +261,24 @@ impl FrontendState {
                     .collect(),
             ),
             probed: tokio::sync::Notify::new(),
-            max_model_len: preprocessor
-                .max_model_len()
-                .unwrap_or(kvroute_http::openai::DEFAULT_MAX_MODEL_LEN),
+            max_model_len,
+            models: Catalog::new(preprocessor.model_name(), Some(max_model_len)),
+            configured_adapters: Vec::new(),
+            listed: std::sync::Mutex::default(),
             preprocessor,
         }
+    }
+
+    /// Serves these LoRA adapters over the base model (besides those the workers list).
+    pub fn with_adapters<'a>(
+        mut self,
+        adapters: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Self, kvroute_http::models::AdapterError> {
+        for name in adapters {
+            self.models.insert(name, None)?;
+            self.configured_adapters.push(name.to_owned());
+        }
+        Ok(self)
     }
 
     /// The longest prompt plus output accepted (default: the model's context length, else
@@ -263,6 +286,11 @@ impl FrontendState {
     #[must_use]
     pub fn max_model_len(mut self, max_model_len: u64) -> Self {
         self.max_model_len = max_model_len;
+        let adapters = self.models.adapters();
+        self.models = Catalog::new(self.preprocessor.model_name(), Some(max_model_len));
+        for name in adapters {
+            let _ = self.models.insert(&name, None);
+        }
         self
     }
 
@@ -318,6 +346,7 @@ impl FrontendState {
             && let Some(router) = self.placer.router()
         {
             router.forget_blocks(worker);
+            self.forget_models(worker);
             // Whatever comes back on its port is probed again.
             let probed = router.workers().iter().any(|w| w.id == worker && w.events.is_some());
             if let (true, Ok(mut to_probe)) = (probed, self.to_probe.lock()) {

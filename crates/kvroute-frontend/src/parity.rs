@@ -99,7 +99,8 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
     // Each probe goes as a request would: in the worker's dialect when it carries it.
     let dialect = state.dialects.get(&worker).copied().unwrap_or_default();
     for p in &probes {
-        let tokens = dialect::tokens_body(dialect, &p.body, &p.prepared, None, false);
+        let tokens =
+            dialect::tokens_body(dialect, &p.body, &p.prepared, &Default::default(), false);
         let (path, body) = match tokens.and_then(|b| serde_json::from_slice(&b).ok()) {
             Some(tokens) => (dialect::path(dialect), tokens),
             None => ("/v1/chat/completions", p.body.clone()),

@@ -64,17 +64,26 @@ impl Placement {
     }
 }
 
+/// What routing needs of a request: its block hashes and length, its adapter and session.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ask<'a> {
+    pub local: &'a [LocalBlockHash],
+    pub num_tokens: usize,
+    pub adapter: Option<&'a str>,
+    pub session: Option<&'a str>,
+}
+
 impl Placer {
     /// Chooses a cache for the request, other than `exclude`; `None` when there is none. The
     /// request is in flight from now on.
     pub(crate) async fn place(
         &self,
-        local: &[LocalBlockHash],
-        num_tokens: usize,
+        ask: Ask<'_>,
         block_size: BlockSize,
         id: &str,
         exclude: &[WorkerWithDpRank],
     ) -> Result<Option<Placement>, ApiError> {
+        let Ask { local, num_tokens, adapter, session } = ask;
         match self {
             Self::Embedded(router) => {
                 let placement = PlaceRequest {
@@ -84,6 +93,8 @@ impl Placer {
                     overlap_weight: None,
                     temperature: None,
                     exclude,
+                    adapter,
+                    session,
                 };
                 Ok(router.place(&placement).map(|(d, _)| {
                     Placement::new(d.worker, d.overlap_blocks, num_tokens, block_size)
@@ -97,6 +108,8 @@ impl Placer {
                     overlap_score_weight: None,
                     temperature: None,
                     exclude: exclude.to_vec(),
+                    lora_name: adapter.map(str::to_owned),
+                    session_id: session.map(str::to_owned),
                 };
                 let url = format!("{}{}", remote.base, router_api::FIND_BEST_WORKER);
                 match remote.client.post_json::<BestWorker>(&url, &request).await {

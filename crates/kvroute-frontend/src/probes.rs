@@ -72,9 +72,13 @@ impl FrontendState {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(HEALTH_INTERVAL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
+            for round in 0u64.. {
                 tick.tick().await;
                 let Some(state) = weak.upgrade() else { return };
+                if round % crate::models::MODELS_EVERY == 0 {
+                    let state = Arc::clone(&state);
+                    tokio::spawn(async move { state.discover_models().await });
+                }
                 let checks = state.urls.iter().map(|(&worker, base)| {
                     let state = Arc::clone(&state);
                     let url = format!("{base}/health");

@@ -128,6 +128,8 @@ pub fn router_api(data: &[u8]) {
         overlap_weight: req.overlap_score_weight.filter(|w| w.is_finite()),
         temperature: req.temperature.filter(|t| t.is_finite() && *t >= 0.0),
         exclude: &req.exclude,
+        adapter: req.lora_name.as_deref(),
+        session: req.session_id.as_deref(),
     };
     let _ = state.place(&placement);
 }

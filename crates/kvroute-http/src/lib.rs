@@ -2,7 +2,8 @@
 //! and the bench speak one dialect:
 //!
 //! - [`ApiError`]: the one error answer (OpenAI's shape, sources kept for the log, 5xx logged);
-//! - [`openai`]: the OpenAI request, answer and chunk types, the model list;
+//! - [`openai`]: the OpenAI request, answer and chunk types; [`models`]: the served models
+//!   (a base model and its LoRA adapters);
 //! - [`router_api`]: the router's API, for its server and its clients alike;
 //! - [`client`]: the one HTTP client, and [`sse`]: the one reader of event streams;
 //! - [`metrics`]: the Prometheus registry and its `/metrics` answer;
@@ -23,6 +24,7 @@ pub mod auth;
 pub mod client;
 pub mod error;
 pub mod metrics;
+pub mod models;
 pub mod openai;
 pub mod router_api;
 pub mod server;

@@ -104,6 +104,9 @@ pub struct ChatCompletionRequest {
     /// vLLM's cache namespace: prefixes are shared only between requests with the same salt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_salt: Option<String>,
+    /// OpenAI's key for requests that share a prompt prefix: kvroute routes it as a session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_cache_key: Option<String>,
 }
 
 impl ChatCompletionRequest {
@@ -131,6 +134,9 @@ pub struct CompletionRequest {
     /// vLLM's cache namespace (see [`ChatCompletionRequest::cache_salt`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_salt: Option<String>,
+    /// See [`ChatCompletionRequest::prompt_cache_key`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_cache_key: Option<String>,
 }
 
 /// Tokens of one request; `prompt_tokens_details.cached_tokens` are the prompt tokens the
@@ -294,42 +300,8 @@ pub fn stream_chunks(body: &[u8]) -> Result<(Vec<Completion>, bool), serde_json:
     Ok((chunks, done))
 }
 
-/// One served model in `GET /v1/models`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ModelCard {
-    pub id: String,
-    pub object: String,
-    pub created: u64,
-    pub owned_by: String,
-    /// The longest prompt plus output the model takes (vLLM's field).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_model_len: Option<u64>,
-}
+pub use crate::models::{ModelCard, ModelList, check_model};
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ModelList {
-    pub object: String,
-    pub data: Vec<ModelCard>,
-}
-
-impl ModelList {
-    /// The list of one model.
-    pub fn one(id: &str, max_model_len: Option<u64>) -> Self {
-        Self {
-            object: "list".into(),
-            data: vec![ModelCard {
-                id: id.to_owned(),
-                object: "model".into(),
-                created: 0,
-                owned_by: "kvroute".into(),
-                max_model_len,
-            }],
-        }
-    }
-}
-
-/// A request naming another model than the one served is a 404 (an empty or absent name is
-/// taken as the served one).
 /// The context length of a model that does not state one.
 pub const DEFAULT_MAX_MODEL_LEN: u64 = 32_768;
 
@@ -354,21 +326,6 @@ pub fn check_lengths(
             "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum context length is {max_model_len} tokens and your request has {prompt} input tokens ({m} > {max_model_len} - {prompt})."
         ))
         .param("max_tokens")),
-        _ => Ok(()),
-    }
-}
-
-pub fn check_model(served: &str, requested: Option<&str>) -> Result<(), ApiError> {
-    match requested {
-        Some(m) if !m.is_empty() && m != served => {
-            // A megabyte of a name is not sent back.
-            let shown: String = m.chars().take(MAX_ECHOED_CHARS).collect();
-            let cut = if m.chars().nth(MAX_ECHOED_CHARS).is_some() { "..." } else { "" };
-            Err(ApiError::not_found(format!(
-                "model {shown:?}{cut} not found; this server serves {served:?}"
-            ))
-            .param("model"))
-        }
         _ => Ok(()),
     }
 }

@@ -54,7 +54,18 @@ pub struct FindBestWorker {
     /// Caches not to choose (e.g. ones that just refused a connection).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub exclude: Vec<WorkerWithDpRank>,
+    /// The LoRA adapter the request runs with (its `local_hashes` salted with it): only
+    /// workers that serve it are chosen, and loading it is priced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_name: Option<String>,
+    /// The request's session (at most [`MAX_SESSION_KEY`] bytes): it stays on the session's
+    /// worker unless another is cheaper by the margin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
 }
+
+/// The longest session key taken (`prompt_cache_key`, `x-session-id`, `session_id`).
+pub const MAX_SESSION_KEY: usize = 256;
 
 /// The router's choice.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -145,6 +156,8 @@ mod tests {
             overlap_score_weight: None,
             temperature: None,
             exclude: vec![WorkerWithDpRank::new(3u64, 1u32)],
+            lora_name: Some("sql".into()),
+            session_id: Some("s".into()),
         };
         let text = serde_json::to_string(&req).unwrap();
         assert_eq!(serde_json::from_str::<FindBestWorker>(&text).unwrap(), req);

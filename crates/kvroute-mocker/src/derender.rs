@@ -21,7 +21,7 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
 use kvroute_http::ApiError;
-use kvroute_http::openai::{Api, AssistantMessage, Choice, Completion, Delta, Usage, check_model};
+use kvroute_http::openai::{Api, AssistantMessage, Choice, Completion, Delta, Usage};
 use kvroute_http::vllm_generate::{
     DerenderChatRequest, DerenderCompletionRequest, DerenderStreamRequest, DerenderStreamResponse,
     DerenderStreamState, GenerateResponse, OutputMode, STREAM_STOP_STRINGS, check_derender,
@@ -35,9 +35,8 @@ use crate::http::{AppState, now_secs};
 
 /// The model name the answer carries, once the request is for this engine's model.
 fn admitted(state: &AppState, model: Option<&str>) -> Result<String, ApiError> {
-    let served = state.preprocessor.model_name();
-    check_model(served, model)?;
-    Ok(model.filter(|m| !m.is_empty()).unwrap_or(served).to_owned())
+    state.catalog.resolve(model)?;
+    Ok(model.filter(|m| !m.is_empty()).unwrap_or(state.catalog.base()).to_owned())
 }
 
 /// Each choice's token ids decoded, as OpenAI's choices of `chat` or of a completion.

@@ -39,6 +39,8 @@ use kvroute_core::{BlockExtraInfo, BlockHasher, BlockSize, SequenceHash};
 use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_extra_keys};
 
 use crate::kv::{KvCache, Stored};
+use crate::lora::Adapters;
+pub use crate::lora::{LoraConfig, LoraStats};
 pub use crate::sequence::OutputPlan;
 use crate::sequence::{Block, Sequence};
 use crate::timing::Timing;
@@ -51,6 +53,8 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     pub max_batched_tokens: usize,
     pub timing: Timing,
+    /// LoRA adapters: slots, host memory, load times ([`crate::lora`]).
+    pub lora: LoraConfig,
 }
 
 impl Default for EngineConfig {
@@ -61,6 +65,7 @@ impl Default for EngineConfig {
             max_num_seqs: 256,
             max_batched_tokens: 8_192,
             timing: Timing::default(),
+            lora: LoraConfig::default(),
         }
     }
 }
@@ -78,6 +83,9 @@ pub struct EngineRequest {
     /// The request's cache namespace (vLLM's `cache_salt`): its blocks are shared only with
     /// requests of the same one, and its events carry it.
     pub cache_salt: Option<String>,
+    /// The LoRA adapter it runs with (vLLM's `lora_name`): it salts its blocks, takes a slot
+    /// while it runs, and its events name it.
+    pub lora: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -126,6 +134,9 @@ pub struct Step {
     pub outputs: Vec<Output>,
 }
 
+/// Requests per adapter, by name.
+pub type AdapterCounts = Vec<(String, usize)>;
+
 /// Ground truth for benchmarks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct EngineStats {
@@ -154,6 +165,7 @@ pub struct Engine {
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     stats: EngineStats,
+    adapters: Adapters,
 }
 
 /// Collects a step's events in order, runs of one kind merged.
@@ -186,6 +198,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             stats: EngineStats::default(),
+            adapters: Adapters::new(config.lora),
             config,
         }
     }
@@ -237,8 +250,13 @@ impl Engine {
         if self.waiting.iter().chain(&self.running).any(|s| s.id == req.id) {
             return Err(EngineError::DuplicateId(req.id));
         }
+        let lora = req.lora.filter(|l| !l.is_empty()).map(|l| {
+            let id = self.adapters.id(&l);
+            (l, id)
+        });
         self.waiting.push_back(Sequence {
             id: req.id,
+            lora,
             prompt_len: req.tokens.len(),
             tokens: req.tokens,
             mm: req.block_mm_infos,
@@ -284,6 +302,44 @@ impl Engine {
         events.0
     }
 
+    /// Whether `s` can run beside the running requests: it has no adapter, its adapter is one
+    /// of theirs, or a slot is left for it.
+    fn slot_for(&self, s: &Sequence) -> bool {
+        let Some(name) = s.adapter() else { return true };
+        let mut in_use: Vec<&str> = self.running.iter().filter_map(Sequence::adapter).collect();
+        in_use.sort_unstable();
+        in_use.dedup();
+        in_use.contains(&name) || in_use.len() < self.adapters.max_loras().max(1)
+    }
+
+    /// What the engine has done with adapters.
+    pub fn lora_stats(&self) -> LoraStats {
+        self.adapters.stats
+    }
+
+    /// The adapters in the GPU slots, least recently used first.
+    pub fn resident_adapters(&self) -> &[String] {
+        self.adapters.resident()
+    }
+
+    /// Requests per adapter, running and waiting (vLLM's `running_lora_adapters` and
+    /// `waiting_lora_adapters`), each sorted by name.
+    pub fn adapter_requests(&self) -> (AdapterCounts, AdapterCounts) {
+        fn count<'a>(seqs: impl Iterator<Item = &'a Sequence>) -> AdapterCounts {
+            let mut counts = std::collections::BTreeMap::<&str, usize>::new();
+            for name in seqs.filter_map(Sequence::adapter) {
+                *counts.entry(name).or_default() += 1;
+            }
+            counts.into_iter().map(|(n, c)| (n.to_owned(), c)).collect()
+        }
+        (count(self.running.iter()), count(self.waiting.iter()))
+    }
+
+    /// Forgets an adapter's slot and host copy (its requests keep running).
+    pub fn unload_adapter(&mut self, name: &str) {
+        self.adapters.remove(name);
+    }
+
     /// Runs one scheduler step; `None` when there is nothing to do.
     pub fn step(&mut self) -> Option<Step> {
         if self.is_idle() {
@@ -307,8 +363,16 @@ impl Engine {
             }
         }
 
-        // 2. Waiting requests, first come first served.
+        // 2. Waiting requests, first come first served; one whose adapter would make one
+        //    more than the slots hold is passed over (as vLLM skips it) and keeps its place.
+        let mut skipped: Vec<Sequence> = Vec::new();
+        let mut lora_time = Duration::ZERO;
         while !preempted_any && budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(front) = self.waiting.front() else { break };
+            if !self.slot_for(front) {
+                skipped.extend(self.waiting.pop_front());
+                continue;
+            }
             let Some(front) = self.waiting.front_mut() else { break };
             let bs = self.config.block_size.tokens();
             let len = front.len();
@@ -321,6 +385,10 @@ impl Engine {
                 break;
             }
             let Some(mut s) = self.waiting.pop_front() else { break };
+            if let Some((name, _)) = &s.lora {
+                let in_use: Vec<&str> = self.running.iter().filter_map(Sequence::adapter).collect();
+                lora_time += self.adapters.activate(name, &in_use);
+            }
             self.cache.reference(&hashes[..hits]);
             s.blocks = hashes[..hits].iter().map(|&h| Block::Cached(h)).collect();
             s.filled = hits;
@@ -334,6 +402,9 @@ impl Engine {
                 Scheduled::Yes => {}
                 Scheduled::Preempted | Scheduled::Blocked => break,
             }
+        }
+        for s in skipped.into_iter().rev() {
+            self.waiting.push_front(s);
         }
 
         // 3. How long the step takes.
@@ -362,7 +433,19 @@ impl Engine {
             0 => Duration::ZERO,
             _ => timing.decode(decoding_tokens as f64 / capacity_tokens.max(1) as f64),
         };
-        let mut out = Step { duration: prefill + decode, ..Step::default() };
+        // Each distinct adapter in the batch adds the LoRA kernels' work.
+        let mut batch_adapters: Vec<&str> = self
+            .running
+            .iter()
+            .zip(&work)
+            .filter(|(_, w)| w.is_some())
+            .filter_map(|(s, _)| s.adapter())
+            .collect();
+        batch_adapters.sort_unstable();
+        batch_adapters.dedup();
+        let lora_step = self.adapters.step_cost() * batch_adapters.len() as u32;
+        let lora = timing.scale(lora_time + lora_step);
+        let mut out = Step { duration: prefill + decode + lora, ..Step::default() };
         self.clock += out.duration;
 
         // 4. Outputs: every request with all its known tokens computed samples one.
@@ -508,6 +591,24 @@ fn stored_event(bs: usize, s: &Sequence, blocks: &[usize]) -> EngineEvent {
             .collect()
     });
     let extra_keys = extra_keys.filter(|k| k.iter().any(Option::is_some));
+    // vLLM keys an adapter's blocks by its name too: each block's extra keys carry it.
+    let extra_keys = match &s.lora {
+        None => extra_keys,
+        Some((name, _)) => Some(
+            blocks
+                .iter()
+                .enumerate()
+                .map(|(i, _)| {
+                    let mut keys = extra_keys
+                        .as_ref()
+                        .and_then(|k| k.get(i).cloned().flatten())
+                        .unwrap_or_default();
+                    keys.push(ExtraKey::Text(name.clone()));
+                    Some(keys)
+                })
+                .collect(),
+        ),
+    };
     EngineEvent::BlockStored(BlockStored {
         block_hashes: blocks.iter().map(|&b| s.hashes[b].0).collect(),
         parent_block_hash: first.checked_sub(1).map(|p| s.hashes[p].0),
@@ -516,9 +617,9 @@ fn stored_event(bs: usize, s: &Sequence, blocks: &[usize]) -> EngineEvent {
             .flat_map(|&b| s.tokens[b * bs..(b + 1) * bs].iter().map(|&t| u64::from(t)))
             .collect(),
         block_size: bs as u32,
-        lora_id: None,
+        lora_id: s.lora.as_ref().map(|(_, id)| i64::from(*id)),
         medium: Some("GPU".to_owned()),
-        lora_name: None,
+        lora_name: s.lora.as_ref().map(|(name, _)| name.clone()),
         extra_keys,
         cache_salt: s.namespace.clone(),
         group_idx: None,

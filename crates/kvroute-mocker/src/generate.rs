@@ -43,7 +43,10 @@ pub(crate) async fn generate(
     let req: GenerateRequest = parse(&body?)?;
     req.check()?;
     let model = state.preprocessor.model_name().to_owned();
-    if let Some(asked) = req.model.as_deref().filter(|m| !m.is_empty() && *m != model) {
+    let lora = state.catalog.resolve(req.model.as_deref()).ok().flatten();
+    if let Some(asked) =
+        req.model.as_deref().filter(|m| !m.is_empty() && *m != model && lora.is_none())
+    {
         // A megabyte of a name is not sent back, as on the other APIs.
         let shown: String = asked.chars().take(MAX_ECHOED_CHARS).collect();
         let cut = if asked.chars().nth(MAX_ECHOED_CHARS).is_some() { "..." } else { "" };
@@ -72,6 +75,7 @@ pub(crate) async fn generate(
         max_tokens,
         ignore_eos: req.sampling_params.ignore_eos == Some(true),
         cache_salt: req.cache_salt.clone(),
+        lora: lora.clone(),
     };
     let submitted = state.submit(submission)?;
     state.metrics.generated();
@@ -101,7 +105,7 @@ pub(crate) async fn generate(
         }
         false => {
             let mut whole = whole(answer, submitted).await?;
-            whole.model = Some(model);
+            whole.model = Some(lora.unwrap_or(model));
             whole.created = Some(now_secs());
             Ok(Json(whole).into_response())
         }

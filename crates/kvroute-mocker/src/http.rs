@@ -51,6 +51,11 @@ pub struct AppState {
     pub api_keys: kvroute_http::Credentials,
     /// Images processed before, by their caller's key ([`crate::media`]).
     pub(crate) processed: crate::media::Processed,
+    /// The base model and the adapters served (`--lora-modules`, vLLM's dynamic API).
+    pub catalog: kvroute_http::models::Catalog,
+    /// vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` are served (its
+    /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
+    pub runtime_lora_updating: bool,
 }
 
 pub use kvroute_http::openai::DEFAULT_MAX_MODEL_LEN;
@@ -77,7 +82,11 @@ impl AppState {
             .or(preprocessor.max_model_len())
             .unwrap_or(DEFAULT_MAX_MODEL_LEN)
             .min(capacity);
+        let catalog =
+            kvroute_http::models::Catalog::new(preprocessor.model_name(), Some(max_model_len));
         Self {
+            catalog,
+            runtime_lora_updating: false,
             engine,
             preprocessor,
             seed,
@@ -133,6 +142,12 @@ pub fn app(state: Arc<AppState>) -> Router {
             post(crate::derender::completion),
         )
         .route(kvroute_http::sglang_generate::PATH, post(crate::sglang::generate));
+    let guarded = match state.runtime_lora_updating {
+        true => guarded
+            .route("/v1/load_lora_adapter", post(crate::lora_api::load))
+            .route("/v1/unload_lora_adapter", post(crate::lora_api::unload)),
+        false => guarded,
+    };
     let routes = kvroute_http::auth::require(guarded, state.api_keys.clone())
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
@@ -146,6 +161,7 @@ async fn chat(
     let body = body?;
     let req: ChatCompletionRequest = parse_request(&body, "messages", Some(1))?;
     check_cache_salt(req.cache_salt.as_deref())?;
+    let lora = state.catalog.resolve(req.model.as_deref())?;
     let logprobs = crate::logprobs::asked_by_chat(&body);
     let (prepared, _) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
@@ -157,6 +173,7 @@ async fn chat(
         ignore_eos: req.ignore_eos,
         cache_salt: req.cache_salt,
         logprobs,
+        lora,
     };
     generate(&state, prepared, ask).await
 }
@@ -167,6 +184,7 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_request(&body?, "prompt", Some(1))?;
     check_cache_salt(req.cache_salt.as_deref())?;
+    let lora = state.catalog.resolve(req.model.as_deref())?;
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let ask = Ask {
         kind: Api::Completion,
@@ -176,6 +194,7 @@ async fn completions(
         ignore_eos: req.ignore_eos,
         cache_salt: req.cache_salt,
         logprobs: None,
+        lora,
     };
     generate(&state, prepared, ask).await
 }
@@ -191,6 +210,7 @@ struct Ask {
     cache_salt: Option<String>,
     /// Chat's `logprobs: true`, with this many alternatives per token (simulated).
     logprobs: Option<u32>,
+    lora: Option<String>,
 }
 
 /// A prompt for the engine, from any of its APIs.
@@ -202,6 +222,8 @@ pub(crate) struct Submission {
     pub max_tokens: u64,
     pub ignore_eos: bool,
     pub cache_salt: Option<String>,
+    /// The adapter it runs with (resolved from its `model`).
+    pub lora: Option<String>,
 }
 
 /// What the engine sends back for one submission, and the guard that cancels it when dropped.
@@ -263,6 +285,7 @@ impl AppState {
             max_tokens: usize::try_from(s.max_tokens).unwrap_or(usize::MAX).max(1),
             plan,
             cache_salt: s.cache_salt,
+            lora: s.lora,
         };
         let (outputs, guard) = self.engine.submit(request);
         Ok(Submitted { outputs, guard, end })
@@ -279,8 +302,9 @@ async fn generate(
     prepared: Prepared,
     ask: Ask,
 ) -> Result<Response, ApiError> {
-    let Ask { kind, max_tokens, stream, include_usage, ignore_eos, cache_salt, logprobs } = ask;
-    let model = state.preprocessor.model_name().to_owned();
+    let Ask { kind, max_tokens, stream, include_usage, ignore_eos, cache_salt, logprobs, lora } =
+        ask;
+    let model = lora.clone().unwrap_or_else(|| state.preprocessor.model_name().to_owned());
     let envelope = Envelope::new(kind, &state.next_id().to_string(), model);
     let window = state.preprocessor.decode_window(&prepared.tokens);
     let submission = Submission {
@@ -290,6 +314,7 @@ async fn generate(
         max_tokens,
         ignore_eos,
         cache_salt,
+        lora,
     };
     let Submitted { outputs, guard, end } = state.submit(submission)?;
     let vocab = u32::try_from(state.preprocessor.vocab_size()).unwrap_or(u32::MAX);
@@ -475,14 +500,21 @@ fn sse(
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
-    Json(ModelList::one(state.preprocessor.model_name(), Some(state.max_model_len)))
+    Json(state.catalog.list())
 }
 
 async fn stats(State(state): State<Arc<AppState>>) -> Json<Value> {
-    Json(serde_json::to_value(state.engine.snapshot()).unwrap_or(Value::Null))
+    let mut stats = serde_json::to_value(state.engine.snapshot()).unwrap_or(Value::Null);
+    if let Some(fields) = stats.as_object_mut() {
+        let adapters = serde_json::to_value(state.engine.adapters()).unwrap_or(Value::Null);
+        fields.insert("lora".to_owned(), adapters);
+    }
+    Json(stats)
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let snapshot = state.engine.snapshot();
+    let enabled = state.runtime_lora_updating || !state.catalog.adapters().is_empty();
+    state.metrics.refresh_adapters(&state.engine.adapters(), enabled);
     kvroute_http::metrics::response(&[state.metrics.refresh(&snapshot)])
 }

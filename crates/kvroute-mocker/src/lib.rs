@@ -14,6 +14,8 @@ pub mod generate;
 pub mod http;
 mod kv;
 mod logprobs;
+pub mod lora;
+mod lora_api;
 mod media;
 pub mod metrics;
 mod sequence;
@@ -52,6 +54,12 @@ pub struct MockerConfig {
     /// Keys every route but `/health` needs (`Authorization: Bearer`), as vLLM's
     /// `--api-key`; empty: open.
     pub api_keys: kvroute_http::Credentials,
+    /// Adapters served from the start (vLLM's `--lora-modules NAME=PATH`; the path is only
+    /// listed).
+    pub lora_modules: Vec<(String, Option<String>)>,
+    /// Serve vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (its
+    /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
+    pub runtime_lora_updating: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -112,6 +120,15 @@ pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerEr
     let mut state =
         http::AppState::new(engine, preprocessor, config.seed, fetcher, config.max_model_len);
     state.api_keys = config.api_keys;
+    state.runtime_lora_updating = config.runtime_lora_updating;
+    for (name, path) in &config.lora_modules {
+        state.catalog.insert(name, path.as_deref()).map_err(|e| {
+            MockerError::Io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("--lora-modules {name}: {e}"),
+            ))
+        })?;
+    }
     Ok(Arc::new(state))
 }
 

@@ -5,9 +5,9 @@
 //! engine's `/metrics` (kvroute's with `metrics=http://...`, or another) reads this one too.
 //! Values are the engine's snapshot at scrape time.
 
-use kvroute_http::metrics::{CounterOf, FloatGauge, Gauge, Registry};
+use kvroute_http::metrics::{CounterOf, Family, FloatGauge, Gauge, Registry};
 
-use crate::service::Snapshot;
+use crate::service::{AdapterSnapshot, Snapshot};
 
 pub const KV_USAGE: &str = "kvroute_mocker_kv_cache_usage";
 pub const WAITING: &str = "kvroute_mocker_waiting_requests";
@@ -27,6 +27,13 @@ pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
 pub const VLLM_PREFIX_QUERIES: &str = "vllm:prefix_cache_queries";
 pub const VLLM_PREFIX_HITS: &str = "vllm:prefix_cache_hits";
 pub const VLLM_CACHE_CONFIG: &str = "vllm:cache_config_info";
+pub const VLLM_LORA_INFO: &str = "vllm:lora_requests_info";
+pub const LORA_LOADS: &str = "kvroute_mocker_lora_loads";
+pub const LORA_SWAPS: &str = "kvroute_mocker_lora_swaps";
+
+/// vLLM's `vllm:lora_requests_info` labels: `max_lora`, `waiting_lora_adapters`,
+/// `running_lora_adapters` (names comma-joined).
+type LoraLabels = Vec<(String, String)>;
 
 #[derive(Debug)]
 pub struct Metrics {
@@ -48,6 +55,9 @@ pub struct Metrics {
     vllm_kv_usage: FloatGauge,
     vllm_queries: CounterOf,
     vllm_hits: CounterOf,
+    lora_info: Family<LoraLabels, FloatGauge>,
+    lora_loads: CounterOf,
+    lora_swaps: CounterOf,
 }
 
 impl Metrics {
@@ -71,6 +81,9 @@ impl Metrics {
             vllm_kv_usage: FloatGauge::default(),
             vllm_queries: CounterOf::default(),
             vllm_hits: CounterOf::default(),
+            lora_info: Family::default(),
+            lora_loads: CounterOf::default(),
+            lora_swaps: CounterOf::default(),
         };
         let mut r = Registry::default();
         r.register(KV_USAGE, "Share of KV blocks in use (0-1)", m.kv_usage.clone());
@@ -109,6 +122,18 @@ impl Metrics {
             "Messages its ZMQ sockets refused before allocation for exceeding their size limit",
             m.zmq_refused.counter.clone(),
         );
+        r.register(
+            LORA_LOADS,
+            "LoRA adapters read from storage into a GPU slot",
+            m.lora_loads.counter.clone(),
+        );
+        r.register(
+            LORA_SWAPS,
+            "LoRA adapters copied from host memory into a GPU slot",
+            m.lora_swaps.counter.clone(),
+        );
+        // As vLLM registers it: no model or engine label.
+        r.register(VLLM_LORA_INFO, "Running stats on lora requests.", m.lora_info.clone());
         // vLLM's labels: the model and the data-parallel engine.
         let label = |k: &'static str, v: String| (k.into(), v.into());
         let vllm = r.sub_registry_with_labels(
@@ -166,6 +191,30 @@ impl Metrics {
     /// SGLang's generate endpoint took a request.
     pub fn sglang_generated(&self) {
         self.sglang_generated.inc();
+    }
+
+    /// `vllm:lora_requests_info` and the adapter counters brought up to date with `a`. vLLM
+    /// sets the gauge of the current labels to the time and keeps every older label set; this
+    /// engine keeps only the current one (the newest is what a reader takes).
+    pub fn refresh_adapters(&self, a: &AdapterSnapshot, enabled: bool) {
+        self.lora_loads.sync(a.stats.loads);
+        self.lora_swaps.sync(a.stats.swaps);
+        if !enabled {
+            return;
+        }
+        let names = |list: &[(String, usize)]| {
+            list.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(",")
+        };
+        let labels = vec![
+            ("max_lora".to_owned(), a.max_lora.to_string()),
+            ("waiting_lora_adapters".to_owned(), names(&a.waiting)),
+            ("running_lora_adapters".to_owned(), names(&a.running)),
+        ];
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.lora_info.clear();
+        self.lora_info.get_or_create(&labels).set(now);
     }
 
     /// The registry, brought up to date with `s`.

@@ -64,6 +64,8 @@ pub(crate) struct Sequence {
     pub(crate) mm: Option<Vec<Option<BlockExtraInfo>>>,
     /// Its cache namespace (`cache_salt`), folded into every block hash.
     pub(crate) namespace: Option<String>,
+    /// Its LoRA adapter and the adapter's id, folded into every block hash.
+    pub(crate) lora: Option<(String, u32)>,
     pub(crate) max_tokens: usize,
     pub(crate) plan: OutputPlan,
     /// Sequence hashes of the full blocks of `tokens`, as far as computed.
@@ -83,10 +85,16 @@ impl Sequence {
         self.tokens.len()
     }
 
+    /// Its adapter's name.
+    pub(crate) fn adapter(&self) -> Option<&str> {
+        self.lora.as_ref().map(|(name, _)| name.as_str())
+    }
+
     /// Hashes of every full block of the known tokens.
     pub(crate) fn full_hashes(&mut self, hasher: &BlockHasher) -> &[SequenceHash] {
         let bs = hasher.block_size().tokens();
-        let hasher = hasher.with_namespace(self.namespace.as_deref());
+        let lora = self.lora.as_ref().map(|(name, _)| name.as_str());
+        let hasher = hasher.with_namespace(self.namespace.as_deref()).with_lora(lora);
         let full = self.tokens.len() / bs;
         while self.hashes.len() < full {
             let b = self.hashes.len();

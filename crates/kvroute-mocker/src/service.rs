@@ -28,7 +28,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
-use crate::engine::{Engine, EngineConfig, EngineRequest, EngineStats, Output};
+use crate::engine::{Engine, EngineConfig, EngineRequest, EngineStats, LoraStats, Output};
 
 /// Where the engine publishes (`None`: not at all).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -69,10 +69,26 @@ pub struct Snapshot {
     pub stats: EngineStats,
 }
 
+/// The engine's adapters as vLLM reports them (`vllm:lora_requests_info`, and kvroute's load
+/// reports).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AdapterSnapshot {
+    /// Distinct adapters a batch may use (vLLM's `max_lora` label).
+    pub max_lora: usize,
+    /// Adapters of running requests, with how many run (vLLM's `running_lora_adapters`).
+    pub running: Vec<(String, usize)>,
+    /// Adapters of waiting requests (vLLM's `waiting_lora_adapters`).
+    pub waiting: Vec<(String, usize)>,
+    /// Adapters in the GPU slots, least recently used first.
+    pub resident: Vec<String>,
+    pub stats: LoraStats,
+}
+
 #[derive(Debug)]
 enum Command {
     Submit(EngineRequest, mpsc::UnboundedSender<Output>),
     Cancel(String),
+    Unload(String),
 }
 
 /// A handle on the running engine task.
@@ -80,6 +96,7 @@ enum Command {
 pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Command>,
     snapshot: Arc<Mutex<Snapshot>>,
+    adapters: Arc<Mutex<AdapterSnapshot>>,
     /// The endpoints actually bound (ports 0 resolved).
     pub bound: Endpoints,
     pub dp_rank: u32,
@@ -141,19 +158,24 @@ impl EngineHandle {
             kv_total_blocks: config.num_blocks,
             ..Snapshot::default()
         }));
+        let adapters = Arc::new(Mutex::new(AdapterSnapshot {
+            max_lora: config.lora.max_loras,
+            ..AdapterSnapshot::default()
+        }));
         if let Some(metrics) = &endpoints.metrics {
             let mut socket = PubSocket::with_options(limits.options(SocketRole::Publisher));
             bound.metrics = Some(socket.bind(metrics).await?.to_string());
-            tokio::spawn(publish_load(socket, Arc::clone(&snapshot), dp_rank));
+            let shared = (Arc::clone(&snapshot), Arc::clone(&adapters));
+            tokio::spawn(publish_load(socket, shared, dp_rank));
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let shared = Arc::clone(&snapshot);
+        let shared = (Arc::clone(&snapshot), Arc::clone(&adapters));
         let faults = Arc::new(Faults::default());
         let lossy = Arc::clone(&faults);
         std::thread::Builder::new().name(format!("kvroute-engine-{dp_rank}")).spawn(move || {
             run(Engine::new(config), rx, publisher.as_ref(), &shared, dp_rank, &lossy);
         })?;
-        Ok(Self { tx, snapshot, bound, dp_rank, config, faults, zmq_refused })
+        Ok(Self { tx, snapshot, adapters, bound, dp_rank, config, faults, zmq_refused })
     }
 
     /// Queues a request; its outputs arrive on the returned channel. The guard cancels the
@@ -169,6 +191,16 @@ impl EngineHandle {
         let mut s = *self.snapshot.lock().unwrap_or_else(PoisonError::into_inner);
         s.zmq_refused = self.zmq_refused.load(Ordering::Relaxed);
         s
+    }
+
+    /// The engine's adapters now.
+    pub fn adapters(&self) -> AdapterSnapshot {
+        self.adapters.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Forgets an adapter's slot and host copy (vLLM's `/v1/unload_lora_adapter`).
+    pub fn unload_adapter(&self, name: &str) {
+        let _ = self.tx.send(Command::Unload(name.to_owned()));
     }
 
     /// Fault injection for tests: while on, `BlockRemoved` events are left out of the live
@@ -197,7 +229,7 @@ fn run(
     mut engine: Engine,
     mut rx: mpsc::UnboundedReceiver<Command>,
     publisher: Option<&EventPublisher>,
-    snapshot: &Mutex<Snapshot>,
+    snapshot: &Shared,
     dp_rank: u32,
     faults: &Faults,
 ) {
@@ -282,10 +314,25 @@ fn apply(cmd: Command, engine: &mut Engine, streams: &mut Streams) {
             engine.cancel(&id);
             streams.remove(&id);
         }
+        Command::Unload(name) => engine.unload_adapter(&name),
     }
 }
 
-fn publish_snapshot(engine: &Engine, snapshot: &Mutex<Snapshot>) {
+/// What the engine thread shares with the handles and the load task.
+type Shared = (Arc<Mutex<Snapshot>>, Arc<Mutex<AdapterSnapshot>>);
+
+fn publish_snapshot(engine: &Engine, (snapshot, adapters): &Shared) {
+    let (running, waiting) = engine.adapter_requests();
+    let resident = engine.resident_adapters();
+    {
+        let mut a = adapters.lock().unwrap_or_else(PoisonError::into_inner);
+        if a.running != running || a.waiting != waiting || a.resident != resident {
+            a.running = running;
+            a.waiting = waiting;
+            a.resident = resident.to_vec();
+        }
+        a.stats = engine.lora_stats();
+    }
     *snapshot.lock().unwrap_or_else(PoisonError::into_inner) = Snapshot {
         num_waiting_reqs: engine.waiting(),
         num_running_reqs: engine.running(),
@@ -298,7 +345,7 @@ fn publish_snapshot(engine: &Engine, snapshot: &Mutex<Snapshot>) {
 }
 
 /// Load reports (docs/mocker.md): every 100 ms, and within 10 ms of a change.
-async fn publish_load(mut socket: PubSocket, snapshot: Arc<Mutex<Snapshot>>, dp_rank: u32) {
+async fn publish_load(mut socket: PubSocket, (snapshot, adapters): Shared, dp_rank: u32) {
     let mut last: Option<(usize, usize, u64)> = None;
     let mut last_sent = Instant::now() - Duration::from_secs(1);
     let mut tick = tokio::time::interval(Duration::from_millis(10));
@@ -309,13 +356,24 @@ async fn publish_load(mut socket: PubSocket, snapshot: Arc<Mutex<Snapshot>>, dp_
         if last == Some(key) && last_sent.elapsed() < Duration::from_millis(100) {
             continue;
         }
-        let report = serde_json::json!({
+        let mut report = serde_json::json!({
             "num_waiting_reqs": s.num_waiting_reqs,
             "kv_cache_usage": s.kv_cache_usage,
             "num_running_reqs": s.num_running_reqs,
             "kv_total_blocks": s.kv_total_blocks,
             "dp_rank": dp_rank,
         });
+        // Adapters, named as vLLM's `vllm:lora_requests_info` labels them (comma-joined).
+        let a = adapters.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        if !a.resident.is_empty() || !a.waiting.is_empty() {
+            let names = |list: &[(String, usize)]| {
+                list.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(",")
+            };
+            report["max_lora"] = a.max_lora.into();
+            report["running_lora_adapters"] = names(&a.running).into();
+            report["waiting_lora_adapters"] = names(&a.waiting).into();
+            report["resident_lora_adapters"] = a.resident.join(",").into();
+        }
         if socket.send(ZmqMessage::from(report.to_string().into_bytes())).await.is_err() {
             return;
         }

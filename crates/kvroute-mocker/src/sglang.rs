@@ -136,6 +136,7 @@ fn admit(
         max_tokens,
         ignore_eos: params.ignore_eos == Some(true),
         cache_salt: req.cache_salt.as_ref().and_then(OneOrMany::one).cloned(),
+        lora: adapter(state, req)?,
     };
     let submitted = state.submit(submission).map_err(|e| Refused::Engine(Box::new(e)))?;
     state.metrics.sglang_generated();
@@ -202,23 +203,36 @@ fn image_url(item: &Value) -> Result<&str, Refused> {
     }
 }
 
+/// The adapter `lora_path` names (SGLang takes an adapter's name there): one the engine
+/// serves, else refused as SGLang refuses it.
+fn adapter(state: &AppState, req: &GenerateRequest) -> Result<Option<String>, Refused> {
+    let lora = req.lora_path.as_ref().filter(|v| !v.is_null() && v.as_str() != Some(""));
+    let Some(lora) = lora else { return Ok(None) };
+    let first = match lora {
+        Value::Array(a) => a.iter().find(|v| !v.is_null()).cloned().unwrap_or(Value::Null),
+        other => other.clone(),
+    };
+    let name = first.as_str().map_or_else(|| first.to_string(), str::to_owned);
+    if state.catalog.contains(&name) {
+        return Ok(Some(name));
+    }
+    let shown: String = name.chars().take(kvroute_http::openai::MAX_ECHOED_CHARS).collect();
+    if state.catalog.adapters().is_empty() {
+        return Err(invalid(format!(
+            "LoRA adapter '{shown}' was requested, but LoRA is not enabled. Please launch the server with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+        )));
+    }
+    Err(invalid(format!(
+        "LoRA adapter '{shown}' is not loaded. Load it with /load_lora_adapter or --lora-paths first."
+    )))
+}
+
 /// The prompt's token ids: `input_ids` (in the vocabulary), else `text` tokenized as it is.
 fn prompt(state: &AppState, req: &GenerateRequest) -> Result<Vec<u32>, Refused> {
     if req.is_batch() {
         return Err(invalid(
             "the simulated engine takes one prompt per request: send input_ids as a flat list",
         ));
-    }
-    let lora = req.lora_path.as_ref().filter(|v| !v.is_null() && v.as_str() != Some(""));
-    if let Some(lora) = lora {
-        let first = match lora {
-            Value::Array(a) => a.iter().find(|v| !v.is_null()).cloned().unwrap_or(Value::Null),
-            other => other.clone(),
-        };
-        let name = first.as_str().map_or_else(|| first.to_string(), str::to_owned);
-        return Err(invalid(format!(
-            "LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
-        )));
     }
     let vocab = i64::try_from(state.preprocessor.vocab_size()).unwrap_or(i64::MAX);
     match (&req.input_ids, &req.text) {

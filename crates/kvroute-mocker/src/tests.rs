@@ -29,6 +29,7 @@ fn request(id: &str, tokens: Vec<u32>, max_tokens: usize) -> EngineRequest {
         max_tokens,
         plan: plan(),
         cache_salt: None,
+        lora: None,
     }
 }
 
@@ -180,6 +181,7 @@ fn image_blocks_carry_the_identifier() {
             max_tokens: 1,
             plan: plan(),
             cache_salt: None,
+            lora: None,
         })
         .unwrap();
     let events = events(&run(&mut engine));
@@ -390,4 +392,91 @@ fn a_cache_salt_namespaces_blocks_and_their_events() {
     let salted_hashes = hasher.with_namespace(Some("key-a")).local_hashes(&prompt, None);
     assert_eq!(index.find_matches(&salted_hashes).score(w), 4);
     assert_eq!(index.find_matches(&hasher.local_hashes(&prompt, None)).score(w), 0);
+}
+
+fn with_lora(id: &str, tokens: Vec<u32>, lora: &str) -> EngineRequest {
+    EngineRequest { lora: Some(lora.to_owned()), ..request(id, tokens, 1) }
+}
+
+fn lora_config(max_loras: usize) -> EngineConfig {
+    EngineConfig {
+        lora: crate::lora::LoraConfig {
+            max_loras,
+            max_cpu_loras: max_loras,
+            load: Duration::from_millis(100),
+            swap: Duration::from_millis(4),
+            step_cost: Duration::from_millis(1),
+        },
+        ..config(1000)
+    }
+}
+
+/// An adapter salts its blocks (the same prompt under another adapter, or none, shares
+/// nothing) and its events name it, as vLLM's do: the router's hashes with the adapter find
+/// them, the base model's do not.
+#[test]
+fn an_adapter_salts_its_blocks_and_its_events_name_it() {
+    let mut engine = Engine::new(lora_config(2));
+    let prompt: Vec<u32> = (3000..3064).collect();
+    engine.submit(with_lora("a", prompt.clone(), "sql")).unwrap();
+    let steps = run(&mut engine);
+    engine.submit(request("base", prompt.clone(), 1)).unwrap();
+    engine.submit(with_lora("other", prompt.clone(), "chat")).unwrap();
+    let later = run(&mut engine);
+    engine.submit(with_lora("a2", prompt.clone(), "sql")).unwrap();
+    let again = run(&mut engine);
+    assert_eq!(usage_of(&later, "base").cached_tokens, 0, "the base model shares nothing");
+    assert_eq!(usage_of(&later, "other").cached_tokens, 0, "nor does another adapter");
+    assert_eq!(usage_of(&again, "a2").cached_tokens, 48, "the same adapter shares its blocks");
+
+    let stored = steps.iter().flat_map(|s| &s.events).find_map(|e| match e {
+        EngineEvent::BlockStored(s) => Some(s.clone()),
+        _ => None,
+    });
+    let stored = stored.unwrap();
+    assert_eq!((stored.lora_name.as_deref(), stored.lora_id), (Some("sql"), Some(1)));
+    let keys = stored.extra_keys.unwrap();
+    assert!(
+        keys.iter()
+            .all(|k| k.as_deref() == Some(&[kvroute_wire::ExtraKey::Text("sql".into())][..]))
+    );
+    let index = indexed(&steps);
+    let w = WorkerWithDpRank::new(3u64, 0u32);
+    let hasher = BlockHasher::new(BlockSize::new(16).unwrap());
+    assert_eq!(
+        index.find_matches(&hasher.with_lora(Some("sql")).local_hashes(&prompt, None)).score(w),
+        4
+    );
+    assert_eq!(index.find_matches(&hasher.local_hashes(&prompt, None)).score(w), 0);
+}
+
+/// With every slot used by running requests, a request for one more adapter is passed over
+/// and the requests behind it run (vLLM's scheduler skips it); it runs once a slot frees.
+/// Loading an adapter holds up its step by the load time; a resident one costs nothing.
+#[test]
+fn a_full_set_of_slots_passes_over_a_new_adapter_and_loads_cost_time() {
+    let mut engine = Engine::new(lora_config(1));
+    let long = |id: &str, lora: &str, base: u32| EngineRequest {
+        max_tokens: 5,
+        ..with_lora(id, (base..base + 32).collect(), lora)
+    };
+    engine.submit(long("x1", "x", 0)).unwrap();
+    let first = engine.step().unwrap();
+    // The load (100 ms) is in the first step, beside its prefill.
+    assert!(first.duration >= Duration::from_millis(100), "{:?}", first.duration);
+    assert_eq!(engine.lora_stats().loads, 1);
+    engine.submit(long("y1", "y", 100)).unwrap();
+    engine.submit(long("x2", "x", 200)).unwrap();
+    let next = engine.step().unwrap();
+    // y1 is passed over (x holds the only slot), x2 behind it runs.
+    assert!(next.outputs.iter().any(|o| matches!(o, Output::FirstToken { id, .. } if id == "x2")));
+    assert_eq!(engine.next_waiting(), Some("y1"));
+    assert!(next.duration < Duration::from_millis(100), "x is resident: {:?}", next.duration);
+    let (running, waiting) = engine.adapter_requests();
+    assert_eq!(running, [("x".to_owned(), 2)]);
+    assert_eq!(waiting, [("y".to_owned(), 1)]);
+    let rest = run(&mut engine);
+    assert_eq!(usage_of(&rest, "y1").prompt_tokens, 32, "y runs once x's requests end");
+    assert_eq!(engine.resident_adapters(), ["y"]);
+    assert_eq!(engine.lora_stats(), crate::lora::LoraStats { loads: 2, swaps: 0, evictions: 1 });
 }

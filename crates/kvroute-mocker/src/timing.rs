@@ -30,6 +30,11 @@ impl Timing {
         self.scaled(-25.74 * p * p + 54.01 * p + 5.74)
     }
 
+    /// A duration of the timing model's time in simulated time (divided by `speedup`).
+    pub fn scale(&self, d: Duration) -> Duration {
+        self.scaled(d.as_secs_f64() * 1e3)
+    }
+
     fn scaled(&self, ms: f64) -> Duration {
         Duration::from_secs_f64((ms / self.speedup.max(1e-9)).max(0.0) / 1e3)
     }

@@ -10,7 +10,7 @@ use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
 use kvroute_http::ApiError;
-use kvroute_http::openai::{ChatCompletionRequest, ChatMessage, CompletionRequest, check_model};
+use kvroute_http::openai::{ChatCompletionRequest, ChatMessage, CompletionRequest};
 use serde::{Deserialize, Serialize};
 
 use crate::http::AppState;
@@ -57,7 +57,7 @@ pub(crate) async fn tokenize(
     let pre = &state.preprocessor;
     let (tokens, strs) = match req {
         TokenizeRequest::Chat { model, messages, add_generation_prompt, return_token_strs } => {
-            check_model(pre.model_name(), model.as_deref())?;
+            state.catalog.resolve(model.as_deref())?;
             let loaded = pre
                 .load_images(&messages, &state.fetcher)
                 .await
@@ -69,7 +69,7 @@ pub(crate) async fn tokenize(
             (prepared.tokens, return_token_strs)
         }
         TokenizeRequest::Prompt { model, prompt, return_token_strs } => {
-            check_model(pre.model_name(), model.as_deref())?;
+            state.catalog.resolve(model.as_deref())?;
             let tokens = pre.encode(&prompt).map_err(|e| ApiError::from(e).param("prompt"))?;
             (tokens, return_token_strs)
         }
@@ -101,7 +101,7 @@ pub(crate) async fn detokenize(
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     let Json(req) = body?;
     let pre = &state.preprocessor;
-    check_model(pre.model_name(), req.model.as_deref())?;
+    state.catalog.resolve(req.model.as_deref())?;
     let prompt = pre.decode(&req.tokens).map_err(|e| ApiError::from(e).param("tokens"))?;
     Ok(Json(DetokenizeResponse { prompt }))
 }
@@ -131,6 +131,7 @@ pub(crate) async fn render_chat(
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Json<RenderResponse>, ApiError> {
     let Json(req) = body?;
+    state.catalog.resolve(req.model.as_deref())?;
     let (prepared, _) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     state.metrics.rendered();
@@ -142,6 +143,7 @@ pub(crate) async fn render_completion(
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Json<RenderResponse>, ApiError> {
     let Json(req) = body?;
+    state.catalog.resolve(req.model.as_deref())?;
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     state.metrics.rendered();
     Ok(Json(rendered(&state, prepared.tokens)))

@@ -366,3 +366,53 @@ async fn a_request_as_large_as_the_cache_does_not_starve_the_others() {
         assert_eq!(status, 200, "{v}");
     }
 }
+
+/// Adapters as vLLM serves them: listed under their base model, answered under their own
+/// name, another name a 404 `model_not_found`; loaded and unloaded through the dynamic API
+/// with vLLM's answers; `vllm:lora_requests_info` names what runs.
+#[tokio::test]
+async fn adapters_are_listed_served_loaded_and_unloaded_as_vllm_does() {
+    let m = start_with(MockerConfig {
+        engine: EngineConfig { timing: Timing { speedup: 100.0 }, ..EngineConfig::default() },
+        endpoints: Endpoints::default(),
+        lora_modules: vec![("sql".into(), Some("/loras/sql".into()))],
+        runtime_lora_updating: true,
+        ..MockerConfig::default()
+    })
+    .await;
+    let (_, models) = m.get("/v1/models").await;
+    assert_eq!(models["data"][1]["id"], "sql", "{models}");
+    assert_eq!(models["data"][1]["parent"], "kvroute-tiny", "{models}");
+    assert_eq!(models["data"][1]["root"], "/loras/sql", "{models}");
+
+    let chat = |model: &str| json!({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+    let (status, answer) = m.post("/v1/chat/completions", &chat("sql")).await;
+    assert_eq!((status, answer["model"].as_str()), (200, Some("sql")), "{answer}");
+    let (status, err) = m.post("/v1/chat/completions", &chat("chat")).await;
+    assert_eq!((status, err["error"]["code"].as_str()), (404, Some("model_not_found")), "{err}");
+
+    let load = json!({"lora_name": "chat", "lora_path": "/loras/chat"});
+    let (status, said) = m.post("/v1/load_lora_adapter", &load).await;
+    assert_eq!(status, 200, "{said}");
+    assert_eq!(said, "Success: LoRA adapter 'chat' added successfully.");
+    let (status, err) = m.post("/v1/load_lora_adapter", &load).await;
+    assert_eq!((status, err["error"]["type"].as_str()), (400, Some("InvalidUserInput")), "{err}");
+    let (status, _) = m.post("/v1/load_lora_adapter", &json!({"lora_name": "x"})).await;
+    assert_eq!(status, 400, "a load needs a path");
+    assert_eq!(m.post("/v1/chat/completions", &chat("chat")).await.0, 200);
+
+    let (_, metrics) = m.get("/metrics").await;
+    let metrics = metrics.as_str().unwrap();
+    assert!(metrics.contains("vllm:lora_requests_info{max_lora=\"4\","), "{metrics}");
+    let (_, stats) = m.get("/stats").await;
+    assert_eq!(stats["lora"]["stats"]["loads"], 2, "{stats}");
+
+    let (status, said) = m.post("/v1/unload_lora_adapter", &json!({"lora_name": "chat"})).await;
+    assert_eq!(
+        (status, said.as_str()),
+        (200, Some("Success: LoRA adapter 'chat' removed successfully."))
+    );
+    let (status, err) = m.post("/v1/unload_lora_adapter", &json!({"lora_name": "chat"})).await;
+    assert_eq!((status, err["error"]["type"].as_str()), (404, Some("NotFoundError")), "{err}");
+    assert_eq!(m.post("/v1/chat/completions", &chat("chat")).await.0, 404);
+}

@@ -19,7 +19,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use kvroute_http::ApiError;
-use kvroute_http::openai::{ChatCompletionRequest, check_lengths, check_model};
+use kvroute_http::openai::{ChatCompletionRequest, check_lengths};
 
 use crate::{
     ChatMessage, ContentPart, Image, MessageContent, Prepared, PreprocessError, Preprocessor,
@@ -98,7 +98,8 @@ impl Preprocessor {
         Ok(out)
     }
 
-    /// A chat request as a server takes it: the model checked, the messages present and within
+    /// A chat request as a server takes it (its `model` resolved by the caller,
+    /// `kvroute_http::models`): the messages present and within
     /// `max_model_len` by size ([`Preprocessor::check_size`]), the images loaded
     /// ([`Preprocessor::load_images`]), the prompt prepared, and its length and `max_tokens`
     /// checked as vLLM checks them. Refusals are the client's errors, naming the field at fault.
@@ -108,7 +109,6 @@ impl Preprocessor {
         fetcher: &Fetcher,
         max_model_len: u64,
     ) -> Result<(Prepared, Vec<LoadedImage>), ApiError> {
-        check_model(self.model_name(), req.model.as_deref())?;
         if req.messages.is_empty() {
             return Err(ApiError::bad_request("messages must not be empty").param("messages"));
         }

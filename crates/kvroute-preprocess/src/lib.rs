@@ -32,11 +32,11 @@ use std::path::{Path, PathBuf};
 
 use kvroute_core::{RequestExtraInfo, RequestMmObjectInfo};
 use kvroute_http::ApiError;
+use kvroute_http::openai::check_lengths;
 pub use kvroute_http::openai::{
     ChatMessage, CompletionPrompt, CompletionRequest, ContentPart, ImageUrl, MessageContent,
     image_urls,
 };
-use kvroute_http::openai::{check_lengths, check_model};
 use minijinja::Environment;
 use serde::Deserialize;
 use tokenizers::Tokenizer;
@@ -546,15 +546,14 @@ impl Preprocessor {
         }
     }
 
-    /// A `/v1/completions` request as a server takes it: the model checked, the prompt within
-    /// `max_model_len` by size, then tokenized, and its length and `max_tokens` checked as
+    /// A `/v1/completions` request as a server takes it (its `model` resolved by the caller,
+    /// `kvroute_http::models`): the prompt within `max_model_len` by size, then tokenized, and its length and `max_tokens` checked as
     /// vLLM checks them.
     pub fn prepare_completion_request(
         &self,
         req: &CompletionRequest,
         max_model_len: u64,
     ) -> Result<Prepared, ApiError> {
-        check_model(self.model_name(), req.model.as_deref())?;
         if let CompletionPrompt::Text(text) = &req.prompt {
             self.check_size(0, [text.as_str()], max_model_len)
                 .map_err(|e| ApiError::from(e).param("prompt"))?;

@@ -191,6 +191,8 @@ async fn main() {
             overlap_score_weight: None,
             temperature: None,
             exclude: Vec::new(),
+            lora_name: None,
+            session_id: None,
         })
         .collect();
     let client = HttpClient::new();
@@ -211,6 +213,8 @@ async fn main() {
             overlap_weight: None,
             temperature: None,
             exclude: &[],
+            adapter: None,
+            session: None,
         };
         std::hint::black_box(state.place(&placement));
         inside.push(t.elapsed().as_nanos() as u64);

@@ -105,6 +105,20 @@ async fn find_best_worker(
         return Err(ApiError::bad_request(format!("temperature must be >= 0, not {t}"))
             .param("temperature"));
     }
+    if req.session_id.as_ref().is_some_and(|k| k.len() > router_api::MAX_SESSION_KEY) {
+        return Err(ApiError::bad_request(format!(
+            "session_id must be at most {} bytes",
+            router_api::MAX_SESSION_KEY
+        ))
+        .param("session_id"));
+    }
+    if req.lora_name.as_ref().is_some_and(|n| n.len() > kvroute_http::models::MAX_ADAPTER_NAME) {
+        return Err(ApiError::bad_request(format!(
+            "lora_name must be at most {} bytes",
+            kvroute_http::models::MAX_ADAPTER_NAME
+        ))
+        .param("lora_name"));
+    }
     let local: Vec<LocalBlockHash> = req.local_hashes.iter().copied().map(LocalBlockHash).collect();
     let placement = PlaceRequest {
         local_hashes: &local,
@@ -113,6 +127,8 @@ async fn find_best_worker(
         overlap_weight: req.overlap_score_weight,
         temperature: req.temperature,
         exclude: &req.exclude,
+        adapter: req.lora_name.as_deref().filter(|n| !n.is_empty()),
+        session: req.session_id.as_deref().filter(|k| !k.is_empty()),
     };
     let (decision, _) =
         state.place(&placement).ok_or_else(|| ApiError::unavailable("no workers are known"))?;

@@ -9,6 +9,11 @@
 //!   `vllm:gpu_cache_usage_perc`, and `num_gpu_blocks` of `vllm:cache_config_info`) or SGLang's
 //!   (`sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`). vLLM's
 //!   `engine` label names the data-parallel rank.
+//!
+//! Both carry the worker's adapters when it serves some: vLLM's `vllm:lora_requests_info`
+//! (its labels `max_lora` and `running_lora_adapters`, comma-joined; of the label sets vLLM
+//! keeps, the one with the newest time), and the same keys in a load report (with
+//! `resident_lora_adapters`, the simulated engine's slots).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -35,6 +40,42 @@ struct LoadReport {
     load: WorkerLoad,
     #[serde(default)]
     dp_rank: u32,
+    #[serde(default)]
+    max_lora: Option<usize>,
+    #[serde(default)]
+    running_lora_adapters: Option<String>,
+    #[serde(default)]
+    resident_lora_adapters: Option<String>,
+}
+
+/// A worker's adapters as it reports them: its slots and the adapters in them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AdapterReport {
+    pub max_loras: Option<usize>,
+    pub in_slots: Vec<String>,
+}
+
+impl AdapterReport {
+    /// From comma-joined names (names past the adapter name limit are not taken).
+    fn new(max_loras: Option<usize>, names: &str) -> Self {
+        let max = kvroute_http::models::MAX_ADAPTER_NAME;
+        let in_slots = names
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty() && n.len() <= max)
+            .take(64)
+            .map(str::to_owned)
+            .collect();
+        Self { max_loras, in_slots }
+    }
+}
+
+impl LoadReport {
+    fn adapters(&self) -> Option<AdapterReport> {
+        let names = self.resident_lora_adapters.as_ref().or(self.running_lora_adapters.as_ref());
+        (self.max_lora.is_some() || names.is_some())
+            .then(|| AdapterReport::new(self.max_lora, names.map_or("", String::as_str)))
+    }
 }
 
 /// Follows a worker's load source forever, reconnecting with capped backoff.
@@ -59,7 +100,11 @@ async fn subscribe(state: Arc<RouterState>, worker: WorkerId, endpoint: String) 
                 let Some(payload) = message.into_vec().pop() else { continue };
                 match serde_json::from_slice::<LoadReport>(&payload) {
                     Ok(r) if state.check_rank(WorkerWithDpRank::new(worker, r.dp_rank)).is_ok() => {
-                        state.update_load(WorkerWithDpRank::new(worker, r.dp_rank), r.load);
+                        let rank = WorkerWithDpRank::new(worker, r.dp_rank);
+                        if let Some(adapters) = r.adapters() {
+                            state.report_adapters(rank, &adapters);
+                        }
+                        state.update_load(rank, r.load);
                     }
                     _ => {
                         state.metrics.garbage.inc();
@@ -94,8 +139,13 @@ async fn poll(state: Arc<RouterState>, worker: WorkerId, url: String) {
             }
         };
         failing = false;
-        for (rank, load) in parse_prometheus(&String::from_utf8_lossy(&text)) {
+        let text = String::from_utf8_lossy(&text);
+        let adapters = parse_lora_info(&text);
+        for (rank, load) in parse_prometheus(&text) {
             if state.check_rank(WorkerWithDpRank::new(worker, rank)).is_ok() {
+                if let Some(a) = &adapters {
+                    state.report_adapters(WorkerWithDpRank::new(worker, rank), a);
+                }
                 state.update_load(WorkerWithDpRank::new(worker, rank), load);
             }
         }
@@ -138,6 +188,22 @@ pub fn parse_prometheus(text: &str) -> BTreeMap<u32, WorkerLoad> {
         }
     }
     out
+}
+
+/// vLLM's `vllm:lora_requests_info`: of its label sets, the one whose value (the time it was
+/// set) is newest. `None` when the exposition has none (LoRA off).
+pub fn parse_lora_info(text: &str) -> Option<AdapterReport> {
+    let mut newest: Option<(f64, AdapterReport)> = None;
+    for line in text.lines().filter(|l| l.starts_with("vllm:lora_requests_info")) {
+        let Some((_, labels, value)) = parse_sample(line) else { continue };
+        if newest.as_ref().is_some_and(|(t, _)| *t >= value) {
+            continue;
+        }
+        let label = |k: &str| labels.iter().find(|(name, _)| *name == k).map(|(_, v)| v.as_str());
+        let max_loras = label("max_lora").and_then(|v| v.parse().ok());
+        newest = Some((value, AdapterReport::new(max_loras, label("running_lora_adapters")?)));
+    }
+    newest.map(|(_, report)| report)
 }
 
 /// A sample's labels, as (name, value).
@@ -220,6 +286,24 @@ vllm:prefix_cache_queries_total{engine="0",model_name="Qwen/Qwen2-VL-2B-Instruct
             (l1.num_running_reqs, l1.kv_cache_usage, l1.kv_total_blocks),
             (Some(1), Some(0.5), None)
         );
+    }
+
+    #[test]
+    fn lora_info_takes_the_newest_label_set() {
+        let text = r#"# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters=""} 1.7000000005e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="old",waiting_lora_adapters="sql"} 1.7e+09
+"#;
+        let report = parse_lora_info(text).unwrap();
+        assert_eq!(report.max_loras, Some(4));
+        assert_eq!(report.in_slots, ["sql", "chat"]);
+        assert_eq!(parse_lora_info(VLLM), None);
+        let long = format!(
+            "vllm:lora_requests_info{{max_lora=\"1\",running_lora_adapters=\"{}\"}} 1",
+            "x".repeat(300)
+        );
+        assert!(parse_lora_info(&long).unwrap().in_slots.is_empty(), "names past the limit");
     }
 
     #[test]

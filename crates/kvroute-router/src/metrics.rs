@@ -45,6 +45,8 @@ pub const STREAM_MESSAGES: &str = "kvroute_stream_messages";
 pub const STREAM_SEQUENCE: &str = "kvroute_stream_applied_sequence";
 pub const SNAPSHOTS: &str = "kvroute_stream_snapshots";
 pub const ZMQ_REFUSED: &str = "kvroute_zmq_refused_messages";
+pub const SESSION_REQUESTS: &str = "kvroute_router_session_requests";
+pub const SESSIONS: &str = "kvroute_router_sessions";
 
 /// Event kinds, a label of [`EVENTS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -69,6 +71,12 @@ pub struct EventLabels {
     pub kind: &'static str,
     /// `ok`, or `error` when the index refused the event.
     pub status: &'static str,
+}
+
+/// What session affinity did with a request, a label of [`SESSION_REQUESTS`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct AffinityLabels {
+    pub affinity: &'static str,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -181,6 +189,9 @@ pub struct Metrics {
     /// [`kvroute_wire::transport::refused`]), brought up to date at scrape time.
     zmq_refused: Family<SocketLabels, Counter>,
     zmq_refused_seen: [std::sync::atomic::AtomicU64; 4],
+    session_requests: Family<AffinityLabels, Counter>,
+    session_seen: [std::sync::atomic::AtomicU64; 3],
+    pub sessions: Gauge,
 }
 
 impl Default for Metrics {
@@ -210,6 +221,9 @@ impl Metrics {
             worker_decisions: Family::default(),
             zmq_refused: Family::default(),
             zmq_refused_seen: Default::default(),
+            session_requests: Family::default(),
+            session_seen: Default::default(),
+            sessions: Gauge::default(),
             worker_ready: Family::default(),
             worker_blocks: Family::default(),
             in_flight: Gauge::default(),
@@ -245,6 +259,12 @@ impl Metrics {
             "ZMQ messages refused before allocation for exceeding the maximum message size, by socket",
             m.zmq_refused.clone(),
         );
+        r.register(
+            SESSION_REQUESTS,
+            "Requests of a session: new (placed afresh), kept on its worker, or moved (another was cheaper by the margin)",
+            m.session_requests.clone(),
+        );
+        r.register(SESSIONS, "Sessions remembered", m.sessions.clone());
         r.register(GAPS, "Jumps in a publisher's sequence numbers", m.gaps.clone());
         r.register(REPLAYS, "Replay requests sent to engines", m.replays.clone());
         r.register(
@@ -415,6 +435,17 @@ impl Metrics {
             let counter = self.zmq_refused.get_or_create(&SocketLabels { socket: role.label() });
             counter.inc_by(total.saturating_sub(seen));
         }
+    }
+
+    /// Brings the session counters up to the scheduler's totals.
+    pub fn sync_sessions(&self, counts: kvroute_core::schedule::AffinityCounts, sessions: usize) {
+        let totals = [("new", counts.new), ("kept", counts.kept), ("moved", counts.moved)];
+        for (i, (affinity, total)) in totals.into_iter().enumerate() {
+            let seen = self.session_seen[i].swap(total, std::sync::atomic::Ordering::Relaxed);
+            let counter = self.session_requests.get_or_create(&AffinityLabels { affinity });
+            counter.inc_by(total.saturating_sub(seen));
+        }
+        self.sessions.set(sessions as i64);
     }
 
     pub fn rejected(&self, reason: &'static str) {

@@ -50,6 +50,10 @@ pub struct PlaceRequest<'a> {
     pub temperature: Option<f64>,
     /// Caches not to choose.
     pub exclude: &'a [WorkerWithDpRank],
+    /// Its LoRA adapter, if any (its hashes are salted with it already).
+    pub adapter: Option<&'a str>,
+    /// Its session (`prompt_cache_key` or `x-session-id`), if any.
+    pub session: Option<&'a str>,
 }
 
 /// The router's state, by concern; each part owns its locks.
@@ -174,6 +178,8 @@ impl RouterState {
         m.index_evicted.sync(stats.evicted_blocks);
         m.sync_zmq_refused();
         m.in_flight.set(self.in_flight() as i64);
+        let (affinity, sessions) = self.affinity();
+        m.sync_sessions(affinity, sessions);
         match self.nats.get() {
             Some(n) => {
                 m.nats_connected.set(i64::from(n.status.connected()));

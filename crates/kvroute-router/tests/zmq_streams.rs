@@ -162,6 +162,8 @@ async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
             overlap_weight: None,
             temperature: None,
             exclude: &[],
+            adapter: None,
+            session: None,
         };
         let (decision, _) = state.place(&placement).unwrap();
         assert_eq!(decision.worker, WorkerWithDpRank::new(9u64, 0u32));

@@ -61,6 +61,8 @@ pub enum StackError {
     Credentials(#[from] kvroute_http::auth::CredentialsError),
     #[error(transparent)]
     Tls(#[from] kvroute_http::server::TlsError),
+    #[error("adapters: {0}")]
+    Adapters(String),
 }
 
 /// Who may call what: the front door's API keys, the admin token of the router's API and of
@@ -89,6 +91,10 @@ pub struct Simulated {
     pub dialect: Dialect,
     /// A chat template of their own (Jinja text) instead of the model's.
     pub chat_template: Option<String>,
+    /// The LoRA adapters each serves from the start (name, path).
+    pub lora_modules: Vec<(String, Option<String>)>,
+    /// Each serves vLLM's dynamic adapter API.
+    pub lora_updating: bool,
 }
 
 impl Default for Simulated {
@@ -101,6 +107,8 @@ impl Default for Simulated {
             max_model_len: None,
             dialect: Dialect::VllmGenerate,
             chat_template: None,
+            lora_modules: Vec::new(),
+            lora_updating: false,
         }
     }
 }
@@ -123,6 +131,9 @@ pub struct StackConfig {
     pub access: Access,
     /// The front door's own settings (the bench asks for `expose_overlap`).
     pub front_door: FrontDoorOptions,
+    /// LoRA adapters the front door serves besides those the workers list (the simulated
+    /// workers' own are added).
+    pub adapters: Vec<String>,
 }
 
 impl Default for StackConfig {
@@ -136,6 +147,7 @@ impl Default for StackConfig {
             fetch: FetchConfig::default(),
             access: Access::default(),
             front_door: FrontDoorOptions::default(),
+            adapters: Vec::new(),
         }
     }
 }
@@ -180,6 +192,7 @@ impl Stack {
             fetch,
             access,
             front_door,
+            adapters,
         } = config;
         let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
         if let Some(why) = preprocessor.text_only_reason() {
@@ -205,6 +218,8 @@ impl Stack {
                 max_model_len: simulated.max_model_len,
                 dp_rank: 0,
                 fetch: fetch.clone(),
+                lora_modules: simulated.lora_modules.clone(),
+                runtime_lora_updating: simulated.lora_updating,
             };
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let spawned = kvroute_mocker::spawn(mocker, listener).await?;
@@ -245,14 +260,24 @@ impl Stack {
             )),
             (true, None, None) => unreachable!("no router URL means an embedded router"),
         };
-        let frontend = frontend.map(|f| {
-            let f =
-                f.guarded(access.api_keys.clone(), access.admin.clone()).with_options(front_door);
-            Arc::new(match simulated.max_model_len {
-                Some(n) => f.max_model_len(n),
-                None => f,
-            })
-        });
+        let mut adapters = adapters;
+        adapters.extend(simulated.lora_modules.iter().map(|(name, _)| name.clone()));
+        let frontend = match frontend {
+            Some(f) => {
+                let f = f
+                    .guarded(access.api_keys.clone(), access.admin.clone())
+                    .with_options(front_door);
+                let f = match simulated.max_model_len {
+                    Some(n) => f.max_model_len(n),
+                    None => f,
+                };
+                let f = f
+                    .with_adapters(adapters.iter().map(String::as_str))
+                    .map_err(|e| StackError::Adapters(e.to_string()))?;
+                Some(Arc::new(f))
+            }
+            None => None,
+        };
         let probes = frontend.as_ref().map(|f| Probes(f.spawn_probes()));
         Ok(Self {
             workers,

@@ -614,6 +614,7 @@ async fn a_worker_that_serves_without_events_is_flagged_silent() {
         dp_rank: 0,
         fetch: FetchConfig::default(),
         api_keys: kvroute_http::Credentials::default(),
+        ..Default::default()
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let quiet = kvroute_mocker::spawn(engine(kvroute_mocker::Endpoints::ephemeral()), listener)
@@ -671,6 +672,7 @@ async fn the_parity_probe_names_what_differs_at_join() {
             dp_rank: 0,
             fetch: FetchConfig::default(),
             api_keys: kvroute_http::Credentials::default(),
+            ..Default::default()
         }
     };
     let spawn = |config| async move {

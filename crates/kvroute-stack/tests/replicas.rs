@@ -97,6 +97,8 @@ fn place(state: &RouterState, id: &str, local: &[LocalBlockHash]) -> WorkerWithD
         overlap_weight: None,
         temperature: None,
         exclude: &[],
+        adapter: None,
+        session: None,
     };
     state.place(&p).unwrap().0.worker
 }
@@ -123,6 +125,8 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
         overlap_weight: None,
         temperature: None,
         exclude: &[],
+        adapter: None,
+        session: None,
     };
     let one_router = a.place(&untracked).unwrap().0.worker;
     let second = place(&b, "r2", &prefix);
@@ -287,6 +291,8 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
             overlap_weight: None,
             temperature: Some(0.0),
             exclude: &[],
+            adapter: None,
+            session: None,
         };
         let (x, y) = (relay.place(&p).unwrap().1, fresh.place(&p).unwrap().1);
         assert_eq!(x.scores, y.scores);

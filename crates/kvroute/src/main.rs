@@ -32,16 +32,16 @@ enum Command {
     Hash(cmd::hash::HashArgs),
     /// Standalone router: subscribes to the workers' KV events and answers
     /// POST /find_best_worker (plus /events, /debug/*, /workers, /metrics, /health).
-    Router(cmd::router::RouterArgs),
+    Router(Box<cmd::router::RouterArgs>),
     /// One simulated engine (no GPU): OpenAI API, vLLM-format KV events on ZMQ with replay,
     /// load reports; its cache and timing behave like vLLM's.
-    Mocker(cmd::mocker::MockerArgs),
+    Mocker(Box<cmd::mocker::MockerArgs>),
     /// The main job: an OpenAI-compatible front door, the router and (by default) 4 simulated
     /// workers in one process; `--worker` adds external workers instead.
-    Serve(cmd::serve::ServeArgs),
+    Serve(Box<cmd::serve::ServeArgs>),
     /// The OpenAI-compatible front door alone, routing through a `kvroute router` at
     /// --router-url (or an embedded router over --worker) to the workers' URLs.
-    Frontend(cmd::frontend::FrontendArgs),
+    Frontend(Box<cmd::frontend::FrontendArgs>),
     /// Benchmark: seeded workloads (shared-prefix, multi-turn, multimodal, random) played
     /// against a fresh simulated fleet per routing policy, or against --target; writes
     /// report.md, results.json and SVG plots.

@@ -189,6 +189,11 @@ impl ActiveSequences {
         }
     }
 
+    /// Whether `id` is in flight.
+    pub fn contains(&self, id: &str) -> bool {
+        self.requests.contains_key(id)
+    }
+
     pub fn len(&self) -> usize {
         self.requests.len()
     }

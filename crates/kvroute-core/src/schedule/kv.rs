@@ -11,7 +11,10 @@
 //! decode_i = decode_full_cache_tokens * active_blocks_i / kv_total_blocks_i
 //! wait_i   = memory_wait_tokens if active_blocks_i + the request's blocks not in flight there
 //!            exceed kv_total_blocks_i, else 0
-//! cost_i   = (ttft_i + evict_i + decode_i + wait_i) / prefill_tokens_per_s
+//! lora_i   = 0 with the request's adapter in a slot there (or none), adapter_load_tokens
+//!            to load it, + adapter_evict_tokens when that evicts another, or
+//!            adapter_wait_tokens when every slot runs another adapter's requests
+//! cost_i   = (ttft_i + evict_i + decode_i + wait_i + lora_i) / prefill_tokens_per_s
 //! ```
 //!
 //! - The in-flight prefix counts as cached: a request routed behind an identical one reuses
@@ -27,6 +30,9 @@
 //!   share nothing.
 //! - `wait_i`: a worker that cannot hold the request next to its running ones admits it only
 //!   when some finish, far longer than recomputing a prefix elsewhere.
+//! - `lora_i`: an adapter not in a slot holds up the step that loads it, so a request goes
+//!   where its adapter is unless the queue there costs more than a load: a hot adapter
+//!   spreads as its queue grows, a cold one stays where it is.
 //! - Every worker is priced at one prefill speed (a speed learned from first-token times
 //!   starved workers and was removed).
 //!
@@ -36,7 +42,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Candidate, Policy, RequestInfo};
+use super::{AdapterFit, Candidate, Policy, RequestInfo};
 
 /// The `kv` cost's weights; each one is a setting by its field name (`--kv-cost NAME=VALUE`,
 /// the config file's `[kv_cost]` table).
@@ -57,6 +63,13 @@ pub struct KvConfig {
     pub memory_wait_tokens: f64,
     /// Weight of the prompt tokens already queued at a worker (see the module notes).
     pub queue_weight: f64,
+    /// Loading a LoRA adapter not in a slot, in prefill tokens (100 ms at 20k tokens/s, the
+    /// simulated engine's default load).
+    pub adapter_load_tokens: f64,
+    /// What evicting another adapter costs besides (its likely reload), in prefill tokens.
+    pub adapter_evict_tokens: f64,
+    /// Waiting for a slot when every slot runs another adapter's requests, in prefill tokens.
+    pub adapter_wait_tokens: f64,
 }
 
 impl Default for KvConfig {
@@ -68,6 +81,9 @@ impl Default for KvConfig {
             decode_weight: 0.02,
             memory_wait_tokens: 20_000.0,
             queue_weight: 0.5,
+            adapter_load_tokens: 2_000.0,
+            adapter_evict_tokens: 1_000.0,
+            adapter_wait_tokens: 20_000.0,
         }
     }
 }
@@ -75,11 +91,41 @@ impl Default for KvConfig {
 #[derive(Clone, Copy, Debug)]
 pub struct KvPolicy {
     config: KvConfig,
+    /// Prices adapter loads (off: the adapter-blind baseline).
+    adapters: bool,
+    /// The policy's name (`kv`, or a baseline built on it).
+    name: &'static str,
 }
 
 impl KvPolicy {
     pub fn new(config: KvConfig) -> Self {
-        Self { config }
+        Self { config, adapters: true, name: "kv" }
+    }
+
+    /// The same cost under another policy's name (a baseline that differs elsewhere).
+    #[must_use]
+    pub fn named(mut self, name: &'static str) -> Self {
+        self.name = name;
+        self
+    }
+
+    /// The same cost with no price on adapter loads: a baseline.
+    #[must_use]
+    pub fn adapter_blind(mut self) -> Self {
+        self.adapters = false;
+        self.name = "kv-adapter-blind";
+        self
+    }
+
+    /// What running the request's adapter on a candidate adds, in prefill tokens.
+    fn adapter_tokens(&self, fit: AdapterFit) -> f64 {
+        let c = &self.config;
+        match (self.adapters, fit) {
+            (false, _) | (true, AdapterFit::Resident) => 0.0,
+            (true, AdapterFit::Load) => c.adapter_load_tokens,
+            (true, AdapterFit::LoadEvicting) => c.adapter_load_tokens + c.adapter_evict_tokens,
+            (true, AdapterFit::Wait) => c.adapter_wait_tokens,
+        }
     }
 
     /// Predicted cost (seconds) of each candidate, in order.
@@ -113,7 +159,8 @@ impl KvPolicy {
                     }
                     _ => 0.0,
                 };
-                (ttft + evict + decode + wait) / self.config.prefill_tokens_per_s.max(1.0)
+                let adapter = self.adapter_tokens(c.adapter);
+                (ttft + evict + decode + wait + adapter) / self.config.prefill_tokens_per_s.max(1.0)
             })
             .collect()
     }
@@ -121,7 +168,7 @@ impl KvPolicy {
 
 impl Policy for KvPolicy {
     fn name(&self) -> &'static str {
-        "kv"
+        self.name
     }
 
     fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Option<Vec<f64>> {

@@ -49,6 +49,8 @@ fn request<'a>(p: &'a Prompt, id: Option<&'a str>) -> RouteRequest<'a> {
         overlap_weight: None,
         temperature: None,
         exclude: &[],
+        adapter: None,
+        session: None,
     }
 }
 
@@ -679,4 +681,91 @@ fn recent_decisions_keep_the_chosen_and_the_cheapest_others() {
     let mut rr = scheduler(PolicyKind::RoundRobin, 3);
     rr.route(&request(&p, Some("x")), &overlaps, &UnknownTreeSizes, Instant::now());
     assert!(rr.recent_decisions()[0].candidates.iter().all(|c| c.cost.is_none()));
+}
+
+/// `kv` sends a request where its adapter is in a slot until the queue there costs more than
+/// loading it elsewhere (a hot adapter spreads); the adapter-blind baseline ignores slots, and
+/// llm-d's residency score takes the resident worker whatever its queue.
+#[test]
+fn kv_prices_adapter_loads_and_a_hot_adapter_spreads() {
+    let costs = |policy: &dyn Policy, queued: usize| {
+        let mut resident = candidate(0, 0);
+        resident.active.prefill_tokens = queued;
+        let mut elsewhere = candidate(1, 0);
+        elsewhere.adapter = AdapterFit::Load;
+        policy.costs(&info(256), &[resident, elsewhere]).unwrap()
+    };
+    let kv = kv::KvPolicy::new(kv::KvConfig::default());
+    let c = costs(&kv, 0);
+    let load_s = kv::KvConfig::default().adapter_load_tokens / 20_000.0;
+    assert!((c[1] - c[0] - load_s).abs() < 1e-9, "a load costs its time: {c:?}");
+    // Queued prefill counts at half weight: 4,000 queued tokens (2,000) tie with a load.
+    let c = costs(&kv, 6_000);
+    assert!(c[1] < c[0], "a long queue at the adapter's worker: load it elsewhere {c:?}");
+    let blind = kv::KvPolicy::new(kv::KvConfig::default()).adapter_blind();
+    let c = costs(&blind, 0);
+    assert_eq!(c[0], c[1], "blind to slots");
+    let c = costs(&adapters::LoraAffinity, 6_000);
+    assert!(c[0] < c[1], "residency alone, whatever the queue");
+    let fits = [AdapterFit::Resident, AdapterFit::Load, AdapterFit::LoadEvicting, AdapterFit::Wait];
+    let mut last = f64::NEG_INFINITY;
+    for fit in fits {
+        let mut c = candidate(0, 0);
+        c.adapter = fit;
+        let cost = kv.costs(&info(256), &[c])[0];
+        assert!(cost > last, "{fit:?} costs more than the fit before it");
+        last = cost;
+    }
+}
+
+/// Only workers that list the adapter are candidates; one routed request puts its adapter in
+/// a slot there (the next one for it goes there too) and frees it at its end.
+#[test]
+fn adapters_filter_and_follow_decisions() {
+    let p = prompt(&(0..64).collect::<Vec<_>>());
+    let mut s = scheduler(PolicyKind::Kv, 3);
+    s.adapters_mut().set_served(w(0), Some(BTreeSet::new()));
+    s.adapters_mut().report(w(1), Some(2), &[]);
+    s.adapters_mut().report(w(2), Some(2), &[]);
+    let ask = |id| RouteRequest { adapter: Some("sql"), ..request(&p, Some(id)) };
+    let t = Instant::now();
+    let first = s.route(&ask("a"), &OverlapScores::default(), &UnknownTreeSizes, t).unwrap();
+    assert_ne!(first.worker, w(0), "w0 does not serve it");
+    assert_eq!(s.adapters().fit(first.worker, Some("sql")), AdapterFit::Resident);
+    let other = RouteRequest { id: Some("b"), ..ask("b") };
+    let q = prompt(&(1000..1064).collect::<Vec<_>>());
+    let second = RouteRequest { local_hashes: &q.local, sequence_hashes: &q.seq, ..other };
+    let d = s.route(&second, &OverlapScores::default(), &UnknownTreeSizes, t).unwrap();
+    assert_eq!(d.worker, first.worker, "where the adapter is, though nothing else is shared");
+    assert!(s.free("a") && s.free("b"));
+    assert!(s.adapters().workers()[&first.worker].in_flight.is_empty());
+}
+
+/// A session stays on its worker unless another is cheaper by the margin; `sticky` never
+/// moves it; both count what they did.
+#[test]
+fn sessions_keep_their_worker_within_the_margin() {
+    let p = prompt(&(0..256).collect::<Vec<_>>());
+    let t = Instant::now();
+    for (policy, margin, moved) in [
+        (PolicyKind::Kv, 0.0, true),
+        (PolicyKind::Kv, 1.0, false),
+        (PolicyKind::Sticky, 0.0, false),
+    ] {
+        let sessions = SessionConfig { margin_s: margin, ..SessionConfig::default() };
+        let config = SchedulerConfig { policy, sessions, ..SchedulerConfig::default() };
+        let mut s = Scheduler::new(config);
+        s.add_worker(w(0));
+        s.add_worker(w(1));
+        let ask = |id| RouteRequest { session: Some("s"), ..request(&p, Some(id)) };
+        let first = s.route(&ask("a"), &OverlapScores::default(), &UnknownTreeSizes, t).unwrap();
+        // The other worker now holds the whole prompt: cheaper there by its prefill.
+        let other = if first.worker == w(0) { 1 } else { 0 };
+        let held = scores(&[(other, 16)]);
+        let next = s.route(&ask("b"), &held, &UnknownTreeSizes, t).unwrap();
+        assert_eq!(next.worker != first.worker, moved, "{policy} margin {margin}");
+        let (counts, remembered) = s.affinity();
+        assert_eq!((counts.new, counts.kept + counts.moved, remembered), (1, 1, 1));
+        assert_eq!(counts.moved == 1, moved);
+    }
 }

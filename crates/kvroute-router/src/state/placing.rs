@@ -34,6 +34,8 @@ impl RouterState {
             overlap_weight: p.overlap_weight,
             temperature: p.temperature,
             exclude: p.exclude,
+            adapter: p.adapter,
+            session: p.session,
         };
         let decision =
             lock(&self.placing.scheduler).route(&request, &scores, &self.index, start)?;
@@ -98,6 +100,8 @@ impl RouterState {
             overlap_weight: None,
             temperature: None,
             exclude: &[],
+            adapter: None,
+            session: None,
         };
         let mut scheduler = lock(&self.placing.scheduler);
         if let Some(mine) = scheduler.route(&request, &scores, &self.index, now) {
@@ -127,6 +131,36 @@ impl RouterState {
             lock(&self.placing.approx).set_capacity(worker, capacity);
         }
         self.update_rank(worker, |w, rank| w.load[rank] = Some(load));
+    }
+
+    /// The adapters a worker rank lists (`None`: not known, taken as any).
+    pub fn set_served_adapters(
+        &self,
+        worker: WorkerWithDpRank,
+        served: Option<std::collections::BTreeSet<String>>,
+    ) {
+        lock(&self.placing.scheduler).adapters_mut().set_served(worker, served);
+    }
+
+    /// A worker rank's adapters as it reports them (its slots, the adapters in them).
+    pub fn report_adapters(&self, worker: WorkerWithDpRank, report: &crate::load::AdapterReport) {
+        let names: Vec<&str> = report.in_slots.iter().map(String::as_str).collect();
+        lock(&self.placing.scheduler).adapters_mut().report(worker, report.max_loras, &names);
+    }
+
+    /// Each worker's adapters as the router knows them.
+    pub fn adapters(
+        &self,
+    ) -> std::collections::BTreeMap<
+        WorkerWithDpRank,
+        kvroute_core::schedule::adapters::WorkerAdapters,
+    > {
+        lock(&self.placing.scheduler).adapters().workers().clone()
+    }
+
+    /// What session affinity did so far, and how many sessions are remembered.
+    pub fn affinity(&self) -> (kvroute_core::schedule::AffinityCounts, usize) {
+        lock(&self.placing.scheduler).affinity()
     }
 
     /// The scheduler's last decisions of tracked requests, oldest first.

@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use kvroute_core::BlockSize;
 use kvroute_core::index::{ApproxConfig, IndexConfig};
-use kvroute_core::schedule::SchedulerConfig;
 use kvroute_core::schedule::kv::KvConfig;
+use kvroute_core::schedule::{SchedulerConfig, SessionConfig};
 use kvroute_frontend::FrontDoorOptions;
 use kvroute_http::{Credentials, ServeOptions};
+use kvroute_mocker::lora::LoraConfig;
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::RouterConfig;
@@ -53,6 +54,7 @@ impl Settings {
                 first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
                 cache_namespace_per_key: Some(front_door.namespace_per_key),
                 parity_probe: Some(front_door.parity_probe),
+                adapters: Vec::new(),
             },
             blocks: Blocks { block_size: Some(BlockSize::default().get()) },
             simulated: SimulatedFleet {
@@ -71,6 +73,9 @@ impl Settings {
                 approx_ttl: Some(router.approx.ttl.as_secs_f64()),
                 ready_timeout: Some(DEFAULT_READY_TIMEOUT_SECS),
                 zmq_max_message_bytes: Some(router.zmq_max_message_bytes),
+                session_ttl: Some(scheduler.sessions.ttl.as_secs_f64()),
+                session_margin: Some(scheduler.sessions.margin_s),
+                max_sessions: Some(scheduler.sessions.capacity),
             },
             nats: Nats {
                 nats_prefix: Some(kvroute_router::nats::DEFAULT_PREFIX.to_owned()),
@@ -94,6 +99,13 @@ impl Settings {
                 seed: Some(Simulated::default().seed),
                 max_model_len: None,
                 chat_template: None,
+                lora_modules: Vec::new(),
+                max_loras: Some(engine.lora.max_loras),
+                max_cpu_loras: Some(engine.lora.max_cpu_loras),
+                lora_load_ms: Some(engine.lora.load.as_secs_f64() * 1e3),
+                lora_swap_ms: Some(engine.lora.swap.as_secs_f64() * 1e3),
+                lora_step_ms: Some(engine.lora.step_cost.as_secs_f64() * 1e3),
+                lora_updating: Some(false),
             },
             ..Settings::default()
         }
@@ -266,6 +278,19 @@ impl Settings {
         s.temperature = r.temperature.unwrap_or(s.temperature);
         s.overlap_weight = r.overlap_weight.unwrap_or(s.overlap_weight);
         s.kv = kv_config(&r.kv_cost)?;
+        let sd = s.sessions;
+        s.sessions = SessionConfig {
+            ttl: match r.session_ttl {
+                Some(t) => secs(t, "session_ttl")?,
+                None => sd.ttl,
+            },
+            margin_s: match r.session_margin {
+                Some(m) if m.is_finite() && m >= 0.0 => m,
+                Some(_) => return Err(Invalid::Negative("session_margin").into()),
+                None => sd.margin_s,
+            },
+            capacity: r.max_sessions.unwrap_or(sd.capacity),
+        };
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
             return Err(Invalid::Temperature.into());
         }
@@ -334,6 +359,7 @@ impl Settings {
             max_num_seqs: e.max_num_seqs.unwrap_or(d.max_num_seqs),
             max_batched_tokens: e.max_batched_tokens.unwrap_or(d.max_batched_tokens),
             timing: Timing { speedup: e.speedup.unwrap_or(d.timing.speedup) },
+            lora: self.lora_config()?,
         };
         let speedup = engine.timing.speedup;
         if !(speedup.is_finite() && speedup > 0.0) {
@@ -343,6 +369,39 @@ impl Settings {
             return Err(Invalid::EngineZero.into());
         }
         Ok(engine)
+    }
+
+    /// A simulated engine's adapter settings, each over its default.
+    fn lora_config(&self) -> Result<LoraConfig, StackError> {
+        let (e, d) = (&self.engine, LoraConfig::default());
+        let ms = |v: Option<f64>, default: Duration| match v {
+            Some(ms) if ms.is_finite() && ms >= 0.0 => Ok(Duration::from_secs_f64(ms / 1e3)),
+            Some(_) => Err(StackError::from(Invalid::LoraTime)),
+            None => Ok(default),
+        };
+        let max_loras = e.max_loras.unwrap_or(d.max_loras);
+        if max_loras == 0 {
+            return Err(Invalid::EngineZero.into());
+        }
+        Ok(LoraConfig {
+            max_loras,
+            max_cpu_loras: e.max_cpu_loras.unwrap_or(max_loras.max(d.max_cpu_loras)).max(max_loras),
+            load: ms(e.lora_load_ms, d.load)?,
+            swap: ms(e.lora_swap_ms, d.swap)?,
+            step_cost: ms(e.lora_step_ms, d.step_cost)?,
+        })
+    }
+
+    /// The adapters a simulated engine serves from the start (`--lora-modules NAME[=PATH]`).
+    pub fn lora_modules(&self) -> Vec<(String, Option<String>)> {
+        self.engine
+            .lora_modules
+            .iter()
+            .map(|m| match m.split_once('=') {
+                Some((name, path)) => (name.trim().to_owned(), Some(path.trim().to_owned())),
+                None => (m.trim().to_owned(), None),
+            })
+            .collect()
     }
 
     /// The front door's own settings, each over its default.
@@ -400,6 +459,8 @@ impl Settings {
                 max_model_len: self.engine.max_model_len,
                 dialect: self.simulated.simulated_dialect.unwrap_or(Simulated::default().dialect),
                 chat_template: self.chat_template()?,
+                lora_modules: self.lora_modules(),
+                lora_updating: self.engine.lora_updating.unwrap_or(false),
             },
             router: self.router_config()?,
             router_url: self.remote.router_url.clone(),
@@ -408,6 +469,7 @@ impl Settings {
             fetch: self.fetch_config(),
             access: self.access()?,
             front_door: self.front_door()?,
+            adapters: self.front_door.adapters.clone(),
         })
     }
 }

@@ -101,6 +101,12 @@ pub struct FrontDoor {
     /// parity_probe = false.
     #[arg(long = "no-parity-probe", num_args = 0, default_missing_value = "true", value_parser = negated())]
     pub parity_probe: Option<bool>,
+    /// LoRA adapters the fleet serves over the base model, as a request's "model"; repeat or
+    /// separate with ','. Those the workers list in /v1/models are served too (read every
+    /// 10 s); any other model is a 404 model_not_found.
+    #[arg(long, value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
 }
 
 /// Tokens per KV block, for the router and the simulated engines alike.
@@ -186,6 +192,17 @@ pub struct Routing {
     /// default is one engine step's batch with a wide margin.
     #[arg(long)]
     pub zmq_max_message_bytes: Option<usize>,
+    /// Seconds a session (a request's prompt_cache_key, or its x-session-id header) stays on
+    /// the worker of its last request.
+    #[arg(long)]
+    pub session_ttl: Option<f64>,
+    /// Seconds of predicted time to first token by which another worker must beat a session's
+    /// worker to take the session.
+    #[arg(long)]
+    pub session_margin: Option<f64>,
+    /// Sessions remembered at most; past it the least recently seen is forgotten.
+    #[arg(long)]
+    pub max_sessions: Option<usize>,
 }
 
 /// A front door's remote router (`kvroute frontend`).
@@ -299,4 +316,28 @@ pub struct Engine {
     /// (the openai-chat dialect then drifts; vllm-generate, which sends token ids, does not).
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
+    /// LoRA adapters served, as vLLM's --lora-modules: NAME or NAME=PATH (the path is only
+    /// listed in /v1/models); repeat or separate with ','. Example: --lora-modules sql=/loras/sql,chat
+    #[arg(long, value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lora_modules: Vec<String>,
+    /// Distinct LoRA adapters one batch may use (vLLM's --max-loras): the GPU slots.
+    #[arg(long)]
+    pub max_loras: Option<usize>,
+    /// LoRA adapters kept in host memory (vLLM's --max-cpu-loras; at least --max-loras).
+    #[arg(long)]
+    pub max_cpu_loras: Option<usize>,
+    /// Milliseconds to read an adapter from storage into a slot (docs/mocker.md, "Adapters").
+    #[arg(long)]
+    pub lora_load_ms: Option<f64>,
+    /// Milliseconds to copy an adapter from host memory into a slot.
+    #[arg(long)]
+    pub lora_swap_ms: Option<f64>,
+    /// Milliseconds each distinct adapter in a batch adds to its step.
+    #[arg(long)]
+    pub lora_step_ms: Option<f64>,
+    /// Serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    /// VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub lora_updating: Option<bool>,
 }

@@ -69,6 +69,8 @@ pub enum Invalid {
     TlsPair,
     #[error("{0} must be at least 1")]
     AtLeastOne(&'static str),
+    #[error("{0} must be a finite number >= 0")]
+    Negative(&'static str),
     #[error("block_size: {0}")]
     BlockSize(#[source] kvroute_core::Error),
     #[error("temperature must be >= 0")]
@@ -77,8 +79,10 @@ pub enum Invalid {
     NatsEventsWithoutUrl,
     #[error("speedup must be > 0")]
     Speedup,
-    #[error("num_blocks, max_num_seqs and max_batched_tokens must be > 0")]
+    #[error("num_blocks, max_num_seqs, max_batched_tokens and max_loras must be > 0")]
     EngineZero,
+    #[error("lora_load_ms, lora_swap_ms and lora_step_ms must be finite and >= 0")]
+    LoraTime,
     #[error("reading {}: {source}", path.display())]
     ReadSecret { path: PathBuf, source: std::io::Error },
     #[error("reading the chat template {}: {source}", path.display())]

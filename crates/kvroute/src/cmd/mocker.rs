@@ -62,6 +62,8 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         dp_rank: 0,
         fetch: settings.fetch_config(),
         api_keys: kvroute_http::Credentials::new(&args.api_keys, "--api-key")?,
+        lora_modules: settings.lora_modules(),
+        runtime_lora_updating: settings.engine.lora_updating.unwrap_or(false),
     };
     let options = settings.serve_options()?;
     super::runtime()?.block_on(async move {

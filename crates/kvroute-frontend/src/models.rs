@@ -1,0 +1,71 @@
+//! The models the fleet serves: the base model, the adapters the settings name, and those
+//! the workers list in their `GET /v1/models` (vLLM lists each adapter with its base model
+//! as `parent`). Each worker's list is read at the first health tick and every
+//! [`MODELS_EVERY`] ticks after; what it lists becomes the router's knowledge of which
+//! adapters it serves, and the fleet's catalog is the settings' adapters and every listed one.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use kvroute_core::WorkerId;
+use kvroute_http::openai::ModelList;
+
+use crate::{FrontendState, PROBE_TIMEOUT};
+
+/// Health ticks between two readings of the workers' model lists.
+pub(crate) const MODELS_EVERY: u64 = 10;
+
+impl FrontendState {
+    /// Reads every worker's model list; a worker that does not answer keeps what it listed
+    /// last (unknown at first: taken to serve any adapter).
+    pub async fn discover_models(self: &Arc<Self>) {
+        let reads = self.urls.iter().map(|(&worker, base)| {
+            let state = Arc::clone(self);
+            let url = format!("{base}/v1/models");
+            async move { (worker, state.adapters_listed(&url).await) }
+        });
+        let listed = futures_util::future::join_all(reads).await;
+        let Some(router) = self.placer.router() else { return };
+        for (worker, adapters) in listed {
+            let Some(adapters) = adapters else { continue };
+            for rank in self.all_ranks(worker) {
+                router.set_served_adapters(rank, Some(adapters.clone()));
+            }
+            if let Ok(mut known) = self.listed.lock() {
+                known.insert(worker, adapters);
+            }
+        }
+        self.refresh_catalog();
+    }
+
+    /// The adapters one worker lists over the base model; `None` when it did not answer.
+    async fn adapters_listed(&self, url: &str) -> Option<BTreeSet<String>> {
+        let read = tokio::time::timeout(PROBE_TIMEOUT, self.client.get_json::<ModelList>(url));
+        let list = read.await.ok()?.ok()?;
+        Some(list.adapters_of(self.models.base()).into_iter().collect())
+    }
+
+    /// The catalog: the configured adapters and every one a worker lists now.
+    fn refresh_catalog(&self) {
+        let Ok(listed) = self.listed.lock() else { return };
+        let now: BTreeSet<&String> =
+            listed.values().flatten().chain(self.configured_adapters.iter()).collect();
+        for name in self.models.adapters() {
+            if !now.contains(&name) {
+                self.models.remove(&name);
+            }
+        }
+        for name in now {
+            if let Err(e) = self.models.insert(name, None) {
+                tracing::debug!(adapter = %name, error = %e, "adapter not listed");
+            }
+        }
+    }
+
+    /// Forgets what a worker listed (it left, or restarted).
+    pub(crate) fn forget_models(&self, worker: WorkerId) {
+        if let Ok(mut listed) = self.listed.lock() {
+            listed.remove(&worker);
+        }
+    }
+}
