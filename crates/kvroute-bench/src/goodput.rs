@@ -101,7 +101,9 @@ pub enum Load {
 impl Load {
     pub fn of(kind: crate::workload::WorkloadKind) -> Self {
         match kind {
-            crate::workload::WorkloadKind::MultiTurn => Self::Users,
+            crate::workload::WorkloadKind::MultiTurn | crate::workload::WorkloadKind::Sessions => {
+                Self::Users
+            }
             _ => Self::Rate,
         }
     }

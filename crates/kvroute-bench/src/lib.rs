@@ -183,6 +183,27 @@ pub struct BenchArgs {
     #[arg(long, env = "KVROUTE_BENCH_RANDOM_RATE", default_value_t = 12.0)]
     pub random_rate: f64,
 
+    /// multi-lora: distinct adapters (named lora-00, lora-01, ... by popularity); every
+    /// engine serves them all.
+    #[arg(long, env = "KVROUTE_BENCH_ADAPTERS", default_value_t = 32)]
+    pub adapters: usize,
+    /// multi-lora: Zipf exponent of adapter popularity.
+    #[arg(long, env = "KVROUTE_BENCH_ADAPTER_ZIPF", default_value_t = 1.1)]
+    pub adapter_zipf: f64,
+    /// multi-lora: requests.
+    #[arg(long, env = "KVROUTE_BENCH_LORA_REQUESTS", default_value_t = 480)]
+    pub lora_requests: usize,
+    /// multi-lora: tokens of each adapter's own system prompt.
+    #[arg(long, env = "KVROUTE_BENCH_LORA_SYSTEM_TOKENS", default_value_t = 1024)]
+    pub lora_system_tokens: usize,
+    /// multi-lora: arrival rate, requests/s.
+    #[arg(long, env = "KVROUTE_BENCH_MULTI_LORA_RATE", default_value_t = 12.0)]
+    pub multi_lora_rate: f64,
+    /// multi-lora: distinct adapters one engine's batch may use (its GPU slots, vLLM's
+    /// --max-loras).
+    #[arg(long, env = "KVROUTE_BENCH_MAX_LORAS", default_value_t = 4)]
+    pub max_loras: usize,
+
     /// trace: the trace replayed (Mooncake format: timestamp ms, input_length, output_length,
     /// hash_ids of 512-token blocks); default: the repository's
     /// traces/mooncake_conversation_trace.jsonl.
@@ -257,6 +278,8 @@ impl BenchArgs {
             model_path: self.model_path.clone(),
             dialect: self.dialects.first().copied().unwrap_or_default(),
             engine_chat_template: self.engine_chat_template.clone(),
+            adapters: Vec::new(),
+            max_loras: self.max_loras,
         }
     }
 
@@ -284,7 +307,8 @@ impl BenchArgs {
     pub fn default_rate(&self, kind: WorkloadKind, preprocessor: &Preprocessor) -> f64 {
         match kind {
             WorkloadKind::SharedPrefix => self.shared_prefix_rate,
-            WorkloadKind::MultiTurn => self.multi_turn_rate,
+            WorkloadKind::MultiTurn | WorkloadKind::Sessions => self.multi_turn_rate,
+            WorkloadKind::MultiLora => self.multi_lora_rate,
             WorkloadKind::Multimodal => self.multimodal_rate,
             WorkloadKind::Random => self.random_rate,
             WorkloadKind::Trace => match self.workload(kind, None, preprocessor) {
@@ -356,7 +380,7 @@ impl BenchArgs {
             self.replicas == 1 || self.target.is_none(),
             "--replicas starts its own fleet: leave out --target"
         );
-        let chats = [WorkloadKind::MultiTurn, WorkloadKind::Multimodal];
+        let chats = [WorkloadKind::MultiTurn, WorkloadKind::Sessions, WorkloadKind::Multimodal];
         anyhow::ensure!(
             self.target_api == run::TargetApi::Openai
                 || !self.workloads.iter().any(|w| chats.contains(w)),
@@ -370,6 +394,19 @@ impl BenchArgs {
             );
         }
         Ok(())
+    }
+
+    /// The multi-turn schedule at `rate` (users/s; its default when `None`).
+    fn multi_turn(&self, rate: Option<f64>) -> MultiTurn {
+        MultiTurn {
+            users: self.users,
+            rounds: self.rounds,
+            context_tokens: self.context_tokens,
+            turn_tokens: self.turn_tokens,
+            output_tokens: self.output_tokens,
+            rate: rate.unwrap_or(self.multi_turn_rate),
+            think_time: self.think_time,
+        }
     }
 
     /// The workload `kind` at `rate` (its default when `None`).
@@ -391,16 +428,22 @@ impl BenchArgs {
                 rate: rate.unwrap_or(self.shared_prefix_rate),
             }
             .generate(self.seed, bs, self.warmup),
-            WorkloadKind::MultiTurn => MultiTurn {
-                users: self.users,
-                rounds: self.rounds,
-                context_tokens: self.context_tokens,
-                turn_tokens: self.turn_tokens,
-                output_tokens: o,
-                rate: rate.unwrap_or(self.multi_turn_rate),
-                think_time: self.think_time,
+            WorkloadKind::MultiTurn => self
+                .multi_turn(rate)
+                .generate(self.seed, self.warmup, preprocessor)?,
+            WorkloadKind::Sessions => {
+                workload::sessions(&self.multi_turn(rate), self.seed, self.warmup, preprocessor)?
             }
-            .generate(self.seed, self.warmup, preprocessor)?,
+            WorkloadKind::MultiLora => workload::MultiLora {
+                adapters: self.adapters,
+                zipf: self.adapter_zipf,
+                requests: self.lora_requests,
+                system_tokens: self.lora_system_tokens,
+                question_tokens: self.question_tokens,
+                output_tokens: o,
+                rate: rate.unwrap_or(self.multi_lora_rate),
+            }
+            .generate(self.seed, bs, self.warmup)?,
             WorkloadKind::Multimodal => Multimodal {
                 requests: self.mm_requests,
                 images: self.images,

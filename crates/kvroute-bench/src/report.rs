@@ -112,10 +112,76 @@ pub fn check_targets(results: &[WorkloadResult]) -> Vec<TargetCheck> {
                     });
                 }
             }
+            WorkloadKind::MultiLora => adapter_targets(&mut out, &name, r),
+            WorkloadKind::Sessions => session_targets(&mut out, &name, r, results),
             WorkloadKind::Random | WorkloadKind::Trace => {}
         }
     }
     out
+}
+
+/// multi-lora: kv with residency against the adapter-blind kv and residency alone; hot
+/// adapters on more engines than cold ones.
+fn adapter_targets(out: &mut Vec<TargetCheck>, name: &str, r: &WorkloadResult) {
+    let Some(kv) = find(r, "kv") else { return };
+    for other in ["kv-adapter-blind", "lora-affinity", "round-robin"] {
+        let Some(o) = find(r, other) else { continue };
+        if let (Some(k), Some(b)) = (kv.ttft_ms.p99, o.ttft_ms.p99) {
+            out.push(TargetCheck {
+                target: format!("{name}: kv TTFT p99 below {other}'s"),
+                measured: format!("{k:.1} ms vs {b:.1} ms = {:.2}x", b / k),
+                met: k < b,
+            });
+        }
+    }
+    let (hot, cold) = hot_and_cold(&kv.engines_per_adapter);
+    if let (Some(hot), Some(cold)) = (hot, cold) {
+        out.push(TargetCheck {
+            target: format!(
+                "{name}: kv spreads the hottest adapter over more engines than the cold half's mean"
+            ),
+            measured: format!("{hot} engines vs {cold:.2}"),
+            met: hot as f64 > cold,
+        });
+    }
+}
+
+/// The hottest adapter's engines, and the mean engines of the less popular half.
+fn hot_and_cold(per: &[(String, usize, usize)]) -> (Option<usize>, Option<f64>) {
+    let hot = per.first().map(|(_, _, e)| *e);
+    let cold = &per[per.len() / 2..];
+    let mean = (!cold.is_empty())
+        .then(|| cold.iter().map(|(_, _, e)| *e as f64).sum::<f64>() / cold.len() as f64);
+    (hot, mean)
+}
+
+/// sessions: kv with sessions keeps at least `sticky`'s hit rate, and no worse a tail than kv
+/// on the same schedule without sessions (multi-turn at the same rate, if it ran).
+fn session_targets(
+    out: &mut Vec<TargetCheck>,
+    name: &str,
+    r: &WorkloadResult,
+    all: &[WorkloadResult],
+) {
+    let Some(kv) = find(r, "kv") else { return };
+    if let (Some(sticky), Some(h)) = (find(r, "sticky").and_then(|s| s.hit_rate), kv.hit_rate) {
+        out.push(TargetCheck {
+            target: format!("{name}: kv with sessions hit rate >= sticky's"),
+            measured: format!("{h:.3} vs {sticky:.3}"),
+            met: h >= sticky,
+        });
+    }
+    let plain = all
+        .iter()
+        .filter(|o| o.workload.kind == WorkloadKind::MultiTurn && o.rate == r.rate)
+        .find_map(|o| find(o, "kv"));
+    if let (Some(p), Some(k)) = (plain.and_then(|p| p.ttft_ms.p99), kv.ttft_ms.p99) {
+        out.push(TargetCheck {
+            target: format!("{name}: kv TTFT p99 with sessions no worse than without (multi-turn)"),
+            measured: format!("{k:.1} ms vs {p:.1} ms"),
+            met: k <= p,
+        });
+    }
 }
 
 fn ms(v: Option<f64>) -> String {
@@ -301,6 +367,7 @@ fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyho
         );
     }
     let _ = writeln!(md);
+    write_adapters(md, result);
     if let Some(rr) = find(result, "round-robin") {
         let _ = writeln!(
             md,
@@ -330,6 +397,47 @@ fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyho
         let _ = writeln!(md, "![{title}]({file})\n");
     }
     Ok(())
+}
+
+/// multi-lora: adapter loads per request and how many engines served each adapter, the most
+/// popular first.
+fn write_adapters(md: &mut String, result: &WorkloadResult) {
+    if result.runs.iter().all(|(_, s)| s.engines_per_adapter.is_empty()) {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "Adapters: loads into a slot per request (the engines' counters), and the engines that served each adapter, by popularity (requests in brackets):
+"
+    );
+    let _ = writeln!(
+        md,
+        "| policy | loads / request | #1 | #2 | #3 | #4 | #5-8 (mean) | less popular half (mean) |
+|---|---|---|---|---|---|---|---|"
+    );
+    for (_, s) in &result.runs {
+        let per = &s.engines_per_adapter;
+        let at = |k: usize| per.get(k).map_or("-".into(), |(_, n, e)| format!("{e} ({n})"));
+        let mean = |xs: &[(String, usize, usize)]| match xs.len() {
+            0 => "-".into(),
+            n => format!("{:.2}", xs.iter().map(|(_, _, e)| *e as f64).sum::<f64>() / n as f64),
+        };
+        let mid = &per[per.len().min(4)..per.len().min(8)];
+        let (_, cold) = hot_and_cold(per);
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            s.label,
+            s.adapter_loads_per_request.map_or("-".into(), |l| format!("{l:.3}")),
+            at(0),
+            at(1),
+            at(2),
+            at(3),
+            mean(mid),
+            cold.map_or("-".into(), |c| format!("{c:.2}")),
+        );
+    }
+    let _ = writeln!(md);
 }
 
 /// The goodput search's report (`--slo-ttft-p99`): the goodput table first, then every probe;

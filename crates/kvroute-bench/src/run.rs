@@ -43,6 +43,10 @@ pub struct FleetConfig {
     pub dialect: Dialect,
     /// A chat template of the engines' own (a Jinja file), unlike the front door's.
     pub engine_chat_template: Option<PathBuf>,
+    /// The LoRA adapters every engine serves (the workload's).
+    pub adapters: Vec<String>,
+    /// Distinct adapters one engine's batch may use (its GPU slots).
+    pub max_loras: usize,
 }
 
 impl Default for FleetConfig {
@@ -57,6 +61,8 @@ impl Default for FleetConfig {
             model_path: None,
             dialect: Simulated::default().dialect,
             engine_chat_template: None,
+            adapters: Vec::new(),
+            max_loras: kvroute_mocker::lora::LoraConfig::default().max_loras,
         }
     }
 }
@@ -133,6 +139,8 @@ pub struct RequestRecord {
     pub predicted_tokens: Option<u64>,
     /// `x-kvroute-worker`, when the endpoint says.
     pub worker: Option<String>,
+    /// The adapter it asked for.
+    pub adapter: Option<String>,
     /// Prompt tokens as the harness derived them (the preprocessor of the engines).
     pub prompt_len: usize,
     /// Sequence hashes of the prompt's full blocks ...
@@ -161,6 +169,24 @@ pub struct WorkerStats {
     pub cached_tokens: u64,
     pub evicted_blocks: u64,
     pub preemptions: u64,
+    /// The engine's adapter counters (its `/stats` `lora`).
+    pub lora: LoraView,
+}
+
+/// What the harness reads of an engine's adapters.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize)]
+#[serde(default)]
+pub struct LoraView {
+    pub stats: LoraCounts,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize)]
+#[serde(default)]
+pub struct LoraCounts {
+    /// Adapters read from storage into a slot.
+    pub loads: u64,
+    /// Adapters copied from host memory into a slot.
+    pub swaps: u64,
 }
 
 /// Every worker's stats at one moment.
@@ -222,7 +248,8 @@ pub fn run(
     let result = runtime.block_on(async {
         match target {
             Target::Fleet { policy, events, replicas, dialect } => {
-                let fleet = FleetConfig { dialect: *dialect, ..fleet.clone() };
+                let adapters = workload.adapters.clone();
+                let fleet = FleetConfig { dialect: *dialect, adapters, ..fleet.clone() };
                 let (urls, stats) =
                     start_fleet(&fleet, *policy, *events, replicas.as_ref()).await?;
                 let driver = Driver::new(urls, None, preprocessor, bs, &stats);
@@ -280,8 +307,14 @@ pub async fn start_fleet(
                 max_num_seqs: fleet.max_num_seqs,
                 max_batched_tokens: fleet.max_batched_tokens,
                 timing: Timing { speedup: fleet.speedup },
+                lora: kvroute_mocker::lora::LoraConfig {
+                    max_loras: fleet.max_loras,
+                    max_cpu_loras: fleet.max_loras,
+                    ..kvroute_mocker::lora::LoraConfig::default()
+                },
                 ..EngineConfig::default()
             },
+            lora_modules: fleet.adapters.iter().map(|a| (a.clone(), None)).collect(),
             events,
             seed: 0,
             max_model_len: None,
@@ -566,8 +599,11 @@ fn request_body(
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
     body["ignore_eos"] = json!(true);
-    if let Some(model) = model {
+    if let Some(model) = request.adapter.as_deref().or(model) {
         body["model"] = json!(model);
+    }
+    if let Some(session) = &request.session {
+        body["prompt_cache_key"] = json!(session.as_ref());
     }
     (path, body)
 }
@@ -597,7 +633,7 @@ fn prompt_of(driver: &Driver, request: &BenchRequest, body: &Value) -> (Arc<Vec<
         .prepare_chat(&messages, true, Vec::new())
         .map(|p| p.tokens)
         .unwrap_or_default();
-    let blocks = token_blocks(&tokens, driver.block_size);
+    let blocks = token_blocks(&tokens, driver.block_size, request.adapter.as_deref());
     (Arc::new(tokens), blocks)
 }
 
@@ -613,6 +649,7 @@ async fn send(
     let mut record = RequestRecord {
         sent_at: micros(start.saturating_duration_since(driver.t0)) / 1e6,
         prompt_len: prompt_ids.len(),
+        adapter: request.adapter.as_deref().map(str::to_owned),
         ..RequestRecord::default()
     };
     // Round-robin over the front doors; one that refuses the connection is skipped, as a
@@ -643,7 +680,8 @@ async fn send(
         None => {
             let answer = driver.preprocessor.encode(&record.answer).unwrap_or_default();
             let kept = answer.len().min(record.output_tokens).saturating_sub(1);
-            extended_blocks(&prompt_blocks, &prompt_ids, &answer[..kept], driver.block_size)
+            let (bs, lora) = (driver.block_size, request.adapter.as_deref());
+            extended_blocks(&prompt_blocks, &prompt_ids, &answer[..kept], bs, lora)
         }
     };
     record.prompt_blocks = prompt_blocks;
@@ -776,6 +814,8 @@ mod tests {
     #[test]
     fn chains_follow_previous_requests() {
         let mk = |start| BenchRequest {
+            adapter: None,
+            session: None,
             start,
             prompt: Prompt::Tokens(vec![1]),
             max_tokens: 1,

@@ -62,6 +62,25 @@ pub struct Summary {
     pub load_cv: Option<f64>,
     pub evicted_blocks: u64,
     pub preemptions: u64,
+    /// Adapter loads and swaps into a slot over the run, per answered request (requests for
+    /// an adapter only; `None` when none asked for one).
+    pub adapter_loads_per_request: Option<f64>,
+    /// Per adapter (by name, which is its popularity rank): its requests and the engines
+    /// that served them.
+    pub engines_per_adapter: Vec<(String, usize, usize)>,
+}
+
+/// Per adapter, its answered requests and the distinct workers that served them.
+fn engines_per_adapter(records: &[&crate::run::RequestRecord]) -> Vec<(String, usize, usize)> {
+    let mut per: std::collections::BTreeMap<&str, (usize, std::collections::BTreeSet<&str>)> =
+        std::collections::BTreeMap::new();
+    for r in records {
+        let Some(adapter) = r.adapter.as_deref() else { continue };
+        let entry = per.entry(adapter).or_default();
+        entry.0 += 1;
+        entry.1.extend(r.worker.as_deref());
+    }
+    per.into_iter().map(|(a, (n, workers))| (a.to_owned(), n, workers.len())).collect()
 }
 
 fn delta(end: &[WorkerStats], start: &[WorkerStats], f: impl Fn(&WorkerStats) -> u64) -> Vec<u64> {
@@ -171,5 +190,12 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
         worker_requests,
         evicted_blocks: delta(&run.stats_end, &run.stats_start, |s| s.evicted_blocks).iter().sum(),
         preemptions: delta(&run.stats_end, &run.stats_start, |s| s.preemptions).iter().sum(),
+        adapter_loads_per_request: {
+            let asked = ok.iter().filter(|r| r.adapter.is_some()).count();
+            let loads = |s: &crate::run::WorkerStats| s.lora.stats.loads + s.lora.stats.swaps;
+            let loads: u64 = delta(&run.stats_end, &run.stats_start, loads).iter().sum();
+            ratio(loads as f64, asked as f64).filter(|_| have_stats)
+        },
+        engines_per_adapter: engines_per_adapter(&ok),
     }
 }

@@ -39,11 +39,22 @@ pub enum WorkloadKind {
     Random,
     /// A recorded trace replayed ([`TraceReplay`]).
     Trace,
+    /// Requests for many LoRA adapters of Zipf popularity ([`MultiLora`]).
+    MultiLora,
+    /// `multi-turn` with each user's requests tagged as a session (`prompt_cache_key`).
+    Sessions,
 }
 
 impl WorkloadKind {
-    pub const ALL: [Self; 5] =
-        [Self::SharedPrefix, Self::MultiTurn, Self::Multimodal, Self::Random, Self::Trace];
+    pub const ALL: [Self; 7] = [
+        Self::SharedPrefix,
+        Self::MultiTurn,
+        Self::Multimodal,
+        Self::Random,
+        Self::Trace,
+        Self::MultiLora,
+        Self::Sessions,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -52,6 +63,8 @@ impl WorkloadKind {
             Self::Multimodal => "multimodal",
             Self::Random => "random",
             Self::Trace => "trace",
+            Self::MultiLora => "multi-lora",
+            Self::Sessions => "sessions",
         }
     }
 }
@@ -67,7 +80,9 @@ impl std::str::FromStr for WorkloadKind {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
-            format!("unknown workload {s:?} (shared-prefix, multi-turn, multimodal, random, trace)")
+            format!(
+                "unknown workload {s:?} (shared-prefix, multi-turn, multimodal, random, trace, multi-lora, sessions)"
+            )
         })
     }
 }
@@ -112,6 +127,10 @@ pub struct BenchRequest {
     pub group: usize,
     /// Left out of the latency figures (the start of the schedule, or a user's first rounds).
     pub warmup: bool,
+    /// The LoRA adapter it asks for (its `model`; its blocks are salted with it).
+    pub adapter: Option<Arc<str>>,
+    /// The session it belongs to (sent as `prompt_cache_key`).
+    pub session: Option<Arc<str>>,
 }
 
 #[derive(Clone, Debug)]
@@ -120,6 +139,8 @@ pub struct Workload {
     /// Human-readable parameters, printed in the report.
     pub params: Vec<(String, String)>,
     pub requests: Vec<BenchRequest>,
+    /// The adapters its requests ask for, in popularity order (the fleet serves them all).
+    pub adapters: Vec<String>,
 }
 
 impl Workload {
@@ -151,7 +172,7 @@ impl Workload {
                 seen.ends_with(&ids),
                 "--text-prompts: a prompt's words do not tokenize back to themselves"
             );
-            request.blocks = token_blocks(&seen, bs);
+            request.blocks = token_blocks(&seen, bs, request.adapter.as_deref());
             request.prompt_ids = Arc::new(seen);
             request.prompt = Prompt::Text(text);
             converted += 1;
@@ -294,16 +315,22 @@ fn shuffle<T>(rng: &mut Rng, items: &mut [T]) {
     }
 }
 
-/// Sequence hashes of the full blocks of a text prompt.
-pub fn token_blocks(tokens: &[u32], block_size: BlockSize) -> Vec<u64> {
-    let local = BlockHasher::new(block_size).local_hashes(tokens, None);
+/// Sequence hashes of the full blocks of a text prompt (salted with its adapter, if any).
+pub fn token_blocks(tokens: &[u32], block_size: BlockSize, lora: Option<&str>) -> Vec<u64> {
+    let local = BlockHasher::new(block_size).with_lora(lora).local_hashes(tokens, None);
     sequence_hashes(&local).into_iter().map(|h| h.0).collect()
 }
 
 /// The sequence hashes of every full block once `more` tokens (an answer's, no images)
 /// follow a prompt whose full blocks are `blocks` and whose tokens are `prompt`.
-pub fn extended_blocks(blocks: &[u64], prompt: &[u32], more: &[u32], bs: BlockSize) -> Vec<u64> {
-    let hasher = BlockHasher::new(bs);
+pub fn extended_blocks(
+    blocks: &[u64],
+    prompt: &[u32],
+    more: &[u32],
+    bs: BlockSize,
+    lora: Option<&str>,
+) -> Vec<u64> {
+    let hasher = BlockHasher::new(bs).with_lora(lora);
     let n = bs.tokens();
     let mut out = blocks.to_vec();
     let mut tail: Vec<u32> = prompt[blocks.len() * n..].to_vec();
@@ -328,12 +355,14 @@ fn tokens_request(
 ) -> BenchRequest {
     BenchRequest {
         start,
-        blocks: token_blocks(&tokens, bs),
+        blocks: token_blocks(&tokens, bs, None),
         prompt_ids: Arc::new(tokens.clone()),
         prompt: Prompt::Tokens(tokens),
         max_tokens,
         group,
         warmup: false,
+        adapter: None,
+        session: None,
     }
 }
 
@@ -378,6 +407,7 @@ impl SharedPrefix {
                 ("arrivals".into(), format!("Poisson, {} req/s", self.rate)),
             ],
             requests,
+            adapters: Vec::new(),
         }
     }
 }
@@ -428,6 +458,8 @@ impl MultiTurn {
                     blocks: Vec::new(),
                     group: u,
                     warmup: r < warm_rounds,
+                    adapter: None,
+                    session: None,
                 });
             }
         }
@@ -445,6 +477,7 @@ impl MultiTurn {
                 ("think time".into(), format!("exponential, mean {} s", self.think_time)),
             ],
             requests,
+            adapters: Vec::new(),
         })
     }
 }
@@ -561,6 +594,8 @@ impl Multimodal {
                 prompt_ids: Arc::new(prepared.tokens),
                 group,
                 warmup: false,
+                adapter: None,
+                session: None,
             });
         }
         mark_warmup(&mut requests, warmup);
@@ -585,6 +620,7 @@ impl Multimodal {
                 ("arrivals".into(), format!("Poisson, {} req/s", self.rate)),
             ],
             requests,
+            adapters: Vec::new(),
         })
     }
 }
@@ -611,6 +647,7 @@ impl RandomPrompts {
                 ("arrivals".into(), format!("Poisson, {} req/s", self.rate)),
             ],
             requests,
+            adapters: Vec::new(),
         }
     }
 }
@@ -740,9 +777,13 @@ impl TraceReplay {
                 ),
             ],
             requests,
+            adapters: Vec::new(),
         })
     }
 }
+
+mod lora;
+pub use lora::{MultiLora, adapter_name, sessions};
 
 #[cfg(test)]
 mod tests;

@@ -164,6 +164,12 @@ pub(crate) async fn dispatch(
             excluded.push(worker);
             continue;
         };
+        if let Some(adapter) = out.adapter.as_deref()
+            && !state.ensure_adapter(worker.worker_id, base, adapter).await
+        {
+            excluded.extend(state.all_ranks(worker.worker_id));
+            continue;
+        }
         let (path, body, from) = state.hop(worker.worker_id, out);
         let request = hyper::Request::post(format!("{base}{path}"))
             .header(header::CONTENT_TYPE, "application/json")

@@ -138,6 +138,9 @@ pub struct FrontDoorOptions {
     pub namespace_per_key: bool,
     /// Probe each joining worker's parity ([`parity`]).
     pub parity_probe: bool,
+    /// Load a request's adapter on the chosen worker through vLLM's dynamic API when the
+    /// worker does not list it ([`crate::models`]); off: only workers that list it are chosen.
+    pub load_adapters: bool,
 }
 
 impl Default for FrontDoorOptions {
@@ -147,6 +150,7 @@ impl Default for FrontDoorOptions {
             first_byte_timeout: FIRST_BYTE_TIMEOUT,
             namespace_per_key: false,
             parity_probe: true,
+            load_adapters: false,
         }
     }
 }
@@ -182,8 +186,8 @@ pub struct FrontendState {
     max_model_len: u64,
     /// The base model and the adapters the fleet serves ([`crate::models`]).
     pub models: Catalog,
-    /// The adapters the settings name (always served).
-    configured_adapters: Vec<String>,
+    /// The adapters the settings name (always served), with where their weights are.
+    configured_adapters: Vec<(String, Option<String>)>,
     /// What each worker listed in its `/v1/models`, when last read.
     listed: std::sync::Mutex<BTreeMap<WorkerId, std::collections::BTreeSet<String>>>,
 }
@@ -270,13 +274,18 @@ impl FrontendState {
     }
 
     /// Serves these LoRA adapters over the base model (besides those the workers list).
+    /// `NAME` or `NAME=PATH` each (the path is what `load_adapters` sends vLLM).
     pub fn with_adapters<'a>(
         mut self,
         adapters: impl IntoIterator<Item = &'a str>,
     ) -> Result<Self, kvroute_http::models::AdapterError> {
-        for name in adapters {
-            self.models.insert(name, None)?;
-            self.configured_adapters.push(name.to_owned());
+        for spec in adapters {
+            let (name, path) = match spec.split_once('=') {
+                Some((name, path)) => (name.trim(), Some(path.trim().to_owned())),
+                None => (spec.trim(), None),
+            };
+            self.models.insert(name, path.as_deref())?;
+            self.configured_adapters.push((name.to_owned(), path));
         }
         Ok(self)
     }

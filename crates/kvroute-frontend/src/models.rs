@@ -28,8 +28,10 @@ impl FrontendState {
         let Some(router) = self.placer.router() else { return };
         for (worker, adapters) in listed {
             let Some(adapters) = adapters else { continue };
+            // Loading adapters on demand, any worker can serve any of them.
+            let served = (!self.options.load_adapters).then(|| adapters.clone());
             for rank in self.all_ranks(worker) {
-                router.set_served_adapters(rank, Some(adapters.clone()));
+                router.set_served_adapters(rank, served.clone());
             }
             if let Ok(mut known) = self.listed.lock() {
                 known.insert(worker, adapters);
@@ -48,8 +50,8 @@ impl FrontendState {
     /// The catalog: the configured adapters and every one a worker lists now.
     fn refresh_catalog(&self) {
         let Ok(listed) = self.listed.lock() else { return };
-        let now: BTreeSet<&String> =
-            listed.values().flatten().chain(self.configured_adapters.iter()).collect();
+        let configured = self.configured_adapters.iter().map(|(name, _)| name);
+        let now: BTreeSet<&String> = listed.values().flatten().chain(configured).collect();
         for name in self.models.adapters() {
             if !now.contains(&name) {
                 self.models.remove(&name);
@@ -60,6 +62,39 @@ impl FrontendState {
                 tracing::debug!(adapter = %name, error = %e, "adapter not listed");
             }
         }
+    }
+
+    /// With `load_adapters`: makes sure `worker` (at `base`) serves `adapter`, loading it
+    /// through vLLM's `/v1/load_lora_adapter` when its last list did not name it (the path is
+    /// the settings', else the name). Whether it serves it now.
+    pub(crate) async fn ensure_adapter(&self, worker: WorkerId, base: &str, adapter: &str) -> bool {
+        let listed = self.listed.lock().ok().and_then(|l| l.get(&worker).cloned());
+        if !self.options.load_adapters || listed.is_none_or(|l| l.contains(adapter)) {
+            return true;
+        }
+        let path = self
+            .configured_adapters
+            .iter()
+            .find(|(name, _)| name == adapter)
+            .and_then(|(_, path)| path.clone())
+            .unwrap_or_else(|| adapter.to_owned());
+        let body = serde_json::json!({"lora_name": adapter, "lora_path": path});
+        let url = format!("{base}/v1/load_lora_adapter");
+        let call = self.client.call(axum::http::Method::POST, &url, Some(&body));
+        let loaded = match tokio::time::timeout(PROBE_TIMEOUT, call).await {
+            Ok(Ok(r)) => r.status().is_success(),
+            _ => false,
+        };
+        match loaded {
+            true => {
+                tracing::info!(%worker, %adapter, "adapter loaded through vLLM's dynamic API");
+                if let Ok(mut l) = self.listed.lock() {
+                    l.entry(worker).or_default().insert(adapter.to_owned());
+                }
+            }
+            false => tracing::warn!(%worker, %adapter, "the worker did not load the adapter"),
+        }
+        loaded
     }
 
     /// Forgets what a worker listed (it left, or restarted).

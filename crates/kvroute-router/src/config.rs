@@ -169,6 +169,9 @@ pub struct WorkerSpec {
     /// How the front door sends it requests.
     #[serde(default)]
     pub dialect: Dialect,
+    /// Its LoRA adapter slots (vLLM's `--max-loras`), until its reports say (they win).
+    #[serde(default)]
+    pub max_loras: Option<usize>,
     /// The token its HTTP routes want (`Authorization: Bearer`), sent to it alone: a
     /// simulated worker embedded in `kvroute serve` gets an unguessable one. Never
     /// serialized, never shown.
@@ -212,6 +215,7 @@ impl WorkerSpec {
             vocab_size: None,
             format: EventFormat::Vllm,
             dialect: Dialect::OpenaiChat,
+            max_loras: None,
             api_key: None,
         }
     }
@@ -259,6 +263,7 @@ impl FromStr for WorkerSpec {
                     spec.format = value.parse().map_err(|e| bad(WorkerFlagError::Format(e)))?;
                 }
                 "dialect" => spec.dialect = value.parse().map_err(bad)?,
+                "max_loras" => spec.max_loras = Some(small(&value)? as usize),
                 other => return Err(bad(WorkerFlagError::UnknownKey(other.into()))),
             }
         }

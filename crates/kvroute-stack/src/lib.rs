@@ -230,6 +230,9 @@ impl Stack {
             spec.metrics = spawned.metrics;
             spec.api_key = Some(kvroute_router::WorkerKey(token));
             spec.dialect = simulated.dialect;
+            if !simulated.lora_modules.is_empty() {
+                spec.max_loras = Some(simulated.engine.lora.max_loras);
+            }
             router.workers.push(spec);
             engines.push(spawned.state);
         }

@@ -219,3 +219,30 @@ async fn sessions_stay_on_their_worker_and_long_keys_are_refused() {
     assert_eq!(router.in_flight(), 0);
     assert_eq!(router.affinity().1, 1, "refused keys are not remembered");
 }
+
+/// With `load_adapters`, a worker that does not list the request's adapter loads it through
+/// vLLM's dynamic API (with the path the settings give) before the request goes there;
+/// without it, an adapter no worker lists has nowhere to go (503) and nothing stays in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_is_loaded_on_demand_only_when_asked() {
+    for load in [true, false] {
+        let mut c = config(2, 16, &[]);
+        c.simulated.lora_updating = true;
+        c.adapters = vec!["sql=/loras/sql".to_owned()];
+        c.front_door.load_adapters = load;
+        let (stack, base) = started(c).await;
+        stack.frontend.as_ref().unwrap().discover_models().await;
+        let url = format!("{base}/v1/chat/completions");
+        let (status, worker, _, body) = post_with(&HttpClient::new(), &url, &chat("sql")).await;
+        match load {
+            true => {
+                assert_eq!(status, 200, "{body}");
+                let k = stack.workers.iter().position(|w| Some(w.id.0) == worker).unwrap();
+                let listed = stack.simulated[k].catalog.list();
+                assert_eq!(listed.data[1].root.as_deref(), Some("/loras/sql"), "{listed:?}");
+            }
+            false => assert_eq!(status, 503, "{body}"),
+        }
+        assert_eq!(stack.router.as_ref().unwrap().in_flight(), 0);
+    }
+}

@@ -70,7 +70,7 @@ fn text_prompts_keep_the_sharing_of_token_prompts() {
         // the text, block for block.
         let seen = pre.prepare_prompt(prompt).unwrap().tokens;
         assert_eq!(*b.prompt_ids, seen);
-        assert_eq!(b.blocks, token_blocks(&seen, bs()));
+        assert_eq!(b.blocks, token_blocks(&seen, bs(), None));
         assert_eq!((a.group, a.start, a.warmup), (b.group, b.start, b.warmup));
     }
     // Every block equal between two token prompts is equal between their texts, and no
@@ -161,13 +161,13 @@ fn multi_turn_users_write_exact_turns_of_words() {
 #[test]
 fn an_answer_extends_the_prompts_blocks() {
     let prompt: Vec<u32> = (0..40).collect();
-    let blocks = token_blocks(&prompt, bs());
+    let blocks = token_blocks(&prompt, bs(), None);
     assert_eq!(blocks.len(), 2);
     let answer: Vec<u32> = (100..130).collect();
-    let extended = extended_blocks(&blocks, &prompt, &answer, bs());
+    let extended = extended_blocks(&blocks, &prompt, &answer, bs(), None);
     let mut all = prompt;
     all.extend(&answer);
-    assert_eq!(extended, token_blocks(&all, bs()), "the same chain as one prompt of both");
+    assert_eq!(extended, token_blocks(&all, bs(), None), "the same chain as one prompt of both");
     assert_eq!(extended.len(), 4);
 }
 
@@ -280,4 +280,38 @@ fn a_trace_replays_with_equal_ids_as_equal_tokens() {
     let missing = TraceReplay { path: dir.join("none.jsonl"), ..trace };
     assert!(format!("{:#}", missing.generate(7, bs(), 0.0).unwrap_err()).contains("--trace PATH"));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// multi-lora: adapters by Zipf popularity (the first the most asked for), each request's
+/// blocks salted with its adapter, one system prompt per adapter; sessions tag every request
+/// of a user with one key and change nothing else of multi-turn's schedule.
+#[test]
+fn multi_lora_requests_name_their_adapter_and_sessions_tag_users() {
+    let w = MultiLora { requests: 400, ..MultiLora::default() }.generate(7, bs(), 0.0).unwrap();
+    assert_eq!(w.adapters.len(), 32);
+    let count = |k: usize| w.requests.iter().filter(|r| r.group == k).count();
+    assert!(
+        count(0) > count(1) && count(1) > count(8),
+        "Zipf: {} {} {}",
+        count(0),
+        count(1),
+        count(8)
+    );
+    let r = &w.requests[0];
+    let name = adapter_name(r.group);
+    assert_eq!(r.adapter.as_deref(), Some(name.as_str()));
+    assert_eq!(r.blocks, token_blocks(&r.prompt_ids, bs(), Some(&name)));
+    assert_ne!(r.blocks, token_blocks(&r.prompt_ids, bs(), None), "salted");
+    let same: Vec<_> = w.requests.iter().filter(|o| o.group == r.group).collect();
+    assert!(same.iter().all(|o| o.blocks[..60] == r.blocks[..60]), "one system prompt per adapter");
+
+    let pre = kvroute_preprocess::Preprocessor::builtin();
+    let turns = MultiTurn { users: 3, rounds: 2, ..MultiTurn::default() };
+    let tagged = sessions(&turns, 7, 0.0, &pre).unwrap();
+    let plain = turns.generate(7, 0.0, &pre).unwrap();
+    assert_eq!(tagged.requests.len(), plain.requests.len());
+    for (t, p) in tagged.requests.iter().zip(&plain.requests) {
+        assert_eq!(t.session.as_deref(), Some(format!("user-{}", t.group).as_str()));
+        assert_eq!((t.start, t.group, p.session.is_none()), (p.start, p.group, true));
+    }
 }

@@ -203,6 +203,9 @@ impl RouterState {
             let w = WorkerWithDpRank::new(spec.id, rank);
             scheduler.add_worker(w);
             scheduler.set_ready(w, status.ready[rank as usize]);
+            if let Some(slots) = spec.max_loras {
+                scheduler.adapters_mut().report(w, Some(slots), &[]);
+            }
             self.index.register_worker(w);
         }
         drop(scheduler);

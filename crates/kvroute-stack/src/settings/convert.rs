@@ -55,6 +55,7 @@ impl Settings {
                 cache_namespace_per_key: Some(front_door.namespace_per_key),
                 parity_probe: Some(front_door.parity_probe),
                 adapters: Vec::new(),
+                load_adapters: Some(front_door.load_adapters),
             },
             blocks: Blocks { block_size: Some(BlockSize::default().get()) },
             simulated: SimulatedFleet {
@@ -415,6 +416,7 @@ impl Settings {
             },
             namespace_per_key: f.cache_namespace_per_key.unwrap_or(d.namespace_per_key),
             parity_probe: f.parity_probe.unwrap_or(d.parity_probe),
+            load_adapters: f.load_adapters.unwrap_or(d.load_adapters),
         })
     }
 

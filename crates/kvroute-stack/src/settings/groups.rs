@@ -101,12 +101,18 @@ pub struct FrontDoor {
     /// parity_probe = false.
     #[arg(long = "no-parity-probe", num_args = 0, default_missing_value = "true", value_parser = negated())]
     pub parity_probe: Option<bool>,
-    /// LoRA adapters the fleet serves over the base model, as a request's "model"; repeat or
-    /// separate with ','. Those the workers list in /v1/models are served too (read every
-    /// 10 s); any other model is a 404 model_not_found.
+    /// LoRA adapters the fleet serves over the base model, as a request's "model": NAME or
+    /// NAME=PATH (the path --load-adapters sends); repeat or separate with ','. Those the
+    /// workers list in /v1/models are served too (read every 10 s); any other model is a 404
+    /// model_not_found.
     #[arg(long, value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub adapters: Vec<String>,
+    /// Load a request's adapter on the chosen worker through vLLM's /v1/load_lora_adapter
+    /// when the worker does not list it (the engine must allow runtime LoRA updating); off:
+    /// an adapter goes only to the workers that list it.
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub load_adapters: Option<bool>,
 }
 
 /// Tokens per KV block, for the router and the simulated engines alike.
@@ -144,7 +150,7 @@ pub struct Routing {
     /// image_token_id, vocab_size, format (the engine's event format: vllm by default; a name
     /// that is none lists them), dialect (openai-chat by default, vllm-generate,
     /// vllm-generate-tokens, sglang-generate or openai-completions-tokens: see
-    /// docs/dialects.md).
+    /// docs/dialects.md), max_loras (its LoRA adapter slots, until its reports say).
     /// Without events, the worker is routed approximately. Repeat for each worker; in the env
     /// twin, separate workers with ';'. In a file: [[workers]] tables of these keys.
     /// Example: --worker id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
