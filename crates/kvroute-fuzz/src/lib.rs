@@ -46,6 +46,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("sglang_generate", sglang_generate),
     ("image", image),
     ("zmtp", zmtp),
+    ("worker_reports", worker_reports),
 ];
 
 /// A router over two configured workers, with small bounds.
@@ -235,6 +236,31 @@ const ZMTP_BUDGET: usize = kvroute_wire::transport::CONTROL_MAX_MESSAGE_BYTES;
 /// split as TCP may split them; the rest is the stream. A decode error ends it (the socket
 /// drops the peer). Every message decoded fits the budget, and the buffer never grows past
 /// a small multiple of the budget and the input, whatever lengths the frames announce.
+/// What a worker tells the router and the front door about itself: a JSON load report (its
+/// adapters' names included), a Prometheus exposition (vLLM's gauges and
+/// `vllm:lora_requests_info`), and a `/v1/models` list; the adapters taken go to a router's
+/// adapter table as its load reader and model reading hand them on.
+pub fn worker_reports(data: &[u8]) {
+    let state = router();
+    let w = kvroute_core::WorkerWithDpRank::new(1u64, 0u32);
+    if let Some((_, load, adapters)) = kvroute_router::load::decode_report(data) {
+        if let Some(a) = adapters {
+            state.report_adapters(w, &a);
+        }
+        state.update_load(w, load);
+    }
+    let text = String::from_utf8_lossy(data);
+    let _ = kvroute_router::load::parse_prometheus(&text);
+    if let Some(a) = kvroute_router::load::parse_lora_info(&text) {
+        state.report_adapters(w, &a);
+    }
+    if let Ok(list) = serde_json::from_slice::<kvroute_http::openai::ModelList>(data) {
+        let listed: std::collections::BTreeSet<String> =
+            list.adapters_of("kvroute-tiny").into_iter().collect();
+        state.set_served_adapters(w, Some(listed));
+    }
+}
+
 pub fn zmtp(data: &[u8]) {
     zmtp_messages(data);
 }

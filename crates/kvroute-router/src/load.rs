@@ -70,6 +70,12 @@ impl AdapterReport {
     }
 }
 
+/// One JSON load report: its rank, its load and its adapters; `None` for what is no report.
+pub fn decode_report(payload: &[u8]) -> Option<(u32, WorkerLoad, Option<AdapterReport>)> {
+    let r: LoadReport = serde_json::from_slice(payload).ok()?;
+    Some((r.dp_rank, r.load, r.adapters()))
+}
+
 impl LoadReport {
     fn adapters(&self) -> Option<AdapterReport> {
         let names = self.resident_lora_adapters.as_ref().or(self.running_lora_adapters.as_ref());
@@ -98,13 +104,15 @@ async fn subscribe(state: Arc<RouterState>, worker: WorkerId, endpoint: String) 
             loop {
                 let message = socket.recv().await?;
                 let Some(payload) = message.into_vec().pop() else { continue };
-                match serde_json::from_slice::<LoadReport>(&payload) {
-                    Ok(r) if state.check_rank(WorkerWithDpRank::new(worker, r.dp_rank)).is_ok() => {
-                        let rank = WorkerWithDpRank::new(worker, r.dp_rank);
-                        if let Some(adapters) = r.adapters() {
+                match decode_report(&payload) {
+                    Some((r, load, adapters))
+                        if state.check_rank(WorkerWithDpRank::new(worker, r)).is_ok() =>
+                    {
+                        let rank = WorkerWithDpRank::new(worker, r);
+                        if let Some(adapters) = adapters {
                             state.report_adapters(rank, &adapters);
                         }
-                        state.update_load(rank, r.load);
+                        state.update_load(rank, load);
                     }
                     _ => {
                         state.metrics.garbage.inc();
