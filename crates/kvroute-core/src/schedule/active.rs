@@ -25,6 +25,8 @@ pub struct ActiveLoad {
     /// Distinct blocks of its in-flight requests (shared blocks counted once).
     pub blocks: usize,
     pub requests: usize,
+    /// Requests not yet past prefill (waiting for their first token).
+    pub prefilling: usize,
 }
 
 #[derive(Debug)]
@@ -72,6 +74,7 @@ impl ActiveSequences {
         let load = self.loads.entry(worker).or_default();
         load.prefill_tokens += prefill_tokens;
         load.requests += 1;
+        load.prefilling += 1;
         let n = blocks.local.len().min(blocks.sequence.len());
         let mut new_from = n;
         for (i, &s) in blocks.sequence[..n].iter().enumerate() {
@@ -117,6 +120,7 @@ impl ActiveSequences {
         request.prefill_done = true;
         if let Some(load) = self.loads.get_mut(&request.worker) {
             load.prefill_tokens -= request.prefill_tokens;
+            load.prefilling -= 1;
         }
     }
 
@@ -128,6 +132,7 @@ impl ActiveSequences {
         let Some(load) = self.loads.get_mut(&worker) else { return true };
         if !request.prefill_done {
             load.prefill_tokens -= request.prefill_tokens;
+            load.prefilling -= 1;
         }
         load.requests -= 1;
         let mut gone = Vec::new();
@@ -213,6 +218,7 @@ impl ActiveSequences {
             prefill_tokens: a.prefill_tokens + l.prefill_tokens,
             blocks: a.blocks + l.blocks,
             requests: a.requests + l.requests,
+            prefilling: a.prefilling + l.prefilling,
         })
     }
 

@@ -12,8 +12,9 @@
 //! wait_i   = memory_wait_tokens if active_blocks_i + the request's blocks not in flight there
 //!            exceed kv_total_blocks_i, else 0
 //! lora_i   = 0 with the request's adapter in a slot there (or none), adapter_load_tokens
-//!            to load it, + adapter_evict_tokens when that evicts another, or
-//!            adapter_wait_tokens when every slot runs another adapter's requests
+//!            x (1 + requests there waiting for their first token) to load it,
+//!            + adapter_evict_tokens when that evicts another, or adapter_wait_tokens when
+//!            every slot runs another adapter's requests
 //! cost_i   = (ttft_i + evict_i + decode_i + wait_i + lora_i) / prefill_tokens_per_s
 //! ```
 //!
@@ -30,9 +31,12 @@
 //!   share nothing.
 //! - `wait_i`: a worker that cannot hold the request next to its running ones admits it only
 //!   when some finish, far longer than recomputing a prefix elsewhere.
-//! - `lora_i`: an adapter not in a slot holds up the step that loads it, so a request goes
-//!   where its adapter is unless the queue there costs more than a load: a hot adapter
-//!   spreads as its queue grows, a cold one stays where it is.
+//! - `lora_i`: an adapter not in a slot holds up the step that loads it, for every request
+//!   there still waiting for its first token, so a request goes where its adapter is unless
+//!   the queue there costs more than a load: a hot adapter spreads as its queue grows, a cold
+//!   one stays where it is, and a load goes to an engine with little waiting on it. (Priced
+//!   for this request alone, kv lost to llm-d's residency score at high rates on the
+//!   short-prompt multi-lora run: docs/bench/adapters.md.)
 //! - Every worker is priced at one prefill speed (a speed learned from first-token times
 //!   starved workers and was removed).
 //!
@@ -117,14 +121,19 @@ impl KvPolicy {
         self
     }
 
-    /// What running the request's adapter on a candidate adds, in prefill tokens.
-    fn adapter_tokens(&self, fit: AdapterFit) -> f64 {
-        let c = &self.config;
-        match (self.adapters, fit) {
+    /// What running the request's adapter on a candidate adds, in prefill tokens. A load
+    /// holds up the engine's step: every request there still waiting for its first token
+    /// waits for it too, so it counts once for this request and once for each of them.
+    fn adapter_tokens(&self, c: &Candidate) -> f64 {
+        let w = &self.config;
+        let held = 1.0 + c.active.prefilling as f64;
+        match (self.adapters, c.adapter) {
             (false, _) | (true, AdapterFit::Resident) => 0.0,
-            (true, AdapterFit::Load) => c.adapter_load_tokens,
-            (true, AdapterFit::LoadEvicting) => c.adapter_load_tokens + c.adapter_evict_tokens,
-            (true, AdapterFit::Wait) => c.adapter_wait_tokens,
+            (true, AdapterFit::Load) => w.adapter_load_tokens * held,
+            (true, AdapterFit::LoadEvicting) => {
+                w.adapter_load_tokens * held + w.adapter_evict_tokens
+            }
+            (true, AdapterFit::Wait) => w.adapter_wait_tokens,
         }
     }
 
@@ -159,7 +168,7 @@ impl KvPolicy {
                     }
                     _ => 0.0,
                 };
-                let adapter = self.adapter_tokens(c.adapter);
+                let adapter = self.adapter_tokens(c);
                 (ttft + evict + decode + wait + adapter) / self.config.prefill_tokens_per_s.max(1.0)
             })
             .collect()

@@ -113,7 +113,7 @@ fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
     let isl = 2048;
     // Dynamo: the owner's in-flight decode blocks outweigh the prefill it would save.
     let mut owner = candidate(0, 128);
-    owner.active = ActiveLoad { prefill_tokens: 0, blocks: 400, requests: 10 };
+    owner.active = ActiveLoad { prefill_tokens: 0, blocks: 400, requests: 10, prefilling: 0 };
     let idle = candidate(1, 0);
     let mut rng = Rng::new(1);
     assert_eq!(dynamo::DynamoPolicy.select(&info(isl), &[owner, idle], &mut rng), 1);
@@ -123,7 +123,7 @@ fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
     // kv: only a long prefill queue at the owner sends the request away (queued tokens count
     // half: 6000 queued weigh 3000 < 2 x 2048).
     let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
-    owner.active = ActiveLoad { prefill_tokens: 6000, blocks: 400, requests: 10 };
+    owner.active = ActiveLoad { prefill_tokens: 6000, blocks: 400, requests: 10, prefilling: 4 };
     assert_eq!(kv.select(&info(isl), &[owner, idle], &mut rng), 0, "6000 x 0.5 < 2 x 2048");
     owner.active.prefill_tokens = 20_000;
     assert_eq!(kv.select(&info(isl), &[owner, idle], &mut rng), 1);
@@ -699,6 +699,13 @@ fn kv_prices_adapter_loads_and_a_hot_adapter_spreads() {
     let c = costs(&kv, 0);
     let load_s = kv::KvConfig::default().adapter_load_tokens / 20_000.0;
     assert!((c[1] - c[0] - load_s).abs() < 1e-9, "a load costs its time: {c:?}");
+    // Three requests waiting for their first token there wait for the load too.
+    let mut busy = candidate(1, 0);
+    busy.adapter = AdapterFit::Load;
+    busy.active.prefilling = 3;
+    let idle = Candidate { adapter: AdapterFit::Load, ..candidate(2, 0) };
+    let c = kv.costs(&info(256), &[busy, idle]);
+    assert!((c[0] - c[1] - 3.0 * load_s).abs() < 0.01, "the load holds them up: {c:?}");
     // Queued prefill counts at half weight: 4,000 queued tokens (2,000) tie with a load.
     let c = costs(&kv, 6_000);
     assert!(c[1] < c[0], "a long queue at the adapter's worker: load it elsewhere {c:?}");
