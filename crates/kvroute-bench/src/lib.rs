@@ -203,6 +203,10 @@ pub struct BenchArgs {
     /// --max-loras).
     #[arg(long, env = "KVROUTE_BENCH_MAX_LORAS", default_value_t = 4)]
     pub max_loras: usize,
+    /// sessions: seconds of predicted time to first token by which another worker must beat
+    /// a session's worker to take the session (the router's --session-margin).
+    #[arg(long, env = "KVROUTE_BENCH_SESSION_MARGIN", default_value_t = 0.05)]
+    pub session_margin: f64,
 
     /// trace: the trace replayed (Mooncake format: timestamp ms, input_length, output_length,
     /// hash_ids of 512-token blocks); default: the repository's
@@ -280,6 +284,7 @@ impl BenchArgs {
             engine_chat_template: self.engine_chat_template.clone(),
             adapters: Vec::new(),
             max_loras: self.max_loras,
+            session_margin: self.session_margin,
         }
     }
 
@@ -370,6 +375,10 @@ impl BenchArgs {
             "rates must be > 0"
         );
         anyhow::ensure!(self.think_time >= 0.0, "--think-time must be >= 0");
+        anyhow::ensure!(
+            self.session_margin.is_finite() && self.session_margin >= 0.0,
+            "--session-margin must be >= 0"
+        );
         anyhow::ensure!(
             self.trace_time_scale.is_finite() && self.trace_time_scale > 0.0,
             "--trace-time-scale must be > 0"

@@ -47,6 +47,8 @@ pub struct FleetConfig {
     pub adapters: Vec<String>,
     /// Distinct adapters one engine's batch may use (its GPU slots).
     pub max_loras: usize,
+    /// The router's session margin, seconds (`--session-margin` of `kvroute serve`).
+    pub session_margin: f64,
 }
 
 impl Default for FleetConfig {
@@ -63,6 +65,7 @@ impl Default for FleetConfig {
             engine_chat_template: None,
             adapters: Vec::new(),
             max_loras: kvroute_mocker::lora::LoraConfig::default().max_loras,
+            session_margin: kvroute_core::schedule::SessionConfig::default().margin_s,
         }
     }
 }
@@ -286,6 +289,7 @@ pub async fn start_fleet(
 ) -> anyhow::Result<(Vec<String>, Vec<WorkerSpec>)> {
     let mut router = RouterConfig { block_size: fleet.block_size()?, ..RouterConfig::default() };
     router.scheduler.policy = policy;
+    router.scheduler.sessions.margin_s = fleet.session_margin;
     if let Some(r) = replicas {
         anyhow::ensure!(r.nats_url.is_some() || !r.sync, "replica sync needs a NATS URL");
     }
@@ -342,6 +346,7 @@ pub async fn start_fleet(
             ..RouterConfig::default()
         };
         router.scheduler.policy = policy;
+        router.scheduler.sessions.margin_s = fleet.session_margin;
         router.nats = nats_for(k);
         let replica = started(front_door(router, fleet), &format!("replica {k}")).await?;
         fronts.push(replica.serve_frontend_on_loopback().await?);
