@@ -25,13 +25,15 @@ impl FrontendState {
             async move { (worker, state.adapters_listed(&url).await) }
         });
         let listed = futures_util::future::join_all(reads).await;
-        let Some(router) = self.placer.router() else { return };
         for (worker, adapters) in listed {
             let Some(adapters) = adapters else { continue };
-            // Loading adapters on demand, any worker can serve any of them.
+            // Loading adapters on demand, any worker can serve any of them. (A remote router
+            // is not told: it takes every worker to serve any adapter.)
             let served = (!self.options.load_adapters).then(|| adapters.clone());
-            for rank in self.all_ranks(worker) {
-                router.set_served_adapters(rank, served.clone());
+            if let Some(router) = self.placer.router() {
+                for rank in self.all_ranks(worker) {
+                    router.set_served_adapters(rank, served.clone());
+                }
             }
             if let Ok(mut known) = self.listed.lock() {
                 known.insert(worker, adapters);
