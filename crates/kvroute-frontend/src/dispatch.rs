@@ -239,7 +239,9 @@ fn respond(
     let usage = Usage::new(sse, out.strip_usage);
     let translator = match (from, parts.status.is_success()) {
         (Some(from), true) => {
-            let model = state.preprocessor.model_name().to_owned();
+            // An adapter's answer names the adapter, as vLLM's does.
+            let model = out.adapter.clone();
+            let model = model.unwrap_or_else(|| state.preprocessor.model_name().to_owned());
             let translator = Translator::new(from, out.kind, &guard.id, model, sse);
             Some(match from {
                 Dialect::VllmGenerateTokens => {

@@ -85,6 +85,7 @@ async fn vllm_033s_adapter_event_is_found_by_that_adapter_only() {
     let ask = |model: &str| json!({"model": model, "prompt": (400..412).collect::<Vec<u32>>(), "max_tokens": 1});
     let (status, _, predicted, body) = post_with(&client, &url, &ask("sql-adapter")).await;
     assert_eq!((status, predicted), (200, Some(8)), "both blocks of the adapter: {body}");
+    assert_eq!(body["model"], "sql-adapter", "the answer names the adapter, as vLLM's does");
     for other in ["kvroute-tiny", "chat"] {
         let (status, _, predicted, body) = post_with(&client, &url, &ask(other)).await;
         assert_eq!((status, predicted), (200, Some(0)), "{other} finds nothing: {body}");
