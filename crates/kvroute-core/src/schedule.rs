@@ -42,7 +42,7 @@ pub use adapters::{AdapterFit, AdapterTable};
 pub use least_loaded::LeastLoaded;
 pub use random::RandomPolicy;
 pub use round_robin::RoundRobin;
-pub use sessions::{Affinity, SessionConfig, Sessions};
+pub use sessions::{SessionConfig, Sessions};
 
 use crate::index::{OverlapScores, RadixIndex, ShardedIndex};
 use crate::protocols::{BlockSize, LocalBlockHash, SequenceHash, WorkerWithDpRank};

@@ -29,17 +29,6 @@ impl Default for SessionConfig {
     }
 }
 
-/// What the affinity did for a request of a session.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Affinity {
-    /// The session's first request (or its worker was forgotten, or is gone).
-    New,
-    /// It stayed on the session's worker.
-    Kept,
-    /// Another worker was cheaper by the margin: the session moved there.
-    Moved,
-}
-
 #[derive(Debug, Default)]
 pub struct Sessions {
     config: SessionConfig,
