@@ -4,7 +4,7 @@
 //! [`MODELS_EVERY`] ticks after; what it lists becomes the router's knowledge of which
 //! adapters it serves, and the fleet's catalog is the settings' adapters and every listed one.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use kvroute_core::WorkerId;
@@ -70,8 +70,13 @@ impl FrontendState {
     /// through vLLM's `/v1/load_lora_adapter` when its last list did not name it (the path is
     /// the settings', else the name). Whether it serves it now.
     pub(crate) async fn ensure_adapter(&self, worker: WorkerId, base: &str, adapter: &str) -> bool {
-        let listed = self.listed.lock().ok().and_then(|l| l.get(&worker).cloned());
-        if !self.options.load_adapters || listed.is_none_or(|l| l.contains(adapter)) {
+        if !self.options.load_adapters {
+            return true;
+        }
+        let lists = |l: &BTreeMap<WorkerId, BTreeSet<String>>| {
+            l.get(&worker).is_none_or(|served| served.contains(adapter))
+        };
+        if self.listed.lock().map_or(true, |l| lists(&l)) {
             return true;
         }
         let path = self

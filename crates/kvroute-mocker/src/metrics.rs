@@ -202,9 +202,7 @@ impl Metrics {
         if !enabled {
             return;
         }
-        let names = |list: &[(String, usize)]| {
-            list.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(",")
-        };
+        let names = AdapterSnapshot::joined;
         let labels = vec![
             ("max_lora".to_owned(), a.max_lora.to_string()),
             ("waiting_lora_adapters".to_owned(), names(&a.waiting)),

@@ -84,6 +84,13 @@ pub struct AdapterSnapshot {
     pub stats: LoraStats,
 }
 
+impl AdapterSnapshot {
+    /// Adapter names comma-joined, as vLLM's `vllm:lora_requests_info` labels carry them.
+    pub fn joined(list: &[(String, usize)]) -> String {
+        list.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(",")
+    }
+}
+
 #[derive(Debug)]
 enum Command {
     Submit(EngineRequest, mpsc::UnboundedSender<Output>),
@@ -366,9 +373,7 @@ async fn publish_load(mut socket: PubSocket, (snapshot, adapters): Shared, dp_ra
         // Adapters, named as vLLM's `vllm:lora_requests_info` labels them (comma-joined).
         let a = adapters.lock().unwrap_or_else(PoisonError::into_inner).clone();
         if !a.resident.is_empty() || !a.waiting.is_empty() {
-            let names = |list: &[(String, usize)]| {
-                list.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(",")
-            };
+            let names = AdapterSnapshot::joined;
             report["max_lora"] = a.max_lora.into();
             report["running_lora_adapters"] = names(&a.running).into();
             report["waiting_lora_adapters"] = names(&a.waiting).into();
