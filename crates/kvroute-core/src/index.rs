@@ -1,13 +1,14 @@
 //! Which cache holds which block: a compressed radix tree fed by KV events.
 //!
 //! ```text
-//!             root
-//!            /    \                      a node is a run ("edge") of blocks that every one of
-//!   [L0 L1 L2 L3] [M0 M1]  {w1}          its holders holds entirely: splitting happens where
-//!    {w1,w2,w3}     \                    holders differ, merging where they become equal again
-//!      /      \     [M2 .. M63] {w1}
-//!  [L4 L5]   [N4]
-//!  {w1,w2}   {w3}
+//!                 root
+//!                /    \                  a node is a run ("edge") of blocks with its holders:
+//!   [L0 .. L511]       [M0 M1]           each cache with how many of the edge's LEADING blocks
+//!   {w1:512, w2:300,    {w1:2}           it holds (tail eviction leaves prefixes). Nodes split
+//!    w3:512, w4:17}       \              only where paths diverge, or around a block evicted
+//!      /        \        [M2 .. M63]     from the middle of what a cache holds
+//!  [N0 N1]    [P0]      {w1:62}
+//!  {w1:2}     {w3:1}
 //! ```
 //!
 //! - Children are found by `(parent node, first LocalBlockHash of the child)` in one hash map,
@@ -16,11 +17,15 @@
 //!   block id; block ids find their node through a slot table (`node`, `pos`), where
 //!   `pos - node.base` is the block's offset in the edge. Splitting moves the *head* of an edge
 //!   into a new node, so only the head's slots change, and the tail keeps its children.
-//! - `find_matches` walks from the root comparing whole edges against the query and narrows the
-//!   set of candidates node by node; a worker's score is the number of **leading** blocks it
-//!   holds (Dynamo's `find_matches` instead counts blocks on the path regardless of holes).
-//! - Removing a worker's block detaches the worker; nodes nobody holds and without children are
-//!   freed (Dynamo leaks them), and freed-up neighbours with equal holders merge back.
+//! - `find_matches` walks from the root comparing whole edges against the query; at each node
+//!   the holders of the whole edge go on and the others score what they hold of what matched,
+//!   so a document a thousand caches hold to different depths costs one pass over one node's
+//!   holders. A worker's score is the number of **leading** blocks it holds (Dynamo's
+//!   `find_matches` instead counts blocks on the path regardless of holes).
+//! - Removing a worker's block shortens its count, or cuts the node around a hole; nodes
+//!   nobody holds and without children are freed (Dynamo leaks them), a childless node's tail
+//!   that nobody holds is cut off, and a lone child whose holders hold all of its parent merges
+//!   into it.
 //!
 //! Forms: [`RadixIndex`] (single-threaded, `&mut` to write), [`ShardedIndex`] (readers in
 //! parallel with per-shard writers) and [`ApproxIndex`] (for engines that publish no events:
@@ -28,9 +33,9 @@
 
 mod approx;
 mod ext_map;
+mod holders;
 mod radix;
 mod sharded;
-mod worker_set;
 
 use serde::Serialize;
 

@@ -1,12 +1,19 @@
 //! The single-threaded compressed radix index (see the [module docs](super) for the picture).
 //!
 //! Invariants, checked by the property tests against a naive model:
-//! 1. every block of a node is held by exactly the node's `workers` (uniform holders);
-//! 2. a worker is in `node.workers` iff each of the node's blocks has at least one of the
-//!    worker's engine hashes mapped to it (more than one: counted in `aliases`);
-//! 3. a non-root node has a non-empty edge, and is either held by someone or has children;
+//! 1. a node's `holders` say, per worker, how many **leading** blocks of its edge the worker
+//!    holds: block `i` of the edge is held by exactly the holders whose count exceeds `i`;
+//! 2. a worker holds a block iff at least one of the worker's engine hashes is mapped to it
+//!    (more than one: counted in `aliases`);
+//! 3. a non-root node has a non-empty edge; a node without children has its last block held
+//!    (a tail nobody holds is cut off), a node with children may be held by nobody;
 //! 4. `children[(p, edge[0] of c)] == c` for every child `c` of `p`, `num_children` counts
 //!    them and `child_xor` is the xor of their ids (so a lone child is known without a scan).
+//!
+//! Nodes split only where paths diverge, or where a worker's blocks stop being a prefix of an
+//! edge (a hole evicted in its middle); workers that hold different lengths of one run share
+//! its node. So a document a thousand engines hold to a thousand depths is one node, and a
+//! lookup scores them in one pass over its holders.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -14,7 +21,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
 use super::ext_map::{ExtMap, MAX_BLOCK_ID, table_bytes};
-use super::worker_set::{Slot, WorkerSet, retain_common};
+use super::holders::{Holders, Slot};
 use super::{IndexConfig, IndexStats, OverlapScores};
 use crate::Error;
 use crate::protocols::{
@@ -44,7 +51,7 @@ struct Node {
     /// The run of blocks this node stands for, and their block ids (parallel vectors).
     edge: Vec<LocalBlockHash>,
     ids: Vec<u32>,
-    workers: WorkerSet,
+    holders: Holders,
     /// Block `id` sits at offset `slots[id].pos - base` of the edge (wrapping arithmetic).
     base: u32,
     parent: u32,
@@ -55,11 +62,11 @@ struct Node {
 }
 
 impl Node {
-    fn new(parent: u32, workers: WorkerSet, touched: u64) -> Self {
+    fn new(parent: u32, holders: Holders, touched: u64) -> Self {
         Self {
             edge: Vec::new(),
             ids: Vec::new(),
-            workers,
+            holders,
             base: 0,
             parent,
             num_children: 0,
@@ -78,7 +85,7 @@ impl Node {
     fn heap_bytes(&self) -> usize {
         self.edge.capacity() * size_of::<LocalBlockHash>()
             + self.ids.capacity() * size_of::<u32>()
-            + self.workers.heap_bytes()
+            + self.holders.heap_bytes()
     }
 }
 
@@ -94,8 +101,6 @@ struct WorkerState {
     blocks: ExtMap,
     /// Blocks held under more than one engine hash: how many extra hashes.
     aliases: FxHashMap<u32, u32>,
-    /// Distinct blocks held.
-    held: usize,
 }
 
 /// Where a store is in the tree: after `end` blocks of `node`'s edge. `run` is the start of
@@ -148,6 +153,13 @@ pub struct RadixIndex {
     workers: Vec<Option<WorkerState>>,
     worker_slots: FxHashMap<WorkerWithDpRank, Slot>,
     free_worker_slots: Vec<Slot>,
+    /// Distinct blocks each slot's cache holds (beside, not in, its state: lookups read it
+    /// for every cache they score).
+    held_of: Vec<usize>,
+    /// The known caches in worker order with their slots, and each slot's place in it: lookups
+    /// sort their scores by that rank, a plain integer sort, and read ids in order.
+    ranked: Vec<(WorkerWithDpRank, Slot)>,
+    rank: Vec<u32>,
     clock: u64,
     held: usize,
     stats: IndexStats,
@@ -167,7 +179,7 @@ impl RadixIndex {
     pub fn with_config(config: IndexConfig) -> Self {
         Self {
             config,
-            nodes: vec![Node::new(NO_PARENT, WorkerSet::default(), 0)],
+            nodes: vec![Node::new(NO_PARENT, Holders::default(), 0)],
             free_nodes: Vec::new(),
             children: FxHashMap::default(),
             slots: Vec::new(),
@@ -175,6 +187,9 @@ impl RadixIndex {
             workers: Vec::new(),
             worker_slots: FxHashMap::default(),
             free_worker_slots: Vec::new(),
+            held_of: Vec::new(),
+            ranked: Vec::new(),
+            rank: Vec::new(),
             clock: 0,
             held: 0,
             stats: IndexStats::default(),
@@ -240,7 +255,9 @@ impl RadixIndex {
     /// only one cache still matches (Dynamo's option: that cache's score is then a lower
     /// bound, the others' are exact).
     pub fn find_matches_with(&self, query: &[LocalBlockHash], early_exit: bool) -> OverlapScores {
-        let mut out = OverlapScores::default();
+        let mut tally =
+            Tally { rank: &self.rank, dense: Vec::new(), sparse: SmallVec::new(), count: 0 };
+        // Caches that hold every block so far, by slot.
         let mut active: SmallVec<[Slot; 16]> = SmallVec::new();
         let mut node = ROOT;
         let mut depth = 0;
@@ -250,37 +267,79 @@ impl RadixIndex {
                 break;
             };
             let n = &self.nodes[child as usize];
-            if node == ROOT {
-                active.extend_from_slice(n.workers.as_slice());
-            } else {
-                retain_common(&mut active, n.workers.as_slice(), |s| {
-                    self.push_score(&mut out, s, depth);
-                });
-            }
-            if active.is_empty() {
-                break;
-            }
             n.touch(self.clock + 1);
+            let len = n.edge.len();
             let matched = common_prefix(&n.edge, &query[depth..]);
+            // Holders of the whole edge go on when the query matched all of it; the others
+            // score what they hold of what matched, and active caches missing here stop.
+            let through = (matched == len).then_some(len as u32);
+            let holders = n.holders.as_slice();
+            if node == ROOT {
+                // A document most caches hold: scores go straight to their ranks' places.
+                if holders.len() > 32 && holders.len() * 8 >= self.ranked.len() {
+                    tally.dense = vec![0; self.ranked.len()];
+                }
+                for &(s, c) in holders {
+                    if Some(c) == through {
+                        active.push(s);
+                    } else {
+                        tally.score(s, depth + matched.min(c as usize));
+                    }
+                }
+            } else {
+                let (mut j, mut keep) = (0, 0);
+                for i in 0..active.len() {
+                    let s = active[i];
+                    while j < holders.len() && holders[j].0 < s {
+                        j += 1;
+                    }
+                    match holders.get(j) {
+                        Some(&(h, c)) if h == s && Some(c) == through => {
+                            active[keep] = s;
+                            keep += 1;
+                        }
+                        Some(&(h, c)) if h == s => tally.score(s, depth + matched.min(c as usize)),
+                        _ => tally.score(s, depth),
+                    }
+                }
+                active.truncate(keep);
+            }
             depth += matched;
-            if matched < n.edge.len() || (early_exit && active.len() == 1) {
+            if active.is_empty() || through.is_none() || (early_exit && active.len() == 1) {
                 break;
             }
             node = child;
         }
         for &s in &active {
-            self.push_score(&mut out, s, depth);
+            tally.score(s, depth);
         }
-        // Slots are in order of first sight, not of worker id: sort both lists with one sort
-        // (already sorted, the common case with few workers, costs one pass).
-        if !out.scores.is_sorted_by_key(|&(w, _)| w) {
-            let mut both: Vec<((WorkerWithDpRank, u32), usize)> =
-                out.scores.iter().copied().zip(out.tree_sizes.iter().map(|&(_, t)| t)).collect();
-            both.sort_unstable_by_key(|&((w, _), _)| w);
-            out.scores = both.iter().map(|&(s, _)| s).collect();
-            out.tree_sizes = both.iter().map(|&((w, _), t)| (w, t)).collect();
+        // (rank, score) in worker order, then both lists from one exact-size pass each.
+        let ordered: Vec<(u32, u32)> = if tally.dense.is_empty() {
+            tally.sparse.sort_unstable();
+            tally.sparse.iter().map(|&p| ((p >> 32) as u32, p as u32)).collect()
+        } else {
+            let mut v = Vec::with_capacity(tally.count);
+            v.extend(
+                tally
+                    .dense
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &d)| d > 0)
+                    .map(|(r, &d)| (r as u32, d)),
+            );
+            v
+        };
+        let ranked = &self.ranked;
+        OverlapScores {
+            scores: ordered.iter().map(|&(r, d)| (ranked[r as usize].0, d)).collect(),
+            tree_sizes: ordered
+                .iter()
+                .map(|&(r, _)| {
+                    let (id, slot) = ranked[r as usize];
+                    (id, self.held_of[slot as usize])
+                })
+                .collect(),
         }
-        out
     }
 
     /// Forgets every dp rank of `worker`.
@@ -291,6 +350,7 @@ impl RadixIndex {
             self.worker_slots.remove(&w);
             self.free_worker_slots.push(slot);
         }
+        self.reorder();
     }
 
     /// Drops every block of every dp rank of `worker`, keeping it known (with zero blocks).
@@ -314,10 +374,7 @@ impl RadixIndex {
 
     /// Distinct blocks `worker` holds.
     pub fn tree_size(&self, worker: WorkerWithDpRank) -> usize {
-        self.worker_slots
-            .get(&worker)
-            .and_then(|&s| self.workers[s as usize].as_ref())
-            .map_or(0, |st| st.held)
+        self.worker_slots.get(&worker).map_or(0, |&s| self.held_of[s as usize])
     }
 
     /// (worker, block) pairs held, the figure `max_held_blocks` bounds.
@@ -388,7 +445,7 @@ impl RadixIndex {
             if alias {
                 *state.aliases.entry(id).or_insert(0) += 1;
             } else {
-                state.held += 1;
+                self.held_of[slot as usize] += 1;
                 self.held += 1;
             }
         }
@@ -425,7 +482,7 @@ impl RadixIndex {
                 }
                 continue;
             }
-            state.held -= 1;
+            self.held_of[slot as usize] -= 1;
             self.held -= 1;
             let (node, offset) = self.locate(id);
             if let Some(r) = run.as_mut() {
@@ -460,17 +517,17 @@ impl RadixIndex {
             touched.sort_unstable();
             touched.dedup();
             for &x in &touched {
-                index.nodes[x as usize].workers.remove(slot);
+                index.nodes[x as usize].holders.set(slot, 0);
             }
             for &x in &touched {
                 if index.nodes[x as usize].parent != FREED {
                     index.cleanup(x);
                 }
             }
-            index.held -= state.held;
+            index.held -= index.held_of[slot as usize];
+            index.held_of[slot as usize] = 0;
             state.blocks = ExtMap::default();
             state.aliases = FxHashMap::default();
-            state.held = 0;
         });
     }
 
@@ -500,7 +557,9 @@ impl RadixIndex {
             if cur.end < node.edge.len() {
                 if node.edge[cur.end] == hash {
                     let id = node.ids[cur.end];
-                    let alias = node.workers.contains(slot);
+                    // Holdings are prefixes of edges: a block below the worker's count is one
+                    // it holds already, under another engine hash.
+                    let alias = (cur.end as u32) < node.holders.count(slot);
                     if !alias && cur.run.is_none() {
                         cur.run = Some(cur.end);
                     }
@@ -529,7 +588,8 @@ impl RadixIndex {
     }
 
     /// Appends a new block after the cursor (which is at the end of its node): onto the node
-    /// itself when it is the worker's own leaf, else as a new child.
+    /// itself when it is childless and the worker holds all of it (other holders keep their
+    /// counts, so they now hold a prefix), else as a new child.
     fn push_new(
         &mut self,
         slot: Slot,
@@ -538,9 +598,10 @@ impl RadixIndex {
         remaining: usize,
     ) -> u32 {
         let n = &self.nodes[cur.node as usize];
-        let own_leaf = cur.node != ROOT && n.num_children == 0 && n.workers.is_only(slot);
-        if !own_leaf {
-            let child = self.alloc_node(Node::new(cur.node, WorkerSet::one(slot), self.clock));
+        let len = n.edge.len() as u32;
+        let extend = cur.node != ROOT && n.num_children == 0 && n.holders.count(slot) == len;
+        if !extend {
+            let child = self.alloc_node(Node::new(cur.node, Holders::default(), self.clock));
             self.add_child(cur.node, hash, child);
             *cur = Cursor { node: child, end: 0, run: None };
         }
@@ -553,28 +614,29 @@ impl RadixIndex {
         grow_exact(&mut n.ids, remaining + 1);
         n.edge.push(hash);
         n.ids.push(id);
+        n.holders.set(slot, n.edge.len() as u32);
         n.touch(self.clock);
         cur.end = n.edge.len();
         id
     }
 
-    /// Adds the worker to the blocks it matched in the cursor's node (`run..end`), splitting
-    /// the node so holders stay uniform; the cursor ends at the end of that run's node.
+    /// Adds the worker to the blocks it matched in the cursor's node (`run..end`). The worker
+    /// holds the blocks before `run` (it reached them through its own parent block), so its
+    /// count grows to `end`; were it not so, the node is cut at `run` to keep holdings prefixes.
     fn flush(&mut self, slot: Slot, cur: &mut Cursor) {
         let Some(start) = cur.run.take() else { return };
-        let mut node = cur.node;
-        let mut end = cur.end;
-        if start > 0 {
+        let (node, mut end) = (cur.node, cur.end);
+        let held = self.nodes[node as usize].holders.count(slot) as usize;
+        debug_assert!(held >= start, "a cursor enters a node through blocks its worker holds");
+        if held < start {
             self.split(node, start);
             end -= start;
         }
-        if end < self.nodes[node as usize].edge.len() {
-            node = self.split(node, end);
-        }
-        self.nodes[node as usize].workers.insert(slot);
-        self.nodes[node as usize].touch(self.clock);
-        let node = self.merge_with_parent(node);
-        *cur = Cursor { node, end: self.nodes[node as usize].edge.len(), run: None };
+        let n = &mut self.nodes[node as usize];
+        n.holders.set(slot, end as u32);
+        n.touch(self.clock);
+        let (node, shift) = self.merge_with_parent(node);
+        *cur = Cursor { node, end: end + shift, run: None };
     }
 
     /// Cuts node `n` after `k` blocks (0 < k < len). The head moves to a new node, which
@@ -590,8 +652,9 @@ impl RadixIndex {
         }
         let (parent, base, tail_first) = (node.parent, node.base, node.edge[0]);
         node.base = base.wrapping_add(k as u32);
-        let mut head =
-            Node::new(parent, node.workers.clone(), node.touched.load(Ordering::Relaxed));
+        let (head_holders, tail_holders) = node.holders.split_at(k as u32);
+        node.holders = tail_holders;
+        let mut head = Node::new(parent, head_holders, node.touched.load(Ordering::Relaxed));
         head.base = base;
         let head_first = edge[0];
         head.edge = edge;
@@ -609,16 +672,20 @@ impl RadixIndex {
         h
     }
 
-    /// If `c` is its parent's only child and both have the same holders, the parent's edge is
-    /// prepended to `c`'s and the parent freed. `c` keeps its id (and so its children).
-    fn merge_with_parent(&mut self, c: u32) -> u32 {
+    /// If `c` is its parent's only child and every holder of `c` holds all of the parent, the
+    /// parent's edge is prepended to `c`'s and the parent freed. `c` keeps its id (and so its
+    /// children); returns it and by how many blocks its offsets moved.
+    fn merge_with_parent(&mut self, c: u32) -> (u32, usize) {
         let p = self.nodes[c as usize].parent;
-        if p == ROOT
-            || self.nodes[p as usize].num_children != 1
-            || self.nodes[p as usize].workers != self.nodes[c as usize].workers
-        {
-            return c;
+        if p == ROOT || self.nodes[p as usize].num_children != 1 {
+            return (c, 0);
         }
+        let parent = &self.nodes[p as usize];
+        let plen = parent.edge.len() as u32;
+        if !parent.holders.covers(&self.nodes[c as usize].holders, plen) {
+            return (c, 0);
+        }
+        let holders = parent.holders.joined(&self.nodes[c as usize].holders, plen);
         let parent = &mut self.nodes[p as usize];
         let mut edge = std::mem::take(&mut parent.edge);
         let mut ids = std::mem::take(&mut parent.ids);
@@ -636,6 +703,7 @@ impl RadixIndex {
         child.ids = ids;
         child.base = base;
         child.parent = grandparent;
+        child.holders = holders;
         if touched > child.touched.load(Ordering::Relaxed) {
             child.touched.store(touched, Ordering::Relaxed);
         }
@@ -643,50 +711,50 @@ impl RadixIndex {
         self.children.insert(ChildKey { parent: grandparent, hash: parent_first.0 }, c);
         self.nodes[grandparent as usize].child_xor ^= p ^ c;
         self.release_node(p);
-        c
+        (c, plen as usize)
     }
 
-    /// Detaches the worker from a run of blocks of one node, cutting the run out of the node
-    /// if the worker keeps the rest or others hold it.
+    /// Detaches the worker from a run of blocks of one node. The worker's tail run shortens
+    /// its count; a run in the middle of what it holds is a hole, and the node is cut after
+    /// the run so that what the worker keeps stays prefixes (of the head and of the tail).
     fn detach(&mut self, slot: Slot, run: Run) {
         let Run { node, lo, hi } = run;
-        let n = &mut self.nodes[node as usize];
-        let len = n.edge.len();
-        if lo > 0 && hi == len && n.num_children == 0 && n.workers.is_only(slot) {
-            // The tail of the worker's own leaf (the usual eviction order): just shorten it.
-            n.edge.truncate(lo);
-            self.free_blocks.extend(n.ids.drain(lo..));
-            return;
-        }
+        let held = self.nodes[node as usize].holders.count(slot) as usize;
+        debug_assert!(hi <= held, "a worker's blocks are a prefix of the node");
         let mut x = node;
-        if lo > 0 {
-            self.split(x, lo);
+        if hi < held {
+            x = self.split(node, hi);
         }
-        if hi - lo < self.nodes[x as usize].edge.len() {
-            x = self.split(x, hi - lo);
-        }
-        self.nodes[x as usize].workers.remove(slot);
+        self.nodes[x as usize].holders.set(slot, lo as u32);
         self.cleanup(x);
     }
 
     /// After holders changed at `x`: frees it (and then its ancestors) while nobody holds it
-    /// and it has no children; otherwise folds it with a neighbour of equal holders.
+    /// and it has no children, cuts off a tail nobody holds, and otherwise folds it with a
+    /// neighbour whose holders allow.
     fn cleanup(&mut self, mut x: u32) {
         while x != ROOT {
-            let n = &self.nodes[x as usize];
-            if n.workers.is_empty() && n.num_children == 0 {
-                let (parent, first) = (n.parent, n.edge[0]);
-                self.children.remove(&ChildKey { parent, hash: first.0 });
-                let p = &mut self.nodes[parent as usize];
-                p.num_children -= 1;
-                p.child_xor ^= x;
-                let ids = std::mem::take(&mut self.nodes[x as usize].ids);
-                self.free_blocks.extend_from_slice(&ids);
-                self.release_node(x);
-                x = parent;
-                continue;
+            let n = &mut self.nodes[x as usize];
+            if n.num_children == 0 {
+                let held = n.holders.max_count() as usize;
+                if held == 0 {
+                    let (parent, first) = (n.parent, n.edge[0]);
+                    self.children.remove(&ChildKey { parent, hash: first.0 });
+                    let p = &mut self.nodes[parent as usize];
+                    p.num_children -= 1;
+                    p.child_xor ^= x;
+                    let ids = std::mem::take(&mut self.nodes[x as usize].ids);
+                    self.free_blocks.extend_from_slice(&ids);
+                    self.release_node(x);
+                    x = parent;
+                    continue;
+                }
+                if held < n.edge.len() {
+                    n.edge.truncate(held);
+                    self.free_blocks.extend(n.ids.drain(held..));
+                }
             }
-            let x = self.merge_with_parent(x);
+            let (x, _) = self.merge_with_parent(x);
             let n = &self.nodes[x as usize];
             if n.num_children == 1 {
                 self.merge_with_parent(n.child_xor);
@@ -710,7 +778,7 @@ impl RadixIndex {
             let mut leaves: Vec<(u64, u32)> = (1..self.nodes.len() as u32)
                 .filter(|&x| {
                     let n = &self.nodes[x as usize];
-                    n.parent != FREED && n.num_children == 0 && !n.workers.is_empty()
+                    n.parent != FREED && n.num_children == 0 && !n.holders.is_empty()
                 })
                 .map(|x| (self.nodes[x as usize].touched.load(Ordering::Relaxed), x))
                 .collect();
@@ -725,17 +793,16 @@ impl RadixIndex {
                     break;
                 }
                 let n = &mut self.nodes[x as usize];
-                let len = n.edge.len();
-                let workers = std::mem::take(&mut n.workers);
+                let holders = std::mem::take(&mut n.holders);
                 dead.extend(n.ids.iter().copied());
-                for s in workers.iter() {
-                    if let Some(state) = self.workers[s as usize].as_mut() {
-                        state.held -= len;
-                    }
+                let mut pairs = 0;
+                for (s, c) in holders.iter() {
+                    self.held_of[s as usize] -= c as usize;
+                    pairs += c as usize;
                     affected.insert(s);
                 }
-                self.held -= len * workers.len();
-                self.stats.evicted_blocks += (len * workers.len()) as u64;
+                self.held -= pairs;
+                self.stats.evicted_blocks += pairs as u64;
                 self.cleanup(x);
             }
             for s in affected {
@@ -764,12 +831,8 @@ impl RadixIndex {
         if let Some(&slot) = self.worker_slots.get(&worker) {
             return slot;
         }
-        let state = WorkerState {
-            id: worker,
-            blocks: ExtMap::default(),
-            aliases: FxHashMap::default(),
-            held: 0,
-        };
+        let state =
+            WorkerState { id: worker, blocks: ExtMap::default(), aliases: FxHashMap::default() };
         let slot = match self.free_worker_slots.pop() {
             Some(slot) => {
                 self.workers[slot as usize] = Some(state);
@@ -781,7 +844,21 @@ impl RadixIndex {
             }
         };
         self.worker_slots.insert(worker, slot);
+        self.reorder();
         slot
+    }
+
+    /// Recomputes the worker-id order of the slots (when a cache comes or goes).
+    fn reorder(&mut self) {
+        let mut known: Vec<(WorkerWithDpRank, Slot)> =
+            self.worker_slots.iter().map(|(&w, &s)| (w, s)).collect();
+        known.sort_unstable();
+        self.held_of.resize(self.workers.len(), 0);
+        self.rank.resize(self.workers.len(), 0);
+        for (r, &(_, s)) in known.iter().enumerate() {
+            self.rank[s as usize] = r as u32;
+        }
+        self.ranked = known;
     }
 
     fn slots_of(&self, worker: WorkerId) -> Vec<(WorkerWithDpRank, Slot)> {
@@ -793,16 +870,6 @@ impl RadixIndex {
             .collect();
         out.sort_unstable();
         out
-    }
-
-    fn push_score(&self, out: &mut OverlapScores, slot: Slot, depth: usize) {
-        if depth == 0 {
-            return;
-        }
-        if let Some(state) = self.workers[slot as usize].as_ref() {
-            out.scores.push((state.id, depth as u32));
-            out.tree_sizes.push((state.id, state.held));
-        }
     }
 
     fn add_child(&mut self, parent: u32, first: LocalBlockHash, child: u32) {
@@ -827,7 +894,7 @@ impl RadixIndex {
 
     fn release_node(&mut self, x: u32) {
         let n = &mut self.nodes[x as usize];
-        *n = Node::new(FREED, WorkerSet::default(), 0);
+        *n = Node::new(FREED, Holders::default(), 0);
         self.free_nodes.push(x);
     }
 
@@ -853,6 +920,30 @@ impl RadixIndex {
 fn grow_exact<T>(v: &mut Vec<T>, want: usize) {
     if v.capacity() - v.len() < want {
         v.reserve_exact(want.max(v.len() / 4));
+    }
+}
+
+/// The scores of one lookup, by the caches' worker-order ranks: packed `(rank, score)` pairs
+/// that one integer sort orders, or, when most caches score, a score per rank.
+struct Tally<'a> {
+    rank: &'a [u32],
+    dense: Vec<u32>,
+    sparse: SmallVec<[u64; 16]>,
+    count: usize,
+}
+
+impl Tally<'_> {
+    #[inline]
+    fn score(&mut self, slot: Slot, depth: usize) {
+        if depth == 0 {
+            return;
+        }
+        let r = self.rank[slot as usize];
+        self.count += 1;
+        match self.dense.get_mut(r as usize) {
+            Some(d) => *d = depth as u32,
+            None => self.sparse.push((u64::from(r) << 32) | depth as u64),
+        }
     }
 }
 

@@ -58,21 +58,25 @@ impl RadixIndex {
                     None
                 } else {
                     let node = &self.nodes[x as usize];
-                    let exts: Vec<ExternalBlockHash> = if node.workers.contains(slot) {
-                        node.ids.iter().map(|id| names[id][0]).collect()
-                    } else {
-                        node.ids
-                            .iter()
-                            .map(|_| {
-                                while state.blocks.contains(ExternalBlockHash(next_synthetic)) {
-                                    next_synthetic += 1;
-                                }
+                    // The worker's own names for the blocks it holds (a prefix of the edge),
+                    // synthetic ones, removed at the end, for the rest the path runs through.
+                    let held = node.holders.count(slot) as usize;
+                    let exts: Vec<ExternalBlockHash> = node
+                        .ids
+                        .iter()
+                        .enumerate()
+                        .map(|(i, id)| {
+                            if i < held {
+                                return names[id][0];
+                            }
+                            while state.blocks.contains(ExternalBlockHash(next_synthetic)) {
                                 next_synthetic += 1;
-                                synthetic.push(ExternalBlockHash(next_synthetic - 1));
-                                ExternalBlockHash(next_synthetic - 1)
-                            })
-                            .collect()
-                    };
+                            }
+                            next_synthetic += 1;
+                            synthetic.push(ExternalBlockHash(next_synthetic - 1));
+                            ExternalBlockHash(next_synthetic - 1)
+                        })
+                        .collect();
                     dump.stored(
                         worker,
                         parent,

@@ -71,7 +71,10 @@ fn check_invariants(index: &RadixIndex) {
         assert!(!node.edge.is_empty(), "node {x} has an empty edge");
         assert_eq!(node.edge.len(), node.ids.len());
         assert_eq!(index.children[&ChildKey { parent: node.parent, hash: node.edge[0].0 }], x);
-        assert!(!node.workers.is_empty() || node.num_children > 0, "node {x} is dead weight");
+        let held = node.holders.max_count() as usize;
+        assert!(held <= node.edge.len(), "node {x} is held past its edge");
+        assert!(held == node.edge.len() || node.num_children > 0, "node {x} has a dead tail");
+        assert!(node.holders.iter().all(|(_, c)| c > 0), "node {x} has an empty holder");
         for (i, &id) in node.ids.iter().enumerate() {
             assert_eq!(index.locate(id), (x, i), "slot of block {id}");
         }
@@ -92,16 +95,16 @@ fn check_invariants(index: &RadixIndex) {
     for (slot, state) in index.workers.iter().enumerate() {
         let Some(state) = state else { continue };
         let held: BTreeSet<u32> = state.blocks.values().collect();
-        assert_eq!(state.held, held.len());
+        assert_eq!(index.held_of[slot], held.len());
         assert_eq!(state.blocks.len() - held.len(), state.aliases.values().sum::<u32>() as usize);
         total += held.len();
         for (x, node) in index.nodes.iter().enumerate().skip(1) {
             if node.parent == FREED {
                 continue;
             }
-            let has = node.workers.contains(slot as Slot);
-            for id in &node.ids {
-                assert_eq!(held.contains(id), has, "holders of node {x} for slot {slot}");
+            let count = node.holders.count(slot as Slot) as usize;
+            for (i, id) in node.ids.iter().enumerate() {
+                assert_eq!(held.contains(id), i < count, "holders of node {x} for slot {slot}");
             }
         }
     }
@@ -512,4 +515,59 @@ proptest! {
             prop_assert_eq!(replayed.tree_size(worker), model.tree_size(worker));
         }
     }
+}
+
+#[test]
+fn prefixes_of_one_document_share_its_node() {
+    // A document of 64 blocks, held to a different depth by each of 40 workers (tail eviction
+    // leaves prefixes): one node, and each worker scores what it holds.
+    let mut index = RadixIndex::new();
+    let doc: Vec<u64> = (1..=64).collect();
+    for k in 0..40u64 {
+        let len = 64 - (k as usize * 37) % 60;
+        store_chain(&mut index, w(k), 1000 * (k + 1), &doc[..len]);
+    }
+    assert_eq!(index.stats().nodes, 1, "{:?}", index.stats());
+    let scores = index.find_matches(&q(&doc));
+    assert_eq!(scores.scores.len(), 40);
+    for k in 0..40u64 {
+        assert_eq!(scores.score(w(k)), (64 - (k as usize * 37) % 60) as u32, "worker {k}");
+    }
+    // A query that leaves the document after 10 blocks caps everyone at 10.
+    let mut early = doc[..10].to_vec();
+    early.push(999);
+    let capped = index.find_matches(&q(&early));
+    for k in 0..40u64 {
+        assert_eq!(capped.score(w(k)), (64 - (k as usize * 37) % 60).min(10) as u32);
+    }
+    // A hole in the middle of what worker 0 holds cuts the node there, and only there.
+    index.apply_event(&removed(w(0), &[1000 + 20])).unwrap();
+    check_invariants(&index);
+    assert_eq!(index.find_matches(&q(&doc)).score(w(0)), 20);
+    assert_eq!(index.stats().nodes, 2);
+    // Evicting every worker's tail, leaves first, frees the tree.
+    for k in 0..40u64 {
+        let len = 64 - (k as usize * 37) % 60;
+        let hashes: Vec<u64> = (0..len as u64).rev().map(|i| 1000 * (k + 1) + i).collect();
+        let _ = index.apply_event(&removed(w(k), &hashes));
+        check_invariants(&index);
+    }
+    let stats = index.stats();
+    assert_eq!((stats.blocks, stats.nodes, stats.held_blocks), (0, 0, 0));
+}
+
+#[test]
+fn a_worker_that_extends_a_shared_leaf_leaves_the_others_a_prefix() {
+    let mut index = RadixIndex::new();
+    store_chain(&mut index, w(1), 100, &[1, 2, 3]);
+    store_chain(&mut index, w(2), 200, &[1, 2, 3]);
+    // Worker 1 grows the leaf both hold; worker 2 then diverges from it at the same place.
+    index.apply_event(&stored(w(1), Some(102), &[(103, 4), (104, 5)])).unwrap();
+    check_invariants(&index);
+    assert_eq!(index.stats().nodes, 1);
+    index.apply_event(&stored(w(2), Some(202), &[(203, 9)])).unwrap();
+    check_invariants(&index);
+    let scores = index.find_matches(&q(&[1, 2, 3, 4, 5]));
+    assert_eq!(scores.scores, vec![(w(1), 5), (w(2), 3)]);
+    assert_eq!(index.find_matches(&q(&[1, 2, 3, 9])).scores, vec![(w(1), 3), (w(2), 4)]);
 }
