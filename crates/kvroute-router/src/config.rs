@@ -289,7 +289,9 @@ pub const DEFAULT_MAX_LEARNED_WORKERS: usize = 1024;
 pub struct RouterConfig {
     pub block_size: BlockSize,
     pub workers: Vec<WorkerSpec>,
-    /// Index shards (readers in parallel, a writer per shard).
+    /// Index shards: each its own tree behind its own lock, so writers to different shards
+    /// run in parallel, but every lookup walks every shard (a prefix many workers hold is in
+    /// each). One, the default, is the fastest lookup; more only help several event threads.
     pub shards: usize,
     pub index: IndexConfig,
     /// Most data-parallel ranks a worker may have: events naming a rank at or above it are
@@ -316,7 +318,7 @@ impl Default for RouterConfig {
         Self {
             block_size: BlockSize::default(),
             workers: Vec::new(),
-            shards: 4,
+            shards: 1,
             // 16M (worker, block) pairs: ~0.8 GB of index at most, whatever the event flood.
             index: IndexConfig { max_held_blocks: Some(16 << 20) },
             max_dp_size: DEFAULT_MAX_DP_SIZE,

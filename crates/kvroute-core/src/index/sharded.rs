@@ -20,6 +20,10 @@
 //! 90% of the budget, so however workers spread over shards the index never holds more than
 //! the budget asks.
 //!
+//! A lookup walks every shard, and a prefix held by workers of several shards is stored, and
+//! walked, once in each: the router uses one shard (the readers' lock is then all sharding
+//! costs a lookup), and more only help when several threads write events at once.
+//!
 //! Every dp rank of a worker lands on the same shard. Per-worker ordering is the caller's: feed
 //! each worker's events from one thread, in order (the event plane has one subscriber per
 //! worker). [`ShardedIndex::apply_batch`] takes each shard's lock once per batch.

@@ -173,7 +173,8 @@ pub struct Routing {
     #[arg(long, value_delimiter = ',', value_parser = super::kv_weight)]
     #[serde(default, skip_serializing_if = "Vec::is_empty", with = "super::weights")]
     pub kv_cost: Vec<(String, f64)>,
-    /// Index shards: parallel readers, one writer each.
+    /// Index shards, each a tree behind its own lock: more let several event threads write at
+    /// once, but every lookup walks every shard. One is the fastest lookup.
     #[arg(long)]
     pub shards: Option<usize>,
     /// Most (worker, block) pairs the index keeps, all shards together, before evicting the
