@@ -81,6 +81,10 @@ fn events(format: EventFormat, data: &[u8]) {
 }
 
 pub fn vllm(data: &[u8]) {
+    // The fast decoder and the general one agree on every input (or the fast one stood aside).
+    let fast = kvroute_wire::vllm::decode_batch(data);
+    let general = kvroute_wire::vllm::decode_batch_general(data);
+    assert_eq!(format!("{fast:?}"), format!("{general:?}"), "the two vLLM decoders disagree");
     events(EventFormat::Vllm, data);
 }
 

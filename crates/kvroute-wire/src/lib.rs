@@ -24,6 +24,7 @@ pub mod replica;
 pub mod transport;
 pub mod trtllm;
 pub mod vllm;
+mod vllm_fast;
 
 pub use convert::{ConvertConfig, ConvertStats, Converter};
 use kvroute_core::RouterEvent;

@@ -121,10 +121,196 @@ pub fn decode(bytes: &[u8]) -> Result<Value, WireError> {
     Ok(value)
 }
 
-struct Reader<'a> {
+pub(crate) struct Reader<'a> {
     bytes: &'a [u8],
-    pos: usize,
+    pub(crate) pos: usize,
     values_left: usize,
+}
+
+/// Typed reads for decoders that know their shape (`vllm_fast`): each reads one value of the
+/// kind it names, counted against [`MAX_VALUES`] exactly as [`decode`] counts it, and returns
+/// `None`, having moved nowhere that matters, when the next value is not of that kind or the
+/// input ends (the caller then decodes the whole message the general way).
+impl<'a> Reader<'a> {
+    pub(crate) fn new(bytes: &'a [u8]) -> Self {
+        Self { bytes, pos: 0, values_left: MAX_VALUES }
+    }
+
+    pub(crate) fn at_end(&self) -> bool {
+        self.pos == self.bytes.len()
+    }
+
+    fn counted(&mut self) -> Option<()> {
+        self.values_left = self.values_left.checked_sub(1)?;
+        Some(())
+    }
+
+    /// An array's length (its items follow).
+    pub(crate) fn array_len(&mut self) -> Option<usize> {
+        let n = match *self.bytes.get(self.pos)? {
+            m @ 0x90..=0x9f => {
+                self.pos += 1;
+                usize::from(m & 0x0f)
+            }
+            0xdc => {
+                self.pos += 1;
+                self.len(2).ok()?
+            }
+            0xdd => {
+                self.pos += 1;
+                self.len(4).ok()?
+            }
+            _ => return None,
+        };
+        self.counted()?;
+        self.count(n, 1).ok()
+    }
+
+    /// A map's number of entries (keys and values follow, alternating).
+    pub(crate) fn map_len(&mut self) -> Option<usize> {
+        let n = match *self.bytes.get(self.pos)? {
+            m @ 0x80..=0x8f => {
+                self.pos += 1;
+                usize::from(m & 0x0f)
+            }
+            0xde => {
+                self.pos += 1;
+                self.len(2).ok()?
+            }
+            0xdf => {
+                self.pos += 1;
+                self.len(4).ok()?
+            }
+            _ => return None,
+        };
+        self.counted()?;
+        self.count(n, 2).ok()
+    }
+
+    pub(crate) fn str_ref(&mut self) -> Option<&'a str> {
+        let n = match *self.bytes.get(self.pos)? {
+            m @ 0xa0..=0xbf => {
+                self.pos += 1;
+                usize::from(m & 0x1f)
+            }
+            m @ 0xd9..=0xdb => {
+                self.pos += 1;
+                self.len(1 << (m - 0xd9)).ok()?
+            }
+            _ => return None,
+        };
+        self.counted()?;
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len())?;
+        let s = std::str::from_utf8(&self.bytes[self.pos..end]).ok()?;
+        self.pos = end;
+        Some(s)
+    }
+
+    pub(crate) fn int(&mut self) -> Option<i128> {
+        let m = *self.bytes.get(self.pos)?;
+        if !is_int_marker(m) {
+            return None;
+        }
+        self.pos += 1;
+        self.counted()?;
+        let v = match m {
+            0x00..=0x7f => i128::from(m),
+            0xe0..=0xff => i128::from(m as i8),
+            0xcc => i128::from(self.byte().ok()?),
+            0xcd => i128::from(u16::from_be_bytes(self.be().ok()?)),
+            0xce => i128::from(u32::from_be_bytes(self.be().ok()?)),
+            0xcf => i128::from(u64::from_be_bytes(self.be().ok()?)),
+            0xd0 => i128::from(self.byte().ok()? as i8),
+            0xd1 => i128::from(i16::from_be_bytes(self.be().ok()?)),
+            0xd2 => i128::from(i32::from_be_bytes(self.be().ok()?)),
+            _ => i128::from(i64::from_be_bytes(self.be().ok()?)),
+        };
+        Some(v)
+    }
+
+    /// An array of `n` integers (its header read), each made a `u64` by `conv`, appended to
+    /// `out`; `None` at the first item that is not an integer or that `conv` refuses. One
+    /// tight loop: token ids are most of a KV event's bytes.
+    pub(crate) fn ints_into(
+        &mut self,
+        n: usize,
+        out: &mut Vec<u64>,
+        conv: impl Fn(i128) -> Option<u64>,
+    ) -> Option<()> {
+        self.values_left = self.values_left.checked_sub(n)?;
+        out.reserve(n);
+        let bytes = self.bytes;
+        let mut pos = self.pos;
+        for _ in 0..n {
+            let m = *bytes.get(pos)?;
+            let (v, width) = match m {
+                0x00..=0x7f => (i128::from(m), 0),
+                0xcc => (i128::from(*bytes.get(pos + 1)?), 1),
+                0xcd => (
+                    i128::from(u16::from_be_bytes(bytes.get(pos + 1..pos + 3)?.try_into().ok()?)),
+                    2,
+                ),
+                0xce => (
+                    i128::from(u32::from_be_bytes(bytes.get(pos + 1..pos + 5)?.try_into().ok()?)),
+                    4,
+                ),
+                0xcf => (
+                    i128::from(u64::from_be_bytes(bytes.get(pos + 1..pos + 9)?.try_into().ok()?)),
+                    8,
+                ),
+                0xe0..=0xff => (i128::from(m as i8), 0),
+                0xd0 => (i128::from(*bytes.get(pos + 1)? as i8), 1),
+                0xd1 => (
+                    i128::from(i16::from_be_bytes(bytes.get(pos + 1..pos + 3)?.try_into().ok()?)),
+                    2,
+                ),
+                0xd2 => (
+                    i128::from(i32::from_be_bytes(bytes.get(pos + 1..pos + 5)?.try_into().ok()?)),
+                    4,
+                ),
+                0xd3 => (
+                    i128::from(i64::from_be_bytes(bytes.get(pos + 1..pos + 9)?.try_into().ok()?)),
+                    8,
+                ),
+                _ => return None,
+            };
+            out.push(conv(v)?);
+            pos += 1 + width;
+        }
+        self.pos = pos;
+        Some(())
+    }
+
+    /// A nil, consumed if it is next.
+    pub(crate) fn nil(&mut self) -> Option<bool> {
+        if self.bytes.get(self.pos) != Some(&0xc0) {
+            return Some(false);
+        }
+        self.pos += 1;
+        self.counted()?;
+        Some(true)
+    }
+
+    pub(crate) fn float(&mut self) -> Option<f64> {
+        match *self.bytes.get(self.pos)? {
+            0xca => {
+                self.pos += 1;
+                self.counted()?;
+                Some(f64::from(f32::from_be_bytes(self.be().ok()?)))
+            }
+            0xcb => {
+                self.pos += 1;
+                self.counted()?;
+                Some(f64::from_be_bytes(self.be().ok()?))
+            }
+            _ => None,
+        }
+    }
+
+    /// Any one value, the general way, nested `depth` deep in the message.
+    pub(crate) fn any(&mut self, depth: usize) -> Option<Value> {
+        self.value(depth).ok()
+    }
 }
 
 impl Reader<'_> {

@@ -87,6 +87,15 @@ pub fn split_frames<F: AsRef<[u8]>>(frames: &[F]) -> Result<(&[u8], u64, &[u8]),
 
 /// Decodes a batch payload.
 pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, WireError> {
+    match crate::vllm_fast::decode_batch(payload) {
+        Some(batch) => Ok(batch),
+        None => decode_batch_general(payload),
+    }
+}
+
+/// [`decode_batch`] through a full `msgpack::Value` tree: every shape the decoder takes (the
+/// fast path decodes the common one and leaves the rest here; the fuzz target compares them).
+pub fn decode_batch_general(payload: &[u8]) -> Result<KvEventBatch, WireError> {
     let value = msgpack::decode(payload)?;
     let items = value.as_array().ok_or(WireError::Shape("a batch is an array"))?;
     let ts = match items.first() {
