@@ -25,8 +25,8 @@ use super::holders::{Holders, Slot};
 use super::{IndexConfig, IndexStats, OverlapScores};
 use crate::Error;
 use crate::protocols::{
-    ExternalBlockHash, KvCacheEventData, KvCacheStoreData, LocalBlockHash, RouterEvent, WorkerId,
-    WorkerWithDpRank,
+    ExternalBlockHash, KvCacheEventData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+    WorkerId, WorkerWithDpRank,
 };
 
 mod dump;
@@ -209,37 +209,60 @@ impl RadixIndex {
 
     /// Applies an event, or a piece of one, without counting it in `events_applied`.
     pub(crate) fn apply_part(&mut self, event: &RouterEvent) -> Result<(), Error> {
-        // Writes stamp even ticks and reads the odd tick after, so a read after a write ranks
-        // newer than that write and older than the next one.
-        self.clock += 2;
         let worker = event.worker();
-        let result = match &event.event.data {
+        match &event.event.data {
             KvCacheEventData::Stored(data) => {
-                let slot = self.slot_for(worker);
-                self.with_worker(slot, |index, state| index.apply_stored(slot, state, data))
+                self.apply_stored_part(worker, data.parent_hash, &data.blocks)
             }
-            KvCacheEventData::Removed(data) => match self.worker_slots.get(&worker) {
-                Some(&slot) => self.with_worker(slot, |index, state| {
-                    index.apply_removed(slot, state, &data.block_hashes)
-                }),
-                None => {
-                    self.stats.removed_unknown += data.block_hashes.len() as u64;
-                    Err(Error::UnknownBlocks { worker, count: data.block_hashes.len() })
-                }
-            },
+            KvCacheEventData::Removed(data) => self.apply_removed_part(worker, &data.block_hashes),
             KvCacheEventData::Cleared => {
+                self.clock += 2;
                 if let Some(&slot) = self.worker_slots.get(&worker) {
                     self.clear_slot(slot);
                 }
                 Ok(())
             }
+        }
+    }
+
+    /// Stores `blocks` for `worker` after its block `parent` (a Stored event, or a piece of
+    /// one), without counting an event.
+    pub(crate) fn apply_stored_part(
+        &mut self,
+        worker: WorkerWithDpRank,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[KvCacheStoredBlockData],
+    ) -> Result<(), Error> {
+        // Writes stamp even ticks and reads the odd tick after, so a read after a write ranks
+        // newer than that write and older than the next one.
+        self.clock += 2;
+        let slot = self.slot_for(worker);
+        let result =
+            self.with_worker(slot, |index, state| index.apply_stored(slot, state, parent, blocks));
+        self.bound_memory();
+        result
+    }
+
+    /// Removes `hashes` from `worker` (a Removed event, or a piece of one), without counting.
+    pub(crate) fn apply_removed_part(
+        &mut self,
+        worker: WorkerWithDpRank,
+        hashes: &[ExternalBlockHash],
+    ) -> Result<(), Error> {
+        self.clock += 2;
+        let Some(&slot) = self.worker_slots.get(&worker) else {
+            self.stats.removed_unknown += hashes.len() as u64;
+            return Err(Error::UnknownBlocks { worker, count: hashes.len() });
         };
+        self.with_worker(slot, |index, state| index.apply_removed(slot, state, hashes))
+    }
+
+    fn bound_memory(&mut self) {
         if let Some(max) = self.config.max_held_blocks
             && self.held > max
         {
             self.evict(max - max / 10);
         }
-        result
     }
 
     pub(crate) fn count_applied(&mut self) {
@@ -377,6 +400,11 @@ impl RadixIndex {
         self.worker_slots.get(&worker).map_or(0, |&s| self.held_of[s as usize])
     }
 
+    /// Every known cache with the distinct blocks it holds, sorted by worker.
+    pub fn tree_sizes(&self) -> Vec<(WorkerWithDpRank, usize)> {
+        self.ranked.iter().map(|&(w, s)| (w, self.held_of[s as usize])).collect()
+    }
+
     /// (worker, block) pairs held, the figure `max_held_blocks` bounds.
     pub fn held_blocks(&self) -> usize {
         self.held
@@ -413,9 +441,10 @@ impl RadixIndex {
         &mut self,
         slot: Slot,
         state: &mut WorkerState,
-        data: &KvCacheStoreData,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[KvCacheStoredBlockData],
     ) -> Result<(), Error> {
-        let mut cur = match data.parent_hash {
+        let mut cur = match parent {
             None => Cursor { node: ROOT, end: 0, run: None },
             Some(parent) => match state.blocks.get(parent) {
                 Some(id) => self.cursor_after(id),
@@ -428,9 +457,9 @@ impl RadixIndex {
         // Look every hash up first: the lookups are independent, so their cache misses overlap
         // (a big map misses on nearly every probe), and the inserts below then hit warm lines.
         let known: SmallVec<[Option<u32>; 64]> =
-            data.blocks.iter().map(|b| state.blocks.get(b.block_hash)).collect();
-        let mut remaining = data.blocks.len();
-        for (block, known) in data.blocks.iter().zip(known) {
+            blocks.iter().map(|b| state.blocks.get(b.block_hash)).collect();
+        let mut remaining = blocks.len();
+        for (block, known) in blocks.iter().zip(known) {
             remaining -= 1;
             // A block inserted earlier in this event may have the same hash (garbage input).
             if let Some(id) = known.or_else(|| state.blocks.get(block.block_hash)) {

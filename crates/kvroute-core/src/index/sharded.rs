@@ -36,20 +36,10 @@ use spin::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::{IndexConfig, IndexStats, OverlapScores, RadixIndex};
 use crate::Error;
-use crate::protocols::{
-    KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, LocalBlockHash,
-    RouterEvent, WorkerId, WorkerWithDpRank,
-};
+use crate::protocols::{KvCacheEventData, LocalBlockHash, RouterEvent, WorkerId, WorkerWithDpRank};
 
 /// Most blocks applied under one hold of a shard's write lock.
 pub const BLOCKS_PER_LOCK: usize = 8;
-
-fn piece(event: &RouterEvent, data: KvCacheEventData) -> RouterEvent {
-    RouterEvent {
-        worker_id: event.worker_id,
-        event: KvCacheEvent { event_id: event.event.event_id, data, dp_rank: event.event.dp_rank },
-    }
-}
 
 #[derive(Debug)]
 pub struct ShardedIndex {
@@ -85,12 +75,13 @@ impl ShardedIndex {
 
     fn apply_to(&self, s: usize, event: &RouterEvent) -> Result<(), Error> {
         let shard = &self.shards[s];
+        let worker = event.worker();
+        // Pieces are slices of the event: a long event costs no copy.
         let result = match &event.event.data {
             KvCacheEventData::Stored(data) if data.blocks.len() > BLOCKS_PER_LOCK => {
                 let mut parent_hash = data.parent_hash;
                 for blocks in data.blocks.chunks(BLOCKS_PER_LOCK) {
-                    let data = KvCacheStoreData { parent_hash, blocks: blocks.to_vec() };
-                    shard.write().apply_part(&piece(event, KvCacheEventData::Stored(data)))?;
+                    shard.write().apply_stored_part(worker, parent_hash, blocks)?;
                     parent_hash = blocks.last().map(|b| b.block_hash);
                 }
                 Ok(())
@@ -98,15 +89,14 @@ impl ShardedIndex {
             KvCacheEventData::Removed(data) if data.block_hashes.len() > BLOCKS_PER_LOCK => {
                 let mut unknown = 0;
                 for hashes in data.block_hashes.chunks(BLOCKS_PER_LOCK) {
-                    let data = KvCacheRemoveData { block_hashes: hashes.to_vec() };
-                    match shard.write().apply_part(&piece(event, KvCacheEventData::Removed(data))) {
+                    match shard.write().apply_removed_part(worker, hashes) {
                         Err(Error::UnknownBlocks { count, .. }) => unknown += count,
                         other => other?,
                     }
                 }
                 match unknown {
                     0 => Ok(()),
-                    count => Err(Error::UnknownBlocks { worker: event.worker(), count }),
+                    count => Err(Error::UnknownBlocks { worker, count }),
                 }
             }
             _ => return shard.write().apply_event(event),
@@ -201,6 +191,17 @@ impl ShardedIndex {
         read(&self.shards[self.shard_of(worker.worker_id)]).tree_size(worker)
     }
 
+    /// Every known cache with the distinct blocks it holds, sorted by worker.
+    pub fn tree_sizes(&self) -> Vec<(WorkerWithDpRank, usize)> {
+        let mut shards = self.shards.iter();
+        let mut out = shards.next().map(|s| read(s).tree_sizes()).unwrap_or_default();
+        for shard in shards {
+            out.extend(read(shard).tree_sizes());
+            out.sort_unstable_by_key(|&(w, _)| w);
+        }
+        out
+    }
+
     pub fn stats(&self) -> IndexStats {
         self.shards.iter().map(|s| read(s).stats()).fold(IndexStats::default(), |a, b| a + b)
     }
@@ -232,7 +233,9 @@ fn read(shard: &RwLock<RadixIndex>) -> RwLockReadGuard<'_, RadixIndex> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocols::{ExternalBlockHash, KvCacheStoredBlockData};
+    use crate::protocols::{
+        ExternalBlockHash, KvCacheEvent, KvCacheStoreData, KvCacheStoredBlockData,
+    };
 
     fn chain(worker: u64, dp: u32, locals: &[u64]) -> RouterEvent {
         let blocks = locals

@@ -6,7 +6,7 @@ use super::*;
 use crate::hash::BlockHasher;
 use crate::protocols::{
     BlockExtraInfo, BlockMmObjectInfo, BlockSize, DpRank, KvCacheEvent, KvCacheRemoveData,
-    KvCacheStoredBlockData,
+    KvCacheStoreData,
 };
 
 fn w(id: u64) -> WorkerWithDpRank {
