@@ -250,6 +250,12 @@ impl Rng {
 /// what storing more there evicts.
 pub trait TreeSizes {
     fn tree_size(&self, worker: WorkerWithDpRank) -> usize;
+
+    /// Every known cache's size, sorted by worker, when the source can list them in one go
+    /// (a decision over a thousand workers then reads one list instead of asking each).
+    fn all_sorted(&self) -> Option<Vec<(WorkerWithDpRank, usize)>> {
+        None
+    }
 }
 
 /// For callers without an index at hand: every cache looks empty.
@@ -266,11 +272,19 @@ impl TreeSizes for crate::index::RadixIndex {
     fn tree_size(&self, worker: WorkerWithDpRank) -> usize {
         RadixIndex::tree_size(self, worker)
     }
+
+    fn all_sorted(&self) -> Option<Vec<(WorkerWithDpRank, usize)>> {
+        Some(self.tree_sizes())
+    }
 }
 
 impl TreeSizes for crate::index::ShardedIndex {
     fn tree_size(&self, worker: WorkerWithDpRank) -> usize {
         ShardedIndex::tree_size(self, worker)
+    }
+
+    fn all_sorted(&self) -> Option<Vec<(WorkerWithDpRank, usize)>> {
+        Some(self.tree_sizes())
     }
 }
 
@@ -405,6 +419,9 @@ pub struct Scheduler {
     adapters: AdapterTable,
     sessions: Sessions,
     affinity: AffinityCounts,
+    /// The candidates' buffer, kept between decisions (a thousand candidates are ~140 KB:
+    /// allocated per decision, that was a fresh mapping and its page faults each time).
+    scratch: Vec<Candidate>,
 }
 
 /// What session affinity did, since the start.
@@ -453,6 +470,7 @@ impl Scheduler {
             adapters: AdapterTable::default(),
             sessions: Sessions::new(config.sessions),
             affinity: AffinityCounts::default(),
+            scratch: Vec::new(),
         }
     }
 
@@ -533,17 +551,35 @@ impl Scheduler {
         sizes: &dyn TreeSizes,
         now: Instant,
     ) -> Option<RouteDecision> {
-        let mut candidates = self.candidates(request.local_hashes, scores, sizes);
+        let mut candidates = std::mem::take(&mut self.scratch);
+        self.fill_candidates(&mut candidates, request.local_hashes, scores, sizes);
+        let decision = self.route_among(request, &mut candidates, now);
+        self.scratch = candidates;
+        decision
+    }
+
+    /// [`Self::route`] over its candidates.
+    fn route_among(
+        &mut self,
+        request: &RouteRequest<'_>,
+        candidates: &mut Vec<Candidate>,
+        now: Instant,
+    ) -> Option<RouteDecision> {
         let adapters = &self.adapters;
-        candidates.retain(|c| {
-            !request.exclude.contains(&c.worker) && adapters.serves(c.worker, request.adapter)
-        });
-        for c in &mut candidates {
-            c.adapter = adapters.fit(c.worker, request.adapter);
+        if !request.exclude.is_empty() || request.adapter.is_some() {
+            candidates.retain(|c| {
+                !request.exclude.contains(&c.worker) && adapters.serves(c.worker, request.adapter)
+            });
         }
-        let (mut chosen, costs) = self.select(request, &candidates)?;
+        if request.adapter.is_some() {
+            for c in candidates.iter_mut() {
+                c.adapter = adapters.fit(c.worker, request.adapter);
+            }
+        }
+        let candidates = &candidates[..];
+        let (mut chosen, costs) = self.select(request, candidates)?;
         if let Some(session) = request.session {
-            chosen = self.affine(session, &candidates, chosen, costs.as_deref(), now);
+            chosen = self.affine(session, candidates, chosen, costs.as_deref(), now);
         }
         let c = candidates[chosen];
         let bs = self.config.block_size.tokens();
@@ -558,7 +594,7 @@ impl Scheduler {
             let blocks =
                 RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
             self.active.add(id, c.worker, decision.predicted_prefill_tokens, blocks, now);
-            self.remember(request.isl_tokens, &candidates, chosen, costs.as_deref());
+            self.remember(request.isl_tokens, candidates, chosen, costs.as_deref());
             if let Some(adapter) = request.adapter {
                 self.adapters.routed(id, c.worker, adapter);
             }
@@ -658,31 +694,47 @@ impl Scheduler {
         scores: &OverlapScores,
         sizes: &dyn TreeSizes,
     ) -> Vec<Candidate> {
+        let mut all = Vec::new();
+        self.fill_candidates(&mut all, local, scores, sizes);
+        all
+    }
+
+    /// [`Self::candidates`] into a buffer (cleared first).
+    fn fill_candidates(
+        &self,
+        all: &mut Vec<Candidate>,
+        local: &[LocalBlockHash],
+        scores: &OverlapScores,
+        sizes: &dyn TreeSizes,
+    ) {
         let inflight = match self.active.is_empty() {
             true => OverlapScores::default(),
             false => self.active.inflight_prefix(local),
         };
         let (mut overlap, mut inflight_prefix) = (cursor(&scores.scores), cursor(&inflight.scores));
         let mut tree_size = cursor(&scores.tree_sizes);
+        let listed = sizes.all_sorted();
+        let mut listed_size = cursor(listed.as_deref().unwrap_or_default());
         let any_ready = self.workers.iter().any(|e| e.ready);
-        let mut all: Vec<Candidate> = self
-            .workers
-            .iter()
-            .filter(|e| e.ready || !any_ready)
-            .map(|e| Candidate {
-                worker: e.worker,
-                overlap_blocks: overlap(e.worker).unwrap_or(0),
-                inflight_prefix_blocks: inflight_prefix(e.worker).unwrap_or(0),
-                tree_size: tree_size(e.worker).unwrap_or_else(|| sizes.tree_size(e.worker)),
-                active: self.active.load(e.worker),
-                load: e.load,
-                adapter: AdapterFit::Resident,
-            })
-            .collect();
-        if !self.policy.blind() && all.iter().any(|c| !self.is_busy(c)) {
+        all.clear();
+        all.extend(self.workers.iter().filter(|e| e.ready || !any_ready).map(|e| Candidate {
+            worker: e.worker,
+            overlap_blocks: overlap(e.worker).unwrap_or(0),
+            inflight_prefix_blocks: inflight_prefix(e.worker).unwrap_or(0),
+            tree_size: tree_size(e.worker).unwrap_or_else(|| match &listed {
+                Some(_) => listed_size(e.worker).unwrap_or(0),
+                None => sizes.tree_size(e.worker),
+            }),
+            active: self.active.load(e.worker),
+            load: e.load,
+            adapter: AdapterFit::Resident,
+        }));
+        if !self.policy.blind()
+            && all.iter().any(|c| self.is_busy(c))
+            && all.iter().any(|c| !self.is_busy(c))
+        {
             all.retain(|c| !self.is_busy(c));
         }
-        all
     }
 
     fn is_busy(&self, c: &Candidate) -> bool {

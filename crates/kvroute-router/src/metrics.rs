@@ -146,7 +146,10 @@ fn event_labels(kind: EventKind, ok: bool) -> EventLabels {
 }
 
 /// Upper bounds (seconds) of the decision-latency histogram.
-const BUCKETS: [f64; 12] = [1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2, 1e-1];
+const BUCKETS: [f64; 18] = [
+    1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 3e-5, 4e-5, 5e-5, 7e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 5e-4, 1e-3,
+    3e-3, 1e-2, 1e-1,
+];
 
 /// Every metric of the router, and the registry that encodes them.
 #[derive(Debug)]

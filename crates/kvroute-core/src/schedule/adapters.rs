@@ -105,19 +105,14 @@ pub struct AdapterTable {
 impl AdapterTable {
     /// Whether `worker` can run `adapter` (the base model runs everywhere).
     pub fn serves(&self, worker: WorkerWithDpRank, adapter: Option<&str>) -> bool {
-        match (adapter, self.workers.get(&worker)) {
-            (None, _) | (Some(_), None) => true,
-            (Some(a), Some(w)) => w.serves(a),
-        }
+        let Some(a) = adapter else { return true };
+        self.workers.get(&worker).is_none_or(|w| w.serves(a))
     }
 
     /// What running `adapter` on `worker` takes.
     pub fn fit(&self, worker: WorkerWithDpRank, adapter: Option<&str>) -> AdapterFit {
-        match (adapter, self.workers.get(&worker)) {
-            (None, _) => AdapterFit::Resident,
-            (Some(_), None) => AdapterFit::Load,
-            (Some(a), Some(w)) => w.fit(a),
-        }
+        let Some(a) = adapter else { return AdapterFit::Resident };
+        self.workers.get(&worker).map_or(AdapterFit::Load, |w| w.fit(a))
     }
 
     /// The adapters `worker` lists (`None`: unknown, any); at most [`MAX_SERVED`] kept.

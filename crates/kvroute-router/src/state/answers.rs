@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use kvroute_core::index::OverlapScores;
 use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::router_api::Answered;
 
@@ -80,9 +81,18 @@ impl RouterState {
     }
 
     /// Workers whose predictions are discounted now.
-    pub(super) fn drifted(&self) -> Vec<WorkerId> {
+    /// A drifted worker's score counts half (asked per scored worker, not of every worker:
+    /// a decision over a thousand workers scores a few).
+    pub(super) fn halve_drifted(&self, scores: &mut OverlapScores) {
+        if scores.scores.is_empty() {
+            return;
+        }
         let checks = lock(&self.checks.per_worker);
-        checks.workers.iter().filter(|(_, c)| c.drifted).map(|(w, _)| *w).collect()
+        for (w, score) in &mut scores.scores {
+            if checks.workers.get(&w.worker_id).is_some_and(|c| c.drifted) {
+                *score /= 2;
+            }
+        }
     }
 
     /// The worker's event stream delivered something (it is not silent).

@@ -19,13 +19,12 @@ impl RouterState {
     pub fn place(&self, p: &PlaceRequest<'_>) -> Option<(RouteDecision, OverlapScores)> {
         let start = Instant::now();
         let mut scores = self.index.find_matches(p.local_hashes);
-        let drifted = self.drifted();
-        for (w, score) in &mut scores.scores {
-            if drifted.contains(&w.worker_id) {
-                *score /= 2;
-            }
-        }
-        let sequence = sequence_hashes(p.local_hashes);
+        self.halve_drifted(&mut scores);
+        // Only a tracked request keeps its chained hashes (for the in-flight accounting).
+        let sequence = match p.request_id {
+            Some(_) => sequence_hashes(p.local_hashes),
+            None => Vec::new(),
+        };
         let request = RouteRequest {
             id: p.request_id,
             isl_tokens: p.num_tokens,
