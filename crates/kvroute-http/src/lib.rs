@@ -23,6 +23,7 @@
 pub mod auth;
 pub mod client;
 pub mod error;
+pub mod fast_json;
 pub mod metrics;
 pub mod models;
 pub mod openai;

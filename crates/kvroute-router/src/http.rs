@@ -32,6 +32,7 @@ use kvroute_core::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
     LocalBlockHash, RouterEvent, WorkerWithDpRank,
 };
+use kvroute_http::fast_json::FastJson;
 use kvroute_http::router_api::{
     self, Answered, BestWorker, EventsReply, FindBestWorker, InjectEvent,
 };
@@ -84,10 +85,10 @@ fn check_request_id(id: &str) -> Result<(), ApiError> {
 
 async fn find_best_worker(
     State(api): ApiState,
-    body: Result<Json<FindBestWorker>, JsonRejection>,
+    body: Result<FastJson<FindBestWorker>, JsonRejection>,
 ) -> Result<Json<BestWorker>, ApiError> {
     let state = &api.state;
-    let Json(req) = body?;
+    let FastJson(req) = body?;
     if let Some(id) = &req.request_id {
         check_request_id(id)?;
     }
