@@ -64,6 +64,22 @@ pub struct FindBestWorker {
     pub session_id: Option<String>,
 }
 
+impl FindBestWorker {
+    /// A plain query: these hashes, this many tokens, nothing tracked or overridden.
+    pub fn query(local_hashes: Vec<u64>, num_tokens: i64) -> Self {
+        Self {
+            local_hashes,
+            num_tokens,
+            request_id: None,
+            overlap_score_weight: None,
+            temperature: None,
+            exclude: Vec::new(),
+            lora_name: None,
+            session_id: None,
+        }
+    }
+}
+
 /// The longest session key taken (`prompt_cache_key`, `x-session-id`, `session_id`).
 pub const MAX_SESSION_KEY: usize = 256;
 

@@ -184,16 +184,7 @@ async fn main() {
         (0..64).map(|s| hasher.local_hashes(&tokens(s * 3), None)).collect();
     let bodies: Vec<FindBestWorker> = queries
         .iter()
-        .map(|q| FindBestWorker {
-            local_hashes: q.iter().map(|l| l.0).collect(),
-            num_tokens: (512 * BS) as i64,
-            request_id: None,
-            overlap_score_weight: None,
-            temperature: None,
-            exclude: Vec::new(),
-            lora_name: None,
-            session_id: None,
-        })
+        .map(|q| FindBestWorker::query(q.iter().map(|l| l.0).collect(), (512 * BS) as i64))
         .collect();
     let client = HttpClient::new();
     let url = format!("http://{addr}{}", router_api::FIND_BEST_WORKER);

@@ -421,16 +421,8 @@ async fn steady(
         .map(|k| {
             let s = splitmix(k) % (a.workers as u64 * 2);
             let t: Vec<u32> = tokens(s).iter().map(|&x| x as u32).collect();
-            FindBestWorker {
-                local_hashes: hasher.local_hashes(&t, None).iter().map(|l| l.0).collect(),
-                num_tokens: (SEQ_BLOCKS * BS) as i64,
-                request_id: None,
-                overlap_score_weight: None,
-                temperature: None,
-                exclude: Vec::new(),
-                lora_name: None,
-                session_id: None,
-            }
+            let hashes = hasher.local_hashes(&t, None).iter().map(|l| l.0).collect();
+            FindBestWorker::query(hashes, (SEQ_BLOCKS * BS) as i64)
         })
         .collect();
     let stride = a.workers as u64;
