@@ -11,7 +11,8 @@
 //! A jump in sequence numbers is a gap: the missed batches are asked of the replay endpoint
 //! when there is one (else the gap is counted and logged). A sequence number going back is a
 //! restarted engine (the live stream never repeats a number), whose cache is empty: its blocks
-//! are cleared, and the batches it sent before we reconnected are asked of its replay. Lost connections are
+//! are cleared, and the batches it sent before we reconnected are asked of its replay. Live
+//! batches that the replay on first contact already applied are skipped. Lost connections are
 //! retried with capped exponential backoff; undecodable messages are counted and skipped.
 //!
 //! This is transport only: how a format frames and decodes its messages, and which rank an
@@ -162,9 +163,12 @@ async fn run_once(
     // Whatever was published before the subscription took effect (ZMQ drops it: the slow
     // joiner), or while we were away, comes from the replay endpoint if there is one. Live
     // batches already queued behind it are recognised by their sequence numbers.
+    let mut replayed_through = None;
     if sub.replay.is_some() {
-        let from = stream.last.map_or(0, |l| l + 1);
+        let before = stream.last;
+        let from = before.map_or(0, |l| l + 1);
         recover(state, sub, stream, from, END_OF_REPLAY, false).await;
+        replayed_through = stream.last.filter(|_| stream.last != before);
     }
     state.set_caught_up(sub.worker);
     loop {
@@ -175,9 +179,28 @@ async fn run_once(
             continue;
         };
         if let Some(seq) = framed.seq {
+            if replayed_already(&mut replayed_through, seq) {
+                continue;
+            }
             follow_sequence(state, sub, stream, seq).await;
         }
         apply(state, sub, stream, framed).await;
+    }
+}
+
+/// Whether a live batch is one the first-contact replay already applied: batches published
+/// after the subscription took effect but before the replay was answered come twice, by the
+/// replay and queued on the live socket. Only the live batches up to the first one past the
+/// replay are such duplicates (`through` is then cleared); without this, the first of them
+/// looked like a restarted engine, which cleared the worker's blocks and counted a restart.
+fn replayed_already(through: &mut Option<u64>, seq: u64) -> bool {
+    match *through {
+        Some(t) if seq <= t => true,
+        Some(_) => {
+            *through = None;
+            false
+        }
+        None => false,
     }
 }
 
@@ -344,6 +367,18 @@ pub async fn replay(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn live_batches_the_replay_applied_are_skipped_until_the_stream_passes_it() {
+        let mut through = Some(5);
+        assert!(replayed_already(&mut through, 3), "queued behind the replay");
+        assert!(replayed_already(&mut through, 5));
+        assert!(!replayed_already(&mut through, 6), "the first new batch");
+        assert_eq!(through, None);
+        assert!(!replayed_already(&mut through, 0), "later, going back is a restart again");
+        let mut none = None;
+        assert!(!replayed_already(&mut none, 0), "nothing replayed: nothing skipped");
+    }
 
     #[test]
     fn replays_are_capped_per_minute_and_quiet_after_a_timeout() {
