@@ -162,11 +162,7 @@ impl Publisher {
     async fn send(&mut self, events: Vec<EngineEvent>) -> usize {
         let n = events.len();
         let batch = KvEventBatch { ts: 0.0, events, dp_rank: Some(0) };
-        let mut m = ZmqMessage::from(b"kv-events".to_vec());
-        m.push_back(self.seq.to_be_bytes().to_vec().into());
-        m.push_back(encode_batch(&batch).into());
-        self.seq += 1;
-        let _ = self.socket.send(m).await;
+        self.send_encoded(&bytes::Bytes::from(encode_batch(&batch))).await;
         n
     }
 
