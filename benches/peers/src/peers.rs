@@ -62,7 +62,7 @@ fn kv_event(ev: Ev) -> kv::RouterEvent {
             }),
         ),
     };
-    kv::RouterEvent::new(worker, kv::KvCacheEvent { event_id: 0, data, dp_rank: kv::DpRank(0) })
+    kv::RouterEvent::new(worker, kv::KvCacheEvent::new(0, data, kv::DpRank(0)))
 }
 
 fn kv_query(q: &[u64]) -> Vec<kv::LocalBlockHash> {

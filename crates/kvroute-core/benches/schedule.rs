@@ -68,6 +68,7 @@ fn bench_decision(c: &mut Criterion) {
                 tree_sizes: (0..workers / 4)
                     .map(|k| (WorkerWithDpRank::new(k, 0u32), 8_000))
                     .collect(),
+                tiers: None,
             };
             let req = RouteRequest {
                 id: None,

@@ -36,12 +36,14 @@ mod ext_map;
 mod holders;
 mod radix;
 mod sharded;
+mod tiers;
 
 use serde::Serialize;
 
 pub use approx::{ApproxConfig, ApproxIndex, ApproxTracker};
 pub use radix::RadixIndex;
 pub use sharded::{BLOCKS_PER_LOCK, ShardedIndex};
+pub use tiers::{LowerTiers, REMEMBERED, TierRun, TierScores};
 
 #[cfg(doc)]
 use crate::ExternalBlockHash;
@@ -63,6 +65,10 @@ pub struct OverlapScores {
     pub scores: Vec<(WorkerWithDpRank, u32)>,
     /// Blocks each scored cache holds in all (a tie-breaker: the emptier cache evicts less).
     pub tree_sizes: Vec<(WorkerWithDpRank, usize)>,
+    /// What the caches hold of the query below their devices, after their device prefixes;
+    /// `None` when no lower tier holds any of it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tiers: Option<Box<TierScores>>,
 }
 
 impl OverlapScores {
@@ -103,6 +109,8 @@ pub struct IndexStats {
     /// Heap bytes owned by the index, from its containers' capacities (an estimate of the
     /// allocator's figure that ignores allocator overhead).
     pub heap_bytes: usize,
+    /// (worker, block) pairs kept below the devices (host, disk, the shared store).
+    pub lower_tier_blocks: usize,
     pub events_applied: u64,
     /// Stored events refused because the worker does not hold the named parent.
     pub rejected_unknown_parent: u64,
@@ -121,6 +129,7 @@ impl std::ops::Add for IndexStats {
             nodes: self.nodes + o.nodes,
             workers: self.workers + o.workers,
             heap_bytes: self.heap_bytes + o.heap_bytes,
+            lower_tier_blocks: self.lower_tier_blocks + o.lower_tier_blocks,
             events_applied: self.events_applied + o.events_applied,
             rejected_unknown_parent: self.rejected_unknown_parent + o.rejected_unknown_parent,
             removed_unknown: self.removed_unknown + o.removed_unknown,

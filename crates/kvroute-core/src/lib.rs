@@ -18,7 +18,8 @@ pub use index::{OverlapScores, RadixIndex};
 pub use protocols::{
     BlockExtraInfo, BlockMmObjectInfo, BlockSize, DpRank, ExternalBlockHash, KvCacheEvent,
     KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
-    RequestExtraInfo, RequestMmObjectInfo, RouterEvent, SequenceHash, WorkerId, WorkerWithDpRank,
+    RequestExtraInfo, RequestMmObjectInfo, RouterEvent, SequenceHash, StorageTier, WorkerId,
+    WorkerWithDpRank,
 };
 
 /// Everything kvroute-core can refuse.

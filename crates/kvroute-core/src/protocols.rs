@@ -137,16 +137,87 @@ impl fmt::Display for BlockSize {
     }
 }
 
+/// Where a worker keeps a block: its device memory, or a tier below it that the engine loads
+/// blocks back from (docs/routing.md, "Tiers"). Names as Dynamo's `StorageTier`.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum StorageTier {
+    /// GPU memory: what the engine's prefix cache serves directly.
+    #[default]
+    Device,
+    /// Host (CPU) memory: vLLM's offloading connector, SGLang's HiCache host tier,
+    /// TensorRT-LLM's secondary level.
+    HostPinned,
+    /// Local disk or file system.
+    Disk,
+    /// A store outside the engine that every worker can load from (LMCache, Mooncake's
+    /// store, SGLang's HiCache storage layer): a block there serves any worker.
+    External,
+}
+
+impl StorageTier {
+    /// The tiers below the device, cheapest to load from first.
+    pub const LOWER: [StorageTier; 3] = [Self::HostPinned, Self::Disk, Self::External];
+
+    pub fn is_device(&self) -> bool {
+        *self == Self::Device
+    }
+
+    /// The tier an engine names by its `medium` (vLLM, SGLang) and `locality`: the names
+    /// vLLM 0.33 and Dynamo use, case-insensitive. `None` for a medium nobody defines.
+    pub fn from_medium(medium: Option<&str>, locality: Option<&str>) -> Option<Self> {
+        if locality.is_some_and(|l| l.eq_ignore_ascii_case("remote")) {
+            return Some(Self::External);
+        }
+        let Some(m) = medium else { return Some(Self::Device) };
+        let is = |names: &[&str]| names.iter().any(|n| m.eq_ignore_ascii_case(n));
+        if is(&["GPU", "DEVICE"]) {
+            Some(Self::Device)
+        } else if is(&["CPU", "CPU_PINNED", "CPU_TIER1", "HOST"]) {
+            Some(Self::HostPinned)
+        } else if is(&["STORAGE", "DISK", "NVME", "CPU_TIER2", "FILE"]) {
+            Some(Self::Disk)
+        } else if is(&["EXTERNAL", "NETWORK", "REMOTE", "SHARED"]) {
+            Some(Self::External)
+        } else {
+            None
+        }
+    }
+
+    /// The tier's name in metrics and on the status page.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Device => "device",
+            Self::HostPinned => "host",
+            Self::Disk => "disk",
+            Self::External => "external",
+        }
+    }
+}
+
 /// One KV-cache event from one worker, as Dynamo's router carries it.
 ///
 /// JSON: `{"event_id":1,"data":{"stored":{..}},"dp_rank":0}`, `"data":{"removed":{..}}`,
-/// `"data":"cleared"`. `dp_rank` defaults to 0 when absent.
+/// `"data":"cleared"`. `dp_rank` defaults to 0 when absent; `storage_tier` to the device (and
+/// is left out for it). Dynamo carries the tier on its `RouterEvent`; here it rides with the
+/// event, since one engine batch mixes tiers.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvCacheEvent {
     pub event_id: u64,
     pub data: KvCacheEventData,
     #[serde(default)]
     pub dp_rank: DpRank,
+    #[serde(default, skip_serializing_if = "StorageTier::is_device")]
+    pub storage_tier: StorageTier,
+}
+
+impl KvCacheEvent {
+    /// An event about the device tier.
+    pub fn new(event_id: u64, data: KvCacheEventData, dp_rank: impl Into<DpRank>) -> Self {
+        Self { event_id, data, dp_rank: dp_rank.into(), storage_tier: StorageTier::Device }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

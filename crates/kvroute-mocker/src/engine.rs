@@ -185,6 +185,7 @@ impl Events {
             block_hashes: gone.iter().map(|s| s.0).collect(),
             medium: Some("GPU".to_owned()),
             group_idx: None,
+            locality: None,
         }));
     }
 }
@@ -623,5 +624,6 @@ fn stored_event(bs: usize, s: &Sequence, blocks: &[usize]) -> EngineEvent {
         extra_keys,
         cache_salt: s.namespace.clone(),
         group_idx: None,
+        locality: None,
     })
 }

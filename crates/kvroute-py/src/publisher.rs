@@ -139,6 +139,7 @@ impl KvEventPublisher {
             extra_keys,
             cache_salt: None,
             group_idx: None,
+            locality: None,
         };
         self.send(EngineEvent::BlockStored(stored))
     }
@@ -153,6 +154,7 @@ impl KvEventPublisher {
                 .collect::<PyResult<_>>()?,
             medium: Some("GPU".to_owned()),
             group_idx: None,
+            locality: None,
         };
         self.send(EngineEvent::BlockRemoved(removed))
     }

@@ -152,6 +152,7 @@ fn remove_events(s: u64, rng: &mut u64) -> Vec<EngineEvent> {
             block_hashes: (end - n..end).rev().map(|i| block_hash(s, i)).collect(),
             medium: Some("GPU".into()),
             group_idx: None,
+            locality: None,
         }));
         end -= n;
     }

@@ -222,8 +222,7 @@ async fn inject_event(
         parent_hash: req.parent_hash.map(ExternalBlockHash),
         blocks: vec![block],
     });
-    let event =
-        RouterEvent::new(req.worker_id, KvCacheEvent { event_id: 0, data, dp_rank: req.dp_rank });
+    let event = RouterEvent::new(req.worker_id, KvCacheEvent::new(0, data, req.dp_rank));
     let worker = event.worker();
     if state.apply_posted(&[event]) == 0 {
         if !state.knows_worker(worker.worker_id) {

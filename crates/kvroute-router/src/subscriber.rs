@@ -221,11 +221,7 @@ async fn follow_sequence(state: &RouterState, sub: &Subscription, stream: &mut S
             tracing::info!(worker = %sub.worker, last, seq, "publisher restarted; clearing its blocks");
             let clear = RouterEvent {
                 worker_id: sub.worker.worker_id,
-                event: KvCacheEvent {
-                    event_id: 0,
-                    data: KvCacheEventData::Cleared,
-                    dp_rank: sub.worker.dp_rank,
-                },
+                event: KvCacheEvent::new(0, KvCacheEventData::Cleared, sub.worker.dp_rank),
             };
             state.ingest(sub.worker, None, vec![clear]).await;
             stream.last = None;

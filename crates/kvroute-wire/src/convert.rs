@@ -9,14 +9,17 @@
 //!   vocabulary size; a run of one value is one image, the value its `mm_hash`) and
 //!   TensorRT-LLM's `vocab_size + 1`. vLLM writes the real pad id and names the image in
 //!   `extra_keys`; TensorRT-LLM names it in `mm_keys`.
-//! - Only device-resident blocks enter the index: another `medium` (vLLM/SGLang) or a
-//!   `cache_level` above 0 (TensorRT-LLM) is counted and skipped, as are `group_idx` other than
-//!   0 (hybrid models), blocks of another block size, and malformed or unknown events.
+//! - Each event names its tier ([`StorageTier`]): vLLM's and SGLang's `medium` (`GPU`, `CPU`,
+//!   `STORAGE`, with `locality` `REMOTE` for a store outside the engine), TensorRT-LLM's
+//!   `cache_level` (0 the device, 1 host memory, 2 and up disk). A medium nobody defines is
+//!   counted and skipped, as are `group_idx` other than 0 (hybrid models), blocks of another
+//!   block size, and malformed or unknown events.
 
 use kvroute_core::hash::mm_hash_from_identifier;
 use kvroute_core::{
     BlockExtraInfo, BlockHasher, BlockMmObjectInfo, BlockSize, DpRank, ExternalBlockHash,
     KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
+    StorageTier,
 };
 use serde::Serialize;
 
@@ -45,8 +48,11 @@ pub struct ConvertStats {
     pub blocks_stored: u64,
     pub blocks_removed: u64,
     pub clears: u64,
-    /// Blocks not in device memory.
+    /// Blocks of a medium no engine defines.
     pub skipped_medium: u64,
+    /// Blocks stored or removed below the device (host, disk, a shared store), kept in the
+    /// index's lower tiers; counted in `blocks_stored`/`blocks_removed` too.
+    pub lower_tier: u64,
     /// Blocks of a KV cache group other than 0.
     pub skipped_group: u64,
     /// Blocks whose size is not the configured block size.
@@ -63,11 +69,12 @@ impl ConvertStats {
     /// Every count with its name (the `outcome` label of
     /// `kvroute_router_converted_blocks_total`): the one list of the counts, which adding and
     /// the metrics both read.
-    pub fn counts(&self) -> [(&'static str, u64); 8] {
+    pub fn counts(&self) -> [(&'static str, u64); 9] {
         [
             ("stored", self.blocks_stored),
             ("removed", self.blocks_removed),
             ("cleared", self.clears),
+            ("lower_tier", self.lower_tier),
             ("skipped_medium", self.skipped_medium),
             ("skipped_group", self.skipped_group),
             ("wrong_block_size", self.wrong_block_size),
@@ -76,11 +83,12 @@ impl ConvertStats {
         ]
     }
 
-    fn counts_mut(&mut self) -> [&mut u64; 8] {
+    fn counts_mut(&mut self) -> [&mut u64; 9] {
         [
             &mut self.blocks_stored,
             &mut self.blocks_removed,
             &mut self.clears,
+            &mut self.lower_tier,
             &mut self.skipped_medium,
             &mut self.skipped_group,
             &mut self.wrong_block_size,
@@ -126,7 +134,7 @@ impl Converter {
                 EngineEvent::BlockRemoved(r) => self.vllm_removed(r),
                 EngineEvent::AllBlocksCleared => {
                     self.stats.clears += 1;
-                    Some(KvCacheEventData::Cleared)
+                    Some((KvCacheEventData::Cleared, StorageTier::Device))
                 }
                 EngineEvent::Unknown { .. } => {
                     self.stats.other_events += 1;
@@ -137,36 +145,41 @@ impl Converter {
                     None
                 }
             };
-            if let Some(data) = data {
-                out.push(KvCacheEvent { event_id: seq, data, dp_rank });
+            if let Some((data, tier)) = data {
+                let mut e = KvCacheEvent::new(seq, data, dp_rank);
+                e.storage_tier = tier;
+                out.push(e);
             }
         }
         out
     }
 
-    pub(crate) fn device_resident(
+    /// The tier blocks of this `medium` and `locality` live in, or `None` (counted) for a
+    /// medium nobody defines or a cache group other than the first.
+    pub(crate) fn tier(
         &mut self,
         medium: Option<&str>,
+        locality: Option<&str>,
         group: Option<u32>,
         blocks: usize,
-    ) -> bool {
-        if !medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("device"))
-        {
+    ) -> Option<StorageTier> {
+        let Some(tier) = StorageTier::from_medium(medium, locality) else {
             self.stats.skipped_medium += blocks as u64;
-            return false;
-        }
+            return None;
+        };
         if group.is_some_and(|g| g != 0) {
             self.stats.skipped_group += blocks as u64;
-            return false;
-        }
-        true
-    }
-
-    fn vllm_stored(&mut self, s: &BlockStored) -> Option<KvCacheEventData> {
-        let n = s.block_hashes.len();
-        if !self.device_resident(s.medium.as_deref(), s.group_idx, n) {
             return None;
         }
+        if !tier.is_device() {
+            self.stats.lower_tier += blocks as u64;
+        }
+        Some(tier)
+    }
+
+    fn vllm_stored(&mut self, s: &BlockStored) -> Option<(KvCacheEventData, StorageTier)> {
+        let n = s.block_hashes.len();
+        let tier = self.tier(s.medium.as_deref(), s.locality.as_deref(), s.group_idx, n)?;
         if s.block_size != self.config.block_size.get() {
             self.stats.wrong_block_size += n as u64;
             self.stats.seen_block_size = Some(s.block_size);
@@ -200,30 +213,37 @@ impl Converter {
             .collect();
         self.stats.blocks_stored += n as u64;
         let parent_hash = s.parent_block_hash.map(ExternalBlockHash);
-        Some(KvCacheEventData::Stored(KvCacheStoreData { parent_hash, blocks }))
+        Some((KvCacheEventData::Stored(KvCacheStoreData { parent_hash, blocks }), tier))
     }
 
-    fn vllm_removed(&mut self, r: &BlockRemoved) -> Option<KvCacheEventData> {
-        if !self.device_resident(r.medium.as_deref(), r.group_idx, r.block_hashes.len()) {
-            return None;
-        }
-        self.stats.blocks_removed += r.block_hashes.len() as u64;
+    fn vllm_removed(&mut self, r: &BlockRemoved) -> Option<(KvCacheEventData, StorageTier)> {
+        let n = r.block_hashes.len();
+        let tier = self.tier(r.medium.as_deref(), r.locality.as_deref(), r.group_idx, n)?;
+        self.stats.blocks_removed += n as u64;
         let block_hashes = r.block_hashes.iter().copied().map(ExternalBlockHash).collect();
-        Some(KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }))
+        Some((KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }), tier))
     }
 
     /// A TensorRT-LLM event; `None` for events that do not touch the index. At rank 0, as
     /// [`Self::vllm_batch`].
     pub fn trtllm_event(&mut self, e: &TrtEvent) -> Option<KvCacheEvent> {
+        let level = |b: &crate::trtllm::TrtBlock| b.cache_level.unwrap_or(0);
+        let mut tier = StorageTier::Device;
         let data = match &e.data {
             TrtData::Stored { parent_hash, blocks } => {
                 let bs = self.config.block_size.tokens();
                 let hasher = BlockHasher::new(self.config.block_size);
                 let mut out = Vec::with_capacity(blocks.len());
+                let first = blocks.first().map_or(0, level);
+                tier = match first {
+                    0 => StorageTier::Device,
+                    1 => StorageTier::HostPinned,
+                    _ => StorageTier::Disk,
+                };
                 for (i, b) in blocks.iter().enumerate() {
                     // A block we drop breaks the chain: the ones after it have no parent here.
                     let rest = (blocks.len() - i) as u64;
-                    if b.cache_level.is_some_and(|l| l != 0) {
+                    if level(b) != first {
                         self.stats.skipped_medium += rest;
                         break;
                     }
@@ -241,6 +261,9 @@ impl Converter {
                     return None;
                 }
                 self.stats.blocks_stored += out.len() as u64;
+                if !tier.is_device() {
+                    self.stats.lower_tier += out.len() as u64;
+                }
                 KvCacheEventData::Stored(KvCacheStoreData {
                     parent_hash: parent_hash.map(ExternalBlockHash),
                     blocks: out,
@@ -256,7 +279,9 @@ impl Converter {
                 return None;
             }
         };
-        Some(KvCacheEvent { event_id: e.event_id, data, dp_rank: DpRank(0) })
+        let mut event = KvCacheEvent::new(e.event_id, data, DpRank(0));
+        event.storage_tier = tier;
+        Some(event)
     }
 
     /// One block: placeholders normalised, images attached, content hashed.

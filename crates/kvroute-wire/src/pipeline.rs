@@ -301,6 +301,7 @@ mod tests {
             cache_salt: None,
             group_idx: None,
             lora_id: None,
+            locality: None,
         };
         let events = vec![EngineEvent::BlockStored(stored), EngineEvent::AllBlocksCleared];
         encode_batch(&KvEventBatch { ts: 0.0, events, dp_rank })

@@ -51,6 +51,9 @@ pub struct BlockStored {
     pub cache_salt: Option<String>,
     #[serde(skip_serializing)]
     pub group_idx: Option<u32>,
+    /// `LOCAL` or `REMOTE` (a store outside the engine), vLLM 0.33's offloading tiers.
+    #[serde(skip_serializing)]
+    pub locality: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -59,6 +62,8 @@ pub struct BlockRemoved {
     pub medium: Option<String>,
     #[serde(skip_serializing)]
     pub group_idx: Option<u32>,
+    #[serde(skip_serializing)]
+    pub locality: Option<String>,
 }
 
 /// One of a block's extra hash keys.
@@ -199,7 +204,16 @@ fn stored(f: &Fields<'_>) -> Result<BlockStored, &'static str> {
             .get("group_idx", group)
             .and_then(Value::as_int)
             .and_then(|i| u32::try_from(i).ok()),
+        locality: locality(f),
     })
+}
+
+/// Not positional in any array-form version.
+fn locality(f: &Fields<'_>) -> Option<String> {
+    match f {
+        Fields::Map(m) => m.get("locality").and_then(Value::as_str).map(str::to_owned),
+        Fields::Array(_) => None,
+    }
 }
 
 fn removed(f: &Fields<'_>) -> Result<BlockRemoved, &'static str> {
@@ -211,6 +225,7 @@ fn removed(f: &Fields<'_>) -> Result<BlockRemoved, &'static str> {
             .get("group_idx", group)
             .and_then(Value::as_int)
             .and_then(|i| u32::try_from(i).ok()),
+        locality: locality(f),
     })
 }
 
@@ -266,7 +281,10 @@ pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
         match event {
             EngineEvent::BlockStored(s) => encode_stored(&mut w, s),
             EngineEvent::BlockRemoved(r) => {
-                w.map(3 + usize::from(r.group_idx.is_some()) - usize::from(r.medium.is_none()));
+                let optional = [r.group_idx.is_some(), r.locality.is_some()];
+                w.map(
+                    2 + usize::from(r.medium.is_some()) + optional.iter().filter(|&&x| x).count(),
+                );
                 w.str("type");
                 w.str("BlockRemoved");
                 w.str("block_hashes");
@@ -278,6 +296,10 @@ pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
                 if let Some(g) = r.group_idx {
                     w.str("group_idx");
                     w.uint(u64::from(g));
+                }
+                if let Some(locality) = &r.locality {
+                    w.str("locality");
+                    w.str(locality);
                 }
             }
             _ => {
@@ -295,8 +317,13 @@ pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
 }
 
 fn encode_stored(w: &mut Writer, s: &BlockStored) {
-    let optional =
-        [s.extra_keys.is_some(), s.cache_salt.is_some(), s.group_idx.is_some(), s.medium.is_some()];
+    let optional = [
+        s.extra_keys.is_some(),
+        s.cache_salt.is_some(),
+        s.group_idx.is_some(),
+        s.medium.is_some(),
+        s.locality.is_some(),
+    ];
     // As vLLM's msgspec encoder writes it: a 16-bit map header whatever the count.
     w.map16(7 + optional.iter().filter(|&&x| x).count() as u16);
     w.str("type");
@@ -360,6 +387,10 @@ fn encode_stored(w: &mut Writer, s: &BlockStored) {
     if let Some(g) = s.group_idx {
         w.str("group_idx");
         w.uint(u64::from(g));
+    }
+    if let Some(locality) = &s.locality {
+        w.str("locality");
+        w.str(locality);
     }
 }
 

@@ -49,6 +49,7 @@ struct Fields {
     medium: Option<Option<String>>,
     lora_name: Option<Option<String>>,
     group_idx: Option<Option<u32>>,
+    locality: Option<Option<String>>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -76,6 +77,7 @@ fn event(r: &mut Reader<'_>) -> Option<EngineEvent> {
             "group_idx" => {
                 set(&mut f.group_idx, opt(r, |r| r.int())?.and_then(|i| u32::try_from(i).ok()))?;
             }
+            "locality" => set(&mut f.locality, opt(r, |r| r.str_ref().map(str::to_owned))?)?,
             "extra_keys" | "cache_salt" => return None,
             _ => {
                 r.any(3)?; // a field neither event reads
@@ -94,11 +96,13 @@ fn event(r: &mut Reader<'_>) -> Option<EngineEvent> {
             extra_keys: None,
             cache_salt: None,
             group_idx: f.group_idx.flatten(),
+            locality: f.locality.flatten(),
         }),
         Kind::Removed => EngineEvent::BlockRemoved(BlockRemoved {
             block_hashes: f.hashes?,
             medium: f.medium.flatten(),
             group_idx: f.group_idx.flatten(),
+            locality: f.locality.flatten(),
         }),
     })
 }
@@ -183,6 +187,7 @@ mod tests {
                     medium: medium.map(str::to_owned),
                     lora_name: lora.map(str::to_owned),
                     group_idx: g,
+                    locality: medium.map(|_| "REMOTE".to_owned()),
                     ..Default::default()
                 })
             });
@@ -193,6 +198,7 @@ mod tests {
                         block_hashes: h,
                         medium: medium.map(str::to_owned),
                         group_idx: g,
+                        locality: g.map(|_| "LOCAL".to_owned()),
                     })
                 });
         prop_oneof![4 => stored, 2 => removed, 1 => Just(EngineEvent::AllBlocksCleared)]

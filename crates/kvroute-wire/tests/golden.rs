@@ -4,10 +4,12 @@
 #![allow(clippy::unwrap_used)]
 
 use kvroute_core::hash::mm_hash_from_identifier;
+use kvroute_core::index::{IndexConfig, ShardedIndex};
 use kvroute_core::{
     BlockHasher, BlockSize, ExternalBlockHash, KvCacheEventData, LocalBlockHash, RequestExtraInfo,
     RequestMmObjectInfo,
 };
+use kvroute_core::{RouterEvent, StorageTier, WorkerWithDpRank};
 use kvroute_wire::vllm::{decode_batch, encode_batch, split_frames};
 use kvroute_wire::{ConvertConfig, Converter, EngineEvent, trtllm};
 use serde_json::Value;
@@ -113,7 +115,7 @@ fn wrong_block_size_medium_and_group_are_counted_and_skipped() {
     let mut cpu = batch.clone();
     for e in &mut cpu.events {
         if let EngineEvent::BlockStored(s) = e {
-            s.medium = Some("CPU".into());
+            s.medium = Some("XPU".into()); // a medium no engine defines
         }
         if let EngineEvent::BlockRemoved(r) = e {
             r.group_idx = Some(1);
@@ -122,6 +124,42 @@ fn wrong_block_size_medium_and_group_are_counted_and_skipped() {
     let mut c = vllm_converter(4);
     assert_eq!(c.vllm_batch(&cpu, 0).len(), 1);
     assert_eq!((c.stats().skipped_medium, c.stats().skipped_group), (3, 1));
+}
+
+/// vLLM 0.33's own publisher, with tiers (see the fixtures' README): after each batch, what
+/// the router says worker 1 can serve of the prompt of tokens 100..115 (four blocks of 4).
+#[test]
+fn vllm_tiers_fixture_gives_what_the_engine_can_reuse() {
+    let index = ShardedIndex::new(1, IndexConfig::default());
+    let worker = WorkerWithDpRank::new(1u64, 0u32);
+    let mut c = vllm_converter(4);
+    let hasher = BlockHasher::new(BlockSize::new(4).unwrap());
+    let prompt: Vec<u32> = (100..116).collect();
+    let query = hasher.local_hashes(&prompt, None);
+    // (device blocks, [host, disk, external]) after each of the six batches.
+    let want = [(4, [0, 0, 0]), (0, [2, 0, 0]), (0, [2, 0, 0]), (0, [2, 0, 0]), (0, [2, 0, 0])];
+    let messages = fixture("fixture_vllm033_tiers.json");
+    assert_eq!(messages.len(), 6);
+    for (i, frames) in messages.iter().enumerate() {
+        let (_, seq, payload) = split_frames(frames).unwrap();
+        let events = c.vllm_batch(&decode_batch(payload).unwrap(), seq);
+        for e in events {
+            index.apply_event(&RouterEvent::new(1u64, e)).unwrap();
+        }
+        let found = index.find_matches(&query);
+        let device = found.score(worker);
+        let run = found.tiers.as_ref().map_or([0; 3], |t| t.run(worker, device));
+        let (want_device, want_run) = *want.get(i).unwrap_or(&(0, [1, 0, 0]));
+        assert_eq!((device, run), (want_device, want_run), "after batch {i}");
+    }
+    // Batch 6 left 1001 on the host (and disk) and 1003-1004 in the remote store: a gap at
+    // 1002 ends the run after one host block, as vLLM's lookup stops there.
+    let sizes = index.lower_tier_sizes();
+    assert_eq!(sizes, vec![(worker, [1, 1, 2])]);
+    // The hybrid model's other groups are skipped (counted) until they are modelled.
+    assert_eq!(c.stats().skipped_group, 3);
+    assert_eq!(c.stats().lower_tier, 2 + 1 + 1 + 2);
+    assert!(StorageTier::from_medium(Some("CPU_PINNED"), None) == Some(StorageTier::HostPinned));
 }
 
 /// Qwen2-VL: vocabulary 151936, image pad 151655; TensorRT-LLM writes 151937 at image tokens.

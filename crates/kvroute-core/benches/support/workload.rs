@@ -128,8 +128,5 @@ pub fn seq_removed(seq: &Seq, chunk: usize) -> Vec<RouterEvent> {
 }
 
 fn event(worker: WorkerWithDpRank, data: KvCacheEventData) -> RouterEvent {
-    RouterEvent {
-        worker_id: worker.worker_id,
-        event: KvCacheEvent { event_id: 0, data, dp_rank: worker.dp_rank },
-    }
+    RouterEvent { worker_id: worker.worker_id, event: KvCacheEvent::new(0, data, worker.dp_rank) }
 }

@@ -255,10 +255,7 @@ impl ApproxIndex {
 }
 
 fn event(worker: WorkerWithDpRank, data: KvCacheEventData) -> RouterEvent {
-    RouterEvent {
-        worker_id: worker.worker_id,
-        event: KvCacheEvent { event_id: 0, data, dp_rank: worker.dp_rank },
-    }
+    RouterEvent { worker_id: worker.worker_id, event: KvCacheEvent::new(0, data, worker.dp_rank) }
 }
 
 fn removed(worker: WorkerWithDpRank, block_hashes: Vec<ExternalBlockHash>) -> RouterEvent {

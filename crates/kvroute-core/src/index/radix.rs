@@ -24,9 +24,10 @@ use super::ext_map::{ExtMap, MAX_BLOCK_ID, table_bytes};
 use super::holders::{Holders, Slot};
 use super::{IndexConfig, IndexStats, OverlapScores};
 use crate::Error;
+use crate::hash::chain;
 use crate::protocols::{
     ExternalBlockHash, KvCacheEventData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
-    WorkerId, WorkerWithDpRank,
+    SequenceHash, WorkerId, WorkerWithDpRank,
 };
 
 mod dump;
@@ -137,7 +138,7 @@ struct Run {
 ///         })
 ///         .collect(),
 /// });
-/// let event = RouterEvent::new(7u64, KvCacheEvent { event_id: 0, data: stored, dp_rank: DpRank(0) });
+/// let event = RouterEvent::new(7u64, KvCacheEvent::new(0, stored, DpRank(0)));
 /// index.apply_event(&event).unwrap();
 /// let scores = index.find_matches(&[LocalBlockHash(1), LocalBlockHash(2), LocalBlockHash(3)]);
 /// assert_eq!(scores.score(WorkerWithDpRank::new(7u64, 0u32)), 2);
@@ -208,7 +209,12 @@ impl RadixIndex {
     }
 
     /// Applies an event, or a piece of one, without counting it in `events_applied`.
+    /// Events about a tier below the device change nothing here (the service form keeps those
+    /// tiers: [`super::ShardedIndex`]).
     pub(crate) fn apply_part(&mut self, event: &RouterEvent) -> Result<(), Error> {
+        if !event.event.storage_tier.is_device() {
+            return Ok(());
+        }
         let worker = event.worker();
         match &event.event.data {
             KvCacheEventData::Stored(data) => {
@@ -362,6 +368,7 @@ impl RadixIndex {
                     (id, self.held_of[slot as usize])
                 })
                 .collect(),
+            tiers: None,
         }
     }
 
@@ -406,6 +413,29 @@ impl RadixIndex {
     }
 
     /// (worker, block) pairs held, the figure `max_held_blocks` bounds.
+    /// The sequence hash of the block `worker` names `hash`: the local hashes on its path
+    /// from the root, chained. `None` if the worker does not hold it.
+    pub fn sequence_hash(
+        &self,
+        worker: WorkerWithDpRank,
+        hash: ExternalBlockHash,
+    ) -> Option<SequenceHash> {
+        let slot = *self.worker_slots.get(&worker)?;
+        let id = self.workers[slot as usize].as_ref()?.blocks.get(hash)?;
+        let (mut node, offset) = self.locate(id);
+        let mut path: Vec<&[LocalBlockHash]> = vec![&self.nodes[node as usize].edge[..=offset]];
+        node = self.nodes[node as usize].parent;
+        while node != ROOT && node != NO_PARENT {
+            path.push(&self.nodes[node as usize].edge);
+            node = self.nodes[node as usize].parent;
+        }
+        let mut seq: Option<SequenceHash> = None;
+        for &local in path.iter().rev().flat_map(|edge| edge.iter()) {
+            seq = Some(seq.map_or(SequenceHash(local.0), |p| chain(p, local)));
+        }
+        seq
+    }
+
     pub fn held_blocks(&self) -> usize {
         self.held
     }

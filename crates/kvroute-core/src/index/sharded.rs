@@ -34,9 +34,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use rustc_hash::FxHasher;
 use spin::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use super::{IndexConfig, IndexStats, OverlapScores, RadixIndex};
+use super::{IndexConfig, IndexStats, LowerTiers, OverlapScores, RadixIndex};
 use crate::Error;
-use crate::protocols::{KvCacheEventData, LocalBlockHash, RouterEvent, WorkerId, WorkerWithDpRank};
+use crate::hash::sequence_hashes;
+use crate::protocols::{
+    KvCacheEventData, LocalBlockHash, RouterEvent, StorageTier, WorkerId, WorkerWithDpRank,
+};
 
 /// Most blocks applied under one hold of a shard's write lock.
 pub const BLOCKS_PER_LOCK: usize = 8;
@@ -46,8 +49,12 @@ pub struct ShardedIndex {
     shards: Vec<RwLock<RadixIndex>>,
     /// (worker, block) pairs each shard held after its last write.
     held: Vec<AtomicUsize>,
-    /// `max_held_blocks` of all shards together.
+    /// `max_held_blocks` of all shards and tiers together.
     budget: Option<usize>,
+    /// What workers keep below their devices ([`LowerTiers`]), and how many pairs (read
+    /// without the lock: a lookup skips the tiers while they hold nothing).
+    lower: RwLock<LowerTiers>,
+    lower_held: AtomicUsize,
 }
 
 impl ShardedIndex {
@@ -59,6 +66,8 @@ impl ShardedIndex {
             shards: (0..n).map(|_| RwLock::new(RadixIndex::with_config(unbounded))).collect(),
             held: (0..n).map(|_| AtomicUsize::new(0)).collect(),
             budget: config.max_held_blocks,
+            lower: RwLock::new(LowerTiers::new()),
+            lower_held: AtomicUsize::new(0),
         }
     }
 
@@ -67,6 +76,9 @@ impl ShardedIndex {
     }
 
     pub fn apply_event(&self, event: &RouterEvent) -> Result<(), Error> {
+        if !event.event.storage_tier.is_device() {
+            return self.apply_lower(event);
+        }
         let s = self.shard_of(event.worker_id);
         let result = self.apply_to(s, event);
         self.after_write(s);
@@ -119,7 +131,16 @@ impl ShardedIndex {
             };
             let mut shard = self.write(s);
             for (i, e) in std::iter::once((first, e)).chain(positions) {
-                if let Err(err) = shard.apply_event(e) {
+                let result = match e.event.storage_tier.is_device() {
+                    true => shard.apply_event(e),
+                    false => {
+                        drop(shard);
+                        let result = self.apply_lower(e);
+                        shard = self.write(s);
+                        result
+                    }
+                };
+                if let Err(err) = result {
                     errors.push((i, err));
                 }
             }
@@ -130,6 +151,8 @@ impl ShardedIndex {
         errors
     }
 
+    /// Every cache's device prefix of `query`, and, when any worker keeps blocks below its
+    /// device, their runs there ([`OverlapScores::tiers`]).
     pub fn find_matches(&self, query: &[LocalBlockHash]) -> OverlapScores {
         let mut shards = self.shards.iter();
         let mut out = shards.next().map(|s| read(s).find_matches(query)).unwrap_or_default();
@@ -139,19 +162,57 @@ impl ShardedIndex {
                 out.merge(more);
             }
         }
+        if self.lower_held.load(Ordering::Relaxed) > 0 {
+            let seqs = sequence_hashes(query);
+            let tiers = self.lower.read().find(&seqs, |w| out.score(w));
+            if !tiers.runs.is_empty() || !tiers.external.is_empty() {
+                out.tiers = Some(Box::new(tiers));
+            }
+        }
         out
+    }
+
+    /// A lower-tier event: its parent is looked up in the tiers, then on the worker's device.
+    fn apply_lower(&self, event: &RouterEvent) -> Result<(), Error> {
+        let worker = event.worker();
+        let shard = &self.shards[self.shard_of(event.worker_id)];
+        let device_seq = |h| read(shard).sequence_hash(worker, h);
+        let mut lower = self.lower.write();
+        let result = lower.apply(worker, event.event.storage_tier, &event.event.data, device_seq);
+        self.lower_held.store(lower.held_blocks(), Ordering::Relaxed);
+        drop(lower);
+        self.after_write(self.shard_of(event.worker_id));
+        result
+    }
+
+    /// Blocks each cache keeps per lower tier (host, disk, external), sorted by worker.
+    pub fn lower_tier_sizes(&self) -> Vec<(WorkerWithDpRank, [usize; 3])> {
+        self.lower.read().sizes()
     }
 
     pub fn remove_worker(&self, worker: WorkerId) {
         let s = self.shard_of(worker);
         self.write(s).remove_worker(worker);
+        self.forget_lower(|l| l.remove_worker(worker));
         self.after_write(s);
     }
 
+    /// Forgets what `worker` holds on its device and in its host memory (an engine restart
+    /// loses both); its disk and the shared store keep theirs.
     pub fn clear_all_blocks(&self, worker: WorkerId) {
         let s = self.shard_of(worker);
         self.write(s).clear_all_blocks(worker);
+        self.forget_lower(|l| l.clear_worker(worker, &[StorageTier::HostPinned]));
         self.after_write(s);
+    }
+
+    fn forget_lower(&self, f: impl FnOnce(&mut LowerTiers)) {
+        if self.lower_held.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut lower = self.lower.write();
+        f(&mut lower);
+        self.lower_held.store(lower.held_blocks(), Ordering::Relaxed);
     }
 
     /// Records shard `s`'s size after a write and, past the budget, evicts from the fullest
@@ -159,11 +220,23 @@ impl ShardedIndex {
     fn after_write(&self, s: usize) {
         self.held[s].store(read(&self.shards[s]).held_blocks(), Ordering::Relaxed);
         let Some(budget) = self.budget else { return };
-        let total: usize = self.held.iter().map(|h| h.load(Ordering::Relaxed)).sum();
-        if total <= budget {
+        let device: usize = self.held.iter().map(|h| h.load(Ordering::Relaxed)).sum();
+        let lower = self.lower_held.load(Ordering::Relaxed);
+        if device + lower <= budget {
             return;
         }
-        let excess = total - (budget - budget / 10);
+        let mut excess = device + lower - (budget - budget / 10);
+        if lower > 0 {
+            // Lower tiers give way first: the device is what serves without a load.
+            let mut tiers = self.lower.write();
+            let before = tiers.held_blocks();
+            tiers.evict_oldest(before.saturating_sub(excess));
+            excess -= before - tiers.held_blocks();
+            self.lower_held.store(tiers.held_blocks(), Ordering::Relaxed);
+            if excess == 0 {
+                return;
+            }
+        }
         let fullest =
             (0..self.held.len()).max_by_key(|&i| self.held[i].load(Ordering::Relaxed)).unwrap_or(s);
         let mut shard = self.write(fullest);
@@ -203,7 +276,16 @@ impl ShardedIndex {
     }
 
     pub fn stats(&self) -> IndexStats {
-        self.shards.iter().map(|s| read(s).stats()).fold(IndexStats::default(), |a, b| a + b)
+        let device =
+            self.shards.iter().map(|s| read(s).stats()).fold(IndexStats::default(), |a, b| a + b);
+        let lower = self.lower.read();
+        IndexStats {
+            lower_tier_blocks: lower.held_blocks(),
+            heap_bytes: device.heap_bytes + lower.heap_bytes(),
+            rejected_unknown_parent: device.rejected_unknown_parent + lower.rejected_unknown_parent,
+            evicted_blocks: device.evicted_blocks + lower.evicted_blocks,
+            ..device
+        }
     }
 
     /// All shards' snapshots, concatenated (event ids renumbered).
@@ -247,7 +329,7 @@ mod tests {
             })
             .collect();
         let data = KvCacheEventData::Stored(KvCacheStoreData { parent_hash: None, blocks });
-        RouterEvent::new(worker, KvCacheEvent { event_id: 0, data, dp_rank: dp.into() })
+        RouterEvent::new(worker, KvCacheEvent::new(0, data, dp))
     }
 
     #[test]

@@ -229,8 +229,5 @@ impl ActiveSequences {
 }
 
 fn event(worker: WorkerWithDpRank, data: KvCacheEventData) -> RouterEvent {
-    RouterEvent {
-        worker_id: worker.worker_id,
-        event: KvCacheEvent { event_id: 0, data, dp_rank: worker.dp_rank },
-    }
+    RouterEvent { worker_id: worker.worker_id, event: KvCacheEvent::new(0, data, worker.dp_rank) }
 }

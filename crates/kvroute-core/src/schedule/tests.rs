@@ -58,6 +58,7 @@ fn scores(entries: &[(u64, u32)]) -> OverlapScores {
     OverlapScores {
         scores: entries.iter().map(|&(k, s)| (w(k), s)).collect(),
         tree_sizes: entries.iter().map(|&(k, s)| (w(k), s as usize)).collect(),
+        tiers: None,
     }
 }
 
@@ -599,17 +600,11 @@ fn simulate(policy: PolicyKind) -> SimResult {
                 .collect();
             let parent = first.checked_sub(1).map(|i| ExternalBlockHash(p.seq[i].0));
             let data = KvCacheEventData::Stored(KvCacheStoreData { parent_hash: parent, blocks });
-            events.push(RouterEvent::new(
-                k as u64,
-                KvCacheEvent { event_id: 0, data, dp_rank: 0u32.into() },
-            ));
+            events.push(RouterEvent::new(k as u64, KvCacheEvent::new(0, data, 0u32)));
         }
         if !removed.is_empty() {
             let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes: removed });
-            events.push(RouterEvent::new(
-                k as u64,
-                KvCacheEvent { event_id: 0, data, dp_rank: 0u32.into() },
-            ));
+            events.push(RouterEvent::new(k as u64, KvCacheEvent::new(0, data, 0u32)));
         }
         serial += 1;
         heap.push(Due(end, serial, Pending::Events(events)));

@@ -114,8 +114,7 @@ struct Dump {
 
 impl Dump {
     fn push(&mut self, worker: crate::WorkerWithDpRank, data: KvCacheEventData) {
-        let event =
-            KvCacheEvent { event_id: self.events.len() as u64, data, dp_rank: worker.dp_rank };
+        let event = KvCacheEvent::new(self.events.len() as u64, data, worker.dp_rank);
         self.events.push(RouterEvent { worker_id: worker.worker_id, event });
     }
 

@@ -14,10 +14,7 @@ fn w(id: u64) -> WorkerWithDpRank {
 }
 
 fn event(worker: WorkerWithDpRank, data: KvCacheEventData) -> RouterEvent {
-    RouterEvent {
-        worker_id: worker.worker_id,
-        event: KvCacheEvent { event_id: 0, data, dp_rank: worker.dp_rank },
-    }
+    RouterEvent { worker_id: worker.worker_id, event: KvCacheEvent::new(0, data, worker.dp_rank) }
 }
 
 /// Stored of `locals` named `ext` (engine hashes), under `parent`.
@@ -510,9 +507,13 @@ proptest! {
             }
             prop_assert_eq!(&replayed.find_matches(&q(query)), &got, "replayed, query {:?}", query);
         }
-        for &worker in model.workers.keys() {
+        for (&worker, blocks) in &model.workers {
             prop_assert_eq!(index.tree_size(worker), model.tree_size(worker));
             prop_assert_eq!(replayed.tree_size(worker), model.tree_size(worker));
+            for (&ext, path) in blocks {
+                let want = crate::hash::sequence_hashes(&q(path)).last().copied();
+                prop_assert_eq!(index.sequence_hash(worker, ExternalBlockHash(ext)), want);
+            }
         }
     }
 }
