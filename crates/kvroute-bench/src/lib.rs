@@ -121,6 +121,17 @@ pub struct BenchArgs {
     /// Token budget of a simulated worker's step.
     #[arg(long, env = "KVROUTE_BENCH_MAX_BATCHED_TOKENS", default_value_t = 8192)]
     pub max_batched_tokens: usize,
+    /// Blocks of host memory below each simulated worker's GPU cache (vLLM's CPU offloading;
+    /// Dynamo's mocker's flag): evicted prefixes are loaded back instead of recomputed, and
+    /// the best achievable hit rate counts these blocks too. 0: none.
+    #[arg(long, env = "KVROUTE_BENCH_NUM_HOST_BLOCKS", default_value_t = 0)]
+    pub num_host_blocks: usize,
+    /// Host-to-device bandwidth (GB/s) of the simulated workers' host loads.
+    #[arg(long, env = "KVROUTE_BENCH_HOST_H2D_GBPS", default_value_t = 32.0)]
+    pub host_offload_h2d_bandwidth_gbps: f64,
+    /// KV bytes per token of the simulated model (the size of a host load).
+    #[arg(long, env = "KVROUTE_BENCH_KV_BYTES_PER_TOKEN", default_value_t = 131_072.0)]
+    pub kv_bytes_per_token: f64,
     /// Model directory (tokenizer and chat template); default: the repository's kvroute-tiny.
     #[arg(long, env = "KVROUTE_BENCH_MODEL_PATH")]
     pub model_path: Option<PathBuf>,
@@ -285,6 +296,12 @@ impl BenchArgs {
             adapters: Vec::new(),
             max_loras: self.max_loras,
             session_margin: self.session_margin,
+            host: kvroute_mocker::HostConfig {
+                num_blocks: self.num_host_blocks,
+                h2d_gbps: self.host_offload_h2d_bandwidth_gbps,
+                kv_bytes_per_token: self.kv_bytes_per_token,
+                ..kvroute_mocker::HostConfig::default()
+            },
         }
     }
 
@@ -669,7 +686,11 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                 let bs = fleet.block_size as usize;
                 // A remote fleet's capacity: what its workers report.
                 let cap = capacity.or_else(|| {
-                    let blocks: u64 = data.stats_end.iter().map(|s| s.kv_total_blocks).sum();
+                    let blocks: u64 = data
+                        .stats_end
+                        .iter()
+                        .map(|s| s.kv_total_blocks + s.host_total_blocks)
+                        .sum();
                     (blocks > 0).then_some(blocks as usize)
                 });
                 let summary = summary::summarize(&data, bs, cap);

@@ -243,6 +243,14 @@ pub fn write(
                 args.seed,
                 args.warmup * 100.0
             );
+            let h = &fleet.host;
+            if h.num_blocks > 0 {
+                let _ = writeln!(
+                    md,
+                    "Host memory below each GPU cache: {} blocks, loaded at {} GB/s, {} KV bytes per token; the best achievable hit rate counts these blocks too.\n",
+                    h.num_blocks, h.h2d_gbps, h.kv_bytes_per_token
+                );
+            }
         }
         Some(url) => {
             let _ = writeln!(
@@ -368,6 +376,7 @@ fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyho
     }
     let _ = writeln!(md);
     write_adapters(md, result);
+    write_host(md, result);
     if let Some(rr) = find(result, "round-robin") {
         let _ = writeln!(
             md,
@@ -435,6 +444,34 @@ fn write_adapters(md: &mut String, result: &WorkloadResult) {
             at(3),
             mean(mid),
             cold.map_or("-".into(), |c| format!("{c:.2}")),
+        );
+    }
+    let _ = writeln!(md);
+}
+
+/// With host memory: the share of prompt tokens loaded from it and the bytes moved.
+fn write_host(md: &mut String, result: &WorkloadResult) {
+    if result.runs.iter().all(|(_, s)| s.host_hit_rate.is_none()) {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "Tiers: hit rate by where the cached tokens came from (the workers' counters), and the KV loaded from host memory per answered request:\n"
+    );
+    let _ = writeln!(
+        md,
+        "| policy | hit rate | from the GPU | from host memory | MiB loaded / request |\n|---|---|---|---|---|"
+    );
+    for (_, s) in &result.runs {
+        let gpu = s.hit_rate.zip(s.host_hit_rate).map(|(h, t)| h - t);
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} |",
+            s.label,
+            frac(s.hit_rate),
+            frac(gpu),
+            frac(s.host_hit_rate),
+            s.host_loaded_mib_per_request.map_or("-".into(), |m| format!("{m:.1}")),
         );
     }
     let _ = writeln!(md);

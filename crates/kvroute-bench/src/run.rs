@@ -49,6 +49,8 @@ pub struct FleetConfig {
     pub max_loras: usize,
     /// The router's session margin, seconds (`--session-margin` of `kvroute serve`).
     pub session_margin: f64,
+    /// Host memory below each worker's GPU cache (none by default).
+    pub host: kvroute_mocker::HostConfig,
 }
 
 impl Default for FleetConfig {
@@ -66,6 +68,7 @@ impl Default for FleetConfig {
             adapters: Vec::new(),
             max_loras: kvroute_mocker::lora::LoraConfig::default().max_loras,
             session_margin: kvroute_core::schedule::SessionConfig::default().margin_s,
+            host: kvroute_mocker::HostConfig::default(),
         }
     }
 }
@@ -75,9 +78,16 @@ impl FleetConfig {
         BlockSize::new(self.block_size).context("--block-size")
     }
 
-    /// Blocks of every worker together.
+    /// The router prices a host load as the workers take it.
+    pub fn price_host_loads(&self, kv: &mut kvroute_core::schedule::kv::KvConfig) {
+        kv.host_bandwidth_gbps = self.host.h2d_gbps;
+        kv.kv_bytes_per_token = self.host.kv_bytes_per_token;
+    }
+
+    /// Blocks of every worker together, host memory included (what the best achievable hit
+    /// rate may keep).
     pub fn capacity_blocks(&self) -> usize {
-        self.workers * self.num_blocks
+        self.workers * (self.num_blocks + self.host.num_blocks)
     }
 }
 
@@ -172,6 +182,11 @@ pub struct WorkerStats {
     pub cached_tokens: u64,
     pub evicted_blocks: u64,
     pub preemptions: u64,
+    /// Host memory below the GPU cache: its size, the prompt tokens loaded from it (part of
+    /// `cached_tokens`) and the bytes those loads moved.
+    pub host_total_blocks: u64,
+    pub host_hit_tokens: u64,
+    pub host_loaded_bytes: u64,
     /// The engine's adapter counters (its `/stats` `lora`).
     pub lora: LoraView,
 }
@@ -290,6 +305,7 @@ pub async fn start_fleet(
     let mut router = RouterConfig { block_size: fleet.block_size()?, ..RouterConfig::default() };
     router.scheduler.policy = policy;
     router.scheduler.sessions.margin_s = fleet.session_margin;
+    fleet.price_host_loads(&mut router.scheduler.kv);
     if let Some(r) = replicas {
         anyhow::ensure!(r.nats_url.is_some() || !r.sync, "replica sync needs a NATS URL");
     }
@@ -316,6 +332,7 @@ pub async fn start_fleet(
                     max_cpu_loras: fleet.max_loras,
                     ..kvroute_mocker::lora::LoraConfig::default()
                 },
+                host: fleet.host,
                 ..EngineConfig::default()
             },
             lora_modules: fleet.adapters.iter().map(|a| (a.clone(), None)).collect(),
@@ -347,6 +364,7 @@ pub async fn start_fleet(
         };
         router.scheduler.policy = policy;
         router.scheduler.sessions.margin_s = fleet.session_margin;
+        fleet.price_host_loads(&mut router.scheduler.kv);
         router.nats = nats_for(k);
         let replica = started(front_door(router, fleet), &format!("replica {k}")).await?;
         fronts.push(replica.serve_frontend_on_loopback().await?);

@@ -68,6 +68,11 @@ pub struct Summary {
     /// Per adapter (by name, which is its popularity rank): its requests and the engines
     /// that served them.
     pub engines_per_adapter: Vec<(String, usize, usize)>,
+    /// Prompt tokens the workers loaded from host memory / prompt tokens (part of
+    /// `hit_rate`), and the KV bytes those loads moved per answered request; `None` without
+    /// host memory.
+    pub host_hit_rate: Option<f64>,
+    pub host_loaded_mib_per_request: Option<f64>,
 }
 
 /// Per adapter, its answered requests and the distinct workers that served them.
@@ -166,6 +171,12 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
         Vec::new()
     };
     let loads: Vec<f64> = worker_requests.iter().map(|&n| n as f64).collect();
+    let has_host = run.stats_end.iter().any(|s| s.host_total_blocks > 0);
+    let host_tokens = has_host.then(|| {
+        delta(&run.stats_end, &run.stats_start, |s| s.host_hit_tokens).iter().sum::<u64>()
+    });
+    let prompt_tokens: u64 =
+        delta(&run.stats_end, &run.stats_start, |s| s.prompt_tokens).iter().sum();
     Summary {
         label: run.label.clone(),
         requests: records.len(),
@@ -197,5 +208,11 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
             ratio(loads as f64, asked as f64).filter(|_| have_stats)
         },
         engines_per_adapter: engines_per_adapter(&ok),
+        host_hit_rate: host_tokens.and_then(|t| ratio(t as f64, prompt_tokens as f64)),
+        host_loaded_mib_per_request: host_tokens.and_then(|_| {
+            let bytes: u64 =
+                delta(&run.stats_end, &run.stats_start, |s| s.host_loaded_bytes).iter().sum();
+            ratio(bytes as f64 / f64::from(1 << 20), ok.len() as f64)
+        }),
     }
 }

@@ -251,11 +251,31 @@ pub struct KvCacheRemoveData {
     pub block_hashes: Vec<ExternalBlockHash>,
 }
 
-/// A [`KvCacheEvent`] and the worker it came from.
+/// A [`KvCacheEvent`] and the worker it came from. Read also in Dynamo's shape, whose
+/// `storage_tier` sits here rather than in the event (it wins when both say).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "RouterEventWire")]
 pub struct RouterEvent {
     pub worker_id: WorkerId,
     pub event: KvCacheEvent,
+}
+
+#[derive(Deserialize)]
+struct RouterEventWire {
+    worker_id: WorkerId,
+    event: KvCacheEvent,
+    #[serde(default)]
+    storage_tier: Option<StorageTier>,
+}
+
+impl From<RouterEventWire> for RouterEvent {
+    fn from(w: RouterEventWire) -> Self {
+        let mut event = w.event;
+        if let Some(tier) = w.storage_tier {
+            event.storage_tier = tier;
+        }
+        Self { worker_id: w.worker_id, event }
+    }
 }
 
 impl RouterEvent {

@@ -201,6 +201,9 @@ pub struct Candidate {
     pub overlap_blocks: u32,
     /// Leading blocks of the request in flight on the worker (routed, not yet reported).
     pub inflight_prefix_blocks: u32,
+    /// Blocks right after its device prefix that it keeps in host memory, on disk and in the
+    /// shared store (each block from the cheapest tier that holds it).
+    pub tier_blocks: crate::index::TierRun,
     /// Blocks the worker holds in all.
     pub tree_size: usize,
     pub active: ActiveLoad,
@@ -373,6 +376,8 @@ pub struct RouteDecision {
     pub worker: WorkerWithDpRank,
     /// Leading blocks the worker holds by its KV events.
     pub overlap_blocks: u32,
+    /// Blocks after those it is expected to load from host memory, disk and the shared store.
+    pub tier_blocks: crate::index::TierRun,
     /// Prompt tokens the router expects the worker to compute (not served from its cache).
     pub predicted_prefill_tokens: usize,
 }
@@ -583,11 +588,13 @@ impl Scheduler {
         }
         let c = candidates[chosen];
         let bs = self.config.block_size.tokens();
-        let cached =
-            reusable_tokens(c.overlap_blocks.max(c.inflight_prefix_blocks), request.isl_tokens, bs);
+        let lower: u32 = c.tier_blocks.iter().sum();
+        let served = (c.overlap_blocks + lower).max(c.inflight_prefix_blocks);
+        let cached = reusable_tokens(served, request.isl_tokens, bs);
         let decision = RouteDecision {
             worker: c.worker,
             overlap_blocks: c.overlap_blocks,
+            tier_blocks: c.tier_blocks,
             predicted_prefill_tokens: request.isl_tokens - cached,
         };
         if let Some(id) = request.id {
@@ -717,17 +724,22 @@ impl Scheduler {
         let mut listed_size = cursor(listed.as_deref().unwrap_or_default());
         let any_ready = self.workers.iter().any(|e| e.ready);
         all.clear();
-        all.extend(self.workers.iter().filter(|e| e.ready || !any_ready).map(|e| Candidate {
-            worker: e.worker,
-            overlap_blocks: overlap(e.worker).unwrap_or(0),
-            inflight_prefix_blocks: inflight_prefix(e.worker).unwrap_or(0),
-            tree_size: tree_size(e.worker).unwrap_or_else(|| match &listed {
-                Some(_) => listed_size(e.worker).unwrap_or(0),
-                None => sizes.tree_size(e.worker),
-            }),
-            active: self.active.load(e.worker),
-            load: e.load,
-            adapter: AdapterFit::Resident,
+        let tiers = scores.tiers.as_deref();
+        all.extend(self.workers.iter().filter(|e| e.ready || !any_ready).map(|e| {
+            let overlap_blocks = overlap(e.worker).unwrap_or(0);
+            Candidate {
+                worker: e.worker,
+                overlap_blocks,
+                tier_blocks: tiers.map_or([0; 3], |t| t.run(e.worker, overlap_blocks)),
+                inflight_prefix_blocks: inflight_prefix(e.worker).unwrap_or(0),
+                tree_size: tree_size(e.worker).unwrap_or_else(|| match &listed {
+                    Some(_) => listed_size(e.worker).unwrap_or(0),
+                    None => sizes.tree_size(e.worker),
+                }),
+                active: self.active.load(e.worker),
+                load: e.load,
+                adapter: AdapterFit::Resident,
+            }
         }));
         if !self.policy.blind()
             && all.iter().any(|c| self.is_busy(c))

@@ -43,8 +43,9 @@ impl RemoteRouter {
 
 /// What the router knew when it placed a request: where it goes, how many of its leading
 /// blocks that worker holds by its KV events, and the prompt tokens it should therefore
-/// serve from its cache (those blocks in tokens, less the last block of a fully cached
-/// prompt, which engines recompute: [`reusable_tokens`]).
+/// serve from its cache (those blocks and the ones after them it loads from a lower tier, in
+/// tokens, less the last block of a fully cached prompt, which engines recompute:
+/// [`reusable_tokens`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Placement {
     pub worker: WorkerWithDpRank,
@@ -55,11 +56,11 @@ pub struct Placement {
 impl Placement {
     fn new(
         worker: WorkerWithDpRank,
-        overlap_blocks: u32,
+        (overlap_blocks, lower_blocks): (u32, u32),
         num_tokens: usize,
         bs: BlockSize,
     ) -> Self {
-        let cached = reusable_tokens(overlap_blocks, num_tokens, bs.tokens());
+        let cached = reusable_tokens(overlap_blocks + lower_blocks, num_tokens, bs.tokens());
         Self { worker, overlap_blocks, predicted_cached_tokens: cached as u64 }
     }
 }
@@ -97,7 +98,8 @@ impl Placer {
                     session,
                 };
                 Ok(router.place(&placement).map(|(d, _)| {
-                    Placement::new(d.worker, d.overlap_blocks, num_tokens, block_size)
+                    let blocks = (d.overlap_blocks, d.tier_blocks.iter().sum());
+                    Placement::new(d.worker, blocks, num_tokens, block_size)
                 }))
             }
             Self::Remote(remote) => {
@@ -115,7 +117,7 @@ impl Placer {
                 match remote.client.post_json::<BestWorker>(&url, &request).await {
                     Ok(best) => Ok(Some(Placement::new(
                         best.worker(),
-                        best.overlap_blocks,
+                        (best.overlap_blocks, best.lower_tier_blocks),
                         num_tokens,
                         block_size,
                     ))),

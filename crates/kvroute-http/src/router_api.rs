@@ -95,6 +95,14 @@ pub struct BestWorker {
     pub overlap: f64,
     /// Prompt tokens the router expects the worker to compute.
     pub predicted_prefill_tokens: usize,
+    /// Blocks after `overlap_blocks` the worker is expected to load from host memory, disk
+    /// and a shared store (absent: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lower_tier_blocks: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl BestWorker {

@@ -29,8 +29,10 @@
 //!
 //! Deliberate differences from Dynamo's mocker: the generated tokens are words of the model's
 //! vocabulary chosen by the prompt and the seed (see [`OutputPlan`]), not synthetic ids, so a
-//! client can send the answer back; Dynamo's features beyond a single vLLM worker (host
-//! offload, speculative decoding, disaggregation, data-parallel cadence) are not simulated.
+//! client can send the answer back; host memory below the GPU cache is vLLM's offloading
+//! connector's ([`crate::host`]), not Dynamo's model of it; Dynamo's other features beyond a
+//! single vLLM worker (disk tiers, speculative decoding, disaggregation, data-parallel
+//! cadence) are not simulated.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -38,6 +40,8 @@ use std::time::Duration;
 use kvroute_core::{BlockExtraInfo, BlockHasher, BlockSize, SequenceHash};
 use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_extra_keys};
 
+use crate::host::HostTier;
+pub use crate::host::{HostConfig, HostStats};
 use crate::kv::{KvCache, Stored};
 use crate::lora::Adapters;
 pub use crate::lora::{LoraConfig, LoraStats};
@@ -55,6 +59,8 @@ pub struct EngineConfig {
     pub timing: Timing,
     /// LoRA adapters: slots, host memory, load times ([`crate::lora`]).
     pub lora: LoraConfig,
+    /// Host memory below the GPU cache ([`crate::host`]; none by default).
+    pub host: HostConfig,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +72,7 @@ impl Default for EngineConfig {
             max_batched_tokens: 8_192,
             timing: Timing::default(),
             lora: LoraConfig::default(),
+            host: HostConfig::default(),
         }
     }
 }
@@ -142,9 +149,16 @@ pub type AdapterCounts = Vec<(String, usize)>;
 pub struct EngineStats {
     pub requests_finished: u64,
     pub prompt_tokens: u64,
+    /// Prompt tokens served without computing them: from the GPU cache or host memory.
     pub cached_tokens: u64,
     pub evicted_blocks: u64,
     pub preemptions: u64,
+    /// Of `cached_tokens`, those loaded from host memory, and the bytes those loads moved.
+    pub host_hit_tokens: u64,
+    pub host_loaded_bytes: u64,
+    /// Blocks evicted from host memory, and the blocks it holds now.
+    pub host_evicted_blocks: u64,
+    pub host_blocks: u64,
 }
 
 /// What a step scheduled for one request.
@@ -166,6 +180,7 @@ pub struct Engine {
     running: Vec<Sequence>,
     stats: EngineStats,
     adapters: Adapters,
+    host: HostTier,
 }
 
 /// Collects a step's events in order, runs of one kind merged.
@@ -174,21 +189,44 @@ struct Events(Vec<EngineEvent>);
 
 impl Events {
     fn removed(&mut self, gone: &[SequenceHash]) {
+        self.removed_from(gone, GPU);
+    }
+
+    fn removed_from(&mut self, gone: &[SequenceHash], medium: &str) {
         if gone.is_empty() {
             return;
         }
-        if let Some(EngineEvent::BlockRemoved(r)) = self.0.last_mut() {
+        if let Some(EngineEvent::BlockRemoved(r)) = self.0.last_mut()
+            && r.medium.as_deref() == Some(medium)
+        {
             r.block_hashes.extend(gone.iter().map(|s| s.0));
             return;
         }
         self.0.push(EngineEvent::BlockRemoved(BlockRemoved {
             block_hashes: gone.iter().map(|s| s.0).collect(),
-            medium: Some("GPU".to_owned()),
+            medium: Some(medium.to_owned()),
             group_idx: None,
             locality: None,
         }));
     }
+
+    /// `BlockStored` for blocks `blocks` (increasing) of `s`, one event per consecutive run.
+    fn stored_runs(&mut self, bs: usize, s: &Sequence, blocks: &[usize], medium: &str) {
+        let mut start = 0;
+        for i in 1..=blocks.len() {
+            if i == blocks.len() || blocks[i] != blocks[i - 1] + 1 {
+                if start < i {
+                    self.0.push(stored_event(bs, s, &blocks[start..i], medium));
+                }
+                start = i;
+            }
+        }
+    }
 }
+
+/// The `medium` of the GPU cache's events and of host memory's, as vLLM names them.
+const GPU: &str = "GPU";
+const CPU: &str = "CPU";
 
 impl Engine {
     pub fn new(config: EngineConfig) -> Self {
@@ -200,6 +238,7 @@ impl Engine {
             running: Vec::new(),
             stats: EngineStats::default(),
             adapters: Adapters::new(config.lora),
+            host: HostTier::new(config.host),
             config,
         }
     }
@@ -214,7 +253,21 @@ impl Engine {
     }
 
     pub fn stats(&self) -> EngineStats {
-        self.stats
+        let host = self.host.stats;
+        let block_bytes =
+            self.config.block_size.tokens() as f64 * self.config.host.kv_bytes_per_token;
+        EngineStats {
+            host_hit_tokens: host.hit_tokens,
+            host_loaded_bytes: (host.loaded_blocks as f64 * block_bytes) as u64,
+            host_evicted_blocks: host.evicted_blocks,
+            host_blocks: self.host.len() as u64,
+            ..self.stats
+        }
+    }
+
+    /// What host memory has served and evicted, and the blocks it holds.
+    pub fn host_stats(&self) -> (HostStats, usize) {
+        (self.host.stats, self.host.len())
     }
 
     pub fn waiting(&self) -> usize {
@@ -392,6 +445,9 @@ impl Engine {
             }
             self.cache.reference(&hashes[..hits]);
             s.blocks = hashes[..hits].iter().map(|&h| Block::Cached(h)).collect();
+            let loaded = self.load_from_host(&mut s, &hashes, hits, (len - 1) / bs, &mut events);
+            lora_time += self.host.load_time(loaded, bs);
+            let hits = hits + loaded;
             s.filled = hits;
             s.computed = hits * bs;
             s.cached_tokens.get_or_insert(hits * bs);
@@ -445,6 +501,7 @@ impl Engine {
         batch_adapters.sort_unstable();
         batch_adapters.dedup();
         let lora_step = self.adapters.step_cost() * batch_adapters.len() as u32;
+        // `lora_time` holds host loads too: both hold up the step.
         let lora = timing.scale(lora_time + lora_step);
         let mut out = Step { duration: prefill + decode + lora, ..Step::default() };
         self.clock += out.duration;
@@ -522,15 +579,53 @@ impl Engine {
                 continue;
             }
             s.blocks[b] = Block::Cached(hash);
-            if run.last().is_some_and(|&l| l + 1 != b) {
-                events.0.push(stored_event(bs, s, &std::mem::take(&mut run)));
-            }
             run.push(b);
         }
         s.filled = s.filled.max(full);
-        if !run.is_empty() {
-            events.0.push(stored_event(bs, s, &run));
+        events.stored_runs(bs, s, &run, GPU);
+        if self.host.enabled() && !run.is_empty() {
+            let hashes: Vec<SequenceHash> = run.iter().map(|&b| s.hashes[b]).collect();
+            let (mut new, mut gone) = (Vec::new(), Vec::new());
+            self.host.store(&hashes, &mut new, &mut gone);
+            events.removed_from(&gone, CPU);
+            let new: Vec<usize> = new.into_iter().map(|i| run[i]).collect();
+            events.stored_runs(bs, s, &new, CPU);
         }
+    }
+
+    /// Loads the host blocks that follow a request's `hits` GPU blocks (at most up to block
+    /// `max`) into the GPU cache, as cached blocks of the request; announces them on the GPU
+    /// again. Returns how many; 0 without host memory or room.
+    fn load_from_host(
+        &mut self,
+        s: &mut Sequence,
+        hashes: &[SequenceHash],
+        hits: usize,
+        max: usize,
+        events: &mut Events,
+    ) -> usize {
+        let n = self.host.run(hashes, hits, max.saturating_sub(hits));
+        let mut gone = Vec::new();
+        if n == 0 || self.cache.grow(n, &mut gone).is_err() {
+            return 0;
+        }
+        self.stats.evicted_blocks += gone.len() as u64;
+        events.removed(&gone);
+        let mut announced = Vec::with_capacity(n);
+        for (b, &h) in hashes.iter().enumerate().skip(hits).take(n) {
+            match self.cache.fill(h) {
+                Stored::New => {
+                    s.blocks.push(Block::Cached(h));
+                    announced.push(b);
+                }
+                Stored::Duplicate => s.blocks.push(Block::Private),
+            }
+        }
+        self.host.touch(&hashes[hits..hits + n]);
+        self.host.stats.loaded_blocks += n as u64;
+        self.host.stats.hit_tokens += (n * self.config.block_size.tokens()) as u64;
+        events.stored_runs(self.config.block_size.tokens(), s, &announced, GPU);
+        n
     }
 
     /// Every running request whose known tokens are all computed samples its next token;
@@ -583,7 +678,7 @@ enum Scheduled {
 
 /// `BlockStored` for consecutive blocks of a request, as vLLM writes it (images as
 /// publisher-form `extra_keys`).
-fn stored_event(bs: usize, s: &Sequence, blocks: &[usize]) -> EngineEvent {
+fn stored_event(bs: usize, s: &Sequence, blocks: &[usize], medium: &str) -> EngineEvent {
     let first = blocks[0];
     let extra_keys: Option<Vec<Option<Vec<ExtraKey>>>> = s.mm.as_ref().map(|infos| {
         blocks
@@ -619,7 +714,7 @@ fn stored_event(bs: usize, s: &Sequence, blocks: &[usize]) -> EngineEvent {
             .collect(),
         block_size: bs as u32,
         lora_id: s.lora.as_ref().map(|(_, id)| i64::from(*id)),
-        medium: Some("GPU".to_owned()),
+        medium: Some(medium.to_owned()),
         lora_name: s.lora.as_ref().map(|(name, _)| name.clone()),
         extra_keys,
         cache_salt: s.namespace.clone(),

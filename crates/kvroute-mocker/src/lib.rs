@@ -11,6 +11,7 @@
 mod derender;
 pub mod engine;
 pub mod generate;
+pub mod host;
 pub mod http;
 mod kv;
 mod logprobs;
@@ -25,7 +26,8 @@ pub mod timing;
 pub mod vllm;
 
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineRequest, EngineStats, Output, OutputPlan, Step, Usage,
+    Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, HostStats, Output,
+    OutputPlan, Step, Usage,
 };
 pub use kvroute_preprocess::fetch::FetchConfig;
 pub use service::{Endpoints, EngineHandle, Snapshot};

@@ -21,6 +21,9 @@ pub const RENDERED: &str = "kvroute_mocker_render_requests";
 pub const GENERATED: &str = "kvroute_mocker_generate_requests";
 pub const SGLANG_GENERATED: &str = "kvroute_mocker_sglang_generate_requests";
 pub const ZMQ_REFUSED: &str = "kvroute_mocker_zmq_refused_messages";
+pub const HOST_HIT_TOKENS: &str = "kvroute_mocker_host_hit_tokens";
+pub const HOST_LOADED_BYTES: &str = "kvroute_mocker_host_loaded_bytes";
+pub const HOST_BLOCKS: &str = "kvroute_mocker_host_blocks";
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
 pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
@@ -58,6 +61,9 @@ pub struct Metrics {
     lora_info: Family<LoraLabels, FloatGauge>,
     lora_loads: CounterOf,
     lora_swaps: CounterOf,
+    host_hit_tokens: CounterOf,
+    host_loaded_bytes: CounterOf,
+    host_blocks: Gauge,
 }
 
 impl Metrics {
@@ -84,6 +90,9 @@ impl Metrics {
             lora_info: Family::default(),
             lora_loads: CounterOf::default(),
             lora_swaps: CounterOf::default(),
+            host_hit_tokens: CounterOf::default(),
+            host_loaded_bytes: CounterOf::default(),
+            host_blocks: Gauge::default(),
         };
         let mut r = Registry::default();
         r.register(KV_USAGE, "Share of KV blocks in use (0-1)", m.kv_usage.clone());
@@ -100,6 +109,17 @@ impl Metrics {
             m.cached_tokens.counter.clone(),
         );
         r.register(EVICTED, "KV blocks evicted", m.evicted.counter.clone());
+        r.register(
+            HOST_HIT_TOKENS,
+            "Prompt tokens loaded from host memory instead of computed (part of the cached ones)",
+            m.host_hit_tokens.counter.clone(),
+        );
+        r.register(
+            HOST_LOADED_BYTES,
+            "Bytes of KV loaded from host memory",
+            m.host_loaded_bytes.counter.clone(),
+        );
+        r.register(HOST_BLOCKS, "KV blocks held in host memory", m.host_blocks.clone());
         r.register(PREEMPTIONS, "Requests preempted", m.preemptions.counter.clone());
         r.register(FINISHED, "Requests finished", m.finished.counter.clone());
         r.register(
@@ -223,6 +243,9 @@ impl Metrics {
         self.prompt_tokens.sync(s.stats.prompt_tokens);
         self.cached_tokens.sync(s.stats.cached_tokens);
         self.evicted.sync(s.stats.evicted_blocks);
+        self.host_hit_tokens.sync(s.stats.host_hit_tokens);
+        self.host_loaded_bytes.sync(s.stats.host_loaded_bytes);
+        self.host_blocks.set(s.stats.host_blocks as i64);
         self.preemptions.sync(s.stats.preemptions);
         self.finished.sync(s.stats.requests_finished);
         self.zmq_refused.sync(s.zmq_refused);

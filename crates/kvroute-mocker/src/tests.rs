@@ -480,3 +480,61 @@ fn a_full_set_of_slots_passes_over_a_new_adapter_and_loads_cost_time() {
     assert_eq!(engine.resident_adapters(), ["y"]);
     assert_eq!(engine.lora_stats(), crate::lora::LoraStats { loads: 2, swaps: 0, evictions: 1 });
 }
+
+/// An engine of 8 GPU blocks and 32 host blocks.
+fn with_host() -> Engine {
+    let host = HostConfig { num_blocks: 32, ..HostConfig::default() };
+    Engine::new(EngineConfig { host, ..config(8) })
+}
+
+#[test]
+fn a_prefix_evicted_from_the_gpu_is_loaded_back_from_host_memory() {
+    let mut engine = with_host();
+    let a: Vec<u32> = (0..80).collect(); // 5 blocks
+    engine.submit(request("a1", a.clone(), 1)).unwrap();
+    let first = run(&mut engine);
+    // Another prompt fills the GPU cache: a's blocks are evicted there, not on the host.
+    engine.submit(request("b", (1000..1096).collect(), 1)).unwrap();
+    let evicting = run(&mut engine);
+    engine.submit(request("a2", a, 1)).unwrap();
+    let again = run(&mut engine);
+    // All but the last block are served (the last token is computed): the GPU kept the
+    // prefix's head (tails are evicted first), host memory gives the rest.
+    assert_eq!(usage_of(&again, "a2").cached_tokens, 64);
+    let (stats, held) = engine.host_stats();
+    assert_eq!((stats.loaded_blocks, stats.hit_tokens), (2, 32));
+    assert_eq!(held, 5 + 6, "a's blocks and b's, written through");
+    // The load took its time: 2 blocks of 2 MiB at 32 GB/s, beside a 16-token prefill.
+    let load = Duration::from_secs_f64(2.0 * 16.0 * 131_072.0 / 32e9);
+    assert!(again[0].duration > load, "{:?}", again[0].duration);
+    // The host blocks were announced with medium CPU, once each.
+    let mediums = |steps: &[Step]| -> Vec<(String, usize)> {
+        steps
+            .iter()
+            .flat_map(|s| &s.events)
+            .filter_map(|e| match e {
+                EngineEvent::BlockStored(s) => {
+                    Some((s.medium.clone().unwrap_or_default(), s.block_hashes.len()))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    assert!(mediums(&first).contains(&("CPU".to_owned(), 5)), "{:?}", mediums(&first));
+    assert!(mediums(&evicting).iter().any(|(m, _)| m == "CPU"));
+    let stored_again = mediums(&again);
+    assert!(stored_again.iter().all(|(m, _)| m == "GPU"), "{stored_again:?}");
+}
+
+#[test]
+fn without_host_memory_nothing_is_offloaded() {
+    let mut engine = Engine::new(config(8));
+    engine.submit(request("a", (0..80).collect(), 1)).unwrap();
+    let steps = run(&mut engine);
+    let cpu = steps
+        .iter()
+        .flat_map(|s| &s.events)
+        .any(|e| matches!(e, EngineEvent::BlockStored(s) if s.medium.as_deref() == Some("CPU")));
+    assert!(!cpu);
+    assert_eq!(engine.host_stats(), (HostStats::default(), 0));
+}

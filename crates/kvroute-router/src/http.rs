@@ -141,6 +141,7 @@ async fn find_best_worker(
         overlap: (decision.overlap_blocks as usize * bs).min(placement.num_tokens) as f64
             / placement.num_tokens as f64,
         predicted_prefill_tokens: decision.predicted_prefill_tokens,
+        lower_tier_blocks: decision.tier_blocks.iter().sum(),
     }))
 }
 

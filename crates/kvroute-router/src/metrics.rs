@@ -28,6 +28,7 @@ pub const DECISION_SECONDS: &str = "kvroute_router_decision_seconds";
 pub const WORKER_DECISIONS: &str = "kvroute_router_worker_decisions";
 pub const WORKER_READY: &str = "kvroute_router_worker_ready";
 pub const WORKER_BLOCKS: &str = "kvroute_router_worker_blocks";
+pub const WORKER_TIER_BLOCKS: &str = "kvroute_router_worker_tier_blocks";
 pub const IN_FLIGHT: &str = "kvroute_router_in_flight_requests";
 pub const PREDICTIONS: &str = "kvroute_router_predictions";
 pub const PREDICTION_ERROR: &str = "kvroute_router_prediction_error_tokens";
@@ -114,6 +115,14 @@ pub struct BlocksLabels {
     pub mode: &'static str,
 }
 
+/// A worker rank and a tier below its device, a label of [`WORKER_TIER_BLOCKS`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TierLabels {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub tier: &'static str,
+}
+
 /// What conversion did with an engine's blocks, a label of [`CONVERTED`].
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ConvertLabels {
@@ -172,6 +181,7 @@ pub struct Metrics {
     pub worker_decisions: Family<WorkerLabels, Counter>,
     pub worker_ready: Family<WorkerLabels, Gauge>,
     pub worker_blocks: Family<BlocksLabels, Gauge>,
+    pub worker_tier_blocks: Family<TierLabels, Gauge>,
     pub in_flight: Gauge,
     pub predictions: Family<PredictionLabels, Counter>,
     pub prediction_error: Family<WorkerIdLabels, Histogram>,
@@ -229,6 +239,7 @@ impl Metrics {
             sessions: Gauge::default(),
             worker_ready: Family::default(),
             worker_blocks: Family::default(),
+            worker_tier_blocks: Family::default(),
             in_flight: Gauge::default(),
             predictions: Family::default(),
             prediction_error: Family::new_with_constructor(error_histogram),
@@ -310,6 +321,11 @@ impl Metrics {
             WORKER_BLOCKS,
             "Blocks the index holds per worker, by mode (events or approximate)",
             m.worker_blocks.clone(),
+        );
+        r.register(
+            WORKER_TIER_BLOCKS,
+            "Blocks a worker keeps below its device, by tier (host, disk, external), by its events",
+            m.worker_tier_blocks.clone(),
         );
         r.register(IN_FLIGHT, "Requests routed and not yet finished", m.in_flight.clone());
         r.register(

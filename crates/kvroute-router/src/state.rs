@@ -24,14 +24,14 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 
 use kvroute_core::index::{ApproxTracker, ShardedIndex};
 use kvroute_core::schedule::Scheduler;
-use kvroute_core::{LocalBlockHash, WorkerId, WorkerWithDpRank};
+use kvroute_core::{LocalBlockHash, StorageTier, WorkerId, WorkerWithDpRank};
 use kvroute_http::metrics::Registry;
 use kvroute_wire::transport::ZmqLimits;
 
 use crate::checks::Checks;
 use crate::config::RouterConfig;
 use crate::links::NatsLinks;
-use crate::metrics::{BlocksLabels, Metrics, WorkerIdLabels, WorkerLabels};
+use crate::metrics::{BlocksLabels, Metrics, TierLabels, WorkerIdLabels, WorkerLabels};
 
 mod answers;
 mod events;
@@ -153,12 +153,21 @@ impl RouterState {
 
     pub fn workers(&self) -> Vec<WorkerStatus> {
         let workers = self.read_workers();
+        let lower = self.index.lower_tier_sizes();
         workers
             .values()
             .cloned()
             .map(|mut w| {
                 w.tree_size = (0..w.dp_size)
                     .map(|r| self.index.tree_size(WorkerWithDpRank::new(w.id, r)))
+                    .collect();
+                w.lower_tier_blocks = (0..w.dp_size)
+                    .map(|r| {
+                        let rank = WorkerWithDpRank::new(w.id, r);
+                        lower
+                            .binary_search_by_key(&rank, |&(k, _)| k)
+                            .map_or([0; 3], |i| lower[i].1)
+                    })
                     .collect();
                 if let Some(c) = lock(&self.checks.per_worker).workers.get(&w.id) {
                     w.checks = c.clone();
@@ -199,6 +208,10 @@ impl RouterState {
                 m.worker_ready.get_or_create(&labels).set(i64::from(w.ready[r]));
                 let blocks = BlocksLabels { worker_id: w.id.0, dp_rank: rank, mode: w.mode.name() };
                 m.worker_blocks.get_or_create(&blocks).set(w.tree_size[r] as i64);
+                for (tier, n) in StorageTier::LOWER.iter().zip(w.lower_tier_blocks[r]) {
+                    let labels = TierLabels { worker_id: w.id.0, dp_rank: rank, tier: tier.name() };
+                    m.worker_tier_blocks.get_or_create(&labels).set(n as i64);
+                }
             }
             let id = WorkerIdLabels { worker_id: w.id.0 };
             m.worker_drifted.get_or_create(&id).set(i64::from(w.checks.drifted));

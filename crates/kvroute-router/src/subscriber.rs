@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::BlockSize;
-use kvroute_core::{KvCacheEvent, KvCacheEventData, RouterEvent, WorkerWithDpRank};
+use kvroute_core::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier, WorkerWithDpRank};
 use kvroute_wire::transport::{SocketRole, ZmqLimits};
 use kvroute_wire::vllm::split_frames;
 use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
@@ -219,11 +219,15 @@ async fn follow_sequence(state: &RouterState, sub: &Subscription, stream: &mut S
             // may have gone out before the subscription reconnected.
             state.metrics.restarts.inc();
             tracing::info!(worker = %sub.worker, last, seq, "publisher restarted; clearing its blocks");
-            let clear = RouterEvent {
-                worker_id: sub.worker.worker_id,
-                event: KvCacheEvent::new(0, KvCacheEventData::Cleared, sub.worker.dp_rank),
+            // A restarted engine has lost its device cache and its host memory (not its disk
+            // or a shared store).
+            let clear = |tier| {
+                let mut e = KvCacheEvent::new(0, KvCacheEventData::Cleared, sub.worker.dp_rank);
+                e.storage_tier = tier;
+                RouterEvent { worker_id: sub.worker.worker_id, event: e }
             };
-            state.ingest(sub.worker, None, vec![clear]).await;
+            let clears = vec![clear(StorageTier::Device), clear(StorageTier::HostPinned)];
+            state.ingest(sub.worker, None, clears).await;
             stream.last = None;
             if seq > 0 {
                 recover(state, sub, stream, 0, seq, false).await;

@@ -89,6 +89,20 @@ fn events_round_trip_in_dynamos_json_shape() {
         serde_json::to_string(&event).unwrap(),
         r#"{"worker_id":7,"event":{"event_id":3,"data":"cleared","dp_rank":0}}"#
     );
+
+    // A tier below the device: in the event (kvroute's shape) or beside it (Dynamo's).
+    let ours = r#"{"worker_id":7,"event":{"event_id":4,"data":"cleared","dp_rank":0,"storage_tier":"host_pinned"}}"#;
+    let event: RouterEvent = serde_json::from_str(ours).unwrap();
+    assert_eq!(event.event.storage_tier, StorageTier::HostPinned);
+    assert_eq!(serde_json::to_string(&event).unwrap(), ours);
+    let dynamos =
+        r#"{"worker_id":7,"storage_tier":"disk","event":{"event_id":4,"data":"cleared"}}"#;
+    let event: RouterEvent = serde_json::from_str(dynamos).unwrap();
+    assert_eq!(event.event.storage_tier, StorageTier::Disk);
+    assert_eq!(StorageTier::from_medium(Some("NVME"), None), Some(StorageTier::Disk));
+    assert_eq!(StorageTier::from_medium(Some("GPU"), Some("REMOTE")), Some(StorageTier::External));
+    assert_eq!(StorageTier::from_medium(None, None), Some(StorageTier::Device));
+    assert_eq!(StorageTier::from_medium(Some("XPU"), None), None);
 }
 
 #[test]

@@ -6,7 +6,9 @@
 //!
 //! ```text
 //! cached_i = max(kv overlap_i, in-flight prefix_i) * bs        tokens it has or is computing
-//! ttft_i   = queue_weight * queued_prefill_i + (isl - cached_i) work ahead of the first token
+//! loaded_i = sum over lower-tier blocks t past cached_i of credit_t * bs    (see below)
+//! ttft_i   = queue_weight * queued_prefill_i + (isl - cached_i - loaded_i)
+//!                                                             work ahead of the first token
 //! evict_i  = eviction_weight * (isl - cached_i) * fullness_i   what storing the rest evicts
 //! decode_i = decode_full_cache_tokens * active_blocks_i / kv_total_blocks_i
 //! wait_i   = memory_wait_tokens if active_blocks_i + the request's blocks not in flight there
@@ -18,6 +20,13 @@
 //! cost_i   = (ttft_i + evict_i + decode_i + wait_i + lora_i) / prefill_tokens_per_s
 //! ```
 //!
+//! - `loaded_i`: blocks the worker keeps below its device (host memory, disk, a shared store)
+//!   right after its device prefix are loaded instead of computed. One counts
+//!   `credit_t = max(0, 1 - load_t / recompute)`: `load_t` = a block's bytes
+//!   (`kv_bytes_per_token * bs`) over the tier's bandwidth, `recompute` = `bs` over
+//!   `prefill_tokens_per_s`. With `fixed_tier_weights` = 1, Dynamo's fixed credits instead
+//!   (`host_weight`, `disk_weight`, `external_weight`). Their blocks still take room on the
+//!   device, so `evict_i` counts them as uncached.
 //! - The in-flight prefix counts as cached: a request routed behind an identical one reuses
 //!   its blocks as they are computed, so a burst of cold duplicates stays together.
 //! - `queue_weight` < 1: in a chunked-prefill engine queued prompts share steps with this one;
@@ -74,6 +83,23 @@ pub struct KvConfig {
     pub adapter_evict_tokens: f64,
     /// Waiting for a slot when every slot runs another adapter's requests, in prefill tokens.
     pub adapter_wait_tokens: f64,
+    /// KV bytes per token (2 x layers x KV heads x head size x bytes per value), to price a
+    /// block's load from a lower tier: 131,072 (128 KiB, a Llama-3-8B-sized model in 16 bits).
+    pub kv_bytes_per_token: f64,
+    /// Host-to-device bandwidth (GB/s) of loading a host-memory block (Dynamo's mocker: 32).
+    pub host_bandwidth_gbps: f64,
+    /// Bandwidth (GB/s) of loading a block from local disk (Dynamo's mocker's G3 tier: 10).
+    pub disk_bandwidth_gbps: f64,
+    /// Bandwidth (GB/s) of loading a block from the shared store (100 Gb/s Ethernet: 12.5).
+    pub external_bandwidth_gbps: f64,
+    /// 1: credit lower-tier blocks by the fixed weights below instead of by bandwidth.
+    pub fixed_tier_weights: f64,
+    /// Credit of a host block with fixed weights (Dynamo's `host_cache_hit_weight`: 0.75).
+    pub host_weight: f64,
+    /// Credit of a disk block with fixed weights (Dynamo's `disk_cache_hit_weight`: 0.25).
+    pub disk_weight: f64,
+    /// Credit of a shared-store block with fixed weights (Dynamo's shared pool: 0.5).
+    pub external_weight: f64,
 }
 
 impl Default for KvConfig {
@@ -88,8 +114,50 @@ impl Default for KvConfig {
             adapter_load_tokens: 2_000.0,
             adapter_evict_tokens: 1_000.0,
             adapter_wait_tokens: 20_000.0,
+            kv_bytes_per_token: 131_072.0,
+            host_bandwidth_gbps: 32.0,
+            disk_bandwidth_gbps: 10.0,
+            external_bandwidth_gbps: 12.5,
+            fixed_tier_weights: 0.0,
+            host_weight: DYNAMO_TIER_WEIGHTS[0],
+            disk_weight: DYNAMO_TIER_WEIGHTS[1],
+            external_weight: DYNAMO_TIER_WEIGHTS[2],
         }
     }
+}
+
+/// Dynamo 1.6's credits for a host, disk and shared-pool block (its defaults).
+pub const DYNAMO_TIER_WEIGHTS: [f64; 3] = [0.75, 0.25, 0.5];
+
+impl KvConfig {
+    /// What one block of each lower tier (host, disk, external) counts for, against a block
+    /// on the device.
+    pub fn tier_credits(&self, block_size: usize) -> [f64; 3] {
+        if self.fixed_tier_weights > 0.0 {
+            return [self.host_weight, self.disk_weight, self.external_weight];
+        }
+        let bytes = self.kv_bytes_per_token * block_size as f64;
+        let recompute = block_size as f64 / self.prefill_tokens_per_s.max(1.0);
+        let bandwidths =
+            [self.host_bandwidth_gbps, self.disk_bandwidth_gbps, self.external_bandwidth_gbps];
+        bandwidths.map(|gbps| match gbps > 0.0 {
+            true => (1.0 - bytes / (gbps * 1e9) / recompute).max(0.0),
+            false => 0.0,
+        })
+    }
+}
+
+/// Blocks of `c`'s lower-tier run past the first `have` blocks of the request, each counted
+/// at its tier's credit: the run starts where the device prefix ends.
+pub fn loaded_blocks(c: &Candidate, have: u32, credits: [f64; 3]) -> f64 {
+    let mut at = c.overlap_blocks;
+    let mut loaded = 0.0;
+    for (blocks, credit) in c.tier_blocks.into_iter().zip(credits) {
+        let end = at + blocks;
+        loaded += f64::from(end.saturating_sub(have.max(at))) * credit;
+        at = end;
+    }
+    loaded
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -143,6 +211,7 @@ impl KvPolicy {
         let cached = |c: &Candidate| {
             (c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs).min(request.isl_tokens)
         };
+        let credits = self.config.tier_credits(bs);
         candidates
             .iter()
             .map(|c| {
@@ -150,7 +219,13 @@ impl KvPolicy {
                 let total = c.load.kv_total_blocks.filter(|&t| t > 0).map(|t| t as f64);
                 let fullness = total.map_or(1.0, |t| (c.tree_size as f64 / t).min(1.0));
                 let uncached = (request.isl_tokens - have) as f64;
-                let ttft = self.config.queue_weight * c.active.prefill_tokens as f64 + uncached;
+                let have_blocks = c.overlap_blocks.max(c.inflight_prefix_blocks);
+                let loaded = match c.tier_blocks == [0; 3] {
+                    true => 0.0,
+                    false => (loaded_blocks(c, have_blocks, credits) * bs as f64).min(uncached),
+                };
+                let ttft =
+                    self.config.queue_weight * c.active.prefill_tokens as f64 + uncached - loaded;
                 let evict = self.config.eviction_weight * uncached * fullness;
                 let decode = match total {
                     Some(t) => {

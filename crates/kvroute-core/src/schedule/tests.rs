@@ -131,6 +131,49 @@ fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
 }
 
 #[test]
+fn lower_tier_blocks_are_credited_by_what_loading_them_costs() {
+    let kv = kv::KvPolicy::new(kv::KvConfig::default());
+    let config = kv::KvConfig::default();
+    // 16 tokens of 128 KiB: 2 MiB, 66 us at 32 GB/s against 800 us to recompute at 20k/s.
+    let [host, disk, external] = config.tier_credits(BS);
+    assert!((host - (1.0 - 2_097_152.0 / 32e9 / 0.0008)).abs() < 1e-9, "{host}");
+    assert!(host > external && external > disk && disk > 0.0);
+    // A fixed preset gives Dynamo's weights.
+    let fixed = kv::KvConfig { fixed_tier_weights: 1.0, ..config };
+    assert_eq!(fixed.tier_credits(BS), kv::DYNAMO_TIER_WEIGHTS);
+    // Too slow a tier counts nothing.
+    let slow = kv::KvConfig { host_bandwidth_gbps: 1.0, ..config };
+    assert_eq!(slow.tier_credits(BS)[0], 0.0);
+    // A worker with 64 host blocks after 32 device blocks beats one with 40 on its device.
+    let isl = 2048;
+    let mut hosted = candidate(0, 32);
+    hosted.tier_blocks = [64, 0, 0];
+    let device = candidate(1, 40);
+    let costs = kv.costs(&info(isl), &[hosted, device]);
+    assert!(costs[0] < costs[1], "{costs:?}");
+    // What it loads counts only past what is in flight there already.
+    assert!((kv::loaded_blocks(&hosted, 32, [host, disk, external]) - 64.0 * host).abs() < 1e-9);
+    assert!((kv::loaded_blocks(&hosted, 90, [host, disk, external]) - 6.0 * host).abs() < 1e-9);
+    // Dynamo's cost credits the same blocks at 0.75.
+    let d = [dynamo::cost(&info(isl), &hosted), dynamo::cost(&info(isl), &device)];
+    assert!(d[0] < d[1], "{d:?}");
+}
+
+#[test]
+fn a_decision_predicts_the_lower_tier_blocks_as_served() {
+    let p = prompt(&(0..512).collect::<Vec<_>>());
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    let mut found = scores(&[(1, 4)]);
+    found.tiers = Some(Box::new(crate::index::TierScores {
+        runs: vec![(w(1), [8, 4, 0])],
+        external: Vec::new(),
+    }));
+    let d = s.route(&request(&p, None), &found, &UnknownTreeSizes, Instant::now()).unwrap();
+    assert_eq!((d.worker, d.overlap_blocks, d.tier_blocks), (w(1), 4, [8, 4, 0]));
+    assert_eq!(d.predicted_prefill_tokens, 512 - 16 * 16);
+}
+
+#[test]
 fn kv_duplication_is_cheap_onto_an_empty_cache() {
     let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
     let mut owner = candidate(0, 128);

@@ -68,6 +68,9 @@ pub struct WorkerStatus {
     pub last_seq: Vec<Option<u64>>,
     /// Per rank: blocks in the index and the last load report.
     pub tree_size: Vec<usize>,
+    /// Per rank: blocks it keeps below its device, by tier (host, disk, external), by its
+    /// events (filled in when read, like `tree_size`).
+    pub lower_tier_blocks: Vec<[usize; 3]>,
     pub load: Vec<Option<WorkerLoad>>,
     /// What conversion did with the worker's event blocks (all ranks).
     pub conversion: ConvertStats,
@@ -101,6 +104,7 @@ impl WorkerStatus {
             caught_up: vec![false; n],
             last_seq: vec![None; n],
             tree_size: vec![0; n],
+            lower_tier_blocks: vec![[0; 3]; n],
             load: vec![None; n],
             conversion: ConvertStats::default(),
             configured,
@@ -167,6 +171,7 @@ impl WorkerStatus {
         self.caught_up.resize(n, false);
         self.last_seq.resize(n, None);
         self.tree_size.resize(n, 0);
+        self.lower_tier_blocks.resize(n, [0; 3]);
         self.load.resize(n, None);
         self.ready.resize(n, true);
     }

@@ -13,7 +13,7 @@ use kvroute_core::schedule::{SchedulerConfig, SessionConfig};
 use kvroute_frontend::FrontDoorOptions;
 use kvroute_http::{Credentials, ServeOptions};
 use kvroute_mocker::lora::LoraConfig;
-use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_mocker::{EngineConfig, HostConfig, Timing};
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::RouterConfig;
 use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
@@ -107,6 +107,10 @@ impl Settings {
                 lora_swap_ms: Some(engine.lora.swap.as_secs_f64() * 1e3),
                 lora_step_ms: Some(engine.lora.step_cost.as_secs_f64() * 1e3),
                 lora_updating: Some(false),
+                num_host_blocks: Some(engine.host.num_blocks),
+                host_offload_h2d_bandwidth_gbps: Some(engine.host.h2d_gbps),
+                host_offload_d2h_bandwidth_gbps: Some(engine.host.d2h_gbps),
+                kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
             },
             ..Settings::default()
         }
@@ -279,6 +283,16 @@ impl Settings {
         s.temperature = r.temperature.unwrap_or(s.temperature);
         s.overlap_weight = r.overlap_weight.unwrap_or(s.overlap_weight);
         s.kv = kv_config(&r.kv_cost)?;
+        // The simulated engines' host memory prices its loads, unless the cost names its own.
+        let named = |n: &str| r.kv_cost.iter().any(|(k, _)| k == n);
+        let e = &self.engine;
+        if let Some(b) = e.host_offload_h2d_bandwidth_gbps.filter(|_| !named("host_bandwidth_gbps"))
+        {
+            s.kv.host_bandwidth_gbps = b;
+        }
+        if let Some(b) = e.kv_bytes_per_token.filter(|_| !named("kv_bytes_per_token")) {
+            s.kv.kv_bytes_per_token = b;
+        }
         let sd = s.sessions;
         s.sessions = SessionConfig {
             ttl: match r.session_ttl {
@@ -361,6 +375,7 @@ impl Settings {
             max_batched_tokens: e.max_batched_tokens.unwrap_or(d.max_batched_tokens),
             timing: Timing { speedup: e.speedup.unwrap_or(d.timing.speedup) },
             lora: self.lora_config()?,
+            host: self.host_config()?,
         };
         let speedup = engine.timing.speedup;
         if !(speedup.is_finite() && speedup > 0.0) {
@@ -370,6 +385,22 @@ impl Settings {
             return Err(Invalid::EngineZero.into());
         }
         Ok(engine)
+    }
+
+    /// A simulated engine's host memory, each setting over its default.
+    fn host_config(&self) -> Result<HostConfig, StackError> {
+        let (e, d) = (&self.engine, HostConfig::default());
+        let host = HostConfig {
+            num_blocks: e.num_host_blocks.unwrap_or(d.num_blocks),
+            h2d_gbps: e.host_offload_h2d_bandwidth_gbps.unwrap_or(d.h2d_gbps),
+            d2h_gbps: e.host_offload_d2h_bandwidth_gbps.unwrap_or(d.d2h_gbps),
+            kv_bytes_per_token: e.kv_bytes_per_token.unwrap_or(d.kv_bytes_per_token),
+        };
+        let rates = [host.h2d_gbps, host.d2h_gbps, host.kv_bytes_per_token];
+        if !rates.iter().all(|r| r.is_finite() && *r >= 0.0) {
+            return Err(Invalid::HostTier.into());
+        }
+        Ok(host)
     }
 
     /// A simulated engine's adapter settings, each over its default.

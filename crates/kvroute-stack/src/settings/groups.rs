@@ -347,4 +347,19 @@ pub struct Engine {
     /// VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub lora_updating: Option<bool>,
+    /// Blocks of host memory below the GPU cache (vLLM's CPU offloading; Dynamo's mocker's
+    /// flag): computed blocks are copied there and loaded back instead of recomputed, and
+    /// announced with medium CPU. 0: none (docs/mocker.md, "Host memory").
+    #[arg(long)]
+    pub num_host_blocks: Option<usize>,
+    /// Host-to-device bandwidth (GB/s) of loading a host block.
+    #[arg(long)]
+    pub host_offload_h2d_bandwidth_gbps: Option<f64>,
+    /// Device-to-host bandwidth (GB/s) of storing one (stores take no step time).
+    #[arg(long)]
+    pub host_offload_d2h_bandwidth_gbps: Option<f64>,
+    /// KV bytes per token, the size of a block's load (2 x layers x KV heads x head size x
+    /// bytes per value).
+    #[arg(long)]
+    pub kv_bytes_per_token: Option<f64>,
 }

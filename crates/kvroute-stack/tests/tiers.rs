@@ -1,0 +1,115 @@
+//! Host memory below the GPU, end to end over real sockets on 127.0.0.1: simulated engines
+//! with host memory announce their offloaded blocks with medium CPU (vLLM's bytes, through the
+//! router's subscriber), the router keeps them as a tier below the device, and a prompt the
+//! GPU has evicted goes back to the worker whose host memory still holds it, predicted as the
+//! engine serves it.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use http_body_util::BodyExt;
+use kvroute_core::BlockSize;
+use kvroute_http::HttpClient;
+use kvroute_mocker::{EngineConfig, HostConfig, Timing};
+use kvroute_router::{RouterConfig, RouterState};
+use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
+use serde_json::{Value, json};
+
+/// Two engines of 48 GPU blocks and 512 host blocks each, blocks of 16 tokens.
+fn config() -> StackConfig {
+    let host = HostConfig { num_blocks: 512, ..HostConfig::default() };
+    StackConfig {
+        simulated: Simulated {
+            count: 2,
+            engine: EngineConfig {
+                num_blocks: 48,
+                timing: Timing { speedup: 100.0 },
+                host,
+                ..EngineConfig::default()
+            },
+            ..Simulated::default()
+        },
+        router: RouterConfig { block_size: BlockSize::new(16).unwrap(), ..RouterConfig::default() },
+        front_door: FrontDoorOptions { expose_overlap: true, ..FrontDoorOptions::default() },
+        ..StackConfig::default()
+    }
+}
+
+/// Status, `x-kvroute-worker`, `x-kvroute-overlap-tokens`, cached tokens of the answer.
+async fn complete(client: &HttpClient, url: &str, prompt: &[u32]) -> (u16, u64, u64, u64) {
+    let body = json!({"model": "kvroute-tiny", "prompt": prompt, "max_tokens": 1});
+    let response = client.call(hyper::Method::POST, url, Some(&body)).await.unwrap();
+    let header = |name: &str| {
+        let v = response.headers().get(name).and_then(|v| v.to_str().ok());
+        v.and_then(|v| v.parse().ok()).unwrap_or(u64::MAX)
+    };
+    let (worker, predicted) = (header("x-kvroute-worker"), header("x-kvroute-overlap-tokens"));
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let answer: Value = serde_json::from_slice(&bytes).unwrap();
+    let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    (status, worker, predicted, cached)
+}
+
+/// Polls `f` every 20 ms until it holds or `within` passes; whether it held.
+async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
+    let stack = Stack::start(config()).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let router: &RouterState = stack.router.as_ref().unwrap();
+    let client = HttpClient::new();
+    let url = format!("{base}/v1/completions");
+
+    // A 20-block prompt lands somewhere, uncached (ids within the model's 967).
+    let a: Vec<u32> = (0..320).map(|t| 3 + (t * 7) % 900).collect();
+    let (status, owner, _, cached) = complete(&client, &url, &a).await;
+    assert_eq!((status, cached), (200, 0));
+    let spec = stack.workers.iter().find(|w| w.id.0 == owner).unwrap();
+    let engine = format!("{}/v1/completions", spec.url.as_deref().unwrap());
+    let direct = HttpClient::new().with_bearer(&spec.api_key.as_ref().unwrap().0);
+
+    // Three 30-block prompts sent to that engine directly push `a` out of its GPU cache; its
+    // host memory keeps every block, and says so.
+    for k in 0..3u32 {
+        let other: Vec<u32> = (0..480).map(|t| 3 + (t * 13 + k * 101 + 500) % 900).collect();
+        assert_eq!(complete(&direct, &engine, &other).await.0, 200);
+    }
+    let held = || {
+        router
+            .workers()
+            .iter()
+            .find(|w| w.id.0 == owner)
+            .map(|w| (w.tree_size[0], w.lower_tier_blocks[0][0]))
+    };
+    let offloaded = eventually(Duration::from_secs(10), || {
+        held().is_some_and(|(device, host)| device <= 48 && host >= 20 + 3 * 30)
+    })
+    .await;
+    assert!(offloaded, "the router sees the host blocks: {:?}", held());
+    let metrics = router.render_metrics();
+    assert!(metrics.contains("kvroute_router_worker_tier_blocks{"), "{metrics}");
+
+    // The same prompt again: the owner's host memory serves all but its last block, and the
+    // router predicted exactly that.
+    let (status, worker, predicted, cached) = complete(&client, &url, &a).await;
+    assert_eq!(status, 200);
+    assert_eq!(worker, owner, "routed to the host memory that holds it");
+    assert_eq!(cached, 19 * 16, "19 of 20 blocks served, the last recomputed");
+    assert_eq!(predicted, cached, "predicted as served");
+    assert_eq!(router.in_flight(), 0, "nothing left in flight");
+}
