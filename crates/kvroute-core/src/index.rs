@@ -33,6 +33,7 @@
 
 mod approx;
 mod ext_map;
+mod groups;
 mod holders;
 mod radix;
 mod sharded;
@@ -41,6 +42,7 @@ mod tiers;
 use serde::Serialize;
 
 pub use approx::{ApproxConfig, ApproxIndex, ApproxTracker};
+pub use groups::{HybridGroups, MAX_GROUPS};
 pub use radix::RadixIndex;
 pub use sharded::{BLOCKS_PER_LOCK, ShardedIndex};
 pub use tiers::{LowerTiers, REMEMBERED, TierRun, TierScores};
@@ -111,6 +113,8 @@ pub struct IndexStats {
     pub heap_bytes: usize,
     /// (worker, block) pairs kept below the devices (host, disk, the shared store).
     pub lower_tier_blocks: usize,
+    /// (worker, block) pairs of hybrid models' cache groups beyond the first.
+    pub hybrid_group_blocks: usize,
     pub events_applied: u64,
     /// Stored events refused because the worker does not hold the named parent.
     pub rejected_unknown_parent: u64,
@@ -130,6 +134,7 @@ impl std::ops::Add for IndexStats {
             workers: self.workers + o.workers,
             heap_bytes: self.heap_bytes + o.heap_bytes,
             lower_tier_blocks: self.lower_tier_blocks + o.lower_tier_blocks,
+            hybrid_group_blocks: self.hybrid_group_blocks + o.hybrid_group_blocks,
             events_applied: self.events_applied + o.events_applied,
             rejected_unknown_parent: self.rejected_unknown_parent + o.rejected_unknown_parent,
             removed_unknown: self.removed_unknown + o.removed_unknown,

@@ -16,10 +16,10 @@ pub mod schedule;
 pub use hash::{BlockHasher, compute_block_hash_for_seq, sequence_hashes};
 pub use index::{OverlapScores, RadixIndex};
 pub use protocols::{
-    BlockExtraInfo, BlockMmObjectInfo, BlockSize, DpRank, ExternalBlockHash, KvCacheEvent,
-    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
-    RequestExtraInfo, RequestMmObjectInfo, RouterEvent, SequenceHash, StorageTier, WorkerId,
-    WorkerWithDpRank,
+    BlockExtraInfo, BlockMmObjectInfo, BlockSize, DpRank, ExternalBlockHash, GroupKind,
+    KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
+    LocalBlockHash, RequestExtraInfo, RequestMmObjectInfo, RouterEvent, SequenceHash, StorageTier,
+    WorkerId, WorkerWithDpRank,
 };
 
 /// Everything kvroute-core can refuse.

@@ -197,6 +197,34 @@ impl StorageTier {
     }
 }
 
+/// What a hybrid model's KV cache group keeps (vLLM's `kv_cache_spec_kind`): a prefix hits
+/// only as far as every group can serve it (`crate::index::HybridGroups`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupKind {
+    /// Every block of the prefix.
+    FullAttention,
+    /// Only the blocks inside the window (tokens) before the hit's end.
+    SlidingWindow { window: u32 },
+    /// State at checkpoints only: a hit ends at a block whose state was kept.
+    Mamba,
+}
+
+impl GroupKind {
+    /// From vLLM's `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`; `None` for a kind
+    /// the router does not model.
+    pub fn from_vllm(kind: &str, window: Option<u32>) -> Option<Self> {
+        match kind {
+            "full_attention" => Some(Self::FullAttention),
+            "sliding_window" => {
+                window.filter(|&w| w > 0).map(|window| Self::SlidingWindow { window })
+            }
+            "mamba" | "linear_attention" => Some(Self::Mamba),
+            _ => None,
+        }
+    }
+}
+
 /// One KV-cache event from one worker, as Dynamo's router carries it.
 ///
 /// JSON: `{"event_id":1,"data":{"stored":{..}},"dp_rank":0}`, `"data":{"removed":{..}}`,
@@ -211,12 +239,29 @@ pub struct KvCacheEvent {
     pub dp_rank: DpRank,
     #[serde(default, skip_serializing_if = "StorageTier::is_device")]
     pub storage_tier: StorageTier,
+    /// A hybrid model's KV cache group (0: the first, full attention), and what the group
+    /// keeps (stores name it; removals need not).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub group: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_kind: Option<GroupKind>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl KvCacheEvent {
-    /// An event about the device tier.
+    /// An event about the device tier of the first cache group.
     pub fn new(event_id: u64, data: KvCacheEventData, dp_rank: impl Into<DpRank>) -> Self {
-        Self { event_id, data, dp_rank: dp_rank.into(), storage_tier: StorageTier::Device }
+        Self {
+            event_id,
+            data,
+            dp_rank: dp_rank.into(),
+            storage_tier: StorageTier::Device,
+            group: 0,
+            group_kind: None,
+        }
     }
 }
 

@@ -720,5 +720,7 @@ fn stored_event(bs: usize, s: &Sequence, blocks: &[usize], medium: &str) -> Engi
         cache_salt: s.namespace.clone(),
         group_idx: None,
         locality: None,
+        kv_cache_spec_kind: None,
+        kv_cache_spec_sliding_window: None,
     })
 }

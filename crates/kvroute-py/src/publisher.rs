@@ -140,6 +140,8 @@ impl KvEventPublisher {
             cache_salt: None,
             group_idx: None,
             locality: None,
+            kv_cache_spec_kind: None,
+            kv_cache_spec_sliding_window: None,
         };
         self.send(EngineEvent::BlockStored(stored))
     }

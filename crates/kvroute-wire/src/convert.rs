@@ -11,19 +11,24 @@
 //!   `extra_keys`; TensorRT-LLM names it in `mm_keys`.
 //! - Each event names its tier ([`StorageTier`]): vLLM's and SGLang's `medium` (`GPU`, `CPU`,
 //!   `STORAGE`, with `locality` `REMOTE` for a store outside the engine), TensorRT-LLM's
-//!   `cache_level` (0 the device, 1 host memory, 2 and up disk). A medium nobody defines is
-//!   counted and skipped, as are `group_idx` other than 0 (hybrid models), blocks of another
-//!   block size, and malformed or unknown events.
+//!   `cache_level` (0 the device, 1 host memory, 2 and up disk), and its cache group
+//!   (`group_idx`, with what the group keeps: `kv_cache_spec_kind`, a sliding window's length).
+//!   A medium nobody defines is counted and skipped, as are a group of a kind the router does
+//!   not model, a lower tier of a group beyond the first, blocks of another block size, and
+//!   malformed or unknown events.
 
 use kvroute_core::hash::mm_hash_from_identifier;
 use kvroute_core::{
     BlockExtraInfo, BlockHasher, BlockMmObjectInfo, BlockSize, DpRank, ExternalBlockHash,
-    KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
-    StorageTier,
+    GroupKind, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, StorageTier,
 };
 use serde::Serialize;
 
 use crate::trtllm::{TrtData, TrtEvent};
+
+/// Where an event's blocks go: their tier, cache group and the group's kind.
+type Place = (StorageTier, u32, Option<GroupKind>);
 use crate::vllm::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, KvEventBatch};
 
 /// What the converter must know about a worker's model.
@@ -53,7 +58,7 @@ pub struct ConvertStats {
     /// Blocks stored or removed below the device (host, disk, a shared store), kept in the
     /// index's lower tiers; counted in `blocks_stored`/`blocks_removed` too.
     pub lower_tier: u64,
-    /// Blocks of a KV cache group other than 0.
+    /// Blocks of a hybrid model's cache group of a kind not modelled (or below the device).
     pub skipped_group: u64,
     /// Blocks whose size is not the configured block size.
     pub wrong_block_size: u64,
@@ -134,7 +139,7 @@ impl Converter {
                 EngineEvent::BlockRemoved(r) => self.vllm_removed(r),
                 EngineEvent::AllBlocksCleared => {
                     self.stats.clears += 1;
-                    Some((KvCacheEventData::Cleared, StorageTier::Device))
+                    Some((KvCacheEventData::Cleared, (StorageTier::Device, 0, None)))
                 }
                 EngineEvent::Unknown { .. } => {
                     self.stats.other_events += 1;
@@ -145,9 +150,9 @@ impl Converter {
                     None
                 }
             };
-            if let Some((data, tier)) = data {
+            if let Some((data, place)) = data {
                 let mut e = KvCacheEvent::new(seq, data, dp_rank);
-                e.storage_tier = tier;
+                (e.storage_tier, e.group, e.group_kind) = place;
                 out.push(e);
             }
         }
@@ -156,30 +161,38 @@ impl Converter {
 
     /// The tier blocks of this `medium` and `locality` live in, or `None` (counted) for a
     /// medium nobody defines or a cache group other than the first.
-    pub(crate) fn tier(
+    /// Where blocks of this `medium`, `locality` and cache group go, or `None` (counted) for
+    /// a medium nobody defines, a group kind not modelled or a lower tier of a group beyond
+    /// the first. A group's kind comes with its stores (`kind`); removals have none.
+    pub(crate) fn place(
         &mut self,
-        medium: Option<&str>,
-        locality: Option<&str>,
+        (medium, locality): (Option<&str>, Option<&str>),
         group: Option<u32>,
+        kind: Option<(&str, Option<u32>)>,
         blocks: usize,
-    ) -> Option<StorageTier> {
+    ) -> Option<Place> {
         let Some(tier) = StorageTier::from_medium(medium, locality) else {
             self.stats.skipped_medium += blocks as u64;
             return None;
         };
-        if group.is_some_and(|g| g != 0) {
+        let group = group.unwrap_or(0);
+        let group_kind = kind.and_then(|(k, w)| GroupKind::from_vllm(k, w));
+        let unmodelled = kind.is_some() && group_kind.is_none();
+        if group != 0 && (unmodelled || !tier.is_device()) {
             self.stats.skipped_group += blocks as u64;
             return None;
         }
         if !tier.is_device() {
             self.stats.lower_tier += blocks as u64;
         }
-        Some(tier)
+        Some((tier, group, if group == 0 { None } else { group_kind }))
     }
 
-    fn vllm_stored(&mut self, s: &BlockStored) -> Option<(KvCacheEventData, StorageTier)> {
+    fn vllm_stored(&mut self, s: &BlockStored) -> Option<(KvCacheEventData, Place)> {
         let n = s.block_hashes.len();
-        let tier = self.tier(s.medium.as_deref(), s.locality.as_deref(), s.group_idx, n)?;
+        let medium = (s.medium.as_deref(), s.locality.as_deref());
+        let kind = s.kv_cache_spec_kind.as_deref().map(|k| (k, s.kv_cache_spec_sliding_window));
+        let place = self.place(medium, s.group_idx, kind, n)?;
         if s.block_size != self.config.block_size.get() {
             self.stats.wrong_block_size += n as u64;
             self.stats.seen_block_size = Some(s.block_size);
@@ -213,15 +226,16 @@ impl Converter {
             .collect();
         self.stats.blocks_stored += n as u64;
         let parent_hash = s.parent_block_hash.map(ExternalBlockHash);
-        Some((KvCacheEventData::Stored(KvCacheStoreData { parent_hash, blocks }), tier))
+        Some((KvCacheEventData::Stored(KvCacheStoreData { parent_hash, blocks }), place))
     }
 
-    fn vllm_removed(&mut self, r: &BlockRemoved) -> Option<(KvCacheEventData, StorageTier)> {
+    fn vllm_removed(&mut self, r: &BlockRemoved) -> Option<(KvCacheEventData, Place)> {
         let n = r.block_hashes.len();
-        let tier = self.tier(r.medium.as_deref(), r.locality.as_deref(), r.group_idx, n)?;
+        let medium = (r.medium.as_deref(), r.locality.as_deref());
+        let place = self.place(medium, r.group_idx, None, n)?;
         self.stats.blocks_removed += n as u64;
         let block_hashes = r.block_hashes.iter().copied().map(ExternalBlockHash).collect();
-        Some((KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }), tier))
+        Some((KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }), place))
     }
 
     /// A TensorRT-LLM event; `None` for events that do not touch the index. At rank 0, as

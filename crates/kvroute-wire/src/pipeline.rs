@@ -302,6 +302,8 @@ mod tests {
             group_idx: None,
             lora_id: None,
             locality: None,
+            kv_cache_spec_kind: None,
+            kv_cache_spec_sliding_window: None,
         };
         let events = vec![EngineEvent::BlockStored(stored), EngineEvent::AllBlocksCleared];
         encode_batch(&KvEventBatch { ts: 0.0, events, dp_rank })

@@ -54,6 +54,12 @@ pub struct BlockStored {
     /// `LOCAL` or `REMOTE` (a store outside the engine), vLLM 0.33's offloading tiers.
     #[serde(skip_serializing)]
     pub locality: Option<String>,
+    /// What the block's cache group keeps (`full_attention`, `sliding_window`, `mamba`, ...)
+    /// and a sliding window's length in tokens: vLLM 0.33's hybrid allocator.
+    #[serde(skip_serializing)]
+    pub kv_cache_spec_kind: Option<String>,
+    #[serde(skip_serializing)]
+    pub kv_cache_spec_sliding_window: Option<u32>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -204,14 +210,20 @@ fn stored(f: &Fields<'_>) -> Result<BlockStored, &'static str> {
             .get("group_idx", group)
             .and_then(Value::as_int)
             .and_then(|i| u32::try_from(i).ok()),
-        locality: locality(f),
+        locality: named(f, "locality").and_then(Value::as_str).map(str::to_owned),
+        kv_cache_spec_kind: named(f, "kv_cache_spec_kind")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        kv_cache_spec_sliding_window: named(f, "kv_cache_spec_sliding_window")
+            .and_then(Value::as_int)
+            .and_then(|i| u32::try_from(i).ok()),
     })
 }
 
-/// Not positional in any array-form version.
-fn locality(f: &Fields<'_>) -> Option<String> {
+/// A field that is not positional in any array-form version.
+fn named<'a>(f: &Fields<'a>, name: &str) -> Option<&'a Value> {
     match f {
-        Fields::Map(m) => m.get("locality").and_then(Value::as_str).map(str::to_owned),
+        Fields::Map(m) => m.get(name).filter(|v| !v.is_nil()),
         Fields::Array(_) => None,
     }
 }
@@ -225,7 +237,7 @@ fn removed(f: &Fields<'_>) -> Result<BlockRemoved, &'static str> {
             .get("group_idx", group)
             .and_then(Value::as_int)
             .and_then(|i| u32::try_from(i).ok()),
-        locality: locality(f),
+        locality: named(f, "locality").and_then(Value::as_str).map(str::to_owned),
     })
 }
 
@@ -323,6 +335,8 @@ fn encode_stored(w: &mut Writer, s: &BlockStored) {
         s.group_idx.is_some(),
         s.medium.is_some(),
         s.locality.is_some(),
+        s.kv_cache_spec_kind.is_some(),
+        s.kv_cache_spec_sliding_window.is_some(),
     ];
     // As vLLM's msgspec encoder writes it: a 16-bit map header whatever the count.
     w.map16(7 + optional.iter().filter(|&&x| x).count() as u16);
@@ -391,6 +405,14 @@ fn encode_stored(w: &mut Writer, s: &BlockStored) {
     if let Some(locality) = &s.locality {
         w.str("locality");
         w.str(locality);
+    }
+    if let Some(kind) = &s.kv_cache_spec_kind {
+        w.str("kv_cache_spec_kind");
+        w.str(kind);
+    }
+    if let Some(window) = s.kv_cache_spec_sliding_window {
+        w.str("kv_cache_spec_sliding_window");
+        w.uint(u64::from(window));
     }
 }
 

@@ -50,6 +50,8 @@ struct Fields {
     lora_name: Option<Option<String>>,
     group_idx: Option<Option<u32>>,
     locality: Option<Option<String>>,
+    spec_kind: Option<Option<String>>,
+    window: Option<Option<u32>>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -78,6 +80,12 @@ fn event(r: &mut Reader<'_>) -> Option<EngineEvent> {
                 set(&mut f.group_idx, opt(r, |r| r.int())?.and_then(|i| u32::try_from(i).ok()))?;
             }
             "locality" => set(&mut f.locality, opt(r, |r| r.str_ref().map(str::to_owned))?)?,
+            "kv_cache_spec_kind" => {
+                set(&mut f.spec_kind, opt(r, |r| r.str_ref().map(str::to_owned))?)?;
+            }
+            "kv_cache_spec_sliding_window" => {
+                set(&mut f.window, opt(r, |r| r.int())?.and_then(|i| u32::try_from(i).ok()))?;
+            }
             "extra_keys" | "cache_salt" => return None,
             _ => {
                 r.any(3)?; // a field neither event reads
@@ -97,6 +105,8 @@ fn event(r: &mut Reader<'_>) -> Option<EngineEvent> {
             cache_salt: None,
             group_idx: f.group_idx.flatten(),
             locality: f.locality.flatten(),
+            kv_cache_spec_kind: f.spec_kind.flatten(),
+            kv_cache_spec_sliding_window: f.window.flatten(),
         }),
         Kind::Removed => EngineEvent::BlockRemoved(BlockRemoved {
             block_hashes: f.hashes?,
@@ -188,6 +198,8 @@ mod tests {
                     lora_name: lora.map(str::to_owned),
                     group_idx: g,
                     locality: medium.map(|_| "REMOTE".to_owned()),
+                    kv_cache_spec_kind: g.map(|_| "sliding_window".to_owned()),
+                    kv_cache_spec_sliding_window: g,
                     ..Default::default()
                 })
             });

@@ -118,7 +118,9 @@ fn wrong_block_size_medium_and_group_are_counted_and_skipped() {
             s.medium = Some("XPU".into()); // a medium no engine defines
         }
         if let EngineEvent::BlockRemoved(r) = e {
+            // A hybrid group's blocks below the device are not modelled.
             r.group_idx = Some(1);
+            r.medium = Some("CPU".into());
         }
     }
     let mut c = vllm_converter(4);
@@ -140,11 +142,24 @@ fn vllm_tiers_fixture_gives_what_the_engine_can_reuse() {
     let want = [(4, [0, 0, 0]), (0, [2, 0, 0]), (0, [2, 0, 0]), (0, [2, 0, 0]), (0, [2, 0, 0])];
     let messages = fixture("fixture_vllm033_tiers.json");
     assert_eq!(messages.len(), 6);
+    // What the hybrid model's groups let a prompt of these tokens reuse (vLLM's coordinator),
+    // checked after the batch that announces its group: (batch, tokens, tokens served).
+    let hybrid: [(usize, std::ops::Range<u32>, u32); 4] =
+        [(2, 200..220, 16), (2, 200..216, 0), (3, 300..320, 16), (3, 300..316, 0)];
     for (i, frames) in messages.iter().enumerate() {
         let (_, seq, payload) = split_frames(frames).unwrap();
         let events = c.vllm_batch(&decode_batch(payload).unwrap(), seq);
         for e in events {
             index.apply_event(&RouterEvent::new(1u64, e)).unwrap();
+        }
+        for (_, tokens, served) in hybrid.iter().filter(|(b, ..)| *b == i) {
+            let prompt: Vec<u32> = tokens.clone().collect();
+            let q = hasher.local_hashes(&prompt, None);
+            let max = (prompt.len() - 1) / 4;
+            let got = index.find_matches_within(&q, max, 4).score(worker) * 4;
+            assert_eq!(got, *served, "after batch {i}, prompt {tokens:?}");
+            // Its first group alone holds every block.
+            assert_eq!(index.find_matches(&q).score(worker), 4, "{tokens:?}");
         }
         let found = index.find_matches(&query);
         let device = found.score(worker);
@@ -156,8 +171,8 @@ fn vllm_tiers_fixture_gives_what_the_engine_can_reuse() {
     // 1002 ends the run after one host block, as vLLM's lookup stops there.
     let sizes = index.lower_tier_sizes();
     assert_eq!(sizes, vec![(worker, [1, 1, 2])]);
-    // The hybrid model's other groups are skipped (counted) until they are modelled.
-    assert_eq!(c.stats().skipped_group, 3);
+    // The hybrid model's other groups are kept (none skipped).
+    assert_eq!(c.stats().skipped_group, 0);
     assert_eq!(c.stats().lower_tier, 2 + 1 + 1 + 2);
     assert!(StorageTier::from_medium(Some("CPU_PINNED"), None) == Some(StorageTier::HostPinned));
 }

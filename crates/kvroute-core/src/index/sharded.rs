@@ -29,12 +29,12 @@
 //! worker). [`ShardedIndex::apply_batch`] takes each shard's lock once per batch.
 
 use std::hash::{BuildHasher, BuildHasherDefault};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rustc_hash::FxHasher;
 use spin::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use super::{IndexConfig, IndexStats, LowerTiers, OverlapScores, RadixIndex};
+use super::{HybridGroups, IndexConfig, IndexStats, LowerTiers, OverlapScores, RadixIndex};
 use crate::Error;
 use crate::hash::sequence_hashes;
 use crate::protocols::{
@@ -55,6 +55,9 @@ pub struct ShardedIndex {
     /// without the lock: a lookup skips the tiers while they hold nothing).
     lower: RwLock<LowerTiers>,
     lower_held: AtomicUsize,
+    /// Hybrid models' cache groups beyond the first ([`HybridGroups`]); whether any exists.
+    groups: RwLock<HybridGroups>,
+    hybrid: AtomicBool,
 }
 
 impl ShardedIndex {
@@ -68,6 +71,8 @@ impl ShardedIndex {
             budget: config.max_held_blocks,
             lower: RwLock::new(LowerTiers::new()),
             lower_held: AtomicUsize::new(0),
+            groups: RwLock::new(HybridGroups::new()),
+            hybrid: AtomicBool::new(false),
         }
     }
 
@@ -76,8 +81,14 @@ impl ShardedIndex {
     }
 
     pub fn apply_event(&self, event: &RouterEvent) -> Result<(), Error> {
+        if event.event.group != 0 {
+            return self.apply_group(event);
+        }
         if !event.event.storage_tier.is_device() {
             return self.apply_lower(event);
+        }
+        if matches!(event.event.data, KvCacheEventData::Cleared) && self.is_hybrid() {
+            self.groups.write().clear_rank(event.worker());
         }
         let s = self.shard_of(event.worker_id);
         let result = self.apply_to(s, event);
@@ -131,11 +142,14 @@ impl ShardedIndex {
             };
             let mut shard = self.write(s);
             for (i, e) in std::iter::once((first, e)).chain(positions) {
-                let result = match e.event.storage_tier.is_device() {
+                let plain = e.event.storage_tier.is_device()
+                    && e.event.group == 0
+                    && !matches!(e.event.data, KvCacheEventData::Cleared);
+                let result = match plain {
                     true => shard.apply_event(e),
                     false => {
                         drop(shard);
-                        let result = self.apply_lower(e);
+                        let result = self.apply_event(e);
                         shard = self.write(s);
                         result
                     }
@@ -153,7 +167,25 @@ impl ShardedIndex {
 
     /// Every cache's device prefix of `query`, and, when any worker keeps blocks below its
     /// device, their runs there ([`OverlapScores::tiers`]).
+    /// A hybrid model's workers score their first group's prefix here (what the parity probe
+    /// checks); [`Self::find_matches_within`] scores what all their groups can serve.
     pub fn find_matches(&self, query: &[LocalBlockHash]) -> OverlapScores {
+        self.matches(query, None)
+    }
+
+    /// [`Self::find_matches`] for a prompt of which at most `max_blocks` blocks of
+    /// `block_size` tokens can be served (its last token is always computed): a hybrid
+    /// model's workers score what all their cache groups can serve ([`HybridGroups`]).
+    pub fn find_matches_within(
+        &self,
+        query: &[LocalBlockHash],
+        max_blocks: usize,
+        block_size: usize,
+    ) -> OverlapScores {
+        self.matches(query, Some((max_blocks, block_size)))
+    }
+
+    fn matches(&self, query: &[LocalBlockHash], within: Option<(usize, usize)>) -> OverlapScores {
         let mut shards = self.shards.iter();
         let mut out = shards.next().map(|s| read(s).find_matches(query)).unwrap_or_default();
         for shard in shards {
@@ -162,14 +194,56 @@ impl ShardedIndex {
                 out.merge(more);
             }
         }
-        if self.lower_held.load(Ordering::Relaxed) > 0 {
-            let seqs = sequence_hashes(query);
+        let lower = self.lower_held.load(Ordering::Relaxed) > 0;
+        let hybrid = within.filter(|_| self.is_hybrid());
+        if !lower && hybrid.is_none() {
+            return out;
+        }
+        let seqs = sequence_hashes(query);
+        if let Some((max_blocks, block_size)) = hybrid {
+            let groups = self.groups.read();
+            for (w, score) in &mut out.scores {
+                if groups.is_hybrid(*w) {
+                    *score = groups.hit(*w, *score, (query, &seqs), max_blocks, block_size);
+                }
+            }
+            out.scores.retain(|&(_, s)| s > 0);
+            let scored = &out.scores;
+            out.tree_sizes.retain(|(w, _)| scored.binary_search_by_key(w, |&(k, _)| k).is_ok());
+        }
+        if lower {
             let tiers = self.lower.read().find(&seqs, |w| out.score(w));
             if !tiers.runs.is_empty() || !tiers.external.is_empty() {
                 out.tiers = Some(Box::new(tiers));
             }
         }
         out
+    }
+
+    fn is_hybrid(&self) -> bool {
+        self.hybrid.load(Ordering::Relaxed)
+    }
+
+    /// An event of a hybrid model's other cache group; its blocks are placed by the worker's
+    /// first group where it can.
+    fn apply_group(&self, event: &RouterEvent) -> Result<(), Error> {
+        let worker = event.worker();
+        let shard = &self.shards[self.shard_of(event.worker_id)];
+        let device_seq = |h| read(shard).sequence_hash(worker, h);
+        let e = &event.event;
+        let mut groups = self.groups.write();
+        if let (Some(budget), KvCacheEventData::Stored(s)) = (self.budget, &e.data) {
+            // No eviction order here: past the bound, new blocks are refused.
+            let device: usize = self.held.iter().map(|h| h.load(Ordering::Relaxed)).sum();
+            let lower = self.lower_held.load(Ordering::Relaxed);
+            if device + lower + groups.held_blocks() + s.blocks.len() > budget {
+                groups.refused += 1;
+                return Ok(());
+            }
+        }
+        let result = groups.apply(worker, e.group, e.group_kind, &e.data, device_seq);
+        self.hybrid.store(!groups.is_empty(), Ordering::Relaxed);
+        result
     }
 
     /// A lower-tier event: its parent is looked up in the tiers, then on the worker's device.
@@ -194,6 +268,11 @@ impl ShardedIndex {
         let s = self.shard_of(worker);
         self.write(s).remove_worker(worker);
         self.forget_lower(|l| l.remove_worker(worker));
+        if self.is_hybrid() {
+            let mut groups = self.groups.write();
+            groups.remove_worker(worker);
+            self.hybrid.store(!groups.is_empty(), Ordering::Relaxed);
+        }
         self.after_write(s);
     }
 
@@ -281,6 +360,7 @@ impl ShardedIndex {
         let lower = self.lower.read();
         IndexStats {
             lower_tier_blocks: lower.held_blocks(),
+            hybrid_group_blocks: self.groups.read().held_blocks(),
             heap_bytes: device.heap_bytes + lower.heap_bytes(),
             rejected_unknown_parent: device.rejected_unknown_parent + lower.rejected_unknown_parent,
             evicted_blocks: device.evicted_blocks + lower.evicted_blocks,

@@ -18,7 +18,9 @@ impl RouterState {
     /// prefixes only it holds, or its predictions could never be seen to agree).
     pub fn place(&self, p: &PlaceRequest<'_>) -> Option<(RouteDecision, OverlapScores)> {
         let start = Instant::now();
-        let mut scores = self.index.find_matches(p.local_hashes);
+        let bs = self.config.block_size.tokens();
+        let max_blocks = p.num_tokens.saturating_sub(1) / bs;
+        let mut scores = self.index.find_matches_within(p.local_hashes, max_blocks, bs);
         self.halve_drifted(&mut scores);
         // Only a tracked request keeps its chained hashes (for the in-flight accounting).
         let sequence = match p.request_id {
@@ -89,7 +91,8 @@ impl RouterState {
         local: &[LocalBlockHash],
     ) -> bool {
         let now = Instant::now();
-        let scores = self.index.find_matches(local);
+        let bs = self.config.block_size.tokens();
+        let scores = self.index.find_matches_within(local, isl_tokens.saturating_sub(1) / bs, bs);
         let sequence = sequence_hashes(local);
         let request = RouteRequest {
             id: None,
