@@ -236,7 +236,7 @@ pub fn write(
                 fleet.workers,
                 fleet.num_blocks,
                 fleet.block_size,
-                fleet.capacity_blocks() * fleet.block_size as usize,
+                fleet.workers * fleet.num_blocks * fleet.block_size as usize,
                 fleet.speedup,
                 fleet.max_num_seqs,
                 fleet.max_batched_tokens,
