@@ -101,6 +101,20 @@ pub fn router_events(data: &[u8]) {
     let state = router();
     state.apply_posted(&events);
     let _ = state.workers();
+    // Look the stored blocks up again: the device tree, the lower tiers and hybrid groups.
+    let query: Vec<kvroute_core::LocalBlockHash> = events
+        .iter()
+        .filter_map(|e| match &e.event.data {
+            kvroute_core::KvCacheEventData::Stored(s) => {
+                Some(s.blocks.iter().map(|b| b.tokens_hash))
+            }
+            _ => None,
+        })
+        .flatten()
+        .take(64)
+        .collect();
+    let _ = state.index.find_matches_within(&query, query.len(), 16);
+    let _ = state.index.find_matches_within(&query, query.len() / 2, 1);
 }
 
 pub fn replica_sync(data: &[u8]) {
