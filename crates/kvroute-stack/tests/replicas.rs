@@ -5,9 +5,13 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use common::eventually;
 
 use kvroute_core::{
     ExternalBlockHash, KvCacheEventData, LocalBlockHash, RouterEvent, WorkerWithDpRank,
@@ -64,20 +68,6 @@ fn replica(workers: &[WorkerSpec], nats: NatsConfig) -> (Arc<RouterState>, Tasks
     let state = Arc::new(RouterState::new(config));
     let tasks = kvroute_router::spawn_background(&state).unwrap();
     (state, tasks)
-}
-
-/// Polls `f` every 20 ms until it holds or `within` passes; whether it held.
-async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn peers(state: &RouterState) -> u64 {

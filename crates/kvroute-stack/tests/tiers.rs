@@ -6,7 +6,11 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
+
+use common::eventually;
 
 use http_body_util::BodyExt;
 use kvroute_core::BlockSize;
@@ -50,20 +54,6 @@ async fn complete(client: &HttpClient, url: &str, prompt: &[u32]) -> (u16, u64, 
     let answer: Value = serde_json::from_slice(&bytes).unwrap();
     let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
     (status, worker, predicted, cached)
-}
-
-/// Polls `f` every 20 ms until it holds or `within` passes; whether it held.
-async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
