@@ -167,6 +167,7 @@ impl ShardedIndex {
 
     /// Every cache's device prefix of `query`, and, when any worker keeps blocks below its
     /// device, their runs there ([`OverlapScores::tiers`]).
+    ///
     /// A hybrid model's workers score their first group's prefix here (what the parity probe
     /// checks); [`Self::find_matches_within`] scores what all their groups can serve.
     pub fn find_matches(&self, query: &[LocalBlockHash]) -> OverlapScores {
