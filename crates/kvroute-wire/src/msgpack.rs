@@ -291,19 +291,22 @@ impl<'a> Reader<'a> {
         Some(true)
     }
 
+    /// A float; `None`, with nothing read, for anything else or a truncated one (so a caller
+    /// may try another kind at the same place).
     pub(crate) fn float(&mut self) -> Option<f64> {
-        match *self.bytes.get(self.pos)? {
-            0xca => {
-                self.pos += 1;
-                self.counted()?;
-                Some(f64::from(f32::from_be_bytes(self.be().ok()?)))
-            }
-            0xcb => {
-                self.pos += 1;
-                self.counted()?;
-                Some(f64::from_be_bytes(self.be().ok()?))
-            }
-            _ => None,
+        let width = match *self.bytes.get(self.pos)? {
+            0xca => 4,
+            0xcb => 8,
+            _ => return None,
+        };
+        if self.bytes.len() - self.pos <= width {
+            return None;
+        }
+        self.pos += 1;
+        self.counted()?;
+        match width {
+            4 => Some(f64::from(f32::from_be_bytes(self.be().ok()?))),
+            _ => Some(f64::from_be_bytes(self.be().ok()?)),
         }
     }
 

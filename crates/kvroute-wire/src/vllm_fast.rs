@@ -217,6 +217,15 @@ mod tests {
     }
 
     #[test]
+    fn a_truncated_timestamp_is_left_to_the_general_path() {
+        // A float64 marker with four of its eight bytes (found by the vllm fuzz target: the
+        // fast path once read the rest as an int16 timestamp).
+        let bytes = [0x93, 0xcb, 0xd1, 0xd1, 0xd1, 0x90, 0x24];
+        assert!(super::decode_batch(&bytes).is_none());
+        assert!(crate::vllm::decode_batch(&bytes).is_err());
+    }
+
+    #[test]
     fn the_common_batch_takes_the_fast_path() {
         let batch = KvEventBatch {
             ts: 1.5,
