@@ -40,8 +40,8 @@ use std::time::Duration;
 use kvroute_core::{BlockExtraInfo, BlockHasher, BlockSize, SequenceHash};
 use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_extra_keys};
 
+pub use crate::host::HostConfig;
 use crate::host::HostTier;
-pub use crate::host::{HostConfig, HostStats};
 use crate::kv::{KvCache, Stored};
 use crate::lora::Adapters;
 pub use crate::lora::{LoraConfig, LoraStats};
@@ -263,11 +263,6 @@ impl Engine {
             host_blocks: self.host.len() as u64,
             ..self.stats
         }
-    }
-
-    /// What host memory has served and evicted, and the blocks it holds.
-    pub fn host_stats(&self) -> (HostStats, usize) {
-        (self.host.stats, self.host.len())
     }
 
     pub fn waiting(&self) -> usize {

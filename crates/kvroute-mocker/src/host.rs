@@ -44,7 +44,7 @@ impl Default for HostConfig {
 
 /// What the host tier has done since the start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct HostStats {
+pub(crate) struct HostStats {
     /// Blocks loaded into the GPU cache from host memory.
     pub loaded_blocks: u64,
     /// Prompt tokens served from host memory (part of the cached tokens).

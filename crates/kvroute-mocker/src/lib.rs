@@ -26,8 +26,8 @@ pub mod timing;
 pub mod vllm;
 
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, HostStats, Output,
-    OutputPlan, Step, Usage,
+    Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, Output, OutputPlan,
+    Step, Usage,
 };
 pub use kvroute_preprocess::fetch::FetchConfig;
 pub use service::{Endpoints, EngineHandle, Snapshot};

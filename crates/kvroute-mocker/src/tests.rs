@@ -501,9 +501,10 @@ fn a_prefix_evicted_from_the_gpu_is_loaded_back_from_host_memory() {
     // All but the last block are served (the last token is computed): the GPU kept the
     // prefix's head (tails are evicted first), host memory gives the rest.
     assert_eq!(usage_of(&again, "a2").cached_tokens, 64);
-    let (stats, held) = engine.host_stats();
-    assert_eq!((stats.loaded_blocks, stats.hit_tokens), (2, 32));
-    assert_eq!(held, 5 + 6, "a's blocks and b's, written through");
+    let stats = engine.stats();
+    let block_bytes = 16 * 131_072;
+    assert_eq!((stats.host_loaded_bytes, stats.host_hit_tokens), (2 * block_bytes, 32));
+    assert_eq!(stats.host_blocks, 5 + 6, "a's blocks and b's, written through");
     // The load took its time: 2 blocks of 2 MiB at 32 GB/s, beside a 16-token prefill.
     let load = Duration::from_secs_f64(2.0 * 16.0 * 131_072.0 / 32e9);
     assert!(again[0].duration > load, "{:?}", again[0].duration);
@@ -536,5 +537,7 @@ fn without_host_memory_nothing_is_offloaded() {
         .flat_map(|s| &s.events)
         .any(|e| matches!(e, EngineEvent::BlockStored(s) if s.medium.as_deref() == Some("CPU")));
     assert!(!cpu);
-    assert_eq!(engine.host_stats(), (HostStats::default(), 0));
+    let stats = engine.stats();
+    let host = (stats.host_hit_tokens, stats.host_loaded_bytes, stats.host_blocks);
+    assert_eq!(host, (0, 0, 0));
 }
