@@ -25,6 +25,7 @@ pub mod adapters;
 pub mod dynamo;
 pub mod kv;
 mod least_loaded;
+pub mod pairs;
 mod random;
 mod round_robin;
 pub mod sessions;
@@ -40,6 +41,7 @@ use serde::{Deserialize, Serialize};
 pub use active::{ActiveLoad, ActiveSequences, RequestBlocks};
 pub use adapters::{AdapterFit, AdapterTable};
 pub use least_loaded::LeastLoaded;
+pub use pairs::{PairConfig, PairDecision, Role};
 pub use random::RandomPolicy;
 pub use round_robin::RoundRobin;
 pub use sessions::{SessionConfig, Sessions};
@@ -153,6 +155,8 @@ pub struct SchedulerConfig {
     pub kv: kv::KvConfig,
     /// Conversation affinity ([`sessions`]).
     pub sessions: SessionConfig,
+    /// The pair cost of a disaggregated fleet ([`pairs`]).
+    pub pairs: PairConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -168,6 +172,7 @@ impl Default for SchedulerConfig {
             seed: 0x006b_7672_6f75_7465,
             kv: kv::KvConfig::default(),
             sessions: SessionConfig::default(),
+            pairs: PairConfig::default(),
         }
     }
 }
@@ -210,6 +215,10 @@ pub struct Candidate {
     pub load: WorkerLoad,
     /// What running the request's adapter there takes.
     pub adapter: AdapterFit,
+    /// Its part in a disaggregated fleet, and its node (workers on one node share a fast
+    /// link; 0 when unknown).
+    pub role: Role,
+    pub node: u32,
 }
 
 /// The request as policies see it.
@@ -427,6 +436,10 @@ pub struct Scheduler {
     /// The candidates' buffer, kept between decisions (a thousand candidates are ~140 KB:
     /// allocated per decision, that was a fresh mapping and its page faults each time).
     scratch: Vec<Candidate>,
+    /// The decode pool's own instance of a baseline policy (a round-robin's turn is per
+    /// pool), and what the pair choice did.
+    decode_policy: Box<dyn Policy>,
+    pair_counts: pairs::PairCounts,
 }
 
 /// What session affinity did, since the start.
@@ -446,6 +459,8 @@ struct WorkerEntry {
     load: WorkerLoad,
     /// Not ready (e.g. its event stream is down): chosen only when no ready worker is left.
     ready: bool,
+    role: Role,
+    node: u32,
 }
 
 /// Looks workers up, in increasing order, in a list sorted by worker: one pass for all of them
@@ -476,6 +491,8 @@ impl Scheduler {
             sessions: Sessions::new(config.sessions),
             affinity: AffinityCounts::default(),
             scratch: Vec::new(),
+            decode_policy: config.policy.build(&config),
+            pair_counts: pairs::PairCounts::default(),
         }
     }
 
@@ -505,7 +522,13 @@ impl Scheduler {
     pub fn add_worker(&mut self, worker: WorkerWithDpRank) {
         if let Err(at) = self.ids.binary_search(&worker) {
             self.ids.insert(at, worker);
-            let entry = WorkerEntry { worker, load: WorkerLoad::default(), ready: true };
+            let entry = WorkerEntry {
+                worker,
+                load: WorkerLoad::default(),
+                ready: true,
+                role: Role::Both,
+                node: 0,
+            };
             self.workers.insert(at, entry);
         }
     }
@@ -535,6 +558,18 @@ impl Scheduler {
         }
     }
 
+    /// Sets a worker's role and node (workers are aggregated, on node 0, when added).
+    pub fn set_role(&mut self, worker: WorkerWithDpRank, role: Role, node: u32) {
+        if let Some(entry) = self.entry(worker) {
+            (entry.role, entry.node) = (role, node);
+        }
+    }
+
+    /// Whether some worker prefills for others (the fleet is disaggregated).
+    pub fn disaggregated(&self) -> bool {
+        self.workers.iter().any(|e| e.role == Role::Prefill)
+    }
+
     /// Marks a cache ready or not; a cache that is not ready is chosen only when no ready one
     /// is left (workers are ready when added).
     pub fn set_ready(&mut self, worker: WorkerWithDpRank, ready: bool) {
@@ -558,6 +593,10 @@ impl Scheduler {
     ) -> Option<RouteDecision> {
         let mut candidates = std::mem::take(&mut self.scratch);
         self.fill_candidates(&mut candidates, request.local_hashes, scores, sizes);
+        // An aggregated request goes to a prefill engine only when nothing else is left.
+        if candidates.iter().any(|c| c.role != Role::Prefill) {
+            candidates.retain(|c| c.role != Role::Prefill);
+        }
         let decision = self.route_among(request, &mut candidates, now);
         self.scratch = candidates;
         decision
@@ -739,6 +778,8 @@ impl Scheduler {
                 active: self.active.load(e.worker),
                 load: e.load,
                 adapter: AdapterFit::Resident,
+                role: e.role,
+                node: e.node,
             }
         }));
         if !self.policy.blind()
@@ -814,6 +855,9 @@ impl Scheduler {
     /// The request ended: completed, failed or abandoned by its client.
     pub fn free(&mut self, id: &str) -> bool {
         self.adapters.freed(id);
+        if self.disaggregated() {
+            self.active.free(&pairs::prefill_leg_id(id));
+        }
         self.active.free(id)
     }
 

@@ -152,8 +152,12 @@ pub(crate) async fn dispatch(
         .into_iter()
         .flat_map(|w| state.all_ranks(w))
         .collect();
+    if let Some(router) = state.placer.router().filter(|r| r.disaggregated()) {
+        let router = Arc::clone(router);
+        return crate::pair::dispatch_pair(state, out, &router, excluded).await;
+    }
     loop {
-        let id = format!("kvr-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
+        let id = state.request_id();
         let placed = state.placer.place(out.ask(), state.block_size, &id, &excluded).await?;
         let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
             return Err(ApiError::unavailable("no worker is available"));
@@ -170,30 +174,86 @@ pub(crate) async fn dispatch(
             excluded.extend(state.all_ranks(worker.worker_id));
             continue;
         }
-        let (path, body, from) = state.hop(worker.worker_id, out);
-        let request = hyper::Request::post(format!("{base}{path}"))
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body))
-            .map_err(ApiError::internal)?;
-        let failure = match tokio::time::timeout(timeout, state.client.send(request)).await {
-            Ok(Ok(r)) => return respond(state, out, placement, guard, r, from),
-            Ok(Err(e)) if e.is_connect() => (Failure::Connect, e),
-            Ok(Err(e)) => (Failure::Broken, e),
-            Err(_) => (Failure::Timeout, ClientError::Timeout(timeout)),
-        };
-        let (why, error) = failure;
+        match send(state, out, placement, guard, None, timeout).await? {
+            Ok(answer) => return Ok(answer),
+            Err(failure) => state.retry_without(worker.worker_id, failure, &mut excluded),
+        }
+    }
+}
+
+/// Why a hop failed before any answer came.
+pub(crate) type HopFailure = (Failure, ClientError);
+
+/// A body as one worker takes it, with an edit (a leg's fields) applied.
+pub(crate) type Edit<'a> = &'a (dyn Fn(&mut Value) + Sync);
+
+/// Sends `out` to the placed worker (its body in the worker's dialect, changed by `edit`)
+/// and answers the client with what it says; the failure when no answer came.
+pub(crate) async fn send(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+    placement: Placement,
+    guard: InFlight,
+    edit: Option<Edit<'_>>,
+    timeout: std::time::Duration,
+) -> Result<Result<Response, HopFailure>, ApiError> {
+    let worker = placement.worker;
+    let Some(base) = state.urls.get(&worker.worker_id) else {
+        return Err(ApiError::internal("a placed worker has no URL"));
+    };
+    let (path, body, from) = state.hop(worker.worker_id, out);
+    let body = match edit {
+        Some(edit) => edited(&body, edit)?,
+        None => body,
+    };
+    let request = hyper::Request::post(format!("{base}{path}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .map_err(ApiError::internal)?;
+    Ok(match tokio::time::timeout(timeout, state.client.send(request)).await {
+        Ok(Ok(r)) => Ok(respond(state, out, placement, guard, r, from)?),
+        Ok(Err(e)) if e.is_connect() => Err((Failure::Connect, e)),
+        Ok(Err(e)) => Err((Failure::Broken, e)),
+        Err(_) => Err((Failure::Timeout, ClientError::Timeout(timeout))),
+    })
+}
+
+/// `body` (a JSON object) with `edit` applied.
+pub(crate) fn edited(body: &Bytes, edit: Edit<'_>) -> Result<Bytes, ApiError> {
+    let mut value: Value = serde_json::from_slice(body).map_err(ApiError::internal)?;
+    edit(&mut value);
+    Ok(Bytes::from(serde_json::to_vec(&value).map_err(ApiError::internal)?))
+}
+
+impl FrontendState {
+    /// A fresh request id.
+    pub(crate) fn request_id(&self) -> String {
+        format!("kvr-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A worker failed before answering: it is ejected and its ranks left out of the next try.
+    pub(crate) fn retry_without(
+        &self,
+        worker: WorkerId,
+        (why, error): HopFailure,
+        excluded: &mut Vec<WorkerWithDpRank>,
+    ) {
         let error = kvroute_http::error::chain(&error);
         tracing::warn!(%worker, %error, "worker failed; trying another");
-        state.worker_failed(worker.worker_id, why);
-        state.metrics.retried.inc();
-        excluded.extend(state.all_ranks(worker.worker_id));
+        self.worker_failed(worker, why);
+        self.metrics.retried.inc();
+        excluded.extend(self.all_ranks(worker));
     }
 }
 
 impl FrontendState {
     /// How `out` goes to `worker`: the path, the body, and the tokens dialect it went in
     /// (its answer then comes back in that dialect's shape, to be turned into the client's).
-    fn hop(&self, worker: WorkerId, out: &Outbound) -> (&'static str, Bytes, Option<Dialect>) {
+    pub(crate) fn hop(
+        &self,
+        worker: WorkerId,
+        out: &Outbound,
+    ) -> (&'static str, Bytes, Option<Dialect>) {
         let dialect = self.dialects.get(&worker).copied().unwrap_or_default();
         if !dialect.sends_tokens() {
             return (out.path, out.body.clone(), None);
@@ -233,7 +293,7 @@ fn respond(
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    if parts.status.is_success() {
+    if parts.status.is_success() && guard.checked {
         guard.predicted = Some((placement, out.prompt_tokens as u64));
     }
     let usage = Usage::new(sse, out.strip_usage);
@@ -271,10 +331,13 @@ fn respond(
 
 /// Frees the request's in-flight accounting when dropped: at the end of the response body,
 /// on an error, or when the client goes away.
-struct InFlight {
+pub(crate) struct InFlight {
     state: Arc<FrontendState>,
-    id: String,
+    pub(crate) id: String,
     prefilled: bool,
+    /// Its answer's cached tokens check the router's prediction (not a decode leg's, whose
+    /// prompt KV came from its prefill engine).
+    pub(crate) checked: bool,
     /// What the router predicted (where, and the cached tokens) with the prompt's length, and
     /// what the engine reported it served, compared when the request ends.
     predicted: Option<(Placement, u64)>,
@@ -282,9 +345,10 @@ struct InFlight {
 }
 
 impl InFlight {
-    fn new(state: &Arc<FrontendState>, id: String) -> Self {
+    pub(crate) fn new(state: &Arc<FrontendState>, id: String) -> Self {
         state.metrics.in_flight.inc();
-        Self { state: Arc::clone(state), id, prefilled: false, predicted: None, served: None }
+        let state = Arc::clone(state);
+        Self { state, id, prefilled: false, checked: true, predicted: None, served: None }
     }
 }
 

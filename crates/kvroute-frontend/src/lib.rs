@@ -41,6 +41,7 @@ mod dispatch;
 mod handlers;
 pub mod health;
 mod models;
+mod pair;
 pub mod parity;
 mod placer;
 mod probes;
@@ -93,6 +94,9 @@ struct Metrics {
     broken: Counter,
     as_tokens: Counter,
     fallbacks: Counter,
+    pd_split: Counter,
+    pd_in_place: Counter,
+    pd_prefill_failed: Counter,
 }
 
 impl Metrics {
@@ -118,6 +122,21 @@ impl Metrics {
             DIALECT_FALLBACKS,
             "Requests sent as chat to a tokens-dialect worker: they asked for what its API does not carry",
             m.fallbacks.clone(),
+        );
+        r.register(
+            "kvroute_frontend_pd_split_requests",
+            "Requests prefilled on a prefill worker and decoded on another",
+            m.pd_split.clone(),
+        );
+        r.register(
+            "kvroute_frontend_pd_in_place_requests",
+            "Requests of a disaggregated fleet prefilled where they decode (cheaper than any pair)",
+            m.pd_in_place.clone(),
+        );
+        r.register(
+            "kvroute_frontend_pd_prefill_failures",
+            "Prefill legs whose worker did not answer (the request placed again)",
+            m.pd_prefill_failed.clone(),
         );
         Self { registry: r, ..m }
     }
@@ -190,6 +209,10 @@ pub struct FrontendState {
     configured_adapters: Vec<(String, Option<String>)>,
     /// What each worker listed in its `/v1/models`, when last read.
     listed: std::sync::Mutex<BTreeMap<WorkerId, std::collections::BTreeSet<String>>>,
+    /// Each SGLang prefill worker's bootstrap host and port.
+    bootstraps: BTreeMap<WorkerId, (String, u16)>,
+    /// Mixed into SGLang bootstrap rooms, so two front doors draw different ones.
+    room_salt: u64,
 }
 
 impl std::fmt::Debug for FrontendState {
@@ -202,6 +225,18 @@ fn urls(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, String> {
     workers
         .iter()
         .filter_map(|w| w.url.as_ref().map(|u| (w.id, u.trim_end_matches('/').to_owned())))
+        .collect()
+}
+
+/// Each prefill worker's bootstrap host (its URL's) and port, when it has one.
+fn bootstraps(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, (String, u16)> {
+    workers
+        .iter()
+        .filter_map(|w| {
+            let url: hyper::Uri = w.url.as_deref()?.parse().ok()?;
+            let host = url.host()?.trim_start_matches('[').trim_end_matches(']').to_owned();
+            Some((w.id, (host, w.bootstrap_port?)))
+        })
         .collect()
 }
 
@@ -269,6 +304,11 @@ impl FrontendState {
             models: Catalog::new(preprocessor.model_name(), Some(max_model_len)),
             configured_adapters: Vec::new(),
             listed: std::sync::Mutex::default(),
+            bootstraps: bootstraps(workers),
+            room_salt: std::hash::BuildHasher::hash_one(
+                &std::collections::hash_map::RandomState::new(),
+                0u8,
+            ),
             preprocessor,
         }
     }
@@ -323,6 +363,16 @@ impl FrontendState {
             }),
             _ => client.map(str::to_owned),
         }
+    }
+
+    /// How a worker is spoken to.
+    pub(crate) fn dialect(&self, worker: WorkerId) -> Dialect {
+        self.dialects.get(&worker).copied().unwrap_or_default()
+    }
+
+    /// A prefill worker's SGLang bootstrap host and port.
+    pub(crate) fn bootstrap(&self, worker: WorkerId) -> Option<(String, u16)> {
+        self.bootstraps.get(&worker).cloned()
     }
 
     /// The tokens dialects some worker speaks (a request is made a body in each).

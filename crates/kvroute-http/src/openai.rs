@@ -224,6 +224,10 @@ pub struct Completion {
     pub choices: Vec<Choice>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// vLLM's extension: what a prefill engine answers a disaggregated prefill with, for the
+    /// decode engine to pull its KV (on a whole answer, and a stream's last chunk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<serde_json::Value>,
 }
 
 /// Which OpenAI API a request and its answer are of.
@@ -275,6 +279,7 @@ impl Envelope {
             model: self.model.clone(),
             choices,
             usage,
+            kv_transfer_params: None,
         }
     }
 }

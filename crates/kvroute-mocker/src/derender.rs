@@ -98,6 +98,7 @@ pub(crate) async fn chat(
         model,
         choices,
         usage: Some(usage(req.prompt_tokens.unwrap_or(0), &[answer])),
+        kv_transfer_params: None,
     })
     .into_response())
 }
@@ -153,6 +154,7 @@ pub(crate) async fn completion(
         model,
         choices: all,
         usage: Some(usage(prompt_tokens, &answers.iter().collect::<Vec<_>>())),
+        kv_transfer_params: None,
     })
     .into_response())
 }
@@ -264,6 +266,7 @@ fn streamed(
         model,
         choices,
         usage,
+        kv_transfer_params: None,
     };
     Ok(DerenderStreamResponse { chunk, stream_state: carried })
 }

@@ -40,6 +40,7 @@ use std::time::Duration;
 use kvroute_core::{BlockExtraInfo, BlockHasher, BlockSize, SequenceHash};
 use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_extra_keys};
 
+pub use crate::handoff::{DisaggConfig, Handoff, Role};
 pub use crate::host::HostConfig;
 use crate::host::HostTier;
 use crate::kv::{KvCache, Stored};
@@ -48,6 +49,7 @@ pub use crate::lora::{LoraConfig, LoraStats};
 pub use crate::sequence::OutputPlan;
 use crate::sequence::{Block, Sequence};
 use crate::timing::Timing;
+use rustc_hash::FxHashMap;
 
 /// Engine settings; `Default` follows Dynamo's mocker (block size 16 for kvroute).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -61,6 +63,9 @@ pub struct EngineConfig {
     pub lora: LoraConfig,
     /// Host memory below the GPU cache ([`crate::host`]; none by default).
     pub host: HostConfig,
+    /// Disaggregated prefill and decode: the engine's role and its KV link
+    /// ([`crate::handoff`]; aggregated by default).
+    pub disagg: DisaggConfig,
 }
 
 impl Default for EngineConfig {
@@ -73,6 +78,7 @@ impl Default for EngineConfig {
             timing: Timing::default(),
             lora: LoraConfig::default(),
             host: HostConfig::default(),
+            disagg: DisaggConfig::default(),
         }
     }
 }
@@ -93,6 +99,9 @@ pub struct EngineRequest {
     /// The LoRA adapter it runs with (vLLM's `lora_name`): it salts its blocks, takes a slot
     /// while it runs, and its events name it.
     pub lora: Option<String>,
+    /// Its part in a disaggregated request: a prefill whose blocks are held for a decode
+    /// engine, or a decode whose prompt KV came from a prefill engine.
+    pub handoff: Handoff,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -159,6 +168,11 @@ pub struct EngineStats {
     /// Blocks evicted from host memory, and the blocks it holds now.
     pub host_evicted_blocks: u64,
     pub host_blocks: u64,
+    /// Of `cached_tokens`, those whose KV came from a prefill engine.
+    pub remote_tokens: u64,
+    /// Blocks of finished prefills held for their decode engine now, and the prefills held.
+    pub held_blocks: u64,
+    pub held_requests: u64,
 }
 
 /// What a step scheduled for one request.
@@ -168,6 +182,9 @@ struct Work {
     /// Prompt tokens computed by this step, and those computed before it.
     prompt_tokens: usize,
     prompt_before: usize,
+    /// Its prompt's KV came from a prefill engine: computing the rest takes no prefill time
+    /// (as Dynamo's decode mocker prices it).
+    remote: bool,
 }
 
 #[derive(Debug)]
@@ -181,6 +198,8 @@ pub struct Engine {
     stats: EngineStats,
     adapters: Adapters,
     host: HostTier,
+    /// Finished prefills whose blocks are held for a decode engine to pull, by request id.
+    held: FxHashMap<String, Sequence>,
 }
 
 /// Collects a step's events in order, runs of one kind merged.
@@ -239,6 +258,7 @@ impl Engine {
             stats: EngineStats::default(),
             adapters: Adapters::new(config.lora),
             host: HostTier::new(config.host),
+            held: FxHashMap::default(),
             config,
         }
     }
@@ -261,6 +281,8 @@ impl Engine {
             host_loaded_bytes: (host.loaded_blocks as f64 * block_bytes) as u64,
             host_evicted_blocks: host.evicted_blocks,
             host_blocks: self.host.len() as u64,
+            held_blocks: self.held.values().map(|s| s.blocks.len() as u64).sum(),
+            held_requests: self.held.len() as u64,
             ..self.stats
         }
     }
@@ -296,7 +318,9 @@ impl Engine {
         if needed > self.config.num_blocks {
             return Err(EngineError::PromptTooLarge { needed, capacity: self.config.num_blocks });
         }
-        if self.waiting.iter().chain(&self.running).any(|s| s.id == req.id) {
+        if self.waiting.iter().chain(&self.running).any(|s| s.id == req.id)
+            || self.held.contains_key(&req.id)
+        {
             return Err(EngineError::DuplicateId(req.id));
         }
         let lora = req.lora.filter(|l| !l.is_empty()).map(|l| {
@@ -318,6 +342,7 @@ impl Engine {
             computed: 0,
             generated: 0,
             cached_tokens: None,
+            handoff: req.handoff,
         });
         Ok(())
     }
@@ -443,6 +468,10 @@ impl Engine {
             let loaded = self.load_from_host(&mut s, &hashes, hits, (len - 1) / bs, &mut events);
             lora_time += self.host.load_time(loaded, bs);
             let hits = hits + loaded;
+            let hits = match s.handoff {
+                Handoff::Remote => hits + self.receive_remote(&mut s, &hashes, hits, &mut events),
+                _ => hits,
+            };
             s.filled = hits;
             s.computed = hits * bs;
             s.cached_tokens.get_or_insert(hits * bs);
@@ -461,7 +490,8 @@ impl Engine {
 
         // 3. How long the step takes.
         let timing = self.config.timing;
-        let prefilled: Vec<&Work> = work.iter().flatten().filter(|w| w.prompt_tokens > 0).collect();
+        let prefilled: Vec<&Work> =
+            work.iter().flatten().filter(|w| w.prompt_tokens > 0 && !w.remote).collect();
         let prefill = match prefilled.len() {
             0 => Duration::ZERO,
             count => {
@@ -550,7 +580,8 @@ impl Engine {
         let prompt_before = s.computed.min(s.prompt_len);
         s.computed += n;
         let prompt_tokens = s.computed.min(s.prompt_len) - prompt_before;
-        work[i] = Some(Work { tokens: n, prompt_tokens, prompt_before });
+        let remote = s.handoff == Handoff::Remote;
+        work[i] = Some(Work { tokens: n, prompt_tokens, prompt_before, remote });
         *budget -= n;
         self.cache_computed_blocks(i, events);
         Scheduled::Yes
@@ -600,27 +631,87 @@ impl Engine {
         events: &mut Events,
     ) -> usize {
         let n = self.host.run(hashes, hits, max.saturating_sub(hits));
-        let mut gone = Vec::new();
-        if n == 0 || self.cache.grow(n, &mut gone).is_err() {
+        if n == 0 || !self.adopt(s, &hashes[hits..hits + n], hits, events) {
             return 0;
-        }
-        self.stats.evicted_blocks += gone.len() as u64;
-        events.removed(&gone);
-        let mut announced = Vec::with_capacity(n);
-        for (b, &h) in hashes.iter().enumerate().skip(hits).take(n) {
-            match self.cache.fill(h) {
-                Stored::New => {
-                    s.blocks.push(Block::Cached(h));
-                    announced.push(b);
-                }
-                Stored::Duplicate => s.blocks.push(Block::Private),
-            }
         }
         self.host.touch(&hashes[hits..hits + n]);
         self.host.stats.loaded_blocks += n as u64;
         self.host.stats.hit_tokens += (n * self.config.block_size.tokens()) as u64;
-        events.stored_runs(self.config.block_size.tokens(), s, &announced, GPU);
         n
+    }
+
+    /// Takes the prompt blocks after a decode request's `hits` local ones as received from
+    /// its prefill engine (all but the last token's block, which the engine computes, as
+    /// vLLM's decode side does): cached blocks of the request, announced on the GPU.
+    /// Returns how many; 0 without room.
+    fn receive_remote(
+        &mut self,
+        s: &mut Sequence,
+        hashes: &[SequenceHash],
+        hits: usize,
+        events: &mut Events,
+    ) -> usize {
+        let bs = self.config.block_size.tokens();
+        let n = ((s.len() - 1) / bs).min(hashes.len()).saturating_sub(hits);
+        if n == 0 || !self.adopt(s, &hashes[hits..hits + n], hits, events) {
+            return 0;
+        }
+        self.stats.remote_tokens += (n * bs) as u64;
+        n
+    }
+
+    /// Allocates blocks for `hashes` (the request's blocks from `first` on, known computed)
+    /// and caches them as the request's; the new ones are announced on the GPU. False
+    /// without room.
+    fn adopt(
+        &mut self,
+        s: &mut Sequence,
+        hashes: &[SequenceHash],
+        first: usize,
+        events: &mut Events,
+    ) -> bool {
+        let mut gone = Vec::new();
+        if self.cache.grow(hashes.len(), &mut gone).is_err() {
+            return false;
+        }
+        self.stats.evicted_blocks += gone.len() as u64;
+        events.removed(&gone);
+        let mut announced = Vec::with_capacity(hashes.len());
+        for (b, &h) in hashes.iter().enumerate() {
+            match self.cache.fill(h) {
+                Stored::New => {
+                    s.blocks.push(Block::Cached(h));
+                    announced.push(first + b);
+                }
+                Stored::Duplicate => s.blocks.push(Block::Private),
+            }
+        }
+        events.stored_runs(self.config.block_size.tokens(), s, &announced, GPU);
+        true
+    }
+
+    /// Frees a finished prefill's held blocks (its decode engine pulled them, or the hold
+    /// expired); returns how many it held, `None` when none is held under `id`.
+    pub fn release_held(&mut self, id: &str) -> Option<usize> {
+        let mut s = self.held.remove(id)?;
+        let blocks = s.blocks.len();
+        s.release(&mut self.cache);
+        Some(blocks)
+    }
+
+    /// Blocks a decode request would find in this engine's cache: the leading full blocks of
+    /// its prompt that are cached (what it need not pull from its prefill engine).
+    pub fn cached_prompt_blocks(&self, req: &EngineRequest) -> usize {
+        let lora = req.lora.as_deref().filter(|l| !l.is_empty());
+        let hasher = self
+            .hasher
+            .with_namespace(req.cache_salt.as_deref().filter(|s| !s.is_empty()))
+            .with_lora(lora);
+        let hashes = kvroute_core::sequence_hashes(
+            &hasher.local_hashes(&req.tokens, req.block_mm_infos.as_deref()),
+        );
+        let bs = self.config.block_size.tokens();
+        self.cache.cached_prefix(&hashes).min((req.tokens.len() - 1) / bs)
     }
 
     /// Every running request whose known tokens are all computed samples its next token;
@@ -648,7 +739,11 @@ impl Engine {
                 continue;
             }
             let mut s = self.running.remove(i);
-            s.release(&mut self.cache);
+            match s.handoff {
+                // Its blocks wait for the decode engine to pull them ([`Self::release_held`]).
+                Handoff::Hold => {}
+                _ => s.release(&mut self.cache),
+            }
             let usage = Usage {
                 prompt_tokens: s.prompt_len,
                 cached_tokens: s.cached_tokens.unwrap_or(0),
@@ -657,7 +752,11 @@ impl Engine {
             self.stats.requests_finished += 1;
             self.stats.prompt_tokens += usage.prompt_tokens as u64;
             self.stats.cached_tokens += usage.cached_tokens as u64;
-            out.outputs.push(Output::Finished { id: s.id, usage });
+            let id = s.id.clone();
+            if s.handoff == Handoff::Hold {
+                self.held.insert(s.id.clone(), s);
+            }
+            out.outputs.push(Output::Finished { id, usage });
         }
     }
 }

@@ -32,6 +32,7 @@ use kvroute_http::vllm_generate::{
 use tokio::sync::mpsc;
 
 use crate::engine::{Output, Usage};
+use crate::handoff::Leg;
 use crate::http::{AppState, Submission, Submitted, now_secs};
 use crate::service::CancelOnDrop;
 
@@ -40,7 +41,9 @@ pub(crate) async fn generate(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req: GenerateRequest = parse(&body?)?;
+    let body = body?;
+    let req: GenerateRequest = parse(&body)?;
+    let leg = crate::handoff::leg(&body, state.engine.config.disagg.role, "")?;
     req.check()?;
     let model = state.preprocessor.model_name().to_owned();
     let lora = state.catalog.resolve(req.model.as_deref()).ok().flatten();
@@ -63,12 +66,23 @@ pub(crate) async fn generate(
         .or_else(|| req.request_id.clone())
         .unwrap_or_else(|| format!("{:032x}", state.next_id()));
     let id = format!("generate-tokens-{base}");
+    let leg = match leg {
+        Leg::Prefill { sglang: false, .. } => Leg::Prefill { key: id.clone(), sglang: false },
+        leg => leg,
+    };
+    // A prefill leg answers with what its decode engine pulls, else the request's own.
+    let kv_transfer_params = match &leg {
+        Leg::Prefill { key, sglang: false } => {
+            state.produced_params(key, tokens.len()).as_object().cloned()
+        }
+        _ => req.kv_transfer_params.clone(),
+    };
     let room = state.max_model_len.saturating_sub(tokens.len() as u64);
     let max_tokens = match req.sampling_params.max_tokens {
         Some(m) => u64::try_from(m).unwrap_or(1).min(room),
         None => room,
     };
-    let submission = Submission {
+    let mut submission = Submission {
         id: id.clone(),
         mm,
         tokens: tokens.clone(),
@@ -76,7 +90,10 @@ pub(crate) async fn generate(
         ignore_eos: req.sampling_params.ignore_eos == Some(true),
         cache_salt: req.cache_salt.clone(),
         lora: lora.clone(),
+        handoff: crate::handoff::Handoff::None,
+        hold_key: None,
     };
+    state.arrange(&leg, &mut submission).await;
     let submitted = state.submit(submission)?;
     state.metrics.generated();
     // A stream's text grows token by token through a window seeded with the prompt's end,
@@ -92,7 +109,7 @@ pub(crate) async fn generate(
         prompt_len: tokens.len() as u64,
         prompt: req.return_token_ids.unwrap_or(false).then_some(tokens),
         preprocessor: Arc::clone(&state.preprocessor),
-        kv_transfer_params: req.kv_transfer_params.clone(),
+        kv_transfer_params,
     };
     match req.streamed() {
         true => {

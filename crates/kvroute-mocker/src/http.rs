@@ -31,6 +31,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::engine::{EngineRequest, Output, OutputPlan, Usage};
+use crate::handoff::Leg;
 use crate::metrics::Metrics;
 use crate::service::{CancelOnDrop, EngineHandle};
 
@@ -56,6 +57,12 @@ pub struct AppState {
     /// vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` are served (its
     /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
     pub runtime_lora_updating: bool,
+    /// Prefills held for decode engines, and what the disaggregated legs did.
+    pub holds: Arc<crate::handoff::Holds>,
+    /// This engine's name in `kv_transfer_params` (vLLM's `engine_id`).
+    pub engine_id: String,
+    /// Where decode engines pull this engine's KV (a prefill engine's side channel).
+    pub side_channel: Option<std::net::SocketAddr>,
 }
 
 pub use kvroute_http::openai::DEFAULT_MAX_MODEL_LEN;
@@ -96,6 +103,9 @@ impl AppState {
             next_id: AtomicU64::new(0),
             api_keys: kvroute_http::Credentials::default(),
             processed: crate::media::Processed::default(),
+            holds: Arc::default(),
+            engine_id: format!("kvroute-mocker-{:016x}", rand_id()),
+            side_channel: None,
         }
     }
 
@@ -174,6 +184,7 @@ async fn chat(
         cache_salt: req.cache_salt,
         logprobs,
         lora,
+        leg: crate::handoff::leg(&body, state.engine.config.disagg.role, "")?,
     };
     generate(&state, prepared, ask).await
 }
@@ -182,7 +193,8 @@ async fn completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse_request(&body?, "prompt", Some(1))?;
+    let body = body?;
+    let req: CompletionRequest = parse_request(&body, "prompt", Some(1))?;
     check_cache_salt(req.cache_salt.as_deref())?;
     let lora = state.catalog.resolve(req.model.as_deref())?;
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
@@ -195,6 +207,7 @@ async fn completions(
         cache_salt: req.cache_salt,
         logprobs: None,
         lora,
+        leg: crate::handoff::leg(&body, state.engine.config.disagg.role, "")?,
     };
     generate(&state, prepared, ask).await
 }
@@ -211,6 +224,8 @@ struct Ask {
     /// Chat's `logprobs: true`, with this many alternatives per token (simulated).
     logprobs: Option<u32>,
     lora: Option<String>,
+    /// Its leg of a disaggregated request (a vLLM prefill leg's key is its id here).
+    leg: crate::handoff::Leg,
 }
 
 /// A prompt for the engine, from any of its APIs.
@@ -224,6 +239,10 @@ pub(crate) struct Submission {
     pub cache_salt: Option<String>,
     /// The adapter it runs with (resolved from its `model`).
     pub lora: Option<String>,
+    /// Its part in a disaggregated request.
+    pub handoff: crate::handoff::Handoff,
+    /// A prefill leg's key: its blocks are held under it when it ends.
+    pub hold_key: Option<String>,
 }
 
 /// What the engine sends back for one submission, and the guard that cancels it when dropped.
@@ -273,23 +292,60 @@ impl AppState {
                 config.num_blocks
             )));
         }
+        let hold_key = s.hold_key.clone();
         let plan = self.plan(&s.tokens, s.ignore_eos);
-        let end = plan.end;
-        let block_mm_infos =
-            s.mm.filter(|mm| !mm.mm_objects.is_empty())
-                .map(|mm| mm.to_block_level(bs, s.tokens.len()));
         let request = EngineRequest {
+            block_mm_infos: self.block_infos(&s),
             id: s.id,
             tokens: s.tokens,
-            block_mm_infos,
             max_tokens: usize::try_from(s.max_tokens).unwrap_or(usize::MAX).max(1),
             plan,
             cache_salt: s.cache_salt,
             lora: s.lora,
+            handoff: s.handoff,
         };
+        let end = request.plan.end;
         let (outputs, guard) = self.engine.submit(request);
+        let outputs = match hold_key {
+            Some(key) => self.holds.relay(self.engine.clone(), key, outputs),
+            None => outputs,
+        };
         Ok(Submitted { outputs, guard, end })
     }
+
+    /// Per block, the images a submission's prompt covers.
+    fn block_infos(&self, s: &Submission) -> Option<Vec<Option<kvroute_core::BlockExtraInfo>>> {
+        let bs = self.engine.config.block_size;
+        s.mm.as_ref()
+            .filter(|mm| !mm.mm_objects.is_empty())
+            .map(|mm| mm.to_block_level(bs, s.tokens.len()))
+    }
+
+    /// The engine's request for a submission (a copy, to ask the engine about it).
+    pub(crate) fn engine_request(&self, s: &Submission) -> EngineRequest {
+        EngineRequest {
+            id: s.id.clone(),
+            tokens: s.tokens.clone(),
+            block_mm_infos: self.block_infos(s),
+            max_tokens: usize::try_from(s.max_tokens).unwrap_or(usize::MAX).max(1),
+            plan: self.plan(&s.tokens, s.ignore_eos),
+            cache_salt: s.cache_salt.clone(),
+            lora: s.lora.clone(),
+            handoff: s.handoff,
+        }
+    }
+}
+
+/// A number no other engine of this host is likely to draw (names the engine).
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
 }
 
 /// Seconds since the epoch.
@@ -302,12 +358,34 @@ async fn generate(
     prepared: Prepared,
     ask: Ask,
 ) -> Result<Response, ApiError> {
-    let Ask { kind, max_tokens, stream, include_usage, ignore_eos, cache_salt, logprobs, lora } =
-        ask;
+    let Ask {
+        kind,
+        max_tokens,
+        stream,
+        include_usage,
+        ignore_eos,
+        cache_salt,
+        logprobs,
+        lora,
+        leg,
+    } = ask;
     let model = lora.clone().unwrap_or_else(|| state.preprocessor.model_name().to_owned());
     let envelope = Envelope::new(kind, &state.next_id().to_string(), model);
     let window = state.preprocessor.decode_window(&prepared.tokens);
-    let submission = Submission {
+    let leg = match leg {
+        Leg::Prefill { sglang: false, .. } => {
+            Leg::Prefill { key: envelope.id.clone(), sglang: false }
+        }
+        leg => leg,
+    };
+    // vLLM's prefill answers name what the decode engine pulls.
+    let produced = match &leg {
+        Leg::Prefill { key, sglang: false } => {
+            Some(state.produced_params(key, prepared.tokens.len()))
+        }
+        _ => None,
+    };
+    let mut submission = Submission {
         id: envelope.id.clone(),
         tokens: prepared.tokens,
         mm: Some(prepared.mm),
@@ -315,11 +393,14 @@ async fn generate(
         ignore_eos,
         cache_salt,
         lora,
+        handoff: crate::handoff::Handoff::None,
+        hold_key: None,
     };
+    state.arrange(&leg, &mut submission).await;
     let Submitted { outputs, guard, end } = state.submit(submission)?;
     let vocab = u32::try_from(state.preprocessor.vocab_size()).unwrap_or(u32::MAX);
     let preprocessor = Arc::clone(&state.preprocessor);
-    let reply = Reply { envelope, preprocessor, end, window, logprobs, vocab };
+    let reply = Reply { envelope, preprocessor, end, window, logprobs, vocab, produced };
     if stream {
         Ok(sse(reply, outputs, guard, include_usage).into_response())
     } else {
@@ -338,6 +419,8 @@ struct Reply {
     /// Logprobs asked for: this many alternatives per token.
     logprobs: Option<u32>,
     vocab: u32,
+    /// A prefill leg's `kv_transfer_params`, sent with the answer's end.
+    produced: Option<Value>,
 }
 
 impl Reply {
@@ -423,7 +506,9 @@ async fn whole(
                 guard.disarm();
                 let mut choice = reply.whole(text, tokens.last().copied());
                 choice.logprobs = reply.logprobs(&tokens);
-                return Ok(reply.completion(false, vec![choice], Some(usage)));
+                let mut answer = reply.completion(false, vec![choice], Some(usage));
+                answer.kv_transfer_params = reply.produced.take();
+                return Ok(answer);
             }
         }
     }
@@ -485,7 +570,9 @@ fn sse(
                     let r = &st.reply;
                     let reason = r.finish_reason(st.last);
                     let last = r.delta("", Some(&reason), false);
-                    st.pending.push_back(data(&r.completion(true, vec![last], None)));
+                    let mut last = r.completion(true, vec![last], None);
+                    last.kv_transfer_params = r.produced.clone();
+                    st.pending.push_back(data(&last));
                     if st.include_usage {
                         st.pending.push_back(data(&r.completion(true, Vec::new(), Some(usage))));
                     }
@@ -508,6 +595,8 @@ async fn stats(State(state): State<Arc<AppState>>) -> Json<Value> {
     if let Some(fields) = stats.as_object_mut() {
         let adapters = serde_json::to_value(state.engine.adapters()).unwrap_or(Value::Null);
         fields.insert("lora".to_owned(), adapters);
+        fields.insert("role".to_owned(), state.engine.config.disagg.role.name().into());
+        fields.insert("handoff".to_owned(), state.holds.counts.to_json());
     }
     Json(stats)
 }

@@ -11,6 +11,7 @@
 mod derender;
 pub mod engine;
 pub mod generate;
+pub mod handoff;
 pub mod host;
 pub mod http;
 mod kv;
@@ -29,6 +30,7 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, Output, OutputPlan,
     Step, Usage,
 };
+pub use handoff::{DisaggConfig, Handoff, Role, TransferTiming};
 pub use kvroute_preprocess::fetch::FetchConfig;
 pub use service::{Endpoints, EngineHandle, Snapshot};
 pub use timing::Timing;
@@ -62,6 +64,10 @@ pub struct MockerConfig {
     /// Serve vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (its
     /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
     pub runtime_lora_updating: bool,
+    /// Where a prefill engine serves its side channel to decode engines (vLLM's
+    /// `VLLM_NIXL_SIDE_CHANNEL_HOST`/`PORT`, SGLang's `--disaggregation-bootstrap-port`);
+    /// `None`: a free loopback port. Only a prefill engine serves one.
+    pub side_channel: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +129,15 @@ pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerEr
         http::AppState::new(engine, preprocessor, config.seed, fetcher, config.max_model_len);
     state.api_keys = config.api_keys;
     state.runtime_lora_updating = config.runtime_lora_updating;
+    let side_channel = match config.engine.disagg.role {
+        Role::Prefill => {
+            let addr = config.side_channel.as_deref().unwrap_or("127.0.0.1:0");
+            let listener = tokio::net::TcpListener::bind(addr).await?;
+            state.side_channel = Some(listener.local_addr()?);
+            Some(listener)
+        }
+        _ => None,
+    };
     for (name, path) in &config.lora_modules {
         state.catalog.insert(name, path.as_deref()).map_err(|e| {
             MockerError::Io(std::io::Error::new(
@@ -131,7 +146,12 @@ pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerEr
             ))
         })?;
     }
-    Ok(Arc::new(state))
+    let state = Arc::new(state);
+    if let Some(listener) = side_channel {
+        let app = handoff::side_channel(Arc::clone(&state));
+        tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
+    }
+    Ok(state)
 }
 
 #[cfg(test)]

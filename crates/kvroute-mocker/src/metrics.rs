@@ -24,6 +24,9 @@ pub const ZMQ_REFUSED: &str = "kvroute_mocker_zmq_refused_messages";
 pub const HOST_HIT_TOKENS: &str = "kvroute_mocker_host_hit_tokens";
 pub const HOST_LOADED_BYTES: &str = "kvroute_mocker_host_loaded_bytes";
 pub const HOST_BLOCKS: &str = "kvroute_mocker_host_blocks";
+pub const HELD_BLOCKS: &str = "kvroute_mocker_kv_held_blocks";
+pub const HELD_REQUESTS: &str = "kvroute_mocker_kv_held_requests";
+pub const REMOTE_TOKENS: &str = "kvroute_mocker_kv_remote_tokens";
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
 pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
@@ -64,6 +67,9 @@ pub struct Metrics {
     host_hit_tokens: CounterOf,
     host_loaded_bytes: CounterOf,
     host_blocks: Gauge,
+    held_blocks: Gauge,
+    held_requests: Gauge,
+    remote_tokens: CounterOf,
 }
 
 impl Metrics {
@@ -93,6 +99,9 @@ impl Metrics {
             host_hit_tokens: CounterOf::default(),
             host_loaded_bytes: CounterOf::default(),
             host_blocks: Gauge::default(),
+            held_blocks: Gauge::default(),
+            held_requests: Gauge::default(),
+            remote_tokens: CounterOf::default(),
         };
         let mut r = Registry::default();
         r.register(KV_USAGE, "Share of KV blocks in use (0-1)", m.kv_usage.clone());
@@ -120,6 +129,21 @@ impl Metrics {
             m.host_loaded_bytes.counter.clone(),
         );
         r.register(HOST_BLOCKS, "KV blocks held in host memory", m.host_blocks.clone());
+        r.register(
+            HELD_BLOCKS,
+            "KV blocks of finished prefills held for their decode engine to pull",
+            m.held_blocks.clone(),
+        );
+        r.register(
+            HELD_REQUESTS,
+            "Finished prefills held for their decode engine",
+            m.held_requests.clone(),
+        );
+        r.register(
+            REMOTE_TOKENS,
+            "Prompt tokens whose KV came from a prefill engine",
+            m.remote_tokens.counter.clone(),
+        );
         r.register(PREEMPTIONS, "Requests preempted", m.preemptions.counter.clone());
         r.register(FINISHED, "Requests finished", m.finished.counter.clone());
         r.register(
@@ -246,6 +270,9 @@ impl Metrics {
         self.host_hit_tokens.sync(s.stats.host_hit_tokens);
         self.host_loaded_bytes.sync(s.stats.host_loaded_bytes);
         self.host_blocks.set(s.stats.host_blocks as i64);
+        self.held_blocks.set(s.stats.held_blocks as i64);
+        self.held_requests.set(s.stats.held_requests as i64);
+        self.remote_tokens.sync(s.stats.remote_tokens);
         self.preemptions.sync(s.stats.preemptions);
         self.finished.sync(s.stats.requests_finished);
         self.zmq_refused.sync(s.zmq_refused);

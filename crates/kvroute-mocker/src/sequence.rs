@@ -78,6 +78,8 @@ pub(crate) struct Sequence {
     pub(crate) generated: usize,
     /// The prefix found cached when first admitted (vLLM's `num_cached_tokens`).
     pub(crate) cached_tokens: Option<usize>,
+    /// Its part in a disaggregated request.
+    pub(crate) handoff: crate::handoff::Handoff,
 }
 
 impl Sequence {

@@ -98,6 +98,10 @@ enum Command {
     Submit(EngineRequest, mpsc::UnboundedSender<Output>),
     Cancel(String),
     Unload(String),
+    /// A decode engine pulled a held prefill's blocks, or its lease ended.
+    Release(String),
+    /// How many leading prompt blocks of a request the cache holds.
+    Probe(EngineRequest, tokio::sync::oneshot::Sender<usize>),
 }
 
 /// A handle on the running engine task.
@@ -206,6 +210,19 @@ impl EngineHandle {
     /// The engine's adapters now.
     pub fn adapters(&self) -> AdapterSnapshot {
         self.adapters.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Frees a held prefill's blocks.
+    pub fn release_held(&self, id: &str) {
+        let _ = self.tx.send(Command::Release(id.to_owned()));
+    }
+
+    /// The leading full blocks of `req`'s prompt the cache holds now (0 if the engine is
+    /// gone).
+    pub async fn cached_prompt_blocks(&self, req: EngineRequest) -> usize {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let _ = self.tx.send(Command::Probe(req, tx));
+        rx.await.unwrap_or(0)
     }
 
     /// Forgets an adapter's slot and host copy (vLLM's `/v1/unload_lora_adapter`).
@@ -325,6 +342,12 @@ fn apply(cmd: Command, engine: &mut Engine, streams: &mut Streams) {
             streams.remove(&id);
         }
         Command::Unload(name) => engine.unload_adapter(&name),
+        Command::Release(id) => {
+            engine.release_held(&id);
+        }
+        Command::Probe(req, reply) => {
+            let _ = reply.send(engine.cached_prompt_blocks(&req));
+        }
     }
 }
 

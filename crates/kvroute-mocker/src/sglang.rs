@@ -70,7 +70,11 @@ pub(crate) async fn generate(
         Ok(images) => images,
         Err(refused) => return refused.into_response(),
     };
-    match admit(&state, &req, images) {
+    let leg = match crate::handoff::leg(&body, state.engine.config.disagg.role, "") {
+        Ok(leg) => leg,
+        Err(e) => return e.into_response(),
+    };
+    match admit(&state, &req, images, &leg).await {
         Ok((answer, submitted)) if req.stream => stream_answer(answer, submitted).into_response(),
         Ok((answer, submitted)) => whole(answer, submitted).await,
         Err(refused) => refused.into_response(),
@@ -78,10 +82,11 @@ pub(crate) async fn generate(
 }
 
 /// The prompt handed to the engine and its answer, once SGLang's checks pass.
-fn admit(
+async fn admit(
     state: &Arc<AppState>,
     req: &GenerateRequest,
     images: Vec<kvroute_preprocess::Image>,
+    leg: &crate::handoff::Leg,
 ) -> Result<(Answer, Submitted), Refused> {
     let tokens = prompt(state, req)?;
     // Each image's one token expanded by its size, as SGLang's processor does for input_ids.
@@ -129,7 +134,7 @@ fn admit(
         Some(rid) => rid.clone(),
         None => format!("{:032x}", state.next_id()),
     };
-    let submission = Submission {
+    let mut submission = Submission {
         id: id.clone(),
         tokens,
         mm,
@@ -137,7 +142,10 @@ fn admit(
         ignore_eos: params.ignore_eos == Some(true),
         cache_salt: req.cache_salt.as_ref().and_then(OneOrMany::one).cloned(),
         lora: adapter(state, req)?,
+        handoff: crate::handoff::Handoff::None,
+        hold_key: None,
     };
+    state.arrange(leg, &mut submission).await;
     let submitted = state.submit(submission).map_err(|e| Refused::Engine(Box::new(e)))?;
     state.metrics.sglang_generated();
     let answer = Answer {

@@ -30,6 +30,7 @@ fn request(id: &str, tokens: Vec<u32>, max_tokens: usize) -> EngineRequest {
         plan: plan(),
         cache_salt: None,
         lora: None,
+        handoff: Handoff::None,
     }
 }
 
@@ -182,6 +183,7 @@ fn image_blocks_carry_the_identifier() {
             plan: plan(),
             cache_salt: None,
             lora: None,
+            handoff: Handoff::None,
         })
         .unwrap();
     let events = events(&run(&mut engine));

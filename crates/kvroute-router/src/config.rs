@@ -48,6 +48,8 @@ pub enum WorkerFlagError {
     Format(#[from] kvroute_wire::UnknownFormat),
     #[error("unknown dialect {0:?} (known: {known})", known = Dialect::NAMES.join(", "))]
     Dialect(String),
+    #[error("{0}")]
+    Role(String),
 }
 
 /// What is wrong with one configured worker.
@@ -177,6 +179,18 @@ pub struct WorkerSpec {
     /// serialized, never shown.
     #[serde(skip)]
     pub api_key: Option<WorkerKey>,
+    /// Its part in a disaggregated fleet: `prefill`, `decode` or `both` (docs/routing.md,
+    /// "Prefill and decode").
+    #[serde(default)]
+    pub role: kvroute_core::schedule::Role,
+    /// Its node (or zone): workers with the same label share the fast link (`--pd-cost
+    /// link_within_node_gbps`); unlabelled workers share one node.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// A prefill worker's SGLang bootstrap port (its host is its URL's), which the front door
+    /// names to both legs of an SGLang request.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// An HTTP client of `workers`: each worker's own token (if it has one) goes to it alone.
@@ -217,6 +231,9 @@ impl WorkerSpec {
             dialect: Dialect::OpenaiChat,
             max_loras: None,
             api_key: None,
+            role: kvroute_core::schedule::Role::Both,
+            node: None,
+            bootstrap_port: None,
         }
     }
 
@@ -264,6 +281,13 @@ impl FromStr for WorkerSpec {
                 }
                 "dialect" => spec.dialect = value.parse().map_err(bad)?,
                 "max_loras" => spec.max_loras = Some(small(&value)? as usize),
+                "role" => {
+                    spec.role = value.parse().map_err(|e| bad(WorkerFlagError::Role(e)))?;
+                }
+                "node" => spec.node = Some(value),
+                "bootstrap_port" => {
+                    spec.bootstrap_port = Some(value.parse().map_err(|_| nan(&value))?);
+                }
                 other => return Err(bad(WorkerFlagError::UnknownKey(other.into()))),
             }
         }

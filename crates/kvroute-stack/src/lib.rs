@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::WorkerWithDpRank;
+use kvroute_core::schedule::Role;
 pub use kvroute_frontend::FrontDoorOptions;
 use kvroute_frontend::FrontendState;
 use kvroute_http::Credentials;
@@ -77,7 +78,11 @@ pub struct Access {
 /// The simulated workers of a stack.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Simulated {
+    /// Aggregated workers.
     pub count: usize,
+    /// Prefill and decode workers (`--prefill-workers`, `--decode-workers`), after those.
+    pub prefill: usize,
+    pub decode: usize,
     /// Each one's engine (its block size is the router's).
     pub engine: EngineConfig,
     /// Whether they publish KV events (otherwise they are routed approximately).
@@ -101,6 +106,8 @@ impl Default for Simulated {
     fn default() -> Self {
         Self {
             count: 0,
+            prefill: 0,
+            decode: 0,
             engine: EngineConfig::default(),
             events: true,
             seed: 0,
@@ -200,7 +207,10 @@ impl Stack {
         }
         let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
         let mut engines = Vec::new();
-        for k in 0..simulated.count {
+        let roles = std::iter::repeat_n(Role::Both, simulated.count)
+            .chain(std::iter::repeat_n(Role::Prefill, simulated.prefill))
+            .chain(std::iter::repeat_n(Role::Decode, simulated.decode));
+        for (k, role) in roles.enumerate() {
             let endpoints = match simulated.events {
                 true => kvroute_mocker::Endpoints::ephemeral(),
                 false => kvroute_mocker::Endpoints::without_events(),
@@ -210,7 +220,11 @@ impl Stack {
             let token = worker_token()?;
             let mocker = MockerConfig {
                 api_keys: kvroute_http::Credentials::new([&token], "the embedded worker's token")?,
-                engine: EngineConfig { block_size: router.block_size, ..simulated.engine },
+                engine: EngineConfig {
+                    block_size: router.block_size,
+                    disagg: kvroute_mocker::DisaggConfig { role, ..simulated.engine.disagg },
+                    ..simulated.engine
+                },
                 endpoints,
                 model_path: model_path.clone(),
                 chat_template: simulated.chat_template.clone(),
@@ -220,6 +234,7 @@ impl Stack {
                 fetch: fetch.clone(),
                 lora_modules: simulated.lora_modules.clone(),
                 runtime_lora_updating: simulated.lora_updating,
+                side_channel: None,
             };
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let spawned = kvroute_mocker::spawn(mocker, listener).await?;
@@ -230,6 +245,8 @@ impl Stack {
             spec.metrics = spawned.metrics;
             spec.api_key = Some(kvroute_router::WorkerKey(token));
             spec.dialect = simulated.dialect;
+            spec.role = role;
+            spec.bootstrap_port = spawned.state.side_channel.map(|a| a.port());
             if !simulated.lora_modules.is_empty() {
                 spec.max_loras = Some(simulated.engine.lora.max_loras);
             }

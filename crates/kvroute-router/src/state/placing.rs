@@ -4,10 +4,12 @@
 use std::time::Instant;
 
 use kvroute_core::index::OverlapScores;
+use kvroute_core::schedule::PairDecision;
+use kvroute_core::schedule::pairs::prefill_leg_id;
 use kvroute_core::schedule::{
     DecisionRecord, RequestBlocks, RouteDecision, RouteRequest, WorkerLoad,
 };
-use kvroute_core::{LocalBlockHash, WorkerWithDpRank, sequence_hashes};
+use kvroute_core::{LocalBlockHash, SequenceHash, WorkerWithDpRank, sequence_hashes};
 use kvroute_wire::replica::SyncMessage;
 
 use super::{CacheMode, PlaceRequest, RouterState, lock};
@@ -18,6 +20,45 @@ impl RouterState {
     /// prefixes only it holds, or its predictions could never be seen to agree).
     pub fn place(&self, p: &PlaceRequest<'_>) -> Option<(RouteDecision, OverlapScores)> {
         let start = Instant::now();
+        let (scores, sequence) = self.scores_for(p);
+        let request = route_request(p, &sequence);
+        let decision =
+            lock(&self.placing.scheduler).route(&request, &scores, &self.index, start)?;
+        self.placed(p.request_id, &decision, p, start);
+        Some((decision, scores))
+    }
+
+    /// Chooses the legs of a request in a disaggregated fleet ([`Scheduler::route_pair`]):
+    /// a prefill and a decode worker, or a decode worker alone. `None` when there is none.
+    ///
+    /// [`Scheduler::route_pair`]: kvroute_core::schedule::Scheduler::route_pair
+    pub fn place_pair(&self, p: &PlaceRequest<'_>) -> Option<PairDecision> {
+        let start = Instant::now();
+        let (scores, sequence) = self.scores_for(p);
+        let request = route_request(p, &sequence);
+        let pair =
+            lock(&self.placing.scheduler).route_pair(&request, &scores, &self.index, start)?;
+        if let Some(prefill) = &pair.prefill {
+            let id = p.request_id.map(prefill_leg_id);
+            self.placed(id.as_deref(), prefill, p, start);
+        }
+        self.placed(p.request_id, &pair.decode, p, start);
+        Some(pair)
+    }
+
+    /// Whether the fleet has prefill workers (requests are then placed in pairs).
+    pub fn disaggregated(&self) -> bool {
+        lock(&self.placing.scheduler).disaggregated()
+    }
+
+    /// What the pair choice did so far.
+    pub fn pair_counts(&self) -> kvroute_core::schedule::pairs::PairCounts {
+        lock(&self.placing.scheduler).pair_counts()
+    }
+
+    /// The index's scores of a request (a drifted worker's halved), and its chained hashes
+    /// when it is tracked.
+    fn scores_for(&self, p: &PlaceRequest<'_>) -> (OverlapScores, Vec<SequenceHash>) {
         let bs = self.config.block_size.tokens();
         let max_blocks = p.num_tokens.saturating_sub(1) / bs;
         let mut scores = self.index.find_matches_within(p.local_hashes, max_blocks, bs);
@@ -27,40 +68,32 @@ impl RouterState {
             Some(_) => sequence_hashes(p.local_hashes),
             None => Vec::new(),
         };
-        let request = RouteRequest {
-            id: p.request_id,
-            isl_tokens: p.num_tokens,
-            local_hashes: p.local_hashes,
-            sequence_hashes: &sequence,
-            overlap_weight: p.overlap_weight,
-            temperature: p.temperature,
-            exclude: p.exclude,
-            adapter: p.adapter,
-            session: p.session,
-        };
-        let decision =
-            lock(&self.placing.scheduler).route(&request, &scores, &self.index, start)?;
-        if let (Some(id), Some(nats)) = (p.request_id, self.nats.get()) {
+        (scores, sequence)
+    }
+
+    /// A decision made: the replicas hear of it, an approximate worker assumes its blocks,
+    /// the metrics count it.
+    fn placed(&self, id: Option<&str>, d: &RouteDecision, p: &PlaceRequest<'_>, start: Instant) {
+        if let (Some(id), Some(nats)) = (id, self.nats.get()) {
             nats.send(
                 &self.metrics,
                 SyncMessage::Routed {
                     id: id.to_owned(),
-                    worker_id: decision.worker.worker_id.0,
-                    dp_rank: decision.worker.dp_rank.0,
+                    worker_id: d.worker.worker_id.0,
+                    dp_rank: d.worker.dp_rank.0,
                     isl_tokens: p.num_tokens,
-                    prefill_tokens: decision.predicted_prefill_tokens,
+                    prefill_tokens: d.predicted_prefill_tokens,
                     local_hashes: p.local_hashes.iter().map(|h| h.0).collect(),
                 },
             );
         }
-        if self.mode(decision.worker.worker_id) == Some(CacheMode::Approximate) {
+        if self.mode(d.worker.worker_id) == Some(CacheMode::Approximate) {
             let mut approx = lock(&self.placing.approx);
-            for e in approx.record_routed(decision.worker, p.local_hashes, start) {
+            for e in approx.record_routed(d.worker, p.local_hashes, start) {
                 self.apply_one(&e);
             }
         }
-        self.metrics.decision(decision.worker, start.elapsed());
-        Some((decision, scores))
+        self.metrics.decision(d.worker, start.elapsed());
     }
 
     pub fn prefill_done(&self, request_id: &str) {
@@ -173,5 +206,20 @@ impl RouterState {
     /// The in-flight requests the scheduler tracks.
     pub fn in_flight(&self) -> usize {
         lock(&self.placing.scheduler).active().len()
+    }
+}
+
+/// The scheduler's view of a request to place.
+fn route_request<'a>(p: &PlaceRequest<'a>, sequence: &'a [SequenceHash]) -> RouteRequest<'a> {
+    RouteRequest {
+        id: p.request_id,
+        isl_tokens: p.num_tokens,
+        local_hashes: p.local_hashes,
+        sequence_hashes: sequence,
+        overlap_weight: p.overlap_weight,
+        temperature: p.temperature,
+        exclude: p.exclude,
+        adapter: p.adapter,
+        session: p.session,
     }
 }

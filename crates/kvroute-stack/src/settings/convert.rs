@@ -9,11 +9,11 @@ use std::time::Duration;
 use kvroute_core::BlockSize;
 use kvroute_core::index::{ApproxConfig, IndexConfig};
 use kvroute_core::schedule::kv::KvConfig;
-use kvroute_core::schedule::{SchedulerConfig, SessionConfig};
+use kvroute_core::schedule::{PairConfig, SchedulerConfig, SessionConfig};
 use kvroute_frontend::FrontDoorOptions;
 use kvroute_http::{Credentials, ServeOptions};
 use kvroute_mocker::lora::LoraConfig;
-use kvroute_mocker::{EngineConfig, HostConfig, Timing};
+use kvroute_mocker::{DisaggConfig, EngineConfig, HostConfig, Timing};
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::RouterConfig;
 use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
@@ -61,6 +61,8 @@ impl Settings {
             simulated: SimulatedFleet {
                 simulated_workers: Some(DEFAULT_SIMULATED_WORKERS),
                 simulated_dialect: Some(Simulated::default().dialect),
+                prefill_workers: Some(0),
+                decode_workers: Some(0),
             },
             routing: Routing {
                 workers: Vec::new(),
@@ -68,6 +70,9 @@ impl Settings {
                 temperature: Some(scheduler.temperature),
                 overlap_weight: Some(scheduler.overlap_weight),
                 kv_cost,
+                pd_cost: toml::Table::try_from(PairConfig::default())
+                    .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
+                    .unwrap_or_default(),
                 shards: Some(router.shards),
                 max_index_blocks: router.index.max_held_blocks,
                 max_dp_size: Some(router.max_dp_size),
@@ -111,6 +116,9 @@ impl Settings {
                 host_offload_h2d_bandwidth_gbps: Some(engine.host.h2d_gbps),
                 host_offload_d2h_bandwidth_gbps: Some(engine.host.d2h_gbps),
                 kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
+                kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
+                kv_transfer_timing: Some(engine.disagg.timing),
+                kv_hold_timeout: Some(engine.disagg.hold_timeout.as_secs_f64()),
             },
             ..Settings::default()
         }
@@ -283,6 +291,7 @@ impl Settings {
         s.temperature = r.temperature.unwrap_or(s.temperature);
         s.overlap_weight = r.overlap_weight.unwrap_or(s.overlap_weight);
         s.kv = kv_config(&r.kv_cost)?;
+        s.pairs = pd_config(&r.pd_cost)?;
         // The simulated engines' host memory prices its loads, unless the cost names its own.
         let named = |n: &str| r.kv_cost.iter().any(|(k, _)| k == n);
         let e = &self.engine;
@@ -376,6 +385,7 @@ impl Settings {
             timing: Timing { speedup: e.speedup.unwrap_or(d.timing.speedup) },
             lora: self.lora_config()?,
             host: self.host_config()?,
+            disagg: self.disagg_config()?,
         };
         let speedup = engine.timing.speedup;
         if !(speedup.is_finite() && speedup > 0.0) {
@@ -401,6 +411,26 @@ impl Settings {
             return Err(Invalid::HostTier.into());
         }
         Ok(host)
+    }
+
+    /// A simulated engine's link to its peers in a disaggregated fleet (its role is set
+    /// where the engine is started: `kvroute mocker --role`, `serve --prefill-workers`).
+    fn disagg_config(&self) -> Result<DisaggConfig, StackError> {
+        let (e, d) = (&self.engine, DisaggConfig::default());
+        let bandwidth = e.kv_transfer_bandwidth.unwrap_or(d.kv_transfer_bandwidth_gbps);
+        if !(bandwidth.is_finite() && bandwidth >= 0.0) {
+            return Err(Invalid::Negative("kv_transfer_bandwidth").into());
+        }
+        let hold_timeout = match e.kv_hold_timeout {
+            Some(t) => secs(t, "kv_hold_timeout")?,
+            None => d.hold_timeout,
+        };
+        Ok(DisaggConfig {
+            role: d.role,
+            kv_transfer_bandwidth_gbps: bandwidth,
+            timing: e.kv_transfer_timing.unwrap_or(d.timing),
+            hold_timeout,
+        })
     }
 
     /// A simulated engine's adapter settings, each over its default.
@@ -479,13 +509,22 @@ impl Settings {
         simulated: usize,
         frontend: bool,
     ) -> Result<StackConfig, StackError> {
-        let engine = match simulated {
+        let pd = match frontend && self.remote.router_url.is_none() {
+            true => (
+                self.simulated.prefill_workers.unwrap_or(0),
+                self.simulated.decode_workers.unwrap_or(0),
+            ),
+            false => (0, 0),
+        };
+        let engine = match simulated + pd.0 + pd.1 {
             0 => EngineConfig::default(),
             _ => self.engine_config()?,
         };
         Ok(StackConfig {
             simulated: Simulated {
                 count: simulated,
+                prefill: pd.0,
+                decode: pd.1,
                 engine,
                 events: true,
                 seed: self.seed(),
@@ -531,6 +570,23 @@ fn secs(value: f64, name: &str) -> Result<Duration, StackError> {
 /// The `kv` cost's weights: the defaults, each named one overridden (the last of a name given
 /// twice). Names are [`KvConfig`]'s fields (an unknown one is an error); values are finite and
 /// non-negative.
+/// The pair cost's settings, as [`kv_config`] reads the `kv` cost's.
+fn pd_config(overrides: &[(String, f64)]) -> Result<PairConfig, StackError> {
+    let mut fields = toml::Table::try_from(PairConfig::default()).map_err(Invalid::KvCostWrite)?;
+    for (name, value) in overrides {
+        if !fields.contains_key(name) {
+            let known: Vec<&str> = fields.keys().map(String::as_str).collect();
+            let known = known.join(", ");
+            return Err(Invalid::PdCostName { name: name.clone(), known }.into());
+        }
+        if !(value.is_finite() && *value >= 0.0) {
+            return Err(Invalid::KvCostValue { name: name.clone(), value: *value }.into());
+        }
+        fields.insert(name.clone(), (*value).into());
+    }
+    fields.try_into().map_err(|e| Invalid::KvCostRead(e).into())
+}
+
 fn kv_config(overrides: &[(String, f64)]) -> Result<KvConfig, StackError> {
     let mut fields = toml::Table::try_from(KvConfig::default()).map_err(Invalid::KvCostWrite)?;
     for (name, value) in overrides {

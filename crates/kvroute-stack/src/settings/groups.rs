@@ -139,6 +139,13 @@ pub struct SimulatedFleet {
     /// openai-chat (the client's body, which the engine renders and tokenizes again). External workers take theirs in --worker.
     #[arg(long)]
     pub simulated_dialect: Option<Dialect>,
+    /// Simulated prefill workers to start besides them (a disaggregated fleet: docs/routing.md,
+    /// "Prefill and decode"); they prefill for the decode workers, which pull their KV.
+    #[arg(long)]
+    pub prefill_workers: Option<usize>,
+    /// Simulated decode workers to start besides them.
+    #[arg(long)]
+    pub decode_workers: Option<usize>,
 }
 
 /// The router's settings and its workers.
@@ -173,6 +180,14 @@ pub struct Routing {
     #[arg(long, value_delimiter = ',', value_parser = super::kv_weight)]
     #[serde(default, skip_serializing_if = "Vec::is_empty", with = "super::weights")]
     pub kv_cost: Vec<(String, f64)>,
+    /// A setting of the pair cost of a disaggregated fleet as NAME=VALUE (link bandwidths
+    /// within and across nodes, the handoff's overhead, the in-place interference weight,
+    /// baseline switches); repeat or separate with ','. Names and defaults: docs/routing.md
+    /// ("Prefill and decode"), or --print-config. In a file: a [pd_cost] table. Example:
+    /// --pd-cost link_across_nodes_gbps=50
+    #[arg(long, value_delimiter = ',', value_parser = super::kv_weight)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "super::weights")]
+    pub pd_cost: Vec<(String, f64)>,
     /// Index shards, each a tree behind its own lock: more let several event threads write at
     /// once, but every lookup walks every shard. One is the fastest lookup.
     #[arg(long)]
@@ -362,4 +377,16 @@ pub struct Engine {
     /// bytes per value).
     #[arg(long)]
     pub kv_bytes_per_token: Option<f64>,
+    /// Bandwidth (GB/s) of the link a decode engine pulls a prefill engine's KV over
+    /// (Dynamo's mocker's flag; docs/mocker.md, "Prefill and decode").
+    #[arg(long)]
+    pub kv_transfer_bandwidth: Option<f64>,
+    /// What a decode engine's pull moves: `destination-missing` (the blocks it lacks, as
+    /// vLLM's connector pulls) or `full-prompt` (Dynamo's mocker's default).
+    #[arg(long)]
+    pub kv_transfer_timing: Option<kvroute_mocker::TransferTiming>,
+    /// Seconds a prefill engine holds a finished prefill's blocks for its decode engine
+    /// before freeing them (vLLM's kv_lease_duration).
+    #[arg(long)]
+    pub kv_hold_timeout: Option<f64>,
 }

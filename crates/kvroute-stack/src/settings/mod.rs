@@ -102,6 +102,8 @@ pub enum Invalid {
     /// The cost's weights do not round-trip as a table (a bug, not a setting).
     #[error("kv_cost: the weights do not write as a table")]
     KvCostWrite(#[source] toml::ser::Error),
+    #[error("unknown pd_cost setting `{name}` (known: {known})")]
+    PdCostName { name: String, known: String },
     #[error("kv_cost: the weights do not read back")]
     KvCostRead(#[source] toml::de::Error),
 }
@@ -268,8 +270,11 @@ impl Settings {
         let mut out = Settings::deserialize(merged).map_err(SettingsError::Merge)?;
         let weights: BTreeMap<String, f64> =
             low.routing.kv_cost.into_iter().chain(high.routing.kv_cost).collect();
+        let pair: BTreeMap<String, f64> =
+            low.routing.pd_cost.into_iter().chain(high.routing.pd_cost).collect();
         out.routing.workers = workers;
         out.routing.kv_cost = weights.into_iter().collect();
+        out.routing.pd_cost = pair.into_iter().collect();
         Ok(out)
     }
 

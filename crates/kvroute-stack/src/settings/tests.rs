@@ -204,6 +204,10 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
                 vec!["--kv-cost".to_owned(), "queue_weight=0.5".to_owned()],
                 "[kv_cost]\nqueue_weight = 0.5\n".to_owned(),
             ),
+            "pd_cost" => (
+                vec!["--pd-cost".to_owned(), "in_place=0".to_owned()],
+                "[pd_cost]\nin_place = 0.0\n".to_owned(),
+            ),
             "lora_modules" | "adapters" => (
                 vec![format!("--{}", long(&key)), "sql=/x,chat".to_owned()],
                 format!("{key} = [\"sql=/x\", \"chat\"]\n"),

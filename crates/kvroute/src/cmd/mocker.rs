@@ -38,6 +38,17 @@ pub(crate) struct MockerArgs {
     /// call it (and /detokenize turns the token ids of its KV events back into text).
     #[arg(long = "api-key", env = "KVROUTE_MOCKER_API_KEY", value_delimiter = ',')]
     api_keys: Vec<String>,
+    /// What the engine does in a disaggregated fleet: `prefill` (prefills for decode engines
+    /// and holds the blocks until pulled: vLLM's kv_producer, SGLang's prefill mode),
+    /// `decode` (pulls a prefill engine's KV, then decodes) or `both` (docs/mocker.md,
+    /// "Prefill and decode").
+    #[arg(long, default_value = "both")]
+    role: kvroute_mocker::Role,
+    /// Port of a prefill engine's side channel, where decode engines pull its KV (vLLM's
+    /// VLLM_NIXL_SIDE_CHANNEL_PORT; SGLang's bootstrap port, which routers name to both
+    /// legs); 0: any free one. On the listen host.
+    #[arg(long, visible_alias = "disaggregation-bootstrap-port", default_value_t = 0)]
+    side_channel_port: u16,
 }
 
 pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
@@ -52,8 +63,10 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         true => (None, None),
         false => (Some(args.events.clone()), Some(args.replay.clone())),
     };
+    let mut engine = settings.engine_config()?;
+    engine.disagg.role = args.role;
     let config = MockerConfig {
-        engine: settings.engine_config()?,
+        engine,
         endpoints: Endpoints { events, replay, metrics: Some(args.load_metrics.clone()) },
         model_path: settings.model.model_path.clone(),
         chat_template: settings.chat_template()?,
@@ -64,6 +77,11 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         api_keys: kvroute_http::Credentials::new(&args.api_keys, "--api-key")?,
         lora_modules: settings.lora_modules(),
         runtime_lora_updating: settings.engine.lora_updating.unwrap_or(false),
+        side_channel: Some(format!(
+            "{}:{}",
+            settings.listen.host.as_deref().unwrap_or("127.0.0.1"),
+            args.side_channel_port
+        )),
     };
     let options = settings.serve_options()?;
     super::runtime()?.block_on(async move {
@@ -79,6 +97,10 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
                 b.replay.as_deref().unwrap_or("-"),
                 b.metrics.as_deref().unwrap_or("-"),
             ),
+            match state.side_channel {
+                Some(a) => format!("role {}; side channel (bootstrap) {a}", args.role),
+                None => format!("role {}", args.role),
+            },
             format!(
                 "try: curl -s http://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'"
             ),

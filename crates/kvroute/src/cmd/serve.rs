@@ -54,9 +54,11 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let simulated = settings.simulated_workers();
+    let pd = settings.simulated.prefill_workers.unwrap_or(0)
+        + settings.simulated.decode_workers.unwrap_or(0);
     anyhow::ensure!(
-        simulated > 0 || !settings.routing.workers.is_empty(),
-        "no workers: use --simulated-workers N or --worker ..."
+        simulated + pd > 0 || !settings.routing.workers.is_empty(),
+        "no workers: use --simulated-workers N, --prefill-workers P --decode-workers D, or --worker ..."
     );
     let config = settings.stack_config(simulated, true)?;
     settings.check_exposure(&config.access, true)?;

@@ -1,0 +1,477 @@
+//! Disaggregated prefill and decode: choosing the pair of engines a request runs on, or
+//! keeping it on one decode engine (docs/routing.md, "Prefill and decode").
+//!
+//! For a request of `isl` tokens (`n` full blocks an engine can take from elsewhere, all but
+//! the block of its last token), in seconds, `s` the workers' prefill speed
+//! (`kv.prefill_tokens_per_s`):
+//!
+//! ```text
+//! prefill_p    = the kv cost of p for the request ([`super::kv`]: its queue, the prompt
+//!                tokens it lacks, what storing them evicts, its memory)
+//! transfer_pd  = lacks_d * bs * kv_bytes_per_token / link(p, d)
+//!                lacks_d = n - blocks d holds of the prompt (its KV events and in flight):
+//!                a decode engine pulls only the blocks it lacks, as vLLM's connector does
+//!                link(p, d) = link_within_node_gbps if p and d share a node, else
+//!                link_across_nodes_gbps
+//! decode_d     = (queue_weight * queued prefill on d
+//!                 + decode_full_cache_tokens * active_blocks_d / kv_total_blocks_d
+//!                 + memory_wait_tokens if the request does not fit beside d's running ones
+//!                 + eviction_weight * lacks_d * bs * fullness_d) / s
+//! pair(p, d)   = prefill_p + transfer_pd + decode_d + handoff_overhead_s
+//! in_place(d)  = the kv cost of d for the request
+//!                + interference_weight * running_d * (isl - cached_d) / s
+//! ```
+//!
+//! The cheapest of every pair and every in-place decode wins: a request whose prompt a
+//! decode engine mostly holds (the next turn of a conversation it decoded), or one that
+//! finds the prefill pool saturated, is prefilled where it decodes; the rest are split.
+//! `interference_weight` prices the running decodes an in-place prefill holds up (each of
+//! them waits for it; their delay counts at that share of this request's own time).
+//!
+//! The search is one pass per pool per pair of nodes: `min over p of prefill_p` per node,
+//! then for each decode candidate `decode_d + transfer` against each node's best prefill,
+//! so its cost grows with `P + D x nodes`, not `P x D`.
+
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use std::time::Instant;
+
+use super::kv::KvConfig;
+use super::{
+    Candidate, PolicyKind, RequestBlocks, RequestInfo, RouteDecision, RouteRequest, Scheduler,
+    TreeSizes, pick_by_cost, reusable_tokens,
+};
+use crate::index::OverlapScores;
+
+/// What a worker does in a disaggregated fleet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Prefill and decode (an aggregated engine).
+    #[default]
+    Both,
+    /// Prefills for decode engines.
+    Prefill,
+    /// Decodes prompts prefilled elsewhere (or, when cheaper, prefilled in place).
+    Decode,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
+impl FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "both" => Ok(Self::Both),
+            "prefill" => Ok(Self::Prefill),
+            "decode" => Ok(Self::Decode),
+            _ => Err(format!("unknown role {s:?} (prefill, decode or both)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The pair cost's settings; each one by its field name (`--kv-cost NAME=VALUE` takes the
+/// `kv` cost's, these are `--pd-cost NAME=VALUE`, the config file's `[pd_cost]`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PairConfig {
+    /// KV bandwidth between a prefill and a decode engine on one node (GB/s; NVLink: 450).
+    pub link_within_node_gbps: f64,
+    /// Across nodes (GB/s; 200 Gb/s RDMA: 25).
+    pub link_across_nodes_gbps: f64,
+    /// What the second leg adds (seconds): a round trip and the decode engine's admission.
+    pub handoff_overhead_s: f64,
+    /// Share of each running decode's delay an in-place prefill causes, counted against it.
+    pub interference_weight: f64,
+    /// 0: every link priced as within a node (the topology-blind baseline).
+    pub topology: f64,
+    /// 0: decode candidates priced as if they held none of the prompt (the cache-blind
+    /// baseline: every pair moves the whole prompt).
+    pub decode_cache_credit: f64,
+    /// 0: never prefill in place (always split).
+    pub in_place: f64,
+}
+
+impl Default for PairConfig {
+    fn default() -> Self {
+        Self {
+            link_within_node_gbps: 450.0,
+            link_across_nodes_gbps: 25.0,
+            handoff_overhead_s: 0.002,
+            interference_weight: 0.1,
+            topology: 1.0,
+            decode_cache_credit: 1.0,
+            in_place: 1.0,
+        }
+    }
+}
+
+/// The request as the pair cost sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct PairRequest {
+    pub isl_tokens: usize,
+    pub block_size: usize,
+    /// Its blocks the request needs while it runs (as the kv cost counts them).
+    pub num_blocks: usize,
+}
+
+/// The chosen pair: indexes into the prefill and decode candidates (`prefill: None`: in
+/// place on the decode one), what it costs and the blocks it moves.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PairChoice {
+    pub prefill: Option<usize>,
+    pub decode: usize,
+    pub cost: f64,
+    pub transfer_blocks: u32,
+}
+
+/// Blocks of the prompt `d` holds or has in flight, as the pair cost credits them.
+fn held(c: &Candidate, config: &PairConfig) -> u32 {
+    match config.decode_cache_credit > 0.0 {
+        true => c.overlap_blocks.max(c.inflight_prefix_blocks),
+        false => 0,
+    }
+}
+
+/// The decode-side terms of `d` for a request whose blocks it lacks `lacks` (seconds).
+fn decode_cost(kv: &KvConfig, r: &PairRequest, d: &Candidate, lacks: u32) -> f64 {
+    let total = d.load.kv_total_blocks.filter(|&t| t > 0).map(|t| t as f64);
+    let fullness = total.map_or(1.0, |t| (d.tree_size as f64 / t).min(1.0));
+    let decode = match total {
+        Some(t) => kv.decode_full_cache_tokens * (d.active.blocks as f64 / t).min(1.0),
+        None => kv.decode_weight * (d.active.blocks * r.block_size) as f64,
+    };
+    let needs = r.num_blocks.saturating_sub(d.inflight_prefix_blocks as usize) + 1;
+    let wait = match total {
+        Some(t) if (d.active.blocks + needs) as f64 > t => kv.memory_wait_tokens,
+        _ => 0.0,
+    };
+    let evict = kv.eviction_weight * f64::from(lacks) * r.block_size as f64 * fullness;
+    let queue = kv.queue_weight * d.active.prefill_tokens as f64;
+    (queue + decode + wait + evict) / kv.prefill_tokens_per_s.max(1.0)
+}
+
+/// Seconds to move `blocks` over the link between `p` and `d`.
+fn transfer(
+    kv: &KvConfig,
+    config: &PairConfig,
+    r: &PairRequest,
+    p: u32,
+    d: u32,
+    blocks: u32,
+) -> f64 {
+    let gbps = match config.topology > 0.0 && p != d {
+        true => config.link_across_nodes_gbps,
+        false => config.link_within_node_gbps,
+    };
+    let bytes = f64::from(blocks) * r.block_size as f64 * kv.kv_bytes_per_token;
+    match gbps > 0.0 {
+        true => bytes / (gbps * 1e9),
+        false => f64::INFINITY,
+    }
+}
+
+/// The cheapest way to run the request: a pair of `prefills[p]` and `decodes[d]`, or `d`
+/// alone. `prefill_costs` and `in_place_costs` are the kv cost of each prefill and each
+/// decode candidate; `nodes` gives a candidate's node. `None` with no decode candidate.
+pub fn choose(
+    kv: &KvConfig,
+    config: &PairConfig,
+    r: &PairRequest,
+    (prefills, prefill_costs): (&[Candidate], &[f64]),
+    (decodes, in_place_costs): (&[Candidate], &[f64]),
+) -> Option<PairChoice> {
+    let pullable = (r.isl_tokens.saturating_sub(1) / r.block_size.max(1)) as u32;
+    // The cheapest prefill candidate of each node.
+    let mut best_per_node: Vec<(u32, usize, f64)> = Vec::new();
+    for (i, (p, &cost)) in prefills.iter().zip(prefill_costs).enumerate() {
+        match best_per_node.iter_mut().find(|(node, _, _)| *node == p.node) {
+            Some(best) if cost < best.2 => *best = (p.node, i, cost),
+            Some(_) => {}
+            None => best_per_node.push((p.node, i, cost)),
+        }
+    }
+    let speed = kv.prefill_tokens_per_s.max(1.0);
+    let mut best: Option<PairChoice> = None;
+    let mut consider = |choice: PairChoice| {
+        if best.is_none_or(|b| choice.cost < b.cost) {
+            best = Some(choice);
+        }
+    };
+    for (j, d) in decodes.iter().enumerate() {
+        let lacks = pullable.saturating_sub(held(d, config));
+        let decode = decode_cost(kv, r, d, lacks);
+        for &(node, i, prefill) in &best_per_node {
+            let moved = transfer(kv, config, r, node, d.node, lacks);
+            let cost = prefill + moved + decode + config.handoff_overhead_s;
+            consider(PairChoice { prefill: Some(i), decode: j, cost, transfer_blocks: lacks });
+        }
+        if config.in_place > 0.0 || best_per_node.is_empty() {
+            let cached = (d.overlap_blocks.max(d.inflight_prefix_blocks) as usize * r.block_size)
+                .min(r.isl_tokens);
+            let stall = config.interference_weight
+                * d.active.requests as f64
+                * (r.isl_tokens - cached) as f64
+                / speed;
+            let cost = in_place_costs[j] + stall;
+            consider(PairChoice { prefill: None, decode: j, cost, transfer_blocks: 0 });
+        }
+    }
+    best
+}
+
+/// The legs of a request in a disaggregated fleet: its prefill (none: prefilled where it
+/// decodes) and its decode, with the blocks the decode engine pulls.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PairDecision {
+    pub prefill: Option<RouteDecision>,
+    pub decode: RouteDecision,
+    pub transfer_blocks: u32,
+}
+
+/// The id a request's prefill leg is tracked under (its decode leg has the request's).
+pub fn prefill_leg_id(id: &str) -> String {
+    format!("{id}/prefill")
+}
+
+impl Scheduler {
+    /// Chooses where a request runs in a disaggregated fleet: a prefill and a decode worker,
+    /// or one decode worker alone, by the pair cost for the `kv` policies ([`choose`]) and by
+    /// the policy over each pool for the others (the baselines, and `dynamo`: each pool on
+    /// its own, as the peers route). A fleet with no prefill or no decode worker is routed
+    /// as aggregated ([`Scheduler::route`]). With an id, both legs are tracked in flight:
+    /// the prefill under [`prefill_leg_id`], the decode under the id.
+    pub fn route_pair(
+        &mut self,
+        request: &RouteRequest<'_>,
+        scores: &OverlapScores,
+        sizes: &dyn TreeSizes,
+        now: Instant,
+    ) -> Option<PairDecision> {
+        let mut all = std::mem::take(&mut self.scratch);
+        self.fill_candidates(&mut all, request.local_hashes, scores, sizes);
+        let adapters = &self.adapters;
+        all.retain(|c| {
+            !request.exclude.contains(&c.worker) && adapters.serves(c.worker, request.adapter)
+        });
+        let (prefills, decodes): (Vec<Candidate>, Vec<Candidate>) =
+            all.iter().partition(|c| c.role == Role::Prefill);
+        self.scratch = all;
+        if prefills.is_empty() || decodes.is_empty() {
+            let decision = self.route(request, scores, sizes, now)?;
+            if request.id.is_some() && !decodes.is_empty() {
+                self.pair_counts.record(false);
+            }
+            return Some(PairDecision { prefill: None, decode: decision, transfer_blocks: 0 });
+        }
+        let bs = self.config.block_size.tokens();
+        let info = RequestInfo {
+            isl_tokens: request.isl_tokens,
+            num_blocks: request.local_hashes.len(),
+            block_size: bs,
+            overlap_weight: request.overlap_weight.unwrap_or(self.config.overlap_weight),
+            temperature: request.temperature.unwrap_or(self.config.temperature),
+        };
+        let choice = self.choose_pair(&info, &prefills, &decodes)?;
+        let (p, d) = (choice.prefill.map(|i| prefills[i]), decodes[choice.decode]);
+        let pullable = request.isl_tokens.saturating_sub(1) / bs.max(1);
+        let prefill = p.map(|p| {
+            let cached = reusable_tokens(
+                p.overlap_blocks.max(p.inflight_prefix_blocks),
+                request.isl_tokens,
+                bs,
+            );
+            RouteDecision {
+                worker: p.worker,
+                overlap_blocks: p.overlap_blocks,
+                tier_blocks: p.tier_blocks,
+                predicted_prefill_tokens: request.isl_tokens - cached,
+            }
+        });
+        let in_place =
+            reusable_tokens(d.overlap_blocks.max(d.inflight_prefix_blocks), request.isl_tokens, bs);
+        let decode = RouteDecision {
+            worker: d.worker,
+            overlap_blocks: d.overlap_blocks,
+            tier_blocks: d.tier_blocks,
+            predicted_prefill_tokens: match prefill {
+                Some(_) => request.isl_tokens - pullable * bs,
+                None => request.isl_tokens - in_place,
+            },
+        };
+        if let Some(id) = request.id {
+            let blocks =
+                RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
+            if let Some(p) = prefill {
+                self.active.add(
+                    &prefill_leg_id(id),
+                    p.worker,
+                    p.predicted_prefill_tokens,
+                    blocks,
+                    now,
+                );
+            }
+            self.active.add(id, d.worker, decode.predicted_prefill_tokens, blocks, now);
+            if let Some(adapter) = request.adapter {
+                self.adapters.routed(id, d.worker, adapter);
+            }
+            self.pair_counts.record(prefill.is_some());
+        }
+        Some(PairDecision { prefill, decode, transfer_blocks: choice.transfer_blocks })
+    }
+
+    fn choose_pair(
+        &mut self,
+        info: &RequestInfo,
+        prefills: &[Candidate],
+        decodes: &[Candidate],
+    ) -> Option<PairChoice> {
+        let priced = matches!(
+            self.config.policy,
+            PolicyKind::Kv | PolicyKind::Sticky | PolicyKind::KvAdapterBlind
+        );
+        let (pc, dc) = (self.policy.costs(info, prefills), self.policy.costs(info, decodes));
+        if let (true, Some(pc), Some(dc)) = (priced, &pc, &dc) {
+            let r = PairRequest {
+                isl_tokens: info.isl_tokens,
+                block_size: info.block_size,
+                num_blocks: info.num_blocks,
+            };
+            return choose(&self.config.kv, &self.config.pairs, &r, (prefills, pc), (decodes, dc));
+        }
+        let t = info.temperature;
+        let p = match &pc {
+            Some(c) => pick_by_cost(c, prefills, t, &mut self.rng),
+            None => self.policy.select(info, prefills, &mut self.rng),
+        };
+        let d = match &dc {
+            Some(c) => pick_by_cost(c, decodes, t, &mut self.rng),
+            None => self.decode_policy.select(info, decodes, &mut self.rng),
+        };
+        let lacks = (info.isl_tokens.saturating_sub(1) / info.block_size.max(1)) as u32;
+        let lacks = lacks.saturating_sub(decodes[d].overlap_blocks);
+        Some(PairChoice { prefill: Some(p), decode: d, cost: 0.0, transfer_blocks: lacks })
+    }
+
+    /// How many requests were split and how many prefilled where they decode.
+    pub fn pair_counts(&self) -> PairCounts {
+        self.pair_counts
+    }
+}
+
+/// What the pair choice did, since the start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PairCounts {
+    /// Requests prefilled on a prefill worker and decoded on another.
+    pub split: u64,
+    /// Requests prefilled where they decode, that being cheaper.
+    pub in_place: u64,
+}
+
+impl PairCounts {
+    fn record(&mut self, split: bool) {
+        match split {
+            true => self.split += 1,
+            false => self.in_place += 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::schedule::WorkerLoad;
+    use crate::schedule::kv::KvPolicy;
+    use crate::{WorkerId, WorkerWithDpRank};
+
+    fn candidate(id: u64, node: u32, overlap: u32) -> Candidate {
+        Candidate {
+            worker: WorkerWithDpRank::new(WorkerId(id), 0u32),
+            overlap_blocks: overlap,
+            node,
+            load: WorkerLoad { kv_total_blocks: Some(1000), ..WorkerLoad::default() },
+            ..Candidate::default()
+        }
+    }
+
+    fn run(config: &PairConfig, prefills: &[Candidate], decodes: &[Candidate]) -> PairChoice {
+        let kv = KvConfig::default();
+        let r = PairRequest { isl_tokens: 2048, block_size: 16, num_blocks: 128 };
+        let info = super::super::RequestInfo {
+            isl_tokens: 2048,
+            num_blocks: 128,
+            block_size: 16,
+            overlap_weight: 1.0,
+            temperature: 0.0,
+        };
+        let policy = KvPolicy::new(kv);
+        let (pc, dc) = (policy.costs(&info, prefills), policy.costs(&info, decodes));
+        choose(&kv, config, &r, (prefills, &pc), (decodes, &dc)).unwrap()
+    }
+
+    fn decoding(id: u64, overlap: u32, running: usize) -> Candidate {
+        let mut c = candidate(id, 0, overlap);
+        c.active.requests = running;
+        c.active.blocks = running * 130;
+        c
+    }
+
+    /// A cold prompt is split when the decode engine has decodes to hold up (with none, a
+    /// prefill there delays nobody and saves the hop); the decode engine that holds most of
+    /// the prompt takes it in place; a prefill pool deep in work keeps it in place too.
+    #[test]
+    fn splits_cold_prompts_and_keeps_warm_ones_in_place() {
+        let config = PairConfig::default();
+        let idle = run(&config, &[candidate(0, 0, 0)], &[decoding(1, 0, 0)]);
+        assert_eq!(idle.prefill, None);
+        let cold = run(&config, &[candidate(0, 0, 0)], &[decoding(1, 0, 1)]);
+        assert_eq!((cold.prefill, cold.decode, cold.transfer_blocks), (Some(0), 0, 127));
+        let warm = run(&config, &[candidate(0, 0, 0)], &[decoding(1, 120, 4)]);
+        assert_eq!(warm.prefill, None, "7 blocks to prefill: no reason to move 120 more");
+        let mut saturated = candidate(0, 0, 0);
+        saturated.active.prefill_tokens = 40_000;
+        assert_eq!(run(&config, &[saturated], &[decoding(1, 0, 4)]).prefill, None);
+        let never = PairConfig { in_place: 0.0, ..config };
+        assert_eq!(run(&never, &[candidate(0, 0, 0)], &[decoding(1, 120, 4)]).prefill, Some(0));
+    }
+
+    /// Across nodes the link is slower: a decode engine on the prefill engine's node wins,
+    /// unless the cost is blind to topology; and a decode engine that holds the prompt moves
+    /// fewer blocks, unless the cost is blind to the decode cache.
+    #[test]
+    fn prefers_near_links_and_decode_engines_that_hold_the_prompt() {
+        let config = PairConfig { in_place: 0.0, ..PairConfig::default() };
+        let p = [candidate(0, 0, 0)];
+        let far_first = [candidate(1, 1, 0), candidate(2, 0, 0)];
+        assert_eq!(run(&config, &p, &far_first).decode, 1);
+        // Blind to topology, the far link costs what the near one does.
+        let blind = PairConfig { topology: 0.0, ..config };
+        let far = [candidate(1, 1, 0)];
+        let (aware, unaware) = (run(&config, &p, &far).cost, run(&blind, &p, &far).cost);
+        let across = 127.0 * 16.0 * 131_072.0 * (1.0 / 25e9 - 1.0 / 450e9);
+        assert!((aware - unaware - across).abs() < 1e-9, "{aware} {unaware} {across}");
+        let holds = [candidate(1, 0, 0), candidate(2, 0, 64)];
+        let chosen = run(&config, &p, &holds);
+        assert_eq!((chosen.decode, chosen.transfer_blocks), (1, 63));
+        let cache_blind = PairConfig { decode_cache_credit: 0.0, ..config };
+        assert_eq!(run(&cache_blind, &p, &holds).transfer_blocks, 127);
+    }
+}

@@ -1,0 +1,305 @@
+//! A request's two legs in a disaggregated fleet (docs/routing.md, "Prefill and decode"):
+//! the router chooses a prefill and a decode worker, or one decode worker alone
+//! ([`RouterState::place_pair`]); the front door then speaks the engines' own protocol:
+//!
+//! - **vLLM** (`kv_transfer_params`, as vllm-router's P/D mode and vLLM's proxy send it):
+//!   the prefill worker gets the request with `do_remote_decode: true`, one token and no
+//!   stream; its answer's `kv_transfer_params` go to the decode worker with the request as
+//!   the client sent it.
+//! - **SGLang** (a prefill worker that speaks `sglang-generate`): both get the request with
+//!   `bootstrap_host`, `bootstrap_port` and `bootstrap_room`, at once; the decode worker waits
+//!   for the prefill's KV itself.
+//!
+//! The client sees the decode worker's answer, streamed as it comes. A prefill worker that
+//! fails before answering is ejected and the request placed again (in place, or with another
+//! prefill worker); a decode worker that cannot pull prefills the prompt itself (the
+//! engine's own fallback). Both legs are in flight in the router from placement: the prefill
+//! leg until its answer, the decode leg until the client's answer ends.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::http::header;
+use axum::response::Response;
+use http_body_util::{BodyExt as _, Full, Limited};
+use kvroute_core::schedule::RouteDecision;
+use kvroute_core::schedule::pairs::prefill_leg_id;
+use kvroute_core::{WorkerId, WorkerWithDpRank};
+use kvroute_http::router_api::Answered;
+use kvroute_http::{ApiError, ClientError};
+use kvroute_router::{Dialect, PlaceRequest, RouterState};
+use serde_json::{Value, json};
+
+use crate::dispatch::{Edit, HopFailure, InFlight, Outbound, edited, send};
+use crate::health::Failure;
+use crate::placer::Placement;
+use crate::{FrontendState, RESPONSE_TIMEOUT};
+
+/// The largest prefill answer read (one token and its envelope).
+const PREFILL_ANSWER_LIMIT: usize = 1 << 20;
+
+/// Places `out` in a pair and dispatches its legs, trying again without a worker that fails
+/// before the client's answer starts.
+pub(crate) async fn dispatch_pair(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+    router: &Arc<RouterState>,
+    mut excluded: Vec<WorkerWithDpRank>,
+) -> Result<Response, ApiError> {
+    let timeout = match out.streamed {
+        true => state.options.first_byte_timeout,
+        false => RESPONSE_TIMEOUT,
+    };
+    loop {
+        let id = state.request_id();
+        let ask = out.ask();
+        let request = PlaceRequest {
+            local_hashes: ask.local,
+            num_tokens: ask.num_tokens,
+            request_id: Some(&id),
+            overlap_weight: None,
+            temperature: None,
+            exclude: &excluded,
+            adapter: ask.adapter,
+            session: ask.session,
+        };
+        let Some(pair) = router.place_pair(&request) else {
+            return Err(ApiError::unavailable("no worker is available"));
+        };
+        let mut guard = InFlight::new(state, id.clone());
+        let decode = placement(&pair.decode, out.prompt_tokens, state);
+        let Some(prefill) = pair.prefill else {
+            state.metrics.pd_in_place.inc();
+            match send(state, out, decode, guard, None, timeout).await? {
+                Ok(answer) => return Ok(answer),
+                Err(f) => state.retry_without(decode.worker.worker_id, f, &mut excluded),
+            }
+            continue;
+        };
+        state.metrics.pd_split.inc();
+        guard.checked = false;
+        let p = prefill.worker.worker_id;
+        let edit: Box<dyn Fn(&mut Value) + Send + Sync> = match state.dialect(p) {
+            Dialect::SglangGenerate => {
+                let Some(bootstrap) = state.bootstrap(p) else {
+                    return Err(ApiError::internal("a prefill worker has no bootstrap port"));
+                };
+                let room = bootstrap_room(state);
+                let (host, port) = bootstrap;
+                let fields = move |v: &mut Value| {
+                    v["bootstrap_host"] = json!(host);
+                    v["bootstrap_port"] = json!(port);
+                    v["bootstrap_room"] = json!(room);
+                };
+                let prefill_fields = fields.clone();
+                let leg = Leg { state: Arc::clone(state), id: id.clone(), decision: prefill };
+                leg.spawn_sglang(out, prefill_fields, timeout);
+                Box::new(fields)
+            }
+            _ => match vllm_prefill(state, out, &prefill, &id, timeout).await? {
+                Ok(params) => {
+                    Box::new(move |v: &mut Value| v["kv_transfer_params"] = params.clone())
+                }
+                Err(f) => {
+                    state.metrics.pd_prefill_failed.inc();
+                    state.retry_without(p, f, &mut excluded);
+                    continue;
+                }
+            },
+        };
+        match send(state, out, decode, guard, Some(&*edit), timeout).await? {
+            Ok(answer) => return Ok(answer),
+            Err(f) => state.retry_without(decode.worker.worker_id, f, &mut excluded),
+        }
+    }
+}
+
+/// What the front door expects of a leg placed by `d`.
+fn placement(d: &RouteDecision, prompt_tokens: usize, state: &FrontendState) -> Placement {
+    let _ = state;
+    Placement {
+        worker: d.worker,
+        overlap_blocks: d.overlap_blocks,
+        predicted_cached_tokens: (prompt_tokens - d.predicted_prefill_tokens) as u64,
+    }
+}
+
+/// A fresh SGLang bootstrap room: unique within this front door, unlikely across doors.
+fn bootstrap_room(state: &FrontendState) -> u64 {
+    let n = state.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    (state.room_salt ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 1
+}
+
+/// A prefill leg in flight: its id in the router and its placement.
+struct Leg {
+    state: Arc<FrontendState>,
+    id: String,
+    decision: RouteDecision,
+}
+
+impl Leg {
+    /// The prefill answered (`cached`: the prompt tokens it served from its cache, when it
+    /// said): the router's prediction is checked against it and the leg is freed.
+    fn ended(&self, prompt_tokens: usize, cached: Option<u64>) {
+        let placer = &self.state.placer;
+        if let Some(cached_tokens) = cached {
+            let d = &self.decision;
+            placer.answered(Answered {
+                worker_id: d.worker.worker_id,
+                dp_rank: d.worker.dp_rank,
+                prompt_tokens: prompt_tokens as u64,
+                predicted_cached_tokens: (prompt_tokens - d.predicted_prefill_tokens) as u64,
+                cached_tokens,
+            });
+        }
+        placer.finish(&prefill_leg_id(&self.id));
+    }
+
+    /// SGLang's prefill leg, beside the decode leg: sent at once, its answer read and
+    /// dropped (a failure ejects the worker; the decode engine then prefills itself).
+    fn spawn_sglang(
+        self,
+        out: &Outbound,
+        fields: impl Fn(&mut Value) + Sync + Send + 'static,
+        timeout: Duration,
+    ) {
+        let worker = self.decision.worker.worker_id;
+        let (path, body, _) = self.state.hop(worker, out);
+        let prompt_tokens = out.prompt_tokens;
+        tokio::spawn(async move {
+            let whole = |v: &mut Value| {
+                fields(v);
+                v["stream"] = json!(false);
+            };
+            let answer = match edited(&body, &whole) {
+                Ok(body) => prefill_answer(&self.state, worker, path, body, timeout).await,
+                Err(e) => {
+                    tracing::warn!(error = %e.message(), "prefill leg not sent");
+                    self.ended(prompt_tokens, None);
+                    return;
+                }
+            };
+            match answer {
+                Ok(Ok(v)) => self.ended(prompt_tokens, cached_tokens(&v)),
+                Ok(Err(e)) => {
+                    tracing::warn!(%worker, error = %e.message(), "the prefill leg was refused");
+                    self.ended(prompt_tokens, None);
+                }
+                Err(f) => {
+                    self.state.metrics.pd_prefill_failed.inc();
+                    self.state.worker_failed(worker, f.0);
+                    self.ended(prompt_tokens, None);
+                }
+            }
+        });
+    }
+}
+
+/// The prompt tokens an answer says it served from the cache (OpenAI's usage, SGLang's
+/// `meta_info`).
+fn cached_tokens(v: &Value) -> Option<u64> {
+    v.pointer("/usage/prompt_tokens_details/cached_tokens")
+        .or_else(|| v.pointer("/meta_info/cached_tokens"))
+        .and_then(Value::as_u64)
+}
+
+/// vLLM's prefill leg: the request with `do_remote_decode`, one token, no stream; the
+/// `kv_transfer_params` its answer names for the decode worker. A refusal (4xx, 5xx) or an
+/// answer without them is the client's error; a worker that does not answer is a failure.
+async fn vllm_prefill(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+    prefill: &RouteDecision,
+    id: &str,
+    timeout: Duration,
+) -> Result<Result<Value, HopFailure>, ApiError> {
+    let worker = prefill.worker.worker_id;
+    let (path, body, _) = state.hop(worker, out);
+    let one_token: Edit<'_> = &|v: &mut Value| {
+        v["kv_transfer_params"] = json!({
+            "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+            "remote_block_ids": null, "remote_host": null, "remote_port": null,
+        });
+        v["stream"] = json!(false);
+        if let Some(o) = v.as_object_mut() {
+            o.remove("stream_options");
+        }
+        match v.get_mut("sampling_params") {
+            // vLLM's generate API.
+            Some(sampling) => sampling["max_tokens"] = json!(1),
+            None => {
+                v["max_tokens"] = json!(1);
+                if v.get("max_completion_tokens").is_some() {
+                    v["max_completion_tokens"] = json!(1);
+                }
+            }
+        }
+    };
+    let leg = Leg { state: Arc::clone(state), id: id.to_owned(), decision: *prefill };
+    let answer = match prefill_answer(state, worker, path, edited(&body, one_token)?, timeout).await
+    {
+        Ok(a) => a,
+        Err(f) => {
+            leg.ended(out.prompt_tokens, None);
+            return Ok(Err(f));
+        }
+    };
+    let answer = answer.inspect_err(|_| leg.ended(out.prompt_tokens, None))?;
+    leg.ended(out.prompt_tokens, cached_tokens(&answer));
+    match answer.get("kv_transfer_params") {
+        Some(params) if params.is_object() => Ok(Ok(params.clone())),
+        _ => Err(ApiError::new(
+            axum::http::StatusCode::BAD_GATEWAY,
+            "the prefill worker's answer has no kv_transfer_params (is it a KV producer?)",
+        )),
+    }
+}
+
+/// A prefill leg's whole answer as JSON, or its refusal as the client's error (a 4xx as the
+/// worker said it); the failure when no answer came or the worker failed (5xx).
+async fn prefill_answer(
+    state: &Arc<FrontendState>,
+    worker: WorkerId,
+    path: &str,
+    body: Bytes,
+    timeout: Duration,
+) -> Result<Result<Value, ApiError>, HopFailure> {
+    let Some(base) = state.urls.get(&worker) else {
+        return Ok(Err(ApiError::internal("a placed worker has no URL")));
+    };
+    let request = hyper::Request::post(format!("{base}{path}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body));
+    let request = match request {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(ApiError::internal(e))),
+    };
+    let started = Instant::now();
+    let response = match tokio::time::timeout(timeout, state.client.send(request)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) if e.is_connect() => return Err((Failure::Connect, e)),
+        Ok(Err(e)) => return Err((Failure::Broken, e)),
+        Err(_) => return Err((Failure::Timeout, ClientError::Timeout(timeout))),
+    };
+    let status = response.status();
+    let left = timeout.saturating_sub(started.elapsed());
+    let whole = Limited::new(response.into_body(), PREFILL_ANSWER_LIMIT).collect();
+    let bytes = match tokio::time::timeout(left, whole).await {
+        Ok(Ok(w)) => w.to_bytes(),
+        Ok(Err(e)) => return Err((Failure::Broken, ClientError::Body(e))),
+        Err(_) => return Err((Failure::Timeout, ClientError::Timeout(timeout))),
+    };
+    if state.health.succeeded(worker) {
+        tracing::info!(%worker, "worker answers again: back in rotation");
+    }
+    let message = kvroute_http::client::error_message(&bytes);
+    match (status.is_success(), status.is_client_error()) {
+        (true, _) => Ok(serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::bad_gateway("the prefill worker's answer is not JSON", e))),
+        // The request's own fault: the client hears it as the engine said it.
+        (false, true) => Ok(Err(ApiError::new(status, message))),
+        // The worker's: another prefill worker, or the decode worker itself, takes it.
+        (false, false) => Err((Failure::Broken, ClientError::Status { status, message })),
+    }
+}

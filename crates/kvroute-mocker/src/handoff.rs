@@ -1,0 +1,486 @@
+//! Disaggregated prefill and decode (docs/mocker.md, "Prefill and decode"): an engine's role,
+//! the two engines' legs of one request, and the side channel over which a decode engine
+//! takes a prefill engine's KV.
+//!
+//! Both engine protocols routers speak are served, each as its engine defines it:
+//!
+//! - **vLLM's NixlConnector** (`kv_transfer_params`, vllm 0.33 `nixl/pull_scheduler.py`). A
+//!   request with `do_remote_decode: true` is prefilled (the router asks one token), its
+//!   blocks are held at its end, and the answer carries `kv_transfer_params` naming this
+//!   engine, its request, its blocks and its side channel (`do_remote_prefill: true`,
+//!   `remote_engine_id`, `remote_request_id`, `remote_block_ids`, `remote_host`,
+//!   `remote_port`, `tp_size`, ...). The router sends those to a decode engine, which matches
+//!   its own prefix cache, pulls only the blocks it lacks, releases the prefill engine's hold
+//!   and decodes. A hold nobody pulls is freed after the lease (`kv_lease_duration`, 30 s).
+//! - **SGLang's bootstrap** (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`). Prefill and
+//!   decode engines get the same request. The prefill engine prefills and holds under the
+//!   room; the decode engine waits on the prefill engine's bootstrap server until the room is
+//!   held, then pulls as above.
+//!
+//! The pull takes `bytes / --kv-transfer-bandwidth` (bytes: the blocks pulled x block size x
+//! `--kv-bytes-per-token`) on the simulated clock, then the decode engine computes the rest
+//! of the prompt (its last block) at no prefill cost, as Dynamo's decode mocker prices it. A
+//! pull that fails (the prefill engine gone, its hold expired) leaves the decode engine to
+//! prefill the prompt itself (vLLM's `kv_load_failure_policy = "recompute"`), counted.
+//!
+//! The side channel is plain HTTP on loopback, kvroute's own: `POST /kv/wait` (until a key is
+//! held, or a deadline) and `POST /kv/release`. vLLM's real one is a ZMQ handshake with RDMA
+//! reads, SGLang's a bootstrap server with Mooncake or NIXL transfers; neither has bytes a
+//! router sees, so only their timing and their effect on both caches are simulated.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::{Json, Router};
+use kvroute_http::{ApiError, HttpClient};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use tokio::sync::mpsc;
+
+use crate::engine::Output;
+use crate::http::{AppState, Submission};
+use crate::service::EngineHandle;
+
+/// What an engine does in a disaggregated fleet (`--role`): the router's roles.
+pub use kvroute_core::schedule::Role;
+
+/// What a decode engine's pull moves (Dynamo's mocker's `kv_transfer_timing_mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TransferTiming {
+    /// The blocks the decode engine lacks, as vLLM's connector pulls them (kvroute's default).
+    #[default]
+    DestinationMissing,
+    /// The whole prompt (Dynamo's mocker's default), for timing parity with it.
+    FullPrompt,
+}
+
+impl FromStr for TransferTiming {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "destination-missing" => Ok(Self::DestinationMissing),
+            "full-prompt" => Ok(Self::FullPrompt),
+            _ => Err(format!("unknown transfer timing {s:?} (destination-missing, full-prompt)")),
+        }
+    }
+}
+
+/// An engine's part in disaggregated serving.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct DisaggConfig {
+    pub role: Role,
+    /// The link's bandwidth to a decode engine (GB/s, decimal; Dynamo's
+    /// `--kv-transfer-bandwidth`).
+    pub kv_transfer_bandwidth_gbps: f64,
+    pub timing: TransferTiming,
+    /// A finished prefill's blocks are freed this long after its end if nobody pulls them
+    /// (vLLM's `kv_lease_duration`, 30 s).
+    pub hold_timeout: Duration,
+}
+
+impl Default for DisaggConfig {
+    fn default() -> Self {
+        Self {
+            role: Role::Both,
+            kv_transfer_bandwidth_gbps: 25.0,
+            timing: TransferTiming::DestinationMissing,
+            hold_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A request's part in a disaggregated request, inside the engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Handoff {
+    #[default]
+    None,
+    /// A prefill for a decode engine: its blocks are held when it ends.
+    Hold,
+    /// A decode whose prompt KV came from a prefill engine.
+    Remote,
+}
+
+/// What a request's body says of its leg.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Leg {
+    Aggregated,
+    /// Prefill here and hold under `key` (vLLM: the request's id; SGLang: its room).
+    Prefill {
+        key: String,
+        sglang: bool,
+    },
+    /// Pull the prompt's KV held under `key` at the prefill engine's side channel `addr`.
+    Decode {
+        addr: String,
+        key: String,
+    },
+}
+
+/// The fields of a body that name a leg (vLLM's and SGLang's).
+#[derive(Debug, Default, Deserialize)]
+struct LegFields {
+    #[serde(default)]
+    kv_transfer_params: Option<Value>,
+    #[serde(default)]
+    bootstrap_host: Option<Value>,
+    #[serde(default)]
+    bootstrap_port: Option<Value>,
+    #[serde(default)]
+    bootstrap_room: Option<Value>,
+}
+
+/// The key of an SGLang room.
+fn room_key(room: &Value) -> Option<String> {
+    match room {
+        Value::Number(n) => Some(format!("room-{n}")),
+        Value::String(s) if !s.is_empty() => Some(format!("room-{s}")),
+        _ => None,
+    }
+}
+
+/// A side channel's address, `host:port`, for a host that is an IP address or `localhost`
+/// (never a name to resolve: the address comes from the request).
+pub(crate) fn side_channel_addr(host: &Value, port: &Value) -> Result<String, ApiError> {
+    let host = host.as_str().unwrap_or_default();
+    let port = port.as_u64().or_else(|| port.as_str().and_then(|p| p.parse().ok()));
+    let port = port.and_then(|p| u16::try_from(p).ok()).filter(|&p| p > 0);
+    let ip_like = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok();
+    match (ip_like, port) {
+        (true, Some(port)) if host.contains(':') => Ok(format!("[{host}]:{port}")),
+        (true, Some(port)) => Ok(format!("{host}:{port}")),
+        _ => Err(ApiError::bad_request(format!(
+            "the prefill engine's side channel must be an IP address or localhost and a port, \
+             got {host:?} and {port:?}"
+        ))
+        .param("kv_transfer_params")),
+    }
+}
+
+/// The leg a body asks for on an engine of `role` (`id`: the request's id here).
+pub(crate) fn leg(body: &[u8], role: Role, id: &str) -> Result<Leg, ApiError> {
+    let fields: LegFields = serde_json::from_slice(body).unwrap_or_default();
+    if let Some(Value::Object(p)) = &fields.kv_transfer_params {
+        let flag = |name: &str| p.get(name).and_then(Value::as_bool) == Some(true);
+        if flag("do_remote_decode") {
+            return Ok(Leg::Prefill { key: id.to_owned(), sglang: false });
+        }
+        if flag("do_remote_prefill") {
+            let (host, port) = (p.get("remote_host"), p.get("remote_port"));
+            let key = p.get("remote_request_id").and_then(Value::as_str);
+            // vLLM takes a remote prefill without its coordinates as an ordinary request.
+            if let (Some(host), Some(port), Some(key)) = (host, port, key) {
+                let addr = side_channel_addr(host, port)?;
+                return Ok(Leg::Decode { addr, key: key.to_owned() });
+            }
+        }
+    }
+    let Some(key) = fields.bootstrap_room.as_ref().and_then(room_key) else {
+        return Ok(Leg::Aggregated);
+    };
+    match role {
+        Role::Both => Ok(Leg::Aggregated),
+        Role::Prefill => Ok(Leg::Prefill { key, sglang: true }),
+        Role::Decode => {
+            let host = fields.bootstrap_host.unwrap_or(Value::Null);
+            let port = fields.bootstrap_port.unwrap_or(Value::Null);
+            Ok(Leg::Decode { addr: side_channel_addr(&host, &port)?, key })
+        }
+    }
+}
+
+/// A held prefill.
+#[derive(Clone, Debug)]
+struct Held {
+    /// The engine's id of the request.
+    engine_id: String,
+    tokens: usize,
+}
+
+/// The prefills this engine holds for decode engines, and what its legs did.
+#[derive(Debug, Default)]
+pub struct Holds {
+    held: Mutex<HashMap<String, Held>>,
+    changed: tokio::sync::Notify,
+    pub counts: HandoffCounts,
+}
+
+/// What the engine's legs did since the start (`/stats`, `/metrics`).
+#[derive(Debug, Default, Serialize)]
+pub struct HandoffCounts {
+    /// Prefills held for a decode engine, pulled by one, and freed unpulled at the lease's end.
+    pub held: AtomicU64,
+    pub pulled: AtomicU64,
+    pub expired: AtomicU64,
+    /// Decode legs whose KV came from a prefill engine, and the bytes pulled for them.
+    pub received: AtomicU64,
+    pub received_bytes: AtomicU64,
+    /// Decode legs that could not pull (prefilled here instead).
+    pub pull_failures: AtomicU64,
+}
+
+impl HandoffCounts {
+    pub fn to_json(&self) -> Value {
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        json!({
+            "held": n(&self.held), "pulled": n(&self.pulled), "expired": n(&self.expired),
+            "received": n(&self.received), "received_bytes": n(&self.received_bytes),
+            "pull_failures": n(&self.pull_failures),
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Holds {
+    fn insert(&self, key: String, held: Held) {
+        lock(&self.held).insert(key, held);
+        self.counts.held.fetch_add(1, Ordering::Relaxed);
+        self.changed.notify_waiters();
+    }
+
+    fn take(&self, key: &str) -> Option<Held> {
+        lock(&self.held).remove(key)
+    }
+
+    fn tokens(&self, key: &str) -> Option<usize> {
+        lock(&self.held).get(key).map(|h| h.tokens)
+    }
+
+    /// Waits until `key` is held, at most `wait`; its prompt's tokens.
+    async fn wait(&self, key: &str, wait: Duration) -> Option<usize> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let changed = self.changed.notified();
+            if let Some(tokens) = self.tokens(key) {
+                return Some(tokens);
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return self.tokens(key);
+            }
+        }
+    }
+}
+
+impl AppState {
+    /// The `kv_transfer_params` a prefill leg answers with (vLLM's pull scheduler's
+    /// `request_finished`): what a decode engine needs to pull its blocks from here.
+    pub(crate) fn produced_params(&self, key: &str, prompt_tokens: usize) -> Value {
+        let bs = self.engine.config.block_size.tokens();
+        let blocks: Vec<usize> = (0..prompt_tokens.div_ceil(bs)).collect();
+        let (host, port) = match self.side_channel {
+            Some(a) => (a.ip().to_string(), a.port()),
+            None => (String::new(), 0),
+        };
+        json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": key,
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt_tokens,
+            "remote_blocks_expiry_time": Value::Null,
+            "transfer_mode": "pull",
+        })
+    }
+
+    /// Gets a submission ready for its leg: a prefill is held at its end under its key; a
+    /// decode pulls its prompt's KV first (or, when it cannot, prefills here).
+    pub(crate) async fn arrange(&self, leg: &Leg, s: &mut Submission) {
+        match leg {
+            Leg::Aggregated => {}
+            Leg::Prefill { key, .. } => {
+                s.handoff = crate::handoff::Handoff::Hold;
+                s.hold_key = Some(key.clone());
+            }
+            Leg::Decode { addr, key } => {
+                s.handoff = match self.pull(addr, key, s).await {
+                    Ok(bytes) => {
+                        self.holds.counts.received.fetch_add(1, Ordering::Relaxed);
+                        self.holds.counts.received_bytes.fetch_add(bytes, Ordering::Relaxed);
+                        Handoff::Remote
+                    }
+                    Err(why) => {
+                        tracing::warn!(%addr, %key, %why, "KV pull failed; prefilling here");
+                        self.holds.counts.pull_failures.fetch_add(1, Ordering::Relaxed);
+                        Handoff::None
+                    }
+                };
+            }
+        }
+    }
+
+    /// Pulls the KV of `s`'s prompt held under `key` at `addr`: waits until it is held,
+    /// moves the blocks this engine lacks over the link (simulated time), releases the hold.
+    /// The bytes moved.
+    async fn pull(&self, addr: &str, key: &str, s: &Submission) -> Result<u64, String> {
+        let client = HttpClient::new();
+        let config = self.engine.config;
+        let wait_ms = config.disagg.hold_timeout.as_millis() as u64;
+        let url = format!("http://{addr}/kv/wait");
+        let held: Value = client
+            .post_json(&url, &json!({"key": key, "wait_ms": wait_ms}))
+            .await
+            .map_err(|e| e.to_string())?;
+        let held_tokens = held.get("tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
+        let bs = config.block_size.tokens();
+        let pullable = (s.tokens.len().saturating_sub(1) / bs).min(held_tokens / bs);
+        let have = match config.disagg.timing {
+            TransferTiming::FullPrompt => 0,
+            TransferTiming::DestinationMissing => {
+                self.engine.cached_prompt_blocks(self.engine_request(s)).await
+            }
+        };
+        let bytes = (pullable.saturating_sub(have) * bs) as f64 * config.host.kv_bytes_per_token;
+        let gbps = config.disagg.kv_transfer_bandwidth_gbps;
+        if gbps > 0.0 && bytes > 0.0 {
+            let took = Duration::from_secs_f64(bytes / (gbps * 1e9));
+            tokio::time::sleep(config.timing.scale(took)).await;
+        }
+        let url = format!("http://{addr}/kv/release");
+        let _: Value =
+            client.post_json(&url, &json!({"key": key})).await.map_err(|e| e.to_string())?;
+        Ok(bytes as u64)
+    }
+}
+
+impl Holds {
+    /// A prefill leg ended: its blocks are held under `key` until pulled or the lease ends.
+    pub(crate) fn hold(self: &Arc<Self>, engine: EngineHandle, key: String, held: (String, usize)) {
+        let (engine_id, tokens) = held;
+        self.insert(key.clone(), Held { engine_id, tokens });
+        let holds = Arc::clone(self);
+        let lease = engine.config.disagg.hold_timeout;
+        tokio::spawn(async move {
+            tokio::time::sleep(lease).await;
+            if let Some(h) = holds.take(&key) {
+                engine.release_held(&h.engine_id);
+                holds.counts.expired.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(%key, "a prefill's KV was not pulled within its lease: freed");
+            }
+        });
+    }
+
+    /// Relays a held leg's outputs; at its end its blocks are held under `key`.
+    pub(crate) fn relay(
+        self: &Arc<Self>,
+        engine: EngineHandle,
+        key: String,
+        mut from: mpsc::UnboundedReceiver<Output>,
+    ) -> mpsc::UnboundedReceiver<Output> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let holds = Arc::clone(self);
+        tokio::spawn(async move {
+            while let Some(output) = from.recv().await {
+                if let Output::Finished { id, usage } = &output {
+                    let held = (id.clone(), usage.prompt_tokens);
+                    holds.hold(engine.clone(), key.clone(), held);
+                }
+                // The client may be gone: the hold stands all the same (the decode engine
+                // may still pull it), until its lease ends.
+                let _ = tx.send(output);
+            }
+        });
+        rx
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct WaitBody {
+    key: String,
+    #[serde(default)]
+    wait_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+struct ReleaseBody {
+    key: String,
+}
+
+/// The side channel a prefill engine serves its decode engines (vLLM's side-channel port,
+/// SGLang's bootstrap port).
+pub fn side_channel(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/kv/wait", post(wait))
+        .route("/kv/release", post(release))
+        .with_state(state)
+}
+
+/// The longest a decode engine may wait on one call.
+const MAX_WAIT: Duration = Duration::from_secs(600);
+
+async fn wait(
+    State(state): State<Arc<AppState>>,
+    Json(body): Json<WaitBody>,
+) -> Result<Json<Value>, ApiError> {
+    let wait = Duration::from_millis(body.wait_ms).min(MAX_WAIT);
+    match state.holds.wait(&body.key, wait).await {
+        Some(tokens) => Ok(Json(json!({"tokens": tokens}))),
+        None => Err(ApiError::not_found(format!("nothing is held under {:?}", body.key))),
+    }
+}
+
+async fn release(
+    State(state): State<Arc<AppState>>,
+    Json(body): Json<ReleaseBody>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let Some(held) = state.holds.take(&body.key) else {
+        return Err(ApiError::not_found(format!("nothing is held under {:?}", body.key)));
+    };
+    state.engine.release_held(&held.engine_id);
+    state.holds.counts.pulled.fetch_add(1, Ordering::Relaxed);
+    Ok((StatusCode::OK, Json(json!({"tokens": held.tokens}))))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn legs_follow_vllm_and_sglang_fields() {
+        let prefill = br#"{"kv_transfer_params": {"do_remote_decode": true, "remote_host": null}}"#;
+        assert_eq!(
+            leg(prefill, Role::Prefill, "r1").unwrap(),
+            Leg::Prefill { key: "r1".into(), sglang: false }
+        );
+        let decode = br#"{"kv_transfer_params": {"do_remote_prefill": true,
+            "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "r1"}}"#;
+        assert_eq!(
+            leg(decode, Role::Decode, "x").unwrap(),
+            Leg::Decode { addr: "127.0.0.1:5600".into(), key: "r1".into() }
+        );
+        let bare = br#"{"kv_transfer_params": {"do_remote_prefill": true}}"#;
+        assert_eq!(leg(bare, Role::Decode, "x").unwrap(), Leg::Aggregated);
+        let named = br#"{"kv_transfer_params": {"do_remote_prefill": true,
+            "remote_host": "evil.example", "remote_port": 80, "remote_request_id": "r"}}"#;
+        assert_eq!(leg(named, Role::Decode, "x").unwrap_err().status().as_u16(), 400);
+
+        let room = br#"{"bootstrap_host": "::1", "bootstrap_port": 8998, "bootstrap_room": 7}"#;
+        assert_eq!(
+            leg(room, Role::Prefill, "x").unwrap(),
+            Leg::Prefill { key: "room-7".into(), sglang: true }
+        );
+        assert_eq!(
+            leg(room, Role::Decode, "x").unwrap(),
+            Leg::Decode { addr: "[::1]:8998".into(), key: "room-7".into() }
+        );
+        assert_eq!(leg(room, Role::Both, "x").unwrap(), Leg::Aggregated);
+        assert_eq!(leg(b"{}", Role::Decode, "x").unwrap(), Leg::Aggregated);
+        assert_eq!(leg(b"not json", Role::Decode, "x").unwrap(), Leg::Aggregated);
+    }
+}

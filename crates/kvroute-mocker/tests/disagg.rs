@@ -1,0 +1,163 @@
+//! Prefill and decode engines over real sockets on 127.0.0.1: vLLM's `kv_transfer_params`
+//! and SGLang's bootstrap rooms, the side channel between them, holds freed by a pull or by
+//! their lease, and a decode engine whose prefill engine is gone.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use kvroute_core::BlockSize;
+use kvroute_http::HttpClient;
+use kvroute_mocker::{DisaggConfig, EngineConfig, MockerConfig, Role, Spawned, Timing};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+
+async fn engine(role: Role, hold_timeout: Duration) -> Spawned {
+    let config = MockerConfig {
+        engine: EngineConfig {
+            num_blocks: 400,
+            block_size: BlockSize::new(16).unwrap(),
+            timing: Timing { speedup: 50.0 },
+            disagg: DisaggConfig { role, hold_timeout, ..DisaggConfig::default() },
+            ..EngineConfig::default()
+        },
+        endpoints: kvroute_mocker::Endpoints::without_events(),
+        ..MockerConfig::default()
+    };
+    kvroute_mocker::spawn(config, TcpListener::bind("127.0.0.1:0").await.unwrap()).await.unwrap()
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn prompt(seed: u32) -> String {
+    (0..160).map(|i| format!("w{} ", (i * 7 + seed) % 50)).collect()
+}
+
+async fn post(url: &str, body: &Value) -> Value {
+    HttpClient::new().post_json(url, body).await.unwrap()
+}
+
+/// The engine's `/stats`, until `done` holds of them (at most 10 s).
+async fn eventually(e: &Spawned, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats: Value = HttpClient::new().get_json(&format!("{}/stats", e.url)).await.unwrap();
+        if done(&stats) || Instant::now() > deadline {
+            return stats;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn cached(answer: &Value) -> u64 {
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
+}
+
+/// vLLM's protocol: the prefill answer names its blocks and side channel; the decode engine
+/// pulls them (its cached tokens are the prompt less its last block), the hold is released;
+/// a second decode of the same prompt on the same engine pulls nothing it already holds.
+#[tokio::test]
+async fn a_vllm_prefill_is_pulled_by_its_decode_engine_and_released() {
+    let (p, d) = (engine(Role::Prefill, LONG).await, engine(Role::Decode, LONG).await);
+    let ask = |params: Value, max: u64| json!({"prompt": prompt(1), "max_tokens": max, "kv_transfer_params": params});
+    let producer = json!({"do_remote_decode": true, "do_remote_prefill": false,
+        "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
+    let first = post(&format!("{}/v1/completions", p.url), &ask(producer.clone(), 1)).await;
+    let params = first["kv_transfer_params"].clone();
+    assert_eq!(params["do_remote_prefill"], true, "{first}");
+    assert_eq!(params["remote_host"], "127.0.0.1");
+    assert_eq!(params["remote_port"], p.state.side_channel.unwrap().port());
+    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    let blocks = params["remote_block_ids"][0].as_array().unwrap().len() as u64;
+    assert_eq!(blocks, prompt_tokens.div_ceil(16));
+    let held = eventually(&p, |s| s["held_blocks"].as_u64() > Some(0)).await;
+    assert_eq!(held["held_requests"], 1);
+
+    let answer = post(&format!("{}/v1/completions", d.url), &ask(params, 8)).await;
+    assert_eq!(answer["usage"]["completion_tokens"], 8);
+    let pullable = (prompt_tokens - 1) / 16 * 16;
+    assert_eq!(cached(&answer), pullable, "the prompt's KV came from the prefill engine");
+    let freed = eventually(&p, |s| s["held_blocks"] == 0).await;
+    assert_eq!(
+        (freed["held_requests"].as_u64(), freed["handoff"]["pulled"].as_u64()),
+        (Some(0), Some(1))
+    );
+    let stats = eventually(&d, |_| true).await;
+    assert_eq!(stats["handoff"]["received"], 1);
+    let bytes = stats["handoff"]["received_bytes"].as_u64().unwrap();
+    assert_eq!(bytes, pullable * 131_072, "every block was missing: all were pulled");
+
+    // The next turn's prefill on the same engines: the decode engine holds the prompt now.
+    let again = post(&format!("{}/v1/completions", p.url), &ask(producer, 1)).await;
+    let answer =
+        post(&format!("{}/v1/completions", d.url), &ask(again["kv_transfer_params"].clone(), 4))
+            .await;
+    assert_eq!(cached(&answer), pullable);
+    let stats = eventually(&d, |s| s["handoff"]["received"] == 2).await;
+    assert_eq!(stats["handoff"]["received_bytes"].as_u64(), Some(bytes), "nothing more moved");
+}
+
+/// A prefill nobody pulls (its decode engine died) is freed when its lease ends.
+#[tokio::test]
+async fn an_unpulled_prefill_is_freed_by_its_lease() {
+    let p = engine(Role::Prefill, Duration::from_millis(300)).await;
+    let body = json!({"prompt": prompt(2), "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": true}});
+    let answer = post(&format!("{}/v1/completions", p.url), &body).await;
+    assert!(answer["kv_transfer_params"]["remote_request_id"].is_string());
+    let held = eventually(&p, |s| s["held_blocks"].as_u64() > Some(0)).await;
+    assert!(held["held_blocks"].as_u64().unwrap() > 0);
+    let metrics = HttpClient::new().get(&format!("{}/metrics", p.url)).await.unwrap().1;
+    let metrics = String::from_utf8_lossy(&metrics).into_owned();
+    assert!(!metrics.contains("kvroute_mocker_kv_held_blocks 0\n"), "{metrics}");
+    let freed = eventually(&p, |s| s["held_blocks"] == 0).await;
+    assert_eq!(freed["handoff"]["expired"], 1);
+    let metrics = HttpClient::new().get(&format!("{}/metrics", p.url)).await.unwrap().1;
+    assert!(String::from_utf8_lossy(&metrics).contains("kvroute_mocker_kv_held_blocks 0\n"));
+}
+
+/// A decode engine whose prefill engine is gone prefills the prompt itself and answers.
+#[tokio::test]
+async fn a_decode_engine_whose_prefill_engine_is_gone_prefills_itself() {
+    let d = engine(Role::Decode, LONG).await;
+    let gone = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = gone.local_addr().unwrap().port();
+    drop(gone);
+    let body = json!({"prompt": prompt(3), "max_tokens": 4, "kv_transfer_params": {
+        "do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port,
+        "remote_request_id": "r", "remote_engine_id": "e", "remote_block_ids": [[0, 1]]}});
+    let answer = post(&format!("{}/v1/completions", d.url), &body).await;
+    assert_eq!((answer["usage"]["completion_tokens"].as_u64(), cached(&answer)), (Some(4), 0));
+    let stats = eventually(&d, |_| true).await;
+    assert_eq!(stats["handoff"]["pull_failures"], 1);
+    // A side channel named by a host name is refused: it would be resolved from the request.
+    let mut named = body.clone();
+    named["kv_transfer_params"]["remote_host"] = json!("prefill.example");
+    let refused =
+        HttpClient::new().post_json::<Value>(&format!("{}/v1/completions", d.url), &named).await;
+    assert!(refused.unwrap_err().to_string().contains("400"));
+}
+
+/// SGLang's protocol: both engines get the same request with a bootstrap room, at once; the
+/// decode engine waits on the prefill engine's bootstrap port for the room, then pulls.
+#[tokio::test]
+async fn an_sglang_room_joins_prefill_and_decode() {
+    let (p, d) = (engine(Role::Prefill, LONG).await, engine(Role::Decode, LONG).await);
+    let port = p.state.side_channel.unwrap().port();
+    let body = json!({"text": prompt(4), "sampling_params": {"max_new_tokens": 6},
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 12345});
+    let (pu, du) = (format!("{}/generate", p.url), format!("{}/generate", d.url));
+    // The decode request first: it waits for the room.
+    let decode = tokio::spawn({
+        let body = body.clone();
+        async move { post(&du, &body).await }
+    });
+    let prefill = post(&pu, &body).await;
+    let decode = decode.await.unwrap();
+    assert!(prefill["meta_info"]["prompt_tokens"].as_u64().unwrap() > 100, "{prefill}");
+    assert_eq!(decode["meta_info"]["completion_tokens"], 6, "{decode}");
+    let prompt_tokens = decode["meta_info"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(decode["meta_info"]["cached_tokens"].as_u64(), Some((prompt_tokens - 1) / 16 * 16));
+    let freed = eventually(&p, |s| s["held_blocks"] == 0).await;
+    assert_eq!(freed["handoff"]["pulled"], 1);
+}
