@@ -52,20 +52,24 @@ def wait_until(check, what: str, seconds: float = 30):
         time.sleep(0.1)
 
 
-def start_mockers(procs: list, n: int = 4) -> list:
-    """`n` simulated engines (their processes appended to `procs`): each one's URL and its
-    event, replay and load ports, as it prints them."""
+def start_mockers(procs: list, n: int = 4, args: tuple = ()) -> list:
+    """`n` simulated engines (their processes appended to `procs`), each started with `args`:
+    each one's URL, its event, replay and load ports, and a prefill engine's side channel
+    (its SGLang bootstrap port), as it prints them."""
     binary = os.environ.get("KVROUTE_BIN") or str(ROOT / "target/debug/kvroute")
     if not os.path.exists(binary):
         pytest.fail(f"{binary} not found: build it with `cargo build -p kvroute` (or set KVROUTE_BIN)")
     workers = []
     for _ in range(n):
-        p = subprocess.Popen([binary, "mocker", "--port", "0", "--speedup", "20"], stdout=subprocess.PIPE, text=True)
+        cmd = [binary, "mocker", "--port", "0", "--speedup", "20", *args]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         procs.append(p)
         line = p.stdout.readline()
         m = re.search(r"listening on (\S+) .*events (\S+) replay (\S+)", line)
         assert m, line
-        workers.append({"url": m.group(1), "events": m.group(2), "replay": m.group(3)})
+        role = re.search(r"side channel \(bootstrap\) \S+:(\d+)", p.stdout.readline())
+        workers.append({"url": m.group(1), "events": m.group(2), "replay": m.group(3),
+                        "bootstrap": int(role.group(1)) if role else None})
     return workers
 
 
