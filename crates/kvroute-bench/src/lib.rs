@@ -129,9 +129,17 @@ pub struct BenchArgs {
     /// Host-to-device bandwidth (GB/s) of the simulated workers' host loads.
     #[arg(long, env = "KVROUTE_BENCH_HOST_H2D_GBPS", default_value_t = 32.0)]
     pub host_offload_h2d_bandwidth_gbps: f64,
-    /// KV bytes per token of the simulated model (the size of a host load).
+    /// KV bytes per token of the simulated model (the size of a host load and of a prefill's
+    /// transfer to its decode worker).
     #[arg(long, env = "KVROUTE_BENCH_KV_BYTES_PER_TOKEN", default_value_t = 131_072.0)]
     pub kv_bytes_per_token: f64,
+    /// A disaggregated fleet of P prefill and D decode workers instead of --workers
+    /// aggregated ones (docs/routing.md, "Prefill and decode"). Example: --disagg 2:2
+    #[arg(long, env = "KVROUTE_BENCH_DISAGG", value_parser = parse_disagg)]
+    pub disagg: Option<(usize, usize)>,
+    /// Bandwidth (GB/s) of the link a decode worker pulls its prefill's KV over.
+    #[arg(long, env = "KVROUTE_BENCH_KV_TRANSFER_BANDWIDTH", default_value_t = 25.0)]
+    pub kv_transfer_bandwidth: f64,
     /// Model directory (tokenizer and chat template); default: the repository's kvroute-tiny.
     #[arg(long, env = "KVROUTE_BENCH_MODEL_PATH")]
     pub model_path: Option<PathBuf>,
@@ -281,6 +289,16 @@ pub struct BenchArgs {
     pub nats: Option<String>,
 }
 
+/// `P:D`, two counts of workers, neither 0.
+fn parse_disagg(s: &str) -> Result<(usize, usize), String> {
+    let (p, d) = s.split_once(':').ok_or("expected P:D, e.g. 2:2")?;
+    let n = |v: &str| v.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    match (n(p), n(d)) {
+        (Some(p), Some(d)) => Ok((p, d)),
+        _ => Err(format!("{s:?}: P and D must be counts above 0")),
+    }
+}
+
 impl BenchArgs {
     pub fn fleet(&self) -> FleetConfig {
         FleetConfig {
@@ -302,6 +320,8 @@ impl BenchArgs {
                 kv_bytes_per_token: self.kv_bytes_per_token,
                 ..kvroute_mocker::HostConfig::default()
             },
+            disagg: self.disagg,
+            kv_transfer_bandwidth: self.kv_transfer_bandwidth,
         }
     }
 

@@ -233,10 +233,16 @@ pub fn write(
             let _ = writeln!(
                 md,
                 "Fleet, fresh for every policy: {} simulated workers (`kvroute mocker`'s engine) x {} blocks of {} tokens ({} tokens in all), speedup {}, max {} sequences and {} batched tokens per step; the front door and router of `kvroute serve`. Seed {}; the first {:.0}% of each schedule is warm-up, left out of the latency figures (a trace's fleet is sized to it: see its section).\n",
-                fleet.workers,
+                match fleet.disagg {
+                    Some((p, d)) => format!(
+                        "{p} prefill + {d} decode ({} GB/s between them)",
+                        fleet.kv_transfer_bandwidth
+                    ),
+                    None => fleet.workers.to_string(),
+                },
                 fleet.num_blocks,
                 fleet.block_size,
-                fleet.workers * fleet.num_blocks * fleet.block_size as usize,
+                fleet.engines() * fleet.num_blocks * fleet.block_size as usize,
                 fleet.speedup,
                 fleet.max_num_seqs,
                 fleet.max_batched_tokens,
@@ -377,6 +383,7 @@ fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyho
     let _ = writeln!(md);
     write_adapters(md, result);
     write_host(md, result);
+    write_disagg(md, result);
     if let Some(rr) = find(result, "round-robin") {
         let _ = writeln!(
             md,
@@ -449,6 +456,28 @@ fn write_adapters(md: &mut String, result: &WorkloadResult) {
     let _ = writeln!(md);
 }
 
+/// A disaggregated fleet: the share of requests split into two legs and the KV moved.
+fn write_disagg(md: &mut String, result: &WorkloadResult) {
+    if result.runs.iter().all(|(_, s)| s.disaggregated_share.is_none()) {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "Prefill and decode: requests prefilled on a prefill worker (the rest in place, where they decode), and the KV the decode workers pulled per answered request (the workers' counters):\n"
+    );
+    let _ = writeln!(md, "| policy | disaggregated | MiB pulled / request |\n|---|---|---|");
+    for (_, s) in &result.runs {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} |",
+            s.label,
+            frac(s.disaggregated_share),
+            s.transferred_mib_per_request.map_or("-".into(), |m| format!("{m:.1}")),
+        );
+    }
+    let _ = writeln!(md);
+}
+
 /// With host memory: the share of prompt tokens loaded from it and the bytes moved.
 fn write_host(md: &mut String, result: &WorkloadResult) {
     if result.runs.iter().all(|(_, s)| s.host_hit_rate.is_none()) {
@@ -491,7 +520,7 @@ pub fn write_goodput(
     let _ = writeln!(
         md,
         "Fleet, fresh for every probe: {} simulated workers x {} blocks of {} tokens (the trace's: {} blocks), speedup {}; the front door and router of `kvroute serve`. Seed {}.\n",
-        fleet.workers,
+        fleet.engines(),
         fleet.num_blocks,
         fleet.block_size,
         args.trace_num_blocks,

@@ -51,6 +51,10 @@ pub struct FleetConfig {
     pub session_margin: f64,
     /// Host memory below each worker's GPU cache (none by default).
     pub host: kvroute_mocker::HostConfig,
+    /// Prefill and decode workers instead of `workers` aggregated ones.
+    pub disagg: Option<(usize, usize)>,
+    /// The prefill-to-decode link's bandwidth, GB/s.
+    pub kv_transfer_bandwidth: f64,
 }
 
 impl Default for FleetConfig {
@@ -69,6 +73,9 @@ impl Default for FleetConfig {
             max_loras: kvroute_mocker::lora::LoraConfig::default().max_loras,
             session_margin: kvroute_core::schedule::SessionConfig::default().margin_s,
             host: kvroute_mocker::HostConfig::default(),
+            disagg: None,
+            kv_transfer_bandwidth: kvroute_mocker::DisaggConfig::default()
+                .kv_transfer_bandwidth_gbps,
         }
     }
 }
@@ -87,7 +94,12 @@ impl FleetConfig {
     /// Blocks of every worker together, host memory included (what the best achievable hit
     /// rate may keep).
     pub fn capacity_blocks(&self) -> usize {
-        self.workers * (self.num_blocks + self.host.num_blocks)
+        self.engines() * (self.num_blocks + self.host.num_blocks)
+    }
+
+    /// Simulated engines in all.
+    pub fn engines(&self) -> usize {
+        self.disagg.map_or(self.workers, |(p, d)| p + d)
     }
 }
 
@@ -189,6 +201,17 @@ pub struct WorkerStats {
     pub host_loaded_bytes: u64,
     /// The engine's adapter counters (its `/stats` `lora`).
     pub lora: LoraView,
+    /// What a decode engine pulled from prefill engines (its `/stats` `handoff`).
+    pub handoff: HandoffView,
+}
+
+/// What the harness reads of an engine's disaggregated legs.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize)]
+#[serde(default)]
+pub struct HandoffView {
+    /// Decode legs whose prompt KV came from a prefill engine, and the bytes pulled.
+    pub received: u64,
+    pub received_bytes: u64,
 }
 
 /// What the harness reads of an engine's adapters.
@@ -321,7 +344,9 @@ pub async fn start_fleet(
     router.nats = nats_for(0);
     let config = StackConfig {
         simulated: Simulated {
-            count: fleet.workers,
+            count: if fleet.disagg.is_some() { 0 } else { fleet.workers },
+            prefill: fleet.disagg.map_or(0, |(p, _)| p),
+            decode: fleet.disagg.map_or(0, |(_, d)| d),
             engine: EngineConfig {
                 num_blocks: fleet.num_blocks,
                 max_num_seqs: fleet.max_num_seqs,
@@ -333,6 +358,10 @@ pub async fn start_fleet(
                     ..kvroute_mocker::lora::LoraConfig::default()
                 },
                 host: fleet.host,
+                disagg: kvroute_mocker::DisaggConfig {
+                    kv_transfer_bandwidth_gbps: fleet.kv_transfer_bandwidth,
+                    ..kvroute_mocker::DisaggConfig::default()
+                },
                 ..EngineConfig::default()
             },
             lora_modules: fleet.adapters.iter().map(|a| (a.clone(), None)).collect(),

@@ -73,6 +73,10 @@ pub struct Summary {
     /// host memory.
     pub host_hit_rate: Option<f64>,
     pub host_loaded_mib_per_request: Option<f64>,
+    /// A disaggregated fleet: the share of answered requests prefilled on a prefill worker,
+    /// and the KV pulled by decode workers per answered request; `None` when nothing was.
+    pub disaggregated_share: Option<f64>,
+    pub transferred_mib_per_request: Option<f64>,
 }
 
 /// Per adapter, its answered requests and the distinct workers that served them.
@@ -209,6 +213,20 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
         },
         engines_per_adapter: engines_per_adapter(&ok),
         host_hit_rate: host_tokens.and_then(|t| ratio(t as f64, prompt_tokens as f64)),
+        disaggregated_share: {
+            let received: u64 =
+                delta(&run.stats_end, &run.stats_start, |s| s.handoff.received).iter().sum();
+            (received > 0).then(|| ratio(received as f64, ok.len() as f64)).flatten()
+        },
+        transferred_mib_per_request: {
+            let bytes: u64 =
+                delta(&run.stats_end, &run.stats_start, |s| s.handoff.received_bytes).iter().sum();
+            let received: u64 =
+                delta(&run.stats_end, &run.stats_start, |s| s.handoff.received).iter().sum();
+            (received > 0)
+                .then(|| ratio(bytes as f64 / f64::from(1 << 20), ok.len() as f64))
+                .flatten()
+        },
         host_loaded_mib_per_request: host_tokens.and_then(|_| {
             let bytes: u64 =
                 delta(&run.stats_end, &run.stats_start, |s| s.host_loaded_bytes).iter().sum();

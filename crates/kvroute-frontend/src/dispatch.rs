@@ -1,9 +1,10 @@
-//! Dispatch: the one seam that knows how a placed request reaches an engine. Today that is
-//! one hop: the request goes to the worker the router placed it on. Everything about the hop
+//! Dispatch: the one seam that knows how a placed request reaches an engine. One hop: the
+//! request goes to the worker the router placed it on. Everything about the hop
 //! is here: the in-flight accounting ([`InFlight`], from placement to the answer's end), the
 //! timeouts, retries on another worker and ejection of a failing one, and the answer passed
-//! back with its cached tokens read on the way ([`crate::usage`]). A prefill-then-decode
-//! dispatch is another [`dispatch`] over the same [`Outbound`] request.
+//! back with its cached tokens read on the way ([`crate::usage`]). In a fleet with prefill
+//! workers a request takes two legs instead ([`crate::pair`]), over the same [`Outbound`],
+//! [`InFlight`] and [`send`].
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -19,14 +19,16 @@
 //!                 + eviction_weight * lacks_d * bs * fullness_d) / s
 //! pair(p, d)   = prefill_p + transfer_pd + decode_d + handoff_overhead_s
 //! in_place(d)  = the kv cost of d for the request
-//!                + interference_weight * running_d * (isl - cached_d) / s
+//!                + interference_weight * running_d * (prefill_step_s + (isl - cached_d) / s)
 //! ```
 //!
 //! The cheapest of every pair and every in-place decode wins: a request whose prompt a
 //! decode engine mostly holds (the next turn of a conversation it decoded), or one that
 //! finds the prefill pool saturated, is prefilled where it decodes; the rest are split.
 //! `interference_weight` prices the running decodes an in-place prefill holds up (each of
-//! them waits for it; their delay counts at that share of this request's own time).
+//! them waits for it: a step with a prefill in it takes `prefill_step_s` more, the timing
+//! model's fixed cost of a prefill, and the prompt's tokens; their delay counts at that share
+//! of this request's own time).
 //!
 //! The search is one pass per pool per pair of nodes: `min over p of prefill_p` per node,
 //! then for each decode candidate `decode_d + transfer` against each node's best prefill,
@@ -99,6 +101,9 @@ pub struct PairConfig {
     pub handoff_overhead_s: f64,
     /// Share of each running decode's delay an in-place prefill causes, counted against it.
     pub interference_weight: f64,
+    /// What a prefill adds to the step it runs in besides its tokens (seconds; the constant
+    /// of Dynamo's mocker's prefill time, 16.5 ms).
+    pub prefill_step_s: f64,
     /// 0: every link priced as within a node (the topology-blind baseline).
     pub topology: f64,
     /// 0: decode candidates priced as if they held none of the prompt (the cache-blind
@@ -115,6 +120,7 @@ impl Default for PairConfig {
             link_across_nodes_gbps: 25.0,
             handoff_overhead_s: 0.002,
             interference_weight: 0.1,
+            prefill_step_s: 0.0165,
             topology: 1.0,
             decode_cache_credit: 1.0,
             in_place: 1.0,
@@ -227,8 +233,7 @@ pub fn choose(
                 .min(r.isl_tokens);
             let stall = config.interference_weight
                 * d.active.requests as f64
-                * (r.isl_tokens - cached) as f64
-                / speed;
+                * (config.prefill_step_s + (r.isl_tokens - cached) as f64 / speed);
             let cost = in_place_costs[j] + stall;
             consider(PairChoice { prefill: None, decode: j, cost, transfer_blocks: 0 });
         }
