@@ -13,16 +13,19 @@
 //!                a decode engine pulls only the blocks it lacks, as vLLM's connector does
 //!                link(p, d) = link_within_node_gbps if p and d share a node, else
 //!                link_across_nodes_gbps
-//! decode_d     = (queue_weight * queued prefill on d
-//!                 + decode_full_cache_tokens * active_blocks_d / kv_total_blocks_d
+//! decode_d     = (decode_full_cache_tokens * active_blocks_d / kv_total_blocks_d
 //!                 + memory_wait_tokens if the request does not fit beside d's running ones
 //!                 + eviction_weight * lacks_d * bs * fullness_d) / s
 //! pair(p, d)   = prefill_p + transfer_pd + decode_d + handoff_overhead_s
-//! in_place(d)  = the kv cost of d for the request
-//!                + interference_weight * running_d * (prefill_step_s + (isl - cached_d) / s)
+//! alone(w)     = the kv cost of w for the request (w a decode worker, or a prefill worker
+//!                when `prefill_decodes`: it runs the request whole)
+//!                + interference_weight * running_w * (prefill_step_s + (isl - cached_w) / s)
 //! ```
 //!
-//! The cheapest of every pair and every in-place decode wins: a request whose prompt a
+//! A pulled request does not wait behind the prompts queued on its decode engine (its KV is
+//! there; it joins the running batch), so `decode_d` has no queue term: the queue on `d`
+//! counts against prefilling there in place, in its kv cost, and a busy decode engine's
+//! requests are split. The cheapest of every pair and every in-place decode wins: a request whose prompt a
 //! decode engine mostly holds (the next turn of a conversation it decoded), or one that
 //! finds the prefill pool saturated, is prefilled where it decodes; the rest are split.
 //! `interference_weight` prices the running decodes an in-place prefill holds up (each of
@@ -109,8 +112,12 @@ pub struct PairConfig {
     /// 0: decode candidates priced as if they held none of the prompt (the cache-blind
     /// baseline: every pair moves the whole prompt).
     pub decode_cache_credit: f64,
-    /// 0: never prefill in place (always split).
+    /// 0: never prefill in place, on a decode or a prefill worker (always split).
     pub in_place: f64,
+    /// 1: a prefill worker may also run a request whole (vLLM's NIXL engines, `kv_both`, do),
+    /// when the decode pool cannot take it as cheaply; 0 for engines that only prefill
+    /// (SGLang's prefill servers).
+    pub prefill_decodes: f64,
 }
 
 impl Default for PairConfig {
@@ -124,6 +131,7 @@ impl Default for PairConfig {
             topology: 1.0,
             decode_cache_credit: 1.0,
             in_place: 1.0,
+            prefill_decodes: 1.0,
         }
     }
 }
@@ -143,6 +151,9 @@ pub struct PairRequest {
 pub struct PairChoice {
     pub prefill: Option<usize>,
     pub decode: usize,
+    /// `decode` indexes the prefill candidates: the whole request runs on that prefill
+    /// worker (the decode pool cannot take it as cheaply).
+    pub on_prefill: bool,
     pub cost: f64,
     pub transfer_blocks: u32,
 }
@@ -169,8 +180,7 @@ fn decode_cost(kv: &KvConfig, r: &PairRequest, d: &Candidate, lacks: u32) -> f64
         _ => 0.0,
     };
     let evict = kv.eviction_weight * f64::from(lacks) * r.block_size as f64 * fullness;
-    let queue = kv.queue_weight * d.active.prefill_tokens as f64;
-    (queue + decode + wait + evict) / kv.prefill_tokens_per_s.max(1.0)
+    (decode + wait + evict) / kv.prefill_tokens_per_s.max(1.0)
 }
 
 /// Seconds to move `blocks` over the link between `p` and `d`.
@@ -226,19 +236,48 @@ pub fn choose(
         for &(node, i, prefill) in &best_per_node {
             let moved = transfer(kv, config, r, node, d.node, lacks);
             let cost = prefill + moved + decode + config.handoff_overhead_s;
-            consider(PairChoice { prefill: Some(i), decode: j, cost, transfer_blocks: lacks });
+            let transfer_blocks = lacks;
+            consider(PairChoice {
+                prefill: Some(i),
+                decode: j,
+                on_prefill: false,
+                cost,
+                transfer_blocks,
+            });
         }
         if config.in_place > 0.0 || best_per_node.is_empty() {
-            let cached = (d.overlap_blocks.max(d.inflight_prefix_blocks) as usize * r.block_size)
-                .min(r.isl_tokens);
-            let stall = config.interference_weight
-                * d.active.requests as f64
-                * (config.prefill_step_s + (r.isl_tokens - cached) as f64 / speed);
-            let cost = in_place_costs[j] + stall;
-            consider(PairChoice { prefill: None, decode: j, cost, transfer_blocks: 0 });
+            let cost = in_place_costs[j] + stall(config, r, d, speed);
+            consider(PairChoice {
+                prefill: None,
+                decode: j,
+                on_prefill: false,
+                cost,
+                transfer_blocks: 0,
+            });
+        }
+    }
+    if config.prefill_decodes > 0.0 && config.in_place > 0.0 {
+        for (i, p) in prefills.iter().enumerate() {
+            let cost = prefill_costs[i] + stall(config, r, p, speed);
+            consider(PairChoice {
+                prefill: None,
+                decode: i,
+                on_prefill: true,
+                cost,
+                transfer_blocks: 0,
+            });
         }
     }
     best
+}
+
+/// What prefilling the request on `w` costs the requests running there (see the module).
+fn stall(config: &PairConfig, r: &PairRequest, w: &Candidate, speed: f64) -> f64 {
+    let cached =
+        (w.overlap_blocks.max(w.inflight_prefix_blocks) as usize * r.block_size).min(r.isl_tokens);
+    config.interference_weight
+        * w.active.requests as f64
+        * (config.prefill_step_s + (r.isl_tokens - cached) as f64 / speed)
 }
 
 /// The legs of a request in a disaggregated fleet: its prefill (none: prefilled where it
@@ -294,7 +333,11 @@ impl Scheduler {
             temperature: request.temperature.unwrap_or(self.config.temperature),
         };
         let choice = self.choose_pair(&info, &prefills, &decodes)?;
-        let (p, d) = (choice.prefill.map(|i| prefills[i]), decodes[choice.decode]);
+        let d = match choice.on_prefill {
+            true => prefills[choice.decode],
+            false => decodes[choice.decode],
+        };
+        let p = choice.prefill.map(|i| prefills[i]);
         let pullable = request.isl_tokens.saturating_sub(1) / bs.max(1);
         let prefill = p.map(|p| {
             let cached = reusable_tokens(
@@ -371,7 +414,13 @@ impl Scheduler {
         };
         let lacks = (info.isl_tokens.saturating_sub(1) / info.block_size.max(1)) as u32;
         let lacks = lacks.saturating_sub(decodes[d].overlap_blocks);
-        Some(PairChoice { prefill: Some(p), decode: d, cost: 0.0, transfer_blocks: lacks })
+        Some(PairChoice {
+            prefill: Some(p),
+            decode: d,
+            on_prefill: false,
+            cost: 0.0,
+            transfer_blocks: lacks,
+        })
     }
 
     /// How many requests were split and how many prefilled where they decode.
@@ -444,7 +493,7 @@ mod tests {
     /// the prompt takes it in place; a prefill pool deep in work keeps it in place too.
     #[test]
     fn splits_cold_prompts_and_keeps_warm_ones_in_place() {
-        let config = PairConfig::default();
+        let config = PairConfig { prefill_decodes: 0.0, ..PairConfig::default() };
         let idle = run(&config, &[candidate(0, 0, 0)], &[decoding(1, 0, 0)]);
         assert_eq!(idle.prefill, None);
         let cold = run(&config, &[candidate(0, 0, 0)], &[decoding(1, 0, 1)]);
@@ -456,6 +505,23 @@ mod tests {
         assert_eq!(run(&config, &[saturated], &[decoding(1, 0, 4)]).prefill, None);
         let never = PairConfig { in_place: 0.0, ..config };
         assert_eq!(run(&never, &[candidate(0, 0, 0)], &[decoding(1, 120, 4)]).prefill, Some(0));
+    }
+
+    /// A decode pool whose memory is full (the request waits for running ones to end) makes
+    /// an idle prefill worker run the request whole, where its engine can; one that decodes
+    /// already is left to its prefills.
+    #[test]
+    fn a_full_decode_pool_runs_requests_on_a_prefill_worker() {
+        let config = PairConfig::default();
+        let full = decoding(1, 0, 7);
+        let alone = run(&config, &[candidate(0, 0, 0)], &[full]);
+        assert_eq!((alone.prefill, alone.decode, alone.on_prefill), (None, 0, true));
+        let mut busy = candidate(0, 0, 0);
+        busy.active.requests = 40;
+        let split = run(&config, &[busy], &[decoding(1, 0, 2)]);
+        assert_eq!((split.prefill, split.on_prefill), (Some(0), false));
+        let only_prefill = PairConfig { prefill_decodes: 0.0, ..config };
+        assert!(!run(&only_prefill, &[candidate(0, 0, 0)], &[decoding(1, 0, 7)]).on_prefill);
     }
 
     /// Across nodes the link is slower: a decode engine on the prefill engine's node wins,
