@@ -567,34 +567,34 @@ fn secs(value: f64, name: &str) -> Result<Duration, StackError> {
     Duration::try_from_secs_f64(value).map_err(|_| Invalid::Seconds(name.to_owned()).into())
 }
 
+/// The pair cost's settings, read as [`kv_config`] reads the `kv` cost's.
+fn pd_config(overrides: &[(String, f64)]) -> Result<PairConfig, StackError> {
+    let unknown = |name, known| Invalid::PdCostName { name, known };
+    named_numbers(PairConfig::default(), overrides, unknown)
+}
+
 /// The `kv` cost's weights: the defaults, each named one overridden (the last of a name given
 /// twice). Names are [`KvConfig`]'s fields (an unknown one is an error); values are finite and
 /// non-negative.
-/// The pair cost's settings, as [`kv_config`] reads the `kv` cost's.
-fn pd_config(overrides: &[(String, f64)]) -> Result<PairConfig, StackError> {
-    let mut fields = toml::Table::try_from(PairConfig::default()).map_err(Invalid::KvCostWrite)?;
-    for (name, value) in overrides {
-        if !fields.contains_key(name) {
-            let known: Vec<&str> = fields.keys().map(String::as_str).collect();
-            let known = known.join(", ");
-            return Err(Invalid::PdCostName { name: name.clone(), known }.into());
-        }
-        if !(value.is_finite() && *value >= 0.0) {
-            return Err(Invalid::KvCostValue { name: name.clone(), value: *value }.into());
-        }
-        fields.insert(name.clone(), (*value).into());
-    }
-    fields.try_into().map_err(|e| Invalid::KvCostRead(e).into())
+fn kv_config(overrides: &[(String, f64)]) -> Result<KvConfig, StackError> {
+    let unknown = |name, known| Invalid::KvCostName { name, known };
+    named_numbers(KvConfig::default(), overrides, unknown)
 }
 
-fn kv_config(overrides: &[(String, f64)]) -> Result<KvConfig, StackError> {
-    let mut fields = toml::Table::try_from(KvConfig::default()).map_err(Invalid::KvCostWrite)?;
+/// `defaults` (a struct of numbers) with each named field overridden (the last of a name
+/// given twice); an unknown name is `unknown(name, the known ones)`, a value must be finite
+/// and non-negative.
+fn named_numbers<T: serde::Serialize + serde::de::DeserializeOwned>(
+    defaults: T,
+    overrides: &[(String, f64)],
+    unknown: impl Fn(String, String) -> Invalid,
+) -> Result<T, StackError> {
+    let mut fields = toml::Table::try_from(defaults).map_err(Invalid::KvCostWrite)?;
     for (name, value) in overrides {
         let value = *value;
         if !fields.contains_key(name) {
             let known: Vec<&str> = fields.keys().map(String::as_str).collect();
-            let known = known.join(", ");
-            return Err(Invalid::KvCostName { name: name.clone(), known }.into());
+            return Err(unknown(name.clone(), known.join(", ")).into());
         }
         if !(value.is_finite() && value >= 0.0) {
             return Err(Invalid::KvCostValue { name: name.clone(), value }.into());
