@@ -196,6 +196,15 @@ pub(crate) fn leg(body: &[u8], role: Role, id: &str) -> Result<Leg, ApiError> {
     }
 }
 
+/// Why a decode engine could not pull a prompt's KV.
+#[derive(Debug, thiserror::Error)]
+enum PullError {
+    #[error("waiting for the prefill engine's hold")]
+    Wait(#[source] kvroute_http::ClientError),
+    #[error("releasing the prefill engine's hold")]
+    Release(#[source] kvroute_http::ClientError),
+}
+
 /// A held prefill.
 #[derive(Clone, Debug)]
 struct Held {
@@ -315,6 +324,7 @@ impl AppState {
                         Handoff::Remote
                     }
                     Err(why) => {
+                        let why = kvroute_http::error::chain(&why);
                         tracing::warn!(%addr, %key, %why, "KV pull failed; prefilling here");
                         self.holds.counts.pull_failures.fetch_add(1, Ordering::Relaxed);
                         Handoff::None
@@ -327,7 +337,7 @@ impl AppState {
     /// Pulls the KV of `s`'s prompt held under `key` at `addr`: waits until it is held,
     /// moves the blocks this engine lacks over the link (simulated time), releases the hold.
     /// The bytes moved.
-    async fn pull(&self, addr: &str, key: &str, s: &Submission) -> Result<u64, String> {
+    async fn pull(&self, addr: &str, key: &str, s: &Submission) -> Result<u64, PullError> {
         let client = HttpClient::new();
         let config = self.engine.config;
         let wait_ms = config.disagg.hold_timeout.as_millis() as u64;
@@ -335,7 +345,7 @@ impl AppState {
         let held: Value = client
             .post_json(&url, &json!({"key": key, "wait_ms": wait_ms}))
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(PullError::Wait)?;
         let held_tokens = held.get("tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
         let bs = config.block_size.tokens();
         let pullable = (s.tokens.len().saturating_sub(1) / bs).min(held_tokens / bs);
@@ -353,7 +363,7 @@ impl AppState {
         }
         let url = format!("http://{addr}/kv/release");
         let _: Value =
-            client.post_json(&url, &json!({"key": key})).await.map_err(|e| e.to_string())?;
+            client.post_json(&url, &json!({"key": key})).await.map_err(PullError::Release)?;
         Ok(bytes as u64)
     }
 }
