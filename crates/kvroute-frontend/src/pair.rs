@@ -68,7 +68,7 @@ pub(crate) async fn dispatch_pair(
             return Err(ApiError::unavailable("no worker is available"));
         };
         let mut guard = InFlight::new(state, id.clone());
-        let decode = placement(&pair.decode, out.prompt_tokens, state);
+        let decode = placement(&pair.decode, out.prompt_tokens);
         let Some(prefill) = pair.prefill else {
             state.metrics.pd_in_place.inc();
             match send(state, out, decode, guard, None, timeout).await? {
@@ -116,8 +116,7 @@ pub(crate) async fn dispatch_pair(
 }
 
 /// What the front door expects of a leg placed by `d`.
-fn placement(d: &RouteDecision, prompt_tokens: usize, state: &FrontendState) -> Placement {
-    let _ = state;
+fn placement(d: &RouteDecision, prompt_tokens: usize) -> Placement {
     Placement {
         worker: d.worker,
         overlap_blocks: d.overlap_blocks,

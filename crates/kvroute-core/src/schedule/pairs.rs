@@ -158,6 +158,22 @@ pub struct PairChoice {
     pub transfer_blocks: u32,
 }
 
+/// A node label as the pair cost takes it: unlabelled workers share node 0; a label is its
+/// 32-bit hash (two labels of one fleet colliding is a 1-in-4-billion chance per pair). The
+/// router and the simulated engines label nodes alike, so both see the same topology.
+pub fn node_id(label: Option<&str>) -> u32 {
+    match label {
+        None | Some("") => 0,
+        Some(l) => (crate::hash::mm_hash_from_identifier(l) as u32).max(1),
+    }
+}
+
+/// The prompt's blocks a decode engine can pull: every full block but the one holding the
+/// last prompt token, which the decode engine computes itself.
+fn pullable(isl_tokens: usize, block_size: usize) -> u32 {
+    (isl_tokens.saturating_sub(1) / block_size.max(1)) as u32
+}
+
 /// Blocks of the prompt `d` holds or has in flight, as the pair cost credits them.
 fn held(c: &Candidate, config: &PairConfig) -> u32 {
     match config.decode_cache_credit > 0.0 {
@@ -213,7 +229,7 @@ pub fn choose(
     (prefills, prefill_costs): (&[Candidate], &[f64]),
     (decodes, in_place_costs): (&[Candidate], &[f64]),
 ) -> Option<PairChoice> {
-    let pullable = (r.isl_tokens.saturating_sub(1) / r.block_size.max(1)) as u32;
+    let pullable = pullable(r.isl_tokens, r.block_size);
     // The cheapest prefill candidate of each node.
     let mut best_per_node: Vec<(u32, usize, f64)> = Vec::new();
     for (i, (p, &cost)) in prefills.iter().zip(prefill_costs).enumerate() {
@@ -316,14 +332,20 @@ impl Scheduler {
         });
         let (prefills, decodes): (Vec<Candidate>, Vec<Candidate>) =
             all.iter().partition(|c| c.role == Role::Prefill);
-        self.scratch = all;
         if prefills.is_empty() || decodes.is_empty() {
-            let decision = self.route(request, scores, sizes, now)?;
-            if request.id.is_some() && !decodes.is_empty() {
+            // One pool is empty: route over what is left, as `route` would, without
+            // filling the candidates again.
+            if !decodes.is_empty() {
+                all.retain(|c| c.role != Role::Prefill);
+            }
+            let decision = self.route_among(request, &mut all, now);
+            self.scratch = all;
+            if decision.is_some() && request.id.is_some() && !decodes.is_empty() {
                 self.pair_counts.record(false);
             }
-            return Some(PairDecision { prefill: None, decode: decision, transfer_blocks: 0 });
+            return Some(PairDecision { prefill: None, decode: decision?, transfer_blocks: 0 });
         }
+        self.scratch = all;
         let bs = self.config.block_size.tokens();
         let info = RequestInfo {
             isl_tokens: request.isl_tokens,
@@ -338,7 +360,7 @@ impl Scheduler {
             false => decodes[choice.decode],
         };
         let p = choice.prefill.map(|i| prefills[i]);
-        let pullable = request.isl_tokens.saturating_sub(1) / bs.max(1);
+        let pullable = pullable(request.isl_tokens, bs) as usize;
         let prefill = p.map(|p| {
             let cached = reusable_tokens(
                 p.overlap_blocks.max(p.inflight_prefix_blocks),
@@ -412,8 +434,9 @@ impl Scheduler {
             Some(c) => pick_by_cost(c, decodes, t, &mut self.rng),
             None => self.decode_policy.select(info, decodes, &mut self.rng),
         };
-        let lacks = (info.isl_tokens.saturating_sub(1) / info.block_size.max(1)) as u32;
-        let lacks = lacks.saturating_sub(decodes[d].overlap_blocks);
+        // The baselines price nothing, but the decode engine still pulls only what it lacks.
+        let lacks = pullable(info.isl_tokens, info.block_size)
+            .saturating_sub(decodes[d].overlap_blocks.max(decodes[d].inflight_prefix_blocks));
         Some(PairChoice {
             prefill: Some(p),
             decode: d,

@@ -196,15 +196,6 @@ pub(super) enum Known {
     Rank,
 }
 
-/// A node label as the scheduler takes it: unlabelled workers share node 0; a label is its
-/// 32-bit hash (two labels of one fleet colliding is a 1-in-4-billion chance per pair).
-fn node_id(label: Option<&str>) -> u32 {
-    match label {
-        None | Some("") => 0,
-        Some(l) => (kvroute_core::hash::mm_hash_from_identifier(l) as u32).max(1),
-    }
-}
-
 impl RouterState {
     pub(super) fn add_worker(&self, spec: &WorkerSpec, configured: bool) {
         let mut status = WorkerStatus::new(spec, configured);
@@ -217,7 +208,11 @@ impl RouterState {
             let w = WorkerWithDpRank::new(spec.id, rank);
             scheduler.add_worker(w);
             scheduler.set_ready(w, status.ready[rank as usize]);
-            scheduler.set_role(w, spec.role, node_id(spec.node.as_deref()));
+            scheduler.set_role(
+                w,
+                spec.role,
+                kvroute_core::schedule::pairs::node_id(spec.node.as_deref()),
+            );
             if let Some(slots) = spec.max_loras {
                 scheduler.adapters_mut().report(w, Some(slots), &[]);
             }
