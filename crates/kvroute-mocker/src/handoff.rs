@@ -18,13 +18,15 @@
 //!   held, then pulls as above.
 //!
 //! The pull takes `bytes / --kv-transfer-bandwidth` (bytes: the blocks pulled x block size x
-//! `--kv-bytes-per-token`) on the simulated clock, then the decode engine computes the rest
+//! `--kv-bytes-per-token`; between engines of different `--node`s, the bandwidth is
+//! `--kv-transfer-bandwidth-across-nodes`) on the simulated clock, then the decode engine computes the rest
 //! of the prompt (its last block) at no prefill cost, as Dynamo's decode mocker prices it. A
 //! pull that fails (the prefill engine gone, its hold expired) leaves the decode engine to
 //! prefill the prompt itself (vLLM's `kv_load_failure_policy = "recompute"`), counted.
 //!
 //! The side channel is plain HTTP on loopback, kvroute's own: `POST /kv/wait` (until a key is
-//! held, or a deadline) and `POST /kv/release`. vLLM's real one is a ZMQ handshake with RDMA
+//! held, or a deadline; it answers the held prompt's tokens and the prefill engine's node)
+//! and `POST /kv/release`. vLLM's real one is a ZMQ handshake with RDMA
 //! reads, SGLang's a bootstrap server with Mooncake or NIXL transfers; neither has bytes a
 //! router sees, so only their timing and their effect on both caches are simulated.
 
@@ -78,8 +80,14 @@ impl FromStr for TransferTiming {
 pub struct DisaggConfig {
     pub role: Role,
     /// The link's bandwidth to a decode engine (GB/s, decimal; Dynamo's
-    /// `--kv-transfer-bandwidth`).
+    /// `--kv-transfer-bandwidth`): within the engine's node, when nodes are labelled.
     pub kv_transfer_bandwidth_gbps: f64,
+    /// The link's bandwidth between engines of different nodes (`None`: the same as within).
+    pub kv_transfer_bandwidth_across_nodes_gbps: Option<f64>,
+    /// The engine's node (`--node`, as [`kvroute_core::schedule::pairs::node_id`] hashes a
+    /// label; 0: unlabelled): a pull from a prefill engine of another node takes the
+    /// across-nodes link.
+    pub node: u32,
     pub timing: TransferTiming,
     /// A finished prefill's blocks are freed this long after its end if nobody pulls them
     /// (vLLM's `kv_lease_duration`, 30 s).
@@ -91,8 +99,20 @@ impl Default for DisaggConfig {
         Self {
             role: Role::Both,
             kv_transfer_bandwidth_gbps: 25.0,
+            kv_transfer_bandwidth_across_nodes_gbps: None,
+            node: 0,
             timing: TransferTiming::DestinationMissing,
             hold_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl DisaggConfig {
+    /// The bandwidth of the link from a prefill engine on `node` (GB/s).
+    pub fn link_gbps(&self, node: u32) -> f64 {
+        match (node == self.node, self.kv_transfer_bandwidth_across_nodes_gbps) {
+            (false, Some(across)) => across,
+            _ => self.kv_transfer_bandwidth_gbps,
         }
     }
 }
@@ -231,6 +251,8 @@ pub struct HandoffCounts {
     /// Decode legs whose KV came from a prefill engine, and the bytes pulled for them.
     pub received: AtomicU64,
     pub received_bytes: AtomicU64,
+    /// Of those, the ones pulled from a prefill engine of another node.
+    pub received_across_nodes: AtomicU64,
     /// Decode legs that could not pull (prefilled here instead).
     pub pull_failures: AtomicU64,
 }
@@ -241,6 +263,7 @@ impl HandoffCounts {
         json!({
             "held": n(&self.held), "pulled": n(&self.pulled), "expired": n(&self.expired),
             "received": n(&self.received), "received_bytes": n(&self.received_bytes),
+            "received_across_nodes": n(&self.received_across_nodes),
             "pull_failures": n(&self.pull_failures),
         })
     }
@@ -347,6 +370,7 @@ impl AppState {
             .await
             .map_err(PullError::Wait)?;
         let held_tokens = held.get("tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
+        let from_node = held.get("node").and_then(Value::as_u64).unwrap_or(0) as u32;
         let bs = config.block_size.tokens();
         let pullable = (s.tokens.len().saturating_sub(1) / bs).min(held_tokens / bs);
         let have = match config.disagg.timing {
@@ -356,7 +380,10 @@ impl AppState {
             }
         };
         let bytes = (pullable.saturating_sub(have) * bs) as f64 * config.host.kv_bytes_per_token;
-        let gbps = config.disagg.kv_transfer_bandwidth_gbps;
+        let gbps = config.disagg.link_gbps(from_node);
+        if from_node != config.disagg.node {
+            self.holds.counts.received_across_nodes.fetch_add(1, Ordering::Relaxed);
+        }
         if gbps > 0.0 && bytes > 0.0 {
             let took = Duration::from_secs_f64(bytes / (gbps * 1e9));
             tokio::time::sleep(config.timing.scale(took)).await;
@@ -439,7 +466,9 @@ async fn wait(
 ) -> Result<Json<Value>, ApiError> {
     let wait = Duration::from_millis(body.wait_ms).min(MAX_WAIT);
     match state.holds.wait(&body.key, wait).await {
-        Some(tokens) => Ok(Json(json!({"tokens": tokens}))),
+        Some(tokens) => {
+            Ok(Json(json!({"tokens": tokens, "node": state.engine.config.disagg.node})))
+        }
         None => Err(ApiError::not_found(format!("nothing is held under {:?}", body.key))),
     }
 }
@@ -460,6 +489,16 @@ async fn release(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn a_pull_across_nodes_takes_the_across_link() {
+        let within = DisaggConfig { node: 7, ..DisaggConfig::default() };
+        assert_eq!(within.link_gbps(7), 25.0);
+        assert_eq!(within.link_gbps(8), 25.0, "no across link set: one bandwidth");
+        let two = DisaggConfig { kv_transfer_bandwidth_across_nodes_gbps: Some(3.0), ..within };
+        assert_eq!(two.link_gbps(7), 25.0);
+        assert_eq!(two.link_gbps(8), 3.0);
+    }
 
     #[test]
     fn legs_follow_vllm_and_sglang_fields() {

@@ -13,12 +13,16 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
 async fn engine(role: Role, hold_timeout: Duration) -> Spawned {
+    engine_on(DisaggConfig { role, hold_timeout, ..DisaggConfig::default() }).await
+}
+
+async fn engine_on(disagg: DisaggConfig) -> Spawned {
     let config = MockerConfig {
         engine: EngineConfig {
             num_blocks: 400,
             block_size: BlockSize::new(16).unwrap(),
             timing: Timing { speedup: 50.0 },
-            disagg: DisaggConfig { role, hold_timeout, ..DisaggConfig::default() },
+            disagg,
             ..EngineConfig::default()
         },
         endpoints: kvroute_mocker::Endpoints::without_events(),
@@ -95,6 +99,35 @@ async fn a_vllm_prefill_is_pulled_by_its_decode_engine_and_released() {
     assert_eq!(cached(&answer), pullable);
     let stats = eventually(&d, |s| s["handoff"]["received"] == 2).await;
     assert_eq!(stats["handoff"]["received_bytes"].as_u64(), Some(bytes), "nothing more moved");
+}
+
+/// Nodes: a decode engine of the prefill engine's node pulls over the link within it, one of
+/// another node over the link across (counted apart), both with the same bytes.
+#[tokio::test]
+async fn a_pull_from_another_node_is_counted_across() {
+    let on = |role, node: &str| DisaggConfig {
+        role,
+        node: kvroute_core::schedule::pairs::node_id(Some(node)),
+        kv_transfer_bandwidth_across_nodes_gbps: Some(5.0),
+        hold_timeout: LONG,
+        ..DisaggConfig::default()
+    };
+    let p = engine_on(on(Role::Prefill, "a")).await;
+    let near = engine_on(on(Role::Decode, "a")).await;
+    let far = engine_on(on(Role::Decode, "b")).await;
+    let producer = json!({"do_remote_decode": true});
+    for (d, seed) in [(&near, 2), (&far, 3)] {
+        let ask = |params: Value, max: u64| json!({"prompt": prompt(seed), "max_tokens": max, "kv_transfer_params": params});
+        let first = post(&format!("{}/v1/completions", p.url), &ask(producer.clone(), 1)).await;
+        let params = first["kv_transfer_params"].clone();
+        let answer = post(&format!("{}/v1/completions", d.url), &ask(params, 2)).await;
+        assert!(cached(&answer) > 0, "{answer}");
+    }
+    let near = eventually(&near, |s| s["handoff"]["received"] == 1).await;
+    let far = eventually(&far, |s| s["handoff"]["received"] == 1).await;
+    assert_eq!(near["handoff"]["received_across_nodes"], 0, "{near}");
+    assert_eq!(far["handoff"]["received_across_nodes"], 1, "{far}");
+    assert_eq!(near["handoff"]["received_bytes"], far["handoff"]["received_bytes"]);
 }
 
 /// A prefill nobody pulls (its decode engine died) is freed when its lease ends.

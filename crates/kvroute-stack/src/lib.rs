@@ -83,6 +83,9 @@ pub struct Simulated {
     /// Prefill and decode workers (`--prefill-workers`, `--decode-workers`), after those.
     pub prefill: usize,
     pub decode: usize,
+    /// Nodes the prefill and decode workers are spread over, each pool in turn (`node-0`,
+    /// `node-1`, ...; 0 or 1: unlabelled, one node).
+    pub nodes: usize,
     /// Each one's engine (its block size is the router's).
     pub engine: EngineConfig,
     /// Whether they publish KV events (otherwise they are routed approximately).
@@ -108,6 +111,7 @@ impl Default for Simulated {
             count: 0,
             prefill: 0,
             decode: 0,
+            nodes: 1,
             engine: EngineConfig::default(),
             events: true,
             seed: 0,
@@ -211,6 +215,15 @@ impl Stack {
             .chain(std::iter::repeat_n(Role::Prefill, simulated.prefill))
             .chain(std::iter::repeat_n(Role::Decode, simulated.decode));
         for (k, role) in roles.enumerate() {
+            let node = node_label(k, &simulated);
+            let disagg = kvroute_mocker::DisaggConfig {
+                role,
+                node: match &node {
+                    Some(label) => kvroute_core::schedule::pairs::node_id(Some(label)),
+                    None => simulated.engine.disagg.node,
+                },
+                ..simulated.engine.disagg
+            };
             let endpoints = match simulated.events {
                 true => kvroute_mocker::Endpoints::ephemeral(),
                 false => kvroute_mocker::Endpoints::without_events(),
@@ -220,11 +233,7 @@ impl Stack {
             let token = worker_token()?;
             let mocker = MockerConfig {
                 api_keys: kvroute_http::Credentials::new([&token], "the embedded worker's token")?,
-                engine: EngineConfig {
-                    block_size: router.block_size,
-                    disagg: kvroute_mocker::DisaggConfig { role, ..simulated.engine.disagg },
-                    ..simulated.engine
-                },
+                engine: EngineConfig { block_size: router.block_size, disagg, ..simulated.engine },
                 endpoints,
                 model_path: model_path.clone(),
                 chat_template: simulated.chat_template.clone(),
@@ -246,6 +255,7 @@ impl Stack {
             spec.api_key = Some(kvroute_router::WorkerKey(token));
             spec.dialect = simulated.dialect;
             spec.role = role;
+            spec.node = node;
             spec.bootstrap_port = spawned.state.side_channel.map(|a| a.port());
             if !simulated.lora_modules.is_empty() {
                 spec.max_loras = Some(simulated.engine.lora.max_loras);
@@ -385,9 +395,37 @@ pub async fn serve_on_loopback(app: axum::Router) -> Result<String, StackError> 
     Ok(url)
 }
 
+/// The node label of the `k`-th simulated worker (aggregated ones first, then the prefill
+/// pool, then the decode pool): each pool spread over `nodes` in turn; none on one node.
+fn node_label(k: usize, simulated: &Simulated) -> Option<String> {
+    let within = match k.checked_sub(simulated.count) {
+        None => return None,
+        Some(i) if i < simulated.prefill => i,
+        Some(i) => i - simulated.prefill,
+    };
+    (simulated.nodes > 1).then(|| format!("node-{}", within % simulated.nodes))
+}
+
 /// An unguessable token: 32 bytes from the operating system's generator, in hex.
 fn worker_token() -> Result<String, StackError> {
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).map_err(StackError::Randomness)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each pool is spread over the nodes in turn; aggregated workers and one node: none.
+    #[test]
+    fn pools_are_spread_over_the_nodes() {
+        let fleet = Simulated { count: 1, prefill: 3, decode: 2, nodes: 2, ..Simulated::default() };
+        let labels: Vec<Option<String>> = (0..6).map(|k| node_label(k, &fleet)).collect();
+        let want =
+            [None, Some("node-0"), Some("node-1"), Some("node-0"), Some("node-0"), Some("node-1")];
+        assert_eq!(labels, want.map(|l| l.map(str::to_owned)));
+        let one = Simulated { nodes: 1, ..fleet };
+        assert!((0..6).all(|k| node_label(k, &one).is_none()));
+    }
 }

@@ -63,6 +63,7 @@ impl Settings {
                 simulated_dialect: Some(Simulated::default().dialect),
                 prefill_workers: Some(0),
                 decode_workers: Some(0),
+                simulated_nodes: Some(1),
             },
             routing: Routing {
                 workers: Vec::new(),
@@ -117,6 +118,8 @@ impl Settings {
                 host_offload_d2h_bandwidth_gbps: Some(engine.host.d2h_gbps),
                 kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
                 kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
+                kv_transfer_bandwidth_across_nodes: None,
+                node: None,
                 kv_transfer_timing: Some(engine.disagg.timing),
                 kv_hold_timeout: Some(engine.disagg.hold_timeout.as_secs_f64()),
             },
@@ -302,6 +305,17 @@ impl Settings {
         if let Some(b) = e.kv_bytes_per_token.filter(|_| !named("kv_bytes_per_token")) {
             s.kv.kv_bytes_per_token = b;
         }
+        // And their links price the pairs' transfers, unless the pair cost names its own.
+        let named = |n: &str| r.pd_cost.iter().any(|(k, _)| k == n);
+        if let Some(b) = e.kv_transfer_bandwidth.filter(|_| !named("link_within_node_gbps")) {
+            s.pairs.link_within_node_gbps = b;
+            s.pairs.link_across_nodes_gbps = b;
+        }
+        if let Some(b) =
+            e.kv_transfer_bandwidth_across_nodes.filter(|_| !named("link_across_nodes_gbps"))
+        {
+            s.pairs.link_across_nodes_gbps = b;
+        }
         let sd = s.sessions;
         s.sessions = SessionConfig {
             ttl: match r.session_ttl {
@@ -421,6 +435,10 @@ impl Settings {
         if !(bandwidth.is_finite() && bandwidth >= 0.0) {
             return Err(Invalid::Negative("kv_transfer_bandwidth").into());
         }
+        let across = e.kv_transfer_bandwidth_across_nodes;
+        if across.is_some_and(|b| !(b.is_finite() && b >= 0.0)) {
+            return Err(Invalid::Negative("kv_transfer_bandwidth_across_nodes").into());
+        }
         let hold_timeout = match e.kv_hold_timeout {
             Some(t) => secs(t, "kv_hold_timeout")?,
             None => d.hold_timeout,
@@ -428,6 +446,8 @@ impl Settings {
         Ok(DisaggConfig {
             role: d.role,
             kv_transfer_bandwidth_gbps: bandwidth,
+            kv_transfer_bandwidth_across_nodes_gbps: across,
+            node: kvroute_core::schedule::pairs::node_id(e.node.as_deref()),
             timing: e.kv_transfer_timing.unwrap_or(d.timing),
             hold_timeout,
         })
@@ -525,6 +545,7 @@ impl Settings {
                 count: simulated,
                 prefill: pd.0,
                 decode: pd.1,
+                nodes: self.simulated.simulated_nodes.unwrap_or(1),
                 engine,
                 events: true,
                 seed: self.seed(),

@@ -146,6 +146,11 @@ pub struct SimulatedFleet {
     /// Simulated decode workers to start besides them.
     #[arg(long)]
     pub decode_workers: Option<usize>,
+    /// Nodes the simulated prefill and decode workers are spread over (each pool in turn:
+    /// node-0, node-1, ...), labelled for the router and the engines alike: pulls across
+    /// nodes take --kv-transfer-bandwidth-across-nodes. 0 or 1: one node.
+    #[arg(long)]
+    pub simulated_nodes: Option<usize>,
 }
 
 /// The router's settings and its workers.
@@ -381,6 +386,15 @@ pub struct Engine {
     /// (Dynamo's mocker's flag; docs/mocker.md, "Prefill and decode").
     #[arg(long)]
     pub kv_transfer_bandwidth: Option<f64>,
+    /// Bandwidth (GB/s) of the link between engines of different nodes (default: the same
+    /// as --kv-transfer-bandwidth, which is then the link within a node).
+    #[arg(long)]
+    pub kv_transfer_bandwidth_across_nodes: Option<f64>,
+    /// The simulated engine's node (or zone) label: a decode engine pulls from a prefill
+    /// engine of another node over the across-nodes link. Give the router the same label
+    /// (--worker node=...). `serve` labels its own with --simulated-nodes.
+    #[arg(long)]
+    pub node: Option<String>,
     /// What a decode engine's pull moves: `destination-missing` (the blocks it lacks, as
     /// vLLM's connector pulls) or `full-prompt` (Dynamo's mocker's default).
     #[arg(long)]

@@ -301,8 +301,9 @@ impl Settings {
     }
 }
 
-/// `NAME=VALUE` of `--kv-cost` (the name is checked against the cost's weights later).
-fn kv_weight(arg: &str) -> Result<(String, f64), String> {
+/// `NAME=VALUE` of `--kv-cost` and `--pd-cost` (the name is checked against the cost's settings
+/// later).
+pub fn kv_weight(arg: &str) -> Result<(String, f64), String> {
     let (name, value) = arg.split_once('=').ok_or("expected NAME=VALUE")?;
     let value = value.trim().parse().map_err(|e| format!("{value}: {e}"))?;
     Ok((name.trim().to_owned(), value))

@@ -179,6 +179,7 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
     let sample = |key: &str| -> toml::Value {
         match key {
             "nats_snapshot_every" | "max_model_len" => 7.into(),
+            "kv_transfer_bandwidth_across_nodes" => 7.5.into(),
             _ => "/x".into(),
         }
     };
@@ -294,4 +295,29 @@ fn a_switch_is_named_or_left_out_and_a_bad_value_names_its_key() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("`block_size`"), "{}", kvroute_http::error::chain(&err));
+}
+
+/// The simulated engines' links price the pair cost's transfers, unless it names its own;
+/// `--node` labels an engine as the router labels a worker.
+#[test]
+fn the_engines_links_price_the_pairs() {
+    let mut s = Settings::default();
+    let pairs = s.router_config().unwrap().scheduler.pairs;
+    assert_eq!(pairs, kvroute_core::schedule::PairConfig::default(), "nothing given");
+    s.engine.kv_transfer_bandwidth = Some(40.0);
+    let pairs = s.router_config().unwrap().scheduler.pairs;
+    assert_eq!((pairs.link_within_node_gbps, pairs.link_across_nodes_gbps), (40.0, 40.0));
+    s.engine.kv_transfer_bandwidth_across_nodes = Some(4.0);
+    s.routing.pd_cost = vec![("link_within_node_gbps".into(), 400.0)];
+    let pairs = s.router_config().unwrap().scheduler.pairs;
+    assert_eq!((pairs.link_within_node_gbps, pairs.link_across_nodes_gbps), (400.0, 4.0));
+    let disagg = s.engine_config().unwrap().disagg;
+    assert_eq!((disagg.kv_transfer_bandwidth_gbps, disagg.node), (40.0, 0));
+    assert_eq!(disagg.link_gbps(9), 4.0);
+    s.engine.node = Some("rack-1".into());
+    let node = s.engine_config().unwrap().disagg.node;
+    assert_eq!(node, kvroute_core::schedule::pairs::node_id(Some("rack-1")));
+    assert_ne!(node, 0);
+    s.engine.kv_transfer_bandwidth_across_nodes = Some(-1.0);
+    assert!(s.engine_config().is_err());
 }
