@@ -1,5 +1,6 @@
 //! Goodput at an SLO: per policy, the highest load at which the TTFT p99 stays under a
-//! target (`kvroute bench --slo-ttft-p99 100,250`).
+//! target (`kvroute bench --slo-ttft-p99 100,250`), and with `--slo-tpot-p99` the time per
+//! output token's p99 under its own at once (a joint SLO; `--disagg` sets 25 ms by default).
 //!
 //! Multi-turn is a closed loop: its load is how many users hold a conversation at once (each
 //! sends its next turn after an answer and a think time), not how fast they arrive, so its
@@ -36,7 +37,13 @@ pub struct Probe {
     pub rate: f64,
     pub ttft_p99_ms: Option<f64>,
     pub ttft_p50_ms: Option<f64>,
+    pub tpot_p99_ms: Option<f64>,
+    /// The TPOT p99 it must stay under as well (ms; `None`: TTFT alone).
+    pub slo_tpot_ms: Option<f64>,
     pub hit_rate: Option<f64>,
+    /// In a disaggregated fleet, the share of requests split into two legs (the rest were
+    /// kept in place).
+    pub disaggregated_share: Option<f64>,
     pub errors: usize,
     pub wall_secs: f64,
     /// CPU seconds of the bench process over wall seconds x cores.
@@ -49,15 +56,27 @@ impl Probe {
             rate,
             ttft_p99_ms: summary.ttft_ms.p99,
             ttft_p50_ms: summary.ttft_ms.p50,
+            tpot_p99_ms: summary.tpot_ms.p99,
+            slo_tpot_ms: None,
             hit_rate: summary.hit_rate,
+            disaggregated_share: summary.disaggregated_share,
             errors: summary.errors,
             wall_secs,
             cpu_share,
         }
     }
 
+    /// The TPOT p99 must also stay under `slo_tpot_ms` (the joint SLO).
+    pub fn with_tpot_slo(self, slo_tpot_ms: Option<f64>) -> Self {
+        Self { slo_tpot_ms, ..self }
+    }
+
     pub fn meets(&self, slo_ms: f64) -> bool {
-        self.errors == 0 && self.ttft_p99_ms.is_some_and(|p| p < slo_ms)
+        let tpot = match self.slo_tpot_ms {
+            Some(slo) => self.tpot_p99_ms.is_some_and(|p| p <= slo),
+            None => true,
+        };
+        self.errors == 0 && self.ttft_p99_ms.is_some_and(|p| p < slo_ms) && tpot
     }
 
     pub fn host_bound(&self) -> bool {
@@ -193,7 +212,10 @@ mod tests {
             rate,
             ttft_p99_ms: Some(p99),
             ttft_p50_ms: None,
+            tpot_p99_ms: None,
+            slo_tpot_ms: None,
             hit_rate: None,
+            disaggregated_share: None,
             errors: 0,
             wall_secs: 1.0,
             cpu_share: None,
@@ -226,6 +248,26 @@ mod tests {
         // Errors fail a probe whatever its latency.
         let failed = Probe { errors: 1, ..none[0].clone() };
         assert!(!Probe { ttft_p99_ms: Some(1.0), ..failed }.meets(100.0));
+    }
+
+    /// The joint SLO: a probe meets it only with both p99s under their targets, and a
+    /// search over a fleet whose TPOT fails first finds the TPOT's knee.
+    #[test]
+    fn the_joint_slo_needs_both() {
+        let joint = |rate: f64, ttft: f64, tpot: f64| {
+            Probe { tpot_p99_ms: Some(tpot), ..probe(rate, ttft) }.with_tpot_slo(Some(25.0))
+        };
+        assert!(joint(1.0, 100.0, 20.0).meets(250.0));
+        assert!(!joint(1.0, 100.0, 30.0).meets(250.0));
+        assert!(!joint(1.0, 300.0, 20.0).meets(250.0));
+        // Without a TPOT measured, the joint SLO cannot be met.
+        assert!(!probe(1.0, 100.0).with_tpot_slo(Some(25.0)).meets(250.0));
+        assert!(probe(1.0, 100.0).with_tpot_slo(None).meets(250.0));
+        // TTFT is fine everywhere; TPOT passes 25 ms above 6 req/s.
+        let probes =
+            search(&[250.0], 4.0, Load::Rate, |r| Ok(joint(r, 50.0, 15.0 + 2.0 * r))).unwrap();
+        let g = PolicyGoodput { label: "kv".into(), probes }.goodput(250.0).unwrap();
+        assert!((5.0 / RESOLUTION..=5.0).contains(&g), "{g}");
     }
 
     /// Users come whole: a search over users probes integers only, each once.

@@ -53,6 +53,10 @@ pub struct BenchArgs {
     /// Approximate-mode runs are left out.
     #[arg(long, env = "KVROUTE_BENCH_SLO_TTFT_P99", value_delimiter = ',')]
     pub slo_ttft_p99: Vec<f64>,
+    /// With --slo-ttft-p99: the time per output token's p99 (ms) must stay under this as
+    /// well (a joint SLO). Default: 25 with --disagg, none otherwise; 0: none.
+    #[arg(long, env = "KVROUTE_BENCH_SLO_TPOT_P99")]
+    pub slo_tpot_p99: Option<f64>,
     /// Policies also run with the simulated workers' KV events switched off, the router
     /// predicting their caches from its own decisions (approximate mode; labelled
     /// `<policy>-approx`). `--approximate` with no value runs none.
@@ -140,6 +144,24 @@ pub struct BenchArgs {
     /// Bandwidth (GB/s) of the link a decode worker pulls its prefill's KV over.
     #[arg(long, env = "KVROUTE_BENCH_KV_TRANSFER_BANDWIDTH", default_value_t = 25.0)]
     pub kv_transfer_bandwidth: f64,
+    /// With --nodes: the bandwidth (GB/s) between workers of different nodes (then
+    /// --kv-transfer-bandwidth is the link within a node). Default: the same.
+    #[arg(long, env = "KVROUTE_BENCH_KV_TRANSFER_BANDWIDTH_ACROSS_NODES")]
+    pub kv_transfer_bandwidth_across_nodes: Option<f64>,
+    /// With --disagg: nodes each pool is spread over (node-0, node-1, ... in turn), labelled
+    /// for the router and the engines alike.
+    #[arg(long, env = "KVROUTE_BENCH_NODES", default_value_t = 1)]
+    pub nodes: usize,
+    /// With --disagg: a setting of the router's pair cost as NAME=VALUE, as `kvroute serve
+    /// --pd-cost` takes it (the links' bandwidths default to the fleet's).
+    #[arg(long, env = "KVROUTE_BENCH_PD_COST", value_delimiter = ',', value_parser = kvroute_stack::settings::kv_weight)]
+    pub pd_cost: Vec<(String, f64)>,
+    /// With --disagg: the kv policy also runs with the pair cost blind to one thing, in the
+    /// same run: topology-blind (every link priced as within a node, `topology=0`) or
+    /// cache-blind (the decode pool's cache not credited, `decode_cache_credit=0`); labelled
+    /// kv-topology-blind, kv-cache-blind.
+    #[arg(long, env = "KVROUTE_BENCH_PD_BASELINES", value_delimiter = ',', value_enum)]
+    pub pd_baselines: Vec<run::PdBaseline>,
     /// Model directory (tokenizer and chat template); default: the repository's kvroute-tiny.
     #[arg(long, env = "KVROUTE_BENCH_MODEL_PATH")]
     pub model_path: Option<PathBuf>,
@@ -191,6 +213,28 @@ pub struct BenchArgs {
     /// multimodal: arrival rate, requests/s.
     #[arg(long, env = "KVROUTE_BENCH_MULTIMODAL_RATE", default_value_t = 16.0)]
     pub multimodal_rate: f64,
+
+    /// long-prompt: requests.
+    #[arg(long, env = "KVROUTE_BENCH_LONG_REQUESTS", default_value_t = 120)]
+    pub long_requests: usize,
+    /// long-prompt: prompt tokens.
+    #[arg(long, env = "KVROUTE_BENCH_LONG_PROMPT_TOKENS", default_value_t = 4096)]
+    pub long_prompt_tokens: usize,
+    /// long-prompt: the shared documents prompts open with, and their tokens.
+    #[arg(long, env = "KVROUTE_BENCH_LONG_DOCUMENTS", default_value_t = 8)]
+    pub long_documents: usize,
+    #[arg(long, env = "KVROUTE_BENCH_LONG_DOCUMENT_TOKENS", default_value_t = 1024)]
+    pub long_document_tokens: usize,
+    /// long-prompt: answer tokens (its own: --output-tokens is the others').
+    #[arg(long, env = "KVROUTE_BENCH_LONG_OUTPUT_TOKENS", default_value_t = 256)]
+    pub long_output_tokens: u32,
+    /// long-prompt: arrival rate, requests/s.
+    #[arg(long, env = "KVROUTE_BENCH_LONG_RATE", default_value_t = 2.0)]
+    pub long_rate: f64,
+    /// long-prompt: KV blocks of each simulated worker (its requests hold ~270 blocks each:
+    /// the fleet is sized to it).
+    #[arg(long, env = "KVROUTE_BENCH_LONG_NUM_BLOCKS", default_value_t = 4096)]
+    pub long_num_blocks: usize,
 
     /// random: requests.
     #[arg(long, env = "KVROUTE_BENCH_RANDOM_REQUESTS", default_value_t = 160)]
@@ -289,6 +333,9 @@ pub struct BenchArgs {
     pub nats: Option<String>,
 }
 
+/// The TPOT p99 a disaggregated fleet's goodput keeps under by default (ms).
+pub const DISAGG_SLO_TPOT_MS: f64 = 25.0;
+
 /// `P:D`, two counts of workers, neither 0.
 fn parse_disagg(s: &str) -> Result<(usize, usize), String> {
     let (p, d) = s.split_once(':').ok_or("expected P:D, e.g. 2:2")?;
@@ -322,6 +369,18 @@ impl BenchArgs {
             },
             disagg: self.disagg,
             kv_transfer_bandwidth: self.kv_transfer_bandwidth,
+            kv_transfer_bandwidth_across_nodes: self.kv_transfer_bandwidth_across_nodes,
+            nodes: self.nodes,
+            pd_cost: self.pd_cost.clone(),
+            pd_baseline: None,
+        }
+    }
+
+    /// The TPOT p99 of the goodput's joint SLO (ms): as given (0: none), 25 with --disagg.
+    pub fn slo_tpot(&self) -> Option<f64> {
+        match self.slo_tpot_p99 {
+            Some(ms) => (ms > 0.0).then_some(ms),
+            None => self.disagg.map(|_| DISAGG_SLO_TPOT_MS),
         }
     }
 
@@ -353,6 +412,7 @@ impl BenchArgs {
             WorkloadKind::MultiLora => self.multi_lora_rate,
             WorkloadKind::Multimodal => self.multimodal_rate,
             WorkloadKind::Random => self.random_rate,
+            WorkloadKind::LongPrompt => self.long_rate,
             WorkloadKind::Trace => match self.workload(kind, None, preprocessor) {
                 Ok(w) => {
                     let last = w.requests.iter().filter_map(|r| match r.start {
@@ -372,6 +432,9 @@ impl BenchArgs {
         match kind {
             WorkloadKind::Trace => {
                 FleetConfig { num_blocks: self.trace_num_blocks, ..self.fleet() }
+            }
+            WorkloadKind::LongPrompt => {
+                FleetConfig { num_blocks: self.long_num_blocks, ..self.fleet() }
             }
             _ => self.fleet(),
         }
@@ -401,6 +464,19 @@ impl BenchArgs {
         anyhow::ensure!(
             self.slo_ttft_p99.is_empty() || self.rates.is_empty(),
             "--slo-ttft-p99 chooses its own rates: leave out --rates"
+        );
+        anyhow::ensure!(
+            self.slo_tpot_p99.is_none_or(|s| s.is_finite() && s >= 0.0),
+            "--slo-tpot-p99: milliseconds >= 0"
+        );
+        anyhow::ensure!(self.nodes >= 1, "--nodes must be at least 1");
+        anyhow::ensure!(
+            self.long_prompt_tokens > 0 && self.long_requests > 0 && self.long_rate > 0.0,
+            "--long-prompt-tokens, --long-requests and --long-rate must be > 0"
+        );
+        anyhow::ensure!(
+            self.disagg.is_some() || (self.pd_baselines.is_empty() && self.nodes == 1),
+            "--pd-baselines and --nodes are for a disaggregated fleet: give --disagg P:D"
         );
         anyhow::ensure!(self.target.is_some() || self.workers > 0, "--workers must be > 0");
         anyhow::ensure!((0.0..1.0).contains(&self.warmup), "--warmup must be in [0, 1)");
@@ -474,9 +550,9 @@ impl BenchArgs {
                 rate: rate.unwrap_or(self.shared_prefix_rate),
             }
             .generate(self.seed, bs, self.warmup),
-            WorkloadKind::MultiTurn => self
-                .multi_turn(rate)
-                .generate(self.seed, self.warmup, preprocessor)?,
+            WorkloadKind::MultiTurn => {
+                self.multi_turn(rate).generate(self.seed, self.warmup, preprocessor)?
+            }
             WorkloadKind::Sessions => {
                 workload::sessions(&self.multi_turn(rate), self.seed, self.warmup, preprocessor)?
             }
@@ -499,6 +575,16 @@ impl BenchArgs {
                 ..Multimodal::default()
             }
             .generate(self.seed, bs, self.warmup, preprocessor)?,
+            WorkloadKind::LongPrompt => workload::LongPrompts {
+                requests: self.long_requests,
+                documents: self.long_documents,
+                document_tokens: self.long_document_tokens,
+                prompt_tokens: self.long_prompt_tokens,
+                output_tokens: self.long_output_tokens,
+                rate: rate.unwrap_or(self.long_rate),
+            }
+            .generate(self.seed, bs, self.warmup)
+            .sized(&self.fleet_for(kind), "--long-num-blocks"),
             WorkloadKind::Random => RandomPrompts {
                 requests: self.random_requests,
                 prompt_tokens: self.random_prompt_tokens,
@@ -514,18 +600,7 @@ impl BenchArgs {
                 rate,
             }
             .generate(self.seed, bs, self.warmup)
-            .map(|mut w| {
-                let f = self.fleet_for(kind);
-                let line = format!(
-                    "{} workers x {} blocks of {} tokens ({} tokens in all), sized to the trace (--trace-num-blocks)",
-                    f.workers,
-                    f.num_blocks,
-                    f.block_size,
-                    f.capacity_blocks() * f.block_size as usize
-                );
-                w.params.push(("fleet".into(), line));
-                w
-            })?,
+            .map(|w| w.sized(&self.fleet_for(kind), "--trace-num-blocks"))?,
         };
         match self.text_prompts {
             true => workload.into_text(preprocessor, bs),
@@ -619,14 +694,20 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                 false => args.dialects.clone(),
             };
             let several = dialects.len() > 1;
-            let fleet = |policy, replicas: Option<Replicas>| Target::Fleet {
+            let fleet_of = |policy, replicas, pd_baseline| Target::Fleet {
                 policy,
                 events: true,
                 replicas,
                 dialect: dialects[0],
+                pd_baseline,
             };
+            let fleet = |policy, replicas: Option<Replicas>| fleet_of(policy, replicas, None);
             let with_events = args.policies().into_iter().flat_map(|p| {
                 let mut runs = vec![(p.to_string(), fleet(p, None))];
+                // The pair cost's baselines, beside the kv policy's own.
+                for &b in args.pd_baselines.iter().filter(|_| p == PolicyKind::Kv) {
+                    runs.push((format!("{p}-{}", b.label()), fleet_of(p, None, Some(b))));
+                }
                 if args.replicas > 1 {
                     for sync in [true, false] {
                         let suffix = if sync { "sync" } else { "alone" };
@@ -645,20 +726,29 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                             events: false,
                             replicas: None,
                             dialect: dialects[0],
+                            pd_baseline: None,
                         },
                     )
                 });
             // Each run over each dialect, side by side.
             let per_dialect = |(label, target): (String, Target)| -> Vec<(String, Target)> {
                 match target {
-                    Target::Fleet { policy, events, replicas, .. } if several => dialects
-                        .iter()
-                        .map(|&dialect| {
-                            let replicas = replicas.clone();
-                            let target = Target::Fleet { policy, events, replicas, dialect };
-                            (format!("{label}@{dialect}"), target)
-                        })
-                        .collect(),
+                    Target::Fleet { policy, events, replicas, pd_baseline, .. } if several => {
+                        dialects
+                            .iter()
+                            .map(|&dialect| {
+                                let replicas = replicas.clone();
+                                let target = Target::Fleet {
+                                    policy,
+                                    events,
+                                    replicas,
+                                    dialect,
+                                    pd_baseline,
+                                };
+                                (format!("{label}@{dialect}"), target)
+                            })
+                            .collect()
+                    }
                     other => vec![(label, other)],
                 }
             };
@@ -770,12 +860,14 @@ fn goodput_search(
                 let cpu = cpu_before.zip(goodput::process_cpu_secs()).map(|(a, b)| b - a);
                 let share = cpu.map(|c| c / (wall * cores));
                 let summary = summary::summarize(&data, fleet.block_size as usize, capacity);
-                let probe = goodput::Probe::new(rate, &summary, wall, share);
+                let probe =
+                    goodput::Probe::new(rate, &summary, wall, share).with_tpot_slo(args.slo_tpot());
                 tracing::info!(
                     workload = %kind,
                     policy = %label,
                     rate,
                     ttft_p99_ms = format!("{:.1}", probe.ttft_p99_ms.unwrap_or(f64::NAN)),
+                    tpot_p99_ms = format!("{:.1}", probe.tpot_p99_ms.unwrap_or(f64::NAN)),
                     errors = probe.errors,
                     cpu = format!("{:.0}%", 100.0 * share.unwrap_or(f64::NAN)),
                     "goodput probe"

@@ -114,7 +114,7 @@ pub fn check_targets(results: &[WorkloadResult]) -> Vec<TargetCheck> {
             }
             WorkloadKind::MultiLora => adapter_targets(&mut out, &name, r),
             WorkloadKind::Sessions => session_targets(&mut out, &name, r, results),
-            WorkloadKind::Random | WorkloadKind::Trace => {}
+            WorkloadKind::Random | WorkloadKind::Trace | WorkloadKind::LongPrompt => {}
         }
     }
     out
@@ -233,13 +233,7 @@ pub fn write(
             let _ = writeln!(
                 md,
                 "Fleet, fresh for every policy: {} simulated workers (`kvroute mocker`'s engine) x {} blocks of {} tokens ({} tokens in all), speedup {}, max {} sequences and {} batched tokens per step; the front door and router of `kvroute serve`. Seed {}; the first {:.0}% of each schedule is warm-up, left out of the latency figures (a trace's fleet is sized to it: see its section).\n",
-                match fleet.disagg {
-                    Some((p, d)) => format!(
-                        "{p} prefill + {d} decode ({} GB/s between them)",
-                        fleet.kv_transfer_bandwidth
-                    ),
-                    None => fleet.workers.to_string(),
-                },
+                fleet_workers(fleet),
                 fleet.num_blocks,
                 fleet.block_size,
                 fleet.engines() * fleet.num_blocks * fleet.block_size as usize,
@@ -456,6 +450,20 @@ fn write_adapters(md: &mut String, result: &WorkloadResult) {
     let _ = writeln!(md);
 }
 
+/// The fleet's workers as the report names them.
+fn fleet_workers(fleet: &FleetConfig) -> String {
+    let Some((p, d)) = fleet.disagg else { return fleet.workers.to_string() };
+    let within = fleet.kv_transfer_bandwidth;
+    match (fleet.nodes > 1, fleet.kv_transfer_bandwidth_across_nodes) {
+        (true, across) => format!(
+            "{p} prefill + {d} decode over {} nodes ({within} GB/s within a node, {} across)",
+            fleet.nodes,
+            across.unwrap_or(within)
+        ),
+        (false, _) => format!("{p} prefill + {d} decode ({within} GB/s between them)"),
+    }
+}
+
 /// A disaggregated fleet: the share of requests split into two legs and the KV moved.
 fn write_disagg(md: &mut String, result: &WorkloadResult) {
     if result.runs.iter().all(|(_, s)| s.disaggregated_share.is_none()) {
@@ -465,14 +473,20 @@ fn write_disagg(md: &mut String, result: &WorkloadResult) {
         md,
         "Prefill and decode: requests prefilled on a prefill worker (the rest in place, where they decode), and the KV the decode workers pulled per answered request (the workers' counters):\n"
     );
-    let _ = writeln!(md, "| policy | disaggregated | MiB pulled / request |\n|---|---|---|");
+    let _ = writeln!(
+        md,
+        "| policy | disaggregated | of them across nodes | MiB pulled / request | TPOT p50 | TPOT p99 |\n|---|---|---|---|---|---|"
+    );
     for (_, s) in &result.runs {
         let _ = writeln!(
             md,
-            "| {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} |",
             s.label,
             frac(s.disaggregated_share),
+            frac(s.across_nodes_share),
             s.transferred_mib_per_request.map_or("-".into(), |m| format!("{m:.1}")),
+            ms(s.tpot_ms.p50),
+            ms(s.tpot_ms.p99),
         );
     }
     let _ = writeln!(md);
@@ -519,14 +533,27 @@ pub fn write_goodput(
     let fleet = args.fleet();
     let _ = writeln!(
         md,
-        "Fleet, fresh for every probe: {} simulated workers x {} blocks of {} tokens (the trace's: {} blocks), speedup {}; the front door and router of `kvroute serve`. Seed {}.\n",
-        fleet.engines(),
+        "Fleet, fresh for every probe: {} simulated workers x {} blocks of {} tokens (the trace's: {} blocks; long-prompt's: {}), speedup {}; the front door and router of `kvroute serve`. Seed {}.\n",
+        fleet_workers(&fleet),
         fleet.num_blocks,
         fleet.block_size,
         args.trace_num_blocks,
+        args.long_num_blocks,
         fleet.speedup,
         args.seed
     );
+    if let Some(tpot) = args.slo_tpot() {
+        let _ = writeln!(
+            md,
+            "A joint SLO: a probe meets an SLO only if its time per output token's p99 (each request's (e2e - TTFT) / (tokens - 1)) is also at most {tpot} ms.\n"
+        );
+    }
+    if fleet.disagg.is_some() {
+        let _ = writeln!(
+            md,
+            "*Split* = the share of a probe's requests prefilled on a prefill worker and decoded on another; the pair cost kept the rest in place (prefilled where they decode).\n"
+        );
+    }
     let _ = writeln!(
         md,
         "How to read it: *goodput* = the highest load whose TTFT p99 stayed under the SLO with no errors, below the lowest load that failed it: the arrival rate (requests/s) of an open-loop workload; for multi-turn, a closed loop whose users each send their next turn after an answer and a think time, the number of users holding a conversation at once (they arrive at the workload's rate). Each probe is a whole run of the workload at that load. From the workload's default the search doubles or halves until it has seen both sides, then bisects until they are within {:.0}% (at most {MAX_PROBES} probes per SLO), so a goodput is exact to that step. *CPU* = the bench process's CPU time (fleet, router and front door run in it) over the probe's wall time and the machine's cores; a probe above {:.0}% is marked host-bound: there the machine, not the fleet, set the limit.\n",
@@ -575,7 +602,7 @@ pub fn write_goodput(
         let _ = writeln!(md, "## {}: probes (search from {} {unit})\n", r.workload, r.start_rate);
         let _ = writeln!(
             md,
-            "| policy | {unit} | TTFT p50 | TTFT p99 | hit rate | errors | wall s | CPU |\n|---|---|---|---|---|---|---|---|"
+            "| policy | {unit} | TTFT p50 | TTFT p99 | TPOT p99 | hit rate | split | errors | wall s | CPU |\n|---|---|---|---|---|---|---|---|---|---|"
         );
         for p in &r.policies {
             for q in &p.probes {
@@ -584,12 +611,14 @@ pub fn write_goodput(
                 });
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {} | {} | {} | {} | {:.1} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} |",
                     p.label,
                     q.rate,
                     ms(q.ttft_p50_ms),
                     ms(q.ttft_p99_ms),
+                    ms(q.tpot_p99_ms),
                     frac(q.hit_rate),
+                    pct(q.disaggregated_share),
                     q.errors,
                     q.wall_secs,
                     cpu

@@ -53,8 +53,44 @@ pub struct FleetConfig {
     pub host: kvroute_mocker::HostConfig,
     /// Prefill and decode workers instead of `workers` aggregated ones.
     pub disagg: Option<(usize, usize)>,
-    /// The prefill-to-decode link's bandwidth, GB/s.
+    /// The prefill-to-decode link's bandwidth, GB/s (within a node, with `nodes`).
     pub kv_transfer_bandwidth: f64,
+    /// Between nodes (`None`: the same).
+    pub kv_transfer_bandwidth_across_nodes: Option<f64>,
+    /// Nodes each pool is spread over.
+    pub nodes: usize,
+    /// The router's pair cost settings (NAME=VALUE over the defaults and the fleet's links).
+    pub pd_cost: Vec<(String, f64)>,
+    /// The pair cost made blind to one thing (a baseline run).
+    pub pd_baseline: Option<PdBaseline>,
+}
+
+/// What a baseline pair cost is blind to (`kvroute bench --pd-baselines`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum PdBaseline {
+    /// Every link priced as within a node (`topology=0`).
+    TopologyBlind,
+    /// The decode pool's cache not credited (`decode_cache_credit=0`).
+    CacheBlind,
+}
+
+impl PdBaseline {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::TopologyBlind => "topology-blind",
+            Self::CacheBlind => "cache-blind",
+        }
+    }
+
+    /// The pair cost setting it overrides.
+    fn setting(self) -> (String, f64) {
+        let name = match self {
+            Self::TopologyBlind => "topology",
+            Self::CacheBlind => "decode_cache_credit",
+        };
+        (name.to_owned(), 0.0)
+    }
 }
 
 impl Default for FleetConfig {
@@ -76,6 +112,10 @@ impl Default for FleetConfig {
             disagg: None,
             kv_transfer_bandwidth: kvroute_mocker::DisaggConfig::default()
                 .kv_transfer_bandwidth_gbps,
+            kv_transfer_bandwidth_across_nodes: None,
+            nodes: 1,
+            pd_cost: Vec::new(),
+            pd_baseline: None,
         }
     }
 }
@@ -89,6 +129,18 @@ impl FleetConfig {
     pub fn price_host_loads(&self, kv: &mut kvroute_core::schedule::kv::KvConfig) {
         kv.host_bandwidth_gbps = self.host.h2d_gbps;
         kv.kv_bytes_per_token = self.host.kv_bytes_per_token;
+    }
+
+    /// The router's pair cost: its settings read as `kvroute serve` reads them, over the
+    /// links the fleet's engines pull over.
+    pub fn pair_config(&self) -> anyhow::Result<kvroute_core::schedule::PairConfig> {
+        let mut settings = kvroute_stack::settings::Settings::default();
+        settings.engine.kv_transfer_bandwidth = Some(self.kv_transfer_bandwidth);
+        settings.engine.kv_transfer_bandwidth_across_nodes =
+            self.kv_transfer_bandwidth_across_nodes;
+        settings.routing.pd_cost = self.pd_cost.clone();
+        settings.routing.pd_cost.extend(self.pd_baseline.map(PdBaseline::setting));
+        Ok(settings.router_config().context("--pd-cost")?.scheduler.pairs)
     }
 
     /// Blocks of every worker together, host memory included (what the best achievable hit
@@ -109,7 +161,14 @@ pub enum Target {
     /// A fresh fleet with this policy; with `events` off the simulated workers publish no KV
     /// events and the router predicts their caches from its own decisions (approximate mode).
     /// `dialect`: how the front door speaks to the simulated workers.
-    Fleet { policy: PolicyKind, events: bool, replicas: Option<Replicas>, dialect: Dialect },
+    /// `pd_baseline`: the pair cost made blind to one thing.
+    Fleet {
+        policy: PolicyKind,
+        events: bool,
+        replicas: Option<Replicas>,
+        dialect: Dialect,
+        pd_baseline: Option<PdBaseline>,
+    },
     /// OpenAI-compatible endpoints (replicas of one front door: requests are sprayed across
     /// them), and the workers' base URLs whose `/stats` give the ground truth.
     /// `worker_stats`: the workers whose `/stats` are the ground truth (their tokens, if
@@ -203,6 +262,8 @@ pub struct WorkerStats {
     pub lora: LoraView,
     /// What a decode engine pulled from prefill engines (its `/stats` `handoff`).
     pub handoff: HandoffView,
+    /// Its role in a disaggregated fleet (`both`: aggregated).
+    pub role: kvroute_core::schedule::Role,
 }
 
 /// What the harness reads of an engine's disaggregated legs.
@@ -212,6 +273,8 @@ pub struct HandoffView {
     /// Decode legs whose prompt KV came from a prefill engine, and the bytes pulled.
     pub received: u64,
     pub received_bytes: u64,
+    /// Of those, pulled from a prefill engine of another node.
+    pub received_across_nodes: u64,
 }
 
 /// What the harness reads of an engine's adapters.
@@ -288,9 +351,14 @@ pub fn run(
         .context("starting a runtime")?;
     let result = runtime.block_on(async {
         match target {
-            Target::Fleet { policy, events, replicas, dialect } => {
+            Target::Fleet { policy, events, replicas, dialect, pd_baseline } => {
                 let adapters = workload.adapters.clone();
-                let fleet = FleetConfig { dialect: *dialect, adapters, ..fleet.clone() };
+                let fleet = FleetConfig {
+                    dialect: *dialect,
+                    adapters,
+                    pd_baseline: *pd_baseline,
+                    ..fleet.clone()
+                };
                 let (urls, stats) =
                     start_fleet(&fleet, *policy, *events, replicas.as_ref()).await?;
                 let driver = Driver::new(urls, None, preprocessor, bs, &stats);
@@ -329,6 +397,7 @@ pub async fn start_fleet(
     router.scheduler.policy = policy;
     router.scheduler.sessions.margin_s = fleet.session_margin;
     fleet.price_host_loads(&mut router.scheduler.kv);
+    router.scheduler.pairs = fleet.pair_config()?;
     if let Some(r) = replicas {
         anyhow::ensure!(r.nats_url.is_some() || !r.sync, "replica sync needs a NATS URL");
     }
@@ -347,6 +416,7 @@ pub async fn start_fleet(
             count: if fleet.disagg.is_some() { 0 } else { fleet.workers },
             prefill: fleet.disagg.map_or(0, |(p, _)| p),
             decode: fleet.disagg.map_or(0, |(_, d)| d),
+            nodes: fleet.nodes,
             engine: EngineConfig {
                 num_blocks: fleet.num_blocks,
                 max_num_seqs: fleet.max_num_seqs,
@@ -360,6 +430,8 @@ pub async fn start_fleet(
                 host: fleet.host,
                 disagg: kvroute_mocker::DisaggConfig {
                     kv_transfer_bandwidth_gbps: fleet.kv_transfer_bandwidth,
+                    kv_transfer_bandwidth_across_nodes_gbps: fleet
+                        .kv_transfer_bandwidth_across_nodes,
                     ..kvroute_mocker::DisaggConfig::default()
                 },
                 ..EngineConfig::default()
@@ -394,6 +466,7 @@ pub async fn start_fleet(
         router.scheduler.policy = policy;
         router.scheduler.sessions.margin_s = fleet.session_margin;
         fleet.price_host_loads(&mut router.scheduler.kv);
+        router.scheduler.pairs = fleet.pair_config()?;
         router.nats = nats_for(k);
         let replica = started(front_door(router, fleet), &format!("replica {k}")).await?;
         fronts.push(replica.serve_frontend_on_loopback().await?);

@@ -30,6 +30,9 @@ pub struct Summary {
     pub measured: usize,
     pub ttft_ms: Percentiles,
     pub itl_ms: Percentiles,
+    /// Time per output token of each request after its first: (e2e - TTFT) / (tokens - 1),
+    /// over requests of two tokens or more.
+    pub tpot_ms: Percentiles,
     pub e2e_ms: Percentiles,
     pub requests_per_s: f64,
     pub output_tokens_per_s: f64,
@@ -76,6 +79,8 @@ pub struct Summary {
     /// A disaggregated fleet: the share of answered requests prefilled on a prefill worker,
     /// and the KV pulled by decode workers per answered request; `None` when nothing was.
     pub disaggregated_share: Option<f64>,
+    /// Of the split requests, the share pulled across nodes.
+    pub across_nodes_share: Option<f64>,
     pub transferred_mib_per_request: Option<f64>,
 }
 
@@ -112,6 +117,10 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
     let ttft = pick(&|r| r.ttft_ms);
     let e2e = pick(&|r| r.e2e_ms);
     let itl: Vec<f64> = measured.iter().flat_map(|r| r.itl_ms.iter().copied()).collect();
+    let tpot = pick(&|r| {
+        let after_first = r.output_tokens.checked_sub(1).filter(|&n| n > 0)?;
+        Some((r.e2e_ms? - r.ttft_ms?) / after_first as f64)
+    });
     let output_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
 
     // Best achievable over the order the requests actually left in.
@@ -181,6 +190,10 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
     });
     let prompt_tokens: u64 =
         delta(&run.stats_end, &run.stats_start, |s| s.prompt_tokens).iter().sum();
+    // A fleet with prefill or decode workers: its figures are reported when nothing split.
+    let disaggregated = run.stats_end.iter().any(|s| s.role != kvroute_core::schedule::Role::Both);
+    let received: u64 =
+        delta(&run.stats_end, &run.stats_start, |s| s.handoff.received).iter().sum();
     Summary {
         label: run.label.clone(),
         requests: records.len(),
@@ -188,6 +201,7 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
         measured: measured.len(),
         ttft_ms: Percentiles::of(&ttft),
         itl_ms: Percentiles::of(&itl),
+        tpot_ms: Percentiles::of(&tpot),
         e2e_ms: Percentiles::of(&e2e),
         requests_per_s: ratio(ok.len() as f64, run.wall_secs).unwrap_or(0.0),
         output_tokens_per_s: ratio(output_tokens as f64, run.wall_secs).unwrap_or(0.0),
@@ -213,20 +227,27 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
         },
         engines_per_adapter: engines_per_adapter(&ok),
         host_hit_rate: host_tokens.and_then(|t| ratio(t as f64, prompt_tokens as f64)),
-        disaggregated_share: {
-            let received: u64 =
-                delta(&run.stats_end, &run.stats_start, |s| s.handoff.received).iter().sum();
-            (received > 0).then(|| ratio(received as f64, ok.len() as f64)).flatten()
-        },
-        transferred_mib_per_request: {
-            let bytes: u64 =
-                delta(&run.stats_end, &run.stats_start, |s| s.handoff.received_bytes).iter().sum();
-            let received: u64 =
-                delta(&run.stats_end, &run.stats_start, |s| s.handoff.received).iter().sum();
-            (received > 0)
-                .then(|| ratio(bytes as f64 / f64::from(1 << 20), ok.len() as f64))
-                .flatten()
-        },
+        disaggregated_share: disaggregated
+            .then(|| ratio(received as f64, ok.len() as f64))
+            .flatten(),
+        across_nodes_share: disaggregated
+            .then(|| {
+                let across: u64 =
+                    delta(&run.stats_end, &run.stats_start, |s| s.handoff.received_across_nodes)
+                        .iter()
+                        .sum();
+                ratio(across as f64, received as f64)
+            })
+            .flatten(),
+        transferred_mib_per_request: disaggregated
+            .then(|| {
+                let bytes: u64 =
+                    delta(&run.stats_end, &run.stats_start, |s| s.handoff.received_bytes)
+                        .iter()
+                        .sum();
+                ratio(bytes as f64 / f64::from(1 << 20), ok.len() as f64)
+            })
+            .flatten(),
         host_loaded_mib_per_request: host_tokens.and_then(|_| {
             let bytes: u64 =
                 delta(&run.stats_end, &run.stats_start, |s| s.host_loaded_bytes).iter().sum();

@@ -43,10 +43,13 @@ pub enum WorkloadKind {
     MultiLora,
     /// `multi-turn` with each user's requests tagged as a session (`prompt_cache_key`).
     Sessions,
+    /// Long prompts (a shared document, then a long unique part) and long answers: where
+    /// prefills stall decodes, so where disaggregation should matter ([`LongPrompts`]).
+    LongPrompt,
 }
 
 impl WorkloadKind {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::SharedPrefix,
         Self::MultiTurn,
         Self::Multimodal,
@@ -54,6 +57,7 @@ impl WorkloadKind {
         Self::Trace,
         Self::MultiLora,
         Self::Sessions,
+        Self::LongPrompt,
     ];
 
     pub fn name(self) -> &'static str {
@@ -65,6 +69,7 @@ impl WorkloadKind {
             Self::Trace => "trace",
             Self::MultiLora => "multi-lora",
             Self::Sessions => "sessions",
+            Self::LongPrompt => "long-prompt",
         }
     }
 }
@@ -81,7 +86,7 @@ impl std::str::FromStr for WorkloadKind {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
             format!(
-                "unknown workload {s:?} (shared-prefix, multi-turn, multimodal, random, trace, multi-lora, sessions)"
+                "unknown workload {s:?} (shared-prefix, multi-turn, multimodal, random, trace, multi-lora, sessions, long-prompt)"
             )
         })
     }
@@ -144,6 +149,19 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// Says in its parameters that it runs on `fleet`, sized to it by `flag`.
+    pub fn sized(mut self, fleet: &crate::run::FleetConfig, flag: &str) -> Self {
+        let line = format!(
+            "{} workers x {} blocks of {} tokens ({} tokens in all), sized to the workload ({flag})",
+            fleet.engines(),
+            fleet.num_blocks,
+            fleet.block_size,
+            fleet.capacity_blocks() * fleet.block_size as usize
+        );
+        self.params.push(("fleet".into(), line));
+        self
+    }
+
     /// Token-id prompts become text, for routers that take no token ids (sglang-router): each
     /// token becomes a word of the model's vocabulary (by its id; the prompt's first from the
     /// words without a leading space), and a run of words tokenizes back to exactly those
@@ -643,6 +661,71 @@ impl RandomPrompts {
             params: vec![
                 ("requests".into(), self.requests.to_string()),
                 ("prompt".into(), format!("{} random tokens", self.prompt_tokens)),
+                ("output".into(), format!("{} tokens", self.output_tokens)),
+                ("arrivals".into(), format!("Poisson, {} req/s", self.rate)),
+            ],
+            requests,
+            adapters: Vec::new(),
+        }
+    }
+}
+
+/// `long-prompt`: prompts of `prompt_tokens`, each opening with one of `documents` shared
+/// documents of `document_tokens` (uniformly drawn) and going on with tokens of its own, with
+/// answers of `output_tokens`: in an aggregated fleet every prefill of the unique part holds
+/// up the running decodes for tens of milliseconds, which a disaggregated fleet keeps off
+/// its decode workers.
+#[derive(Clone, Debug)]
+pub struct LongPrompts {
+    pub requests: usize,
+    pub documents: usize,
+    pub document_tokens: usize,
+    pub prompt_tokens: usize,
+    pub output_tokens: u32,
+    pub rate: f64,
+}
+
+impl Default for LongPrompts {
+    fn default() -> Self {
+        Self {
+            requests: 120,
+            documents: 8,
+            document_tokens: 1024,
+            prompt_tokens: 4096,
+            output_tokens: 256,
+            rate: 2.0,
+        }
+    }
+}
+
+impl LongPrompts {
+    pub fn generate(&self, seed: u64, bs: BlockSize, warmup: f64) -> Workload {
+        let mut rng = Rng::new(seed ^ 0x4c4f_4e47);
+        let shared = self.document_tokens.min(self.prompt_tokens);
+        let documents: Vec<Vec<u32>> =
+            (0..self.documents.max(1)).map(|_| random_tokens(&mut rng, shared)).collect();
+        let arrivals = poisson_arrivals(&mut rng, self.requests, self.rate);
+        let mut requests = arrivals
+            .into_iter()
+            .map(|at| {
+                let doc = rng.below(documents.len());
+                let mut tokens = documents[doc].clone();
+                tokens.extend(random_tokens(&mut rng, self.prompt_tokens - shared));
+                tokens_request(Start::At(at), tokens, self.output_tokens, doc, bs)
+            })
+            .collect::<Vec<_>>();
+        mark_warmup(&mut requests, warmup);
+        Workload {
+            kind: WorkloadKind::LongPrompt,
+            params: vec![
+                ("requests".into(), self.requests.to_string()),
+                (
+                    "prompt".into(),
+                    format!(
+                        "{} tokens: one of {} shared documents of {} tokens, then its own",
+                        self.prompt_tokens, self.documents, shared
+                    ),
+                ),
                 ("output".into(), format!("{} tokens", self.output_tokens)),
                 ("arrivals".into(), format!("Poisson, {} req/s", self.rate)),
             ],

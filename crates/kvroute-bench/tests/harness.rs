@@ -48,7 +48,13 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
         let label = policy.to_string();
         let data = run::run(
             &workload,
-            &Target::Fleet { policy, events: true, replicas: None, dialect: Dialect::VllmGenerate },
+            &Target::Fleet {
+                policy,
+                events: true,
+                replicas: None,
+                dialect: Dialect::VllmGenerate,
+                pd_baseline: None,
+            },
             &fleet,
             &label,
             &ProgressBar::hidden(),
@@ -128,6 +134,7 @@ fn text_prompts_reach_the_engines_as_the_same_blocks() {
         events: true,
         replicas: None,
         dialect: Dialect::VllmGenerate,
+        pd_baseline: None,
     };
     let data = run::run(&workload, &target, &fleet, "kv", &ProgressBar::hidden(), &pre).unwrap();
     for r in &data.records {

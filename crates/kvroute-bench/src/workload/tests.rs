@@ -315,3 +315,28 @@ fn multi_lora_requests_name_their_adapter_and_sessions_tag_users() {
         assert_eq!((t.start, t.group, p.session.is_none()), (p.start, p.group, true));
     }
 }
+
+/// long-prompt: every prompt is as long as asked and opens with one of the documents, which
+/// requests share; the rest is its own.
+#[test]
+fn long_prompts_share_documents_and_nothing_else() {
+    let bs = BlockSize::new(16).unwrap();
+    let w =
+        LongPrompts { requests: 40, documents: 3, ..LongPrompts::default() }.generate(7, bs, 0.0);
+    assert_eq!(w.requests.len(), 40);
+    let doc_blocks = 1024 / 16;
+    let mut docs = std::collections::HashMap::new();
+    for r in &w.requests {
+        assert_eq!(r.prompt_ids.len(), 4096);
+        assert_eq!(r.max_tokens, 256);
+        let first = &r.blocks[..doc_blocks];
+        let seen = docs.entry(r.group).or_insert_with(|| first.to_vec());
+        assert_eq!(seen.as_slice(), first, "one document, one prefix");
+    }
+    assert!(docs.len() > 1 && docs.len() <= 3, "{} documents used", docs.len());
+    // Past the document, no two prompts share a block.
+    let mut tails = std::collections::HashSet::new();
+    for r in &w.requests {
+        assert!(tails.insert(r.blocks[doc_blocks]), "a shared block past the document");
+    }
+}
