@@ -470,6 +470,8 @@ impl BenchArgs {
             "--slo-tpot-p99: milliseconds >= 0"
         );
         anyhow::ensure!(self.nodes >= 1, "--nodes must be at least 1");
+        // A bad --pd-cost is reported before any fleet starts.
+        self.fleet().pair_config()?;
         anyhow::ensure!(
             self.long_prompt_tokens > 0 && self.long_requests > 0 && self.long_rate > 0.0,
             "--long-prompt-tokens, --long-requests and --long-rate must be > 0"

@@ -131,6 +131,22 @@ impl FleetConfig {
         kv.kv_bytes_per_token = self.host.kv_bytes_per_token;
     }
 
+    /// The router of a run with `policy` over `workers` (none: the fleet's simulated ones),
+    /// priced as the fleet's engines work.
+    fn router_config(
+        &self,
+        policy: PolicyKind,
+        workers: Vec<WorkerSpec>,
+    ) -> anyhow::Result<RouterConfig> {
+        let mut router =
+            RouterConfig { block_size: self.block_size()?, workers, ..RouterConfig::default() };
+        router.scheduler.policy = policy;
+        router.scheduler.sessions.margin_s = self.session_margin;
+        self.price_host_loads(&mut router.scheduler.kv);
+        router.scheduler.pairs = self.pair_config()?;
+        Ok(router)
+    }
+
     /// The router's pair cost: its settings read as `kvroute serve` reads them, over the
     /// links the fleet's engines pull over.
     pub fn pair_config(&self) -> anyhow::Result<kvroute_core::schedule::PairConfig> {
@@ -393,11 +409,7 @@ pub async fn start_fleet(
     events: bool,
     replicas: Option<&Replicas>,
 ) -> anyhow::Result<(Vec<String>, Vec<WorkerSpec>)> {
-    let mut router = RouterConfig { block_size: fleet.block_size()?, ..RouterConfig::default() };
-    router.scheduler.policy = policy;
-    router.scheduler.sessions.margin_s = fleet.session_margin;
-    fleet.price_host_loads(&mut router.scheduler.kv);
-    router.scheduler.pairs = fleet.pair_config()?;
+    let mut router = fleet.router_config(policy, Vec::new())?;
     if let Some(r) = replicas {
         anyhow::ensure!(r.nats_url.is_some() || !r.sync, "replica sync needs a NATS URL");
     }
@@ -458,15 +470,7 @@ pub async fn start_fleet(
     let mut stacks = vec![stack];
     for k in 1..replicas.map_or(1, |r| r.n) {
         // Another front door and router over the same workers (external to it).
-        let mut router = RouterConfig {
-            block_size: fleet.block_size()?,
-            workers: stacks[0].workers.clone(),
-            ..RouterConfig::default()
-        };
-        router.scheduler.policy = policy;
-        router.scheduler.sessions.margin_s = fleet.session_margin;
-        fleet.price_host_loads(&mut router.scheduler.kv);
-        router.scheduler.pairs = fleet.pair_config()?;
+        let mut router = fleet.router_config(policy, stacks[0].workers.clone())?;
         router.nats = nats_for(k);
         let replica = started(front_door(router, fleet), &format!("replica {k}")).await?;
         fronts.push(replica.serve_frontend_on_loopback().await?);

@@ -109,6 +109,10 @@ fn ratio(num: f64, den: f64) -> Option<f64> {
 /// without worker stats).
 pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize>) -> Summary {
     let records = &run.records;
+    // A counter of the workers' own, summed over the fleet, over the run.
+    let total = |f: &dyn Fn(&WorkerStats) -> u64| -> u64 {
+        delta(&run.stats_end, &run.stats_start, f).iter().sum()
+    };
     let ok: Vec<_> = records.iter().filter(|r| r.error.is_none()).collect();
     let measured: Vec<_> = ok.iter().filter(|r| !r.warmup).collect();
     let pick = |f: &dyn Fn(&crate::run::RequestRecord) -> Option<f64>| -> Vec<f64> {
@@ -149,8 +153,8 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
     // Ground truth: the workers' counters, else the answers' usage.
     let have_stats = !run.stats_end.is_empty();
     let hit_rate = if have_stats {
-        let cached: u64 = delta(&run.stats_end, &run.stats_start, |s| s.cached_tokens).iter().sum();
-        let prompt: u64 = delta(&run.stats_end, &run.stats_start, |s| s.prompt_tokens).iter().sum();
+        let cached: u64 = total(&|s| s.cached_tokens);
+        let prompt: u64 = total(&|s| s.prompt_tokens);
         ratio(cached as f64, prompt as f64)
     } else {
         let cached: u64 = ok.iter().filter_map(|r| r.cached_tokens).sum();
@@ -185,15 +189,11 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
     };
     let loads: Vec<f64> = worker_requests.iter().map(|&n| n as f64).collect();
     let has_host = run.stats_end.iter().any(|s| s.host_total_blocks > 0);
-    let host_tokens = has_host.then(|| {
-        delta(&run.stats_end, &run.stats_start, |s| s.host_hit_tokens).iter().sum::<u64>()
-    });
-    let prompt_tokens: u64 =
-        delta(&run.stats_end, &run.stats_start, |s| s.prompt_tokens).iter().sum();
+    let host_tokens = has_host.then(|| total(&|s| s.host_hit_tokens));
+    let prompt_tokens: u64 = total(&|s| s.prompt_tokens);
     // A fleet with prefill or decode workers: its figures are reported when nothing split.
     let disaggregated = run.stats_end.iter().any(|s| s.role != kvroute_core::schedule::Role::Both);
-    let received: u64 =
-        delta(&run.stats_end, &run.stats_start, |s| s.handoff.received).iter().sum();
+    let received: u64 = total(&|s| s.handoff.received);
     Summary {
         label: run.label.clone(),
         requests: records.len(),
@@ -217,12 +217,12 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
         false_hits,
         load_cv: coefficient_of_variation(&loads),
         worker_requests,
-        evicted_blocks: delta(&run.stats_end, &run.stats_start, |s| s.evicted_blocks).iter().sum(),
-        preemptions: delta(&run.stats_end, &run.stats_start, |s| s.preemptions).iter().sum(),
+        evicted_blocks: total(&|s| s.evicted_blocks),
+        preemptions: total(&|s| s.preemptions),
         adapter_loads_per_request: {
             let asked = ok.iter().filter(|r| r.adapter.is_some()).count();
             let loads = |s: &crate::run::WorkerStats| s.lora.stats.loads + s.lora.stats.swaps;
-            let loads: u64 = delta(&run.stats_end, &run.stats_start, loads).iter().sum();
+            let loads = total(&loads);
             ratio(loads as f64, asked as f64).filter(|_| have_stats)
         },
         engines_per_adapter: engines_per_adapter(&ok),
@@ -232,25 +232,18 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
             .flatten(),
         across_nodes_share: disaggregated
             .then(|| {
-                let across: u64 =
-                    delta(&run.stats_end, &run.stats_start, |s| s.handoff.received_across_nodes)
-                        .iter()
-                        .sum();
+                let across: u64 = total(&|s| s.handoff.received_across_nodes);
                 ratio(across as f64, received as f64)
             })
             .flatten(),
         transferred_mib_per_request: disaggregated
             .then(|| {
-                let bytes: u64 =
-                    delta(&run.stats_end, &run.stats_start, |s| s.handoff.received_bytes)
-                        .iter()
-                        .sum();
+                let bytes: u64 = total(&|s| s.handoff.received_bytes);
                 ratio(bytes as f64 / f64::from(1 << 20), ok.len() as f64)
             })
             .flatten(),
         host_loaded_mib_per_request: host_tokens.and_then(|_| {
-            let bytes: u64 =
-                delta(&run.stats_end, &run.stats_start, |s| s.host_loaded_bytes).iter().sum();
+            let bytes: u64 = total(&|s| s.host_loaded_bytes);
             ratio(bytes as f64 / f64::from(1 << 20), ok.len() as f64)
         }),
     }

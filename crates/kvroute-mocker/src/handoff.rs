@@ -19,15 +19,16 @@
 //!
 //! The pull takes `bytes / --kv-transfer-bandwidth` (bytes: the blocks pulled x block size x
 //! `--kv-bytes-per-token`; between engines of different `--node`s, the bandwidth is
-//! `--kv-transfer-bandwidth-across-nodes`) on the simulated clock, then the decode engine computes the rest
-//! of the prompt (its last block) at no prefill cost, as Dynamo's decode mocker prices it. A
+//! `--kv-transfer-bandwidth-across-nodes`) on the simulated clock, then the decode engine
+//! computes the rest of the prompt (its last block) at no prefill cost, as Dynamo's decode
+//! mocker prices it. A
 //! pull that fails (the prefill engine gone, its hold expired) leaves the decode engine to
 //! prefill the prompt itself (vLLM's `kv_load_failure_policy = "recompute"`), counted.
 //!
 //! The side channel is plain HTTP on loopback, kvroute's own: `POST /kv/wait` (until a key is
 //! held, or a deadline; it answers the held prompt's tokens and the prefill engine's node)
-//! and `POST /kv/release`. vLLM's real one is a ZMQ handshake with RDMA
-//! reads, SGLang's a bootstrap server with Mooncake or NIXL transfers; neither has bytes a
+//! and `POST /kv/release`. vLLM's real one is a ZMQ handshake with RDMA reads, SGLang's a
+//! bootstrap server with Mooncake or NIXL transfers; neither has bytes a
 //! router sees, so only their timing and their effect on both caches are simulated.
 
 use std::collections::HashMap;
