@@ -198,11 +198,29 @@ pub(crate) async fn send(
     edit: Option<Edit<'_>>,
     timeout: std::time::Duration,
 ) -> Result<Result<Response, HopFailure>, ApiError> {
-    let worker = placement.worker;
-    let Some(base) = state.urls.get(&worker.worker_id) else {
+    let worker = placement.worker.worker_id;
+    Ok(match post(state, out, worker, edit, timeout).await? {
+        Ok((r, from)) => Ok(respond(state, out, placement, guard, r, from)?),
+        Err(failure) => Err(failure),
+    })
+}
+
+/// A worker's answer as it starts: its head, its body still to come.
+pub(crate) type Head = hyper::Response<hyper::body::Incoming>;
+
+/// Posts `out` to `worker` (its body in the worker's dialect, changed by `edit`): the
+/// answer's head and the tokens dialect it went in, or the failure when no head came.
+pub(crate) async fn post(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+    worker: WorkerId,
+    edit: Option<Edit<'_>>,
+    timeout: std::time::Duration,
+) -> Result<Result<(Head, Option<Dialect>), HopFailure>, ApiError> {
+    let Some(base) = state.urls.get(&worker) else {
         return Err(ApiError::internal("a placed worker has no URL"));
     };
-    let (path, body, from) = state.hop(worker.worker_id, out);
+    let (path, body, from) = state.hop(worker, out);
     let body = match edit {
         Some(edit) => edited(&body, edit)?,
         None => body,
@@ -212,7 +230,7 @@ pub(crate) async fn send(
         .body(Full::new(body))
         .map_err(ApiError::internal)?;
     Ok(match tokio::time::timeout(timeout, state.client.send(request)).await {
-        Ok(Ok(r)) => Ok(respond(state, out, placement, guard, r, from)?),
+        Ok(Ok(r)) => Ok((r, from)),
         Ok(Err(e)) if e.is_connect() => Err((Failure::Connect, e)),
         Ok(Err(e)) => Err((Failure::Broken, e)),
         Err(_) => Err((Failure::Timeout, ClientError::Timeout(timeout))),
@@ -276,14 +294,18 @@ impl FrontendState {
 /// (and, when asked for, the cached tokens predicted there), its body passed on as it comes
 /// (turned into OpenAI's shape on the way when it went in the tokens dialect `from` and
 /// succeeded).
-fn respond(
+pub(crate) fn respond<B>(
     state: &Arc<FrontendState>,
     out: &Outbound,
     placement: Placement,
     mut guard: InFlight,
-    response: hyper::Response<hyper::body::Incoming>,
+    response: hyper::Response<B>,
     from: Option<Dialect>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, ApiError>
+where
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let worker = placement.worker;
     if state.health.succeeded(worker.worker_id) {
         tracing::info!(%worker, "worker answers again: back in rotation");
@@ -416,10 +438,14 @@ const WHOLE_ANSWER_LIMIT: usize = 64 << 20;
 
 /// The answer's bytes, through `translator` when there is one: a stream event by event, a
 /// whole answer once it has all come.
-fn translated(
-    incoming: hyper::body::Incoming,
+fn translated<B>(
+    incoming: B,
     translator: Option<Translator>,
-) -> futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Error>> {
+) -> futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Error>>
+where
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     use http_body_util::BodyExt as _;
     match translator {
         None => incoming.into_data_stream().map(|c| c.map_err(std::io::Error::other)).boxed(),

@@ -97,6 +97,7 @@ struct Metrics {
     pd_split: Counter,
     pd_in_place: Counter,
     pd_prefill_failed: Counter,
+    pd_handoff_failed: Counter,
 }
 
 impl Metrics {
@@ -137,6 +138,12 @@ impl Metrics {
             "kvroute_frontend_pd_prefill_failures",
             "Prefill legs whose worker did not answer (the request placed again)",
             m.pd_prefill_failed.clone(),
+        );
+        r.register(
+            "kvroute_frontend_pd_handoff_failures",
+            "Split requests whose decode worker could not take the prefill's KV (placed again \
+             without that prefill worker)",
+            m.pd_handoff_failed.clone(),
         );
         Self { registry: r, ..m }
     }

@@ -12,9 +12,12 @@
 //!
 //! The client sees the decode worker's answer, streamed as it comes. A prefill worker that
 //! fails before answering is ejected and the request placed again (in place, or with another
-//! prefill worker); a decode worker that cannot pull prefills the prompt itself (the
-//! engine's own fallback). Both legs are in flight in the router from placement: the prefill
-//! leg until its answer, the decode leg until the client's answer ends.
+//! prefill worker); under SGLang's protocol the decode leg waiting for it is dropped at once.
+//! A decode worker that answers that it could not take the prefill's KV (a 5xx, or a stream
+//! whose first event is an error: vLLM's `kv_load_failure_policy = "fail"`, SGLang's failed
+//! handshake) is not to blame: the request is placed again without that prefill worker. Both
+//! legs are in flight in the router from placement: the prefill leg until its answer, the
+//! decode leg until the client's answer ends.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +25,10 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use axum::http::header;
 use axum::response::Response;
-use http_body_util::{BodyExt as _, Full, Limited};
+use futures_util::StreamExt as _;
+use futures_util::stream::BoxStream;
+use http_body_util::{BodyExt as _, Full, Limited, StreamBody};
+use hyper::body::Frame;
 use kvroute_core::schedule::RouteDecision;
 use kvroute_core::schedule::pairs::prefill_leg_id;
 use kvroute_core::{WorkerId, WorkerWithDpRank};
@@ -30,8 +36,9 @@ use kvroute_http::router_api::Answered;
 use kvroute_http::{ApiError, ClientError};
 use kvroute_router::{Dialect, PlaceRequest, RouterState};
 use serde_json::{Value, json};
+use tokio::sync::oneshot;
 
-use crate::dispatch::{Edit, HopFailure, InFlight, Outbound, edited, send};
+use crate::dispatch::{Edit, Head, HopFailure, InFlight, Outbound, edited, post, respond, send};
 use crate::health::Failure;
 use crate::placer::Placement;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
@@ -80,26 +87,24 @@ pub(crate) async fn dispatch_pair(
         state.metrics.pd_split.inc();
         guard.checked = false;
         let p = prefill.worker.worker_id;
-        let edit: Box<dyn Fn(&mut Value) + Send + Sync> = match state.dialect(p) {
+        let (edit, prefill_leg): (LegFields, _) = match state.dialect(p) {
             Dialect::SglangGenerate => {
-                let Some(bootstrap) = state.bootstrap(p) else {
+                let Some((host, port)) = state.bootstrap(p) else {
                     return Err(ApiError::internal("a prefill worker has no bootstrap port"));
                 };
                 let room = bootstrap_room(state);
-                let (host, port) = bootstrap;
                 let fields = move |v: &mut Value| {
                     v["bootstrap_host"] = json!(host);
                     v["bootstrap_port"] = json!(port);
                     v["bootstrap_room"] = json!(room);
                 };
-                let prefill_fields = fields.clone();
                 let leg = Leg { state: Arc::clone(state), id: id.clone(), decision: prefill };
-                leg.spawn_sglang(out, prefill_fields, timeout);
-                Box::new(fields)
+                let outcome = leg.spawn_sglang(out, fields.clone(), timeout);
+                (Box::new(fields), Some(outcome))
             }
             _ => match vllm_prefill(state, out, &prefill, &id, timeout).await? {
                 Ok(params) => {
-                    Box::new(move |v: &mut Value| v["kv_transfer_params"] = params.clone())
+                    (Box::new(move |v: &mut Value| v["kv_transfer_params"] = params.clone()), None)
                 }
                 Err(f) => {
                     state.metrics.pd_prefill_failed.inc();
@@ -108,11 +113,139 @@ pub(crate) async fn dispatch_pair(
                 }
             },
         };
-        match send(state, out, decode, guard, Some(&*edit), timeout).await? {
-            Ok(answer) => return Ok(answer),
-            Err(f) => state.retry_without(decode.worker.worker_id, f, &mut excluded),
+        match decode_leg(state, out, decode, guard, &*edit, timeout, prefill_leg).await? {
+            Decoded::Answer(answer) => return Ok(answer),
+            Decoded::Failed(f) => state.retry_without(decode.worker.worker_id, f, &mut excluded),
+            Decoded::Handoff(why) => {
+                state.metrics.pd_handoff_failed.inc();
+                let d = decode.worker.worker_id;
+                tracing::warn!(prefill = %p, decode = %d, %why, "KV handoff failed; placing again");
+                excluded.extend(state.all_ranks(p));
+            }
+            Decoded::Prefill(PrefillOutcome::Refused(e)) => return Err(e),
+            Decoded::Prefill(_) => excluded.extend(state.all_ranks(p)),
         }
     }
+}
+
+/// The fields a decode leg's body gets: where its prefill's KV is.
+type LegFields = Box<dyn Fn(&mut Value) + Send + Sync>;
+
+/// How a split's decode leg ended before the client's answer started.
+enum Decoded {
+    Answer(Response),
+    /// The decode worker did not answer: it is to blame.
+    Failed(HopFailure),
+    /// The decode worker answered that it could not take the prefill's KV.
+    Handoff(String),
+    /// SGLang's prefill leg, sent beside it, failed or was refused first.
+    Prefill(PrefillOutcome),
+}
+
+/// How SGLang's prefill leg ended.
+enum PrefillOutcome {
+    Done,
+    /// The request's own fault, as the worker said it.
+    Refused(ApiError),
+    /// The worker failed (it was ejected).
+    Failed,
+}
+
+/// A split's decode leg: sent with `edit` (the prefill's coordinates), its answer passed on
+/// unless it says the handoff failed; dropped when `prefill` (SGLang's leg beside it) fails
+/// first, as its engine would wait for KV that never comes.
+async fn decode_leg(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+    decode: Placement,
+    guard: InFlight,
+    edit: Edit<'_>,
+    timeout: Duration,
+    prefill: Option<oneshot::Receiver<PrefillOutcome>>,
+) -> Result<Decoded, ApiError> {
+    let worker = decode.worker.worker_id;
+    let head = async {
+        let started = Instant::now();
+        let (head, from) = match post(state, out, worker, Some(edit), timeout).await? {
+            Ok(h) => h,
+            Err(f) => return Ok(Err(Decoded::Failed(f))),
+        };
+        let left = timeout.saturating_sub(started.elapsed());
+        Ok::<_, ApiError>(match peek(head, out.streamed, left).await {
+            Ok(Ok(head)) => Ok((head, from)),
+            Ok(Err(why)) => Err(Decoded::Handoff(why)),
+            Err(f) => Err(Decoded::Failed(f)),
+        })
+    };
+    let prefill_failed = async move {
+        match prefill {
+            Some(rx) => match rx.await {
+                Ok(PrefillOutcome::Done) | Err(_) => std::future::pending().await,
+                Ok(failed) => failed,
+            },
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        head = head => match head? {
+            Ok((head, from)) => Ok(Decoded::Answer(respond(state, out, decode, guard, head, from)?)),
+            Err(ended) => Ok(ended),
+        },
+        failed = prefill_failed => Ok(Decoded::Prefill(failed)),
+    }
+}
+
+/// A decode answer's body, its first frame read ahead.
+type Peeked = StreamBody<BoxStream<'static, Result<Frame<Bytes>, hyper::Error>>>;
+
+/// A decode answer's head as it may go to the client, or why the handoff failed: a 5xx (its
+/// message), or an event stream whose first event is an error. The failure when the stream
+/// broke or stayed silent past `timeout` before its first event.
+async fn peek(
+    head: Head,
+    streamed: bool,
+    timeout: Duration,
+) -> Result<Result<hyper::Response<Peeked>, String>, HopFailure> {
+    let (parts, mut body) = head.into_parts();
+    if parts.status.is_server_error() {
+        let read = Limited::new(body, PREFILL_ANSWER_LIMIT).collect();
+        let bytes = match tokio::time::timeout(timeout, read).await {
+            Ok(Ok(w)) => w.to_bytes(),
+            _ => Bytes::new(),
+        };
+        let message = kvroute_http::client::error_message(&bytes);
+        return Ok(Err(format!("HTTP {}: {message}", parts.status)));
+    }
+    let first = match streamed && parts.status.is_success() {
+        true => match tokio::time::timeout(timeout, body.frame()).await {
+            Ok(Some(Ok(frame))) => Some(frame),
+            Ok(Some(Err(e))) => return Err((Failure::Broken, ClientError::Body(Box::new(e)))),
+            Ok(None) => None,
+            Err(_) => return Err((Failure::Timeout, ClientError::Timeout(timeout))),
+        },
+        false => None,
+    };
+    if let Some(why) = first.as_ref().and_then(Frame::data_ref).and_then(|d| stream_error(d)) {
+        return Ok(Err(why));
+    }
+    let rest = http_body_util::BodyStream::new(body);
+    let stream = futures_util::stream::iter(first.map(Ok)).chain(rest).boxed();
+    Ok(Ok(hyper::Response::from_parts(parts, StreamBody::new(stream))))
+}
+
+/// The message of an event stream's first event when it is an error (OpenAI's and vLLM's
+/// `{"error": {...}}`, or `{"object": "error", ...}`).
+fn stream_error(chunk: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(chunk).ok()?;
+    let data = text.lines().find_map(|l| l.strip_prefix("data:"))?.trim();
+    let v: Value = serde_json::from_str(data).ok()?;
+    let error = match v.get("error") {
+        Some(e) => e,
+        None if v.get("object").and_then(Value::as_str) == Some("error") => &v,
+        None => return None,
+    };
+    let message = error.get("message").and_then(Value::as_str);
+    Some(message.unwrap_or("an error event").to_owned())
 }
 
 /// What the front door expects of a leg placed by `d`.
@@ -156,16 +289,17 @@ impl Leg {
     }
 
     /// SGLang's prefill leg, beside the decode leg: sent at once, its answer read and
-    /// dropped (a failure ejects the worker; the decode engine then prefills itself).
+    /// dropped (a failure ejects the worker); how it ended, to the decode leg.
     fn spawn_sglang(
         self,
         out: &Outbound,
         fields: impl Fn(&mut Value) + Sync + Send + 'static,
         timeout: Duration,
-    ) {
+    ) -> oneshot::Receiver<PrefillOutcome> {
         let worker = self.decision.worker.worker_id;
         let (path, body, _) = self.state.hop(worker, out);
         let prompt_tokens = out.prompt_tokens;
+        let (tell, outcome) = oneshot::channel();
         tokio::spawn(async move {
             let whole = |v: &mut Value| {
                 fields(v);
@@ -173,25 +307,28 @@ impl Leg {
             };
             let answer = match edited(&body, &whole) {
                 Ok(body) => prefill_answer(&self.state, worker, path, body, timeout).await,
-                Err(e) => {
-                    tracing::warn!(error = %e.message(), "prefill leg not sent");
-                    self.ended(prompt_tokens, None);
-                    return;
-                }
+                Err(e) => Ok(Err(e)),
             };
-            match answer {
-                Ok(Ok(v)) => self.ended(prompt_tokens, cached_tokens(&v)),
+            let ended = match answer {
+                Ok(Ok(v)) => {
+                    self.ended(prompt_tokens, cached_tokens(&v));
+                    PrefillOutcome::Done
+                }
                 Ok(Err(e)) => {
                     tracing::warn!(%worker, error = %e.message(), "the prefill leg was refused");
                     self.ended(prompt_tokens, None);
+                    PrefillOutcome::Refused(e)
                 }
                 Err(f) => {
                     self.state.metrics.pd_prefill_failed.inc();
                     self.state.worker_failed(worker, f.0);
                     self.ended(prompt_tokens, None);
+                    PrefillOutcome::Failed
                 }
-            }
+            };
+            let _ = tell.send(ended);
         });
+        outcome
     }
 }
 
@@ -300,5 +437,27 @@ async fn prefill_answer(
         (false, true) => Ok(Err(ApiError::new(status, message))),
         // The worker's: another prefill worker, or the decode worker itself, takes it.
         (false, false) => Err((Failure::Broken, ClientError::Status { status, message })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream's first event is an error in OpenAI's and vLLM's shapes; a token, a partial
+    /// event or bytes that are not JSON are not.
+    #[test]
+    fn a_stream_opening_with_an_error_is_told_apart() {
+        let vllm = br#"data: {"error": {"message": "Internal server error", "code": 500}}
+
+"#;
+        assert_eq!(stream_error(vllm).as_deref(), Some("Internal server error"));
+        let object = br#"data: {"object": "error", "message": "KV load failed"}"#;
+        assert_eq!(stream_error(object).as_deref(), Some("KV load failed"));
+        let token = br#"data: {"id": "x", "choices": [{"index": 0, "text": "hi"}]}"#;
+        assert_eq!(stream_error(token), None);
+        for other in [&b"data: {\"error\": {\"mess"[..], b"data: [DONE]", b"\xff\xfe", b""] {
+            assert_eq!(stream_error(other), None, "{other:?}");
+        }
     }
 }

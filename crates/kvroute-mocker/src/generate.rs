@@ -93,7 +93,7 @@ pub(crate) async fn generate(
         handoff: crate::handoff::Handoff::None,
         hold_key: None,
     };
-    state.arrange(&leg, &mut submission).await;
+    state.arrange(&leg, &mut submission).await?;
     let submitted = state.submit(submission)?;
     state.metrics.generated();
     // A stream's text grows token by token through a window seeded with the prompt's end,

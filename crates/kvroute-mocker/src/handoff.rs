@@ -21,9 +21,11 @@
 //! `--kv-bytes-per-token`; between engines of different `--node`s, the bandwidth is
 //! `--kv-transfer-bandwidth-across-nodes`) on the simulated clock, then the decode engine
 //! computes the rest of the prompt (its last block) at no prefill cost, as Dynamo's decode
-//! mocker prices it. A
-//! pull that fails (the prefill engine gone, its hold expired) leaves the decode engine to
-//! prefill the prompt itself (vLLM's `kv_load_failure_policy = "recompute"`), counted.
+//! mocker prices it. A pull that fails (the prefill engine gone, its hold expired) fails the
+//! request with a 500, as vLLM 0.33 does by default (`kv_load_failure_policy = "fail"`) and
+//! SGLang's decode engine always does (its `KVPoll.Failed` abort); with
+//! `--kv-load-failure-policy recompute` a vLLM-protocol decode engine prefills the prompt
+//! itself instead. Both are counted.
 //!
 //! The side channel is plain HTTP on loopback, kvroute's own: `POST /kv/wait` (until a key is
 //! held, or a deadline; it answers the held prompt's tokens and the prefill engine's node)
@@ -76,6 +78,28 @@ impl FromStr for TransferTiming {
     }
 }
 
+/// What a decode engine does when its pull fails (vLLM's `kv_load_failure_policy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LoadFailurePolicy {
+    /// The request fails with a 500 (vLLM 0.33's default; SGLang's only behaviour).
+    #[default]
+    Fail,
+    /// The decode engine prefills the prompt itself.
+    Recompute,
+}
+
+impl FromStr for LoadFailurePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fail" => Ok(Self::Fail),
+            "recompute" => Ok(Self::Recompute),
+            _ => Err(format!("unknown KV load failure policy {s:?} (fail, recompute)")),
+        }
+    }
+}
+
 /// An engine's part in disaggregated serving.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct DisaggConfig {
@@ -93,6 +117,8 @@ pub struct DisaggConfig {
     /// A finished prefill's blocks are freed this long after its end if nobody pulls them
     /// (vLLM's `kv_lease_duration`, 30 s).
     pub hold_timeout: Duration,
+    /// A failed pull fails the request or is recomputed (vLLM's protocol only).
+    pub load_failure: LoadFailurePolicy,
 }
 
 impl Default for DisaggConfig {
@@ -104,6 +130,7 @@ impl Default for DisaggConfig {
             node: 0,
             timing: TransferTiming::DestinationMissing,
             hold_timeout: Duration::from_secs(30),
+            load_failure: LoadFailurePolicy::Fail,
         }
     }
 }
@@ -142,6 +169,7 @@ pub(crate) enum Leg {
     Decode {
         addr: String,
         key: String,
+        sglang: bool,
     },
 }
 
@@ -199,7 +227,7 @@ pub(crate) fn leg(body: &[u8], role: Role, id: &str) -> Result<Leg, ApiError> {
             // vLLM takes a remote prefill without its coordinates as an ordinary request.
             if let (Some(host), Some(port), Some(key)) = (host, port, key) {
                 let addr = side_channel_addr(host, port)?;
-                return Ok(Leg::Decode { addr, key: key.to_owned() });
+                return Ok(Leg::Decode { addr, key: key.to_owned(), sglang: false });
             }
         }
     }
@@ -212,7 +240,7 @@ pub(crate) fn leg(body: &[u8], role: Role, id: &str) -> Result<Leg, ApiError> {
         Role::Decode => {
             let host = fields.bootstrap_host.unwrap_or(Value::Null);
             let port = fields.bootstrap_port.unwrap_or(Value::Null);
-            Ok(Leg::Decode { addr: side_channel_addr(&host, &port)?, key })
+            Ok(Leg::Decode { addr: side_channel_addr(&host, &port)?, key, sglang: true })
         }
     }
 }
@@ -332,30 +360,39 @@ impl AppState {
     }
 
     /// Gets a submission ready for its leg: a prefill is held at its end under its key; a
-    /// decode pulls its prompt's KV first (or, when it cannot, prefills here).
-    pub(crate) async fn arrange(&self, leg: &Leg, s: &mut Submission) {
+    /// decode pulls its prompt's KV first. A pull that fails fails the request (a 500, as
+    /// vLLM and SGLang answer), or with vLLM's `recompute` policy is prefilled here.
+    pub(crate) async fn arrange(&self, leg: &Leg, s: &mut Submission) -> Result<(), ApiError> {
         match leg {
             Leg::Aggregated => {}
             Leg::Prefill { key, .. } => {
                 s.handoff = crate::handoff::Handoff::Hold;
                 s.hold_key = Some(key.clone());
             }
-            Leg::Decode { addr, key } => {
-                s.handoff = match self.pull(addr, key, s).await {
-                    Ok(bytes) => {
-                        self.holds.counts.received.fetch_add(1, Ordering::Relaxed);
-                        self.holds.counts.received_bytes.fetch_add(bytes, Ordering::Relaxed);
-                        Handoff::Remote
+            Leg::Decode { addr, key, sglang } => match self.pull(addr, key, s).await {
+                Ok(bytes) => {
+                    self.holds.counts.received.fetch_add(1, Ordering::Relaxed);
+                    self.holds.counts.received_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    s.handoff = Handoff::Remote;
+                }
+                Err(why) => {
+                    let why = kvroute_http::error::chain(&why);
+                    self.holds.counts.pull_failures.fetch_add(1, Ordering::Relaxed);
+                    let policy = self.engine.config.disagg.load_failure;
+                    if *sglang || policy == LoadFailurePolicy::Fail {
+                        tracing::warn!(%addr, %key, %why, "KV pull failed; the request fails");
+                        return Err(ApiError::new(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            format!("the KV transfer from the prefill engine failed: {why}"),
+                        )
+                        .kind("InternalServerError"));
                     }
-                    Err(why) => {
-                        let why = kvroute_http::error::chain(&why);
-                        tracing::warn!(%addr, %key, %why, "KV pull failed; prefilling here");
-                        self.holds.counts.pull_failures.fetch_add(1, Ordering::Relaxed);
-                        Handoff::None
-                    }
-                };
-            }
+                    tracing::warn!(%addr, %key, %why, "KV pull failed; prefilling here");
+                    s.handoff = Handoff::None;
+                }
+            },
         }
+        Ok(())
     }
 
     /// Pulls the KV of `s`'s prompt held under `key` at `addr`: waits until it is held,
@@ -366,10 +403,14 @@ impl AppState {
         let config = self.engine.config;
         let wait_ms = config.disagg.hold_timeout.as_millis() as u64;
         let url = format!("http://{addr}/kv/wait");
-        let held: Value = client
-            .post_json(&url, &json!({"key": key, "wait_ms": wait_ms}))
-            .await
-            .map_err(PullError::Wait)?;
+        // The prefill engine answers by its deadline; one that does not is given up on.
+        let patience = config.disagg.hold_timeout + Duration::from_secs(5);
+        let ask = json!({"key": key, "wait_ms": wait_ms});
+        let waited = client.post_json(&url, &ask);
+        let held: Value = match tokio::time::timeout(patience, waited).await {
+            Ok(held) => held.map_err(PullError::Wait)?,
+            Err(_) => return Err(PullError::Wait(kvroute_http::ClientError::Timeout(patience))),
+        };
         let held_tokens = held.get("tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
         let from_node = held.get("node").and_then(Value::as_u64).unwrap_or(0) as u32;
         let bs = config.block_size.tokens();
@@ -512,7 +553,7 @@ mod tests {
             "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "r1"}}"#;
         assert_eq!(
             leg(decode, Role::Decode, "x").unwrap(),
-            Leg::Decode { addr: "127.0.0.1:5600".into(), key: "r1".into() }
+            Leg::Decode { addr: "127.0.0.1:5600".into(), key: "r1".into(), sglang: false }
         );
         let bare = br#"{"kv_transfer_params": {"do_remote_prefill": true}}"#;
         assert_eq!(leg(bare, Role::Decode, "x").unwrap(), Leg::Aggregated);
@@ -527,7 +568,7 @@ mod tests {
         );
         assert_eq!(
             leg(room, Role::Decode, "x").unwrap(),
-            Leg::Decode { addr: "[::1]:8998".into(), key: "room-7".into() }
+            Leg::Decode { addr: "[::1]:8998".into(), key: "room-7".into(), sglang: true }
         );
         assert_eq!(leg(room, Role::Both, "x").unwrap(), Leg::Aggregated);
         assert_eq!(leg(b"{}", Role::Decode, "x").unwrap(), Leg::Aggregated);

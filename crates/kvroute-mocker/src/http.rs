@@ -396,7 +396,7 @@ async fn generate(
         handoff: crate::handoff::Handoff::None,
         hold_key: None,
     };
-    state.arrange(&leg, &mut submission).await;
+    state.arrange(&leg, &mut submission).await?;
     let Submitted { outputs, guard, end } = state.submit(submission)?;
     let vocab = u32::try_from(state.preprocessor.vocab_size()).unwrap_or(u32::MAX);
     let preprocessor = Arc::clone(&state.preprocessor);

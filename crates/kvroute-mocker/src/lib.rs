@@ -30,7 +30,7 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, Output, OutputPlan,
     Step, Usage,
 };
-pub use handoff::{DisaggConfig, Handoff, Role, TransferTiming};
+pub use handoff::{DisaggConfig, Handoff, LoadFailurePolicy, Role, TransferTiming};
 pub use kvroute_preprocess::fetch::FetchConfig;
 pub use service::{Endpoints, EngineHandle, Snapshot};
 pub use timing::Timing;

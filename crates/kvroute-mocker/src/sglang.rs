@@ -145,7 +145,7 @@ async fn admit(
         handoff: crate::handoff::Handoff::None,
         hold_key: None,
     };
-    state.arrange(leg, &mut submission).await;
+    state.arrange(leg, &mut submission).await.map_err(|e| Refused::Engine(Box::new(e)))?;
     let submitted = state.submit(submission).map_err(|e| Refused::Engine(Box::new(e)))?;
     state.metrics.sglang_generated();
     let answer = Answer {

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::BlockSize;
 use kvroute_http::HttpClient;
-use kvroute_mocker::{DisaggConfig, EngineConfig, MockerConfig, Role, Spawned, Timing};
+use kvroute_mocker::{
+    DisaggConfig, EngineConfig, LoadFailurePolicy, MockerConfig, Role, Spawned, Timing,
+};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
@@ -35,6 +37,15 @@ const LONG: Duration = Duration::from_secs(30);
 
 fn prompt(seed: u32) -> String {
     (0..160).map(|i| format!("w{} ", (i * 7 + seed) % 50)).collect()
+}
+
+/// `POST url` with `body`: the status and the whole answer, whatever the status.
+async fn posted(url: &str, body: &Value) -> (u16, Vec<u8>) {
+    let client = HttpClient::new();
+    let response = client.call(axum::http::Method::POST, url, Some(body)).await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = kvroute_http::client::read_body(response.into_body(), 1 << 20).await.unwrap();
+    (status, bytes.to_vec())
 }
 
 async fn post(url: &str, body: &Value) -> Value {
@@ -149,25 +160,49 @@ async fn an_unpulled_prefill_is_freed_by_its_lease() {
     assert!(String::from_utf8_lossy(&metrics).contains("kvroute_mocker_kv_held_blocks 0\n"));
 }
 
-/// A decode engine whose prefill engine is gone prefills the prompt itself and answers.
+/// A decode engine whose prefill engine is gone fails the request with a 500, as vLLM 0.33
+/// does by default and SGLang always does; with vLLM's `recompute` policy it prefills the
+/// prompt itself and answers.
 #[tokio::test]
-async fn a_decode_engine_whose_prefill_engine_is_gone_prefills_itself() {
-    let d = engine(Role::Decode, LONG).await;
+async fn a_decode_engine_whose_prefill_engine_is_gone_fails_or_recomputes() {
     let gone = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = gone.local_addr().unwrap().port();
     drop(gone);
     let body = json!({"prompt": prompt(3), "max_tokens": 4, "kv_transfer_params": {
         "do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port,
         "remote_request_id": "r", "remote_engine_id": "e", "remote_block_ids": [[0, 1]]}});
-    let answer = post(&format!("{}/v1/completions", d.url), &body).await;
+    let client = HttpClient::new();
+    let failing = engine(Role::Decode, LONG).await;
+    let url = format!("{}/v1/completions", failing.url);
+    let (status, answer) = posted(&url, &body).await;
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(&answer));
+    let answer: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(answer["error"]["type"], "InternalServerError", "{answer}");
+    let stats = eventually(&failing, |s| s["handoff"]["pull_failures"] == 1).await;
+    assert_eq!(stats["handoff"]["received"], 0, "{stats}");
+    let snapshot = failing.state.engine.snapshot();
+    assert_eq!((snapshot.num_running_reqs, snapshot.num_waiting_reqs), (0, 0), "nothing admitted");
+    let sglang = json!({"text": prompt(3), "sampling_params": {"max_new_tokens": 4},
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 9});
+
+    let recomputing = engine_on(DisaggConfig {
+        role: Role::Decode,
+        hold_timeout: LONG,
+        load_failure: LoadFailurePolicy::Recompute,
+        ..DisaggConfig::default()
+    })
+    .await;
+    let answer = post(&format!("{}/v1/completions", recomputing.url), &body).await;
     assert_eq!((answer["usage"]["completion_tokens"].as_u64(), cached(&answer)), (Some(4), 0));
-    let stats = eventually(&d, |_| true).await;
-    assert_eq!(stats["handoff"]["pull_failures"], 1);
+    let stats = eventually(&recomputing, |s| s["handoff"]["pull_failures"] == 1).await;
+    assert_eq!(stats["handoff"]["received"], 0, "{stats}");
+    // SGLang's decode engine has no recompute policy: its failed handshake is a 500.
+    let (status, _) = posted(&format!("{}/generate", recomputing.url), &sglang).await;
+    assert_eq!(status, 500);
     // A side channel named by a host name is refused: it would be resolved from the request.
     let mut named = body.clone();
     named["kv_transfer_params"]["remote_host"] = json!("prefill.example");
-    let refused =
-        HttpClient::new().post_json::<Value>(&format!("{}/v1/completions", d.url), &named).await;
+    let refused = client.post_json::<Value>(&url, &named).await;
     assert!(refused.unwrap_err().to_string().contains("400"));
 }
 

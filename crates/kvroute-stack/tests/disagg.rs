@@ -1,14 +1,18 @@
 //! A disaggregated fleet end to end over real sockets on 127.0.0.1: the front door places a
 //! request in a pair, sends vLLM's prefill leg and then the decode leg with the prefill's
-//! `kv_transfer_params`, and leaves nothing held or in flight; a prefill or decode worker
-//! that is gone is routed around and the client still gets its answer.
+//! `kv_transfer_params` (or SGLang's two legs at once with a bootstrap room), and leaves
+//! nothing held or in flight; a prefill or decode worker that is gone, a prefill engine that
+//! dies before the pull, and a decode engine that says its handoff failed are routed around
+//! and the client still gets its answer.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
+use axum::response::IntoResponse as _;
 use common::eventually;
 
 use http_body_util::BodyExt;
@@ -156,4 +160,194 @@ async fn a_decode_worker_that_is_gone_leaves_nothing_held() {
     assert_eq!((status, worker), (200, live.unwrap().id.0), "{answer}");
     assert!(eventually(Duration::from_secs(10), || held(&stack) == 0).await, "holds freed");
     assert_eq!(stack.router.as_ref().unwrap().in_flight(), 0);
+}
+
+/// A worker of `role` answering `/v1/completions` with `answer` (the body it got in, the
+/// answer out) and its health check with "ok".
+async fn fake(id: u64, role: Role, answer: fn(&Value) -> axum::response::Response) -> WorkerSpec {
+    use axum::routing::{get, post};
+    let app = axum::Router::new().route("/health", get(|| async { "ok" })).route(
+        "/v1/completions",
+        post(move |axum::Json(body): axum::Json<Value>| async move { answer(&body) }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut spec = WorkerSpec::new(id);
+    spec.url = Some(format!("http://{}", listener.local_addr().unwrap()));
+    spec.role = role;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    spec
+}
+
+/// A prefill engine that answered its leg and died before the pull: its `kv_transfer_params`
+/// name a side channel nobody listens on.
+fn prefilled_then_died(_: &Value) -> axum::response::Response {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let params = json!({"do_remote_prefill": true, "do_remote_decode": false,
+        "remote_engine_id": "gone", "remote_request_id": "r-gone", "remote_block_ids": [[0, 1]],
+        "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1});
+    axum::Json(json!({"id": "x", "object": "text_completion", "kv_transfer_params": params,
+        "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 300, "completion_tokens": 1, "total_tokens": 301}}))
+    .into_response()
+}
+
+/// The fault "a prefill engine dies before the pull", as vLLM 0.33 meets it by default: the
+/// decode engine's pull fails and it answers 500 (`kv_load_failure_policy = "fail"`). The
+/// front door blames the prefill worker, not the decode worker that said so: the request is
+/// placed again without it (here in place), the client gets its answer, nobody is ejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_engine_that_dies_before_the_pull_is_placed_again() {
+    let stack =
+        Stack::start(config(0, 1, vec![fake(70, Role::Prefill, prefilled_then_died).await]));
+    let stack = stack.await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let decode = stack.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
+    for stream in [false, true] {
+        let (status, worker, answer, text) = ask(&format!("{base}/v1/completions"), stream).await;
+        assert_eq!((status, worker), (200, decode), "{text}");
+        if !stream {
+            assert_eq!(answer["usage"]["completion_tokens"], 6);
+        }
+    }
+    let failures = stack.simulated.iter().map(|e| e.holds.counts.pull_failures.load(Relaxed));
+    assert_eq!(failures.sum::<u64>(), 2, "the decode engine tried each pull and failed it");
+    let router = stack.router.as_ref().unwrap();
+    assert_eq!((router.pair_counts().split, router.pair_counts().in_place), (2, 2));
+    assert_eq!(router.in_flight(), 0);
+    let (_, metrics) = HttpClient::new().get(&format!("{base}/metrics")).await.unwrap();
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(metrics.contains("kvroute_frontend_pd_handoff_failures_total 2"), "{metrics}");
+    assert!(
+        metrics.contains("kvroute_frontend_worker_ejections_total 0"),
+        "none ejected: {metrics}"
+    );
+}
+
+/// A decode engine that streams its failed handoff as an error event in a 200 answer (as
+/// vLLM's streaming API does) and serves a request it prefills itself.
+fn streams_a_failed_handoff(body: &Value) -> axum::response::Response {
+    let event = match body.pointer("/kv_transfer_params/do_remote_prefill") {
+        Some(Value::Bool(true)) => json!({"error": {"message": "Internal server error",
+            "type": "InternalServerError", "param": null, "code": 500}}),
+        _ => json!({"id": "x", "object": "text_completion",
+            "choices": [{"index": 0, "text": "fine", "finish_reason": "length"}]}),
+    };
+    let sse = format!("data: {event}\n\ndata: [DONE]\n\n");
+    ([(axum::http::header::CONTENT_TYPE, "text/event-stream")], sse).into_response()
+}
+
+/// A streamed decode leg whose first event is an error is not passed to the client: the
+/// request is placed again without its prefill worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_opening_with_a_failed_handoff_is_placed_again() {
+    let decode = fake(80, Role::Decode, streams_a_failed_handoff).await;
+    let stack = Stack::start(config(1, 0, vec![decode])).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let (status, worker, _, text) = ask(&format!("{base}/v1/completions"), true).await;
+    assert_eq!((status, worker), (200, 80), "{text}");
+    assert!(text.contains("fine") && !text.contains("InternalServerError"), "{text}");
+    let router = stack.router.as_ref().unwrap();
+    assert_eq!((router.pair_counts().split, router.pair_counts().in_place), (1, 1));
+    assert!(eventually(Duration::from_secs(10), || router.in_flight() == 0).await);
+}
+
+/// A simulated SGLang prefill engine outside the stack, declared as SGLang's prefill workers
+/// are: the `sglang-generate` dialect and its bootstrap port.
+async fn sglang_prefill(id: u64) -> (WorkerSpec, kvroute_mocker::Spawned) {
+    let disagg = DisaggConfig { role: Role::Prefill, ..DisaggConfig::default() };
+    let engine = EngineConfig {
+        num_blocks: 400,
+        timing: Timing { speedup: 50.0 },
+        disagg,
+        ..EngineConfig::default()
+    };
+    let config = kvroute_mocker::MockerConfig {
+        engine,
+        endpoints: kvroute_mocker::Endpoints::ephemeral(),
+        ..kvroute_mocker::MockerConfig::default()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let spawned = kvroute_mocker::spawn(config, listener).await.unwrap();
+    let mut spec = WorkerSpec::new(id);
+    spec.url = Some(spawned.url.clone());
+    spec.events = spawned.events.clone();
+    spec.role = Role::Prefill;
+    spec.dialect = kvroute_router::Dialect::SglangGenerate;
+    spec.bootstrap_port = spawned.state.side_channel.map(|a| a.port());
+    (spec, spawned)
+}
+
+/// SGLang's protocol through the front door: both legs at once with one bootstrap room; the
+/// decode worker pulls the prefill's KV and answers; nothing stays held or in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_pair_shares_a_bootstrap_room() {
+    let (spec, prefill) = sglang_prefill(90).await;
+    let stack = Stack::start(config(0, 1, vec![spec])).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let decode = stack.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
+    for stream in [false, true] {
+        let (status, worker, answer, text) = ask(&format!("{base}/v1/completions"), stream).await;
+        assert_eq!((status, worker), (200, decode), "{text}");
+        if !stream {
+            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+            assert_eq!(cached, Some(299 / 16 * 16), "the decode worker pulled the KV: {answer}");
+        }
+    }
+    let router = stack.router.as_ref().unwrap();
+    assert_eq!(router.pair_counts().split, 2);
+    let pulled = || prefill.state.holds.counts.pulled.load(Relaxed) == 2;
+    assert!(eventually(Duration::from_secs(10), pulled).await, "both rooms pulled");
+    let freed = || prefill.state.engine.snapshot().stats.held_blocks == 0;
+    assert!(eventually(Duration::from_secs(10), freed).await, "nothing held");
+    assert!(eventually(Duration::from_secs(10), || router.in_flight() == 0).await);
+}
+
+/// An SGLang prefill worker that fails (HTTP 500) while its decode leg waits on a bootstrap
+/// server that never hands the room over: the decode leg is dropped at once rather than
+/// after its wait (30 s here), the prefill worker left out, and the request placed again in
+/// place. Its decode engine's pull never fails: it was never left to wait it out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_sglang_prefill_drops_its_waiting_decode_leg() {
+    use axum::routing::{get, post};
+    let app = axum::Router::new().route("/health", get(|| async { "ok" })).route(
+        "/generate",
+        post(|| async { (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "engine dead") }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut spec = WorkerSpec::new(95);
+    spec.url = Some(format!("http://{}", listener.local_addr().unwrap()));
+    spec.role = Role::Prefill;
+    spec.dialect = kvroute_router::Dialect::SglangGenerate;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    // A bootstrap server that takes connections and never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    spec.bootstrap_port = Some(silent.local_addr().unwrap().port());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut config = config(0, 1, vec![spec]);
+    config.simulated.engine.disagg.hold_timeout = Duration::from_secs(30);
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let decode = stack.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
+    let url = format!("{base}/v1/completions");
+    let asked = ask(&url, false);
+    let answered = tokio::time::timeout(Duration::from_secs(20), asked).await;
+    let (status, worker, answer, _) = answered.expect("the decode leg waited for its prefill");
+    assert_eq!((status, worker), (200, decode), "{answer}");
+    let router = stack.router.as_ref().unwrap();
+    assert_eq!((router.pair_counts().split, router.pair_counts().in_place), (1, 1));
+    let failures = stack.simulated.iter().map(|e| e.holds.counts.pull_failures.load(Relaxed));
+    assert_eq!(failures.sum::<u64>(), 0, "the waiting decode leg was dropped, not failed");
+    let (_, metrics) = HttpClient::new().get(&format!("{base}/metrics")).await.unwrap();
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(metrics.contains("kvroute_frontend_pd_prefill_failures_total 1"), "{metrics}");
+    assert!(eventually(Duration::from_secs(10), || router.in_flight() == 0).await);
 }

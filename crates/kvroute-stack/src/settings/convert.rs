@@ -122,6 +122,7 @@ impl Settings {
                 node: None,
                 kv_transfer_timing: Some(engine.disagg.timing),
                 kv_hold_timeout: Some(engine.disagg.hold_timeout.as_secs_f64()),
+                kv_load_failure_policy: Some(engine.disagg.load_failure),
             },
             ..Settings::default()
         }
@@ -450,6 +451,7 @@ impl Settings {
             node: kvroute_core::schedule::pairs::node_id(e.node.as_deref()),
             timing: e.kv_transfer_timing.unwrap_or(d.timing),
             hold_timeout,
+            load_failure: e.kv_load_failure_policy.unwrap_or(d.load_failure),
         })
     }
 

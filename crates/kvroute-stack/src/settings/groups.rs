@@ -403,4 +403,9 @@ pub struct Engine {
     /// before freeing them (vLLM's kv_lease_duration).
     #[arg(long)]
     pub kv_hold_timeout: Option<f64>,
+    /// What a decode engine does when its pull fails: `fail` (a 500, vLLM 0.33's default
+    /// kv_load_failure_policy and SGLang's only behaviour) or `recompute` (it prefills the
+    /// prompt itself; vLLM's protocol only).
+    #[arg(long)]
+    pub kv_load_failure_policy: Option<kvroute_mocker::LoadFailurePolicy>,
 }
