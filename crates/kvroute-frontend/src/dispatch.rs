@@ -153,9 +153,8 @@ pub(crate) async fn dispatch(
         .into_iter()
         .flat_map(|w| state.all_ranks(w))
         .collect();
-    if let Some(router) = state.placer.router().filter(|r| r.disaggregated()) {
-        let router = Arc::clone(router);
-        return crate::pair::dispatch_pair(state, out, &router, excluded).await;
+    if state.placer.disaggregated(state.prefill_workers) {
+        return crate::pair::dispatch_pair(state, out, excluded).await;
     }
     loop {
         let id = state.request_id();

@@ -218,6 +218,9 @@ pub struct FrontendState {
     listed: std::sync::Mutex<BTreeMap<WorkerId, std::collections::BTreeSet<String>>>,
     /// Each SGLang prefill worker's bootstrap host and port.
     bootstraps: BTreeMap<WorkerId, (String, u16)>,
+    /// Some worker is a prefill worker (`--worker role=prefill`): with a remote router,
+    /// requests are placed in pairs.
+    prefill_workers: bool,
     /// Mixed into SGLang bootstrap rooms, so two front doors draw different ones.
     room_salt: u64,
 }
@@ -312,6 +315,9 @@ impl FrontendState {
             configured_adapters: Vec::new(),
             listed: std::sync::Mutex::default(),
             bootstraps: bootstraps(workers),
+            prefill_workers: workers
+                .iter()
+                .any(|w| w.role == kvroute_core::schedule::Role::Prefill),
             room_salt: std::hash::BuildHasher::hash_one(
                 &std::collections::hash_map::RandomState::new(),
                 0u8,

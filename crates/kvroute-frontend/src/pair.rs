@@ -29,12 +29,11 @@ use futures_util::StreamExt as _;
 use futures_util::stream::BoxStream;
 use http_body_util::{BodyExt as _, Full, Limited, StreamBody};
 use hyper::body::Frame;
-use kvroute_core::schedule::RouteDecision;
 use kvroute_core::schedule::pairs::prefill_leg_id;
 use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::router_api::Answered;
 use kvroute_http::{ApiError, ClientError};
-use kvroute_router::{Dialect, PlaceRequest, RouterState};
+use kvroute_router::Dialect;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
@@ -51,7 +50,6 @@ const PREFILL_ANSWER_LIMIT: usize = 1 << 20;
 pub(crate) async fn dispatch_pair(
     state: &Arc<FrontendState>,
     out: &Outbound,
-    router: &Arc<RouterState>,
     mut excluded: Vec<WorkerWithDpRank>,
 ) -> Result<Response, ApiError> {
     let timeout = match out.streamed {
@@ -60,22 +58,11 @@ pub(crate) async fn dispatch_pair(
     };
     loop {
         let id = state.request_id();
-        let ask = out.ask();
-        let request = PlaceRequest {
-            local_hashes: ask.local,
-            num_tokens: ask.num_tokens,
-            request_id: Some(&id),
-            overlap_weight: None,
-            temperature: None,
-            exclude: &excluded,
-            adapter: ask.adapter,
-            session: ask.session,
-        };
-        let Some(pair) = router.place_pair(&request) else {
+        let Some(pair) = state.placer.place_pair(out.ask(), &id, &excluded).await? else {
             return Err(ApiError::unavailable("no worker is available"));
         };
         let mut guard = InFlight::new(state, id.clone());
-        let decode = placement(&pair.decode, out.prompt_tokens);
+        let decode = pair.decode;
         let Some(prefill) = pair.prefill else {
             state.metrics.pd_in_place.inc();
             match send(state, out, decode, guard, None, timeout).await? {
@@ -98,7 +85,7 @@ pub(crate) async fn dispatch_pair(
                     v["bootstrap_port"] = json!(port);
                     v["bootstrap_room"] = json!(room);
                 };
-                let leg = Leg { state: Arc::clone(state), id: id.clone(), decision: prefill };
+                let leg = Leg { state: Arc::clone(state), id: id.clone(), placed: prefill };
                 let outcome = leg.spawn_sglang(out, fields.clone(), timeout);
                 (Box::new(fields), Some(outcome))
             }
@@ -248,15 +235,6 @@ fn stream_error(chunk: &[u8]) -> Option<String> {
     Some(message.unwrap_or("an error event").to_owned())
 }
 
-/// What the front door expects of a leg placed by `d`.
-fn placement(d: &RouteDecision, prompt_tokens: usize) -> Placement {
-    Placement {
-        worker: d.worker,
-        overlap_blocks: d.overlap_blocks,
-        predicted_cached_tokens: (prompt_tokens - d.predicted_prefill_tokens) as u64,
-    }
-}
-
 /// A fresh SGLang bootstrap room: unique within this front door, unlikely across doors.
 fn bootstrap_room(state: &FrontendState) -> u64 {
     let n = state.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -267,7 +245,7 @@ fn bootstrap_room(state: &FrontendState) -> u64 {
 struct Leg {
     state: Arc<FrontendState>,
     id: String,
-    decision: RouteDecision,
+    placed: Placement,
 }
 
 impl Leg {
@@ -276,12 +254,12 @@ impl Leg {
     fn ended(&self, prompt_tokens: usize, cached: Option<u64>) {
         let placer = &self.state.placer;
         if let Some(cached_tokens) = cached {
-            let d = &self.decision;
+            let d = &self.placed;
             placer.answered(Answered {
                 worker_id: d.worker.worker_id,
                 dp_rank: d.worker.dp_rank,
                 prompt_tokens: prompt_tokens as u64,
-                predicted_cached_tokens: (prompt_tokens - d.predicted_prefill_tokens) as u64,
+                predicted_cached_tokens: d.predicted_cached_tokens,
                 cached_tokens,
             });
         }
@@ -296,7 +274,7 @@ impl Leg {
         fields: impl Fn(&mut Value) + Sync + Send + 'static,
         timeout: Duration,
     ) -> oneshot::Receiver<PrefillOutcome> {
-        let worker = self.decision.worker.worker_id;
+        let worker = self.placed.worker.worker_id;
         let (path, body, _) = self.state.hop(worker, out);
         let prompt_tokens = out.prompt_tokens;
         let (tell, outcome) = oneshot::channel();
@@ -346,7 +324,7 @@ fn cached_tokens(v: &Value) -> Option<u64> {
 async fn vllm_prefill(
     state: &Arc<FrontendState>,
     out: &Outbound,
-    prefill: &RouteDecision,
+    prefill: &Placement,
     id: &str,
     timeout: Duration,
 ) -> Result<Result<Value, HopFailure>, ApiError> {
@@ -372,7 +350,7 @@ async fn vllm_prefill(
             }
         }
     };
-    let leg = Leg { state: Arc::clone(state), id: id.to_owned(), decision: *prefill };
+    let leg = Leg { state: Arc::clone(state), id: id.to_owned(), placed: *prefill };
     let answer = match prefill_answer(state, worker, path, edited(&body, one_token)?, timeout).await
     {
         Ok(a) => a,

@@ -1,12 +1,12 @@
 //! Where routing decisions come from: the router embedded in this process, or a `kvroute
 //! router` reached over HTTP (its `/find_best_worker` with a request id, then
 //! `/requests/{id}/prefill_done`, `DELETE /requests/{id}` and `/answers`), both with the same
-//! exclusions.
+//! exclusions; in a disaggregated fleet, both place pairs ([`Placer::place_pair`]).
 
 use std::sync::Arc;
 
 use axum::http::{Method, StatusCode};
-use kvroute_core::schedule::reusable_tokens;
+use kvroute_core::schedule::{RouteDecision, reusable_tokens};
 use kvroute_core::{BlockSize, LocalBlockHash, WorkerWithDpRank};
 use kvroute_http::router_api::{self, Answered, BestWorker, FindBestWorker};
 use kvroute_http::{ApiError, ClientError, HttpClient};
@@ -65,6 +65,14 @@ impl Placement {
     }
 }
 
+/// Where a request's two legs go in a disaggregated fleet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PairPlacement {
+    /// None: it is prefilled where it decodes.
+    pub prefill: Option<Placement>,
+    pub decode: Placement,
+}
+
 /// What routing needs of a request: its block hashes and length, its adapter and session.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Ask<'a> {
@@ -102,34 +110,68 @@ impl Placer {
                     Placement::new(d.worker, blocks, num_tokens, block_size)
                 }))
             }
-            Self::Remote(remote) => {
-                let request = FindBestWorker {
-                    local_hashes: local.iter().map(|l| l.0).collect(),
-                    num_tokens: i64::try_from(num_tokens).unwrap_or(i64::MAX),
-                    request_id: Some(id.to_owned()),
-                    overlap_score_weight: None,
+            Self::Remote(remote) => Ok(remote.find(ask, id, exclude).await?.map(|best| {
+                let blocks = (best.overlap_blocks, best.lower_tier_blocks);
+                Placement::new(best.worker(), blocks, num_tokens, block_size)
+            })),
+        }
+    }
+
+    /// Chooses where a request runs in a disaggregated fleet, other than `exclude`: a
+    /// prefill and a decode worker, or (no prefill) one worker alone; `None` when there is
+    /// none. Both legs are in flight from now on (the prefill's as `{id}/prefill`).
+    pub(crate) async fn place_pair(
+        &self,
+        ask: Ask<'_>,
+        id: &str,
+        exclude: &[WorkerWithDpRank],
+    ) -> Result<Option<PairPlacement>, ApiError> {
+        let Ask { local, num_tokens, adapter, session } = ask;
+        let cached = |predicted_prefill: usize| num_tokens.saturating_sub(predicted_prefill) as u64;
+        match self {
+            Self::Embedded(router) => {
+                let request = PlaceRequest {
+                    local_hashes: local,
+                    num_tokens,
+                    request_id: Some(id),
+                    overlap_weight: None,
                     temperature: None,
-                    exclude: exclude.to_vec(),
-                    lora_name: adapter.map(str::to_owned),
-                    session_id: session.map(str::to_owned),
+                    exclude,
+                    adapter,
+                    session,
                 };
-                let url = format!("{}{}", remote.base, router_api::FIND_BEST_WORKER);
-                match remote.client.post_json::<BestWorker>(&url, &request).await {
-                    Ok(best) => Ok(Some(Placement::new(
-                        best.worker(),
-                        (best.overlap_blocks, best.lower_tier_blocks),
-                        num_tokens,
-                        block_size,
-                    ))),
-                    Err(ClientError::Status {
-                        status: StatusCode::SERVICE_UNAVAILABLE, ..
-                    }) => Ok(None),
-                    Err(e @ (ClientError::Connect(_) | ClientError::Send(_))) => {
-                        Err(ApiError::unavailable("the router is unreachable").with_source(e))
-                    }
-                    Err(e) => Err(ApiError::bad_gateway("the router failed", e)),
-                }
+                let leg = |d: &RouteDecision| Placement {
+                    worker: d.worker,
+                    overlap_blocks: d.overlap_blocks,
+                    predicted_cached_tokens: cached(d.predicted_prefill_tokens),
+                };
+                Ok(router.place_pair(&request).map(|pair| PairPlacement {
+                    prefill: pair.prefill.as_ref().map(leg),
+                    decode: leg(&pair.decode),
+                }))
             }
+            Self::Remote(remote) => Ok(remote.find(ask, id, exclude).await?.map(|best| {
+                let prefill = best.prefill.map(|p| Placement {
+                    worker: p.worker(),
+                    overlap_blocks: p.overlap_blocks,
+                    predicted_cached_tokens: cached(p.predicted_prefill_tokens),
+                });
+                let decode = Placement {
+                    worker: best.worker(),
+                    overlap_blocks: best.overlap_blocks,
+                    predicted_cached_tokens: cached(best.predicted_prefill_tokens),
+                };
+                PairPlacement { prefill, decode }
+            })),
+        }
+    }
+
+    /// Whether requests are placed in pairs: the embedded router's fleet has prefill
+    /// workers, or (a remote router) the front door's own list of workers does.
+    pub(crate) fn disaggregated(&self, listed_prefill_workers: bool) -> bool {
+        match self {
+            Self::Embedded(router) => router.disaggregated(),
+            Self::Remote(_) => listed_prefill_workers,
         }
     }
 
@@ -176,6 +218,35 @@ impl Placer {
 }
 
 impl RemoteRouter {
+    /// The router's choice for a request tracked as `id`; `None` when it knows no worker
+    /// to choose (503).
+    async fn find(
+        &self,
+        ask: Ask<'_>,
+        id: &str,
+        exclude: &[WorkerWithDpRank],
+    ) -> Result<Option<BestWorker>, ApiError> {
+        let request = FindBestWorker {
+            local_hashes: ask.local.iter().map(|l| l.0).collect(),
+            num_tokens: i64::try_from(ask.num_tokens).unwrap_or(i64::MAX),
+            request_id: Some(id.to_owned()),
+            overlap_score_weight: None,
+            temperature: None,
+            exclude: exclude.to_vec(),
+            lora_name: ask.adapter.map(str::to_owned),
+            session_id: ask.session.map(str::to_owned),
+        };
+        let url = format!("{}{}", self.base, router_api::FIND_BEST_WORKER);
+        match self.client.post_json::<BestWorker>(&url, &request).await {
+            Ok(best) => Ok(Some(best)),
+            Err(ClientError::Status { status: StatusCode::SERVICE_UNAVAILABLE, .. }) => Ok(None),
+            Err(e @ (ClientError::Connect(_) | ClientError::Send(_))) => {
+                Err(ApiError::unavailable("the router is unreachable").with_source(e))
+            }
+            Err(e) => Err(ApiError::bad_gateway("the router failed", e)),
+        }
+    }
+
     /// Tells the router something in the background (the lifecycle calls).
     fn notify(&self, method: Method, path: String, body: Option<Answered>) {
         let remote = self.clone();

@@ -30,12 +30,27 @@ pub const MAX_LOCAL_HASHES: usize = 1 << 20;
 
 /// `POST /requests/{id}/prefill_done`: the request's first token arrived.
 pub fn prefill_done_path(request_id: &str) -> String {
-    format!("/requests/{request_id}/prefill_done")
+    format!("/requests/{}/prefill_done", segment(request_id))
 }
 
 /// `DELETE /requests/{id}`: the request ended.
 pub fn request_path(request_id: &str) -> String {
-    format!("/requests/{request_id}")
+    format!("/requests/{}", segment(request_id))
+}
+
+/// `id` as one path segment: every byte but RFC 3986's unreserved ones percent-encoded (a
+/// prefill leg's id has a `/`; the router decodes it back).
+fn segment(id: &str) -> String {
+    let mut out = String::with_capacity(id.len());
+    for b in id.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                out.push(char::from(b));
+            }
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
 }
 
 /// Which worker should take a request with these block hashes?
@@ -99,6 +114,31 @@ pub struct BestWorker {
     /// and a shared store (absent: none).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub lower_tier_blocks: u32,
+    /// In a disaggregated fleet, the worker that prefills the request for this one, which
+    /// decodes it (absent: it runs where it decodes). Its leg is tracked in flight as
+    /// `{request_id}/prefill` (docs/routing.md, "Prefill and decode").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<PrefillWorker>,
+}
+
+/// The prefill half of a pair.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillWorker {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    /// Leading blocks of the request it holds.
+    pub overlap_blocks: u32,
+    /// Prompt tokens the router expects it to compute.
+    pub predicted_prefill_tokens: usize,
+    /// Blocks the decode worker is expected to pull from it.
+    pub transfer_blocks: u32,
+}
+
+impl PrefillWorker {
+    pub fn worker(&self) -> WorkerWithDpRank {
+        WorkerWithDpRank { worker_id: self.worker_id, dp_rank: self.dp_rank }
+    }
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -169,6 +209,14 @@ mod tests {
         assert_eq!(best.worker(), WorkerWithDpRank::new(1u64, 0u32));
         let renamed = json!({"worker_id": 1, "dp_rank": 0, "overlap_block_count": 3, "overlap": 0.5, "predicted_prefill_tokens": 16});
         assert!(serde_json::from_value::<BestWorker>(renamed).is_err());
+    }
+
+    /// A prefill leg's id (`kvr-1/prefill`) stays one path segment.
+    #[test]
+    fn request_ids_are_one_path_segment() {
+        assert_eq!(request_path("kvr-1/prefill"), "/requests/kvr-1%2Fprefill");
+        assert_eq!(prefill_done_path("a b~c"), "/requests/a%20b~c/prefill_done");
+        assert_eq!(request_path("é"), "/requests/%C3%A9");
     }
 
     #[test]

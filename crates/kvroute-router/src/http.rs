@@ -2,7 +2,7 @@
 //!
 //! | route | what |
 //! |---|---|
-//! | `POST /find_best_worker` | `{"local_hashes":[u64], "num_tokens":n, "request_id"?}` -> worker, overlap |
+//! | `POST /find_best_worker` | `{"local_hashes":[u64], "num_tokens":n, "request_id"?}` -> worker, overlap (and its `prefill` worker in a disaggregated fleet) |
 //! | `POST /requests/{id}/prefill_done`, `DELETE /requests/{id}` | in-flight accounting |
 //! | `POST /answers` | an answered request's predicted and served cached tokens (self-checks) |
 //! | `POST /events` | a JSON array of `RouterEvent`s |
@@ -34,7 +34,7 @@ use kvroute_core::{
 };
 use kvroute_http::fast_json::FastJson;
 use kvroute_http::router_api::{
-    self, Answered, BestWorker, EventsReply, FindBestWorker, InjectEvent,
+    self, Answered, BestWorker, EventsReply, FindBestWorker, InjectEvent, PrefillWorker,
 };
 use kvroute_http::{ApiError, Credentials};
 use serde_json::json;
@@ -131,8 +131,21 @@ async fn find_best_worker(
         adapter: req.lora_name.as_deref().filter(|n| !n.is_empty()),
         session: req.session_id.as_deref().filter(|k| !k.is_empty()),
     };
-    let (decision, _) =
-        state.place(&placement).ok_or_else(|| ApiError::unavailable("no workers are known"))?;
+    let unknown = || ApiError::unavailable("no workers are known");
+    let (decision, prefill) = match state.disaggregated() {
+        true => {
+            let pair = state.place_pair(&placement).ok_or_else(unknown)?;
+            let prefill = pair.prefill.map(|p| PrefillWorker {
+                worker_id: p.worker.worker_id,
+                dp_rank: p.worker.dp_rank,
+                overlap_blocks: p.overlap_blocks,
+                predicted_prefill_tokens: p.predicted_prefill_tokens,
+                transfer_blocks: pair.transfer_blocks,
+            });
+            (pair.decode, prefill)
+        }
+        false => (state.place(&placement).ok_or_else(unknown)?.0, None),
+    };
     let bs = state.config.block_size.tokens();
     Ok(Json(BestWorker {
         worker_id: decision.worker.worker_id,
@@ -142,6 +155,7 @@ async fn find_best_worker(
             / placement.num_tokens as f64,
         predicted_prefill_tokens: decision.predicted_prefill_tokens,
         lower_tier_blocks: decision.tier_blocks.iter().sum(),
+        prefill,
     }))
 }
 

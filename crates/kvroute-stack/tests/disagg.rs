@@ -351,3 +351,63 @@ async fn a_failing_sglang_prefill_drops_its_waiting_decode_leg() {
     assert!(metrics.contains("kvroute_frontend_pd_prefill_failures_total 1"), "{metrics}");
     assert!(eventually(Duration::from_secs(10), || router.in_flight() == 0).await);
 }
+
+/// A front door in front of a remote `kvroute router` whose fleet is disaggregated: the
+/// router's `/find_best_worker` answers the pair, the front door sends both legs, and both
+/// legs' in-flight entries end at the router (the prefill leg's id, `{id}/prefill`, is one
+/// path segment).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_router_places_pairs() {
+    let mut routed = config(1, 1, Vec::new());
+    routed.frontend = false;
+    let routed = Stack::start(routed).await.unwrap();
+    assert!(routed.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let router_url = kvroute_stack::serve_on_loopback(routed.router_app().unwrap()).await.unwrap();
+    let front = StackConfig {
+        router: RouterConfig {
+            block_size: BlockSize::new(16).unwrap(),
+            workers: routed.workers.clone(),
+            ..RouterConfig::default()
+        },
+        router_url: Some(router_url.clone()),
+        front_door: FrontDoorOptions { parity_probe: false, ..FrontDoorOptions::default() },
+        ..StackConfig::default()
+    };
+    let front = Stack::start(front).await.unwrap();
+    assert!(front.router.is_none(), "no embedded router");
+    let base = front.serve_frontend_on_loopback().await.unwrap();
+    let decode = routed.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
+    for stream in [false, true] {
+        let (status, worker, answer, text) = ask(&format!("{base}/v1/completions"), stream).await;
+        assert_eq!((status, worker), (200, decode), "{text}");
+        if !stream {
+            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+            assert_eq!(cached, Some(299 / 16 * 16), "the decode worker pulled the KV: {answer}");
+        }
+    }
+    let router = routed.router.as_ref().unwrap();
+    assert_eq!(router.pair_counts().split, 2, "the remote router placed both in pairs");
+    let ended = || router.in_flight() == 0;
+    assert!(eventually(Duration::from_secs(10), ended).await, "both legs ended at the router");
+    assert!(eventually(Duration::from_secs(10), || held(&routed) == 0).await, "all pulled");
+    // The answer names the pair.
+    let prompt: Vec<u64> = (0..20).collect();
+    let query = json!({"local_hashes": prompt, "num_tokens": 320});
+    let best: Value = HttpClient::new()
+        .post_json(&format!("{router_url}/find_best_worker"), &query)
+        .await
+        .unwrap();
+    assert_eq!(best["worker_id"], decode, "{best}");
+    let prefill = routed.workers.iter().find(|w| w.role == Role::Prefill).unwrap().id.0;
+    assert_eq!(best["prefill"]["worker_id"], prefill, "{best}");
+    assert_eq!(best["prefill"]["transfer_blocks"], 19, "{best}");
+    // A tracked pair: the prefill leg ends on its own (its id escaped into one segment).
+    let tracked = json!({"local_hashes": prompt, "num_tokens": 320, "request_id": "q"});
+    let url = format!("{router_url}/find_best_worker");
+    let _: Value = HttpClient::new().post_json(&url, &tracked).await.unwrap();
+    assert_eq!(router.in_flight(), 2, "both legs in flight");
+    let leg = format!("{router_url}{}", kvroute_http::router_api::request_path("q/prefill"));
+    let response = HttpClient::new().call(hyper::Method::DELETE, &leg, None::<&()>).await;
+    assert_eq!(response.unwrap().status(), 204);
+    assert_eq!(router.in_flight(), 1, "the decode leg is still in flight");
+}
