@@ -133,6 +133,14 @@ pub struct BenchArgs {
     /// Host-to-device bandwidth (GB/s) of the simulated workers' host loads.
     #[arg(long, env = "KVROUTE_BENCH_HOST_H2D_GBPS", default_value_t = 32.0)]
     pub host_offload_h2d_bandwidth_gbps: f64,
+    /// Blocks of storage below each simulated worker's host memory (vLLM's tiering: host
+    /// blocks cascaded to it, promoted back through host memory; needs --num-host-blocks).
+    /// The best achievable hit rate counts these blocks too. 0: none.
+    #[arg(long, env = "KVROUTE_BENCH_NUM_STORAGE_BLOCKS", default_value_t = 0)]
+    pub num_storage_blocks: usize,
+    /// Bandwidth (GB/s) of reading a storage block into host memory.
+    #[arg(long, env = "KVROUTE_BENCH_STORAGE_GBPS", default_value_t = 10.0)]
+    pub storage_bandwidth_gbps: f64,
     /// KV bytes per token of the simulated model (the size of a host load and of a prefill's
     /// transfer to its decode worker).
     #[arg(long, env = "KVROUTE_BENCH_KV_BYTES_PER_TOKEN", default_value_t = 131_072.0)]
@@ -365,6 +373,8 @@ impl BenchArgs {
                 num_blocks: self.num_host_blocks,
                 h2d_gbps: self.host_offload_h2d_bandwidth_gbps,
                 kv_bytes_per_token: self.kv_bytes_per_token,
+                storage_blocks: self.num_storage_blocks,
+                storage_gbps: self.storage_bandwidth_gbps,
                 ..kvroute_mocker::HostConfig::default()
             },
             disagg: self.disagg,
@@ -801,7 +811,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                     let blocks: u64 = data
                         .stats_end
                         .iter()
-                        .map(|s| s.kv_total_blocks + s.host_total_blocks)
+                        .map(|s| s.kv_total_blocks + s.host_total_blocks + s.storage_total_blocks)
                         .sum();
                     (blocks > 0).then_some(blocks as usize)
                 });

@@ -503,17 +503,20 @@ fn write_host(md: &mut String, result: &WorkloadResult) {
     );
     let _ = writeln!(
         md,
-        "| policy | hit rate | from the GPU | from host memory | MiB loaded / request |\n|---|---|---|---|---|"
+        "| policy | hit rate | from the GPU | from host memory | of them from storage | MiB loaded / request |\n|---|---|---|---|---|---|"
     );
     for (_, s) in &result.runs {
-        let gpu = s.hit_rate.zip(s.host_hit_rate).map(|(h, t)| h - t);
+        let gpu =
+            s.hit_rate.zip(s.host_hit_rate).map(|(h, t)| h - t - s.storage_hit_rate.unwrap_or(0.0));
+        let below = s.host_hit_rate.map(|h| h + s.storage_hit_rate.unwrap_or(0.0));
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} |",
             s.label,
             frac(s.hit_rate),
             frac(gpu),
-            frac(s.host_hit_rate),
+            frac(below),
+            frac(s.storage_hit_rate),
             s.host_loaded_mib_per_request.map_or("-".into(), |m| format!("{m:.1}")),
         );
     }

@@ -125,9 +125,10 @@ impl FleetConfig {
         BlockSize::new(self.block_size).context("--block-size")
     }
 
-    /// The router prices a host load as the workers take it.
+    /// The router prices a host (and storage) load as the workers take it.
     pub fn price_host_loads(&self, kv: &mut kvroute_core::schedule::kv::KvConfig) {
         kv.host_bandwidth_gbps = self.host.h2d_gbps;
+        kv.disk_bandwidth_gbps = self.host.storage_gbps;
         kv.kv_bytes_per_token = self.host.kv_bytes_per_token;
     }
 
@@ -162,7 +163,7 @@ impl FleetConfig {
     /// Blocks of every worker together, host memory included (what the best achievable hit
     /// rate may keep).
     pub fn capacity_blocks(&self) -> usize {
-        self.engines() * (self.num_blocks + self.host.num_blocks)
+        self.engines() * (self.num_blocks + self.host.num_blocks + self.host.storage_tier_blocks())
     }
 
     /// Simulated engines in all.
@@ -272,8 +273,12 @@ pub struct WorkerStats {
     /// Host memory below the GPU cache: its size, the prompt tokens loaded from it (part of
     /// `cached_tokens`) and the bytes those loads moved.
     pub host_total_blocks: u64,
+    pub storage_total_blocks: u64,
     pub host_hit_tokens: u64,
     pub host_loaded_bytes: u64,
+    /// Storage below host memory: the prompt tokens promoted from it (part of
+    /// `cached_tokens`).
+    pub storage_hit_tokens: u64,
     /// The engine's adapter counters (its `/stats` `lora`).
     pub lora: LoraView,
     /// What a decode engine pulled from prefill engines (its `/stats` `handoff`).

@@ -75,6 +75,8 @@ pub struct Summary {
     /// `hit_rate`), and the KV bytes those loads moved per answered request; `None` without
     /// host memory.
     pub host_hit_rate: Option<f64>,
+    /// Of the prompt tokens, those promoted from storage (with a storage tier).
+    pub storage_hit_rate: Option<f64>,
     pub host_loaded_mib_per_request: Option<f64>,
     /// A disaggregated fleet: the share of answered requests prefilled on a prefill worker,
     /// and the KV pulled by decode workers per answered request; `None` when nothing was.
@@ -190,6 +192,8 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
     let loads: Vec<f64> = worker_requests.iter().map(|&n| n as f64).collect();
     let has_host = run.stats_end.iter().any(|s| s.host_total_blocks > 0);
     let host_tokens = has_host.then(|| total(&|s| s.host_hit_tokens));
+    let has_storage = run.stats_end.iter().any(|s| s.storage_total_blocks > 0);
+    let storage_tokens = has_storage.then(|| total(&|s| s.storage_hit_tokens));
     let prompt_tokens: u64 = total(&|s| s.prompt_tokens);
     // A fleet with prefill or decode workers: its figures are reported when nothing split.
     let disaggregated = run.stats_end.iter().any(|s| s.role != kvroute_core::schedule::Role::Both);
@@ -227,6 +231,7 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
         },
         engines_per_adapter: engines_per_adapter(&ok),
         host_hit_rate: host_tokens.and_then(|t| ratio(t as f64, prompt_tokens as f64)),
+        storage_hit_rate: storage_tokens.and_then(|t| ratio(t as f64, prompt_tokens as f64)),
         disaggregated_share: disaggregated
             .then(|| ratio(received as f64, ok.len() as f64))
             .flatten(),

@@ -42,7 +42,7 @@ use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_e
 
 pub use crate::handoff::{DisaggConfig, Handoff, Role};
 pub use crate::host::HostConfig;
-use crate::host::HostTier;
+use crate::host::Tier;
 use crate::kv::{KvCache, Stored};
 use crate::lora::Adapters;
 pub use crate::lora::{LoraConfig, LoraStats};
@@ -168,6 +168,12 @@ pub struct EngineStats {
     /// Blocks evicted from host memory, and the blocks it holds now.
     pub host_evicted_blocks: u64,
     pub host_blocks: u64,
+    /// The same for storage below host memory: of `cached_tokens`, those promoted from it
+    /// (their bytes read from it), its evictions and the blocks it holds now.
+    pub storage_hit_tokens: u64,
+    pub storage_loaded_bytes: u64,
+    pub storage_evicted_blocks: u64,
+    pub storage_blocks: u64,
     /// Of `cached_tokens`, those whose KV came from a prefill engine.
     pub remote_tokens: u64,
     /// Blocks of finished prefills held for their decode engine now, and the prefills held.
@@ -197,7 +203,8 @@ pub struct Engine {
     running: Vec<Sequence>,
     stats: EngineStats,
     adapters: Adapters,
-    host: HostTier,
+    host: Tier,
+    storage: Tier,
     /// Finished prefills whose blocks are held for a decode engine to pull, by request id.
     held: FxHashMap<String, Sequence>,
 }
@@ -243,9 +250,31 @@ impl Events {
     }
 }
 
-/// The `medium` of the GPU cache's events and of host memory's, as vLLM names them.
+/// The `medium` of the GPU cache's events, host memory's and storage's, as vLLM names them.
 const GPU: &str = "GPU";
 const CPU: &str = "CPU";
+const STORAGE: &str = "STORAGE";
+
+/// Stores the request `s`'s blocks at positions `blocks` (their hashes `hashes`) in `tier`,
+/// announcing those it did not hold and what it evicted for them under `medium`.
+fn store_in(
+    tier: &mut Tier,
+    bs: usize,
+    s: &Sequence,
+    blocks: &[usize],
+    hashes: &[SequenceHash],
+    medium: &str,
+    events: &mut Events,
+) {
+    if !tier.enabled() || blocks.is_empty() {
+        return;
+    }
+    let (mut new, mut gone) = (Vec::new(), Vec::new());
+    tier.store(hashes, &mut new, &mut gone);
+    events.removed_from(&gone, medium);
+    let new: Vec<usize> = new.into_iter().map(|i| blocks[i]).collect();
+    events.stored_runs(bs, s, &new, medium);
+}
 
 impl Engine {
     pub fn new(config: EngineConfig) -> Self {
@@ -257,7 +286,8 @@ impl Engine {
             running: Vec::new(),
             stats: EngineStats::default(),
             adapters: Adapters::new(config.lora),
-            host: HostTier::new(config.host),
+            host: config.host.host_tier(),
+            storage: config.host.storage_tier(),
             held: FxHashMap::default(),
             config,
         }
@@ -273,7 +303,7 @@ impl Engine {
     }
 
     pub fn stats(&self) -> EngineStats {
-        let host = self.host.stats;
+        let (host, storage) = (self.host.stats, self.storage.stats);
         let block_bytes =
             self.config.block_size.tokens() as f64 * self.config.host.kv_bytes_per_token;
         EngineStats {
@@ -281,6 +311,10 @@ impl Engine {
             host_loaded_bytes: (host.loaded_blocks as f64 * block_bytes) as u64,
             host_evicted_blocks: host.evicted_blocks,
             host_blocks: self.host.len() as u64,
+            storage_hit_tokens: storage.hit_tokens,
+            storage_loaded_bytes: (storage.loaded_blocks as f64 * block_bytes) as u64,
+            storage_evicted_blocks: storage.evicted_blocks,
+            storage_blocks: self.storage.len() as u64,
             held_blocks: self.held.values().map(|s| s.blocks.len() as u64).sum(),
             held_requests: self.held.len() as u64,
             ..self.stats
@@ -465,8 +499,9 @@ impl Engine {
             }
             self.cache.reference(&hashes[..hits]);
             s.blocks = hashes[..hits].iter().map(|&h| Block::Cached(h)).collect();
-            let loaded = self.load_from_host(&mut s, &hashes, hits, (len - 1) / bs, &mut events);
-            lora_time += self.host.load_time(loaded, bs);
+            let (loaded, took) =
+                self.load_from_tiers(&mut s, &hashes, hits, (len - 1) / bs, &mut events);
+            lora_time += took;
             let hits = hits + loaded;
             let hits = match s.handoff {
                 Handoff::Remote => hits + self.receive_remote(&mut s, &hashes, hits, &mut events),
@@ -588,7 +623,8 @@ impl Engine {
     }
 
     /// Caches the request's private blocks that are now full and computed; new ones are
-    /// announced (a block another request cached first stays private, as vLLM keeps both).
+    /// announced (a block another request cached first stays private, as vLLM keeps both),
+    /// and written through to host memory and storage below it.
     fn cache_computed_blocks(&mut self, i: usize, events: &mut Events) {
         let bs = self.config.block_size.tokens();
         let s = &mut self.running[i];
@@ -609,35 +645,53 @@ impl Engine {
         }
         s.filled = s.filled.max(full);
         events.stored_runs(bs, s, &run, GPU);
-        if self.host.enabled() && !run.is_empty() {
-            let hashes: Vec<SequenceHash> = run.iter().map(|&b| s.hashes[b]).collect();
-            let (mut new, mut gone) = (Vec::new(), Vec::new());
-            self.host.store(&hashes, &mut new, &mut gone);
-            events.removed_from(&gone, CPU);
-            let new: Vec<usize> = new.into_iter().map(|i| run[i]).collect();
-            events.stored_runs(bs, s, &new, CPU);
+        if !self.host.enabled() || run.is_empty() {
+            return;
         }
+        let hashes: Vec<SequenceHash> = run.iter().map(|&b| s.hashes[b]).collect();
+        let s = &self.running[i];
+        store_in(&mut self.host, bs, s, &run, &hashes, CPU, events);
+        store_in(&mut self.storage, bs, s, &run, &hashes, STORAGE, events);
     }
 
-    /// Loads the host blocks that follow a request's `hits` GPU blocks (at most up to block
-    /// `max`) into the GPU cache, as cached blocks of the request; announces them on the GPU
-    /// again. Returns how many; 0 without host memory or room.
-    fn load_from_host(
+    /// Loads the blocks that follow a request's `hits` GPU blocks (at most up to block
+    /// `max`) from the tiers below into the GPU cache, as cached blocks of the request,
+    /// announced on the GPU again: a run of blocks each in host memory, or else in storage
+    /// (promoted through host memory, where it is stored again). Returns how many, and how
+    /// long their loads take; 0 without a tier or room.
+    fn load_from_tiers(
         &mut self,
         s: &mut Sequence,
         hashes: &[SequenceHash],
         hits: usize,
         max: usize,
         events: &mut Events,
-    ) -> usize {
-        let n = self.host.run(hashes, hits, max.saturating_sub(hits));
+    ) -> (usize, Duration) {
+        let bs = self.config.block_size.tokens();
+        let from = |h: &SequenceHash| match (self.host.holds(h), self.storage.holds(h)) {
+            (true, _) => Some(false),
+            (false, true) => Some(true),
+            (false, false) => None,
+        };
+        let run: Vec<bool> = hashes.iter().take(max).skip(hits).map_while(from).collect();
+        let n = run.len();
         if n == 0 || !self.adopt(s, &hashes[hits..hits + n], hits, events) {
-            return 0;
+            return (0, Duration::ZERO);
         }
+        let promoted: Vec<usize> = (0..n).filter(|&j| run[j]).map(|j| hits + j).collect();
+        let in_host = n - promoted.len();
         self.host.touch(&hashes[hits..hits + n]);
-        self.host.stats.loaded_blocks += n as u64;
-        self.host.stats.hit_tokens += (n * self.config.block_size.tokens()) as u64;
-        n
+        self.host.stats.loaded_blocks += in_host as u64;
+        self.host.stats.hit_tokens += (in_host * bs) as u64;
+        if !promoted.is_empty() {
+            let blocks: Vec<SequenceHash> = promoted.iter().map(|&b| hashes[b]).collect();
+            self.storage.touch(&blocks);
+            self.storage.stats.loaded_blocks += blocks.len() as u64;
+            self.storage.stats.hit_tokens += (blocks.len() * bs) as u64;
+            store_in(&mut self.host, bs, s, &promoted, &blocks, CPU, events);
+        }
+        let took = self.host.load_time(n, bs) + self.storage.load_time(promoted.len(), bs);
+        (n, took)
     }
 
     /// Takes the prompt blocks after a decode request's `hits` local ones as received from

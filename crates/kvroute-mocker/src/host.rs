@@ -14,6 +14,13 @@
 //!   step that admits the request (vLLM loads asynchronously and schedules the request when
 //!   its load is done; holding the step is the simpler, slightly pessimistic model). Stores
 //!   are asynchronous in vLLM and take no step time here.
+//! - **Storage below host memory** (`--num-storage-blocks`, `--storage-bandwidth-gbps`), as
+//!   vLLM 0.33's tiering manager keeps a secondary tier (`kv_offload/tiering`): every block
+//!   stored to host memory is cascaded to storage too, announced with medium `STORAGE`, and
+//!   evicted from it least recently used first. A block the lookup finds in storage and not
+//!   in host memory is promoted through host memory (vLLM's staged promotion: secondary tiers
+//!   cannot reach the GPU), so its load takes the storage read and then the host-to-device
+//!   copy, and it is in host memory again afterwards.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -33,59 +40,92 @@ pub struct HostConfig {
     pub d2h_gbps: f64,
     /// KV bytes per token: a block is `kv_bytes_per_token x block size` bytes.
     pub kv_bytes_per_token: f64,
+    /// Blocks of storage below host memory; 0: none (it needs a host tier).
+    pub storage_blocks: usize,
+    /// Bandwidth (GB/s) of reading a block from storage into host memory.
+    pub storage_gbps: f64,
 }
 
 impl Default for HostConfig {
-    /// No host tier; Dynamo's mocker's default bandwidths (32 GB/s) and 128 KiB per token.
+    /// No host tier; Dynamo's mocker's default bandwidths (32 GB/s host, 10 GB/s for its disk
+    /// tier) and 128 KiB per token.
     fn default() -> Self {
-        Self { num_blocks: 0, h2d_gbps: 32.0, d2h_gbps: 32.0, kv_bytes_per_token: 131_072.0 }
+        Self {
+            num_blocks: 0,
+            h2d_gbps: 32.0,
+            d2h_gbps: 32.0,
+            kv_bytes_per_token: 131_072.0,
+            storage_blocks: 0,
+            storage_gbps: 10.0,
+        }
     }
 }
 
-/// What the host tier has done since the start.
+impl HostConfig {
+    /// Host memory: its blocks, loaded at the host-to-device bandwidth.
+    pub(crate) fn host_tier(&self) -> Tier {
+        Tier::new(self.num_blocks, self.h2d_gbps, self.kv_bytes_per_token)
+    }
+
+    /// Storage: its blocks, read at the storage bandwidth (then copied like host blocks).
+    pub(crate) fn storage_tier(&self) -> Tier {
+        Tier::new(self.storage_tier_blocks(), self.storage_gbps, self.kv_bytes_per_token)
+    }
+
+    /// Blocks of storage in use: none without host memory above it.
+    pub fn storage_tier_blocks(&self) -> usize {
+        if self.num_blocks > 0 { self.storage_blocks } else { 0 }
+    }
+}
+
+/// What a tier has done since the start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct HostStats {
-    /// Blocks loaded into the GPU cache from host memory.
+pub(crate) struct TierStats {
+    /// Blocks loaded from it (into the GPU cache; from storage, through host memory).
     pub loaded_blocks: u64,
-    /// Prompt tokens served from host memory (part of the cached tokens).
+    /// Prompt tokens served from it (part of the cached tokens).
     pub hit_tokens: u64,
-    /// Blocks evicted from host memory.
+    /// Blocks evicted from it.
     pub evicted_blocks: u64,
 }
 
+/// A tier below the GPU cache (host memory, or storage below it): blocks by last touch.
 #[derive(Debug)]
-pub(crate) struct HostTier {
-    config: HostConfig,
+pub(crate) struct Tier {
+    num_blocks: usize,
+    load_gbps: f64,
+    kv_bytes_per_token: f64,
     stamps: FxHashMap<SequenceHash, u64>,
     /// Blocks by last touch, oldest first.
     order: BTreeSet<(u64, SequenceHash)>,
     clock: u64,
-    pub(crate) stats: HostStats,
+    pub(crate) stats: TierStats,
 }
 
-impl HostTier {
-    pub(crate) fn new(config: HostConfig) -> Self {
+impl Tier {
+    pub(crate) fn new(num_blocks: usize, load_gbps: f64, kv_bytes_per_token: f64) -> Self {
         Self {
-            config,
+            num_blocks,
+            load_gbps,
+            kv_bytes_per_token,
             stamps: FxHashMap::default(),
             order: BTreeSet::new(),
             clock: 0,
-            stats: HostStats::default(),
+            stats: TierStats::default(),
         }
     }
 
     pub(crate) fn enabled(&self) -> bool {
-        self.config.num_blocks > 0
+        self.num_blocks > 0
+    }
+
+    pub(crate) fn holds(&self, block: &SequenceHash) -> bool {
+        self.stamps.contains_key(block)
     }
 
     /// Blocks held.
     pub(crate) fn len(&self) -> usize {
         self.stamps.len()
-    }
-
-    /// How many blocks of `seq` from `from` on it holds without a gap, at most `max`.
-    pub(crate) fn run(&self, seq: &[SequenceHash], from: usize, max: usize) -> usize {
-        seq.iter().skip(from).take(max).take_while(|s| self.stamps.contains_key(s)).count()
     }
 
     /// Touches blocks of one request, last first (so its first block is the most recent).
@@ -115,7 +155,7 @@ impl HostTier {
             if self.stamps.contains_key(&s) {
                 continue;
             }
-            while self.stamps.len() >= self.config.num_blocks {
+            while self.stamps.len() >= self.num_blocks {
                 let Some((_, victim)) = self.order.pop_first() else { break };
                 self.stamps.remove(&victim);
                 self.stats.evicted_blocks += 1;
@@ -127,11 +167,11 @@ impl HostTier {
         self.touch(blocks);
     }
 
-    /// How long loading `blocks` blocks of `block_size` tokens takes.
+    /// How long loading `blocks` blocks of `block_size` tokens from it takes.
     pub(crate) fn load_time(&self, blocks: usize, block_size: usize) -> Duration {
-        let bytes = blocks as f64 * block_size as f64 * self.config.kv_bytes_per_token;
-        match self.config.h2d_gbps > 0.0 {
-            true => Duration::from_secs_f64(bytes / (self.config.h2d_gbps * 1e9)),
+        let bytes = blocks as f64 * block_size as f64 * self.kv_bytes_per_token;
+        match self.load_gbps > 0.0 {
+            true => Duration::from_secs_f64(bytes / (self.load_gbps * 1e9)),
             false => Duration::ZERO,
         }
     }
@@ -147,7 +187,7 @@ mod tests {
 
     #[test]
     fn a_full_host_tier_evicts_the_tails_it_touched_least_recently() {
-        let mut host = HostTier::new(HostConfig { num_blocks: 4, ..HostConfig::default() });
+        let mut host = HostConfig { num_blocks: 4, ..HostConfig::default() }.host_tier();
         let (mut new, mut gone) = (Vec::new(), Vec::new());
         host.store(&seq(&[1, 2, 3]), &mut new, &mut gone);
         assert_eq!((new.clone(), gone.clone()), (vec![0, 1, 2], vec![]));
@@ -155,17 +195,21 @@ mod tests {
         new.clear();
         host.store(&seq(&[7, 8]), &mut new, &mut gone);
         assert_eq!((new, gone), (vec![0, 1], seq(&[3])));
-        assert_eq!(host.run(&seq(&[1, 2, 3]), 0, 9), 2);
-        assert_eq!(host.run(&seq(&[1, 2, 3]), 1, 9), 1);
-        assert_eq!(host.run(&seq(&[1, 2, 3]), 0, 1), 1);
+        let held: Vec<bool> = seq(&[1, 2, 3, 7, 8]).iter().map(|s| host.holds(s)).collect();
+        assert_eq!(held, [true, true, false, true, true]);
         assert_eq!(host.len(), 4);
     }
 
     #[test]
     fn a_load_takes_its_bytes_over_the_bandwidth() {
-        let host = HostTier::new(HostConfig { num_blocks: 1, ..HostConfig::default() });
-        // 100 blocks of 16 tokens x 128 KiB at 32 GB/s.
+        let config = HostConfig { num_blocks: 1, storage_blocks: 8, ..HostConfig::default() };
+        // 100 blocks of 16 tokens x 128 KiB at 32 GB/s, and from storage at 10.
         let want = 100.0 * 16.0 * 131_072.0 / 32e9;
-        assert!((host.load_time(100, 16).as_secs_f64() - want).abs() < 1e-9);
+        assert!((config.host_tier().load_time(100, 16).as_secs_f64() - want).abs() < 1e-9);
+        let want = 100.0 * 16.0 * 131_072.0 / 10e9;
+        assert!((config.storage_tier().load_time(100, 16).as_secs_f64() - want).abs() < 1e-9);
+        // Storage needs host memory above it (vLLM's secondary tiers need the CPU tier).
+        let alone = HostConfig { num_blocks: 0, storage_blocks: 8, ..HostConfig::default() };
+        assert!(!alone.storage_tier().enabled());
     }
 }

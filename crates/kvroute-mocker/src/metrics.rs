@@ -24,6 +24,8 @@ pub const ZMQ_REFUSED: &str = "kvroute_mocker_zmq_refused_messages";
 pub const HOST_HIT_TOKENS: &str = "kvroute_mocker_host_hit_tokens";
 pub const HOST_LOADED_BYTES: &str = "kvroute_mocker_host_loaded_bytes";
 pub const HOST_BLOCKS: &str = "kvroute_mocker_host_blocks";
+pub const STORAGE_HIT_TOKENS: &str = "kvroute_mocker_storage_hit_tokens";
+pub const STORAGE_BLOCKS: &str = "kvroute_mocker_storage_blocks";
 pub const HELD_BLOCKS: &str = "kvroute_mocker_kv_held_blocks";
 pub const HELD_REQUESTS: &str = "kvroute_mocker_kv_held_requests";
 pub const REMOTE_TOKENS: &str = "kvroute_mocker_kv_remote_tokens";
@@ -67,6 +69,8 @@ pub struct Metrics {
     host_hit_tokens: CounterOf,
     host_loaded_bytes: CounterOf,
     host_blocks: Gauge,
+    storage_hit_tokens: CounterOf,
+    storage_blocks: Gauge,
     held_blocks: Gauge,
     held_requests: Gauge,
     remote_tokens: CounterOf,
@@ -99,6 +103,8 @@ impl Metrics {
             host_hit_tokens: CounterOf::default(),
             host_loaded_bytes: CounterOf::default(),
             host_blocks: Gauge::default(),
+            storage_hit_tokens: CounterOf::default(),
+            storage_blocks: Gauge::default(),
             held_blocks: Gauge::default(),
             held_requests: Gauge::default(),
             remote_tokens: CounterOf::default(),
@@ -129,6 +135,12 @@ impl Metrics {
             m.host_loaded_bytes.counter.clone(),
         );
         r.register(HOST_BLOCKS, "KV blocks held in host memory", m.host_blocks.clone());
+        r.register(
+            STORAGE_HIT_TOKENS,
+            "Prompt tokens promoted from storage instead of computed (part of the cached ones)",
+            m.storage_hit_tokens.counter.clone(),
+        );
+        r.register(STORAGE_BLOCKS, "KV blocks held in storage", m.storage_blocks.clone());
         r.register(
             HELD_BLOCKS,
             "KV blocks of finished prefills held for their decode engine to pull",
@@ -270,6 +282,8 @@ impl Metrics {
         self.host_hit_tokens.sync(s.stats.host_hit_tokens);
         self.host_loaded_bytes.sync(s.stats.host_loaded_bytes);
         self.host_blocks.set(s.stats.host_blocks as i64);
+        self.storage_hit_tokens.sync(s.stats.storage_hit_tokens);
+        self.storage_blocks.set(s.stats.storage_blocks as i64);
         self.held_blocks.set(s.stats.held_blocks as i64);
         self.held_requests.set(s.stats.held_requests as i64);
         self.remote_tokens.sync(s.stats.remote_tokens);

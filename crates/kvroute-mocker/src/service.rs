@@ -61,8 +61,9 @@ pub struct Snapshot {
     pub num_running_reqs: usize,
     pub kv_cache_usage: f64,
     pub kv_total_blocks: usize,
-    /// Blocks of host memory below the GPU cache (0: none).
+    /// Blocks of host memory below the GPU cache (0: none), and of storage below it.
     pub host_total_blocks: usize,
+    pub storage_total_blocks: usize,
     pub simulated_seconds: f64,
     /// Messages its ZMQ sockets refused for exceeding their size limit.
     pub zmq_refused: u64,
@@ -170,6 +171,7 @@ impl EngineHandle {
         let snapshot = Arc::new(Mutex::new(Snapshot {
             kv_total_blocks: config.num_blocks,
             host_total_blocks: config.host.num_blocks,
+            storage_total_blocks: config.host.storage_tier_blocks(),
             ..Snapshot::default()
         }));
         let adapters = Arc::new(Mutex::new(AdapterSnapshot {
@@ -372,6 +374,7 @@ fn publish_snapshot(engine: &Engine, (snapshot, adapters): &Shared) {
         kv_cache_usage: engine.kv_usage(),
         kv_total_blocks: engine.config().num_blocks,
         host_total_blocks: engine.config().host.num_blocks,
+        storage_total_blocks: engine.config().host.storage_tier_blocks(),
         simulated_seconds: engine.now().as_secs_f64(),
         zmq_refused: 0,
         stats: engine.stats(),

@@ -543,3 +543,52 @@ fn without_host_memory_nothing_is_offloaded() {
     let host = (stats.host_hit_tokens, stats.host_loaded_bytes, stats.host_blocks);
     assert_eq!(host, (0, 0, 0));
 }
+
+/// Storage below host memory (vLLM's tiering): every host block is cascaded to storage; a
+/// prefix evicted from the GPU and from host memory is promoted back from storage, through
+/// host memory, at the storage bandwidth plus the host copy.
+#[test]
+fn a_prefix_evicted_from_host_memory_is_promoted_back_from_storage() {
+    let host = HostConfig { num_blocks: 6, storage_blocks: 64, ..HostConfig::default() };
+    let mut engine = Engine::new(EngineConfig { host, ..config(8) });
+    let a: Vec<u32> = (0..80).collect(); // 5 blocks
+    engine.submit(request("a1", a.clone(), 1)).unwrap();
+    let first = run(&mut engine);
+    // Two other prompts push a's blocks out of the GPU cache and out of host memory.
+    engine.submit(request("b", (1000..1096).collect(), 1)).unwrap();
+    let evicting = run(&mut engine);
+    engine.submit(request("c", (2000..2096).collect(), 1)).unwrap();
+    let evicting = [evicting, run(&mut engine)].concat();
+    let before = engine.stats();
+    assert!(before.host_evicted_blocks > 0 && before.storage_evicted_blocks == 0, "{before:?}");
+    engine.submit(request("a2", a, 1)).unwrap();
+    let again = run(&mut engine);
+    let stats = engine.stats();
+    let served = usage_of(&again, "a2").cached_tokens;
+    let from_gpu = served - (stats.host_hit_tokens + stats.storage_hit_tokens) as usize;
+    assert_eq!(served, 64, "every block but the last, from one tier or another");
+    assert!(stats.storage_hit_tokens > 0, "{stats:?}");
+    assert_eq!(from_gpu % 16, 0);
+    // Each promoted block took its storage read (10 GB/s) and its host copy (32 GB/s).
+    let promoted = stats.storage_hit_tokens as f64 / 16.0;
+    let load = Duration::from_secs_f64(promoted * 16.0 * 131_072.0 * (1.0 / 10e9 + 1.0 / 32e9));
+    assert!(again[0].duration > load, "{:?} <= {load:?}", again[0].duration);
+    // Storage was announced as vLLM's secondary tier is, and its evictions from host memory
+    // left it in storage: a's blocks were stored there once, with medium STORAGE.
+    let stored = |steps: &[Step], medium: &str| -> usize {
+        let events = steps.iter().flat_map(|s| &s.events);
+        events
+            .filter_map(|e| match e {
+                EngineEvent::BlockStored(s) if s.medium.as_deref() == Some(medium) => {
+                    Some(s.block_hashes.len())
+                }
+                _ => None,
+            })
+            .sum()
+    };
+    assert_eq!(stored(&first, "STORAGE"), 5);
+    assert_eq!(stored(&evicting, "STORAGE"), 12, "b's and c's 6 blocks each");
+    assert_eq!(stored(&again, "STORAGE"), 0, "nothing new: a's blocks were there");
+    assert!(stored(&again, "CPU") > 0, "promoted through host memory, stored there again");
+    assert_eq!(stats.storage_blocks, 5 + 12);
+}

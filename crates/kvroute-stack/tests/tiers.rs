@@ -103,3 +103,50 @@ async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
     assert_eq!(predicted, cached, "predicted as served");
     assert_eq!(router.in_flight(), 0, "nothing left in flight");
 }
+
+/// Storage below host memory (vLLM's tiering): a prompt pushed out of the GPU and out of host
+/// memory is still in its owner's storage (announced with medium STORAGE); it goes back
+/// there, promoted as the engine serves it, predicted exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_evicted_from_host_memory_goes_where_storage_still_holds_it() {
+    let mut config = config();
+    config.simulated.engine.host =
+        HostConfig { num_blocks: 64, storage_blocks: 1024, ..HostConfig::default() };
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let router: &RouterState = stack.router.as_ref().unwrap();
+    let client = HttpClient::new();
+    let url = format!("{base}/v1/completions");
+
+    let a: Vec<u32> = (0..320).map(|t| 3 + (t * 7) % 900).collect();
+    let (status, owner, _, cached) = complete(&client, &url, &a).await;
+    assert_eq!((status, cached), (200, 0));
+    // 90 blocks of other prompts on each engine: more than the GPU's 48 and the host's 64,
+    // so both caches are full (storing a prompt evicts as much on either).
+    for (i, spec) in stack.workers.iter().enumerate() {
+        let engine = format!("{}/v1/completions", spec.url.as_deref().unwrap());
+        let direct = HttpClient::new().with_bearer(&spec.api_key.as_ref().unwrap().0);
+        for k in 0..3u32 {
+            let salt = k * 101 + i as u32 * 37 + 500;
+            let other: Vec<u32> = (0..480).map(|t| 3 + (t * 13 + salt) % 900).collect();
+            assert_eq!(complete(&direct, &engine, &other).await.0, 200);
+        }
+    }
+    let held = || {
+        let w = router.workers().into_iter().find(|w| w.id.0 == owner)?;
+        Some((w.tree_size[0], w.lower_tier_blocks[0][0], w.lower_tier_blocks[0][1]))
+    };
+    let in_storage = eventually(Duration::from_secs(10), || {
+        held().is_some_and(|(_, host, storage)| host <= 64 && storage >= 20 + 3 * 30)
+    })
+    .await;
+    assert!(in_storage, "the router sees the storage blocks: {:?}", held());
+    let (status, worker, predicted, cached) = complete(&client, &url, &a).await;
+    assert_eq!(status, 200);
+    assert_eq!(worker, owner, "routed to the storage that holds it");
+    assert_eq!(cached, 19 * 16, "19 of 20 blocks served, the last recomputed");
+    assert_eq!(predicted, cached, "predicted as served");
+    let stats = stack.simulated.iter().map(|e| e.engine.snapshot().stats.storage_hit_tokens);
+    assert!(stats.sum::<u64>() > 0, "some of them promoted from storage");
+}

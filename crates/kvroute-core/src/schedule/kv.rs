@@ -88,7 +88,8 @@ pub struct KvConfig {
     pub kv_bytes_per_token: f64,
     /// Host-to-device bandwidth (GB/s) of loading a host-memory block (Dynamo's mocker: 32).
     pub host_bandwidth_gbps: f64,
-    /// Bandwidth (GB/s) of loading a block from local disk (Dynamo's mocker's G3 tier: 10).
+    /// Bandwidth (GB/s) of reading a block from local disk (Dynamo's mocker's G3 tier: 10);
+    /// it then takes the host copy too, as vLLM's tiering promotes it through host memory.
     pub disk_bandwidth_gbps: f64,
     /// Bandwidth (GB/s) of loading a block from the shared store (100 Gb/s Ethernet: 12.5).
     pub external_bandwidth_gbps: f64,
@@ -138,11 +139,18 @@ impl KvConfig {
         }
         let bytes = self.kv_bytes_per_token * block_size as f64;
         let recompute = block_size as f64 / self.prefill_tokens_per_s.max(1.0);
-        let bandwidths =
-            [self.host_bandwidth_gbps, self.disk_bandwidth_gbps, self.external_bandwidth_gbps];
-        bandwidths.map(|gbps| match gbps > 0.0 {
-            true => (1.0 - bytes / (gbps * 1e9) / recompute).max(0.0),
-            false => 0.0,
+        let seconds = |gbps: f64| match gbps > 0.0 {
+            true => Some(bytes / (gbps * 1e9)),
+            false => None,
+        };
+        let host = seconds(self.host_bandwidth_gbps);
+        // A disk block reaches the device through host memory, as vLLM's tiering promotes a
+        // secondary tier's blocks: its read, then the host copy.
+        let disk = seconds(self.disk_bandwidth_gbps).map(|d| d + host.unwrap_or(0.0));
+        let external = seconds(self.external_bandwidth_gbps);
+        [host, disk, external].map(|load| match load {
+            Some(load) => (1.0 - load / recompute).max(0.0),
+            None => 0.0,
         })
     }
 }

@@ -138,6 +138,9 @@ fn lower_tier_blocks_are_credited_by_what_loading_them_costs() {
     let [host, disk, external] = config.tier_credits(BS);
     assert!((host - (1.0 - 2_097_152.0 / 32e9 / 0.0008)).abs() < 1e-9, "{host}");
     assert!(host > external && external > disk && disk > 0.0);
+    // A disk block is read (10 GB/s), then copied from host memory (32 GB/s).
+    let disk_load = 2_097_152.0 / 10e9 + 2_097_152.0 / 32e9;
+    assert!((disk - (1.0 - disk_load / 0.0008)).abs() < 1e-9, "{disk}");
     // A fixed preset gives Dynamo's weights.
     let fixed = kv::KvConfig { fixed_tier_weights: 1.0, ..config };
     assert_eq!(fixed.tier_credits(BS), kv::DYNAMO_TIER_WEIGHTS);

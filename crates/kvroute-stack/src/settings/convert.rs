@@ -116,6 +116,8 @@ impl Settings {
                 num_host_blocks: Some(engine.host.num_blocks),
                 host_offload_h2d_bandwidth_gbps: Some(engine.host.h2d_gbps),
                 host_offload_d2h_bandwidth_gbps: Some(engine.host.d2h_gbps),
+                num_storage_blocks: Some(engine.host.storage_blocks),
+                storage_bandwidth_gbps: Some(engine.host.storage_gbps),
                 kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
                 kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
                 kv_transfer_bandwidth_across_nodes: None,
@@ -306,6 +308,9 @@ impl Settings {
         if let Some(b) = e.kv_bytes_per_token.filter(|_| !named("kv_bytes_per_token")) {
             s.kv.kv_bytes_per_token = b;
         }
+        if let Some(b) = e.storage_bandwidth_gbps.filter(|_| !named("disk_bandwidth_gbps")) {
+            s.kv.disk_bandwidth_gbps = b;
+        }
         // And their links price the pairs' transfers, unless the pair cost names its own.
         let named = |n: &str| r.pd_cost.iter().any(|(k, _)| k == n);
         if let Some(b) = e.kv_transfer_bandwidth.filter(|_| !named("link_within_node_gbps")) {
@@ -420,10 +425,15 @@ impl Settings {
             h2d_gbps: e.host_offload_h2d_bandwidth_gbps.unwrap_or(d.h2d_gbps),
             d2h_gbps: e.host_offload_d2h_bandwidth_gbps.unwrap_or(d.d2h_gbps),
             kv_bytes_per_token: e.kv_bytes_per_token.unwrap_or(d.kv_bytes_per_token),
+            storage_blocks: e.num_storage_blocks.unwrap_or(d.storage_blocks),
+            storage_gbps: e.storage_bandwidth_gbps.unwrap_or(d.storage_gbps),
         };
-        let rates = [host.h2d_gbps, host.d2h_gbps, host.kv_bytes_per_token];
+        let rates = [host.h2d_gbps, host.d2h_gbps, host.kv_bytes_per_token, host.storage_gbps];
         if !rates.iter().all(|r| r.is_finite() && *r >= 0.0) {
             return Err(Invalid::HostTier.into());
+        }
+        if host.storage_blocks > 0 && host.num_blocks == 0 {
+            return Err(Invalid::StorageWithoutHost.into());
         }
         Ok(host)
     }

@@ -378,6 +378,14 @@ pub struct Engine {
     /// Device-to-host bandwidth (GB/s) of storing one (stores take no step time).
     #[arg(long)]
     pub host_offload_d2h_bandwidth_gbps: Option<f64>,
+    /// Blocks of storage below host memory (vLLM's tiering: every host block cascaded to
+    /// it, announced with medium STORAGE, promoted through host memory on a hit). Needs
+    /// --num-host-blocks. 0: none (docs/mocker.md, "Host memory").
+    #[arg(long)]
+    pub num_storage_blocks: Option<usize>,
+    /// Bandwidth (GB/s) of reading a storage block into host memory.
+    #[arg(long)]
+    pub storage_bandwidth_gbps: Option<f64>,
     /// KV bytes per token, the size of a block's load (2 x layers x KV heads x head size x
     /// bytes per value).
     #[arg(long)]

@@ -84,9 +84,13 @@ pub enum Invalid {
     #[error("lora_load_ms, lora_swap_ms and lora_step_ms must be finite and >= 0")]
     LoraTime,
     #[error(
-        "host_offload_h2d_bandwidth_gbps, host_offload_d2h_bandwidth_gbps and kv_bytes_per_token must be finite and >= 0"
+        "host_offload_h2d_bandwidth_gbps, host_offload_d2h_bandwidth_gbps, storage_bandwidth_gbps and kv_bytes_per_token must be finite and >= 0"
     )]
     HostTier,
+    #[error(
+        "num_storage_blocks needs num_host_blocks: storage sits below host memory, as in vLLM's tiering"
+    )]
+    StorageWithoutHost,
     #[error("reading {}: {source}", path.display())]
     ReadSecret { path: PathBuf, source: std::io::Error },
     #[error("reading the chat template {}: {source}", path.display())]
