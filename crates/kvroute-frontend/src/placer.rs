@@ -82,6 +82,22 @@ pub(crate) struct Ask<'a> {
     pub session: Option<&'a str>,
 }
 
+impl<'a> Ask<'a> {
+    /// The embedded router's request for it, tracked as `id`.
+    fn request(self, id: &'a str, exclude: &'a [WorkerWithDpRank]) -> PlaceRequest<'a> {
+        PlaceRequest {
+            local_hashes: self.local,
+            num_tokens: self.num_tokens,
+            request_id: Some(id),
+            overlap_weight: None,
+            temperature: None,
+            exclude,
+            adapter: self.adapter,
+            session: self.session,
+        }
+    }
+}
+
 impl Placer {
     /// Chooses a cache for the request, other than `exclude`; `None` when there is none. The
     /// request is in flight from now on.
@@ -92,24 +108,12 @@ impl Placer {
         id: &str,
         exclude: &[WorkerWithDpRank],
     ) -> Result<Option<Placement>, ApiError> {
-        let Ask { local, num_tokens, adapter, session } = ask;
+        let num_tokens = ask.num_tokens;
         match self {
-            Self::Embedded(router) => {
-                let placement = PlaceRequest {
-                    local_hashes: local,
-                    num_tokens,
-                    request_id: Some(id),
-                    overlap_weight: None,
-                    temperature: None,
-                    exclude,
-                    adapter,
-                    session,
-                };
-                Ok(router.place(&placement).map(|(d, _)| {
-                    let blocks = (d.overlap_blocks, d.tier_blocks.iter().sum());
-                    Placement::new(d.worker, blocks, num_tokens, block_size)
-                }))
-            }
+            Self::Embedded(router) => Ok(router.place(&ask.request(id, exclude)).map(|(d, _)| {
+                let blocks = (d.overlap_blocks, d.tier_blocks.iter().sum());
+                Placement::new(d.worker, blocks, num_tokens, block_size)
+            })),
             Self::Remote(remote) => Ok(remote.find(ask, id, exclude).await?.map(|best| {
                 let blocks = (best.overlap_blocks, best.lower_tier_blocks);
                 Placement::new(best.worker(), blocks, num_tokens, block_size)
@@ -126,20 +130,11 @@ impl Placer {
         id: &str,
         exclude: &[WorkerWithDpRank],
     ) -> Result<Option<PairPlacement>, ApiError> {
-        let Ask { local, num_tokens, adapter, session } = ask;
+        let num_tokens = ask.num_tokens;
         let cached = |predicted_prefill: usize| num_tokens.saturating_sub(predicted_prefill) as u64;
         match self {
             Self::Embedded(router) => {
-                let request = PlaceRequest {
-                    local_hashes: local,
-                    num_tokens,
-                    request_id: Some(id),
-                    overlap_weight: None,
-                    temperature: None,
-                    exclude,
-                    adapter,
-                    session,
-                };
+                let request = ask.request(id, exclude);
                 let leg = |d: &RouteDecision| Placement {
                     worker: d.worker,
                     overlap_blocks: d.overlap_blocks,

@@ -81,6 +81,21 @@ async fn ask(url: &str, stream: bool) -> (u16, u64, Value, String) {
     (status, worker, answer, text)
 }
 
+/// A whole and a streamed request, each answered by `decode` with the prompt's KV pulled.
+async fn answered_by_pulls(base: &str, decode: u64) {
+    for stream in [false, true] {
+        let (status, worker, answer, text) = ask(&format!("{base}/v1/completions"), stream).await;
+        assert_eq!((status, worker), (200, decode), "{text}");
+        if !stream {
+            assert_eq!(answer["usage"]["completion_tokens"], 6);
+            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+            assert_eq!(cached, Some(299 / 16 * 16), "the decode worker pulled the KV: {answer}");
+        } else {
+            assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        }
+    }
+}
+
 fn held(stack: &Stack) -> u64 {
     stack.simulated.iter().map(|e| e.engine.snapshot().stats.held_blocks).sum()
 }
@@ -90,20 +105,12 @@ async fn a_pair_prefills_on_one_worker_and_decodes_on_the_other() {
     let stack = Stack::start(config(1, 1, Vec::new())).await.unwrap();
     assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
     let base = stack.serve_frontend_on_loopback().await.unwrap();
-    let url = format!("{base}/v1/completions");
     let decode = stack.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
     let prefill = stack.simulated.iter().find(|e| e.engine.config.disagg.role == Role::Prefill);
     let prefill = &prefill.unwrap().engine;
     let before = prefill.snapshot().stats.requests_finished;
 
-    let (status, worker, answer, _) = ask(&url, false).await;
-    assert_eq!((status, worker), (200, decode), "{answer}");
-    assert_eq!(answer["usage"]["completion_tokens"], 6);
-    let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
-    assert_eq!(cached, Some(299 / 16 * 16), "the decode worker pulled the prompt's KV");
-    let (status, worker, _, text) = ask(&url, true).await;
-    assert_eq!((status, worker), (200, decode));
-    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    answered_by_pulls(&base, decode).await;
 
     let router = stack.router.as_ref().unwrap();
     assert_eq!(router.pair_counts().split, 2);
@@ -288,14 +295,7 @@ async fn an_sglang_pair_shares_a_bootstrap_room() {
     assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
     let base = stack.serve_frontend_on_loopback().await.unwrap();
     let decode = stack.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
-    for stream in [false, true] {
-        let (status, worker, answer, text) = ask(&format!("{base}/v1/completions"), stream).await;
-        assert_eq!((status, worker), (200, decode), "{text}");
-        if !stream {
-            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
-            assert_eq!(cached, Some(299 / 16 * 16), "the decode worker pulled the KV: {answer}");
-        }
-    }
+    answered_by_pulls(&base, decode).await;
     let router = stack.router.as_ref().unwrap();
     assert_eq!(router.pair_counts().split, 2);
     let pulled = || prefill.state.holds.counts.pulled.load(Relaxed) == 2;
@@ -377,14 +377,7 @@ async fn a_remote_router_places_pairs() {
     assert!(front.router.is_none(), "no embedded router");
     let base = front.serve_frontend_on_loopback().await.unwrap();
     let decode = routed.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
-    for stream in [false, true] {
-        let (status, worker, answer, text) = ask(&format!("{base}/v1/completions"), stream).await;
-        assert_eq!((status, worker), (200, decode), "{text}");
-        if !stream {
-            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
-            assert_eq!(cached, Some(299 / 16 * 16), "the decode worker pulled the KV: {answer}");
-        }
-    }
+    answered_by_pulls(&base, decode).await;
     let router = routed.router.as_ref().unwrap();
     assert_eq!(router.pair_counts().split, 2, "the remote router placed both in pairs");
     let ended = || router.in_flight() == 0;
