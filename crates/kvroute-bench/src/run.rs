@@ -240,6 +240,10 @@ pub struct RequestRecord {
     pub predicted_tokens: Option<u64>,
     /// `x-kvroute-worker`, when the endpoint says.
     pub worker: Option<String>,
+    /// `x-kvroute-prefill-worker`: another worker prefilled it (its cached tokens count the
+    /// KV pulled from there, so they are not compared with the prediction).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_worker: Option<String>,
     /// The adapter it asked for.
     pub adapter: Option<String>,
     /// Prompt tokens as the harness derived them (the preprocessor of the engines).
@@ -279,6 +283,10 @@ pub struct WorkerStats {
     /// Storage below host memory: the prompt tokens promoted from it (part of
     /// `cached_tokens`).
     pub storage_hit_tokens: u64,
+    /// A decode engine's requests whose KV was pulled: their prompt and cached tokens (part
+    /// of `prompt_tokens` and `cached_tokens`, and counted on their prefill engine too).
+    pub pulled_prompt_tokens: u64,
+    pub pulled_cached_tokens: u64,
     /// The engine's adapter counters (its `/stats` `lora`).
     pub lora: LoraView,
     /// What a decode engine pulled from prefill engines (its `/stats` `handoff`).
@@ -854,6 +862,7 @@ async fn stream_one(
 ) -> anyhow::Result<()> {
     let response = client.call(hyper::Method::POST, url, Some(body)).await.context("sending")?;
     record.worker = header(&response, kvroute_frontend::WORKER_HEADER);
+    record.prefill_worker = header(&response, kvroute_frontend::PREFILL_WORKER_HEADER);
     record.predicted_tokens =
         header(&response, kvroute_frontend::OVERLAP_HEADER).and_then(|v| v.parse().ok());
     let status = response.status();

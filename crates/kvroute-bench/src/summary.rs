@@ -154,23 +154,28 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
 
     // Ground truth: the workers' counters, else the answers' usage.
     let have_stats = !run.stats_end.is_empty();
+    // A request split between two workers is counted on both: its prefill worker's count is
+    // the fleet's (what was computed), its decode worker's (the pulled KV) is left out.
     let hit_rate = if have_stats {
-        let cached: u64 = total(&|s| s.cached_tokens);
-        let prompt: u64 = total(&|s| s.prompt_tokens);
+        let cached: u64 = total(&|s| s.cached_tokens - s.pulled_cached_tokens);
+        let prompt: u64 = total(&|s| s.prompt_tokens - s.pulled_prompt_tokens);
         ratio(cached as f64, prompt as f64)
     } else {
         let cached: u64 = ok.iter().filter_map(|r| r.cached_tokens).sum();
         let prompt: u64 = ok.iter().filter_map(|r| r.prompt_tokens).sum();
         ratio(cached as f64, prompt as f64)
     };
-    let cached: u64 = measured.iter().filter_map(|r| r.cached_tokens).sum();
-    let prompt: u64 = measured.iter().filter_map(|r| r.prompt_tokens).sum();
+    // Of the measured answers, those served whole by one worker (a split one's usage counts
+    // the KV its decode worker pulled as cached).
+    let whole = || measured.iter().filter(|r| r.prefill_worker.is_none());
+    let cached: u64 = whole().filter_map(|r| r.cached_tokens).sum();
+    let prompt: u64 = whole().filter_map(|r| r.prompt_tokens).sum();
     let best = best_capacity.or(best_unbounded);
 
     let mut pairs = Vec::new();
     let (mut over_predicted, mut exactly_predicted, mut false_hits) = (0, 0, 0);
     for (k, r) in sent.iter().enumerate() {
-        let Some(p) = r.predicted_tokens else { continue };
+        let Some(p) = r.predicted_tokens.filter(|_| r.prefill_worker.is_none()) else { continue };
         if p > unbounded[k] as u64 {
             false_hits += 1;
         }
@@ -194,7 +199,7 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
     let host_tokens = has_host.then(|| total(&|s| s.host_hit_tokens));
     let has_storage = run.stats_end.iter().any(|s| s.storage_total_blocks > 0);
     let storage_tokens = has_storage.then(|| total(&|s| s.storage_hit_tokens));
-    let prompt_tokens: u64 = total(&|s| s.prompt_tokens);
+    let prompt_tokens: u64 = total(&|s| s.prompt_tokens - s.pulled_prompt_tokens);
     // A fleet with prefill or decode workers: its figures are reported when nothing split.
     let disaggregated = run.stats_end.iter().any(|s| s.role != kvroute_core::schedule::Role::Both);
     let received: u64 = total(&|s| s.handoff.received);

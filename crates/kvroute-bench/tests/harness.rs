@@ -121,6 +121,45 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
+/// A disaggregated fleet (one prefill and one decode worker, every request split): each
+/// prompt is counted once in the hit rate (on its prefill worker, where it was computed, not
+/// again on the decode worker that pulled it), and split answers, whose cached tokens count
+/// the pulled KV, are named and left out of the prediction checks.
+#[test]
+fn a_disaggregated_fleet_counts_each_prompt_once() {
+    let workload = small_shared_prefix();
+    let fleet = FleetConfig {
+        workers: 0,
+        disagg: Some((1, 1)),
+        pd_cost: vec![("in_place".to_owned(), 0.0)],
+        ..FleetConfig::default()
+    };
+    let pre = std::sync::Arc::new(Preprocessor::builtin());
+    let target = Target::Fleet {
+        policy: PolicyKind::Kv,
+        events: true,
+        replicas: None,
+        dialect: Dialect::VllmGenerate,
+        pd_baseline: None,
+    };
+    let data = run::run(&workload, &target, &fleet, "kv", &ProgressBar::hidden(), &pre).unwrap();
+    assert!(data.records.iter().all(|r| r.error.is_none() && r.prefill_worker.is_some()));
+    let s = summarize(&data, 16, Some(fleet.capacity_blocks()));
+    assert_eq!(s.disaggregated_share, Some(1.0), "{s:?}");
+    // The prefill worker's own counters are the fleet's hit rate.
+    let delta = |f: &dyn Fn(&run::WorkerStats) -> u64| -> u64 {
+        data.stats_end.iter().zip(&data.stats_start).map(|(e, b)| f(e) - f(b)).sum()
+    };
+    let prefill = |f: &dyn Fn(&run::WorkerStats) -> u64| {
+        delta(&|s| if s.role == kvroute_core::schedule::Role::Prefill { f(s) } else { 0 })
+    };
+    let (cached, prompt) = (prefill(&|s| s.cached_tokens), prefill(&|s| s.prompt_tokens));
+    assert_eq!(s.hit_rate, Some(cached as f64 / prompt as f64), "{s:?}");
+    assert!(s.hit_rate.unwrap() <= s.best_unbounded, "no better than the best: {s:?}");
+    // Every answer was split: none is compared with a prediction.
+    assert_eq!((s.predicted, s.false_hits, s.over_predicted), (0, 0, 0), "{s:?}");
+}
+
 /// `--text-prompts`: the same workload as text through a real front door: the engines count
 /// the prompts the bench derived, the router predicts their cached blocks exactly, and kv
 /// keeps each group together as it does with token ids.

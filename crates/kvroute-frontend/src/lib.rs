@@ -61,6 +61,10 @@ pub const BODY_LIMIT: usize = 64 << 20;
 /// Header naming the worker a response came from.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
 
+/// Header naming the worker that prefilled a response's prompt, when another one decoded it
+/// (its cached tokens then count the KV pulled from there).
+pub const PREFILL_WORKER_HEADER: &str = "x-kvroute-prefill-worker";
+
 /// Header with the prompt tokens the router expected the chosen worker to serve from its cache
 /// (its leading blocks held by the worker's KV events, in tokens, less the last block of a
 /// fully cached prompt, which engines recompute): compare with the response's

@@ -101,7 +101,11 @@ pub(crate) async fn dispatch_pair(
             },
         };
         match decode_leg(state, out, decode, guard, &*edit, timeout, prefill_leg).await? {
-            Decoded::Answer(answer) => return Ok(answer),
+            Decoded::Answer(mut answer) => {
+                let named = axum::http::HeaderValue::from(p.0);
+                answer.headers_mut().insert(crate::PREFILL_WORKER_HEADER, named);
+                return Ok(answer);
+            }
             Decoded::Failed(f) => state.retry_without(decode.worker.worker_id, f, &mut excluded),
             Decoded::Handoff(why) => {
                 state.metrics.pd_handoff_failed.inc();

@@ -176,6 +176,10 @@ pub struct EngineStats {
     pub storage_blocks: u64,
     /// Of `cached_tokens`, those whose KV came from a prefill engine.
     pub remote_tokens: u64,
+    /// Of `prompt_tokens` and `cached_tokens`, those of requests whose KV came from a prefill
+    /// engine (their prompt was counted there too: a fleet's hit rate leaves these out).
+    pub pulled_prompt_tokens: u64,
+    pub pulled_cached_tokens: u64,
     /// Blocks of finished prefills held for their decode engine now, and the prefills held.
     pub held_blocks: u64,
     pub held_requests: u64,
@@ -806,6 +810,10 @@ impl Engine {
             self.stats.requests_finished += 1;
             self.stats.prompt_tokens += usage.prompt_tokens as u64;
             self.stats.cached_tokens += usage.cached_tokens as u64;
+            if s.handoff == Handoff::Remote {
+                self.stats.pulled_prompt_tokens += usage.prompt_tokens as u64;
+                self.stats.pulled_cached_tokens += usage.cached_tokens as u64;
+            }
             let id = s.id.clone();
             if s.handoff == Handoff::Hold {
                 self.held.insert(s.id.clone(), s);
