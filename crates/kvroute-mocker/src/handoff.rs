@@ -19,7 +19,9 @@
 //!
 //! The pull takes `bytes / --kv-transfer-bandwidth` (bytes: the blocks pulled x block size x
 //! `--kv-bytes-per-token`; between engines of different `--node`s, the bandwidth is
-//! `--kv-transfer-bandwidth-across-nodes`) on the simulated clock, then the decode engine
+//! `--kv-transfer-bandwidth-across-nodes`) on the simulated clock, after the pulls into the
+//! same engine over the same link that were asked for before it (one inbound link within
+//! the node and one across, each moving one pull at a time at its bandwidth), then the decode engine
 //! computes the rest of the prompt (its last block) at no prefill cost, as Dynamo's decode
 //! mocker prices it. A pull that fails (the prefill engine gone, its hold expired) fails the
 //! request with a 500, as vLLM 0.33 does by default (`kv_load_failure_policy = "fail"`) and
@@ -268,6 +270,26 @@ pub struct Holds {
     held: Mutex<HashMap<String, Held>>,
     changed: tokio::sync::Notify,
     pub counts: HandoffCounts,
+    /// This engine's inbound links (within its node, across nodes): pulls into it share them.
+    links: Mutex<[Link; 2]>,
+}
+
+/// An inbound link that moves one pull at a time at its full bandwidth: a pull starts when
+/// the ones before it are done, so concurrent pulls share the link's bytes per second (each
+/// waits for those ahead, as a fair share would make the last one wait).
+#[derive(Clone, Copy, Debug, Default)]
+struct Link {
+    busy_until: Option<tokio::time::Instant>,
+}
+
+impl Link {
+    /// Books a transfer of `took` asked for at `now`: when it ends.
+    fn book(&mut self, now: tokio::time::Instant, took: Duration) -> tokio::time::Instant {
+        let start = self.busy_until.map_or(now, |b| b.max(now));
+        let end = start + took;
+        self.busy_until = Some(end);
+        end
+    }
 }
 
 /// What the engine's legs did since the start (`/stats`, `/metrics`).
@@ -427,8 +449,12 @@ impl AppState {
             self.holds.counts.received_across_nodes.fetch_add(1, Ordering::Relaxed);
         }
         if gbps > 0.0 && bytes > 0.0 {
-            let took = Duration::from_secs_f64(bytes / (gbps * 1e9));
-            tokio::time::sleep(config.timing.scale(took)).await;
+            let took = config.timing.scale(Duration::from_secs_f64(bytes / (gbps * 1e9)));
+            let across = usize::from(from_node != config.disagg.node);
+            let now = tokio::time::Instant::now();
+            let end = self.holds.links.lock().unwrap_or_else(PoisonError::into_inner)[across]
+                .book(now, took);
+            tokio::time::sleep_until(end).await;
         }
         let url = format!("http://{addr}/kv/release");
         let _: Value =
@@ -540,6 +566,19 @@ mod tests {
         let two = DisaggConfig { kv_transfer_bandwidth_across_nodes_gbps: Some(3.0), ..within };
         assert_eq!(two.link_gbps(7), 25.0);
         assert_eq!(two.link_gbps(8), 3.0);
+    }
+
+    /// Pulls into one engine over one link go one after another: two asked at once end one
+    /// and two transfers later; one asked after the link went idle starts at once.
+    #[test]
+    fn pulls_into_an_engine_share_its_link() {
+        let mut link = Link::default();
+        let t0 = tokio::time::Instant::now();
+        let took = Duration::from_millis(10);
+        assert_eq!(link.book(t0, took), t0 + took);
+        assert_eq!(link.book(t0, took), t0 + 2 * took, "waits for the first");
+        let later = t0 + Duration::from_secs(1);
+        assert_eq!(link.book(later, took), later + took, "an idle link starts at once");
     }
 
     #[test]
