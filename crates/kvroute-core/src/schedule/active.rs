@@ -27,6 +27,10 @@ pub struct ActiveLoad {
     pub requests: usize,
     /// Requests not yet past prefill (waiting for their first token).
     pub prefilling: usize,
+    /// Blocks its split requests still pull from their prefill workers (until their first
+    /// token), over the link within its node and the one across: a new pull queues behind
+    /// them, as the engine moves one pull at a time per link.
+    pub pulling_blocks: [usize; 2],
 }
 
 #[derive(Debug)]
@@ -36,6 +40,8 @@ struct ActiveRequest {
     prefill_tokens: usize,
     prefill_done: bool,
     added: Instant,
+    /// A split request's pull: its link (0 within the node, 1 across) and blocks.
+    pull: Option<(usize, usize)>,
 }
 
 /// The blocks of a request to track: content hashes and their sequence hashes, in order.
@@ -106,8 +112,23 @@ impl ActiveSequences {
             prefill_tokens,
             prefill_done: false,
             added: now,
+            pull: None,
         };
         self.requests.insert(id.to_owned(), request);
+    }
+
+    /// The tracked request `id` pulls `blocks` from its prefill worker, over the link across
+    /// nodes or the one within; counted on its worker until its first token.
+    pub fn set_pull(&mut self, id: &str, across: bool, blocks: usize) {
+        let Some(request) = self.requests.get_mut(id) else { return };
+        if request.prefill_done || request.pull.is_some() || blocks == 0 {
+            return;
+        }
+        let link = usize::from(across);
+        request.pull = Some((link, blocks));
+        if let Some(load) = self.loads.get_mut(&request.worker) {
+            load.pulling_blocks[link] += blocks;
+        }
     }
 
     /// The request produced its first token: its prefill tokens no longer wait (counted the
@@ -121,6 +142,9 @@ impl ActiveSequences {
         if let Some(load) = self.loads.get_mut(&request.worker) {
             load.prefill_tokens -= request.prefill_tokens;
             load.prefilling -= 1;
+            if let Some((link, blocks)) = request.pull {
+                load.pulling_blocks[link] -= blocks;
+            }
         }
     }
 
@@ -133,6 +157,9 @@ impl ActiveSequences {
         if !request.prefill_done {
             load.prefill_tokens -= request.prefill_tokens;
             load.prefilling -= 1;
+            if let Some((link, blocks)) = request.pull {
+                load.pulling_blocks[link] -= blocks;
+            }
         }
         load.requests -= 1;
         let mut gone = Vec::new();
@@ -219,6 +246,7 @@ impl ActiveSequences {
             blocks: a.blocks + l.blocks,
             requests: a.requests + l.requests,
             prefilling: a.prefilling + l.prefilling,
+            pulling_blocks: [0, 1].map(|i| a.pulling_blocks[i] + l.pulling_blocks[i]),
         })
     }
 

@@ -8,9 +8,11 @@
 //! ```text
 //! prefill_p    = the kv cost of p for the request ([`super::kv`]: its queue, the prompt
 //!                tokens it lacks, what storing them evicts, its memory)
-//! transfer_pd  = lacks_d * bs * kv_bytes_per_token / link(p, d)
+//! transfer_pd  = (lacks_d + pulling_d,link) * bs * kv_bytes_per_token / link(p, d)
 //!                lacks_d = n - blocks d holds of the prompt (its KV events and in flight):
 //!                a decode engine pulls only the blocks it lacks, as vLLM's connector does
+//!                pulling_d,link = blocks d's split requests in flight still pull over the
+//!                same link (until their first token): they go first (`link_queue`)
 //!                link(p, d) = link_within_node_gbps if p and d share a node, else
 //!                link_across_nodes_gbps
 //! decode_d     = (decode_full_cache_tokens * active_blocks_d / kv_total_blocks_d
@@ -109,6 +111,9 @@ pub struct PairConfig {
     pub prefill_step_s: f64,
     /// 0: every link priced as within a node (the topology-blind baseline).
     pub topology: f64,
+    /// 1: the pulls in flight into a decode engine over a link count ahead of a new one on
+    /// it (the engine moves one pull at a time per link); 0: each pull alone.
+    pub link_queue: f64,
     /// 0: decode candidates priced as if they held none of the prompt (the cache-blind
     /// baseline: every pair moves the whole prompt).
     pub decode_cache_credit: f64,
@@ -129,6 +134,7 @@ impl Default for PairConfig {
             interference_weight: 0.1,
             prefill_step_s: 0.0165,
             topology: 1.0,
+            link_queue: 1.0,
             decode_cache_credit: 1.0,
             in_place: 1.0,
             prefill_decodes: 1.0,
@@ -250,7 +256,12 @@ pub fn choose(
         let lacks = pullable.saturating_sub(held(d, config));
         let decode = decode_cost(kv, r, d, lacks);
         for &(node, i, prefill) in &best_per_node {
-            let moved = transfer(kv, config, r, node, d.node, lacks);
+            // The pulls into `d` over the same link go first.
+            let queued = match config.link_queue > 0.0 {
+                true => d.active.pulling_blocks[usize::from(node != d.node)] as u32,
+                false => 0,
+            };
+            let moved = transfer(kv, config, r, node, d.node, lacks + queued);
             let cost = prefill + moved + decode + config.handoff_overhead_s;
             let transfer_blocks = lacks;
             consider(PairChoice {
@@ -398,6 +409,10 @@ impl Scheduler {
                 );
             }
             self.active.add(id, d.worker, decode.predicted_prefill_tokens, blocks, now);
+            if let Some(p) = p {
+                let blocks = choice.transfer_blocks as usize;
+                self.active.set_pull(id, p.node != d.node, blocks);
+            }
             if let Some(adapter) = request.adapter {
                 self.adapters.routed(id, d.worker, adapter);
             }
@@ -567,5 +582,25 @@ mod tests {
         assert_eq!((chosen.decode, chosen.transfer_blocks), (1, 63));
         let cache_blind = PairConfig { decode_cache_credit: 0.0, ..config };
         assert_eq!(run(&cache_blind, &p, &holds).transfer_blocks, 127);
+    }
+
+    /// Pulls in flight into a decode engine over a link go before a new one there: of two
+    /// decode engines across the link, the one with nothing queued on it wins, and the
+    /// queued blocks are priced at that link's bandwidth (none with `link_queue=0`).
+    #[test]
+    fn pulls_queued_on_a_link_go_first() {
+        let config = PairConfig { in_place: 0.0, ..PairConfig::default() };
+        let p = [candidate(0, 0, 0)];
+        let mut queued = candidate(1, 1, 0);
+        queued.active.pulling_blocks = [0, 500];
+        let free = candidate(2, 1, 0);
+        assert_eq!(run(&config, &p, &[queued, free]).decode, 1);
+        let alone = PairConfig { link_queue: 0.0, ..config };
+        let (with, without) = (run(&config, &p, &[queued]).cost, run(&alone, &p, &[queued]).cost);
+        let ahead = 500.0 * 16.0 * 131_072.0 / 25e9;
+        assert!((with - without - ahead).abs() < 1e-9, "{with} {without} {ahead}");
+        // Pulls within its node do not hold up one across.
+        queued.active.pulling_blocks = [500, 0];
+        assert_eq!(run(&config, &p, &[queued]).cost, without);
     }
 }

@@ -114,7 +114,7 @@ fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
     let isl = 2048;
     // Dynamo: the owner's in-flight decode blocks outweigh the prefill it would save.
     let mut owner = candidate(0, 128);
-    owner.active = ActiveLoad { prefill_tokens: 0, blocks: 400, requests: 10, prefilling: 0 };
+    owner.active = ActiveLoad { blocks: 400, requests: 10, ..ActiveLoad::default() };
     let idle = candidate(1, 0);
     let mut rng = Rng::new(1);
     assert_eq!(dynamo::DynamoPolicy.select(&info(isl), &[owner, idle], &mut rng), 1);
@@ -124,7 +124,13 @@ fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
     // kv: only a long prefill queue at the owner sends the request away (queued tokens count
     // half: 6000 queued weigh 3000 < 2 x 2048).
     let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
-    owner.active = ActiveLoad { prefill_tokens: 6000, blocks: 400, requests: 10, prefilling: 4 };
+    owner.active = ActiveLoad {
+        prefill_tokens: 6000,
+        blocks: 400,
+        requests: 10,
+        prefilling: 4,
+        ..ActiveLoad::default()
+    };
     assert_eq!(kv.select(&info(isl), &[owner, idle], &mut rng), 0, "6000 x 0.5 < 2 x 2048");
     owner.active.prefill_tokens = 20_000;
     assert_eq!(kv.select(&info(isl), &[owner, idle], &mut rng), 1);
@@ -469,14 +475,18 @@ proptest! {
             .collect();
         let mut active = ActiveSequences::new();
         let now = Instant::now();
-        let mut model: BTreeMap<u8, (u64, usize, bool)> = BTreeMap::new();
+        // Each request: worker, prefill tokens, past its prefill, and its pull (link, blocks):
+        // odd ids pull across nodes, even ones within (as many blocks as they have).
+        let mut model: BTreeMap<u8, (u64, usize, bool, (usize, usize))> = BTreeMap::new();
         for op in &ops {
             match *op {
                 ActiveOp::Add { id, worker, prompt: k, len, prefill } => {
                     let p = &prompts[k as usize];
                     let blocks = RequestBlocks { local: &p.local[..len], sequence: &p.seq[..len] };
                     active.add(&id.to_string(), w(worker), prefill, blocks, now);
-                    model.insert(id, (worker, prefill, false));
+                    let link = usize::from(id % 2 == 1);
+                    active.set_pull(&id.to_string(), link == 1, len);
+                    model.insert(id, (worker, prefill, false, (link, len)));
                 }
                 ActiveOp::Done(id) => {
                     active.mark_prefill_done(&id.to_string());
@@ -487,8 +497,11 @@ proptest! {
                 }
             }
             for worker in 0..3 {
-                let queued: usize = model.values().filter(|(wk, _, done)| *wk == worker && !done).map(|(_, p, _)| p).sum();
+                let waiting = || model.values().filter(|(wk, _, done, _)| *wk == worker && !done);
+                let queued: usize = waiting().map(|(_, p, _, _)| p).sum();
                 prop_assert_eq!(active.load(w(worker)).prefill_tokens, queued);
+                let pulling = [0, 1].map(|l| waiting().filter(|e| e.3.0 == l).map(|e| e.3.1).sum::<usize>());
+                prop_assert_eq!(active.load(w(worker)).pulling_blocks, pulling);
             }
         }
         for id in 0..10u8 {
