@@ -436,6 +436,15 @@ pub async fn start_fleet(
         Some(n)
     };
     router.nats = nats_for(0);
+    // A hybrid model's window, from its config.json (docs/mocker.md, "Hybrid models").
+    let sliding_window = match &fleet.model_path {
+        Some(dir) => kvroute_mocker::window::from_model_dir(dir)?,
+        None => None,
+    };
+    anyhow::ensure!(
+        sliding_window.is_none() || (fleet.host.num_blocks == 0 && fleet.disagg.is_none()),
+        "a hybrid model's simulated engines run without host memory and without prefill and decode workers"
+    );
     let config = StackConfig {
         simulated: Simulated {
             count: if fleet.disagg.is_some() { 0 } else { fleet.workers },
@@ -459,6 +468,7 @@ pub async fn start_fleet(
                         .kv_transfer_bandwidth_across_nodes,
                     ..kvroute_mocker::DisaggConfig::default()
                 },
+                sliding_window,
                 ..EngineConfig::default()
             },
             lora_modules: fleet.adapters.iter().map(|a| (a.clone(), None)).collect(),

@@ -43,7 +43,7 @@ use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_e
 pub use crate::handoff::{DisaggConfig, Handoff, Role};
 pub use crate::host::HostConfig;
 use crate::host::Tier;
-use crate::kv::{KvCache, Stored};
+use crate::kv::{KvCache, Slot, Stored};
 use crate::lora::Adapters;
 pub use crate::lora::{LoraConfig, LoraStats};
 pub use crate::sequence::OutputPlan;
@@ -66,6 +66,10 @@ pub struct EngineConfig {
     /// Disaggregated prefill and decode: the engine's role and its KV link
     /// ([`crate::handoff`]; aggregated by default).
     pub disagg: DisaggConfig,
+    /// A hybrid model's sliding window in tokens: the cache then keeps two groups in one
+    /// pool, full attention (group 0) and a sliding window (group 1), as vLLM's hybrid
+    /// allocator does ([`crate::window`]). `None`: full attention only.
+    pub sliding_window: Option<u32>,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +83,7 @@ impl Default for EngineConfig {
             lora: LoraConfig::default(),
             host: HostConfig::default(),
             disagg: DisaggConfig::default(),
+            sliding_window: None,
         }
     }
 }
@@ -213,40 +218,60 @@ pub struct Engine {
     held: FxHashMap<String, Sequence>,
 }
 
-/// Collects a step's events in order, runs of one kind merged.
+/// Collects a step's events in order, runs of one kind merged. A hybrid model's events
+/// name their cache group and its kind, as vLLM's do; a full-attention model's name none
+/// (as they always have here).
 #[derive(Debug, Default)]
-struct Events(Vec<EngineEvent>);
+struct Events {
+    events: Vec<EngineEvent>,
+    /// The sliding window of a hybrid model.
+    window: Option<u32>,
+}
 
 impl Events {
-    fn removed(&mut self, gone: &[SequenceHash]) {
-        self.removed_from(gone, GPU);
+    fn new(window: Option<u32>) -> Self {
+        Self { events: Vec::new(), window }
     }
 
-    fn removed_from(&mut self, gone: &[SequenceHash], medium: &str) {
+    /// Evicted GPU blocks, in the order they went.
+    fn removed(&mut self, gone: &[Slot]) {
+        for s in gone {
+            self.removed_from(&[s.hash], GPU, s.group);
+        }
+    }
+
+    fn removed_from(&mut self, gone: &[SequenceHash], medium: &str, group: u32) {
         if gone.is_empty() {
             return;
         }
-        if let Some(EngineEvent::BlockRemoved(r)) = self.0.last_mut()
+        let group_idx = self.window.map(|_| group);
+        if let Some(EngineEvent::BlockRemoved(r)) = self.events.last_mut()
             && r.medium.as_deref() == Some(medium)
+            && r.group_idx == group_idx
         {
             r.block_hashes.extend(gone.iter().map(|s| s.0));
             return;
         }
-        self.0.push(EngineEvent::BlockRemoved(BlockRemoved {
+        self.events.push(EngineEvent::BlockRemoved(BlockRemoved {
             block_hashes: gone.iter().map(|s| s.0).collect(),
             medium: Some(medium.to_owned()),
-            group_idx: None,
+            group_idx,
             locality: None,
         }));
     }
 
-    /// `BlockStored` for blocks `blocks` (increasing) of `s`, one event per consecutive run.
-    fn stored_runs(&mut self, bs: usize, s: &Sequence, blocks: &[usize], medium: &str) {
+    /// `BlockStored` for blocks `blocks` (increasing) of `s` in `group`, one event per
+    /// consecutive run.
+    fn stored_runs(&mut self, bs: usize, s: &Sequence, blocks: &[usize], medium: &str, group: u32) {
         let mut start = 0;
         for i in 1..=blocks.len() {
             if i == blocks.len() || blocks[i] != blocks[i - 1] + 1 {
                 if start < i {
-                    self.0.push(stored_event(bs, s, &blocks[start..i], medium));
+                    let mut event = stored_event(bs, s, &blocks[start..i], medium);
+                    if let (Some(window), EngineEvent::BlockStored(b)) = (self.window, &mut event) {
+                        crate::window::name_group(b, group, window);
+                    }
+                    self.events.push(event);
                 }
                 start = i;
             }
@@ -275,9 +300,9 @@ fn store_in(
     }
     let (mut new, mut gone) = (Vec::new(), Vec::new());
     tier.store(hashes, &mut new, &mut gone);
-    events.removed_from(&gone, medium);
+    events.removed_from(&gone, medium, 0);
     let new: Vec<usize> = new.into_iter().map(|i| blocks[i]).collect();
-    events.stored_runs(bs, s, &new, medium);
+    events.stored_runs(bs, s, &new, medium, 0);
 }
 
 impl Engine {
@@ -352,7 +377,9 @@ impl Engine {
         if req.tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let needed = req.tokens.len().div_ceil(self.config.block_size.tokens()) + 1;
+        // A hybrid model's prompt takes its blocks once per group while it is computed.
+        let groups = 1 + usize::from(self.config.sliding_window.is_some());
+        let needed = req.tokens.len().div_ceil(self.config.block_size.tokens()) * groups + 1;
         if needed > self.config.num_blocks {
             return Err(EngineError::PromptTooLarge { needed, capacity: self.config.num_blocks });
         }
@@ -376,6 +403,7 @@ impl Engine {
             plan: req.plan,
             hashes: Vec::new(),
             blocks: Vec::new(),
+            window: Vec::new(),
             filled: 0,
             computed: 0,
             generated: 0,
@@ -409,9 +437,9 @@ impl Engine {
         if self.is_idle() {
             return vec![EngineEvent::AllBlocksCleared];
         }
-        let mut events = Events::default();
+        let mut events = self.events();
         events.removed(&gone);
-        events.0
+        events.events
     }
 
     /// Whether `s` can run beside the running requests: it has no adapter, its adapter is one
@@ -452,13 +480,17 @@ impl Engine {
         self.adapters.remove(name);
     }
 
+    fn events(&self) -> Events {
+        Events::new(self.config.sliding_window)
+    }
+
     /// Runs one scheduler step; `None` when there is nothing to do.
     pub fn step(&mut self) -> Option<Step> {
         if self.is_idle() {
             return None;
         }
         let mut budget = self.config.max_batched_tokens;
-        let mut events = Events::default();
+        let mut events = self.events();
         // Per running request (by position), what this step scheduled for it.
         let mut work: Vec<Option<Work>> = vec![None; self.running.len()];
         let mut preempted_any = false;
@@ -490,9 +522,15 @@ impl Engine {
             let len = front.len();
             let hashes = front.full_hashes(&self.hasher).to_vec();
             // The last token is always computed (its logits are needed).
-            let hits = self.cache.cached_prefix(&hashes).min((len - 1) / bs);
-            let active_hits = self.cache.referenced(&hashes[..hits]);
-            let needed = len.div_ceil(bs) - active_hits;
+            let full_hits = self.cache.cached_prefix(&hashes).min((len - 1) / bs);
+            let (hits, run) = self.window_hit(&hashes, full_hits);
+            let active_hits = self.cache.referenced(0, &hashes[..hits]);
+            let mut needed = len.div_ceil(bs) - active_hits;
+            if let Some(run) = &run {
+                // The window group's new blocks, and the run's blocks nobody holds.
+                let active = self.cache.referenced(1, &hashes[run.clone()]);
+                needed += len.div_ceil(bs) - hits + run.len() - active;
+            }
             if needed > self.cache.capacity() - self.cache.in_use() {
                 break;
             }
@@ -501,8 +539,13 @@ impl Engine {
                 let in_use: Vec<&str> = self.running.iter().filter_map(Sequence::adapter).collect();
                 lora_time += self.adapters.activate(name, &in_use);
             }
-            self.cache.reference(&hashes[..hits]);
+            self.cache.reference(0, &hashes[..hits]);
             s.blocks = hashes[..hits].iter().map(|&h| Block::Cached(h)).collect();
+            if let Some(run) = run {
+                self.cache.reference(1, &hashes[run.clone()]);
+                s.window = vec![Block::Skipped; run.start];
+                s.window.extend(hashes[run].iter().map(|&h| Block::Cached(h)));
+            }
             let (loaded, took) =
                 self.load_from_tiers(&mut s, &hashes, hits, (len - 1) / bs, &mut events);
             lora_time += took;
@@ -572,7 +615,7 @@ impl Engine {
 
         // 4. Outputs: every request with all its known tokens computed samples one.
         self.sample(&mut out);
-        out.events = events.0;
+        out.events = events.events;
         Some(out)
     }
 
@@ -591,14 +634,24 @@ impl Engine {
         if n == 0 {
             return Scheduled::Blocked;
         }
+        if let Some(window) = self.config.sliding_window {
+            self.running[i].skip_behind_window(&mut self.cache, window as usize, bs);
+        }
         loop {
             let s = &self.running[i];
-            let needed = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
+            let blocks = (s.computed + n).div_ceil(bs);
+            let needed = blocks.saturating_sub(s.blocks.len());
+            let window_needed = match self.config.sliding_window {
+                Some(_) => blocks.saturating_sub(s.window.len()),
+                None => 0,
+            };
             let mut gone = Vec::new();
-            if self.cache.grow(needed, &mut gone).is_ok() {
+            if self.cache.grow(needed + window_needed, &mut gone).is_ok() {
                 self.stats.evicted_blocks += gone.len() as u64;
                 events.removed(&gone);
-                self.running[i].blocks.extend(std::iter::repeat_n(Block::Private, needed));
+                let s = &mut self.running[i];
+                s.blocks.extend(std::iter::repeat_n(Block::Private, needed));
+                s.window.extend(std::iter::repeat_n(Block::Private, window_needed));
                 break;
             }
             // No room: the newest running request gives its blocks back.
@@ -636,19 +689,23 @@ impl Engine {
         s.full_hashes(&self.hasher);
         let mut run: Vec<usize> = Vec::new();
         // Blocks before `filled` were dealt with by earlier steps.
+        let mut window_run: Vec<usize> = Vec::new();
         for b in s.filled..full {
-            if s.blocks[b] != Block::Private {
-                continue;
-            }
             let hash = s.hashes[b];
-            if self.cache.fill(hash) == Stored::Duplicate {
+            if s.window.get(b) == Some(&Block::Private) && self.cache.fill(1, hash) == Stored::New {
+                s.window[b] = Block::Cached(hash);
+                window_run.push(b);
+            }
+            if s.blocks[b] != Block::Private || self.cache.fill(0, hash) == Stored::Duplicate {
                 continue;
             }
             s.blocks[b] = Block::Cached(hash);
             run.push(b);
         }
         s.filled = s.filled.max(full);
-        events.stored_runs(bs, s, &run, GPU);
+        // Group by group, as vLLM's coordinator caches them.
+        events.stored_runs(bs, s, &run, GPU, 0);
+        events.stored_runs(bs, s, &window_run, GPU, 1);
         if !self.host.enabled() || run.is_empty() {
             return;
         }
@@ -656,6 +713,21 @@ impl Engine {
         let s = &self.running[i];
         store_in(&mut self.host, bs, s, &run, &hashes, CPU, events);
         store_in(&mut self.storage, bs, s, &run, &hashes, STORAGE, events);
+    }
+
+    /// A prompt's cache hit given its `full_hits` leading full-attention blocks: as far as
+    /// the sliding-window group can serve it too ([`crate::window::hit`]), with the window
+    /// blocks the hit uses; `(full_hits, None)` for a model without a window.
+    fn window_hit(
+        &self,
+        hashes: &[SequenceHash],
+        full_hits: usize,
+    ) -> (usize, Option<std::ops::Range<usize>>) {
+        let Some(window) = self.config.sliding_window else { return (full_hits, None) };
+        let bs = self.config.block_size.tokens();
+        let need = crate::window::blocks_needed(window, bs);
+        let hit = crate::window::hit(full_hits, need, |i| self.cache.holds(1, hashes[i]));
+        (hit, Some(hit.saturating_sub(need)..hit))
     }
 
     /// Loads the blocks that follow a request's `hits` GPU blocks (at most up to block
@@ -736,7 +808,7 @@ impl Engine {
         events.removed(&gone);
         let mut announced = Vec::with_capacity(hashes.len());
         for (b, &h) in hashes.iter().enumerate() {
-            match self.cache.fill(h) {
+            match self.cache.fill(0, h) {
                 Stored::New => {
                     s.blocks.push(Block::Cached(h));
                     announced.push(first + b);
@@ -744,7 +816,7 @@ impl Engine {
                 Stored::Duplicate => s.blocks.push(Block::Private),
             }
         }
-        events.stored_runs(self.config.block_size.tokens(), s, &announced, GPU);
+        events.stored_runs(self.config.block_size.tokens(), s, &announced, GPU, 0);
         true
     }
 

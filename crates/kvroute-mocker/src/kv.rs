@@ -6,6 +6,10 @@
 //! released goes first (a request's blocks are released tail first, so a prefix outlives its
 //! tails). Blocks a request holds privately (not yet full or computed, or a duplicate of a
 //! block another request cached first) count against the capacity too.
+//!
+//! A hybrid model's cache groups share the one pool, each block cached per group (vLLM's
+//! `BlockHashWithGroupId`): the same sequence hash in two groups is two blocks, evicted on
+//! their own. Group 0 is full attention; the methods without a group name it.
 
 use std::collections::BTreeSet;
 
@@ -19,12 +23,19 @@ struct Cached {
     stamp: u64,
 }
 
+/// A cached block: its sequence hash in one cache group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct Slot {
+    pub(crate) group: u32,
+    pub(crate) hash: SequenceHash,
+}
+
 #[derive(Debug)]
 pub(crate) struct KvCache {
     capacity: usize,
-    cached: FxHashMap<SequenceHash, Cached>,
+    cached: FxHashMap<Slot, Cached>,
     /// Unreferenced cached blocks, oldest release first.
-    evictable: BTreeSet<(u64, SequenceHash)>,
+    evictable: BTreeSet<(u64, Slot)>,
     private: usize,
     stamp: u64,
 }
@@ -60,9 +71,14 @@ impl KvCache {
         self.cached.len() - self.evictable.len() + self.private
     }
 
-    /// Leading blocks of `seq` the cache holds.
+    /// Leading blocks of `seq` the cache holds (in group 0).
     pub(crate) fn cached_prefix(&self, seq: &[SequenceHash]) -> usize {
-        seq.iter().take_while(|s| self.cached.contains_key(s)).count()
+        seq.iter().take_while(|&&s| self.holds(0, s)).count()
+    }
+
+    /// Whether the cache holds block `hash` in `group`.
+    pub(crate) fn holds(&self, group: u32, hash: SequenceHash) -> bool {
+        self.cached.contains_key(&Slot { group, hash })
     }
 
     fn free(&self) -> usize {
@@ -70,7 +86,7 @@ impl KvCache {
     }
 
     /// Evicts until `needed` blocks are free; the evicted go to `removed`.
-    fn make_room(&mut self, needed: usize, removed: &mut Vec<SequenceHash>) -> Result<(), NoSpace> {
+    fn make_room(&mut self, needed: usize, removed: &mut Vec<Slot>) -> Result<(), NoSpace> {
         if needed > self.free() + self.evictable.len() {
             return Err(NoSpace);
         }
@@ -82,9 +98,10 @@ impl KvCache {
         Ok(())
     }
 
-    /// References these cached blocks (a request's cache hits).
-    pub(crate) fn reference(&mut self, blocks: &[SequenceHash]) {
-        for &s in blocks {
+    /// References these cached blocks of `group` (a request's cache hits).
+    pub(crate) fn reference(&mut self, group: u32, blocks: &[SequenceHash]) {
+        for &hash in blocks {
+            let s = Slot { group, hash };
             if let Some(block) = self.cached.get_mut(&s) {
                 if block.refs == 0 {
                     self.evictable.remove(&(block.stamp, s));
@@ -94,17 +111,14 @@ impl KvCache {
         }
     }
 
-    /// How many of these cached blocks running requests hold.
-    pub(crate) fn referenced(&self, blocks: &[SequenceHash]) -> usize {
-        blocks.iter().filter(|s| self.cached.get(s).is_some_and(|b| b.refs > 0)).count()
+    /// How many of these cached blocks of `group` running requests hold.
+    pub(crate) fn referenced(&self, group: u32, blocks: &[SequenceHash]) -> usize {
+        let held = |&hash| self.cached.get(&Slot { group, hash }).is_some_and(|b| b.refs > 0);
+        blocks.iter().filter(|h| held(h)).count()
     }
 
     /// More private blocks for a running request (the tokens scheduled for it).
-    pub(crate) fn grow(
-        &mut self,
-        n: usize,
-        removed: &mut Vec<SequenceHash>,
-    ) -> Result<(), NoSpace> {
+    pub(crate) fn grow(&mut self, n: usize, removed: &mut Vec<Slot>) -> Result<(), NoSpace> {
         self.make_room(n, removed)?;
         self.private += n;
         Ok(())
@@ -113,7 +127,8 @@ impl KvCache {
     /// A private block is now full and computed: it becomes the cached block `s`, referenced
     /// by its request, unless another request cached the same block first; then it stays
     /// private (vLLM keeps both copies until they are freed).
-    pub(crate) fn fill(&mut self, s: SequenceHash) -> Stored {
+    pub(crate) fn fill(&mut self, group: u32, hash: SequenceHash) -> Stored {
+        let s = Slot { group, hash };
         if self.cached.contains_key(&s) {
             return Stored::Duplicate;
         }
@@ -122,25 +137,27 @@ impl KvCache {
         Stored::New
     }
 
-    /// A request lets go of its cached blocks (in request order) and `private` blocks.
-    pub(crate) fn release(&mut self, seq: &[SequenceHash], private: usize) {
+    /// A request lets go of its cached blocks of `group` (in request order) and `private`
+    /// blocks.
+    pub(crate) fn release(&mut self, group: u32, seq: &[SequenceHash], private: usize) {
         self.private -= private;
         // Tail first: the tail gets the oldest stamp and is evicted before its prefix.
-        for s in seq.iter().rev() {
-            if let Some(block) = self.cached.get_mut(s) {
+        for &hash in seq.iter().rev() {
+            let s = Slot { group, hash };
+            if let Some(block) = self.cached.get_mut(&s) {
                 block.refs -= 1;
                 if block.refs == 0 {
                     self.stamp += 1;
                     block.stamp = self.stamp;
-                    self.evictable.insert((self.stamp, *s));
+                    self.evictable.insert((self.stamp, s));
                 }
             }
         }
     }
 
     /// Drops every unreferenced cached block (a reset); returns them.
-    pub(crate) fn clear_unreferenced(&mut self) -> Vec<SequenceHash> {
-        let gone: Vec<SequenceHash> =
+    pub(crate) fn clear_unreferenced(&mut self) -> Vec<Slot> {
+        let gone: Vec<Slot> =
             std::mem::take(&mut self.evictable).into_iter().map(|(_, s)| s).collect();
         for s in &gone {
             self.cached.remove(s);
@@ -157,23 +174,27 @@ mod tests {
         xs.iter().copied().map(SequenceHash).collect()
     }
 
+    fn slots(group: u32, xs: &[u64]) -> Vec<Slot> {
+        xs.iter().map(|&x| Slot { group, hash: SequenceHash(x) }).collect()
+    }
+
     #[test]
     fn lru_evicts_released_tails_first() {
         let mut kv = KvCache::new(4);
         let mut removed = Vec::new();
         let a = seq(&[1, 2, 3]);
         kv.grow(3, &mut removed).unwrap();
-        assert!(a.iter().all(|&s| kv.fill(s) == Stored::New));
-        kv.release(&a, 0);
+        assert!(a.iter().all(|&s| kv.fill(0, s) == Stored::New));
+        kv.release(0, &a, 0);
         assert_eq!(kv.in_use(), 0);
         assert_eq!(kv.cached_prefix(&a), 3);
         // Two new blocks: one free, one evicted, the tail (3).
         kv.grow(2, &mut removed).unwrap();
-        assert_eq!(removed, seq(&[3]));
+        assert_eq!(removed, slots(0, &[3]));
         assert_eq!(kv.cached_prefix(&a), 2);
         // Referenced blocks are never evicted.
-        kv.reference(&a[..2]);
-        assert_eq!(kv.referenced(&a), 2);
+        kv.reference(0, &a[..2]);
+        assert_eq!(kv.referenced(0, &a), 2);
         assert_eq!(kv.grow(1, &mut removed), Err(NoSpace));
         assert_eq!(kv.in_use(), 4);
     }
@@ -183,12 +204,27 @@ mod tests {
         let mut kv = KvCache::new(4);
         let mut removed = Vec::new();
         kv.grow(2, &mut removed).unwrap();
-        assert_eq!(kv.fill(SequenceHash(1)), Stored::New);
-        assert_eq!(kv.fill(SequenceHash(1)), Stored::Duplicate, "cached by the first request");
+        assert_eq!(kv.fill(0, SequenceHash(1)), Stored::New);
+        assert_eq!(kv.fill(0, SequenceHash(1)), Stored::Duplicate, "cached by the first request");
         assert_eq!(kv.in_use(), 2, "both copies use memory");
-        kv.release(&seq(&[1]), 0);
-        kv.release(&[], 1);
+        kv.release(0, &seq(&[1]), 0);
+        kv.release(0, &[], 1);
         assert_eq!(kv.in_use(), 0);
-        assert_eq!(kv.clear_unreferenced(), seq(&[1]));
+        assert_eq!(kv.clear_unreferenced(), slots(0, &[1]));
+    }
+
+    #[test]
+    fn groups_cache_the_same_hash_apart() {
+        let mut kv = KvCache::new(4);
+        let mut removed = Vec::new();
+        kv.grow(2, &mut removed).unwrap();
+        assert_eq!(kv.fill(0, SequenceHash(1)), Stored::New);
+        assert_eq!(kv.fill(1, SequenceHash(1)), Stored::New, "another group's block");
+        kv.release(1, &seq(&[1]), 0);
+        assert!(kv.holds(0, SequenceHash(1)) && kv.holds(1, SequenceHash(1)));
+        // Only the released group's copy can be evicted.
+        kv.grow(3, &mut removed).unwrap();
+        assert_eq!(removed, slots(1, &[1]));
+        assert!(kv.holds(0, SequenceHash(1)) && !kv.holds(1, SequenceHash(1)));
     }
 }

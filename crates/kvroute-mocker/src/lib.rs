@@ -25,6 +25,7 @@ pub mod service;
 mod sglang;
 pub mod timing;
 pub mod vllm;
+pub mod window;
 
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, Output, OutputPlan,

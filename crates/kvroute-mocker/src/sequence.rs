@@ -54,6 +54,9 @@ pub(crate) enum Block {
     /// Allocated to this request alone: not yet full or computed, or a duplicate of a block
     /// another request cached first (vLLM keeps both copies).
     Private,
+    /// A sliding-window block behind the window: given back to the cache (vLLM's null
+    /// block), no longer the request's.
+    Skipped,
 }
 
 #[derive(Debug)]
@@ -71,7 +74,11 @@ pub(crate) struct Sequence {
     /// Sequence hashes of the full blocks of `tokens`, as far as computed.
     pub(crate) hashes: Vec<SequenceHash>,
     pub(crate) blocks: Vec<Block>,
-    /// Leading blocks already full and dealt with (cached, or kept as duplicates).
+    /// Its blocks in a hybrid model's sliding-window group (group 1), by position; empty
+    /// for a model without one.
+    pub(crate) window: Vec<Block>,
+    /// Leading blocks already full and dealt with (cached, or kept as duplicates), in every
+    /// group.
     pub(crate) filled: usize,
     /// Tokens whose KV is computed (a cache hit counts as computed).
     pub(crate) computed: usize,
@@ -113,24 +120,48 @@ impl Sequence {
 
     /// Blocks currently referenced in the cache, in order.
     pub(crate) fn cached(&self) -> Vec<SequenceHash> {
-        self.blocks
-            .iter()
-            .filter_map(|b| match b {
-                Block::Cached(s) => Some(*s),
-                Block::Private => None,
-            })
-            .collect()
+        cached(&self.blocks)
     }
 
     pub(crate) fn private(&self) -> usize {
         self.blocks.iter().filter(|b| **b == Block::Private).count()
     }
 
-    /// Gives every block back to the cache (tail first) and forgets the computed KV.
+    /// Gives every block back to the cache (tail first, group by group, as vLLM's
+    /// coordinator frees them) and forgets the computed KV.
     pub(crate) fn release(&mut self, cache: &mut KvCache) {
-        cache.release(&self.cached(), self.private());
+        cache.release(0, &self.cached(), self.private());
+        let private = self.window.iter().filter(|b| **b == Block::Private).count();
+        cache.release(1, &cached(&self.window), private);
         self.blocks.clear();
+        self.window.clear();
         self.filled = 0;
         self.computed = 0;
     }
+
+    /// Gives back the sliding-window blocks wholly behind a window of `window` tokens (vLLM's
+    /// `remove_skipped_blocks`: the first `(computed - window + 1) / bs` blocks), nearest
+    /// the window first, so it is evicted first.
+    pub(crate) fn skip_behind_window(&mut self, cache: &mut KvCache, window: usize, bs: usize) {
+        let skipped = ((self.computed + 1).saturating_sub(window) / bs).min(self.window.len());
+        let start = self.window[..skipped].iter().rposition(|b| *b == Block::Skipped);
+        let range = start.map_or(0, |i| i + 1)..skipped;
+        if range.is_empty() {
+            return;
+        }
+        let freed = &mut self.window[range];
+        let private = freed.iter().filter(|b| **b == Block::Private).count();
+        cache.release(1, &cached(freed), private);
+        freed.fill(Block::Skipped);
+    }
+}
+
+fn cached(blocks: &[Block]) -> Vec<SequenceHash> {
+    blocks
+        .iter()
+        .filter_map(|b| match b {
+            Block::Cached(s) => Some(*s),
+            Block::Private | Block::Skipped => None,
+        })
+        .collect()
 }

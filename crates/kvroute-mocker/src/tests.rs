@@ -592,3 +592,140 @@ fn a_prefix_evicted_from_host_memory_is_promoted_back_from_storage() {
     assert!(stored(&again, "CPU") > 0, "promoted through host memory, stored there again");
     assert_eq!(stats.storage_blocks, 5 + 12);
 }
+
+fn hybrid(num_blocks: usize, window: u32) -> Engine {
+    Engine::new(EngineConfig { sliding_window: Some(window), ..config(num_blocks) })
+}
+
+/// A `BlockStored` event's group, its kind, its window and how many blocks it stores.
+type GroupStored = (Option<u32>, Option<String>, Option<u32>, usize);
+
+/// The `BlockStored` events' groups.
+fn groups_stored(steps: &[Step]) -> Vec<GroupStored> {
+    events(steps)
+        .into_iter()
+        .filter_map(|e| match e {
+            EngineEvent::BlockStored(b) => Some((
+                b.group_idx,
+                b.kv_cache_spec_kind,
+                b.kv_cache_spec_sliding_window,
+                b.block_hashes.len(),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_hybrid_engine_caches_both_groups_and_names_them() {
+    // Window 32 over 16-token blocks: a hit must end on 2 window blocks.
+    let mut engine = hybrid(100, 32);
+    let prompt: Vec<u32> = (0..128).collect();
+    engine.submit(request("a", prompt.clone(), 1)).unwrap();
+    let steps = run(&mut engine);
+    let full = Some("full_attention".to_owned());
+    let window = Some("sliding_window".to_owned());
+    assert_eq!(
+        groups_stored(&steps),
+        vec![(Some(0), full, None, 8), (Some(1), window, Some(32), 8)]
+    );
+    // Nothing evicted yet: the same prompt hits its 7 blocks before the last token's.
+    engine.submit(request("b", prompt, 1)).unwrap();
+    assert_eq!(usage_of(&run(&mut engine), "b").cached_tokens, 112);
+}
+
+#[test]
+fn window_blocks_behind_the_window_are_evicted_first_and_cut_the_hit() {
+    // 24 blocks: a 10-block prompt takes 20 while computed, then gives back the 8 window
+    // blocks behind its window (32 tokens: 2 blocks kept, plus the one being computed).
+    let mut engine = hybrid(24, 32);
+    let prompt: Vec<u32> = (0..160).collect();
+    engine.submit(request("a", prompt.clone(), 40)).unwrap();
+    let steps = run(&mut engine);
+    // 13 blocks a group by the end: a fits only by giving window blocks back as it goes.
+    assert_eq!(engine.stats().preemptions, 0);
+    assert!(engine.stats().evicted_blocks > 0, "a evicted its own window blocks");
+    // An unrelated prompt of 6 blocks needs 12: the 4 free and 8 evicted, window blocks
+    // behind a's window first (they were given back while a decoded).
+    engine.submit(request("x", (5000..5096).collect(), 1)).unwrap();
+    let evicting = run(&mut engine);
+    let removed: Vec<(Option<u32>, usize)> = events(&evicting)
+        .into_iter()
+        .filter_map(|e| match e {
+            EngineEvent::BlockRemoved(r) => Some((r.group_idx, r.block_hashes.len())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(removed.first().map(|r| r.0), Some(Some(1)), "{removed:?}");
+    // a again: the full group still holds its prefix, but the window group only a run
+    // somewhere before it; the hit ends there, as the router predicts from the events.
+    let mut all = steps;
+    all.extend(evicting);
+    let index = indexed_groups(&all);
+    let local = BlockHasher::new(BlockSize::new(16).unwrap()).local_hashes(&prompt, None);
+    let predicted = index.find_matches_within(&local, (prompt.len() - 1) / 16, 16);
+    engine.submit(request("a2", prompt, 1)).unwrap();
+    let served = usage_of(&run(&mut engine), "a2").cached_tokens;
+    let full_prefix = index.find_matches(&local).score(WorkerWithDpRank::new(3u64, 0u32));
+    assert!(served < full_prefix as usize * 16, "the window cut it: {served} of {full_prefix}");
+    assert_eq!(predicted.score(WorkerWithDpRank::new(3u64, 0u32)) as usize * 16, served);
+}
+
+/// [`indexed`] into the router's sharded index, which scores hybrid models' groups.
+fn indexed_groups(steps: &[Step]) -> kvroute_core::index::ShardedIndex {
+    let index = kvroute_core::index::ShardedIndex::new(1, Default::default());
+    let mut converter = Converter::new(ConvertConfig::new(BlockSize::new(16).unwrap()));
+    for (seq, step) in steps.iter().enumerate() {
+        let bytes =
+            encode_batch(&KvEventBatch { ts: 0.0, events: step.events.clone(), dp_rank: Some(0) });
+        for event in converter.vllm_batch(&decode_batch(&bytes).unwrap(), seq as u64) {
+            index.apply_event(&RouterEvent::new(3u64, event)).unwrap();
+        }
+    }
+    index
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Conversations on a small hybrid engine, one request at a time: what the router
+    /// predicts from the engine's events (wire bytes included) is what the engine serves.
+    #[test]
+    fn a_hybrid_engine_serves_what_its_events_predict(
+        turns in proptest::collection::vec((0u32..4, 1usize..60, 1usize..24), 1..40),
+        window in 17u32..80,
+        blocks in 30usize..70,
+    ) {
+        let mut engine = hybrid(blocks, window);
+        let index = kvroute_core::index::ShardedIndex::new(1, Default::default());
+        let mut converter = Converter::new(ConvertConfig::new(BlockSize::new(16).unwrap()));
+        let hasher = BlockHasher::new(BlockSize::new(16).unwrap());
+        let mut conversations: Vec<Vec<u32>> = (0..4).map(|c| vec![9000 + c; 20]).collect();
+        let mut seq = 0u64;
+        for (n, (c, user, answer)) in turns.into_iter().enumerate() {
+            let prompt = &mut conversations[c as usize];
+            prompt.extend((0..user as u32).map(|t| 100 + t * 7 + n as u32));
+            if prompt.len().div_ceil(16) * 2 + 2 > blocks {
+                prompt.truncate(20);
+            }
+            let local = hasher.local_hashes(prompt, None);
+            let predicted = index
+                .find_matches_within(&local, (prompt.len() - 1) / 16, 16)
+                .score(WorkerWithDpRank::new(3u64, 0u32)) as usize;
+            let id = format!("r{n}");
+            engine.submit(request(&id, prompt.clone(), answer)).unwrap();
+            let steps = run(&mut engine);
+            let served = usage_of(&steps, &id).cached_tokens;
+            proptest::prop_assert_eq!(predicted * 16, served, "turn {} of conversation {}", n, c);
+            prompt.extend(generated(&steps, &id));
+            for step in &steps {
+                let batch = KvEventBatch { ts: 0.0, events: step.events.clone(), dp_rank: Some(0) };
+                let bytes = encode_batch(&batch);
+                for event in converter.vllm_batch(&decode_batch(&bytes).unwrap(), seq) {
+                    index.apply_event(&RouterEvent::new(3u64, event)).unwrap();
+                }
+                seq += 1;
+            }
+        }
+    }
+}

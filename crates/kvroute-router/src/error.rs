@@ -4,7 +4,7 @@
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RouterError {
-    #[error("configuration: {0}")]
+    #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
     #[error("ZMQ: {0}")]
     Zmq(#[from] zeromq::ZmqError),

@@ -35,7 +35,7 @@ use kvroute_router::{Dialect, RouterConfig, RouterState, Tasks, WorkerSpec};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StackError {
-    #[error("configuration: {0}")]
+    #[error(transparent)]
     Config(#[from] settings::Invalid),
     /// The local NATS server (tests, the bench) could not be started.
     #[error("nats-server: {0}")]
@@ -48,9 +48,9 @@ pub enum StackError {
     Settings(#[from] settings::SettingsError),
     #[error(transparent)]
     Router(#[from] kvroute_router::RouterError),
-    #[error("configuration: {0}")]
+    #[error(transparent)]
     RouterConfig(#[from] kvroute_router::ConfigError),
-    #[error("configuration: {0}")]
+    #[error(transparent)]
     Nats(#[from] kvroute_router::config::nats::NatsConfigError),
     #[error("a simulated worker")]
     Mocker(#[from] kvroute_mocker::MockerError),

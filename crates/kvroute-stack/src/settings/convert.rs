@@ -406,7 +406,11 @@ impl Settings {
             lora: self.lora_config()?,
             host: self.host_config()?,
             disagg: self.disagg_config()?,
+            sliding_window: self.sliding_window()?,
         };
+        if engine.sliding_window.is_some() && engine.host.num_blocks > 0 {
+            return Err(Invalid::HybridWith("host memory (--num-host-blocks)").into());
+        }
         let speedup = engine.timing.speedup;
         if !(speedup.is_finite() && speedup > 0.0) {
             return Err(Invalid::Speedup.into());
@@ -415,6 +419,12 @@ impl Settings {
             return Err(Invalid::EngineZero.into());
         }
         Ok(engine)
+    }
+
+    /// The sliding window of the model's hybrid cache, from its `config.json`.
+    fn sliding_window(&self) -> Result<Option<u32>, StackError> {
+        let Some(dir) = &self.model.model_path else { return Ok(None) };
+        Ok(kvroute_mocker::window::from_model_dir(dir).map_err(Invalid::ModelConfig)?)
     }
 
     /// A simulated engine's host memory, each setting over its default.
@@ -552,6 +562,9 @@ impl Settings {
             0 => EngineConfig::default(),
             _ => self.engine_config()?,
         };
+        if engine.sliding_window.is_some() && pd.0 + pd.1 > 0 {
+            return Err(Invalid::HybridWith("prefill and decode workers").into());
+        }
         Ok(StackConfig {
             simulated: Simulated {
                 count: simulated,

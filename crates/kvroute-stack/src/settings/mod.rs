@@ -91,6 +91,12 @@ pub enum Invalid {
         "num_storage_blocks needs num_host_blocks: storage sits below host memory, as in vLLM's tiering"
     )]
     StorageWithoutHost,
+    #[error("the model's config: {0}")]
+    ModelConfig(#[source] kvroute_mocker::window::ModelConfigError),
+    #[error(
+        "the simulated engine runs a hybrid model (a sliding window in its config.json) only without {0}: its window group is neither offloaded nor handed off"
+    )]
+    HybridWith(&'static str),
     #[error("reading {}: {source}", path.display())]
     ReadSecret { path: PathBuf, source: std::io::Error },
     #[error("reading the chat template {}: {source}", path.display())]

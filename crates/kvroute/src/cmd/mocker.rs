@@ -65,6 +65,10 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
     };
     let mut engine = settings.engine_config()?;
     engine.disagg.role = args.role;
+    if engine.sliding_window.is_some() && args.role != kvroute_mocker::Role::Both {
+        let why = kvroute_stack::settings::Invalid::HybridWith("a prefill or decode role");
+        return Err(kvroute_stack::StackError::from(why).into());
+    }
     let config = MockerConfig {
         engine,
         endpoints: Endpoints { events, replay, metrics: Some(args.load_metrics.clone()) },
