@@ -499,11 +499,11 @@ fn write_host(md: &mut String, result: &WorkloadResult) {
     }
     let _ = writeln!(
         md,
-        "Tiers: hit rate by where the cached tokens came from (the workers' counters), and the KV loaded from host memory per answered request:\n"
+        "Tiers: hit rate by where the cached tokens came from (the workers' counters; *predicted* is the router's expectation of what came from below the GPU), and the KV loaded from host memory per answered request:\n"
     );
     let _ = writeln!(
         md,
-        "| policy | hit rate | from the GPU | from host memory | of them from storage | MiB loaded / request |\n|---|---|---|---|---|---|"
+        "| policy | hit rate | from the GPU | from host memory | of them from storage | predicted from below | MiB loaded / request |\n|---|---|---|---|---|---|---|"
     );
     for (_, s) in &result.runs {
         let gpu =
@@ -511,12 +511,13 @@ fn write_host(md: &mut String, result: &WorkloadResult) {
         let below = s.host_hit_rate.map(|h| h + s.storage_hit_rate.unwrap_or(0.0));
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} |",
             s.label,
             frac(s.hit_rate),
             frac(gpu),
             frac(below),
             frac(s.storage_hit_rate),
+            frac(s.predicted_below_rate),
             s.host_loaded_mib_per_request.map_or("-".into(), |m| format!("{m:.1}")),
         );
     }

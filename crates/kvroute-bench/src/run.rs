@@ -238,6 +238,10 @@ pub struct RequestRecord {
     pub cached_tokens: Option<u64>,
     /// The router's expectation (`x-kvroute-overlap-tokens`), when the endpoint says.
     pub predicted_tokens: Option<u64>,
+    /// Of those, the tokens expected from host memory, disk and the shared store
+    /// (`x-kvroute-overlap-tier-tokens`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_tier_tokens: Option<[u64; 3]>,
     /// `x-kvroute-worker`, when the endpoint says.
     pub worker: Option<String>,
     /// `x-kvroute-prefill-worker`: another worker prefilled it (its cached tokens count the
@@ -862,6 +866,13 @@ fn refused(e: &anyhow::Error) -> bool {
     })
 }
 
+/// `host,disk,external` tokens, as the front door writes them.
+fn tier_tokens(v: &str) -> Option<[u64; 3]> {
+    let mut parts = v.split(',').map(|p| p.trim().parse::<u64>().ok());
+    let tiers = [parts.next()??, parts.next()??, parts.next()??];
+    parts.next().is_none().then_some(tiers)
+}
+
 async fn stream_one(
     client: &HttpClient,
     url: &str,
@@ -875,6 +886,8 @@ async fn stream_one(
     record.prefill_worker = header(&response, kvroute_frontend::PREFILL_WORKER_HEADER);
     record.predicted_tokens =
         header(&response, kvroute_frontend::OVERLAP_HEADER).and_then(|v| v.parse().ok());
+    record.predicted_tier_tokens =
+        header(&response, kvroute_frontend::OVERLAP_TIER_HEADER).and_then(|v| tier_tokens(&v));
     let status = response.status();
     let mut body = response.into_body();
     if !status.is_success() {

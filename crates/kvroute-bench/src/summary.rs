@@ -77,6 +77,10 @@ pub struct Summary {
     pub host_hit_rate: Option<f64>,
     /// Of the prompt tokens, those promoted from storage (with a storage tier).
     pub storage_hit_rate: Option<f64>,
+    /// The router's prediction of the same (tokens from every tier below the GPU / prompt
+    /// tokens), from the answers' `x-kvroute-overlap-tier-tokens`; `None` without host memory.
+    #[serde(default)]
+    pub predicted_below_rate: Option<f64>,
     pub host_loaded_mib_per_request: Option<f64>,
     /// A disaggregated fleet: the share of answered requests prefilled on a prefill worker,
     /// and the KV pulled by decode workers per answered request; `None` when nothing was.
@@ -252,6 +256,11 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
                 ratio(bytes as f64 / f64::from(1 << 20), ok.len() as f64)
             })
             .flatten(),
+        predicted_below_rate: host_tokens.and_then(|_| {
+            let tiers = ok.iter().filter_map(|r| r.predicted_tier_tokens);
+            let predicted: u64 = tiers.map(|t| t.iter().sum::<u64>()).sum();
+            ratio(predicted as f64, prompt_tokens as f64)
+        }),
         host_loaded_mib_per_request: host_tokens.and_then(|_| {
             let bytes: u64 = total(&|s| s.host_loaded_bytes);
             ratio(bytes as f64 / f64::from(1 << 20), ok.len() as f64)

@@ -379,6 +379,26 @@ pub fn reusable_tokens(overlap_blocks: u32, isl_tokens: usize, block_size: usize
     (overlap_blocks as usize).min(max_blocks) * block_size
 }
 
+/// [`reusable_tokens`] of a run of `device` leading blocks and `tiers` blocks after them
+/// from host memory, disk and the shared store, by where they come from: the device's
+/// tokens, then each lower tier's. A fully cached prompt's recomputed last block is taken
+/// off the last tier in that order (the run's order by position is not kept).
+pub fn reusable_by_tier(
+    device: u32,
+    tiers: crate::index::TierRun,
+    isl_tokens: usize,
+    block_size: usize,
+) -> (usize, [usize; 3]) {
+    let mut left = isl_tokens.saturating_sub(1) / block_size.max(1);
+    let mut take = |blocks: u32| {
+        let n = (blocks as usize).min(left);
+        left -= n;
+        n * block_size
+    };
+    let on_device = take(device);
+    (on_device, tiers.map(take))
+}
+
 /// Where a request went and what the router expected of it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct RouteDecision {

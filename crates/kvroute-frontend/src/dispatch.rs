@@ -28,7 +28,7 @@ use crate::health::Failure;
 use crate::placer::Placement;
 use crate::translate::Translator;
 use crate::usage::{Usage, stream_error_event};
-use crate::{FrontendState, OVERLAP_HEADER, RESPONSE_TIMEOUT, WORKER_HEADER};
+use crate::{FrontendState, OVERLAP_HEADER, OVERLAP_TIER_HEADER, RESPONSE_TIMEOUT, WORKER_HEADER};
 
 /// What keys a request beyond its prompt: its cache namespace (vLLM's `cache_salt`), its
 /// LoRA adapter (both salt its block hashes, as engines salt theirs) and its session.
@@ -345,8 +345,10 @@ where
     }
     answer = answer.header(WORKER_HEADER, HeaderValue::from(worker.worker_id.0));
     if state.options.expose_overlap {
-        answer =
-            answer.header(OVERLAP_HEADER, HeaderValue::from(placement.predicted_cached_tokens));
+        let [host, disk, external] = placement.predicted_tier_tokens;
+        answer = answer
+            .header(OVERLAP_HEADER, HeaderValue::from(placement.predicted_cached_tokens))
+            .header(OVERLAP_TIER_HEADER, format!("{host},{disk},{external}"));
     }
     answer.body(Body::from_stream(stream)).map_err(ApiError::internal)
 }
@@ -384,6 +386,7 @@ impl Drop for InFlight {
                 dp_rank: placement.worker.dp_rank,
                 prompt_tokens,
                 predicted_cached_tokens: placement.predicted_cached_tokens,
+                predicted_tier_tokens: placement.predicted_tier_tokens,
                 cached_tokens: served,
             });
         }

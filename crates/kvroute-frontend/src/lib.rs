@@ -73,6 +73,10 @@ pub const PREFILL_WORKER_HEADER: &str = "x-kvroute-prefill-worker";
 /// prompt someone sent before, so clients could probe each other's prompts with it.
 pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-tokens";
 
+/// Beside [`OVERLAP_HEADER`]: of those tokens, the ones expected from host memory, disk and
+/// the shared store, comma-separated (`0,0,0` when all come from the GPU).
+pub const OVERLAP_TIER_HEADER: &str = "x-kvroute-overlap-tier-tokens";
+
 pub const PROXIED: &str = "kvroute_frontend_proxied";
 pub const RETRIES: &str = "kvroute_frontend_retries";
 pub const IN_FLIGHT: &str = "kvroute_frontend_in_flight";

@@ -264,6 +264,7 @@ impl Leg {
                 dp_rank: d.worker.dp_rank,
                 prompt_tokens: prompt_tokens as u64,
                 predicted_cached_tokens: d.predicted_cached_tokens,
+                predicted_tier_tokens: d.predicted_tier_tokens,
                 cached_tokens,
             });
         }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use axum::http::{Method, StatusCode};
-use kvroute_core::schedule::{RouteDecision, reusable_tokens};
+use kvroute_core::schedule::{RouteDecision, reusable_by_tier};
 use kvroute_core::{BlockSize, LocalBlockHash, WorkerWithDpRank};
 use kvroute_http::router_api::{self, Answered, BestWorker, FindBestWorker};
 use kvroute_http::{ApiError, ClientError, HttpClient};
@@ -45,23 +45,36 @@ impl RemoteRouter {
 /// blocks that worker holds by its KV events, and the prompt tokens it should therefore
 /// serve from its cache (those blocks and the ones after them it loads from a lower tier, in
 /// tokens, less the last block of a fully cached prompt, which engines recompute:
-/// [`reusable_tokens`]).
+/// [`kvroute_core::schedule::reusable_tokens`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Placement {
     pub worker: WorkerWithDpRank,
     pub overlap_blocks: u32,
     pub predicted_cached_tokens: u64,
+    /// Of those, the tokens expected from host memory, disk and the shared store.
+    pub predicted_tier_tokens: [u64; 3],
 }
 
 impl Placement {
     fn new(
         worker: WorkerWithDpRank,
-        (overlap_blocks, lower_blocks): (u32, u32),
+        (overlap_blocks, tier_blocks): (u32, [u32; 3]),
         num_tokens: usize,
         bs: BlockSize,
     ) -> Self {
-        let cached = reusable_tokens(overlap_blocks + lower_blocks, num_tokens, bs.tokens());
-        Self { worker, overlap_blocks, predicted_cached_tokens: cached as u64 }
+        let (device, tiers) =
+            reusable_by_tier(overlap_blocks, tier_blocks, num_tokens, bs.tokens());
+        Self {
+            worker,
+            overlap_blocks,
+            predicted_cached_tokens: (device + tiers.iter().sum::<usize>()) as u64,
+            predicted_tier_tokens: tiers.map(|t| t as u64),
+        }
+    }
+
+    /// A leg of a pair: its cached tokens (tiers are not told apart).
+    fn leg(worker: WorkerWithDpRank, overlap_blocks: u32, predicted_cached_tokens: u64) -> Self {
+        Self { worker, overlap_blocks, predicted_cached_tokens, predicted_tier_tokens: [0; 3] }
     }
 }
 
@@ -111,12 +124,16 @@ impl Placer {
         let num_tokens = ask.num_tokens;
         match self {
             Self::Embedded(router) => Ok(router.place(&ask.request(id, exclude)).map(|(d, _)| {
-                let blocks = (d.overlap_blocks, d.tier_blocks.iter().sum());
+                let blocks = (d.overlap_blocks, d.tier_blocks);
                 Placement::new(d.worker, blocks, num_tokens, block_size)
             })),
             Self::Remote(remote) => Ok(remote.find(ask, id, exclude).await?.map(|best| {
-                let blocks = (best.overlap_blocks, best.lower_tier_blocks);
-                Placement::new(best.worker(), blocks, num_tokens, block_size)
+                // A router that tells only the sum: taken as host memory's.
+                let tiers = match best.tier_blocks.iter().sum::<u32>() {
+                    0 => [best.lower_tier_blocks, 0, 0],
+                    _ => best.tier_blocks,
+                };
+                Placement::new(best.worker(), (best.overlap_blocks, tiers), num_tokens, block_size)
             })),
         }
     }
@@ -135,10 +152,8 @@ impl Placer {
         match self {
             Self::Embedded(router) => {
                 let request = ask.request(id, exclude);
-                let leg = |d: &RouteDecision| Placement {
-                    worker: d.worker,
-                    overlap_blocks: d.overlap_blocks,
-                    predicted_cached_tokens: cached(d.predicted_prefill_tokens),
+                let leg = |d: &RouteDecision| {
+                    Placement::leg(d.worker, d.overlap_blocks, cached(d.predicted_prefill_tokens))
                 };
                 Ok(router.place_pair(&request).map(|pair| PairPlacement {
                     prefill: pair.prefill.as_ref().map(leg),
@@ -146,16 +161,14 @@ impl Placer {
                 }))
             }
             Self::Remote(remote) => Ok(remote.find(ask, id, exclude).await?.map(|best| {
-                let prefill = best.prefill.map(|p| Placement {
-                    worker: p.worker(),
-                    overlap_blocks: p.overlap_blocks,
-                    predicted_cached_tokens: cached(p.predicted_prefill_tokens),
+                let prefill = best.prefill.map(|p| {
+                    Placement::leg(p.worker(), p.overlap_blocks, cached(p.predicted_prefill_tokens))
                 });
-                let decode = Placement {
-                    worker: best.worker(),
-                    overlap_blocks: best.overlap_blocks,
-                    predicted_cached_tokens: cached(best.predicted_prefill_tokens),
-                };
+                let decode = Placement::leg(
+                    best.worker(),
+                    best.overlap_blocks,
+                    cached(best.predicted_prefill_tokens),
+                );
                 PairPlacement { prefill, decode }
             })),
         }

@@ -114,6 +114,10 @@ pub struct BestWorker {
     /// and a shared store (absent: none).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub lower_tier_blocks: u32,
+    /// The same by tier: host memory, disk, the shared store (absent: none, or a router
+    /// that tells only their sum).
+    #[serde(default, skip_serializing_if = "none_of_three")]
+    pub tier_blocks: [u32; 3],
     /// In a disaggregated fleet, the worker that prefills the request for this one, which
     /// decodes it (absent: it runs where it decodes). Its leg is tracked in flight as
     /// `{request_id}/prefill` (docs/routing.md, "Prefill and decode").
@@ -145,6 +149,10 @@ fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
+fn none_of_three<T: Default + PartialEq>(n: &[T; 3]) -> bool {
+    n.iter().all(|v| *v == T::default())
+}
+
 impl BestWorker {
     pub fn worker(&self) -> WorkerWithDpRank {
         WorkerWithDpRank { worker_id: self.worker_id, dp_rank: self.dp_rank }
@@ -161,6 +169,10 @@ pub struct Answered {
     pub prompt_tokens: u64,
     /// Cached tokens the router's decision predicted.
     pub predicted_cached_tokens: u64,
+    /// Of those, the tokens predicted from host memory, disk and the shared store (absent:
+    /// none), the self-checks' count per tier.
+    #[serde(default, skip_serializing_if = "none_of_three")]
+    pub predicted_tier_tokens: [u64; 3],
     /// Cached tokens the engine reported (`usage.prompt_tokens_details.cached_tokens`).
     pub cached_tokens: u64,
 }

@@ -76,12 +76,51 @@ pub struct CheckStatus {
     pub under: u64,
     /// Serving without publishing events.
     pub silent: bool,
+    /// Answers predicted to load from a tier below the GPU, per tier.
+    pub tiers: TierChecks,
     #[serde(skip)]
     window: VecDeque<Outcome>,
     #[serde(skip)]
     answered_since_event: u64,
     #[serde(skip)]
     last_event: Option<Instant>,
+}
+
+/// Answers whose prediction counted tokens from one lower tier: how many, how many of them
+/// the engine served exactly as predicted, and the tokens predicted from the tier. Engines
+/// report their cached tokens whole, so an answer is exact or not as a whole: a tier whose
+/// answers are rarely exact while the others' are has a price or an index that is off.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TierCheck {
+    pub answered: u64,
+    pub exact: u64,
+    pub predicted_tokens: u64,
+}
+
+/// [`TierCheck`] of host memory, disk and the shared store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TierChecks {
+    pub host: TierCheck,
+    pub disk: TierCheck,
+    pub external: TierCheck,
+}
+
+impl TierChecks {
+    /// The tiers' names, as metrics label them, in the order of the router's tier runs.
+    pub const NAMES: [&'static str; 3] = ["host", "disk", "external"];
+
+    /// Counts an answer predicted with `tokens` from each tier that came out as `outcome`.
+    pub fn record(&mut self, tokens: [u64; 3], outcome: Outcome) {
+        for (tier, n) in
+            [&mut self.host, &mut self.disk, &mut self.external].into_iter().zip(tokens)
+        {
+            if n > 0 {
+                tier.answered += 1;
+                tier.exact += u64::from(outcome == Outcome::Exact);
+                tier.predicted_tokens += n;
+            }
+        }
+    }
 }
 
 /// What a recorded answer changed.
@@ -182,6 +221,17 @@ mod tests {
         }
         assert_eq!(c.record(0, 16, true).1, Change::Recovered, "under is not drift");
         assert_eq!((c.drifts, c.drifted), (1, false));
+    }
+
+    #[test]
+    fn tiers_count_the_answers_predicted_from_them() {
+        let mut t = TierChecks::default();
+        t.record([32, 0, 0], Outcome::Exact);
+        t.record([16, 0, 48], Outcome::Over);
+        t.record([0, 0, 0], Outcome::Exact);
+        assert_eq!(t.host, TierCheck { answered: 2, exact: 1, predicted_tokens: 48 });
+        assert_eq!(t.disk, TierCheck::default());
+        assert_eq!(t.external, TierCheck { answered: 1, exact: 0, predicted_tokens: 48 });
     }
 
     #[test]

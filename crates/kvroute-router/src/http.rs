@@ -155,6 +155,7 @@ async fn find_best_worker(
             / placement.num_tokens as f64,
         predicted_prefill_tokens: decision.predicted_prefill_tokens,
         lower_tier_blocks: decision.tier_blocks.iter().sum(),
+        tier_blocks: decision.tier_blocks,
         prefill,
     }))
 }

@@ -32,6 +32,8 @@ pub const WORKER_TIER_BLOCKS: &str = "kvroute_router_worker_tier_blocks";
 pub const IN_FLIGHT: &str = "kvroute_router_in_flight_requests";
 pub const PREDICTIONS: &str = "kvroute_router_predictions";
 pub const PREDICTION_ERROR: &str = "kvroute_router_prediction_error_tokens";
+pub const TIER_PREDICTIONS: &str = "kvroute_router_tier_predictions";
+pub const TIER_TOKENS: &str = "kvroute_router_predicted_tier_tokens";
 pub const DRIFTS: &str = "kvroute_router_worker_drifts";
 pub const WORKER_DRIFTED: &str = "kvroute_router_worker_drifted";
 pub const WORKER_SILENT: &str = "kvroute_router_worker_silent";
@@ -143,6 +145,22 @@ pub struct PredictionLabels {
     pub outcome: &'static str,
 }
 
+/// An answer predicted to load from a lower tier, a label of [`TIER_PREDICTIONS`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TierPredictionLabels {
+    pub worker_id: u64,
+    /// `host`, `disk` or `external` (the shared store).
+    pub tier: &'static str,
+    pub outcome: &'static str,
+}
+
+/// Tokens predicted from a lower tier, a label of [`TIER_TOKENS`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TierTokenLabels {
+    pub worker_id: u64,
+    pub tier: &'static str,
+}
+
 /// Upper bounds (tokens) of the prediction-error histogram.
 const ERROR_BUCKETS: [f64; 8] = [0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0];
 
@@ -185,6 +203,8 @@ pub struct Metrics {
     pub in_flight: Gauge,
     pub predictions: Family<PredictionLabels, Counter>,
     pub prediction_error: Family<WorkerIdLabels, Histogram>,
+    pub tier_predictions: Family<TierPredictionLabels, Counter>,
+    pub tier_tokens: Family<TierTokenLabels, Counter>,
     pub drifts: Family<WorkerIdLabels, Counter>,
     pub worker_drifted: Family<WorkerIdLabels, Gauge>,
     pub worker_silent: Family<WorkerIdLabels, Gauge>,
@@ -243,6 +263,8 @@ impl Metrics {
             in_flight: Gauge::default(),
             predictions: Family::default(),
             prediction_error: Family::new_with_constructor(error_histogram),
+            tier_predictions: Family::default(),
+            tier_tokens: Family::default(),
             drifts: Family::default(),
             worker_drifted: Family::default(),
             worker_silent: Family::default(),
@@ -337,6 +359,16 @@ impl Metrics {
             PREDICTION_ERROR,
             "Absolute difference of predicted and served cached tokens, tokens",
             m.prediction_error.clone(),
+        );
+        r.register(
+            TIER_PREDICTIONS,
+            "Answered requests whose prediction counted tokens from a tier below the GPU, by tier and by how the whole prediction went",
+            m.tier_predictions.clone(),
+        );
+        r.register(
+            TIER_TOKENS,
+            "Cached tokens answered requests were predicted to load from a tier below the GPU",
+            m.tier_tokens.clone(),
         );
         r.register(
             DRIFTS,

@@ -16,6 +16,7 @@ use http_body_util::BodyExt;
 use kvroute_core::BlockSize;
 use kvroute_http::HttpClient;
 use kvroute_mocker::{EngineConfig, HostConfig, Timing};
+use kvroute_router::checks::{TierCheck, TierChecks};
 use kvroute_router::{RouterConfig, RouterState};
 use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
 use serde_json::{Value, json};
@@ -101,7 +102,20 @@ async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
     assert_eq!(worker, owner, "routed to the host memory that holds it");
     assert_eq!(cached, 19 * 16, "19 of 20 blocks served, the last recomputed");
     assert_eq!(predicted, cached, "predicted as served");
+    // The self-checks count it as an answer predicted from host memory, exact.
+    let host = TierCheck { answered: 1, exact: 1, predicted_tokens: 19 * 16 };
+    assert!(eventually(Duration::from_secs(5), || tiers_of(router, owner).host == host).await);
     assert_eq!(router.in_flight(), 0, "nothing left in flight");
+    let metrics = router.render_metrics();
+    let line = format!(
+        "kvroute_router_predicted_tier_tokens_total{{worker_id=\"{owner}\",tier=\"host\"}} 304"
+    );
+    assert!(metrics.contains(&line), "{metrics}");
+}
+
+fn tiers_of(router: &RouterState, worker: u64) -> TierChecks {
+    let w = router.workers().into_iter().find(|w| w.id.0 == worker);
+    w.map(|w| w.checks.tiers).unwrap_or_default()
 }
 
 /// Storage below host memory (vLLM's tiering): a prompt pushed out of the GPU and out of host
@@ -148,5 +162,10 @@ async fn a_prompt_evicted_from_host_memory_goes_where_storage_still_holds_it() {
     assert_eq!(cached, 19 * 16, "19 of 20 blocks served, the last recomputed");
     assert_eq!(predicted, cached, "predicted as served");
     let stats = stack.simulated.iter().map(|e| e.engine.snapshot().stats.storage_hit_tokens);
-    assert!(stats.sum::<u64>() > 0, "some of them promoted from storage");
+    let promoted = stats.sum::<u64>();
+    assert!(promoted > 0, "some of them promoted from storage");
+    // The self-checks count the storage (disk) tokens predicted, as many as were promoted.
+    let disk = || tiers_of(router, owner).disk;
+    assert!(eventually(Duration::from_secs(5), || disk().answered == 1).await, "{:?}", disk());
+    assert_eq!(disk(), TierCheck { answered: 1, exact: 1, predicted_tokens: promoted });
 }

@@ -90,6 +90,20 @@ fn reusable_tokens_follow_the_engines_last_token_rule() {
 }
 
 #[test]
+fn reusable_tokens_by_tier_add_up_to_the_whole() {
+    // 2 on the device, then 1 from host memory and 2 from the shared store.
+    assert_eq!(reusable_by_tier(2, [1, 0, 2], 100, 16), (32, [16, 0, 32]));
+    // 5 blocks of an 80-token prompt: its last is recomputed, taken off the store.
+    assert_eq!(reusable_by_tier(2, [1, 0, 2], 80, 16), (32, [16, 0, 16]));
+    assert_eq!(reusable_by_tier(9, [1, 1, 1], 64, 16), (48, [0, 0, 0]));
+    for (device, tiers, isl) in [(3, [2, 1, 0], 97), (0, [4, 4, 4], 150), (1, [0, 0, 0], 17)] {
+        let (d, t) = reusable_by_tier(device, tiers, isl, 16);
+        let total = device + tiers.iter().sum::<u32>();
+        assert_eq!(d + t.iter().sum::<usize>(), reusable_tokens(total, isl, 16));
+    }
+}
+
+#[test]
 fn full_overlap_wins_at_equal_load() {
     let p = prompt(&(0..512).collect::<Vec<_>>());
     for policy in [PolicyKind::Kv, PolicyKind::Dynamo] {

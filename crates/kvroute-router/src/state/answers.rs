@@ -10,7 +10,7 @@ use kvroute_http::router_api::Answered;
 
 use super::{CacheMode, RouterState, lock};
 use crate::checks::Change;
-use crate::metrics::{PredictionLabels, WorkerIdLabels};
+use crate::metrics::{PredictionLabels, TierPredictionLabels, TierTokenLabels, WorkerIdLabels};
 
 impl RouterState {
     /// Records an answered request (from this process's front door, or one posted to
@@ -30,11 +30,13 @@ impl RouterState {
         let bs = self.config.block_size.tokens() as u64;
         let stores = a.prompt_tokens >= actual.saturating_add(2 * bs);
         let expects_events = self.mode(id) == Some(CacheMode::Events);
-        let (outcome, change) = lock(&self.checks.per_worker)
-            .workers
-            .entry(id)
-            .or_default()
-            .record(predicted, actual, stores && expects_events);
+        let (outcome, change) = {
+            let mut checks = lock(&self.checks.per_worker);
+            let status = checks.workers.entry(id).or_default();
+            let recorded = status.record(predicted, actual, stores && expects_events);
+            status.tiers.record(a.predicted_tier_tokens, recorded.0);
+            recorded
+        };
         let m = &self.metrics;
         let labels = WorkerIdLabels { worker_id: id.0 };
         m.prompt_tokens.get_or_create(&labels).inc_by(a.prompt_tokens);
@@ -45,6 +47,14 @@ impl RouterState {
         m.prediction_error
             .get_or_create(&WorkerIdLabels { worker_id: id.0 })
             .observe(predicted.abs_diff(actual) as f64);
+        let tiers = crate::checks::TierChecks::NAMES.into_iter().zip(a.predicted_tier_tokens);
+        for (tier, tokens) in tiers.filter(|&(_, n)| n > 0) {
+            let outcome = outcome.name();
+            m.tier_predictions
+                .get_or_create(&TierPredictionLabels { worker_id: id.0, tier, outcome })
+                .inc();
+            m.tier_tokens.get_or_create(&TierTokenLabels { worker_id: id.0, tier }).inc_by(tokens);
+        }
         match change {
             Change::None => {}
             Change::Drifted => {
