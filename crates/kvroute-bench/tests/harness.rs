@@ -38,6 +38,17 @@ fn small_shared_prefix() -> kvroute_bench::workload::Workload {
     .generate(1, fleet().block_size().unwrap(), 0.1)
 }
 
+/// A self-contained fleet under `policy`, with KV events, over vLLM's generate API.
+fn fleet_target(policy: PolicyKind) -> Target {
+    Target::Fleet {
+        policy,
+        events: true,
+        replicas: None,
+        dialect: Dialect::VllmGenerate,
+        pd_baseline: None,
+    }
+}
+
 #[test]
 fn a_fresh_fleet_per_policy_and_its_ground_truth() {
     let workload = small_shared_prefix();
@@ -48,13 +59,7 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
         let label = policy.to_string();
         let data = run::run(
             &workload,
-            &Target::Fleet {
-                policy,
-                events: true,
-                replicas: None,
-                dialect: Dialect::VllmGenerate,
-                pd_baseline: None,
-            },
+            &fleet_target(policy),
             &fleet,
             &label,
             &ProgressBar::hidden(),
@@ -135,13 +140,7 @@ fn a_disaggregated_fleet_counts_each_prompt_once() {
         ..FleetConfig::default()
     };
     let pre = std::sync::Arc::new(Preprocessor::builtin());
-    let target = Target::Fleet {
-        policy: PolicyKind::Kv,
-        events: true,
-        replicas: None,
-        dialect: Dialect::VllmGenerate,
-        pd_baseline: None,
-    };
+    let target = fleet_target(PolicyKind::Kv);
     let data = run::run(&workload, &target, &fleet, "kv", &ProgressBar::hidden(), &pre).unwrap();
     assert!(data.records.iter().all(|r| r.error.is_none() && r.prefill_worker.is_some()));
     let s = summarize(&data, 16, Some(fleet.capacity_blocks()));
@@ -168,13 +167,7 @@ fn text_prompts_reach_the_engines_as_the_same_blocks() {
     let fleet = fleet();
     let pre = std::sync::Arc::new(Preprocessor::builtin());
     let workload = small_shared_prefix().into_text(&pre, fleet.block_size().unwrap()).unwrap();
-    let target = Target::Fleet {
-        policy: PolicyKind::Kv,
-        events: true,
-        replicas: None,
-        dialect: Dialect::VllmGenerate,
-        pd_baseline: None,
-    };
+    let target = fleet_target(PolicyKind::Kv);
     let data = run::run(&workload, &target, &fleet, "kv", &ProgressBar::hidden(), &pre).unwrap();
     for r in &data.records {
         assert!(r.error.is_none(), "{r:?}");

@@ -41,6 +41,14 @@ fn config() -> StackConfig {
     }
 }
 
+/// The stack started and ready, and its front door's completions URL.
+async fn started(config: StackConfig) -> (Stack, String) {
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    (stack, format!("{base}/v1/completions"))
+}
+
 /// Status, `x-kvroute-worker`, `x-kvroute-overlap-tokens`, cached tokens of the answer.
 async fn complete(client: &HttpClient, url: &str, prompt: &[u32]) -> (u16, u64, u64, u64) {
     let body = json!({"model": "kvroute-tiny", "prompt": prompt, "max_tokens": 1});
@@ -59,12 +67,9 @@ async fn complete(client: &HttpClient, url: &str, prompt: &[u32]) -> (u16, u64, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
-    let stack = Stack::start(config()).await.unwrap();
-    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
-    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let (stack, url) = started(config()).await;
     let router: &RouterState = stack.router.as_ref().unwrap();
     let client = HttpClient::new();
-    let url = format!("{base}/v1/completions");
 
     // A 20-block prompt lands somewhere, uncached (ids within the model's 967).
     let a: Vec<u32> = (0..320).map(|t| 3 + (t * 7) % 900).collect();
@@ -126,12 +131,9 @@ async fn a_prompt_evicted_from_host_memory_goes_where_storage_still_holds_it() {
     let mut config = config();
     config.simulated.engine.host =
         HostConfig { num_blocks: 64, storage_blocks: 1024, ..HostConfig::default() };
-    let stack = Stack::start(config).await.unwrap();
-    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
-    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let (stack, url) = started(config).await;
     let router: &RouterState = stack.router.as_ref().unwrap();
     let client = HttpClient::new();
-    let url = format!("{base}/v1/completions");
 
     let a: Vec<u32> = (0..320).map(|t| 3 + (t * 7) % 900).collect();
     let (status, owner, _, cached) = complete(&client, &url, &a).await;
