@@ -141,6 +141,18 @@ pub struct BenchArgs {
     /// Bandwidth (GB/s) of reading a storage block into host memory.
     #[arg(long, env = "KVROUTE_BENCH_STORAGE_GBPS", default_value_t = 10.0)]
     pub storage_bandwidth_gbps: f64,
+    /// Blocks of a KV store the fleet's workers share (docs/mocker.md, "Shared store"),
+    /// started with each fleet: a prefix one worker computed, another loads from it at
+    /// --store-bandwidth-gbps. The best achievable hit rate counts these blocks too. 0: none.
+    #[arg(long, env = "KVROUTE_BENCH_NUM_STORE_BLOCKS", default_value_t = 0)]
+    pub num_store_blocks: usize,
+    /// Bandwidth (GB/s) of loading a block from the shared store.
+    #[arg(long, env = "KVROUTE_BENCH_STORE_GBPS", default_value_t = 12.5)]
+    pub store_bandwidth_gbps: f64,
+    /// With --num-store-blocks: each policy also runs without the store, in the same run
+    /// (labelled <policy>-no-store).
+    #[arg(long, env = "KVROUTE_BENCH_STORE_BASELINE")]
+    pub store_baseline: bool,
     /// KV bytes per token of the simulated model (the size of a host load and of a prefill's
     /// transfer to its decode worker).
     #[arg(long, env = "KVROUTE_BENCH_KV_BYTES_PER_TOKEN", default_value_t = 131_072.0)]
@@ -375,8 +387,10 @@ impl BenchArgs {
                 kv_bytes_per_token: self.kv_bytes_per_token,
                 storage_blocks: self.num_storage_blocks,
                 storage_gbps: self.storage_bandwidth_gbps,
+                store_gbps: self.store_bandwidth_gbps,
                 ..kvroute_mocker::HostConfig::default()
             },
+            store_blocks: self.num_store_blocks,
             disagg: self.disagg,
             kv_transfer_bandwidth: self.kv_transfer_bandwidth,
             kv_transfer_bandwidth_across_nodes: self.kv_transfer_bandwidth_across_nodes,
@@ -480,6 +494,14 @@ impl BenchArgs {
             "--slo-tpot-p99: milliseconds >= 0"
         );
         anyhow::ensure!(self.nodes >= 1, "--nodes must be at least 1");
+        anyhow::ensure!(
+            !self.store_baseline || self.num_store_blocks > 0,
+            "--store-baseline compares against a shared store: give --num-store-blocks"
+        );
+        anyhow::ensure!(
+            self.num_store_blocks == 0 || self.disagg.is_none(),
+            "the simulated engines share a store only without prefill and decode workers"
+        );
         // A bad --pd-cost is reported before any fleet starts.
         self.fleet().pair_config()?;
         anyhow::ensure!(
@@ -712,6 +734,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                 replicas,
                 dialect: dialects[0],
                 pd_baseline,
+                store: true,
             };
             let fleet = |policy, replicas: Option<Replicas>| fleet_of(policy, replicas, None);
             let with_events = args.policies().into_iter().flat_map(|p| {
@@ -719,6 +742,13 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                 // The pair cost's baselines, beside the kv policy's own.
                 for &b in args.pd_baselines.iter().filter(|_| p == PolicyKind::Kv) {
                     runs.push((format!("{p}-{}", b.label()), fleet_of(p, None, Some(b))));
+                }
+                if args.store_baseline {
+                    let mut alone = fleet(p, None);
+                    if let Target::Fleet { store, .. } = &mut alone {
+                        *store = false;
+                    }
+                    runs.push((format!("{p}-no-store"), alone));
                 }
                 if args.replicas > 1 {
                     for sync in [true, false] {
@@ -739,13 +769,16 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                             replicas: None,
                             dialect: dialects[0],
                             pd_baseline: None,
+                            store: true,
                         },
                     )
                 });
             // Each run over each dialect, side by side.
             let per_dialect = |(label, target): (String, Target)| -> Vec<(String, Target)> {
                 match target {
-                    Target::Fleet { policy, events, replicas, pd_baseline, .. } if several => {
+                    Target::Fleet { policy, events, replicas, pd_baseline, store, .. }
+                        if several =>
+                    {
                         dialects
                             .iter()
                             .map(|&dialect| {
@@ -756,6 +789,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
                                     replicas,
                                     dialect,
                                     pd_baseline,
+                                    store,
                                 };
                                 (format!("{label}@{dialect}"), target)
                             })

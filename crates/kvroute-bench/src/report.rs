@@ -494,7 +494,7 @@ fn write_disagg(md: &mut String, result: &WorkloadResult) {
 
 /// With host memory: the share of prompt tokens loaded from it and the bytes moved.
 fn write_host(md: &mut String, result: &WorkloadResult) {
-    if result.runs.iter().all(|(_, s)| s.host_hit_rate.is_none()) {
+    if result.runs.iter().all(|(_, s)| s.host_hit_rate.is_none() && s.store_hit_rate.is_none()) {
         return;
     }
     let _ = writeln!(
@@ -503,20 +503,21 @@ fn write_host(md: &mut String, result: &WorkloadResult) {
     );
     let _ = writeln!(
         md,
-        "| policy | hit rate | from the GPU | from host memory | of them from storage | predicted from below | MiB loaded / request |\n|---|---|---|---|---|---|---|"
+        "| policy | hit rate | from the GPU | from host memory | of them from storage | from the shared store | predicted from below | MiB loaded / request |\n|---|---|---|---|---|---|---|---|"
     );
     for (_, s) in &result.runs {
-        let gpu =
-            s.hit_rate.zip(s.host_hit_rate).map(|(h, t)| h - t - s.storage_hit_rate.unwrap_or(0.0));
         let below = s.host_hit_rate.map(|h| h + s.storage_hit_rate.unwrap_or(0.0));
+        let lower = below.unwrap_or(0.0) + s.store_hit_rate.unwrap_or(0.0);
+        let gpu = s.hit_rate.map(|h| h - lower);
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             s.label,
             frac(s.hit_rate),
             frac(gpu),
             frac(below),
             frac(s.storage_hit_rate),
+            frac(s.store_hit_rate),
             frac(s.predicted_below_rate),
             s.host_loaded_mib_per_request.map_or("-".into(), |m| format!("{m:.1}")),
         );

@@ -21,7 +21,7 @@ use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::{ChatMessage, Preprocessor};
 use kvroute_router::Dialect;
 use kvroute_router::{RouterConfig, WorkerSpec};
-use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
+use kvroute_stack::{FrontDoorOptions, SharedStore, Simulated, Stack, StackConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -51,6 +51,8 @@ pub struct FleetConfig {
     pub session_margin: f64,
     /// Host memory below each worker's GPU cache (none by default).
     pub host: kvroute_mocker::HostConfig,
+    /// Blocks of a store the workers share, started with the fleet (0: none).
+    pub store_blocks: usize,
     /// Prefill and decode workers instead of `workers` aggregated ones.
     pub disagg: Option<(usize, usize)>,
     /// The prefill-to-decode link's bandwidth, GB/s (within a node, with `nodes`).
@@ -109,6 +111,7 @@ impl Default for FleetConfig {
             max_loras: kvroute_mocker::lora::LoraConfig::default().max_loras,
             session_margin: kvroute_core::schedule::SessionConfig::default().margin_s,
             host: kvroute_mocker::HostConfig::default(),
+            store_blocks: 0,
             disagg: None,
             kv_transfer_bandwidth: kvroute_mocker::DisaggConfig::default()
                 .kv_transfer_bandwidth_gbps,
@@ -129,6 +132,7 @@ impl FleetConfig {
     pub fn price_host_loads(&self, kv: &mut kvroute_core::schedule::kv::KvConfig) {
         kv.host_bandwidth_gbps = self.host.h2d_gbps;
         kv.disk_bandwidth_gbps = self.host.storage_gbps;
+        kv.external_bandwidth_gbps = self.host.store_gbps;
         kv.kv_bytes_per_token = self.host.kv_bytes_per_token;
     }
 
@@ -163,7 +167,8 @@ impl FleetConfig {
     /// Blocks of every worker together, host memory included (what the best achievable hit
     /// rate may keep).
     pub fn capacity_blocks(&self) -> usize {
-        self.engines() * (self.num_blocks + self.host.num_blocks + self.host.storage_tier_blocks())
+        let per_engine = self.num_blocks + self.host.num_blocks + self.host.storage_tier_blocks();
+        self.engines() * per_engine + self.store_blocks
     }
 
     /// Simulated engines in all.
@@ -178,13 +183,15 @@ pub enum Target {
     /// A fresh fleet with this policy; with `events` off the simulated workers publish no KV
     /// events and the router predicts their caches from its own decisions (approximate mode).
     /// `dialect`: how the front door speaks to the simulated workers.
-    /// `pd_baseline`: the pair cost made blind to one thing.
+    /// `pd_baseline`: the pair cost made blind to one thing. `store`: the fleet's shared
+    /// store, if it has one, is started (off: the baseline without it).
     Fleet {
         policy: PolicyKind,
         events: bool,
         replicas: Option<Replicas>,
         dialect: Dialect,
         pd_baseline: Option<PdBaseline>,
+        store: bool,
     },
     /// OpenAI-compatible endpoints (replicas of one front door: requests are sprayed across
     /// them), and the workers' base URLs whose `/stats` give the ground truth.
@@ -287,6 +294,10 @@ pub struct WorkerStats {
     /// Storage below host memory: the prompt tokens promoted from it (part of
     /// `cached_tokens`).
     pub storage_hit_tokens: u64,
+    /// A store the fleet shares: whether the engine uses one, and the prompt tokens it
+    /// loaded from it (part of `cached_tokens`).
+    pub shared_store: bool,
+    pub store_hit_tokens: u64,
     /// A decode engine's requests whose KV was pulled: their prompt and cached tokens (part
     /// of `prompt_tokens` and `cached_tokens`, and counted on their prefill engine too).
     pub pulled_prompt_tokens: u64,
@@ -384,12 +395,13 @@ pub fn run(
         .context("starting a runtime")?;
     let result = runtime.block_on(async {
         match target {
-            Target::Fleet { policy, events, replicas, dialect, pd_baseline } => {
+            Target::Fleet { policy, events, replicas, dialect, pd_baseline, store } => {
                 let adapters = workload.adapters.clone();
                 let fleet = FleetConfig {
                     dialect: *dialect,
                     adapters,
                     pd_baseline: *pd_baseline,
+                    store_blocks: if *store { fleet.store_blocks } else { 0 },
                     ..fleet.clone()
                 };
                 let (urls, stats) =
@@ -446,8 +458,9 @@ pub async fn start_fleet(
         None => None,
     };
     anyhow::ensure!(
-        sliding_window.is_none() || (fleet.host.num_blocks == 0 && fleet.disagg.is_none()),
-        "a hybrid model's simulated engines run without host memory and without prefill and decode workers"
+        sliding_window.is_none()
+            || (fleet.host.num_blocks == 0 && fleet.disagg.is_none() && fleet.store_blocks == 0),
+        "a hybrid model's simulated engines run without host memory, a shared store, and prefill and decode workers"
     );
     let config = StackConfig {
         simulated: Simulated {
@@ -487,6 +500,7 @@ pub async fn start_fleet(
                 ),
                 None => None,
             },
+            store: (fleet.store_blocks > 0).then_some(SharedStore::Start(fleet.store_blocks)),
             ..Simulated::default()
         },
         ..front_door(router, fleet)

@@ -77,6 +77,9 @@ pub struct Summary {
     pub host_hit_rate: Option<f64>,
     /// Of the prompt tokens, those promoted from storage (with a storage tier).
     pub storage_hit_rate: Option<f64>,
+    /// Of the prompt tokens, those loaded from the shared store (with one).
+    #[serde(default)]
+    pub store_hit_rate: Option<f64>,
     /// The router's prediction of the same (tokens from every tier below the GPU / prompt
     /// tokens), from the answers' `x-kvroute-overlap-tier-tokens`; `None` without host memory.
     #[serde(default)]
@@ -203,6 +206,8 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
     let host_tokens = has_host.then(|| total(&|s| s.host_hit_tokens));
     let has_storage = run.stats_end.iter().any(|s| s.storage_total_blocks > 0);
     let storage_tokens = has_storage.then(|| total(&|s| s.storage_hit_tokens));
+    let has_store = run.stats_end.iter().any(|s| s.shared_store);
+    let store_tokens = has_store.then(|| total(&|s| s.store_hit_tokens));
     let prompt_tokens: u64 = total(&|s| s.prompt_tokens - s.pulled_prompt_tokens);
     // A fleet with prefill or decode workers: its figures are reported when nothing split.
     let disaggregated = run.stats_end.iter().any(|s| s.role != kvroute_core::schedule::Role::Both);
@@ -241,6 +246,7 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
         engines_per_adapter: engines_per_adapter(&ok),
         host_hit_rate: host_tokens.and_then(|t| ratio(t as f64, prompt_tokens as f64)),
         storage_hit_rate: storage_tokens.and_then(|t| ratio(t as f64, prompt_tokens as f64)),
+        store_hit_rate: store_tokens.and_then(|t| ratio(t as f64, prompt_tokens as f64)),
         disaggregated_share: disaggregated
             .then(|| ratio(received as f64, ok.len() as f64))
             .flatten(),
@@ -256,7 +262,7 @@ pub fn summarize(run: &RunData, block_size: usize, capacity_blocks: Option<usize
                 ratio(bytes as f64 / f64::from(1 << 20), ok.len() as f64)
             })
             .flatten(),
-        predicted_below_rate: host_tokens.and_then(|_| {
+        predicted_below_rate: host_tokens.or(store_tokens).and_then(|_| {
             let tiers = ok.iter().filter_map(|r| r.predicted_tier_tokens);
             let predicted: u64 = tiers.map(|t| t.iter().sum::<u64>()).sum();
             ratio(predicted as f64, prompt_tokens as f64)

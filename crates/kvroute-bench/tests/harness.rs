@@ -46,6 +46,7 @@ fn fleet_target(policy: PolicyKind) -> Target {
         replicas: None,
         dialect: Dialect::VllmGenerate,
         pd_baseline: None,
+        store: true,
     }
 }
 

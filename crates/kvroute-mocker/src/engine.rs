@@ -107,6 +107,22 @@ pub struct EngineRequest {
     /// Its part in a disaggregated request: a prefill whose blocks are held for a decode
     /// engine, or a decode whose prompt KV came from a prefill engine.
     pub handoff: Handoff,
+    /// Per leading block of the prompt, whether the shared store held it when the engine
+    /// asked ([`crate::store`]); empty without a store.
+    pub in_store: Vec<bool>,
+}
+
+impl EngineRequest {
+    /// Sequence hashes of its full prompt blocks, as an engine of `block_size` hashes them.
+    pub fn prompt_hashes(&self, block_size: BlockSize) -> Vec<SequenceHash> {
+        let lora = self.lora.as_deref().filter(|l| !l.is_empty());
+        let hasher = BlockHasher::new(block_size)
+            .with_namespace(self.cache_salt.as_deref().filter(|s| !s.is_empty()))
+            .with_lora(lora);
+        kvroute_core::sequence_hashes(
+            &hasher.local_hashes(&self.tokens, self.block_mm_infos.as_deref()),
+        )
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -179,6 +195,9 @@ pub struct EngineStats {
     pub storage_loaded_bytes: u64,
     pub storage_evicted_blocks: u64,
     pub storage_blocks: u64,
+    /// Of `cached_tokens`, those loaded from the shared store, and the bytes they moved.
+    pub store_hit_tokens: u64,
+    pub store_loaded_bytes: u64,
     /// Of `cached_tokens`, those whose KV came from a prefill engine.
     pub remote_tokens: u64,
     /// Of `prompt_tokens` and `cached_tokens`, those of requests whose KV came from a prefill
@@ -214,6 +233,9 @@ pub struct Engine {
     adapters: Adapters,
     host: Tier,
     storage: Tier,
+    /// The shared store: its loads (it holds no blocks here), and the writes to it.
+    store: Tier,
+    writes: crate::store::Writes,
     /// Finished prefills whose blocks are held for a decode engine to pull, by request id.
     held: FxHashMap<String, Sequence>,
 }
@@ -268,10 +290,10 @@ impl Events {
             if i == blocks.len() || blocks[i] != blocks[i - 1] + 1 {
                 if start < i {
                     let mut event = stored_event(bs, s, &blocks[start..i], medium);
-                    if let (Some(window), EngineEvent::BlockStored(b)) = (self.window, &mut event) {
-                        crate::window::name_group(b, group, window);
+                    if let Some(window) = self.window {
+                        crate::window::name_group(&mut event, group, window);
                     }
-                    self.events.push(event);
+                    self.events.push(EngineEvent::BlockStored(event));
                 }
                 start = i;
             }
@@ -317,6 +339,8 @@ impl Engine {
             adapters: Adapters::new(config.lora),
             host: config.host.host_tier(),
             storage: config.host.storage_tier(),
+            store: config.host.store_tier(),
+            writes: crate::store::Writes::default(),
             held: FxHashMap::default(),
             config,
         }
@@ -332,7 +356,7 @@ impl Engine {
     }
 
     pub fn stats(&self) -> EngineStats {
-        let (host, storage) = (self.host.stats, self.storage.stats);
+        let (host, storage, store) = (self.host.stats, self.storage.stats, self.store.stats);
         let block_bytes =
             self.config.block_size.tokens() as f64 * self.config.host.kv_bytes_per_token;
         EngineStats {
@@ -344,6 +368,8 @@ impl Engine {
             storage_loaded_bytes: (storage.loaded_blocks as f64 * block_bytes) as u64,
             storage_evicted_blocks: storage.evicted_blocks,
             storage_blocks: self.storage.len() as u64,
+            store_hit_tokens: store.hit_tokens,
+            store_loaded_bytes: (store.loaded_blocks as f64 * block_bytes) as u64,
             held_blocks: self.held.values().map(|s| s.blocks.len() as u64).sum(),
             held_requests: self.held.len() as u64,
             ..self.stats
@@ -409,6 +435,7 @@ impl Engine {
             generated: 0,
             cached_tokens: None,
             handoff: req.handoff,
+            in_store: req.in_store,
         });
         Ok(())
     }
@@ -706,6 +733,9 @@ impl Engine {
         // Group by group, as vLLM's coordinator caches them.
         events.stored_runs(bs, s, &run, GPU, 0);
         events.stored_runs(bs, s, &window_run, GPU, 1);
+        if self.writes.enabled && !run.is_empty() {
+            self.writes.write(run.iter().map(|&b| stored_event(bs, s, &[b], GPU)).collect());
+        }
         if !self.host.enabled() || run.is_empty() {
             return;
         }
@@ -733,8 +763,9 @@ impl Engine {
     /// Loads the blocks that follow a request's `hits` GPU blocks (at most up to block
     /// `max`) from the tiers below into the GPU cache, as cached blocks of the request,
     /// announced on the GPU again: a run of blocks each in host memory, or else in storage
-    /// (promoted through host memory, where it is stored again). Returns how many, and how
-    /// long their loads take; 0 without a tier or room.
+    /// (promoted through host memory, where it is stored again), or else in the shared
+    /// store (as it held them when the engine asked). Returns how many, and how long their
+    /// loads take; 0 without a tier or room.
     fn load_from_tiers(
         &mut self,
         s: &mut Sequence,
@@ -744,18 +775,24 @@ impl Engine {
         events: &mut Events,
     ) -> (usize, Duration) {
         let bs = self.config.block_size.tokens();
-        let from = |h: &SequenceHash| match (self.host.holds(h), self.storage.holds(h)) {
-            (true, _) => Some(false),
-            (false, true) => Some(true),
+        let in_store = |b: usize| s.in_store.get(b).copied().unwrap_or(false);
+        let from = |b: usize| match (self.host.holds(&hashes[b]), self.storage.holds(&hashes[b])) {
+            (true, _) => Some(Source::Host),
+            (false, true) => Some(Source::Storage),
+            (false, false) if in_store(b) => Some(Source::Store),
             (false, false) => None,
         };
-        let run: Vec<bool> = hashes.iter().take(max).skip(hits).map_while(from).collect();
+        let run: Vec<Source> = (hits..max.min(hashes.len())).map_while(from).collect();
         let n = run.len();
         if n == 0 || !self.adopt(s, &hashes[hits..hits + n], hits, events) {
             return (0, Duration::ZERO);
         }
-        let promoted: Vec<usize> = (0..n).filter(|&j| run[j]).map(|j| hits + j).collect();
-        let in_host = n - promoted.len();
+        let promoted: Vec<usize> =
+            (0..n).filter(|&j| run[j] == Source::Storage).map(|j| hits + j).collect();
+        let from_store = run.iter().filter(|&&r| r == Source::Store).count();
+        self.store.stats.loaded_blocks += from_store as u64;
+        self.store.stats.hit_tokens += (from_store * bs) as u64;
+        let in_host = n - promoted.len() - from_store;
         self.host.touch(&hashes[hits..hits + n]);
         self.host.stats.loaded_blocks += in_host as u64;
         self.host.stats.hit_tokens += (in_host * bs) as u64;
@@ -766,7 +803,9 @@ impl Engine {
             self.storage.stats.hit_tokens += (blocks.len() * bs) as u64;
             store_in(&mut self.host, bs, s, &promoted, &blocks, CPU, events);
         }
-        let took = self.host.load_time(n, bs) + self.storage.load_time(promoted.len(), bs);
+        let took = self.host.load_time(n - from_store, bs)
+            + self.storage.load_time(promoted.len(), bs)
+            + self.store.load_time(from_store, bs);
         (n, took)
     }
 
@@ -829,17 +868,32 @@ impl Engine {
         Some(blocks)
     }
 
+    /// From now on, every block the engine computes is written to the shared store
+    /// ([`Self::take_store_puts`]).
+    pub fn attach_store(&mut self) {
+        self.writes.enabled = true;
+    }
+
+    /// Whether a shared store is attached.
+    pub fn has_store(&self) -> bool {
+        self.writes.enabled
+    }
+
+    /// The writes to the shared store made since the last call, in order.
+    pub fn take_store_puts(&mut self) -> Vec<crate::store::Put> {
+        self.writes.take()
+    }
+
+    /// The store's answer to a put (or a poll): the events it makes known, locality
+    /// `REMOTE`, to publish now ([`crate::store`]).
+    pub fn store_acked(&mut self, acked: crate::store::Acked) -> Vec<EngineEvent> {
+        self.writes.acked(acked)
+    }
+
     /// Blocks a decode request would find in this engine's cache: the leading full blocks of
     /// its prompt that are cached (what it need not pull from its prefill engine).
     pub fn cached_prompt_blocks(&self, req: &EngineRequest) -> usize {
-        let lora = req.lora.as_deref().filter(|l| !l.is_empty());
-        let hasher = self
-            .hasher
-            .with_namespace(req.cache_salt.as_deref().filter(|s| !s.is_empty()))
-            .with_lora(lora);
-        let hashes = kvroute_core::sequence_hashes(
-            &hasher.local_hashes(&req.tokens, req.block_mm_infos.as_deref()),
-        );
+        let hashes = req.prompt_hashes(self.config.block_size);
         let bs = self.config.block_size.tokens();
         self.cache.cached_prefix(&hashes).min((req.tokens.len() - 1) / bs)
     }
@@ -895,6 +949,15 @@ impl Engine {
     }
 }
 
+/// Where a block loaded from below the GPU comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    Host,
+    /// Storage, promoted through host memory.
+    Storage,
+    Store,
+}
+
 /// How scheduling a request went.
 enum Scheduled {
     Yes,
@@ -906,7 +969,7 @@ enum Scheduled {
 
 /// `BlockStored` for consecutive blocks of a request, as vLLM writes it (images as
 /// publisher-form `extra_keys`).
-fn stored_event(bs: usize, s: &Sequence, blocks: &[usize], medium: &str) -> EngineEvent {
+fn stored_event(bs: usize, s: &Sequence, blocks: &[usize], medium: &str) -> BlockStored {
     let first = blocks[0];
     let extra_keys: Option<Vec<Option<Vec<ExtraKey>>>> = s.mm.as_ref().map(|infos| {
         blocks
@@ -933,7 +996,7 @@ fn stored_event(bs: usize, s: &Sequence, blocks: &[usize], medium: &str) -> Engi
                 .collect(),
         ),
     };
-    EngineEvent::BlockStored(BlockStored {
+    BlockStored {
         block_hashes: blocks.iter().map(|&b| s.hashes[b].0).collect(),
         parent_block_hash: first.checked_sub(1).map(|p| s.hashes[p].0),
         token_ids: blocks
@@ -950,5 +1013,5 @@ fn stored_event(bs: usize, s: &Sequence, blocks: &[usize], medium: &str) -> Engi
         locality: None,
         kv_cache_spec_kind: None,
         kv_cache_spec_sliding_window: None,
-    })
+    }
 }

@@ -92,6 +92,7 @@ pub(crate) async fn generate(
         lora: lora.clone(),
         handoff: crate::handoff::Handoff::None,
         hold_key: None,
+        in_store: Vec::new(),
     };
     state.arrange(&leg, &mut submission).await?;
     let submitted = state.submit(submission)?;

@@ -386,7 +386,14 @@ impl AppState {
     /// vLLM and SGLang answer), or with vLLM's `recompute` policy is prefilled here.
     pub(crate) async fn arrange(&self, leg: &Leg, s: &mut Submission) -> Result<(), ApiError> {
         match leg {
-            Leg::Aggregated => {}
+            Leg::Aggregated => {
+                if let Some(store) = &self.store {
+                    let req = self.engine_request(s);
+                    let hashes = req.prompt_hashes(self.engine.config.block_size);
+                    let hashes: Vec<u64> = hashes.into_iter().map(|h| h.0).collect();
+                    s.in_store = store.lookup(&hashes).await;
+                }
+            }
             Leg::Prefill { key, .. } => {
                 s.handoff = crate::handoff::Handoff::Hold;
                 s.hold_key = Some(key.clone());

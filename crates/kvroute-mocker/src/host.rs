@@ -44,11 +44,15 @@ pub struct HostConfig {
     pub storage_blocks: usize,
     /// Bandwidth (GB/s) of reading a block from storage into host memory.
     pub storage_gbps: f64,
+    /// Bandwidth (GB/s) of loading a block from the shared store (`--store-url`,
+    /// [`crate::store`]) into the GPU cache.
+    pub store_gbps: f64,
 }
 
 impl Default for HostConfig {
     /// No host tier; Dynamo's mocker's default bandwidths (32 GB/s host, 10 GB/s for its disk
-    /// tier) and 128 KiB per token.
+    /// tier), 128 KiB per token, and a shared store over 100 Gb/s Ethernet (12.5 GB/s, the
+    /// router's `external_bandwidth_gbps`).
     fn default() -> Self {
         Self {
             num_blocks: 0,
@@ -57,6 +61,7 @@ impl Default for HostConfig {
             kv_bytes_per_token: 131_072.0,
             storage_blocks: 0,
             storage_gbps: 10.0,
+            store_gbps: 12.5,
         }
     }
 }
@@ -70,6 +75,11 @@ impl HostConfig {
     /// Storage: its blocks, read at the storage bandwidth (then copied like host blocks).
     pub(crate) fn storage_tier(&self) -> Tier {
         Tier::new(self.storage_tier_blocks(), self.storage_gbps, self.kv_bytes_per_token)
+    }
+
+    /// The shared store as the engine loads from it (it holds no blocks here: the store does).
+    pub(crate) fn store_tier(&self) -> Tier {
+        Tier::new(0, self.store_gbps, self.kv_bytes_per_token)
     }
 
     /// Blocks of storage in use: none without host memory above it.

@@ -63,6 +63,8 @@ pub struct AppState {
     pub engine_id: String,
     /// Where decode engines pull this engine's KV (a prefill engine's side channel).
     pub side_channel: Option<std::net::SocketAddr>,
+    /// The store the fleet shares (`--store-url`), asked what it holds of each prompt.
+    pub store: Option<crate::store::StoreLink>,
 }
 
 pub use kvroute_http::openai::DEFAULT_MAX_MODEL_LEN;
@@ -106,6 +108,7 @@ impl AppState {
             holds: Arc::default(),
             engine_id: format!("kvroute-mocker-{:016x}", rand_id()),
             side_channel: None,
+            store: None,
         }
     }
 
@@ -243,6 +246,8 @@ pub(crate) struct Submission {
     pub handoff: crate::handoff::Handoff,
     /// A prefill leg's key: its blocks are held under it when it ends.
     pub hold_key: Option<String>,
+    /// Per leading prompt block, whether the shared store holds it (filled by `arrange`).
+    pub in_store: Vec<bool>,
 }
 
 /// What the engine sends back for one submission, and the guard that cancels it when dropped.
@@ -303,6 +308,7 @@ impl AppState {
             cache_salt: s.cache_salt,
             lora: s.lora,
             handoff: s.handoff,
+            in_store: s.in_store,
         };
         let end = request.plan.end;
         let (outputs, guard) = self.engine.submit(request);
@@ -332,6 +338,7 @@ impl AppState {
             cache_salt: s.cache_salt.clone(),
             lora: s.lora.clone(),
             handoff: s.handoff,
+            in_store: s.in_store.clone(),
         }
     }
 }
@@ -395,6 +402,7 @@ async fn generate(
         lora,
         handoff: crate::handoff::Handoff::None,
         hold_key: None,
+        in_store: Vec::new(),
     };
     state.arrange(&leg, &mut submission).await?;
     let Submitted { outputs, guard, end } = state.submit(submission)?;

@@ -23,6 +23,7 @@ pub mod metrics;
 mod sequence;
 pub mod service;
 mod sglang;
+pub mod store;
 pub mod timing;
 pub mod vllm;
 pub mod window;
@@ -69,6 +70,9 @@ pub struct MockerConfig {
     /// `VLLM_NIXL_SIDE_CHANNEL_HOST`/`PORT`, SGLang's `--disaggregation-bootstrap-port`);
     /// `None`: a free loopback port. Only a prefill engine serves one.
     pub side_channel: Option<String>,
+    /// A store every engine of the fleet shares (`--store-url`, [`store`]): the engine writes
+    /// the blocks it computes to it and loads from it the blocks it lacks.
+    pub store_url: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +133,11 @@ pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerEr
     let mut state =
         http::AppState::new(engine, preprocessor, config.seed, fetcher, config.max_model_len);
     state.api_keys = config.api_keys;
+    if let Some(url) = &config.store_url {
+        let link = store::StoreLink::new(url);
+        state.engine.attach_store(link.clone(), format!("{}-{}", state.engine_id, config.dp_rank));
+        state.store = Some(link);
+    }
     state.runtime_lora_updating = config.runtime_lora_updating;
     let side_channel = match config.engine.disagg.role {
         Role::Prefill => {

@@ -26,6 +26,7 @@ pub const HOST_LOADED_BYTES: &str = "kvroute_mocker_host_loaded_bytes";
 pub const HOST_BLOCKS: &str = "kvroute_mocker_host_blocks";
 pub const STORAGE_HIT_TOKENS: &str = "kvroute_mocker_storage_hit_tokens";
 pub const STORAGE_BLOCKS: &str = "kvroute_mocker_storage_blocks";
+pub const STORE_HIT_TOKENS: &str = "kvroute_mocker_store_hit_tokens";
 pub const HELD_BLOCKS: &str = "kvroute_mocker_kv_held_blocks";
 pub const HELD_REQUESTS: &str = "kvroute_mocker_kv_held_requests";
 pub const REMOTE_TOKENS: &str = "kvroute_mocker_kv_remote_tokens";
@@ -71,6 +72,7 @@ pub struct Metrics {
     host_blocks: Gauge,
     storage_hit_tokens: CounterOf,
     storage_blocks: Gauge,
+    store_hit_tokens: CounterOf,
     held_blocks: Gauge,
     held_requests: Gauge,
     remote_tokens: CounterOf,
@@ -105,6 +107,7 @@ impl Metrics {
             host_blocks: Gauge::default(),
             storage_hit_tokens: CounterOf::default(),
             storage_blocks: Gauge::default(),
+            store_hit_tokens: CounterOf::default(),
             held_blocks: Gauge::default(),
             held_requests: Gauge::default(),
             remote_tokens: CounterOf::default(),
@@ -141,6 +144,11 @@ impl Metrics {
             m.storage_hit_tokens.counter.clone(),
         );
         r.register(STORAGE_BLOCKS, "KV blocks held in storage", m.storage_blocks.clone());
+        r.register(
+            STORE_HIT_TOKENS,
+            "Prompt tokens loaded from the shared store instead of computed (part of the cached ones)",
+            m.store_hit_tokens.counter.clone(),
+        );
         r.register(
             HELD_BLOCKS,
             "KV blocks of finished prefills held for their decode engine to pull",
@@ -284,6 +292,7 @@ impl Metrics {
         self.host_blocks.set(s.stats.host_blocks as i64);
         self.storage_hit_tokens.sync(s.stats.storage_hit_tokens);
         self.storage_blocks.set(s.stats.storage_blocks as i64);
+        self.store_hit_tokens.sync(s.stats.store_hit_tokens);
         self.held_blocks.set(s.stats.held_blocks as i64);
         self.held_requests.set(s.stats.held_requests as i64);
         self.remote_tokens.sync(s.stats.remote_tokens);

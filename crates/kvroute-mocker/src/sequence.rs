@@ -87,6 +87,8 @@ pub(crate) struct Sequence {
     pub(crate) cached_tokens: Option<usize>,
     /// Its part in a disaggregated request.
     pub(crate) handoff: crate::handoff::Handoff,
+    /// Per leading prompt block, whether the shared store held it when the engine asked.
+    pub(crate) in_store: Vec<bool>,
 }
 
 impl Sequence {

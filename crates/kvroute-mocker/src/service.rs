@@ -29,6 +29,7 @@ use tokio::sync::mpsc;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 use crate::engine::{Engine, EngineConfig, EngineRequest, EngineStats, LoraStats, Output};
+use crate::store::{Acked, Put, StoreLink};
 
 /// Where the engine publishes (`None`: not at all).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -64,6 +65,8 @@ pub struct Snapshot {
     /// Blocks of host memory below the GPU cache (0: none), and of storage below it.
     pub host_total_blocks: usize,
     pub storage_total_blocks: usize,
+    /// It writes to and loads from a shared store (`--store-url`).
+    pub shared_store: bool,
     pub simulated_seconds: f64,
     /// Messages its ZMQ sockets refused for exceeding their size limit.
     pub zmq_refused: u64,
@@ -103,6 +106,10 @@ enum Command {
     Release(String),
     /// How many leading prompt blocks of a request the cache holds.
     Probe(EngineRequest, tokio::sync::oneshot::Sender<usize>),
+    /// Write computed blocks to the shared store through this channel.
+    AttachStore(mpsc::UnboundedSender<Put>),
+    /// The store answered a put or a poll.
+    StoreAck(Acked),
 }
 
 /// A handle on the running engine task.
@@ -227,6 +234,20 @@ impl EngineHandle {
         rx.await.unwrap_or(0)
     }
 
+    /// Writes every block the engine computes from now on to the shared store at `link`
+    /// under `owner`, and announces what the store answers (locality `REMOTE`), on the
+    /// current runtime.
+    pub fn attach_store(&self, link: StoreLink, owner: String) {
+        let (puts_tx, puts_rx) = mpsc::unbounded_channel();
+        // The writer must not keep the engine thread alive: it holds a weak sender.
+        let engine = self.tx.downgrade();
+        let acked = move |a: Acked| {
+            engine.upgrade().is_some_and(|tx| tx.send(Command::StoreAck(a)).is_ok())
+        };
+        tokio::spawn(link.writer(owner, puts_rx, acked));
+        let _ = self.tx.send(Command::AttachStore(puts_tx));
+    }
+
     /// Forgets an adapter's slot and host copy (vLLM's `/v1/unload_lora_adapter`).
     pub fn unload_adapter(&self, name: &str) {
         let _ = self.tx.send(Command::Unload(name.to_owned()));
@@ -263,18 +284,20 @@ fn run(
     faults: &Faults,
 ) {
     let mut streams = Streams::default();
+    let mut store: Option<mpsc::UnboundedSender<Put>> = None;
+    let send = |events: Vec<EngineEvent>| publish_events(publisher, events, dp_rank, faults);
     // Real time paces simulated time: a step may end early, never the clock as a whole.
     let start = Instant::now();
     let mut offset = Duration::ZERO; // simulated time spent idle does not count
     loop {
         while let Ok(cmd) = rx.try_recv() {
-            apply(cmd, &mut engine, &mut streams);
+            send(apply(cmd, &mut engine, &mut streams, &mut store));
         }
         let Some(step) = engine.step() else {
             publish_snapshot(&engine, snapshot);
             let idle_from = Instant::now();
             match rx.blocking_recv() {
-                Some(cmd) => apply(cmd, &mut engine, &mut streams),
+                Some(cmd) => send(apply(cmd, &mut engine, &mut streams, &mut store)),
                 None => return,
             }
             offset += idle_from.elapsed();
@@ -288,21 +311,10 @@ fn run(
             // Behind (a slow machine): do not try to catch up on the past.
             offset += now - due;
         }
-        let mut events = step.events;
-        if faults.no_image_keys.load(std::sync::atomic::Ordering::Relaxed) {
-            for e in &mut events {
-                if let EngineEvent::BlockStored(s) = e {
-                    s.extra_keys = None;
-                }
-            }
-        }
-        if let Some(p) = publisher
-            && !events.is_empty()
-        {
-            if faults.lose_removed.load(std::sync::atomic::Ordering::Relaxed) {
-                p.send_lossy(events, dp_rank, |e| matches!(e, EngineEvent::BlockRemoved(_)));
-            } else {
-                p.send(events, dp_rank);
+        send(step.events);
+        for put in engine.take_store_puts() {
+            if let Some(store) = &store {
+                let _ = store.send(put);
             }
         }
         for output in step.outputs {
@@ -328,7 +340,35 @@ fn run(
 
 type Streams = FxHashMap<String, mpsc::UnboundedSender<Output>>;
 
-fn apply(cmd: Command, engine: &mut Engine, streams: &mut Streams) {
+/// Publishes a batch of KV events (with the faults a test switched on).
+fn publish_events(
+    publisher: Option<&EventPublisher>,
+    mut events: Vec<EngineEvent>,
+    dp_rank: u32,
+    faults: &Faults,
+) {
+    let Some(p) = publisher.filter(|_| !events.is_empty()) else { return };
+    if faults.no_image_keys.load(Ordering::Relaxed) {
+        for e in &mut events {
+            if let EngineEvent::BlockStored(s) = e {
+                s.extra_keys = None;
+            }
+        }
+    }
+    if faults.lose_removed.load(Ordering::Relaxed) {
+        p.send_lossy(events, dp_rank, |e| matches!(e, EngineEvent::BlockRemoved(_)));
+    } else {
+        p.send(events, dp_rank);
+    }
+}
+
+/// Applies a command; the KV events it makes known (the shared store's answers).
+fn apply(
+    cmd: Command,
+    engine: &mut Engine,
+    streams: &mut Streams,
+    store: &mut Option<mpsc::UnboundedSender<Put>>,
+) -> Vec<EngineEvent> {
     match cmd {
         Command::Submit(req, out) => {
             let id = req.id.clone();
@@ -350,7 +390,13 @@ fn apply(cmd: Command, engine: &mut Engine, streams: &mut Streams) {
         Command::Probe(req, reply) => {
             let _ = reply.send(engine.cached_prompt_blocks(&req));
         }
+        Command::AttachStore(puts) => {
+            engine.attach_store();
+            *store = Some(puts);
+        }
+        Command::StoreAck(acked) => return engine.store_acked(acked),
     }
+    Vec::new()
 }
 
 /// What the engine thread shares with the handles and the load task.
@@ -375,6 +421,7 @@ fn publish_snapshot(engine: &Engine, (snapshot, adapters): &Shared) {
         kv_total_blocks: engine.config().num_blocks,
         host_total_blocks: engine.config().host.num_blocks,
         storage_total_blocks: engine.config().host.storage_tier_blocks(),
+        shared_store: engine.has_store(),
         simulated_seconds: engine.now().as_secs_f64(),
         zmq_refused: 0,
         stats: engine.stats(),

@@ -144,6 +144,7 @@ async fn admit(
         lora: adapter(state, req)?,
         handoff: crate::handoff::Handoff::None,
         hold_key: None,
+        in_store: Vec::new(),
     };
     state.arrange(leg, &mut submission).await.map_err(|e| Refused::Engine(Box::new(e)))?;
     let submitted = state.submit(submission).map_err(|e| Refused::Engine(Box::new(e)))?;

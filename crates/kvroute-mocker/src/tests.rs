@@ -31,6 +31,7 @@ fn request(id: &str, tokens: Vec<u32>, max_tokens: usize) -> EngineRequest {
         cache_salt: None,
         lora: None,
         handoff: Handoff::None,
+        in_store: Vec::new(),
     }
 }
 
@@ -184,6 +185,7 @@ fn image_blocks_carry_the_identifier() {
             cache_salt: None,
             lora: None,
             handoff: Handoff::None,
+            in_store: Vec::new(),
         })
         .unwrap();
     let events = events(&run(&mut engine));
@@ -728,4 +730,75 @@ proptest::proptest! {
             }
         }
     }
+}
+
+/// The shared store (`crate::store`): what one engine computes, another loads at the store's
+/// bandwidth; each announces its writes with locality `REMOTE` once the store has answered,
+/// and the evictions of its blocks in the order the store made them.
+#[test]
+fn a_prefix_one_engine_computed_is_loaded_by_another_through_the_store() {
+    use crate::store::{Acked, Store};
+    let mut store = Store::new(6);
+    let ack = |engine: &mut Engine, owner: &str, store: &mut Store| -> Vec<EngineEvent> {
+        let mut events = Vec::new();
+        for put in engine.take_store_puts() {
+            let answer = store.put(owner, &put.blocks).unwrap();
+            events.extend(engine.store_acked(Acked { put: Some(put.id), answer: Some(answer) }));
+        }
+        events
+    };
+    let (mut a, mut b) = (Engine::new(config(64)), Engine::new(config(64)));
+    a.attach_store();
+    b.attach_store();
+    let prompt: Vec<u32> = (0..80).collect(); // 5 blocks
+    a.submit(request("a", prompt.clone(), 1)).unwrap();
+    run(&mut a);
+    let events = ack(&mut a, "a", &mut store);
+    let [EngineEvent::BlockStored(s)] = &events[..] else { panic!("{events:?}") };
+    assert_eq!((s.block_hashes.len(), s.parent_block_hash), (5, None));
+    assert_eq!((s.medium.as_deref(), s.locality.as_deref()), (Some("CPU"), Some("REMOTE")));
+    assert_eq!(s.token_ids.len(), 80, "one event for the run, tokens and all");
+
+    // B asks the store before queueing the prompt, and loads 4 blocks instead of computing
+    // them (the last token's block is computed).
+    let mut req = request("b", prompt, 1);
+    let hashes: Vec<u64> =
+        req.prompt_hashes(BlockSize::new(16).unwrap()).iter().map(|h| h.0).collect();
+    assert_eq!(hashes, s.block_hashes, "both engines hash as the store keys");
+    req.in_store = store.lookup(&hashes).unwrap();
+    b.submit(req).unwrap();
+    let steps = run(&mut b);
+    assert_eq!(usage_of(&steps, "b").cached_tokens, 64);
+    let stats = b.stats();
+    assert_eq!((stats.store_hit_tokens, stats.store_loaded_bytes), (64, 4 * 16 * 131_072));
+    let load = Duration::from_secs_f64(4.0 * 16.0 * 131_072.0 / 12.5e9);
+    assert!(steps[0].duration > load, "{:?}", steps[0].duration);
+    // B computed the fifth block itself: it writes it too, and announces only what it wrote.
+    let events = ack(&mut b, "b", &mut store);
+    let [EngineEvent::BlockStored(s)] = &events[..] else { panic!("{events:?}") };
+    assert_eq!((s.block_hashes.clone(), s.parent_block_hash), (vec![hashes[4]], Some(hashes[3])));
+
+    // A's next prompt (6 blocks) fills the store: the least recent blocks make room, B's
+    // write of the tail having made it the most recent, and A announces their removal after
+    // its new blocks.
+    a.submit(request("c", (1000..1096).collect(), 1)).unwrap();
+    run(&mut a);
+    let events = ack(&mut a, "a", &mut store);
+    let [EngineEvent::BlockStored(s), EngineEvent::BlockRemoved(r)] = &events[..] else {
+        panic!("{events:?}")
+    };
+    assert_eq!(s.block_hashes.len(), 6);
+    let order = [hashes[3], hashes[2], hashes[1], hashes[0], hashes[4]];
+    assert_eq!(r.block_hashes, order, "least recently used first");
+    assert_eq!(r.locality.as_deref(), Some("REMOTE"));
+    // B wrote that block too: it hears of it at its next call.
+    let answer = store.put("b", &[]).unwrap();
+    let events = b.store_acked(Acked { put: None, answer: Some(answer) });
+    let [EngineEvent::BlockRemoved(r)] = &events[..] else { panic!("{events:?}") };
+    assert_eq!(r.block_hashes, [hashes[4]]);
+    // A put the store did not answer is not announced.
+    a.submit(request("d", (2000..2048).collect(), 1)).unwrap();
+    run(&mut a);
+    let put = a.take_store_puts().pop().unwrap();
+    assert!(a.store_acked(Acked { put: Some(put.id), answer: None }).is_empty());
 }

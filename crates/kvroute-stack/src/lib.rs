@@ -103,6 +103,17 @@ pub struct Simulated {
     pub lora_modules: Vec<(String, Option<String>)>,
     /// Each serves vLLM's dynamic adapter API.
     pub lora_updating: bool,
+    /// The store they share (docs/mocker.md, "Shared store").
+    pub store: Option<SharedStore>,
+}
+
+/// Where simulated engines find the store they share.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SharedStore {
+    /// A store already running (`kvroute mocker --role store`).
+    At(String),
+    /// One of this many blocks, started with the stack on a loopback port.
+    Start(usize),
 }
 
 impl Default for Simulated {
@@ -120,6 +131,7 @@ impl Default for Simulated {
             chat_template: None,
             lora_modules: Vec::new(),
             lora_updating: false,
+            store: None,
         }
     }
 }
@@ -211,6 +223,17 @@ impl Stack {
         }
         let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
         let mut engines = Vec::new();
+        let store_url = match &simulated.store {
+            Some(SharedStore::At(url)) => Some(url.clone()),
+            Some(SharedStore::Start(blocks)) => {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                let url = format!("http://{}", listener.local_addr()?);
+                kvroute_mocker::store::spawn(*blocks, listener);
+                tracing::info!(%url, blocks, "shared store started for the simulated engines");
+                Some(url)
+            }
+            None => None,
+        };
         let roles = std::iter::repeat_n(Role::Both, simulated.count)
             .chain(std::iter::repeat_n(Role::Prefill, simulated.prefill))
             .chain(std::iter::repeat_n(Role::Decode, simulated.decode));
@@ -244,6 +267,7 @@ impl Stack {
                 lora_modules: simulated.lora_modules.clone(),
                 runtime_lora_updating: simulated.lora_updating,
                 side_channel: None,
+                store_url: store_url.clone(),
             };
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let spawned = kvroute_mocker::spawn(mocker, listener).await?;

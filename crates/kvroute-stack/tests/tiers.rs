@@ -171,3 +171,55 @@ async fn a_prompt_evicted_from_host_memory_goes_where_storage_still_holds_it() {
     assert!(eventually(Duration::from_secs(5), || disk().answered == 1).await, "{:?}", disk());
     assert_eq!(disk(), TierCheck { answered: 1, exact: 1, predicted_tokens: promoted });
 }
+
+/// A store both engines share (docs/mocker.md, "Shared store"): a prompt one engine computed
+/// is written to the store and announced with locality REMOTE; once that engine's GPU has
+/// evicted it, the router sends it to the other engine (whose GPU has room), which loads it
+/// from the store, predicted exactly and counted as the external tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_one_engine_computed_is_served_by_another_from_the_shared_store() {
+    let mut config = config();
+    config.simulated.engine.host = HostConfig::default();
+    config.simulated.store = Some(kvroute_stack::SharedStore::Start(1024));
+    let (stack, url) = started(config).await;
+    let router: &RouterState = stack.router.as_ref().unwrap();
+    let client = HttpClient::new();
+
+    let a: Vec<u32> = (0..320).map(|t| 3 + (t * 7) % 900).collect();
+    let (status, owner, _, cached) = complete(&client, &url, &a).await;
+    assert_eq!((status, cached), (200, 0));
+    let spec = stack.workers.iter().find(|w| w.id.0 == owner).unwrap();
+    let engine = format!("{}/v1/completions", spec.url.as_deref().unwrap());
+    let direct = HttpClient::new().with_bearer(&spec.api_key.as_ref().unwrap().0);
+    // Its GPU evicts `a` for three other prompts; the store keeps all of them.
+    for k in 0..3u32 {
+        let other: Vec<u32> = (0..480).map(|t| 3 + (t * 13 + k * 101 + 500) % 900).collect();
+        assert_eq!(complete(&direct, &engine, &other).await.0, 200);
+    }
+    let held = || {
+        let w = router.workers().into_iter().find(|w| w.id.0 == owner)?;
+        Some((w.tree_size[0], w.lower_tier_blocks[0][2]))
+    };
+    let in_store = eventually(Duration::from_secs(10), || {
+        held().is_some_and(|(device, external)| device <= 48 && external >= 20 + 3 * 30)
+    })
+    .await;
+    assert!(in_store, "the router sees the store's blocks: {:?}", held());
+
+    // (The readiness probes send both engines one prompt: the second may load it from the
+    // store; only what this request loads is counted.)
+    let loaded = || -> u64 {
+        stack.simulated.iter().map(|e| e.engine.snapshot().stats.store_hit_tokens).sum()
+    };
+    let before = loaded();
+    let (status, worker, predicted, cached) = complete(&client, &url, &a).await;
+    assert_eq!(status, 200);
+    assert_ne!(worker, owner, "the other engine's GPU has room, and the store serves both");
+    assert_eq!(cached, 19 * 16, "19 of 20 blocks loaded from the store, the last computed");
+    assert_eq!(predicted, cached, "predicted as served");
+    assert_eq!(loaded() - before, 19 * 16);
+    let external = || tiers_of(router, worker).external;
+    let want = TierCheck { answered: 1, exact: 1, predicted_tokens: 19 * 16 };
+    assert!(eventually(Duration::from_secs(5), || external() == want).await, "{:?}", external());
+    assert_eq!(router.in_flight(), 0, "nothing left in flight");
+}

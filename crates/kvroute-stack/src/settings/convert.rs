@@ -24,7 +24,7 @@ use super::{
     ENV_API_KEYS, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN, Invalid, Settings,
     SimulatedFleet,
 };
-use crate::{Access, Simulated, StackConfig, StackError};
+use crate::{Access, SharedStore, Simulated, StackConfig, StackError};
 
 impl Settings {
     /// Every setting at its default, taken from the libraries' own `Default`s: what applies
@@ -118,6 +118,9 @@ impl Settings {
                 host_offload_d2h_bandwidth_gbps: Some(engine.host.d2h_gbps),
                 num_storage_blocks: Some(engine.host.storage_blocks),
                 storage_bandwidth_gbps: Some(engine.host.storage_gbps),
+                store_url: None,
+                num_store_blocks: Some(0),
+                store_bandwidth_gbps: Some(engine.host.store_gbps),
                 kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
                 kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
                 kv_transfer_bandwidth_across_nodes: None,
@@ -311,6 +314,9 @@ impl Settings {
         if let Some(b) = e.storage_bandwidth_gbps.filter(|_| !named("disk_bandwidth_gbps")) {
             s.kv.disk_bandwidth_gbps = b;
         }
+        if let Some(b) = e.store_bandwidth_gbps.filter(|_| !named("external_bandwidth_gbps")) {
+            s.kv.external_bandwidth_gbps = b;
+        }
         // And their links price the pairs' transfers, unless the pair cost names its own.
         let named = |n: &str| r.pd_cost.iter().any(|(k, _)| k == n);
         if let Some(b) = e.kv_transfer_bandwidth.filter(|_| !named("link_within_node_gbps")) {
@@ -421,6 +427,23 @@ impl Settings {
         Ok(engine)
     }
 
+    /// The store simulated engines share: at `--store-url`, or one of `--num-store-blocks`
+    /// started for them; none without simulated engines.
+    pub fn shared_store(&self, engines: bool) -> Result<Option<SharedStore>, StackError> {
+        let e = &self.engine;
+        let store = match (&e.store_url, e.num_store_blocks.unwrap_or(0)) {
+            _ if !engines => return Ok(None),
+            (Some(_), blocks) if blocks > 0 => return Err(Invalid::StoreTwice.into()),
+            (Some(url), _) => SharedStore::At(url.clone()),
+            (None, 0) => return Ok(None),
+            (None, blocks) => SharedStore::Start(blocks),
+        };
+        if self.sliding_window()?.is_some() {
+            return Err(Invalid::HybridWith("a shared store").into());
+        }
+        Ok(Some(store))
+    }
+
     /// The sliding window of the model's hybrid cache, from its `config.json`.
     fn sliding_window(&self) -> Result<Option<u32>, StackError> {
         let Some(dir) = &self.model.model_path else { return Ok(None) };
@@ -437,8 +460,15 @@ impl Settings {
             kv_bytes_per_token: e.kv_bytes_per_token.unwrap_or(d.kv_bytes_per_token),
             storage_blocks: e.num_storage_blocks.unwrap_or(d.storage_blocks),
             storage_gbps: e.storage_bandwidth_gbps.unwrap_or(d.storage_gbps),
+            store_gbps: e.store_bandwidth_gbps.unwrap_or(d.store_gbps),
         };
-        let rates = [host.h2d_gbps, host.d2h_gbps, host.kv_bytes_per_token, host.storage_gbps];
+        let rates = [
+            host.h2d_gbps,
+            host.d2h_gbps,
+            host.kv_bytes_per_token,
+            host.storage_gbps,
+            host.store_gbps,
+        ];
         if !rates.iter().all(|r| r.is_finite() && *r >= 0.0) {
             return Err(Invalid::HostTier.into());
         }
@@ -565,6 +595,10 @@ impl Settings {
         if engine.sliding_window.is_some() && pd.0 + pd.1 > 0 {
             return Err(Invalid::HybridWith("prefill and decode workers").into());
         }
+        let store = self.shared_store(simulated + pd.0 + pd.1 > 0)?;
+        if store.is_some() && pd.0 + pd.1 > 0 {
+            return Err(Invalid::StoreWith("prefill and decode workers").into());
+        }
         Ok(StackConfig {
             simulated: Simulated {
                 count: simulated,
@@ -579,6 +613,7 @@ impl Settings {
                 chat_template: self.chat_template()?,
                 lora_modules: self.lora_modules(),
                 lora_updating: self.engine.lora_updating.unwrap_or(false),
+                store,
             },
             router: self.router_config()?,
             router_url: self.remote.router_url.clone(),

@@ -386,6 +386,20 @@ pub struct Engine {
     /// Bandwidth (GB/s) of reading a storage block into host memory.
     #[arg(long)]
     pub storage_bandwidth_gbps: Option<f64>,
+    /// A KV store the fleet shares (`kvroute mocker --role store`), as an LMCache server or
+    /// Mooncake's store: each engine writes the blocks it computes to it and loads from it
+    /// the prompt blocks it lacks, announced with locality REMOTE (docs/mocker.md, "Shared
+    /// store"). `serve` and `bench` start one of their own with --num-store-blocks instead.
+    #[arg(long)]
+    pub store_url: Option<String>,
+    /// Blocks of the shared store: `kvroute mocker --role store` keeps this many; `serve`
+    /// and `bench` start a store of this many for their simulated engines. 0: none.
+    #[arg(long)]
+    pub num_store_blocks: Option<usize>,
+    /// Bandwidth (GB/s) of loading a block from the shared store into the GPU (it also
+    /// prices store blocks in the kv cost, as `external_bandwidth_gbps`).
+    #[arg(long)]
+    pub store_bandwidth_gbps: Option<f64>,
     /// KV bytes per token, the size of a block's load (2 x layers x KV heads x head size x
     /// bytes per value).
     #[arg(long)]

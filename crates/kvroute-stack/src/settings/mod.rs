@@ -91,6 +91,18 @@ pub enum Invalid {
         "num_storage_blocks needs num_host_blocks: storage sits below host memory, as in vLLM's tiering"
     )]
     StorageWithoutHost,
+    #[error(
+        "give the simulated engines a shared store by --store-url or by --num-store-blocks, not both"
+    )]
+    StoreTwice,
+    #[error("the simulated engines share a store only without {0}")]
+    StoreWith(&'static str),
+    #[error(
+        "--num-store-blocks sizes a store (--role store, or the one serve and bench start); an engine joins one with --store-url"
+    )]
+    StoreBlocksForStore,
+    #[error("--role store needs --num-store-blocks: the blocks the store keeps")]
+    StoreWithoutBlocks,
     #[error("the model's config: {0}")]
     ModelConfig(#[source] kvroute_mocker::window::ModelConfigError),
     #[error(

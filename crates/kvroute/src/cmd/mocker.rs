@@ -4,7 +4,9 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvroute_mocker::{Endpoints, MockerConfig};
-use kvroute_stack::settings::{Blocks, DEFAULT_MOCKER_PORT, Engine, Listen, Model, Settings};
+use kvroute_stack::settings::{
+    Blocks, DEFAULT_MOCKER_PORT, Engine, Invalid, Listen, Model, Settings,
+};
 
 #[derive(Debug, Args)]
 pub(crate) struct MockerArgs {
@@ -41,9 +43,11 @@ pub(crate) struct MockerArgs {
     /// What the engine does in a disaggregated fleet: `prefill` (prefills for decode engines
     /// and holds the blocks until pulled: vLLM's kv_producer, SGLang's prefill mode),
     /// `decode` (pulls a prefill engine's KV, then decodes) or `both` (docs/mocker.md,
-    /// "Prefill and decode").
+    /// "Prefill and decode"). `store`: no engine, but the KV store a fleet shares, of
+    /// --num-store-blocks blocks, for engines started with --store-url (docs/mocker.md,
+    /// "Shared store").
     #[arg(long, default_value = "both")]
-    role: kvroute_mocker::Role,
+    role: MockerRole,
     /// Port of a prefill engine's side channel, where decode engines pull its KV (vLLM's
     /// VLLM_NIXL_SIDE_CHANNEL_PORT; SGLang's bootstrap port, which routers name to both
     /// legs); 0: any free one. On the listen host.
@@ -51,7 +55,31 @@ pub(crate) struct MockerArgs {
     side_channel_port: u16,
 }
 
+/// What `kvroute mocker` runs: an engine in one of its roles, or the shared store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MockerRole {
+    Engine(kvroute_mocker::Role),
+    Store,
+}
+
+impl std::str::FromStr for MockerRole {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "store" => Ok(Self::Store),
+            _ => s
+                .parse()
+                .map(Self::Engine)
+                .map_err(|_| format!("unknown role {s:?} (prefill, decode, both or store)")),
+        }
+    }
+}
+
 pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
+    let role = match args.role {
+        MockerRole::Store => return run_store(args),
+        MockerRole::Engine(role) => role,
+    };
     let settings = Settings {
         listen: args.listen.clone(),
         blocks: args.blocks.clone(),
@@ -64,11 +92,19 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         false => (Some(args.events.clone()), Some(args.replay.clone())),
     };
     let mut engine = settings.engine_config()?;
-    engine.disagg.role = args.role;
-    if engine.sliding_window.is_some() && args.role != kvroute_mocker::Role::Both {
-        let why = kvroute_stack::settings::Invalid::HybridWith("a prefill or decode role");
-        return Err(kvroute_stack::StackError::from(why).into());
+    engine.disagg.role = role;
+    let invalid = |why| Err(kvroute_stack::StackError::from(why).into());
+    if engine.sliding_window.is_some() && role != kvroute_mocker::Role::Both {
+        return invalid(Invalid::HybridWith("a prefill or decode role"));
     }
+    let store_url = settings.engine.store_url.clone();
+    if settings.engine.num_store_blocks.unwrap_or(0) > 0 {
+        return invalid(Invalid::StoreBlocksForStore);
+    }
+    if store_url.is_some() && role != kvroute_mocker::Role::Both {
+        return invalid(Invalid::StoreWith("a prefill or decode role"));
+    }
+    settings.shared_store(store_url.is_some())?;
     let config = MockerConfig {
         engine,
         endpoints: Endpoints { events, replay, metrics: Some(args.load_metrics.clone()) },
@@ -86,6 +122,7 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
             settings.listen.host.as_deref().unwrap_or("127.0.0.1"),
             args.side_channel_port
         )),
+        store_url,
     };
     let options = settings.serve_options()?;
     super::runtime()?.block_on(async move {
@@ -102,8 +139,8 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
                 b.metrics.as_deref().unwrap_or("-"),
             ),
             match state.side_channel {
-                Some(a) => format!("role {}; side channel (bootstrap) {a}", args.role),
-                None => format!("role {}", args.role),
+                Some(a) => format!("role {role}; side channel (bootstrap) {a}"),
+                None => format!("role {role}"),
             },
             format!(
                 "try: curl -s http://{local}/v1/chat/completions -H 'content-type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'"
@@ -111,6 +148,27 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         ]);
         let app = kvroute_mocker::http::app(state);
         super::serve_until_signal(listener, app, options).await?;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// `kvroute mocker --role store`: the KV store a fleet shares, until a signal.
+fn run_store(args: &MockerArgs) -> anyhow::Result<ExitCode> {
+    let settings = Settings { listen: args.listen.clone(), ..Settings::default() };
+    let blocks = args.engine.num_store_blocks.unwrap_or(0);
+    if blocks == 0 {
+        return Err(kvroute_stack::StackError::from(Invalid::StoreWithoutBlocks).into());
+    }
+    let options = settings.serve_options()?;
+    super::runtime()?.block_on(async move {
+        let listener = super::bind(&settings.address(DEFAULT_MOCKER_PORT)).await?;
+        let local = listener.local_addr()?;
+        super::announce(&[
+            format!("kvroute mocker (shared store of {blocks} blocks) listening on http://{local}"),
+            format!("start engines with --store-url http://{local}; its counts: curl -s http://{local}/stats"),
+        ]);
+        let store = std::sync::Arc::new(std::sync::Mutex::new(kvroute_mocker::store::Store::new(blocks)));
+        super::serve_until_signal(listener, kvroute_mocker::store::app(store), options).await?;
         Ok(ExitCode::SUCCESS)
     })
 }
