@@ -15,7 +15,7 @@
 //!   the first as `BlockRemoved`, then the put as `BlockStored`, then the second, all with
 //!   `locality: "REMOTE"` (vLLM 0.33's tag for a store outside the engine), so a router sees
 //!   the store's contents in the order they changed. An engine with nothing to write polls
-//!   every 100 ms, so evictions reach routers while it is idle too. A put the store did not
+//!   every 10 ms, so evictions reach routers while it is idle too. A put the store did not
 //!   answer is not announced.
 //! - **Every writer is told.** The store remembers which engines wrote each block; when it
 //!   evicts one, each of them announces the removal (a router keeps the block once per
@@ -59,7 +59,7 @@ const LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
 /// The longest a put waits for its answer (it is then not announced).
 const PUT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often an engine with nothing to write asks for its evictions.
-const POLL: Duration = Duration::from_millis(100);
+const POLL: Duration = Duration::from_millis(10);
 
 #[derive(Debug)]
 struct Block {
