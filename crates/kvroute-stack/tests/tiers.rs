@@ -65,26 +65,31 @@ async fn complete(client: &HttpClient, url: &str, prompt: &[u32]) -> (u16, u64, 
     (status, worker, predicted, cached)
 }
 
+/// A 20-block prompt sent through the front door lands somewhere, uncached (ids within the
+/// model's 967); three 30-block prompts sent to that engine directly then push it out of its
+/// GPU cache. The prompt and the engine that computed it.
+async fn computed_then_evicted(stack: &Stack, client: &HttpClient, url: &str) -> (Vec<u32>, u64) {
+    let a: Vec<u32> = (0..320).map(|t| 3 + (t * 7) % 900).collect();
+    let (status, owner, _, cached) = complete(client, url, &a).await;
+    assert_eq!((status, cached), (200, 0));
+    let spec = stack.workers.iter().find(|w| w.id.0 == owner).unwrap();
+    let engine = format!("{}/v1/completions", spec.url.as_deref().unwrap());
+    let direct = HttpClient::new().with_bearer(&spec.api_key.as_ref().unwrap().0);
+    for k in 0..3u32 {
+        let other: Vec<u32> = (0..480).map(|t| 3 + (t * 13 + k * 101 + 500) % 900).collect();
+        assert_eq!(complete(&direct, &engine, &other).await.0, 200);
+    }
+    (a, owner)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
     let (stack, url) = started(config()).await;
     let router: &RouterState = stack.router.as_ref().unwrap();
     let client = HttpClient::new();
 
-    // A 20-block prompt lands somewhere, uncached (ids within the model's 967).
-    let a: Vec<u32> = (0..320).map(|t| 3 + (t * 7) % 900).collect();
-    let (status, owner, _, cached) = complete(&client, &url, &a).await;
-    assert_eq!((status, cached), (200, 0));
-    let spec = stack.workers.iter().find(|w| w.id.0 == owner).unwrap();
-    let engine = format!("{}/v1/completions", spec.url.as_deref().unwrap());
-    let direct = HttpClient::new().with_bearer(&spec.api_key.as_ref().unwrap().0);
-
-    // Three 30-block prompts sent to that engine directly push `a` out of its GPU cache; its
-    // host memory keeps every block, and says so.
-    for k in 0..3u32 {
-        let other: Vec<u32> = (0..480).map(|t| 3 + (t * 13 + k * 101 + 500) % 900).collect();
-        assert_eq!(complete(&direct, &engine, &other).await.0, 200);
-    }
+    // Host memory keeps every block of `a` and of the prompts that pushed it out, and says so.
+    let (a, owner) = computed_then_evicted(&stack, &client, &url).await;
     let held = || {
         router
             .workers()
@@ -185,17 +190,8 @@ async fn a_prompt_one_engine_computed_is_served_by_another_from_the_shared_store
     let router: &RouterState = stack.router.as_ref().unwrap();
     let client = HttpClient::new();
 
-    let a: Vec<u32> = (0..320).map(|t| 3 + (t * 7) % 900).collect();
-    let (status, owner, _, cached) = complete(&client, &url, &a).await;
-    assert_eq!((status, cached), (200, 0));
-    let spec = stack.workers.iter().find(|w| w.id.0 == owner).unwrap();
-    let engine = format!("{}/v1/completions", spec.url.as_deref().unwrap());
-    let direct = HttpClient::new().with_bearer(&spec.api_key.as_ref().unwrap().0);
-    // Its GPU evicts `a` for three other prompts; the store keeps all of them.
-    for k in 0..3u32 {
-        let other: Vec<u32> = (0..480).map(|t| 3 + (t * 13 + k * 101 + 500) % 900).collect();
-        assert_eq!(complete(&direct, &engine, &other).await.0, 200);
-    }
+    // The store keeps every block of `a` and of the prompts that pushed it out.
+    let (a, owner) = computed_then_evicted(&stack, &client, &url).await;
     let held = || {
         let w = router.workers().into_iter().find(|w| w.id.0 == owner)?;
         Some((w.tree_size[0], w.lower_tier_blocks[0][2]))
