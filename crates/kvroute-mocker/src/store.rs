@@ -12,9 +12,10 @@
 //! - **Writes.** An engine sends each step's newly computed blocks (one put at a time, in
 //!   order). The store answers with the blocks of this engine it evicted since the engine's
 //!   last put (`evicted_before`) and while storing this put (`evicted`); the engine announces
-//!   the first as `BlockRemoved`, then the put as `BlockStored`, then the second, all with
-//!   `locality: "REMOTE"` (vLLM 0.33's tag for a store outside the engine), so a router sees
-//!   the store's contents in the order they changed. An engine with nothing to write polls
+//!   the first as `BlockRemoved`, then the put's blocks it wrote first as `BlockStored` (a
+//!   block it wrote before and the store still holds is not announced again), then the
+//!   second, all with `locality: "REMOTE"` (vLLM 0.33's tag for a store outside the
+//!   engine), so a router sees the store's contents in the order they changed. An engine with nothing to write polls
 //!   every 10 ms, so evictions reach routers while it is idle too. A put the store did not
 //!   answer is not announced.
 //! - **Every writer is told.** The store remembers which engines wrote each block; when it
@@ -22,9 +23,9 @@
 //!   engine that announced it).
 //! - **Loads.** Before a prompt is queued, the engine asks which of its blocks the store holds
 //!   (a lookup touches them, as a read does). At admission, the blocks after the engine's own
-//!   GPU prefix, host memory and storage that the store holds, while consecutive, are loaded
-//!   instead of computed, taking `bytes / --store-bandwidth-gbps` of the admitting step, as
-//!   host loads do ([`crate::host`]). They count as cached tokens.
+//!   GPU prefix, host memory and storage that the store held when asked, while consecutive,
+//!   are loaded instead of computed, taking `bytes / --store-bandwidth-gbps` of the
+//!   admitting step, as host loads do ([`crate::host`]). They count as cached tokens.
 //! - **Eviction.** Least recently written or read first.
 //!
 //! The wire is plain HTTP with JSON, kvroute's own: `POST /store/put`
@@ -344,8 +345,8 @@ impl StoreLink {
         &self.base
     }
 
-    /// Which of `blocks` the store holds; none if it does not answer within
-    /// [`LOOKUP_TIMEOUT`] (logged): the prompt is then computed.
+    /// Which of `blocks` the store holds; none if it does not answer within a second
+    /// (logged): the prompt is then computed.
     pub async fn lookup(&self, blocks: &[u64]) -> Vec<bool> {
         let url = format!("{}/store/lookup", self.base);
         let blocks = &blocks[..blocks.len().min(MAX_BLOCKS_PER_CALL)];
