@@ -11,7 +11,8 @@
 //!   `extra_keys`; TensorRT-LLM names it in `mm_keys`.
 //! - Each event names its tier ([`StorageTier`]): vLLM's and SGLang's `medium` (`GPU`, `CPU`,
 //!   `STORAGE`, with `locality` `REMOTE` for a store outside the engine), TensorRT-LLM's
-//!   `cache_level` (0 the device, 1 host memory, 2 and up disk), and its cache group
+//!   `cache_level` (0 the device, 1 host memory, 2 and up disk; a move between levels,
+//!   `updated`, becomes a removal and a store, `convert/trtllm.rs`), and its cache group
 //!   (`group_idx`, with what the group keeps: `kv_cache_spec_kind`, a sliding window's length).
 //!   A medium nobody defines is counted and skipped, as are a group of a kind the router does
 //!   not model, a lower tier of a group beyond the first, blocks of another block size, and
@@ -25,11 +26,12 @@ use kvroute_core::{
 };
 use serde::Serialize;
 
-use crate::trtllm::{TrtData, TrtEvent};
-
 /// Where an event's blocks go: their tier, cache group and the group's kind.
 type Place = (StorageTier, u32, Option<GroupKind>);
 use crate::vllm::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, KvEventBatch};
+
+mod trtllm;
+pub use trtllm::MAX_REMEMBERED;
 
 /// What the converter must know about a worker's model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,13 +70,18 @@ pub struct ConvertStats {
     pub malformed: u64,
     /// Events of types that do not touch the index (or that this version does not know).
     pub other_events: u64,
+    /// Blocks moved from one tier to another under the same engine hash (TensorRT-LLM's
+    /// `updated` with a new `cache_level`), each a removal and a store.
+    pub moved: u64,
+    /// Moves of blocks the stream never stored (or no longer remembers), skipped.
+    pub moved_unknown: u64,
 }
 
 impl ConvertStats {
     /// Every count with its name (the `outcome` label of
     /// `kvroute_router_converted_blocks_total`): the one list of the counts, which adding and
     /// the metrics both read.
-    pub fn counts(&self) -> [(&'static str, u64); 9] {
+    pub fn counts(&self) -> [(&'static str, u64); 11] {
         [
             ("stored", self.blocks_stored),
             ("removed", self.blocks_removed),
@@ -85,10 +92,12 @@ impl ConvertStats {
             ("wrong_block_size", self.wrong_block_size),
             ("malformed_event", self.malformed),
             ("other_event", self.other_events),
+            ("moved", self.moved),
+            ("moved_unknown", self.moved_unknown),
         ]
     }
 
-    fn counts_mut(&mut self) -> [&mut u64; 9] {
+    fn counts_mut(&mut self) -> [&mut u64; 11] {
         [
             &mut self.blocks_stored,
             &mut self.blocks_removed,
@@ -99,6 +108,8 @@ impl ConvertStats {
             &mut self.wrong_block_size,
             &mut self.malformed,
             &mut self.other_events,
+            &mut self.moved,
+            &mut self.moved_unknown,
         ]
     }
 }
@@ -112,19 +123,27 @@ impl std::ops::AddAssign for ConvertStats {
     }
 }
 
+/// One stream's conversion: its model's settings, what it counted, and (for TensorRT-LLM)
+/// where each block it stored sits now.
 #[derive(Clone, Debug)]
 pub struct Converter {
     config: ConvertConfig,
     stats: ConvertStats,
+    trt: trtllm::Residency,
 }
 
 impl Converter {
     pub fn new(config: ConvertConfig) -> Self {
-        Self { config, stats: ConvertStats::default() }
+        Self { config, stats: ConvertStats::default(), trt: Default::default() }
     }
 
     pub fn stats(&self) -> ConvertStats {
         self.stats
+    }
+
+    /// What was counted since the last call (one message's counts, for a stream's converter).
+    pub fn take_stats(&mut self) -> ConvertStats {
+        std::mem::take(&mut self.stats)
     }
 
     /// A vLLM/SGLang batch. Batches carry no event ids: every event gets the batch's ZMQ
@@ -236,66 +255,6 @@ impl Converter {
         self.stats.blocks_removed += n as u64;
         let block_hashes = r.block_hashes.iter().copied().map(ExternalBlockHash).collect();
         Some((KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }), place))
-    }
-
-    /// A TensorRT-LLM event; `None` for events that do not touch the index. At rank 0, as
-    /// [`Self::vllm_batch`].
-    pub fn trtllm_event(&mut self, e: &TrtEvent) -> Option<KvCacheEvent> {
-        let level = |b: &crate::trtllm::TrtBlock| b.cache_level.unwrap_or(0);
-        let mut tier = StorageTier::Device;
-        let data = match &e.data {
-            TrtData::Stored { parent_hash, blocks } => {
-                let bs = self.config.block_size.tokens();
-                let hasher = BlockHasher::new(self.config.block_size);
-                let mut out = Vec::with_capacity(blocks.len());
-                let first = blocks.first().map_or(0, level);
-                tier = match first {
-                    0 => StorageTier::Device,
-                    1 => StorageTier::HostPinned,
-                    _ => StorageTier::Disk,
-                };
-                for (i, b) in blocks.iter().enumerate() {
-                    // A block we drop breaks the chain: the ones after it have no parent here.
-                    let rest = (blocks.len() - i) as u64;
-                    if level(b) != first {
-                        self.stats.skipped_medium += rest;
-                        break;
-                    }
-                    if b.tokens.len() != bs {
-                        self.stats.wrong_block_size += rest;
-                        self.stats.seen_block_size = u32::try_from(b.tokens.len()).ok();
-                        break;
-                    }
-                    let ids: Vec<u64> = b.tokens.iter().map(|t| t.token_id).collect();
-                    let images: Vec<u64> =
-                        b.mm_keys.iter().map(|k| mm_hash_from_identifier(&k.hash)).collect();
-                    out.push(self.block(&hasher, b.block_hash, &ids, &images));
-                }
-                if out.is_empty() {
-                    return None;
-                }
-                self.stats.blocks_stored += out.len() as u64;
-                if !tier.is_device() {
-                    self.stats.lower_tier += out.len() as u64;
-                }
-                KvCacheEventData::Stored(KvCacheStoreData {
-                    parent_hash: parent_hash.map(ExternalBlockHash),
-                    blocks: out,
-                })
-            }
-            TrtData::Removed { block_hashes } => {
-                self.stats.blocks_removed += block_hashes.len() as u64;
-                let block_hashes = block_hashes.iter().copied().map(ExternalBlockHash).collect();
-                KvCacheEventData::Removed(KvCacheRemoveData { block_hashes })
-            }
-            TrtData::Created {} | TrtData::Updated {} | TrtData::Other => {
-                self.stats.other_events += 1;
-                return None;
-            }
-        };
-        let mut event = KvCacheEvent::new(e.event_id, data, DpRank(0));
-        event.storage_tier = tier;
-        Some(event)
     }
 
     /// One block: placeholders normalised, images attached, content hashed.

@@ -155,13 +155,14 @@ fn vllm_batch(framed: Framed<'_>, converter: &mut Converter) -> Result<Vec<Tagge
 /// TensorRT-LLM events: `attention_dp_rank` 0 is what it writes without attention data
 /// parallelism, so only a rank above 0 names one.
 fn trtllm_events(events: &[trtllm::TrtEvent], converter: &mut Converter) -> Vec<Tagged> {
-    events
-        .iter()
-        .filter_map(|e| {
-            let rank = e.attention_dp_rank.filter(|&r| r != 0).map(DpRank);
-            converter.trtllm_event(e).map(|event| Tagged { worker: None, rank, event })
-        })
-        .collect()
+    let mut out = Vec::with_capacity(events.len());
+    let mut converted = Vec::with_capacity(2);
+    for e in events {
+        let rank = e.attention_dp_rank.filter(|&r| r != 0).map(DpRank);
+        converter.trtllm_event(e, &mut converted);
+        out.extend(converted.drain(..).map(|event| Tagged { worker: None, rank, event }));
+    }
+    out
 }
 
 /// vLLM's publisher (`[topic, seq, batch]`).
@@ -243,19 +244,20 @@ pub struct Decoded {
     pub stats: ConvertStats,
 }
 
-/// One worker rank's event stream: its format's decoder and its model's conversion settings
-/// (what was converted is counted per message, in [`Decoded::stats`]; the router adds them up
-/// per worker).
+/// One worker rank's event stream: its format's decoder and its converter, which lives as long
+/// as the stream (TensorRT-LLM's moves between tiers name a block the stream stored earlier).
+/// What was converted is counted per message, in [`Decoded::stats`]; the router adds them up
+/// per worker.
 #[derive(Clone, Debug)]
 pub struct Pipeline {
     worker: WorkerWithDpRank,
     format: EventFormat,
-    convert: ConvertConfig,
+    converter: Converter,
 }
 
 impl Pipeline {
     pub fn new(worker: WorkerWithDpRank, format: EventFormat, convert: ConvertConfig) -> Self {
-        Self { worker, format, convert }
+        Self { worker, format, converter: Converter::new(convert) }
     }
 
     /// The payload and sequence number of one message as the socket received it.
@@ -267,8 +269,8 @@ impl Pipeline {
     /// subscription's: the one place a rank is given to an event. A payload that does not
     /// decode yields nothing and counts nothing.
     pub fn decode(&mut self, framed: Framed<'_>) -> Result<Decoded, WireError> {
-        let mut converter = Converter::new(self.convert);
-        let tagged = self.format.decoder().decode(framed, &mut converter)?;
+        self.converter.take_stats();
+        let tagged = self.format.decoder().decode(framed, &mut self.converter)?;
         let events = tagged
             .into_iter()
             .map(|Tagged { worker, rank, mut event }| {
@@ -276,7 +278,7 @@ impl Pipeline {
                 RouterEvent { worker_id: worker.unwrap_or(self.worker.worker_id), event }
             })
             .collect();
-        Ok(Decoded { events, stats: converter.stats() })
+        Ok(Decoded { events, stats: self.converter.take_stats() })
     }
 }
 

@@ -30,9 +30,24 @@ pub enum TrtData {
         block_hashes: Vec<u64>,
     },
     Created {},
-    Updated {},
+    /// A block that changed in place. TensorRT-LLM moves a block between device and host
+    /// memory under its hash and says so only here (`offloadBlock`: level 0 to 1,
+    /// `onboardBlock`: 1 to 0); a priority change comes with no `cache_level`.
+    Updated {
+        #[serde(deserialize_with = "hash")]
+        block_hash: u64,
+        #[serde(default)]
+        cache_level: Option<TrtDiff>,
+    },
     #[serde(other)]
     Other,
+}
+
+/// `_event_diff_to_json`: a field's value before and after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+pub struct TrtDiff {
+    pub old_value: u32,
+    pub new_value: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize)]

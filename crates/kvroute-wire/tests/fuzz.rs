@@ -40,8 +40,9 @@ fn convert_all(bytes: &[u8]) {
     }
     for events in [trtllm::decode_json(bytes), trtllm::decode_msgpack(bytes)].into_iter().flatten()
     {
+        let mut out = Vec::new();
         for e in &events {
-            c.trtllm_event(e);
+            c.trtllm_event(e, &mut out);
         }
     }
     let _ = decode_router_events(bytes);

@@ -6,12 +6,12 @@
 use kvroute_core::hash::mm_hash_from_identifier;
 use kvroute_core::index::{IndexConfig, ShardedIndex};
 use kvroute_core::{
-    BlockHasher, BlockSize, ExternalBlockHash, KvCacheEventData, LocalBlockHash, RequestExtraInfo,
-    RequestMmObjectInfo,
+    BlockHasher, BlockSize, ExternalBlockHash, KvCacheEvent, KvCacheEventData, LocalBlockHash,
+    RequestExtraInfo, RequestMmObjectInfo,
 };
 use kvroute_core::{RouterEvent, StorageTier, WorkerWithDpRank};
 use kvroute_wire::vllm::{decode_batch, encode_batch, split_frames};
-use kvroute_wire::{ConvertConfig, Converter, EngineEvent, trtllm};
+use kvroute_wire::{ConvertConfig, Converter, EngineEvent, EventFormat, Pipeline, trtllm};
 use serde_json::Value;
 
 fn fixture(name: &str) -> Vec<Vec<Vec<u8>>> {
@@ -192,9 +192,16 @@ fn trtllm_image_blocks_hash_like_the_front_door() {
         vocab_size: Some(151_936),
     };
     let mut c = Converter::new(config);
-    let converted: Vec<_> = events.iter().map(|e| c.trtllm_event(e)).collect();
-    assert!(converted[0].is_none() && converted[3].is_none(), "created and updated");
-    assert_eq!(c.stats().other_events, 2);
+    let converted: Vec<Vec<KvCacheEvent>> = events
+        .iter()
+        .map(|e| {
+            let mut out = Vec::new();
+            c.trtllm_event(e, &mut out);
+            out
+        })
+        .collect();
+    assert!(converted[0].is_empty(), "created touches nothing");
+    assert_eq!(c.stats().other_events, 1);
 
     // What the front door computes for the same sequence: image 5f5f.. over tokens 4..10.
     let tokens: Vec<u32> = [1, 2, 3, 4].into_iter().chain([IMAGE_PAD; 6]).chain([7, 8]).collect();
@@ -206,7 +213,7 @@ fn trtllm_image_blocks_hash_like_the_front_door() {
     let front_door: Vec<LocalBlockHash> = hasher
         .local_hashes(&tokens, Some(&request.to_block_level(config.block_size, tokens.len())));
 
-    let stored = |i: usize| match &converted[i].as_ref().unwrap().data {
+    let stored = |i: usize| match &converted[i][0].data {
         KvCacheEventData::Stored(s) => s.clone(),
         other => panic!("{other:?}"),
     };
@@ -220,9 +227,104 @@ fn trtllm_image_blocks_hash_like_the_front_door() {
         (info.mm_objects[0].mm_hash, info.mm_objects[0].offsets.clone()),
         (image, vec![(0, 2)])
     );
+
+    // Offloaded to host memory (level 0 to 1): out of the device, into host memory under the
+    // same content hash and parent.
+    let moved = &converted[3];
+    assert_eq!(moved.len(), 2);
+    assert_eq!(moved[0].storage_tier, StorageTier::Device);
     assert!(
-        matches!(&converted[4].as_ref().unwrap().data, KvCacheEventData::Removed(r) if r.block_hashes == vec![ExternalBlockHash(9003)])
+        matches!(&moved[0].data, KvCacheEventData::Removed(r) if r.block_hashes == vec![ExternalBlockHash(9001)])
     );
+    assert_eq!(moved[1].storage_tier, StorageTier::HostPinned);
+    match &moved[1].data {
+        KvCacheEventData::Stored(s) => {
+            assert_eq!(s.parent_hash, None);
+            assert_eq!(s.blocks.len(), 1);
+            assert_eq!(s.blocks[0].block_hash, ExternalBlockHash(9001));
+            assert_eq!(s.blocks[0].tokens_hash, a.blocks[0].tokens_hash);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.stats().moved, 1);
+    assert!(
+        matches!(&converted[4][0].data, KvCacheEventData::Removed(r) if r.block_hashes == vec![ExternalBlockHash(9003)])
+    );
+}
+
+/// TensorRT-LLM moves a block between device and host memory under its hash (`offloadBlock`,
+/// `onboardBlock`: an `updated` with the new `cache_level`), and removes it wherever it is.
+/// Bytes as its `KVCacheEventSerializer` writes them, through a stream's pipeline into the
+/// index: after each message, what worker 1 can serve of the prompt 1..13 (three blocks).
+#[test]
+fn trtllm_moves_between_levels_follow_the_block() {
+    let tokens = |from: u64| {
+        let ids: Vec<String> = (from..from + 4)
+            .map(|t| format!(r#"{{"type":"unique_token","token_id":{t},"token_extra_id":0}}"#))
+            .collect();
+        format!("[{}]", ids.join(","))
+    };
+    let block = |hash: u64, from: u64| {
+        format!(
+            r#"{{"type":"stored_block","block_hash":{hash},"tokens":{},"cache_level":0,"priority":35}}"#,
+            tokens(from)
+        )
+    };
+    let moved = |hash: u64, old: u32, new: u32| {
+        format!(
+            r#"{{"event_id":0,"data":{{"type":"updated","block_hash":{hash},"cache_level":{{"type":"event_diff","new_value":{new},"old_value":{old}}},"priority":null}},"window_size":32}}"#
+        )
+    };
+    let stored = format!(
+        r#"[{{"event_id":1,"data":{{"type":"stored","parent_hash":null,"blocks":[{},{},{}]}},"window_size":32}}]"#,
+        block(71, 1),
+        block(72, 5),
+        block(73, 9)
+    );
+    let removed = |hash: u64| {
+        format!(r#"{{"event_id":9,"data":{{"type":"removed","block_hashes":[{hash}]}}}}"#)
+    };
+    // (message, device blocks, host run) after it.
+    let steps: Vec<(String, u32, u32)> = vec![
+        (stored, 3, 0),
+        // The leaf goes to host memory, then its parent: a device prefix of 1, then 2 on the host.
+        (moved(73, 0, 1), 2, 1),
+        (format!("[{}]", moved(72, 0, 1)), 1, 2),
+        // Onboarded back in prefix order.
+        (format!("[{},{}]", moved(72, 1, 0), moved(73, 1, 0)), 3, 0),
+        // Offloaded again, then evicted from host memory: the removal is the host's.
+        (moved(73, 0, 1), 2, 1),
+        (removed(73), 2, 0),
+        // A priority change alone moves nothing; a block never stored is skipped.
+        (
+            r#"{"event_id":10,"data":{"type":"updated","block_hash":72,"cache_level":null,"priority":{"type":"event_diff","new_value":50,"old_value":35}}}"#.into(),
+            2,
+            0,
+        ),
+        (moved(99, 0, 1), 2, 0),
+    ];
+    let worker = WorkerWithDpRank::new(1u64, 0u32);
+    let bs = BlockSize::new(4).unwrap();
+    let mut pipeline = Pipeline::new(worker, EventFormat::TrtllmJson, ConvertConfig::new(bs));
+    let index = ShardedIndex::new(1, IndexConfig::default());
+    let prompt: Vec<u32> = (1..13).collect();
+    let query = BlockHasher::new(bs).local_hashes(&prompt, None);
+    let mut moves = 0;
+    let mut unknown = 0;
+    for (i, (message, device, host)) in steps.iter().enumerate() {
+        let decoded = pipeline.decode(pipeline.frame(&[message.clone().into_bytes()]).unwrap());
+        let decoded = decoded.unwrap();
+        (moves, unknown) = (moves + decoded.stats.moved, unknown + decoded.stats.moved_unknown);
+        for e in &decoded.events {
+            index.apply_event(e).unwrap();
+        }
+        let found = index.find_matches(&query);
+        let on_device = found.score(worker);
+        let run = found.tiers.as_ref().map_or([0; 3], |t| t.run(worker, on_device));
+        assert_eq!((on_device, run), (*device, [*host, 0, 0]), "after message {i}: {message}");
+    }
+    assert_eq!((moves, unknown), (5, 1));
+    assert_eq!(index.lower_tier_sizes(), vec![(worker, [0, 0, 0])]);
 }
 
 #[test]

@@ -1,0 +1,203 @@
+//! TensorRT-LLM's events into core events, and where each block of a stream sits.
+//!
+//! TensorRT-LLM keeps a block under one hash wherever it is: offloading it to host memory
+//! (`offloadBlock`) or bringing it back (`onboardBlock`) announces only `updated` with the
+//! `cache_level` before and after, and a later `removed` names the hash at whatever level the
+//! block has reached. The index keeps the device (a tree) and the lower tiers (by sequence
+//! hash) apart, so a move becomes a removal from the old tier and a store in the new one, and a
+//! removal goes to the tier the block is in. Both need what the engine no longer says: the
+//! block's content hash, its parent and its level, which [`Residency`] remembers for every
+//! block the stream stored (up to [`MAX_REMEMBERED`] per stream; past that a block is still
+//! indexed, but a move of it is skipped and counted as `moved_unknown`).
+
+use std::collections::HashMap;
+
+use kvroute_core::hash::mm_hash_from_identifier;
+use kvroute_core::{
+    BlockHasher, DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
+    KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, StorageTier,
+};
+
+use super::Converter;
+use crate::trtllm::{TrtBlock, TrtData, TrtDiff, TrtEvent};
+
+/// Blocks a stream remembers (about 50 bytes each: 25 MiB at the bound, an engine holding
+/// half a million blocks across its levels).
+pub const MAX_REMEMBERED: usize = 1 << 19;
+
+/// TensorRT-LLM's cache level as a tier: 0 device memory, 1 host memory, 2 and up disk.
+fn tier_of(level: u32) -> StorageTier {
+    match level {
+        0 => StorageTier::Device,
+        1 => StorageTier::HostPinned,
+        _ => StorageTier::Disk,
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Remembered {
+    parent: Option<u64>,
+    tokens_hash: LocalBlockHash,
+    level: u32,
+}
+
+/// The blocks one TensorRT-LLM stream stored, by attention rank and engine hash.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Residency {
+    blocks: HashMap<(u32, u64), Remembered>,
+}
+
+impl Residency {
+    fn remember(&mut self, key: (u32, u64), block: Remembered) {
+        if self.blocks.len() < MAX_REMEMBERED || self.blocks.contains_key(&key) {
+            self.blocks.insert(key, block);
+        }
+    }
+}
+
+fn event(id: u64, data: KvCacheEventData, tier: StorageTier) -> KvCacheEvent {
+    let mut e = KvCacheEvent::new(id, data, DpRank(0));
+    e.storage_tier = tier;
+    e
+}
+
+impl Converter {
+    /// A TensorRT-LLM event: the core events it makes (none for events that do not touch the
+    /// index, two for a move), appended to `out`. At rank 0, as [`Self::vllm_batch`].
+    pub fn trtllm_event(&mut self, e: &TrtEvent, out: &mut Vec<KvCacheEvent>) {
+        let rank = e.attention_dp_rank.unwrap_or(0);
+        match &e.data {
+            TrtData::Stored { parent_hash, blocks } => {
+                if let Some(stored) = self.trt_stored(rank, *parent_hash, blocks, e.event_id) {
+                    out.push(stored);
+                }
+            }
+            TrtData::Removed { block_hashes } => {
+                self.stats.blocks_removed += block_hashes.len() as u64;
+                // One removal per tier the blocks are in, in the order the tiers first appear.
+                let mut by_tier: Vec<(StorageTier, Vec<ExternalBlockHash>)> = Vec::new();
+                for &h in block_hashes {
+                    let tier = self
+                        .trt
+                        .blocks
+                        .remove(&(rank, h))
+                        .map_or(StorageTier::Device, |r| tier_of(r.level));
+                    if !tier.is_device() {
+                        self.stats.lower_tier += 1;
+                    }
+                    match by_tier.iter_mut().find(|(t, _)| *t == tier) {
+                        Some((_, hashes)) => hashes.push(ExternalBlockHash(h)),
+                        None => by_tier.push((tier, vec![ExternalBlockHash(h)])),
+                    }
+                }
+                for (tier, block_hashes) in by_tier {
+                    let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes });
+                    out.push(event(e.event_id, data, tier));
+                }
+            }
+            TrtData::Updated { block_hash, cache_level: Some(TrtDiff { new_value, .. }) } => {
+                self.trt_moved(rank, *block_hash, *new_value, e.event_id, out);
+            }
+            TrtData::Created {} | TrtData::Updated { .. } | TrtData::Other => {
+                self.stats.other_events += 1;
+            }
+        }
+    }
+
+    /// Blocks stored at one level (the first block's; the rest of the event stops at a block
+    /// of another level or size, since a dropped block breaks the chain).
+    fn trt_stored(
+        &mut self,
+        rank: u32,
+        parent_hash: Option<u64>,
+        blocks: &[TrtBlock],
+        id: u64,
+    ) -> Option<KvCacheEvent> {
+        let level = |b: &TrtBlock| b.cache_level.unwrap_or(0);
+        let bs = self.config.block_size.tokens();
+        let hasher = BlockHasher::new(self.config.block_size);
+        let first = blocks.first().map_or(0, level);
+        let tier = tier_of(first);
+        let mut out = Vec::with_capacity(blocks.len());
+        let mut parent = parent_hash;
+        for (i, b) in blocks.iter().enumerate() {
+            let rest = (blocks.len() - i) as u64;
+            if level(b) != first {
+                self.stats.skipped_medium += rest;
+                break;
+            }
+            if b.tokens.len() != bs {
+                self.stats.wrong_block_size += rest;
+                self.stats.seen_block_size = u32::try_from(b.tokens.len()).ok();
+                break;
+            }
+            let ids: Vec<u64> = b.tokens.iter().map(|t| t.token_id).collect();
+            let images: Vec<u64> =
+                b.mm_keys.iter().map(|k| mm_hash_from_identifier(&k.hash)).collect();
+            let block = self.block(&hasher, b.block_hash, &ids, &images);
+            let remembered = Remembered { parent, tokens_hash: block.tokens_hash, level: first };
+            self.trt.remember((rank, b.block_hash), remembered);
+            parent = Some(b.block_hash);
+            out.push(block);
+        }
+        if out.is_empty() {
+            return None;
+        }
+        self.stats.blocks_stored += out.len() as u64;
+        if !tier.is_device() {
+            self.stats.lower_tier += out.len() as u64;
+        }
+        let data = KvCacheEventData::Stored(KvCacheStoreData {
+            parent_hash: parent_hash.map(ExternalBlockHash),
+            blocks: out,
+        });
+        Some(event(id, data, tier))
+    }
+
+    /// A block moved to level `to`: out of the tier the stream last put it in, into the new
+    /// one, under its parent (which the engine moves first when it onboards a prefix).
+    fn trt_moved(&mut self, rank: u32, hash: u64, to: u32, id: u64, out: &mut Vec<KvCacheEvent>) {
+        let Some(block) = self.trt.blocks.get_mut(&(rank, hash)) else {
+            self.stats.moved_unknown += 1;
+            return;
+        };
+        let (from, into) = (tier_of(block.level), tier_of(to));
+        block.level = to;
+        if from == into {
+            self.stats.other_events += 1;
+            return;
+        }
+        self.stats.moved += 1;
+        let removed = KvCacheRemoveData { block_hashes: vec![ExternalBlockHash(hash)] };
+        out.push(event(id, KvCacheEventData::Removed(removed), from));
+        let stored = KvCacheStoreData {
+            parent_hash: block.parent.map(ExternalBlockHash),
+            blocks: vec![KvCacheStoredBlockData {
+                block_hash: ExternalBlockHash(hash),
+                tokens_hash: block.tokens_hash,
+                mm_extra_info: None,
+            }],
+        };
+        out.push(event(id, KvCacheEventData::Stored(stored), into));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_memory_stops_at_its_bound_but_keeps_what_it_holds_current() {
+        let mut r = Residency::default();
+        let block = |level| Remembered { parent: None, tokens_hash: LocalBlockHash(1), level };
+        for h in 0..MAX_REMEMBERED as u64 {
+            r.remember((0, h), block(0));
+        }
+        r.remember((0, u64::MAX), block(0));
+        assert_eq!(r.blocks.len(), MAX_REMEMBERED);
+        assert!(!r.blocks.contains_key(&(0, u64::MAX)));
+        // A block it holds is still updated at the bound.
+        r.remember((0, 7), block(1));
+        assert_eq!(r.blocks[&(0, 7)].level, 1);
+    }
+}
