@@ -184,7 +184,117 @@ impl Converter {
 
 #[cfg(test)]
 mod tests {
+    use kvroute_core::index::{IndexConfig, ShardedIndex};
+    use kvroute_core::{BlockSize, RouterEvent, WorkerWithDpRank};
+    use proptest::prelude::*;
+
     use super::*;
+    use crate::ConvertConfig;
+    use crate::trtllm::TrtToken;
+
+    const CHAIN: usize = 6;
+
+    /// What TensorRT-LLM may do to one chain of blocks, each kept in device (0) or host (1)
+    /// memory: its blocks exist from the root up (a child is freed before its parent), a block
+    /// is stored or onboarded only under a parent on the device, and any device block may be
+    /// offloaded.
+    #[derive(Clone, Debug)]
+    enum Op {
+        StoreNext,
+        Offload(usize),
+        Onboard(usize),
+        RemoveLast,
+    }
+
+    fn trt(id: u64, data: TrtData) -> TrtEvent {
+        TrtEvent { event_id: id, data, window_size: None, attention_dp_rank: None }
+    }
+
+    fn stored(i: usize) -> TrtData {
+        let tokens = (0..4).map(|t| TrtToken { token_id: (i * 4 + t) as u64, token_extra_id: 0 });
+        let block = TrtBlock {
+            block_hash: 500 + i as u64,
+            tokens: tokens.collect(),
+            mm_keys: vec![],
+            cache_level: Some(0),
+            lora_id: None,
+        };
+        let parent_hash = i.checked_sub(1).map(|p| 500 + p as u64);
+        TrtData::Stored { parent_hash, blocks: vec![block] }
+    }
+
+    fn moved(i: usize, old_value: u32, new_value: u32) -> TrtData {
+        let cache_level = Some(TrtDiff { old_value, new_value });
+        TrtData::Updated { block_hash: 500 + i as u64, cache_level }
+    }
+
+    /// The engine's event for `op` on `levels` (the model, updated), if the op is possible.
+    fn play(op: &Op, levels: &mut Vec<u32>) -> Option<TrtData> {
+        let parent_on_device = |i: usize| i == 0 || levels[i - 1] == 0;
+        match *op {
+            Op::StoreNext if levels.len() < CHAIN && parent_on_device(levels.len()) => {
+                levels.push(0);
+                Some(stored(levels.len() - 1))
+            }
+            Op::Offload(i) if levels.get(i) == Some(&0) => {
+                levels[i] = 1;
+                Some(moved(i, 0, 1))
+            }
+            Op::Onboard(i) if levels.get(i) == Some(&1) && parent_on_device(i) => {
+                levels[i] = 0;
+                Some(moved(i, 1, 0))
+            }
+            Op::RemoveLast if !levels.is_empty() => {
+                levels.pop();
+                Some(TrtData::Removed { block_hashes: vec![500 + levels.len() as u64] })
+            }
+            _ => None,
+        }
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => Just(Op::StoreNext),
+            2 => (0..CHAIN).prop_map(Op::Offload),
+            2 => (0..CHAIN).prop_map(Op::Onboard),
+            1 => Just(Op::RemoveLast),
+        ]
+    }
+
+    proptest! {
+        /// After every event, the index holds each block in the tier the engine has it in,
+        /// and a lookup of the whole chain gives the device prefix and then the host run.
+        #[test]
+        fn the_index_follows_each_block_to_its_level(ops in prop::collection::vec(op(), 1..60)) {
+            let bs = BlockSize::new(4).unwrap();
+            let mut c = Converter::new(ConvertConfig::new(bs));
+            let index = ShardedIndex::new(1, IndexConfig::default());
+            let worker = WorkerWithDpRank::new(1u64, 0u32);
+            let tokens: Vec<u32> = (0..(CHAIN * 4) as u32).collect();
+            let query = BlockHasher::new(bs).local_hashes(&tokens, None);
+            let mut levels = Vec::new();
+            let mut out = Vec::new();
+            for (id, op) in ops.iter().enumerate() {
+                let Some(data) = play(op, &mut levels) else { continue };
+                c.trtllm_event(&trt(id as u64, data), &mut out);
+                for e in out.drain(..) {
+                    prop_assert_eq!(index.apply_event(&RouterEvent::new(1u64, e)), Ok(()));
+                }
+                let on_device = levels.iter().filter(|&&l| l == 0).count();
+                let on_host = levels.iter().filter(|&&l| l == 1).count();
+                prop_assert_eq!(index.tree_size(worker), on_device, "{:?} after {:?}", levels, op);
+                let host = index.lower_tier_sizes().first().map_or(0, |(_, t)| t[0]);
+                prop_assert_eq!(host, on_host, "{:?}", levels);
+                let prefix = levels.iter().take_while(|&&l| l == 0).count();
+                let run = levels[prefix..].iter().take_while(|&&l| l == 1).count();
+                let found = index.find_matches(&query);
+                let got = found.score(worker);
+                let tiers = found.tiers.as_ref().map_or([0; 3], |t| t.run(worker, got));
+                prop_assert_eq!((got as usize, tiers[0] as usize), (prefix, run), "{:?}", levels);
+            }
+            prop_assert_eq!(c.stats().moved_unknown, 0);
+        }
+    }
 
     #[test]
     fn the_memory_stops_at_its_bound_but_keeps_what_it_holds_current() {
