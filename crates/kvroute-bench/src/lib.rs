@@ -153,6 +153,11 @@ pub struct BenchArgs {
     /// (labelled <policy>-no-store).
     #[arg(long, env = "KVROUTE_BENCH_STORE_BASELINE")]
     pub store_baseline: bool,
+    /// How the simulated workers time a load from below the GPU: `async` (beside the steps,
+    /// as vLLM's offloading connector and Dynamo's mocker) or `sync` (inside the admitting
+    /// step).
+    #[arg(long, env = "KVROUTE_BENCH_TIER_LOADS", default_value = "async")]
+    pub tier_loads: kvroute_mocker::TierLoads,
     /// KV bytes per token of the simulated model (the size of a host load and of a prefill's
     /// transfer to its decode worker).
     #[arg(long, env = "KVROUTE_BENCH_KV_BYTES_PER_TOKEN", default_value_t = 131_072.0)]
@@ -388,6 +393,7 @@ impl BenchArgs {
                 storage_blocks: self.num_storage_blocks,
                 storage_gbps: self.storage_bandwidth_gbps,
                 store_gbps: self.store_bandwidth_gbps,
+                loads: self.tier_loads,
                 ..kvroute_mocker::HostConfig::default()
             },
             store_blocks: self.num_store_blocks,

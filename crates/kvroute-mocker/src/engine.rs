@@ -238,6 +238,8 @@ pub struct Engine {
     writes: crate::store::Writes,
     /// Finished prefills whose blocks are held for a decode engine to pull, by request id.
     held: FxHashMap<String, Sequence>,
+    /// Requests out of the queue while their loads from below the GPU run.
+    loading: crate::loads::Loading,
 }
 
 /// Collects a step's events in order, runs of one kind merged. A hybrid model's events
@@ -342,6 +344,7 @@ impl Engine {
             store: config.host.store_tier(),
             writes: crate::store::Writes::default(),
             held: FxHashMap::default(),
+            loading: crate::loads::Loading::default(),
             config,
         }
     }
@@ -376,8 +379,10 @@ impl Engine {
         }
     }
 
+    /// Requests waiting to run, those whose loads are under way included (as vLLM counts its
+    /// `WAITING_FOR_REMOTE_KVS` requests).
     pub fn waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.loading.len()
     }
 
     pub fn running(&self) -> usize {
@@ -390,7 +395,7 @@ impl Engine {
     }
 
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty()
+        self.waiting.is_empty() && self.running.is_empty() && self.loading.is_empty()
     }
 
     /// Share of the KV blocks running requests hold (vLLM's `kv_cache_usage`).
@@ -411,6 +416,7 @@ impl Engine {
         }
         if self.waiting.iter().chain(&self.running).any(|s| s.id == req.id)
             || self.held.contains_key(&req.id)
+            || self.loading.contains(&req.id)
         {
             return Err(EngineError::DuplicateId(req.id));
         }
@@ -436,6 +442,7 @@ impl Engine {
             cached_tokens: None,
             handoff: req.handoff,
             in_store: req.in_store,
+            load_paid: false,
         });
         Ok(())
     }
@@ -445,6 +452,9 @@ impl Engine {
     pub fn cancel(&mut self, id: &str) -> bool {
         if let Some(at) = self.waiting.iter().position(|s| s.id == id) {
             self.waiting.remove(at);
+            return true;
+        }
+        if self.loading.cancel(id) {
             return true;
         }
         match self.running.iter().position(|s| s.id == id) {
@@ -516,6 +526,10 @@ impl Engine {
         if self.is_idle() {
             return None;
         }
+        // Requests whose loads are done go back to the front of the queue, in order.
+        for s in self.loading.take_done(self.clock).into_iter().rev() {
+            self.waiting.push_front(s);
+        }
         let mut budget = self.config.max_batched_tokens;
         let mut events = self.events();
         // Per running request (by position), what this step scheduled for it.
@@ -561,6 +575,13 @@ impl Engine {
             if needed > self.cache.capacity() - self.cache.in_use() {
                 break;
             }
+            if let Some(took) = self.start_load(&hashes, hits, (len - 1) / bs) {
+                // Out of the queue while its load runs; the next in line may go meanwhile.
+                let Some(mut s) = self.waiting.pop_front() else { break };
+                s.load_paid = true;
+                self.loading.start(self.clock, self.config.timing.scale(took), s);
+                continue;
+            }
             let Some(mut s) = self.waiting.pop_front() else { break };
             if let Some((name, _)) = &s.lora {
                 let in_use: Vec<&str> = self.running.iter().filter_map(Sequence::adapter).collect();
@@ -575,7 +596,9 @@ impl Engine {
             }
             let (loaded, took) =
                 self.load_from_tiers(&mut s, &hashes, hits, (len - 1) / bs, &mut events);
-            lora_time += took;
+            if !s.load_paid {
+                lora_time += took;
+            }
             let hits = hits + loaded;
             let hits = match s.handoff {
                 Handoff::Remote => hits + self.receive_remote(&mut s, &hashes, hits, &mut events),
@@ -635,13 +658,21 @@ impl Engine {
         batch_adapters.sort_unstable();
         batch_adapters.dedup();
         let lora_step = self.adapters.step_cost() * batch_adapters.len() as u32;
-        // `lora_time` holds host loads too: both hold up the step.
+        // `lora_time` holds synchronous tier loads too: both hold up the step.
         let lora = timing.scale(lora_time + lora_step);
         let mut out = Step { duration: prefill + decode + lora, ..Step::default() };
         self.clock += out.duration;
 
         // 4. Outputs: every request with all its known tokens computed samples one.
         self.sample(&mut out);
+        if out.duration.is_zero() && out.outputs.is_empty() {
+            // Nothing ran: wait for the next load to finish (a little at a time, so that a
+            // request arriving meanwhile is not kept waiting long).
+            if let Some(done) = self.loading.next_done() {
+                out.duration = done.saturating_sub(self.clock).min(crate::loads::MAX_WAIT);
+                self.clock += out.duration;
+            }
+        }
         out.events = events.events;
         Some(out)
     }
@@ -775,14 +806,7 @@ impl Engine {
         events: &mut Events,
     ) -> (usize, Duration) {
         let bs = self.config.block_size.tokens();
-        let in_store = |b: usize| s.in_store.get(b).copied().unwrap_or(false);
-        let from = |b: usize| match (self.host.holds(&hashes[b]), self.storage.holds(&hashes[b])) {
-            (true, _) => Some(Source::Host),
-            (false, true) => Some(Source::Storage),
-            (false, false) if in_store(b) => Some(Source::Store),
-            (false, false) => None,
-        };
-        let run: Vec<Source> = (hits..max.min(hashes.len())).map_while(from).collect();
+        let run = self.tier_run(&s.in_store, hashes, hits, max);
         let n = run.len();
         if n == 0 || !self.adopt(s, &hashes[hits..hits + n], hits, events) {
             return (0, Duration::ZERO);
@@ -803,10 +827,55 @@ impl Engine {
             self.storage.stats.hit_tokens += (blocks.len() * bs) as u64;
             store_in(&mut self.host, bs, s, &promoted, &blocks, CPU, events);
         }
-        let took = self.host.load_time(n - from_store, bs)
-            + self.storage.load_time(promoted.len(), bs)
-            + self.store.load_time(from_store, bs);
-        (n, took)
+        (n, self.run_time(&run))
+    }
+
+    /// Where each block after the GPU prefix of `hits` blocks (up to `max`) would load from,
+    /// while consecutive: host memory, else storage, else the shared store (as it held them
+    /// when the engine asked).
+    fn tier_run(
+        &self,
+        in_store: &[bool],
+        hashes: &[SequenceHash],
+        hits: usize,
+        max: usize,
+    ) -> Vec<Source> {
+        let from = |b: usize| match (self.host.holds(&hashes[b]), self.storage.holds(&hashes[b])) {
+            (true, _) => Some(Source::Host),
+            (false, true) => Some(Source::Storage),
+            (false, false) if in_store.get(b).copied().unwrap_or(false) => Some(Source::Store),
+            (false, false) => None,
+        };
+        (hits..max.min(hashes.len())).map_while(from).collect()
+    }
+
+    /// How long loading `run` takes (a storage block is read, then copied from host memory).
+    fn run_time(&self, run: &[Source]) -> Duration {
+        let bs = self.config.block_size.tokens();
+        let count = |src| run.iter().filter(|&&r| r == src).count();
+        let (storage, store) = (count(Source::Storage), count(Source::Store));
+        self.host.load_time(run.len() - store, bs)
+            + self.storage.load_time(storage, bs)
+            + self.store.load_time(store, bs)
+    }
+
+    /// With loads beside the steps, the time the front request's load takes, if its prompt
+    /// continues below the GPU and it has not loaded yet; its blocks there are touched, so
+    /// they outlive the load.
+    fn start_load(&mut self, hashes: &[SequenceHash], hits: usize, max: usize) -> Option<Duration> {
+        let front = self.waiting.front()?;
+        if self.config.host.loads != crate::loads::TierLoads::Async || front.load_paid {
+            return None;
+        }
+        let run = self.tier_run(&front.in_store, hashes, hits, max);
+        if run.is_empty() {
+            return None;
+        }
+        let took = self.run_time(&run);
+        let blocks = &hashes[hits..hits + run.len()];
+        self.host.touch(blocks);
+        self.storage.touch(blocks);
+        Some(took)
     }
 
     /// Takes the prompt blocks after a decode request's `hits` local ones as received from

@@ -10,10 +10,11 @@
 //! - **Loads.** A request admitted with a GPU prefix of `g` blocks loads the host blocks that
 //!   follow it, while they are consecutive (vLLM's lookup from the end of the GPU hit),
 //!   instead of computing them. They count as cached tokens, as vLLM counts them.
-//! - **Time.** A load of `n` blocks takes `n x block bytes / h2d bandwidth` and holds up the
-//!   step that admits the request (vLLM loads asynchronously and schedules the request when
-//!   its load is done; holding the step is the simpler, slightly pessimistic model). Stores
-//!   are asynchronous in vLLM and take no step time here.
+//! - **Time.** A load of `n` blocks takes `n x block bytes / h2d bandwidth`. By default it
+//!   runs beside the steps and the request waits for it, as vLLM loads asynchronously and
+//!   Dynamo's mocker times it; `--tier-loads sync` makes it hold up the step that admits the
+//!   request instead ([`crate::loads`]). Stores are asynchronous in vLLM and take no step time
+//!   here.
 //! - **Storage below host memory** (`--num-storage-blocks`, `--storage-bandwidth-gbps`), as
 //!   vLLM 0.33's tiering manager keeps a secondary tier (`kv_offload/tiering`): every block
 //!   stored to host memory is cascaded to storage too, announced with medium `STORAGE`, and
@@ -47,6 +48,8 @@ pub struct HostConfig {
     /// Bandwidth (GB/s) of loading a block from the shared store (`--store-url`,
     /// [`crate::store`]) into the GPU cache.
     pub store_gbps: f64,
+    /// Whether a load runs beside the steps or inside the admitting one ([`crate::loads`]).
+    pub loads: crate::loads::TierLoads,
 }
 
 impl Default for HostConfig {
@@ -62,6 +65,7 @@ impl Default for HostConfig {
             storage_blocks: 0,
             storage_gbps: 10.0,
             store_gbps: 12.5,
+            loads: crate::loads::TierLoads::Async,
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod handoff;
 pub mod host;
 pub mod http;
 mod kv;
+pub mod loads;
 mod logprobs;
 pub mod lora;
 mod lora_api;
@@ -34,6 +35,7 @@ pub use engine::{
 };
 pub use handoff::{DisaggConfig, Handoff, LoadFailurePolicy, Role, TransferTiming};
 pub use kvroute_preprocess::fetch::FetchConfig;
+pub use loads::TierLoads;
 pub use service::{Endpoints, EngineHandle, Snapshot};
 pub use timing::Timing;
 

@@ -89,6 +89,9 @@ pub(crate) struct Sequence {
     pub(crate) handoff: crate::handoff::Handoff,
     /// Per leading prompt block, whether the shared store held it when the engine asked.
     pub(crate) in_store: Vec<bool>,
+    /// Its load from below the GPU ran beside the steps (`crate::loads`): admitting it
+    /// takes no more time for it.
+    pub(crate) load_paid: bool,
 }
 
 impl Sequence {

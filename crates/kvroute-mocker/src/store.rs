@@ -24,8 +24,8 @@
 //! - **Loads.** Before a prompt is queued, the engine asks which of its blocks the store holds
 //!   (a lookup touches them, as a read does). At admission, the blocks after the engine's own
 //!   GPU prefix, host memory and storage that the store held when asked, while consecutive,
-//!   are loaded instead of computed, taking `bytes / --store-bandwidth-gbps` of the
-//!   admitting step, as host loads do ([`crate::host`]). They count as cached tokens.
+//!   are loaded instead of computed, taking `bytes / --store-bandwidth-gbps`, timed as host
+//!   loads are ([`crate::loads`]). They count as cached tokens.
 //! - **Eviction.** Least recently written or read first.
 //!
 //! The wire is plain HTTP with JSON, kvroute's own: `POST /store/put`

@@ -121,6 +121,7 @@ impl Settings {
                 store_url: None,
                 num_store_blocks: Some(0),
                 store_bandwidth_gbps: Some(engine.host.store_gbps),
+                tier_loads: Some(engine.host.loads),
                 kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
                 kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
                 kv_transfer_bandwidth_across_nodes: None,
@@ -461,6 +462,7 @@ impl Settings {
             storage_blocks: e.num_storage_blocks.unwrap_or(d.storage_blocks),
             storage_gbps: e.storage_bandwidth_gbps.unwrap_or(d.storage_gbps),
             store_gbps: e.store_bandwidth_gbps.unwrap_or(d.store_gbps),
+            loads: e.tier_loads.unwrap_or(d.loads),
         };
         let rates = [
             host.h2d_gbps,

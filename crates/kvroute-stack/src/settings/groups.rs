@@ -400,6 +400,12 @@ pub struct Engine {
     /// prices store blocks in the kv cost, as `external_bandwidth_gbps`).
     #[arg(long)]
     pub store_bandwidth_gbps: Option<f64>,
+    /// How a load from host memory, storage or the shared store is timed: `async` (beside
+    /// the steps, the request waiting for its own load, as vLLM's offloading connector and
+    /// Dynamo's mocker) or `sync` (inside the step that admits the request, which the whole
+    /// batch waits for) (docs/mocker.md, "Host memory").
+    #[arg(long)]
+    pub tier_loads: Option<kvroute_mocker::TierLoads>,
     /// KV bytes per token, the size of a block's load (2 x layers x KV heads x head size x
     /// bytes per value).
     #[arg(long)]
