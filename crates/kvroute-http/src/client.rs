@@ -21,6 +21,16 @@ use crate::error::ErrorBody;
 /// Largest body [`HttpClient`] reads whole.
 pub const MAX_BODY: usize = 16 << 20;
 
+/// How long a kept-alive connection may sit idle before the client stops reusing it: less
+/// than the servers' own idle timeouts (ours, [`crate::server::DEFAULT_HEADER_TIMEOUT`], 10 s;
+/// uvicorn's, which vLLM and SGLang serve with, 5 s), so a request is never written to a
+/// connection the server is closing at that moment (it would be reset: a simulated engine's
+/// store lookup was, once in a bench run, with hyper's default of 90 s).
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+const _: () = assert!(POOL_IDLE_TIMEOUT.as_secs() < 5);
+const _: () =
+    assert!(POOL_IDLE_TIMEOUT.as_secs() < crate::server::DEFAULT_HEADER_TIMEOUT.as_secs());
+
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -77,7 +87,9 @@ impl HttpClient {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         Self {
-            inner: Client::builder(TokioExecutor::new()).build(connector),
+            inner: Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+                .build(connector),
             bearer: None,
             origin_bearers: Arc::default(),
         }
