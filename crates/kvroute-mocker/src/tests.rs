@@ -561,19 +561,7 @@ fn without_host_memory_nothing_is_offloaded() {
 #[test]
 fn a_load_beside_the_steps_holds_up_only_its_own_request() {
     for loads in [crate::TierLoads::Async, crate::TierLoads::Sync] {
-        // 64 MiB a token: a block takes 34 ms to load at 32 GB/s, longer than any step here.
-        let host = HostConfig {
-            num_blocks: 32,
-            kv_bytes_per_token: 64.0 * 1048576.0,
-            loads,
-            ..Default::default()
-        };
-        let mut engine = Engine::new(EngineConfig { host, ..config(8) });
-        let a: Vec<u32> = (0..80).collect();
-        engine.submit(request("a1", a.clone(), 1)).unwrap();
-        run(&mut engine);
-        engine.submit(request("b", (1000..1096).collect(), 1)).unwrap();
-        run(&mut engine);
+        let (mut engine, a) = loading_engine(loads);
         // c decodes while a2 loads what the GPU no longer holds of it from host memory.
         engine.submit(request("c", (3000..3016).collect(), 40)).unwrap();
         let mut steps: Vec<Step> = (0..3).filter_map(|_| engine.step()).collect();
@@ -594,6 +582,48 @@ fn a_load_beside_the_steps_holds_up_only_its_own_request() {
         }
         assert!(engine.is_idle() && engine.waiting() == 0);
     }
+}
+
+/// An engine with 64 MiB a token (a block loads in 34 ms) whose prompt `a` (5 blocks) is in
+/// host memory and no longer on its GPU.
+fn loading_engine(loads: crate::TierLoads) -> (Engine, Vec<u32>) {
+    let mb = 1048576.0;
+    let host =
+        HostConfig { num_blocks: 32, kv_bytes_per_token: 64.0 * mb, loads, ..Default::default() };
+    let mut engine = Engine::new(EngineConfig { host, ..config(8) });
+    let a: Vec<u32> = (0..80).collect();
+    engine.submit(request("a1", a.clone(), 1)).unwrap();
+    run(&mut engine);
+    engine.submit(request("b", (1000..1096).collect(), 1)).unwrap();
+    run(&mut engine);
+    (engine, a)
+}
+
+/// While the engine has only a load to wait for, a request that arrives is scheduled at once,
+/// and one whose client leaves mid-load is gone without a trace.
+#[test]
+fn a_load_keeps_neither_new_requests_nor_cancelled_ones_waiting() {
+    let (mut engine, a) = loading_engine(crate::TierLoads::Async);
+    engine.submit(request("a2", a.clone(), 1)).unwrap();
+    let wait = engine.step().unwrap();
+    assert!(wait.outputs.is_empty() && wait.duration <= crate::loads::MAX_WAIT, "{wait:?}");
+    assert_eq!((engine.waiting(), engine.running()), (1, 0), "a2 is loading");
+    engine.submit(request("c", (3000..3016).collect(), 2)).unwrap();
+    let next = engine.step().unwrap();
+    let started =
+        next.outputs.iter().any(|o| matches!(o, Output::FirstToken { id, .. } if id == "c"));
+    assert!(started, "c is not kept behind a2's load: {next:?}");
+    // a2's client leaves before its load is done: nothing of it stays.
+    assert!(engine.cancel("a2"));
+    assert!(!engine.cancel("a2"));
+    let rest = run(&mut engine);
+    assert!(rest.iter().flat_map(|s| &s.outputs).all(|o| !matches!(o,
+        Output::FirstToken { id, .. } | Output::Token { id, .. } | Output::Finished { id, .. } if id == "a2")));
+    assert!(engine.is_idle());
+    assert_eq!((engine.waiting(), engine.kv_usage()), (0, 0.0));
+    // Its id is free again, and the same prompt loads and runs.
+    engine.submit(request("a2", a, 1)).unwrap();
+    assert_eq!(usage_of(&run(&mut engine), "a2").cached_tokens, 64);
 }
 
 /// Storage below host memory (vLLM's tiering): every host block is cascaded to storage; a
