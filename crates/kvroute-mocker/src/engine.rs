@@ -240,6 +240,8 @@ pub struct Engine {
     held: FxHashMap<String, Sequence>,
     /// Requests out of the queue while their loads from below the GPU run.
     loading: crate::loads::Loading,
+    /// GPU blocks kept free for loading requests (`Sequence::reserved`, summed).
+    reserved: usize,
 }
 
 /// Collects a step's events in order, runs of one kind merged. A hybrid model's events
@@ -345,6 +347,7 @@ impl Engine {
             writes: crate::store::Writes::default(),
             held: FxHashMap::default(),
             loading: crate::loads::Loading::default(),
+            reserved: 0,
             config,
         }
     }
@@ -443,6 +446,7 @@ impl Engine {
             handoff: req.handoff,
             in_store: req.in_store,
             load_paid: false,
+            reserved: 0,
         });
         Ok(())
     }
@@ -451,10 +455,12 @@ impl Engine {
     /// whether it was known.
     pub fn cancel(&mut self, id: &str) -> bool {
         if let Some(at) = self.waiting.iter().position(|s| s.id == id) {
-            self.waiting.remove(at);
+            let s = self.waiting.remove(at);
+            self.reserved -= s.map_or(0, |s| s.reserved);
             return true;
         }
-        if self.loading.cancel(id) {
+        if let Some(s) = self.loading.cancel(id) {
+            self.reserved -= s.reserved;
             return true;
         }
         match self.running.iter().position(|s| s.id == id) {
@@ -561,6 +567,7 @@ impl Engine {
             let Some(front) = self.waiting.front_mut() else { break };
             let bs = self.config.block_size.tokens();
             let len = front.len();
+            let own = front.reserved;
             let hashes = front.full_hashes(&self.hasher).to_vec();
             // The last token is always computed (its logits are needed).
             let full_hits = self.cache.cached_prefix(&hashes).min((len - 1) / bs);
@@ -572,17 +579,23 @@ impl Engine {
                 let active = self.cache.referenced(1, &hashes[run.clone()]);
                 needed += len.div_ceil(bs) - hits + run.len() - active;
             }
-            if needed > self.cache.capacity() - self.cache.in_use() {
+            // Room kept for loading requests is not this one's, unless it is its own.
+            let free = self.cache.capacity() - self.cache.in_use();
+            if needed > free.saturating_sub(self.reserved - own) {
                 break;
             }
             if let Some(took) = self.start_load(&hashes, hits, (len - 1) / bs) {
-                // Out of the queue while its load runs; the next in line may go meanwhile.
+                // Out of the queue while its load runs, its room kept; the next in line may
+                // go meanwhile.
                 let Some(mut s) = self.waiting.pop_front() else { break };
                 s.load_paid = true;
+                s.reserved = needed;
+                self.reserved += needed;
                 self.loading.start(self.clock, self.config.timing.scale(took), s);
                 continue;
             }
             let Some(mut s) = self.waiting.pop_front() else { break };
+            self.reserved -= std::mem::take(&mut s.reserved);
             if let Some((name, _)) = &s.lora {
                 let in_use: Vec<&str> = self.running.iter().filter_map(Sequence::adapter).collect();
                 lora_time += self.adapters.activate(name, &in_use);

@@ -6,6 +6,9 @@
 //!   the tier's bandwidth, after the loads started before it (one inbound lane, first come
 //!   first loaded, as Dynamo's mocker queues its host-to-device copies on a FIFO lane).
 //! - Meanwhile the engine steps without it: other requests run and are admitted.
+//! - The GPU blocks it needs are kept free for it from the start of its load: other requests
+//!   are admitted only into the room left (running requests still grow into it, as the
+//!   engine's preemption would give it back).
 //! - When its load is done, it goes back to the front of the queue, and is admitted at the
 //!   next step with the loaded blocks as cached tokens, at no further time.
 //!
@@ -86,10 +89,9 @@ impl Loading {
         self.loads.iter().any(|(_, s)| s.id == id)
     }
 
-    /// Drops a request whose client left (its load's time on the lane stays spent).
-    pub(crate) fn cancel(&mut self, id: &str) -> bool {
-        let before = self.loads.len();
-        self.loads.retain(|(_, s)| s.id != id);
-        self.loads.len() != before
+    /// Takes out a request whose client left (its load's time on the lane stays spent).
+    pub(crate) fn cancel(&mut self, id: &str) -> Option<Sequence> {
+        let at = self.loads.iter().position(|(_, s)| s.id == id)?;
+        Some(self.loads.remove(at).1)
     }
 }

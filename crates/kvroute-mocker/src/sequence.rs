@@ -92,6 +92,9 @@ pub(crate) struct Sequence {
     /// Its load from below the GPU ran beside the steps (`crate::loads`): admitting it
     /// takes no more time for it.
     pub(crate) load_paid: bool,
+    /// GPU blocks kept free for it from the start of its load to its admission (as vLLM
+    /// allocates a loading request's blocks and Dynamo's mocker reserves them).
+    pub(crate) reserved: usize,
 }
 
 impl Sequence {

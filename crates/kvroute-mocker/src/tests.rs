@@ -626,6 +626,27 @@ fn a_load_keeps_neither_new_requests_nor_cancelled_ones_waiting() {
     assert_eq!(usage_of(&run(&mut engine), "a2").cached_tokens, 64);
 }
 
+/// The GPU room a loading request needs is kept for it: a request that would take it waits
+/// until the loading one is admitted.
+#[test]
+fn a_loading_request_keeps_its_room() {
+    let (mut engine, a) = loading_engine(crate::TierLoads::Async);
+    engine.submit(request("a2", a, 1)).unwrap(); // 5 blocks of the 8
+    engine.step().unwrap();
+    engine.submit(request("big", (5000..5064).collect(), 1)).unwrap(); // 4 blocks
+    let steps = run(&mut engine);
+    let first = |id: &str| {
+        steps.iter().position(|s| {
+            s.outputs.iter().any(|o| matches!(o, Output::FirstToken { id: t, .. } if t == id))
+        })
+    };
+    let (a2, big) = (first("a2").unwrap(), first("big").unwrap());
+    assert!(big > a2, "big waited for a2's room: a2 at step {a2}, big at {big}");
+    assert_eq!(usage_of(&steps, "a2").cached_tokens, 64);
+    assert!(engine.is_idle());
+    assert_eq!(engine.kv_usage(), 0.0);
+}
+
 /// Storage below host memory (vLLM's tiering): every host block is cascaded to storage; a
 /// prefix evicted from the GPU and from host memory is promoted back from storage, through
 /// host memory, at the storage bandwidth plus the host copy.
