@@ -445,7 +445,6 @@ impl Engine {
             cached_tokens: None,
             handoff: req.handoff,
             in_store: req.in_store,
-            load_paid: false,
             reserved: 0,
         });
         Ok(())
@@ -588,14 +587,15 @@ impl Engine {
                 // Out of the queue while its load runs, its room kept; the next in line may
                 // go meanwhile.
                 let Some(mut s) = self.waiting.pop_front() else { break };
-                s.load_paid = true;
                 s.reserved = needed;
                 self.reserved += needed;
                 self.loading.start(self.clock, self.config.timing.scale(took), s);
                 continue;
             }
             let Some(mut s) = self.waiting.pop_front() else { break };
-            self.reserved -= std::mem::take(&mut s.reserved);
+            // Its load, if it ran beside the steps, is paid.
+            let paid = std::mem::take(&mut s.reserved);
+            self.reserved -= paid;
             if let Some((name, _)) = &s.lora {
                 let in_use: Vec<&str> = self.running.iter().filter_map(Sequence::adapter).collect();
                 lora_time += self.adapters.activate(name, &in_use);
@@ -609,7 +609,7 @@ impl Engine {
             }
             let (loaded, took) =
                 self.load_from_tiers(&mut s, &hashes, hits, (len - 1) / bs, &mut events);
-            if !s.load_paid {
+            if paid == 0 {
                 lora_time += took;
             }
             let hits = hits + loaded;
@@ -877,7 +877,7 @@ impl Engine {
     /// they outlive the load.
     fn start_load(&mut self, hashes: &[SequenceHash], hits: usize, max: usize) -> Option<Duration> {
         let front = self.waiting.front()?;
-        if self.config.host.loads != crate::loads::TierLoads::Async || front.load_paid {
+        if self.config.host.loads != crate::loads::TierLoads::Async || front.reserved > 0 {
             return None;
         }
         let run = self.tier_run(&front.in_store, hashes, hits, max);

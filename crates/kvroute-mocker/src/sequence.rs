@@ -89,11 +89,10 @@ pub(crate) struct Sequence {
     pub(crate) handoff: crate::handoff::Handoff,
     /// Per leading prompt block, whether the shared store held it when the engine asked.
     pub(crate) in_store: Vec<bool>,
-    /// Its load from below the GPU ran beside the steps (`crate::loads`): admitting it
-    /// takes no more time for it.
-    pub(crate) load_paid: bool,
-    /// GPU blocks kept free for it from the start of its load to its admission (as vLLM
-    /// allocates a loading request's blocks and Dynamo's mocker reserves them).
+    /// GPU blocks kept free for it from the start of its load beside the steps
+    /// (`crate::loads`) to its admission, as vLLM allocates a loading request's blocks and
+    /// Dynamo's mocker reserves them; above 0 exactly while its load is running or done and
+    /// it is not yet admitted (admitting it then takes no more time for the load).
     pub(crate) reserved: usize,
 }
 
