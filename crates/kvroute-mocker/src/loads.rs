@@ -51,7 +51,8 @@ pub(crate) const MAX_WAIT: Duration = Duration::from_millis(1);
 /// Requests whose loads are under way, and when the inbound lane is next free.
 #[derive(Debug, Default)]
 pub(crate) struct Loading {
-    /// (when its load is done, the request), in the order the loads started.
+    /// (when its load is done, the request), in the order the loads started, which the FIFO
+    /// lane makes the order they finish.
     loads: Vec<(Duration, Sequence)>,
     lane_free: Duration,
 }
@@ -66,15 +67,13 @@ impl Loading {
 
     /// The requests whose loads are done by `now`, in the order they finished.
     pub(crate) fn take_done(&mut self, now: Duration) -> Vec<Sequence> {
-        let (done, rest): (Vec<_>, Vec<_>) = self.loads.drain(..).partition(|(at, _)| *at <= now);
-        self.loads = rest;
-        // The lane is FIFO: loads finish in the order they started.
-        done.into_iter().map(|(_, s)| s).collect()
+        let done = self.loads.partition_point(|(at, _)| *at <= now);
+        self.loads.drain(..done).map(|(_, s)| s).collect()
     }
 
     /// When the next load is done.
     pub(crate) fn next_done(&self) -> Option<Duration> {
-        self.loads.iter().map(|(at, _)| *at).min()
+        self.loads.first().map(|(at, _)| *at)
     }
 
     pub(crate) fn len(&self) -> usize {
