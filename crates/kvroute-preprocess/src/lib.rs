@@ -235,6 +235,9 @@ pub struct Preprocessor {
     words: std::sync::OnceLock<std::sync::Arc<Words>>,
     /// The longest vocabulary entry, in bytes (found on first use).
     max_token_bytes: std::sync::OnceLock<usize>,
+    /// The vocabulary's size with the added tokens (found on first use: the tokenizer counts
+    /// it by building the whole vocabulary as a map).
+    vocab_size: std::sync::OnceLock<usize>,
     /// Why a model whose vocabulary has an image token is text-only all the same.
     text_only: Option<String>,
     /// Ids of prompt beginnings seen before, for a tokenizer whose output composes
@@ -341,6 +344,7 @@ impl Preprocessor {
             image_config,
             words: std::sync::OnceLock::new(),
             max_token_bytes: std::sync::OnceLock::new(),
+            vocab_size: std::sync::OnceLock::new(),
             text_only: None,
             prefix_cache: prefix_cache::PrefixCache::for_tokenizer(&tokenizer),
             tokenizer,
@@ -434,7 +438,7 @@ impl Preprocessor {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
+        *self.vocab_size.get_or_init(|| self.tokenizer.get_vocab_size(true))
     }
 
     pub fn image_config(&self) -> &ImageConfig {
