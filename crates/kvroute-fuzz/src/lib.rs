@@ -47,6 +47,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("image", image),
     ("zmtp", zmtp),
     ("worker_reports", worker_reports),
+    ("tokenize", tokenize),
 ];
 
 /// A router over two configured workers, with small bounds.
@@ -175,6 +176,18 @@ pub fn openai_chat(data: &[u8]) {
         .filter(|m| kvroute_preprocess::image_urls(std::slice::from_ref(m)).is_empty())
         .collect();
     let _ = p.prepare_chat(&messages, true, Vec::new());
+}
+
+/// Any text through the front door's tokenizer (`kvroute_preprocess::fast_bpe`'s path) and
+/// through the tokenizer library's own: the ids must be the same, so a difference panics here
+/// for the fuzzer to report (a differential target, unlike the others).
+pub fn tokenize(data: &[u8]) {
+    static LIBRARY: OnceLock<Preprocessor> = OnceLock::new();
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    let library =
+        LIBRARY.get_or_init(|| Preprocessor::builtin().without_prefix_cache().without_fast_path());
+    let (fast, slow) = (preprocessor().encode(text).ok(), library.encode(text).ok());
+    assert_eq!(fast, slow, "the fast path's ids differ from the library's for {text:?}");
 }
 
 pub fn openai_completion(data: &[u8]) {

@@ -22,6 +22,7 @@
 #[cfg(feature = "fetch")]
 mod decoding;
 mod detokenize;
+mod fast_bpe;
 #[cfg(feature = "fetch")]
 pub mod fetch;
 pub mod images;
@@ -243,6 +244,8 @@ pub struct Preprocessor {
     /// Ids of prompt beginnings seen before, for a tokenizer whose output composes
     /// ([`prefix_cache`]).
     prefix_cache: Option<prefix_cache::PrefixCache>,
+    /// The tokenizer's ids without its bookkeeping, for the family [`fast_bpe`] covers.
+    fast: Option<fast_bpe::FastBpe>,
 }
 
 impl Preprocessor {
@@ -347,6 +350,9 @@ impl Preprocessor {
             vocab_size: std::sync::OnceLock::new(),
             text_only: None,
             prefix_cache: prefix_cache::PrefixCache::for_tokenizer(&tokenizer),
+            fast: serde_json::to_value(&tokenizer)
+                .ok()
+                .and_then(|json| fast_bpe::FastBpe::for_tokenizer(&json)),
             tokenizer,
         }
         .with_images_checked())
@@ -357,6 +363,12 @@ impl Preprocessor {
     /// door's).
     pub fn without_prefix_cache(mut self) -> Self {
         self.prefix_cache = None;
+        self
+    }
+
+    /// The same model always tokenizing through the tokenizer library (for comparisons).
+    pub fn without_fast_path(mut self) -> Self {
+        self.fast = None;
         self
     }
 
@@ -462,11 +474,15 @@ impl Preprocessor {
 
     /// Tokens of `text`, special tokens recognised.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, PreprocessError> {
+        let plain = |text: &str| match self.fast.as_ref().and_then(|fast| fast.encode(text)) {
+            Some(ids) => Ok(ids),
+            None => self.tokenizer.encode(text, false).map(|e| e.get_ids().to_vec()),
+        };
         off_runtime(text.len(), || match &self.prefix_cache {
             Some(cache) if text.len() > 2 * prefix_cache::CHECKPOINT_BYTES => {
-                cache.encode(&self.tokenizer, text)
+                cache.encode_with(text, &plain)
             }
-            _ => self.tokenizer.encode(text, false).map(|e| e.get_ids().to_vec()),
+            _ => plain(text),
         })
         .map_err(PreprocessError::Tokenizer)
     }

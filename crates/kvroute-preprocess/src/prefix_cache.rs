@@ -65,7 +65,18 @@ impl PrefixCache {
     }
 
     /// Token ids of `text`, as `tokenizer.encode(text, false)` gives them.
+    #[cfg(test)]
     pub(crate) fn encode(&self, tokenizer: &Tokenizer, text: &str) -> tokenizers::Result<Vec<u32>> {
+        self.encode_with(text, &|t| tokenizer.encode(t, false).map(|e| e.get_ids().to_vec()))
+    }
+
+    /// Token ids of `text`, its chunks past the cached ones tokenized by `encode` one by one
+    /// (a cut point is where the tokenizer's output composes).
+    pub(crate) fn encode_with(
+        &self,
+        text: &str,
+        encode: &dyn Fn(&str) -> tokenizers::Result<Vec<u32>>,
+    ) -> tokenizers::Result<Vec<u32>> {
         let cuts = checkpoints(text.as_bytes());
         let mut hasher = blake3::Hasher::new();
         let mut keys = Vec::with_capacity(cuts.len());
@@ -76,19 +87,16 @@ impl PrefixCache {
             from = cut;
         }
         let (mut ids, first_new) = self.cached_chunks(&keys);
-        let start = first_new.checked_sub(1).map_or(0, |k| cuts[k]);
-        let rest = tokenizer.encode(&text[start..], false)?;
-        let (new_ids, offsets) = (rest.get_ids(), rest.get_offsets());
-        // The chunks up to the checkpoints past the cached ones, for the prompts to come: a
-        // cut point starts a token (its start, trimmed of the space, lies past the cut).
+        // The chunks up to the checkpoints past the cached ones, for the prompts to come.
         let mut fresh = Vec::new();
-        let mut from = 0;
+        let mut from = first_new.checked_sub(1).map_or(0, |k| cuts[k]);
         for k in first_new..cuts.len() {
-            let split = offsets.partition_point(|&(s, _)| start + s < cuts[k]);
-            fresh.push((keys[k], Arc::<[u32]>::from(&new_ids[from..split])));
-            from = split;
+            let chunk = encode(&text[from..cuts[k]])?;
+            ids.extend_from_slice(&chunk);
+            fresh.push((keys[k], Arc::<[u32]>::from(chunk)));
+            from = cuts[k];
         }
-        ids.extend_from_slice(new_ids);
+        ids.extend(encode(&text[from..])?);
         self.insert(fresh);
         Ok(ids)
     }

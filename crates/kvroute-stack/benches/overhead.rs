@@ -2,8 +2,10 @@
 //! straight to a simulated worker's chat API and through the front door (preprocess, hash,
 //! route, proxy), alternating, in one run, once per dialect (the client's body to the chat
 //! API; the front door's token ids to vLLM's generate API, the answer turned back into
-//! OpenAI's). The worker runs at a very high speedup so its own time is tiny.
-//! Target: the front door adds <= 0.2 ms at p50.
+//! OpenAI's). The worker runs at a very high speedup so its own time is tiny. Beside them, a
+//! bare HTTP round trip on the same client (`GET /health` of the worker): the floor of any
+//! hop the front door adds.
+//! Target (issue #29): the front door adds <= 100 µs at p50.
 //!
 //! `cargo bench -p kvroute-stack --bench overhead` (without `--bench`: a quick pass).
 
@@ -79,6 +81,16 @@ async fn measure(dialect: Dialect, n: usize) {
         direct.push(once(&client, &worker, b).await);
         through.push(once(&client, &front, b).await);
     }
+    // A bare round trip: what one more HTTP hop costs on this machine.
+    let health = format!("{}/health", stack.workers[0].url.as_deref().unwrap());
+    let mut hops = Vec::new();
+    for _ in 0..n {
+        let start = Instant::now();
+        let r = client.call(hyper::Method::GET, &health, None::<&serde_json::Value>).await.unwrap();
+        let _ = kvroute_http::client::read_body(r.into_body(), 1 << 20).await.unwrap();
+        hops.push(start.elapsed());
+    }
+    println!("| {dialect}: a bare HTTP round trip (GET /health) | {:.0} | {:.0} |", pct(&mut hops, 0.5), pct(&mut hops, 0.99));
     let (d50, d99) = (pct(&mut direct, 0.5), pct(&mut direct, 0.99));
     let (f50, f99) = (pct(&mut through, 0.5), pct(&mut through, 0.99));
     println!("| {dialect}: straight to the worker's chat API | {d50:.0} | {d99:.0} |");
