@@ -1,4 +1,4 @@
-//! One routing decision among 8, 64 and 256 workers for a 512-block request, excluding the KV
+//! One routing decision among 8, 64, 256 and 1,000 workers for a 512-block request, excluding the KV
 //! index's `find_matches` (its scores are given): candidates (in-flight prefixes, loads, busy
 //! guard) and the policy's choice. Target: <= 2 us median at 64 workers. Also the in-flight
 //! bookkeeping a tracked request adds (route with an id, then free).
@@ -20,7 +20,7 @@ fn tokens(seed: u32, n: u32) -> Vec<u32> {
 fn bench_decision(c: &mut Criterion) {
     let hasher = BlockHasher::new(BlockSize::default());
     let mut group = c.benchmark_group("route_512_blocks");
-    for workers in [8u64, 64, 256] {
+    for workers in [8u64, 64, 256, 1000] {
         for policy in [PolicyKind::Kv, PolicyKind::Dynamo] {
             let mut s = Scheduler::new(SchedulerConfig { policy, ..SchedulerConfig::default() });
             for k in 0..workers {
