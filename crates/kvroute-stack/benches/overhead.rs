@@ -90,7 +90,11 @@ async fn measure(dialect: Dialect, n: usize) {
         let _ = kvroute_http::client::read_body(r.into_body(), 1 << 20).await.unwrap();
         hops.push(start.elapsed());
     }
-    println!("| {dialect}: a bare HTTP round trip (GET /health) | {:.0} | {:.0} |", pct(&mut hops, 0.5), pct(&mut hops, 0.99));
+    println!(
+        "| {dialect}: a bare HTTP round trip (GET /health) | {:.0} | {:.0} |",
+        pct(&mut hops, 0.5),
+        pct(&mut hops, 0.99)
+    );
     let (d50, d99) = (pct(&mut direct, 0.5), pct(&mut direct, 0.99));
     let (f50, f99) = (pct(&mut through, 0.5), pct(&mut through, 0.99));
     println!("| {dialect}: straight to the worker's chat API | {d50:.0} | {d99:.0} |");
