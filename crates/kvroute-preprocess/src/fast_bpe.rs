@@ -47,11 +47,14 @@ const GPT2_SPLIT: &str =
 /// The end every pattern of the family has: whitespace runs, with a lookahead.
 const WHITESPACE_TAIL: &str = r"|\s+(?!\S)|\s+";
 
-/// Pieces of at most this many bytes have their ids remembered (as the library's cache).
-const CACHED_PIECE_BYTES: usize = 256;
+/// Pieces of at most this many bytes have their ids remembered (the library's cache takes
+/// pieces under 256 bytes; words are far shorter, and a longer piece merges in microseconds).
+const CACHED_PIECE_BYTES: usize = 64;
 
-/// How many pieces are remembered at most; past it nothing more is added.
-const CACHED_PIECES: usize = 1 << 16;
+/// How many pieces are remembered at most; past it nothing more is added (as the library's
+/// cache, whose capacity is 10,000). At most ~10 MiB even when every piece is as long as
+/// allowed: a text cannot grow it further.
+const CACHED_PIECES: usize = 1 << 15;
 
 /// Added tokens matched by one trie, with their ids by pattern.
 #[derive(Debug)]
