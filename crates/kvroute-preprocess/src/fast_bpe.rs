@@ -25,11 +25,12 @@
 //!   vocabulary, so nothing is unknown), merged lowest rank first, leftmost on ties, as
 //!   `Word::merge_all` does, with `ignore_merges` honoured; no dropout, no subword affixes;
 //! - no truncation, no padding, and a post-processor that adds nothing without special tokens
-//!   (`ByteLevel` only trims offsets).
+//!   (`ByteLevel` only trims offsets; a `TemplateProcessing` adds its tokens only with them).
 //!
 //! `tests::the_ids_are_the_tokenizers` checks the ids against the library's on random texts
-//! for each variant of the family (GPT-2's split, `ignore_merges`, Llama 3's and Qwen 2's splits,
-//! an added token matched after normalization, each normal form).
+//! for each variant of the family (GPT-2's split, `ignore_merges`, Llama 3's split and its
+//! post-processor, Qwen 2's split, an added token matched after normalization, each normal
+//! form).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -139,8 +140,7 @@ impl FastBpe {
             }),
         };
         let pattern = split_pattern(&json["pre_tokenizer"])?;
-        let post = &json["post_processor"];
-        if !(post.is_null() || post["type"] == "ByteLevel") {
+        if !adds_nothing(&json["post_processor"]) {
             return None;
         }
         let model = &json["model"];
@@ -310,6 +310,26 @@ impl FastBpe {
     }
 }
 
+/// Whether a post-processor leaves the ids of `encode(text, false)` as they are: none,
+/// `ByteLevel` (it trims offsets), a `TemplateProcessing` whose single-sequence template holds
+/// the sequence once (its special tokens are added only with `add_special_tokens`), or a
+/// `Sequence` of those (Llama 3's is `ByteLevel` then `TemplateProcessing`).
+fn adds_nothing(post: &Value) -> bool {
+    match post["type"].as_str() {
+        None => post.is_null(),
+        Some("ByteLevel") => true,
+        Some("TemplateProcessing") => post["single"].as_array().is_some_and(|pieces| {
+            let sequences = pieces.iter().filter(|p| !p["Sequence"].is_null()).count();
+            let specials = pieces.iter().filter(|p| !p["SpecialToken"].is_null()).count();
+            sequences == 1 && sequences + specials == pieces.len()
+        }),
+        Some("Sequence") => {
+            post["processors"].as_array().is_some_and(|all| all.iter().all(adds_nothing))
+        }
+        Some(_) => false,
+    }
+}
+
 /// The split's pattern, for a pre-tokenizer of the family.
 fn split_pattern(pre: &Value) -> Option<String> {
     let byte_level = |p: &Value, regex: bool| {
@@ -425,6 +445,14 @@ mod tests {
         let llama3 = split(
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         );
+        let mut llama3_post = llama3.clone();
+        llama3_post["post_processor"] = serde_json::json!({"type": "Sequence", "processors": [
+            {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+            {"type": "TemplateProcessing",
+             "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+             "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}},
+        ]});
         let mut qwen2 = split(
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         );
@@ -446,6 +474,7 @@ mod tests {
             ("builtin", load(base)),
             ("ignore_merges", load(ignore)),
             ("llama3_split", load(llama3)),
+            ("llama3_post_processor", load(llama3_post)),
             ("qwen2_split_nfc", load(qwen2)),
             ("normalized_added", load(normalized_added)),
         ];
@@ -528,8 +557,13 @@ mod tests {
         assert!(changed(&|j| j["added_tokens"][0]["lstrip"] = true.into()));
         assert!(changed(&|j| j["truncation"] = serde_json::json!({"max_length": 8})));
         assert!(changed(
-            &|j| j["post_processor"] = serde_json::json!({"type": "TemplateProcessing"})
+            &|j| j["post_processor"] = serde_json::json!({"type": "RobertaProcessing"})
         ));
+        // A template that repeats the sequence adds ids even without special tokens.
+        assert!(changed(&|j| {
+            j["post_processor"] = serde_json::json!({"type": "TemplateProcessing", "single": [
+                {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]});
+        }));
         // A split that does not end in the whitespace tail, or whose rest needs lookaround.
         let split = |pattern: &'static str| {
             move |j: &mut Value| {
