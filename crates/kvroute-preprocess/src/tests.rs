@@ -122,6 +122,19 @@ fn the_builtin_model_is_the_repository_one() {
     assert_eq!(Preprocessor::load_or_builtin(None).unwrap().model_name(), BUILTIN_MODEL);
 }
 
+/// The repository's models take the fast tokenizing path: a change to the tokenizers or to
+/// the path's eligibility that sent them back to the library would still give the same ids,
+/// only ~15x slower, and nothing else would notice.
+#[test]
+fn the_repository_models_tokenize_on_the_fast_path() {
+    assert!(Preprocessor::builtin().fast.is_some());
+    let models = Preprocessor::repository_model_dir().join("..");
+    for dir in ["kvroute-tiny", "kvroute-tiny-swa"] {
+        assert!(Preprocessor::load(&models.join(dir)).unwrap().fast.is_some(), "{dir}");
+    }
+    assert!(Preprocessor::builtin().without_fast_path().fast.is_none());
+}
+
 #[test]
 fn a_text_only_model_uses_the_plain_template_and_refuses_images() {
     let m = text_only();
