@@ -317,6 +317,9 @@ fn run(
                 let _ = store.send(put);
             }
         }
+        // The step's state is published before its answers go out: a client that has its
+        // answer and then reads `/stats` or `/metrics` sees the request finished.
+        publish_snapshot(&engine, snapshot);
         for output in step.outputs {
             let (id, done) = match &output {
                 Output::FirstToken { id, .. } | Output::Token { id, .. } => (id.clone(), false),
@@ -334,7 +337,6 @@ fn run(
                 streams.remove(&id);
             }
         }
-        publish_snapshot(&engine, snapshot);
     }
 }
 
