@@ -338,6 +338,9 @@ impl Preprocessor {
             .model_max_length
             .filter(|&n| n >= 1.0 && n < (1u64 << 40) as f64)
             .map(|n| n as u64);
+        // The tokenizer's serialized form, which both faster paths judge it by (serialized once:
+        // a large vocabulary takes a while).
+        let json = serde_json::to_value(&tokenizer).ok();
         Ok(Self {
             templates,
             model_name: config.model_name.unwrap_or_else(|| default_name.to_owned()),
@@ -349,10 +352,8 @@ impl Preprocessor {
             max_token_bytes: std::sync::OnceLock::new(),
             vocab_size: std::sync::OnceLock::new(),
             text_only: None,
-            prefix_cache: prefix_cache::PrefixCache::for_tokenizer(&tokenizer),
-            fast: serde_json::to_value(&tokenizer)
-                .ok()
-                .and_then(|json| fast_bpe::FastBpe::for_tokenizer(&json)),
+            prefix_cache: json.as_ref().and_then(prefix_cache::PrefixCache::for_tokenizer),
+            fast: json.as_ref().and_then(fast_bpe::FastBpe::for_tokenizer),
             tokenizer,
         }
         .with_images_checked())
