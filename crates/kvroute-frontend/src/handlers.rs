@@ -63,9 +63,27 @@ fn parse<T: serde::de::DeserializeOwned>(
 }
 
 /// The body as a JSON value (it decoded as a request already); what no JSON value holds is a
-/// 400 naming its field ([`kvroute_http::openai::body_value`]).
-fn raw(body: &[u8]) -> Result<Value, ApiError> {
-    kvroute_http::openai::body_value(body)
+/// 400 naming its field ([`kvroute_http::openai::body_value`]). A field that steers a KV
+/// transfer ([`crate::TRANSFER_FIELDS`]) is a 400 naming it, unless the upstream is trusted.
+fn raw(state: &FrontendState, body: &[u8]) -> Result<Value, ApiError> {
+    let value = kvroute_http::openai::body_value(body)?;
+    if !state.options.trust_transfer_fields {
+        refuse_transfer_fields(&value)?;
+    }
+    Ok(value)
+}
+
+/// A 400 naming the first transfer field a client's body carries (any value, `null` too).
+fn refuse_transfer_fields(body: &Value) -> Result<(), ApiError> {
+    let Some(fields) = body.as_object() else { return Ok(()) };
+    match crate::TRANSFER_FIELDS.iter().find(|f| fields.contains_key(**f)) {
+        Some(field) => Err(ApiError::bad_request(format!(
+            "{field} is set by kvroute itself when it pairs prefill and decode engines; a \
+             client may not send it"
+        ))
+        .param(field)),
+        None => Ok(()),
+    }
 }
 
 pub(crate) async fn chat(
@@ -77,12 +95,13 @@ pub(crate) async fn chat(
     let (body, req) = parse::<ChatCompletionRequest>(body, "messages")?;
     let adapter = state.models.resolve(req.model.as_deref())?;
     let session = session(&headers, req.prompt_cache_key.as_deref())?;
+    let session = state.session_key(key.as_ref().map(|k| &k.0), session);
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     // Images: fetched once here, forwarded inline, named by their identifier.
     let (prepared, images) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     drop(req);
-    let mut raw = raw(&body)?;
+    let mut raw = raw(&state, &body)?;
     drop(body);
     rewrite_image_parts(&mut raw, &images);
     let dialects = state.tokens_dialects();
@@ -128,9 +147,10 @@ pub(crate) async fn completions(
     let (body, req) = parse::<CompletionRequest>(body, "prompt")?;
     let adapter = state.models.resolve(req.model.as_deref())?;
     let session = session(&headers, req.prompt_cache_key.as_deref())?;
+    let session = state.session_key(key.as_ref().map(|k| &k.0), session);
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
-    let raw = raw(&body)?;
+    let raw = raw(&state, &body)?;
     let dialects = state.tokens_dialects();
     let keys = Keys {
         namespace: namespace.as_deref(),

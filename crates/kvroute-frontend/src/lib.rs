@@ -175,7 +175,27 @@ pub struct FrontDoorOptions {
     /// Load a request's adapter on the chosen worker through vLLM's dynamic API when the
     /// worker does not list it ([`crate::models`]); off: only workers that list it are chosen.
     pub load_adapters: bool,
+    /// Pass a client's own KV-transfer fields ([`TRANSFER_FIELDS`]) on; off: refused (400).
+    pub trust_transfer_fields: bool,
 }
+
+/// The body fields that steer an engine's KV transfer or name a peer engine: vLLM's
+/// `kv_transfer_params`, SGLang's bootstrap and encoder fields, TensorRT-LLM's
+/// `disaggregated_params`. Only the front door's own pairing writes them
+/// ([`crate::pair`]); from a client they are refused unless a trusted upstream is configured
+/// ([`FrontDoorOptions::trust_transfer_fields`]).
+pub const TRANSFER_FIELDS: &[&str] = &[
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "disagg_prefill_dp_rank",
+    "disaggregated_params",
+    "encoder_urls",
+    "need_wait_for_mm_inputs",
+    "num_items_assigned",
+];
 
 impl Default for FrontDoorOptions {
     fn default() -> Self {
@@ -185,6 +205,7 @@ impl Default for FrontDoorOptions {
             namespace_per_key: false,
             parity_probe: true,
             load_adapters: false,
+            trust_transfer_fields: false,
         }
     }
 }
@@ -383,6 +404,25 @@ impl FrontendState {
                 None => format!("key-{key}"),
             }),
             _ => client.map(str::to_owned),
+        }
+    }
+
+    /// A request's session as the router keys it: with namespacing per key, inside the key's
+    /// namespace (the key's id and the client's session, hashed to a fixed length), so that
+    /// another key's requests naming the same session do not join it.
+    pub(crate) fn session_key(
+        &self,
+        key: Option<&KeyId>,
+        session: Option<String>,
+    ) -> Option<String> {
+        let session = session?;
+        match (self.options.namespace_per_key, key) {
+            (true, Some(KeyId(key))) => {
+                let mut h = blake3::Hasher::new();
+                h.update(key.as_bytes()).update(b"\0").update(session.as_bytes());
+                Some(format!("key-{}", &h.finalize().to_hex()[..32]))
+            }
+            _ => Some(session),
         }
     }
 

@@ -56,6 +56,10 @@ pub(crate) async fn dispatch_pair(
         true => state.options.first_byte_timeout,
         false => RESPONSE_TIMEOUT,
     };
+    // A prefill leg answers with its one token: it gets the first byte's bound whether the
+    // client streams or not, so a stalled prefill engine is given up on (ejected, the
+    // request placed again) in that time, not the whole answer's.
+    let prefill_timeout = state.options.first_byte_timeout;
     loop {
         let id = state.request_id();
         let Some(pair) = state.placer.place_pair(out.ask(), &id, &excluded).await? else {
@@ -86,10 +90,10 @@ pub(crate) async fn dispatch_pair(
                     v["bootstrap_room"] = json!(room);
                 };
                 let leg = Leg { state: Arc::clone(state), id: id.clone(), placed: prefill };
-                let outcome = leg.spawn_sglang(out, fields.clone(), timeout);
+                let outcome = leg.spawn_sglang(out, fields.clone(), prefill_timeout);
                 (Box::new(fields), Some(outcome))
             }
-            _ => match vllm_prefill(state, out, &prefill, &id, timeout).await? {
+            _ => match vllm_prefill(state, out, &prefill, &id, prefill_timeout).await? {
                 Ok(params) => {
                     (Box::new(move |v: &mut Value| v["kv_transfer_params"] = params.clone()), None)
                 }

@@ -43,7 +43,7 @@ pub(crate) async fn generate(
 ) -> Result<Response, ApiError> {
     let body = body?;
     let req: GenerateRequest = parse(&body)?;
-    let leg = crate::handoff::leg(&body, state.engine.config.disagg.role, "")?;
+    let leg = crate::handoff::leg(&body, state.engine.config.disagg.role)?;
     req.check()?;
     let model = state.preprocessor.model_name().to_owned();
     let lora = state.catalog.resolve(req.model.as_deref()).ok().flatten();
@@ -67,7 +67,9 @@ pub(crate) async fn generate(
         .unwrap_or_else(|| format!("{:032x}", state.next_id()));
     let id = format!("generate-tokens-{base}");
     let leg = match leg {
-        Leg::Prefill { sglang: false, .. } => Leg::Prefill { key: id.clone(), sglang: false },
+        Leg::Prefill { sglang: false, .. } => {
+            Leg::Prefill { key: crate::handoff::fresh_key(), sglang: false }
+        }
         leg => leg,
     };
     // A prefill leg answers with what its decode engine pulls, else the request's own.
@@ -75,7 +77,7 @@ pub(crate) async fn generate(
         Leg::Prefill { key, sglang: false } => {
             state.produced_params(key, tokens.len()).as_object().cloned()
         }
-        _ => req.kv_transfer_params.clone(),
+        _ => None,
     };
     let room = state.max_model_len.saturating_sub(tokens.len() as u64);
     let max_tokens = match req.sampling_params.max_tokens {
@@ -91,7 +93,7 @@ pub(crate) async fn generate(
         cache_salt: req.cache_salt.clone(),
         lora: lora.clone(),
         handoff: crate::handoff::Handoff::None,
-        hold_key: None,
+        hold: None,
         in_store: Vec::new(),
     };
     state.arrange(&leg, &mut submission).await?;

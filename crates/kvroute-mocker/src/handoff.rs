@@ -36,6 +36,7 @@
 //! router sees, so only their timing and their effect on both caches are simulated.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -169,7 +170,7 @@ pub(crate) enum Leg {
     },
     /// Pull the prompt's KV held under `key` at the prefill engine's side channel `addr`.
     Decode {
-        addr: String,
+        addr: SocketAddr,
         key: String,
         sglang: bool,
     },
@@ -188,52 +189,88 @@ struct LegFields {
     bootstrap_room: Option<Value>,
 }
 
-/// The key of an SGLang room.
-fn room_key(room: &Value) -> Option<String> {
+/// The longest hold key a body may name (a vLLM `remote_request_id`, an SGLang room given
+/// as a string): longer ones are refused, never kept or logged whole.
+pub const MAX_KEY_BYTES: usize = 128;
+
+/// A key cut for a log line or an error (at most 64 characters shown).
+pub(crate) fn shown(key: &str) -> String {
+    let mut cut: String = key.chars().take(64).collect();
+    if cut.len() < key.len() {
+        cut.push_str("...");
+    }
+    cut
+}
+
+fn bad_key(param: &'static str) -> ApiError {
+    ApiError::bad_request(format!(
+        "{param}: a transfer key must be 1 to {MAX_KEY_BYTES} bytes of visible ASCII"
+    ))
+    .param(param)
+}
+
+/// A key named by a body, bounded: 1 to [`MAX_KEY_BYTES`] visible ASCII bytes.
+fn bounded_key(key: &str, param: &'static str) -> Result<String, ApiError> {
+    let ok = (1..=MAX_KEY_BYTES).contains(&key.len()) && key.bytes().all(|b| b.is_ascii_graphic());
+    ok.then(|| key.to_owned()).ok_or_else(|| bad_key(param))
+}
+
+/// The key of an SGLang room (SGLang's room is an integer; a short string is taken too).
+fn room_key(room: &Value) -> Result<Option<String>, ApiError> {
     match room {
-        Value::Number(n) => Some(format!("room-{n}")),
-        Value::String(s) if !s.is_empty() => Some(format!("room-{s}")),
-        _ => None,
+        Value::Null => Ok(None),
+        Value::Number(n) if n.is_u64() || n.is_i64() => Ok(Some(format!("room-{n}"))),
+        Value::String(s) => bounded_key(s, "bootstrap_room").map(|k| Some(format!("room-{k}"))),
+        _ => Err(bad_key("bootstrap_room")),
     }
 }
 
-/// A side channel's address, `host:port`, for a host that is an IP address or `localhost`
-/// (never a name to resolve: the address comes from the request).
-pub(crate) fn side_channel_addr(host: &Value, port: &Value) -> Result<String, ApiError> {
+/// A side channel's address, for a host that is an IP address or `localhost` (never a name
+/// to resolve: the address comes from the request).
+pub(crate) fn side_channel_addr(host: &Value, port: &Value) -> Result<SocketAddr, ApiError> {
     let host = host.as_str().unwrap_or_default();
     let port = port.as_u64().or_else(|| port.as_str().and_then(|p| p.parse().ok()));
     let port = port.and_then(|p| u16::try_from(p).ok()).filter(|&p| p > 0);
-    let ip_like = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok();
-    match (ip_like, port) {
-        (true, Some(port)) if host.contains(':') => Ok(format!("[{host}]:{port}")),
-        (true, Some(port)) => Ok(format!("{host}:{port}")),
-        _ => Err(ApiError::bad_request(format!(
-            "the prefill engine's side channel must be an IP address or localhost and a port, \
-             got {host:?} and {port:?}"
-        ))
+    let ip = match host {
+        "localhost" => Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+        _ => host.parse::<IpAddr>().ok(),
+    };
+    match (ip, port) {
+        (Some(ip), Some(port)) => Ok(SocketAddr::new(ip, port)),
+        _ => Err(ApiError::bad_request(
+            "the prefill engine's side channel must be an IP address or localhost and a port",
+        )
         .param("kv_transfer_params")),
     }
 }
 
-/// The leg a body asks for on an engine of `role` (`id`: the request's id here).
-pub(crate) fn leg(body: &[u8], role: Role, id: &str) -> Result<Leg, ApiError> {
+/// The leg a body asks for on an engine of `role`. The transfer fields are obeyed only in
+/// the engine's role: an aggregated engine ignores them all, a prefill engine only what asks
+/// it to prefill and hold (`do_remote_decode`, a room), a decode engine only what names a
+/// prefill engine to pull from. A vLLM prefill leg's key is drawn by the engine later (its
+/// `key` here is empty).
+pub(crate) fn leg(body: &[u8], role: Role) -> Result<Leg, ApiError> {
+    if role == Role::Both {
+        return Ok(Leg::Aggregated);
+    }
     let fields: LegFields = serde_json::from_slice(body).unwrap_or_default();
     if let Some(Value::Object(p)) = &fields.kv_transfer_params {
         let flag = |name: &str| p.get(name).and_then(Value::as_bool) == Some(true);
-        if flag("do_remote_decode") {
-            return Ok(Leg::Prefill { key: id.to_owned(), sglang: false });
+        if role == Role::Prefill && flag("do_remote_decode") {
+            return Ok(Leg::Prefill { key: String::new(), sglang: false });
         }
-        if flag("do_remote_prefill") {
+        if role == Role::Decode && flag("do_remote_prefill") {
             let (host, port) = (p.get("remote_host"), p.get("remote_port"));
             let key = p.get("remote_request_id").and_then(Value::as_str);
             // vLLM takes a remote prefill without its coordinates as an ordinary request.
             if let (Some(host), Some(port), Some(key)) = (host, port, key) {
+                let key = bounded_key(key, "kv_transfer_params")?;
                 let addr = side_channel_addr(host, port)?;
-                return Ok(Leg::Decode { addr, key: key.to_owned(), sglang: false });
+                return Ok(Leg::Decode { addr, key, sglang: false });
             }
         }
     }
-    let Some(key) = fields.bootstrap_room.as_ref().and_then(room_key) else {
+    let Some(key) = fields.bootstrap_room.as_ref().map(room_key).transpose()?.flatten() else {
         return Ok(Leg::Aggregated);
     };
     match role {
@@ -247,9 +284,64 @@ pub(crate) fn leg(body: &[u8], role: Role, id: &str) -> Result<Leg, ApiError> {
     }
 }
 
+/// A fresh hold key for a vLLM prefill leg: 128 random bits, so that nobody can name
+/// another request's hold by guessing.
+pub(crate) fn fresh_key() -> String {
+    let mut bytes = [0u8; 16];
+    if getrandom::fill(&mut bytes).is_err() {
+        // The OS generator failed (it does not on Linux): hash what this process has.
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        bytes[..8].copy_from_slice(&h.finish().to_le_bytes());
+    }
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("kv-{hex}")
+}
+
+/// Who an engine's transfers may involve: the credential its side channel and the shared
+/// store require (and its own pulls and store calls send), and the prefill engines a decode
+/// engine may pull from.
+#[derive(Clone, Debug, Default)]
+pub struct Peers {
+    /// The fleet's shared secret (`--kv-peer-token`); `None`: the side channel is open
+    /// (only for engines built in-process without one; the command requires it).
+    pub token: Option<String>,
+    /// The side channels a decode engine may pull from (`--prefill-peers`); a decode leg
+    /// naming any other is refused before anything is sent.
+    pub prefill: Vec<SocketAddr>,
+}
+
+impl Peers {
+    /// Whether a decode engine may pull from `addr`.
+    pub fn allows(&self, addr: SocketAddr) -> bool {
+        self.prefill.contains(&addr)
+    }
+
+    /// The side channel's and the store's guard.
+    pub fn credentials(&self) -> kvroute_http::Credentials {
+        let token = self.token.as_deref().into_iter();
+        kvroute_http::Credentials::new(token, "--kv-peer-token").unwrap_or_default()
+    }
+
+    /// A client that sends the token.
+    pub fn client(&self) -> HttpClient {
+        match &self.token {
+            Some(t) => HttpClient::new().with_bearer(t),
+            None => HttpClient::new(),
+        }
+    }
+}
+
 /// Why a decode engine could not pull a prompt's KV.
 #[derive(Debug, thiserror::Error)]
 enum PullError {
+    #[error("the side channel named is not one of this decode engine's prefill peers")]
+    NotAPeer,
     #[error("waiting for the prefill engine's hold")]
     Wait(#[source] kvroute_http::ClientError),
     #[error("releasing the prefill engine's hold")]
@@ -264,10 +356,81 @@ struct Held {
     tokens: usize,
 }
 
+/// A prefill leg's key, from the leg's start: its blocks (counted against the bound while it
+/// runs and while it is held), which use of the key it is, and its hold once it ended.
+#[derive(Debug)]
+struct Entry {
+    blocks: usize,
+    generation: u64,
+    held: Option<Held>,
+}
+
+/// Every key a prefill leg uses, each once, and the blocks they account for.
+#[derive(Debug, Default)]
+struct Table {
+    entries: HashMap<String, Entry>,
+    blocks: usize,
+    generations: u64,
+}
+
+impl Table {
+    /// Removes `key` (if it is still the use `generation`, when given).
+    fn remove(&mut self, key: &str, generation: Option<u64>) -> Option<Entry> {
+        let entry = self.entries.get(key)?;
+        if generation.is_some_and(|g| g != entry.generation) {
+            return None;
+        }
+        let entry = self.entries.remove(key)?;
+        self.blocks -= entry.blocks;
+        Some(entry)
+    }
+}
+
+/// Why a prefill leg may not hold under a key.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum HoldRefused {
+    #[error("the transfer key is in use by another request")]
+    Duplicate,
+    #[error(
+        "this prefill engine holds as much KV for decode engines as it may ({held} of at most \
+         {bound} blocks); this prompt needs {asked} more"
+    )]
+    Full { held: usize, bound: usize, asked: usize },
+}
+
+impl From<HoldRefused> for ApiError {
+    fn from(e: HoldRefused) -> Self {
+        match e {
+            HoldRefused::Duplicate => {
+                ApiError::new(StatusCode::CONFLICT, e.to_string()).kind("BadRequestError").no_code()
+            }
+            HoldRefused::Full { .. } => ApiError::unavailable(e.to_string()),
+        }
+    }
+}
+
+/// A prefill leg's claim on its key, from its start until its blocks are held (then the hold
+/// owns the key) or it ends without a hold (then dropping it frees the key).
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    holds: Arc<Holds>,
+    key: String,
+    generation: u64,
+    held: bool,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.held {
+            lock(&self.holds.table).remove(&self.key, Some(self.generation));
+        }
+    }
+}
+
 /// The prefills this engine holds for decode engines, and what its legs did.
 #[derive(Debug, Default)]
 pub struct Holds {
-    held: Mutex<HashMap<String, Held>>,
+    table: Mutex<Table>,
     changed: tokio::sync::Notify,
     pub counts: HandoffCounts,
     /// This engine's inbound links (within its node, across nodes): pulls into it share them.
@@ -306,6 +469,8 @@ pub struct HandoffCounts {
     pub received_across_nodes: AtomicU64,
     /// Decode legs that could not pull (prefilled here instead).
     pub pull_failures: AtomicU64,
+    /// Decode legs refused for naming a side channel that is no prefill peer.
+    pub refused_peers: AtomicU64,
 }
 
 impl HandoffCounts {
@@ -316,6 +481,7 @@ impl HandoffCounts {
             "received": n(&self.received), "received_bytes": n(&self.received_bytes),
             "received_across_nodes": n(&self.received_across_nodes),
             "pull_failures": n(&self.pull_failures),
+            "refused_peers": n(&self.refused_peers),
         })
     }
 }
@@ -325,18 +491,43 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Holds {
-    fn insert(&self, key: String, held: Held) {
-        lock(&self.held).insert(key, held);
-        self.counts.held.fetch_add(1, Ordering::Relaxed);
-        self.changed.notify_waiters();
+    /// Claims `key` for a prefill leg of `blocks` blocks: refused when another leg uses it,
+    /// or when the legs under way and held would account for more than `bound` blocks.
+    pub(crate) fn reserve(
+        self: &Arc<Self>,
+        key: &str,
+        blocks: usize,
+        bound: usize,
+    ) -> Result<Reservation, HoldRefused> {
+        let mut table = lock(&self.table);
+        if table.entries.contains_key(key) {
+            return Err(HoldRefused::Duplicate);
+        }
+        if table.blocks + blocks > bound {
+            return Err(HoldRefused::Full { held: table.blocks, bound, asked: blocks });
+        }
+        table.generations += 1;
+        let generation = table.generations;
+        table.entries.insert(key.to_owned(), Entry { blocks, generation, held: None });
+        table.blocks += blocks;
+        Ok(Reservation { holds: Arc::clone(self), key: key.to_owned(), generation, held: false })
     }
 
+    /// Keys claimed or held, and the blocks they account for.
+    pub fn claimed(&self) -> (usize, usize) {
+        let table = lock(&self.table);
+        (table.entries.len(), table.blocks)
+    }
+
+    /// Takes the hold under `key` (a decode engine pulled it); `None` while its leg runs.
     fn take(&self, key: &str) -> Option<Held> {
-        lock(&self.held).remove(key)
+        let mut table = lock(&self.table);
+        table.entries.get(key)?.held.as_ref()?;
+        table.remove(key, None)?.held
     }
 
     fn tokens(&self, key: &str) -> Option<usize> {
-        lock(&self.held).get(key).map(|h| h.tokens)
+        lock(&self.table).entries.get(key)?.held.as_ref().map(|h| h.tokens)
     }
 
     /// Waits until `key` is held, at most `wait`; its prompt's tokens.
@@ -394,11 +585,19 @@ impl AppState {
                     s.in_store = store.lookup(&hashes).await;
                 }
             }
-            Leg::Prefill { key, .. } => {
+            Leg::Prefill { key, sglang } => {
+                let config = self.engine.config;
+                let blocks = s.tokens.len().div_ceil(config.block_size.tokens());
+                let bound = config.num_blocks / 2;
+                let param = if *sglang { "bootstrap_room" } else { "kv_transfer_params" };
+                let claim = self.holds.reserve(key, blocks, bound);
+                let claim = claim.map_err(|e| ApiError::from(e).param(param))?;
                 s.handoff = crate::handoff::Handoff::Hold;
-                s.hold_key = Some(key.clone());
+                s.hold = Some(claim);
             }
-            Leg::Decode { addr, key, sglang } => match self.pull(addr, key, s).await {
+            Leg::Decode { addr, key, sglang } => match self.pull(*addr, key, s).await {
+                // A request that named a side channel which is no prefill peer gets the same
+                // answer as a failed pull, and nothing was sent to the address.
                 Ok(bytes) => {
                     self.holds.counts.received.fetch_add(1, Ordering::Relaxed);
                     self.holds.counts.received_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -408,11 +607,14 @@ impl AppState {
                     let why = kvroute_http::error::chain(&why);
                     self.holds.counts.pull_failures.fetch_add(1, Ordering::Relaxed);
                     let policy = self.engine.config.disagg.load_failure;
+                    let key = shown(key);
                     if *sglang || policy == LoadFailurePolicy::Fail {
                         tracing::warn!(%addr, %key, %why, "KV pull failed; the request fails");
+                        // The details stay in the log: the answer does not tell what was
+                        // listening at the address.
                         return Err(ApiError::new(
                             StatusCode::INTERNAL_SERVER_ERROR,
-                            format!("the KV transfer from the prefill engine failed: {why}"),
+                            "the KV transfer from the prefill engine failed",
                         )
                         .kind("InternalServerError"));
                     }
@@ -427,8 +629,12 @@ impl AppState {
     /// Pulls the KV of `s`'s prompt held under `key` at `addr`: waits until it is held,
     /// moves the blocks this engine lacks over the link (simulated time), releases the hold.
     /// The bytes moved.
-    async fn pull(&self, addr: &str, key: &str, s: &Submission) -> Result<u64, PullError> {
-        let client = HttpClient::new();
+    async fn pull(&self, addr: SocketAddr, key: &str, s: &Submission) -> Result<u64, PullError> {
+        if !self.peers.allows(addr) {
+            self.holds.counts.refused_peers.fetch_add(1, Ordering::Relaxed);
+            return Err(PullError::NotAPeer);
+        }
+        let client = self.peers.client();
         let config = self.engine.config;
         let wait_ms = config.disagg.hold_timeout.as_millis() as u64;
         let url = format!("http://{addr}/kv/wait");
@@ -471,36 +677,53 @@ impl AppState {
 }
 
 impl Holds {
-    /// A prefill leg ended: its blocks are held under `key` until pulled or the lease ends.
-    pub(crate) fn hold(self: &Arc<Self>, engine: EngineHandle, key: String, held: (String, usize)) {
-        let (engine_id, tokens) = held;
-        self.insert(key.clone(), Held { engine_id, tokens });
+    /// A prefill leg ended: its blocks are held under its key until pulled or the lease ends.
+    fn hold(self: &Arc<Self>, engine: EngineHandle, mut claim: Reservation, held: Held) {
+        {
+            let mut table = lock(&self.table);
+            let Some(entry) = table.entries.get_mut(&claim.key) else { return };
+            if entry.generation != claim.generation {
+                return;
+            }
+            entry.held = Some(held);
+            claim.held = true;
+        }
+        self.counts.held.fetch_add(1, Ordering::Relaxed);
+        self.changed.notify_waiters();
         let holds = Arc::clone(self);
         let lease = engine.config.disagg.hold_timeout;
+        let (key, generation) = (claim.key.clone(), claim.generation);
         tokio::spawn(async move {
             tokio::time::sleep(lease).await;
-            if let Some(h) = holds.take(&key) {
+            // The same use of the key only: a key pulled and used again keeps its new lease.
+            let expired = lock(&holds.table).remove(&key, Some(generation));
+            if let Some(h) = expired.and_then(|e| e.held) {
                 engine.release_held(&h.engine_id);
                 holds.counts.expired.fetch_add(1, Ordering::Relaxed);
+                let key = shown(&key);
                 tracing::info!(%key, "a prefill's KV was not pulled within its lease: freed");
             }
         });
     }
 
-    /// Relays a held leg's outputs; at its end its blocks are held under `key`.
+    /// Relays a held leg's outputs; at its end its blocks are held under its claimed key (a
+    /// leg that ends otherwise, cancelled or refused, frees the key).
     pub(crate) fn relay(
         self: &Arc<Self>,
         engine: EngineHandle,
-        key: String,
+        claim: Reservation,
         mut from: mpsc::UnboundedReceiver<Output>,
     ) -> mpsc::UnboundedReceiver<Output> {
         let (tx, rx) = mpsc::unbounded_channel();
         let holds = Arc::clone(self);
         tokio::spawn(async move {
+            let mut claim = Some(claim);
             while let Some(output) = from.recv().await {
                 if let Output::Finished { id, usage } = &output {
-                    let held = (id.clone(), usage.prompt_tokens);
-                    holds.hold(engine.clone(), key.clone(), held);
+                    let held = Held { engine_id: id.clone(), tokens: usage.prompt_tokens };
+                    if let Some(claim) = claim.take() {
+                        holds.hold(engine.clone(), claim, held);
+                    }
                 }
                 // The client may be gone: the hold stands all the same (the decode engine
                 // may still pull it), until its lease ends.
@@ -525,11 +748,10 @@ struct ReleaseBody {
 
 /// The side channel a prefill engine serves its decode engines (vLLM's side-channel port,
 /// SGLang's bootstrap port).
+/// Both need the fleet's token when the engine has one ([`Peers`]).
 pub fn side_channel(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/kv/wait", post(wait))
-        .route("/kv/release", post(release))
-        .with_state(state)
+    let routes = Router::new().route("/kv/wait", post(wait)).route("/kv/release", post(release));
+    kvroute_http::auth::require(routes, state.peers.credentials()).with_state(state)
 }
 
 /// The longest a decode engine may wait on one call.
@@ -540,11 +762,12 @@ async fn wait(
     Json(body): Json<WaitBody>,
 ) -> Result<Json<Value>, ApiError> {
     let wait = Duration::from_millis(body.wait_ms).min(MAX_WAIT);
-    match state.holds.wait(&body.key, wait).await {
+    let key = bounded_key(&body.key, "key")?;
+    match state.holds.wait(&key, wait).await {
         Some(tokens) => {
             Ok(Json(json!({"tokens": tokens, "node": state.engine.config.disagg.node})))
         }
-        None => Err(ApiError::not_found(format!("nothing is held under {:?}", body.key))),
+        None => Err(ApiError::not_found(format!("nothing is held under {:?}", shown(&key)))),
     }
 }
 
@@ -552,8 +775,9 @@ async fn release(
     State(state): State<Arc<AppState>>,
     Json(body): Json<ReleaseBody>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let Some(held) = state.holds.take(&body.key) else {
-        return Err(ApiError::not_found(format!("nothing is held under {:?}", body.key)));
+    let key = bounded_key(&body.key, "key")?;
+    let Some(held) = state.holds.take(&key) else {
+        return Err(ApiError::not_found(format!("nothing is held under {:?}", shown(&key))));
     };
     state.engine.release_held(&held.engine_id);
     state.holds.counts.pulled.fetch_add(1, Ordering::Relaxed);
@@ -588,36 +812,139 @@ mod tests {
         assert_eq!(link.book(later, took), later + took, "an idle link starts at once");
     }
 
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
     #[test]
     fn legs_follow_vllm_and_sglang_fields() {
         let prefill = br#"{"kv_transfer_params": {"do_remote_decode": true, "remote_host": null}}"#;
         assert_eq!(
-            leg(prefill, Role::Prefill, "r1").unwrap(),
-            Leg::Prefill { key: "r1".into(), sglang: false }
+            leg(prefill, Role::Prefill).unwrap(),
+            Leg::Prefill { key: String::new(), sglang: false }
         );
         let decode = br#"{"kv_transfer_params": {"do_remote_prefill": true,
             "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "r1"}}"#;
         assert_eq!(
-            leg(decode, Role::Decode, "x").unwrap(),
-            Leg::Decode { addr: "127.0.0.1:5600".into(), key: "r1".into(), sglang: false }
+            leg(decode, Role::Decode).unwrap(),
+            Leg::Decode { addr: addr("127.0.0.1:5600"), key: "r1".into(), sglang: false }
         );
         let bare = br#"{"kv_transfer_params": {"do_remote_prefill": true}}"#;
-        assert_eq!(leg(bare, Role::Decode, "x").unwrap(), Leg::Aggregated);
+        assert_eq!(leg(bare, Role::Decode).unwrap(), Leg::Aggregated);
         let named = br#"{"kv_transfer_params": {"do_remote_prefill": true,
             "remote_host": "evil.example", "remote_port": 80, "remote_request_id": "r"}}"#;
-        assert_eq!(leg(named, Role::Decode, "x").unwrap_err().status().as_u16(), 400);
+        assert_eq!(leg(named, Role::Decode).unwrap_err().status().as_u16(), 400);
 
         let room = br#"{"bootstrap_host": "::1", "bootstrap_port": 8998, "bootstrap_room": 7}"#;
         assert_eq!(
-            leg(room, Role::Prefill, "x").unwrap(),
+            leg(room, Role::Prefill).unwrap(),
             Leg::Prefill { key: "room-7".into(), sglang: true }
         );
         assert_eq!(
-            leg(room, Role::Decode, "x").unwrap(),
-            Leg::Decode { addr: "[::1]:8998".into(), key: "room-7".into(), sglang: true }
+            leg(room, Role::Decode).unwrap(),
+            Leg::Decode { addr: addr("[::1]:8998"), key: "room-7".into(), sglang: true }
         );
-        assert_eq!(leg(room, Role::Both, "x").unwrap(), Leg::Aggregated);
-        assert_eq!(leg(b"{}", Role::Decode, "x").unwrap(), Leg::Aggregated);
-        assert_eq!(leg(b"not json", Role::Decode, "x").unwrap(), Leg::Aggregated);
+        assert_eq!(leg(b"{}", Role::Decode).unwrap(), Leg::Aggregated);
+        assert_eq!(leg(b"not json", Role::Decode).unwrap(), Leg::Aggregated);
+    }
+
+    /// Finding 3 of #51: the transfer fields are obeyed only in the engine's role. An
+    /// aggregated engine ignores them all; a prefill engine ignores a remote prefill (it would
+    /// call out); a decode engine ignores `do_remote_decode` (it would hold KV).
+    #[test]
+    fn transfer_fields_are_obeyed_only_in_the_engines_role() {
+        let hold = br#"{"kv_transfer_params": {"do_remote_decode": true}}"#;
+        let pull = br#"{"kv_transfer_params": {"do_remote_prefill": true,
+            "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "r1"}}"#;
+        let room =
+            br#"{"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7}"#;
+        for body in [&hold[..], pull, room] {
+            assert_eq!(leg(body, Role::Both).unwrap(), Leg::Aggregated);
+        }
+        assert_eq!(leg(pull, Role::Prefill).unwrap(), Leg::Aggregated);
+        assert_eq!(leg(hold, Role::Decode).unwrap(), Leg::Aggregated);
+    }
+
+    /// Finding 6 of #51: keys are bounded before anything keeps or logs them.
+    #[test]
+    fn keys_of_any_length_are_refused() {
+        let long = "k".repeat(MAX_KEY_BYTES + 1);
+        let room =
+            json!({"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": long});
+        let e = leg(room.to_string().as_bytes(), Role::Prefill).unwrap_err();
+        assert_eq!((e.status().as_u16(), e.message().len() < 200), (400, true));
+        let pull = json!({"kv_transfer_params": {"do_remote_prefill": true,
+            "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": long}});
+        assert_eq!(
+            leg(pull.to_string().as_bytes(), Role::Decode).unwrap_err().status().as_u16(),
+            400
+        );
+        let ok = "k".repeat(MAX_KEY_BYTES);
+        let room =
+            json!({"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": ok});
+        assert!(leg(room.to_string().as_bytes(), Role::Prefill).is_ok());
+        for bad in [json!(1.5), json!(""), json!([1]), json!("a b")] {
+            let room =
+                json!({"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": bad});
+            assert!(leg(room.to_string().as_bytes(), Role::Prefill).is_err(), "{bad}");
+        }
+        assert!(shown(&"x".repeat(10_000)).len() <= 67);
+    }
+
+    /// Finding 4 of #51: a vLLM hold's key is 128 random bits, not a sequence.
+    #[test]
+    fn hold_keys_are_unguessable() {
+        let (a, b) = (fresh_key(), fresh_key());
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 3 + 32);
+        assert!(a.starts_with("kv-") && a[3..].bytes().all(|c| c.is_ascii_hexdigit()));
+    }
+
+    /// Finding 2 of #51: a key is held once; a second leg naming it is refused (not
+    /// overwriting the first, whose blocks would then never be freed); the blocks of legs
+    /// under way and held are bounded; a key freed is free again, and a stale lease cannot
+    /// take a newer use of the key.
+    #[test]
+    fn holds_are_owned_and_bounded() {
+        let holds = Arc::new(Holds::default());
+        let first = holds.reserve("room-777", 10, 30).unwrap();
+        assert_eq!(holds.reserve("room-777", 10, 30).unwrap_err(), HoldRefused::Duplicate);
+        let second = holds.reserve("room-778", 20, 30).unwrap();
+        assert_eq!(
+            holds.reserve("room-779", 1, 30).unwrap_err(),
+            HoldRefused::Full { held: 30, bound: 30, asked: 1 }
+        );
+        drop(second);
+        assert_eq!(holds.claimed(), (1, 10), "a leg that ended without a hold frees its key");
+        // Held: the key stays claimed until taken.
+        let g = first.generation;
+        {
+            let mut table = lock(&holds.table);
+            table.entries.get_mut("room-777").unwrap().held =
+                Some(Held { engine_id: "e".into(), tokens: 160 });
+        }
+        let mut first = first;
+        first.held = true;
+        drop(first);
+        assert_eq!(holds.claimed(), (1, 10));
+        assert_eq!(holds.tokens("room-777"), Some(160));
+        assert_eq!(holds.take("room-777").map(|h| h.tokens), Some(160));
+        assert_eq!(holds.claimed(), (0, 0));
+        // The key used again: the old lease (generation g) cannot remove the new use.
+        let again = holds.reserve("room-777", 5, 30).unwrap();
+        assert!(lock(&holds.table).remove("room-777", Some(g)).is_none());
+        assert_eq!(holds.claimed(), (1, 5));
+        drop(again);
+        assert_eq!(holds.claimed(), (0, 0));
+    }
+
+    /// Finding 1 of #51: a decode engine pulls only from its configured prefill peers.
+    #[test]
+    fn only_prefill_peers_are_pulled_from() {
+        let peers = Peers { token: None, prefill: vec![addr("127.0.0.1:7000")] };
+        assert!(peers.allows(addr("127.0.0.1:7000")));
+        assert!(!peers.allows(addr("127.0.0.1:7001")));
+        assert!(!peers.allows(addr("10.0.0.1:7000")));
+        assert!(!Peers::default().allows(addr("127.0.0.1:7000")));
     }
 }

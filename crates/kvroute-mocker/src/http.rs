@@ -63,6 +63,9 @@ pub struct AppState {
     pub engine_id: String,
     /// Where decode engines pull this engine's KV (a prefill engine's side channel).
     pub side_channel: Option<std::net::SocketAddr>,
+    /// The fleet's token for the side channel and the store, and a decode engine's prefill
+    /// peers.
+    pub peers: crate::handoff::Peers,
     /// The store the fleet shares (`--store-url`), asked what it holds of each prompt.
     pub store: Option<crate::store::StoreLink>,
 }
@@ -108,6 +111,7 @@ impl AppState {
             holds: Arc::default(),
             engine_id: format!("kvroute-mocker-{:016x}", rand_id()),
             side_channel: None,
+            peers: crate::handoff::Peers::default(),
             store: None,
         }
     }
@@ -187,7 +191,7 @@ async fn chat(
         cache_salt: req.cache_salt,
         logprobs,
         lora,
-        leg: crate::handoff::leg(&body, state.engine.config.disagg.role, "")?,
+        leg: crate::handoff::leg(&body, state.engine.config.disagg.role)?,
     };
     generate(&state, prepared, ask).await
 }
@@ -210,7 +214,7 @@ async fn completions(
         cache_salt: req.cache_salt,
         logprobs: None,
         lora,
-        leg: crate::handoff::leg(&body, state.engine.config.disagg.role, "")?,
+        leg: crate::handoff::leg(&body, state.engine.config.disagg.role)?,
     };
     generate(&state, prepared, ask).await
 }
@@ -244,8 +248,8 @@ pub(crate) struct Submission {
     pub lora: Option<String>,
     /// Its part in a disaggregated request.
     pub handoff: crate::handoff::Handoff,
-    /// A prefill leg's key: its blocks are held under it when it ends.
-    pub hold_key: Option<String>,
+    /// A prefill leg's claim on its key: its blocks are held under it when it ends.
+    pub(crate) hold: Option<crate::handoff::Reservation>,
     /// Per leading prompt block, whether the shared store holds it (filled by `arrange`).
     pub in_store: Vec<bool>,
 }
@@ -284,7 +288,7 @@ impl AppState {
     }
 
     /// Hands a prompt to the engine; one that could never fit its cache is refused (413).
-    pub(crate) fn submit(&self, s: Submission) -> Result<Submitted, ApiError> {
+    pub(crate) fn submit(&self, mut s: Submission) -> Result<Submitted, ApiError> {
         let config = self.engine.config;
         let bs = config.block_size;
         if s.tokens.is_empty() {
@@ -297,7 +301,7 @@ impl AppState {
                 config.num_blocks
             )));
         }
-        let hold_key = s.hold_key.clone();
+        let hold = s.hold.take();
         let plan = self.plan(&s.tokens, s.ignore_eos);
         let request = EngineRequest {
             block_mm_infos: self.block_infos(&s),
@@ -312,8 +316,8 @@ impl AppState {
         };
         let end = request.plan.end;
         let (outputs, guard) = self.engine.submit(request);
-        let outputs = match hold_key {
-            Some(key) => self.holds.relay(self.engine.clone(), key, outputs),
+        let outputs = match hold {
+            Some(claim) => self.holds.relay(self.engine.clone(), claim, outputs),
             None => outputs,
         };
         Ok(Submitted { outputs, guard, end })
@@ -381,7 +385,7 @@ async fn generate(
     let window = state.preprocessor.decode_window(&prepared.tokens);
     let leg = match leg {
         Leg::Prefill { sglang: false, .. } => {
-            Leg::Prefill { key: envelope.id.clone(), sglang: false }
+            Leg::Prefill { key: crate::handoff::fresh_key(), sglang: false }
         }
         leg => leg,
     };
@@ -401,7 +405,7 @@ async fn generate(
         cache_salt,
         lora,
         handoff: crate::handoff::Handoff::None,
-        hold_key: None,
+        hold: None,
         in_store: Vec::new(),
     };
     state.arrange(&leg, &mut submission).await?;

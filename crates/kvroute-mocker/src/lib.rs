@@ -33,7 +33,7 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, Output, OutputPlan,
     Step, Usage,
 };
-pub use handoff::{DisaggConfig, Handoff, LoadFailurePolicy, Role, TransferTiming};
+pub use handoff::{DisaggConfig, Handoff, LoadFailurePolicy, Peers, Role, TransferTiming};
 pub use kvroute_preprocess::fetch::FetchConfig;
 pub use loads::TierLoads;
 pub use service::{Endpoints, EngineHandle, Snapshot};
@@ -75,6 +75,9 @@ pub struct MockerConfig {
     /// A store every engine of the fleet shares (`--store-url`, [`store`]): the engine writes
     /// the blocks it computes to it and loads from it the blocks it lacks.
     pub store_url: Option<String>,
+    /// The fleet's token (the side channel and the store need it; the engine's own pulls
+    /// and store calls send it) and a decode engine's prefill peers (docs/security.md).
+    pub peers: handoff::Peers,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -135,8 +138,9 @@ pub async fn start(config: MockerConfig) -> Result<Arc<http::AppState>, MockerEr
     let mut state =
         http::AppState::new(engine, preprocessor, config.seed, fetcher, config.max_model_len);
     state.api_keys = config.api_keys;
+    state.peers = config.peers;
     if let Some(url) = &config.store_url {
-        let link = store::StoreLink::new(url);
+        let link = store::StoreLink::new(url, state.peers.token.as_deref());
         state.engine.attach_store(link.clone(), format!("{}-{}", state.engine_id, config.dp_rank));
         state.store = Some(link);
     }

@@ -70,7 +70,7 @@ pub(crate) async fn generate(
         Ok(images) => images,
         Err(refused) => return refused.into_response(),
     };
-    let leg = match crate::handoff::leg(&body, state.engine.config.disagg.role, "") {
+    let leg = match crate::handoff::leg(&body, state.engine.config.disagg.role) {
         Ok(leg) => leg,
         Err(e) => return e.into_response(),
     };
@@ -143,7 +143,7 @@ async fn admit(
         cache_salt: req.cache_salt.as_ref().and_then(OneOrMany::one).cloned(),
         lora: adapter(state, req)?,
         handoff: crate::handoff::Handoff::None,
-        hold_key: None,
+        hold: None,
         in_store: Vec::new(),
     };
     state.arrange(leg, &mut submission).await.map_err(|e| Refused::Engine(Box::new(e)))?;

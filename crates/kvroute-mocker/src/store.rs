@@ -49,10 +49,16 @@ use tokio::sync::mpsc;
 
 /// The most blocks one put or lookup may name.
 pub const MAX_BLOCKS_PER_CALL: usize = 65_536;
-/// The most engines a store tells apart; more are refused.
+/// The most engines a store tells apart; past it, the engine heard from least recently is
+/// forgotten (its eviction notices dropped, its name on blocks removed).
 pub const MAX_OWNERS: usize = 4_096;
-/// Evictions kept for an engine that has not asked for them (an engine gone for good).
-const MAX_PENDING: usize = 1 << 20;
+/// The most engines one block names as its writers; another writer of it is answered as if
+/// it had written it before (the store's blocks serve every engine in the router's index, so
+/// nothing is lost but one more announcement).
+pub const MAX_WRITERS: usize = 64;
+/// Eviction notices kept for engines that have not asked for them, all engines together, per
+/// block of the store's capacity (one more is dropped and counted).
+const PENDING_PER_BLOCK: usize = 2;
 /// Puts an engine keeps for announcing while the store has not answered them.
 const MAX_UNANSWERED: usize = 4_096;
 /// The longest a prompt waits for the store to say what it holds.
@@ -82,6 +88,38 @@ pub struct StoreStats {
     pub evicted_blocks: u64,
     /// Eviction notices dropped for engines that stopped asking.
     pub dropped_notices: u64,
+    /// Engines forgotten to make room for others.
+    pub forgotten_owners: u64,
+}
+
+/// What a store holds, counted in the entries that take its memory: each is bounded by the
+/// capacity it was configured with ([`Footprint::bound`]), whatever its callers send.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Footprint {
+    pub blocks: usize,
+    /// Writer names on blocks, all blocks together.
+    pub writers: usize,
+    /// Eviction notices waiting, all engines together.
+    pub pending: usize,
+    pub owners: usize,
+}
+
+impl Footprint {
+    /// The most of each a store of `capacity` blocks holds.
+    pub fn bound(capacity: usize) -> Self {
+        Self {
+            blocks: capacity,
+            writers: capacity * MAX_WRITERS,
+            pending: capacity * PENDING_PER_BLOCK,
+            owners: MAX_OWNERS,
+        }
+    }
+
+    /// Bytes, roughly: a block's map and order entries (~80), a writer 4, a notice 8, an
+    /// owner's name and queues (~400 at most).
+    pub fn bytes(&self) -> usize {
+        self.blocks * 80 + self.writers * 4 + self.pending * 8 + self.owners * 400
+    }
 }
 
 /// The store's blocks, least recently used first.
@@ -92,8 +130,13 @@ pub struct Store {
     order: BTreeSet<(u64, u64)>,
     clock: u64,
     owners: FxHashMap<String, u32>,
+    /// Per owner slot: its name and when it was last heard from (the store's clock).
+    slots: Vec<(String, u64)>,
     /// Per owner, the blocks it wrote that were evicted since it last asked.
     pending: Vec<Vec<u64>>,
+    /// Notices in `pending`, all owners together.
+    pending_total: usize,
+    writers_total: usize,
     stats: StoreStats,
 }
 
@@ -134,8 +177,6 @@ struct LookupAnswer {
 pub enum StoreError {
     #[error("a call may name at most {MAX_BLOCKS_PER_CALL} blocks")]
     TooManyBlocks,
-    #[error("the store tells at most {MAX_OWNERS} engines apart")]
-    TooManyOwners,
     #[error("the owner must be 1 to 256 bytes")]
     BadOwner,
 }
@@ -148,13 +189,25 @@ impl Store {
             order: BTreeSet::new(),
             clock: 0,
             owners: FxHashMap::default(),
+            slots: Vec::new(),
             pending: Vec::new(),
+            pending_total: 0,
+            writers_total: 0,
             stats: StoreStats { capacity, ..StoreStats::default() },
         }
     }
 
     pub fn stats(&self) -> StoreStats {
         StoreStats { blocks: self.blocks.len(), ..self.stats }
+    }
+
+    pub fn footprint(&self) -> Footprint {
+        Footprint {
+            blocks: self.blocks.len(),
+            writers: self.writers_total,
+            pending: self.pending_total,
+            owners: self.owners.len(),
+        }
     }
 
     pub fn holds(&self, block: u64) -> bool {
@@ -174,16 +227,47 @@ impl Store {
         if name.is_empty() || name.len() > 256 {
             return Err(StoreError::BadOwner);
         }
+        self.clock += 1;
         if let Some(&i) = self.owners.get(name) {
+            self.slots[i as usize].1 = self.clock;
             return Ok(i);
         }
-        if self.owners.len() >= MAX_OWNERS {
-            return Err(StoreError::TooManyOwners);
-        }
-        let i = self.pending.len() as u32;
+        let i = match self.slots.len() < MAX_OWNERS {
+            true => {
+                self.slots.push((String::new(), 0));
+                self.pending.push(Vec::new());
+                (self.slots.len() - 1) as u32
+            }
+            false => self.forget_least_recent_owner(),
+        };
         self.owners.insert(name.to_owned(), i);
-        self.pending.push(Vec::new());
+        self.slots[i as usize] = (name.to_owned(), self.clock);
         Ok(i)
+    }
+
+    /// Forgets the owner heard from least recently (its notices, its name on blocks); its
+    /// slot, to reuse.
+    fn forget_least_recent_owner(&mut self) -> u32 {
+        let oldest = self.slots.iter().enumerate().min_by_key(|(_, (_, seen))| *seen);
+        let i = oldest.map_or(0, |(i, _)| i as u32);
+        let name = std::mem::take(&mut self.slots[i as usize].0);
+        self.owners.remove(&name);
+        let notices = std::mem::take(&mut self.pending[i as usize]);
+        self.pending_total -= notices.len();
+        for b in self.blocks.values_mut() {
+            let before = b.writers.len();
+            b.writers.retain(|&w| w != i);
+            self.writers_total -= before - b.writers.len();
+        }
+        self.stats.forgotten_owners += 1;
+        i
+    }
+
+    /// The owner's notices, taken.
+    fn notices(&mut self, me: u32) -> Vec<u64> {
+        let taken = std::mem::take(&mut self.pending[me as usize]);
+        self.pending_total -= taken.len();
+        taken
     }
 
     /// Stores `blocks` (one request's, in order) for `owner`: what was evicted of the
@@ -193,7 +277,7 @@ impl Store {
             return Err(StoreError::TooManyBlocks);
         }
         let me = self.owner(owner)?;
-        let evicted_before = std::mem::take(&mut self.pending[me as usize]);
+        let evicted_before = self.notices(me);
         let mut fresh = vec![false; blocks.len()];
         if self.capacity == 0 || blocks.is_empty() {
             return Ok(PutAnswer { evicted_before, evicted: Vec::new(), fresh });
@@ -207,8 +291,9 @@ impl Store {
         }
         for (i, &h) in blocks.iter().enumerate() {
             if let Some(b) = self.blocks.get_mut(&h) {
-                if !b.writers.contains(&me) {
+                if !b.writers.contains(&me) && b.writers.len() < MAX_WRITERS {
                     b.writers.push(me);
+                    self.writers_total += 1;
                     fresh[i] = true;
                 }
                 continue;
@@ -219,23 +304,25 @@ impl Store {
                 self.evict(victim);
             }
             self.blocks.insert(h, Block { stamp: 0, writers: vec![me] });
+            self.writers_total += 1;
             self.stats.stored_blocks += 1;
         }
         // A request's first block is the most recent: its prefix outlives its tail.
         for &h in blocks.iter().rev() {
             self.touch(h);
         }
-        let evicted = std::mem::take(&mut self.pending[me as usize]);
+        let evicted = self.notices(me);
         Ok(PutAnswer { evicted_before, evicted, fresh })
     }
 
     fn evict(&mut self, victim: u64) {
         let Some(b) = self.blocks.remove(&victim) else { return };
         self.stats.evicted_blocks += 1;
+        self.writers_total -= b.writers.len();
         for w in b.writers {
-            let queue = &mut self.pending[w as usize];
-            if queue.len() < MAX_PENDING {
-                queue.push(victim);
+            if self.pending_total < self.capacity * PENDING_PER_BLOCK {
+                self.pending[w as usize].push(victim);
+                self.pending_total += 1;
             } else {
                 self.stats.dropped_notices += 1;
             }
@@ -268,18 +355,19 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::TooManyBlocks => ApiError::too_large(e.to_string()).param("blocks"),
-            StoreError::TooManyOwners => ApiError::unavailable(e.to_string()),
             StoreError::BadOwner => ApiError::bad_request(e.to_string()).param("owner"),
         }
     }
 }
 
-/// The store's HTTP API.
-pub fn app(store: Shared) -> Router {
-    Router::new()
+/// The store's HTTP API: every route but `/health` needs one of `writers` (the fleet's
+/// token, `--kv-peer-token`) when it has any.
+pub fn app(store: Shared, writers: kvroute_http::Credentials) -> Router {
+    let guarded = Router::new()
         .route("/store/put", post(put))
         .route("/store/lookup", post(lookup))
-        .route("/stats", get(stats))
+        .route("/stats", get(stats));
+    kvroute_http::auth::require(guarded, writers)
         .route("/health", get(|| async { "ok" }))
         .with_state(store)
 }
@@ -304,10 +392,15 @@ async fn stats(State(store): State<Shared>) -> Json<StoreStats> {
     Json(locked(&store).stats())
 }
 
-/// A store serving on `listener` (on the current runtime); its state, for tests.
-pub fn spawn(capacity: usize, listener: tokio::net::TcpListener) -> Shared {
+/// A store serving on `listener` (on the current runtime), guarded by `writers`; its state,
+/// for tests.
+pub fn spawn(
+    capacity: usize,
+    listener: tokio::net::TcpListener,
+    writers: kvroute_http::Credentials,
+) -> Shared {
     let store = Arc::new(Mutex::new(Store::new(capacity)));
-    let app = app(Arc::clone(&store));
+    let app = app(Arc::clone(&store), writers);
     tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
     store
 }
@@ -337,8 +430,13 @@ pub struct Acked {
 }
 
 impl StoreLink {
-    pub fn new(url: &str) -> Self {
-        Self { base: url.trim_end_matches('/').to_owned(), client: HttpClient::new() }
+    /// A link that sends `token` (the fleet's, which the store requires) with every call.
+    pub fn new(url: &str, token: Option<&str>) -> Self {
+        let client = match token {
+            Some(t) => HttpClient::new().with_bearer(t),
+            None => HttpClient::new(),
+        };
+        Self { base: url.trim_end_matches('/').to_owned(), client }
     }
 
     pub fn url(&self) -> &str {
@@ -564,8 +662,24 @@ mod tests {
     async fn the_store_over_http() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let store = spawn(2, listener);
-        let link = StoreLink::new(&url);
+        let token = "fleet-token-0123456789";
+        let store = spawn(2, listener, kvroute_http::Credentials::new([token], "test").unwrap());
+        // A stranger (no token, or another) can neither put, nor look up, nor read stats.
+        for stranger in [HttpClient::new(), HttpClient::new().with_bearer("not-the-token")] {
+            let put = json!({"owner": "x", "blocks": [1]});
+            let r = stranger.post_json::<PutAnswer>(&format!("{url}/store/put"), &put).await;
+            let Err(kvroute_http::ClientError::Status { status, .. }) = r else { panic!("{r:?}") };
+            assert_eq!(status.as_u16(), 401);
+            let r = stranger
+                .post_json::<LookupAnswer>(&format!("{url}/store/lookup"), &json!({"blocks": [1]}))
+                .await;
+            let Err(kvroute_http::ClientError::Status { status, .. }) = r else { panic!("{r:?}") };
+            assert_eq!(status.as_u16(), 401);
+            let (status, _) = stranger.get(&format!("{url}/stats")).await.unwrap();
+            assert_eq!(status.as_u16(), 401);
+        }
+        assert_eq!(locked(&store).stats().puts, 0, "no stranger's put was taken");
+        let link = StoreLink::new(&url, Some(token));
         let (puts, rx) = mpsc::unbounded_channel();
         let (acks, mut acked) = mpsc::unbounded_channel();
         tokio::spawn(link.clone().writer("e".into(), rx, move |a| acks.send(a).is_ok()));
@@ -580,9 +694,9 @@ mod tests {
         assert_eq!(link.lookup(&[1, 2, 3]).await, [true, false, true]);
         assert_eq!(locked(&store).stats().lookups, 1);
         // A store that is gone answers nothing: the prompt is computed.
-        assert!(StoreLink::new("http://127.0.0.1:9").lookup(&[1]).await.is_empty());
+        assert!(StoreLink::new("http://127.0.0.1:9", Some(token)).lookup(&[1]).await.is_empty());
 
-        let client = HttpClient::new();
+        let client = HttpClient::new().with_bearer(token);
         for body in [json!({"owner": "e", "blocks": "x"}), json!({"blocks": [1], "more": 1})] {
             let r = client.post_json::<PutAnswer>(&format!("{url}/store/put"), &body).await;
             let Err(kvroute_http::ClientError::Status { status, .. }) = r else { panic!("{r:?}") };
@@ -592,6 +706,33 @@ mod tests {
         let r = client.post_json::<LookupAnswer>(&format!("{url}/store/lookup"), &many).await;
         let Err(kvroute_http::ClientError::Status { status, .. }) = r else { panic!("{r:?}") };
         assert_eq!(status.as_u16(), 413);
+    }
+
+    /// Filled at every bound at once (all owners, writers on every block, evictions nobody
+    /// asks for), the store holds at most what its capacity allows, and its counts stay
+    /// exact as owners are forgotten and blocks evicted.
+    #[test]
+    fn memory_is_bounded_by_the_configured_blocks() {
+        let capacity = 64;
+        let mut store = Store::new(capacity);
+        let bound = Footprint::bound(capacity);
+        for round in 0..3u64 {
+            for o in 0..MAX_OWNERS + 100 {
+                let blocks: Vec<u64> =
+                    (0..8).map(|b| round * 1_000_000 + (o as u64 % 8) * 8 + b).collect();
+                store.put(&format!("engine-{o}"), &blocks).unwrap();
+            }
+            let f = store.footprint();
+            assert!(f.blocks <= bound.blocks && f.writers <= bound.writers, "{f:?} {bound:?}");
+            assert!(f.pending <= bound.pending && f.owners <= bound.owners, "{f:?} {bound:?}");
+            // The running counts are the real ones.
+            let writers: usize = store.blocks.values().map(|b| b.writers.len()).sum();
+            let pending: usize = store.pending.iter().map(Vec::len).sum();
+            assert_eq!((f.writers, f.pending), (writers, pending));
+        }
+        assert!(store.stats().dropped_notices > 0, "the notice bound was reached");
+        assert!(store.blocks.values().any(|b| b.writers.len() == MAX_WRITERS));
+        assert!(Footprint::bound(16_384).bytes() < 64 << 20, "16k blocks stay under 64 MiB");
     }
 
     #[test]
@@ -604,7 +745,13 @@ mod tests {
         for i in 0..MAX_OWNERS {
             store.put(&format!("o{i}"), &[]).unwrap();
         }
-        assert_eq!(store.put("one more", &[]), Err(StoreError::TooManyOwners));
+        // Past the bound, the engine heard from least recently is forgotten: new ones are
+        // never locked out.
+        store.put("o0", &[]).unwrap();
+        store.put("one more", &[]).unwrap();
+        assert_eq!(store.footprint().owners, MAX_OWNERS);
+        assert_eq!(store.stats().forgotten_owners, 1);
+        assert!(store.owners.contains_key("o0") && !store.owners.contains_key("o1"));
         // A store of no blocks holds nothing.
         let mut none = Store::new(0);
         none.put("a", &[1]).unwrap();

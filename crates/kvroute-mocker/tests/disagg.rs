@@ -9,16 +9,29 @@ use std::time::{Duration, Instant};
 use kvroute_core::BlockSize;
 use kvroute_http::HttpClient;
 use kvroute_mocker::{
-    DisaggConfig, EngineConfig, LoadFailurePolicy, MockerConfig, Role, Spawned, Timing,
+    DisaggConfig, EngineConfig, LoadFailurePolicy, MockerConfig, Peers, Role, Spawned, Timing,
 };
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
-async fn engine(role: Role, hold_timeout: Duration) -> Spawned {
-    engine_on(DisaggConfig { role, hold_timeout, ..DisaggConfig::default() }).await
+/// The fleet's shared secret in these tests.
+const TOKEN: &str = "fleet-token-for-tests-0123456789";
+
+/// An engine in `role`; a decode engine may pull from the side channels of `prefill`.
+async fn engine(role: Role, hold_timeout: Duration, prefill: &[&Spawned]) -> Spawned {
+    engine_on(DisaggConfig { role, hold_timeout, ..DisaggConfig::default() }, prefill).await
 }
 
-async fn engine_on(disagg: DisaggConfig) -> Spawned {
+fn side_channels(prefill: &[&Spawned]) -> Vec<std::net::SocketAddr> {
+    prefill.iter().filter_map(|p| p.state.side_channel).collect()
+}
+
+async fn engine_on(disagg: DisaggConfig, prefill: &[&Spawned]) -> Spawned {
+    let peers = Peers { token: Some(TOKEN.into()), prefill: side_channels(prefill) };
+    engine_with(disagg, peers).await
+}
+
+async fn engine_with(disagg: DisaggConfig, peers: Peers) -> Spawned {
     let config = MockerConfig {
         engine: EngineConfig {
             num_blocks: 400,
@@ -28,6 +41,7 @@ async fn engine_on(disagg: DisaggConfig) -> Spawned {
             ..EngineConfig::default()
         },
         endpoints: kvroute_mocker::Endpoints::without_events(),
+        peers,
         ..MockerConfig::default()
     };
     kvroute_mocker::spawn(config, TcpListener::bind("127.0.0.1:0").await.unwrap()).await.unwrap()
@@ -73,7 +87,8 @@ fn cached(answer: &Value) -> u64 {
 /// a second decode of the same prompt on the same engine pulls nothing it already holds.
 #[tokio::test]
 async fn a_vllm_prefill_is_pulled_by_its_decode_engine_and_released() {
-    let (p, d) = (engine(Role::Prefill, LONG).await, engine(Role::Decode, LONG).await);
+    let p = engine(Role::Prefill, LONG, &[]).await;
+    let d = engine(Role::Decode, LONG, &[&p]).await;
     let ask = |params: Value, max: u64| json!({"prompt": prompt(1), "max_tokens": max, "kv_transfer_params": params});
     let producer = json!({"do_remote_decode": true, "do_remote_prefill": false,
         "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
@@ -123,9 +138,9 @@ async fn a_pull_from_another_node_is_counted_across() {
         hold_timeout: LONG,
         ..DisaggConfig::default()
     };
-    let p = engine_on(on(Role::Prefill, "a")).await;
-    let near = engine_on(on(Role::Decode, "a")).await;
-    let far = engine_on(on(Role::Decode, "b")).await;
+    let p = engine_on(on(Role::Prefill, "a"), &[]).await;
+    let near = engine_on(on(Role::Decode, "a"), &[&p]).await;
+    let far = engine_on(on(Role::Decode, "b"), &[&p]).await;
     let producer = json!({"do_remote_decode": true});
     for (d, seed) in [(&near, 2), (&far, 3)] {
         let ask = |params: Value, max: u64| json!({"prompt": prompt(seed), "max_tokens": max, "kv_transfer_params": params});
@@ -144,7 +159,7 @@ async fn a_pull_from_another_node_is_counted_across() {
 /// A prefill nobody pulls (its decode engine died) is freed when its lease ends.
 #[tokio::test]
 async fn an_unpulled_prefill_is_freed_by_its_lease() {
-    let p = engine(Role::Prefill, Duration::from_millis(300)).await;
+    let p = engine(Role::Prefill, Duration::from_millis(300), &[]).await;
     let body = json!({"prompt": prompt(2), "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": true}});
     let answer = post(&format!("{}/v1/completions", p.url), &body).await;
@@ -172,7 +187,13 @@ async fn a_decode_engine_whose_prefill_engine_is_gone_fails_or_recomputes() {
         "do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port,
         "remote_request_id": "r", "remote_engine_id": "e", "remote_block_ids": [[0, 1]]}});
     let client = HttpClient::new();
-    let failing = engine(Role::Decode, LONG).await;
+    let gone_peer: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let peers = Peers { token: Some(TOKEN.into()), prefill: vec![gone_peer] };
+    let failing = engine_with(
+        DisaggConfig { role: Role::Decode, hold_timeout: LONG, ..DisaggConfig::default() },
+        peers.clone(),
+    )
+    .await;
     let url = format!("{}/v1/completions", failing.url);
     let (status, answer) = posted(&url, &body).await;
     assert_eq!(status, 500, "{}", String::from_utf8_lossy(&answer));
@@ -185,12 +206,15 @@ async fn a_decode_engine_whose_prefill_engine_is_gone_fails_or_recomputes() {
     let sglang = json!({"text": prompt(3), "sampling_params": {"max_new_tokens": 4},
         "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 9});
 
-    let recomputing = engine_on(DisaggConfig {
-        role: Role::Decode,
-        hold_timeout: LONG,
-        load_failure: LoadFailurePolicy::Recompute,
-        ..DisaggConfig::default()
-    })
+    let recomputing = engine_with(
+        DisaggConfig {
+            role: Role::Decode,
+            hold_timeout: LONG,
+            load_failure: LoadFailurePolicy::Recompute,
+            ..DisaggConfig::default()
+        },
+        peers,
+    )
     .await;
     let answer = post(&format!("{}/v1/completions", recomputing.url), &body).await;
     assert_eq!((answer["usage"]["completion_tokens"].as_u64(), cached(&answer)), (Some(4), 0));
@@ -210,7 +234,8 @@ async fn a_decode_engine_whose_prefill_engine_is_gone_fails_or_recomputes() {
 /// decode engine waits on the prefill engine's bootstrap port for the room, then pulls.
 #[tokio::test]
 async fn an_sglang_room_joins_prefill_and_decode() {
-    let (p, d) = (engine(Role::Prefill, LONG).await, engine(Role::Decode, LONG).await);
+    let p = engine(Role::Prefill, LONG, &[]).await;
+    let d = engine(Role::Decode, LONG, &[&p]).await;
     let port = p.state.side_channel.unwrap().port();
     let body = json!({"text": prompt(4), "sampling_params": {"max_new_tokens": 6},
         "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 12345});
@@ -228,4 +253,139 @@ async fn an_sglang_room_joins_prefill_and_decode() {
     assert_eq!(decode["meta_info"]["cached_tokens"].as_u64(), Some((prompt_tokens - 1) / 16 * 16));
     let freed = eventually(&p, |s| s["held_blocks"] == 0).await;
     assert_eq!(freed["handoff"]["pulled"], 1);
+}
+
+/// Whether anything connects to `listener` within a short bound (it should not).
+async fn called(listener: &TcpListener) -> bool {
+    tokio::time::timeout(Duration::from_millis(300), listener.accept()).await.is_ok()
+}
+
+/// #51 finding 1: a decode leg naming a side channel that is not one of the engine's prefill
+/// peers fails as a failed pull does (500), before anything is sent, with the same answer
+/// whatever listens there; an aggregated engine ignores the transfer fields and calls nobody.
+#[tokio::test]
+async fn a_decode_engine_calls_only_its_prefill_peers() {
+    let p = engine(Role::Prefill, LONG, &[]).await;
+    let d = engine(Role::Decode, LONG, &[&p]).await;
+    let both = engine(Role::Both, LONG, &[]).await;
+    let trap = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = trap.local_addr().unwrap().port();
+    let closed = {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let pull = |port: u16| {
+        json!({"prompt": prompt(5), "max_tokens": 2, "kv_transfer_params": {
+        "do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port,
+        "remote_request_id": "victim", "remote_engine_id": "e", "remote_block_ids": [[0]]}})
+    };
+    let (status, open) = posted(&format!("{}/v1/completions", d.url), &pull(port)).await;
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(&open));
+    let (_, shut) = posted(&format!("{}/v1/completions", d.url), &pull(closed)).await;
+    assert_eq!(open, shut, "a listening and a closed port get the same answer");
+    let room = json!({"text": prompt(5), "sampling_params": {"max_new_tokens": 2},
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 5});
+    assert_eq!(posted(&format!("{}/generate", d.url), &room).await.0, 500);
+    assert!(!called(&trap).await, "the decode engine called an address a request named");
+    let stats = eventually(&d, |s| s["handoff"]["refused_peers"] == 3).await;
+    assert_eq!(stats["handoff"]["refused_peers"], 3, "{stats}");
+
+    // The aggregated engine answers as if the fields were absent, and holds nothing.
+    let answer = post(&format!("{}/v1/completions", both.url), &pull(port)).await;
+    assert_eq!(cached(&answer), 0, "no KV taken from the request's address: {answer}");
+    let hold = json!({"prompt": prompt(6), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+    let answer = post(&format!("{}/v1/completions", both.url), &hold).await;
+    assert!(answer.get("kv_transfer_params").is_none_or(Value::is_null), "{answer}");
+    assert_eq!(posted(&format!("{}/generate", both.url), &room).await.0, 200);
+    assert!(!called(&trap).await, "the aggregated engine called out");
+    let stats = eventually(&both, |s| s["held_blocks"] == 0).await;
+    assert_eq!(
+        (stats["held_blocks"].as_u64(), stats["handoff"]["held"].as_u64()),
+        (Some(0), Some(0))
+    );
+}
+
+/// #51 findings 2 and 6: a bootstrap room is held once. A second prefill naming a room in
+/// use (under way or held) is refused with 409 and holds nothing, so every hold is freed by
+/// its pull or its lease; the blocks held are bounded (half the engine's cache).
+#[tokio::test]
+async fn a_reused_room_is_refused_and_every_hold_is_freed() {
+    let p = engine(Role::Prefill, Duration::from_millis(500), &[]).await;
+    let url = format!("{}/generate", p.url);
+    let room = |seed: u32, room: u64| {
+        json!({"text": prompt(seed), "sampling_params": {"max_new_tokens": 1},
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": room})
+    };
+    assert_eq!(posted(&url, &room(1, 777)).await.0, 200);
+    let mut refused = 0;
+    for seed in 2..12 {
+        let (status, body) = posted(&url, &room(seed, 777)).await;
+        assert_eq!(status, 409, "{}", String::from_utf8_lossy(&body));
+        refused += 1;
+    }
+    assert_eq!(refused, 10);
+    let held = eventually(&p, |s| s["held_requests"] == 1).await;
+    assert_eq!(held["held_requests"], 1, "{held}");
+    // Rooms past the bound: the cache's half is the most held at once.
+    let mut full = 0;
+    for r in 0..40 {
+        if posted(&url, &room(20 + r, 1_000 + u64::from(r))).await.0 == 503 {
+            full += 1;
+        }
+    }
+    assert!(full > 0, "the held blocks are bounded");
+    let during = eventually(&p, |_| true).await;
+    assert!(during["held_blocks"].as_u64().unwrap() <= 200, "{during}");
+    let freed = eventually(&p, |s| s["held_blocks"] == 0 && s["held_requests"] == 0).await;
+    assert_eq!(
+        (freed["held_blocks"].as_u64(), freed["held_requests"].as_u64()),
+        (Some(0), Some(0)),
+        "{freed}"
+    );
+    // The room is free again once its hold ended.
+    assert_eq!(posted(&url, &room(1, 777)).await.0, 200);
+}
+
+/// #51 finding 4: the side channel answers only the fleet's token, and a vLLM hold's key is
+/// random: a guessed id pulls nothing, a stranger cannot release another request's hold.
+#[tokio::test]
+async fn the_side_channel_needs_the_token_and_keys_are_unguessable() {
+    let p = engine(Role::Prefill, LONG, &[]).await;
+    let side = format!("http://{}", p.state.side_channel.unwrap());
+    let body = json!({"prompt": prompt(7), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+    let a = post(&format!("{}/v1/completions", p.url), &body).await;
+    let b = post(&format!("{}/v1/completions", p.url), &body).await;
+    let key = |v: &Value| v["kv_transfer_params"]["remote_request_id"].as_str().unwrap().to_owned();
+    let (ka, kb) = (key(&a), key(&b));
+    assert!(ka.starts_with("kv-") && ka.len() == 35 && ka != kb, "{ka} {kb}");
+    assert_ne!(ka, a["id"].as_str().unwrap(), "the key is not the request's id");
+    for stranger in [HttpClient::new(), HttpClient::new().with_bearer("wrong-token-0123456789")] {
+        let r = stranger
+            .call(
+                axum::http::Method::POST,
+                &format!("{side}/kv/release"),
+                Some(&json!({"key": ka})),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401);
+        let r = stranger
+            .call(axum::http::Method::POST, &format!("{side}/kv/wait"), Some(&json!({"key": ka})))
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401);
+    }
+    let peer = HttpClient::new().with_bearer(TOKEN);
+    let guessed =
+        peer.post_json::<Value>(&format!("{side}/kv/release"), &json!({"key": "cmpl-1"})).await;
+    assert!(guessed.unwrap_err().to_string().contains("404"));
+    let released: Value =
+        peer.post_json(&format!("{side}/kv/release"), &json!({"key": ka})).await.unwrap();
+    assert!(released["tokens"].as_u64().unwrap() > 100);
+    let long = "k".repeat(100_000);
+    let r = peer
+        .call(axum::http::Method::POST, &format!("{side}/kv/wait"), Some(&json!({"key": long})))
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
 }

@@ -105,6 +105,9 @@ pub struct Simulated {
     pub lora_updating: bool,
     /// The store they share (docs/mocker.md, "Shared store").
     pub store: Option<SharedStore>,
+    /// The token an outside store (`SharedStore::At`) requires; otherwise the engines get
+    /// a fresh one of their own.
+    pub kv_peer_token: Option<String>,
 }
 
 /// Where simulated engines find the store they share.
@@ -132,6 +135,7 @@ impl Default for Simulated {
             lora_modules: Vec::new(),
             lora_updating: false,
             store: None,
+            kv_peer_token: None,
         }
     }
 }
@@ -223,12 +227,25 @@ impl Stack {
         }
         let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
         let mut engines = Vec::new();
+        // The simulated engines' own secret for their side channels and the store: 256
+        // random bits known to this process alone (an outside store gets the configured one).
+        // The configured one (KVROUTE_KV_PEER_TOKEN) when the fleet has engines outside.
+        let fleet_token = match &simulated.kv_peer_token {
+            Some(token) => token.clone(),
+            None => worker_token()?,
+        };
+        // Decode engines pull from the fleet's prefill engines only: configured ones with a
+        // side channel (bootstrap port), then the simulated ones as they start.
+        let outside = router.workers.iter().filter(|w| w.role == Role::Prefill);
+        let prefill = outside.filter_map(side_channel_of).collect();
+        let mut peers = kvroute_mocker::Peers { token: Some(fleet_token.clone()), prefill };
         let store_url = match &simulated.store {
             Some(SharedStore::At(url)) => Some(url.clone()),
             Some(SharedStore::Start(blocks)) => {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
                 let url = format!("http://{}", listener.local_addr()?);
-                kvroute_mocker::store::spawn(*blocks, listener);
+                let writers = kvroute_http::Credentials::new([&fleet_token], "the fleet's token")?;
+                kvroute_mocker::store::spawn(*blocks, listener, writers);
                 tracing::info!(%url, blocks, "shared store started for the simulated engines");
                 Some(url)
             }
@@ -268,9 +285,13 @@ impl Stack {
                 runtime_lora_updating: simulated.lora_updating,
                 side_channel: None,
                 store_url: store_url.clone(),
+                // Prefill engines start before decode ones: each decode engine may pull from
+                // every prefill engine of the fleet, and from nothing else.
+                peers: peers.clone(),
             };
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let spawned = kvroute_mocker::spawn(mocker, listener).await?;
+            peers.prefill.extend(spawned.state.side_channel);
             let mut spec = WorkerSpec::new(first_id + k as u64);
             spec.url = Some(spawned.url);
             spec.events = spawned.events;
@@ -431,6 +452,24 @@ fn node_label(k: usize, simulated: &Simulated) -> Option<String> {
 }
 
 /// An unguessable token: 32 bytes from the operating system's generator, in hex.
+/// A configured prefill worker's side channel: its URL's host (an IP address or localhost)
+/// and its bootstrap port.
+fn side_channel_of(w: &WorkerSpec) -> Option<std::net::SocketAddr> {
+    let port = w.bootstrap_port?;
+    let rest = w.url.as_deref()?.split_once("://")?.1;
+    let authority = rest.split('/').next()?;
+    let host = match authority.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => authority,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ip = match host {
+        "localhost" => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        _ => host.parse().ok()?,
+    };
+    Some(std::net::SocketAddr::new(ip, port))
+}
+
 fn worker_token() -> Result<String, StackError> {
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).map_err(StackError::Randomness)?;
@@ -440,6 +479,21 @@ fn worker_token() -> Result<String, StackError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prefill_workers_side_channel_is_its_host_and_bootstrap_port() {
+        let at = |url: &str, port: Option<u16>| {
+            let mut w = WorkerSpec::new(1);
+            w.url = Some(url.into());
+            w.bootstrap_port = port;
+            side_channel_of(&w).map(|a| a.to_string())
+        };
+        assert_eq!(at("http://127.0.0.1:8000", Some(9000)).as_deref(), Some("127.0.0.1:9000"));
+        assert_eq!(at("http://[::1]:8000/", Some(9000)).as_deref(), Some("[::1]:9000"));
+        assert_eq!(at("http://localhost", Some(9000)).as_deref(), Some("127.0.0.1:9000"));
+        assert_eq!(at("http://prefill.example:8000", Some(9000)), None, "never resolved");
+        assert_eq!(at("http://127.0.0.1:8000", None), None);
+    }
 
     /// Each pool is spread over the nodes in turn; aggregated workers and one node: none.
     #[test]

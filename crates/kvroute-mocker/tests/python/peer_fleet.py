@@ -52,17 +52,23 @@ def wait_until(check, what: str, seconds: float = 30):
         time.sleep(0.1)
 
 
+# The fleet's shared secret: prefill and decode engines (and a shared store) need it, in
+# KVROUTE_KV_PEER_TOKEN, for their side channels.
+PEER_TOKEN = "peer-fleet-token-0123456789abcdef"
+
+
 def start_mockers(procs: list, n: int = 4, args: tuple = ()) -> list:
-    """`n` simulated engines (their processes appended to `procs`), each started with `args`:
-    each one's URL, its event, replay and load ports, and a prefill engine's side channel
-    (its SGLang bootstrap port), as it prints them."""
+    """`n` simulated engines (their processes appended to `procs`), each started with `args`
+    and the fleet's token: each one's URL, its event, replay and load ports, and a prefill
+    engine's side channel (its SGLang bootstrap port), as it prints them."""
     binary = os.environ.get("KVROUTE_BIN") or str(ROOT / "target/debug/kvroute")
     if not os.path.exists(binary):
         pytest.fail(f"{binary} not found: build it with `cargo build -p kvroute` (or set KVROUTE_BIN)")
     workers = []
     for _ in range(n):
         cmd = [binary, "mocker", "--port", "0", "--speedup", "20", *args]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        env = {**os.environ, "KVROUTE_KV_PEER_TOKEN": PEER_TOKEN}
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         procs.append(p)
         line = p.stdout.readline()
         m = re.search(r"listening on (\S+) .*events (\S+) replay (\S+)", line)

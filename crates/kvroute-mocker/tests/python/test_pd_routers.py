@@ -35,7 +35,9 @@ def stats(worker) -> dict:
 def pd_fleet(router_args, bootstrap: bool):
     procs = []
     prefill = start_mockers(procs, 2, ("--role", "prefill"))
-    decode = start_mockers(procs, 2, ("--role", "decode"))
+    # Each decode engine may pull from these prefill engines' side channels only.
+    peers = ",".join(f"127.0.0.1:{w['bootstrap']}" for w in prefill)
+    decode = start_mockers(procs, 2, ("--role", "decode", "--prefill-peers", peers))
     port = free_port()
     cmd = [*router_args, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(free_port()), "--policy", "round_robin"]

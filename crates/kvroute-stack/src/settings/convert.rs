@@ -56,6 +56,7 @@ impl Settings {
                 parity_probe: Some(front_door.parity_probe),
                 adapters: Vec::new(),
                 load_adapters: Some(front_door.load_adapters),
+                trust_transfer_fields: Some(front_door.trust_transfer_fields),
             },
             blocks: Blocks { block_size: Some(BlockSize::default().get()) },
             simulated: SimulatedFleet {
@@ -552,6 +553,7 @@ impl Settings {
             namespace_per_key: f.cache_namespace_per_key.unwrap_or(d.namespace_per_key),
             parity_probe: f.parity_probe.unwrap_or(d.parity_probe),
             load_adapters: f.load_adapters.unwrap_or(d.load_adapters),
+            trust_transfer_fields: f.trust_transfer_fields.unwrap_or(d.trust_transfer_fields),
         })
     }
 
@@ -615,6 +617,12 @@ impl Settings {
                 chat_template: self.chat_template()?,
                 lora_modules: self.lora_modules(),
                 lora_updating: self.engine.lora_updating.unwrap_or(false),
+                kv_peer_token: match (&store, super::kv_peer_token()?) {
+                    (Some(SharedStore::At(_)), None) => {
+                        return Err(Invalid::NoPeerToken("--store-url").into());
+                    }
+                    (_, token) => token,
+                },
                 store,
             },
             router: self.router_config()?,

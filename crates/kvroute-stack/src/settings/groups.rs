@@ -113,6 +113,13 @@ pub struct FrontDoor {
     /// an adapter goes only to the workers that list it.
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub load_adapters: Option<bool>,
+    /// Pass a client's own KV-transfer fields (vLLM's kv_transfer_params, SGLang's
+    /// bootstrap_host/port/room/pair_key, TensorRT-LLM's disaggregated_params, ...) on to
+    /// the engines, for a trusted upstream that pairs prefill and decode itself. Off by
+    /// default: a request carrying one is refused with a 400 naming it, since those fields
+    /// make an engine call an address and take KV from it (docs/security.md).
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub trust_transfer_fields: Option<bool>,
 }
 
 /// Tokens per KV block, for the router and the simulated engines alike.

@@ -95,6 +95,14 @@ pub enum Invalid {
         "give the simulated engines a shared store by --store-url or by --num-store-blocks, not both"
     )]
     StoreTwice,
+    #[error(
+        "{0} needs the fleet's shared secret in KVROUTE_KV_PEER_TOKEN (16 to 256 visible ASCII \
+         characters, the same on every engine and store of the fleet): its side channel and \
+         the shared store answer only calls that carry it"
+    )]
+    NoPeerToken(&'static str),
+    #[error("KVROUTE_KV_PEER_TOKEN must be 16 to 256 visible ASCII characters")]
+    PeerToken,
     #[error("the simulated engines share a store only without {0}")]
     StoreWith(&'static str),
     #[error(
@@ -173,6 +181,20 @@ pub const ENV_ADMIN_TOKEN: &str = "KVROUTE_ADMIN_TOKEN";
 pub const ENV_ROUTER_TOKEN: &str = "KVROUTE_ROUTER_TOKEN";
 pub const ENV_NATS_TOKEN: &str = "KVROUTE_NATS_TOKEN";
 pub const ENV_NATS_PASSWORD: &str = "KVROUTE_NATS_PASSWORD";
+/// The secret a fleet's simulated engines share: a prefill engine's side channel and the
+/// shared store answer only calls that carry it (docs/security.md).
+pub const ENV_KV_PEER_TOKEN: &str = "KVROUTE_KV_PEER_TOKEN";
+
+/// The fleet's token from [`ENV_KV_PEER_TOKEN`] (`None` when unset or empty); one that is not
+/// 16 to 256 visible ASCII characters is refused.
+pub fn kv_peer_token() -> Result<Option<String>, Invalid> {
+    let Some(token) = std::env::var(ENV_KV_PEER_TOKEN).ok().filter(|t| !t.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let token = token.trim().to_owned();
+    let ok = (16..=256).contains(&token.len()) && token.bytes().all(|b| b.is_ascii_graphic());
+    ok.then_some(Some(token)).ok_or(Invalid::PeerToken)
+}
 
 /// The setting keys among `A`'s flags (a command's arguments): what its config file may hold.
 pub fn keys_of<A: Args>() -> Vec<String> {

@@ -53,6 +53,31 @@ pub(crate) struct MockerArgs {
     /// legs); 0: any free one. On the listen host.
     #[arg(long, visible_alias = "disaggregation-bootstrap-port", default_value_t = 0)]
     side_channel_port: u16,
+    /// The side channels (HOST:PORT, an IP address or localhost) a decode engine may pull a
+    /// prefill engine's KV from: each prefill engine's --side-channel-port on its host. A
+    /// decode leg that names any other address is refused before anything is sent, so a
+    /// request cannot make the engine call an address of its choosing. Roles prefill,
+    /// decode and store, and --store-url, also need the fleet's shared secret in
+    /// KVROUTE_KV_PEER_TOKEN (docs/security.md).
+    #[arg(long, env = "KVROUTE_PREFILL_PEERS", value_delimiter = ',', value_parser = peer_addr)]
+    prefill_peers: Vec<std::net::SocketAddr>,
+}
+
+/// A prefill peer's side channel: `IP:PORT`, `[IPv6]:PORT` or `localhost:PORT`.
+fn peer_addr(s: &str) -> Result<std::net::SocketAddr, String> {
+    let local = s.strip_prefix("localhost:").map(|port| format!("127.0.0.1:{port}"));
+    local
+        .as_deref()
+        .unwrap_or(s)
+        .parse()
+        .map_err(|_| format!("{s:?} is not IP:PORT (or localhost:PORT)"))
+}
+
+/// The fleet's token, required for `what`.
+fn required_token(what: &'static str) -> anyhow::Result<String> {
+    let token =
+        kvroute_stack::settings::kv_peer_token().map_err(kvroute_stack::StackError::from)?;
+    Ok(token.ok_or(kvroute_stack::StackError::from(Invalid::NoPeerToken(what)))?)
 }
 
 /// What `kvroute mocker` runs: an engine in one of its roles, or the shared store.
@@ -105,6 +130,19 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
         return invalid(Invalid::StoreWith("a prefill or decode role"));
     }
     settings.shared_store(store_url.is_some())?;
+    let token = match (role, &store_url) {
+        (kvroute_mocker::Role::Prefill, _) => Some(required_token("--role prefill")?),
+        (kvroute_mocker::Role::Decode, _) => Some(required_token("--role decode")?),
+        (_, Some(_)) => Some(required_token("--store-url")?),
+        _ => None,
+    };
+    if role == kvroute_mocker::Role::Decode && args.prefill_peers.is_empty() {
+        tracing::warn!(
+            "a decode engine without --prefill-peers refuses every decode leg: name the prefill \
+             engines' side channels"
+        );
+    }
+    let peers = kvroute_mocker::Peers { token, prefill: args.prefill_peers.clone() };
     let config = MockerConfig {
         engine,
         endpoints: Endpoints { events, replay, metrics: Some(args.load_metrics.clone()) },
@@ -123,6 +161,7 @@ pub(crate) fn run(args: &MockerArgs) -> anyhow::Result<ExitCode> {
             args.side_channel_port
         )),
         store_url,
+        peers,
     };
     let options = settings.serve_options()?;
     super::runtime()?.block_on(async move {
@@ -159,6 +198,7 @@ fn run_store(args: &MockerArgs) -> anyhow::Result<ExitCode> {
     if blocks == 0 {
         return Err(kvroute_stack::StackError::from(Invalid::StoreWithoutBlocks).into());
     }
+    let token = required_token("--role store")?;
     let options = settings.serve_options()?;
     super::runtime()?.block_on(async move {
         let listener = super::bind(&settings.address(DEFAULT_MOCKER_PORT)).await?;
@@ -168,7 +208,9 @@ fn run_store(args: &MockerArgs) -> anyhow::Result<ExitCode> {
             format!("start engines with --store-url http://{local}; its counts: curl -s http://{local}/stats"),
         ]);
         let store = std::sync::Arc::new(std::sync::Mutex::new(kvroute_mocker::store::Store::new(blocks)));
-        super::serve_until_signal(listener, kvroute_mocker::store::app(store), options).await?;
+        let writers = kvroute_http::Credentials::new([&token], "KVROUTE_KV_PEER_TOKEN")?;
+        let app = kvroute_mocker::store::app(store, writers);
+        super::serve_until_signal(listener, app, options).await?;
         Ok(ExitCode::SUCCESS)
     })
 }
