@@ -179,6 +179,23 @@ pub struct FrontDoorOptions {
     pub trust_transfer_fields: bool,
 }
 
+/// [`FrontendState::session_key`]: `per_key` is whether namespacing per key is on.
+fn namespaced_session(
+    per_key: bool,
+    key: Option<&KeyId>,
+    session: Option<String>,
+) -> Option<String> {
+    let session = session?;
+    match (per_key, key) {
+        (true, Some(KeyId(key))) => {
+            let mut h = blake3::Hasher::new();
+            h.update(key.as_bytes()).update(b"\0").update(session.as_bytes());
+            Some(format!("key-{}", &h.finalize().to_hex()[..32]))
+        }
+        _ => Some(session),
+    }
+}
+
 /// The body fields that steer an engine's KV transfer or name a peer engine: vLLM's
 /// `kv_transfer_params`, SGLang's bootstrap and encoder fields, TensorRT-LLM's
 /// `disaggregated_params`. Only the front door's own pairing writes them
@@ -415,15 +432,7 @@ impl FrontendState {
         key: Option<&KeyId>,
         session: Option<String>,
     ) -> Option<String> {
-        let session = session?;
-        match (self.options.namespace_per_key, key) {
-            (true, Some(KeyId(key))) => {
-                let mut h = blake3::Hasher::new();
-                h.update(key.as_bytes()).update(b"\0").update(session.as_bytes());
-                Some(format!("key-{}", &h.finalize().to_hex()[..32]))
-            }
-            _ => Some(session),
-        }
+        namespaced_session(self.options.namespace_per_key, key, session)
     }
 
     /// How a worker is spoken to.
@@ -515,4 +524,26 @@ pub fn app(state: Arc<FrontendState>) -> Router {
         .route("/ui", get(kvroute_http::status_page))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     kvroute_http::fallbacks(routes).with_state(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// #51 finding 12: with namespacing per key, two keys naming the same session are two
+    /// sessions (and one key's is stable); without it, or without a key, the session is the
+    /// client's.
+    #[test]
+    fn sessions_are_namespaced_per_key() {
+        let (a, b) = (KeyId("aaaa".into()), KeyId("bbbb".into()));
+        let s = || Some("s1".to_owned());
+        let of_a = namespaced_session(true, Some(&a), s());
+        assert_ne!(of_a, namespaced_session(true, Some(&b), s()));
+        assert_eq!(of_a, namespaced_session(true, Some(&a), s()));
+        assert_ne!(of_a, s());
+        assert!(of_a.unwrap().len() <= kvroute_http::router_api::MAX_SESSION_KEY);
+        assert_eq!(namespaced_session(false, Some(&a), s()), s());
+        assert_eq!(namespaced_session(true, None, s()), s());
+        assert_eq!(namespaced_session(true, Some(&a), None), None);
+    }
 }

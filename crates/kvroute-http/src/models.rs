@@ -20,6 +20,8 @@ use crate::openai::MAX_ECHOED_CHARS;
 pub const MAX_ADAPTERS: usize = 4_096;
 /// The longest adapter name accepted (vLLM takes any; a name is hashed into every block).
 pub const MAX_ADAPTER_NAME: usize = 256;
+/// The longest path an adapter's weights may be named by (Linux's `PATH_MAX`).
+pub const MAX_ADAPTER_PATH: usize = 4_096;
 
 /// One served model in `GET /v1/models`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -100,8 +102,15 @@ pub fn check_model(served: &str, requested: Option<&str>) -> Result<(), ApiError
 /// Why an adapter was not added.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum AdapterError {
-    #[error("an adapter name must be 1 to {MAX_ADAPTER_NAME} bytes")]
+    #[error(
+        "an adapter name must be 1 to {MAX_ADAPTER_NAME} bytes, without commas or control \
+         characters (load reports list names joined by commas)"
+    )]
     BadName,
+    #[error(
+        "an adapter's path must be at most {MAX_ADAPTER_PATH} bytes, without control characters"
+    )]
+    BadPath,
     #[error("the name is the base model's")]
     BaseName,
     #[error("{MAX_ADAPTERS} adapters are served already")]
@@ -139,8 +148,12 @@ impl Catalog {
     /// Adds an adapter (`root`: where its weights are); `Ok(false)` when it was served already
     /// (its root is updated).
     pub fn insert(&self, name: &str, root: Option<&str>) -> Result<bool, AdapterError> {
-        if name.is_empty() || name.len() > MAX_ADAPTER_NAME {
+        let bad = |c: char| c == ',' || c.is_control();
+        if name.is_empty() || name.len() > MAX_ADAPTER_NAME || name.contains(bad) {
             return Err(AdapterError::BadName);
+        }
+        if root.is_some_and(|r| r.len() > MAX_ADAPTER_PATH || r.contains(char::is_control)) {
+            return Err(AdapterError::BadPath);
         }
         if name == self.base {
             return Err(AdapterError::BaseName);
@@ -220,6 +233,14 @@ mod tests {
         let c = Catalog::new("tiny", None);
         assert_eq!(c.insert("", None), Err(AdapterError::BadName));
         assert_eq!(c.insert(&"x".repeat(MAX_ADAPTER_NAME + 1), None), Err(AdapterError::BadName));
+        // #51 finding 10: names that would split a load report's list, paths of any length.
+        assert_eq!(c.insert("a,b", None), Err(AdapterError::BadName));
+        assert_eq!(c.insert("a\nb", None), Err(AdapterError::BadName));
+        let long = "/".repeat(MAX_ADAPTER_PATH + 1);
+        assert_eq!(c.insert("a", Some(&long)), Err(AdapterError::BadPath));
+        assert!(!c.contains("a"));
+        assert_eq!(c.insert("a", Some(&"/".repeat(MAX_ADAPTER_PATH))), Ok(true));
+        assert!(c.remove("a"));
         assert_eq!(c.insert("tiny", None), Err(AdapterError::BaseName));
         for i in 0..MAX_ADAPTERS {
             c.insert(&format!("a{i}"), None).unwrap();

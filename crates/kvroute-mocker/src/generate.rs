@@ -201,7 +201,7 @@ async fn with_images(
             }
         }
     }
-    let images = crate::media::images(state, &urls, &uuids).await;
+    let images = crate::media::images(state, &urls, &uuids, req.cache_salt.as_deref()).await;
     let images = images.map_err(|e| ApiError::from(e).param("content_parts"))?;
     let expanded = state.preprocessor.expand_images(tokens, images);
     let expanded = expanded.map_err(|e| ApiError::from(e).param("content_parts"))?;

@@ -66,6 +66,9 @@ pub struct AppState {
     /// The fleet's token for the side channel and the store, and a decode engine's prefill
     /// peers.
     pub peers: crate::handoff::Peers,
+    /// The ids of the requests under way: a caller's id (SGLang's `rid`, vLLM's
+    /// `x-request-id`) names one request at a time.
+    live_ids: Arc<std::sync::Mutex<rustc_hash::FxHashSet<String>>>,
     /// The store the fleet shares (`--store-url`), asked what it holds of each prompt.
     pub store: Option<crate::store::StoreLink>,
 }
@@ -112,6 +115,7 @@ impl AppState {
             engine_id: format!("kvroute-mocker-{:016x}", rand_id()),
             side_channel: None,
             peers: crate::handoff::Peers::default(),
+            live_ids: Arc::default(),
             store: None,
         }
     }
@@ -301,6 +305,7 @@ impl AppState {
                 config.num_blocks
             )));
         }
+        let lease = IdLease::claim(&self.live_ids, &s.id)?;
         let hold = s.hold.take();
         let plan = self.plan(&s.tokens, s.ignore_eos);
         let request = EngineRequest {
@@ -315,7 +320,8 @@ impl AppState {
             in_store: s.in_store,
         };
         let end = request.plan.end;
-        let (outputs, guard) = self.engine.submit(request);
+        let (outputs, mut guard) = self.engine.submit(request);
+        guard.lease = Some(Box::new(lease));
         let outputs = match hold {
             Some(claim) => self.holds.relay(self.engine.clone(), claim, outputs),
             None => outputs,
@@ -344,6 +350,39 @@ impl AppState {
             handoff: s.handoff,
             in_store: s.in_store.clone(),
         }
+    }
+}
+
+/// A request's claim on its id while it is under way (released with its cancel guard).
+struct IdLease {
+    ids: Arc<std::sync::Mutex<rustc_hash::FxHashSet<String>>>,
+    id: String,
+}
+
+impl IdLease {
+    /// Claims `id`; a 409 when a request under way has it (the other request is untouched).
+    fn claim(
+        ids: &Arc<std::sync::Mutex<rustc_hash::FxHashSet<String>>>,
+        id: &str,
+    ) -> Result<Self, ApiError> {
+        let mut live = ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !live.insert(id.to_owned()) {
+            let shown = crate::handoff::shown(id);
+            return Err(ApiError::new(
+                axum::http::StatusCode::CONFLICT,
+                format!("a request with id {shown:?} is already running on this engine"),
+            )
+            .kind("BadRequestError")
+            .no_code());
+        }
+        Ok(Self { ids: Arc::clone(ids), id: id.to_owned() })
+    }
+}
+
+impl Drop for IdLease {
+    fn drop(&mut self) {
+        let mut live = self.ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        live.remove(&self.id);
     }
 }
 

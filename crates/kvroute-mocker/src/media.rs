@@ -42,16 +42,27 @@ impl Processed {
     }
 }
 
-/// The images at `urls`, the i-th keyed by `keys[i]` when it has one: from the cache when
-/// that key was processed before, else loaded (all the rest in one go, as a request's images
-/// are) and, keyed, remembered.
+/// The cache's key of a caller's key under a request's `cache_salt`: tenants with different
+/// salts never share a processed image, whatever keys they choose (vLLM keys its processor
+/// cache by the salted hash too).
+fn salted(salt: Option<&str>, key: &str) -> String {
+    match salt {
+        Some(salt) => format!("{}:{salt}|{key}", salt.len()),
+        None => format!("-|{key}"),
+    }
+}
+
+/// The images at `urls`, the i-th keyed by `keys[i]` when it has one (under `salt`, the
+/// request's `cache_salt`): from the cache when that key was processed before, else loaded
+/// (all the rest in one go, as a request's images are) and, keyed, remembered.
 pub(crate) async fn images(
     state: &AppState,
     urls: &[&str],
     keys: &[Option<&str>],
+    salt: Option<&str>,
 ) -> Result<Vec<Image>, PreprocessError> {
     let mut found: Vec<Option<Image>> =
-        keys.iter().map(|k| k.and_then(|k| state.processed.get(k))).collect();
+        keys.iter().map(|k| k.and_then(|k| state.processed.get(&salted(salt, k)))).collect();
     let missing: Vec<usize> = (0..urls.len()).filter(|&i| found[i].is_none()).collect();
     let to_load: Vec<&str> = missing.iter().map(|&i| urls[i]).collect();
     let loaded = state.preprocessor.load_image_urls(&to_load, &state.fetcher).await?;
@@ -59,9 +70,23 @@ pub(crate) async fn images(
         let mut image = l.image;
         if let Some(key) = keys.get(i).copied().flatten() {
             image.mm_hash = kvroute_core::hash::mm_hash_from_identifier(key);
-            state.processed.put(key, &image);
+            state.processed.put(&salted(salt, key), &image);
         }
         found[i] = Some(image);
     }
     Ok(found.into_iter().flatten().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// #51 finding 9: one tenant's key never names another tenant's image.
+    #[test]
+    fn keys_are_salted_apart() {
+        assert_ne!(salted(Some("a"), "shared"), salted(Some("b"), "shared"));
+        assert_ne!(salted(Some("a"), "shared"), salted(None, "shared"));
+        assert_ne!(salted(Some("a|b"), "c"), salted(Some("a"), "b|c"));
+        assert_eq!(salted(Some("a"), "k"), salted(Some("a"), "k"));
+    }
 }

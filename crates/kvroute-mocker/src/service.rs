@@ -99,8 +99,11 @@ impl AdapterSnapshot {
 
 #[derive(Debug)]
 enum Command {
-    Submit(EngineRequest, mpsc::UnboundedSender<Output>),
-    Cancel(String),
+    /// A request, its outputs' channel and its ticket (which submission this is).
+    Submit(EngineRequest, mpsc::UnboundedSender<Output>, u64),
+    /// Cancels a request, only if it is still the submission of this ticket: a second
+    /// request refused for reusing a running request's id cannot cancel that one.
+    Cancel(String, u64),
     Unload(String),
     /// A decode engine pulled a held prefill's blocks, or its lease ended.
     Release(String),
@@ -129,10 +132,18 @@ pub struct EngineHandle {
 
 /// Cancels its request when dropped before being disarmed: a client that goes away frees
 /// the request's blocks.
-#[derive(Debug)]
 pub struct CancelOnDrop {
     tx: mpsc::UnboundedSender<Command>,
     id: Option<String>,
+    ticket: u64,
+    /// Anything to release with the request (the HTTP layer's claim on its id).
+    pub(crate) lease: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for CancelOnDrop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CancelOnDrop").field("id", &self.id).field("ticket", &self.ticket).finish()
+    }
 }
 
 impl CancelOnDrop {
@@ -144,7 +155,7 @@ impl CancelOnDrop {
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if let Some(id) = self.id.take() {
-            let _ = self.tx.send(Command::Cancel(id));
+            let _ = self.tx.send(Command::Cancel(id, self.ticket));
         }
     }
 }
@@ -204,9 +215,12 @@ impl EngineHandle {
     /// Queues a request; its outputs arrive on the returned channel. The guard cancels the
     /// request if dropped before [`CancelOnDrop::disarm`].
     pub fn submit(&self, req: EngineRequest) -> (mpsc::UnboundedReceiver<Output>, CancelOnDrop) {
+        static TICKETS: AtomicU64 = AtomicU64::new(0);
+        let ticket = TICKETS.fetch_add(1, Ordering::Relaxed);
         let (out_tx, out_rx) = mpsc::unbounded_channel();
-        let guard = CancelOnDrop { tx: self.tx.clone(), id: Some(req.id.clone()) };
-        let _ = self.tx.send(Command::Submit(req, out_tx));
+        let id = Some(req.id.clone());
+        let guard = CancelOnDrop { tx: self.tx.clone(), id, ticket, lease: None };
+        let _ = self.tx.send(Command::Submit(req, out_tx, ticket));
         (out_rx, guard)
     }
 
@@ -325,7 +339,7 @@ fn run(
                 Output::FirstToken { id, .. } | Output::Token { id, .. } => (id.clone(), false),
                 Output::Finished { id, .. } => (id.clone(), true),
             };
-            if let Some(stream) = streams.get(&id)
+            if let Some((_, stream)) = streams.get(&id)
                 && stream.send(output).is_err()
             {
                 // The receiver is gone without cancelling (a dropped handler): free the request.
@@ -340,7 +354,8 @@ fn run(
     }
 }
 
-type Streams = FxHashMap<String, mpsc::UnboundedSender<Output>>;
+/// Each running request's ticket and outputs' channel, by id.
+type Streams = FxHashMap<String, (u64, mpsc::UnboundedSender<Output>)>;
 
 /// Publishes a batch of KV events (with the faults a test switched on).
 fn publish_events(
@@ -372,18 +387,20 @@ fn apply(
     store: &mut Option<mpsc::UnboundedSender<Put>>,
 ) -> Vec<EngineEvent> {
     match cmd {
-        Command::Submit(req, out) => {
+        Command::Submit(req, out, ticket) => {
             let id = req.id.clone();
             match engine.submit(req) {
                 Ok(()) => {
-                    streams.insert(id, out);
+                    streams.insert(id, (ticket, out));
                 }
                 Err(err) => tracing::warn!(%id, %err, "request refused by the engine"),
             }
         }
-        Command::Cancel(id) => {
-            engine.cancel(&id);
-            streams.remove(&id);
+        Command::Cancel(id, ticket) => {
+            if streams.get(&id).is_some_and(|(t, _)| *t == ticket) {
+                engine.cancel(&id);
+                streams.remove(&id);
+            }
         }
         Command::Unload(name) => engine.unload_adapter(&name),
         Command::Release(id) => {

@@ -181,7 +181,8 @@ async fn images(
         }
         Some(_) => return Err(invalid("mm_hashes must be a list of hex strings")),
     };
-    let images = crate::media::images(state, &urls, &hashes).await;
+    let salt = req.cache_salt.as_ref().and_then(OneOrMany::one).map(String::as_str);
+    let images = crate::media::images(state, &urls, &hashes, salt).await;
     images.map_err(|e| invalid(e.to_string()))
 }
 

@@ -389,3 +389,43 @@ async fn the_side_channel_needs_the_token_and_keys_are_unguessable() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 400);
 }
+
+/// #51 finding 8: a caller's request id names one request at a time. A second request with a
+/// running request's SGLang `rid` (or vLLM's `request_id`) is refused with 409, and the first
+/// runs to its end.
+#[tokio::test]
+async fn a_duplicate_request_id_is_refused_without_cancelling_the_first() {
+    let e = engine(Role::Both, LONG, &[]).await;
+    for (path, body) in [
+        (
+            "/generate",
+            json!({"text": prompt(8), "rid": "victim", "stream": true,
+            "sampling_params": {"max_new_tokens": 300, "ignore_eos": true}}),
+        ),
+        (
+            "/inference/v1/generate",
+            json!({"token_ids": (1..200).collect::<Vec<u32>>(),
+            "request_id": "victim2", "stream": true,
+            "sampling_params": {"max_tokens": 300, "ignore_eos": true}}),
+        ),
+    ] {
+        let url = format!("{}{path}", e.url);
+        let client = HttpClient::new();
+        let first = client.call(axum::http::Method::POST, &url, Some(&body)).await.unwrap();
+        assert_eq!(first.status().as_u16(), 200);
+        let mut first = first.into_body();
+        // Its first event: the request is under way.
+        let chunk = http_body_util::BodyExt::frame(&mut first).await.unwrap().unwrap();
+        assert!(chunk.data_ref().is_some_and(|d| !d.is_empty()));
+        let mut second = body.clone();
+        second["stream"] = json!(false);
+        let (status, answer) = posted(&url, &second).await;
+        assert_eq!(status, 409, "{path}: {}", String::from_utf8_lossy(&answer));
+        let rest = http_body_util::BodyExt::collect(first).await.unwrap().to_bytes();
+        let text = String::from_utf8_lossy(&rest);
+        assert!(text.contains("[DONE]") || text.contains("\"finish_reason\""), "{path}: {text}");
+        assert!(!text.contains("error"), "{path}: the first was not cancelled: {text}");
+        // Once it ended, the id is free again.
+        assert_eq!(posted(&url, &second).await.0, 200, "{path}");
+    }
+}

@@ -266,12 +266,38 @@ pub fn is_public(ip: IpAddr) -> bool {
             if let Some(v4) = v6.to_ipv4_mapped() {
                 return is_public(IpAddr::V4(v4));
             }
-            let first = v6.segments()[0];
+            let s = v6.segments();
+            let embedded = |hi: u16, lo: u16| {
+                IpAddr::V4(std::net::Ipv4Addr::new(
+                    (hi >> 8) as u8,
+                    hi as u8,
+                    (lo >> 8) as u8,
+                    lo as u8,
+                ))
+            };
+            // Addresses that carry an IPv4 address are judged by it: IPv4-compatible
+            // (`::a.b.c.d`, which some stacks still route to the IPv4 host), NAT64's
+            // well-known prefix (`64:ff9b::/96`) and 6to4 (`2002::/16`).
+            if s[..6] == [0; 6] && !v6.is_loopback() && !v6.is_unspecified() {
+                return is_public(embedded(s[6], s[7]));
+            }
+            if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+                return is_public(embedded(s[6], s[7]));
+            }
+            if s[0] == 0x2002 {
+                return is_public(embedded(s[1], s[2]));
+            }
+            let first = s[0];
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
                 || (first & 0xfe00) == 0xfc00 // unique local
-                || (first & 0xffc0) == 0xfe80) // link local
+                || (first & 0xffc0) == 0xfe80 // link local
+                || (first & 0xffc0) == 0xfec0 // site local (deprecated, still routed by some)
+                || (s[0] == 0x64 && s[1] == 0xff9b && s[2] == 1) // local-use NAT64, 64:ff9b:1::/48
+                || (s[0] == 0x100 && s[1..4] == [0, 0, 0]) // discard-only, 100::/64
+                || (s[0] == 0x2001 && s[1] == 0) // Teredo, 2001::/32 (a tunnel to IPv4)
+                || (s[0] == 0x2001 && s[1] == 0xdb8)) // documentation
         }
     }
 }
@@ -380,10 +406,26 @@ mod tests {
             "fc00::1",
             "fe80::1",
             "::ffff:127.0.0.1",
+            // #51 finding 13: IPv4-compatible, NAT64 and site-local forms.
+            "::127.0.0.1",
+            "::10.0.0.1",
+            "64:ff9b::127.0.0.1",
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b:1::1",
+            "fec0::1",
+            "feff::1",
+            "2002:7f00:1::1",
+            "2002:c0a8:101::1",
+            "2001::1",
+            "2001:db8::1",
+            "100::1",
         ] {
             assert!(!is_public(ip.parse().unwrap()), "{ip}");
         }
         assert!(is_public(IpAddr::V4(Ipv4Addr::new(93, 184, 216, 34))));
+        for ip in ["2606:4700::1111", "64:ff9b::5db8:d822", "::5db8:d822", "2002:5db8:d822::1"] {
+            assert!(is_public(ip.parse().unwrap()), "{ip}");
+        }
     }
 
     fn fetcher(allow_private: bool, max_bytes: usize, extra_roots: Vec<Vec<u8>>) -> Fetcher {

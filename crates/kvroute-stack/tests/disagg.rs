@@ -404,3 +404,95 @@ async fn a_remote_router_places_pairs() {
     assert_eq!(response.unwrap().status(), 204);
     assert_eq!(router.in_flight(), 1, "the decode leg is still in flight");
 }
+
+/// #51 finding 1 at the front door: a client's transfer fields are refused with a 400 naming
+/// the field, on chat and completions (the chat fallback included), so no engine is steered
+/// by them: nothing is held, nothing calls the address they name. With a trusted upstream
+/// configured they pass, and the front door's own pairing still writes its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_transfer_fields_are_refused_at_the_front_door() {
+    let stack = Stack::start(config(1, 1, Vec::new())).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let trap = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = trap.local_addr().unwrap().port();
+    let values = json!({
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_host": "127.0.0.1",
+            "remote_port": port, "remote_request_id": "x", "remote_engine_id": "e"},
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 999,
+        "bootstrap_pair_key": "k", "disagg_prefill_dp_rank": 0,
+        "disaggregated_params": {"request_type": "generation_only"},
+        "encoder_urls": ["http://127.0.0.1:1"], "need_wait_for_mm_inputs": true,
+        "num_items_assigned": {"image": [1]},
+    });
+    for field in kvroute_frontend::TRANSFER_FIELDS {
+        for (path, mut body) in [
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+            ),
+            ("/v1/completions", json!({"prompt": "hi", "max_tokens": 2})),
+        ] {
+            body[*field] = values[*field].clone();
+            let (status, _, answer, text) = send(&format!("{base}{path}"), &body).await;
+            assert_eq!(status, 400, "{field} on {path}: {text}");
+            assert_eq!(answer["error"]["param"], *field, "{text}");
+        }
+        // Even a null names the field: a client does not get to say "none" for the door.
+        let body = json!({"prompt": "hi", "max_tokens": 2, *field: null});
+        assert_eq!(send(&format!("{base}/v1/completions"), &body).await.0, 400, "{field}");
+    }
+    let called = tokio::time::timeout(Duration::from_millis(300), trap.accept()).await;
+    assert!(called.is_err(), "an engine called the address a client named");
+    assert_eq!(held(&stack), 0);
+
+    let mut trusting = config(1, 1, Vec::new());
+    trusting.front_door.trust_transfer_fields = true;
+    let stack = Stack::start(trusting).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let body = json!({"prompt": "hi there", "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": false}});
+    let (status, _, _, text) = send(&format!("{base}/v1/completions"), &body).await;
+    assert_eq!(status, 200, "a trusted upstream's fields pass: {text}");
+}
+
+/// #51 finding 7: a prefill worker that accepts the leg and never answers does not hold a
+/// client that does not stream for the whole answer's bound: the leg is given up on at the
+/// first-byte timeout, the worker left out, and the request placed again (here in place).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_prefill_leg_is_given_up_on_at_the_first_byte_timeout() {
+    use axum::routing::{get, post};
+    let app = axum::Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/v1/completions", post(std::future::pending::<&'static str>));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut spec = WorkerSpec::new(80);
+    spec.url = Some(format!("http://{}", listener.local_addr().unwrap()));
+    spec.role = Role::Prefill;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let mut stalled = config(0, 1, vec![spec]);
+    stalled.front_door.first_byte_timeout = Duration::from_millis(800);
+    let stack = Stack::start(stalled).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let decode = stack.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
+    let started = std::time::Instant::now();
+    let url = format!("{base}/v1/completions");
+    let asked = ask(&url, false);
+    let (status, worker, answer, text) =
+        tokio::time::timeout(Duration::from_secs(20), asked).await.expect("an answer in 20 s");
+    assert_eq!((status, worker), (200, decode), "{text}");
+    assert_eq!(answer["usage"]["completion_tokens"], 6);
+    assert!(started.elapsed() < Duration::from_secs(10), "answered in {:?}", started.elapsed());
+}
+
+/// Status, `x-kvroute-worker`, the answer as JSON and as text.
+async fn send(url: &str, body: &Value) -> (u16, u64, Value, String) {
+    let response = HttpClient::new().call(hyper::Method::POST, url, Some(body)).await.unwrap();
+    let worker = response.headers().get("x-kvroute-worker").and_then(|v| v.to_str().ok());
+    let worker = worker.and_then(|v| v.parse().ok()).unwrap_or(u64::MAX);
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    (status, worker, serde_json::from_slice(&bytes).unwrap_or(Value::Null), text)
+}

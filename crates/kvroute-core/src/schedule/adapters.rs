@@ -25,6 +25,9 @@ use crate::protocols::WorkerWithDpRank;
 const UNKNOWN_SLOTS: usize = 64;
 /// Adapters a worker may be listed as serving: its list comes from outside.
 pub const MAX_SERVED: usize = 4_096;
+/// The most GPU slots a worker's report is taken to have (vLLM's `max_loras` is a handful;
+/// a report claiming 2^62 would otherwise keep every adapter name ever reported).
+pub const MAX_SLOTS: usize = 256;
 
 /// What running a request's adapter on a worker takes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -125,7 +128,7 @@ impl AdapterTable {
     pub fn report(&mut self, worker: WorkerWithDpRank, max_loras: Option<usize>, running: &[&str]) {
         let w = self.workers.entry(worker).or_default();
         if max_loras.is_some() {
-            w.max_loras = max_loras;
+            w.max_loras = max_loras.map(|m| m.min(MAX_SLOTS));
         }
         for a in running.iter().take(UNKNOWN_SLOTS) {
             w.touch(a);
@@ -243,6 +246,21 @@ mod tests {
         t.routed("r3", w(1), "c");
         assert_eq!(t.workers()[&w(1)].resident, ["b", "c"], "a (idle, oldest) made room");
         assert_eq!(t.holders("c"), 1);
+    }
+
+    /// #51 finding 11: a report claiming 2^62 slots, then ever new names, keeps at most
+    /// [`MAX_SLOTS`] adapters resident.
+    #[test]
+    fn reports_keep_a_bounded_list() {
+        let mut t = AdapterTable::default();
+        for i in 0..2_000 {
+            let names: Vec<String> = (0..64).map(|j| format!("n{i}-{j}")).collect();
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            t.report(w(1), Some(1 << 62), &names);
+        }
+        let worker = &t.workers()[&w(1)];
+        assert_eq!(worker.max_loras, Some(MAX_SLOTS));
+        assert_eq!(worker.resident.len(), MAX_SLOTS);
     }
 
     #[test]
