@@ -17,6 +17,8 @@
 //! | `sglang_generate` | an SGLang `/generate` body, or its answer | decode, SGLang's checks; the answer's decode |
 //! | `image` | an encoded image | header checks, decode, identifier |
 //! | `zmtp` | what a ZMQ peer sends, from its greeting on | ZMTP decoder: greeting, handshake, frames |
+//! | `handoff` | a request's transfer fields, a side channel call, a prefill's answer | each role's leg, key bounds, hold claims |
+//! | `store` | shared-store calls and answers, one per line | decode, apply to a store (bounds checked), an engine's writes |
 
 use std::sync::{Arc, OnceLock};
 
@@ -48,7 +50,19 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("zmtp", zmtp),
     ("worker_reports", worker_reports),
     ("tokenize", tokenize),
+    ("handoff", handoff),
+    ("store", store),
 ];
+
+/// A simulated engine's hand-off decoders ([`kvroute_mocker::handoff::fuzz`]).
+pub fn handoff(data: &[u8]) {
+    kvroute_mocker::handoff::fuzz(data);
+}
+
+/// The shared store's messages ([`kvroute_mocker::store::fuzz`]).
+pub fn store(data: &[u8]) {
+    kvroute_mocker::store::fuzz(data);
+}
 
 /// A router over two configured workers, with small bounds.
 fn router() -> RouterState {

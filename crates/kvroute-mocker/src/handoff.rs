@@ -734,6 +734,36 @@ impl Holds {
     }
 }
 
+/// Bytes through every decoder of the hand-off, as the engine meets them (the fuzz target
+/// `handoff`): a request body's leg in each role, a side channel call's body and its key
+/// check, and a prefill answer's `kv_transfer_params` read back as a decode leg (what a
+/// router hands the decode engine). Returns, never panics.
+pub fn fuzz(data: &[u8]) {
+    for role in [Role::Both, Role::Prefill, Role::Decode] {
+        let _ = leg(data, role);
+    }
+    if let Ok(b) = serde_json::from_slice::<WaitBody>(data) {
+        let _ = (bounded_key(&b.key, "key"), shown(&b.key), Duration::from_millis(b.wait_ms));
+    }
+    if let Ok(b) = serde_json::from_slice::<ReleaseBody>(data) {
+        let _ = (bounded_key(&b.key, "key"), shown(&b.key));
+    }
+    if let Ok(Value::Object(answer)) = serde_json::from_slice::<Value>(data)
+        && let Some(params) = answer.get("kv_transfer_params")
+    {
+        let body = json!({ "kv_transfer_params": params });
+        let _ = leg(body.to_string().as_bytes(), Role::Decode);
+    }
+    let holds = Arc::new(Holds::default());
+    if let Some(key) = data.split(|&b| b == 0).next().and_then(|k| std::str::from_utf8(k).ok()) {
+        let first = holds.reserve(key, data.len(), 1 << 20);
+        let again = holds.reserve(key, 1, 1 << 20);
+        assert!(first.is_err() || again.is_err(), "a key is claimed once");
+        drop((first, again));
+        assert_eq!(holds.claimed(), (0, 0), "dropped claims free their keys and blocks");
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct WaitBody {
     key: String,

@@ -345,6 +345,41 @@ impl Store {
     }
 }
 
+/// Bytes through every decoder of the store's messages (the fuzz target `store`): each
+/// message the store takes, decoded and applied to a small store whose bounds are then
+/// checked, and each answer an engine takes, decoded and applied to its writes. Returns,
+/// never panics (but for a broken bound).
+pub fn fuzz(data: &[u8]) {
+    let mut store = Store::new(16);
+    for line in data.split(|&b| b == b'\n') {
+        if let Ok(put) = serde_json::from_slice::<PutBody>(line) {
+            let _ = store.put(&put.owner, &put.blocks);
+        }
+        if let Ok(lookup) = serde_json::from_slice::<LookupBody>(line)
+            && let Ok(held) = store.lookup(&lookup.blocks)
+        {
+            assert_eq!(held.len(), lookup.blocks.len());
+        }
+        let f = store.footprint();
+        let bound = Footprint::bound(16);
+        assert!(f.blocks <= bound.blocks && f.writers <= bound.writers, "{f:?}");
+        assert!(f.pending <= bound.pending && f.owners <= bound.owners, "{f:?}");
+        let mut writes = Writes { enabled: true, ..Writes::default() };
+        if let Ok(answer) = serde_json::from_slice::<PutAnswer>(line) {
+            writes.write(vec![BlockStored {
+                block_hashes: vec![1, 2],
+                parent_block_hash: None,
+                token_ids: vec![1; 32],
+                block_size: 16,
+                ..BlockStored::default()
+            }]);
+            let _ = writes.take();
+            let _ = writes.acked(Acked { put: Some(0), answer: Some(answer) });
+        }
+        let _ = serde_json::from_slice::<LookupAnswer>(line);
+    }
+}
+
 type Shared = Arc<Mutex<Store>>;
 
 fn locked(store: &Shared) -> std::sync::MutexGuard<'_, Store> {
