@@ -61,13 +61,15 @@ async fn token_ids_in_token_ids_out_sharing_the_chat_apis_cache() {
     let text = kvroute_preprocess::Preprocessor::builtin().decode(&ids).unwrap();
     assert_eq!(t["choices"][0]["text"], text);
     assert_eq!(t["prompt_token_ids"], json!(tokens));
-    // Unknown fields are ignored, as pydantic ignores them; kv_transfer_params come back.
+    // Unknown fields are ignored, as pydantic ignores them; a client's kv_transfer_params do
+    // not come back (vLLM answers with what its KV connector produced: nothing on an
+    // aggregated engine, vllm 0.33 token_in_token_out/serving.py), and hold nothing.
     body["something_new"] = json!({"x": 1});
     body["sampling_params"]["seed"] = json!(7);
     body["kv_transfer_params"] = json!({"do_remote_decode": false});
     let (status, u) = e.post(PATH, &body).await;
     assert_eq!(status, 200, "{u}");
-    assert_eq!(u["kv_transfer_params"], json!({"do_remote_decode": false}));
+    assert_eq!(u["kv_transfer_params"], Value::Null, "{u}");
     // Without max_tokens: as many as the context holds (vLLM's server-side default), so the
     // answer runs to the end of its turn.
     let (_, d) = e.post(PATH, &generate(&tokens, json!({}))).await;
@@ -511,4 +513,37 @@ async fn logprobs_in_both_modes_within_vllms_bound() {
         let (status, r) = e.post(PATH, &body).await;
         assert_eq!((status, r["error"]["type"].as_str()), (400, Some("BadRequestError")), "{r}");
     }
+}
+
+/// #51 finding 9: processed images are cached per `cache_salt`: a tenant naming another
+/// tenant's uuid gets its own image processed (its own size), never the other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_image_cache_is_keyed_by_salt_and_uuid() {
+    use kvroute_preprocess::images::{png_data_url, seeded_png};
+    let e = engine(1000).await;
+    let p = kvroute_preprocess::Preprocessor::builtin();
+    let ids = p.encode("Look at <|image_pad|> and say what it is.").unwrap();
+    let body = |salt: &str, url: &str| {
+        let mut b = generate(&ids, json!({"max_tokens": 1}));
+        b["content_parts"] = json!([{"type": "image_url", "url": url, "uuid": "shared"}]);
+        b["cache_salt"] = json!(salt);
+        b
+    };
+    let prompt = |r: &Value| r["usage"]["prompt_tokens"].as_u64().unwrap();
+    let (small, big) = (png_data_url(&seeded_png(2, 32)), png_data_url(&seeded_png(3, 256)));
+    let (status, a) = e.post(PATH, &body("tenant-a", &small)).await;
+    assert_eq!(status, 200, "{a}");
+    let (status, b) = e.post(PATH, &body("tenant-b", &big)).await;
+    assert_eq!(status, 200, "{b}");
+    assert!(
+        prompt(&b) > prompt(&a),
+        "B's own image was processed: {} vs {}",
+        prompt(&b),
+        prompt(&a)
+    );
+    // A's entry serves A again (media not read), and never B.
+    let (status, again) = e.post(PATH, &body("tenant-a", "data:image/png;base64,AAAA")).await;
+    assert_eq!((status, prompt(&again)), (200, prompt(&a)), "{again}");
+    let (status, _) = e.post(PATH, &body("tenant-c", "data:image/png;base64,AAAA")).await;
+    assert_eq!(status, 400, "another salt's request reads its own media");
 }
