@@ -393,7 +393,12 @@ fn apply(
                 Ok(()) => {
                     streams.insert(id, (ticket, out));
                 }
-                Err(err) => tracing::warn!(%id, %err, "request refused by the engine"),
+                Err(err) => {
+                    // An id is the caller's: logged cut, whatever its length.
+                    let (id, err) =
+                        (crate::handoff::shown(&id), crate::handoff::shown(&err.to_string()));
+                    tracing::warn!(%id, %err, "request refused by the engine");
+                }
             }
         }
         Command::Cancel(id, ticket) => {
