@@ -356,8 +356,8 @@ struct Held {
     tokens: usize,
 }
 
-/// A prefill leg's key, from the leg's start: its blocks (counted against the bound while it
-/// runs and while it is held), which use of the key it is, and its hold once it ended.
+/// A prefill leg's key, from the leg's start: its blocks (counted against the bound once
+/// held), which use of the key it is, and its hold once it ended.
 #[derive(Debug)]
 struct Entry {
     blocks: usize,
@@ -365,11 +365,12 @@ struct Entry {
     held: Option<Held>,
 }
 
-/// Every key a prefill leg uses, each once, and the blocks they account for.
+/// Every key a prefill leg uses, each once, and the blocks held under them.
 #[derive(Debug, Default)]
 struct Table {
     entries: HashMap<String, Entry>,
-    blocks: usize,
+    /// Blocks of the entries held (legs under way are the engine's ordinary load).
+    held_blocks: usize,
     generations: u64,
 }
 
@@ -381,7 +382,9 @@ impl Table {
             return None;
         }
         let entry = self.entries.remove(key)?;
-        self.blocks -= entry.blocks;
+        if entry.held.is_some() {
+            self.held_blocks -= entry.blocks;
+        }
         Some(entry)
     }
 }
@@ -492,7 +495,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Holds {
     /// Claims `key` for a prefill leg of `blocks` blocks: refused when another leg uses it,
-    /// or when the legs under way and held would account for more than `bound` blocks.
+    /// or when the holds waiting for their pull and this one would be more than `bound`
+    /// blocks (legs still under way are the engine's ordinary load, bounded by its cache).
     pub(crate) fn reserve(
         self: &Arc<Self>,
         key: &str,
@@ -503,20 +507,19 @@ impl Holds {
         if table.entries.contains_key(key) {
             return Err(HoldRefused::Duplicate);
         }
-        if table.blocks + blocks > bound {
-            return Err(HoldRefused::Full { held: table.blocks, bound, asked: blocks });
+        if table.held_blocks + blocks > bound {
+            return Err(HoldRefused::Full { held: table.held_blocks, bound, asked: blocks });
         }
         table.generations += 1;
         let generation = table.generations;
         table.entries.insert(key.to_owned(), Entry { blocks, generation, held: None });
-        table.blocks += blocks;
         Ok(Reservation { holds: Arc::clone(self), key: key.to_owned(), generation, held: false })
     }
 
-    /// Keys claimed or held, and the blocks they account for.
+    /// Keys claimed or held, and the blocks held.
     pub fn claimed(&self) -> (usize, usize) {
         let table = lock(&self.table);
-        (table.entries.len(), table.blocks)
+        (table.entries.len(), table.held_blocks)
     }
 
     /// Takes the hold under `key` (a decode engine pulled it); `None` while its leg runs.
@@ -686,6 +689,8 @@ impl Holds {
                 return;
             }
             entry.held = Some(held);
+            let blocks = entry.blocks;
+            table.held_blocks += blocks;
             claim.held = true;
         }
         self.counts.held.fetch_add(1, Ordering::Relaxed);
@@ -930,40 +935,43 @@ mod tests {
         assert!(a.starts_with("kv-") && a[3..].bytes().all(|c| c.is_ascii_hexdigit()));
     }
 
+    /// Marks `claim` held, as [`Holds::hold`] does without its lease task.
+    fn held(holds: &Holds, mut claim: Reservation, tokens: usize) {
+        let mut table = lock(&holds.table);
+        let entry = table.entries.get_mut(&claim.key).unwrap();
+        entry.held = Some(Held { engine_id: "e".into(), tokens });
+        let blocks = entry.blocks;
+        table.held_blocks += blocks;
+        claim.held = true;
+    }
+
     /// Finding 2 of #51: a key is held once; a second leg naming it is refused (not
-    /// overwriting the first, whose blocks would then never be freed); the blocks of legs
-    /// under way and held are bounded; a key freed is free again, and a stale lease cannot
-    /// take a newer use of the key.
+    /// overwriting the first, whose blocks would then never be freed); the blocks held are
+    /// bounded; a key freed is free again, and a stale lease cannot take a newer use of it.
     #[test]
     fn holds_are_owned_and_bounded() {
         let holds = Arc::new(Holds::default());
         let first = holds.reserve("room-777", 10, 30).unwrap();
-        assert_eq!(holds.reserve("room-777", 10, 30).unwrap_err(), HoldRefused::Duplicate);
-        let second = holds.reserve("room-778", 20, 30).unwrap();
-        assert_eq!(
-            holds.reserve("room-779", 1, 30).unwrap_err(),
-            HoldRefused::Full { held: 30, bound: 30, asked: 1 }
-        );
-        drop(second);
-        assert_eq!(holds.claimed(), (1, 10), "a leg that ended without a hold frees its key");
-        // Held: the key stays claimed until taken.
         let g = first.generation;
-        {
-            let mut table = lock(&holds.table);
-            table.entries.get_mut("room-777").unwrap().held =
-                Some(Held { engine_id: "e".into(), tokens: 160 });
-        }
-        let mut first = first;
-        first.held = true;
-        drop(first);
+        assert_eq!(holds.reserve("room-777", 10, 30).unwrap_err(), HoldRefused::Duplicate);
+        // Under way, legs do not count against the bound: it is the engine's load.
+        let second = holds.reserve("room-778", 25, 30).unwrap();
+        drop(second);
+        assert_eq!(holds.claimed(), (1, 0), "a leg that ended without a hold frees its key");
+        held(&holds, first, 160);
         assert_eq!(holds.claimed(), (1, 10));
+        assert_eq!(
+            holds.reserve("room-779", 21, 30).unwrap_err(),
+            HoldRefused::Full { held: 10, bound: 30, asked: 21 }
+        );
+        assert_eq!(holds.reserve("room-777", 1, 30).unwrap_err(), HoldRefused::Duplicate);
         assert_eq!(holds.tokens("room-777"), Some(160));
         assert_eq!(holds.take("room-777").map(|h| h.tokens), Some(160));
         assert_eq!(holds.claimed(), (0, 0));
         // The key used again: the old lease (generation g) cannot remove the new use.
         let again = holds.reserve("room-777", 5, 30).unwrap();
         assert!(lock(&holds.table).remove("room-777", Some(g)).is_none());
-        assert_eq!(holds.claimed(), (1, 5));
+        assert_eq!(holds.claimed(), (1, 0));
         drop(again);
         assert_eq!(holds.claimed(), (0, 0));
     }
