@@ -396,7 +396,7 @@ pub enum HoldRefused {
     Duplicate,
     #[error(
         "this prefill engine holds as much KV for decode engines as it may ({held} of at most \
-         {bound} blocks); this prompt needs {asked} more"
+         {bound} blocks), and none was pulled in time; this prompt needs {asked} more"
     )]
     Full { held: usize, bound: usize, asked: usize },
 }
@@ -524,9 +524,36 @@ impl Holds {
 
     /// Takes the hold under `key` (a decode engine pulled it); `None` while its leg runs.
     fn take(&self, key: &str) -> Option<Held> {
-        let mut table = lock(&self.table);
-        table.entries.get(key)?.held.as_ref()?;
-        table.remove(key, None)?.held
+        let taken = {
+            let mut table = lock(&self.table);
+            table.entries.get(key)?.held.as_ref()?;
+            table.remove(key, None)?.held
+        };
+        // Room for a prefill leg waiting on the bound.
+        self.changed.notify_waiters();
+        taken
+    }
+
+    /// [`Holds::reserve`], waiting up to `patience` while the bound is reached (as an engine
+    /// whose cache is full makes a request wait): held blocks are pulled within moments in a
+    /// healthy fleet, and each hold ends with its lease at the latest.
+    pub(crate) async fn reserve_within(
+        self: &Arc<Self>,
+        key: &str,
+        blocks: usize,
+        bound: usize,
+        patience: Duration,
+    ) -> Result<Reservation, HoldRefused> {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let changed = self.changed.notified();
+            match self.reserve(key, blocks, bound) {
+                Err(HoldRefused::Full { .. }) if tokio::time::Instant::now() < deadline => {
+                    let _ = tokio::time::timeout_at(deadline, changed).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     fn tokens(&self, key: &str) -> Option<usize> {
@@ -593,7 +620,8 @@ impl AppState {
                 let blocks = s.tokens.len().div_ceil(config.block_size.tokens());
                 let bound = config.num_blocks / 2;
                 let param = if *sglang { "bootstrap_room" } else { "kv_transfer_params" };
-                let claim = self.holds.reserve(key, blocks, bound);
+                let patience = config.disagg.hold_timeout;
+                let claim = self.holds.reserve_within(key, blocks, bound, patience).await;
                 let claim = claim.map_err(|e| ApiError::from(e).param(param))?;
                 s.handoff = crate::handoff::Handoff::Hold;
                 s.hold = Some(claim);
@@ -702,6 +730,7 @@ impl Holds {
             tokio::time::sleep(lease).await;
             // The same use of the key only: a key pulled and used again keeps its new lease.
             let expired = lock(&holds.table).remove(&key, Some(generation));
+            holds.changed.notify_waiters();
             if let Some(h) = expired.and_then(|e| e.held) {
                 engine.release_held(&h.engine_id);
                 holds.counts.expired.fetch_add(1, Ordering::Relaxed);
@@ -974,6 +1003,28 @@ mod tests {
         assert_eq!(holds.claimed(), (1, 0));
         drop(again);
         assert_eq!(holds.claimed(), (0, 0));
+    }
+
+    /// A leg past the bound waits for a hold to end, and is refused when none ends in time.
+    #[tokio::test]
+    async fn a_leg_past_the_bound_waits_for_room() {
+        let holds = Arc::new(Holds::default());
+        held(&holds, holds.reserve("a", 20, 30).unwrap(), 320);
+        let patience = Duration::from_millis(50);
+        let refused = holds.reserve_within("b", 20, 30, patience).await.unwrap_err();
+        assert_eq!(refused, HoldRefused::Full { held: 20, bound: 30, asked: 20 });
+        let waiting = {
+            let holds = Arc::clone(&holds);
+            tokio::spawn(async move {
+                holds
+                    .reserve_within("b", 20, 30, Duration::from_secs(30))
+                    .await
+                    .map(|c| c.key.clone())
+            })
+        };
+        tokio::task::yield_now().await;
+        assert!(holds.take("a").is_some(), "the pull frees the room");
+        assert_eq!(waiting.await.unwrap().as_deref(), Ok("b"));
     }
 
     /// Finding 1 of #51: a decode engine pulls only from its configured prefill peers.

@@ -307,7 +307,8 @@ async fn a_decode_engine_calls_only_its_prefill_peers() {
 
 /// #51 findings 2 and 6: a bootstrap room is held once. A second prefill naming a room in
 /// use (under way or held) is refused with 409 and holds nothing, so every hold is freed by
-/// its pull or its lease; the blocks held are bounded (half the engine's cache).
+/// its pull or its lease; a leg starts only while the blocks held and its own fit in half the
+/// engine's cache (it waits for room, then is refused).
 #[tokio::test]
 async fn a_reused_room_is_refused_and_every_hold_is_freed() {
     let p = engine(Role::Prefill, Duration::from_millis(500), &[]).await;
@@ -326,16 +327,17 @@ async fn a_reused_room_is_refused_and_every_hold_is_freed() {
     assert_eq!(refused, 10);
     let held = eventually(&p, |s| s["held_requests"] == 1).await;
     assert_eq!(held["held_requests"], 1, "{held}");
-    // Rooms past the bound: the cache's half is the most held at once.
-    let mut full = 0;
-    for r in 0..40 {
-        if posted(&url, &room(20 + r, 1_000 + u64::from(r))).await.0 == 503 {
-            full += 1;
-        }
+    // Forty rooms one after another, never pulled: a leg starts only while the blocks held
+    // and its own fit in half the cache (200), waiting for room (a lease's end here), so the
+    // blocks held never pass it, and every leg is answered.
+    let mut most = 0;
+    for r in 0..40u32 {
+        let (status, body) = posted(&url, &room(20 + r, 1_000 + u64::from(r))).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let stats = eventually(&p, |_| true).await;
+        most = most.max(stats["held_blocks"].as_u64().unwrap());
     }
-    assert!(full > 0, "the held blocks are bounded");
-    let during = eventually(&p, |_| true).await;
-    assert!(during["held_blocks"].as_u64().unwrap() <= 200, "{during}");
+    assert!(most > 100 && most <= 200, "held at most half the cache: {most}");
     let freed = eventually(&p, |s| s["held_blocks"] == 0 && s["held_requests"] == 0).await;
     assert_eq!(
         (freed["held_blocks"].as_u64(), freed["held_requests"].as_u64()),
