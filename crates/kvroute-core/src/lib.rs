@@ -35,7 +35,8 @@ pub enum Error {
     #[error("worker {worker} does not hold {count} of the removed blocks")]
     UnknownBlocks { worker: WorkerWithDpRank, count: usize },
     #[error(
-        "unknown routing policy {0:?} (expected kv, dynamo, round-robin, random or least-loaded)"
+        "unknown routing policy {0:?} (expected kv, dynamo, round-robin, random, least-loaded, \
+         sticky, kv-adapter-blind or lora-affinity)"
     )]
     UnknownPolicy(String),
 }

@@ -844,3 +844,13 @@ fn sessions_keep_their_worker_within_the_margin() {
         assert_eq!(counts.moved == 1, moved);
     }
 }
+
+/// The refusal of an unknown policy names every policy there is (#52: it listed 5 of 8).
+#[test]
+fn an_unknown_policy_lists_every_policy() {
+    let message = "nope".parse::<PolicyKind>().unwrap_err().to_string();
+    for p in PolicyKind::ALL {
+        assert!(message.contains(p.name()), "{p} missing from {message:?}");
+        assert_eq!(p.name().parse::<PolicyKind>().ok(), Some(p));
+    }
+}

@@ -177,7 +177,9 @@ pub struct Routing {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<WorkerSpec>,
     /// Routing policy: kv (predicted time to first token), dynamo (Dynamo's cost), or the
-    /// baselines round-robin, random, least-loaded.
+    /// baselines round-robin, random, least-loaded, sticky (kv that keeps sessions on their
+    /// worker whatever the margin), kv-adapter-blind (kv without adapter residency) and
+    /// lora-affinity (llm-d's adapter scorer) (docs/routing.md).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Softmax temperature of the choice; 0 always takes the lowest cost.
