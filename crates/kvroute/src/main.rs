@@ -12,7 +12,8 @@ mod cmd;
 #[derive(Debug, Parser)]
 #[command(name = "kvroute", version, about, long_about = None)]
 struct Cli {
-    /// Log lines as text (coloured on a terminal only) or as JSON objects.
+    /// Log lines as text (coloured on a terminal only) or as JSON objects. What is logged:
+    /// KVROUTE_LOG (or RUST_LOG) as a tracing filter, e.g. KVROUTE_LOG=kvroute_router=debug.
     #[arg(long, global = true, env = "KVROUTE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     #[command(subcommand)]

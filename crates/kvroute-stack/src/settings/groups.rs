@@ -169,7 +169,10 @@ pub struct Routing {
     /// image_token_id, vocab_size, format (the engine's event format: vllm by default; a name
     /// that is none lists them), dialect (openai-chat by default, vllm-generate,
     /// vllm-generate-tokens, sglang-generate or openai-completions-tokens: see
-    /// docs/dialects.md), max_loras (its LoRA adapter slots, until its reports say).
+    /// docs/dialects.md), max_loras (its LoRA adapter slots, until its reports say), role
+    /// (both by default, prefill or decode: docs/routing.md, "Prefill and decode"), node (its
+    /// node or zone label, for pulls across nodes), bootstrap_port (a prefill worker's SGLang
+    /// bootstrap port, or a simulated one's side channel).
     /// Without events, the worker is routed approximately. Repeat for each worker; in the env
     /// twin, separate workers with ';'. In a file: [[workers]] tables of these keys.
     /// Example: --worker id=7,url=http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558

@@ -36,15 +36,23 @@ impl ConfigArgs {
         Ok(file.overlaid_by(flags)?)
     }
 
-    /// With `--print-config`: prints `settings` over the defaults (the command's `port`,
-    /// its `allowed` keys) and says to stop.
-    pub(crate) fn printed(&self, settings: &Settings, port: u16, allowed: &[String]) -> bool {
+    /// With `--print-config`: checks `settings` as the command would (`check`: the
+    /// conversions it makes; what it would refuse is refused here too, not printed), prints
+    /// them over the defaults (the command's `port`, its `allowed` keys) and says to stop.
+    pub(crate) fn printed(
+        &self,
+        settings: &Settings,
+        port: u16,
+        allowed: &[String],
+        check: impl FnOnce(&Settings) -> Result<(), kvroute_stack::StackError>,
+    ) -> anyhow::Result<bool> {
         if self.print_config {
+            check(settings)?;
             #[allow(clippy::print_stdout)]
             {
                 print!("{}", settings.printed(port, allowed));
             }
         }
-        self.print_config
+        Ok(self.print_config)
     }
 }

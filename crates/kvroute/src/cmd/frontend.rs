@@ -47,7 +47,9 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     };
     let keys = keys_of::<FrontendArgs>();
     let settings = args.config.merge(flags, &keys, "frontend")?;
-    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys) {
+    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys, |s: &Settings| {
+        s.router_config().and(s.front_door()).map(drop)
+    })? {
         return Ok(ExitCode::SUCCESS);
     }
     anyhow::ensure!(!settings.routing.workers.is_empty(), "no workers: give --worker id=..,url=..");

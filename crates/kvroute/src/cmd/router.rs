@@ -37,7 +37,9 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
     };
     let keys = keys_of::<RouterArgs>();
     let settings = args.config.merge(flags, &keys, "router")?;
-    if args.config.printed(&settings, DEFAULT_ROUTER_PORT, &keys) {
+    if args.config.printed(&settings, DEFAULT_ROUTER_PORT, &keys, |s: &Settings| {
+        s.router_config().map(drop)
+    })? {
         return Ok(ExitCode::SUCCESS);
     }
     let config = settings.stack_config(0, false)?;

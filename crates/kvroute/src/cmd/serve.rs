@@ -35,6 +35,14 @@ pub(crate) struct ServeArgs {
     config: ConfigArgs,
 }
 
+/// What `serve` converts its settings into, checked (for `--print-config`).
+fn check(settings: &Settings) -> Result<(), kvroute_stack::StackError> {
+    settings.router_config()?;
+    settings.front_door()?;
+    settings.engine_config()?;
+    Ok(())
+}
+
 pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let flags = Settings {
         simulated: args.simulated.clone(),
@@ -50,7 +58,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     };
     let keys = keys_of::<ServeArgs>();
     let settings = args.config.merge(flags, &keys, "serve")?;
-    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys) {
+    if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys, check)? {
         return Ok(ExitCode::SUCCESS);
     }
     let simulated = settings.simulated_workers();
@@ -86,4 +94,18 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         super::serve_until_signal(listener, app, options).await?;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--print-config` refuses what `serve` refuses (#52: `--kv-cost nope=1` was printed).
+    #[test]
+    fn print_config_checks_as_serve_does() {
+        let mut settings = Settings::default();
+        assert!(check(&settings).is_ok());
+        settings.routing.kv_cost = vec![("nope".to_owned(), 1.0)];
+        assert!(check(&settings).is_err());
+    }
 }
