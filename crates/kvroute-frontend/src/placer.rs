@@ -33,10 +33,7 @@ impl std::fmt::Debug for RemoteRouter {
 
 impl RemoteRouter {
     pub fn new(base: &str, token: Option<&str>) -> Self {
-        let client = match token {
-            Some(t) => HttpClient::new().with_bearer(t),
-            None => HttpClient::new(),
-        };
+        let client = HttpClient::bearing(token);
         Self { base: base.trim_end_matches('/').to_owned(), client }
     }
 }

@@ -107,6 +107,14 @@ impl HttpClient {
         self
     }
 
+    /// A new client that sends `token` as a bearer token, when there is one.
+    pub fn bearing(token: Option<&str>) -> Self {
+        match token {
+            Some(t) => Self::new().with_bearer(t),
+            None => Self::new(),
+        }
+    }
+
     /// The same client sending `Authorization: Bearer <token>` with every request (a token
     /// that is no valid header value is not sent; the server's 401 says so).
     #[must_use]

@@ -330,10 +330,7 @@ impl Peers {
 
     /// A client that sends the token.
     pub fn client(&self) -> HttpClient {
-        match &self.token {
-            Some(t) => HttpClient::new().with_bearer(t),
-            None => HttpClient::new(),
-        }
+        HttpClient::bearing(self.token.as_deref())
     }
 }
 
@@ -375,6 +372,11 @@ struct Table {
 }
 
 impl Table {
+    /// `key`'s entry, if it is still the use `generation`.
+    fn entry(&mut self, key: &str, generation: u64) -> Option<&mut Entry> {
+        self.entries.get_mut(key).filter(|e| e.generation == generation)
+    }
+
     /// Removes `key` (if it is still the use `generation`, when given).
     fn remove(&mut self, key: &str, generation: Option<u64>) -> Option<Entry> {
         let entry = self.entries.get(key)?;
@@ -419,13 +421,13 @@ pub(crate) struct Reservation {
     holds: Arc<Holds>,
     key: String,
     generation: u64,
-    held: bool,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if !self.held {
-            lock(&self.holds.table).remove(&self.key, Some(self.generation));
+        let mut table = lock(&self.holds.table);
+        if table.entry(&self.key, self.generation).is_some_and(|e| e.held.is_none()) {
+            table.remove(&self.key, Some(self.generation));
         }
     }
 }
@@ -513,7 +515,7 @@ impl Holds {
         table.generations += 1;
         let generation = table.generations;
         table.entries.insert(key.to_owned(), Entry { blocks, generation, held: None });
-        Ok(Reservation { holds: Arc::clone(self), key: key.to_owned(), generation, held: false })
+        Ok(Reservation { holds: Arc::clone(self), key: key.to_owned(), generation })
     }
 
     /// Keys claimed or held, and the blocks held.
@@ -709,23 +711,21 @@ impl AppState {
 
 impl Holds {
     /// A prefill leg ended: its blocks are held under its key until pulled or the lease ends.
-    fn hold(self: &Arc<Self>, engine: EngineHandle, mut claim: Reservation, held: Held) {
+    fn hold(self: &Arc<Self>, engine: EngineHandle, claim: Reservation, held: Held) {
         {
             let mut table = lock(&self.table);
-            let Some(entry) = table.entries.get_mut(&claim.key) else { return };
-            if entry.generation != claim.generation {
-                return;
-            }
+            let Some(entry) = table.entry(&claim.key, claim.generation) else { return };
             entry.held = Some(held);
             let blocks = entry.blocks;
             table.held_blocks += blocks;
-            claim.held = true;
         }
         self.counts.held.fetch_add(1, Ordering::Relaxed);
         self.changed.notify_waiters();
         let holds = Arc::clone(self);
         let lease = engine.config.disagg.hold_timeout;
         let (key, generation) = (claim.key.clone(), claim.generation);
+        // The key is held now: the claim ends without freeing it.
+        drop(claim);
         tokio::spawn(async move {
             tokio::time::sleep(lease).await;
             // The same use of the key only: a key pulled and used again keeps its new lease.
@@ -965,13 +965,14 @@ mod tests {
     }
 
     /// Marks `claim` held, as [`Holds::hold`] does without its lease task.
-    fn held(holds: &Holds, mut claim: Reservation, tokens: usize) {
+    fn held(holds: &Holds, claim: Reservation, tokens: usize) {
         let mut table = lock(&holds.table);
-        let entry = table.entries.get_mut(&claim.key).unwrap();
+        let entry = table.entry(&claim.key, claim.generation).unwrap();
         entry.held = Some(Held { engine_id: "e".into(), tokens });
         let blocks = entry.blocks;
         table.held_blocks += blocks;
-        claim.held = true;
+        drop(table);
+        drop(claim);
     }
 
     /// Finding 2 of #51: a key is held once; a second leg naming it is refused (not

@@ -467,10 +467,7 @@ pub struct Acked {
 impl StoreLink {
     /// A link that sends `token` (the fleet's, which the store requires) with every call.
     pub fn new(url: &str, token: Option<&str>) -> Self {
-        let client = match token {
-            Some(t) => HttpClient::new().with_bearer(t),
-            None => HttpClient::new(),
-        };
+        let client = HttpClient::bearing(token);
         Self { base: url.trim_end_matches('/').to_owned(), client }
     }
 
