@@ -990,7 +990,7 @@ impl Engine {
                 i += 1;
                 continue;
             }
-            let token = s.plan.token(s.generated, s.max_tokens);
+            let token = s.plan.token(s.generated);
             if s.generated == 0 {
                 out.outputs.push(Output::FirstToken {
                     id: s.id.clone(),

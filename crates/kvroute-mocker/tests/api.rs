@@ -81,12 +81,12 @@ async fn repeated_prompts_report_their_cached_tokens() {
     assert_eq!(first["object"], "chat.completion");
     assert_eq!(first["usage"]["completion_tokens"], 5);
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    // Four words of the vocabulary, then the end of the turn: the text tokenizes back to the
-    // words, and the answer stops (not cut at its length).
+    // Five words of the vocabulary: the text tokenizes back to the words, and the answer is cut
+    // at its length (the simulated model never ends its turn early).
     let words = first["choices"][0]["message"]["content"].as_str().unwrap();
     let tokens = kvroute_preprocess::Preprocessor::builtin().encode(words).unwrap();
-    assert_eq!((words.split(' ').count(), tokens.len()), (4, 4), "words: {words}");
-    assert_eq!(first["choices"][0]["finish_reason"], "stop");
+    assert_eq!((words.split(' ').count(), tokens.len()), (5, 5), "words: {words}");
+    assert_eq!(first["choices"][0]["finish_reason"], "length");
     let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
     let (_, second) = m.post("/v1/chat/completions", &chat(LONG, 5)).await;
     assert_eq!(
@@ -159,10 +159,10 @@ async fn streams_as_openai_does() {
     assert!(chunks.iter().all(|c| c.object == "chat.completion.chunk"));
     let content: String =
         chunks.iter().flat_map(|c| c.choices.iter().filter_map(|ch| ch.new_text())).collect();
-    assert_eq!(content.split(' ').count(), 2, "two words, then the end of the turn");
-    assert_eq!(chunks[chunks.len() - 2].choices[0].finish_reason.as_deref(), Some("stop"));
+    assert_eq!(content.split(' ').count(), 3, "three words, cut at the length");
+    assert_eq!(chunks[chunks.len() - 2].choices[0].finish_reason.as_deref(), Some("length"));
     assert_eq!(chunks.last().unwrap().usage.unwrap().completion_tokens, 3);
-    // With ignore_eos, all three are words and the answer is cut at its length.
+    // With ignore_eos, the same.
     body["ignore_eos"] = json!(true);
     let (_, text) = m.post("/v1/chat/completions", &body).await;
     let (chunks, _) = stream_chunks(text.as_str().unwrap().as_bytes()).unwrap();

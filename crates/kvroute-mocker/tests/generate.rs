@@ -71,9 +71,15 @@ async fn token_ids_in_token_ids_out_sharing_the_chat_apis_cache() {
     assert_eq!(status, 200, "{u}");
     assert_eq!(u["kv_transfer_params"], Value::Null, "{u}");
     // Without max_tokens: as many as the context holds (vLLM's server-side default), so the
-    // answer runs to the end of its turn.
+    // answer runs to the end of the context, which vLLM calls "length" too.
     let (_, d) = e.post(PATH, &generate(&tokens, json!({}))).await;
-    assert_eq!(d["choices"][0]["finish_reason"], "stop", "{d}");
+    assert_eq!(d["choices"][0]["finish_reason"], "length");
+    let total = d["usage"]["total_tokens"].as_u64().unwrap();
+    assert_eq!(
+        total,
+        d["usage"]["prompt_tokens"].as_u64().unwrap()
+            + d["usage"]["completion_tokens"].as_u64().unwrap()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -546,4 +552,88 @@ async fn the_image_cache_is_keyed_by_salt_and_uuid() {
     assert_eq!((status, prompt(&again)), (200, prompt(&a)), "{again}");
     let (status, _) = e.post(PATH, &body("tenant-c", "data:image/png;base64,AAAA")).await;
     assert_eq!(status, 400, "another salt's request reads its own media");
+}
+
+/// vLLM's finish reason for a request, with its rule read from vLLM 0.33's own source
+/// (`fixtures/vllm-0.33.0-finish.py`): `check_stop` tests its conditions in order, each setting
+/// a status; `_FINISHED_REASON_MAP` maps the status to a `FinishReason`, whose value indexes
+/// `FINISH_REASON_STRINGS`.
+struct VllmFinish {
+    /// `check_stop`'s conditions in order: whether it is the end-of-turn test, and its word.
+    rules: Vec<(bool, String)>,
+}
+
+impl VllmFinish {
+    fn read() -> Self {
+        let src = include_str!("fixtures/vllm-0.33.0-finish.py");
+        let strings: Vec<String> = src
+            .lines()
+            .find_map(|l| l.strip_prefix("FINISH_REASON_STRINGS = ("))
+            .unwrap()
+            .trim_end_matches(')')
+            .split(',')
+            .map(|s| s.trim().trim_matches('"').to_owned())
+            .collect();
+        let value_of = |reason: &str| -> usize {
+            let line = src.lines().find(|l| l.trim().starts_with(&format!("{reason} = "))).unwrap();
+            line.split('=').nth(1).unwrap().trim().parse().unwrap()
+        };
+        let word_of = |status: &str| -> String {
+            let entry = format!("RequestStatus.{status}: FinishReason.");
+            let line = src.lines().find(|l| l.trim().starts_with(&entry)).unwrap();
+            let reason = line.trim().trim_start_matches(&entry).trim_end_matches(',');
+            strings[value_of(reason)].clone()
+        };
+        let body = src.split("def check_stop").nth(1).unwrap();
+        let (mut rules, mut eos) = (Vec::new(), None);
+        for line in body.lines() {
+            let line = line.trim();
+            if line.starts_with("if last_token_id == sampling_params.eos_token_id") {
+                eos = Some(true);
+            } else if line.contains("request.num_output_tokens >= request.max_tokens") {
+                eos = Some(false);
+            } else if let Some(status) = line.strip_prefix("request.status = RequestStatus.")
+                && let Some(is_eos) = eos.take()
+            {
+                rules.push((is_eos, word_of(status)));
+            }
+        }
+        assert_eq!(rules.len(), 2, "the end-of-turn and the length tests: {rules:?}");
+        Self { rules }
+    }
+
+    /// The word vLLM answers with for an answer of `ids` asked for `max_tokens`.
+    fn reason(&self, ids: &[u32], eos: u32, max_tokens: usize) -> Option<&str> {
+        let last = *ids.last()?;
+        self.rules.iter().find_map(|(is_eos, word)| {
+            let hit = if *is_eos { last == eos } else { ids.len() >= max_tokens };
+            hit.then_some(word.as_str())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finish_reasons_follow_vllms_rules() {
+    let vllm = VllmFinish::read();
+    assert_eq!(vllm.rules, [(true, "stop".to_owned()), (false, "length".to_owned())]);
+    let e = engine(1000).await;
+    let eos = kvroute_preprocess::Preprocessor::builtin().eos_token_id().unwrap();
+    for (prompt, max_tokens) in [("Tell me a joke.", 1), (LONG, 5), ("Hi", 17)] {
+        let tokens = e.rendered(prompt).await;
+        for ignore_eos in [false, true] {
+            let sampling = json!({"max_tokens": max_tokens, "ignore_eos": ignore_eos});
+            let (status, r) = e.post(PATH, &generate(&tokens, sampling)).await;
+            assert_eq!(status, 200, "{r}");
+            let ids: Vec<u32> =
+                serde_json::from_value(r["choices"][0]["token_ids"].clone()).unwrap();
+            assert_eq!(ids.len(), max_tokens, "the simulated model answers to max_tokens");
+            let want = vllm.reason(&ids, eos, max_tokens);
+            assert_eq!(r["choices"][0]["finish_reason"].as_str(), want, "{prompt}: {ids:?}");
+            // The chat API says the same of the same answer.
+            let chat = json!({"messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens, "ignore_eos": ignore_eos});
+            let (_, c) = e.post("/v1/chat/completions", &chat).await;
+            assert_eq!(c["choices"][0]["finish_reason"].as_str(), want, "{c}");
+        }
+    }
 }

@@ -150,10 +150,10 @@ async fn streams_and_completions_pass_through() {
     assert!(a.worker.is_some());
     let (chunks, done) = stream_chunks(a.body.as_str().unwrap().as_bytes()).unwrap();
     assert!(done, "[DONE] at the end");
-    // Two words, then the end of the turn (no text; `stop`).
-    assert_eq!(chunks.iter().filter(|c| c.has_text()).count(), 2);
+    // Three words, cut at the length.
+    assert_eq!(chunks.iter().filter(|c| c.has_text()).count(), 3);
     let finish = chunks.iter().find_map(|c| c.choices.first()?.finish_reason.clone());
-    assert_eq!(finish.as_deref(), Some("stop"));
+    assert_eq!(finish.as_deref(), Some("length"));
     assert_eq!(chunks.last().unwrap().usage.unwrap().completion_tokens, 3);
     let c =
         post(&f.base, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 2}))

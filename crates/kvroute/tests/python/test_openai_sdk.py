@@ -68,9 +68,9 @@ def test_the_openai_sdk_chats_streams_and_sends_images(serve):
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert len(text.split()) == 3, "three words, then the end of the turn"
+    assert len(text.split()) == 4, "four words, cut at the length"
     assert chunks[-1].usage.completion_tokens == 4
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
     picture = "data:image/png;base64," + base64.b64encode(png(56, 84, 7)).decode()
     r = client.chat.completions.create(
