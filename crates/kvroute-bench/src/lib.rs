@@ -5,7 +5,8 @@
 //! - [`goodput`]: the highest rate each policy serves within a TTFT SLO;
 //! - [`run`]: one run against a fresh simulated fleet or a `--target` endpoint;
 //! - [`stats`] and [`summary`]: percentiles, spread, prediction error, best achievable hits;
-//! - [`report`] and [`plot`]: `report.md`, `results.json` and SVG plots.
+//! - [`report`] and [`plot`]: `report.md`, `results.json` and SVG plots;
+//! - [`terminal`]: the table printed at the end, and what the worst tail was made of.
 
 pub mod goodput;
 pub mod plot;
@@ -13,6 +14,7 @@ pub mod report;
 pub mod run;
 pub mod stats;
 pub mod summary;
+pub mod terminal;
 pub mod workload;
 
 use std::path::PathBuf;
@@ -74,6 +76,11 @@ pub struct BenchArgs {
     /// Seed of every workload (same seed, same requests and schedule).
     #[arg(long, env = "KVROUTE_BENCH_SEED", default_value_t = 42)]
     pub seed: u64,
+    /// The TTFT (ms) a request must meet to count in the terminal table's goodput (answered
+    /// requests per second within it). --quick sets 10: its engines run at 4x speed, where a
+    /// whole 1,088-token prefill takes about 9 ms.
+    #[arg(long, env = "KVROUTE_BENCH_GOODPUT_TTFT_MS", default_value_t = 100.0)]
+    pub goodput_ttft_ms: f64,
     /// Send shared-prefix and random prompts to /v1/completions as text instead of token ids
     /// (each token a word of the model's vocabulary, so shared prefixes stay shared block for
     /// block), for routers that take no token ids, such as sglang-router.
@@ -482,6 +489,7 @@ impl BenchArgs {
             system_tokens: 1024,
             output_tokens: 8,
             speedup: 4.0,
+            goodput_ttft_ms: 10.0,
             ..self.clone()
         }
     }
@@ -500,6 +508,10 @@ impl BenchArgs {
             "--slo-tpot-p99: milliseconds >= 0"
         );
         anyhow::ensure!(self.nodes >= 1, "--nodes must be at least 1");
+        anyhow::ensure!(
+            self.goodput_ttft_ms.is_finite() && self.goodput_ttft_ms > 0.0,
+            "--goodput-ttft-ms: milliseconds > 0"
+        );
         anyhow::ensure!(
             !self.store_baseline || self.num_store_blocks > 0,
             "--store-baseline compares against a shared store: give --num-store-blocks"
@@ -692,8 +704,16 @@ fn progress_bar() -> ProgressBar {
     bar
 }
 
-/// Runs everything `args` asks for and writes the report; returns the report's path.
-pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
+/// What a bench leaves: its report, and the summary to print when it ends (empty for a
+/// goodput search, whose report is its table).
+#[derive(Clone, Debug)]
+pub struct Finished {
+    pub report: PathBuf,
+    pub summary: String,
+}
+
+/// Runs everything `args` asks for and writes the report.
+pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
     let quick;
     let args = match args.quick {
         true => {
@@ -822,7 +842,8 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
         }
     };
     if !args.slo_ttft_p99.is_empty() {
-        return goodput_search(args, &targets, &preprocessor);
+        let report = goodput_search(args, &targets, &preprocessor)?;
+        return Ok(Finished { report, summary: String::new() });
     }
 
     let rates: Vec<Option<f64>> = if args.rates.is_empty() {
@@ -873,7 +894,8 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<PathBuf> {
         }
     }
     let elapsed = started.elapsed();
-    report::write(&args.out, args, &fleet, &results, elapsed)
+    let report = report::write(&args.out, args, &fleet, &results, elapsed)?;
+    Ok(Finished { report, summary: terminal::render(&results, args.goodput_ttft_ms) })
 }
 
 /// `--slo-ttft-p99`: the goodput search of every workload and target; writes its report.

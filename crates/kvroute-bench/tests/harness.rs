@@ -262,7 +262,7 @@ fn the_goodput_search_writes_its_table() {
          --out {}",
         out.display()
     ));
-    let report = kvroute_bench::bench(&args).unwrap();
+    let report = kvroute_bench::bench(&args).unwrap().report;
     let md = std::fs::read_to_string(report).unwrap();
     assert!(md.starts_with("# kvroute bench: goodput"), "{md}");
     let table = md.split("## random: probes").next().unwrap();
@@ -290,7 +290,7 @@ fn multi_turn_goodput_is_searched_over_users() {
          --slo-ttft-p99 0.001 --out {}",
         out.display()
     ));
-    let md = std::fs::read_to_string(kvroute_bench::bench(&args).unwrap()).unwrap();
+    let md = std::fs::read_to_string(kvroute_bench::bench(&args).unwrap().report).unwrap();
     assert!(md.contains("| multi-turn | kv | none |"), "{md}");
     assert!(md.contains("| policy | users | TTFT p50 |"), "{md}");
     let json: serde_json::Value =
@@ -354,8 +354,18 @@ fn the_quick_look_runs_shared_prefix_for_kv_and_round_robin() {
         "--quick --workloads multi-turn --policies dynamo --out {}",
         out.display()
     ));
-    let md = std::fs::read_to_string(kvroute_bench::bench(&args).unwrap()).unwrap();
+    let finished = kvroute_bench::bench(&args).unwrap();
+    let md = std::fs::read_to_string(&finished.report).unwrap();
     assert!(md.contains("## shared-prefix") && !md.contains("## multi-turn"), "{md}");
+    // The terminal's table: a row per policy with its hit rate, TTFT and goodput.
+    let table = &finished.summary;
+    assert!(table.contains("shared-prefix") && table.contains("goodput"), "{table}");
+    for policy in ["kv", "round-robin"] {
+        let row =
+            table.lines().find(|l| l.trim_start().starts_with(&format!("{policy} "))).unwrap();
+        assert!(row.contains(" ms") && row.ends_with("req/s"), "{row}");
+    }
+    assert!(table.contains("TTFT <= 10 ms"), "--quick's goodput SLO: {table}");
     assert!(md.contains("| kv |") && md.contains("| round-robin |"), "{md}");
     assert!(!md.contains("| dynamo |") && !md.contains("kv-approx"), "{md}");
     let json: serde_json::Value =

@@ -3,10 +3,11 @@
 use std::process::ExitCode;
 
 pub(crate) fn run(args: &kvroute_bench::BenchArgs) -> anyhow::Result<ExitCode> {
-    let report = kvroute_bench::bench(args)?;
+    let finished = kvroute_bench::bench(args)?;
     #[allow(clippy::print_stdout)]
     {
-        println!("report: {}", report.display());
+        print!("{}", finished.summary);
+        println!("\nreport: {}", finished.report.display());
     }
     Ok(ExitCode::SUCCESS)
 }
