@@ -315,6 +315,10 @@ pub trait Policy: Send + Sync + fmt::Debug {
     fn costs(&self, _request: &RequestInfo, _candidates: &[Candidate]) -> Option<Vec<f64>> {
         None
     }
+    /// What [`Policy::costs`] counts in, for people reading them (`None`: no costs).
+    fn cost_unit(&self) -> Option<&'static str> {
+        None
+    }
     /// The choice of a policy without costs (a priced one picks by its costs).
     fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize {
         let costs = self.costs(request, candidates).unwrap_or_else(|| vec![0.0; candidates.len()]);
@@ -426,6 +430,9 @@ pub struct DecisionRecord {
     pub considered: usize,
     /// The chosen candidate first, then the cheapest others.
     pub candidates: Vec<ScoredCandidate>,
+    /// What the candidates' costs count in: `s` for `kv`, `blocks` for `dynamo`, `score`
+    /// for `lora-affinity`; none for the baselines without costs.
+    pub cost_unit: Option<&'static str>,
 }
 
 /// A candidate of a [`DecisionRecord`], with what its policy priced it at.
@@ -740,6 +747,7 @@ impl Scheduler {
             isl_tokens,
             considered: candidates.len(),
             candidates: std::iter::once(chosen).chain(order).map(scored).collect(),
+            cost_unit: costs.and(self.policy.cost_unit()),
         };
         if self.recent.len() == RECENT_DECISIONS {
             self.recent.pop_front();

@@ -184,6 +184,14 @@ pub(crate) async fn health(State(state): State<Arc<FrontendState>>) -> Json<Valu
     }
 }
 
+/// `GET /ui/history`: the status page's chart, from the front door's own samples.
+pub(crate) async fn history(
+    State(state): State<Arc<FrontendState>>,
+    query: axum::extract::Query<kvroute_http::status::After>,
+) -> Json<serde_json::Value> {
+    kvroute_http::status::history_response(&state.history, state.options.status_every, query.after)
+}
+
 pub(crate) async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {
     state.metrics.ejected.set(state.health.ejected_count() as i64);
     match state.placer.router() {

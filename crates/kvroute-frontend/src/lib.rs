@@ -177,6 +177,9 @@ pub struct FrontDoorOptions {
     pub load_adapters: bool,
     /// Pass a client's own KV-transfer fields ([`TRANSFER_FIELDS`]) on; off: refused (400).
     pub trust_transfer_fields: bool,
+    /// How often the status page's history samples the counters
+    /// ([`kvroute_http::status::History`]).
+    pub status_every: Duration,
 }
 
 /// [`FrontendState::session_key`]: `per_key` is whether namespacing per key is on.
@@ -223,6 +226,7 @@ impl Default for FrontDoorOptions {
             parity_probe: true,
             load_adapters: false,
             trust_transfer_fields: false,
+            status_every: kvroute_http::status::SAMPLE_EVERY,
         }
     }
 }
@@ -269,6 +273,8 @@ pub struct FrontendState {
     prefill_workers: bool,
     /// Mixed into SGLang bootstrap rooms, so two front doors draw different ones.
     room_salt: u64,
+    /// What the status page's chart draws ([`FrontendState::spawn_history`]).
+    history: Arc<kvroute_http::status::History>,
 }
 
 impl std::fmt::Debug for FrontendState {
@@ -368,6 +374,7 @@ impl FrontendState {
                 &std::collections::hash_map::RandomState::new(),
                 0u8,
             ),
+            history: Arc::default(),
             preprocessor,
         }
     }
@@ -491,6 +498,21 @@ impl FrontendState {
         self
     }
 
+    /// Samples the counters the status page draws every `status_every` until the front door
+    /// is dropped: the router's (embedded; a remote router's page has its own history).
+    pub fn spawn_history(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        self.history.spawn(self.options.status_every, move || {
+            let state = weak.upgrade()?;
+            Some(match state.placer.router() {
+                Some(r) => {
+                    kvroute_http::status::Counters::read(&[&state.metrics.registry, r.registry()])
+                }
+                None => kvroute_http::status::Counters::read(&[&state.metrics.registry]),
+            })
+        })
+    }
+
     /// Requests routed and not yet ended.
     pub fn in_flight(&self) -> i64 {
         self.metrics.in_flight.get()
@@ -517,7 +539,8 @@ pub fn app(state: Arc<FrontendState>) -> Router {
         .merge(require(
             Router::new()
                 .route("/metrics", get(handlers::metrics))
-                .route("/workers", get(handlers::workers)),
+                .route("/workers", get(handlers::workers))
+                .route("/ui/history", get(handlers::history)),
             state.admin.clone(),
         ))
         .route("/health", get(handlers::health))

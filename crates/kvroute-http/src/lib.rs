@@ -31,6 +31,7 @@ pub mod router_api;
 pub mod server;
 pub mod sglang_generate;
 pub mod sse;
+pub mod status;
 pub mod testing;
 pub mod vllm_generate;
 
@@ -42,18 +43,9 @@ pub use auth::Credentials;
 pub use client::{ClientError, HttpClient};
 pub use error::ApiError;
 
-/// The live status page the front door and the router serve at `/ui`: one HTML file (script
-/// and style inline, no asset fetched from anywhere) that reads `/workers` and `/metrics`
-/// with the admin token it is given as `?token=`; served to anyone, it shows nothing of the
-/// fleet without the token.
-pub const STATUS_PAGE: &str = include_str!("ui.html");
-
-/// `GET /ui`.
-pub async fn status_page() -> axum::response::Html<&'static str> {
-    axum::response::Html(STATUS_PAGE)
-}
 pub use server::{ServeOptions, serve_with};
 pub use sse::{SseEvent, SseReader};
+pub use status::{STATUS_PAGE, status_page};
 
 /// Answers unknown routes (404) and methods (405) with an [`ApiError`] body.
 pub fn fallbacks<S: Clone + Send + Sync + 'static>(router: Router<S>) -> Router<S> {

@@ -48,11 +48,21 @@ pub const TREE_INFO_TTL: Duration = Duration::from_secs(10);
 struct Api {
     state: Arc<RouterState>,
     tree_info: Mutex<Option<(Instant, serde_json::Value)>>,
+    /// What the status page's chart draws, sampled while the app lives.
+    history: Arc<kvroute_http::status::History>,
 }
 
 /// The router's API; with `admin` keys, every route but `/health` needs one of them.
 pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
-    let api = Arc::new(Api { state, tree_info: Mutex::new(None) });
+    let api = Arc::new(Api { state, tree_info: Mutex::new(None), history: Arc::default() });
+    // The page's history, sampled until the app is dropped (outside a runtime: none).
+    if tokio::runtime::Handle::try_current().is_ok() {
+        let weak = Arc::downgrade(&api);
+        api.history.spawn(kvroute_http::status::SAMPLE_EVERY, move || {
+            let api = weak.upgrade()?;
+            Some(kvroute_http::status::Counters::read(&[api.state.registry()]))
+        });
+    }
     let routes = Router::new()
         .route(router_api::FIND_BEST_WORKER, post(find_best_worker))
         .route("/requests/{id}/prefill_done", post(prefill_done))
@@ -62,7 +72,8 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         .route(router_api::INJECT_EVENT, post(inject_event))
         .route(router_api::TREE_INFO, get(tree_info))
         .route(router_api::WORKERS, get(workers))
-        .route("/metrics", get(metrics));
+        .route("/metrics", get(metrics))
+        .route("/ui/history", get(history));
     let routes = kvroute_http::auth::require(routes, admin)
         .route("/health", get(health))
         .route("/ui", get(kvroute_http::status_page));
@@ -70,6 +81,18 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
 }
 
 type ApiState = State<Arc<Api>>;
+
+/// `GET /ui/history`: the status page's chart, from the router's own samples.
+async fn history(
+    State(api): ApiState,
+    query: axum::extract::Query<kvroute_http::status::After>,
+) -> axum::Json<serde_json::Value> {
+    kvroute_http::status::history_response(
+        &api.history,
+        kvroute_http::status::SAMPLE_EVERY,
+        query.after,
+    )
+}
 
 fn check_request_id(id: &str) -> Result<(), ApiError> {
     match id.len() {

@@ -198,11 +198,13 @@ pub struct Stack {
 
 /// The front door's health probes; stopped when the stack is dropped.
 #[derive(Debug)]
-struct Probes(tokio::task::JoinHandle<()>);
+struct Probes(Vec<tokio::task::JoinHandle<()>>);
 
 impl Drop for Probes {
     fn drop(&mut self) {
-        self.0.abort();
+        for task in &self.0 {
+            task.abort();
+        }
     }
 }
 
@@ -353,7 +355,7 @@ impl Stack {
             }
             None => None,
         };
-        let probes = frontend.as_ref().map(|f| Probes(f.spawn_probes()));
+        let probes = frontend.as_ref().map(|f| Probes(vec![f.spawn_probes(), f.spawn_history()]));
         Ok(Self {
             workers,
             simulated: engines,

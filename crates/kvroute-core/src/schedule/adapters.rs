@@ -211,6 +211,10 @@ impl Policy for LoraAffinity {
         "lora-affinity"
     }
 
+    fn cost_unit(&self) -> Option<&'static str> {
+        Some("score")
+    }
+
     fn costs(&self, _request: &RequestInfo, candidates: &[Candidate]) -> Option<Vec<f64>> {
         let costs = candidates
             .iter()

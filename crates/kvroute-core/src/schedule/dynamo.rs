@@ -37,4 +37,8 @@ impl Policy for DynamoPolicy {
     fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Option<Vec<f64>> {
         Some(candidates.iter().map(|c| cost(request, c)).collect())
     }
+
+    fn cost_unit(&self) -> Option<&'static str> {
+        Some("blocks")
+    }
 }

@@ -266,4 +266,8 @@ impl Policy for KvPolicy {
     fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Option<Vec<f64>> {
         Some(KvPolicy::costs(self, request, candidates))
     }
+
+    fn cost_unit(&self) -> Option<&'static str> {
+        Some("s")
+    }
 }

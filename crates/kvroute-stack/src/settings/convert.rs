@@ -57,6 +57,7 @@ impl Settings {
                 adapters: Vec::new(),
                 load_adapters: Some(front_door.load_adapters),
                 trust_transfer_fields: Some(front_door.trust_transfer_fields),
+                status_sample_ms: Some(front_door.status_every.as_millis() as u64),
             },
             blocks: Blocks { block_size: Some(BlockSize::default().get()) },
             simulated: SimulatedFleet {
@@ -554,6 +555,11 @@ impl Settings {
             parity_probe: f.parity_probe.unwrap_or(d.parity_probe),
             load_adapters: f.load_adapters.unwrap_or(d.load_adapters),
             trust_transfer_fields: f.trust_transfer_fields.unwrap_or(d.trust_transfer_fields),
+            status_every: match f.status_sample_ms {
+                Some(0) => return Err(Invalid::AtLeastOne("status_sample_ms").into()),
+                Some(ms) => Duration::from_millis(ms),
+                None => d.status_every,
+            },
         })
     }
 

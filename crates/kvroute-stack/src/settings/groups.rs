@@ -120,6 +120,10 @@ pub struct FrontDoor {
     /// make an engine call an address and take KV from it (docs/security.md).
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub trust_transfer_fields: Option<bool>,
+    /// How often the status page's history samples the router's counters, in milliseconds;
+    /// it keeps the last 300 samples (5 minutes at the default), which /ui draws when opened.
+    #[arg(long)]
+    pub status_sample_ms: Option<u64>,
 }
 
 /// Tokens per KV block, for the router and the simulated engines alike.
