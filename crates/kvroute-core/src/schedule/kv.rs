@@ -177,6 +177,55 @@ pub struct KvPolicy {
     name: &'static str,
 }
 
+/// A candidate's cache as the cost sees it: its capacity in blocks, when it reports one, and
+/// how full its index is (1 when the capacity is unknown).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Fill {
+    pub(crate) total: Option<f64>,
+    pub(crate) fullness: f64,
+}
+
+impl Fill {
+    pub(crate) fn of(c: &Candidate) -> Self {
+        let total = c.load.kv_total_blocks.filter(|&t| t > 0).map(|t| t as f64);
+        Self { total, fullness: total.map_or(1.0, |t| (c.tree_size as f64 / t).min(1.0)) }
+    }
+}
+
+/// The cost's terms, each in tokens of prefill work, shared by the `kv` cost and the pair
+/// cost's decode side (`pairs.rs`), so there is one definition of each.
+impl KvConfig {
+    /// `evict_i`: what storing `tokens` more evicts.
+    pub(crate) fn evict_tokens(&self, tokens: f64, fill: Fill) -> f64 {
+        self.eviction_weight * tokens * fill.fullness
+    }
+
+    /// `decode_i`: the decode work running there, by its share of the cache (or its tokens,
+    /// when the capacity is unknown).
+    pub(crate) fn decode_tokens(&self, c: &Candidate, fill: Fill, block_size: usize) -> f64 {
+        match fill.total {
+            Some(t) => self.decode_full_cache_tokens * (c.active.blocks as f64 / t).min(1.0),
+            None => self.decode_weight * (c.active.blocks * block_size) as f64,
+        }
+    }
+
+    /// `wait_i`: every block of a request of `num_blocks` is referenced while it runs (cached
+    /// ones too), except those already in flight there, plus one for its first output token;
+    /// past the capacity it waits for memory.
+    pub(crate) fn wait_tokens(&self, c: &Candidate, fill: Fill, num_blocks: usize) -> f64 {
+        let needs = num_blocks.saturating_sub(c.inflight_prefix_blocks as usize) + 1;
+        match fill.total {
+            Some(t) if (c.active.blocks + needs) as f64 > t => self.memory_wait_tokens,
+            _ => 0.0,
+        }
+    }
+
+    /// Tokens of prefill work as seconds.
+    pub(crate) fn seconds(&self, tokens: f64) -> f64 {
+        tokens / self.prefill_tokens_per_s.max(1.0)
+    }
+}
+
 impl KvPolicy {
     pub fn new(config: KvConfig) -> Self {
         Self { config, adapters: true, name: "kv" }
@@ -215,6 +264,7 @@ impl KvPolicy {
 
     /// Predicted cost (seconds) of each candidate, in order.
     pub fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Vec<f64> {
+        let w = &self.config;
         let bs = request.block_size;
         let cached = |c: &Candidate| {
             (c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs).min(request.isl_tokens)
@@ -224,35 +274,19 @@ impl KvPolicy {
             .iter()
             .map(|c| {
                 let have = cached(c);
-                let total = c.load.kv_total_blocks.filter(|&t| t > 0).map(|t| t as f64);
-                let fullness = total.map_or(1.0, |t| (c.tree_size as f64 / t).min(1.0));
+                let fill = Fill::of(c);
                 let uncached = (request.isl_tokens - have) as f64;
                 let have_blocks = c.overlap_blocks.max(c.inflight_prefix_blocks);
                 let loaded = match c.tier_blocks == [0; 3] {
                     true => 0.0,
                     false => (loaded_blocks(c, have_blocks, credits) * bs as f64).min(uncached),
                 };
-                let ttft =
-                    self.config.queue_weight * c.active.prefill_tokens as f64 + uncached - loaded;
-                let evict = self.config.eviction_weight * uncached * fullness;
-                let decode = match total {
-                    Some(t) => {
-                        self.config.decode_full_cache_tokens * (c.active.blocks as f64 / t).min(1.0)
-                    }
-                    None => self.config.decode_weight * (c.active.blocks * bs) as f64,
-                };
-                // Every block of the request is referenced while it runs (cached ones too),
-                // except those already in flight there; one more for its first output token.
-                let needs =
-                    request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize) + 1;
-                let wait = match total {
-                    Some(t) if (c.active.blocks + needs) as f64 > t => {
-                        self.config.memory_wait_tokens
-                    }
-                    _ => 0.0,
-                };
+                let ttft = w.queue_weight * c.active.prefill_tokens as f64 + uncached - loaded;
+                let evict = w.evict_tokens(uncached, fill);
+                let decode = w.decode_tokens(c, fill, bs);
+                let wait = w.wait_tokens(c, fill, request.num_blocks);
                 let adapter = self.adapter_tokens(c);
-                (ttft + evict + decode + wait + adapter) / self.config.prefill_tokens_per_s.max(1.0)
+                w.seconds(ttft + evict + decode + wait + adapter)
             })
             .collect()
     }

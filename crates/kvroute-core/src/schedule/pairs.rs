@@ -45,7 +45,7 @@ use serde::{Deserialize, Serialize};
 
 use std::time::Instant;
 
-use super::kv::KvConfig;
+use super::kv::{Fill, KvConfig};
 use super::{
     Candidate, PolicyKind, RequestBlocks, RequestInfo, RouteDecision, RouteRequest, Scheduler,
     TreeSizes, pick_by_cost, reusable_tokens,
@@ -188,21 +188,14 @@ fn held(c: &Candidate, config: &PairConfig) -> u32 {
     }
 }
 
-/// The decode-side terms of `d` for a request whose blocks it lacks `lacks` (seconds).
+/// The decode-side terms of `d` for a request whose blocks it lacks `lacks` (seconds): the
+/// kv cost's decode, wait and evict terms (no queue: a pulled request joins the batch).
 fn decode_cost(kv: &KvConfig, r: &PairRequest, d: &Candidate, lacks: u32) -> f64 {
-    let total = d.load.kv_total_blocks.filter(|&t| t > 0).map(|t| t as f64);
-    let fullness = total.map_or(1.0, |t| (d.tree_size as f64 / t).min(1.0));
-    let decode = match total {
-        Some(t) => kv.decode_full_cache_tokens * (d.active.blocks as f64 / t).min(1.0),
-        None => kv.decode_weight * (d.active.blocks * r.block_size) as f64,
-    };
-    let needs = r.num_blocks.saturating_sub(d.inflight_prefix_blocks as usize) + 1;
-    let wait = match total {
-        Some(t) if (d.active.blocks + needs) as f64 > t => kv.memory_wait_tokens,
-        _ => 0.0,
-    };
-    let evict = kv.eviction_weight * f64::from(lacks) * r.block_size as f64 * fullness;
-    (decode + wait + evict) / kv.prefill_tokens_per_s.max(1.0)
+    let fill = Fill::of(d);
+    let decode = kv.decode_tokens(d, fill, r.block_size);
+    let wait = kv.wait_tokens(d, fill, r.num_blocks);
+    let evict = kv.evict_tokens(f64::from(lacks) * r.block_size as f64, fill);
+    kv.seconds(decode + wait + evict)
 }
 
 /// Seconds to move `blocks` over the link between `p` and `d`.
