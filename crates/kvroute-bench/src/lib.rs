@@ -369,12 +369,12 @@ pub struct BenchArgs {
 pub const DISAGG_SLO_TPOT_MS: f64 = 25.0;
 
 /// `P:D`, two counts of workers, neither 0.
-fn parse_disagg(s: &str) -> Result<(usize, usize), String> {
-    let (p, d) = s.split_once(':').ok_or("expected P:D, e.g. 2:2")?;
+fn parse_disagg(s: &str) -> anyhow::Result<(usize, usize)> {
+    let (p, d) = s.split_once(':').context("expected P:D, e.g. 2:2")?;
     let n = |v: &str| v.trim().parse::<usize>().ok().filter(|&n| n > 0);
     match (n(p), n(d)) {
         (Some(p), Some(d)) => Ok((p, d)),
-        _ => Err(format!("{s:?}: P and D must be counts above 0")),
+        _ => anyhow::bail!("{s:?}: P and D must be counts above 0"),
     }
 }
 

@@ -22,6 +22,23 @@ pub use protocols::{
     WorkerId, WorkerWithDpRank,
 };
 
+/// A setting's word that names none of its choices (`--role`, `--tier-loads`, ...).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {given:?} ({choices})")]
+pub struct UnknownChoice {
+    /// What the word was to name.
+    pub what: &'static str,
+    pub given: String,
+    /// The words it takes, for the message.
+    pub choices: &'static str,
+}
+
+impl UnknownChoice {
+    pub fn new(what: &'static str, given: &str, choices: &'static str) -> Self {
+        Self { what, given: given.to_owned(), choices }
+    }
+}
+
 /// Everything kvroute-core can refuse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

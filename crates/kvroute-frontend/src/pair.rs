@@ -132,7 +132,7 @@ enum Decoded {
     /// The decode worker did not answer: it is to blame.
     Failed(HopFailure),
     /// The decode worker answered that it could not take the prefill's KV.
-    Handoff(String),
+    Handoff(HandoffRefused),
     /// SGLang's prefill leg, sent beside it, failed or was refused first.
     Prefill(PrefillOutcome),
 }
@@ -190,6 +190,16 @@ async fn decode_leg(
     }
 }
 
+/// Why a decode worker said it could not take the prefill's KV (its message).
+#[derive(Debug)]
+struct HandoffRefused(String);
+
+impl std::fmt::Display for HandoffRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// A decode answer's body, its first frame read ahead.
 type Peeked = StreamBody<BoxStream<'static, Result<Frame<Bytes>, hyper::Error>>>;
 
@@ -200,7 +210,7 @@ async fn peek(
     head: Head,
     streamed: bool,
     timeout: Duration,
-) -> Result<Result<hyper::Response<Peeked>, String>, HopFailure> {
+) -> Result<Result<hyper::Response<Peeked>, HandoffRefused>, HopFailure> {
     let (parts, mut body) = head.into_parts();
     if parts.status.is_server_error() {
         let read = Limited::new(body, PREFILL_ANSWER_LIMIT).collect();
@@ -209,7 +219,7 @@ async fn peek(
             _ => Bytes::new(),
         };
         let message = kvroute_http::client::error_message(&bytes);
-        return Ok(Err(format!("HTTP {}: {message}", parts.status)));
+        return Ok(Err(HandoffRefused(format!("HTTP {}: {message}", parts.status))));
     }
     let first = match streamed && parts.status.is_success() {
         true => match tokio::time::timeout(timeout, body.frame()).await {
@@ -221,7 +231,7 @@ async fn peek(
         false => None,
     };
     if let Some(why) = first.as_ref().and_then(Frame::data_ref).and_then(|d| stream_error(d)) {
-        return Ok(Err(why));
+        return Ok(Err(HandoffRefused(why)));
     }
     let rest = http_body_util::BodyStream::new(body);
     let stream = futures_util::stream::iter(first.map(Ok)).chain(rest).boxed();

@@ -71,12 +71,16 @@ pub enum TransferTiming {
 }
 
 impl FromStr for TransferTiming {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = kvroute_core::UnknownChoice;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "destination-missing" => Ok(Self::DestinationMissing),
             "full-prompt" => Ok(Self::FullPrompt),
-            _ => Err(format!("unknown transfer timing {s:?} (destination-missing, full-prompt)")),
+            _ => Err(kvroute_core::UnknownChoice::new(
+                "transfer timing",
+                s,
+                "destination-missing, full-prompt",
+            )),
         }
     }
 }
@@ -93,12 +97,16 @@ pub enum LoadFailurePolicy {
 }
 
 impl FromStr for LoadFailurePolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = kvroute_core::UnknownChoice;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "fail" => Ok(Self::Fail),
             "recompute" => Ok(Self::Recompute),
-            _ => Err(format!("unknown KV load failure policy {s:?} (fail, recompute)")),
+            _ => Err(kvroute_core::UnknownChoice::new(
+                "KV load failure policy",
+                s,
+                "fail, recompute",
+            )),
         }
     }
 }

@@ -34,12 +34,12 @@ pub enum TierLoads {
 }
 
 impl std::str::FromStr for TierLoads {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = kvroute_core::UnknownChoice;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "async" => Ok(Self::Async),
             "sync" => Ok(Self::Sync),
-            _ => Err(format!("unknown tier load timing {s:?} (async, sync)")),
+            _ => Err(kvroute_core::UnknownChoice::new("tier load timing", s, "async, sync")),
         }
     }
 }

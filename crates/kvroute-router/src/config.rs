@@ -48,8 +48,8 @@ pub enum WorkerFlagError {
     Format(#[from] kvroute_wire::UnknownFormat),
     #[error("unknown dialect {0:?} (known: {known})", known = Dialect::NAMES.join(", "))]
     Dialect(String),
-    #[error("{0}")]
-    Role(String),
+    #[error(transparent)]
+    Role(#[from] kvroute_core::UnknownChoice),
 }
 
 /// What is wrong with one configured worker.

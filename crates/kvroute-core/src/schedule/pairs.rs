@@ -76,13 +76,13 @@ impl Role {
 }
 
 impl FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = crate::UnknownChoice;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "both" => Ok(Self::Both),
             "prefill" => Ok(Self::Prefill),
             "decode" => Ok(Self::Decode),
-            _ => Err(format!("unknown role {s:?} (prefill, decode or both)")),
+            _ => Err(crate::UnknownChoice::new("role", s, "prefill, decode or both")),
         }
     }
 }

@@ -69,6 +69,8 @@ pub enum Invalid {
     TlsPair,
     #[error("{0} must be at least 1")]
     AtLeastOne(&'static str),
+    #[error("{0:?}: expected NAME=VALUE, VALUE a number")]
+    Weight(String),
     #[error("{0} must be a finite number >= 0")]
     Negative(&'static str),
     #[error("block_size: {0}")]
@@ -347,9 +349,10 @@ impl Settings {
 
 /// `NAME=VALUE` of `--kv-cost` and `--pd-cost` (the name is checked against the cost's settings
 /// later).
-pub fn kv_weight(arg: &str) -> Result<(String, f64), String> {
-    let (name, value) = arg.split_once('=').ok_or("expected NAME=VALUE")?;
-    let value = value.trim().parse().map_err(|e| format!("{value}: {e}"))?;
+pub fn kv_weight(arg: &str) -> Result<(String, f64), Invalid> {
+    let bad = || Invalid::Weight(arg.to_owned());
+    let (name, value) = arg.split_once('=').ok_or_else(bad)?;
+    let value = value.trim().parse().map_err(|_| bad())?;
     Ok((name.trim().to_owned(), value))
 }
 
