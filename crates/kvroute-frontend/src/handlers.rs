@@ -167,21 +167,18 @@ pub(crate) async fn models(State(state): State<Arc<FrontendState>>) -> Json<Mode
     Json(state.models.list())
 }
 
-/// The workers as the front door sees them (their health), and the embedded router's view.
+/// The workers as the front door sees them (their health), and the router's view of them
+/// (embedded, or a remote router's `/workers`).
 pub(crate) async fn workers(State(state): State<Arc<FrontendState>>) -> Json<Value> {
     let health = state.health.snapshot(Instant::now());
-    let router = state.placer.router();
-    let decisions = router.map(|r| r.recent_decisions());
-    Json(json!({"health": health, "workers": router.map(|r| r.workers()),
-        "recent_decisions": decisions, "nats": router.and_then(|r| r.nats()).map(|n| n.summary())}))
+    let view = state.placer.view().await;
+    Json(json!({"health": health, "workers": view["workers"],
+        "recent_decisions": view["recent_decisions"], "nats": view["nats"]}))
 }
 
 /// Liveness; with an embedded router, its state (NATS away is degraded, not down).
 pub(crate) async fn health(State(state): State<Arc<FrontendState>>) -> Json<Value> {
-    match state.placer.router() {
-        Some(router) => Json(router.health()),
-        None => Json(json!({"status": "ok", "degraded": false})),
-    }
+    Json(state.placer.health())
 }
 
 /// `GET /ui/history`: the status page's chart, from the front door's own samples.
@@ -194,10 +191,8 @@ pub(crate) async fn history(
 
 pub(crate) async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {
     state.metrics.ejected.set(state.health.ejected_count() as i64);
-    match state.placer.router() {
-        Some(router) => {
-            kvroute_http::metrics::response(&[&state.metrics.registry, router.registry()])
-        }
+    match state.placer.registry() {
+        Some(router) => kvroute_http::metrics::response(&[&state.metrics.registry, router]),
         None => kvroute_http::metrics::response(&[&state.metrics.registry]),
     }
 }

@@ -38,6 +38,7 @@ use kvroute_router::{Dialect, RouterState, WorkerSpec};
 
 mod dialect;
 mod dispatch;
+mod fleet_seam;
 mod handlers;
 pub mod health;
 mod models;
@@ -241,6 +242,8 @@ pub struct FrontendState {
     pub placer: Placer,
     block_size: BlockSize,
     urls: BTreeMap<WorkerId, String>,
+    /// The workers configured with KV events (a restarted one is parity-probed again).
+    evented: std::collections::BTreeSet<WorkerId>,
     /// How each worker is spoken to (absent: the client's OpenAI body).
     dialects: BTreeMap<WorkerId, Dialect>,
     /// Each worker's data-parallel ranks (all are excluded when it is ejected).
@@ -344,6 +347,7 @@ impl FrontendState {
             placer,
             block_size,
             urls: urls(workers),
+            evented: workers.iter().filter(|w| w.events.is_some()).map(|w| w.id).collect(),
             dialects: workers.iter().map(|w| (w.id, w.dialect)).collect(),
             ranks: ranks(workers),
             health: Health::new(workers.iter().filter(|w| w.url.is_some()).map(|w| w.id)),
@@ -478,13 +482,11 @@ impl FrontendState {
             self.metrics.ejections.inc();
             tracing::warn!(%worker, ?why, backoff_secs = backoff.as_secs_f64(), "worker ejected");
         }
-        if why == Failure::Connect
-            && let Some(router) = self.placer.router()
-        {
-            router.forget_blocks(worker);
+        if why == Failure::Connect {
+            self.placer.forget_blocks(worker);
             self.forget_models(worker);
             // Whatever comes back on its port is probed again.
-            let probed = router.workers().iter().any(|w| w.id == worker && w.events.is_some());
+            let probed = self.evented.contains(&worker);
             if let (true, Ok(mut to_probe)) = (probed, self.to_probe.lock()) {
                 to_probe.insert(worker);
             }
@@ -504,10 +506,8 @@ impl FrontendState {
         let weak = Arc::downgrade(self);
         self.history.spawn(self.options.status_every, move || {
             let state = weak.upgrade()?;
-            Some(match state.placer.router() {
-                Some(r) => {
-                    kvroute_http::status::Counters::read(&[&state.metrics.registry, r.registry()])
-                }
+            Some(match state.placer.registry() {
+                Some(r) => kvroute_http::status::Counters::read(&[&state.metrics.registry, r]),
                 None => kvroute_http::status::Counters::read(&[&state.metrics.registry]),
             })
         })

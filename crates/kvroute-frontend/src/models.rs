@@ -27,13 +27,10 @@ impl FrontendState {
         let listed = futures_util::future::join_all(reads).await;
         for (worker, adapters) in listed {
             let Some(adapters) = adapters else { continue };
-            // Loading adapters on demand, any worker can serve any of them. (A remote router
-            // is not told: it takes every worker to serve any adapter.)
+            // Loading adapters on demand, any worker can serve any of them.
             let served = (!self.options.load_adapters).then(|| adapters.clone());
-            if let Some(router) = self.placer.router() {
-                for rank in self.all_ranks(worker) {
-                    router.set_served_adapters(rank, served.clone());
-                }
+            for rank in self.all_ranks(worker) {
+                self.placer.set_served_adapters(rank, served.clone());
             }
             if let Ok(mut known) = self.listed.lock() {
                 known.insert(worker, adapters);

@@ -20,20 +20,21 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::{BlockHasher, LocalBlockHash, WorkerId, WorkerWithDpRank};
+use kvroute_core::{BlockHasher, LocalBlockHash, WorkerId};
 use kvroute_http::ClientError;
 use kvroute_http::openai::{ChatMessage, ContentPart, ImageUrl, MessageContent};
 use kvroute_preprocess::{Prepared, images};
-use kvroute_router::{ConvertStats, Parity, RouterState};
+use kvroute_router::{ConvertStats, Parity};
 use serde_json::{Value, json};
 
+use crate::placer::Placer;
 use crate::{FrontendState, dialect};
 
-fn fail(router: &RouterState, worker: WorkerId, cause: &Mismatch) -> Parity {
+fn fail(placer: &Placer, worker: WorkerId, cause: &Mismatch) -> Parity {
     tracing::error!(%worker, %cause, "parity probe failed: the worker's events cannot be used; routing it approximately");
     // The router keeps the cause as text: it is what `/workers` shows.
     let parity = Parity::Failed(cause.to_string());
-    router.set_parity(worker, parity.clone());
+    placer.set_parity(worker, parity.clone());
     parity
 }
 
@@ -72,14 +73,15 @@ pub enum Retry {
     Gone,
 }
 
-/// Probes `worker` and records the outcome in the embedded router; `Ok(None)` when there is
-/// nothing to probe (no embedded router, no URL), `Err` when it cannot be probed now (the
-/// caller tries again after a backoff, and records why).
+/// Probes `worker` and records the outcome in the router (embedded or remote: through the
+/// [`Placer`]); `Ok(None)` when there is nothing to probe (no URL), `Err` when it cannot be
+/// probed now (the caller tries again after a backoff, and records why).
 pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Option<Parity>, Retry> {
-    let (Some(router), Some(base)) = (state.placer.router(), state.urls.get(&worker)) else {
+    let Some(base) = state.urls.get(&worker) else {
         return Ok(None);
     };
-    let status = router.workers().into_iter().find(|w| w.id == worker).ok_or(Retry::Gone)?;
+    let placer = &state.placer;
+    let status = placer.worker(worker).await.map_err(|_| Retry::NoAnswer)?.ok_or(Retry::Gone)?;
     // Nothing to compare for a worker without events; wait for its subscription otherwise.
     if status.events.is_none() {
         return Ok(Some(Parity::Unchecked));
@@ -88,7 +90,7 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
         return Err(Retry::NotSubscribed);
     }
     // Trust its events while it is probed (a failed worker gets another chance).
-    router.set_parity(worker, Parity::Unchecked);
+    placer.set_parity(worker, Parity::Unchecked);
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
@@ -106,14 +108,14 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
             None => ("/v1/chat/completions", p.body.clone()),
         };
         let url = format!("{base}{path}");
-        match run(state, router, worker, status.dp_size, &url, body, p).await {
+        match run(state, worker, &url, body, p).await {
             Some(Ok(())) => {}
-            Some(Err(cause)) => return Ok(Some(fail(router, worker, &cause))),
+            Some(Err(cause)) => return Ok(Some(fail(placer, worker, &cause))),
             None => return Err(Retry::NoAnswer),
         }
     }
     tracing::info!(%worker, probes = probes.len(), "parity probe passed");
-    router.set_parity(worker, Parity::Ok);
+    placer.set_parity(worker, Parity::Ok);
     Ok(Some(Parity::Ok))
 }
 
@@ -194,20 +196,18 @@ fn image_probe(state: &FrontendState, worker: WorkerId, nonce: u128) -> Option<P
     })
 }
 
-/// Sends one probe and waits for its blocks in the index; `Err` names what differs.
+/// Sends one probe and waits for its blocks in the index; `Err` names what differs, `None`
+/// when the worker or the router did not answer.
 async fn run(
     state: &FrontendState,
-    router: &RouterState,
     worker: WorkerId,
-    dp_size: u32,
     url: &str,
     body: Value,
     probe: &Probe,
 ) -> Option<Result<(), Mismatch>> {
-    let conversion = |router: &RouterState| -> Option<ConvertStats> {
-        Some(router.workers().into_iter().find(|w| w.id == worker)?.conversion)
-    };
-    let before = conversion(router)?;
+    let placer = &state.placer;
+    let conversion = async || Some(placer.worker(worker).await.ok()??.conversion);
+    let before = conversion().await?;
     let answer = state.client.post_json::<Value>(url, &body);
     match tokio::time::timeout(PROBE_WAIT, answer).await {
         Ok(Ok(_)) => {}
@@ -217,17 +217,17 @@ async fn run(
         // Unreachable or slow: the health checks deal with it; probed again later.
         _ => return None,
     }
-    let held = |hashes: &[LocalBlockHash]| {
-        let scores = router.index.find_matches(hashes);
-        (0..dp_size)
-            .map(|r| scores.score(WorkerWithDpRank::new(worker, r)) as usize)
-            .max()
-            .unwrap_or(0)
-    };
+    let held = async |hashes: &[LocalBlockHash]| placer.held(worker, hashes).await.ok();
     let deadline = Instant::now() + PROBE_WAIT;
-    while held(&probe.hashes) < probe.hashes.len() {
+    while held(&probe.hashes).await? < probe.hashes.len() {
         if Instant::now() > deadline {
-            return Some(Err(cause(state, before, conversion(router)?, probe, held)));
+            let held_plain = match &probe.without_images {
+                Some(plain) => Some(held(plain).await?),
+                None => None,
+            };
+            let held_all = held(&probe.hashes).await?;
+            let after = conversion().await?;
+            return Some(Err(cause(state, before, after, probe, held_plain, held_all)));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -260,20 +260,21 @@ pub enum Mismatch {
 }
 
 /// Why a probe's blocks did not arrive as hashed, as far as the router can tell.
+/// `held_plain` and `held_all`: the blocks the worker holds of the probe hashed without its
+/// images, and with them.
 fn cause(
     state: &FrontendState,
     before: ConvertStats,
     after: ConvertStats,
     probe: &Probe,
-    held: impl Fn(&[LocalBlockHash]) -> usize,
+    held_plain: Option<usize>,
+    held_all: usize,
 ) -> Mismatch {
     if after.wrong_block_size > before.wrong_block_size {
         let router = state.block_size.tokens();
         return Mismatch::BlockSize { engine: after.seen_block_size, router };
     }
-    if let Some(plain) = &probe.without_images
-        && held(plain) > held(&probe.hashes)
-    {
+    if held_plain.is_some_and(|plain| plain > held_all) {
         return Mismatch::NoImageKeys;
     }
     if after.blocks_stored > before.blocks_stored {

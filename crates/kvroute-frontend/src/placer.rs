@@ -36,6 +36,14 @@ impl RemoteRouter {
         let client = HttpClient::bearing(token);
         Self { base: base.trim_end_matches('/').to_owned(), client }
     }
+
+    pub(crate) fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub(crate) fn client(&self) -> &HttpClient {
+        &self.client
+    }
 }
 
 /// What the router knew when it placed a request: where it goes, how many of its leading
@@ -208,16 +216,9 @@ impl Placer {
                 router.record_answer(&answer);
             }
             Self::Remote(remote) => {
-                remote.notify(Method::POST, router_api::ANSWERS.to_owned(), Some(answer));
+                let body = serde_json::to_value(answer).unwrap_or(serde_json::Value::Null);
+                remote.notify(Method::POST, router_api::ANSWERS.to_owned(), Some(body));
             }
-        }
-    }
-
-    /// The embedded router, if any.
-    pub fn router(&self) -> Option<&Arc<RouterState>> {
-        match self {
-            Self::Embedded(router) => Some(router),
-            Self::Remote(_) => None,
         }
     }
 }
@@ -252,8 +253,9 @@ impl RemoteRouter {
         }
     }
 
-    /// Tells the router something in the background (the lifecycle calls).
-    fn notify(&self, method: Method, path: String, body: Option<Answered>) {
+    /// Tells the router something in the background (the lifecycle calls, and what the
+    /// front door learns of its workers).
+    pub(crate) fn notify(&self, method: Method, path: String, body: Option<serde_json::Value>) {
         let remote = self.clone();
         tokio::spawn(async move {
             let url = format!("{}{path}", remote.base);

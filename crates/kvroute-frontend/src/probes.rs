@@ -55,12 +55,9 @@ impl FrontendState {
         };
         retries.insert(worker, (Instant::now() + backoff, backoff));
         tracing::debug!(%worker, cause = %why, backoff_secs = backoff.as_secs(), "parity probe deferred");
-        if let Some(router) = self.placer.router()
-            && !router.parity_failed(worker)
-        {
-            let cause = format!("{why}; next try in {} s", backoff.as_secs());
-            router.set_parity(worker, kvroute_router::Parity::Retrying(cause));
-        }
+        // A failed worker stays failed until a probe is made (the router keeps that rule).
+        let cause = format!("{why}; next try in {} s", backoff.as_secs());
+        self.placer.set_parity(worker, kvroute_router::Parity::Retrying(cause));
     }
 
     /// Checks every worker's `GET /health` each [`HEALTH_INTERVAL`] until the front door is

@@ -8,6 +8,13 @@
 //! | `POST /answers` | [`Answered`] | 204 |
 //! | `POST /events` | `[RouterEvent]` | [`EventsReply`] |
 //! | `POST /debug/inject_event` | [`InjectEvent`] | `{"status":"ok"}` |
+//! | `POST /overlaps` | [`Overlaps`] | [`OverlapsReply`] |
+//! | `PUT /workers/{id}/parity` | the router's `Parity` (`{"state": .., "cause": ..}`) | 204 |
+//! | `PUT /workers/{id}/adapters` | [`ServedAdapters`] | 204 |
+//! | `POST /workers/{id}/forget` | - | 204 |
+//!
+//! The last four are what a front door tells a remote router of its workers: what their
+//! parity probes found, which adapters each lists, and that one's engine refused a connection.
 //!
 //! Answers carry no defaulted fields: a field renamed on one side fails to decode on the other
 //! instead of silently reading as zero.
@@ -21,6 +28,22 @@ pub const INJECT_EVENT: &str = "/debug/inject_event";
 pub const TREE_INFO: &str = "/debug/tree_info";
 pub const WORKERS: &str = "/workers";
 pub const ANSWERS: &str = "/answers";
+pub const OVERLAPS: &str = "/overlaps";
+
+/// `PUT /workers/{id}/parity`.
+pub fn parity_path(worker: WorkerId) -> String {
+    format!("/workers/{}/parity", worker.0)
+}
+
+/// `PUT /workers/{id}/adapters`.
+pub fn adapters_path(worker: WorkerId) -> String {
+    format!("/workers/{}/adapters", worker.0)
+}
+
+/// `POST /workers/{id}/forget`.
+pub fn forget_path(worker: WorkerId) -> String {
+    format!("/workers/{}/forget", worker.0)
+}
 
 /// Longest request id the router keeps (it is held while the request is in flight).
 pub const MAX_REQUEST_ID_BYTES: usize = 256;
@@ -189,6 +212,36 @@ impl Answered {
 pub struct EventsReply {
     pub received: usize,
     pub applied: usize,
+}
+
+/// `POST /overlaps`: how many of these leading blocks each worker rank holds, by its events.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Overlaps {
+    pub local_hashes: Vec<u64>,
+}
+
+/// The answer to [`Overlaps`]: the ranks holding any of the blocks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OverlapsReply {
+    pub overlaps: Vec<Overlap>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Overlap {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    pub blocks: u32,
+}
+
+/// `PUT /workers/{id}/adapters`: the adapters a rank lists (`None`: it serves any).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServedAdapters {
+    pub dp_rank: DpRank,
+    pub adapters: Option<Vec<String>>,
 }
 
 /// `POST /debug/inject_event`: one Stored block, as the seed's example posts it.

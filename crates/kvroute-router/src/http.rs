@@ -30,16 +30,20 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use kvroute_core::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
-    LocalBlockHash, RouterEvent, WorkerWithDpRank,
+    LocalBlockHash, RouterEvent, WorkerId, WorkerWithDpRank,
 };
 use kvroute_http::fast_json::FastJson;
 use kvroute_http::router_api::{
-    self, Answered, BestWorker, EventsReply, FindBestWorker, InjectEvent, PrefillWorker,
+    self, Answered, BestWorker, EventsReply, FindBestWorker, InjectEvent, Overlap, Overlaps,
+    OverlapsReply, PrefillWorker, ServedAdapters,
 };
 use kvroute_http::{ApiError, Credentials};
 use serde_json::json;
 
-use crate::state::{PlaceRequest, RouterState};
+use crate::state::{Parity, PlaceRequest, RouterState};
+
+/// Most adapters one rank may be said to list (`PUT /workers/{id}/adapters`).
+pub const MAX_LISTED_ADAPTERS: usize = 4096;
 
 /// How long a tree dump is served before it is rebuilt.
 pub const TREE_INFO_TTL: Duration = Duration::from_secs(10);
@@ -73,6 +77,10 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         .route(router_api::TREE_INFO, get(tree_info))
         .route(router_api::WORKERS, get(workers))
         .route("/metrics", get(metrics))
+        .route(router_api::OVERLAPS, post(overlaps))
+        .route("/workers/{id}/parity", axum::routing::put(parity))
+        .route("/workers/{id}/adapters", axum::routing::put(adapters))
+        .route("/workers/{id}/forget", post(forget))
         .route("/ui/history", get(history));
     let routes = kvroute_http::auth::require(routes, admin)
         .route("/health", get(health))
@@ -313,4 +321,83 @@ async fn metrics(State(api): ApiState) -> Response {
 
 async fn health(State(api): ApiState) -> Json<serde_json::Value> {
     Json(api.state.health())
+}
+
+/// `POST /overlaps`: the leading blocks each rank holds of these, by its events.
+async fn overlaps(
+    State(api): ApiState,
+    body: Result<Json<Overlaps>, JsonRejection>,
+) -> Result<Json<OverlapsReply>, ApiError> {
+    let Json(o) = body?;
+    if o.local_hashes.len() > router_api::MAX_LOCAL_HASHES {
+        let most = router_api::MAX_LOCAL_HASHES;
+        return Err(
+            ApiError::bad_request(format!("at most {most} local_hashes")).param("local_hashes")
+        );
+    }
+    let hashes: Vec<LocalBlockHash> = o.local_hashes.into_iter().map(LocalBlockHash).collect();
+    let scores = api.state.index.find_matches(&hashes);
+    let overlaps = scores
+        .scores
+        .iter()
+        .map(|&(w, blocks)| Overlap { worker_id: w.worker_id, dp_rank: w.dp_rank, blocks })
+        .collect();
+    Ok(Json(OverlapsReply { overlaps }))
+}
+
+/// A worker named in a path, known to the router; 404 otherwise.
+fn known_worker(api: &Api, id: u64) -> Result<WorkerId, ApiError> {
+    let worker = WorkerId(id);
+    match api.state.workers().iter().any(|w| w.id == worker) {
+        true => Ok(worker),
+        false => {
+            Err(ApiError::not_found(format!("worker {id} is not one of the router's workers")))
+        }
+    }
+}
+
+/// `PUT /workers/{id}/parity`: what a front door's parity probe found.
+async fn parity(
+    State(api): ApiState,
+    Path(id): Path<u64>,
+    body: Result<Json<Parity>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    let Json(parity) = body?;
+    let worker = known_worker(&api, id)?;
+    api.state.set_parity(worker, parity);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `PUT /workers/{id}/adapters`: the adapters one rank lists.
+async fn adapters(
+    State(api): ApiState,
+    Path(id): Path<u64>,
+    body: Result<Json<ServedAdapters>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    let Json(served) = body?;
+    let names = served.adapters.as_deref().unwrap_or_default();
+    if names.len() > MAX_LISTED_ADAPTERS
+        || names.iter().any(|n| n.is_empty() || n.len() > router_api::MAX_SESSION_KEY)
+    {
+        return Err(ApiError::bad_request(format!(
+            "adapters: at most {MAX_LISTED_ADAPTERS} names of 1 to {} bytes",
+            router_api::MAX_SESSION_KEY
+        ))
+        .param("adapters"));
+    }
+    let worker = known_worker(&api, id)?;
+    let rank = WorkerWithDpRank { worker_id: worker, dp_rank: served.dp_rank };
+    if let Err(why) = api.state.check_rank(rank) {
+        return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
+    }
+    let names = served.adapters.map(|a| a.into_iter().collect());
+    api.state.set_served_adapters(rank, names);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /workers/{id}/forget`: the worker's engine refused a connection; its blocks are gone.
+async fn forget(State(api): ApiState, Path(id): Path<u64>) -> Result<StatusCode, ApiError> {
+    let worker = known_worker(&api, id)?;
+    api.state.forget_blocks(worker);
+    Ok(StatusCode::NO_CONTENT)
 }

@@ -24,7 +24,7 @@ use kvroute_core::{
     GroupKind, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, StorageTier,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Where an event's blocks go: their tier, cache group and the group's kind.
 type Place = (StorageTier, u32, Option<GroupKind>);
@@ -50,7 +50,8 @@ impl ConvertConfig {
 }
 
 /// What conversion kept and skipped.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ConvertStats {
     pub blocks_stored: u64,
     pub blocks_removed: u64,

@@ -9,7 +9,7 @@ use std::time::Duration;
 use kvroute_core::schedule::WorkerLoad;
 use kvroute_core::{DpRank, WorkerId, WorkerWithDpRank};
 use kvroute_wire::ConvertStats;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{RouterState, lock};
 use crate::checks::CheckStatus;
@@ -36,7 +36,7 @@ impl CacheMode {
 
 /// Whether a worker's KV events describe the blocks the front door hashes (the parity probe
 /// at join: a known prompt sent to the worker, its announced blocks compared).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "state", content = "cause")]
 pub enum Parity {
     #[default]
@@ -271,13 +271,18 @@ impl RouterState {
 
     /// Records a worker's parity probe. A failure (with its cause) makes its events untrusted:
     /// its blocks are cleared, its events ignored (counted as rejected `parity`) and it is
-    /// routed approximately; `Ok` (or `Unchecked`, before a new probe) trusts them again.
+    /// routed approximately; `Ok` (or `Unchecked`, before a new probe) trusts them again. A
+    /// probe put off (`Retrying`) does not undo a failure: the worker stays failed until a
+    /// probe is made.
     pub fn set_parity(&self, worker: WorkerId, parity: Parity) {
         let failed = matches!(parity, Parity::Failed(_));
         let mut approx = lock(&self.placing.approx);
         let mut workers = self.write_workers();
         let Some(status) = workers.get_mut(&worker) else { return };
         let was_failed = matches!(status.parity, Parity::Failed(_));
+        if was_failed && matches!(parity, Parity::Retrying(_)) {
+            return;
+        }
         status.parity = parity;
         if failed && status.mode == CacheMode::Events {
             status.mode = CacheMode::Approximate;
