@@ -30,8 +30,8 @@ use kvroute_http::vllm_generate::{
 use kvroute_preprocess::DecodeWindow;
 use serde_json::Value;
 
+use crate::app::{AppState, now_secs};
 use crate::generate::parse;
-use crate::http::{AppState, now_secs};
 
 /// The model name the answer carries, once the request is for this engine's model.
 fn admitted(state: &AppState, model: Option<&str>) -> Result<String, ApiError> {

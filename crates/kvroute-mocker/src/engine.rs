@@ -40,7 +40,7 @@ use std::time::Duration;
 use kvroute_core::{BlockExtraInfo, BlockHasher, BlockSize, SequenceHash};
 use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_extra_keys};
 
-pub use crate::handoff::{DisaggConfig, Handoff, Role};
+pub use crate::disagg::{DisaggConfig, Handoff, Role};
 pub use crate::host::HostConfig;
 use crate::host::Tier;
 use crate::kv::{KvCache, Slot, Stored};
@@ -64,7 +64,7 @@ pub struct EngineConfig {
     /// Host memory below the GPU cache ([`crate::host`]; none by default).
     pub host: HostConfig,
     /// Disaggregated prefill and decode: the engine's role and its KV link
-    /// ([`crate::handoff`]; aggregated by default).
+    /// ([`crate::disagg`]; aggregated by default).
     pub disagg: DisaggConfig,
     /// A hybrid model's sliding window in tokens: the cache then keeps two groups in one
     /// pool, full attention (group 0) and a sliding window (group 1), as vLLM's hybrid

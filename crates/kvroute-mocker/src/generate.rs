@@ -31,9 +31,9 @@ use kvroute_http::vllm_generate::{
 };
 use tokio::sync::mpsc;
 
+use crate::app::{AppState, Submission, Submitted, now_secs};
 use crate::engine::{Output, Usage};
 use crate::handoff::Leg;
-use crate::http::{AppState, Submission, Submitted, now_secs};
 use crate::service::CancelOnDrop;
 
 pub(crate) async fn generate(
@@ -92,7 +92,7 @@ pub(crate) async fn generate(
         ignore_eos: req.sampling_params.ignore_eos == Some(true),
         cache_salt: req.cache_salt.clone(),
         lora: lora.clone(),
-        handoff: crate::handoff::Handoff::None,
+        handoff: crate::disagg::Handoff::None,
         hold: None,
         in_store: Vec::new(),
     };
@@ -201,7 +201,7 @@ async fn with_images(
             }
         }
     }
-    let images = crate::media::images(state, &urls, &uuids, req.cache_salt.as_deref()).await;
+    let images = state.images(&urls, &uuids, req.cache_salt.as_deref()).await;
     let images = images.map_err(|e| ApiError::from(e).param("content_parts"))?;
     let expanded = state.preprocessor.expand_images(tokens, images);
     let expanded = expanded.map_err(|e| ApiError::from(e).param("content_parts"))?;

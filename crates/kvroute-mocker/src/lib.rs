@@ -8,13 +8,17 @@
 //! - [`service`]: the engine in real time, publishing KV events and load reports;
 //! - [`http`]: its OpenAI-compatible API; [`vllm`]: vLLM's endpoints for routers.
 
+pub mod app;
 mod derender;
+pub mod disagg;
 pub mod engine;
 pub mod generate;
 pub mod handoff;
+mod holds;
 pub mod host;
 pub mod http;
 mod kv;
+mod legs;
 pub mod loads;
 mod logprobs;
 pub mod lora;
@@ -29,11 +33,12 @@ pub mod timing;
 pub mod vllm;
 pub mod window;
 
+pub use disagg::{DisaggConfig, Handoff, LoadFailurePolicy, Role, TransferTiming};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, Output, OutputPlan,
     Step, Usage,
 };
-pub use handoff::{DisaggConfig, Handoff, LoadFailurePolicy, Peers, Role, TransferTiming};
+pub use handoff::Peers;
 pub use kvroute_preprocess::fetch::FetchConfig;
 pub use loads::TierLoads;
 pub use service::{Endpoints, EngineHandle, Snapshot};

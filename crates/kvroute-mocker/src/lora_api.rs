@@ -14,7 +14,7 @@ use kvroute_http::ApiError;
 use kvroute_http::models::AdapterError;
 use serde::Deserialize;
 
-use crate::http::AppState;
+use crate::app::AppState;
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct LoadLoraAdapter {

@@ -9,9 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
-use kvroute_preprocess::{Image, PreprocessError};
-
-use crate::http::AppState;
+use kvroute_preprocess::Image;
 
 /// Keys the cache holds before it drops its oldest.
 const CAPACITY: usize = 4096;
@@ -23,12 +21,12 @@ pub(crate) struct Processed {
 }
 
 impl Processed {
-    fn get(&self, key: &str) -> Option<Image> {
+    pub(crate) fn get(&self, key: &str) -> Option<Image> {
         let inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         inner.0.get(key).cloned()
     }
 
-    fn put(&self, key: &str, image: &Image) {
+    pub(crate) fn put(&self, key: &str, image: &Image) {
         let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let (map, order) = &mut *inner;
         if map.insert(key.to_owned(), image.clone()).is_none() {
@@ -45,36 +43,11 @@ impl Processed {
 /// The cache's key of a caller's key under a request's `cache_salt`: tenants with different
 /// salts never share a processed image, whatever keys they choose (vLLM keys its processor
 /// cache by the salted hash too).
-fn salted(salt: Option<&str>, key: &str) -> String {
+pub(crate) fn salted(salt: Option<&str>, key: &str) -> String {
     match salt {
         Some(salt) => format!("{}:{salt}|{key}", salt.len()),
         None => format!("-|{key}"),
     }
-}
-
-/// The images at `urls`, the i-th keyed by `keys[i]` when it has one (under `salt`, the
-/// request's `cache_salt`): from the cache when that key was processed before, else loaded
-/// (all the rest in one go, as a request's images are) and, keyed, remembered.
-pub(crate) async fn images(
-    state: &AppState,
-    urls: &[&str],
-    keys: &[Option<&str>],
-    salt: Option<&str>,
-) -> Result<Vec<Image>, PreprocessError> {
-    let mut found: Vec<Option<Image>> =
-        keys.iter().map(|k| k.and_then(|k| state.processed.get(&salted(salt, k)))).collect();
-    let missing: Vec<usize> = (0..urls.len()).filter(|&i| found[i].is_none()).collect();
-    let to_load: Vec<&str> = missing.iter().map(|&i| urls[i]).collect();
-    let loaded = state.preprocessor.load_image_urls(&to_load, &state.fetcher).await?;
-    for (&i, l) in missing.iter().zip(loaded) {
-        let mut image = l.image;
-        if let Some(key) = keys.get(i).copied().flatten() {
-            image.mm_hash = kvroute_core::hash::mm_hash_from_identifier(key);
-            state.processed.put(&salted(salt, key), &image);
-        }
-        found[i] = Some(image);
-    }
-    Ok(found.into_iter().flatten().collect())
 }
 
 #[cfg(test)]

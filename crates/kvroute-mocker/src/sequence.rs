@@ -88,7 +88,7 @@ pub(crate) struct Sequence {
     /// The prefix found cached when first admitted (vLLM's `num_cached_tokens`).
     pub(crate) cached_tokens: Option<usize>,
     /// Its part in a disaggregated request.
-    pub(crate) handoff: crate::handoff::Handoff,
+    pub(crate) handoff: crate::disagg::Handoff,
     /// Per leading prompt block, whether the shared store held it when the engine asked.
     pub(crate) in_store: Vec<bool>,
     /// GPU blocks kept free for it from the start of its load beside the steps

@@ -396,7 +396,7 @@ fn apply(
                 Err(err) => {
                     // An id is the caller's: logged cut, whatever its length.
                     let (id, err) =
-                        (crate::handoff::shown(&id), crate::handoff::shown(&err.to_string()));
+                        (crate::disagg::shown(&id), crate::disagg::shown(&err.to_string()));
                     tracing::warn!(%id, %err, "request refused by the engine");
                 }
             }

@@ -30,8 +30,8 @@ use kvroute_http::sglang_generate::{
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use crate::app::{AppState, Submission, Submitted};
 use crate::engine::{Output, Usage};
-use crate::http::{AppState, Submission, Submitted};
 use crate::service::CancelOnDrop;
 
 /// Why a request is not run: SGLang's refusal, or the engine's own (a prompt its cache can
@@ -142,7 +142,7 @@ async fn admit(
         ignore_eos: params.ignore_eos == Some(true),
         cache_salt: req.cache_salt.as_ref().and_then(OneOrMany::one).cloned(),
         lora: adapter(state, req)?,
-        handoff: crate::handoff::Handoff::None,
+        handoff: crate::disagg::Handoff::None,
         hold: None,
         in_store: Vec::new(),
     };
@@ -182,7 +182,7 @@ async fn images(
         Some(_) => return Err(invalid("mm_hashes must be a list of hex strings")),
     };
     let salt = req.cache_salt.as_ref().and_then(OneOrMany::one).map(String::as_str);
-    let images = crate::media::images(state, &urls, &hashes, salt).await;
+    let images = state.images(&urls, &hashes, salt).await;
     images.map_err(|e| invalid(e.to_string()))
 }
 

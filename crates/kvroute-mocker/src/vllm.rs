@@ -13,7 +13,7 @@ use kvroute_http::ApiError;
 use kvroute_http::openai::{ChatCompletionRequest, ChatMessage, CompletionRequest};
 use serde::{Deserialize, Serialize};
 
-use crate::http::AppState;
+use crate::app::AppState;
 
 /// `POST /tokenize`: a prompt, or chat messages through the template.
 #[derive(Debug, Deserialize)]
