@@ -26,6 +26,15 @@ use kvroute_preprocess::Prepared;
 use kvroute_router::Dialect;
 use serde_json::{Map, Value};
 
+/// What keys a request beyond its prompt: its cache namespace (vLLM's `cache_salt`), its
+/// LoRA adapter (both salt its block hashes, as engines salt theirs) and its session.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Keys<'a> {
+    pub namespace: Option<&'a str>,
+    pub adapter: Option<&'a str>,
+    pub session: Option<&'a str>,
+}
+
 /// Sampling fields of an OpenAI body that vLLM's `SamplingParams` takes under the same name.
 const SAMPLING: [&str; 17] = [
     "temperature",
@@ -71,7 +80,7 @@ pub(crate) fn tokens_body(
     dialect: Dialect,
     raw: &Value,
     prepared: &Prepared,
-    keys: &crate::dispatch::Keys<'_>,
+    keys: &Keys<'_>,
     streamed: bool,
 ) -> Option<Bytes> {
     let (namespace, adapter) = (keys.namespace, keys.adapter);

@@ -20,7 +20,8 @@ use kvroute_preprocess::fetch::LoadedImage;
 use serde_json::{Value, json};
 
 use crate::FrontendState;
-use crate::dispatch::{Keys, Outbound, dispatch};
+use crate::dispatch::{Keys, dispatch};
+use crate::hop::Outbound;
 
 /// The header that names a request's session, when its body has no `prompt_cache_key`.
 pub(crate) const SESSION_HEADER: &str = "x-session-id";

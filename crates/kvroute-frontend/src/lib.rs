@@ -41,6 +41,7 @@ mod dispatch;
 mod fleet_seam;
 mod handlers;
 pub mod health;
+mod hop;
 mod models;
 mod pair;
 pub mod parity;

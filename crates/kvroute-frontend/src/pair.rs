@@ -37,8 +37,8 @@ use kvroute_router::Dialect;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
-use crate::dispatch::{Edit, Head, HopFailure, InFlight, Outbound, edited, post, respond, send};
 use crate::health::Failure;
+use crate::hop::{Edit, Head, HopFailure, InFlight, Outbound, edited, post, respond, send};
 use crate::placer::Placement;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
 

@@ -1,0 +1,462 @@
+//! One hop: how a placed request reaches an engine and its answer the client. Everything
+//! about a hop is here: the request as the engine gets it ([`Outbound`]), the in-flight
+//! accounting ([`InFlight`], from placement to the answer's end), the timeouts and ejection of
+//! a failing worker, and the answer passed back with its cached tokens read on the way
+//! ([`crate::usage`]). [`crate::dispatch`] places a request and retries its hop on another
+//! worker; [`crate::pair`] sends a disaggregated request's two legs over the same hops. This
+//! module imports neither.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderValue, header};
+use axum::response::Response;
+use futures_util::StreamExt;
+use http_body_util::Full;
+use kvroute_core::{BlockHasher, BlockSize, LocalBlockHash, WorkerId, WorkerWithDpRank};
+use kvroute_http::openai::Api;
+use kvroute_http::router_api::Answered;
+use kvroute_http::{ApiError, ClientError};
+use kvroute_preprocess::Prepared;
+use kvroute_router::Dialect;
+use serde_json::{Value, json};
+
+use crate::dialect::{self, Keys, tokens_body};
+use crate::health::Failure;
+use crate::placer::Placement;
+use crate::translate::Translator;
+use crate::usage::{Usage, stream_error_event};
+use crate::{FrontendState, OVERLAP_HEADER, OVERLAP_TIER_HEADER, WORKER_HEADER};
+
+/// A request ready for an engine: its body as the engine gets it, and what routing needs.
+#[derive(Debug)]
+pub(crate) struct Outbound {
+    pub path: &'static str,
+    pub body: Bytes,
+    /// The OpenAI answer the client expects.
+    pub kind: Api,
+    /// The body in each tokens dialect the fleet speaks that the request fits.
+    pub tokens: Vec<(Dialect, Bytes)>,
+    /// The prompt's block hashes (with its images, adapter and cache namespace).
+    pub local: Vec<LocalBlockHash>,
+    /// Its LoRA adapter (routed only to workers that serve it).
+    pub adapter: Option<String>,
+    /// Its session, if it names one.
+    pub session: Option<String>,
+    pub prompt_tokens: usize,
+    /// The prompt's last ids, which seed the decoding of an answer that comes back as token
+    /// ids (`vllm-generate-tokens`).
+    pub prompt_tail: Vec<u32>,
+    pub streamed: bool,
+    /// The front door asked a stream for its usage, which the client did not: the usage
+    /// chunk is read and dropped.
+    pub strip_usage: bool,
+}
+
+impl Outbound {
+    /// The client's body (`raw`) as the engine gets it: in the cache `namespace` (as vLLM's
+    /// `cache_salt`), a stream asked for its usage (the engine's cached tokens are compared
+    /// with the router's prediction).
+    pub(crate) fn new(
+        path: &'static str,
+        mut raw: Value,
+        prepared: &Prepared,
+        keys: &Keys<'_>,
+        block_size: BlockSize,
+        dialects: &[Dialect],
+    ) -> Result<Self, ApiError> {
+        let namespace = keys.namespace;
+        let kind = match path {
+            "/v1/completions" => Api::Completion,
+            _ => Api::Chat,
+        };
+        if prepared.tokens.is_empty() {
+            return Err(ApiError::bad_request("the prompt is empty"));
+        }
+        let block_infos = (!prepared.mm.mm_objects.is_empty())
+            .then(|| prepared.mm.to_block_level(block_size, prepared.tokens.len()));
+        let local = BlockHasher::new(block_size)
+            .with_namespace(namespace)
+            .with_lora(keys.adapter)
+            .local_hashes(&prepared.tokens, block_infos.as_deref());
+        if let (Some(ns), Some(fields)) = (namespace, raw.as_object_mut()) {
+            fields.insert("cache_salt".to_owned(), Value::String(ns.to_owned()));
+        }
+        let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
+        let client_usage =
+            raw.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
+        if streamed && !client_usage {
+            let options =
+                raw.as_object_mut().map(|o| o.entry("stream_options").or_insert_with(|| json!({})));
+            if let Some(Value::Object(options)) = options {
+                options.insert("include_usage".to_owned(), Value::Bool(true));
+            }
+        }
+        let tokens = dialects
+            .iter()
+            .filter_map(|&d| Some((d, tokens_body(d, &raw, prepared, keys, streamed)?)))
+            .collect();
+        let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
+        let prompt_tokens = prepared.tokens.len();
+        let prompt_tail = prepared.tokens[prompt_tokens.saturating_sub(8)..].to_vec();
+        Ok(Self {
+            path,
+            body,
+            kind,
+            tokens,
+            local,
+            adapter: keys.adapter.map(str::to_owned),
+            session: keys.session.map(str::to_owned),
+            prompt_tokens,
+            prompt_tail,
+            streamed,
+            strip_usage: streamed && !client_usage,
+        })
+    }
+}
+
+impl Outbound {
+    /// What routing needs of it.
+    pub(crate) fn ask(&self) -> crate::placer::Ask<'_> {
+        crate::placer::Ask {
+            local: &self.local,
+            num_tokens: self.prompt_tokens,
+            adapter: self.adapter.as_deref(),
+            session: self.session.as_deref(),
+        }
+    }
+}
+
+/// Why a hop failed before any answer came.
+pub(crate) type HopFailure = (Failure, ClientError);
+
+/// A body as one worker takes it, with an edit (a leg's fields) applied.
+pub(crate) type Edit<'a> = &'a (dyn Fn(&mut Value) + Sync);
+
+/// Sends `out` to the placed worker (its body in the worker's dialect, changed by `edit`)
+/// and answers the client with what it says; the failure when no answer came.
+pub(crate) async fn send(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+    placement: Placement,
+    guard: InFlight,
+    edit: Option<Edit<'_>>,
+    timeout: std::time::Duration,
+) -> Result<Result<Response, HopFailure>, ApiError> {
+    let worker = placement.worker.worker_id;
+    Ok(match post(state, out, worker, edit, timeout).await? {
+        Ok((r, from)) => Ok(respond(state, out, placement, guard, r, from)?),
+        Err(failure) => Err(failure),
+    })
+}
+
+/// A worker's answer as it starts: its head, its body still to come.
+pub(crate) type Head = hyper::Response<hyper::body::Incoming>;
+
+/// Posts `out` to `worker` (its body in the worker's dialect, changed by `edit`): the
+/// answer's head and the tokens dialect it went in, or the failure when no head came.
+pub(crate) async fn post(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+    worker: WorkerId,
+    edit: Option<Edit<'_>>,
+    timeout: std::time::Duration,
+) -> Result<Result<(Head, Option<Dialect>), HopFailure>, ApiError> {
+    let Some(base) = state.urls.get(&worker) else {
+        return Err(ApiError::internal("a placed worker has no URL"));
+    };
+    let (path, body, from) = state.hop(worker, out);
+    let body = match edit {
+        Some(edit) => edited(&body, edit)?,
+        None => body,
+    };
+    let request = hyper::Request::post(format!("{base}{path}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .map_err(ApiError::internal)?;
+    Ok(match tokio::time::timeout(timeout, state.client.send(request)).await {
+        Ok(Ok(r)) => Ok((r, from)),
+        Ok(Err(e)) if e.is_connect() => Err((Failure::Connect, e)),
+        Ok(Err(e)) => Err((Failure::Broken, e)),
+        Err(_) => Err((Failure::Timeout, ClientError::Timeout(timeout))),
+    })
+}
+
+/// `body` (a JSON object) with `edit` applied.
+pub(crate) fn edited(body: &Bytes, edit: Edit<'_>) -> Result<Bytes, ApiError> {
+    let mut value: Value = serde_json::from_slice(body).map_err(ApiError::internal)?;
+    edit(&mut value);
+    Ok(Bytes::from(serde_json::to_vec(&value).map_err(ApiError::internal)?))
+}
+
+impl FrontendState {
+    /// A fresh request id.
+    pub(crate) fn request_id(&self) -> String {
+        format!("kvr-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A worker failed before answering: it is ejected and its ranks left out of the next try.
+    pub(crate) fn retry_without(
+        &self,
+        worker: WorkerId,
+        (why, error): HopFailure,
+        excluded: &mut Vec<WorkerWithDpRank>,
+    ) {
+        let error = kvroute_http::error::chain(&error);
+        tracing::warn!(%worker, %error, "worker failed; trying another");
+        self.worker_failed(worker, why);
+        self.metrics.retried.inc();
+        excluded.extend(self.all_ranks(worker));
+    }
+}
+
+impl FrontendState {
+    /// How `out` goes to `worker`: the path, the body, and the tokens dialect it went in
+    /// (its answer then comes back in that dialect's shape, to be turned into the client's).
+    pub(crate) fn hop(
+        &self,
+        worker: WorkerId,
+        out: &Outbound,
+    ) -> (&'static str, Bytes, Option<Dialect>) {
+        let dialect = self.dialects.get(&worker).copied().unwrap_or_default();
+        if !dialect.sends_tokens() {
+            return (out.path, out.body.clone(), None);
+        }
+        match out.tokens.iter().find(|(d, _)| *d == dialect) {
+            Some((_, tokens)) => {
+                self.metrics.as_tokens.inc();
+                (dialect::path(dialect), tokens.clone(), Some(dialect))
+            }
+            None => {
+                self.metrics.fallbacks.inc();
+                (out.path, out.body.clone(), None)
+            }
+        }
+    }
+}
+
+/// The worker's answer to the client: its status and content headers, which worker it was
+/// (and, when asked for, the cached tokens predicted there), its body passed on as it comes
+/// (turned into OpenAI's shape on the way when it went in the tokens dialect `from` and
+/// succeeded).
+pub(crate) fn respond<B>(
+    state: &Arc<FrontendState>,
+    out: &Outbound,
+    placement: Placement,
+    mut guard: InFlight,
+    response: hyper::Response<B>,
+    from: Option<Dialect>,
+) -> Result<Response, ApiError>
+where
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let worker = placement.worker;
+    if state.health.succeeded(worker.worker_id) {
+        tracing::info!(%worker, "worker answers again: back in rotation");
+    }
+    state.metrics.proxied.inc();
+    let (parts, incoming) = response.into_parts();
+    let sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if parts.status.is_success() && guard.checked {
+        guard.predicted = Some((placement, out.prompt_tokens as u64));
+    }
+    let usage = Usage::new(sse, out.strip_usage);
+    let translator = match (from, parts.status.is_success()) {
+        (Some(from), true) => {
+            // An adapter's answer names the adapter, as vLLM's does.
+            let model = out.adapter.clone();
+            let model = model.unwrap_or_else(|| state.preprocessor.model_name().to_owned());
+            let translator = Translator::new(from, out.kind, &guard.id, model, sse);
+            Some(match from {
+                Dialect::VllmGenerateTokens => {
+                    translator.detokenizing(Arc::clone(&state.preprocessor), &out.prompt_tail)
+                }
+                _ => translator,
+            })
+        }
+        (Some(from), false) => Translator::failed(from, parts.status.as_u16()),
+        (None, _) => None,
+    };
+    let data = translated(incoming, translator);
+    let stream = proxy_body(data, guard, worker.worker_id, usage);
+    let mut answer = Response::builder().status(parts.status);
+    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
+        if let Some(v) = parts.headers.get(&name) {
+            answer = answer.header(name, v.clone());
+        }
+    }
+    answer = answer.header(WORKER_HEADER, HeaderValue::from(worker.worker_id.0));
+    if state.options.expose_overlap {
+        let [host, disk, external] = placement.predicted_tier_tokens;
+        answer = answer
+            .header(OVERLAP_HEADER, HeaderValue::from(placement.predicted_cached_tokens))
+            .header(OVERLAP_TIER_HEADER, format!("{host},{disk},{external}"));
+    }
+    answer.body(Body::from_stream(stream)).map_err(ApiError::internal)
+}
+
+/// Frees the request's in-flight accounting when dropped: at the end of the response body,
+/// on an error, or when the client goes away.
+pub(crate) struct InFlight {
+    state: Arc<FrontendState>,
+    pub(crate) id: String,
+    prefilled: bool,
+    /// Its answer's cached tokens check the router's prediction (not a decode leg's, whose
+    /// prompt KV came from its prefill engine).
+    pub(crate) checked: bool,
+    /// What the router predicted (where, and the cached tokens) with the prompt's length, and
+    /// what the engine reported it served, compared when the request ends.
+    predicted: Option<(Placement, u64)>,
+    served: Option<u64>,
+}
+
+impl InFlight {
+    pub(crate) fn new(state: &Arc<FrontendState>, id: String) -> Self {
+        state.metrics.in_flight.inc();
+        let state = Arc::clone(state);
+        Self { state, id, prefilled: false, checked: true, predicted: None, served: None }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.state.metrics.in_flight.dec();
+        self.state.placer.finish(&self.id);
+        if let (Some((placement, prompt_tokens)), Some(served)) = (self.predicted, self.served) {
+            self.state.placer.answered(Answered {
+                worker_id: placement.worker.worker_id,
+                dp_rank: placement.worker.dp_rank,
+                prompt_tokens,
+                predicted_cached_tokens: placement.predicted_cached_tokens,
+                predicted_tier_tokens: placement.predicted_tier_tokens,
+                cached_tokens: served,
+            });
+        }
+    }
+}
+
+/// The worker's answer, passed on as it arrives: its first bytes mark the prefill done, its
+/// end (or the client leaving) frees the request. A worker that breaks off mid-answer is
+/// ejected, and an event stream ends with an error event in OpenAI's shape and `[DONE]`
+/// rather than a truncated body.
+fn proxy_body(
+    chunks: impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+    guard: InFlight,
+    worker: WorkerId,
+    usage: Usage,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    let sse = usage.sse;
+    chunks.scan((guard, false, usage), move |(guard, done, usage), chunk| {
+        if *done {
+            return std::future::ready(None);
+        }
+        if !guard.prefilled {
+            guard.prefilled = true;
+            guard.state.placer.prefill_done(&guard.id);
+        }
+        let item = match chunk {
+            Ok(bytes) => {
+                let (bytes, served) = usage.pass(bytes);
+                if served.is_some() {
+                    guard.served = served;
+                }
+                Ok(bytes)
+            }
+            Err(e) => {
+                *done = true;
+                guard.state.metrics.broken.inc();
+                guard.state.worker_failed(worker, Failure::Broken);
+                tracing::warn!(%worker, error = %e, "the worker broke off its answer");
+                match sse {
+                    true => Ok(Bytes::from(stream_error_event(worker))),
+                    false => Err(std::io::Error::other(e)),
+                }
+            }
+        };
+        std::future::ready(Some(item))
+    })
+}
+
+/// Largest whole answer of a tokens dialect read to be turned into OpenAI's.
+const WHOLE_ANSWER_LIMIT: usize = 64 << 20;
+
+/// The answer's bytes, through `translator` when there is one: a stream event by event, a
+/// whole answer once it has all come.
+fn translated<B>(
+    incoming: B,
+    translator: Option<Translator>,
+) -> futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Error>>
+where
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    use http_body_util::BodyExt as _;
+    match translator {
+        None => incoming.into_data_stream().map(|c| c.map_err(std::io::Error::other)).boxed(),
+        Some(mut t) if t.sse() => incoming
+            .into_data_stream()
+            .map(move |c| c.map(|b| t.stream(&b)).map_err(std::io::Error::other))
+            .boxed(),
+        Some(mut t) => futures_util::stream::once(async move {
+            let whole = http_body_util::Limited::new(incoming, WHOLE_ANSWER_LIMIT).collect().await;
+            whole.map(|w| t.whole(&w.to_bytes())).map_err(std::io::Error::other)
+        })
+        .boxed(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use kvroute_preprocess::Preprocessor;
+
+    use super::*;
+
+    fn prepared(text: &str) -> Prepared {
+        let p = Preprocessor::builtin();
+        let req = serde_json::from_value(json!({"prompt": text})).unwrap();
+        p.prepare_completion_request(&req, 4096).unwrap()
+    }
+
+    /// A stream is asked for its usage unless the client asked itself (then it is kept), and
+    /// the namespace goes to the engine as `cache_salt` and into the block hashes.
+    #[test]
+    fn the_outbound_body_asks_for_usage_and_carries_the_namespace() {
+        let bs = BlockSize::new(4).unwrap();
+        let p = prepared("one two three four five six seven eight nine ten eleven twelve");
+        let raw = json!({"prompt": "x", "stream": true, "extra_field": 1});
+        let keys = Keys { namespace: Some("k"), ..Keys::default() };
+        let out = Outbound::new("/v1/completions", raw.clone(), &p, &keys, bs, &[]).unwrap();
+        let body: Value = serde_json::from_slice(&out.body).unwrap();
+        assert_eq!(body["stream_options"]["include_usage"], true);
+        assert_eq!(
+            (body["cache_salt"].as_str(), body["extra_field"].as_i64()),
+            (Some("k"), Some(1))
+        );
+        assert!(out.streamed && out.strip_usage);
+        let plain = Outbound::new("/v1/completions", raw.clone(), &p, &Keys::default(), bs, &[]);
+        let plain = plain.unwrap();
+        assert_ne!(plain.local, out.local, "the namespace changes every block's hash");
+        let both = Keys { adapter: Some("sql"), ..keys };
+        let adapted = Outbound::new("/v1/completions", raw, &p, &both, bs, &[]).unwrap();
+        assert_ne!(adapted.local, out.local, "the adapter salts them too");
+        let hasher = BlockHasher::new(bs).with_namespace(Some("k")).with_lora(Some("sql"));
+        assert_eq!(adapted.local, hasher.local_hashes(&p.tokens, None));
+        assert_eq!(adapted.adapter.as_deref(), Some("sql"));
+
+        let asked = json!({"stream": true, "stream_options": {"include_usage": true}});
+        let out = Outbound::new("/v1/completions", asked, &p, &Keys::default(), bs, &[]).unwrap();
+        assert!(out.streamed && !out.strip_usage);
+        let whole = Outbound::new("/v1/completions", json!({}), &p, &Keys::default(), bs, &[]);
+        let whole = whole.unwrap();
+        assert!(!whole.streamed && !whole.strip_usage);
+        let body: Value = serde_json::from_slice(&whole.body).unwrap();
+        assert!(body.get("stream_options").is_none());
+    }
+}
