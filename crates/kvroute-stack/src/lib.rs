@@ -16,17 +16,18 @@
 
 pub mod nats_server;
 pub mod settings;
+mod simulated;
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::WorkerWithDpRank;
-use kvroute_core::schedule::Role;
+
 pub use kvroute_frontend::FrontDoorOptions;
 use kvroute_frontend::FrontendState;
 use kvroute_http::Credentials;
-use kvroute_mocker::{EngineConfig, MockerConfig};
+use kvroute_mocker::EngineConfig;
 use kvroute_preprocess::Preprocessor;
 use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
 use kvroute_router::{Dialect, RouterConfig, RouterState, Tasks, WorkerSpec};
@@ -227,89 +228,8 @@ impl Stack {
         if let Some(why) = preprocessor.text_only_reason() {
             tracing::warn!(model = preprocessor.model_name(), %why, "the model takes text only");
         }
-        let first_id = router.workers.iter().map(|w| w.id.0 + 1).max().unwrap_or(0);
-        let mut engines = Vec::new();
-        // The simulated engines' own secret for their side channels and the store: 256
-        // random bits known to this process alone (an outside store gets the configured one).
-        // The configured one (KVROUTE_KV_PEER_TOKEN) when the fleet has engines outside.
-        let fleet_token = match &simulated.kv_peer_token {
-            Some(token) => token.clone(),
-            None => worker_token()?,
-        };
-        // Decode engines pull from the fleet's prefill engines only: configured ones with a
-        // side channel (bootstrap port), then the simulated ones as they start.
-        let outside = router.workers.iter().filter(|w| w.role == Role::Prefill);
-        let prefill = outside.filter_map(side_channel_of).collect();
-        let mut peers = kvroute_mocker::Peers { token: Some(fleet_token.clone()), prefill };
-        let store_url = match &simulated.store {
-            Some(SharedStore::At(url)) => Some(url.clone()),
-            Some(SharedStore::Start(blocks)) => {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-                let url = format!("http://{}", listener.local_addr()?);
-                let writers = kvroute_http::Credentials::new([&fleet_token], "the fleet's token")?;
-                kvroute_mocker::store::spawn(*blocks, listener, writers);
-                tracing::info!(%url, blocks, "shared store started for the simulated engines");
-                Some(url)
-            }
-            None => None,
-        };
-        let roles = std::iter::repeat_n(Role::Both, simulated.count)
-            .chain(std::iter::repeat_n(Role::Prefill, simulated.prefill))
-            .chain(std::iter::repeat_n(Role::Decode, simulated.decode));
-        for (k, role) in roles.enumerate() {
-            let node = node_label(k, &simulated);
-            let disagg = kvroute_mocker::DisaggConfig {
-                role,
-                node: match &node {
-                    Some(label) => kvroute_core::schedule::pairs::node_id(Some(label)),
-                    None => simulated.engine.disagg.node,
-                },
-                ..simulated.engine.disagg
-            };
-            let endpoints = match simulated.events {
-                true => kvroute_mocker::Endpoints::ephemeral(),
-                false => kvroute_mocker::Endpoints::without_events(),
-            };
-            // Its HTTP routes answer only the front door: a token of 256 random bits, known to
-            // this process alone (its ZMQ ports stay on loopback, see the README).
-            let token = worker_token()?;
-            let mocker = MockerConfig {
-                api_keys: kvroute_http::Credentials::new([&token], "the embedded worker's token")?,
-                engine: EngineConfig { block_size: router.block_size, disagg, ..simulated.engine },
-                endpoints,
-                model_path: model_path.clone(),
-                chat_template: simulated.chat_template.clone(),
-                seed: simulated.seed,
-                max_model_len: simulated.max_model_len,
-                dp_rank: 0,
-                fetch: fetch.clone(),
-                lora_modules: simulated.lora_modules.clone(),
-                runtime_lora_updating: simulated.lora_updating,
-                side_channel: None,
-                store_url: store_url.clone(),
-                // Prefill engines start before decode ones: each decode engine may pull from
-                // every prefill engine of the fleet, and from nothing else.
-                peers: peers.clone(),
-            };
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            let spawned = kvroute_mocker::spawn(mocker, listener).await?;
-            peers.prefill.extend(spawned.state.side_channel);
-            let mut spec = WorkerSpec::new(first_id + k as u64);
-            spec.url = Some(spawned.url);
-            spec.events = spawned.events;
-            spec.replay = spawned.replay;
-            spec.metrics = spawned.metrics;
-            spec.api_key = Some(kvroute_router::WorkerKey(token));
-            spec.dialect = simulated.dialect;
-            spec.role = role;
-            spec.node = node;
-            spec.bootstrap_port = spawned.state.side_channel.map(|a| a.port());
-            if !simulated.lora_modules.is_empty() {
-                spec.max_loras = Some(simulated.engine.lora.max_loras);
-            }
-            router.workers.push(spec);
-            engines.push(spawned.state);
-        }
+        let engines =
+            simulated::start(&simulated, &mut router, model_path.as_deref(), &fetch).await?;
         router.validate()?;
         let workers = router.workers.clone();
         let block_size = router.block_size;
@@ -341,17 +261,8 @@ impl Stack {
         adapters.extend(simulated.lora_modules.iter().map(|(name, _)| name.clone()));
         let frontend = match frontend {
             Some(f) => {
-                let f = f
-                    .guarded(access.api_keys.clone(), access.admin.clone())
-                    .with_options(front_door);
-                let f = match simulated.max_model_len {
-                    Some(n) => f.max_model_len(n),
-                    None => f,
-                };
-                let f = f
-                    .with_adapters(adapters.iter().map(String::as_str))
-                    .map_err(|e| StackError::Adapters(e.to_string()))?;
-                Some(Arc::new(f))
+                let limit = simulated.max_model_len;
+                Some(Arc::new(configured(f, &access, front_door, limit, &adapters)?))
             }
             None => None,
         };
@@ -442,6 +353,23 @@ pub async fn serve_on_loopback(app: axum::Router) -> Result<String, StackError> 
     Ok(url)
 }
 
+/// The front door with its keys, options, context limit and served adapters.
+fn configured(
+    f: FrontendState,
+    access: &Access,
+    options: FrontDoorOptions,
+    max_model_len: Option<u64>,
+    adapters: &[String],
+) -> Result<FrontendState, StackError> {
+    let f = f.guarded(access.api_keys.clone(), access.admin.clone()).with_options(options);
+    let f = match max_model_len {
+        Some(n) => f.max_model_len(n),
+        None => f,
+    };
+    f.with_adapters(adapters.iter().map(String::as_str))
+        .map_err(|e| StackError::Adapters(e.to_string()))
+}
+
 /// The node label of the `k`-th simulated worker (aggregated ones first, then the prefill
 /// pool, then the decode pool): each pool spread over `nodes` in turn; none on one node.
 fn node_label(k: usize, simulated: &Simulated) -> Option<String> {
@@ -453,7 +381,6 @@ fn node_label(k: usize, simulated: &Simulated) -> Option<String> {
     (simulated.nodes > 1).then(|| format!("node-{}", within % simulated.nodes))
 }
 
-/// An unguessable token: 32 bytes from the operating system's generator, in hex.
 /// A configured prefill worker's side channel: its URL's host (an IP address or localhost)
 /// and its bootstrap port.
 fn side_channel_of(w: &WorkerSpec) -> Option<std::net::SocketAddr> {
@@ -472,6 +399,7 @@ fn side_channel_of(w: &WorkerSpec) -> Option<std::net::SocketAddr> {
     Some(std::net::SocketAddr::new(ip, port))
 }
 
+/// An unguessable token: 32 bytes from the operating system's generator, in hex.
 fn worker_token() -> Result<String, StackError> {
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).map_err(StackError::Randomness)?;

@@ -174,6 +174,36 @@ pub fn node_id(label: Option<&str>) -> u32 {
     }
 }
 
+/// What the router tells of each leg of a pair: where it goes, the blocks it holds there, and
+/// the prompt tokens it must compute (a decode leg fed by a prefill computes only the last
+/// block's; one alone, what it does not hold).
+fn pair_decisions(
+    request: &RouteRequest<'_>,
+    bs: usize,
+    p: Option<&Candidate>,
+    d: &Candidate,
+) -> (Option<RouteDecision>, RouteDecision) {
+    let isl = request.isl_tokens;
+    let held =
+        |c: &Candidate| reusable_tokens(c.overlap_blocks.max(c.inflight_prefix_blocks), isl, bs);
+    let prefill = p.map(|p| RouteDecision {
+        worker: p.worker,
+        overlap_blocks: p.overlap_blocks,
+        tier_blocks: p.tier_blocks,
+        predicted_prefill_tokens: isl - held(p),
+    });
+    let decode = RouteDecision {
+        worker: d.worker,
+        overlap_blocks: d.overlap_blocks,
+        tier_blocks: d.tier_blocks,
+        predicted_prefill_tokens: match prefill {
+            Some(_) => isl - pullable(isl, bs) as usize * bs,
+            None => isl - held(d),
+        },
+    };
+    (prefill, decode)
+}
+
 /// The prompt's blocks a decode engine can pull: every full block but the one holding the
 /// last prompt token, which the decode engine computes itself.
 fn pullable(isl_tokens: usize, block_size: usize) -> u32 {
@@ -364,54 +394,39 @@ impl Scheduler {
             false => decodes[choice.decode],
         };
         let p = choice.prefill.map(|i| prefills[i]);
-        let pullable = pullable(request.isl_tokens, bs) as usize;
-        let prefill = p.map(|p| {
-            let cached = reusable_tokens(
-                p.overlap_blocks.max(p.inflight_prefix_blocks),
-                request.isl_tokens,
-                bs,
-            );
-            RouteDecision {
-                worker: p.worker,
-                overlap_blocks: p.overlap_blocks,
-                tier_blocks: p.tier_blocks,
-                predicted_prefill_tokens: request.isl_tokens - cached,
-            }
-        });
-        let in_place =
-            reusable_tokens(d.overlap_blocks.max(d.inflight_prefix_blocks), request.isl_tokens, bs);
-        let decode = RouteDecision {
-            worker: d.worker,
-            overlap_blocks: d.overlap_blocks,
-            tier_blocks: d.tier_blocks,
-            predicted_prefill_tokens: match prefill {
-                Some(_) => request.isl_tokens - pullable * bs,
-                None => request.isl_tokens - in_place,
-            },
-        };
+        let (prefill, decode) = pair_decisions(request, bs, p.as_ref(), &d);
         if let Some(id) = request.id {
-            let blocks =
-                RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
-            if let Some(p) = prefill {
-                self.active.add(
-                    &prefill_leg_id(id),
-                    p.worker,
-                    p.predicted_prefill_tokens,
-                    blocks,
-                    now,
-                );
-            }
-            self.active.add(id, d.worker, decode.predicted_prefill_tokens, blocks, now);
-            if let Some(p) = p {
-                let blocks = choice.transfer_blocks as usize;
-                self.active.set_pull(id, p.node != d.node, blocks);
-            }
-            if let Some(adapter) = request.adapter {
-                self.adapters.routed(id, d.worker, adapter);
-            }
-            self.pair_counts.record(prefill.is_some());
+            let legs = (prefill.as_ref(), &decode);
+            self.track_pair(request, id, legs, (p.as_ref(), &d), &choice, now);
         }
         Some(PairDecision { prefill, decode, transfer_blocks: choice.transfer_blocks })
+    }
+
+    /// Tracks both legs of a placed pair in flight (the prefill's as [`prefill_leg_id`]), the
+    /// pull the decode leg makes, and the adapter it runs with.
+    fn track_pair(
+        &mut self,
+        request: &RouteRequest<'_>,
+        id: &str,
+        (prefill, decode): (Option<&RouteDecision>, &RouteDecision),
+        (p, d): (Option<&Candidate>, &Candidate),
+        choice: &PairChoice,
+        now: Instant,
+    ) {
+        let blocks =
+            RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
+        if let Some(prefill) = prefill {
+            let leg = prefill_leg_id(id);
+            self.active.add(&leg, prefill.worker, prefill.predicted_prefill_tokens, blocks, now);
+        }
+        self.active.add(id, d.worker, decode.predicted_prefill_tokens, blocks, now);
+        if let Some(p) = p {
+            self.active.set_pull(id, p.node != d.node, choice.transfer_blocks as usize);
+        }
+        if let Some(adapter) = request.adapter {
+            self.adapters.routed(id, d.worker, adapter);
+        }
+        self.pair_counts.record(prefill.is_some());
     }
 
     fn choose_pair(
