@@ -10,7 +10,7 @@
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
-use super::{ROOT, RadixIndex};
+use super::{ROOT, RadixIndex, WorkerState};
 use crate::protocols::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
@@ -36,20 +36,7 @@ impl RadixIndex {
             let Some(state) = self.workers[slot as usize].as_ref() else {
                 continue;
             };
-            let mut names: FxHashMap<u32, SmallVec<[ExternalBlockHash; 1]>> = FxHashMap::default();
-            for (hash, id) in state.blocks.iter() {
-                names.entry(id).or_default().push(hash);
-            }
-            for list in names.values_mut() {
-                list.sort_unstable();
-            }
-            let mut needed: FxHashSet<u32> = FxHashSet::default();
-            for &id in names.keys() {
-                let mut x = self.slots[id as usize].node;
-                while x != ROOT && needed.insert(x) {
-                    x = self.nodes[x as usize].parent;
-                }
-            }
+            let (names, needed) = self.names_and_nodes(state);
             let mut synthetic = Vec::new();
             let mut next_synthetic = SYNTHETIC_BASE;
             let mut stack: Vec<(u32, Option<ExternalBlockHash>)> = vec![(ROOT, None)];
@@ -106,7 +93,30 @@ impl RadixIndex {
         }
         dump.events
     }
+
+    /// A worker's names for each block it holds (sorted), and the nodes on the paths from the
+    /// root to them.
+    fn names_and_nodes(&self, state: &WorkerState) -> (Names, FxHashSet<u32>) {
+        let mut names: Names = FxHashMap::default();
+        for (hash, id) in state.blocks.iter() {
+            names.entry(id).or_default().push(hash);
+        }
+        for list in names.values_mut() {
+            list.sort_unstable();
+        }
+        let mut needed: FxHashSet<u32> = FxHashSet::default();
+        for &id in names.keys() {
+            let mut x = self.slots[id as usize].node;
+            while x != ROOT && needed.insert(x) {
+                x = self.nodes[x as usize].parent;
+            }
+        }
+        (names, needed)
+    }
 }
+
+/// A worker's names for the blocks it holds, by block id.
+type Names = FxHashMap<u32, SmallVec<[ExternalBlockHash; 1]>>;
 
 struct Dump {
     events: Vec<RouterEvent>,
