@@ -273,6 +273,17 @@ pub enum KvCacheEventData {
     Cleared,
 }
 
+impl KvCacheEventData {
+    /// How many blocks it stores or removes (none for a clear).
+    pub fn blocks(&self) -> usize {
+        match self {
+            Self::Stored(d) => d.blocks.len(),
+            Self::Removed(d) => d.block_hashes.len(),
+            Self::Cleared => 0,
+        }
+    }
+}
+
 /// Blocks newly filled, in order, each the child of the one before; the first is the child of
 /// `parent_hash` (the engine's id of a block this worker already holds), or of the root if `None`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -183,7 +183,7 @@ impl Placer {
     /// workers, or (a remote router) the front door's own list of workers does.
     pub(crate) fn disaggregated(&self, listed_prefill_workers: bool) -> bool {
         match self {
-            Self::Embedded(router) => router.disaggregated(),
+            Self::Embedded(router) => router.placing().disaggregated(),
             Self::Remote(_) => listed_prefill_workers,
         }
     }

@@ -90,8 +90,9 @@ fn events(format: EventFormat, data: &[u8]) {
         return;
     };
     let state = router();
-    state.record_conversion(WorkerWithDpRank::new(WorkerId(1), 0), &decoded.stats);
-    state.apply(&decoded.events);
+    let Some(ingest) = state.ingest_for(WorkerWithDpRank::new(WorkerId(1), 0)) else { return };
+    ingest.converted(&decoded.stats);
+    ingest.apply(&decoded.events);
     let _ = state.workers();
 }
 
@@ -137,7 +138,7 @@ pub fn replica_sync(data: &[u8]) {
     let state = router();
     let mut peers = kvroute_router::nats::Peers::default();
     peers.apply(&state, batch);
-    let _ = state.in_flight();
+    let _ = state.placing().in_flight();
 }
 
 pub fn index_snapshot(data: &[u8]) {
@@ -290,19 +291,19 @@ pub fn worker_reports(data: &[u8]) {
     let w = kvroute_core::WorkerWithDpRank::new(1u64, 0u32);
     if let Some((_, load, adapters)) = kvroute_router::load::decode_report(data) {
         if let Some(a) = adapters {
-            state.report_adapters(w, &a);
+            state.placing().report_adapters(w, &a);
         }
         state.update_load(w, load);
     }
     let text = String::from_utf8_lossy(data);
     let _ = kvroute_router::load::parse_prometheus(&text);
     if let Some(a) = kvroute_router::load::parse_lora_info(&text) {
-        state.report_adapters(w, &a);
+        state.placing().report_adapters(w, &a);
     }
     if let Ok(list) = serde_json::from_slice::<kvroute_http::openai::ModelList>(data) {
         let listed: std::collections::BTreeSet<String> =
             list.adapters_of("kvroute-tiny").into_iter().collect();
-        state.set_served_adapters(w, Some(listed));
+        state.placing().set_served_adapters(w, Some(listed));
     }
 }
 

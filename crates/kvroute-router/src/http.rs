@@ -163,7 +163,7 @@ async fn find_best_worker(
         session: req.session_id.as_deref().filter(|k| !k.is_empty()),
     };
     let unknown = || ApiError::unavailable("no workers are known");
-    let (decision, prefill) = match state.disaggregated() {
+    let (decision, prefill) = match state.placing().disaggregated() {
         true => {
             let pair = state.place_pair(&placement).ok_or_else(unknown)?;
             let prefill = pair.prefill.map(|p| PrefillWorker {
@@ -227,7 +227,7 @@ async fn answers(
             );
         }
     }
-    if let Err(why) = api.state.check_rank(a.worker()) {
+    if let Err(why) = api.state.fleet().check_rank(a.worker()) {
         return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
     }
     if !api.state.record_answer(&a) {
@@ -255,8 +255,9 @@ async fn inject_event(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let state = &api.state;
     let Json(req) = body?;
-    if let Err(why) =
-        state.check_rank(WorkerWithDpRank { worker_id: req.worker_id, dp_rank: req.dp_rank })
+    if let Err(why) = state
+        .fleet()
+        .check_rank(WorkerWithDpRank { worker_id: req.worker_id, dp_rank: req.dp_rank })
     {
         return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
     }
@@ -272,7 +273,7 @@ async fn inject_event(
     let event = RouterEvent::new(req.worker_id, KvCacheEvent::new(0, data, req.dp_rank));
     let worker = event.worker();
     if state.apply_posted(&[event]) == 0 {
-        if !state.knows_worker(worker.worker_id) {
+        if !state.fleet().knows_worker(worker.worker_id) {
             return Err(ApiError::bad_request(format!(
                 "worker {} is not one of the router's workers",
                 worker.worker_id
@@ -311,8 +312,8 @@ async fn tree_info(State(api): ApiState) -> Result<Json<serde_json::Value>, ApiE
 
 async fn workers(State(api): ApiState) -> Json<serde_json::Value> {
     let state = &api.state;
-    Json(json!({"workers": state.workers(), "in_flight": state.in_flight(),
-        "recent_decisions": state.recent_decisions(), "nats": state.nats().map(|n| n.summary())}))
+    Json(json!({"workers": state.workers(), "in_flight": state.placing().in_flight(),
+        "recent_decisions": state.placing().recent_decisions(), "nats": state.nats().map(|n| n.summary())}))
 }
 
 async fn metrics(State(api): ApiState) -> Response {
@@ -387,11 +388,11 @@ async fn adapters(
     }
     let worker = known_worker(&api, id)?;
     let rank = WorkerWithDpRank { worker_id: worker, dp_rank: served.dp_rank };
-    if let Err(why) = api.state.check_rank(rank) {
+    if let Err(why) = api.state.fleet().check_rank(rank) {
         return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
     }
     let names = served.adapters.map(|a| a.into_iter().collect());
-    api.state.set_served_adapters(rank, names);
+    api.state.placing().set_served_adapters(rank, names);
     Ok(StatusCode::NO_CONTENT)
 }
 

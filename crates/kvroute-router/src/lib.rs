@@ -72,7 +72,7 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
             tasks.push(tokio::spawn(load::run(Arc::clone(state), spec.id, metrics.clone())));
         }
     }
-    if state.has_approximate() {
+    if state.fleet().has_approximate() {
         let approx = Arc::clone(state);
         tasks.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -87,7 +87,7 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
         let mut tick = tokio::time::interval(Duration::from_secs(10));
         loop {
             tick.tick().await;
-            let n = reclaim.reclaim_stale();
+            let n = reclaim.placing().reclaim_stale();
             if n > 0 {
                 tracing::warn!(
                     requests = n,

@@ -106,11 +106,11 @@ async fn subscribe(state: Arc<RouterState>, worker: WorkerId, endpoint: String) 
                 let Some(payload) = message.into_vec().pop() else { continue };
                 match decode_report(&payload) {
                     Some((r, load, adapters))
-                        if state.check_rank(WorkerWithDpRank::new(worker, r)).is_ok() =>
+                        if state.fleet().check_rank(WorkerWithDpRank::new(worker, r)).is_ok() =>
                     {
                         let rank = WorkerWithDpRank::new(worker, r);
                         if let Some(adapters) = adapters {
-                            state.report_adapters(rank, &adapters);
+                            state.placing().report_adapters(rank, &adapters);
                         }
                         state.update_load(rank, load);
                     }
@@ -150,9 +150,9 @@ async fn poll(state: Arc<RouterState>, worker: WorkerId, url: String) {
         let text = String::from_utf8_lossy(&text);
         let adapters = parse_lora_info(&text);
         for (rank, load) in parse_prometheus(&text) {
-            if state.check_rank(WorkerWithDpRank::new(worker, rank)).is_ok() {
+            if state.fleet().check_rank(WorkerWithDpRank::new(worker, rank)).is_ok() {
                 if let Some(a) = &adapters {
-                    state.report_adapters(WorkerWithDpRank::new(worker, rank), a);
+                    state.placing().report_adapters(WorkerWithDpRank::new(worker, rank), a);
                 }
                 state.update_load(WorkerWithDpRank::new(worker, rank), load);
             }

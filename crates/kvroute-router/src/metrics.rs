@@ -472,6 +472,18 @@ impl Metrics {
         self.events.get_or_create(&event_labels(kind, ok)).inc();
     }
 
+    /// A batch's events counted at once: `counts[kind][ok]`, kinds in [`EventKind`]'s order.
+    pub fn event_counts(&self, counts: &[[u64; 2]; 3]) {
+        let kinds = [EventKind::Stored, EventKind::Removed, EventKind::Cleared];
+        for (kind, by_ok) in kinds.into_iter().zip(counts) {
+            for (ok, &n) in [false, true].into_iter().zip(by_ok) {
+                if n > 0 {
+                    self.events.get_or_create(&event_labels(kind, ok)).inc_by(n);
+                }
+            }
+        }
+    }
+
     pub fn events(&self, kind: EventKind, ok: bool) -> u64 {
         self.events.get_or_create(&event_labels(kind, ok)).get()
     }
@@ -501,6 +513,10 @@ impl Metrics {
 
     pub fn rejected(&self, reason: &'static str) {
         self.rejected.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    pub fn rejected_n(&self, reason: &'static str, n: u64) {
+        self.rejected.get_or_create(&ReasonLabels { reason }).inc_by(n);
     }
 
     pub fn decision(&self, worker: WorkerWithDpRank, took: Duration) {

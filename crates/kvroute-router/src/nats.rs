@@ -31,7 +31,7 @@ use kvroute_wire::replica::{SyncBatch, SyncMessage, decode_sync, encode_sync};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::state::RouterState;
+use crate::state::{PeerRouted, RouterState};
 use crate::stream;
 
 /// How often a replica says it is alive when it routes nothing.
@@ -274,18 +274,26 @@ impl Peers {
                         local_hashes.into_iter().map(LocalBlockHash).collect();
                     let worker = WorkerWithDpRank::new(worker_id, dp_rank);
                     let key = peer_request_id(&batch.replica, &id);
-                    if state.track_peer(&key, worker, isl_tokens, prefill_tokens, &local) {
+                    let routed = PeerRouted {
+                        worker,
+                        isl_tokens,
+                        prefill_tokens,
+                        local: &local,
+                        block_size: state.config.block_size.tokens(),
+                    };
+                    let placing = state.placing();
+                    if placing.track_peer(&state.index, &state.metrics, &key, routed) {
                         peer.in_flight.insert(id);
                     } else {
                         state.metrics.replica_message("unknown_worker");
                     }
                 }
                 SyncMessage::PrefillDone { id } => {
-                    state.peer_prefill_done(&peer_request_id(&batch.replica, &id));
+                    state.placing().peer_prefill_done(&peer_request_id(&batch.replica, &id));
                 }
                 SyncMessage::Freed { id } => {
                     if peer.in_flight.remove(&id) {
-                        state.free_peer(&peer_request_id(&batch.replica, &id));
+                        state.placing().free_peer(&peer_request_id(&batch.replica, &id));
                     }
                 }
                 SyncMessage::Heartbeat => {}
@@ -301,7 +309,7 @@ impl Peers {
             }
             let n = peer.in_flight.len();
             for id in &peer.in_flight {
-                state.free_peer(&peer_request_id(name, id));
+                state.placing().free_peer(&peer_request_id(name, id));
             }
             state.metrics.replica_expired.inc_by(n as u64);
             tracing::warn!(peer = %name, freed = n, "a replica went silent: its in-flight requests expire");

@@ -7,28 +7,29 @@
 //! first requests after start-up, or after an engine went away, do not land on a cache the
 //! router cannot see.
 //!
-//! The state is split by concern, each part in its own file: the worker registry and health
-//! (`state/fleet.rs`), events into the index (`state/events.rs`), the scheduler and in-flight
-//! accounting (`state/placing.rs`), the self-checks (`state/answers.rs`); replica sync lives
-//! in [`crate::nats`] and [`crate::stream`], which reach the core through [`NatsLinks`].
+//! The state is split by owner, each a type with its own lock and methods: [`Fleet`], the
+//! worker registry and health (`state/fleet.rs`); [`Placing`], the scheduler, in-flight
+//! accounting and approximate mode (`state/placing.rs`); [`SelfChecks`], predictions against
+//! answers (`state/answers.rs`); and the KV index, whose shards lock themselves. Events come
+//! in through `state/events.rs` (a subscription's [`Ingest`] handle). `RouterState` composes
+//! them: its own methods are the ones that cross owners, and each takes one owner's lock at a
+//! time, except where written below. Replica sync lives in [`crate::nats`] and
+//! [`crate::stream`], which reach the core through [`NatsLinks`].
 //!
-//! **Lock order.** Where two locks are held at once, they are taken in this order, and never
-//! the other way: `placing.approx` → `fleet.workers` → `checks.per_worker`. The scheduler
-//! (`placing.scheduler`) and `checks.resync` are taken with no other lock of the state held,
-//! except that the scheduler reads the index while it routes; the index's shard locks are
-//! leaves (nothing is taken under them). Everything else is an atomic.
+//! **Lock order.** No owner takes another's lock. Two are held at once only in this order:
+//! `placing.approx` → the fleet's registry (a worker leaving or entering approximate mode,
+//! so no assumed block is applied across the change); `placing.approx` → an index shard
+//! (assumed blocks applied); `placing.scheduler` → an index shard (the scheduler reads the
+//! index while it routes); the index's hybrid `groups` → a shard (a hybrid event). The index's
+//! shard locks are leaves. Everything else is an atomic.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::AtomicBool;
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
-use kvroute_core::index::{ApproxTracker, ShardedIndex};
-use kvroute_core::schedule::Scheduler;
+use kvroute_core::index::ShardedIndex;
 use kvroute_core::{LocalBlockHash, StorageTier, WorkerId, WorkerWithDpRank};
 use kvroute_http::metrics::Registry;
 use kvroute_wire::transport::ZmqLimits;
 
-use crate::checks::Checks;
 use crate::config::RouterConfig;
 use crate::links::NatsLinks;
 use crate::metrics::{BlocksLabels, Metrics, TierLabels, WorkerIdLabels, WorkerLabels};
@@ -38,7 +39,12 @@ mod events;
 mod fleet;
 mod placing;
 
-pub use fleet::{CacheMode, Parity, RankRefused, WorkerStatus};
+pub use answers::SelfChecks;
+pub use events::Ingest;
+use events::apply_one;
+pub use fleet::{CacheMode, Fleet, Link, Parity, RankRefused, WorkerStatus};
+pub(crate) use placing::PeerRouted;
+pub use placing::Placing;
 
 /// A request to place, as the HTTP API (or an embedding front door) gives it.
 #[derive(Clone, Debug)]
@@ -56,48 +62,20 @@ pub struct PlaceRequest<'a> {
     pub session: Option<&'a str>,
 }
 
-/// The router's state, by concern; each part owns its locks.
+/// The router's state: its owners, composed (see the module docs).
 #[derive(Debug)]
 pub struct RouterState {
     pub config: RouterConfig,
     /// The KV index (its shards lock themselves; a leaf of the lock order).
     pub index: ShardedIndex,
     pub metrics: Metrics,
-    /// The scheduler with its in-flight accounting, and approximate mode.
     placing: Placing,
-    /// The worker registry and its health.
     fleet: Fleet,
-    /// Predictions against answers, and the resyncs they ask for.
     checks: SelfChecks,
     /// Replica sync and the event stream, when NATS is configured (set once it starts).
     nats: OnceLock<NatsLinks>,
     /// What every ZMQ socket of the router may receive; refusals count in `metrics`.
     pub zmq: ZmqLimits,
-}
-
-#[derive(Debug)]
-struct Placing {
-    scheduler: Mutex<Scheduler>,
-    /// Approximate mode's bookkeeping; its events go to the index under this lock, so each
-    /// worker's assumed blocks are applied in order.
-    approx: Mutex<ApproxTracker>,
-}
-
-#[derive(Debug)]
-struct Fleet {
-    workers: RwLock<BTreeMap<WorkerId, WorkerStatus>>,
-    /// Signalled whenever a rank's readiness may have changed.
-    changed: tokio::sync::Notify,
-}
-
-#[derive(Debug, Default)]
-struct SelfChecks {
-    /// Predictions against answers, per worker.
-    per_worker: Mutex<Checks>,
-    /// Ranks whose subscription should replay all its engine still buffers (after a drift).
-    resync: Mutex<BTreeSet<WorkerWithDpRank>>,
-    /// Whether `resync` may hold anything (checked on every event batch without the lock).
-    pending: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -106,25 +84,80 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl RouterState {
     pub fn new(config: RouterConfig) -> Self {
-        let mut scheduler_config = config.scheduler;
-        scheduler_config.block_size = config.block_size;
         let state = Self {
             zmq: ZmqLimits::new(config.zmq_max_message_bytes),
             index: ShardedIndex::new(config.shards, config.index),
             metrics: Metrics::new(),
-            placing: Placing {
-                scheduler: Mutex::new(Scheduler::new(scheduler_config)),
-                approx: Mutex::new(ApproxTracker::new(config.approx)),
-            },
-            fleet: Fleet { workers: RwLock::new(BTreeMap::new()), changed: Default::default() },
+            placing: Placing::new(&config),
+            fleet: Fleet::new(&config),
             checks: SelfChecks::default(),
             nats: OnceLock::new(),
             config,
         };
         for spec in &state.config.workers {
-            state.add_worker(spec, true);
+            let mut status = WorkerStatus::new(spec, true);
+            if let Some(nats) = state.config.nats.as_ref().filter(|n| n.events.from_stream()) {
+                // Its events come from the stream: ready once the stream's consumer caught up.
+                status.follow_stream(format!("jetstream:{}.events.{}.*", nats.prefix, spec.id));
+            }
+            state.placing.add_worker(spec, &status.ready);
+            for rank in 0..spec.dp_size {
+                state.index.register_worker(WorkerWithDpRank::new(spec.id, rank));
+            }
+            state.fleet.insert(status);
         }
         state
+    }
+
+    /// The worker registry and its health.
+    pub fn fleet(&self) -> &Fleet {
+        &self.fleet
+    }
+
+    /// The scheduler, in-flight accounting and approximate mode.
+    pub fn placing(&self) -> &Placing {
+        &self.placing
+    }
+
+    /// Predictions against answers.
+    pub fn checks(&self) -> &SelfChecks {
+        &self.checks
+    }
+
+    /// Records a worker's parity probe. A failure (with its cause) makes its events untrusted:
+    /// its blocks are cleared, its events ignored (counted as rejected `parity`) and it is
+    /// routed approximately; `Ok` (or `Unchecked`, before a new probe) trusts them again. A
+    /// probe put off (`Retrying`) does not undo a failure: the worker stays failed until a
+    /// probe is made.
+    pub fn set_parity(&self, worker: WorkerId, parity: Parity) {
+        let mut approx = self.placing.approx();
+        let change = self.fleet.set_parity(worker, parity);
+        if change.leave_approximate {
+            approx.remove_worker(worker);
+        }
+        if change.clear {
+            self.index.clear_all_blocks(worker);
+        }
+    }
+
+    /// Forgets every block of `worker` (all ranks): its engine is gone, its cache with it.
+    pub fn forget_blocks(&self, worker: WorkerId) {
+        let ranks = self.fleet.ranks(worker).unwrap_or(0);
+        let held: usize =
+            (0..ranks).map(|r| self.index.tree_size(WorkerWithDpRank::new(worker, r))).sum();
+        if held == 0 {
+            return;
+        }
+        self.index.clear_all_blocks(worker);
+        tracing::info!(%worker, blocks = held, "its engine is unreachable: its blocks are forgotten");
+    }
+
+    /// Records a change to a rank's event subscription; the scheduler hears when its
+    /// readiness changed.
+    pub fn link(&self, worker: WorkerWithDpRank, link: Link) {
+        if let Some(ready) = self.fleet.link(worker, link) {
+            self.placing.scheduler().set_ready(worker, ready);
+        }
     }
 
     /// What `/health` says: always ok while the process serves (NATS away is degraded, not
@@ -151,12 +184,12 @@ impl RouterState {
         self.nats.get()
     }
 
+    /// Every worker's status, with its blocks in the index and its self-checks.
     pub fn workers(&self) -> Vec<WorkerStatus> {
-        let workers = self.read_workers();
         let lower = self.index.lower_tier_sizes();
-        workers
-            .values()
-            .cloned()
+        self.fleet
+            .statuses()
+            .into_iter()
             .map(|mut w| {
                 w.tree_size = (0..w.dp_size)
                     .map(|r| self.index.tree_size(WorkerWithDpRank::new(w.id, r)))
@@ -169,8 +202,8 @@ impl RouterState {
                             .map_or([0; 3], |i| lower[i].1)
                     })
                     .collect();
-                if let Some(c) = lock(&self.checks.per_worker).workers.get(&w.id) {
-                    w.checks = c.clone();
+                if let Some(c) = self.checks.status(w.id) {
+                    w.checks = c;
                 }
                 w
             })
@@ -186,8 +219,8 @@ impl RouterState {
         m.index_budget.set(self.index.budget().map_or(-1, |b| b as i64));
         m.index_evicted.sync(stats.evicted_blocks);
         m.sync_zmq_refused();
-        m.in_flight.set(self.in_flight() as i64);
-        let (affinity, sessions) = self.affinity();
+        m.in_flight.set(self.placing.in_flight() as i64);
+        let (affinity, sessions) = self.placing.affinity();
         m.sync_sessions(affinity, sessions);
         match self.nats.get() {
             Some(n) => {

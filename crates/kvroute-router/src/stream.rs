@@ -30,7 +30,7 @@ use tokio::sync::mpsc;
 
 use crate::config::nats::NatsConfig;
 use crate::links::{NatsStatus, Relayed};
-use crate::state::RouterState;
+use crate::state::{Link, RouterState};
 use crate::subscriber;
 
 /// Batches waiting for the relay's publisher.
@@ -298,7 +298,11 @@ fn mark_caught_up(state: &RouterState, status: &NatsStatus) {
             seq = status.applied_seq.load(Ordering::Relaxed),
             "caught up with the event stream"
         );
-        state.stream_caught_up();
+        // Every worker that follows the stream is connected and caught up.
+        for rank in state.fleet().configured_ranks() {
+            state.link(rank, Link::Connected(None));
+            state.link(rank, Link::CaughtUp);
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! stream.
 //!
 //! ```text
-//!  engine PUB ──[topic, seq, batch]──▶ SUB task ──kvroute_wire::Pipeline──▶ RouterState::ingest
+//!  engine PUB ──[topic, seq, batch]──▶ SUB task ──kvroute_wire::Pipeline──▶ Ingest (index)
 //!        ▲                                │ seq jumped?
 //!  engine ROUTER ◀──["", from_seq]── DEALER (replay): ["", topic, seq, batch]... until seq = 2^64-1
 //! ```
@@ -31,7 +31,7 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use crate::config::WorkerSpec;
 use crate::error::RouterError;
-use crate::state::RouterState;
+use crate::state::{Ingest, Link, RouterState};
 
 pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(5);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -83,7 +83,12 @@ pub(crate) fn subscriptions(state: &RouterState) -> Vec<Subscription> {
 /// Subscribes forever, reconnecting with capped backoff.
 pub async fn run(state: Arc<RouterState>, sub: Subscription) {
     let mut backoff = Duration::from_millis(50);
+    let Some(ingest) = state.ingest_for(sub.worker) else {
+        tracing::error!(worker = %sub.worker, "no such configured rank: not subscribed");
+        return;
+    };
     let mut stream = Stream {
+        ingest,
         pipeline: Pipeline::new(sub.worker, sub.format, sub.convert),
         last: sub.resume_after,
         connected: false,
@@ -96,14 +101,16 @@ pub async fn run(state: Arc<RouterState>, sub: Subscription) {
         if std::mem::take(&mut stream.connected) {
             backoff = Duration::from_millis(50); // it was up: retry soon
         }
-        state.set_connection(sub.worker, false, None);
+        state.link(sub.worker, Link::Disconnected);
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 
-/// What survives reconnections: the pipeline's counters and the last sequence number.
-struct Stream {
+/// What survives reconnections: the rank's way into the router, the pipeline's counters and
+/// the last sequence number.
+struct Stream<'a> {
+    ingest: Ingest<'a>,
     pipeline: Pipeline,
     last: Option<u64>,
     connected: bool,
@@ -152,13 +159,13 @@ impl ReplayBudget {
 async fn run_once(
     state: &RouterState,
     sub: &Subscription,
-    stream: &mut Stream,
+    stream: &mut Stream<'_>,
 ) -> Result<(), RouterError> {
     let mut socket = SubSocket::with_options(state.zmq.options(SocketRole::Events));
     socket.connect(&sub.endpoint).await?;
     socket.subscribe("").await?;
     stream.connected = true;
-    state.set_connection(sub.worker, true, stream.last);
+    state.link(sub.worker, Link::Connected(stream.last));
     tracing::info!(worker = %sub.worker, endpoint = %sub.endpoint, "subscribed to KV events");
     // Whatever was published before the subscription took effect (ZMQ drops it: the slow
     // joiner), or while we were away, comes from the replay endpoint if there is one. Live
@@ -170,7 +177,7 @@ async fn run_once(
         recover(state, sub, stream, from, END_OF_REPLAY, false).await;
         replayed_through = stream.last.filter(|_| stream.last != before);
     }
-    state.set_caught_up(sub.worker);
+    state.link(sub.worker, Link::CaughtUp);
     loop {
         let message = socket.recv().await?;
         let frames: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
@@ -206,8 +213,13 @@ fn replayed_already(through: &mut Option<u64>, seq: u64) -> bool {
 
 /// Before batch `seq` is applied: a resync asked for, a restarted publisher, or batches
 /// missed since the last one.
-async fn follow_sequence(state: &RouterState, sub: &Subscription, stream: &mut Stream, seq: u64) {
-    if state.take_resync(sub.worker) {
+async fn follow_sequence(
+    state: &RouterState,
+    sub: &Subscription,
+    stream: &mut Stream<'_>,
+    seq: u64,
+) {
+    if state.checks().take_resync(sub.worker) {
         // Drifted: its blocks were cleared; rebuild from what the engine still buffers.
         tracing::info!(worker = %sub.worker, "resynchronising from the engine's replay");
         stream.last = None;
@@ -227,7 +239,7 @@ async fn follow_sequence(state: &RouterState, sub: &Subscription, stream: &mut S
                 RouterEvent { worker_id: sub.worker.worker_id, event: e }
             };
             let clears = vec![clear(StorageTier::Device), clear(StorageTier::HostPinned)];
-            state.ingest(sub.worker, None, clears).await;
+            stream.ingest.batch(None, clears).await;
             stream.last = None;
             if seq > 0 {
                 recover(state, sub, stream, 0, seq, false).await;
@@ -247,7 +259,7 @@ async fn follow_sequence(state: &RouterState, sub: &Subscription, stream: &mut S
 async fn recover(
     state: &RouterState,
     sub: &Subscription,
-    stream: &mut Stream,
+    stream: &mut Stream<'_>,
     from: u64,
     until: u64,
     gap: bool,
@@ -295,7 +307,12 @@ async fn recover(
 
 /// Decodes one message through the pipeline and hands its events on. An undecodable batch
 /// is not consumed: to us it is missing, and the next one asks for it again.
-async fn apply(state: &RouterState, sub: &Subscription, stream: &mut Stream, framed: Framed<'_>) {
+async fn apply(
+    state: &RouterState,
+    sub: &Subscription,
+    stream: &mut Stream<'_>,
+    framed: Framed<'_>,
+) {
     let decoded = match stream.pipeline.decode(framed) {
         Ok(decoded) => decoded,
         Err(err) => {
@@ -304,13 +321,13 @@ async fn apply(state: &RouterState, sub: &Subscription, stream: &mut Stream, fra
             return;
         }
     };
-    state.record_conversion(sub.worker, &decoded.stats);
+    stream.ingest.converted(&decoded.stats);
     if let Some(seq) = framed.seq {
         stream.last = Some(seq);
     }
-    state.ingest(sub.worker, framed.seq, decoded.events).await;
+    stream.ingest.batch(framed.seq, decoded.events).await;
     if let Some(seq) = framed.seq {
-        state.set_connection(sub.worker, true, Some(seq));
+        stream.ingest.seen(seq);
     }
 }
 

@@ -220,9 +220,9 @@ async fn load_is_polled_from_a_prometheus_endpoint() {
     spec.metrics = Some(format!("http://{addr}/metrics"));
     let state =
         Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
-    assert_eq!(state.not_ready().len(), 1, "no load report yet");
+    assert_eq!(state.fleet().not_ready().len(), 1, "no load report yet");
     let _tasks = kvroute_router::spawn_background(&state).unwrap();
-    let waiting = state.wait_ready(Duration::from_secs(10)).await;
+    let waiting = state.fleet().wait_ready(Duration::from_secs(10)).await;
     assert!(waiting.is_empty(), "{waiting:?}");
     let load = state.workers()[0].load[0].unwrap();
     assert_eq!(

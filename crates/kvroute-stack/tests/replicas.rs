@@ -107,7 +107,7 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
     // flight) would choose, and its decision saw a's blocks in flight on a's worker.
     let prefix = hashes(1, 64);
     let first = place(&a, "r1", &prefix);
-    assert!(eventually(Duration::from_secs(5), || b.in_flight() == 1).await);
+    assert!(eventually(Duration::from_secs(5), || b.placing().in_flight() == 1).await);
     let untracked = PlaceRequest {
         local_hashes: &prefix,
         num_tokens: prefix.len() * 16,
@@ -121,25 +121,28 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
     let one_router = a.place(&untracked).unwrap().0.worker;
     let second = place(&b, "r2", &prefix);
     assert_eq!(second, one_router, "b decides as a single router would");
-    let seen = b.recent_decisions().pop().unwrap();
+    let seen = b.placing().recent_decisions().pop().unwrap();
     let on_first = seen.candidates.iter().find(|c| c.worker == first).unwrap();
     assert_eq!(on_first.inflight_prefix_blocks, 64, "a's request priced by b");
-    assert!(eventually(Duration::from_secs(5), || a.in_flight() == 2).await);
+    assert!(eventually(Duration::from_secs(5), || a.placing().in_flight() == 2).await);
     // b would have made a's choice: counted as agreement.
     assert_eq!(b.metrics.agreements(true), 1);
 
     // Lifecycle: a's end reaches b.
     a.prefill_done("r1");
     assert!(a.finish("r1"));
-    assert!(eventually(Duration::from_secs(5), || b.in_flight() == 1).await, "only r2 left on b");
+    assert!(
+        eventually(Duration::from_secs(5), || b.placing().in_flight() == 1).await,
+        "only r2 left on b"
+    );
     assert!(b.finish("r2"));
-    assert!(eventually(Duration::from_secs(5), || a.in_flight() == 0).await);
+    assert!(eventually(Duration::from_secs(5), || a.placing().in_flight() == 0).await);
 
     // b goes silent with a request in flight: a frees it once b is not heard for PEER_TIMEOUT.
     place(&b, "r3", &hashes(2, 8));
-    assert!(eventually(Duration::from_secs(5), || a.in_flight() == 1).await);
+    assert!(eventually(Duration::from_secs(5), || a.placing().in_flight() == 1).await);
     drop(b_tasks);
-    let expired = eventually(PEER_TIMEOUT * 3, || a.in_flight() == 0).await;
+    let expired = eventually(PEER_TIMEOUT * 3, || a.placing().in_flight() == 0).await;
     assert!(expired, "a silent replica's entries expire");
     assert!(a.render_metrics().contains("kvroute_replica_expired_requests_total 1"));
 }
@@ -170,7 +173,7 @@ async fn nats_away_is_degraded_and_the_replicas_reconnect() {
     assert!(back.await, "both reconnect within 5 s of the server's return");
     place(&a, "after", &hashes(99, 4));
     assert!(
-        eventually(Duration::from_secs(5), || b.in_flight() == 1).await,
+        eventually(Duration::from_secs(5), || b.placing().in_flight() == 1).await,
         "decisions flow again"
     );
 }
@@ -264,7 +267,7 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
     let started = Instant::now();
     let (fresh, _fresh_tasks) =
         replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
-    let warm = fresh.wait_ready(Duration::from_secs(10)).await;
+    let warm = fresh.fleet().wait_ready(Duration::from_secs(10)).await;
     assert!(warm.is_empty(), "caught up: {warm:?}");
     let took = started.elapsed();
     assert_eq!(fresh.metrics.snapshots("loaded"), 1, "started from the snapshot");
@@ -325,7 +328,7 @@ async fn relay_restart(stack: &mut Stack, mut config: NatsConfig) -> (Arc<Router
     stack.stop_router_tasks();
     config.replica = "relay-2".into();
     let (state, tasks) = replica(&stack.workers, config);
-    assert!(state.wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(state.fleet().wait_ready(Duration::from_secs(10)).await.is_empty());
     (state, tasks)
 }
 
@@ -339,12 +342,12 @@ async fn after_a_nats_outage_the_stream_has_everything_the_engines_did() {
     let relay = Arc::clone(stack.router.as_ref().unwrap());
     let (follower, _f) =
         replica(&stack.workers, nats_config(&server, "follower", EventsVia::Stream));
-    assert!(follower.wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(follower.fleet().wait_ready(Duration::from_secs(10)).await.is_empty());
     // The ground truth: a router on the engines' own ZMQ streams, beside NATS.
     let mut direct_config = nats_config(&server, "direct", EventsVia::Zmq);
     direct_config.sync = false;
     let (direct, _d) = replica(&stack.workers, direct_config);
-    assert!(direct.wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(direct.fleet().wait_ready(Duration::from_secs(10)).await.is_empty());
     for i in 0..10 {
         chat(&base, &format!("before the outage, question {i} about rivers and their long names"))
             .await;
@@ -365,7 +368,7 @@ async fn after_a_nats_outage_the_stream_has_everything_the_engines_did() {
     // Within 5 s the follower's index equals a fresh replica's and what the engines' own
     // streams say (the direct router): nothing the engines did during the outage is missing.
     let (fresh, _fr) = replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
-    assert!(fresh.wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(fresh.fleet().wait_ready(Duration::from_secs(10)).await.is_empty());
     let equal = eventually(Duration::from_secs(5), || {
         let f = chains(&follower);
         f == chains(&fresh) && f == chains(&relay) && f == chains(&direct)

@@ -131,28 +131,45 @@ impl ShardedIndex {
     }
 
     /// Applies events in order; returns the errors (events refused or partly applied), in
-    /// order, with their positions in `events`.
+    /// order, with their positions in `events`. Each shard's lock is taken once for a run of
+    /// small events of up to [`BLOCKS_PER_LOCK`] blocks in all; a longer event, and one that
+    /// touches more than the device tree (a clear, a lower tier, a hybrid group), is applied
+    /// on its own as [`Self::apply_event`] applies it.
     pub fn apply_batch(&self, events: &[RouterEvent]) -> Vec<(usize, Error)> {
         let mut errors = Vec::new();
-        for s in 0..self.shards.len() {
-            let mut positions =
-                events.iter().enumerate().filter(|(_, e)| self.shard_of(e.worker_id) == s);
-            let Some((first, e)) = positions.next() else {
+        let Some(first) = events.first() else { return errors };
+        let one_worker = events.iter().all(|e| e.worker_id == first.worker_id);
+        let shards: Vec<usize> = match one_worker {
+            true => vec![self.shard_of(first.worker_id)],
+            false => (0..self.shards.len()).collect(),
+        };
+        for s in shards {
+            let mut positions = events
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| one_worker || self.shard_of(e.worker_id) == s)
+                .peekable();
+            if positions.peek().is_none() {
                 continue;
-            };
-            let mut shard = self.write(s);
-            for (i, e) in std::iter::once((first, e)).chain(positions) {
+            }
+            let mut shard: Option<RwLockWriteGuard<'_, RadixIndex>> = None;
+            let mut held = 0;
+            for (i, e) in positions {
+                let blocks = e.event.data.blocks();
                 let plain = e.event.storage_tier.is_device()
                     && e.event.group == 0
-                    && !matches!(e.event.data, KvCacheEventData::Cleared);
+                    && !matches!(e.event.data, KvCacheEventData::Cleared)
+                    && blocks <= BLOCKS_PER_LOCK;
+                if !plain || held + blocks > BLOCKS_PER_LOCK {
+                    shard = None;
+                    held = 0;
+                }
                 let result = match plain {
-                    true => shard.apply_event(e),
-                    false => {
-                        drop(shard);
-                        let result = self.apply_event(e);
-                        shard = self.write(s);
-                        result
+                    true => {
+                        held += blocks;
+                        shard.get_or_insert_with(|| self.write(s)).apply_event(e)
                     }
+                    false => self.apply_event(e),
                 };
                 if let Err(err) = result {
                     errors.push((i, err));
@@ -397,8 +414,10 @@ fn read(shard: &RwLock<RadixIndex>) -> RwLockReadGuard<'_, RadixIndex> {
 mod tests {
     use super::*;
     use crate::protocols::{
-        ExternalBlockHash, KvCacheEvent, KvCacheStoreData, KvCacheStoredBlockData,
+        ExternalBlockHash, KvCacheEvent, KvCacheRemoveData, KvCacheStoreData,
+        KvCacheStoredBlockData, StorageTier,
     };
+    use proptest::prelude::*;
 
     fn chain(worker: u64, dp: u32, locals: &[u64]) -> RouterEvent {
         let blocks = locals
@@ -473,5 +492,62 @@ mod tests {
         let errors = sharded.apply_batch(&[chain(1, 0, &[1]), bad, chain(2, 0, &[1])]);
         assert_eq!(errors.len(), 1);
         assert_eq!(errors[0].0, 1);
+    }
+
+    /// One random event: a store of a chain (short, or longer than a lock's piece), a removal
+    /// of some of a worker's blocks, a clear; on the device or the host tier.
+    fn any_event() -> impl Strategy<Value = RouterEvent> {
+        let locals = proptest::collection::vec(0u64..24, 1..20);
+        (0u64..5, 0u32..2, 0u8..10, locals, any::<bool>()).prop_map(
+            |(worker, dp, kind, locals, host)| {
+                let mut e = match kind {
+                    0..=5 => chain(worker, dp, &locals),
+                    6..=8 => {
+                        let block_hashes =
+                            locals.iter().map(|&l| ExternalBlockHash(worker * 1000 + l)).collect();
+                        let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes });
+                        RouterEvent::new(worker, KvCacheEvent::new(0, data, dp))
+                    }
+                    _ => RouterEvent::new(
+                        worker,
+                        KvCacheEvent::new(0, KvCacheEventData::Cleared, dp),
+                    ),
+                };
+                if host && kind != 9 {
+                    e.event.storage_tier = StorageTier::HostPinned;
+                }
+                e
+            },
+        )
+    }
+
+    proptest! {
+        /// A batch applied at once leaves the index as the same events applied one by one,
+        /// and names the same events as not applied cleanly.
+        #[test]
+        fn a_batch_is_its_events_in_order(
+            batches in proptest::collection::vec(proptest::collection::vec(any_event(), 0..12), 1..6),
+            shards in 1usize..4,
+        ) {
+            let batched = ShardedIndex::new(shards, IndexConfig::default());
+            let single = ShardedIndex::new(shards, IndexConfig::default());
+            for batch in &batches {
+                let errors: Vec<usize> = batched.apply_batch(batch).into_iter().map(|(i, _)| i).collect();
+                let expected: Vec<usize> = batch
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, e)| single.apply_event(e).is_err())
+                    .map(|(i, _)| i)
+                    .collect();
+                prop_assert_eq!(errors, expected);
+            }
+            prop_assert_eq!(batched.stats(), single.stats());
+            prop_assert_eq!(batched.workers(), single.workers());
+            prop_assert_eq!(batched.lower_tier_sizes(), single.lower_tier_sizes());
+            for start in 0..24u64 {
+                let query: Vec<_> = (start..24).map(LocalBlockHash).collect();
+                prop_assert_eq!(batched.find_matches(&query), single.find_matches(&query));
+            }
+        }
     }
 }

@@ -1,7 +1,11 @@
 //! The self-checks as they act on the router: answers recorded, drifted workers discounted
 //! and resynchronised, event streams seen (the checks themselves are [`crate::checks`]).
+//! [`SelfChecks`] owns two mutexes, never held together and never with another lock of the
+//! router held under them.
 
-use std::sync::atomic::Ordering;
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use kvroute_core::index::OverlapScores;
@@ -9,7 +13,72 @@ use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::router_api::Answered;
 
 use super::{CacheMode, RouterState, lock};
-use crate::checks::Change;
+use crate::checks::{Change, CheckStatus, Checks, Outcome};
+
+/// Predictions against answers, and the resyncs they ask for.
+#[derive(Debug, Default)]
+pub struct SelfChecks {
+    /// Predictions against answers, per worker.
+    per_worker: Mutex<Checks>,
+    /// Ranks whose subscription should replay all its engine still buffers (after a drift).
+    resync: Mutex<BTreeSet<WorkerWithDpRank>>,
+    /// Whether `resync` may hold anything (checked on every event batch without the lock).
+    pending: AtomicBool,
+}
+
+impl SelfChecks {
+    /// A worker's record, if it has one.
+    pub fn status(&self, worker: WorkerId) -> Option<CheckStatus> {
+        lock(&self.per_worker).workers.get(&worker).cloned()
+    }
+
+    /// Records one answer's prediction against what was served.
+    fn record(&self, a: &Answered, expects_events: bool) -> (Outcome, Change) {
+        let mut checks = lock(&self.per_worker);
+        let status = checks.workers.entry(a.worker_id).or_default();
+        let recorded = status.record(a.predicted_cached_tokens, a.cached_tokens, expects_events);
+        status.tiers.record(a.predicted_tier_tokens, recorded.0);
+        recorded
+    }
+
+    /// Asks each of `ranks` to replay all its engine buffers, once.
+    fn ask_resync(&self, ranks: impl IntoIterator<Item = WorkerWithDpRank>) {
+        lock(&self.resync).extend(ranks);
+        self.pending.store(true, Ordering::Release);
+    }
+
+    /// Whether `worker`'s subscription should replay everything its engine buffers (once).
+    pub fn take_resync(&self, worker: WorkerWithDpRank) -> bool {
+        if !self.pending.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut resync = lock(&self.resync);
+        let taken = resync.remove(&worker);
+        if resync.is_empty() {
+            self.pending.store(false, Ordering::Release);
+        }
+        taken
+    }
+
+    /// A drifted worker's score counts half (asked per scored worker, not of every worker:
+    /// a decision over a thousand workers scores a few).
+    pub(super) fn halve_drifted(&self, scores: &mut OverlapScores) {
+        if scores.scores.is_empty() {
+            return;
+        }
+        let checks = lock(&self.per_worker);
+        for (w, score) in &mut scores.scores {
+            if checks.workers.get(&w.worker_id).is_some_and(|c| c.drifted) {
+                *score /= 2;
+            }
+        }
+    }
+
+    /// The worker's event stream delivered something (it is not silent).
+    pub(super) fn event_seen(&self, worker: WorkerId) {
+        lock(&self.per_worker).workers.entry(worker).or_default().event_seen(Instant::now());
+    }
+}
 use crate::metrics::{PredictionLabels, TierPredictionLabels, TierTokenLabels, WorkerIdLabels};
 
 impl RouterState {
@@ -20,7 +89,7 @@ impl RouterState {
     /// router does not know is refused (`false`).
     pub fn record_answer(&self, a: &Answered) -> bool {
         let id = a.worker_id;
-        if !self.knows_worker(id) || self.check_rank(a.worker()).is_err() {
+        if !self.fleet.knows_worker(id) || self.fleet.check_rank(a.worker()).is_err() {
             return false;
         }
         let (predicted, actual) = (a.predicted_cached_tokens, a.cached_tokens);
@@ -29,14 +98,8 @@ impl RouterState {
         // design.
         let bs = self.config.block_size.tokens() as u64;
         let stores = a.prompt_tokens >= actual.saturating_add(2 * bs);
-        let expects_events = self.mode(id) == Some(CacheMode::Events);
-        let (outcome, change) = {
-            let mut checks = lock(&self.checks.per_worker);
-            let status = checks.workers.entry(id).or_default();
-            let recorded = status.record(predicted, actual, stores && expects_events);
-            status.tiers.record(a.predicted_tier_tokens, recorded.0);
-            recorded
-        };
+        let expects_events = self.fleet.mode(id) == Some(CacheMode::Events);
+        let (outcome, change) = self.checks.record(a, stores && expects_events);
         let m = &self.metrics;
         let labels = WorkerIdLabels { worker_id: id.0 };
         m.prompt_tokens.get_or_create(&labels).inc_by(a.prompt_tokens);
@@ -61,10 +124,8 @@ impl RouterState {
                 m.drifts.get_or_create(&WorkerIdLabels { worker_id: id.0 }).inc();
                 tracing::warn!(worker = %id, "the index no longer matches the worker's cache (predictions over what it serves): resynchronising, its overlaps discounted until they agree");
                 self.index.clear_all_blocks(id);
-                let ranks = self.read_workers().get(&id).map_or(1, |w| w.dp_size);
-                let mut resync = lock(&self.checks.resync);
-                resync.extend((0..ranks).map(|r| WorkerWithDpRank::new(id, r)));
-                self.checks.pending.store(true, Ordering::Release);
+                let ranks = self.fleet.ranks(id).unwrap_or(1);
+                self.checks.ask_resync((0..ranks).map(|r| WorkerWithDpRank::new(id, r)));
             }
             Change::Recovered => {
                 tracing::info!(worker = %id, "predictions agree with the worker again");
@@ -75,38 +136,5 @@ impl RouterState {
             ),
         }
         true
-    }
-
-    /// Whether `worker`'s subscription should replay everything its engine buffers (once).
-    pub fn take_resync(&self, worker: WorkerWithDpRank) -> bool {
-        if !self.checks.pending.load(Ordering::Acquire) {
-            return false;
-        }
-        let mut resync = lock(&self.checks.resync);
-        let taken = resync.remove(&worker);
-        if resync.is_empty() {
-            self.checks.pending.store(false, Ordering::Release);
-        }
-        taken
-    }
-
-    /// Workers whose predictions are discounted now.
-    /// A drifted worker's score counts half (asked per scored worker, not of every worker:
-    /// a decision over a thousand workers scores a few).
-    pub(super) fn halve_drifted(&self, scores: &mut OverlapScores) {
-        if scores.scores.is_empty() {
-            return;
-        }
-        let checks = lock(&self.checks.per_worker);
-        for (w, score) in &mut scores.scores {
-            if checks.workers.get(&w.worker_id).is_some_and(|c| c.drifted) {
-                *score /= 2;
-            }
-        }
-    }
-
-    /// The worker's event stream delivered something (it is not silent).
-    pub(super) fn event_seen(&self, worker: WorkerId) {
-        lock(&self.checks.per_worker).workers.entry(worker).or_default().event_seen(Instant::now());
     }
 }

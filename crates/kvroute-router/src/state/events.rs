@@ -1,12 +1,15 @@
-//! KV events into the index: from the engines' streams (through the subscriber's pipeline, or
-//! the JetStream relay) and posted over HTTP; conversion counts; approximate mode's expiry.
+//! KV events into the index: from the engines' streams (through a subscription's [`Ingest`]
+//! handle, or the JetStream relay) and posted over HTTP; approximate mode's expiry.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use kvroute_core::{KvCacheEventData, RouterEvent, WorkerId, WorkerWithDpRank};
 use kvroute_wire::ConvertStats;
-use std::time::Instant;
 
-use super::fleet::Known;
-use super::{RouterState, lock};
+use super::RouterState;
+use super::fleet::{Known, Live};
 use crate::links::Relayed;
 use crate::metrics::EventKind;
 
@@ -23,7 +26,7 @@ impl RouterState {
     /// cleanly. Events naming a data-parallel rank at or above `max_dp_size` are refused
     /// (counted) before they can register anything.
     pub fn apply(&self, events: &[RouterEvent]) -> usize {
-        self.apply_from(events, false)
+        apply_from(self, events, false)
     }
 
     /// Applies events posted over HTTP (`/events`, `/debug/inject_event`). A worker the router
@@ -32,99 +35,65 @@ impl RouterState {
     /// that stores something; anything else naming an unknown worker is refused (counted as
     /// `unknown_worker`) and registers nothing.
     pub fn apply_posted(&self, events: &[RouterEvent]) -> usize {
-        self.apply_from(events, true)
+        apply_from(self, events, true)
     }
 
-    pub(super) fn apply_from(&self, events: &[RouterEvent], posted: bool) -> usize {
-        let mut ok = 0;
-        let mut seen: Option<(WorkerId, bool)> = None;
-        for e in events {
-            if seen.is_none_or(|(w, _)| w != e.worker_id) {
-                let failed = self.parity_failed(e.worker_id);
-                if !failed && self.knows_worker(e.worker_id) {
-                    self.event_seen(e.worker_id);
-                }
-                seen = Some((e.worker_id, failed));
-            }
-            if seen.is_some_and(|(_, failed)| failed) {
-                self.metrics.rejected("parity");
-                continue;
-            }
-            let worker = e.worker();
-            if let Err(why) = self.check_rank(worker) {
-                self.metrics.rejected("dp_rank");
-                tracing::debug!(%worker, %why, "event refused");
-                continue;
-            }
-            match self.knows(worker) {
-                Known::No if posted && !self.may_learn() => {
-                    self.metrics.rejected("unknown_worker");
-                    tracing::debug!(%worker, "posted event refused: unknown worker");
-                    continue;
-                }
-                _ => {}
-            }
-            if self.knows_rank(worker) {
-                // Known: what it says overrides approximate mode, before it applies.
-                self.ensure_worker(worker);
-                ok += usize::from(self.apply_one(e));
-                continue;
-            }
-            if !matches!(e.event.data, KvCacheEventData::Stored(_)) {
-                // Nothing to remove or clear: it must not register the worker either.
-                self.metrics.event(kind_of(e), false);
-                continue;
-            }
-            let applied = self.apply_one(e);
-            if self.index.tree_size(worker) > 0 {
-                self.ensure_worker(worker);
-            }
-            ok += usize::from(applied);
+    /// The way in for one configured rank's event subscription; `None` for a worker not
+    /// configured.
+    pub fn ingest_for(&self, worker: WorkerWithDpRank) -> Option<Ingest<'_>> {
+        let live = self.fleet.live(worker.worker_id)?;
+        self.fleet.check_rank(worker).ok()?;
+        Some(Ingest { state: self, worker, live })
+    }
+
+    /// Forgets approximate-mode blocks whose time is up.
+    pub fn expire_approximate(&self, now: Instant) {
+        let mut approx = self.placing.approx();
+        for e in approx.expire(now) {
+            apply_one(self, &e);
         }
-        ok
+    }
+}
+
+/// One configured rank's way into the router, held by its event subscription: the rank was
+/// checked once when it was made, and what a batch writes of the rank's status is the
+/// worker's [`Live`] part. A batch of the rank's own events is one [`ShardedIndex::apply_batch`]
+/// with no lock of the registry; an event naming another rank (a format that names ranks in
+/// its events) takes the general way, [`RouterState::apply`].
+///
+/// [`ShardedIndex::apply_batch`]: kvroute_core::index::ShardedIndex::apply_batch
+#[derive(Debug)]
+pub struct Ingest<'a> {
+    state: &'a RouterState,
+    worker: WorkerWithDpRank,
+    live: Arc<Live>,
+}
+
+impl Ingest<'_> {
+    pub fn worker(&self) -> WorkerWithDpRank {
+        self.worker
     }
 
-    pub(super) fn apply_one(&self, e: &RouterEvent) -> bool {
-        let kind = kind_of(e);
-        let result = self.index.apply_event(e);
-        if let Err(err) = &result {
-            tracing::debug!(worker = %e.worker(), %err, "event not applied cleanly");
-        }
-        self.metrics.event(kind, result.is_ok());
-        result.is_ok()
-    }
-
-    /// Adds what conversion did with one message of a worker's blocks; the first blocks of
-    /// another size are logged as an error (its events cannot be used).
-    pub fn record_conversion(&self, worker: WorkerWithDpRank, stats: &ConvertStats) {
+    /// Adds what conversion did with one message of the rank's blocks.
+    pub fn converted(&self, stats: &ConvertStats) {
         if *stats == ConvertStats::default() {
             return;
         }
-        self.metrics.converted(worker.worker_id.0, stats);
-        let mut workers = self.write_workers();
-        let Some(w) = workers.get_mut(&worker.worker_id) else { return };
-        if w.conversion.wrong_block_size == 0 && stats.wrong_block_size > 0 {
-            tracing::error!(
-                worker = %worker,
-                engine_block_size = ?stats.seen_block_size,
-                router_block_size = self.config.block_size.get(),
-                "the worker publishes blocks of another size: its KV events are ignored (set block_size for this worker or the router to match the engine)"
-            );
-        }
-        w.conversion += *stats;
+        self.state.metrics.converted(self.worker.worker_id.0, stats);
+        self.live.converted(self.worker, stats, self.state.config.block_size);
     }
 
-    /// Hands an engine's converted batch on: into the event stream (relay) or the index.
-    pub(crate) async fn ingest(
-        &self,
-        worker: WorkerWithDpRank,
-        seq: Option<u64>,
-        events: Vec<RouterEvent>,
-    ) {
-        let relay = self.nats.get().and_then(|n| n.relay.as_ref());
+    /// Batch `seq` was handled (the rank's status shows it as its last sequence number).
+    pub fn seen(&self, seq: u64) {
+        self.live.seen(self.worker.dp_rank.0 as usize, seq);
+    }
+
+    /// Hands a converted batch on: into the event stream (relay) or the index.
+    pub async fn batch(&self, seq: Option<u64>, events: Vec<RouterEvent>) {
+        let relay = self.state.nats.get().and_then(|n| n.relay.as_ref());
         match relay {
             Some(relay) => {
-                let batch = Relayed { worker, seq, events };
+                let batch = Relayed { worker: self.worker, seq, events };
                 if let Err(tokio::sync::mpsc::error::SendError(batch)) = relay.send(batch).await {
                     self.apply(&batch.events);
                 }
@@ -135,11 +104,113 @@ impl RouterState {
         }
     }
 
-    /// Forgets approximate-mode blocks whose time is up.
-    pub fn expire_approximate(&self, now: Instant) {
-        let mut approx = lock(&self.placing.approx);
-        for e in approx.expire(now) {
-            self.apply_one(&e);
+    /// Applies a batch; returns how many events applied cleanly.
+    pub fn apply(&self, events: &[RouterEvent]) -> usize {
+        let s = self.state;
+        if events.is_empty() {
+            return 0;
         }
+        if events.iter().any(|e| e.worker() != self.worker) {
+            return apply_from(s, events, false);
+        }
+        if self.live.untrusted.load(Ordering::Acquire) {
+            s.metrics.rejected_n("parity", events.len() as u64);
+            return 0;
+        }
+        s.checks.event_seen(self.worker.worker_id);
+        let errors = s.index.apply_batch(events);
+        let mut counts = [[0u64; 2]; 3];
+        let mut failed = errors.iter().map(|(i, _)| *i).peekable();
+        for (i, e) in events.iter().enumerate() {
+            let ok = failed.next_if_eq(&i).is_none();
+            counts[kind_of(e) as usize][usize::from(ok)] += 1;
+        }
+        for (i, err) in &errors {
+            tracing::debug!(worker = %self.worker, event = i, %err, "event not applied cleanly");
+        }
+        s.metrics.event_counts(&counts);
+        events.len() - errors.len()
     }
+}
+
+/// The general way in: each event's worker and rank checked against the registry.
+fn apply_from(state: &RouterState, events: &[RouterEvent], posted: bool) -> usize {
+    let mut ok = 0;
+    let mut seen: Option<(WorkerId, bool)> = None;
+    let fleet = &state.fleet;
+    for e in events {
+        if seen.is_none_or(|(w, _)| w != e.worker_id) {
+            let failed = fleet.parity_failed(e.worker_id);
+            if !failed && fleet.knows_worker(e.worker_id) {
+                state.checks.event_seen(e.worker_id);
+            }
+            seen = Some((e.worker_id, failed));
+        }
+        if seen.is_some_and(|(_, failed)| failed) {
+            state.metrics.rejected("parity");
+            continue;
+        }
+        let worker = e.worker();
+        if let Err(why) = fleet.check_rank(worker) {
+            state.metrics.rejected("dp_rank");
+            tracing::debug!(%worker, %why, "event refused");
+            continue;
+        }
+        let known = fleet.knows(worker);
+        if matches!(known, Known::No) && posted && !fleet.may_learn() {
+            state.metrics.rejected("unknown_worker");
+            tracing::debug!(%worker, "posted event refused: unknown worker");
+            continue;
+        }
+        if matches!(known, Known::Rank) {
+            // Known: what it says overrides approximate mode, before it applies.
+            learn(state, worker);
+            ok += usize::from(apply_one(state, e));
+            continue;
+        }
+        if !matches!(e.event.data, KvCacheEventData::Stored(_)) {
+            // Nothing to remove or clear: it must not register the worker either.
+            state.metrics.event(kind_of(e), false);
+            continue;
+        }
+        let applied = apply_one(state, e);
+        if state.index.tree_size(worker) > 0 {
+            learn(state, worker);
+        }
+        ok += usize::from(applied);
+    }
+    ok
+}
+
+/// An event's rank becomes known; a worker routed approximately follows its events from now
+/// on (what approximate mode assumed of it is forgotten, under its lock: lock order
+/// `placing.approx` → the fleet's registry).
+fn learn(state: &RouterState, worker: WorkerWithDpRank) {
+    let approximate = state.fleet.mode(worker.worker_id) == Some(super::CacheMode::Approximate);
+    let learned = match approximate {
+        true => {
+            let mut approx = state.placing.approx();
+            let learned = state.fleet.learn(worker);
+            if learned.left_approximate {
+                approx.remove_worker(worker.worker_id);
+                state.index.clear_all_blocks(worker.worker_id);
+            }
+            learned
+        }
+        false => state.fleet.learn(worker),
+    };
+    if learned.new_rank {
+        state.placing.scheduler().add_worker(worker);
+    }
+}
+
+/// Applies one event to the index, counted.
+pub(super) fn apply_one(state: &RouterState, e: &RouterEvent) -> bool {
+    let kind = kind_of(e);
+    let result = state.index.apply_event(e);
+    if let Err(err) = &result {
+        tracing::debug!(worker = %e.worker(), %err, "event not applied cleanly");
+    }
+    state.metrics.event(kind, result.is_ok());
+    result.is_ok()
 }

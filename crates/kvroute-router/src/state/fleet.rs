@@ -1,19 +1,27 @@
-//! The worker registry and health: what the router knows of each worker and rank (its
-//! cache mode, parity, connection, readiness), and the one check of a rank named by outside
-//! bytes. The registry is `RouterState::fleet` (a read-write lock and the readiness signal).
+//! The fleet: what the router knows of each worker and rank (its cache mode, parity,
+//! connection, readiness), and the one check of a rank named by outside bytes.
+//!
+//! [`Fleet`] owns the registry (one read-write lock) and the readiness signal, and takes no
+//! other lock of the router: where a change here must reach the scheduler or the index (a
+//! rank's readiness, a worker's mode), its method says so in what it returns and
+//! [`super::RouterState`] carries it over. What an event subscription writes on every batch
+//! (the last sequence number, conversion counts, whether the worker's events are trusted)
+//! is a worker's [`Live`] part, shared with the subscription's
+//! [`super::events::Ingest`] handle, so a batch takes no registry lock.
 
 use std::collections::BTreeMap;
-use std::sync::{PoisonError, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use kvroute_core::schedule::WorkerLoad;
-use kvroute_core::{DpRank, WorkerId, WorkerWithDpRank};
+use kvroute_core::{BlockSize, DpRank, WorkerId, WorkerWithDpRank};
 use kvroute_wire::ConvertStats;
 use serde::{Deserialize, Serialize};
 
-use super::{RouterState, lock};
+use super::lock;
 use crate::checks::CheckStatus;
-use crate::config::WorkerSpec;
+use crate::config::{RouterConfig, WorkerSpec};
 
 /// How the router knows a worker's cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -26,7 +34,7 @@ pub enum CacheMode {
 }
 
 impl CacheMode {
-    pub(super) fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Events => "events",
             Self::Approximate => "approximate",
@@ -82,6 +90,54 @@ pub struct WorkerStatus {
     /// Ranks with an event subscription of their own (the configured ones).
     #[serde(skip)]
     subscribed: usize,
+    /// What its subscriptions write per batch (`last_seq` and `conversion` are read from it).
+    #[serde(skip)]
+    pub(super) live: Arc<Live>,
+}
+
+/// The part of a worker's status its event subscriptions write on every batch, without the
+/// registry's lock: atomics, and one mutex no other path takes while it is held.
+#[derive(Debug, Default)]
+pub(crate) struct Live {
+    /// Its parity probe failed: its events are ignored (counted as rejected `parity`).
+    pub(super) untrusted: AtomicBool,
+    /// Per configured rank: the last sequence number seen, plus one (0: none yet).
+    last_seq: Box<[AtomicU64]>,
+    /// What conversion did with its event blocks (all ranks).
+    conversion: Mutex<ConvertStats>,
+}
+
+impl Live {
+    fn new(ranks: usize) -> Self {
+        Self { last_seq: (0..ranks).map(|_| AtomicU64::new(0)).collect(), ..Self::default() }
+    }
+
+    /// Batch `seq` of `rank` was handled.
+    pub(super) fn seen(&self, rank: usize, seq: u64) {
+        if let Some(last) = self.last_seq.get(rank) {
+            last.store(seq.saturating_add(1), Ordering::Relaxed);
+        }
+    }
+
+    fn last_seq(&self, rank: usize) -> Option<u64> {
+        let n = self.last_seq.get(rank)?.load(Ordering::Relaxed);
+        n.checked_sub(1)
+    }
+
+    /// Adds what conversion did with one message of `worker`'s; the first blocks of another
+    /// size are logged as an error (its events cannot be used).
+    pub(super) fn converted(&self, worker: WorkerWithDpRank, stats: &ConvertStats, bs: BlockSize) {
+        let mut total = lock(&self.conversion);
+        if total.wrong_block_size == 0 && stats.wrong_block_size > 0 {
+            tracing::error!(
+                worker = %worker,
+                engine_block_size = ?stats.seen_block_size,
+                router_block_size = bs.get(),
+                "the worker publishes blocks of another size: its KV events are ignored (set block_size for this worker or the router to match the engine)"
+            );
+        }
+        *total += *stats;
+    }
 }
 
 impl WorkerStatus {
@@ -111,6 +167,7 @@ impl WorkerStatus {
             checks: CheckStatus::default(),
             parity: Parity::Unchecked,
             subscribed: if configured { n } else { 0 },
+            live: Arc::new(Live::new(if configured { n } else { 0 })),
         };
         for rank in 0..n {
             status.ready[rank] = status.rank_ready(rank);
@@ -177,7 +234,7 @@ impl WorkerStatus {
     }
 }
 
-/// Why a rank named from outside was refused ([`RouterState::check_rank`]).
+/// Why a rank named from outside was refused ([`Fleet::check_rank`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RankRefused {
     #[error("the worker is configured with dp_size {dp_size}")]
@@ -196,119 +253,117 @@ pub(super) enum Known {
     Rank,
 }
 
-impl RouterState {
-    pub(super) fn add_worker(&self, spec: &WorkerSpec, configured: bool) {
-        let mut status = WorkerStatus::new(spec, configured);
-        if let Some(nats) = self.config.nats.as_ref().filter(|n| n.events.from_stream()) {
-            // Its events come from the stream: ready once the stream's consumer caught up.
-            status.follow_stream(format!("jetstream:{}.events.{}.*", nats.prefix, spec.id));
+/// A change to one rank's event subscription.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// Connected; the last sequence number seen before, if any.
+    Connected(Option<u64>),
+    Disconnected,
+    /// Its first replay after connecting is done (or there is no replay).
+    CaughtUp,
+}
+
+/// What a change of parity asks of the index and approximate mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct ParityChange {
+    /// Forget every block of the worker.
+    pub clear: bool,
+    /// Forget what approximate mode assumed of it.
+    pub leave_approximate: bool,
+}
+
+/// What learning an event's rank asks of the scheduler and approximate mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Learned {
+    /// The rank is new: the scheduler must know it.
+    pub new_rank: bool,
+    /// The worker was routed approximately and now follows its events.
+    pub left_approximate: bool,
+}
+
+/// The worker registry and its health (see the module docs).
+#[derive(Debug)]
+pub struct Fleet {
+    workers: RwLock<BTreeMap<WorkerId, WorkerStatus>>,
+    /// Signalled whenever a rank's readiness may have changed.
+    changed: tokio::sync::Notify,
+    max_dp_size: u32,
+    /// Posted events may add workers (none configured), up to this many.
+    learn_up_to: usize,
+}
+
+impl Fleet {
+    pub(super) fn new(config: &RouterConfig) -> Self {
+        Self {
+            workers: RwLock::new(BTreeMap::new()),
+            changed: Default::default(),
+            max_dp_size: config.max_dp_size,
+            learn_up_to: if config.workers.is_empty() { config.max_learned_workers } else { 0 },
         }
-        let mut scheduler = lock(&self.placing.scheduler);
-        for rank in 0..spec.dp_size {
-            let w = WorkerWithDpRank::new(spec.id, rank);
-            scheduler.add_worker(w);
-            scheduler.set_ready(w, status.ready[rank as usize]);
-            scheduler.set_role(
-                w,
-                spec.role,
-                kvroute_core::schedule::pairs::node_id(spec.node.as_deref()),
-            );
-            if let Some(slots) = spec.max_loras {
-                scheduler.adapters_mut().report(w, Some(slots), &[]);
-            }
-            self.index.register_worker(w);
-        }
-        drop(scheduler);
-        self.write_workers().entry(spec.id).or_insert(status);
     }
 
-    /// A worker seen in events but not configured becomes a candidate (the standalone router
-    /// learns its fleet from `/events` and `/debug/inject_event`).
-    pub(super) fn ensure_worker(&self, worker: WorkerWithDpRank) {
-        let (known, approximate) =
-            self.read_workers().get(&worker.worker_id).map_or((false, false), |w| {
-                (worker.dp_rank.0 < w.dp_size, w.mode == CacheMode::Approximate)
-            });
-        if approximate {
-            self.leave_approximate(worker.worker_id);
-        }
-        if known {
-            return;
-        }
-        let mut workers = self.write_workers();
-        match workers.get_mut(&worker.worker_id) {
-            // A rank beyond the known ones: grow the per-rank tables.
-            Some(status) => status.grow(worker.dp_rank.0 as usize + 1),
-            None => {
-                let mut spec = WorkerSpec::new(worker.worker_id.0);
-                spec.dp_size = worker.dp_rank.0 + 1;
-                workers.insert(worker.worker_id, WorkerStatus::new(&spec, false));
-            }
-        }
-        drop(workers);
-        lock(&self.placing.scheduler).add_worker(worker);
+    pub(super) fn insert(&self, status: WorkerStatus) {
+        self.write().entry(status.id).or_insert(status);
     }
 
-    /// A worker configured without `events` whose events arrive all the same (posted to
-    /// `/events`): what the router assumed of it gives way to what it says.
-    pub(super) fn leave_approximate(&self, worker: WorkerId) {
-        let mut approx = lock(&self.placing.approx);
-        let mut workers = self.write_workers();
-        let Some(status) = workers.get_mut(&worker) else { return };
-        if status.mode != CacheMode::Approximate {
-            return;
-        }
-        status.mode = CacheMode::Events;
-        approx.remove_worker(worker);
-        self.index.clear_all_blocks(worker);
-        tracing::info!(%worker, "events arrive for a worker routed approximately: following its events");
+    /// Every worker's status (`tree_size`, `lower_tier_blocks` and `checks` are left to the
+    /// caller, who owns them).
+    pub fn statuses(&self) -> Vec<WorkerStatus> {
+        let workers = self.read();
+        workers
+            .values()
+            .map(|w| {
+                let mut w = w.clone();
+                for (rank, seq) in w.last_seq.iter_mut().enumerate() {
+                    *seq = w.live.last_seq(rank).or(*seq);
+                }
+                w.conversion = *lock(&w.live.conversion);
+                w
+            })
+            .collect()
+    }
+
+    /// A worker's ranks (`dp_size`), `None` when it is not known.
+    pub fn ranks(&self, worker: WorkerId) -> Option<u32> {
+        self.read().get(&worker).map(|w| w.dp_size)
+    }
+
+    /// A worker's per-batch part, for an event subscription.
+    pub(super) fn live(&self, worker: WorkerId) -> Option<Arc<Live>> {
+        self.read().get(&worker).map(|w| Arc::clone(&w.live))
     }
 
     /// Whether the worker's last parity probe failed.
     pub fn parity_failed(&self, worker: WorkerId) -> bool {
-        self.read_workers().get(&worker).is_some_and(|w| matches!(w.parity, Parity::Failed(_)))
+        self.read().get(&worker).is_some_and(|w| matches!(w.parity, Parity::Failed(_)))
     }
 
-    /// Records a worker's parity probe. A failure (with its cause) makes its events untrusted:
-    /// its blocks are cleared, its events ignored (counted as rejected `parity`) and it is
-    /// routed approximately; `Ok` (or `Unchecked`, before a new probe) trusts them again. A
-    /// probe put off (`Retrying`) does not undo a failure: the worker stays failed until a
-    /// probe is made.
-    pub fn set_parity(&self, worker: WorkerId, parity: Parity) {
+    /// Records a parity probe (see [`super::RouterState::set_parity`]); returns what the
+    /// index and approximate mode must forget.
+    pub(super) fn set_parity(&self, worker: WorkerId, parity: Parity) -> ParityChange {
         let failed = matches!(parity, Parity::Failed(_));
-        let mut approx = lock(&self.placing.approx);
-        let mut workers = self.write_workers();
-        let Some(status) = workers.get_mut(&worker) else { return };
+        let mut workers = self.write();
+        let Some(status) = workers.get_mut(&worker) else { return ParityChange::default() };
         let was_failed = matches!(status.parity, Parity::Failed(_));
         if was_failed && matches!(parity, Parity::Retrying(_)) {
-            return;
+            return ParityChange::default();
         }
         status.parity = parity;
+        status.live.untrusted.store(failed, Ordering::Release);
         if failed && status.mode == CacheMode::Events {
             status.mode = CacheMode::Approximate;
-            self.index.clear_all_blocks(worker);
-        } else if !failed && was_failed && status.events.is_some() {
+            return ParityChange { clear: true, leave_approximate: false };
+        }
+        if !failed && was_failed && status.events.is_some() {
             status.mode = CacheMode::Events;
-            approx.remove_worker(worker);
-            self.index.clear_all_blocks(worker);
+            return ParityChange { clear: true, leave_approximate: true };
         }
-    }
-
-    /// Forgets every block of `worker` (all ranks): its engine is gone, its cache with it.
-    pub fn forget_blocks(&self, worker: WorkerId) {
-        let ranks = self.read_workers().get(&worker).map_or(0, |w| w.dp_size);
-        let held: usize =
-            (0..ranks).map(|r| self.index.tree_size(WorkerWithDpRank::new(worker, r))).sum();
-        if held == 0 {
-            return;
-        }
-        self.index.clear_all_blocks(worker);
-        tracing::info!(%worker, blocks = held, "its engine is unreachable: its blocks are forgotten");
+        ParityChange::default()
     }
 
     /// Whether `rank` is within the configured bound of data-parallel ranks.
     pub fn valid_dp_rank(&self, rank: DpRank) -> bool {
-        rank.0 < self.config.max_dp_size
+        rank.0 < self.max_dp_size
     }
 
     /// The one check of a rank named by outside bytes (engine events, `/events`,
@@ -320,7 +375,7 @@ impl RouterState {
         match self.knows(worker) {
             Known::Rank => Ok(()),
             Known::Worker { configured: true } => {
-                let dp_size = self.read_workers().get(&worker.worker_id).map_or(1, |w| w.dp_size);
+                let dp_size = self.ranks(worker.worker_id).unwrap_or(1);
                 Err(RankRefused::NotConfigured { dp_size })
             }
             Known::Worker { configured: false } | Known::No
@@ -328,12 +383,12 @@ impl RouterState {
             {
                 Ok(())
             }
-            _ => Err(RankRefused::AboveMax { max_dp_size: self.config.max_dp_size }),
+            _ => Err(RankRefused::AboveMax { max_dp_size: self.max_dp_size }),
         }
     }
 
     pub(super) fn knows(&self, worker: WorkerWithDpRank) -> Known {
-        match self.read_workers().get(&worker.worker_id) {
+        match self.read().get(&worker.worker_id) {
             None => Known::No,
             Some(w) if worker.dp_rank.0 < w.dp_size => Known::Rank,
             Some(w) => Known::Worker { configured: w.configured },
@@ -342,89 +397,118 @@ impl RouterState {
 
     /// Whether the worker is configured or was learned.
     pub fn knows_worker(&self, worker: WorkerId) -> bool {
-        self.read_workers().contains_key(&worker)
-    }
-
-    pub(super) fn knows_rank(&self, worker: WorkerWithDpRank) -> bool {
-        matches!(self.knows(worker), Known::Rank)
+        self.read().contains_key(&worker)
     }
 
     /// Whether a posted event may add a worker.
     pub(super) fn may_learn(&self) -> bool {
-        self.config.workers.is_empty()
-            && self.read_workers().len() < self.config.max_learned_workers
+        self.learn_up_to > 0 && self.read().len() < self.learn_up_to
     }
 
-    pub(super) fn mode(&self, worker: WorkerId) -> Option<CacheMode> {
-        self.read_workers().get(&worker).map(|w| w.mode)
+    pub fn mode(&self, worker: WorkerId) -> Option<CacheMode> {
+        self.read().get(&worker).map(|w| w.mode)
     }
 
     /// Whether any configured worker is routed in approximate mode.
     pub fn has_approximate(&self) -> bool {
-        self.read_workers().values().any(|w| w.mode == CacheMode::Approximate)
+        self.read().values().any(|w| w.mode == CacheMode::Approximate)
     }
 
-    /// The event stream's consumer has seen what the stream held: every worker that follows
-    /// it is connected and caught up.
-    pub(crate) fn stream_caught_up(&self) {
-        let ranks: Vec<WorkerWithDpRank> = self
-            .read_workers()
+    /// A rank seen in events becomes known (the standalone router learns its fleet from
+    /// `/events` and `/debug/inject_event`), and a worker configured without `events` whose
+    /// events arrive all the same (posted to `/events`) follows them from now on.
+    pub(super) fn learn(&self, worker: WorkerWithDpRank) -> Learned {
+        let (known, approximate) = self.read().get(&worker.worker_id).map_or((false, false), |w| {
+            (worker.dp_rank.0 < w.dp_size, w.mode == CacheMode::Approximate)
+        });
+        if known && !approximate {
+            return Learned::default();
+        }
+        let mut workers = self.write();
+        let mut learned = Learned::default();
+        match workers.get_mut(&worker.worker_id) {
+            Some(status) => {
+                if status.mode == CacheMode::Approximate {
+                    status.mode = CacheMode::Events;
+                    learned.left_approximate = true;
+                    tracing::info!(worker = %worker.worker_id, "events arrive for a worker routed approximately: following its events");
+                }
+                if worker.dp_rank.0 >= status.dp_size {
+                    // A rank beyond the known ones: grow the per-rank tables.
+                    status.grow(worker.dp_rank.0 as usize + 1);
+                    learned.new_rank = true;
+                }
+            }
+            None => {
+                let mut spec = WorkerSpec::new(worker.worker_id.0);
+                spec.dp_size = worker.dp_rank.0 + 1;
+                workers.insert(worker.worker_id, WorkerStatus::new(&spec, false));
+                learned.new_rank = true;
+            }
+        }
+        learned
+    }
+
+    /// The ranks of every configured worker.
+    pub fn configured_ranks(&self) -> Vec<WorkerWithDpRank> {
+        self.read()
             .values()
             .filter(|w| w.configured)
             .flat_map(|w| (0..w.dp_size).map(move |r| WorkerWithDpRank::new(w.id, r)))
-            .collect();
-        for w in ranks {
-            self.update_rank(w, |s, rank| {
-                s.connected[rank] = true;
-                s.caught_up[rank] = true;
-            });
-        }
+            .collect()
     }
 
-    /// Records a subscription's state (connection, last sequence number seen).
-    pub fn set_connection(&self, worker: WorkerWithDpRank, connected: bool, last_seq: Option<u64>) {
-        self.update_rank(worker, |w, rank| {
-            w.connected[rank] = connected;
-            if !connected {
+    /// Records a change to a rank's subscription; returns its readiness when that changed.
+    pub(super) fn link(&self, worker: WorkerWithDpRank, link: Link) -> Option<bool> {
+        self.update_rank(worker, |w, rank| match link {
+            Link::Connected(last) => {
+                w.connected[rank] = true;
+                if let Some(seq) = last {
+                    w.live.seen(rank, seq);
+                }
+            }
+            Link::Disconnected => {
+                w.connected[rank] = false;
                 w.caught_up[rank] = false;
             }
-            w.last_seq[rank] = last_seq.or(w.last_seq[rank]);
-        });
+            Link::CaughtUp => w.caught_up[rank] = true,
+        })
     }
 
-    /// A subscription's first replay after connecting is done (or there is no replay).
-    pub fn set_caught_up(&self, worker: WorkerWithDpRank) {
-        self.update_rank(worker, |w, rank| w.caught_up[rank] = true);
+    /// Records a rank's load report; returns its readiness when that changed.
+    pub(super) fn set_load(&self, worker: WorkerWithDpRank, load: WorkerLoad) -> Option<bool> {
+        self.update_rank(worker, |w, rank| w.load[rank] = Some(load))
     }
 
-    /// Changes one rank's status and re-derives its readiness.
-    pub(super) fn update_rank(
+    /// Changes one rank's status and re-derives its readiness; returns it when it changed.
+    fn update_rank(
         &self,
         worker: WorkerWithDpRank,
         f: impl FnOnce(&mut WorkerStatus, usize),
-    ) {
+    ) -> Option<bool> {
         let rank = worker.dp_rank.0 as usize;
-        let mut workers = self.write_workers();
-        let Some(w) = workers.get_mut(&worker.worker_id) else { return };
-        if rank >= w.connected.len() {
-            return;
-        }
-        f(w, rank);
-        let ready = w.rank_ready(rank);
-        if ready != w.ready[rank] {
+        let changed = {
+            let mut workers = self.write();
+            let w = workers.get_mut(&worker.worker_id)?;
+            if rank >= w.connected.len() {
+                return None;
+            }
+            f(w, rank);
+            let ready = w.rank_ready(rank);
+            let changed = ready != w.ready[rank];
             w.ready[rank] = ready;
-            drop(workers);
-            lock(&self.placing.scheduler).set_ready(worker, ready);
+            changed.then_some(ready)
+        };
+        if let Some(ready) = changed {
             tracing::debug!(%worker, ready, "readiness changed");
-        } else {
-            drop(workers);
         }
-        self.fleet.changed.notify_waiters();
+        self.changed.notify_waiters();
+        changed
     }
 
     /// The ranks not ready now.
     pub fn not_ready(&self) -> Vec<WorkerWithDpRank> {
-        let workers = self.read_workers();
+        let workers = self.read();
         workers
             .values()
             .flat_map(|w| {
@@ -441,7 +525,7 @@ impl RouterState {
     pub async fn wait_ready(&self, timeout: Duration) -> Vec<WorkerWithDpRank> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let changed = self.fleet.changed.notified();
+            let changed = self.changed.notified();
             let waiting = self.not_ready();
             if waiting.is_empty() || tokio::time::Instant::now() >= deadline {
                 return waiting;
@@ -450,11 +534,11 @@ impl RouterState {
         }
     }
 
-    pub(super) fn read_workers(&self) -> RwLockReadGuard<'_, BTreeMap<WorkerId, WorkerStatus>> {
-        self.fleet.workers.read().unwrap_or_else(PoisonError::into_inner)
+    fn read(&self) -> RwLockReadGuard<'_, BTreeMap<WorkerId, WorkerStatus>> {
+        self.workers.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub(super) fn write_workers(&self) -> RwLockWriteGuard<'_, BTreeMap<WorkerId, WorkerStatus>> {
-        self.fleet.workers.write().unwrap_or_else(PoisonError::into_inner)
+    fn write(&self) -> RwLockWriteGuard<'_, BTreeMap<WorkerId, WorkerStatus>> {
+        self.workers.write().unwrap_or_else(PoisonError::into_inner)
     }
 }

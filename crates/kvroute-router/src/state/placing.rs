@@ -1,115 +1,77 @@
-//! The scheduler and in-flight accounting: placing a request, its prefill and end, the
-//! peers' requests (replica sync), load reports.
+//! Placement: the scheduler with its in-flight accounting, and approximate mode's
+//! bookkeeping ([`Placing`]); placing a request, its prefill and end, the peers' requests
+//! (replica sync), load reports.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvroute_core::index::OverlapScores;
-use kvroute_core::schedule::PairDecision;
-use kvroute_core::schedule::pairs::prefill_leg_id;
+use kvroute_core::index::{ApproxTracker, OverlapScores, ShardedIndex};
+use kvroute_core::schedule::adapters::WorkerAdapters;
+use kvroute_core::schedule::pairs::{PairCounts, prefill_leg_id};
 use kvroute_core::schedule::{
-    DecisionRecord, RequestBlocks, RouteDecision, RouteRequest, WorkerLoad,
+    AffinityCounts, DecisionRecord, PairDecision, RequestBlocks, RouteDecision, RouteRequest,
+    Scheduler, WorkerLoad,
 };
-use kvroute_core::{LocalBlockHash, SequenceHash, WorkerWithDpRank, sequence_hashes};
+use kvroute_core::{LocalBlockHash, RouterEvent, SequenceHash, WorkerWithDpRank, sequence_hashes};
 use kvroute_wire::replica::SyncMessage;
 
-use super::{CacheMode, PlaceRequest, RouterState, lock};
+use super::{CacheMode, PlaceRequest, RouterState, apply_one, lock};
+use crate::config::{RouterConfig, WorkerSpec};
+use crate::metrics::Metrics;
 
-impl RouterState {
-    /// Chooses a worker. `None` when there is none to choose. A drifted worker's overlap counts
-    /// half until its predictions agree again (not nothing: it must still be routed the
-    /// prefixes only it holds, or its predictions could never be seen to agree).
-    pub fn place(&self, p: &PlaceRequest<'_>) -> Option<(RouteDecision, OverlapScores)> {
-        let start = Instant::now();
-        let (scores, sequence) = self.scores_for(p);
-        let request = route_request(p, &sequence);
-        let decision =
-            lock(&self.placing.scheduler).route(&request, &scores, &self.index, start)?;
-        self.placed(p.request_id, &decision, p, start);
-        Some((decision, scores))
+/// The scheduler and approximate mode. Each is a mutex; where both are held, `approx` is
+/// taken first. The scheduler reads the index while it routes (the index's shard locks are
+/// leaves).
+#[derive(Debug)]
+pub struct Placing {
+    scheduler: Mutex<Scheduler>,
+    /// Approximate mode's bookkeeping; its events go to the index under this lock, so each
+    /// worker's assumed blocks are applied in order.
+    approx: Mutex<ApproxTracker>,
+}
+
+impl Placing {
+    pub(super) fn new(config: &RouterConfig) -> Self {
+        let mut scheduler_config = config.scheduler;
+        scheduler_config.block_size = config.block_size;
+        Self {
+            scheduler: Mutex::new(Scheduler::new(scheduler_config)),
+            approx: Mutex::new(ApproxTracker::new(config.approx)),
+        }
     }
 
-    /// Chooses the legs of a request in a disaggregated fleet ([`Scheduler::route_pair`]):
-    /// a prefill and a decode worker, or a decode worker alone. `None` when there is none.
-    ///
-    /// [`Scheduler::route_pair`]: kvroute_core::schedule::Scheduler::route_pair
-    pub fn place_pair(&self, p: &PlaceRequest<'_>) -> Option<PairDecision> {
-        let start = Instant::now();
-        let (scores, sequence) = self.scores_for(p);
-        let request = route_request(p, &sequence);
-        let pair =
-            lock(&self.placing.scheduler).route_pair(&request, &scores, &self.index, start)?;
-        if let Some(prefill) = &pair.prefill {
-            let id = p.request_id.map(prefill_leg_id);
-            self.placed(id.as_deref(), prefill, p, start);
+    pub(super) fn scheduler(&self) -> MutexGuard<'_, Scheduler> {
+        lock(&self.scheduler)
+    }
+
+    pub(super) fn approx(&self) -> MutexGuard<'_, ApproxTracker> {
+        lock(&self.approx)
+    }
+
+    /// A configured worker's ranks become candidates (ready or not).
+    pub(super) fn add_worker(&self, spec: &WorkerSpec, ready: &[bool]) {
+        let mut scheduler = self.scheduler();
+        for rank in 0..spec.dp_size {
+            let w = WorkerWithDpRank::new(spec.id, rank);
+            scheduler.add_worker(w);
+            scheduler.set_ready(w, ready[rank as usize]);
+            let node = kvroute_core::schedule::pairs::node_id(spec.node.as_deref());
+            scheduler.set_role(w, spec.role, node);
+            if let Some(slots) = spec.max_loras {
+                scheduler.adapters_mut().report(w, Some(slots), &[]);
+            }
         }
-        self.placed(p.request_id, &pair.decode, p, start);
-        Some(pair)
     }
 
     /// Whether the fleet has prefill workers (requests are then placed in pairs).
     pub fn disaggregated(&self) -> bool {
-        lock(&self.placing.scheduler).disaggregated()
+        self.scheduler().disaggregated()
     }
 
     /// What the pair choice did so far.
-    pub fn pair_counts(&self) -> kvroute_core::schedule::pairs::PairCounts {
-        lock(&self.placing.scheduler).pair_counts()
-    }
-
-    /// The index's scores of a request (a drifted worker's halved), and its chained hashes
-    /// when it is tracked.
-    fn scores_for(&self, p: &PlaceRequest<'_>) -> (OverlapScores, Vec<SequenceHash>) {
-        let bs = self.config.block_size.tokens();
-        let max_blocks = p.num_tokens.saturating_sub(1) / bs;
-        let mut scores = self.index.find_matches_within(p.local_hashes, max_blocks, bs);
-        self.halve_drifted(&mut scores);
-        // Only a tracked request keeps its chained hashes (for the in-flight accounting).
-        let sequence = match p.request_id {
-            Some(_) => sequence_hashes(p.local_hashes),
-            None => Vec::new(),
-        };
-        (scores, sequence)
-    }
-
-    /// A decision made: the replicas hear of it, an approximate worker assumes its blocks,
-    /// the metrics count it.
-    fn placed(&self, id: Option<&str>, d: &RouteDecision, p: &PlaceRequest<'_>, start: Instant) {
-        if let (Some(id), Some(nats)) = (id, self.nats.get()) {
-            nats.send(
-                &self.metrics,
-                SyncMessage::Routed {
-                    id: id.to_owned(),
-                    worker_id: d.worker.worker_id.0,
-                    dp_rank: d.worker.dp_rank.0,
-                    isl_tokens: p.num_tokens,
-                    prefill_tokens: d.predicted_prefill_tokens,
-                    local_hashes: p.local_hashes.iter().map(|h| h.0).collect(),
-                },
-            );
-        }
-        if self.mode(d.worker.worker_id) == Some(CacheMode::Approximate) {
-            let mut approx = lock(&self.placing.approx);
-            for e in approx.record_routed(d.worker, p.local_hashes, start) {
-                self.apply_one(&e);
-            }
-        }
-        self.metrics.decision(d.worker, start.elapsed());
-    }
-
-    pub fn prefill_done(&self, request_id: &str) {
-        lock(&self.placing.scheduler).mark_prefill_done(request_id);
-        if let Some(nats) = self.nats.get() {
-            nats.send(&self.metrics, SyncMessage::PrefillDone { id: request_id.to_owned() });
-        }
-    }
-
-    /// Returns whether the request was in flight.
-    pub fn finish(&self, request_id: &str) -> bool {
-        let tracked = lock(&self.placing.scheduler).free(request_id);
-        if let (true, Some(nats)) = (tracked, self.nats.get()) {
-            nats.send(&self.metrics, SyncMessage::Freed { id: request_id.to_owned() });
-        }
-        tracked
+    pub fn pair_counts(&self) -> PairCounts {
+        self.scheduler().pair_counts()
     }
 
     /// A peer replica routed a request: this replica first checks which worker it would have
@@ -117,15 +79,15 @@ impl RouterState {
     /// Returns whether the worker is one of ours.
     pub(crate) fn track_peer(
         &self,
+        index: &ShardedIndex,
+        metrics: &Metrics,
         key: &str,
-        worker: WorkerWithDpRank,
-        isl_tokens: usize,
-        prefill_tokens: usize,
-        local: &[LocalBlockHash],
+        peer: PeerRouted<'_>,
     ) -> bool {
         let now = Instant::now();
-        let bs = self.config.block_size.tokens();
-        let scores = self.index.find_matches_within(local, isl_tokens.saturating_sub(1) / bs, bs);
+        let PeerRouted { worker, isl_tokens, prefill_tokens, local, block_size } = peer;
+        let scores =
+            index.find_matches_within(local, isl_tokens.saturating_sub(1) / block_size, block_size);
         let sequence = sequence_hashes(local);
         let request = RouteRequest {
             id: None,
@@ -138,75 +100,171 @@ impl RouterState {
             adapter: None,
             session: None,
         };
-        let mut scheduler = lock(&self.placing.scheduler);
-        if let Some(mine) = scheduler.route(&request, &scores, &self.index, now) {
-            self.metrics.agreement(mine.worker == worker);
+        let mut scheduler = self.scheduler();
+        if let Some(mine) = scheduler.route(&request, &scores, index, now) {
+            metrics.agreement(mine.worker == worker);
         }
         let blocks = RequestBlocks { local, sequence: &sequence };
         scheduler.track(key, worker, prefill_tokens, blocks, now)
     }
 
     pub(crate) fn peer_prefill_done(&self, key: &str) {
-        lock(&self.placing.scheduler).prefill_done_elsewhere(key);
+        self.scheduler().prefill_done_elsewhere(key);
     }
 
     /// Frees a peer's request without telling the peers.
     pub(crate) fn free_peer(&self, key: &str) {
-        lock(&self.placing.scheduler).free(key);
+        self.scheduler().free(key);
     }
 
     pub fn reclaim_stale(&self) -> usize {
-        lock(&self.placing.scheduler).reclaim_stale(Instant::now())
-    }
-
-    pub fn update_load(&self, worker: WorkerWithDpRank, load: WorkerLoad) {
-        lock(&self.placing.scheduler).update_load(worker, load);
-        if self.mode(worker.worker_id) == Some(CacheMode::Approximate) {
-            let capacity = load.kv_total_blocks.map(|b| b as usize);
-            lock(&self.placing.approx).set_capacity(worker, capacity);
-        }
-        self.update_rank(worker, |w, rank| w.load[rank] = Some(load));
+        self.scheduler().reclaim_stale(Instant::now())
     }
 
     /// The adapters a worker rank lists (`None`: not known, taken as any).
-    pub fn set_served_adapters(
-        &self,
-        worker: WorkerWithDpRank,
-        served: Option<std::collections::BTreeSet<String>>,
-    ) {
-        lock(&self.placing.scheduler).adapters_mut().set_served(worker, served);
+    pub fn set_served_adapters(&self, worker: WorkerWithDpRank, served: Option<BTreeSet<String>>) {
+        self.scheduler().adapters_mut().set_served(worker, served);
     }
 
     /// A worker rank's adapters as it reports them (its slots, the adapters in them).
     pub fn report_adapters(&self, worker: WorkerWithDpRank, report: &crate::load::AdapterReport) {
         let names: Vec<&str> = report.in_slots.iter().map(String::as_str).collect();
-        lock(&self.placing.scheduler).adapters_mut().report(worker, report.max_loras, &names);
+        self.scheduler().adapters_mut().report(worker, report.max_loras, &names);
     }
 
     /// Each worker's adapters as the router knows them.
-    pub fn adapters(
-        &self,
-    ) -> std::collections::BTreeMap<
-        WorkerWithDpRank,
-        kvroute_core::schedule::adapters::WorkerAdapters,
-    > {
-        lock(&self.placing.scheduler).adapters().workers().clone()
+    pub fn adapters(&self) -> BTreeMap<WorkerWithDpRank, WorkerAdapters> {
+        self.scheduler().adapters().workers().clone()
     }
 
     /// What session affinity did so far, and how many sessions are remembered.
-    pub fn affinity(&self) -> (kvroute_core::schedule::AffinityCounts, usize) {
-        lock(&self.placing.scheduler).affinity()
+    pub fn affinity(&self) -> (AffinityCounts, usize) {
+        self.scheduler().affinity()
     }
 
     /// The scheduler's last decisions of tracked requests, oldest first.
     pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
-        lock(&self.placing.scheduler).recent_decisions()
+        self.scheduler().recent_decisions()
     }
 
     /// The in-flight requests the scheduler tracks.
     pub fn in_flight(&self) -> usize {
-        lock(&self.placing.scheduler).active().len()
+        self.scheduler().active().len()
     }
+}
+
+/// A peer replica's decision, as its sync message names it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PeerRouted<'a> {
+    pub worker: WorkerWithDpRank,
+    pub isl_tokens: usize,
+    pub prefill_tokens: usize,
+    pub local: &'a [LocalBlockHash],
+    pub block_size: usize,
+}
+
+impl RouterState {
+    /// Chooses a worker. `None` when there is none to choose. A drifted worker's overlap counts
+    /// half until its predictions agree again (not nothing: it must still be routed the
+    /// prefixes only it holds, or its predictions could never be seen to agree).
+    pub fn place(&self, p: &PlaceRequest<'_>) -> Option<(RouteDecision, OverlapScores)> {
+        let start = Instant::now();
+        let (scores, sequence) = scores_for(self, p);
+        let request = route_request(p, &sequence);
+        let decision = self.placing.scheduler().route(&request, &scores, &self.index, start)?;
+        placed(self, p.request_id, &decision, p, start);
+        Some((decision, scores))
+    }
+
+    /// Chooses the legs of a request in a disaggregated fleet ([`Scheduler::route_pair`]):
+    /// a prefill and a decode worker, or a decode worker alone. `None` when there is none.
+    pub fn place_pair(&self, p: &PlaceRequest<'_>) -> Option<PairDecision> {
+        let start = Instant::now();
+        let (scores, sequence) = scores_for(self, p);
+        let request = route_request(p, &sequence);
+        let pair = self.placing.scheduler().route_pair(&request, &scores, &self.index, start)?;
+        if let Some(prefill) = &pair.prefill {
+            let id = p.request_id.map(prefill_leg_id);
+            placed(self, id.as_deref(), prefill, p, start);
+        }
+        placed(self, p.request_id, &pair.decode, p, start);
+        Some(pair)
+    }
+
+    pub fn prefill_done(&self, request_id: &str) {
+        self.placing.scheduler().mark_prefill_done(request_id);
+        if let Some(nats) = self.nats.get() {
+            nats.send(&self.metrics, SyncMessage::PrefillDone { id: request_id.to_owned() });
+        }
+    }
+
+    /// Returns whether the request was in flight.
+    pub fn finish(&self, request_id: &str) -> bool {
+        let tracked = self.placing.scheduler().free(request_id);
+        if let (true, Some(nats)) = (tracked, self.nats.get()) {
+            nats.send(&self.metrics, SyncMessage::Freed { id: request_id.to_owned() });
+        }
+        tracked
+    }
+
+    /// A rank's load report: the scheduler's load, approximate mode's capacity, readiness.
+    pub fn update_load(&self, worker: WorkerWithDpRank, load: WorkerLoad) {
+        self.placing.scheduler().update_load(worker, load);
+        if self.fleet.mode(worker.worker_id) == Some(CacheMode::Approximate) {
+            let capacity = load.kv_total_blocks.map(|b| b as usize);
+            self.placing.approx().set_capacity(worker, capacity);
+        }
+        if let Some(ready) = self.fleet.set_load(worker, load) {
+            self.placing.scheduler().set_ready(worker, ready);
+        }
+    }
+}
+
+/// The index's scores of a request (a drifted worker's halved), and its chained hashes when
+/// it is tracked.
+fn scores_for(state: &RouterState, p: &PlaceRequest<'_>) -> (OverlapScores, Vec<SequenceHash>) {
+    let bs = state.config.block_size.tokens();
+    let max_blocks = p.num_tokens.saturating_sub(1) / bs;
+    let mut scores = state.index.find_matches_within(p.local_hashes, max_blocks, bs);
+    state.checks.halve_drifted(&mut scores);
+    // Only a tracked request keeps its chained hashes (for the in-flight accounting).
+    let sequence = match p.request_id {
+        Some(_) => sequence_hashes(p.local_hashes),
+        None => Vec::new(),
+    };
+    (scores, sequence)
+}
+
+/// A decision made: the replicas hear of it, an approximate worker assumes its blocks, the
+/// metrics count it.
+fn placed(
+    state: &RouterState,
+    id: Option<&str>,
+    d: &RouteDecision,
+    p: &PlaceRequest<'_>,
+    start: Instant,
+) {
+    if let (Some(id), Some(nats)) = (id, state.nats.get()) {
+        nats.send(
+            &state.metrics,
+            SyncMessage::Routed {
+                id: id.to_owned(),
+                worker_id: d.worker.worker_id.0,
+                dp_rank: d.worker.dp_rank.0,
+                isl_tokens: p.num_tokens,
+                prefill_tokens: d.predicted_prefill_tokens,
+                local_hashes: p.local_hashes.iter().map(|h| h.0).collect(),
+            },
+        );
+    }
+    if state.fleet.mode(d.worker.worker_id) == Some(CacheMode::Approximate) {
+        let mut approx = state.placing.approx();
+        let assumed: Vec<RouterEvent> = approx.record_routed(d.worker, p.local_hashes, start);
+        for e in &assumed {
+            apply_one(state, e);
+        }
+    }
+    state.metrics.decision(d.worker, start.elapsed());
 }
 
 /// The scheduler's view of a request to place.
