@@ -242,8 +242,7 @@ impl RemoteRouter {
             lora_name: ask.adapter.map(str::to_owned),
             session_id: ask.session.map(str::to_owned),
         };
-        let url = format!("{}{}", self.base, router_api::FIND_BEST_WORKER);
-        match self.client.post_json::<BestWorker>(&url, &request).await {
+        match self.client.find_best_worker(&self.base, &request).await {
             Ok(best) => Ok(Some(best)),
             Err(ClientError::Status { status: StatusCode::SERVICE_UNAVAILABLE, .. }) => Ok(None),
             Err(e @ (ClientError::Connect(_) | ClientError::Send(_))) => {

@@ -173,6 +173,40 @@ impl HttpClient {
         json(self.call(Method::GET, url, None::<&()>).await?).await
     }
 
+    /// `POST url` with a body of `content_type`, the answer decoded as JSON; a non-2xx answer
+    /// is an error.
+    pub async fn post_bytes<T: DeserializeOwned>(
+        &self,
+        url: &str,
+        content_type: &'static str,
+        body: Bytes,
+    ) -> Result<T, ClientError> {
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(url)
+            .header(header::CONTENT_TYPE, content_type)
+            .body(Full::new(body))?;
+        json(self.send(request).await?).await
+    }
+
+    /// `POST /find_best_worker` at `base` (the router's origin): in the binary form
+    /// ([`crate::router_api::BINARY_HASHES`]) unless the request excludes workers, which only
+    /// JSON says.
+    pub async fn find_best_worker(
+        &self,
+        base: &str,
+        request: &crate::router_api::FindBestWorker,
+    ) -> Result<crate::router_api::BestWorker, ClientError> {
+        use crate::router_api::{BINARY_HASHES, FIND_BEST_WORKER};
+        match request.to_binary() {
+            Some((query, body)) => {
+                let url = format!("{base}{FIND_BEST_WORKER}?{query}");
+                self.post_bytes(&url, BINARY_HASHES, Bytes::from(body)).await
+            }
+            None => self.post_json(&format!("{base}{FIND_BEST_WORKER}"), request).await,
+        }
+    }
+
     /// `POST url` with a JSON body, the answer decoded as JSON; a non-2xx answer is an error.
     pub async fn post_json<T: DeserializeOwned>(
         &self,

@@ -2,7 +2,7 @@
 //!
 //! | route | what |
 //! |---|---|
-//! | `POST /find_best_worker` | `{"local_hashes":[u64], "num_tokens":n, "request_id"?}` -> worker, overlap (and its `prefill` worker in a disaggregated fleet) |
+//! | `POST /find_best_worker` | `{"local_hashes":[u64], "num_tokens":n, "request_id"?}` -> worker, overlap (and its `prefill` worker in a disaggregated fleet); or the binary form: `Content-Type: application/octet-stream`, the hashes as 8-byte little-endian integers, the other fields as query parameters (`?num_tokens=n&request_id=...`) |
 //! | `POST /requests/{id}/prefill_done`, `DELETE /requests/{id}` | in-flight accounting |
 //! | `POST /answers` | an answered request's predicted and served cached tokens (self-checks) |
 //! | `POST /events` | a JSON array of `RouterEvent`s |
@@ -22,8 +22,9 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use axum::body::Bytes;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, State};
+use axum::extract::{FromRequest, Path, Query, Request, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::routing::{delete, get, post};
@@ -34,8 +35,8 @@ use kvroute_core::{
 };
 use kvroute_http::fast_json::FastJson;
 use kvroute_http::router_api::{
-    self, Answered, BestWorker, EventsReply, FindBestWorker, InjectEvent, Overlap, Overlaps,
-    OverlapsReply, PrefillWorker, ServedAdapters,
+    self, Answered, BestWorker, BinaryQuery, EventsReply, FindBestWorker, InjectEvent, Overlap,
+    Overlaps, OverlapsReply, PrefillWorker, ServedAdapters,
 };
 use kvroute_http::{ApiError, Credentials};
 use serde_json::json;
@@ -114,12 +115,37 @@ fn check_request_id(id: &str) -> Result<(), ApiError> {
     }
 }
 
+/// `find_best_worker`'s request in either form: JSON, or the binary one
+/// ([`router_api::BINARY_HASHES`]: the hashes as the body, the rest in the query).
+struct EitherForm(FindBestWorker);
+
+impl<S: Send + Sync> FromRequest<S> for EitherForm {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let binary = req.headers().get(axum::http::header::CONTENT_TYPE).is_some_and(|v| {
+            let essence = v.to_str().unwrap_or("").split(';').next().unwrap_or("").trim();
+            essence.eq_ignore_ascii_case(router_api::BINARY_HASHES)
+        });
+        if !binary {
+            let FastJson(req) = FastJson::<FindBestWorker>::from_request(req, state).await?;
+            return Ok(Self(req));
+        }
+        let Query(query) = Query::<BinaryQuery>::try_from_uri(req.uri()).map_err(|e| {
+            ApiError::bad_request(format!("the binary form's query: {}", e.body_text()))
+        })?;
+        let body = Bytes::from_request(req, state).await?;
+        let req = FindBestWorker::from_binary(query, &body)
+            .map_err(|e| ApiError::bad_request(e.to_string()).param("local_hashes"))?;
+        Ok(Self(req))
+    }
+}
+
 async fn find_best_worker(
     State(api): ApiState,
-    body: Result<FastJson<FindBestWorker>, JsonRejection>,
+    EitherForm(req): EitherForm,
 ) -> Result<Json<BestWorker>, ApiError> {
     let state = &api.state;
-    let FastJson(req) = body?;
     if let Some(id) = &req.request_id {
         check_request_id(id)?;
     }

@@ -470,3 +470,58 @@ async fn answers_feed_the_checks_and_decisions_show_their_scores() {
     );
     assert!(text.contains("kvroute_router_answered_cached_tokens_total{worker_id=\"1\"} 64"));
 }
+
+async fn binary(state: &Arc<RouterState>, query: &str, body: Vec<u8>) -> (StatusCode, Value) {
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(format!("/find_best_worker?{query}"))
+        .header("content-type", kvroute_http::router_api::BINARY_HASHES)
+        .body(Body::from(body))
+        .unwrap();
+    testing::call_raw(&app(Arc::clone(state), Credentials::default()), req).await
+}
+
+#[tokio::test]
+async fn the_binary_form_answers_as_json_does() {
+    let state = state(&[1, 2, 3]);
+    let (tokens, _) = prompt(3, None, 80);
+    let local = hashes(&tokens, None);
+    store(&state, 3, &local[..5]).await;
+    store(&state, 2, &local[..2]).await;
+    let json = best(&state, &local, tokens.len()).await;
+    let le: Vec<u8> = local.iter().flat_map(|l| l.0.to_le_bytes()).collect();
+    let (status, bin) = binary(&state, &format!("num_tokens={}", tokens.len()), le.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{bin}");
+    assert_eq!(bin, json);
+    assert_eq!((bin["worker_id"].as_u64(), bin["overlap_blocks"].as_u64()), (Some(3), Some(5)));
+
+    // The query's fields act as JSON's do: a tracked request is in flight until it ends.
+    let (status, _) =
+        binary(&state, &format!("num_tokens={}&request_id=b%201", tokens.len()), le.clone()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(state.placing().in_flight(), 1);
+    assert_eq!(
+        call(&state, Method::DELETE, "/requests/b%201", None).await.0,
+        StatusCode::NO_CONTENT
+    );
+
+    // Refused as JSON's errors are, with the field named.
+    let cases = [
+        ("num_tokens=64", le[..12].to_vec(), "local_hashes"),
+        ("num_tokens=0", le.clone(), "num_tokens"),
+        ("num_tokens=64&temperature=-1", le.clone(), "temperature"),
+    ];
+    for (query, body, param) in cases {
+        let (status, e) = binary(&state, query, body).await;
+        assert_eq!(
+            (status, e["error"]["param"].as_str()),
+            (StatusCode::BAD_REQUEST, Some(param)),
+            "{query}: {e}"
+        );
+    }
+    for query in ["", "num_tokens=x", "num_tokens=64&exclude=1", "num_tokens=64&local_hashes=1"] {
+        let (status, e) = binary(&state, query, le.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{query:?}: {e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains("query"), "{e}");
+    }
+}
