@@ -45,6 +45,42 @@ fn cached_tokens(v: &Value) -> Option<u64> {
     v.pointer("/usage/prompt_tokens_details/cached_tokens").and_then(Value::as_u64)
 }
 
+/// What the reader needs of an answer or an event, and nothing more: the rest of it is
+/// skipped as it is parsed, never built into a [`Value`] (a token's event is ~200 bytes read
+/// once per token).
+#[derive(Debug, Default, serde::Deserialize)]
+struct Peek {
+    #[serde(default)]
+    usage: Option<PeekUsage>,
+    #[serde(default)]
+    choices: Option<Vec<serde::de::IgnoredAny>>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct PeekUsage {
+    #[serde(default)]
+    prompt_tokens_details: Option<PeekDetails>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct PeekDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+/// An answer's or event's cached tokens, and whether it is a usage-only chunk (its choices
+/// empty); `None` when it is not JSON. Read through [`Peek`], or, when a field is not of
+/// the type the peek expects, through a [`Value`], as before.
+fn peek(json: &[u8]) -> Option<(Option<u64>, bool)> {
+    if let Ok(p) = serde_json::from_slice::<Peek>(json) {
+        let cached = p.usage.and_then(|u| u.prompt_tokens_details).and_then(|d| d.cached_tokens);
+        return Some((cached, p.choices.is_some_and(|c| c.is_empty())));
+    }
+    let v = serde_json::from_slice::<Value>(json).ok()?;
+    let usage_only = v.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty);
+    Some((cached_tokens(&v), usage_only))
+}
+
 impl Usage {
     /// A reader of an event stream (`sse`) or a whole JSON answer; `strip`: drop the usage
     /// chunk of a stream, which only the front door asked for.
@@ -88,10 +124,7 @@ impl Usage {
             // Parsed once, when the top-level object closes (a running count of brackets
             // outside strings), not at every chunk.
             let complete = self.depth.is_some_and(|_| bytes.iter().any(|&b| self.scan(b)));
-            let served = complete
-                .then(|| serde_json::from_slice::<Value>(&self.whole).ok())
-                .flatten()
-                .and_then(|v| cached_tokens(&v));
+            let served = complete.then(|| peek(&self.whole)).flatten().and_then(|(c, _)| c);
             return (bytes, served);
         }
         let mut out = Vec::with_capacity(bytes.len());
@@ -100,19 +133,17 @@ impl Usage {
             match event {
                 kvroute_http::SseEvent::Done => out.extend_from_slice(b"data: [DONE]\n\n"),
                 kvroute_http::SseEvent::Data(data) => {
-                    let parsed = serde_json::from_str::<Value>(&data).ok();
-                    let found = parsed.as_ref().and_then(cached_tokens);
+                    let (found, usage_only) = peek(data.as_bytes()).unwrap_or((None, false));
                     if found.is_some() {
                         served = found;
                     }
-                    let usage_only = parsed.as_ref().is_some_and(|v| {
-                        v.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty)
-                    });
                     if self.strip && found.is_some() {
                         if usage_only {
                             continue;
                         }
-                        if let Some(mut v) = parsed {
+                        // The usage rides on a chunk with choices (once per answer): that
+                        // chunk alone is rebuilt without it.
+                        if let Ok(mut v) = serde_json::from_str::<Value>(&data) {
                             if let Some(o) = v.as_object_mut() {
                                 o.remove("usage");
                             }
@@ -175,6 +206,34 @@ mod tests {
             assert_eq!((s1, s2), (None, Some(16)));
             assert_eq!(out.contains("usage"), !strip, "{out}");
             assert!(out.contains("\"hi\"") && out.ends_with("data: [DONE]\n\n"), "{out}");
+        }
+    }
+
+    /// The typed peek reads what a `Value` would: over the shapes engines send and odd ones.
+    #[test]
+    fn the_peek_reads_what_a_value_would() {
+        let by_value = |json: &str| {
+            let v = serde_json::from_str::<Value>(json).ok()?;
+            let empty = v.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty);
+            Some((cached_tokens(&v), empty))
+        };
+        let cases = [
+            r#"{"choices":[{"delta":{"content":"x"}}],"usage":null}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":16}}}"#,
+            r#"{"choices":[{"index":0}],"usage":{"prompt_tokens_details":{"cached_tokens":0}}}"#,
+            r#"{"usage":{"prompt_tokens_details":null}}"#,
+            r#"{"usage":{"prompt_tokens_details":{"cached_tokens":"16"}},"choices":[]}"#,
+            r#"{"usage":{"prompt_tokens_details":{"cached_tokens":16.5}}}"#,
+            r#"{"usage":{"prompt_tokens_details":{"cached_tokens":-1}}}"#,
+            r#"{"usage":"none","choices":{}}"#,
+            r#"{"choices":null}"#,
+            r#"[{"usage":{"prompt_tokens_details":{"cached_tokens":16}}}]"#,
+            r#"{"usage":{"prompt_tokens_details":{"cached_tokens":16}},"usage":{}}"#,
+            r#"not json"#,
+            r#"{}"#,
+        ];
+        for json in cases {
+            assert_eq!(peek(json.as_bytes()), by_value(json), "{json}");
         }
     }
 }

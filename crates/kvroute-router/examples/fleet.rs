@@ -16,7 +16,8 @@
 //! `BlockStored` events of 1 to 16 blocks (uniform, seeded), `--events-per-batch` events to a
 //! ZMQ message (vLLM batches a step's events the same way). In the steady phase each
 //! publisher evicts its oldest sequence (`BlockRemoved`, 1 to 16 hashes an event) and stores
-//! a new one, so the index keeps its size. Options: `--help`.
+//! a new one, so the index keeps its size. `--binary` asks in `/find_best_worker`'s binary
+//! form (the hashes as little-endian u64s) instead of JSON. Options: `--help`.
 
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
 
@@ -53,6 +54,8 @@ struct Args {
     clients: usize,
     secs: f64,
     router_core: String,
+    /// Ask in the binary form (hashes as little-endian u64s) rather than JSON.
+    binary: bool,
 }
 
 fn args() -> Args {
@@ -67,14 +70,19 @@ fn args() -> Args {
         clients: 8,
         secs: 20.0,
         router_core: "0".into(),
+        binary: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--binary" {
+            a.binary = true;
+            continue;
+        }
         if flag == "--help" {
             println!(
                 "fleet [--router-bin P] [--workers N] [--blocks-per-worker N] [--events-per-s R] \
                  [--fill-events-per-s R] [--events-per-batch N] [--decisions-per-s R] [--clients N] [--secs S] \
-                 [--router-core CPUS]"
+                 [--router-core CPUS] [--binary]"
             );
             std::process::exit(0);
         }
@@ -436,13 +444,19 @@ async fn steady(
             let (url, bodies) = (&url, &bodies);
             async move {
                 let mut rtts = Vec::new();
+                if a.decisions_per_s <= 0.0 {
+                    return rtts; // events alone
+                }
                 let rate = a.decisions_per_s / a.clients as f64;
                 let mut i = 0usize;
                 while start.elapsed() < window {
                     pace(start, i, rate).await;
                     let t = Instant::now();
                     let b = &bodies[(i * a.clients + c) % bodies.len()];
-                    let answer: Result<BestWorker, _> = client.post_json(url, b).await;
+                    let answer: Result<BestWorker, _> = match a.binary {
+                        true => client.find_best_worker(base, b).await,
+                        false => client.post_json(url, b).await,
+                    };
                     if answer.is_ok() {
                         rtts.push(t.elapsed().as_nanos() as u64);
                     }
@@ -456,6 +470,10 @@ async fn steady(
     let events = async {
         let mut sent = 0usize;
         let mut w = 0;
+        if a.events_per_s <= 0.0 {
+            tokio::time::sleep(window).await; // decisions alone
+            return sent;
+        }
         while start.elapsed() < window {
             let (payload, n) = churn[w].next();
             pubs[w].send_encoded(&payload).await;
@@ -531,5 +549,13 @@ fn report(
     );
     println!("| router RSS (MiB) | {rss:.0} |");
     println!("| router CPU (cores, pinned to {}) | {:.2} |", a.router_core, router_cpu / secs);
+    let applied = all(after) - all(before);
+    // With one load alone (`--decisions-per-s 0` or `--events-per-s 0`) these are its cost.
+    println!(
+        "| router CPU per event applied / per decision, all of it (µs) | {:.2} / {:.1} |",
+        router_cpu * 1e6 / applied.max(1.0),
+        router_cpu * 1e6 / decided.max(1.0)
+    );
+    println!("| request form | {} |", if a.binary { "binary" } else { "JSON" });
     println!("| publishers + client CPU (cores) | {:.2} |", self_cpu / secs);
 }
