@@ -58,14 +58,20 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
     }
     let mut tasks = Vec::new();
     let events_via = state.config.nats.as_ref().map(|n| n.events).unwrap_or_default();
-    if events_via == nats::EventsVia::Zmq {
+    let subscribes = events_via != nats::EventsVia::Stream
+        && state.config.workers.iter().any(|w| w.events.is_some());
+    let plane = match subscribes {
+        true => Some(tasks::EventPlane::start()?),
+        false => None,
+    };
+    if let (nats::EventsVia::Zmq, Some(plane)) = (events_via, &plane) {
         for sub in subscriber::subscriptions(state) {
-            tasks.push(tokio::spawn(subscriber::run(Arc::clone(state), sub)));
+            tasks.push(plane.spawn(subscriber::run(Arc::clone(state), sub)));
         }
     }
     if let Some(config) = &state.config.nats {
         // The relay starts the subscriptions itself, once it knows where the stream ends.
-        tasks.extend(nats::spawn(state, config.clone()));
+        tasks.extend(nats::spawn(state, config.clone(), plane.clone()));
     }
     for spec in &state.config.workers {
         if let Some(metrics) = &spec.metrics {
@@ -96,7 +102,7 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
             }
         }
     }));
-    Ok(Tasks(tasks))
+    Ok(Tasks::new(tasks, plane))
 }
 
 /// Serves the HTTP API, open (no admin token), on `listener` until `shutdown` resolves.

@@ -33,6 +33,7 @@ use tokio::task::JoinHandle;
 
 use crate::state::{PeerRouted, RouterState};
 use crate::stream;
+use crate::tasks::EventPlane;
 
 /// How often a replica says it is alive when it routes nothing.
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -86,8 +87,13 @@ fn connect_options(config: &NatsConfig, status: Arc<NatsStatus>) -> ConnectOptio
 pub use crate::links::{NatsLinks, NatsStatus};
 
 /// Connects (in the background: an unreachable server at start is retried, never fatal) and
-/// starts what `config` asks for. The links are set on `state` before this returns.
-pub(crate) fn spawn(state: &Arc<RouterState>, config: NatsConfig) -> Vec<JoinHandle<()>> {
+/// starts what `config` asks for. The links are set on `state` before this returns. A relay
+/// runs its workers' subscriptions on the event `plane`.
+pub(crate) fn spawn(
+    state: &Arc<RouterState>,
+    config: NatsConfig,
+    plane: Option<EventPlane>,
+) -> Vec<JoinHandle<()>> {
     let status = Arc::new(NatsStatus::default());
     let (outbox_tx, outbox_rx) = match config.sync {
         true => {
@@ -142,6 +148,7 @@ pub(crate) fn spawn(state: &Arc<RouterState>, config: NatsConfig) -> Vec<JoinHan
                 client.clone(),
                 config.clone(),
                 rx,
+                plane,
             )));
         }
         let _guard = AbortOnDrop(tasks);

@@ -32,6 +32,7 @@ use crate::config::nats::NatsConfig;
 use crate::links::{NatsStatus, Relayed};
 use crate::state::{Link, RouterState};
 use crate::subscriber;
+use crate::tasks::EventPlane;
 
 /// Batches waiting for the relay's publisher.
 pub(crate) const RELAY_QUEUE: usize = 1024;
@@ -68,6 +69,7 @@ pub(crate) async fn relay(
     client: Client,
     config: NatsConfig,
     mut rx: mpsc::Receiver<Relayed>,
+    plane: Option<EventPlane>,
 ) {
     let js = jetstream::new(client);
     let stream = loop {
@@ -86,9 +88,13 @@ pub(crate) async fn relay(
             tracing::info!(worker = %sub.worker, seq, "relay resumes after the stream's last batch");
         }
         sub.resume_after = last;
-        subscriptions.push(tokio::spawn(subscriber::run(Arc::clone(&state), sub)));
+        let run = subscriber::run(Arc::clone(&state), sub);
+        subscriptions.push(match &plane {
+            Some(plane) => plane.spawn(run),
+            None => tokio::spawn(run),
+        });
     }
-    let _subscriptions = crate::tasks::Tasks(subscriptions);
+    let _subscriptions = crate::tasks::Tasks::new(subscriptions, plane);
     while let Some(batch) = rx.recv().await {
         publish_until_stored(&state, &js, &config, &batch).await;
     }

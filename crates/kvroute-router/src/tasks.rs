@@ -1,15 +1,71 @@
-//! The router's background tasks, stopped together.
+//! The router's background tasks, stopped together, and the event plane's own runtime.
 
+use std::sync::Arc;
+
+use tokio::runtime::{Handle, Runtime};
 use tokio::task::JoinHandle;
 
-/// Background tasks of a running router; dropping it stops them.
+/// Background tasks of a running router; dropping it stops them (and the event plane's
+/// threads, once nothing else holds them).
 #[derive(Debug, Default)]
-pub struct Tasks(pub(crate) Vec<JoinHandle<()>>);
+pub struct Tasks {
+    tasks: Vec<JoinHandle<()>>,
+    _plane: Option<EventPlane>,
+}
+
+impl Tasks {
+    pub(crate) fn new(tasks: Vec<JoinHandle<()>>, plane: Option<EventPlane>) -> Self {
+        Self { tasks, _plane: plane }
+    }
+}
 
 impl Drop for Tasks {
     fn drop(&mut self) {
-        for task in &self.0 {
+        for task in &self.tasks {
             task.abort();
         }
+    }
+}
+
+/// Where the engines' event subscriptions run: a runtime of their own (`kvroute-events`
+/// threads, half the cores, at least one), so a fleet's events cannot crowd the API's
+/// requests, the decisions above all, out of the main runtime's queues. The two share the
+/// cores through the kernel's scheduler instead: 1,000 busy subscriber tasks are one runnable
+/// thread to it, not a thousand tasks ahead of a decision.
+#[derive(Clone, Debug)]
+pub(crate) struct EventPlane {
+    handle: Handle,
+    _owner: Arc<PlaneRuntime>,
+}
+
+#[derive(Debug)]
+struct PlaneRuntime(Option<Runtime>);
+
+impl Drop for PlaneRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            // Never blocks: it may be dropped from an async task.
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl EventPlane {
+    pub(crate) fn start() -> std::io::Result<Self> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads((cores / 2).max(1))
+            .thread_name("kvroute-events")
+            .enable_all()
+            .build()?;
+        Ok(Self { handle: runtime.handle().clone(), _owner: Arc::new(PlaneRuntime(Some(runtime))) })
+    }
+
+    pub(crate) fn spawn<F>(&self, task: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.handle.spawn(task)
     }
 }

@@ -4,6 +4,9 @@
 //! The locks spin rather than park: a write holds a shard for about a microsecond, and a
 //! reader put to sleep behind it wakes tens of microseconds later (parking locks made the
 //! busy p99 of `find_matches` 7-9x its idle p99; spinning, 2.7x: `benches/index_concurrent`).
+//! A waiter yields its core between tries: when readers and the writer share a core (the
+//! router's event plane has threads of its own), a pure spin waited out the preempted
+//! holder's whole time slice, milliseconds.
 //!
 //! ```text
 //!   events of worker w ──▶ shard(w) = fx(w.worker_id) % N ──write──▶ RwLock<RadixIndex>
@@ -32,7 +35,12 @@ use std::hash::{BuildHasher, BuildHasherDefault};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rustc_hash::FxHasher;
-use spin::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+/// A shard's lock: it spins, and a waiter gives its core away between tries (`sched_yield`),
+/// so a holder the kernel preempted on the same core runs again at once instead of after
+/// the waiter's whole time slice (the event plane has threads of its own).
+type RwLock<T> = spin::rwlock::RwLock<T, spin::relax::Yield>;
+type RwLockReadGuard<'a, T> = spin::rwlock::RwLockReadGuard<'a, T, spin::relax::Yield>;
+type RwLockWriteGuard<'a, T> = spin::rwlock::RwLockWriteGuard<'a, T, spin::relax::Yield>;
 
 use super::{HybridGroups, IndexConfig, IndexStats, LowerTiers, OverlapScores, RadixIndex};
 use crate::Error;
