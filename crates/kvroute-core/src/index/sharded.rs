@@ -4,7 +4,7 @@
 //! The locks spin rather than park: a write holds a shard for about a microsecond, and a
 //! reader put to sleep behind it wakes tens of microseconds later (parking locks made the
 //! busy p99 of `find_matches` 7-9x its idle p99; spinning, 2.7x: `benches/index_concurrent`).
-//! A waiter yields its core between tries: when readers and the writer share a core (the
+//! A waiter yields its core every 64 tries: when readers and the writer share a core (the
 //! router's event plane has threads of its own), a pure spin waited out the preempted
 //! holder's whole time slice, milliseconds.
 //!
@@ -35,12 +35,35 @@ use std::hash::{BuildHasher, BuildHasherDefault};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rustc_hash::FxHasher;
-/// A shard's lock: it spins, and a waiter gives its core away between tries (`sched_yield`),
-/// so a holder the kernel preempted on the same core runs again at once instead of after
-/// the waiter's whole time slice (the event plane has threads of its own).
-type RwLock<T> = spin::rwlock::RwLock<T, spin::relax::Yield>;
-type RwLockReadGuard<'a, T> = spin::rwlock::RwLockReadGuard<'a, T, spin::relax::Yield>;
-type RwLockWriteGuard<'a, T> = spin::rwlock::RwLockWriteGuard<'a, T, spin::relax::Yield>;
+/// A shard's lock: it spins, and a waiter gives its core away every [`SPINS_PER_YIELD`]
+/// tries (`sched_yield`), so a holder the kernel preempted on the same core runs again at
+/// once instead of after the waiter's whole time slice (the event plane has threads of its
+/// own), while a short wait behind a running holder stays a spin.
+type RwLock<T> = spin::rwlock::RwLock<T, SpinThenYield>;
+type RwLockReadGuard<'a, T> = spin::rwlock::RwLockReadGuard<'a, T, SpinThenYield>;
+type RwLockWriteGuard<'a, T> = spin::rwlock::RwLockWriteGuard<'a, T, SpinThenYield>;
+
+/// Tries between two yields of a shard lock's waiter (a few microseconds of spinning).
+const SPINS_PER_YIELD: u32 = 64;
+
+/// Spins, yielding the core every [`SPINS_PER_YIELD`] tries (counted per thread).
+#[derive(Debug)]
+struct SpinThenYield;
+
+impl spin::relax::RelaxStrategy for SpinThenYield {
+    fn relax() {
+        thread_local!(static TRIES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) });
+        let tries = TRIES.with(|t| {
+            let n = t.get().wrapping_add(1);
+            t.set(n);
+            n
+        });
+        match tries % SPINS_PER_YIELD {
+            0 => std::thread::yield_now(),
+            _ => std::hint::spin_loop(),
+        }
+    }
+}
 
 use super::{HybridGroups, IndexConfig, IndexStats, LowerTiers, OverlapScores, RadixIndex};
 use crate::Error;
