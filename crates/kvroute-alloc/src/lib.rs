@@ -6,6 +6,10 @@
 //! that took 24 held 60 MiB request bodies stayed 58 MiB above its idle RSS for good after
 //! they were dropped (issue #30); `malloc_trim(0)` gave all of it back (RSS 109 to 38 MiB).
 //! [`give_back_free_memory`] is that call, and a no-op with any other allocator.
+//!
+//! The crate also holds the one other call into the C library that needs `unsafe`:
+//! [`lower_this_thread`], which gives background threads (the router's event plane) a lower
+//! scheduling priority than the threads that answer requests.
 
 /// Returns the allocator's free pages to the OS (glibc's `malloc_trim(0)`). It walks every
 /// arena, holding each one's lock for the walk, so call it off the async runtime and only
@@ -16,6 +20,28 @@ pub fn give_back_free_memory() {
     // under its own locks; it is safe to call from any thread at any time.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+/// Sets the calling thread's nice value to `nice` (0 to 19; above the default 0 is a lower
+/// scheduling priority), with Linux `setpriority` on the thread: on Linux a nice value is
+/// each thread's own. Returns whether it took effect (it does not when that would raise the
+/// priority without privileges); a no-op elsewhere. Lowering is for good without privileges,
+/// so this is for threads that stay background for their whole life.
+pub fn lower_this_thread(nice: i32) -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: `gettid` and `setpriority` take plain integers and touch no memory of ours;
+        // `who` is this thread's own id, so no other thread or process is changed.
+        unsafe {
+            let tid = libc::gettid();
+            libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice.clamp(0, 19)) == 0
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        let _ = nice;
+        false
     }
 }
 
@@ -49,5 +75,28 @@ mod tests {
     fn it_can_be_called_anywhere() {
         super::give_back_free_memory();
         super::give_back_free_memory();
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn a_thread_lowers_itself_and_no_other() {
+        let nice_of = |task: String| {
+            let stat = std::fs::read_to_string(task).unwrap_or_default();
+            // Field 19 of /proc/.../stat, counted after the command name's closing paren.
+            let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            rest.split_whitespace().nth(16).and_then(|n| n.parse::<i32>().ok())
+        };
+        let before = nice_of("/proc/thread-self/stat".into());
+        if before != Some(0) {
+            return; // started niced: lowering to 5 may be a raise
+        }
+        let lowered = std::thread::spawn(move || {
+            assert!(super::lower_this_thread(5));
+            nice_of("/proc/thread-self/stat".into())
+        })
+        .join()
+        .unwrap_or_default();
+        assert_eq!(lowered, Some(5), "the thread itself");
+        assert_eq!(nice_of("/proc/thread-self/stat".into()), before, "not the caller's");
     }
 }
