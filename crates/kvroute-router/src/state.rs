@@ -158,6 +158,7 @@ impl RouterState {
         if let Some(ready) = self.fleet.link(worker, link) {
             self.placing.scheduler().set_ready(worker, ready);
         }
+        self.fleet.signal();
     }
 
     /// What `/health` says: always ok while the process serves (NATS away is degraded, not

@@ -458,7 +458,8 @@ impl Fleet {
             .collect()
     }
 
-    /// Records a change to a rank's subscription; returns its readiness when that changed.
+    /// Records a change to a rank's subscription; returns its readiness when that changed
+    /// (the caller tells the scheduler, then [`Self::signal`]s).
     pub(super) fn link(&self, worker: WorkerWithDpRank, link: Link) -> Option<bool> {
         self.update_rank(worker, |w, rank| match link {
             Link::Connected(last) => {
@@ -502,8 +503,13 @@ impl Fleet {
         if let Some(ready) = changed {
             tracing::debug!(%worker, ready, "readiness changed");
         }
-        self.changed.notify_waiters();
         changed
+    }
+
+    /// Wakes whoever waits for readiness ([`Self::wait_ready`]): called once the change
+    /// reached the scheduler too, so a waiter that sees a rank ready can be routed to it.
+    pub(super) fn signal(&self) {
+        self.changed.notify_waiters();
     }
 
     /// The ranks not ready now.

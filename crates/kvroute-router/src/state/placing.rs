@@ -217,6 +217,7 @@ impl RouterState {
         if let Some(ready) = self.fleet.set_load(worker, load) {
             self.placing.scheduler().set_ready(worker, ready);
         }
+        self.fleet.signal();
     }
 }
 
