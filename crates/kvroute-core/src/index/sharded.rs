@@ -170,9 +170,9 @@ impl ShardedIndex {
         let mut errors = Vec::new();
         let Some(first) = events.first() else { return errors };
         let one_worker = events.iter().all(|e| e.worker_id == first.worker_id);
-        let shards: Vec<usize> = match one_worker {
-            true => vec![self.shard_of(first.worker_id)],
-            false => (0..self.shards.len()).collect(),
+        let shards = match one_worker {
+            true => self.shard_of(first.worker_id)..self.shard_of(first.worker_id) + 1,
+            false => 0..self.shards.len(),
         };
         for s in shards {
             let mut positions = events

@@ -70,10 +70,6 @@ pub struct Ingest<'a> {
 }
 
 impl Ingest<'_> {
-    pub fn worker(&self) -> WorkerWithDpRank {
-        self.worker
-    }
-
     /// Adds what conversion did with one message of the rank's blocks.
     pub fn converted(&self, stats: &ConvertStats) {
         if *stats == ConvertStats::default() {

@@ -315,7 +315,7 @@ impl Fleet {
             .map(|w| {
                 let mut w = w.clone();
                 for (rank, seq) in w.last_seq.iter_mut().enumerate() {
-                    *seq = w.live.last_seq(rank).or(*seq);
+                    *seq = w.live.last_seq(rank);
                 }
                 w.conversion = *lock(&w.live.conversion);
                 w
