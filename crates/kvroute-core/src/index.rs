@@ -36,6 +36,7 @@ mod ext_map;
 mod groups;
 mod holders;
 mod radix;
+mod shard_lock;
 mod sharded;
 mod tiers;
 

@@ -1,15 +1,14 @@
 //! The service form: workers spread over shards, each its own [`RadixIndex`] behind a
 //! read-write lock, so reads run in parallel and a writer blocks only its own shard.
 //!
-//! The locks spin rather than park: a write holds a shard for about a microsecond, and a
-//! reader put to sleep behind it wakes tens of microseconds later (parking locks made the
-//! busy p99 of `find_matches` 7-9x its idle p99; spinning, 2.7x: `benches/index_concurrent`).
-//! A waiter yields its core every 64 tries: when readers and the writer share a core (the
-//! router's event plane has threads of its own), a pure spin waited out the preempted
-//! holder's whole time slice, milliseconds.
+//! A shard's lock ([`ShardLock`]) lets a waiting reader in before the next write, and a
+//! waiter spins for a few microseconds, then sleeps: a lookup waits for at most the one piece
+//! of an event being applied, and never spins out a time slice behind a writer the kernel
+//! preempted on its own core. (Parking at once made the busy p99 of `find_matches` 7-9x its
+//! idle p99: a sleeping reader wakes tens of microseconds after a one-microsecond hold.)
 //!
 //! ```text
-//!   events of worker w ──▶ shard(w) = fx(w.worker_id) % N ──write──▶ RwLock<RadixIndex>
+//!   events of worker w ──▶ shard(w) = fx(w.worker_id) % N ──write──▶ ShardLock<RadixIndex>
 //!   find_matches(q) ──read──▶ every shard ──▶ scores merged (shards hold disjoint workers)
 //! ```
 //!
@@ -35,36 +34,8 @@ use std::hash::{BuildHasher, BuildHasherDefault};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rustc_hash::FxHasher;
-/// A shard's lock: it spins, and a waiter gives its core away every [`SPINS_PER_YIELD`]
-/// tries (`sched_yield`), so a holder the kernel preempted on the same core runs again at
-/// once instead of after the waiter's whole time slice (the event plane has threads of its
-/// own), while a short wait behind a running holder stays a spin.
-type RwLock<T> = spin::rwlock::RwLock<T, SpinThenYield>;
-type RwLockReadGuard<'a, T> = spin::rwlock::RwLockReadGuard<'a, T, SpinThenYield>;
-type RwLockWriteGuard<'a, T> = spin::rwlock::RwLockWriteGuard<'a, T, SpinThenYield>;
 
-/// Tries between two yields of a shard lock's waiter (a few microseconds of spinning).
-const SPINS_PER_YIELD: u32 = 64;
-
-/// Spins, yielding the core every [`SPINS_PER_YIELD`] tries (counted per thread).
-#[derive(Debug)]
-struct SpinThenYield;
-
-impl spin::relax::RelaxStrategy for SpinThenYield {
-    fn relax() {
-        thread_local!(static TRIES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) });
-        let tries = TRIES.with(|t| {
-            let n = t.get().wrapping_add(1);
-            t.set(n);
-            n
-        });
-        match tries % SPINS_PER_YIELD {
-            0 => std::thread::yield_now(),
-            _ => std::hint::spin_loop(),
-        }
-    }
-}
-
+use super::shard_lock::{ReadGuard, ShardLock, WriteGuard};
 use super::{HybridGroups, IndexConfig, IndexStats, LowerTiers, OverlapScores, RadixIndex};
 use crate::Error;
 use crate::hash::sequence_hashes;
@@ -77,17 +48,17 @@ pub const BLOCKS_PER_LOCK: usize = 8;
 
 #[derive(Debug)]
 pub struct ShardedIndex {
-    shards: Vec<RwLock<RadixIndex>>,
+    shards: Vec<ShardLock<RadixIndex>>,
     /// (worker, block) pairs each shard held after its last write.
     held: Vec<AtomicUsize>,
     /// `max_held_blocks` of all shards and tiers together.
     budget: Option<usize>,
     /// What workers keep below their devices ([`LowerTiers`]), and how many pairs (read
     /// without the lock: a lookup skips the tiers while they hold nothing).
-    lower: RwLock<LowerTiers>,
+    lower: ShardLock<LowerTiers>,
     lower_held: AtomicUsize,
     /// Hybrid models' cache groups beyond the first ([`HybridGroups`]); whether any exists.
-    groups: RwLock<HybridGroups>,
+    groups: ShardLock<HybridGroups>,
     hybrid: AtomicBool,
 }
 
@@ -97,12 +68,12 @@ impl ShardedIndex {
         let n = shards.max(1);
         let unbounded = IndexConfig { max_held_blocks: None };
         Self {
-            shards: (0..n).map(|_| RwLock::new(RadixIndex::with_config(unbounded))).collect(),
+            shards: (0..n).map(|_| ShardLock::new(RadixIndex::with_config(unbounded))).collect(),
             held: (0..n).map(|_| AtomicUsize::new(0)).collect(),
             budget: config.max_held_blocks,
-            lower: RwLock::new(LowerTiers::new()),
+            lower: ShardLock::new(LowerTiers::new()),
             lower_held: AtomicUsize::new(0),
-            groups: RwLock::new(HybridGroups::new()),
+            groups: ShardLock::new(HybridGroups::new()),
             hybrid: AtomicBool::new(false),
         }
     }
@@ -183,7 +154,7 @@ impl ShardedIndex {
             if positions.peek().is_none() {
                 continue;
             }
-            let mut shard: Option<RwLockWriteGuard<'_, RadixIndex>> = None;
+            let mut shard: Option<WriteGuard<'_, RadixIndex>> = None;
             let mut held = 0;
             for (i, e) in positions {
                 let blocks = e.event.data.blocks();
@@ -432,12 +403,12 @@ impl ShardedIndex {
         (hash % self.shards.len() as u64) as usize
     }
 
-    fn write(&self, shard: usize) -> RwLockWriteGuard<'_, RadixIndex> {
+    fn write(&self, shard: usize) -> WriteGuard<'_, RadixIndex> {
         self.shards[shard].write()
     }
 }
 
-fn read(shard: &RwLock<RadixIndex>) -> RwLockReadGuard<'_, RadixIndex> {
+fn read(shard: &ShardLock<RadixIndex>) -> ReadGuard<'_, RadixIndex> {
     shard.read()
 }
 
