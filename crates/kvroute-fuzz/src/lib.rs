@@ -24,7 +24,7 @@ use std::sync::{Arc, OnceLock};
 
 use kvroute_core::{BlockSize, LocalBlockHash, WorkerId, WorkerWithDpRank};
 use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest};
-use kvroute_http::router_api::FindBestWorker;
+use kvroute_http::router_api::{BinaryQuery, FindBestWorker};
 use kvroute_preprocess::{ImageConfig, Preprocessor, images};
 use kvroute_router::{PlaceRequest, RouterConfig, RouterState, WorkerSpec};
 use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
@@ -39,6 +39,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("trtllm_msgpack", trtllm_msgpack),
     ("router_events", router_events),
     ("router_api", router_api),
+    ("router_api_binary", router_api_binary),
     ("replica_sync", replica_sync),
     ("index_snapshot", index_snapshot),
     ("openai_chat", openai_chat),
@@ -150,6 +151,22 @@ pub fn index_snapshot(data: &[u8]) {
 
 pub fn router_api(data: &[u8]) {
     let Ok(req) = serde_json::from_slice::<FindBestWorker>(data) else { return };
+    place(&req);
+}
+
+/// `find_best_worker`'s binary form: the bytes up to the first newline are the query string
+/// (decoded as the router's `Query` extractor decodes it), the rest is the body of hashes.
+pub fn router_api_binary(data: &[u8]) {
+    let (query, body) = match data.iter().position(|&b| b == b'\n') {
+        Some(i) => (&data[..i], &data[i + 1..]),
+        None => (data, &[][..]),
+    };
+    let Ok(query) = serde_urlencoded::from_bytes::<BinaryQuery>(query) else { return };
+    let Ok(req) = FindBestWorker::from_binary(query, body) else { return };
+    place(&req);
+}
+
+fn place(req: &FindBestWorker) {
     let Ok(num_tokens) = usize::try_from(req.num_tokens) else { return };
     if num_tokens == 0 {
         return;
