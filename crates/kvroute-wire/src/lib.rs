@@ -28,7 +28,7 @@ mod vllm_fast;
 
 pub use convert::{ConvertConfig, ConvertStats, Converter};
 use kvroute_core::RouterEvent;
-pub use pipeline::{Decoded, EventFormat, Framed, Pipeline, UnknownFormat};
+pub use pipeline::{Decoded, EventFormat, Framed, Framing, Pipeline, UnknownFormat};
 pub use vllm::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, KvEventBatch};
 
 /// Why bytes could not be decoded.

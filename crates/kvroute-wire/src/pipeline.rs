@@ -119,10 +119,35 @@ pub struct Tagged {
     pub event: KvCacheEvent,
 }
 
+/// How a format's messages carry their payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// `[topic, seq, payload]`: numbered batches (vLLM's publisher).
+    Sequenced,
+    /// The last frame is the payload (`[payload]` or `[topic, payload]`), unnumbered.
+    LastFrame,
+}
+
+impl Framing {
+    /// The payload (and sequence number) of one message's frames, read in place.
+    pub fn frame<F: AsRef<[u8]>>(self, frames: &[F]) -> Result<Framed<'_>, WireError> {
+        match self {
+            Self::Sequenced => {
+                let (_topic, seq, payload) = vllm::split_frames(frames)?;
+                Ok(Framed { seq: Some(seq), payload })
+            }
+            Self::LastFrame => {
+                let payload = frames.last().ok_or(WireError::Frames(0))?.as_ref();
+                Ok(Framed { seq: None, payload })
+            }
+        }
+    }
+}
+
 /// One engine format: how its messages are framed and how a payload becomes core events.
 pub trait FormatDecoder: Sync {
-    /// The payload (and sequence number) of one message's frames.
-    fn frame<'a>(&self, frames: &'a [Vec<u8>]) -> Result<Framed<'a>, WireError>;
+    /// How its messages are framed.
+    fn framing(&self) -> Framing;
 
     /// One payload's events, converted by `converter` (which counts what it kept and skipped).
     fn decode(
@@ -130,18 +155,6 @@ pub trait FormatDecoder: Sync {
         framed: Framed<'_>,
         converter: &mut Converter,
     ) -> Result<Vec<Tagged>, WireError>;
-}
-
-fn sequenced(frames: &[Vec<u8>]) -> Result<Framed<'_>, WireError> {
-    let (_topic, seq, payload) = vllm::split_frames(frames)?;
-    Ok(Framed { seq: Some(seq), payload })
-}
-
-/// Formats with no sequence number: the last frame is the payload (`[payload]` or `[topic,
-/// payload]`).
-fn last_frame(frames: &[Vec<u8>]) -> Result<Framed<'_>, WireError> {
-    let payload = frames.last().ok_or(WireError::Frames(0))?;
-    Ok(Framed { seq: None, payload })
 }
 
 /// A vLLM batch: its rank, when it names one, is every event's.
@@ -170,8 +183,8 @@ fn trtllm_events(events: &[trtllm::TrtEvent], converter: &mut Converter) -> Vec<
 pub struct Vllm;
 
 impl FormatDecoder for Vllm {
-    fn frame<'a>(&self, frames: &'a [Vec<u8>]) -> Result<Framed<'a>, WireError> {
-        sequenced(frames)
+    fn framing(&self) -> Framing {
+        Framing::Sequenced
     }
 
     fn decode(&self, f: Framed<'_>, c: &mut Converter) -> Result<Vec<Tagged>, WireError> {
@@ -185,8 +198,8 @@ impl FormatDecoder for Vllm {
 pub struct Sglang;
 
 impl FormatDecoder for Sglang {
-    fn frame<'a>(&self, frames: &'a [Vec<u8>]) -> Result<Framed<'a>, WireError> {
-        sequenced(frames)
+    fn framing(&self) -> Framing {
+        Framing::Sequenced
     }
 
     fn decode(&self, f: Framed<'_>, c: &mut Converter) -> Result<Vec<Tagged>, WireError> {
@@ -201,8 +214,8 @@ pub struct Trtllm {
 }
 
 impl FormatDecoder for Trtllm {
-    fn frame<'a>(&self, frames: &'a [Vec<u8>]) -> Result<Framed<'a>, WireError> {
-        last_frame(frames)
+    fn framing(&self) -> Framing {
+        Framing::LastFrame
     }
 
     fn decode(&self, f: Framed<'_>, c: &mut Converter) -> Result<Vec<Tagged>, WireError> {
@@ -219,8 +232,8 @@ impl FormatDecoder for Trtllm {
 pub struct KvrouteJson;
 
 impl FormatDecoder for KvrouteJson {
-    fn frame<'a>(&self, frames: &'a [Vec<u8>]) -> Result<Framed<'a>, WireError> {
-        last_frame(frames)
+    fn framing(&self) -> Framing {
+        Framing::LastFrame
     }
 
     fn decode(&self, f: Framed<'_>, _: &mut Converter) -> Result<Vec<Tagged>, WireError> {
@@ -260,9 +273,10 @@ impl Pipeline {
         Self { worker, format, converter: Converter::new(convert) }
     }
 
-    /// The payload and sequence number of one message as the socket received it.
-    pub fn frame<'a>(&self, frames: &'a [Vec<u8>]) -> Result<Framed<'a>, WireError> {
-        self.format.decoder().frame(frames)
+    /// The payload and sequence number of one message as the socket received it (its
+    /// frames read in place: `Vec<u8>`s, or the socket's own `Bytes`).
+    pub fn frame<'a, F: AsRef<[u8]>>(&self, frames: &'a [F]) -> Result<Framed<'a>, WireError> {
+        self.format.decoder().framing().frame(frames)
     }
 
     /// One payload's events, each on the worker and rank the engine named, else the
@@ -372,7 +386,7 @@ mod tests {
         let p = pipeline(EventFormat::TrtllmJson);
         let frames = vec![b"topic".to_vec(), b"[]".to_vec()];
         assert_eq!(p.frame(&frames).unwrap(), Framed { seq: None, payload: b"[]" });
-        assert!(p.frame(&[]).is_err());
+        assert!(p.frame::<Vec<u8>>(&[]).is_err());
         let v = pipeline(EventFormat::Vllm);
         assert!(v.frame(&[b"x".to_vec()]).is_err(), "vLLM needs its sequence frame");
     }
