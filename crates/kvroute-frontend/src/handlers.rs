@@ -50,28 +50,20 @@ fn session(headers: &HeaderMap, body_key: Option<&str>) -> Result<Option<String>
     Ok(Some(key.to_owned()).filter(|k| !k.is_empty()))
 }
 
-/// The body decoded as `T` (the fields kvroute reads), checked as an engine checks it
-/// ([`kvroute_http::openai::parse_request`]). The whole body as a JSON value, to pass on, is
-/// read only once the request has passed its checks ([`raw`]): a body refused for its size is
-/// never held twice.
+/// The body parsed once ([`kvroute_http::openai::parse_body`]): the whole of it as a JSON
+/// value, to pass on, and `T` (the fields kvroute reads), checked as an engine checks it. A
+/// field that steers a KV transfer ([`crate::TRANSFER_FIELDS`]) is a 400 naming it, unless the
+/// upstream is trusted.
 fn parse<T: serde::de::DeserializeOwned>(
+    state: &FrontendState,
     body: Result<Bytes, BytesRejection>,
     param: &'static str,
-) -> Result<(Bytes, T), ApiError> {
-    let body = body?;
-    let fields = kvroute_http::openai::parse_request(&body, param, None)?;
-    Ok((body, fields))
-}
-
-/// The body as a JSON value (it decoded as a request already); what no JSON value holds is a
-/// 400 naming its field ([`kvroute_http::openai::body_value`]). A field that steers a KV
-/// transfer ([`crate::TRANSFER_FIELDS`]) is a 400 naming it, unless the upstream is trusted.
-fn raw(state: &FrontendState, body: &[u8]) -> Result<Value, ApiError> {
-    let value = kvroute_http::openai::body_value(body)?;
+) -> Result<(Value, T), ApiError> {
+    let (value, fields) = kvroute_http::openai::parse_body(&body?, param, None)?;
     if !state.options.trust_transfer_fields {
         refuse_transfer_fields(&value)?;
     }
-    Ok(value)
+    Ok((value, fields))
 }
 
 /// A 400 naming the first transfer field a client's body carries (any value, `null` too).
@@ -93,7 +85,7 @@ pub(crate) async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (body, req) = parse::<ChatCompletionRequest>(body, "messages")?;
+    let (mut raw, req) = parse::<ChatCompletionRequest>(&state, body, "messages")?;
     let adapter = state.models.resolve(req.model.as_deref())?;
     let session = session(&headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key.as_ref().map(|k| &k.0), session);
@@ -102,8 +94,6 @@ pub(crate) async fn chat(
     let (prepared, images) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
     drop(req);
-    let mut raw = raw(&state, &body)?;
-    drop(body);
     rewrite_image_parts(&mut raw, &images);
     let dialects = state.tokens_dialects();
     let keys = Keys {
@@ -145,13 +135,12 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (body, req) = parse::<CompletionRequest>(body, "prompt")?;
+    let (raw, req) = parse::<CompletionRequest>(&state, body, "prompt")?;
     let adapter = state.models.resolve(req.model.as_deref())?;
     let session = session(&headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key.as_ref().map(|k| &k.0), session);
     let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
-    let raw = raw(&state, &body)?;
     let dialects = state.tokens_dialects();
     let keys = Keys {
         namespace: namespace.as_deref(),

@@ -360,6 +360,25 @@ pub fn parse_request<T: serde::de::DeserializeOwned>(
     Ok(fields)
 }
 
+/// The body parsed once: the whole of it as a JSON value (what is passed on, unknown fields
+/// and all) and the fields kvroute reads, decoded from that value rather than from the bytes
+/// again, then the sampling checks of [`parse_request`]. What no JSON value holds is a 400
+/// naming its field ([`body_value`]); a field of the wrong type is a 400 naming `param`.
+pub fn parse_body<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    param: &'static str,
+    max_n: Option<i64>,
+) -> Result<(Value, T), ApiError> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    }
+    let value = body_value(body)?;
+    let invalid = |e: serde_json::Error| ApiError::bad_request(format!("invalid request: {e}"));
+    let fields = T::deserialize(&value).map_err(|e| invalid(e).param(param))?;
+    Sampling::deserialize(&value).map_err(invalid)?.check(max_n)?;
+    Ok((value, fields))
+}
+
 /// The whole body as a JSON value (to pass on), once it decoded as a request. Whatever it
 /// holds is the client's: nesting past serde_json's depth limit (128) or a number no `f64`
 /// holds (`1e400`), in a field kvroute reads or not, is a 400 that names the top-level field,
