@@ -65,6 +65,15 @@ pub(crate) async fn dispatch_pair(
         let Some(pair) = state.placer.place_pair(out.ask(), &id, &excluded).await? else {
             return Err(ApiError::unavailable("no worker is available"));
         };
+        tracing::debug!(
+            target: "kvroute::placement",
+            request = %id,
+            prompt_tokens = out.prompt_tokens,
+            prefill = ?pair.prefill.map(|p| (p.worker, p.predicted_cached_tokens)),
+            decode = %pair.decode.worker,
+            decode_cached_tokens = pair.decode.predicted_cached_tokens,
+            "placed"
+        );
         let mut guard = InFlight::new(state, id.clone());
         let decode = pair.decode;
         let Some(prefill) = pair.prefill else {
