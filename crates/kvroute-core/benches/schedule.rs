@@ -57,6 +57,7 @@ fn bench_decision(c: &mut Criterion) {
                     exclude: &[],
                     adapter: None,
                     session: None,
+                    output_tokens: 0,
                 };
                 s.route(&req, &OverlapScores::default(), &UnknownTreeSizes, now);
             }
@@ -80,6 +81,7 @@ fn bench_decision(c: &mut Criterion) {
                 exclude: &[],
                 adapter: None,
                 session: None,
+                output_tokens: 0,
             };
             group.bench_function(BenchmarkId::new(policy.name(), workers), |b| {
                 b.iter(|| s.route(black_box(&req), black_box(&scores), &UnknownTreeSizes, now));

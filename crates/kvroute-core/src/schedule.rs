@@ -196,6 +196,9 @@ pub struct RouteRequest<'a> {
     /// Its conversation: it stays on the session's worker unless another is cheaper by a
     /// margin ([`sessions`]).
     pub session: Option<&'a str>,
+    /// Tokens its answer may run to (its `max_tokens`; 0 when unknown). While it runs, the
+    /// blocks its answer grows into are held on its worker like its prompt's.
+    pub output_tokens: usize,
 }
 
 /// Everything a policy knows about one candidate cache.
@@ -667,6 +670,7 @@ impl Scheduler {
             let blocks =
                 RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
             self.active.add(id, c.worker, decision.predicted_prefill_tokens, blocks, now);
+            self.active.hold_private(id, request.isl_tokens, request.output_tokens, bs);
             self.remember(request.isl_tokens, candidates, chosen, costs.as_deref());
             if let Some(adapter) = request.adapter {
                 self.adapters.routed(id, c.worker, adapter);

@@ -48,6 +48,8 @@ pub(crate) struct Outbound {
     /// The prompt's last ids, which seed the decoding of an answer that comes back as token
     /// ids (`vllm-generate-tokens`).
     pub prompt_tail: Vec<u32>,
+    /// Tokens its answer may run to (`max_completion_tokens` or `max_tokens`; 0: unset).
+    pub output_tokens: usize,
     pub streamed: bool,
     /// The front door asked a stream for its usage, which the client did not: the usage
     /// chunk is read and dropped.
@@ -84,6 +86,11 @@ impl Outbound {
             fields.insert("cache_salt".to_owned(), Value::String(ns.to_owned()));
         }
         let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
+        // The answer's bound, as the engine reads it (chat's newer name first).
+        let output_tokens = ["max_completion_tokens", "max_tokens"]
+            .iter()
+            .find_map(|k| raw.get(*k).and_then(Value::as_u64))
+            .map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX));
         let client_usage =
             raw.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
         if streamed && !client_usage {
@@ -110,6 +117,7 @@ impl Outbound {
             session: keys.session.map(str::to_owned),
             prompt_tokens,
             prompt_tail,
+            output_tokens,
             streamed,
             strip_usage: streamed && !client_usage,
         })
@@ -124,6 +132,7 @@ impl Outbound {
             num_tokens: self.prompt_tokens,
             adapter: self.adapter.as_deref(),
             session: self.session.as_deref(),
+            output_tokens: self.output_tokens,
         }
     }
 }

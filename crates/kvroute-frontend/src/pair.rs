@@ -65,15 +65,7 @@ pub(crate) async fn dispatch_pair(
         let Some(pair) = state.placer.place_pair(out.ask(), &id, &excluded).await? else {
             return Err(ApiError::unavailable("no worker is available"));
         };
-        tracing::debug!(
-            target: "kvroute::placement",
-            request = %id,
-            prompt_tokens = out.prompt_tokens,
-            prefill = ?pair.prefill.map(|p| (p.worker, p.predicted_cached_tokens)),
-            decode = %pair.decode.worker,
-            decode_cached_tokens = pair.decode.predicted_cached_tokens,
-            "placed"
-        );
+        log_placement(&id, out, &pair);
         let mut guard = InFlight::new(state, id.clone());
         let decode = pair.decode;
         let Some(prefill) = pair.prefill else {
@@ -130,6 +122,21 @@ pub(crate) async fn dispatch_pair(
             Decoded::Prefill(_) => excluded.extend(state.all_ranks(p)),
         }
     }
+}
+
+/// Where a request went and what each engine was predicted to hold, at debug level
+/// (`kvroute::placement`): records to join with a load generator's when a tail needs
+/// explaining.
+fn log_placement(id: &str, out: &Outbound, pair: &crate::placer::PairPlacement) {
+    tracing::debug!(
+        target: "kvroute::placement",
+        request = %id,
+        prompt_tokens = out.prompt_tokens,
+        prefill = ?pair.prefill.map(|p| (p.worker, p.predicted_cached_tokens)),
+        decode = %pair.decode.worker,
+        decode_cached_tokens = pair.decode.predicted_cached_tokens,
+        "placed"
+    );
 }
 
 /// The fields a decode leg's body gets: where its prefill's KV is.

@@ -98,6 +98,8 @@ pub(crate) struct Ask<'a> {
     pub num_tokens: usize,
     pub adapter: Option<&'a str>,
     pub session: Option<&'a str>,
+    /// Tokens its answer may run to (`max_tokens`; 0 when the client set none).
+    pub output_tokens: usize,
 }
 
 impl<'a> Ask<'a> {
@@ -112,6 +114,7 @@ impl<'a> Ask<'a> {
             exclude,
             adapter: self.adapter,
             session: self.session,
+            output_tokens: self.output_tokens,
         }
     }
 }
@@ -241,6 +244,7 @@ impl RemoteRouter {
             exclude: exclude.to_vec(),
             lora_name: ask.adapter.map(str::to_owned),
             session_id: ask.session.map(str::to_owned),
+            max_tokens: Some(ask.output_tokens as u64).filter(|&m| m > 0),
         };
         match self.client.find_best_worker(&self.base, &request).await {
             Ok(best) => Ok(Some(best)),

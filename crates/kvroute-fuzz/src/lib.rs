@@ -182,6 +182,7 @@ fn place(req: &FindBestWorker) {
         exclude: &req.exclude,
         adapter: req.lora_name.as_deref(),
         session: req.session_id.as_deref(),
+        output_tokens: req.max_tokens.map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX)),
     };
     let _ = state.place(&placement);
 }

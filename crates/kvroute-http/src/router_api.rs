@@ -100,6 +100,10 @@ pub struct FindBestWorker {
     /// worker unless another is cheaper by the margin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_id: Option<String>,
+    /// Tokens the answer may run to (the request's `max_tokens`): a tracked request's answer
+    /// holds blocks on its worker as its prompt does, which the cost's memory term counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
 }
 
 /// The content type of `find_best_worker`'s binary form: the body is the request's
@@ -124,6 +128,8 @@ pub struct BinaryQuery {
     pub lora_name: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
 }
 
 /// A binary body that is not whole hashes.
@@ -154,6 +160,7 @@ impl FindBestWorker {
             exclude: Vec::new(),
             lora_name: query.lora_name,
             session_id: query.session_id,
+            max_tokens: query.max_tokens,
         })
     }
 
@@ -170,6 +177,7 @@ impl FindBestWorker {
             temperature: self.temperature,
             lora_name: self.lora_name.clone(),
             session_id: self.session_id.clone(),
+            max_tokens: self.max_tokens,
         };
         let query = serde_urlencoded::to_string(&query).ok()?;
         let body = self.local_hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
@@ -187,6 +195,7 @@ impl FindBestWorker {
             exclude: Vec::new(),
             lora_name: None,
             session_id: None,
+            max_tokens: None,
         }
     }
 }
@@ -346,6 +355,7 @@ mod tests {
         r.request_id = Some("a b&c=d".into());
         r.lora_name = Some("sql".into());
         r.temperature = Some(0.5);
+        r.max_tokens = Some(64);
         let (query, body) = r.to_binary().unwrap();
         assert_eq!(body.len(), 32);
         assert_eq!(&body[24..], &[8, 7, 6, 5, 4, 3, 2, 1], "little-endian");
@@ -385,6 +395,7 @@ mod tests {
             exclude: vec![WorkerWithDpRank::new(3u64, 1u32)],
             lora_name: Some("sql".into()),
             session_id: Some("s".into()),
+            max_tokens: Some(64),
         };
         let text = serde_json::to_string(&req).unwrap();
         assert_eq!(serde_json::from_str::<FindBestWorker>(&text).unwrap(), req);

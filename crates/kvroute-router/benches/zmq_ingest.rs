@@ -206,6 +206,7 @@ async fn main() {
             exclude: &[],
             adapter: None,
             session: None,
+            output_tokens: 0,
         };
         std::hint::black_box(state.place(&placement));
         inside.push(t.elapsed().as_nanos() as u64);

@@ -187,6 +187,7 @@ async fn find_best_worker(
         exclude: &req.exclude,
         adapter: req.lora_name.as_deref().filter(|n| !n.is_empty()),
         session: req.session_id.as_deref().filter(|k| !k.is_empty()),
+        output_tokens: req.max_tokens.map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX)),
     };
     let unknown = || ApiError::unavailable("no workers are known");
     let (decision, prefill) = match state.placing().disaggregated() {

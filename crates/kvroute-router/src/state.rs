@@ -60,6 +60,8 @@ pub struct PlaceRequest<'a> {
     pub adapter: Option<&'a str>,
     /// Its session (`prompt_cache_key` or `x-session-id`), if any.
     pub session: Option<&'a str>,
+    /// Tokens its answer may run to (`max_tokens`; 0 when unknown).
+    pub output_tokens: usize,
 }
 
 /// The router's state: its owners, composed (see the module docs).

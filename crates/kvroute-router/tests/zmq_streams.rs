@@ -164,6 +164,7 @@ async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
             exclude: &[],
             adapter: None,
             session: None,
+            output_tokens: 0,
         };
         let (decision, _) = state.place(&placement).unwrap();
         assert_eq!(decision.worker, WorkerWithDpRank::new(9u64, 0u32));

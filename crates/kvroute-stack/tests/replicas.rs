@@ -89,6 +89,7 @@ fn place(state: &RouterState, id: &str, local: &[LocalBlockHash]) -> WorkerWithD
         exclude: &[],
         adapter: None,
         session: None,
+        output_tokens: 0,
     };
     state.place(&p).unwrap().0.worker
 }
@@ -117,6 +118,7 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
         exclude: &[],
         adapter: None,
         session: None,
+        output_tokens: 0,
     };
     let one_router = a.place(&untracked).unwrap().0.worker;
     let second = place(&b, "r2", &prefix);
@@ -286,6 +288,7 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
             exclude: &[],
             adapter: None,
             session: None,
+            output_tokens: 0,
         };
         let (x, y) = (relay.place(&p).unwrap().1, fresh.place(&p).unwrap().1);
         assert_eq!(x.scores, y.scores);

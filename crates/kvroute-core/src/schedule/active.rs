@@ -42,6 +42,9 @@ struct ActiveRequest {
     added: Instant,
     /// A split request's pull: its link (0 within the node, 1 across) and blocks.
     pull: Option<(usize, usize)>,
+    /// Blocks only it holds beyond its full prompt blocks: its prompt's partial last block
+    /// and the blocks its answer grows into ([`ActiveSequences::hold_private`]).
+    private: usize,
 }
 
 /// The blocks of a request to track: content hashes and their sequence hashes, in order.
@@ -113,8 +116,30 @@ impl ActiveSequences {
             prefill_done: false,
             added: now,
             pull: None,
+            private: 0,
         };
         self.requests.insert(id.to_owned(), request);
+    }
+
+    /// The tracked request `id` of `isl_tokens` holds, besides its full prompt blocks, the
+    /// blocks of its prompt's partial last block and of an answer of up to `output_tokens`,
+    /// `block_size` tokens each, counted in its worker's blocks until it is freed: an engine
+    /// admits a request only where its blocks fit beside what the running ones hold, answers
+    /// included (a 2,117-token prompt with a 64-token answer holds 137 blocks of 16, not 132).
+    pub fn hold_private(
+        &mut self,
+        id: &str,
+        isl_tokens: usize,
+        output_tokens: usize,
+        block_size: usize,
+    ) {
+        let Some(request) = self.requests.get_mut(id) else { return };
+        let bs = block_size.max(1);
+        let private = isl_tokens.saturating_add(output_tokens).div_ceil(bs) - isl_tokens / bs;
+        if let Some(load) = self.loads.get_mut(&request.worker) {
+            load.blocks = load.blocks - request.private + private;
+        }
+        request.private = private;
     }
 
     /// The tracked request `id` pulls `blocks` from its prefill worker, over the link across
@@ -162,6 +187,7 @@ impl ActiveSequences {
             }
         }
         load.requests -= 1;
+        load.blocks -= request.private;
         let mut gone = Vec::new();
         // Deepest first, so the in-flight tree loses leaves before their parents.
         for &s in request.blocks.iter().rev() {

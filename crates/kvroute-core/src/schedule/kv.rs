@@ -12,7 +12,8 @@
 //! evict_i  = eviction_weight * (isl - cached_i) * fullness_i   what storing the rest evicts
 //! decode_i = decode_full_cache_tokens * active_blocks_i / kv_total_blocks_i
 //! wait_i   = memory_wait_tokens if active_blocks_i + the request's blocks not in flight there
-//!            exceed kv_total_blocks_i, else 0
+//!            exceed kv_total_blocks_i, else 0 (active_blocks_i: what the running requests
+//!            hold, their answers' blocks included: `ActiveSequences::hold_private`)
 //! lora_i   = 0 with the request's adapter in a slot there (or none), adapter_load_tokens
 //!            x (1 + requests there waiting for their first token) to load it,
 //!            + adapter_evict_tokens when that evicts another, or adapter_wait_tokens when

@@ -413,13 +413,17 @@ impl Scheduler {
         choice: &PairChoice,
         now: Instant,
     ) {
+        let bs = self.config.block_size.tokens();
         let blocks =
             RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
         if let Some(prefill) = prefill {
             let leg = prefill_leg_id(id);
             self.active.add(&leg, prefill.worker, prefill.predicted_prefill_tokens, blocks, now);
+            // A prefill leg answers with one token.
+            self.active.hold_private(&leg, request.isl_tokens, 1, bs);
         }
         self.active.add(id, d.worker, decode.predicted_prefill_tokens, blocks, now);
+        self.active.hold_private(id, request.isl_tokens, request.output_tokens, bs);
         if let Some(p) = p {
             self.active.set_pull(id, p.node != d.node, choice.transfer_blocks as usize);
         }

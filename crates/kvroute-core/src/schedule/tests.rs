@@ -51,6 +51,7 @@ fn request<'a>(p: &'a Prompt, id: Option<&'a str>) -> RouteRequest<'a> {
         exclude: &[],
         adapter: None,
         session: None,
+        output_tokens: 0,
     }
 }
 
@@ -853,4 +854,36 @@ fn an_unknown_policy_lists_every_policy() {
         assert!(message.contains(p.name()), "{p} missing from {message:?}");
         assert_eq!(p.name().parse::<PolicyKind>().ok(), Some(p));
     }
+}
+
+/// Where a long prompt goes whose prefix worker 0 holds, when worker 0 runs three requests
+/// routed with answers of `answer` tokens each (both workers hold 550 blocks).
+fn placed_beside_running_answers(answer: usize) -> WorkerWithDpRank {
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    for k in 0..2 {
+        s.update_load(w(k), WorkerLoad { kv_total_blocks: Some(550), ..WorkerLoad::default() });
+    }
+    let now = Instant::now();
+    let none = OverlapScores::default();
+    for i in 0..3u32 {
+        // 96 full blocks and a partial one each, with nothing shared.
+        let p = prompt(&(i * 10_000..i * 10_000 + 1541).collect::<Vec<_>>());
+        let id = format!("running-{i}");
+        let exclude = [w(1)];
+        let r = RouteRequest { exclude: &exclude, output_tokens: answer, ..request(&p, Some(&id)) };
+        assert_eq!(s.route(&r, &none, &UnknownTreeSizes, now).unwrap().worker, w(0));
+        s.mark_prefill_done(&id);
+    }
+    // 250 blocks, of which worker 0 holds 240.
+    let p = prompt(&(100_000..104_000).collect::<Vec<_>>());
+    s.route(&request(&p, None), &scores(&[(0, 240)]), &UnknownTreeSizes, now).unwrap().worker
+}
+
+#[test]
+fn running_answers_hold_blocks_the_memory_term_counts() {
+    // Prompts alone: 3 x 97 + 251 blocks fit in 550, the prefix wins.
+    assert_eq!(placed_beside_running_answers(0), w(0));
+    // With 64-token answers each running request holds 5 blocks past its full prompt
+    // blocks (3 x 101 + 251 > 550): the engine would make it wait for memory there.
+    assert_eq!(placed_beside_running_answers(64), w(1));
 }

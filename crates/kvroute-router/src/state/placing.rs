@@ -99,6 +99,7 @@ impl Placing {
             exclude: &[],
             adapter: None,
             session: None,
+            output_tokens: 0,
         };
         let mut scheduler = self.scheduler();
         if let Some(mine) = scheduler.route(&request, &scores, index, now) {
@@ -280,5 +281,6 @@ fn route_request<'a>(p: &PlaceRequest<'a>, sequence: &'a [SequenceHash]) -> Rout
         exclude: p.exclude,
         adapter: p.adapter,
         session: p.session,
+        output_tokens: p.output_tokens,
     }
 }
