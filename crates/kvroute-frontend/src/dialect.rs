@@ -73,6 +73,12 @@ const CARRIED: [&str; 12] = [
     "store",
 ];
 
+/// The answer's bound as an engine reads it: `max_completion_tokens` (chat's newer name),
+/// else `max_tokens`; the first of them that `read` takes.
+pub(crate) fn answer_bound<T>(body: &Value, read: impl Fn(&Value) -> Option<T>) -> Option<T> {
+    ["max_completion_tokens", "max_tokens"].iter().find_map(|k| body.get(*k).and_then(&read))
+}
+
 /// The request's body in a tokens `dialect`: the client's OpenAI body `raw` with its
 /// `prepared` prompt as token ids, or `None` when it asks for what that API cannot carry (it
 /// then goes as chat).
@@ -105,9 +111,7 @@ pub(crate) fn tokens_body(
             sampling.insert(key.to_owned(), v.clone());
         }
     }
-    let max_tokens = ["max_completion_tokens", "max_tokens"]
-        .iter()
-        .find_map(|k| fields.get(*k).and_then(Value::as_i64));
+    let max_tokens = answer_bound(raw, Value::as_i64);
     if let (Some(k), true) = (logprobs, generate) {
         sampling.insert("logprobs".to_owned(), k.into());
     }

@@ -86,10 +86,7 @@ impl Outbound {
             fields.insert("cache_salt".to_owned(), Value::String(ns.to_owned()));
         }
         let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
-        // The answer's bound, as the engine reads it (chat's newer name first).
-        let output_tokens = ["max_completion_tokens", "max_tokens"]
-            .iter()
-            .find_map(|k| raw.get(*k).and_then(Value::as_u64))
+        let output_tokens = crate::dialect::answer_bound(&raw, Value::as_u64)
             .map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX));
         let client_usage =
             raw.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
