@@ -172,6 +172,10 @@ pub struct BenchArgs {
     /// --pd-cost` takes it (the links' bandwidths default to the fleet's).
     #[arg(long, env = "KVROUTE_BENCH_PD_COST", value_delimiter = ',', value_parser = kvroute_stack::settings::kv_weight)]
     pub pd_cost: Vec<(String, f64)>,
+    /// A weight of the router's cost as NAME=VALUE, as `kvroute serve --kv-cost` takes it
+    /// (docs/routing.md; the host tier's bandwidth and bytes per token default to the fleet's).
+    #[arg(long, env = "KVROUTE_BENCH_KV_COST", value_delimiter = ',', value_parser = kvroute_stack::settings::kv_weight)]
+    pub kv_cost: Vec<(String, f64)>,
     /// With --disagg: the kv policy also runs with the pair cost blind to one thing, in the
     /// same run: topology-blind (every link priced as within a node, `topology=0`) or
     /// cache-blind (the decode pool's cache not credited, `decode_cache_credit=0`); labelled
@@ -393,6 +397,7 @@ impl BenchArgs {
             kv_transfer_bandwidth_across_nodes: self.kv_transfer_bandwidth_across_nodes,
             nodes: self.nodes,
             pd_cost: self.pd_cost.clone(),
+            kv_cost: self.kv_cost.clone(),
             pd_baseline: None,
         }
     }

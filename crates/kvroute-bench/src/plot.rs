@@ -115,6 +115,57 @@ pub fn ttft_cdf(path: &Path, title: &str, series: &[(String, Vec<f64>)]) -> anyh
     Ok(())
 }
 
+/// TTFT p99 (ms, log scale) against the arrival rate, one line per policy.
+pub fn rate_sweep(
+    path: &Path,
+    title: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> anyhow::Result<()> {
+    let points = || series.iter().flat_map(|(_, p)| p.iter().copied());
+    let (x_hi, y_lo, y_hi) = points()
+        .fold((0.0f64, f64::INFINITY, 0.0f64), |(x, lo, hi), (r, v)| {
+            (x.max(r), lo.min(v), hi.max(v))
+        });
+    let (y_lo, y_hi) =
+        if y_lo.is_finite() { (y_lo.max(0.1) * 0.8, y_hi.max(1.0) * 1.25) } else { (1.0, 10.0) };
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0f64..x_hi.max(1.0) * 1.05, (y_lo..y_hi).log_scale())
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("arrival rate, requests/s")
+        .y_desc("TTFT p99, ms (log scale)")
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()
+        .map_err(err)?;
+    for (i, (label, pts)) in series.iter().enumerate() {
+        let c = color(i);
+        let mut pts = pts.clone();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(err)?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled()))).map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
 /// One bar per policy, the best achievable as a dashed line.
 pub fn hit_rates(
     path: &Path,
@@ -323,6 +374,9 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let series = vec![("kv".to_owned(), vec![10.0, 20.0, 30.0]), ("rr".to_owned(), vec![40.0])];
         ttft_cdf(&dir.join("a.svg"), "t", &series).unwrap();
+        let sweep = [("kv".to_owned(), vec![(6.0, 90.0), (12.0, 110.0)])];
+        rate_sweep(&dir.join("sweep.svg"), "t", &sweep).unwrap();
+        assert!(std::fs::read_to_string(dir.join("sweep.svg")).unwrap().contains("TTFT p99"));
         hit_rates(&dir.join("b.svg"), "t", &[("kv".into(), 0.9), ("rr".into(), 0.3)], Some(0.95))
             .unwrap();
         hit_rates(&dir.join("one.svg"), "t", &[("kv".into(), 0.9)], None).unwrap();

@@ -286,6 +286,7 @@ pub fn write(
     for result in results {
         write_workload(&mut md, out, result)?;
     }
+    write_sweeps(&mut md, out, results)?;
     let json = json!({
         "kvroute_version": env!("CARGO_PKG_VERSION"),
         "command": command_line(),
@@ -375,6 +376,7 @@ fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyho
         );
     }
     let _ = writeln!(md);
+    write_predictions(md, result);
     write_adapters(md, result);
     write_host(md, result);
     write_disagg(md, result);
@@ -405,6 +407,76 @@ fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyho
     let files = crate::plot::workload_plots(out, &slug, result)?;
     for (title, file) in files {
         let _ = writeln!(md, "![{title}]({file})\n");
+    }
+    Ok(())
+}
+
+/// The router's first-token predictions against the first tokens it saw (every request,
+/// warm-up included), for the runs whose target says.
+fn write_predictions(md: &mut String, result: &WorkloadResult) {
+    if result.runs.iter().all(|(d, _)| d.ttft_error.is_none()) {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "First-token predictions (the router's, |predicted - observed| / observed, from its `/metrics`):\n\n| policy | predictions | error p50 | error p90 |\n|---|---|---|---|"
+    );
+    for (d, s) in &result.runs {
+        if let Some((n, p50, p90)) = d.ttft_error {
+            let _ = writeln!(md, "| {} | {n} | {} | {} |", s.label, pct(Some(p50)), pct(Some(p90)));
+        }
+    }
+    let _ = writeln!(md);
+}
+
+/// A workload run at several rates (`--rates`): one table of every policy at every rate, and
+/// TTFT p99 against the rate.
+fn write_sweeps(md: &mut String, out: &Path, results: &[WorkloadResult]) -> anyhow::Result<()> {
+    let mut kinds: Vec<_> = results.iter().map(|r| r.workload.kind).collect();
+    kinds.dedup();
+    for kind in kinds {
+        let runs: Vec<&WorkloadResult> =
+            results.iter().filter(|r| r.workload.kind == kind && r.rate.is_some()).collect();
+        if runs.len() < 2 {
+            continue;
+        }
+        let _ = writeln!(
+            md,
+            "## {kind}: rate sweep\n\n| rate | policy | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p99 | TTFT pred. error p50 / p90 | errors |\n|---|---|---|---|---|---|---|---|---|"
+        );
+        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        for r in &runs {
+            let rate = r.rate.unwrap_or(0.0);
+            for (d, s) in &r.runs {
+                let error = d.ttft_error.map_or("-".to_owned(), |(_, a, b)| {
+                    format!("{} / {}", pct(Some(a)), pct(Some(b)))
+                });
+                let _ = writeln!(
+                    md,
+                    "| {rate} | {} | {} | {} | {} | {} | {} | {error} | {} |",
+                    s.label,
+                    frac(s.hit_rate),
+                    ms(s.ttft_ms.p50),
+                    ms(s.ttft_ms.p90),
+                    ms(s.ttft_ms.p99),
+                    ms(s.tpot_ms.p99),
+                    s.errors
+                );
+                if let Some(p99) = s.ttft_ms.p99 {
+                    match series.iter_mut().find(|(l, _)| *l == s.label) {
+                        Some((_, points)) => points.push((rate, p99)),
+                        None => series.push((s.label.clone(), vec![(rate, p99)])),
+                    }
+                }
+            }
+        }
+        let name = format!("{kind}-sweep-ttft-p99.svg");
+        crate::plot::rate_sweep(
+            &out.join(&name),
+            &format!("{kind}: TTFT p99 against rate"),
+            &series,
+        )?;
+        let _ = writeln!(md, "\n![TTFT p99 against rate]({name})\n");
     }
     Ok(())
 }

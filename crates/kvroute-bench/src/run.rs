@@ -389,6 +389,10 @@ async fn drive(
         }
     }
     let drifts = drifts_seen;
+    let ttft_error = match driver.bases.as_slice() {
+        [base] => ttft_error(&client, base).await,
+        _ => None,
+    };
     Ok(RunData {
         label: label.to_owned(),
         records,
@@ -397,7 +401,20 @@ async fn drive(
         stats_end,
         wall_secs,
         drifts,
+        ttft_error,
     })
+}
+
+/// The first-token predictions of a kvroute front door's embedded router, from its
+/// `/metrics`: how many, and their median and 90th percentile relative error.
+async fn ttft_error(client: &HttpClient, base: &str) -> Option<(u64, f64, f64)> {
+    let url = format!("{}/metrics", base.trim_end_matches('/'));
+    let (status, body) =
+        tokio::time::timeout(Duration::from_secs(5), client.get(&url)).await.ok()?.ok()?;
+    let text = std::str::from_utf8(&body).ok().filter(|_| status.is_success())?;
+    let name = "kvroute_router_ttft_prediction_error_ratio";
+    let (n, q) = kvroute_http::metrics::histogram_quantiles(text, name, &[0.5, 0.9])?;
+    Some((n, q[0], q[1]))
 }
 
 /// The drifts a kvroute front door's embedded router counted (its `/workers`).

@@ -191,6 +191,7 @@ mod tests {
             stats_end: Vec::new(),
             wall_secs: 1.0,
             drifts: None,
+            ttft_error: None,
         }
     }
 

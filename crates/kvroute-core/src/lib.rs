@@ -52,8 +52,8 @@ pub enum Error {
     #[error("worker {worker} does not hold {count} of the removed blocks")]
     UnknownBlocks { worker: WorkerWithDpRank, count: usize },
     #[error(
-        "unknown routing policy {0:?} (expected kv, dynamo, round-robin, random, least-loaded, \
-         sticky, kv-adapter-blind or lora-affinity)"
+        "unknown routing policy {0:?} (expected kv, kv-tokens, dynamo, round-robin, random, \
+         least-loaded, sticky, kv-adapter-blind or lora-affinity)"
     )]
     UnknownPolicy(String),
 }

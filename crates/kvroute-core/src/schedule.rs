@@ -9,15 +9,18 @@
 //! ```
 //!
 //! Policies (one file each, behind [`Policy`]):
-//! - `kv` (default, [`kv`]): lowest predicted time to first token, with a price on duplicating a
-//!   prefix away from the worker that holds it;
+//! - `kv` (default, [`predicted`]): lowest predicted time to first token in milliseconds of the
+//!   engine model ([`predict`]), plus what the choice costs the requests running there and the
+//!   hits it evicts;
+//! - `kv-tokens` ([`kv`]): the earlier cost, in tokens of prefill work with weights, with a
+//!   price on duplicating a prefix away from the worker that holds it;
 //! - `dynamo` ([`dynamo`]): Dynamo's cost, `weight * prefill_blocks + decode_blocks`, exactly;
 //! - `round-robin`, `random`, `least-loaded` (power of two choices on in-flight tokens):
 //!   baselines for benchmarks.
 //!
 //! In-flight accounting starts when a request is routed ([`Scheduler::route`] with an id),
-//! prefill ends at its first token ([`Scheduler::mark_prefill_done`], which also teaches the
-//! scheduler each worker's prefill speed) and everything is released at its end
+//! prefill ends at its first token ([`Scheduler::mark_prefill_done`], which also corrects the
+//! predictions for its worker and measures their error) and everything is released at its end
 //! ([`Scheduler::free`]); requests whose end never comes are reclaimed after a timeout.
 
 mod active;
@@ -26,6 +29,8 @@ pub mod dynamo;
 pub mod kv;
 mod least_loaded;
 pub mod pairs;
+pub mod predict;
+pub mod predicted;
 mod random;
 mod round_robin;
 pub mod sessions;
@@ -38,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-pub use active::{ActiveLoad, ActiveSequences, RequestBlocks};
+pub use active::{ActiveLoad, ActiveSequences, FirstToken, Predicted, RequestBlocks};
 pub use adapters::{AdapterFit, AdapterTable};
 pub use least_loaded::LeastLoaded;
 pub use pairs::{PairConfig, PairDecision, Role};
@@ -68,6 +73,8 @@ pub struct WorkerLoad {
 pub enum PolicyKind {
     #[default]
     Kv,
+    /// The cost before predicted milliseconds, in tokens of prefill work (a baseline).
+    KvTokens,
     Dynamo,
     RoundRobin,
     Random,
@@ -81,8 +88,9 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 8] = [
+    pub const ALL: [PolicyKind; 9] = [
         Self::Kv,
+        Self::KvTokens,
         Self::Dynamo,
         Self::RoundRobin,
         Self::Random,
@@ -95,6 +103,7 @@ impl PolicyKind {
     pub fn name(self) -> &'static str {
         match self {
             Self::Kv => "kv",
+            Self::KvTokens => "kv-tokens",
             Self::Dynamo => "dynamo",
             Self::RoundRobin => "round-robin",
             Self::Random => "random",
@@ -107,7 +116,10 @@ impl PolicyKind {
 
     pub fn build(self, config: &SchedulerConfig) -> Box<dyn Policy> {
         match self {
-            Self::Kv => Box::new(kv::KvPolicy::new(config.kv)),
+            Self::Kv => {
+                Box::new(predicted::PredictedPolicy::new(config.kv, config.predictor.engine))
+            }
+            Self::KvTokens => Box::new(kv::KvPolicy::new(config.kv)),
             Self::Sticky => Box::new(kv::KvPolicy::new(config.kv).named("sticky")),
             Self::KvAdapterBlind => Box::new(kv::KvPolicy::new(config.kv).adapter_blind()),
             Self::LoraAffinity => Box::new(adapters::LoraAffinity),
@@ -157,6 +169,16 @@ pub struct SchedulerConfig {
     pub sessions: SessionConfig,
     /// The pair cost of a disaggregated fleet ([`pairs`]).
     pub pairs: PairConfig,
+    /// The engine model and its online correction ([`predict`]).
+    pub predictor: PredictorConfig,
+}
+
+/// The engine model the `kv` cost predicts with, and how its predictions are corrected.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PredictorConfig {
+    pub engine: predict::EngineModel,
+    pub correction: predict::CorrectionConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -173,6 +195,7 @@ impl Default for SchedulerConfig {
             kv: kv::KvConfig::default(),
             sessions: SessionConfig::default(),
             pairs: PairConfig::default(),
+            predictor: PredictorConfig::default(),
         }
     }
 }
@@ -222,6 +245,9 @@ pub struct Candidate {
     /// link; 0 when unknown).
     pub role: Role,
     pub node: u32,
+    /// What its first tokens taught: its model predictions are multiplied by this (0: not
+    /// filled in, taken as 1; filled in for a policy that [`Policy::learns_ttft`]).
+    pub ttft_factor: f64,
 }
 
 /// The request as policies see it.
@@ -232,6 +258,8 @@ pub struct RequestInfo {
     pub block_size: usize,
     pub overlap_weight: f64,
     pub temperature: f64,
+    /// Tokens its answer may run to (0: unknown).
+    pub output_tokens: usize,
 }
 
 /// Deterministic randomness for tie-breaks and sampling (xorshift64*; seeded, no OS entropy).
@@ -321,6 +349,10 @@ pub trait Policy: Send + Sync + fmt::Debug {
     /// What [`Policy::costs`] counts in, for people reading them (`None`: no costs).
     fn cost_unit(&self) -> Option<&'static str> {
         None
+    }
+    /// Whether its costs read each candidate's learned [`Candidate::ttft_factor`].
+    fn learns_ttft(&self) -> bool {
+        false
     }
     /// The choice of a policy without costs (a priced one picks by its costs).
     fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize {
@@ -470,6 +502,9 @@ pub struct Scheduler {
     /// pool), and what the pair choice did.
     decode_policy: Box<dyn Policy>,
     pair_counts: pairs::PairCounts,
+    /// Predicts each tracked request's first token, whatever the policy, and learns from it.
+    predictor: predicted::PredictedPolicy,
+    corrections: predict::Corrections,
 }
 
 /// What session affinity did, since the start.
@@ -523,6 +558,8 @@ impl Scheduler {
             scratch: Vec::new(),
             decode_policy: config.policy.build(&config),
             pair_counts: pairs::PairCounts::default(),
+            predictor: predicted::PredictedPolicy::new(config.kv, config.predictor.engine),
+            corrections: predict::Corrections::new(config.predictor.correction),
         }
     }
 
@@ -569,6 +606,7 @@ impl Scheduler {
             self.workers.remove(at);
         }
         self.active.remove_worker(worker);
+        self.corrections.forget(worker);
         self.adapters.remove_worker(worker);
         self.sessions.remove_worker(worker);
     }
@@ -650,6 +688,11 @@ impl Scheduler {
                 c.adapter = adapters.fit(c.worker, request.adapter);
             }
         }
+        if self.policy.learns_ttft() {
+            for c in candidates.iter_mut() {
+                c.ttft_factor = self.corrections.factor(c.worker, now);
+            }
+        }
         let candidates = &candidates[..];
         let (mut chosen, costs) = self.select(request, candidates)?;
         if let Some(session) = request.session {
@@ -671,6 +714,7 @@ impl Scheduler {
                 RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
             self.active.add(id, c.worker, decision.predicted_prefill_tokens, blocks, now);
             self.active.hold_private(id, request.isl_tokens, request.output_tokens, bs);
+            self.predict(id, request, &c, now);
             self.remember(request.isl_tokens, candidates, chosen, costs.as_deref());
             if let Some(adapter) = request.adapter {
                 self.adapters.routed(id, c.worker, adapter);
@@ -680,6 +724,18 @@ impl Scheduler {
             }
         }
         Some(decision)
+    }
+
+    /// Records what the engine model predicts of tracked request `id`'s first token on `c`.
+    fn predict(&mut self, id: &str, request: &RouteRequest<'_>, c: &Candidate, now: Instant) {
+        let model_ms = self.predictor.model_ttft_ms(&self.info(request), c);
+        let predicted_ms = model_ms * self.corrections.factor(c.worker, now);
+        self.active.set_prediction(id, Predicted { model_ms, predicted_ms });
+    }
+
+    /// Each worker's first-token predictions as they turned out.
+    pub fn prediction_stats(&self, now: Instant) -> Vec<predict::PredictionStats> {
+        self.corrections.stats(now)
     }
 
     /// A session's request stays on the session's worker (a candidate still) unless the
@@ -812,6 +868,7 @@ impl Scheduler {
                 adapter: AdapterFit::Resident,
                 role: e.role,
                 node: e.node,
+                ttft_factor: 0.0,
             }
         }));
         if !self.policy.blind()
@@ -839,13 +896,7 @@ impl Scheduler {
         if candidates.is_empty() {
             return None;
         }
-        let info = RequestInfo {
-            isl_tokens: request.isl_tokens,
-            num_blocks: request.local_hashes.len(),
-            block_size: self.config.block_size.tokens(),
-            overlap_weight: request.overlap_weight.unwrap_or(self.config.overlap_weight),
-            temperature: request.temperature.unwrap_or(self.config.temperature),
-        };
+        let info = self.info(request);
         let (chosen, costs) = match self.policy.costs(&info, candidates) {
             Some(costs) => {
                 (pick_by_cost(&costs, candidates, info.temperature, &mut self.rng), Some(costs))
@@ -855,9 +906,30 @@ impl Scheduler {
         Some((chosen.min(candidates.len() - 1), costs))
     }
 
+    /// The request as policies see it.
+    fn info(&self, request: &RouteRequest<'_>) -> RequestInfo {
+        RequestInfo {
+            isl_tokens: request.isl_tokens,
+            num_blocks: request.local_hashes.len(),
+            block_size: self.config.block_size.tokens(),
+            overlap_weight: request.overlap_weight.unwrap_or(self.config.overlap_weight),
+            temperature: request.temperature.unwrap_or(self.config.temperature),
+            output_tokens: request.output_tokens,
+        }
+    }
+
     /// The request's first token arrived: its prefill no longer queues.
-    pub fn mark_prefill_done(&mut self, id: &str) {
-        self.active.mark_prefill_done(id);
+    pub fn mark_prefill_done(&mut self, id: &str) -> Option<predict::Observation> {
+        self.mark_prefill_done_at(id, Instant::now())
+    }
+
+    /// [`Self::mark_prefill_done`] at `now`: a prediction made when it was routed is compared
+    /// with the time it took and corrects its worker's later ones. Returns the comparison.
+    pub fn mark_prefill_done_at(&mut self, id: &str, now: Instant) -> Option<predict::Observation> {
+        let first = self.active.mark_prefill_done(id)?;
+        let p = first.predicted?;
+        let observed_ms = now.saturating_duration_since(first.routed).as_secs_f64() * 1e3;
+        Some(self.corrections.observe(first.worker, p.model_ms, p.predicted_ms, observed_ms, now))
     }
 
     /// Tracks a request another router routed (a replica's decision) as in flight on

@@ -138,6 +138,7 @@ impl Placer {
         match self {
             Self::Embedded(router) => json!({"workers": router.workers(),
                 "recent_decisions": router.placing().recent_decisions(),
+                "ttft_predictions": router.placing().prediction_stats(),
                 "nats": router.nats().map(|n| n.summary())}),
             Self::Remote(remote) => remote.get(router_api::WORKERS).await.unwrap_or(Value::Null),
         }

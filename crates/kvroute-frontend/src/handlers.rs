@@ -163,7 +163,8 @@ pub(crate) async fn workers(State(state): State<Arc<FrontendState>>) -> Json<Val
     let health = state.health.snapshot(Instant::now());
     let view = state.placer.view().await;
     Json(json!({"health": health, "workers": view["workers"],
-        "recent_decisions": view["recent_decisions"], "nats": view["nats"]}))
+        "recent_decisions": view["recent_decisions"], "ttft_predictions": view["ttft_predictions"],
+        "nats": view["nats"]}))
 }
 
 /// Liveness; with an embedded router, its state (NATS away is degraded, not down).

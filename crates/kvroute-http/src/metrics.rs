@@ -66,6 +66,57 @@ pub fn sample(text: &str, name: &str) -> Option<f64> {
     })
 }
 
+/// Quantiles of the histogram `name` summed over its label sets, read from an exposition:
+/// its observations' count and each of `quantiles` (0..1), interpolated linearly inside the
+/// bucket it falls in (the last finite bound for the `+Inf` bucket). `None` when it has no
+/// observations.
+pub fn histogram_quantiles(text: &str, name: &str, quantiles: &[f64]) -> Option<(u64, Vec<f64>)> {
+    let prefix = format!("{name}_bucket{{");
+    let mut buckets: Vec<(f64, f64)> = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(&prefix) else { continue };
+        let Some(le) = rest.split("le=\"").nth(1).and_then(|r| r.split('"').next()) else {
+            continue;
+        };
+        let bound = match le {
+            "+Inf" => f64::INFINITY,
+            b => match b.parse() {
+                Ok(b) => b,
+                Err(_) => continue,
+            },
+        };
+        let Some(count) = line.rsplit(' ').next().and_then(|c| c.parse::<f64>().ok()) else {
+            continue;
+        };
+        match buckets.iter_mut().find(|(b, _)| *b == bound) {
+            Some((_, c)) => *c += count,
+            None => buckets.push((bound, count)),
+        }
+    }
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let at = |q: f64| {
+        let want = q * total;
+        let (mut lo, mut below) = (0.0, 0.0);
+        for &(bound, cumulative) in &buckets {
+            if cumulative >= want {
+                if bound.is_infinite() {
+                    return lo;
+                }
+                let inside = cumulative - below;
+                let frac = if inside > 0.0 { (want - below) / inside } else { 1.0 };
+                return lo + (bound - lo) * frac;
+            }
+            (lo, below) = (bound, cumulative);
+        }
+        lo
+    };
+    Some((total as u64, quantiles.iter().map(|&q| at(q)).collect()))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -95,6 +146,32 @@ mod tests {
         );
         assert_eq!(sample(&text, "vllm:kv_cache_usage_perc"), Some(0.25), "{text}");
         assert_eq!(text.matches("# EOF").count(), 1);
+    }
+
+    /// Quantiles of a labelled histogram, summed over its labels, as a scrape reads them
+    /// (against the sorted observations: each lands within its bucket).
+    #[test]
+    fn histogram_quantiles_sum_the_labels_and_interpolate() {
+        let mut r = Registry::default();
+        let h = Family::<Kind, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.1, 0.2, 0.5, 1.0])
+        });
+        r.register("kvroute_test_error", "Errors", h.clone());
+        let values = [0.05, 0.15, 0.15, 0.3, 0.3, 0.3, 0.4, 0.7, 0.9, 3.0];
+        for (i, v) in values.iter().enumerate() {
+            let kind = if i % 2 == 0 { "a" } else { "b" };
+            h.get_or_create(&Kind { kind }).observe(*v);
+        }
+        let text = encode(&[&r]).unwrap();
+        let (n, q) = histogram_quantiles(&text, "kvroute_test_error", &[0.5, 0.9, 1.0]).unwrap();
+        assert_eq!(n, 10);
+        // The 5th of 10 is in (0.2, 0.5], the 3rd of that bucket's 4: 0.2 + 0.3 * 2/4.
+        assert!((q[0] - 0.35).abs() < 1e-9, "{q:?}");
+        // The 9th is in (0.5, 1.0], the 2nd of its 2.
+        assert!((q[1] - 1.0).abs() < 1e-9, "{q:?}");
+        // Past the last finite bound: that bound.
+        assert!((q[2] - 1.0).abs() < 1e-9, "{q:?}");
+        assert_eq!(histogram_quantiles(&text, "kvroute_nothing", &[0.5]), None);
     }
 
     #[test]

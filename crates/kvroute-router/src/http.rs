@@ -340,7 +340,8 @@ async fn tree_info(State(api): ApiState) -> Result<Json<serde_json::Value>, ApiE
 async fn workers(State(api): ApiState) -> Json<serde_json::Value> {
     let state = &api.state;
     Json(json!({"workers": state.workers(), "in_flight": state.placing().in_flight(),
-        "recent_decisions": state.placing().recent_decisions(), "nats": state.nats().map(|n| n.summary())}))
+        "recent_decisions": state.placing().recent_decisions(),
+        "ttft_predictions": state.placing().prediction_stats(), "nats": state.nats().map(|n| n.summary())}))
 }
 
 async fn metrics(State(api): ApiState) -> Response {

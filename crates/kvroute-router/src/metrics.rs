@@ -50,6 +50,10 @@ pub const SNAPSHOTS: &str = "kvroute_stream_snapshots";
 pub const ZMQ_REFUSED: &str = "kvroute_zmq_refused_messages";
 pub const SESSION_REQUESTS: &str = "kvroute_router_session_requests";
 pub const SESSIONS: &str = "kvroute_router_sessions";
+pub const TTFT_ERROR: &str = "kvroute_router_ttft_prediction_error_ratio";
+pub const TTFT_PREDICTED: &str = "kvroute_router_ttft_predicted_seconds";
+pub const TTFT_OBSERVED: &str = "kvroute_router_ttft_observed_seconds";
+pub const TTFT_CORRECTION: &str = "kvroute_router_ttft_correction";
 
 /// Event kinds, a label of [`EVENTS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -168,6 +172,13 @@ fn error_histogram() -> Histogram {
     Histogram::new(ERROR_BUCKETS)
 }
 
+/// Upper bounds of the relative first-token error (|predicted - observed| / observed).
+const TTFT_ERROR_BUCKETS: [f64; 9] = [0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 1.0, 2.0, 5.0];
+
+/// Upper bounds (seconds) of the predicted and observed first-token times.
+const TTFT_BUCKETS: [f64; 12] =
+    [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0];
+
 fn event_labels(kind: EventKind, ok: bool) -> EventLabels {
     EventLabels { kind: kind.label(), status: if ok { "ok" } else { "error" } }
 }
@@ -225,6 +236,10 @@ pub struct Metrics {
     session_requests: Family<AffinityLabels, Counter>,
     session_seen: [std::sync::atomic::AtomicU64; 3],
     pub sessions: Gauge,
+    ttft_error: Family<WorkerLabels, Histogram>,
+    ttft_predicted: Family<WorkerLabels, Histogram>,
+    ttft_observed: Family<WorkerLabels, Histogram>,
+    pub ttft_correction: Family<WorkerLabels, kvroute_http::metrics::FloatGauge>,
 }
 
 impl Default for Metrics {
@@ -257,6 +272,10 @@ impl Metrics {
             session_requests: Family::default(),
             session_seen: Default::default(),
             sessions: Gauge::default(),
+            ttft_error: Family::new_with_constructor(|| Histogram::new(TTFT_ERROR_BUCKETS)),
+            ttft_predicted: Family::new_with_constructor(|| Histogram::new(TTFT_BUCKETS)),
+            ttft_observed: Family::new_with_constructor(|| Histogram::new(TTFT_BUCKETS)),
+            ttft_correction: Family::default(),
             worker_ready: Family::default(),
             worker_blocks: Family::default(),
             worker_tier_blocks: Family::default(),
@@ -395,8 +414,40 @@ impl Metrics {
             "Prompt tokens answered requests were served from the engines' caches (their own count)",
             m.cached_tokens.clone(),
         );
+        m.register_first_tokens(&mut r);
         m.register_replicas(&mut r);
         Self { registry: r, ..m }
+    }
+
+    fn register_first_tokens(&self, r: &mut Registry) {
+        r.register(
+            TTFT_ERROR,
+            "Relative error of each first-token prediction, |predicted - observed| / observed, by worker",
+            self.ttft_error.clone(),
+        );
+        r.register(
+            TTFT_PREDICTED,
+            "Time to first token the router predicted when it placed the request, by worker",
+            self.ttft_predicted.clone(),
+        );
+        r.register(
+            TTFT_OBSERVED,
+            "Time from placing a request to its first token, as the router saw it, by worker",
+            self.ttft_observed.clone(),
+        );
+        r.register(
+            TTFT_CORRECTION,
+            "Factor a worker's engine-model predictions are multiplied by (observed / model, learned)",
+            self.ttft_correction.clone(),
+        );
+    }
+
+    /// A first token arrived where one was predicted.
+    pub fn first_token(&self, seen: &kvroute_core::schedule::predict::Observation) {
+        let labels = WorkerLabels::from(seen.worker);
+        self.ttft_error.get_or_create(&labels).observe(seen.relative_error());
+        self.ttft_predicted.get_or_create(&labels).observe(seen.predicted_ms / 1e3);
+        self.ttft_observed.get_or_create(&labels).observe(seen.observed_ms / 1e3);
     }
 
     fn register_replicas(&self, r: &mut Registry) {

@@ -237,6 +237,9 @@ impl RouterState {
                 m.nats_connected.set(-1);
             }
         }
+        for p in self.placing.prediction_stats() {
+            m.ttft_correction.get_or_create(&WorkerLabels::from(p.worker)).set(p.factor);
+        }
         for w in self.workers() {
             for rank in 0..w.dp_size {
                 let labels = WorkerLabels { worker_id: w.id.0, dp_rank: rank };

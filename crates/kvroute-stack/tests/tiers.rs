@@ -90,6 +90,16 @@ async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
 
     // Host memory keeps every block of `a` and of the prompts that pushed it out, and says so.
     let (a, owner) = computed_then_evicted(&stack, &client, &url).await;
+    // The other engine's GPU is as full (an empty one would store `a` for free: cheaper,
+    // by the model, than loading it beside a full cache).
+    for spec in stack.workers.iter().filter(|w| w.id.0 != owner) {
+        let engine = format!("{}/v1/completions", spec.url.as_deref().unwrap());
+        let direct = HttpClient::new().with_bearer(&spec.api_key.as_ref().unwrap().0);
+        for k in 0..3u32 {
+            let other: Vec<u32> = (0..480).map(|t| 3 + (t * 11 + k * 89 + 300) % 900).collect();
+            assert_eq!(complete(&direct, &engine, &other).await.0, 200);
+        }
+    }
     let held = || {
         router
             .workers()
@@ -134,8 +144,15 @@ fn tiers_of(router: &RouterState, worker: u64) -> TierChecks {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_evicted_from_host_memory_goes_where_storage_still_holds_it() {
     let mut config = config();
-    config.simulated.engine.host =
-        HostConfig { num_blocks: 64, storage_blocks: 1024, ..HostConfig::default() };
+    // Storage that loads a block faster than the engine computes it (at 10 GB/s, a block of
+    // 2 MiB takes 0.27 ms to load and 0.24 ms to compute: no reason to go back for it).
+    config.simulated.engine.host = HostConfig {
+        num_blocks: 64,
+        storage_blocks: 1024,
+        storage_gbps: 32.0,
+        ..HostConfig::default()
+    };
+    config.router.scheduler.kv.disk_bandwidth_gbps = 32.0;
     let (stack, url) = started(config).await;
     let router: &RouterState = stack.router.as_ref().unwrap();
     let client = HttpClient::new();

@@ -47,6 +47,8 @@ pub struct FleetConfig {
     pub nodes: usize,
     /// The router's pair cost settings (NAME=VALUE over the defaults and the fleet's links).
     pub pd_cost: Vec<(String, f64)>,
+    /// The router's cost weights (NAME=VALUE over the defaults and the fleet's host tier).
+    pub kv_cost: Vec<(String, f64)>,
     /// The pair cost made blind to one thing (a baseline run).
     pub pd_baseline: Option<PdBaseline>,
 }
@@ -102,6 +104,7 @@ impl Default for FleetConfig {
             kv_transfer_bandwidth_across_nodes: None,
             nodes: 1,
             pd_cost: Vec::new(),
+            kv_cost: Vec::new(),
             pd_baseline: None,
         }
     }
@@ -132,7 +135,20 @@ impl FleetConfig {
         router.scheduler.policy = policy;
         router.scheduler.sessions.margin_s = self.session_margin;
         self.price_host_loads(&mut router.scheduler.kv);
+        if !self.kv_cost.is_empty() {
+            let mut settings = kvroute_stack::settings::Settings::default();
+            settings.routing.kv_cost = self.kv_cost.clone();
+            // Refused as `kvroute serve` refuses them (an unknown name, a negative value).
+            settings.router_config().context("--kv-cost")?;
+            let mut kv = serde_json::to_value(router.scheduler.kv)?;
+            for (name, value) in &self.kv_cost {
+                kv[name] = serde_json::json!(value);
+            }
+            router.scheduler.kv = serde_json::from_value(kv)?;
+        }
         router.scheduler.pairs = self.pair_config()?;
+        // The predictions run at the simulated engines' speed.
+        router.scheduler.predictor.engine.speedup = self.speedup;
         Ok(router)
     }
 
@@ -342,4 +358,8 @@ pub struct RunData {
     /// Workers the router found drifted during the run (its self-check; `None` when the
     /// target does not say).
     pub drifts: Option<u64>,
+    /// The router's first-token predictions against what it saw (its
+    /// `kvroute_router_ttft_prediction_error_ratio`): how many, and the median and 90th
+    /// percentile relative error; `None` when the target does not say.
+    pub ttft_error: Option<(u64, f64, f64)>,
 }

@@ -45,6 +45,25 @@ struct ActiveRequest {
     /// Blocks only it holds beyond its full prompt blocks: its prompt's partial last block
     /// and the blocks its answer grows into ([`ActiveSequences::hold_private`]).
     private: usize,
+    /// Its first token as the engine model predicted it and as corrected, ms.
+    predicted: Option<Predicted>,
+}
+
+/// A tracked request's first token as predicted when it was routed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Predicted {
+    /// The engine model's time to first token, ms.
+    pub model_ms: f64,
+    /// The same, corrected by what the worker's first tokens taught ([`super::predict`]).
+    pub predicted_ms: f64,
+}
+
+/// A request's first token arrived: where it ran, when it was routed, what was predicted.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FirstToken {
+    pub worker: WorkerWithDpRank,
+    pub routed: Instant,
+    pub predicted: Option<Predicted>,
 }
 
 /// The blocks of a request to track: content hashes and their sequence hashes, in order.
@@ -117,6 +136,7 @@ impl ActiveSequences {
             added: now,
             pull: None,
             private: 0,
+            predicted: None,
         };
         self.requests.insert(id.to_owned(), request);
     }
@@ -156,14 +176,26 @@ impl ActiveSequences {
         }
     }
 
+    /// What was predicted of the tracked request `id`'s first token.
+    pub fn set_prediction(&mut self, id: &str, predicted: Predicted) {
+        if let Some(request) = self.requests.get_mut(id) {
+            request.predicted = Some(predicted);
+        }
+    }
+
     /// The request produced its first token: its prefill tokens no longer wait (counted the
-    /// first time only).
-    pub fn mark_prefill_done(&mut self, id: &str) {
-        let Some(request) = self.requests.get_mut(id) else { return };
+    /// first time only, which alone returns the request's worker and prediction).
+    pub fn mark_prefill_done(&mut self, id: &str) -> Option<FirstToken> {
+        let request = self.requests.get_mut(id)?;
         if request.prefill_done {
-            return;
+            return None;
         }
         request.prefill_done = true;
+        let first = FirstToken {
+            worker: request.worker,
+            routed: request.added,
+            predicted: request.predicted,
+        };
         if let Some(load) = self.loads.get_mut(&request.worker) {
             load.prefill_tokens -= request.prefill_tokens;
             load.prefilling -= 1;
@@ -171,6 +203,7 @@ impl ActiveSequences {
                 load.pulling_blocks[link] -= blocks;
             }
         }
+        Some(first)
     }
 
     /// The request ended (completed, failed or its client left). Unknown ids and repeated

@@ -1,5 +1,7 @@
-//! kvroute's default policy: the lowest predicted time to first token, counting the price of
-//! copying a prefix away from the worker that holds it.
+//! The `kv-tokens` policy (kvroute's default before the cost in predicted milliseconds,
+//! [`super::predicted`], kept for comparison): the lowest predicted time to first token in
+//! tokens of prefill work, counting the price of copying a prefix away from the worker that
+//! holds it. Its terms also price the pairs of a disaggregated fleet ([`super::pairs`]).
 //!
 //! For each candidate `i`, in tokens of prefill work (divided by `prefill_tokens_per_s` to get
 //! seconds):
@@ -94,6 +96,11 @@ pub struct KvConfig {
     pub disk_bandwidth_gbps: f64,
     /// Bandwidth (GB/s) of loading a block from the shared store (100 Gb/s Ethernet: 12.5).
     pub external_bandwidth_gbps: f64,
+    /// The `kv` cost (predicted milliseconds): weight of the time a request adds to the
+    /// requests decoding on its worker against its own time to first token (1: a
+    /// millisecond of theirs counts as one of its own). 0 by default: at 1 it moved every
+    /// request off a prefix's busy owner (docs/routing.md).
+    pub running_delay_weight: f64,
     /// 1: credit lower-tier blocks by the fixed weights below instead of by bandwidth.
     pub fixed_tier_weights: f64,
     /// Credit of a host block with fixed weights (Dynamo's `host_cache_hit_weight`: 0.75).
@@ -120,6 +127,7 @@ impl Default for KvConfig {
             host_bandwidth_gbps: 32.0,
             disk_bandwidth_gbps: 10.0,
             external_bandwidth_gbps: 12.5,
+            running_delay_weight: 0.0,
             fixed_tier_weights: 0.0,
             host_weight: DYNAMO_TIER_WEIGHTS[0],
             disk_weight: DYNAMO_TIER_WEIGHTS[1],
@@ -221,6 +229,22 @@ impl KvConfig {
         }
     }
 
+    /// `lora_i`: what running the request's adapter on a candidate adds, in prefill tokens
+    /// (nothing when `priced` is off: the adapter-blind baseline). A load holds up the
+    /// engine's step: every request there still waiting for its first token waits for it
+    /// too, so it counts once for this request and once for each of them.
+    pub(crate) fn adapter_tokens(&self, c: &Candidate, priced: bool) -> f64 {
+        let held = 1.0 + c.active.prefilling as f64;
+        match (priced, c.adapter) {
+            (false, _) | (true, AdapterFit::Resident) => 0.0,
+            (true, AdapterFit::Load) => self.adapter_load_tokens * held,
+            (true, AdapterFit::LoadEvicting) => {
+                self.adapter_load_tokens * held + self.adapter_evict_tokens
+            }
+            (true, AdapterFit::Wait) => self.adapter_wait_tokens,
+        }
+    }
+
     /// Tokens of prefill work as seconds.
     pub(crate) fn seconds(&self, tokens: f64) -> f64 {
         tokens / self.prefill_tokens_per_s.max(1.0)
@@ -229,7 +253,7 @@ impl KvConfig {
 
 impl KvPolicy {
     pub fn new(config: KvConfig) -> Self {
-        Self { config, adapters: true, name: "kv" }
+        Self { config, adapters: true, name: "kv-tokens" }
     }
 
     /// The same cost under another policy's name (a baseline that differs elsewhere).
@@ -245,22 +269,6 @@ impl KvPolicy {
         self.adapters = false;
         self.name = "kv-adapter-blind";
         self
-    }
-
-    /// What running the request's adapter on a candidate adds, in prefill tokens. A load
-    /// holds up the engine's step: every request there still waiting for its first token
-    /// waits for it too, so it counts once for this request and once for each of them.
-    fn adapter_tokens(&self, c: &Candidate) -> f64 {
-        let w = &self.config;
-        let held = 1.0 + c.active.prefilling as f64;
-        match (self.adapters, c.adapter) {
-            (false, _) | (true, AdapterFit::Resident) => 0.0,
-            (true, AdapterFit::Load) => w.adapter_load_tokens * held,
-            (true, AdapterFit::LoadEvicting) => {
-                w.adapter_load_tokens * held + w.adapter_evict_tokens
-            }
-            (true, AdapterFit::Wait) => w.adapter_wait_tokens,
-        }
     }
 
     /// Predicted cost (seconds) of each candidate, in order.
@@ -286,7 +294,7 @@ impl KvPolicy {
                 let evict = w.evict_tokens(uncached, fill);
                 let decode = w.decode_tokens(c, fill, bs);
                 let wait = w.wait_tokens(c, fill, request.num_blocks);
-                let adapter = self.adapter_tokens(c);
+                let adapter = w.adapter_tokens(c, self.adapters);
                 w.seconds(ttft + evict + decode + wait + adapter)
             })
             .collect()

@@ -381,13 +381,7 @@ impl Scheduler {
         }
         self.scratch = all;
         let bs = self.config.block_size.tokens();
-        let info = RequestInfo {
-            isl_tokens: request.isl_tokens,
-            num_blocks: request.local_hashes.len(),
-            block_size: bs,
-            overlap_weight: request.overlap_weight.unwrap_or(self.config.overlap_weight),
-            temperature: request.temperature.unwrap_or(self.config.temperature),
-        };
+        let info = self.info(request);
         let choice = self.choose_pair(&info, &prefills, &decodes)?;
         let d = match choice.on_prefill {
             true => prefills[choice.decode],
@@ -441,9 +435,17 @@ impl Scheduler {
     ) -> Option<PairChoice> {
         let priced = matches!(
             self.config.policy,
-            PolicyKind::Kv | PolicyKind::Sticky | PolicyKind::KvAdapterBlind
+            PolicyKind::Kv | PolicyKind::KvTokens | PolicyKind::Sticky | PolicyKind::KvAdapterBlind
         );
-        let (pc, dc) = (self.policy.costs(info, prefills), self.policy.costs(info, decodes));
+        // Pairs are priced with the `kv-tokens` terms (the pair cost is built on them); the
+        // predicted-milliseconds cost places aggregated requests.
+        let tokens = super::kv::KvPolicy::new(self.config.kv);
+        let (pc, dc) = match self.config.policy {
+            PolicyKind::Kv => {
+                (Some(tokens.costs(info, prefills)), Some(tokens.costs(info, decodes)))
+            }
+            _ => (self.policy.costs(info, prefills), self.policy.costs(info, decodes)),
+        };
         if let (true, Some(pc), Some(dc)) = (priced, &pc, &dc) {
             let r = PairRequest {
                 isl_tokens: info.isl_tokens,
@@ -525,6 +527,7 @@ mod tests {
             block_size: 16,
             overlap_weight: 1.0,
             temperature: 0.0,
+            output_tokens: 0,
         };
         let policy = KvPolicy::new(kv);
         let (pc, dc) = (policy.costs(&info, prefills), policy.costs(&info, decodes));

@@ -70,6 +70,7 @@ fn info(isl: usize) -> RequestInfo {
         block_size: BS,
         overlap_weight: 1.0,
         temperature: 0.0,
+        output_tokens: 0,
     }
 }
 
@@ -620,7 +621,9 @@ fn simulate(policy: PolicyKind) -> SimResult {
                         let _ = index.apply_event(&e);
                     }
                 }
-                Pending::PrefillDone(id) => s.mark_prefill_done(&id),
+                Pending::PrefillDone(id) => {
+                    s.mark_prefill_done(&id);
+                }
                 Pending::Finished(id) => assert!(s.free(&id)),
             }
         }
@@ -874,9 +877,11 @@ fn placed_beside_running_answers(answer: usize) -> WorkerWithDpRank {
         assert_eq!(s.route(&r, &none, &UnknownTreeSizes, now).unwrap().worker, w(0));
         s.mark_prefill_done(&id);
     }
-    // 250 blocks, of which worker 0 holds 240.
+    // 250 blocks, of which worker 0 holds 240; both caches are full (what is stored evicts).
     let p = prompt(&(100_000..104_000).collect::<Vec<_>>());
-    s.route(&request(&p, None), &scores(&[(0, 240)]), &UnknownTreeSizes, now).unwrap().worker
+    let mut held = scores(&[(0, 240)]);
+    held.tree_sizes = vec![(w(0), 550), (w(1), 550)];
+    s.route(&request(&p, None), &held, &UnknownTreeSizes, now).unwrap().worker
 }
 
 #[test]
@@ -886,4 +891,76 @@ fn running_answers_hold_blocks_the_memory_term_counts() {
     // With 64-token answers each running request holds 5 blocks past its full prompt
     // blocks (3 x 101 + 251 > 550): the engine would make it wait for memory there.
     assert_eq!(placed_beside_running_answers(64), w(1));
+}
+
+/// Each routed request's first token is predicted on its worker and compared with the time it
+/// took: a worker whose first tokens come three times later than the model says is learned
+/// to be slower, and a cold prompt then goes to the other one.
+#[test]
+fn first_tokens_correct_the_predictions_of_their_worker() {
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    let t0 = Instant::now();
+    let none = OverlapScores::default();
+    let p = prompt(&(0..1000).collect::<Vec<_>>());
+    let model = EngineModelProbe::ttft(&p);
+    for i in 0..40u64 {
+        let id = format!("r{i}");
+        let at = t0 + Duration::from_secs(i);
+        // Alternate between the workers by excluding the other.
+        let exclude = [w(1 - i % 2)];
+        let r = RouteRequest { exclude: &exclude, ..request(&p, Some(&id)) };
+        let worker = s.route(&r, &none, &UnknownTreeSizes, at).unwrap().worker;
+        let slow = if worker == w(0) { 3.0 } else { 1.0 };
+        let took = Duration::from_secs_f64(model * slow / 1e3);
+        let seen = s.mark_prefill_done_at(&id, at + took).expect("a prediction was made");
+        assert_eq!(seen.worker, worker);
+        assert!((seen.observed_ms - model * slow).abs() < 1e-3);
+        assert!(s.mark_prefill_done_at(&id, at + took).is_none(), "counted once");
+        s.free(&id);
+    }
+    let later = t0 + Duration::from_secs(40);
+    let stats = s.prediction_stats(later);
+    assert_eq!(stats.iter().map(|x| x.observed).collect::<Vec<_>>(), vec![20, 20]);
+    assert!(stats[0].factor > 2.5 && stats[1].factor < 1.2, "{stats:?}");
+    // The last predictions were close: the recent median error is small on both.
+    assert!(stats.iter().all(|x| x.error_p50 < 0.15), "{stats:?}");
+    let cold = prompt(&(5000..6000).collect::<Vec<_>>());
+    assert_eq!(
+        s.route(&request(&cold, None), &none, &UnknownTreeSizes, later).unwrap().worker,
+        w(1)
+    );
+}
+
+/// The engine model's first token for a prompt alone on an idle worker, ms.
+struct EngineModelProbe;
+
+impl EngineModelProbe {
+    fn ttft(p: &Prompt) -> f64 {
+        let own = p.isl - reusable_tokens(0, p.isl, BS);
+        predict::EngineModel::default()
+            .ttft_ms(&predict::Situation { own_tokens: own, ..predict::Situation::default() })
+    }
+}
+
+/// Where the `kv` cost sends a prompt worker 0 holds all but 10 blocks of, as worker 0's
+/// queue grows: to its owner until the queue there costs more than computing it elsewhere.
+#[test]
+fn a_prefix_stays_with_its_owner_until_the_queue_costs_more() {
+    let p = prompt(&(0..4000).collect::<Vec<_>>());
+    let place = |queued: usize| {
+        let mut s = scheduler(PolicyKind::Kv, 2);
+        let now = Instant::now();
+        if queued > 0 {
+            let q = prompt(&(900_000..900_000 + queued as u32).collect::<Vec<_>>());
+            let exclude = [w(1)];
+            let r = RouteRequest { exclude: &exclude, ..request(&q, Some("queued")) };
+            s.route(&r, &OverlapScores::default(), &UnknownTreeSizes, now).unwrap();
+        }
+        let mut held = scores(&[(0, 240)]);
+        held.tree_sizes = vec![(w(0), 550), (w(1), 550)];
+        s.route(&request(&p, None), &held, &UnknownTreeSizes, now).unwrap().worker
+    };
+    assert_eq!(place(0), w(0));
+    assert_eq!(place(2_000), w(0), "a short queue is cheaper than 3,840 tokens again");
+    assert_eq!(place(30_000), w(1), "four steps of queue are not");
 }

@@ -148,6 +148,11 @@ impl Placing {
         self.scheduler().recent_decisions()
     }
 
+    /// Each worker's first-token predictions as they turned out.
+    pub fn prediction_stats(&self) -> Vec<kvroute_core::schedule::predict::PredictionStats> {
+        self.scheduler().prediction_stats(Instant::now())
+    }
+
     /// The in-flight requests the scheduler tracks.
     pub fn in_flight(&self) -> usize {
         self.scheduler().active().len()
@@ -193,7 +198,10 @@ impl RouterState {
     }
 
     pub fn prefill_done(&self, request_id: &str) {
-        self.placing.scheduler().mark_prefill_done(request_id);
+        let seen = self.placing.scheduler().mark_prefill_done(request_id);
+        if let Some(seen) = seen {
+            self.metrics.first_token(&seen);
+        }
         if let Some(nats) = self.nats.get() {
             nats.send(&self.metrics, SyncMessage::PrefillDone { id: request_id.to_owned() });
         }

@@ -320,6 +320,13 @@ impl Settings {
         if let Some(b) = e.store_bandwidth_gbps.filter(|_| !named("external_bandwidth_gbps")) {
             s.kv.external_bandwidth_gbps = b;
         }
+        // The predictions run at the simulated engines' speed and step budget.
+        if let Some(x) = e.speedup.filter(|x| x.is_finite() && *x > 0.0) {
+            s.predictor.engine.speedup = x;
+        }
+        if let Some(t) = e.max_batched_tokens.filter(|&t| t > 0) {
+            s.predictor.engine.step_tokens = t;
+        }
         // And their links price the pairs' transfers, unless the pair cost names its own.
         let named = |n: &str| r.pd_cost.iter().any(|(k, _)| k == n);
         if let Some(b) = e.kv_transfer_bandwidth.filter(|_| !named("link_within_node_gbps")) {

@@ -161,6 +161,15 @@ def test_the_status_page_shows_every_worker_and_matches_the_metrics(serve):
     rows = re.findall(r'<tr data-decision="\d+">(.*?)</tr>', html)
     costs = [re.findall(r"<td>(.*?)</td>", row)[5] for row in rows]
     assert all(re.fullmatch(r"\d+\.\d+ ms", c) for c in costs), costs
+    # The first-token predictions: one row per worker that answered, its first tokens
+    # counted as the server counts them.
+    predictions = json.loads(get(base + "/workers"))["ttft_predictions"]
+    assert sum(p["observed"] for p in predictions) == 12, predictions
+    for p in predictions:
+        row = re.search(rf'<tr data-prediction="{p["worker"]["worker_id"]}">(.*?)</tr>', html).group(1)
+        cells = re.findall(r"<td>(.*?)</td>", row)
+        assert cells[1] == str(p["observed"]) and cells[2].endswith("x"), cells
+        assert re.fullmatch(r"\d+\.\d %", cells[3]), cells
     # Each worker with its URL.
     for w in workers:
         assert f"<td>{w['url']}</td>" in html, (w["url"], html[:3000])

@@ -1,0 +1,377 @@
+//! Time to first token and per output token, predicted per worker from the engine model, and
+//! corrected online from the first tokens the router sees.
+//!
+//! The engine model is the one the simulated engine runs (Dynamo's mocker's fit to a real
+//! GPU, docs/mocker.md), a step at a time:
+//!
+//! ```text
+//! prefill(t) = p0 + p1 t + p2 t^2      ms to prefill t prompt tokens in one step
+//! decode(s)  = d0 + d1 s + d2 s^2      ms of a step's decodes, s = running KV / capacity
+//! budget     = step_tokens             tokens one step takes (chunked prefill), one per
+//!                                      decoding request, the rest prompt tokens
+//! ```
+//!
+//! A request placed on worker `w` waits for the prompt tokens queued there and its own
+//! (`Q + u`, FCFS), taken `budget - decoding` a step; each step also decodes the running
+//! requests; the blocks it loads from lower tiers hold up its step:
+//!
+//! ```text
+//! steps  = ceil((Q + u) / (budget - decoding))
+//! ttft_w = residual + sum over steps of prefill(chunk) + steps * decode(s) [decoding > 0]
+//!          + load_ms (lower-tier blocks: bytes / tier bandwidth)
+//! residual = decode(s) / 2 when anything runs there (the step under way, half done)
+//! ```
+//!
+//! All of it is divided by `speedup`. What the model cannot know (the network, the engine's
+//! own overheads, a GPU unlike the fit) is learned: each worker's observed/predicted ratio of
+//! first-token times, averaged in log space, multiplies its predictions ([`Corrections`]).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use rustc_hash::FxHashMap;
+use serde::{Deserialize, Serialize};
+
+use crate::protocols::WorkerWithDpRank;
+
+/// The engine's timing, as the simulated engine runs it (its defaults: Dynamo's mocker).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineModel {
+    /// Prefill of `t` tokens in one step, ms: `[p0, p1, p2]` of `p0 + p1 t + p2 t^2`.
+    pub prefill_ms: [f64; 3],
+    /// A step's decodes at KV share `s` (0..1), ms: `[d0, d1, d2]` of `d0 + d1 s + d2 s^2`.
+    pub decode_ms: [f64; 3],
+    /// Tokens one step takes (the chunked-prefill budget, vLLM's `max_num_batched_tokens`).
+    pub step_tokens: usize,
+    /// The engines run this many times faster than the model (the simulated engine's
+    /// `--speedup`).
+    pub speedup: f64,
+}
+
+impl Default for EngineModel {
+    fn default() -> Self {
+        Self {
+            prefill_ms: [16.501_42, 1.518_344e-2, 4.209_989e-7],
+            decode_ms: [5.74, 54.01, -25.74],
+            step_tokens: 8_192,
+            speedup: 1.0,
+        }
+    }
+}
+
+/// What the model needs of a worker and a request to predict the request's first token there.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Situation {
+    /// Prompt tokens queued ahead of it (routed there, first token not yet seen).
+    pub queued_tokens: usize,
+    /// Its own prompt tokens to compute (not served from a cache).
+    pub own_tokens: usize,
+    /// Requests there past their first token (each decodes a token every step).
+    pub decoding: usize,
+    /// Requests there in all (a step is under way when there are any).
+    pub running: usize,
+    /// The running requests' KV blocks over the worker's capacity (0..1).
+    pub kv_share: f64,
+    /// Milliseconds of loading its blocks from lower tiers (at the model's speed).
+    pub load_ms: f64,
+}
+
+impl EngineModel {
+    fn scaled(&self, ms: f64) -> f64 {
+        ms / self.speedup.max(1e-9)
+    }
+
+    /// One step's prefill of `tokens` prompt tokens, ms (0 for none).
+    pub fn prefill_step_ms(&self, tokens: usize) -> f64 {
+        if tokens == 0 {
+            return 0.0;
+        }
+        let t = tokens as f64;
+        let [p0, p1, p2] = self.prefill_ms;
+        self.scaled(p0 + p1 * t + p2 * t * t)
+    }
+
+    /// One step's decodes at KV share `share`, ms.
+    pub fn decode_step_ms(&self, share: f64) -> f64 {
+        let s = share.clamp(0.0, 1.0);
+        let [d0, d1, d2] = self.decode_ms;
+        self.scaled(d0 + d1 * s + d2 * s * s).max(0.0)
+    }
+
+    /// Prompt tokens a step takes beside `decoding` decodes.
+    fn chunk(&self, decoding: usize) -> usize {
+        self.step_tokens.saturating_sub(decoding).max(1)
+    }
+
+    /// The prefill time of `tokens` prompt tokens taken a chunk a step: `(steps, ms)`.
+    pub fn prefill_ms(&self, tokens: usize, decoding: usize) -> (usize, f64) {
+        let chunk = self.chunk(decoding);
+        let (full, rest) = (tokens / chunk, tokens % chunk);
+        let ms = full as f64 * self.prefill_step_ms(chunk) + self.prefill_step_ms(rest);
+        (full + usize::from(rest > 0), ms)
+    }
+
+    /// Predicted time to first token, ms (the module's formula).
+    pub fn ttft_ms(&self, s: &Situation) -> f64 {
+        let (steps, prefill) = self.prefill_ms(s.queued_tokens + s.own_tokens, s.decoding);
+        let decode = self.decode_step_ms(s.kv_share);
+        let decodes = match s.decoding {
+            0 => 0.0,
+            _ => steps.max(1) as f64 * decode,
+        };
+        let residual = match s.running {
+            0 => 0.0,
+            _ => decode / 2.0,
+        };
+        residual + prefill + decodes + self.scaled(s.load_ms)
+    }
+
+    /// What the request costs the requests decoding there, ms summed over them: its prompt
+    /// tokens lengthen the steps that hold up each of their tokens, and its `output_tokens`
+    /// of KV (`added_share` of the capacity) slow each step of theirs while it decodes. A
+    /// step's fixed cost is not counted: under load a worker's steps carry prefills anyway,
+    /// and whether this one gets a step of its own depends on when it lands.
+    pub fn added_decode_ms(&self, s: &Situation, added_share: f64, output_tokens: usize) -> f64 {
+        if s.decoding == 0 {
+            return 0.0;
+        }
+        let [_, p1, p2] = self.prefill_ms;
+        let (q, t) = (s.queued_tokens as f64, (s.queued_tokens + s.own_tokens) as f64);
+        let prefill = self.scaled(p1 * (t - q) + p2 * (t * t - q * q));
+        let slower =
+            self.decode_step_ms(s.kv_share + added_share) - self.decode_step_ms(s.kv_share);
+        s.decoding as f64 * (prefill + output_tokens as f64 * slower.max(0.0))
+    }
+
+    /// Time per output token, ms: a decode step at the share the running requests hold.
+    pub fn tpot_ms(&self, kv_share: f64) -> f64 {
+        self.decode_step_ms(kv_share)
+    }
+
+    /// Prefill ms of one more prompt token in a step (the model's slope): what recomputing a
+    /// token later costs.
+    pub fn token_ms(&self) -> f64 {
+        self.scaled(self.prefill_ms[1])
+    }
+}
+
+/// Settings of the online correction.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CorrectionConfig {
+    /// Weight of each new first token in a worker's average (log of observed/predicted).
+    pub rate: f64,
+    /// Largest correction either way (a factor): a worker is never thought more than this
+    /// much slower or faster than the model.
+    pub max_factor: f64,
+    /// Seconds after which a worker not heard from starts returning to the fleet's correction
+    /// (over as many seconds again), so a slow spell cannot keep a worker unused and its
+    /// correction unrevised.
+    pub forget_s: f64,
+}
+
+impl Default for CorrectionConfig {
+    fn default() -> Self {
+        Self { rate: 0.05, max_factor: 4.0, forget_s: 30.0 }
+    }
+}
+
+/// First tokens kept per worker for the error's quantiles.
+pub const ERROR_WINDOW: usize = 512;
+
+#[derive(Clone, Debug, Default)]
+struct WorkerFit {
+    /// Mean log(observed / model).
+    log_ratio: f64,
+    last: Option<Instant>,
+    observed: u64,
+    /// Recent relative errors of the corrected prediction, |predicted - observed| / observed.
+    errors: VecDeque<f32>,
+}
+
+/// The fleet's and each worker's correction of the model, and how far off the corrected
+/// predictions were.
+#[derive(Clone, Debug, Default)]
+pub struct Corrections {
+    config: CorrectionConfig,
+    fleet: f64,
+    fleet_observed: u64,
+    workers: FxHashMap<WorkerWithDpRank, WorkerFit>,
+}
+
+/// A worker's predictions as they turned out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct PredictionStats {
+    pub worker: WorkerWithDpRank,
+    /// First tokens observed.
+    pub observed: u64,
+    /// Its correction: observed/model, as a factor.
+    pub factor: f64,
+    /// Median and 90th percentile of the recent relative errors (|pred - obs| / obs).
+    pub error_p50: f64,
+    pub error_p90: f64,
+}
+
+/// One first token: what was predicted and what came.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Observation {
+    pub worker: WorkerWithDpRank,
+    pub predicted_ms: f64,
+    pub observed_ms: f64,
+}
+
+impl Observation {
+    /// |predicted - observed| / observed.
+    pub fn relative_error(&self) -> f64 {
+        (self.predicted_ms - self.observed_ms).abs() / self.observed_ms.max(1e-6)
+    }
+}
+
+impl Corrections {
+    pub fn new(config: CorrectionConfig) -> Self {
+        Self { config, ..Self::default() }
+    }
+
+    fn limit(&self) -> f64 {
+        self.config.max_factor.max(1.0).ln()
+    }
+
+    /// The factor `worker`'s model predictions are multiplied by at `now`.
+    pub fn factor(&self, worker: WorkerWithDpRank, now: Instant) -> f64 {
+        let Some(fit) = self.workers.get(&worker) else { return self.fleet.exp() };
+        let age =
+            fit.last.map_or(f64::INFINITY, |t| now.saturating_duration_since(t).as_secs_f64());
+        let forget = self.config.forget_s;
+        let keep = match forget > 0.0 && age > forget {
+            true => (-(age - forget) / forget).exp(),
+            false => 1.0,
+        };
+        (self.fleet + keep * (fit.log_ratio - self.fleet)).exp()
+    }
+
+    /// Learns from a first token `observed_ms` after routing, where the model said `model_ms`
+    /// and the corrected prediction was `predicted_ms`.
+    pub fn observe(
+        &mut self,
+        worker: WorkerWithDpRank,
+        model_ms: f64,
+        predicted_ms: f64,
+        observed_ms: f64,
+        now: Instant,
+    ) -> Observation {
+        let seen = Observation { worker, predicted_ms, observed_ms };
+        if model_ms > 0.0 && observed_ms > 0.0 {
+            let limit = self.limit();
+            let x = (observed_ms / model_ms).ln().clamp(-limit, limit);
+            let rate = self.config.rate.clamp(0.0, 1.0);
+            // The first observations count fully until the average has `1 / rate` of them.
+            let step = |n: u64| rate.max(1.0 / (n as f64 + 1.0));
+            self.fleet += step(self.fleet_observed) * (x - self.fleet);
+            self.fleet_observed += 1;
+            let start = self.factor(worker, now).ln();
+            let fit = self.workers.entry(worker).or_default();
+            fit.log_ratio = start + step(fit.observed) * (x - start);
+            fit.last = Some(now);
+            fit.observed += 1;
+            if fit.errors.len() == ERROR_WINDOW {
+                fit.errors.pop_front();
+            }
+            fit.errors.push_back(seen.relative_error() as f32);
+        }
+        seen
+    }
+
+    pub fn forget(&mut self, worker: WorkerWithDpRank) {
+        self.workers.remove(&worker);
+    }
+
+    /// Each worker's predictions as they turned out, by worker.
+    pub fn stats(&self, now: Instant) -> Vec<PredictionStats> {
+        let mut out: Vec<PredictionStats> = self
+            .workers
+            .iter()
+            .map(|(&worker, fit)| {
+                let mut e: Vec<f32> = fit.errors.iter().copied().collect();
+                e.sort_by(f32::total_cmp);
+                let q = |p: f64| match e.len() {
+                    0 => 0.0,
+                    n => f64::from(e[((n - 1) as f64 * p).round() as usize]),
+                };
+                PredictionStats {
+                    worker,
+                    observed: fit.observed,
+                    factor: self.factor(worker, now),
+                    error_p50: q(0.5),
+                    error_p90: q(0.9),
+                }
+            })
+            .collect();
+        out.sort_by_key(|s| s.worker);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn the_model_is_the_simulated_engines() {
+        let m = EngineModel::default();
+        // 1,000 uncached tokens: 0.421 + 15.183 + 16.501 = 32.105 ms (the mocker's figure).
+        assert!((m.prefill_step_ms(1000) - 32.105).abs() < 0.01);
+        assert!((m.decode_step_ms(0.5) - (-6.435 + 27.005 + 5.74)).abs() < 1e-9);
+        let idle = Situation { own_tokens: 2117, ..Situation::default() };
+        // A 2,117-token miss alone: 59.5 ms on Dynamo's mocker, 59.9 on ours.
+        let t = m.ttft_ms(&idle);
+        assert!((t - 50.5).abs() < 1.0, "{t}");
+        let fast = EngineModel { speedup: 10.0, ..m };
+        assert!((fast.ttft_ms(&idle) - t / 10.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_queue_and_running_requests_come_first() {
+        let m = EngineModel::default();
+        let alone = Situation { own_tokens: 500, ..Situation::default() };
+        let queued = Situation { queued_tokens: 10_000, ..alone };
+        let busy = Situation { decoding: 20, running: 20, kv_share: 0.6, ..alone };
+        assert!(m.ttft_ms(&queued) > m.ttft_ms(&alone) + 100.0);
+        // Two steps for 10,500 tokens at 8,192 a step.
+        assert_eq!(m.prefill_ms(10_500, 0).0, 2);
+        assert!(m.ttft_ms(&busy) > m.ttft_ms(&alone) + m.decode_step_ms(0.6));
+        // A hit holds up the running requests less than a miss does.
+        let miss = Situation { own_tokens: 2000, ..busy };
+        assert!(m.added_decode_ms(&busy, 0.0, 0) < m.added_decode_ms(&miss, 0.0, 0));
+        assert_eq!(m.added_decode_ms(&alone, 0.1, 100), 0.0);
+        assert!(m.added_decode_ms(&busy, 0.1, 100) > m.added_decode_ms(&busy, 0.1, 0));
+    }
+
+    #[test]
+    fn corrections_learn_a_slower_worker_and_forget_it_unheard() {
+        let now = Instant::now();
+        let mut c = Corrections::new(CorrectionConfig::default());
+        let (a, b) = (WorkerWithDpRank::new(1u64, 0u32), WorkerWithDpRank::new(2u64, 0u32));
+        for _ in 0..200 {
+            c.observe(a, 10.0, 10.0, 20.0, now);
+            c.observe(b, 10.0, 10.0, 10.0, now);
+        }
+        assert!((c.factor(a, now) - 2.0).abs() < 0.05, "{}", c.factor(a, now));
+        assert!((c.factor(b, now) - 1.0).abs() < 0.05);
+        // Unheard for long, a worker takes the fleet's correction (here between the two).
+        let later = now + Duration::from_secs(600);
+        let fleet = c.factor(WorkerWithDpRank::new(9u64, 0u32), later);
+        assert!((c.factor(a, later) - fleet).abs() < 1e-6);
+        // Corrections stay inside the limit.
+        for _ in 0..500 {
+            c.observe(b, 1.0, 1.0, 1000.0, now);
+        }
+        assert!(c.factor(b, now) <= 4.0 + 1e-9);
+        let stats = c.stats(now);
+        assert_eq!(stats.len(), 2);
+        assert_eq!(stats[0].observed, 200);
+        assert!((stats[0].error_p50 - 0.5).abs() < 1e-6, "predicted 10, observed 20");
+    }
+}

@@ -1,0 +1,170 @@
+//! kvroute's default policy: the worker with the lowest predicted time to first token, plus
+//! what the choice costs the requests already there and the hits it evicts, all in predicted
+//! milliseconds of the engine model ([`super::predict`]).
+//!
+//! For each candidate `i` (its [`Situation`]: prompt tokens queued there, the request's own
+//! tokens after its cached prefix and lower-tier blocks, requests decoding, KV share):
+//!
+//! ```text
+//! ttft_i    = factor_i * model.ttft(situation_i)          the module `predict`'s formula,
+//!                                                         corrected by worker i's first tokens
+//!             (factor_i multiplies every model millisecond of worker i below too: an engine
+//!             that answers faster than the model also recomputes faster)
+//! running_i = running_delay_weight * model.added_decode(situation_i, added share, answer)
+//!             what its prefill adds to each token of the requests decoding there, and its
+//!             answer's KV to each of their steps (summed over them)
+//! evict_i   = eviction_weight * (isl - device prefix_i) * fullness_i * model.token_ms
+//!             / (1 - kv share_i)
+//!             storing what it lacks evicts as much, computed again by a later request; the
+//!             fuller of running requests, the more recently used (and likelier wanted) what
+//!             the LRU cache evicts from the rest;
+//!             + (held - device prefix_i) * the same price at the prefix's best holder:
+//!             placed away from it, the holder's copy serves no one and takes room there
+//! wait_i    = memory_wait_tokens / prefill_tokens_per_s   when it does not fit beside the
+//!             running requests (their answers' blocks included)
+//! lora_i    = the `kv` cost's adapter term ([`super::kv`]) in the same seconds
+//! cost_i    = ttft_i + running_i + evict_i + wait_i + lora_i        (seconds)
+//! ```
+//!
+//! Every number comes from the engine model (the simulated engine's own timing by default,
+//! its speed-up included), from what the router tracks in flight (this router's requests and
+//! those its replicas routed), from the workers' KV events, or from the learned correction.
+//! The `kv-tokens` policy keeps the earlier cost, in prefill tokens with weights, for
+//! comparison.
+
+use super::kv::{Fill, KvConfig, loaded_blocks};
+use super::predict::{EngineModel, Situation};
+use super::{Candidate, Policy, RequestInfo, reusable_tokens};
+
+#[derive(Clone, Copy, Debug)]
+pub struct PredictedPolicy {
+    kv: KvConfig,
+    model: EngineModel,
+}
+
+/// Milliseconds of loading one block from each lower tier (host, disk, shared store), at the
+/// model's speed; `None` for a tier with no bandwidth set.
+fn tier_block_ms(kv: &KvConfig, block_size: usize) -> [Option<f64>; 3] {
+    let bytes = kv.kv_bytes_per_token * block_size as f64;
+    let ms = |gbps: f64| (gbps > 0.0).then(|| bytes / (gbps * 1e9) * 1e3);
+    let host = ms(kv.host_bandwidth_gbps);
+    let disk = ms(kv.disk_bandwidth_gbps).map(|d| d + host.unwrap_or(0.0));
+    [host, disk, ms(kv.external_bandwidth_gbps)]
+}
+
+/// The request's situation on candidate `c`.
+pub fn situation(
+    kv: &KvConfig,
+    request: &RequestInfo,
+    c: &Candidate,
+    share: Option<f64>,
+) -> Situation {
+    let bs = request.block_size;
+    let have = c.overlap_blocks.max(c.inflight_prefix_blocks);
+    let per_block = tier_block_ms(kv, bs);
+    let (loaded, load_ms) = match c.tier_blocks == [0; 3] {
+        true => (0.0, 0.0),
+        false => (
+            loaded_blocks(c, have, per_block.map(|t| f64::from(u8::from(t.is_some())))),
+            loaded_blocks(c, have, per_block.map(|t| t.unwrap_or(0.0))),
+        ),
+    };
+    let cached = reusable_tokens(have + loaded as u32, request.isl_tokens, bs);
+    let fill = Fill::of(c);
+    let kv_share = match fill.total {
+        Some(t) => (c.active.blocks as f64 / t).min(1.0),
+        None => c.load.kv_cache_usage.unwrap_or(0.0),
+    };
+    Situation {
+        queued_tokens: c.active.prefill_tokens,
+        own_tokens: request.isl_tokens - cached,
+        decoding: c.active.requests.saturating_sub(c.active.prefilling),
+        running: c.active.requests,
+        kv_share: share.unwrap_or(kv_share),
+        load_ms,
+    }
+}
+
+/// How much likelier a block evicted at KV share `s` (held by running requests) is asked
+/// for again than one evicted from an idle cache: an LRU cache evicts from the `1 - s` not
+/// held, so its victim was last used `1 - s` times as long ago (capped at a cache 95% held).
+fn pressure(share: f64) -> f64 {
+    1.0 / (1.0 - share.clamp(0.0, 0.95))
+}
+
+/// What `c`'s first tokens taught of its speed: every millisecond the model predicts there
+/// is multiplied by it (1 when none is filled in).
+fn factor(c: &Candidate) -> f64 {
+    match c.ttft_factor > 0.0 {
+        true => c.ttft_factor,
+        false => 1.0,
+    }
+}
+
+impl PredictedPolicy {
+    pub fn new(kv: KvConfig, model: EngineModel) -> Self {
+        Self { kv, model }
+    }
+
+    /// The engine model's time to first token of `request` on `c`, ms (uncorrected).
+    pub fn model_ttft_ms(&self, request: &RequestInfo, c: &Candidate) -> f64 {
+        self.model.ttft_ms(&situation(&self.kv, request, c, None))
+    }
+
+    /// Each candidate's cost, seconds (the module's formula).
+    pub fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Vec<f64> {
+        let (kv, m) = (&self.kv, &self.model);
+        let bs = request.block_size;
+        let have = |c: &Candidate| c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs;
+        // What a token of the prefix's best holder is worth where it is: placed elsewhere,
+        // the holder's copy of the difference serves no one and takes room there.
+        let holder = candidates.iter().max_by_key(|c| have(c));
+        let (held, held_token_ms) = holder.map_or((0, 0.0), |h| {
+            let share = situation(kv, request, h, None).kv_share;
+            let per_token =
+                kv.evict_tokens(1.0, Fill::of(h)) * m.token_ms() * pressure(share) * factor(h);
+            (have(h).min(request.isl_tokens), per_token)
+        });
+        candidates
+            .iter()
+            .map(|c| {
+                let s = situation(kv, request, c, None);
+                let fill = Fill::of(c);
+                let factor = factor(c);
+                let ttft = factor * m.ttft_ms(&s);
+                let added_blocks =
+                    request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize)
+                        + request.output_tokens.div_ceil(bs.max(1));
+                let added_share = fill.total.map_or(0.0, |t| added_blocks as f64 / t);
+                let running = kv.running_delay_weight
+                    * factor
+                    * m.added_decode_ms(&s, added_share, request.output_tokens);
+                let lacks = request.isl_tokens.saturating_sub(have(c)) as f64;
+                let evict =
+                    kv.evict_tokens(lacks, fill) * m.token_ms() * pressure(s.kv_share) * factor
+                        + held.saturating_sub(have(c)) as f64 * held_token_ms;
+                let wait = kv.seconds(kv.wait_tokens(c, fill, request.num_blocks)) * 1e3;
+                let lora = kv.seconds(kv.adapter_tokens(c, true)) * 1e3;
+                (ttft + running + evict + wait + lora) / 1e3
+            })
+            .collect()
+    }
+}
+
+impl Policy for PredictedPolicy {
+    fn name(&self) -> &'static str {
+        "kv"
+    }
+
+    fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Option<Vec<f64>> {
+        Some(PredictedPolicy::costs(self, request, candidates))
+    }
+
+    fn cost_unit(&self) -> Option<&'static str> {
+        Some("s")
+    }
+
+    fn learns_ttft(&self) -> bool {
+        true
+    }
+}
