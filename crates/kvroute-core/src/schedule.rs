@@ -950,6 +950,13 @@ impl Scheduler {
         true
     }
 
+    /// A tracked request of `isl_tokens` holds the blocks of an answer of up to
+    /// `output_tokens` on its worker ([`ActiveSequences::hold_private`]).
+    pub fn hold_private(&mut self, id: &str, isl_tokens: usize, output_tokens: usize) {
+        let bs = self.config.block_size.tokens();
+        self.active.hold_private(id, isl_tokens, output_tokens, bs);
+    }
+
     /// Another router's request produced its first token: its prefill no longer queues (its
     /// timing, measured elsewhere, teaches nothing here).
     pub fn prefill_done_elsewhere(&mut self, id: &str) {

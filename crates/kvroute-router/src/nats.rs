@@ -272,6 +272,7 @@ impl Peers {
                     isl_tokens,
                     prefill_tokens,
                     local_hashes,
+                    output_tokens,
                 } => {
                     if peer.in_flight.len() >= MAX_PEER_IN_FLIGHT && !peer.in_flight.contains(&id) {
                         state.metrics.replica_message("peer_full");
@@ -287,6 +288,7 @@ impl Peers {
                         prefill_tokens,
                         local: &local,
                         block_size: state.config.block_size.tokens(),
+                        output_tokens,
                     };
                     let placing = state.placing();
                     if placing.track_peer(&state.index, &state.metrics, &key, routed) {

@@ -47,6 +47,10 @@ pub enum SyncMessage {
         isl_tokens: usize,
         prefill_tokens: usize,
         local_hashes: Vec<u64>,
+        /// Tokens its answer may run to (its `max_tokens`; 0 when unknown, as from a replica
+        /// older than the field): the peers hold its answer's blocks on its worker too.
+        #[serde(default)]
+        output_tokens: usize,
     },
     /// Its first token arrived: its prefill no longer queues.
     PrefillDone { id: String },
@@ -140,6 +144,7 @@ mod tests {
                     isl_tokens: 40,
                     prefill_tokens: 8,
                     local_hashes: vec![1, 2],
+                    output_tokens: 64,
                 },
                 SyncMessage::PrefillDone { id: "a".into() },
                 SyncMessage::Freed { id: "a".into() },

@@ -31,6 +31,11 @@ pub struct ActiveLoad {
     /// token), over the link within its node and the one across: a new pull queues behind
     /// them, as the engine moves one pull at a time per link.
     pub pulling_blocks: [usize; 2],
+    /// Tokens the answers of its requests may run to, summed (their `max_tokens`, where
+    /// known): how long its running requests keep their blocks.
+    pub answer_tokens: usize,
+    /// Its requests whose answer bound is known (counted in `answer_tokens`).
+    pub answered: usize,
 }
 
 #[derive(Debug)]
@@ -45,6 +50,8 @@ struct ActiveRequest {
     /// Blocks only it holds beyond its full prompt blocks: its prompt's partial last block
     /// and the blocks its answer grows into ([`ActiveSequences::hold_private`]).
     private: usize,
+    /// Tokens its answer may run to (0: unknown).
+    answer: usize,
     /// Its first token as the engine model predicted it and as corrected, ms.
     predicted: Option<Predicted>,
 }
@@ -136,6 +143,7 @@ impl ActiveSequences {
             added: now,
             pull: None,
             private: 0,
+            answer: 0,
             predicted: None,
         };
         self.requests.insert(id.to_owned(), request);
@@ -158,8 +166,12 @@ impl ActiveSequences {
         let private = isl_tokens.saturating_add(output_tokens).div_ceil(bs) - isl_tokens / bs;
         if let Some(load) = self.loads.get_mut(&request.worker) {
             load.blocks = load.blocks - request.private + private;
+            load.answer_tokens = load.answer_tokens - request.answer + output_tokens;
+            load.answered =
+                load.answered - usize::from(request.answer > 0) + usize::from(output_tokens > 0);
         }
         request.private = private;
+        request.answer = output_tokens;
     }
 
     /// The tracked request `id` pulls `blocks` from its prefill worker, over the link across
@@ -221,6 +233,8 @@ impl ActiveSequences {
         }
         load.requests -= 1;
         load.blocks -= request.private;
+        load.answer_tokens -= request.answer;
+        load.answered -= usize::from(request.answer > 0);
         let mut gone = Vec::new();
         // Deepest first, so the in-flight tree loses leaves before their parents.
         for &s in request.blocks.iter().rev() {
@@ -306,6 +320,8 @@ impl ActiveSequences {
             requests: a.requests + l.requests,
             prefilling: a.prefilling + l.prefilling,
             pulling_blocks: [0, 1].map(|i| a.pulling_blocks[i] + l.pulling_blocks[i]),
+            answer_tokens: a.answer_tokens + l.answer_tokens,
+            answered: a.answered + l.answered,
         })
     }
 

@@ -18,8 +18,11 @@
 //! ```text
 //! steps  = ceil((Q + u) / (budget - decoding))
 //! ttft_w = residual + sum over steps of prefill(chunk) + steps * decode(s) [decoding > 0]
-//!          + load_ms (lower-tier blocks: bytes / tier bandwidth)
+//!          + load_ms (lower-tier blocks: bytes / tier bandwidth) + memory
 //! residual = decode(s) / 2 when anything runs there (the step under way, half done)
+//! memory   = when it does not fit beside the running requests' blocks (answers included):
+//!            k of them must end, the k-th of d ends after k / (d + 1) of an answer's steps
+//!            (answers' lengths from their max_tokens) * decode(s)
 //! ```
 //!
 //! All of it is divided by `speedup`. What the model cannot know (the network, the engine's
@@ -75,6 +78,13 @@ pub struct Situation {
     pub kv_share: f64,
     /// Milliseconds of loading its blocks from lower tiers (at the model's speed).
     pub load_ms: f64,
+    /// Blocks it lacks beside what the running requests hold (0: it fits): the engine admits
+    /// it when enough of them end.
+    pub shortfall_blocks: usize,
+    /// Blocks a running request there holds, on average.
+    pub blocks_per_request: f64,
+    /// Tokens a running request's answer there may run to, on average (0: unknown).
+    pub mean_answer_tokens: f64,
 }
 
 impl EngineModel {
@@ -124,7 +134,29 @@ impl EngineModel {
             0 => 0.0,
             _ => decode / 2.0,
         };
-        residual + prefill + decodes + self.scaled(s.load_ms)
+        residual
+            + prefill
+            + decodes
+            + self.scaled(s.load_ms)
+            + self.memory_wait_ms(s).unwrap_or(0.0)
+    }
+
+    /// How long a request that does not fit waits for running requests to end, ms: `k` of
+    /// them must end to free its shortfall, and the `k`-th of `d` decoding requests whose
+    /// answers are spread evenly over their length ends after `k / (d + 1)` of an answer's
+    /// decode steps. 0 when it fits; `None` when it does not and the answers' lengths are
+    /// unknown.
+    pub fn memory_wait_ms(&self, s: &Situation) -> Option<f64> {
+        if s.shortfall_blocks == 0 {
+            return Some(0.0);
+        }
+        if s.mean_answer_tokens <= 0.0 || s.blocks_per_request <= 0.0 {
+            return None;
+        }
+        let k =
+            (s.shortfall_blocks as f64 / s.blocks_per_request).ceil().min(s.running.max(1) as f64);
+        let steps = s.mean_answer_tokens * k / (s.decoding + 1) as f64;
+        Some(steps * self.decode_step_ms(s.kv_share))
     }
 
     /// What the request costs the requests decoding there, ms summed over them: its prompt
@@ -347,6 +379,30 @@ mod tests {
         assert!(m.added_decode_ms(&busy, 0.0, 0) < m.added_decode_ms(&miss, 0.0, 0));
         assert_eq!(m.added_decode_ms(&alone, 0.1, 100), 0.0);
         assert!(m.added_decode_ms(&busy, 0.1, 100) > m.added_decode_ms(&busy, 0.1, 0));
+    }
+
+    #[test]
+    fn a_request_that_does_not_fit_waits_for_running_answers_to_end() {
+        let m = EngineModel::default();
+        let fits = Situation {
+            own_tokens: 100,
+            decoding: 4,
+            running: 4,
+            kv_share: 0.8,
+            blocks_per_request: 110.0,
+            mean_answer_tokens: 64.0,
+            ..Situation::default()
+        };
+        assert_eq!(m.memory_wait_ms(&fits), Some(0.0));
+        let one = Situation { shortfall_blocks: 50, ..fits };
+        let two = Situation { shortfall_blocks: 150, ..fits };
+        // One of four must end: a fifth of an answer's 64 steps.
+        let step = m.decode_step_ms(0.8);
+        assert!((m.memory_wait_ms(&one).unwrap() - 64.0 / 5.0 * step).abs() < 1e-9);
+        assert!((m.memory_wait_ms(&two).unwrap() - 2.0 * 64.0 / 5.0 * step).abs() < 1e-9);
+        assert!(m.ttft_ms(&two) > m.ttft_ms(&fits) + 2.0 * 64.0 / 5.0 * step - 1e-9);
+        let unknown = Situation { mean_answer_tokens: 0.0, ..one };
+        assert_eq!(m.memory_wait_ms(&unknown), None);
     }
 
     #[test]

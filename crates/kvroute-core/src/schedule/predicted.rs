@@ -21,7 +21,8 @@
 //!             + (held - device prefix_i) * the same price at the prefix's best holder:
 //!             placed away from it, the holder's copy serves no one and takes room there
 //! wait_i    = memory_wait_tokens / prefill_tokens_per_s   when it does not fit beside the
-//!             running requests (their answers' blocks included)
+//!             running requests (their answers' blocks included) and their answers' lengths
+//!             are unknown; when they are known, the predicted wait is in ttft_i
 //! lora_i    = the `kv` cost's adapter term ([`super::kv`]) in the same seconds
 //! cost_i    = ttft_i + running_i + evict_i + wait_i + lora_i        (seconds)
 //! ```
@@ -75,7 +76,15 @@ pub fn situation(
         Some(t) => (c.active.blocks as f64 / t).min(1.0),
         None => c.load.kv_cache_usage.unwrap_or(0.0),
     };
+    // As `KvConfig::wait_tokens` counts it: its blocks not in flight there, and one for its
+    // first output token.
+    let needs = request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize) + 1;
+    let shortfall = fill.total.map_or(0, |t| (c.active.blocks + needs).saturating_sub(t as usize));
+    let per = |n: usize, of: usize| if of > 0 { n as f64 / of as f64 } else { 0.0 };
     Situation {
+        shortfall_blocks: shortfall,
+        blocks_per_request: per(c.active.blocks, c.active.requests),
+        mean_answer_tokens: per(c.active.answer_tokens, c.active.answered),
         queued_tokens: c.active.prefill_tokens,
         own_tokens: request.isl_tokens - cached,
         decoding: c.active.requests.saturating_sub(c.active.prefilling),
@@ -143,7 +152,12 @@ impl PredictedPolicy {
                 let evict =
                     kv.evict_tokens(lacks, fill) * m.token_ms() * pressure(s.kv_share) * factor
                         + held.saturating_sub(have(c)) as f64 * held_token_ms;
-                let wait = kv.seconds(kv.wait_tokens(c, fill, request.num_blocks)) * 1e3;
+                // The wait for memory is in the predicted first token when the running
+                // answers' lengths are known; otherwise the fixed price.
+                let wait = match m.memory_wait_ms(&s) {
+                    Some(_) => 0.0,
+                    None => kv.seconds(kv.wait_tokens(c, fill, request.num_blocks)) * 1e3,
+                };
                 let lora = kv.seconds(kv.adapter_tokens(c, true)) * 1e3;
                 (ttft + running + evict + wait + lora) / 1e3
             })

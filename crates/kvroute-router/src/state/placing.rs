@@ -85,7 +85,8 @@ impl Placing {
         peer: PeerRouted<'_>,
     ) -> bool {
         let now = Instant::now();
-        let PeerRouted { worker, isl_tokens, prefill_tokens, local, block_size } = peer;
+        let PeerRouted { worker, isl_tokens, prefill_tokens, local, block_size, output_tokens } =
+            peer;
         let scores =
             index.find_matches_within(local, isl_tokens.saturating_sub(1) / block_size, block_size);
         let sequence = sequence_hashes(local);
@@ -99,14 +100,18 @@ impl Placing {
             exclude: &[],
             adapter: None,
             session: None,
-            output_tokens: 0,
+            output_tokens,
         };
         let mut scheduler = self.scheduler();
         if let Some(mine) = scheduler.route(&request, &scores, index, now) {
             metrics.agreement(mine.worker == worker);
         }
         let blocks = RequestBlocks { local, sequence: &sequence };
-        scheduler.track(key, worker, prefill_tokens, blocks, now)
+        let tracked = scheduler.track(key, worker, prefill_tokens, blocks, now);
+        if tracked {
+            scheduler.hold_private(key, isl_tokens, output_tokens);
+        }
+        tracked
     }
 
     pub(crate) fn peer_prefill_done(&self, key: &str) {
@@ -167,6 +172,8 @@ pub(crate) struct PeerRouted<'a> {
     pub prefill_tokens: usize,
     pub local: &'a [LocalBlockHash],
     pub block_size: usize,
+    /// Tokens its answer may run to (0: unknown).
+    pub output_tokens: usize,
 }
 
 impl RouterState {
@@ -264,6 +271,7 @@ fn placed(
                 isl_tokens: p.num_tokens,
                 prefill_tokens: d.predicted_prefill_tokens,
                 local_hashes: p.local_hashes.iter().map(|h| h.0).collect(),
+                output_tokens: p.output_tokens,
             },
         );
     }
