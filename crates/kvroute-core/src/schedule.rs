@@ -923,6 +923,12 @@ impl Scheduler {
         self.mark_prefill_done_at(id, Instant::now())
     }
 
+    /// The request's first token arrived at a time that says nothing of its prefill (its
+    /// answer was not streamed: the first bytes are the whole answer).
+    pub fn mark_prefill_done_untimed(&mut self, id: &str) {
+        self.active.mark_prefill_done(id);
+    }
+
     /// [`Self::mark_prefill_done`] at `now`: a prediction made when it was routed is compared
     /// with the time it took and corrects its worker's later ones. Returns the comparison.
     pub fn mark_prefill_done_at(&mut self, id: &str, now: Instant) -> Option<predict::Observation> {

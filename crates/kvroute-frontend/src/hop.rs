@@ -363,7 +363,7 @@ fn proxy_body(
         }
         if !guard.prefilled {
             guard.prefilled = true;
-            guard.state.placer.prefill_done(&guard.id);
+            guard.state.placer.prefill_done(&guard.id, sse);
         }
         let item = match chunk {
             Ok(bytes) => {

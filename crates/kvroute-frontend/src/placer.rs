@@ -191,11 +191,17 @@ impl Placer {
         }
     }
 
-    pub(crate) fn prefill_done(&self, id: &str) {
+    /// The request's first bytes came back; `timed`: they were its first token (a streamed
+    /// answer), so the router learns from when they came.
+    pub(crate) fn prefill_done(&self, id: &str, timed: bool) {
         match self {
-            Self::Embedded(router) => router.prefill_done(id),
+            Self::Embedded(router) => router.prefill_done(id, timed),
             Self::Remote(remote) => {
-                remote.notify(Method::POST, router_api::prefill_done_path(id), None);
+                let path = match timed {
+                    true => router_api::prefill_done_path(id),
+                    false => router_api::prefill_done_untimed_path(id),
+                };
+                remote.notify(Method::POST, path, None);
             }
         }
     }

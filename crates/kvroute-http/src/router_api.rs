@@ -56,6 +56,12 @@ pub fn prefill_done_path(request_id: &str) -> String {
     format!("/requests/{}/prefill_done", segment(request_id))
 }
 
+/// [`prefill_done_path`] of an answer not streamed: its first bytes are the whole answer, and
+/// when they came says nothing of its first token (`?timed=false`).
+pub fn prefill_done_untimed_path(request_id: &str) -> String {
+    format!("{}?timed=false", prefill_done_path(request_id))
+}
+
 /// `DELETE /requests/{id}`: the request ended.
 pub fn request_path(request_id: &str) -> String {
     format!("/requests/{}", segment(request_id))

@@ -218,8 +218,18 @@ async fn find_best_worker(
     }))
 }
 
-async fn prefill_done(State(api): ApiState, Path(id): Path<String>) -> StatusCode {
-    api.state.prefill_done(&id);
+/// `?timed=false`: the answer was not streamed, its first bytes are not its first token.
+#[derive(serde::Deserialize)]
+struct PrefillDoneQuery {
+    timed: Option<bool>,
+}
+
+async fn prefill_done(
+    State(api): ApiState,
+    Path(id): Path<String>,
+    Query(q): Query<PrefillDoneQuery>,
+) -> StatusCode {
+    api.state.prefill_done(&id, q.timed.unwrap_or(true));
     StatusCode::NO_CONTENT
 }
 

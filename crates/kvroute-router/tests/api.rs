@@ -169,6 +169,23 @@ async fn inject_event_and_request_lifecycle() {
     assert!(
         text.contains("kvroute_router_worker_decisions_total{worker_id=\"5\",dp_rank=\"0\"} 1")
     );
+    // r1's first token was timed: its prediction met it once, on worker 5.
+    let ttft = "kvroute_router_ttft_prediction_error_ratio_count{worker_id=\"5\",dp_rank=\"0\"}";
+    assert_eq!(kvroute_http::metrics::sample(text, ttft), Some(1.0), "{text}");
+    let (_, workers) = call(&state, Method::GET, "/workers", None).await;
+    assert_eq!(workers["ttft_predictions"][0]["observed"].as_u64(), Some(1), "{workers}");
+
+    // An answer sent whole: its first bytes say nothing of its first token.
+    let body = json!({"local_hashes": [11, 12, 13], "num_tokens": 48, "request_id": "r2"});
+    assert_eq!(
+        call(&state, Method::POST, "/find_best_worker", Some(body.to_string())).await.0,
+        StatusCode::OK
+    );
+    let path = kvroute_http::router_api::prefill_done_untimed_path("r2");
+    assert_eq!(call(&state, Method::POST, &path, None).await.0, StatusCode::NO_CONTENT);
+    let (_, workers) = call(&state, Method::GET, "/workers", None).await;
+    assert_eq!(workers["in_flight"].as_u64(), Some(1), "r2 runs on");
+    assert_eq!(workers["ttft_predictions"][0]["observed"].as_u64(), Some(1), "not learned from");
 }
 
 #[tokio::test]

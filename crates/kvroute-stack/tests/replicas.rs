@@ -131,7 +131,7 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
     assert_eq!(b.metrics.agreements(true), 1);
 
     // Lifecycle: a's end reaches b.
-    a.prefill_done("r1");
+    a.prefill_done("r1", true);
     assert!(a.finish("r1"));
     assert!(
         eventually(Duration::from_secs(5), || b.placing().in_flight() == 1).await,

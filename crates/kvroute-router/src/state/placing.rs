@@ -204,8 +204,18 @@ impl RouterState {
         Some(pair)
     }
 
-    pub fn prefill_done(&self, request_id: &str) {
-        let seen = self.placing.scheduler().mark_prefill_done(request_id);
+    /// The request's first token arrived. `timed`: when it did is when its first token was
+    /// (a streamed answer), so it teaches the predictions; an answer sent whole is not.
+    pub fn prefill_done(&self, request_id: &str, timed: bool) {
+        let mut scheduler = self.placing.scheduler();
+        let seen = match timed {
+            true => scheduler.mark_prefill_done(request_id),
+            false => {
+                scheduler.mark_prefill_done_untimed(request_id);
+                None
+            }
+        };
+        drop(scheduler);
         if let Some(seen) = seen {
             self.metrics.first_token(&seen);
         }

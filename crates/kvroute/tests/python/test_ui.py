@@ -119,12 +119,14 @@ def serve_fast_history():
 
 
 def ask(base: str, k: int):
+    # Streamed: the router learns from each answer's first token.
     body = json.dumps({"messages": [{"role": "user", "content": f"Question {k % 4}: what is a KV cache?"}],
-                      "max_tokens": 3}).encode()
+                      "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}).encode()
     request = urllib.request.Request(base + "/v1/chat/completions", data=body,
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
+        assert b"[DONE]" in response.read()
 
 
 def test_the_status_page_shows_every_worker_and_matches_the_metrics(serve):
