@@ -688,7 +688,7 @@ impl Scheduler {
                 c.adapter = adapters.fit(c.worker, request.adapter);
             }
         }
-        if self.policy.learns_ttft() {
+        if self.policy.learns_ttft() && !self.corrections.is_empty() {
             for c in candidates.iter_mut() {
                 c.ttft_factor = self.corrections.factor(c.worker, now);
             }

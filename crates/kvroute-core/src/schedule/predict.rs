@@ -314,6 +314,11 @@ impl Corrections {
         seen
     }
 
+    /// Whether nothing was learned yet (every factor is 1).
+    pub fn is_empty(&self) -> bool {
+        self.fleet_observed == 0
+    }
+
     pub fn forget(&mut self, worker: WorkerWithDpRank) {
         self.workers.remove(&worker);
     }

@@ -60,9 +60,19 @@ pub fn situation(
     c: &Candidate,
     share: Option<f64>,
 ) -> Situation {
+    situation_with(request, c, share, tier_block_ms(kv, request.block_size))
+}
+
+/// [`situation`] with each lower tier's load time per block given (the same for every
+/// candidate of a request).
+fn situation_with(
+    request: &RequestInfo,
+    c: &Candidate,
+    share: Option<f64>,
+    per_block: [Option<f64>; 3],
+) -> Situation {
     let bs = request.block_size;
     let have = c.overlap_blocks.max(c.inflight_prefix_blocks);
-    let per_block = tier_block_ms(kv, bs);
     let (loaded, load_ms) = match c.tier_blocks == [0; 3] {
         true => (0.0, 0.0),
         false => (
@@ -134,10 +144,11 @@ impl PredictedPolicy {
                 kv.evict_tokens(1.0, Fill::of(h)) * m.token_ms() * pressure(share) * factor(h);
             (have(h).min(request.isl_tokens), per_token)
         });
+        let per_block = tier_block_ms(kv, bs);
         candidates
             .iter()
             .map(|c| {
-                let s = situation(kv, request, c, None);
+                let s = situation_with(request, c, None, per_block);
                 let fill = Fill::of(c);
                 let factor = factor(c);
                 let ttft = factor * m.ttft_ms(&s);
@@ -145,9 +156,14 @@ impl PredictedPolicy {
                     request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize)
                         + request.output_tokens.div_ceil(bs.max(1));
                 let added_share = fill.total.map_or(0.0, |t| added_blocks as f64 / t);
-                let running = kv.running_delay_weight
-                    * factor
-                    * m.added_decode_ms(&s, added_share, request.output_tokens);
+                let running = match kv.running_delay_weight > 0.0 {
+                    true => {
+                        kv.running_delay_weight
+                            * factor
+                            * m.added_decode_ms(&s, added_share, request.output_tokens)
+                    }
+                    false => 0.0,
+                };
                 let lacks = request.isl_tokens.saturating_sub(have(c)) as f64;
                 let evict =
                     kv.evict_tokens(lacks, fill) * m.token_ms() * pressure(s.kv_share) * factor
