@@ -923,12 +923,6 @@ impl Scheduler {
         self.mark_prefill_done_at(id, Instant::now())
     }
 
-    /// The request's first token arrived at a time that says nothing of its prefill (its
-    /// answer was not streamed: the first bytes are the whole answer).
-    pub fn mark_prefill_done_untimed(&mut self, id: &str) {
-        self.active.mark_prefill_done(id);
-    }
-
     /// [`Self::mark_prefill_done`] at `now`: a prediction made when it was routed is compared
     /// with the time it took and corrects its worker's later ones. Returns the comparison.
     pub fn mark_prefill_done_at(&mut self, id: &str, now: Instant) -> Option<predict::Observation> {
@@ -963,9 +957,10 @@ impl Scheduler {
         self.active.hold_private(id, isl_tokens, output_tokens, bs);
     }
 
-    /// Another router's request produced its first token: its prefill no longer queues (its
-    /// timing, measured elsewhere, teaches nothing here).
-    pub fn prefill_done_elsewhere(&mut self, id: &str) {
+    /// A request's first token arrived at a time that teaches nothing here: another router's
+    /// request (measured elsewhere), or an answer not streamed (its first bytes are the whole
+    /// answer). Its prefill no longer queues.
+    pub fn mark_prefill_done_untimed(&mut self, id: &str) {
         self.active.mark_prefill_done(id);
     }
 

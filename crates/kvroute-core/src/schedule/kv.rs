@@ -201,6 +201,21 @@ impl Fill {
     }
 }
 
+/// Blocks a request of `num_blocks` takes on `c` while it runs: every one is referenced (cached
+/// ones too) except those already in flight there, plus one for its first output token.
+pub(crate) fn blocks_needed(c: &Candidate, num_blocks: usize) -> usize {
+    num_blocks.saturating_sub(c.inflight_prefix_blocks as usize) + 1
+}
+
+/// The share of `c`'s cache its running requests hold (its reported KV usage when its
+/// capacity is unknown).
+pub(crate) fn kv_share(c: &Candidate, fill: Fill) -> f64 {
+    match fill.total {
+        Some(t) => (c.active.blocks as f64 / t).min(1.0),
+        None => c.load.kv_cache_usage.unwrap_or(0.0),
+    }
+}
+
 /// The cost's terms, each in tokens of prefill work, shared by the `kv` cost and the pair
 /// cost's decode side (`pairs.rs`), so there is one definition of each.
 impl KvConfig {
@@ -222,7 +237,7 @@ impl KvConfig {
     /// ones too), except those already in flight there, plus one for its first output token;
     /// past the capacity it waits for memory.
     pub(crate) fn wait_tokens(&self, c: &Candidate, fill: Fill, num_blocks: usize) -> f64 {
-        let needs = num_blocks.saturating_sub(c.inflight_prefix_blocks as usize) + 1;
+        let needs = blocks_needed(c, num_blocks);
         match fill.total {
             Some(t) if (c.active.blocks + needs) as f64 > t => self.memory_wait_tokens,
             _ => 0.0,

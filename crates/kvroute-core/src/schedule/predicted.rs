@@ -33,7 +33,7 @@
 //! The `kv-tokens` policy keeps the earlier cost, in prefill tokens with weights, for
 //! comparison.
 
-use super::kv::{Fill, KvConfig, loaded_blocks};
+use super::kv::{Fill, KvConfig, blocks_needed, kv_share, loaded_blocks};
 use super::predict::{EngineModel, Situation};
 use super::{Candidate, Policy, RequestInfo, reusable_tokens};
 
@@ -54,23 +54,13 @@ fn tier_block_ms(kv: &KvConfig, block_size: usize) -> [Option<f64>; 3] {
 }
 
 /// The request's situation on candidate `c`.
-pub fn situation(
-    kv: &KvConfig,
-    request: &RequestInfo,
-    c: &Candidate,
-    share: Option<f64>,
-) -> Situation {
-    situation_with(request, c, share, tier_block_ms(kv, request.block_size))
+pub fn situation(kv: &KvConfig, request: &RequestInfo, c: &Candidate) -> Situation {
+    situation_with(request, c, tier_block_ms(kv, request.block_size))
 }
 
 /// [`situation`] with each lower tier's load time per block given (the same for every
 /// candidate of a request).
-fn situation_with(
-    request: &RequestInfo,
-    c: &Candidate,
-    share: Option<f64>,
-    per_block: [Option<f64>; 3],
-) -> Situation {
+fn situation_with(request: &RequestInfo, c: &Candidate, per_block: [Option<f64>; 3]) -> Situation {
     let bs = request.block_size;
     let have = c.overlap_blocks.max(c.inflight_prefix_blocks);
     let (loaded, load_ms) = match c.tier_blocks == [0; 3] {
@@ -82,13 +72,7 @@ fn situation_with(
     };
     let cached = reusable_tokens(have + loaded as u32, request.isl_tokens, bs);
     let fill = Fill::of(c);
-    let kv_share = match fill.total {
-        Some(t) => (c.active.blocks as f64 / t).min(1.0),
-        None => c.load.kv_cache_usage.unwrap_or(0.0),
-    };
-    // As `KvConfig::wait_tokens` counts it: its blocks not in flight there, and one for its
-    // first output token.
-    let needs = request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize) + 1;
+    let needs = blocks_needed(c, request.num_blocks);
     let shortfall = fill.total.map_or(0, |t| (c.active.blocks + needs).saturating_sub(t as usize));
     let per = |n: usize, of: usize| if of > 0 { n as f64 / of as f64 } else { 0.0 };
     Situation {
@@ -99,7 +83,7 @@ fn situation_with(
         own_tokens: request.isl_tokens - cached,
         decoding: c.active.requests.saturating_sub(c.active.prefilling),
         running: c.active.requests,
-        kv_share: share.unwrap_or(kv_share),
+        kv_share: kv_share(c, fill),
         load_ms,
     }
 }
@@ -127,7 +111,7 @@ impl PredictedPolicy {
 
     /// The engine model's time to first token of `request` on `c`, ms (uncorrected).
     pub fn model_ttft_ms(&self, request: &RequestInfo, c: &Candidate) -> f64 {
-        self.model.ttft_ms(&situation(&self.kv, request, c, None))
+        self.model.ttft_ms(&situation(&self.kv, request, c))
     }
 
     /// Each candidate's cost, seconds (the module's formula).
@@ -139,16 +123,16 @@ impl PredictedPolicy {
         // the holder's copy of the difference serves no one and takes room there.
         let holder = candidates.iter().max_by_key(|c| have(c));
         let (held, held_token_ms) = holder.map_or((0, 0.0), |h| {
-            let share = situation(kv, request, h, None).kv_share;
+            let fill = Fill::of(h);
             let per_token =
-                kv.evict_tokens(1.0, Fill::of(h)) * m.token_ms() * pressure(share) * factor(h);
+                kv.evict_tokens(1.0, fill) * m.token_ms() * pressure(kv_share(h, fill)) * factor(h);
             (have(h).min(request.isl_tokens), per_token)
         });
         let per_block = tier_block_ms(kv, bs);
         candidates
             .iter()
             .map(|c| {
-                let s = situation_with(request, c, None, per_block);
+                let s = situation_with(request, c, per_block);
                 let fill = Fill::of(c);
                 let factor = factor(c);
                 let ttft = factor * m.ttft_ms(&s);

@@ -115,7 +115,7 @@ impl Placing {
     }
 
     pub(crate) fn peer_prefill_done(&self, key: &str) {
-        self.scheduler().prefill_done_elsewhere(key);
+        self.scheduler().mark_prefill_done_untimed(key);
     }
 
     /// Frees a peer's request without telling the peers.
