@@ -26,6 +26,7 @@
 mod active;
 pub mod adapters;
 pub mod dynamo;
+pub mod flow;
 pub mod kv;
 mod least_loaded;
 pub mod pairs;
@@ -171,6 +172,8 @@ pub struct SchedulerConfig {
     pub pairs: PairConfig,
     /// The engine model and its online correction ([`predict`]).
     pub predictor: PredictorConfig,
+    /// Flow control: admission, queues and shedding ([`flow`]).
+    pub flow: flow::FlowConfig,
 }
 
 /// The engine model the `kv` cost predicts with, and how its predictions are corrected.
@@ -196,6 +199,7 @@ impl Default for SchedulerConfig {
             sessions: SessionConfig::default(),
             pairs: PairConfig::default(),
             predictor: PredictorConfig::default(),
+            flow: flow::FlowConfig::default(),
         }
     }
 }
@@ -659,24 +663,67 @@ impl Scheduler {
         sizes: &dyn TreeSizes,
         now: Instant,
     ) -> Option<RouteDecision> {
+        self.route_gated(request, scores, sizes, now, None).unwrap_or(None)
+    }
+
+    /// [`Self::route`] through flow control's `gate` ([`flow`]): only workers that can take
+    /// the request now are candidates; when none can, nothing is placed and the error is the
+    /// best the fleet offers it (the least predicted wait and first token).
+    pub fn route_gated(
+        &mut self,
+        request: &RouteRequest<'_>,
+        scores: &OverlapScores,
+        sizes: &dyn TreeSizes,
+        now: Instant,
+        gate: Option<&flow::Gate>,
+    ) -> Result<Option<RouteDecision>, flow::Outlook> {
         let mut candidates = std::mem::take(&mut self.scratch);
         self.fill_candidates(&mut candidates, request.local_hashes, scores, sizes);
         // An aggregated request goes to a prefill engine only when nothing else is left.
         if candidates.iter().any(|c| c.role != Role::Prefill) {
             candidates.retain(|c| c.role != Role::Prefill);
         }
-        let decision = self.route_among(request, &mut candidates, now);
+        let decision = self.route_among(request, &mut candidates, now, gate);
         self.scratch = candidates;
         decision
     }
 
-    /// [`Self::route`] over its candidates.
-    fn route_among(
+    /// The best the fleet offers `request` now: the least predicted wait before its prefill
+    /// and first token over its candidates (of any role), ms; `None` without candidates.
+    pub fn outlook(
         &mut self,
+        request: &RouteRequest<'_>,
+        scores: &OverlapScores,
+        sizes: &dyn TreeSizes,
+        now: Instant,
+    ) -> Option<flow::Outlook> {
+        let mut candidates = std::mem::take(&mut self.scratch);
+        self.fill_candidates(&mut candidates, request.local_hashes, scores, sizes);
+        self.prepare(request, &mut candidates, now, true);
+        let info = self.info(request);
+        let best = candidates.iter().map(|c| self.predictor.wait_and_ttft_ms(&info, c)).fold(
+            None,
+            |best: Option<flow::Outlook>, (wait_ms, ttft_ms)| {
+                Some(best.map_or(flow::Outlook { wait_ms, ttft_ms }, |b| flow::Outlook {
+                    wait_ms: b.wait_ms.min(wait_ms),
+                    ttft_ms: b.ttft_ms.min(ttft_ms),
+                }))
+            },
+        );
+        self.scratch = candidates;
+        best
+    }
+
+    /// Drops the candidates `request` excludes or whose adapter they do not serve, and fills
+    /// in what running its adapter takes and (`learned`) what each worker's first tokens
+    /// taught.
+    fn prepare(
+        &self,
         request: &RouteRequest<'_>,
         candidates: &mut Vec<Candidate>,
         now: Instant,
-    ) -> Option<RouteDecision> {
+        learned: bool,
+    ) {
         let adapters = &self.adapters;
         if !request.exclude.is_empty() || request.adapter.is_some() {
             candidates.retain(|c| {
@@ -688,12 +735,47 @@ impl Scheduler {
                 c.adapter = adapters.fit(c.worker, request.adapter);
             }
         }
-        if self.policy.learns_ttft() && !self.corrections.is_empty() {
+        if learned && !self.corrections.is_empty() {
             for c in candidates.iter_mut() {
                 c.ttft_factor = self.corrections.factor(c.worker, now);
             }
         }
-        let candidates = &candidates[..];
+    }
+
+    /// [`Self::route_gated`] over its candidates.
+    fn route_among(
+        &mut self,
+        request: &RouteRequest<'_>,
+        candidates: &mut Vec<Candidate>,
+        now: Instant,
+        gate: Option<&flow::Gate>,
+    ) -> Result<Option<RouteDecision>, flow::Outlook> {
+        self.prepare(request, candidates, now, self.policy.learns_ttft() || gate.is_some());
+        if let Some(gate) = gate
+            && !candidates.is_empty()
+        {
+            let info = self.info(request);
+            let mut best = flow::Outlook { wait_ms: f64::INFINITY, ttft_ms: f64::INFINITY };
+            candidates.retain(|c| {
+                let (wait_ms, ttft_ms) = self.predictor.wait_and_ttft_ms(&info, c);
+                best.wait_ms = best.wait_ms.min(wait_ms);
+                best.ttft_ms = best.ttft_ms.min(ttft_ms);
+                gate.admits(wait_ms, ttft_ms)
+            });
+            if candidates.is_empty() {
+                return Err(best);
+            }
+        }
+        Ok(self.route_chosen(request, candidates, now))
+    }
+
+    /// [`Self::route_among`] once the candidates are known.
+    fn route_chosen(
+        &mut self,
+        request: &RouteRequest<'_>,
+        candidates: &[Candidate],
+        now: Instant,
+    ) -> Option<RouteDecision> {
         let (mut chosen, costs) = self.select(request, candidates)?;
         if let Some(session) = request.session {
             chosen = self.affine(session, candidates, chosen, costs.as_deref(), now);

@@ -27,12 +27,28 @@ use kvroute_router::Dialect;
 use serde_json::{Map, Value};
 
 /// What keys a request beyond its prompt: its cache namespace (vLLM's `cache_salt`), its
-/// LoRA adapter (both salt its block hashes, as engines salt theirs) and its session.
+/// LoRA adapter (both salt its block hashes, as engines salt theirs), its session, and its
+/// class for flow control.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Keys<'a> {
     pub namespace: Option<&'a str>,
     pub adapter: Option<&'a str>,
     pub session: Option<&'a str>,
+    pub class: Option<&'a kvroute_core::schedule::flow::RequestClass>,
+    /// Whether the client named its priority (`x-kvroute-priority`): the engines are then
+    /// told it in their own field, unless the body sets that itself.
+    pub priority_named: bool,
+}
+
+/// The engine's `priority` of a request of kvroute `priority` (higher first), as vLLM takes
+/// it (lower first; SGLang's is the other way round, [`sglang_priority`]).
+pub(crate) fn vllm_priority(priority: i32) -> i64 {
+    -i64::from(priority)
+}
+
+/// SGLang's `priority` (higher first, its default) of a body's vLLM-style one.
+fn sglang_priority(vllm: i64) -> i64 {
+    vllm.saturating_neg()
 }
 
 /// Sampling fields of an OpenAI body that vLLM's `SamplingParams` takes under the same name.
@@ -58,7 +74,8 @@ const SAMPLING: [&str; 17] = [
 
 /// Fields the front door carries itself (the prompt as tokens, streaming, the namespace, the
 /// model as an adapter) or that change nothing an engine computes (a session's key).
-const CARRIED: [&str; 12] = [
+const CARRIED: [&str; 13] = [
+    "priority",
     "model",
     "prompt_cache_key",
     "messages",
@@ -131,7 +148,7 @@ pub(crate) fn tokens_body(
             }
             let mut body = sampling;
             body.insert("prompt".to_owned(), prepared.tokens.clone().into());
-            for key in ["model", "stream", "stream_options", "cache_salt"] {
+            for key in ["model", "stream", "stream_options", "cache_salt", "priority"] {
                 if let Some(v) = fields.get(key) {
                     body.insert(key.to_owned(), v.clone());
                 }
@@ -229,6 +246,7 @@ fn sglang_body(
         sampling_params: Some(OneOrMany::One(params)),
         cache_salt: namespace.map(|ns| OneOrMany::One(ns.to_owned())),
         lora_path: adapter.map(|a| Value::String(a.to_owned())),
+        priority: raw.get("priority").and_then(Value::as_i64).map(sglang_priority),
         ..sglang_generate::GenerateRequest::default()
     };
     serde_json::to_vec(&request).ok()
@@ -310,6 +328,7 @@ fn generate_body(
             .then_some(StreamOptions { include_usage: Some(true), continuous_usage_stats: None }),
         cache_salt: namespace.map(str::to_owned),
         model: adapter.map(str::to_owned),
+        priority: raw.get("priority").and_then(Value::as_i64).unwrap_or(0),
         ..GenerateRequest::default()
     };
     serde_json::to_vec(&request).ok()

@@ -32,9 +32,13 @@ pub(crate) async fn dispatch(
     if state.placer.disaggregated(state.prefill_workers) {
         return crate::pair::dispatch_pair(state, out, excluded).await;
     }
+    // Flow control admits a request once; placed again after a worker failed it, it is not
+    // held again.
+    let mut ask = out.ask();
     loop {
         let id = state.request_id();
-        let placed = state.placer.place(out.ask(), state.block_size, &id, &excluded).await?;
+        let placed = state.placer.place(ask, state.block_size, &id, &excluded).await?;
+        ask = ask.again();
         let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
             return Err(ApiError::unavailable("no worker is available"));
         };

@@ -50,6 +50,57 @@ fn session(headers: &HeaderMap, body_key: Option<&str>) -> Result<Option<String>
     Ok(Some(key.to_owned()).filter(|k| !k.is_empty()))
 }
 
+/// The header that names a request's priority for flow control (higher first; below 0 it
+/// is sheddable).
+pub(crate) const PRIORITY_HEADER: &str = "x-kvroute-priority";
+/// The header that names a request's tenant, when no API key does.
+pub(crate) const TENANT_HEADER: &str = "x-kvroute-tenant";
+/// The header that names a request's time-to-first-token objective, ms.
+pub(crate) const SLO_HEADER: &str = "x-kvroute-ttft-slo-ms";
+
+/// A request's class for flow control, and whether the client named its priority: the
+/// priority and objective from their headers, the tenant from the API key that let it in
+/// (a client cannot pose as another key's tenant), else from its header, else `default`.
+fn class(
+    headers: &HeaderMap,
+    key: Option<&KeyId>,
+) -> Result<(kvroute_core::schedule::flow::RequestClass, bool), ApiError> {
+    fn header<'h>(headers: &'h HeaderMap, name: &'static str) -> Result<Option<&'h str>, ApiError> {
+        headers
+            .get(name)
+            .map(|v| {
+                v.to_str().map_err(|_| {
+                    ApiError::bad_request(format!("{name} must be visible ASCII")).param(name)
+                })
+            })
+            .transpose()
+    }
+    fn number<T: std::str::FromStr>(
+        v: Option<&str>,
+        name: &'static str,
+    ) -> Result<Option<T>, ApiError> {
+        v.map(|v| {
+            v.trim().parse().map_err(|_| {
+                ApiError::bad_request(format!("{name} must be an integer")).param(name)
+            })
+        })
+        .transpose()
+    }
+    let priority = number::<i32>(header(headers, PRIORITY_HEADER)?, PRIORITY_HEADER)?;
+    let slo = number::<u32>(header(headers, SLO_HEADER)?, SLO_HEADER)?;
+    let tenant = match key {
+        Some(KeyId(id)) => Some(id.as_str()),
+        None => header(headers, TENANT_HEADER)?,
+    };
+    let class = kvroute_http::router_api::request_class(
+        priority,
+        tenant,
+        slo,
+        [PRIORITY_HEADER, TENANT_HEADER, SLO_HEADER],
+    )?;
+    Ok((class, priority.is_some()))
+}
+
 /// The body parsed once ([`kvroute_http::openai::parse_body`]): the whole of it as a JSON
 /// value, to pass on, and `T` (the fields kvroute reads), checked as an engine checks it. A
 /// field that steers a KV transfer ([`crate::TRANSFER_FIELDS`]) is a 400 naming it, unless the
@@ -86,6 +137,7 @@ pub(crate) async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (mut raw, req) = parse::<ChatCompletionRequest>(&state, body, "messages")?;
+    let (class, priority_named) = class(&headers, key.as_ref().map(|k| &k.0))?;
     let adapter = state.models.resolve(req.model.as_deref())?;
     let session = session(&headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key.as_ref().map(|k| &k.0), session);
@@ -100,6 +152,8 @@ pub(crate) async fn chat(
         namespace: namespace.as_deref(),
         adapter: adapter.as_deref(),
         session: session.as_deref(),
+        class: Some(&class),
+        priority_named: priority_named && state.options.engine_priority,
     };
     let out =
         Outbound::new("/v1/chat/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
@@ -136,6 +190,7 @@ pub(crate) async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (raw, req) = parse::<CompletionRequest>(&state, body, "prompt")?;
+    let (class, priority_named) = class(&headers, key.as_ref().map(|k| &k.0))?;
     let adapter = state.models.resolve(req.model.as_deref())?;
     let session = session(&headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key.as_ref().map(|k| &k.0), session);
@@ -146,6 +201,8 @@ pub(crate) async fn completions(
         namespace: namespace.as_deref(),
         adapter: adapter.as_deref(),
         session: session.as_deref(),
+        class: Some(&class),
+        priority_named: priority_named && state.options.engine_priority,
     };
     let out = Outbound::new("/v1/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
     dispatch(&state, &out).await

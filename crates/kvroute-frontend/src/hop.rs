@@ -44,6 +44,8 @@ pub(crate) struct Outbound {
     pub adapter: Option<String>,
     /// Its session, if it names one.
     pub session: Option<String>,
+    /// Its class for flow control (none: placed at once, as a request placed again is).
+    pub class: Option<kvroute_core::schedule::flow::RequestClass>,
     pub prompt_tokens: usize,
     /// The prompt's last ids, which seed the decoding of an answer that comes back as token
     /// ids (`vllm-generate-tokens`).
@@ -85,6 +87,13 @@ impl Outbound {
         if let (Some(ns), Some(fields)) = (namespace, raw.as_object_mut()) {
             fields.insert("cache_salt".to_owned(), Value::String(ns.to_owned()));
         }
+        if let (Some(class), true, Some(fields)) =
+            (keys.class, keys.priority_named, raw.as_object_mut())
+        {
+            fields
+                .entry("priority")
+                .or_insert_with(|| crate::dialect::vllm_priority(class.priority).into());
+        }
         let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
         let output_tokens = crate::dialect::answer_bound(&raw, Value::as_u64)
             .map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX));
@@ -112,6 +121,7 @@ impl Outbound {
             local,
             adapter: keys.adapter.map(str::to_owned),
             session: keys.session.map(str::to_owned),
+            class: keys.class.cloned(),
             prompt_tokens,
             prompt_tail,
             output_tokens,
@@ -130,6 +140,7 @@ impl Outbound {
             adapter: self.adapter.as_deref(),
             session: self.session.as_deref(),
             output_tokens: self.output_tokens,
+            class: self.class.as_ref(),
         }
     }
 }

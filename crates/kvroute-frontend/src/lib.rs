@@ -179,6 +179,8 @@ pub struct FrontDoorOptions {
     pub load_adapters: bool,
     /// Pass a client's own KV-transfer fields ([`TRANSFER_FIELDS`]) on; off: refused (400).
     pub trust_transfer_fields: bool,
+    /// Tell the engines each request's priority in their own field (they schedule by it).
+    pub engine_priority: bool,
     /// How often the status page's history samples the counters
     /// ([`kvroute_http::status::History`]).
     pub status_every: Duration,
@@ -228,6 +230,7 @@ impl Default for FrontDoorOptions {
             parity_probe: true,
             load_adapters: false,
             trust_transfer_fields: false,
+            engine_priority: false,
             status_every: kvroute_http::status::SAMPLE_EVERY,
         }
     }

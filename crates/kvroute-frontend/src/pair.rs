@@ -60,9 +60,12 @@ pub(crate) async fn dispatch_pair(
     // client streams or not, so a stalled prefill engine is given up on (ejected, the
     // request placed again) in that time, not the whole answer's.
     let prefill_timeout = state.options.first_byte_timeout;
+    let mut ask = out.ask();
     loop {
         let id = state.request_id();
-        let Some(pair) = state.placer.place_pair(out.ask(), &id, &excluded).await? else {
+        let placed = state.placer.place_pair(ask, &id, &excluded).await?;
+        ask = ask.again();
+        let Some(pair) = placed else {
             return Err(ApiError::unavailable("no worker is available"));
         };
         log_placement(&id, out, &pair);
@@ -449,7 +452,9 @@ async fn prefill_answer(
         // The request's own fault: the client hears it as the engine said it.
         (false, true) => Ok(Err(ApiError::new(status, message))),
         // The worker's: another prefill worker, or the decode worker itself, takes it.
-        (false, false) => Err((Failure::Broken, ClientError::Status { status, message })),
+        (false, false) => {
+            Err((Failure::Broken, ClientError::Status { status, message, retry_after: None }))
+        }
     }
 }
 

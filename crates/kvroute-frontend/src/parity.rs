@@ -211,7 +211,7 @@ async fn run(
     let answer = state.client.post_json::<Value>(url, &body);
     match tokio::time::timeout(PROBE_WAIT, answer).await {
         Ok(Ok(_)) => {}
-        Ok(Err(ClientError::Status { status, message })) if status.is_client_error() => {
+        Ok(Err(ClientError::Status { status, message, .. })) if status.is_client_error() => {
             return Some(Err(Mismatch::Refused { status, message }));
         }
         // Unreachable or slow: the health checks deal with it; probed again later.

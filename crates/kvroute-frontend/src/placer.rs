@@ -6,10 +6,12 @@
 use std::sync::Arc;
 
 use axum::http::{Method, StatusCode};
+use kvroute_core::schedule::flow::RequestClass;
 use kvroute_core::schedule::{RouteDecision, reusable_by_tier};
 use kvroute_core::{BlockSize, LocalBlockHash, WorkerWithDpRank};
 use kvroute_http::router_api::{self, Answered, BestWorker, FindBestWorker};
 use kvroute_http::{ApiError, ClientError, HttpClient};
+use kvroute_router::state::flow::{self, Placed};
 use kvroute_router::{PlaceRequest, RouterState};
 
 #[derive(Clone, Debug)]
@@ -100,9 +102,31 @@ pub(crate) struct Ask<'a> {
     pub session: Option<&'a str>,
     /// Tokens its answer may run to (`max_tokens`; 0 when the client set none).
     pub output_tokens: usize,
+    /// Its class: through flow control, which may hold or refuse it (none when placed again
+    /// after a worker failed it: it was admitted already).
+    pub class: Option<&'a RequestClass>,
 }
 
 impl<'a> Ask<'a> {
+    /// The same request placed again: admitted already.
+    pub(crate) fn again(self) -> Self {
+        Self { class: None, ..self }
+    }
+
+    /// Flow control's owned form of it, tracked as `id`.
+    fn owned(self, id: &str, exclude: &[WorkerWithDpRank], pair: bool) -> flow::Ask {
+        flow::Ask {
+            id: id.to_owned(),
+            local_hashes: self.local.to_vec(),
+            num_tokens: self.num_tokens,
+            exclude: exclude.to_vec(),
+            adapter: self.adapter.map(str::to_owned),
+            session: self.session.map(str::to_owned),
+            output_tokens: self.output_tokens,
+            pair,
+        }
+    }
+
     /// The embedded router's request for it, tracked as `id`.
     fn request(self, id: &'a str, exclude: &'a [WorkerWithDpRank]) -> PlaceRequest<'a> {
         PlaceRequest {
@@ -131,10 +155,23 @@ impl Placer {
     ) -> Result<Option<Placement>, ApiError> {
         let num_tokens = ask.num_tokens;
         match self {
-            Self::Embedded(router) => Ok(router.place(&ask.request(id, exclude)).map(|(d, _)| {
-                let blocks = (d.overlap_blocks, d.tier_blocks);
-                Placement::new(d.worker, blocks, num_tokens, block_size)
-            })),
+            Self::Embedded(router) => {
+                let decision = match ask.class {
+                    Some(class) => {
+                        let owned = ask.owned(id, exclude, false);
+                        match router.admit(class.clone(), owned).await {
+                            Ok(Placed::One(d)) => d,
+                            Ok(Placed::Pair(p)) => p.map(|p| p.decode),
+                            Err(refused) => return Err(refused.into_api_error()),
+                        }
+                    }
+                    None => router.place(&ask.request(id, exclude)).map(|(d, _)| d),
+                };
+                Ok(decision.map(|d| {
+                    let blocks = (d.overlap_blocks, d.tier_blocks);
+                    Placement::new(d.worker, blocks, num_tokens, block_size)
+                }))
+            }
             Self::Remote(remote) => Ok(remote.find(ask, id, exclude).await?.map(|best| {
                 // A router that tells only the sum: taken as host memory's.
                 let tiers = match best.tier_blocks.iter().sum::<u32>() {
@@ -163,7 +200,23 @@ impl Placer {
                 let leg = |d: &RouteDecision| {
                     Placement::leg(d.worker, d.overlap_blocks, cached(d.predicted_prefill_tokens))
                 };
-                Ok(router.place_pair(&request).map(|pair| PairPlacement {
+                let pair = match ask.class {
+                    Some(class) => {
+                        match router.admit(class.clone(), ask.owned(id, exclude, true)).await {
+                            Ok(Placed::Pair(p)) => p,
+                            Ok(Placed::One(d)) => {
+                                d.map(|decode| kvroute_core::schedule::PairDecision {
+                                    prefill: None,
+                                    decode,
+                                    transfer_blocks: 0,
+                                })
+                            }
+                            Err(refused) => return Err(refused.into_api_error()),
+                        }
+                    }
+                    None => router.place_pair(&request),
+                };
+                Ok(pair.map(|pair| PairPlacement {
                     prefill: pair.prefill.as_ref().map(leg),
                     decode: leg(&pair.decode),
                 }))
@@ -251,9 +304,17 @@ impl RemoteRouter {
             lora_name: ask.adapter.map(str::to_owned),
             session_id: ask.session.map(str::to_owned),
             max_tokens: Some(ask.output_tokens as u64).filter(|&m| m > 0),
+            priority: ask.class.map(|c| c.priority),
+            tenant: ask.class.map(|c| c.tenant.to_string()),
+            ttft_slo_ms: ask.class.and_then(|c| c.ttft_slo_ms),
         };
         match self.client.find_best_worker(&self.base, &request).await {
             Ok(best) => Ok(Some(best)),
+            Err(ClientError::Status {
+                status: status @ (StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS),
+                message,
+                retry_after: Some(secs),
+            }) => Err(ApiError::new(status, message).retry_after(secs)),
             Err(ClientError::Status { status: StatusCode::SERVICE_UNAVAILABLE, .. }) => Ok(None),
             Err(e @ (ClientError::Connect(_) | ClientError::Send(_))) => {
                 Err(ApiError::unavailable("the router is unreachable").with_source(e))

@@ -48,7 +48,12 @@ pub enum ClientError {
     Timeout(Duration),
     /// A non-2xx answer, with the message of its OpenAI-shaped body when it has one.
     #[error("HTTP {status}: {message}")]
-    Status { status: StatusCode, message: String },
+    Status {
+        status: StatusCode,
+        message: String,
+        /// The answer's `Retry-After`, seconds, when it had one.
+        retry_after: Option<u64>,
+    },
     #[error("undecodable JSON")]
     Json(#[from] serde_json::Error),
 }
@@ -229,9 +234,13 @@ pub async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, ClientErro
 /// A 2xx answer's JSON body; otherwise [`ClientError::Status`] with the error's message.
 pub async fn json<T: DeserializeOwned>(response: Response<Incoming>) -> Result<T, ClientError> {
     let status = response.status();
+    let retry_after = response
+        .headers()
+        .get(hyper::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok()?.trim().parse().ok());
     let bytes = read_body(response.into_body(), MAX_BODY).await?;
     if !status.is_success() {
-        return Err(ClientError::Status { status, message: error_message(&bytes) });
+        return Err(ClientError::Status { status, message: error_message(&bytes), retry_after });
     }
     Ok(serde_json::from_slice(&bytes)?)
 }

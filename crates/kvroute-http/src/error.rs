@@ -25,6 +25,9 @@ pub struct ApiError {
     kind: Option<&'static str>,
     code: Code,
     source: Option<Source>,
+    /// Seconds after which the client may try again (the `Retry-After` header; 0: none). A
+    /// `u32` beside the status keeps the error within 128 bytes.
+    retry_after: u32,
 }
 
 /// The `code` of an error body: the HTTP status by default (as vLLM answers), a name where
@@ -70,6 +73,7 @@ impl ApiError {
             kind: None,
             code: Code::Status,
             source: None,
+            retry_after: 0,
         }
     }
 
@@ -132,6 +136,24 @@ impl ApiError {
     pub fn no_code(mut self) -> Self {
         self.code = Code::None;
         self
+    }
+
+    /// Tells the client to try again after `secs` seconds (`Retry-After`, at least 1).
+    #[must_use]
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = u32::try_from(secs).unwrap_or(u32::MAX).max(1);
+        self
+    }
+
+    /// The `Retry-After` this answer carries, seconds.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        (self.retry_after > 0).then_some(u64::from(self.retry_after))
+    }
+
+    /// A request refused because the fleet is saturated or its tenant is over its share:
+    /// 429 with `Retry-After`.
+    pub fn too_many(message: impl Into<String>, retry_after: u64) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, message).retry_after(retry_after)
     }
 
     /// Keeps the error behind this one (logged for a 5xx, never sent).
@@ -250,7 +272,8 @@ impl From<BytesRejection> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if self.status.is_server_error() {
+        // A refusal with `Retry-After` is load shed on purpose, not a failure to log.
+        if self.status.is_server_error() && self.retry_after == 0 {
             match &self.source {
                 Some(source) => tracing::error!(
                     status = self.status.as_u16(),
@@ -265,7 +288,12 @@ impl IntoResponse for ApiError {
                 ),
             }
         }
-        (self.status, Json(self.body())).into_response()
+        let retry_after = self.retry_after_secs();
+        let mut response = (self.status, Json(self.body())).into_response();
+        if let Some(secs) = retry_after {
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 

@@ -107,6 +107,10 @@ pub struct ChatCompletionRequest {
     /// OpenAI's key for requests that share a prompt prefix: kvroute routes it as a session.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_cache_key: Option<String>,
+    /// vLLM's extension: the request's priority under `--scheduling-policy priority` (lower
+    /// first); an engine on `fcfs` refuses any other than 0.
+    #[serde(default)]
+    pub priority: i64,
 }
 
 impl ChatCompletionRequest {
@@ -137,6 +141,9 @@ pub struct CompletionRequest {
     /// See [`ChatCompletionRequest::prompt_cache_key`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_cache_key: Option<String>,
+    /// See [`ChatCompletionRequest::priority`].
+    #[serde(default)]
+    pub priority: i64,
 }
 
 /// Tokens of one request; `prompt_tokens_details.cached_tokens` are the prompt tokens the

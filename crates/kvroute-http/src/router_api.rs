@@ -110,6 +110,18 @@ pub struct FindBestWorker {
     /// holds blocks on its worker as its prompt does, which the cost's memory term counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
+    /// Its class for flow control (docs/routing.md, "Overload"): with any of these, the router
+    /// may hold the request until a worker can take it (the answer then comes later) or refuse
+    /// it (429 or 503 with `Retry-After`). Higher priorities go first; below 0 a request is
+    /// sheddable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    /// Whose request it is: tenants take turns within a priority.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// The time to first token it should meet, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_slo_ms: Option<u32>,
 }
 
 /// The content type of `find_best_worker`'s binary form: the body is the request's
@@ -136,6 +148,12 @@ pub struct BinaryQuery {
     pub session_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_slo_ms: Option<u32>,
 }
 
 /// A binary body that is not whole hashes.
@@ -167,6 +185,9 @@ impl FindBestWorker {
             lora_name: query.lora_name,
             session_id: query.session_id,
             max_tokens: query.max_tokens,
+            priority: query.priority,
+            tenant: query.tenant,
+            ttft_slo_ms: query.ttft_slo_ms,
         })
     }
 
@@ -184,6 +205,9 @@ impl FindBestWorker {
             lora_name: self.lora_name.clone(),
             session_id: self.session_id.clone(),
             max_tokens: self.max_tokens,
+            priority: self.priority,
+            tenant: self.tenant.clone(),
+            ttft_slo_ms: self.ttft_slo_ms,
         };
         let query = serde_urlencoded::to_string(&query).ok()?;
         let body = self.local_hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
@@ -202,8 +226,61 @@ impl FindBestWorker {
             lora_name: None,
             session_id: None,
             max_tokens: None,
+            priority: None,
+            tenant: None,
+            ttft_slo_ms: None,
         }
     }
+
+    /// Whether it names a class for flow control.
+    pub fn classed(&self) -> bool {
+        self.priority.is_some() || self.tenant.is_some() || self.ttft_slo_ms.is_some()
+    }
+}
+
+/// The longest tenant name taken (`x-kvroute-tenant`, `tenant`).
+pub const MAX_TENANT: usize = 64;
+/// The longest time-to-first-token objective taken, ms.
+pub const MAX_TTFT_SLO_MS: u32 = 600_000;
+
+/// A request's class for flow control from what it names (`param`s name the fields for its
+/// errors): a priority within [`kvroute_core::schedule::flow::MIN_PRIORITY`] and `MAX_PRIORITY`
+/// (0 by default), a tenant of at most [`MAX_TENANT`] visible ASCII bytes (`default`), an
+/// objective of 1 to [`MAX_TTFT_SLO_MS`] ms.
+pub fn request_class(
+    priority: Option<i32>,
+    tenant: Option<&str>,
+    ttft_slo_ms: Option<u32>,
+    params: [&'static str; 3],
+) -> Result<kvroute_core::schedule::flow::RequestClass, crate::ApiError> {
+    use kvroute_core::schedule::flow::{MAX_PRIORITY, MIN_PRIORITY, RequestClass};
+    let priority = priority.unwrap_or(0);
+    if !(MIN_PRIORITY..=MAX_PRIORITY).contains(&priority) {
+        return Err(crate::ApiError::bad_request(format!(
+            "{} must be from {MIN_PRIORITY} to {MAX_PRIORITY}, not {priority}",
+            params[0]
+        ))
+        .param(params[0]));
+    }
+    let tenant = tenant.unwrap_or("default");
+    if tenant.is_empty()
+        || tenant.len() > MAX_TENANT
+        || !tenant.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(crate::ApiError::bad_request(format!(
+            "{} must be 1 to {MAX_TENANT} visible ASCII characters",
+            params[1]
+        ))
+        .param(params[1]));
+    }
+    if let Some(ms) = ttft_slo_ms.filter(|ms| !(1..=MAX_TTFT_SLO_MS).contains(ms)) {
+        return Err(crate::ApiError::bad_request(format!(
+            "{} must be from 1 to {MAX_TTFT_SLO_MS} ms, not {ms}",
+            params[2]
+        ))
+        .param(params[2]));
+    }
+    Ok(RequestClass { priority, tenant: std::sync::Arc::from(tenant), ttft_slo_ms })
 }
 
 /// The longest session key taken (`prompt_cache_key`, `x-session-id`, `session_id`).
@@ -402,11 +479,33 @@ mod tests {
             lora_name: Some("sql".into()),
             session_id: Some("s".into()),
             max_tokens: Some(64),
+            priority: Some(-1),
+            tenant: Some("team-a".into()),
+            ttft_slo_ms: Some(250),
         };
         let text = serde_json::to_string(&req).unwrap();
         assert_eq!(serde_json::from_str::<FindBestWorker>(&text).unwrap(), req);
+        let binary = FindBestWorker { exclude: Vec::new(), ..req };
+        let (query, body) = binary.to_binary().unwrap();
+        let query: BinaryQuery = serde_urlencoded::from_str(&query).unwrap();
+        assert_eq!(FindBestWorker::from_binary(query, &body).unwrap(), binary);
         let minimal: FindBestWorker =
             serde_json::from_value(json!({"local_hashes": [1], "num_tokens": 16})).unwrap();
-        assert!(minimal.exclude.is_empty());
+        assert!(minimal.exclude.is_empty() && !minimal.classed());
+    }
+
+    #[test]
+    fn a_class_is_checked_field_by_field() {
+        let params = ["p", "t", "s"];
+        let class = request_class(Some(-3), Some("team-a"), Some(250), params).unwrap();
+        assert!(class.sheddable() && &*class.tenant == "team-a");
+        assert_eq!(request_class(None, None, None, params).unwrap(), Default::default());
+        let refused = |p, t, s| request_class(p, t, s, params).unwrap_err().body().error.param;
+        assert_eq!(refused(Some(101), None, None).as_deref(), Some("p"));
+        assert_eq!(refused(None, Some("a b"), None).as_deref(), Some("t"));
+        assert_eq!(refused(None, Some(""), None).as_deref(), Some("t"));
+        let long = "x".repeat(65);
+        assert_eq!(refused(None, Some(&long), None).as_deref(), Some("t"));
+        assert_eq!(refused(None, None, Some(0)).as_deref(), Some("s"));
     }
 }

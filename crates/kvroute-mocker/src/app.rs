@@ -140,6 +140,8 @@ pub(crate) struct Submission {
     pub(crate) hold: Option<crate::holds::Reservation>,
     /// Per leading prompt block, whether the shared store holds it (filled by `arrange`).
     pub in_store: Vec<bool>,
+    /// vLLM's `priority` (lower first; refused other than 0 on an `fcfs` engine).
+    pub priority: i64,
 }
 
 /// What the engine sends back for one submission, and the guard that cancels it when dropped.
@@ -209,6 +211,14 @@ impl AppState {
         if s.tokens.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty"));
         }
+        if s.priority != 0 && config.scheduling == crate::engine::SchedulingPolicy::Fcfs {
+            // vLLM's words for it.
+            return Err(ApiError::bad_request(format!(
+                "Got priority {} but Priority scheduling is not enabled.",
+                s.priority
+            ))
+            .param("priority"));
+        }
         let needed = s.tokens.len().div_ceil(bs.tokens()) + 1;
         if needed > config.num_blocks {
             return Err(ApiError::too_large(format!(
@@ -229,6 +239,7 @@ impl AppState {
             lora: s.lora,
             handoff: s.handoff,
             in_store: s.in_store,
+            priority: s.priority,
         };
         let end = request.plan.end;
         let (outputs, mut guard) = self.engine.submit(request);
@@ -260,6 +271,7 @@ impl AppState {
             lora: s.lora.clone(),
             handoff: s.handoff,
             in_store: s.in_store.clone(),
+            priority: s.priority,
         }
     }
 }

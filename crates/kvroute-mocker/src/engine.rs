@@ -76,6 +76,32 @@ pub struct EngineConfig {
     /// pool, full attention (group 0) and a sliding window (group 1), as vLLM's hybrid
     /// allocator does ([`crate::window`]). `None`: full attention only.
     pub sliding_window: Option<u32>,
+    /// Which waiting request goes first, and which running one is preempted (vLLM's
+    /// `--scheduling-policy`).
+    pub scheduling: SchedulingPolicy,
+}
+
+/// vLLM's scheduling policies: `fcfs` (its default: arrival order; the newest running request
+/// is preempted) or `priority` (the lowest `priority` value first, then arrival; the running
+/// request with the highest value, then the latest, is preempted). An engine on `fcfs`
+/// refuses a request whose priority is not 0, as vLLM does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SchedulingPolicy {
+    #[default]
+    Fcfs,
+    Priority,
+}
+
+impl std::str::FromStr for SchedulingPolicy {
+    type Err = kvroute_core::UnknownChoice;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "fcfs" => Ok(Self::Fcfs),
+            "priority" => Ok(Self::Priority),
+            _ => Err(kvroute_core::UnknownChoice::new("scheduling policy", s, "fcfs, priority")),
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -90,6 +116,7 @@ impl Default for EngineConfig {
             host: HostConfig::default(),
             disagg: DisaggConfig::default(),
             sliding_window: None,
+            scheduling: SchedulingPolicy::Fcfs,
         }
     }
 }
@@ -116,6 +143,8 @@ pub struct EngineRequest {
     /// Per leading block of the prompt, whether the shared store held it when the engine
     /// asked ([`crate::store`]); empty without a store.
     pub in_store: Vec<bool>,
+    /// vLLM's `priority`: under the `priority` policy, lower values go first.
+    pub priority: i64,
 }
 
 impl EngineRequest {
@@ -236,6 +265,8 @@ pub struct Engine {
     loading: crate::loads::Loading,
     /// GPU blocks kept free for loading requests (`Sequence::reserved`, summed).
     reserved: usize,
+    /// Requests submitted so far: each one's arrival number.
+    arrivals: u64,
 }
 
 impl Engine {
@@ -255,7 +286,44 @@ impl Engine {
             held: FxHashMap::default(),
             loading: crate::loads::Loading::default(),
             reserved: 0,
+            arrivals: 0,
             config,
+        }
+    }
+
+    /// Puts a request back in the queue: at its head (fcfs: a preempted request, or one whose
+    /// load is done, goes first), or in its place by priority and arrival.
+    pub(crate) fn requeue(&mut self, s: Sequence) {
+        match self.config.scheduling {
+            SchedulingPolicy::Fcfs => self.waiting.push_front(s),
+            SchedulingPolicy::Priority => self.enqueue(s),
+        }
+    }
+
+    /// Adds a request to the queue: at its end (fcfs), or after every request whose
+    /// (priority, arrival) comes first.
+    fn enqueue(&mut self, s: Sequence) {
+        match self.config.scheduling {
+            SchedulingPolicy::Fcfs => self.waiting.push_back(s),
+            SchedulingPolicy::Priority => {
+                let key = (s.priority, s.arrival);
+                let at = self.waiting.partition_point(|w| (w.priority, w.arrival) <= key);
+                self.waiting.insert(at, s);
+            }
+        }
+    }
+
+    /// Which running request gives its blocks back when the cache is full: the newest
+    /// (fcfs), or the one with the highest priority value, then the latest.
+    pub(crate) fn preemption_victim(&self) -> usize {
+        match self.config.scheduling {
+            SchedulingPolicy::Fcfs => self.running.len() - 1,
+            SchedulingPolicy::Priority => self
+                .running
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, s)| (s.priority, s.arrival))
+                .map_or(0, |(i, _)| i),
         }
     }
 
@@ -334,7 +402,10 @@ impl Engine {
             let id = self.adapters.id(&l);
             (l, id)
         });
-        self.waiting.push_back(Sequence {
+        self.arrivals += 1;
+        self.enqueue(Sequence {
+            priority: req.priority,
+            arrival: self.arrivals,
             id: req.id,
             lora,
             prompt_len: req.tokens.len(),

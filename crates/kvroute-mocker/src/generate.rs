@@ -95,6 +95,7 @@ pub(crate) async fn generate(
         handoff: crate::disagg::Handoff::None,
         hold: None,
         in_store: Vec::new(),
+        priority: req.priority,
     };
     state.arrange(&leg, &mut submission).await?;
     let submitted = state.submit(submission)?;
@@ -232,13 +233,6 @@ fn served_tokens(state: &AppState, req: &GenerateRequest) -> Result<Vec<u32>, Ap
             return Err(refused("output_mode='derender' is not served by the simulated engine; use 'tokens' or 'text'").param("output_mode"));
         }
         _ => {}
-    }
-    if req.priority != 0 {
-        return Err(refused(format!(
-            "priority {} needs priority scheduling, which this engine does not use",
-            req.priority
-        ))
-        .param("priority"));
     }
     let vocab = i64::try_from(state.preprocessor.vocab_size()).unwrap_or(i64::MAX);
     if let Some(&max) = req.token_ids.iter().max().filter(|&&m| m >= vocab) {

@@ -84,6 +84,7 @@ async fn chat(
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         ignore_eos: req.ignore_eos,
         cache_salt: req.cache_salt,
+        priority: req.priority,
         logprobs,
         lora,
         leg: crate::handoff::leg(&body, state.engine.config.disagg.role)?,
@@ -107,6 +108,7 @@ async fn completions(
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         ignore_eos: req.ignore_eos,
         cache_salt: req.cache_salt,
+        priority: req.priority,
         logprobs: None,
         lora,
         leg: crate::handoff::leg(&body, state.engine.config.disagg.role)?,
@@ -123,6 +125,8 @@ struct Ask {
     include_usage: bool,
     ignore_eos: bool,
     cache_salt: Option<String>,
+    /// vLLM's `priority` (lower first).
+    priority: i64,
     /// Chat's `logprobs: true`, with this many alternatives per token (simulated).
     logprobs: Option<u32>,
     lora: Option<String>,
@@ -142,6 +146,7 @@ async fn generate(
         include_usage,
         ignore_eos,
         cache_salt,
+        priority,
         logprobs,
         lora,
         leg,
@@ -173,6 +178,7 @@ async fn generate(
         handoff: crate::disagg::Handoff::None,
         hold: None,
         in_store: Vec::new(),
+        priority,
     };
     state.arrange(&leg, &mut submission).await?;
     let Submitted { outputs, guard, end } = state.submit(submission)?;

@@ -36,7 +36,7 @@ pub mod window;
 pub use disagg::{DisaggConfig, Handoff, LoadFailurePolicy, Role, TransferTiming};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, Output, OutputPlan,
-    Step, Usage,
+    SchedulingPolicy, Step, Usage,
 };
 pub use handoff::Peers;
 pub use kvroute_preprocess::fetch::FetchConfig;

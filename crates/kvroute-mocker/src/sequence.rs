@@ -96,6 +96,9 @@ pub(crate) struct Sequence {
     /// Dynamo's mocker reserves them; above 0 exactly while its load is running or done and
     /// it is not yet admitted (admitting it then takes no more time for the load).
     pub(crate) reserved: usize,
+    /// vLLM's `priority` (lower first under the `priority` policy) and its arrival number.
+    pub(crate) priority: i64,
+    pub(crate) arrival: u64,
 }
 
 impl Sequence {

@@ -145,6 +145,8 @@ async fn admit(
         handoff: crate::disagg::Handoff::None,
         hold: None,
         in_store: Vec::new(),
+        // SGLang's priority goes first when higher (its default); the engine's, when lower.
+        priority: req.priority.map_or(0, i64::saturating_neg),
     };
     state.arrange(leg, &mut submission).await.map_err(|e| Refused::Engine(Box::new(e)))?;
     let submitted = state.submit(submission).map_err(|e| Refused::Engine(Box::new(e)))?;

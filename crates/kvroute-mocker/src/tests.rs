@@ -32,7 +32,58 @@ fn request(id: &str, tokens: Vec<u32>, max_tokens: usize) -> EngineRequest {
         lora: None,
         handoff: Handoff::None,
         in_store: Vec::new(),
+        priority: 0,
     }
+}
+
+/// The order in which requests got their first token.
+fn first_tokens(steps: &[Step]) -> Vec<String> {
+    steps
+        .iter()
+        .flat_map(|s| &s.outputs)
+        .filter_map(|o| match o {
+            Output::FirstToken { id, .. } => Some(id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_priority_policy_runs_the_lowest_value_first_and_fcfs_runs_arrivals_in_order() {
+    for (scheduling, order) in [
+        (crate::SchedulingPolicy::Fcfs, ["a", "b", "c", "d"]),
+        (crate::SchedulingPolicy::Priority, ["b", "d", "a", "c"]),
+    ] {
+        // One request at a time, so the queue's order is the order they run.
+        let mut engine = Engine::new(EngineConfig { max_num_seqs: 1, scheduling, ..config(200) });
+        for (k, (id, priority)) in [("a", 5), ("b", -2), ("c", 5), ("d", 0)].into_iter().enumerate()
+        {
+            let tokens = (0..20).map(|t| 100 * k as u32 + t).collect();
+            let priority = if scheduling == crate::SchedulingPolicy::Fcfs { 0 } else { priority };
+            engine.submit(EngineRequest { priority, ..request(id, tokens, 2) }).unwrap();
+        }
+        assert_eq!(first_tokens(&run(&mut engine)), order, "{scheduling:?}");
+    }
+}
+
+#[test]
+fn under_the_priority_policy_the_least_urgent_running_request_is_preempted() {
+    // Room for the two prompts and little more: as they grow, one must give its blocks back.
+    let mut engine =
+        Engine::new(EngineConfig { scheduling: crate::SchedulingPolicy::Priority, ..config(6) });
+    let urgent = (0..32).collect();
+    let lax = (1000..1032).collect();
+    engine.submit(EngineRequest { priority: 9, ..request("lax", lax, 30) }).unwrap();
+    engine.submit(EngineRequest { priority: 1, ..request("urgent", urgent, 30) }).unwrap();
+    let steps = run(&mut engine);
+    let done = |id: &str| {
+        steps.iter().position(|s| {
+            s.outputs.iter().any(|o| matches!(o, Output::Token { id: i, index: 29, .. } if i == id))
+        })
+    };
+    // Arrived first, the lax one is preempted for the urgent one, which ends first.
+    assert!(engine.stats().preemptions > 0);
+    assert!(done("urgent").unwrap() < done("lax").unwrap());
 }
 
 /// The tokens `id` generated, in order.
@@ -195,6 +246,7 @@ fn image_blocks_carry_the_identifier() {
             lora: None,
             handoff: Handoff::None,
             in_store: Vec::new(),
+            priority: 0,
         })
         .unwrap();
     let events = events(&run(&mut engine));

@@ -141,11 +141,8 @@ impl<S: Send + Sync> FromRequest<S> for EitherForm {
     }
 }
 
-async fn find_best_worker(
-    State(api): ApiState,
-    EitherForm(req): EitherForm,
-) -> Result<Json<BestWorker>, ApiError> {
-    let state = &api.state;
+/// A `find_best_worker` request's fields, checked before anything is placed.
+fn check_find(req: &FindBestWorker) -> Result<(), ApiError> {
     if let Some(id) = &req.request_id {
         check_request_id(id)?;
     }
@@ -177,6 +174,15 @@ async fn find_best_worker(
         ))
         .param("lora_name"));
     }
+    Ok(())
+}
+
+async fn find_best_worker(
+    State(api): ApiState,
+    EitherForm(req): EitherForm,
+) -> Result<Json<BestWorker>, ApiError> {
+    let state = &api.state;
+    check_find(&req)?;
     let local: Vec<LocalBlockHash> = req.local_hashes.iter().copied().map(LocalBlockHash).collect();
     let placement = PlaceRequest {
         local_hashes: &local,
@@ -190,9 +196,18 @@ async fn find_best_worker(
         output_tokens: req.max_tokens.map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX)),
     };
     let unknown = || ApiError::unavailable("no workers are known");
-    let (decision, prefill) = match state.placing().disaggregated() {
+    let pair_fleet = state.placing().disaggregated();
+    let admitted = match (&req.request_id, req.classed()) {
+        (Some(id), true) => Some(admit(state, &req, id, &placement, pair_fleet).await?),
+        _ => None,
+    };
+    let (decision, prefill) = match pair_fleet {
         true => {
-            let pair = state.place_pair(&placement).ok_or_else(unknown)?;
+            let pair = match admitted {
+                Some(crate::state::flow::Placed::Pair(pair)) => pair,
+                _ => state.place_pair(&placement),
+            };
+            let pair = pair.ok_or_else(unknown)?;
             let prefill = pair.prefill.map(|p| PrefillWorker {
                 worker_id: p.worker.worker_id,
                 dp_rank: p.worker.dp_rank,
@@ -202,7 +217,13 @@ async fn find_best_worker(
             });
             (pair.decode, prefill)
         }
-        false => (state.place(&placement).ok_or_else(unknown)?.0, None),
+        false => {
+            let one = match admitted {
+                Some(crate::state::flow::Placed::One(one)) => one,
+                _ => state.place(&placement).map(|(d, _)| d),
+            };
+            (one.ok_or_else(unknown)?, None)
+        }
     };
     let bs = state.config.block_size.tokens();
     Ok(Json(BestWorker {
@@ -216,6 +237,34 @@ async fn find_best_worker(
         tier_blocks: decision.tier_blocks,
         prefill,
     }))
+}
+
+/// A request that names its class goes through flow control: its answer may wait until a
+/// worker can take it, or be a refusal with `Retry-After`.
+async fn admit(
+    state: &crate::RouterState,
+    req: &FindBestWorker,
+    id: &str,
+    p: &PlaceRequest<'_>,
+    pair: bool,
+) -> Result<crate::state::flow::Placed, ApiError> {
+    let class = router_api::request_class(
+        req.priority,
+        req.tenant.as_deref(),
+        req.ttft_slo_ms,
+        ["priority", "tenant", "ttft_slo_ms"],
+    )?;
+    let ask = crate::state::flow::Ask {
+        id: id.to_owned(),
+        local_hashes: p.local_hashes.to_vec(),
+        num_tokens: p.num_tokens,
+        exclude: p.exclude.to_vec(),
+        adapter: p.adapter.map(str::to_owned),
+        session: p.session.map(str::to_owned),
+        output_tokens: p.output_tokens,
+        pair,
+    };
+    state.admit(class, ask).await.map_err(crate::state::flow::Refusal::into_api_error)
 }
 
 /// `?timed=false`: the answer was not streamed, its first bytes are not its first token.

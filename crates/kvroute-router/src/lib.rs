@@ -102,6 +102,21 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
             }
         }
     }));
+    if state.config.scheduler.flow.enabled {
+        // Deadlines, and what time alone frees (a step's end the router cannot see, a
+        // correction returning to the fleet's): the queues are looked at every 50 ms too.
+        let flow = Arc::clone(state);
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut reported = state::flow::Reported::default();
+            loop {
+                tick.tick().await;
+                state::flow::release(&flow);
+                state::flow::report(&flow, &mut reported);
+            }
+        }));
+    }
     Ok(Tasks::new(tasks, plane))
 }
 

@@ -11,6 +11,9 @@ use kvroute_http::metrics::{
 };
 use kvroute_wire::ConvertStats;
 
+mod flow;
+pub use flow::{FLOW_REQUESTS, FLOW_WAIT_SECONDS, FLOW_WAITING, FlowMetrics, FlowOutcome};
+
 pub const EVENTS: &str = "kvroute_router_events";
 pub const REJECTED: &str = "kvroute_router_events_rejected";
 pub const GAPS: &str = "kvroute_router_event_gaps";
@@ -240,6 +243,7 @@ pub struct Metrics {
     ttft_predicted: Family<WorkerLabels, Histogram>,
     ttft_observed: Family<WorkerLabels, Histogram>,
     pub ttft_correction: Family<WorkerLabels, kvroute_http::metrics::FloatGauge>,
+    pub flow_metrics: FlowMetrics,
 }
 
 impl Default for Metrics {
@@ -276,6 +280,7 @@ impl Metrics {
             ttft_predicted: Family::new_with_constructor(|| Histogram::new(TTFT_BUCKETS)),
             ttft_observed: Family::new_with_constructor(|| Histogram::new(TTFT_BUCKETS)),
             ttft_correction: Family::default(),
+            flow_metrics: FlowMetrics::new(),
             worker_ready: Family::default(),
             worker_blocks: Family::default(),
             worker_tier_blocks: Family::default(),
@@ -416,6 +421,7 @@ impl Metrics {
         );
         m.register_first_tokens(&mut r);
         m.register_replicas(&mut r);
+        m.flow_metrics.register(&mut r);
         Self { registry: r, ..m }
     }
 

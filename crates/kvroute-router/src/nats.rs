@@ -177,12 +177,15 @@ async fn send_decisions(client: Client, config: NatsConfig, mut rx: mpsc::Receiv
             Ok(_) => {}
             Err(_) => buf.push(SyncMessage::Heartbeat),
         }
-        let batch =
-            SyncBatch { replica: config.replica.clone(), messages: std::mem::take(&mut buf) };
-        if let Err(err) = client.publish(subject.clone(), encode_sync(&batch).into()).await {
-            tracing::debug!(%err, "NATS: decisions not sent");
+        // Queue reports go alone: a replica older than them refuses their batch whole.
+        let (queues, decisions): (Vec<_>, Vec<_>) =
+            buf.drain(..).partition(|m| matches!(m, SyncMessage::Queues { .. }));
+        for messages in [decisions, queues].into_iter().filter(|m| !m.is_empty()) {
+            let batch = SyncBatch { replica: config.replica.clone(), messages };
+            if let Err(err) = client.publish(subject.clone(), encode_sync(&batch).into()).await {
+                tracing::debug!(%err, "NATS: decisions not sent");
+            }
         }
-        buf = batch.messages;
     }
 }
 
@@ -306,6 +309,7 @@ impl Peers {
                     }
                 }
                 SyncMessage::Heartbeat => {}
+                SyncMessage::Queues { bands } => state.flow().peer_report(&batch.replica, bands),
             }
         }
     }

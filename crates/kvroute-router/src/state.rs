@@ -37,6 +37,7 @@ use crate::metrics::{BlocksLabels, Metrics, TierLabels, WorkerIdLabels, WorkerLa
 mod answers;
 mod events;
 mod fleet;
+pub mod flow;
 mod placing;
 
 pub use answers::SelfChecks;
@@ -74,6 +75,8 @@ pub struct RouterState {
     placing: Placing,
     fleet: Fleet,
     checks: SelfChecks,
+    /// Flow control's queues ([`flow`]); their lock comes before the scheduler's.
+    flow: flow::Flow,
     /// Replica sync and the event stream, when NATS is configured (set once it starts).
     nats: OnceLock<NatsLinks>,
     /// What every ZMQ socket of the router may receive; refusals count in `metrics`.
@@ -93,6 +96,7 @@ impl RouterState {
             placing: Placing::new(&config),
             fleet: Fleet::new(&config),
             checks: SelfChecks::default(),
+            flow: flow::Flow::new(config.scheduler.flow),
             nats: OnceLock::new(),
             config,
         };
@@ -124,6 +128,11 @@ impl RouterState {
     /// Predictions against answers.
     pub fn checks(&self) -> &SelfChecks {
         &self.checks
+    }
+
+    /// Flow control's queues.
+    pub fn flow(&self) -> &flow::Flow {
+        &self.flow
     }
 
     /// Records a worker's parity probe. A failure (with its cause) makes its events untrusted:

@@ -58,7 +58,14 @@ pub enum SyncMessage {
     Freed { id: String },
     /// Nothing routed for a while; the replica is alive.
     Heartbeat,
+    /// The requests flow control holds waiting at the replica, per priority (highest first;
+    /// empty when none wait): peers admit no request of a lower priority while these wait.
+    /// Sent in a batch of its own, which a replica older than the message refuses whole.
+    Queues { bands: Vec<(i32, u32)> },
 }
+
+/// Most priorities a queue report names (kvroute's priorities run from -100 to 100).
+pub const MAX_SYNC_BANDS: usize = 201;
 
 impl SyncMessage {
     fn check(&self) -> Result<(), WireError> {
@@ -74,6 +81,12 @@ impl SyncMessage {
             }
             Self::PrefillDone { id } | Self::Freed { id } => id,
             Self::Heartbeat => return Ok(()),
+            Self::Queues { bands } => {
+                return match bands.len() > MAX_SYNC_BANDS {
+                    true => Err(WireError::Shape("too many priorities in a queue report")),
+                    false => Ok(()),
+                };
+            }
         };
         match id.len() {
             0 => Err(WireError::Shape("empty request id")),

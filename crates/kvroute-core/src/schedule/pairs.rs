@@ -372,7 +372,7 @@ impl Scheduler {
             if !decodes.is_empty() {
                 all.retain(|c| c.role != Role::Prefill);
             }
-            let decision = self.route_among(request, &mut all, now);
+            let decision = self.route_among(request, &mut all, now, None).unwrap_or(None);
             self.scratch = all;
             if decision.is_some() && request.id.is_some() && !decodes.is_empty() {
                 self.pair_counts.record(false);

@@ -114,6 +114,16 @@ impl PredictedPolicy {
         self.model.ttft_ms(&situation(&self.kv, request, c))
     }
 
+    /// What the engine model, corrected, predicts of `request` on `c`, ms: its wait before
+    /// its own prefill starts (the prompts queued ahead, a step under way, memory to free)
+    /// and its first token.
+    pub fn wait_and_ttft_ms(&self, request: &RequestInfo, c: &Candidate) -> (f64, f64) {
+        let s = situation(&self.kv, request, c);
+        let ahead = Situation { own_tokens: 0, load_ms: 0.0, ..s };
+        let f = factor(c);
+        (f * self.model.ttft_ms(&ahead), f * self.model.ttft_ms(&s))
+    }
+
     /// Each candidate's cost, seconds (the module's formula).
     pub fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Vec<f64> {
         let (kv, m) = (&self.kv, &self.model);

@@ -21,6 +21,9 @@ pub(super) struct StepState {
     pub(super) preempted_any: bool,
     /// Adapter activations and synchronous tier loads: they hold up the step.
     pub(super) lora_time: Duration,
+    /// Running requests before the one being scheduled that were preempted for it (the
+    /// `priority` policy may take an earlier one): its position moved back by as many.
+    pub(super) shifted: usize,
 }
 
 /// What a step scheduled for one request.
@@ -51,7 +54,7 @@ impl Engine {
         }
         // Requests whose loads are done go back to the front of the queue, in order.
         for s in self.loading.take_done(self.clock).into_iter().rev() {
-            self.waiting.push_front(s);
+            self.requeue(s);
         }
         let mut st = StepState {
             budget: self.config.max_batched_tokens,
@@ -59,6 +62,7 @@ impl Engine {
             work: vec![None; self.running.len()],
             preempted_any: false,
             lora_time: Duration::ZERO,
+            shifted: 0,
         };
         // 1. Running requests, in order; 2. waiting ones, first come first served.
         self.continue_running(&mut st);
@@ -87,7 +91,9 @@ impl Engine {
         while i < self.running.len() && st.budget > 0 {
             let s = &self.running[i];
             let n = (s.len() - s.computed).min(st.budget);
-            match self.schedule_in(i, n, st) {
+            let outcome = self.schedule_in(i, n, st);
+            i -= std::mem::take(&mut st.shifted);
+            match outcome {
                 Scheduled::Yes => i += 1,
                 Scheduled::Preempted => {}
                 Scheduled::Blocked => break,
@@ -200,8 +206,8 @@ impl Engine {
 
     /// [`Engine::schedule`] with the step's state.
     pub(super) fn schedule_in(&mut self, i: usize, n: usize, st: &mut StepState) -> Scheduled {
-        let StepState { work, budget, events, preempted_any, .. } = st;
-        self.schedule(i, n, work, budget, events, preempted_any)
+        let StepState { work, budget, events, preempted_any, shifted, .. } = st;
+        self.schedule(i, n, work, budget, events, (preempted_any, shifted))
     }
 
     /// A step's third phase: its time, from the prefills, the decodes and the adapters it
@@ -256,8 +262,9 @@ impl Engine {
         work: &mut Vec<Option<Work>>,
         budget: &mut usize,
         events: &mut Events,
-        preempted_any: &mut bool,
+        (preempted_any, shifted): (&mut bool, &mut usize),
     ) -> Scheduled {
+        let mut i = i;
         let bs = self.config.block_size.tokens();
         if n == 0 {
             return Scheduled::Blocked;
@@ -282,8 +289,9 @@ impl Engine {
                 s.window.extend(std::iter::repeat_n(Block::Private, window_needed));
                 break;
             }
-            // No room: the newest running request gives its blocks back.
-            let victim = self.running.len() - 1;
+            // No room: the newest running request (or, by priority, the least urgent) gives
+            // its blocks back.
+            let victim = self.preemption_victim();
             let mut v = self.running.remove(victim);
             v.release(&mut self.cache);
             self.stats.preemptions += 1;
@@ -291,9 +299,13 @@ impl Engine {
             if let Some(undone) = work.remove(victim) {
                 *budget += undone.tokens;
             }
-            self.waiting.push_front(v);
+            self.requeue(v);
             if victim == i {
                 return Scheduled::Preempted;
+            }
+            if victim < i {
+                i -= 1;
+                *shifted += 1;
             }
         }
         let s = &mut self.running[i];

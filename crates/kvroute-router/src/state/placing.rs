@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use kvroute_core::index::{ApproxTracker, OverlapScores, ShardedIndex};
 use kvroute_core::schedule::adapters::WorkerAdapters;
+use kvroute_core::schedule::flow::{Gate, Outlook};
 use kvroute_core::schedule::pairs::{PairCounts, prefill_leg_id};
 use kvroute_core::schedule::{
     AffinityCounts, DecisionRecord, PairDecision, RequestBlocks, RouteDecision, RouteRequest,
@@ -222,6 +223,7 @@ impl RouterState {
         if let Some(nats) = self.nats.get() {
             nats.send(&self.metrics, SyncMessage::PrefillDone { id: request_id.to_owned() });
         }
+        super::flow::release(self);
     }
 
     /// Returns whether the request was in flight.
@@ -230,6 +232,7 @@ impl RouterState {
         if let (true, Some(nats)) = (tracked, self.nats.get()) {
             nats.send(&self.metrics, SyncMessage::Freed { id: request_id.to_owned() });
         }
+        super::flow::release(self);
         tracked
     }
 
@@ -244,7 +247,48 @@ impl RouterState {
             self.placing.scheduler().set_ready(worker, ready);
         }
         self.fleet.signal();
+        super::flow::release(self);
     }
+}
+
+/// [`RouterState::place`] through flow control's gate: only a worker that can take the
+/// request now ([`Scheduler::route_gated`]); the fleet's best offer when none can.
+pub(super) fn place_gated(
+    state: &RouterState,
+    p: &PlaceRequest<'_>,
+    gate: &Gate,
+) -> Result<Option<RouteDecision>, Outlook> {
+    let start = Instant::now();
+    let (scores, sequence) = scores_for(state, p);
+    let request = route_request(p, &sequence);
+    let decision = state.placing.scheduler().route_gated(
+        &request,
+        &scores,
+        &state.index,
+        start,
+        Some(gate),
+    )?;
+    if let Some(d) = &decision {
+        placed(state, p.request_id, d, p, start);
+    }
+    Ok(decision)
+}
+
+/// [`RouterState::place_pair`] when the gate lets the fleet's best offer through (any worker
+/// of either pool; the pair is then chosen as always).
+pub(super) fn place_pair_gated(
+    state: &RouterState,
+    p: &PlaceRequest<'_>,
+    gate: &Gate,
+) -> Result<Option<PairDecision>, Outlook> {
+    let start = Instant::now();
+    let (scores, sequence) = scores_for(state, p);
+    let request = route_request(p, &sequence);
+    let outlook = state.placing.scheduler().outlook(&request, &scores, &state.index, start);
+    if let Some(o) = outlook.filter(|o| !gate.admits(o.wait_ms, o.ttft_ms)) {
+        return Err(o);
+    }
+    Ok(state.place_pair(p))
 }
 
 /// The index's scores of a request (a drifted worker's halved), and its chained hashes when

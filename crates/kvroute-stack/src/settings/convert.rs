@@ -57,6 +57,7 @@ impl Settings {
                 adapters: Vec::new(),
                 load_adapters: Some(front_door.load_adapters),
                 trust_transfer_fields: Some(front_door.trust_transfer_fields),
+                engine_priority: Some(front_door.engine_priority),
                 status_sample_ms: Some(front_door.status_every.as_millis() as u64),
             },
             blocks: Blocks { block_size: Some(BlockSize::default().get()) },
@@ -85,6 +86,13 @@ impl Settings {
                 session_ttl: Some(scheduler.sessions.ttl.as_secs_f64()),
                 session_margin: Some(scheduler.sessions.margin_s),
                 max_sessions: Some(scheduler.sessions.capacity),
+                flow_control: Some(scheduler.flow.enabled),
+                max_engine_wait_ms: Some(scheduler.flow.max_engine_wait_ms),
+                max_queued: Some(scheduler.flow.max_queued),
+                max_queued_per_tenant: Some(scheduler.flow.max_queued_per_tenant),
+                max_queued_bytes: Some(scheduler.flow.max_queued_bytes),
+                max_queue_wait_ms: Some(scheduler.flow.max_wait_ms),
+                queue_sheddable: Some(!scheduler.flow.shed_at_once),
             },
             nats: Nats {
                 nats_prefix: Some(kvroute_router::nats::DEFAULT_PREFIX.to_owned()),
@@ -124,6 +132,7 @@ impl Settings {
                 num_store_blocks: Some(0),
                 store_bandwidth_gbps: Some(engine.host.store_gbps),
                 tier_loads: Some(engine.host.loads),
+                scheduling_policy: Some(engine.scheduling),
                 kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
                 kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
                 kv_transfer_bandwidth_across_nodes: None,
@@ -351,6 +360,18 @@ impl Settings {
             },
             capacity: r.max_sessions.unwrap_or(sd.capacity),
         };
+        let f = &mut s.flow;
+        f.enabled = r.flow_control.unwrap_or(f.enabled);
+        f.max_engine_wait_ms = match r.max_engine_wait_ms {
+            Some(ms) if ms.is_finite() && ms >= 0.0 => ms,
+            Some(_) => return Err(Invalid::Negative("max_engine_wait_ms").into()),
+            None => f.max_engine_wait_ms,
+        };
+        f.max_queued = r.max_queued.unwrap_or(f.max_queued);
+        f.max_queued_per_tenant = r.max_queued_per_tenant.unwrap_or(f.max_queued_per_tenant);
+        f.max_queued_bytes = r.max_queued_bytes.unwrap_or(f.max_queued_bytes);
+        f.max_wait_ms = r.max_queue_wait_ms.unwrap_or(f.max_wait_ms);
+        f.shed_at_once = r.queue_sheddable.map_or(f.shed_at_once, |queue| !queue);
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
             return Err(Invalid::Temperature.into());
         }
@@ -423,6 +444,7 @@ impl Settings {
             host: self.host_config()?,
             disagg: self.disagg_config()?,
             sliding_window: self.sliding_window()?,
+            scheduling: e.scheduling_policy.unwrap_or(d.scheduling),
         };
         if engine.sliding_window.is_some() && engine.host.num_blocks > 0 {
             return Err(Invalid::HybridWith("host memory (--num-host-blocks)").into());
@@ -562,6 +584,9 @@ impl Settings {
             parity_probe: f.parity_probe.unwrap_or(d.parity_probe),
             load_adapters: f.load_adapters.unwrap_or(d.load_adapters),
             trust_transfer_fields: f.trust_transfer_fields.unwrap_or(d.trust_transfer_fields),
+            engine_priority: f.engine_priority.unwrap_or(
+                self.engine.scheduling_policy == Some(kvroute_mocker::SchedulingPolicy::Priority),
+            ),
             status_every: match f.status_sample_ms {
                 Some(0) => return Err(Invalid::AtLeastOne("status_sample_ms").into()),
                 Some(ms) => Duration::from_millis(ms),

@@ -120,6 +120,13 @@ pub struct FrontDoor {
     /// make an engine call an address and take KV from it (docs/security.md).
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub trust_transfer_fields: Option<bool>,
+    /// Tell the engines each request's priority in their own field (vLLM's priority, lower
+    /// first; SGLang's, higher first), from x-kvroute-priority. The engines must schedule by
+    /// priority (vLLM --scheduling-policy priority, SGLang --enable-priority-scheduling): an
+    /// engine on first-come-first-served refuses a priority other than 0. On by default when
+    /// the simulated engines run --scheduling-policy priority.
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub engine_priority: Option<bool>,
     /// How often the status page's history samples the router's counters, in milliseconds;
     /// it keeps the last 300 samples (5 minutes at the default), which /ui draws when opened.
     #[arg(long)]
@@ -246,6 +253,33 @@ pub struct Routing {
     /// Sessions remembered at most; past it the least recently seen is forgotten.
     #[arg(long)]
     pub max_sessions: Option<usize>,
+    /// Turn flow control off: every request is placed at once, however saturated the fleet.
+    /// On, a request waits at the router while no worker can take it (priority from
+    /// x-kvroute-priority, tenant from the API key or x-kvroute-tenant, objective from
+    /// x-kvroute-ttft-slo-ms; docs/routing.md, "Overload"). In a file: flow_control = false.
+    #[arg(long = "no-flow-control", num_args = 0, default_missing_value = "true", value_parser = negated())]
+    pub flow_control: Option<bool>,
+    /// A worker can take a request without an objective while the engine model predicts its
+    /// wait there, before its own prefill, within this many milliseconds.
+    #[arg(long)]
+    pub max_engine_wait_ms: Option<f64>,
+    /// Requests that may wait at the router, per priority; past it, 429.
+    #[arg(long)]
+    pub max_queued: Option<usize>,
+    /// Requests one tenant may have waiting, per priority; past it, 429.
+    #[arg(long)]
+    pub max_queued_per_tenant: Option<usize>,
+    /// Bytes the waiting requests may hold in all; past it, 429.
+    #[arg(long)]
+    pub max_queued_bytes: Option<usize>,
+    /// Longest a request waits at the router, ms (one with an objective: until the objective
+    /// has passed); then 503 (429 if sheddable), with Retry-After.
+    #[arg(long)]
+    pub max_queue_wait_ms: Option<u64>,
+    /// Keep sheddable requests (priority below 0) waiting like others when the fleet is
+    /// saturated, instead of refusing them at once with 429.
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub queue_sheddable: Option<bool>,
 }
 
 /// A front door's remote router (`kvroute frontend`).
@@ -422,6 +456,11 @@ pub struct Engine {
     /// batch waits for) (docs/mocker.md, "Host memory").
     #[arg(long)]
     pub tier_loads: Option<kvroute_mocker::TierLoads>,
+    /// Which waiting request the simulated engine runs first: fcfs (arrival order, vLLM's
+    /// default) or priority (a request's priority, lower first, then arrival; the least
+    /// urgent running request is preempted first), as vLLM's --scheduling-policy.
+    #[arg(long)]
+    pub scheduling_policy: Option<kvroute_mocker::SchedulingPolicy>,
     /// KV bytes per token, the size of a block's load (2 x layers x KV heads x head size x
     /// bytes per value).
     #[arg(long)]
