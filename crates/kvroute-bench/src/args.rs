@@ -28,6 +28,36 @@ pub struct BenchArgs {
     /// (workloads, policies, sizes, speedup; no approximate runs) over any given.
     #[arg(long, env = "KVROUTE_BENCH_QUICK")]
     pub quick: bool,
+    /// The overload bench instead (docs/bench/overload.md): interactive (short prompts on a
+    /// tenant's shared prefix, TTFT objective 250 ms, priority 10), standard (priority 0) and
+    /// batch (long prompts, sheddable: priority -1) requests from 4 tenants, one of which
+    /// sends 10x its share, offered at --overload-loads times the fleet's measured capacity;
+    /// each load with flow control and without it, and at the highest load the dynamo policy
+    /// with Dynamo's busy thresholds and round-robin, and flow control without the heavy
+    /// tenant. Writes overload.md and overload.json.
+    #[arg(long, env = "KVROUTE_BENCH_OVERLOAD")]
+    pub overload: bool,
+    /// With --overload: the offered loads, as multiples of the measured capacity.
+    #[arg(long, value_delimiter = ',', default_value = "0.5,1,1.5,3")]
+    pub overload_loads: Vec<f64>,
+    /// With --overload: seconds of arrivals per run.
+    #[arg(long, default_value_t = 30.0)]
+    pub overload_seconds: f64,
+    /// With --overload: run flow control alone (and without the heavy tenant at the highest
+    /// load), not the comparisons without it (a shorter look while tuning).
+    #[arg(long)]
+    pub overload_flow_only: bool,
+    /// With --overload: the fleet's capacity in requests per second of the overload mix
+    /// (measured first when not given: the rate answered when offered far more, without flow
+    /// control).
+    #[arg(long)]
+    pub capacity: Option<f64>,
+    /// Flow control's --max-engine-wait-ms in the runs that have it (default: the router's).
+    #[arg(long)]
+    pub max_engine_wait_ms: Option<f64>,
+    /// Turn the router's flow control off in every run (today's behaviour before it existed).
+    #[arg(long, env = "KVROUTE_BENCH_NO_FLOW_CONTROL")]
+    pub no_flow_control: bool,
     /// Routing policies compared (self-contained mode). Default:
     /// kv,dynamo,round-robin,random,least-loaded (with --slo-ttft-p99: kv,dynamo,round-robin).
     #[arg(long, env = "KVROUTE_BENCH_POLICIES", value_delimiter = ',')]
@@ -399,6 +429,9 @@ impl BenchArgs {
             pd_cost: self.pd_cost.clone(),
             kv_cost: self.kv_cost.clone(),
             pd_baseline: None,
+            flow: self.flow_config(),
+            engine_priority: false,
+            refuse_when_busy: None,
         }
     }
 
@@ -430,6 +463,16 @@ impl BenchArgs {
         }
     }
 
+    /// The router's flow control in these runs.
+    pub fn flow_config(&self) -> kvroute_core::schedule::flow::FlowConfig {
+        let d = kvroute_core::schedule::flow::FlowConfig::default();
+        kvroute_core::schedule::flow::FlowConfig {
+            enabled: !self.no_flow_control,
+            max_engine_wait_ms: self.max_engine_wait_ms.unwrap_or(d.max_engine_wait_ms),
+            ..d
+        }
+    }
+
     /// The arrival rate a workload runs at by default (the goodput search starts there).
     pub fn default_rate(&self, kind: WorkloadKind, preprocessor: &Preprocessor) -> f64 {
         match kind {
@@ -439,6 +482,7 @@ impl BenchArgs {
             WorkloadKind::Multimodal => self.multimodal_rate,
             WorkloadKind::Random => self.random_rate,
             WorkloadKind::LongPrompt => self.long_rate,
+            WorkloadKind::Overload => 1.0,
             WorkloadKind::Trace => match self.workload(kind, None, preprocessor) {
                 Ok(w) => {
                     let last = w.requests.iter().filter_map(|r| match r.start {
@@ -616,6 +660,9 @@ impl BenchArgs {
                 ..Multimodal::default()
             }
             .generate(self.seed, bs, self.warmup, preprocessor)?,
+            WorkloadKind::Overload => {
+                crate::overload::workload(self.seed, rate.unwrap_or(1.0), 30.0, true, bs)
+            }
             WorkloadKind::LongPrompt => workload::LongPrompts {
                 requests: self.long_requests,
                 documents: self.long_documents,

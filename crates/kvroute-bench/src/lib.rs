@@ -10,6 +10,7 @@
 
 mod args;
 pub mod goodput;
+pub mod overload;
 pub mod plot;
 pub mod report;
 pub mod run;
@@ -99,6 +100,11 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
     );
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
+    if args.overload {
+        let report = overload::bench(args, &preprocessor)?;
+        let summary = std::fs::read_to_string(&report).unwrap_or_default();
+        return Ok(Finished { report, summary });
+    }
     let targets: Vec<(String, Target)> = match &args.target {
         Some(url) => vec![(
             args.label.clone().unwrap_or_else(|| "target".to_owned()),

@@ -114,7 +114,10 @@ pub fn check_targets(results: &[WorkloadResult]) -> Vec<TargetCheck> {
             }
             WorkloadKind::MultiLora => adapter_targets(&mut out, &name, r),
             WorkloadKind::Sessions => session_targets(&mut out, &name, r, results),
-            WorkloadKind::Random | WorkloadKind::Trace | WorkloadKind::LongPrompt => {}
+            WorkloadKind::Random
+            | WorkloadKind::Trace
+            | WorkloadKind::LongPrompt
+            | WorkloadKind::Overload => {}
         }
     }
     out

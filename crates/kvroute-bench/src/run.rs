@@ -153,6 +153,10 @@ pub async fn start_fleet(
                     ..kvroute_mocker::DisaggConfig::default()
                 },
                 sliding_window,
+                scheduling: match fleet.engine_priority {
+                    true => kvroute_mocker::SchedulingPolicy::Priority,
+                    false => kvroute_mocker::SchedulingPolicy::Fcfs,
+                },
                 ..EngineConfig::default()
             },
             lora_modules: fleet.adapters.iter().map(|a| (a.clone(), None)).collect(),
@@ -198,7 +202,11 @@ fn front_door(router: RouterConfig, fleet: &FleetConfig) -> StackConfig {
         router,
         model_path: fleet.model_path.clone(),
         // The predictions are part of the report.
-        front_door: FrontDoorOptions { expose_overlap: true, ..FrontDoorOptions::default() },
+        front_door: FrontDoorOptions {
+            expose_overlap: true,
+            engine_priority: fleet.engine_priority,
+            ..FrontDoorOptions::default()
+        },
         ..StackConfig::default()
     }
 }
@@ -393,6 +401,12 @@ async fn drive(
         [base] => ttft_error(&client, base).await,
         _ => None,
     };
+    let mut flow = std::collections::BTreeMap::new();
+    for base in &driver.bases {
+        for (outcome, n) in flow_outcomes(&client, base).await {
+            *flow.entry(outcome).or_insert(0.0) += n;
+        }
+    }
     Ok(RunData {
         label: label.to_owned(),
         records,
@@ -402,7 +416,27 @@ async fn drive(
         wall_secs,
         drifts,
         ttft_error,
+        flow,
     })
+}
+
+/// What a kvroute front door's flow control did, by outcome (its `/metrics`).
+async fn flow_outcomes(client: &HttpClient, base: &str) -> Vec<(String, f64)> {
+    let url = format!("{}/metrics", base.trim_end_matches('/'));
+    let Ok(Ok((status, body))) =
+        tokio::time::timeout(Duration::from_secs(5), client.get(&url)).await
+    else {
+        return Vec::new();
+    };
+    let text = std::str::from_utf8(&body).ok().filter(|_| status.is_success()).unwrap_or("");
+    let prefix = "kvroute_router_flow_requests_total{";
+    text.lines()
+        .filter_map(|l| l.strip_prefix(prefix))
+        .filter_map(|l| {
+            let outcome = l.split("outcome=\"").nth(1)?.split('"').next()?;
+            Some((outcome.to_owned(), l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect()
 }
 
 /// The first-token predictions of a kvroute front door's embedded router, from its
@@ -504,6 +538,8 @@ async fn send(
         sent_at: micros(start.saturating_duration_since(driver.t0)) / 1e6,
         prompt_len: prompt_ids.len(),
         adapter: request.adapter.as_deref().map(str::to_owned),
+        class: request.class.as_ref().map(|c| c.class.to_owned()),
+        tenant: request.class.as_ref().map(|c| c.tenant.to_string()),
         ..RequestRecord::default()
     };
     // Round-robin over the front doors; one that refuses the connection is skipped, as a
@@ -514,7 +550,15 @@ async fn send(
         let url = format!("{}{path}", driver.bases[(order + k) % n]);
         outcome = tokio::time::timeout(
             REQUEST_TIMEOUT,
-            stream_one(&driver.client, &url, &body, start, &mut record, driver.api),
+            stream_one(
+                &driver.client,
+                &url,
+                &body,
+                request.class.as_deref(),
+                start,
+                &mut record,
+                driver.api,
+            ),
         )
         .await;
         let refused = matches!(&outcome, Ok(Err(e)) if refused(e));
@@ -575,11 +619,24 @@ async fn stream_one(
     client: &HttpClient,
     url: &str,
     body: &Value,
+    class: Option<&crate::workload::RequestTag>,
     start: tokio::time::Instant,
     record: &mut RequestRecord,
     api: TargetApi,
 ) -> anyhow::Result<()> {
-    let response = client.call(hyper::Method::POST, url, Some(body)).await.context("sending")?;
+    let mut request = hyper::Request::post(url).header("content-type", "application/json");
+    if let Some(c) = class {
+        request = request
+            .header(kvroute_frontend::PRIORITY_HEADER, c.priority.to_string())
+            .header(kvroute_frontend::TENANT_HEADER, c.tenant.as_ref());
+        if let Some(ms) = c.slo_ms {
+            request = request.header(kvroute_frontend::SLO_HEADER, ms.to_string());
+        }
+    }
+    let request = request
+        .body(http_body_util::Full::new(bytes::Bytes::from(serde_json::to_vec(body)?)))
+        .context("a request")?;
+    let response = client.send(request).await.context("sending")?;
     record.worker = header(&response, kvroute_frontend::WORKER_HEADER);
     record.prefill_worker = header(&response, kvroute_frontend::PREFILL_WORKER_HEADER);
     record.predicted_tokens =
@@ -587,8 +644,11 @@ async fn stream_one(
     record.predicted_tier_tokens =
         header(&response, kvroute_frontend::OVERLAP_TIER_HEADER).and_then(|v| tier_tokens(&v));
     let status = response.status();
+    let response_retry_after = header(&response, "retry-after").and_then(|v| v.parse().ok());
     let mut body = response.into_body();
     if !status.is_success() {
+        record.status = Some(status.as_u16());
+        record.retry_after = response_retry_after;
         let bytes = kvroute_http::client::read_body(body, 1 << 20).await.unwrap_or_default();
         let message = kvroute_http::client::error_message(&bytes);
         anyhow::bail!("HTTP {}: {message}", status.as_u16());
@@ -680,6 +740,7 @@ mod tests {
         let mk = |start| BenchRequest {
             adapter: None,
             session: None,
+            class: None,
             start,
             prompt: Prompt::Tokens(vec![1]),
             max_tokens: 1,

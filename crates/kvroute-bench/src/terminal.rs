@@ -192,6 +192,7 @@ mod tests {
             wall_secs: 1.0,
             drifts: None,
             ttft_error: None,
+            flow: Default::default(),
         }
     }
 

@@ -46,6 +46,9 @@ pub enum WorkloadKind {
     /// Long prompts (a shared document, then a long unique part) and long answers: where
     /// prefills stall decodes, so where disaggregation should matter ([`LongPrompts`]).
     LongPrompt,
+    /// Classes and tenants past the fleet's capacity (`--overload`, [`crate::overload`]); not
+    /// one of `--workloads`.
+    Overload,
 }
 
 impl WorkloadKind {
@@ -70,6 +73,7 @@ impl WorkloadKind {
             Self::MultiLora => "multi-lora",
             Self::Sessions => "sessions",
             Self::LongPrompt => "long-prompt",
+            Self::Overload => "overload",
         }
     }
 }
@@ -136,6 +140,19 @@ pub struct BenchRequest {
     pub adapter: Option<Arc<str>>,
     /// The session it belongs to (sent as `prompt_cache_key`).
     pub session: Option<Arc<str>>,
+    /// Its class for flow control (sent as `x-kvroute-priority`, `x-kvroute-tenant` and
+    /// `x-kvroute-ttft-slo-ms`); none: the headers are not sent.
+    pub class: Option<Arc<RequestTag>>,
+}
+
+/// A request's class in an overload workload ([`overload`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestTag {
+    /// `interactive`, `standard` or `batch`.
+    pub class: &'static str,
+    pub tenant: Arc<str>,
+    pub priority: i32,
+    pub slo_ms: Option<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -323,7 +340,7 @@ pub fn poisson_arrivals(rng: &mut Rng, n: usize, rate: f64) -> Vec<f64> {
         .collect()
 }
 
-fn random_tokens(rng: &mut Rng, n: usize) -> Vec<u32> {
+pub(crate) fn random_tokens(rng: &mut Rng, n: usize) -> Vec<u32> {
     (0..n).map(|_| TOKEN_LO + rng.below((TOKEN_HI - TOKEN_LO) as usize) as u32).collect()
 }
 
@@ -381,6 +398,7 @@ fn tokens_request(
         warmup: false,
         adapter: None,
         session: None,
+        class: None,
     }
 }
 
@@ -478,6 +496,7 @@ impl MultiTurn {
                     warmup: r < warm_rounds,
                     adapter: None,
                     session: None,
+                    class: None,
                 });
             }
         }
@@ -614,6 +633,7 @@ impl Multimodal {
                 warmup: false,
                 adapter: None,
                 session: None,
+                class: None,
             });
         }
         mark_warmup(&mut requests, warmup);

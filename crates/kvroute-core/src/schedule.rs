@@ -162,6 +162,9 @@ pub struct SchedulerConfig {
     pub busy_kv_usage: Option<f64>,
     /// A worker with more queued prefill tokens than this is busy.
     pub busy_prefill_tokens: Option<usize>,
+    /// Refuse a request (no worker) when every worker is busy, as Dynamo's frontend does
+    /// with its busy thresholds (503); off, the busy ones are chosen from as usual.
+    pub refuse_when_busy: bool,
     /// Requests whose end is never reported are freed after this long.
     pub stale_after: Duration,
     pub seed: u64,
@@ -193,6 +196,7 @@ impl Default for SchedulerConfig {
             temperature: 0.0,
             busy_kv_usage: Some(0.97),
             busy_prefill_tokens: None,
+            refuse_when_busy: false,
             stale_after: Duration::from_secs(600),
             seed: 0x006b_7672_6f75_7465,
             kv: kv::KvConfig::default(),
@@ -682,6 +686,9 @@ impl Scheduler {
         // An aggregated request goes to a prefill engine only when nothing else is left.
         if candidates.iter().any(|c| c.role != Role::Prefill) {
             candidates.retain(|c| c.role != Role::Prefill);
+        }
+        if self.config.refuse_when_busy && candidates.iter().all(|c| self.is_busy(c)) {
+            candidates.clear();
         }
         let decision = self.route_among(request, &mut candidates, now, gate);
         self.scratch = candidates;

@@ -50,13 +50,7 @@ fn session(headers: &HeaderMap, body_key: Option<&str>) -> Result<Option<String>
     Ok(Some(key.to_owned()).filter(|k| !k.is_empty()))
 }
 
-/// The header that names a request's priority for flow control (higher first; below 0 it
-/// is sheddable).
-pub(crate) const PRIORITY_HEADER: &str = "x-kvroute-priority";
-/// The header that names a request's tenant, when no API key does.
-pub(crate) const TENANT_HEADER: &str = "x-kvroute-tenant";
-/// The header that names a request's time-to-first-token objective, ms.
-pub(crate) const SLO_HEADER: &str = "x-kvroute-ttft-slo-ms";
+use crate::{PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER};
 
 /// A request's class for flow control, and whether the client named its priority: the
 /// priority and objective from their headers, the tenant from the API key that let it in

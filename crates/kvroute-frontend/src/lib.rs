@@ -62,6 +62,13 @@ pub const BODY_LIMIT: usize = 64 << 20;
 
 /// Header naming the worker a response came from.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
+/// The header that names a request's priority for flow control (higher first; below 0 it
+/// is sheddable).
+pub const PRIORITY_HEADER: &str = "x-kvroute-priority";
+/// The header that names a request's tenant, when no API key does.
+pub const TENANT_HEADER: &str = "x-kvroute-tenant";
+/// The header that names a request's time-to-first-token objective, ms.
+pub const SLO_HEADER: &str = "x-kvroute-ttft-slo-ms";
 
 /// Header naming the worker that prefilled a response's prompt, when another one decoded it
 /// (its cached tokens then count the KV pulled from there).

@@ -20,7 +20,8 @@
 //! `placing.approx` → the fleet's registry (a worker leaving or entering approximate mode,
 //! so no assumed block is applied across the change); `placing.approx` → an index shard
 //! (assumed blocks applied); `placing.scheduler` → an index shard (the scheduler reads the
-//! index while it routes); the index's hybrid `groups` → a shard (a hybrid event). The index's
+//! index while it routes); the index's hybrid `groups` → a shard (a hybrid event); `flow`'s
+//! queues → `placing`'s locks (a request placed as it leaves the queue, [`flow`]). The index's
 //! shard locks are leaves. Everything else is an atomic.
 
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};

@@ -51,6 +51,14 @@ pub struct FleetConfig {
     pub kv_cost: Vec<(String, f64)>,
     /// The pair cost made blind to one thing (a baseline run).
     pub pd_baseline: Option<PdBaseline>,
+    /// The router's flow control (`enabled: false`: every request placed at once).
+    pub flow: kvroute_core::schedule::flow::FlowConfig,
+    /// The engines schedule by priority (vLLM's `--scheduling-policy priority`) and the
+    /// front door tells them each request's (`--engine-priority`).
+    pub engine_priority: bool,
+    /// Dynamo's busy thresholds (KV usage, queued prefill tokens): a request is refused (503)
+    /// when every worker is past one.
+    pub refuse_when_busy: Option<(f64, usize)>,
 }
 
 /// What a baseline pair cost is blind to (`kvroute bench --pd-baselines`).
@@ -105,6 +113,9 @@ impl Default for FleetConfig {
             nodes: 1,
             pd_cost: Vec::new(),
             kv_cost: Vec::new(),
+            flow: kvroute_core::schedule::flow::FlowConfig::default(),
+            engine_priority: false,
+            refuse_when_busy: None,
             pd_baseline: None,
         }
     }
@@ -147,6 +158,12 @@ impl FleetConfig {
             router.scheduler.kv = serde_json::from_value(kv)?;
         }
         router.scheduler.pairs = self.pair_config()?;
+        router.scheduler.flow = self.flow;
+        if let Some((kv, prefill)) = self.refuse_when_busy {
+            router.scheduler.busy_kv_usage = Some(kv);
+            router.scheduler.busy_prefill_tokens = Some(prefill);
+            router.scheduler.refuse_when_busy = true;
+        }
         // The predictions run at the simulated engines' speed.
         router.scheduler.predictor.engine.speedup = self.speedup;
         Ok(router)
@@ -270,6 +287,17 @@ pub struct RequestRecord {
     #[serde(skip)]
     pub answer: String,
     pub error: Option<String>,
+    /// The HTTP status of a request refused before any answer (429, 503, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// Its `Retry-After`, seconds, when refused with one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<u64>,
+    /// Its class and tenant in an overload workload.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// One worker's `/stats` (the fields the harness reads).
@@ -362,4 +390,8 @@ pub struct RunData {
     /// `kvroute_router_ttft_prediction_error_ratio`): how many, and the median and 90th
     /// percentile relative error; `None` when the target does not say.
     pub ttft_error: Option<(u64, f64, f64)>,
+    /// What flow control did with the requests (its `kvroute_router_flow_requests_total`
+    /// by outcome, summed over priorities and tenants); empty when the target does not say.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub flow: std::collections::BTreeMap<String, f64>,
 }

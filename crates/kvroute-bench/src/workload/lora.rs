@@ -75,6 +75,7 @@ impl MultiLora {
                     warmup: false,
                     adapter: Some(names[k].as_str().into()),
                     session: None,
+                    class: None,
                 }
             })
             .collect();

@@ -113,14 +113,18 @@ impl Gate {
     }
 
     /// Whether a worker whose predictions for the request are `wait_ms` before its prefill
-    /// and `ttft_ms` to its first token may take it. With an objective that the request's own
-    /// prefill alone would miss (`own_ms` past what is left), the objective cannot be met
-    /// anywhere, and the wait decides, as for a request without one.
+    /// and `ttft_ms` to its first token may take it: its wait within the limit and, with an
+    /// objective, its first token within what is left of it. The objective only narrows: a
+    /// worker predicted just under it is as likely just over, so requests with objectives
+    /// also wait at the router (highest priority first, tenants in turn) rather than in
+    /// engines. An objective that the request's own prefill alone would miss cannot be met
+    /// anywhere; the wait alone decides.
     pub fn admits(&self, wait_ms: f64, ttft_ms: f64) -> bool {
-        match self.max_ttft_ms {
+        let within = match self.max_ttft_ms {
             Some(left) if ttft_ms - wait_ms <= left => ttft_ms <= left,
-            _ => wait_ms <= self.max_wait_ms,
-        }
+            _ => true,
+        };
+        within && wait_ms <= self.max_wait_ms
     }
 }
 
@@ -476,9 +480,12 @@ mod tests {
         let slo = RequestClass { ttft_slo_ms: Some(250), ..Default::default() };
         let gate = Gate::for_class(&config, &slo, Duration::from_millis(50));
         assert_eq!(gate.max_ttft_ms, Some(200.0));
-        // 150 ms of wait and 30 of its own: within what is left, though past the wait limit.
-        assert!(gate.admits(150.0, 180.0));
-        assert!(!gate.admits(190.0, 220.0));
+        // Within the wait limit and what is left of the objective.
+        assert!(gate.admits(90.0, 120.0));
+        // Within what is left, but past the wait limit; within the limit, but past what is
+        // left.
+        assert!(!gate.admits(150.0, 180.0));
+        assert!(!gate.admits(95.0, 210.0));
         // Its own prefill alone misses: the wait limit decides.
         assert!(gate.admits(50.0, 350.0));
         assert!(!gate.admits(120.0, 420.0));

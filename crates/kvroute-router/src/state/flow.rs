@@ -381,3 +381,94 @@ pub(crate) fn report(state: &RouterState, last: &mut Reported) {
 fn gauges(state: &RouterState) {
     state.metrics.flow_metrics.waiting(&state.flow.tenants());
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use kvroute_core::schedule::flow::FlowConfig;
+
+    use super::*;
+    use crate::config::{RouterConfig, WorkerSpec};
+
+    fn state(flow: FlowConfig) -> RouterState {
+        let mut config = RouterConfig { workers: vec![WorkerSpec::new(1)], ..Default::default() };
+        config.scheduler.flow = flow;
+        RouterState::new(config)
+    }
+
+    fn ask(id: &str) -> Ask {
+        Ask {
+            id: id.to_owned(),
+            local_hashes: vec![LocalBlockHash(7), LocalBlockHash(8)],
+            num_tokens: 40,
+            ..Ask::default()
+        }
+    }
+
+    fn class(priority: i32) -> RequestClass {
+        RequestClass { priority, ..RequestClass::default() }
+    }
+
+    const PENDING: Duration = Duration::from_millis(30);
+
+    #[tokio::test]
+    async fn a_replica_waiting_at_a_higher_priority_holds_lower_ones_back() {
+        let state = state(FlowConfig::default());
+        // Room, and nobody waiting anywhere: placed at once.
+        let placed = state.admit(class(0), ask("a")).await.unwrap();
+        assert!(matches!(placed, Placed::One(Some(_))));
+        // A peer holds requests of priority 5: a priority-0 request waits, a 5 does not
+        // (replicas serve their own queue within a priority), nor a 6.
+        state.flow().peer_report("peer", vec![(5, 2)]);
+        let mut low = Box::pin(state.admit(class(0), ask("b")));
+        assert!(tokio::time::timeout(PENDING, &mut low).await.is_err(), "held back");
+        assert_eq!(state.flow().bands(), vec![(0, 1)]);
+        for (p, id) in [(5, "c"), (6, "d")] {
+            let placed = state.admit(class(p), ask(id)).await.unwrap();
+            assert!(matches!(placed, Placed::One(Some(_))), "priority {p}");
+        }
+        // The peer's queue empties: the next release lets it go.
+        state.flow().peer_report("peer", Vec::new());
+        release(&state);
+        let placed = tokio::time::timeout(PENDING, &mut low).await.unwrap().unwrap();
+        assert!(matches!(placed, Placed::One(Some(_))));
+        assert_eq!(state.flow().waiting(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_peer_report_counts_for_a_second_only() {
+        let state = state(FlowConfig::default());
+        state.flow().peer_report("peer", vec![(3, 1)]);
+        let now = Instant::now();
+        assert_eq!(state.flow().peers_waiting_above(0, now), 1);
+        assert_eq!(state.flow().peers_waiting_above(3, now), 0);
+        assert_eq!(state.flow().peers_waiting_above(0, now + PEER_REPORT_TTL), 0);
+    }
+
+    #[tokio::test]
+    async fn with_flow_control_off_every_request_is_placed_at_once() {
+        let state = state(FlowConfig { enabled: false, ..FlowConfig::default() });
+        state.flow().peer_report("peer", vec![(100, 9)]);
+        let placed = state.admit(class(-5), ask("a")).await.unwrap();
+        assert!(matches!(placed, Placed::One(Some(_))));
+    }
+
+    #[tokio::test]
+    async fn a_dropped_wait_leaves_the_queue_and_a_placement_on_its_way_is_freed() {
+        let state = state(FlowConfig::default());
+        state.flow().peer_report("peer", vec![(9, 1)]);
+        let mut waiting = Box::pin(state.admit(class(0), ask("gone")));
+        assert!(tokio::time::timeout(PENDING, &mut waiting).await.is_err());
+        drop(waiting);
+        assert_eq!(state.flow().waiting(), (0, 0));
+        // Placed by a release, then dropped before it was read: freed, not left in flight.
+        let mut waiting = Box::pin(state.admit(class(0), ask("late")));
+        assert!(tokio::time::timeout(PENDING, &mut waiting).await.is_err());
+        state.flow().peer_report("peer", Vec::new());
+        release(&state);
+        assert_eq!(state.placing().in_flight(), 1);
+        drop(waiting);
+        assert_eq!(state.placing().in_flight(), 0);
+    }
+}
