@@ -55,9 +55,10 @@ pub struct BenchArgs {
     /// Flow control's --max-engine-wait-ms in the runs that have it (default: the router's).
     #[arg(long)]
     pub max_engine_wait_ms: Option<f64>,
-    /// Turn the router's flow control off in every run (today's behaviour before it existed).
-    #[arg(long, env = "KVROUTE_BENCH_NO_FLOW_CONTROL")]
-    pub no_flow_control: bool,
+    /// Turn the router's flow control on in every run (`--overload` turns it on in its own
+    /// runs).
+    #[arg(long, env = "KVROUTE_BENCH_FLOW_CONTROL")]
+    pub flow_control: bool,
     /// Routing policies compared (self-contained mode). Default:
     /// kv,dynamo,round-robin,random,least-loaded (with --slo-ttft-p99: kv,dynamo,round-robin).
     #[arg(long, env = "KVROUTE_BENCH_POLICIES", value_delimiter = ',')]
@@ -467,7 +468,7 @@ impl BenchArgs {
     pub fn flow_config(&self) -> kvroute_core::schedule::flow::FlowConfig {
         let d = kvroute_core::schedule::flow::FlowConfig::default();
         kvroute_core::schedule::flow::FlowConfig {
-            enabled: !self.no_flow_control,
+            enabled: self.flow_control,
             max_engine_wait_ms: self.max_engine_wait_ms.unwrap_or(d.max_engine_wait_ms),
             ..d
         }

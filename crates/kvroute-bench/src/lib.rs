@@ -261,6 +261,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
                     hit_rate = format!("{:.3}", summary.hit_rate.unwrap_or(f64::NAN)),
                     errors = summary.errors,
                     drifts = data.drifts.map_or("-".to_owned(), |d| d.to_string()),
+                    flow = format!("{:?}", data.flow),
                     exact = format!("{}/{}", summary.exactly_predicted, summary.predicted),
                     "run done"
                 );

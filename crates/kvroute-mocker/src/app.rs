@@ -217,6 +217,7 @@ impl AppState {
                 "Got priority {} but Priority scheduling is not enabled.",
                 s.priority
             ))
+            .kind("BadRequestError")
             .param("priority"));
         }
         let needed = s.tokens.len().div_ceil(bs.tokens()) + 1;

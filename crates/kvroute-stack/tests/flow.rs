@@ -40,8 +40,12 @@ impl Fleet {
 
 async fn fleet(max_wait_ms: u64) -> Fleet {
     let mut router = RouterConfig::default();
-    router.scheduler.flow =
-        FlowConfig { max_engine_wait_ms: 0.001, max_wait_ms, ..FlowConfig::default() };
+    router.scheduler.flow = FlowConfig {
+        enabled: true,
+        max_engine_wait_ms: 0.001,
+        max_wait_ms,
+        ..FlowConfig::default()
+    };
     let config = StackConfig {
         simulated: Simulated {
             count: 1,
@@ -159,7 +163,10 @@ async fn a_request_still_waiting_at_its_deadline_is_refused_with_retry_after() {
     assert_eq!(status, 503);
     assert!(retry.is_some_and(|s| s >= 1), "Retry-After");
     let waited = start.elapsed();
-    assert!(waited >= Duration::from_millis(100) && waited < Duration::from_millis(1_100), "{waited:?}");
+    assert!(
+        waited >= Duration::from_millis(100) && waited < Duration::from_millis(1_100),
+        "{waited:?}"
+    );
     // A class the front door cannot read is the client's error.
     let (status, _, body) = ask(&f.base, &[("x-kvroute-priority", "high")], "bad").await;
     assert_eq!((status, body["error"]["param"].as_str()), (400, Some("x-kvroute-priority")));

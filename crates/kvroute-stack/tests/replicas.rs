@@ -149,6 +149,71 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
     assert!(a.render_metrics().contains("kvroute_replica_expired_requests_total 1"));
 }
 
+/// A replica over one worker without events (ready at once), with flow control as given.
+fn flow_replica(
+    server: &NatsServer,
+    name: &str,
+    flow: kvroute_core::schedule::flow::FlowConfig,
+) -> (Arc<RouterState>, Tasks) {
+    let mut config = RouterConfig {
+        workers: vec![WorkerSpec::new(1)],
+        nats: Some(nats_config(server, name, EventsVia::Zmq)),
+        ..RouterConfig::default()
+    };
+    config.scheduler.flow = flow;
+    let state = Arc::new(RouterState::new(config));
+    let tasks = kvroute_router::spawn_background(&state).unwrap();
+    (state, tasks)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_agree_on_saturation_by_their_queue_reports() {
+    use kvroute_core::schedule::flow::{FlowConfig, RequestClass};
+    use kvroute_router::state::flow::{Ask, Placed};
+    let server = NatsServer::start(&store_dir("flow"), 0).await.unwrap();
+    // a admits nothing (no worker can have a wait below 0): everything it takes waits.
+    let on = FlowConfig { enabled: true, ..FlowConfig::default() };
+    let saturated = FlowConfig { max_engine_wait_ms: -1.0, ..on };
+    let (a, _a_tasks) = flow_replica(&server, "a", saturated);
+    let (b, _b_tasks) = flow_replica(&server, "b", on);
+    assert!(eventually(Duration::from_secs(10), || peers(&a) == 1 && peers(&b) == 1).await);
+    let ask = |id: &str| Ask {
+        id: id.to_owned(),
+        local_hashes: hashes(3, 4),
+        num_tokens: 64,
+        ..Ask::default()
+    };
+    let class = |priority| RequestClass { priority, ..RequestClass::default() };
+    // b alone: a priority-0 request goes at once.
+    assert!(matches!(b.admit(class(0), ask("b0")).await.unwrap(), Placed::One(Some(_))));
+    // A priority-5 request waits at a; b hears of it within a report.
+    let a_ref = Arc::clone(&a);
+    let waiting = tokio::spawn(async move { a_ref.admit(class(5), ask("a1")).await });
+    assert!(eventually(Duration::from_secs(5), || a.flow().waiting().0 == 1).await);
+    let queued = Instant::now();
+    assert!(
+        eventually(Duration::from_secs(2), || b.flow().peers_waiting_above(0, Instant::now()) == 1)
+            .await
+    );
+    let agreed = queued.elapsed();
+    eprintln!("b saw a's queue {} ms after it formed", agreed.as_millis());
+    assert!(agreed < Duration::from_secs(1), "{agreed:?}");
+    // Meanwhile b holds a priority-0 request back, and lets a priority-6 one go.
+    let b_ref = Arc::clone(&b);
+    let held = tokio::spawn(async move { b_ref.admit(class(0), ask("b1")).await });
+    assert!(eventually(Duration::from_secs(2), || b.flow().waiting().0 == 1).await);
+    assert!(matches!(b.admit(class(6), ask("b2")).await.unwrap(), Placed::One(Some(_))));
+    // a's request is abandoned: a's queue empties, b hears of it and lets its own go.
+    waiting.abort();
+    let emptied = Instant::now();
+    let placed = tokio::time::timeout(Duration::from_secs(2), held).await.unwrap().unwrap();
+    assert!(matches!(placed.unwrap(), Placed::One(Some(_))));
+    eprintln!(
+        "b released its request {} ms after a's queue emptied",
+        emptied.elapsed().as_millis()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_away_is_degraded_and_the_replicas_reconnect() {
     let mut server = NatsServer::start(&store_dir("outage"), 0).await.unwrap();

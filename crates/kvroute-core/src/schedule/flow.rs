@@ -52,8 +52,9 @@ impl RequestClass {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FlowConfig {
-    /// Whether the router holds requests when the fleet is saturated; off, every request is
-    /// placed at once (and no priority is passed to the engines).
+    /// Whether the router holds requests when the fleet is saturated; off (the default: on,
+    /// the default bench's multi-turn schedule held 3% of its requests in its bursts, which
+    /// changes its results), every request is placed at once.
     pub enabled: bool,
     /// A worker has room for a request without an objective while the engine model predicts
     /// its wait there (the prompts queued ahead, a step under way, memory to free) within this
@@ -76,7 +77,7 @@ pub struct FlowConfig {
 impl Default for FlowConfig {
     fn default() -> Self {
         Self {
-            enabled: true,
+            enabled: false,
             max_engine_wait_ms: 100.0,
             max_queued: 4_096,
             max_queued_per_tenant: 1_024,

@@ -134,7 +134,7 @@ impl Flow {
 
     /// Requests the replicas (by their reports of the last second) have waiting above
     /// `priority`.
-    fn peers_waiting_above(&self, priority: i32, now: Instant) -> usize {
+    pub fn peers_waiting_above(&self, priority: i32, now: Instant) -> usize {
         let mut peers = lock(&self.peers);
         peers.retain(|_, (at, _)| now.saturating_duration_since(*at) < PEER_REPORT_TTL);
         peers
@@ -217,11 +217,15 @@ fn place_gated(state: &RouterState, ask: &Ask, gate: &Gate) -> Result<Placed, Ou
     }
 }
 
-/// Sends a placement to its waiting client; if the client just left, frees it.
-fn send(state: &RouterState, waiter: Waiter, outcome: Result<Placed, Refusal>) {
+/// Sends a placement to its waiting client; the request's id when the client just left, for
+/// the caller to free once it holds no lock of flow control (freeing lets requests go, which
+/// takes the queues' lock).
+#[must_use]
+fn send(waiter: Waiter, outcome: Result<Placed, Refusal>) -> Option<String> {
     let id = waiter.ask.id.clone();
-    if let Err(Ok(_)) = waiter.tx.send(outcome) {
-        state.finish(&id);
+    match waiter.tx.send(outcome) {
+        Err(Ok(_)) => Some(id),
+        _ => None,
     }
 }
 
@@ -306,6 +310,7 @@ pub(crate) fn release(state: &RouterState) {
         return;
     }
     let now = Instant::now();
+    let mut orphans = Vec::new();
     for q in queues.expired(now) {
         state.metrics.flow_metrics.record(&q.class, FlowOutcome::Expired, Some(now - q.enqueued));
         let status = if q.class.sheddable() { 429 } else { 503 };
@@ -335,12 +340,15 @@ pub(crate) fn release(state: &RouterState) {
                     FlowOutcome::Released,
                     Some(now - q.enqueued),
                 );
-                send(state, q.item, Ok(placed));
+                orphans.extend(send(q.item, Ok(placed)));
             }
             Err(_) => break,
         }
     }
     drop(queues);
+    for id in orphans {
+        state.finish(&id);
+    }
     gauges(state);
 }
 
@@ -414,7 +422,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_replica_waiting_at_a_higher_priority_holds_lower_ones_back() {
-        let state = state(FlowConfig::default());
+        let state = state(FlowConfig { enabled: true, ..FlowConfig::default() });
         // Room, and nobody waiting anywhere: placed at once.
         let placed = state.admit(class(0), ask("a")).await.unwrap();
         assert!(matches!(placed, Placed::One(Some(_))));
@@ -438,7 +446,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_peer_report_counts_for_a_second_only() {
-        let state = state(FlowConfig::default());
+        let state = state(FlowConfig { enabled: true, ..FlowConfig::default() });
         state.flow().peer_report("peer", vec![(3, 1)]);
         let now = Instant::now();
         assert_eq!(state.flow().peers_waiting_above(0, now), 1);
@@ -456,7 +464,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_dropped_wait_leaves_the_queue_and_a_placement_on_its_way_is_freed() {
-        let state = state(FlowConfig::default());
+        let state = state(FlowConfig { enabled: true, ..FlowConfig::default() });
         state.flow().peer_report("peer", vec![(9, 1)]);
         let mut waiting = Box::pin(state.admit(class(0), ask("gone")));
         assert!(tokio::time::timeout(PENDING, &mut waiting).await.is_err());

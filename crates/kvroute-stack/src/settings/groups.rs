@@ -253,11 +253,12 @@ pub struct Routing {
     /// Sessions remembered at most; past it the least recently seen is forgotten.
     #[arg(long)]
     pub max_sessions: Option<usize>,
-    /// Turn flow control off: every request is placed at once, however saturated the fleet.
-    /// On, a request waits at the router while no worker can take it (priority from
+    /// Flow control: a request waits at the router while no worker can take it, highest
+    /// priority first and tenants in turn, and a sheddable one is refused (priority from
     /// x-kvroute-priority, tenant from the API key or x-kvroute-tenant, objective from
-    /// x-kvroute-ttft-slo-ms; docs/routing.md, "Overload"). In a file: flow_control = false.
-    #[arg(long = "no-flow-control", num_args = 0, default_missing_value = "true", value_parser = negated())]
+    /// x-kvroute-ttft-slo-ms; docs/routing.md, "Overload"). Off, every request is placed at
+    /// once, however saturated the fleet.
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub flow_control: Option<bool>,
     /// A worker can take a request without an objective while the engine model predicts its
     /// wait there, before its own prefill, within this many milliseconds.
