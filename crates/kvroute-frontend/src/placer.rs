@@ -304,8 +304,10 @@ impl RemoteRouter {
             lora_name: ask.adapter.map(str::to_owned),
             session_id: ask.session.map(str::to_owned),
             max_tokens: Some(ask.output_tokens as u64).filter(|&m| m > 0),
-            priority: ask.class.map(|c| c.priority),
-            tenant: ask.class.map(|c| c.tenant.to_string()),
+            // Only what differs from the default class (a router older than flow control
+            // refuses the fields; a newer one admits every tracked request anyway).
+            priority: ask.class.map(|c| c.priority).filter(|&p| p != 0),
+            tenant: ask.class.map(|c| c.tenant.to_string()).filter(|t| t != "default"),
             ttft_slo_ms: ask.class.and_then(|c| c.ttft_slo_ms),
         };
         match self.client.find_best_worker(&self.base, &request).await {

@@ -9,7 +9,7 @@
 //! | `vllm` | a vLLM / SGLang msgpack batch | the subscription's pipeline, apply |
 //! | `trtllm_json`, `trtllm_msgpack` | TensorRT-LLM event dicts | the subscription's pipeline, apply |
 //! | `router_events` | kvroute `RouterEvent` JSON (`POST /events`) | decode, apply as posted |
-//! | `router_api` | a `find_best_worker` body | decode, place |
+//! | `router_api` | a `find_best_worker` body | decode, place; with a class, admit through flow control and abandon |
 //! | `replica_sync` | a replica's decisions (NATS) | decode, apply to in-flight accounting |
 //! | `index_snapshot` | an index snapshot (JetStream object store) | decode, apply |
 //! | `openai_chat`, `openai_completion` | OpenAI request bodies | decode, size checks, template, tokens |
@@ -185,6 +185,44 @@ fn place(req: &FindBestWorker) {
         output_tokens: req.max_tokens.map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX)),
     };
     let _ = state.place(&placement);
+    if req.classed() {
+        admit(req, &placement);
+    }
+}
+
+/// A request that names its class goes through flow control (on here, and saturated, so some
+/// wait): its first poll admits, queues or refuses it; dropped, it leaves the queue.
+fn admit(req: &FindBestWorker, p: &PlaceRequest<'_>) {
+    use std::future::Future as _;
+    let params = ["priority", "tenant", "ttft_slo_ms"];
+    let Ok(class) = kvroute_http::router_api::request_class(
+        req.priority,
+        req.tenant.as_deref(),
+        req.ttft_slo_ms,
+        params,
+    ) else {
+        return;
+    };
+    let mut config = RouterConfig { workers: vec![WorkerSpec::new(1)], ..RouterConfig::default() };
+    config.scheduler.flow.enabled = true;
+    config.scheduler.flow.max_engine_wait_ms = 0.0;
+    let state = RouterState::new(config);
+    for k in 0..3 {
+        let ask = kvroute_router::state::flow::Ask {
+            id: format!("fuzz-{k}"),
+            local_hashes: p.local_hashes.to_vec(),
+            num_tokens: p.num_tokens,
+            exclude: p.exclude.to_vec(),
+            adapter: p.adapter.map(str::to_owned),
+            session: p.session.map(str::to_owned),
+            output_tokens: p.output_tokens,
+            pair: false,
+        };
+        let mut admitted = std::pin::pin!(state.admit(class.clone(), ask));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let _ = admitted.as_mut().poll(&mut cx);
+    }
+    assert_eq!(state.flow().waiting(), (0, 0), "an abandoned wait leaves the queue");
 }
 
 fn preprocessor() -> &'static Arc<Preprocessor> {

@@ -110,10 +110,10 @@ pub struct FindBestWorker {
     /// holds blocks on its worker as its prompt does, which the cost's memory term counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
-    /// Its class for flow control (docs/routing.md, "Overload"): with any of these, the router
-    /// may hold the request until a worker can take it (the answer then comes later) or refuse
-    /// it (429 or 503 with `Retry-After`). Higher priorities go first; below 0 a request is
-    /// sheddable.
+    /// Its class for flow control (docs/routing.md, "Overload"; the default class when absent):
+    /// with flow control on, the router may hold a tracked request until a worker can take it
+    /// (the answer then comes later) or refuse it (429 or 503 with `Retry-After`). Higher
+    /// priorities go first; below 0 a request is sheddable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<i32>,
     /// Whose request it is: tenants take turns within a priority.

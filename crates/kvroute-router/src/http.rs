@@ -197,8 +197,12 @@ async fn find_best_worker(
     };
     let unknown = || ApiError::unavailable("no workers are known");
     let pair_fleet = state.placing().disaggregated();
-    let admitted = match (&req.request_id, req.classed()) {
-        (Some(id), true) => Some(admit(state, &req, id, &placement, pair_fleet).await?),
+    // A tracked request goes through flow control when it is on (its class the default
+    // unless it names one).
+    let admitted = match &req.request_id {
+        Some(id) if state.config.scheduler.flow.enabled => {
+            Some(admit(state, &req, id, &placement, pair_fleet).await?)
+        }
         _ => None,
     };
     let (decision, prefill) = match pair_fleet {
@@ -239,8 +243,8 @@ async fn find_best_worker(
     }))
 }
 
-/// A request that names its class goes through flow control: its answer may wait until a
-/// worker can take it, or be a refusal with `Retry-After`.
+/// A tracked request goes through flow control: its answer may wait until a worker can take
+/// it, or be a refusal with `Retry-After`.
 async fn admit(
     state: &crate::RouterState,
     req: &FindBestWorker,

@@ -162,6 +162,7 @@ mod tests {
                 SyncMessage::PrefillDone { id: "a".into() },
                 SyncMessage::Freed { id: "a".into() },
                 SyncMessage::Heartbeat,
+                SyncMessage::Queues { bands: vec![(10, 3), (-1, 1)] },
             ],
         };
         let bytes = encode_sync(&batch);
@@ -177,6 +178,9 @@ mod tests {
         ] {
             assert!(decode_sync(bad.as_bytes()).is_err(), "{bad}");
         }
+        let bands: Vec<(i32, u32)> = (0..=MAX_SYNC_BANDS as i32).map(|p| (p, 1)).collect();
+        let many = SyncBatch { replica: "r".into(), messages: vec![SyncMessage::Queues { bands }] };
+        assert!(decode_sync(&encode_sync(&many)).is_err(), "too many priorities");
         let long = format!(r#"{{"replica":"{}"}}"#, "x".repeat(MAX_SYNC_ID_BYTES + 1));
         assert!(decode_sync(long.as_bytes()).is_err());
     }

@@ -52,9 +52,9 @@ impl RequestClass {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FlowConfig {
-    /// Whether the router holds requests when the fleet is saturated; off (the default: on,
-    /// the default bench's multi-turn schedule held 3% of its requests in its bursts, which
-    /// changes its results), every request is placed at once.
+    /// Whether the router holds requests when the fleet is saturated. Off, every request is
+    /// placed at once. Off by default: on, the default bench's multi-turn schedule held 3% of
+    /// its requests in its bursts, which changes its results.
     pub enabled: bool,
     /// A worker has room for a request without an objective while the engine model predicts
     /// its wait there (the prompts queued ahead, a step under way, memory to free) within this
