@@ -115,16 +115,7 @@ impl<'a> Ask<'a> {
 
     /// Flow control's owned form of it, tracked as `id`.
     fn owned(self, id: &str, exclude: &[WorkerWithDpRank], pair: bool) -> flow::Ask {
-        flow::Ask {
-            id: id.to_owned(),
-            local_hashes: self.local.to_vec(),
-            num_tokens: self.num_tokens,
-            exclude: exclude.to_vec(),
-            adapter: self.adapter.map(str::to_owned),
-            session: self.session.map(str::to_owned),
-            output_tokens: self.output_tokens,
-            pair,
-        }
+        flow::Ask::of(&self.request(id, exclude), id, pair)
     }
 
     /// The embedded router's request for it, tracked as `id`.

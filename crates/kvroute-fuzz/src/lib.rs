@@ -208,16 +208,7 @@ fn admit(req: &FindBestWorker, p: &PlaceRequest<'_>) {
     config.scheduler.flow.max_engine_wait_ms = 0.0;
     let state = RouterState::new(config);
     for k in 0..3 {
-        let ask = kvroute_router::state::flow::Ask {
-            id: format!("fuzz-{k}"),
-            local_hashes: p.local_hashes.to_vec(),
-            num_tokens: p.num_tokens,
-            exclude: p.exclude.to_vec(),
-            adapter: p.adapter.map(str::to_owned),
-            session: p.session.map(str::to_owned),
-            output_tokens: p.output_tokens,
-            pair: false,
-        };
+        let ask = kvroute_router::state::flow::Ask::of(p, &format!("fuzz-{k}"), false);
         let mut admitted = std::pin::pin!(state.admit(class.clone(), ask));
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         let _ = admitted.as_mut().poll(&mut cx);

@@ -258,16 +258,7 @@ async fn admit(
         req.ttft_slo_ms,
         ["priority", "tenant", "ttft_slo_ms"],
     )?;
-    let ask = crate::state::flow::Ask {
-        id: id.to_owned(),
-        local_hashes: p.local_hashes.to_vec(),
-        num_tokens: p.num_tokens,
-        exclude: p.exclude.to_vec(),
-        adapter: p.adapter.map(str::to_owned),
-        session: p.session.map(str::to_owned),
-        output_tokens: p.output_tokens,
-        pair,
-    };
+    let ask = crate::state::flow::Ask::of(p, id, pair);
     state.admit(class, ask).await.map_err(crate::state::flow::Refusal::into_api_error)
 }
 

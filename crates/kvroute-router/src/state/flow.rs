@@ -42,6 +42,21 @@ pub struct Ask {
 }
 
 impl Ask {
+    /// The owned form of `p`, tracked as `id` (a placement request names its id already when
+    /// tracked; flow control needs one); `pair`: placed as a prefill and decode pair.
+    pub fn of(p: &PlaceRequest<'_>, id: &str, pair: bool) -> Self {
+        Self {
+            id: id.to_owned(),
+            local_hashes: p.local_hashes.to_vec(),
+            num_tokens: p.num_tokens,
+            exclude: p.exclude.to_vec(),
+            adapter: p.adapter.map(str::to_owned),
+            session: p.session.map(str::to_owned),
+            output_tokens: p.output_tokens,
+            pair,
+        }
+    }
+
     fn request(&self) -> PlaceRequest<'_> {
         PlaceRequest {
             local_hashes: &self.local_hashes,
