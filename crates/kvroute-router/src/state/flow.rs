@@ -224,11 +224,12 @@ fn retry_after(outlook: Option<Outlook>, gate: &Gate) -> u64 {
 }
 
 /// Places `ask` if `gate` lets a worker take it; the fleet's best offer when none can.
-fn place_gated(state: &RouterState, ask: &Ask, gate: &Gate) -> Result<Placed, Outlook> {
+fn place_gated(state: &RouterState, ask: &Ask, gate: Option<&Gate>) -> Result<Placed, Outlook> {
     let request = ask.request();
     match ask.pair {
         true => super::placing::place_pair_gated(state, &request, gate).map(Placed::Pair),
-        false => super::placing::place_gated(state, &request, gate).map(Placed::One),
+        false => super::placing::place_gated(state, &request, gate)
+            .map(|placed| Placed::One(placed.map(|(d, _)| d))),
     }
 }
 
@@ -266,8 +267,8 @@ fn admit_now<'a>(state: &'a RouterState, class: &RequestClass, ask: Ask) -> Now<
     let config = state.config.scheduler.flow;
     let now = Instant::now();
     if !config.enabled {
-        let open = Gate { max_wait_ms: f64::INFINITY, max_ttft_ms: None };
-        return Now::Done(Ok(place_gated(state, &ask, &open).unwrap_or(Placed::One(None))));
+        // No gate: placed as without flow control, no prediction made to admit it.
+        return Now::Done(Ok(place_gated(state, &ask, None).unwrap_or(Placed::One(None))));
     }
     let mut queues = lock(&state.flow.queues);
     let gate = Gate::for_class(&config, class, Duration::ZERO);
@@ -275,7 +276,7 @@ fn admit_now<'a>(state: &'a RouterState, class: &RequestClass, ask: Ask) -> Now<
         queues.waiting_from(class.priority) + state.flow.peers_waiting_above(class.priority, now);
     let mut outlook = None;
     if ahead == 0 {
-        match place_gated(state, &ask, &gate) {
+        match place_gated(state, &ask, Some(&gate)) {
             Ok(placed) => {
                 drop(queues);
                 state.metrics.flow_metrics.record(class, FlowOutcome::Admitted, None);
@@ -347,7 +348,7 @@ pub(crate) fn release(state: &RouterState) {
             break;
         }
         let gate = Gate::for_class(&config, &head.class, now - head.enqueued);
-        match place_gated(state, &head.item.ask, &gate) {
+        match place_gated(state, &head.item.ask, Some(&gate)) {
             Ok(placed) => {
                 let Some(q) = queues.pop() else { break };
                 state.metrics.flow_metrics.record(

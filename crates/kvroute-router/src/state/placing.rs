@@ -182,27 +182,13 @@ impl RouterState {
     /// half until its predictions agree again (not nothing: it must still be routed the
     /// prefixes only it holds, or its predictions could never be seen to agree).
     pub fn place(&self, p: &PlaceRequest<'_>) -> Option<(RouteDecision, OverlapScores)> {
-        let start = Instant::now();
-        let (scores, sequence) = scores_for(self, p);
-        let request = route_request(p, &sequence);
-        let decision = self.placing.scheduler().route(&request, &scores, &self.index, start)?;
-        placed(self, p.request_id, &decision, p, start);
-        Some((decision, scores))
+        place_gated(self, p, None).unwrap_or(None)
     }
 
     /// Chooses the legs of a request in a disaggregated fleet ([`Scheduler::route_pair`]):
     /// a prefill and a decode worker, or a decode worker alone. `None` when there is none.
     pub fn place_pair(&self, p: &PlaceRequest<'_>) -> Option<PairDecision> {
-        let start = Instant::now();
-        let (scores, sequence) = scores_for(self, p);
-        let request = route_request(p, &sequence);
-        let pair = self.placing.scheduler().route_pair(&request, &scores, &self.index, start)?;
-        if let Some(prefill) = &pair.prefill {
-            let id = p.request_id.map(prefill_leg_id);
-            placed(self, id.as_deref(), prefill, p, start);
-        }
-        placed(self, p.request_id, &pair.decode, p, start);
-        Some(pair)
+        place_pair_gated(self, p, None).unwrap_or(None)
     }
 
     /// The request's first token arrived. `timed`: when it did is when its first token was
@@ -251,44 +237,50 @@ impl RouterState {
     }
 }
 
-/// [`RouterState::place`] through flow control's gate: only a worker that can take the
-/// request now ([`Scheduler::route_gated`]); the fleet's best offer when none can.
+/// [`RouterState::place`], through flow control's gate when given: only a worker that can
+/// take the request now ([`Scheduler::route_gated`]); the fleet's best offer when none can.
 pub(super) fn place_gated(
     state: &RouterState,
     p: &PlaceRequest<'_>,
-    gate: &Gate,
-) -> Result<Option<RouteDecision>, Outlook> {
+    gate: Option<&Gate>,
+) -> Result<Option<(RouteDecision, OverlapScores)>, Outlook> {
     let start = Instant::now();
     let (scores, sequence) = scores_for(state, p);
     let request = route_request(p, &sequence);
-    let decision = state.placing.scheduler().route_gated(
-        &request,
-        &scores,
-        &state.index,
-        start,
-        Some(gate),
-    )?;
-    if let Some(d) = &decision {
-        placed(state, p.request_id, d, p, start);
-    }
-    Ok(decision)
+    // The scheduler's lock is released before `placed` (which may take approximate mode's).
+    let decision =
+        state.placing.scheduler().route_gated(&request, &scores, &state.index, start, gate);
+    let Some(d) = decision? else { return Ok(None) };
+    placed(state, p.request_id, &d, p, start);
+    Ok(Some((d, scores)))
 }
 
-/// [`RouterState::place_pair`] when the gate lets the fleet's best offer through (any worker
-/// of either pool; the pair is then chosen as always).
+/// [`RouterState::place_pair`], when the gate (if given) lets the fleet's best offer through
+/// (any worker of either pool; the pair is then chosen as always). The index is read once.
 pub(super) fn place_pair_gated(
     state: &RouterState,
     p: &PlaceRequest<'_>,
-    gate: &Gate,
+    gate: Option<&Gate>,
 ) -> Result<Option<PairDecision>, Outlook> {
     let start = Instant::now();
     let (scores, sequence) = scores_for(state, p);
     let request = route_request(p, &sequence);
-    let outlook = state.placing.scheduler().outlook(&request, &scores, &state.index, start);
-    if let Some(o) = outlook.filter(|o| !gate.admits(o.wait_ms, o.ttft_ms)) {
-        return Err(o);
+    let mut scheduler = state.placing.scheduler();
+    if let Some(gate) = gate {
+        let outlook = scheduler.outlook(&request, &scores, &state.index, start);
+        if let Some(o) = outlook.filter(|o| !gate.admits(o.wait_ms, o.ttft_ms)) {
+            return Err(o);
+        }
     }
-    Ok(state.place_pair(p))
+    let pair = scheduler.route_pair(&request, &scores, &state.index, start);
+    drop(scheduler);
+    let Some(pair) = pair else { return Ok(None) };
+    if let Some(prefill) = &pair.prefill {
+        let id = p.request_id.map(prefill_leg_id);
+        placed(state, id.as_deref(), prefill, p, start);
+    }
+    placed(state, p.request_id, &pair.decode, p, start);
+    Ok(Some(pair))
 }
 
 /// The index's scores of a request (a drifted worker's halved), and its chained hashes when
