@@ -8,6 +8,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::time::Duration;
 
 use http_body_util::BodyExt;
@@ -297,11 +299,31 @@ async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
         assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
         let base = stack.serve_frontend_on_loopback().await.unwrap();
         // A conversation: each turn sends back the server's answer and a new question.
+        let router = stack.router.as_ref().unwrap();
+        let tree = || router.workers()[0].tree_size.iter().sum::<usize>();
+        let before = tree();
         let mut messages = vec![json!({"role": "user", "content": PROMPT})];
         for turn in 0..4 {
             let body = json!({"messages": messages, "max_tokens": 6, "ignore_eos": true});
             let (status, _, answer) = post(&base, "/v1/chat/completions", &body).await;
             assert_eq!(status, 200, "{answer}");
+            let events = matches!(
+                dialect,
+                Dialect::VllmGenerate | Dialect::VllmGenerateTokens | Dialect::SglangGenerate
+            );
+            if events {
+                // A worker routed by its events (its parity probe passes): the next turn is
+                // placed once the router holds what this one left cached (its prompt and
+                // answer, but the last token, in full blocks), so that a prediction compares
+                // the router's hashes, not the speed of the events.
+                let usage = &answer["usage"];
+                let held = (usage["prompt_tokens"].as_u64().unwrap()
+                    + usage["completion_tokens"].as_u64().unwrap()
+                    - 1) as usize
+                    / 16;
+                let seen = common::eventually(Duration::from_secs(10), || tree() >= before + held);
+                assert!(seen.await, "{dialect}: the turn's blocks never reached the router");
+            }
             messages.push(answer["choices"][0]["message"].clone());
             let next = format!("And what follows from that, in turn {turn}, for the router?");
             messages.push(json!({"role": "user", "content": next}));

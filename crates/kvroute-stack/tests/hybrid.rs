@@ -106,6 +106,16 @@ async fn a_prefix_the_window_group_lost_is_predicted_as_the_engine_serves_it() {
     assert_eq!(worker, owner, "the only worker with any of it");
     assert_eq!(cached, 8 * 16, "the window group's run from block 0");
     assert_eq!(predicted, cached, "predicted as served");
+    // a is placed once the router holds c's blocks in both groups (what the engine serves
+    // of a now), so the prediction compares the router's view, not the speed of the events.
+    let bs = kvroute_core::BlockSize::new(16).unwrap();
+    let a_blocks = kvroute_core::BlockHasher::new(bs).local_hashes(&a, None);
+    let rank = kvroute_core::WorkerWithDpRank::new(owner, 0u32);
+    let held = || {
+        let scores = router.index.find_matches_within(&a_blocks, (a.len() - 1) / 16, 16);
+        scores.score(rank) >= 40
+    };
+    assert!(eventually(Duration::from_secs(10), held).await, "the router sees c's blocks");
     // a again: c's blocks (its first 40) are in both groups now, and a's last 20 were evicted
     // for them; the window group's run ends the hit at block 40, as predicted.
     let [_, worker, predicted, cached] = complete(&client, &url, &a, 1).await;
