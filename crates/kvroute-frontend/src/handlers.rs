@@ -130,12 +130,24 @@ pub(crate) async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (mut raw, req) = parse::<ChatCompletionRequest>(&state, body, "messages")?;
-    let (class, priority_named) = class(&headers, key.as_ref().map(|k| &k.0))?;
+    let out = chat_outbound(&state, key.as_ref().map(|k| &k.0), &headers, body).await?;
+    dispatch(&state, &out).await
+}
+
+/// A chat request made an [`Outbound`]: parsed and checked, its class, model, session and
+/// namespace read, its images fetched and its prompt rendered and tokenized.
+pub(crate) async fn chat_outbound(
+    state: &FrontendState,
+    key: Option<&KeyId>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Outbound, ApiError> {
+    let (mut raw, req) = parse::<ChatCompletionRequest>(state, body, "messages")?;
+    let (class, priority_named) = class(headers, key)?;
     let adapter = state.models.resolve(req.model.as_deref())?;
-    let session = session(&headers, req.prompt_cache_key.as_deref())?;
-    let session = state.session_key(key.as_ref().map(|k| &k.0), session);
-    let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
+    let session = session(headers, req.prompt_cache_key.as_deref())?;
+    let session = state.session_key(key, session);
+    let namespace = state.namespace(key, req.cache_salt.as_deref());
     // Images: fetched once here, forwarded inline, named by their identifier.
     let (prepared, images) =
         state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
@@ -149,9 +161,7 @@ pub(crate) async fn chat(
         class: Some(&class),
         priority_named: priority_named && state.options.engine_priority,
     };
-    let out =
-        Outbound::new("/v1/chat/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
-    dispatch(&state, &out).await
+    Outbound::new("/v1/chat/completions", raw, &prepared, &keys, state.block_size, &dialects)
 }
 
 /// Each `image_url` part, in order, gets its image inline (a fetched one as a `data:` URL)
@@ -183,12 +193,23 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (raw, req) = parse::<CompletionRequest>(&state, body, "prompt")?;
-    let (class, priority_named) = class(&headers, key.as_ref().map(|k| &k.0))?;
+    let out = completion_outbound(&state, key.as_ref().map(|k| &k.0), &headers, body)?;
+    dispatch(&state, &out).await
+}
+
+/// A completion request made an [`Outbound`], as [`chat_outbound`] makes a chat request.
+pub(crate) fn completion_outbound(
+    state: &FrontendState,
+    key: Option<&KeyId>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Outbound, ApiError> {
+    let (raw, req) = parse::<CompletionRequest>(state, body, "prompt")?;
+    let (class, priority_named) = class(headers, key)?;
     let adapter = state.models.resolve(req.model.as_deref())?;
-    let session = session(&headers, req.prompt_cache_key.as_deref())?;
-    let session = state.session_key(key.as_ref().map(|k| &k.0), session);
-    let namespace = state.namespace(key.as_ref().map(|k| &k.0), req.cache_salt.as_deref());
+    let session = session(headers, req.prompt_cache_key.as_deref())?;
+    let session = state.session_key(key, session);
+    let namespace = state.namespace(key, req.cache_salt.as_deref());
     let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
     let dialects = state.tokens_dialects();
     let keys = Keys {
@@ -198,8 +219,7 @@ pub(crate) async fn completions(
         class: Some(&class),
         priority_named: priority_named && state.options.engine_priority,
     };
-    let out = Outbound::new("/v1/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
-    dispatch(&state, &out).await
+    Outbound::new("/v1/completions", raw, &prepared, &keys, state.block_size, &dialects)
 }
 
 /// The base model and every adapter the fleet serves (from the settings and the workers'

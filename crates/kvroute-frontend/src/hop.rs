@@ -320,16 +320,22 @@ where
 /// Frees the request's in-flight accounting when dropped: at the end of the response body,
 /// on an error, or when the client goes away.
 pub(crate) struct InFlight {
-    state: Arc<FrontendState>,
+    pub(crate) state: Arc<FrontendState>,
     pub(crate) id: String,
-    prefilled: bool,
+    pub(crate) prefilled: bool,
     /// Its answer's cached tokens check the router's prediction (not a decode leg's, whose
     /// prompt KV came from its prefill engine).
     pub(crate) checked: bool,
     /// What the router predicted (where, and the cached tokens) with the prompt's length, and
     /// what the engine reported it served, compared when the request ends.
-    predicted: Option<(Placement, u64)>,
-    served: Option<u64>,
+    pub(crate) predicted: Option<(Placement, u64)>,
+    pub(crate) served: Option<u64>,
+}
+
+impl std::fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlight").field("id", &self.id).finish_non_exhaustive()
+    }
 }
 
 impl InFlight {

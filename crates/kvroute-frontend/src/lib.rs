@@ -45,6 +45,7 @@ mod hop;
 mod models;
 mod pair;
 pub mod parity;
+pub mod pick;
 mod placer;
 mod probes;
 mod translate;

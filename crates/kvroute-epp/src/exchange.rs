@@ -1,0 +1,509 @@
+//! One request's ext_proc stream, as Envoy's filter sends it, message by message: request
+//! headers, body (buffered whole, or streamed in chunks with full duplex), trailers, then the
+//! response's headers, body and trailers. No I/O here: [`Exchange::on`] takes a message and
+//! returns the messages to answer with, so the server, the tests and the fuzz target drive
+//! the same machine.
+//!
+//! Body modes (`ProtocolConfiguration`, sent with the first message; absent, the
+//! `FULL_DUPLEX_STREAMED` the Endpoint Picker protocol asks gateways to configure):
+//! - `FULL_DUPLEX_STREAMED`: the request headers are answered only once the whole body has
+//!   come (the pick needs it), then the body is sent back in chunks; each response chunk is
+//!   answered with itself (less the usage chunk only kvroute asked for).
+//! - `BUFFERED` (and `BUFFERED_PARTIAL` that fits): the headers are answered at once, the
+//!   whole body with the destination and the body as the engine gets it.
+//! - `STREAMED` for the request is refused (500): the headers would go upstream before the
+//!   body that decides where. For the response it is served chunk by chunk.
+//! - `NONE`: a request with no body is placed in turn among the ready endpoints.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use bytes::Bytes;
+use envoy_types::pb::envoy::config::core::v3::HeaderMap as EnvoyHeaders;
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
+    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
+    TrailersResponse, body_mutation, processing_request, processing_response,
+};
+use kvroute_core::WorkerId;
+use kvroute_frontend::pick::{Held, PICKED_PATHS};
+use kvroute_http::ApiError;
+use tonic::Status;
+
+use crate::Picker;
+use crate::metadata::{self, DESTINATION_KEY, PREFILLER_HEADER};
+
+/// The largest body chunk sent back to the gateway (some gateways refuse chunks past 64 KiB).
+pub const CHUNK_BYTES: usize = 62_000;
+
+/// The most header bytes (names and values) of a request read.
+pub const MAX_HEADER_BYTES: usize = 64 << 10;
+
+/// Where the stream is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Nothing yet.
+    Start,
+    /// The request's headers came; its body is coming.
+    Body,
+    /// Picked (or answered immediately): the response is next.
+    Picked,
+    /// The response's body is passing.
+    Answering,
+    /// The response ended (or an immediate response was sent).
+    Done,
+}
+
+/// One request's stream.
+#[derive(Debug)]
+pub struct Exchange {
+    picker: Arc<Picker>,
+    phase: Phase,
+    request_mode: BodySendMode,
+    response_mode: BodySendMode,
+    path: String,
+    method: String,
+    headers: HeaderMap,
+    allowed: Option<BTreeSet<WorkerId>>,
+    body: Vec<u8>,
+    held: Option<Held>,
+    model: String,
+    started: Instant,
+}
+
+impl Exchange {
+    pub fn new(picker: Arc<Picker>) -> Self {
+        picker.metrics.streams.inc();
+        Self {
+            picker,
+            phase: Phase::Start,
+            request_mode: BodySendMode::FullDuplexStreamed,
+            response_mode: BodySendMode::FullDuplexStreamed,
+            path: String::new(),
+            method: String::new(),
+            headers: HeaderMap::new(),
+            allowed: None,
+            body: Vec::new(),
+            held: None,
+            model: String::new(),
+            started: Instant::now(),
+        }
+    }
+
+    /// Whether the response has ended: nothing more is expected.
+    pub fn done(&self) -> bool {
+        self.phase == Phase::Done
+    }
+
+    /// The gateway broke the stream (or sent bytes that are not a message): a request in
+    /// flight is freed when the exchange is dropped.
+    pub fn broken(&mut self, status: &Status) {
+        if self.phase != Phase::Done {
+            tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream broken");
+            self.picker.metrics.broken.inc();
+        }
+    }
+
+    /// Takes one message of the gateway's and returns the messages to answer with; a gRPC
+    /// error for a message out of the protocol's order (the gateway then fails the request).
+    pub async fn on(&mut self, m: ProcessingRequest) -> Result<Vec<ProcessingResponse>, Status> {
+        if let Some(config) = &m.protocol_config {
+            self.request_mode = mode(config.request_body_mode);
+            self.response_mode = mode(config.response_body_mode);
+        }
+        let Some(request) = m.request else {
+            return Err(Status::invalid_argument("a ProcessingRequest with no request"));
+        };
+        use processing_request::Request as R;
+        match (self.phase, request) {
+            (Phase::Start, R::RequestHeaders(h)) => self.request_headers(&h, m.metadata_context.as_ref()).await,
+            (Phase::Body, R::RequestBody(b)) => self.request_body(b).await,
+            (Phase::Picked | Phase::Body, R::RequestTrailers(_)) => Ok(vec![trailers(true)]),
+            (Phase::Picked, R::ResponseHeaders(h)) => {
+                Ok(vec![self.response_headers(&h, m.metadata_context.as_ref())])
+            }
+            (Phase::Answering, R::ResponseBody(b)) => Ok(vec![self.response_body(b)]),
+            (Phase::Answering | Phase::Picked, R::ResponseTrailers(_)) => {
+                self.end();
+                Ok(vec![trailers(false)])
+            }
+            (phase, request) => Err(Status::failed_precondition(format!(
+                "{} while {}",
+                kind(&request),
+                match phase {
+                    Phase::Start => "waiting for the request headers",
+                    Phase::Body => "reading the request body",
+                    Phase::Picked => "waiting for the response headers",
+                    Phase::Answering => "passing the response body",
+                    Phase::Done => "done",
+                }
+            ))),
+        }
+    }
+
+    async fn request_headers(
+        &mut self,
+        h: &HttpHeaders,
+        metadata: Option<&envoy_types::pb::envoy::config::core::v3::Metadata>,
+    ) -> Result<Vec<ProcessingResponse>, Status> {
+        self.picker.metrics.requests.inc();
+        if let Err(e) = self.read_headers(h.headers.as_ref()) {
+            return Ok(vec![self.refuse(&e)]);
+        }
+        match metadata::subset(metadata) {
+            Ok(None) => {}
+            Ok(Some(subset)) => self.allowed = Some(self.picker.endpoints.allowed(&subset)),
+            Err(n) => {
+                let max = metadata::MAX_SUBSET;
+                let e = ApiError::bad_request(format!("the subset hint lists {n} endpoints, past {max}"));
+                return Ok(vec![self.refuse(&e)]);
+            }
+        }
+        if h.end_of_stream || self.request_mode == BodySendMode::None {
+            return Ok(self.in_turn(Side::Headers));
+        }
+        match self.request_mode {
+            BodySendMode::Streamed => {
+                let e = ApiError::internal(
+                    "the gateway streams request bodies half-duplex (STREAMED); the picker \
+                     needs the whole body before the headers go upstream: configure \
+                     FULL_DUPLEX_STREAMED (or BUFFERED)",
+                );
+                Ok(vec![self.refuse(&e)])
+            }
+            BodySendMode::FullDuplexStreamed => {
+                self.phase = Phase::Body;
+                Ok(Vec::new())
+            }
+            _ => {
+                self.phase = Phase::Body;
+                Ok(vec![headers_response(CommonResponse::default(), true)])
+            }
+        }
+    }
+
+    fn read_headers(&mut self, headers: Option<&EnvoyHeaders>) -> Result<(), ApiError> {
+        let mut bytes = 0;
+        for h in headers.map_or(&[][..], |h| &h.headers[..]) {
+            let value = metadata::header_value(h);
+            bytes += h.key.len() + value.len();
+            if bytes > MAX_HEADER_BYTES {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                    format!("the request's headers are past {MAX_HEADER_BYTES} bytes"),
+                ));
+            }
+            match h.key.as_str() {
+                ":path" => {
+                    let path = String::from_utf8_lossy(value);
+                    self.path = path.split('?').next().unwrap_or_default().to_owned();
+                }
+                ":method" => self.method = String::from_utf8_lossy(value).into_owned(),
+                key => {
+                    if let (Ok(name), Ok(value)) =
+                        (HeaderName::try_from(key), HeaderValue::from_bytes(value))
+                    {
+                        self.headers.append(name, value);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn request_body(&mut self, b: HttpBody) -> Result<Vec<ProcessingResponse>, Status> {
+        let max = self.picker.options.max_body_bytes;
+        if self.body.len() + b.body.len() > max {
+            let e = ApiError::new(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is past {max} bytes"),
+            );
+            return Ok(vec![self.refuse(&e)]);
+        }
+        self.body.extend_from_slice(&b.body);
+        if !b.end_of_stream {
+            return match self.request_mode {
+                BodySendMode::FullDuplexStreamed => Ok(Vec::new()),
+                // BUFFERED_PARTIAL past Envoy's buffer: the rest would never come here.
+                _ => {
+                    let e = ApiError::new(
+                        axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                        "the request body is past the gateway's buffer",
+                    );
+                    Ok(vec![self.refuse(&e)])
+                }
+            };
+        }
+        if !PICKED_PATHS.contains(&self.path.as_str()) {
+            return Ok(self.in_turn(Side::Body));
+        }
+        let body = Bytes::from(std::mem::take(&mut self.body));
+        let started = Instant::now();
+        let picked =
+            self.picker.front.pick(&self.path, &self.headers, body, self.allowed.as_ref()).await;
+        self.picker.metrics.pick_seconds.observe(started.elapsed().as_secs_f64());
+        let picked = match picked {
+            Ok(p) => p,
+            Err(e) => return Ok(vec![self.refuse(&e)]),
+        };
+        self.model = picked.model.clone();
+        let endpoints = &self.picker.endpoints;
+        let Some(first) = endpoints.endpoint(picked.worker) else {
+            return Ok(vec![self.refuse(&ApiError::internal("a placed worker has no endpoint"))]);
+        };
+        let fallbacks = picked.fallbacks.iter().filter_map(|w| endpoints.endpoint(*w));
+        let fallbacks = fallbacks.take(self.picker.options.fallbacks);
+        let destination: Vec<&str> = std::iter::once(first).chain(fallbacks).collect();
+        let destination = destination.join(",");
+        let mut set = vec![
+            (DESTINATION_KEY, destination.clone()),
+            ("content-length", picked.body.len().to_string()),
+        ];
+        if let Some(p) = picked.prefill.and_then(|p| endpoints.endpoint(p)) {
+            set.push((PREFILLER_HEADER, p.to_owned()));
+        }
+        self.picker.metrics.picked(&self.model);
+        self.held = Some(picked.held);
+        self.phase = Phase::Picked;
+        let mutation = metadata::set_headers(set);
+        let dynamic = Some(metadata::destination(&destination));
+        Ok(match self.request_mode {
+            BodySendMode::FullDuplexStreamed => {
+                let mut out = vec![ProcessingResponse {
+                    dynamic_metadata: dynamic,
+                    ..headers_response(routed(mutation), true)
+                }];
+                out.extend(streamed_body(&picked.body, true));
+                out
+            }
+            _ => {
+                let common = CommonResponse {
+                    body_mutation: Some(BodyMutation {
+                        mutation: Some(body_mutation::Mutation::Body(picked.body.to_vec())),
+                    }),
+                    ..routed(mutation)
+                };
+                vec![ProcessingResponse { dynamic_metadata: dynamic, ..body_response(common, true) }]
+            }
+        })
+    }
+
+    /// A request kvroute does not place (no body, or a route other than completions): the
+    /// next ready endpoint in turn, its body as it came.
+    fn in_turn(&mut self, side: Side) -> Vec<ProcessingResponse> {
+        let Some(worker) = self.picker.in_turn(self.allowed.as_ref()) else {
+            return vec![self.refuse(&unavailable(self.allowed.is_some()))];
+        };
+        let Some(endpoint) = self.picker.endpoints.endpoint(worker) else {
+            return vec![self.refuse(&ApiError::internal("a worker has no endpoint"))];
+        };
+        self.phase = Phase::Picked;
+        let common = routed(metadata::set_headers([(DESTINATION_KEY, endpoint.to_owned())]));
+        let dynamic = Some(metadata::destination(endpoint));
+        match (side, self.request_mode) {
+            (Side::Headers, _) => {
+                vec![ProcessingResponse { dynamic_metadata: dynamic, ..headers_response(common, true) }]
+            }
+            (Side::Body, BodySendMode::FullDuplexStreamed) => {
+                let body = std::mem::take(&mut self.body);
+                let headers = headers_response(common, true);
+                let mut out = vec![ProcessingResponse { dynamic_metadata: dynamic, ..headers }];
+                out.extend(streamed_body(&body, true));
+                out
+            }
+            (Side::Body, _) => {
+                vec![ProcessingResponse { dynamic_metadata: dynamic, ..body_response(common, true) }]
+            }
+        }
+    }
+
+    fn response_headers(
+        &mut self,
+        h: &HttpHeaders,
+        metadata: Option<&envoy_types::pb::envoy::config::core::v3::Metadata>,
+    ) -> ProcessingResponse {
+        let status = header(h.headers.as_ref(), ":status").and_then(|s| s.parse::<u16>().ok());
+        let content_type = header(h.headers.as_ref(), "content-type");
+        let mut set = Vec::new();
+        if let Some(held) = self.held.as_mut() {
+            if let Some(served) = metadata::served(metadata) {
+                match self.picker.endpoints.worker(served) {
+                    Some(w) => {
+                        if w != held.placed().worker_id {
+                            self.picker.metrics.fallbacks_served.inc();
+                        }
+                        held.served_by(w);
+                    }
+                    None => tracing::debug!(served, "the gateway names an endpoint not in the pool"),
+                }
+            }
+            held.head(status.unwrap_or(200), content_type.as_deref());
+            set.push((kvroute_frontend::WORKER_HEADER, held.placed().worker_id.0.to_string()));
+            if self.response_mode == BodySendMode::None {
+                held.first_bytes();
+            }
+        }
+        if let Some(s) = status.filter(|s| *s >= 400) {
+            self.picker.metrics.error(&self.model, s);
+        }
+        self.phase = Phase::Answering;
+        if h.end_of_stream {
+            self.end();
+        }
+        let mutation = (!set.is_empty()).then(|| metadata::set_headers(set));
+        headers_response(CommonResponse { header_mutation: mutation, ..CommonResponse::default() }, false)
+    }
+
+    fn response_body(&mut self, b: HttpBody) -> ProcessingResponse {
+        let passed = match self.held.as_mut() {
+            Some(held) => held.body(Bytes::from(b.body)),
+            None => Bytes::from(b.body),
+        };
+        if b.end_of_stream {
+            self.end();
+        }
+        let mutation = match self.response_mode {
+            BodySendMode::FullDuplexStreamed => body_mutation::Mutation::StreamedResponse(
+                StreamedBodyResponse { body: passed.to_vec(), end_of_stream: b.end_of_stream, ..StreamedBodyResponse::default() },
+            ),
+            _ => body_mutation::Mutation::Body(passed.to_vec()),
+        };
+        let common = CommonResponse {
+            body_mutation: Some(BodyMutation { mutation: Some(mutation) }),
+            ..CommonResponse::default()
+        };
+        body_response(common, false)
+    }
+
+    /// The response ended: the request is freed now (not when the stream closes).
+    fn end(&mut self) {
+        if let Some(mut held) = self.held.take() {
+            held.first_bytes();
+        }
+        if self.phase != Phase::Done {
+            self.picker.metrics.finished(&self.model, self.started.elapsed());
+        }
+        self.phase = Phase::Done;
+    }
+
+    /// An immediate response in OpenAI's error shape, with `Retry-After` when it says one.
+    fn refuse(&mut self, e: &ApiError) -> ProcessingResponse {
+        self.phase = Phase::Done;
+        let status = e.status().as_u16();
+        self.picker.metrics.refused(&self.model, status);
+        let body = serde_json::to_vec(&e.body()).unwrap_or_default();
+        let mut set = vec![("content-type", "application/json".to_owned())];
+        if let Some(secs) = e.retry_after_secs() {
+            set.push(("retry-after", secs.to_string()));
+        }
+        ProcessingResponse {
+            response: Some(processing_response::Response::ImmediateResponse(ImmediateResponse {
+                status: Some(HttpStatus { code: i32::from(status) }),
+                headers: Some(metadata::set_headers(set)),
+                body,
+                grpc_status: None,
+                details: format!("kvroute_epp_{status}"),
+            })),
+            ..ProcessingResponse::default()
+        }
+    }
+}
+
+/// Which of the request's messages an answer goes to.
+#[derive(Clone, Copy, Debug)]
+enum Side {
+    Headers,
+    Body,
+}
+
+fn mode(m: i32) -> BodySendMode {
+    BodySendMode::try_from(m).unwrap_or(BodySendMode::FullDuplexStreamed)
+}
+
+fn kind(r: &processing_request::Request) -> &'static str {
+    use processing_request::Request as R;
+    match r {
+        R::RequestHeaders(_) => "request headers",
+        R::RequestBody(_) => "a request body",
+        R::RequestTrailers(_) => "request trailers",
+        R::ResponseHeaders(_) => "response headers",
+        R::ResponseBody(_) => "a response body",
+        R::ResponseTrailers(_) => "response trailers",
+    }
+}
+
+fn unavailable(subset: bool) -> ApiError {
+    match subset {
+        true => ApiError::unavailable("no endpoint of the subset is ready"),
+        false => ApiError::unavailable("no endpoint is ready"),
+    }
+}
+
+/// A header's value, as text, from Envoy's headers.
+fn header(headers: Option<&EnvoyHeaders>, name: &str) -> Option<String> {
+    let h = headers?.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name))?;
+    Some(String::from_utf8_lossy(metadata::header_value(h)).into_owned())
+}
+
+/// Headers set, and the route cleared (the gateway routes again by the destination).
+fn routed(mutation: HeaderMutation) -> CommonResponse {
+    CommonResponse { header_mutation: Some(mutation), clear_route_cache: true, ..CommonResponse::default() }
+}
+
+fn headers_response(common: CommonResponse, request: bool) -> ProcessingResponse {
+    let r = HeadersResponse { response: Some(common) };
+    let response = match request {
+        true => processing_response::Response::RequestHeaders(r),
+        false => processing_response::Response::ResponseHeaders(r),
+    };
+    ProcessingResponse { response: Some(response), ..ProcessingResponse::default() }
+}
+
+fn body_response(common: CommonResponse, request: bool) -> ProcessingResponse {
+    let r = BodyResponse { response: Some(common) };
+    let response = match request {
+        true => processing_response::Response::RequestBody(r),
+        false => processing_response::Response::ResponseBody(r),
+    };
+    ProcessingResponse { response: Some(response), ..ProcessingResponse::default() }
+}
+
+fn trailers(request: bool) -> ProcessingResponse {
+    let r = TrailersResponse::default();
+    let response = match request {
+        true => processing_response::Response::RequestTrailers(r),
+        false => processing_response::Response::ResponseTrailers(r),
+    };
+    ProcessingResponse { response: Some(response), ..ProcessingResponse::default() }
+}
+
+/// A request body sent back in full duplex: chunks of at most [`CHUNK_BYTES`], the last one
+/// ending the stream (one empty chunk for an empty body).
+fn streamed_body(body: &[u8], end: bool) -> Vec<ProcessingResponse> {
+    let chunks: Vec<&[u8]> = match body.is_empty() {
+        true => vec![&[][..]],
+        false => body.chunks(CHUNK_BYTES).collect(),
+    };
+    let n = chunks.len();
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, chunk)| {
+            let streamed = StreamedBodyResponse {
+                body: chunk.to_vec(),
+                end_of_stream: end && i + 1 == n,
+                ..StreamedBodyResponse::default()
+            };
+            let mutation = body_mutation::Mutation::StreamedResponse(streamed);
+            let common = CommonResponse {
+                body_mutation: Some(BodyMutation { mutation: Some(mutation) }),
+                ..CommonResponse::default()
+            };
+            body_response(common, true)
+        })
+        .collect()
+}

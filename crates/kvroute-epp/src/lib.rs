@@ -1,0 +1,241 @@
+//! kvroute as an Endpoint Picker (EPP) behind a Kubernetes inference gateway: Envoy's
+//! external processing protocol (`envoy.service.ext_proc.v3.ExternalProcessor`, a
+//! bidirectional gRPC stream per HTTP request) served over the front door's stages, as the
+//! Gateway API Inference Extension's Endpoint Picker protocol asks
+//! (`docs/kubernetes.md`).
+//!
+//! ```text
+//!  gateway ─▶ request headers (subset hint in filter metadata)  ┐
+//!          ─▶ request body, buffered or streamed in chunks       ├ exchange.rs: one stream
+//!  picker  ─▶ FrontendState::pick (parse, tokenize, hash, admit, │   per request
+//!             place; in flight from now)                         │
+//!          ◀─ destination header + envoy.lb metadata, the body   │
+//!  gateway ─▶ response headers (the endpoint that served)        │
+//!          ─▶ response body: prefill done, cached tokens read,   │
+//!             the front door's usage chunk dropped               ┘
+//!  stream ends or breaks: the request is freed
+//! ```
+//!
+//! - [`metadata`]: the protocol's keys, read and built from Envoy's protobuf types;
+//! - [`exchange`]: one request's stream, as a state machine over messages (no I/O: the fuzz
+//!   target drives it);
+//! - [`gateway`]: a small gateway that plays Envoy's side, for the tests and the bench.
+
+pub mod exchange;
+pub mod gateway;
+pub mod metadata;
+pub mod metrics;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use kvroute_core::WorkerId;
+use kvroute_frontend::FrontendState;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// The gRPC service name of ext_proc, also a health service name.
+pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+/// The picker's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EppOptions {
+    /// Fallback endpoints listed after the one picked (the gateway tries them in order when
+    /// it cannot reach the first).
+    pub fallbacks: usize,
+    /// Largest request body read (a larger one is a 413).
+    pub max_body_bytes: usize,
+}
+
+impl Default for EppOptions {
+    fn default() -> Self {
+        Self { fallbacks: 2, max_body_bytes: kvroute_frontend::BODY_LIMIT }
+    }
+}
+
+/// The endpoints of the pool: each worker's `host:port`, as the gateway names it.
+#[derive(Clone, Debug, Default)]
+pub struct Endpoints {
+    by_worker: Vec<(WorkerId, String)>,
+}
+
+impl Endpoints {
+    /// Each worker's `host:port`, from its base URL.
+    pub fn of(front: &FrontendState) -> Self {
+        let by_worker = front
+            .worker_urls()
+            .filter_map(|(w, url)| Some((w, host_port(url)?)))
+            .collect();
+        Self { by_worker }
+    }
+
+    pub fn endpoint(&self, worker: WorkerId) -> Option<&str> {
+        self.by_worker.iter().find(|(w, _)| *w == worker).map(|(_, e)| e.as_str())
+    }
+
+    pub fn worker(&self, endpoint: &str) -> Option<WorkerId> {
+        self.by_worker.iter().find(|(_, e)| e == endpoint).map(|(w, _)| *w)
+    }
+
+    pub fn workers(&self) -> impl Iterator<Item = WorkerId> + '_ {
+        self.by_worker.iter().map(|(w, _)| *w)
+    }
+
+    /// The workers a subset hint allows: an entry `ip:port` names one endpoint, an entry
+    /// without a port every endpoint at that address.
+    pub fn allowed(&self, subset: &[String]) -> BTreeSet<WorkerId> {
+        self.by_worker
+            .iter()
+            .filter(|(_, e)| {
+                subset.iter().any(|s| s == e || e.rsplit_once(':').is_some_and(|(h, _)| h == s))
+            })
+            .map(|(w, _)| *w)
+            .collect()
+    }
+}
+
+/// `host:port` of a base URL (`http://10.0.0.1:8000` → `10.0.0.1:8000`), the port the
+/// scheme's when it names none.
+pub fn host_port(url: &str) -> Option<String> {
+    let uri: hyper::Uri = url.parse().ok()?;
+    let host = uri.host()?;
+    let port = uri.port_u16().unwrap_or(match uri.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    });
+    Some(format!("{host}:{port}"))
+}
+
+/// The picker: the front door's stages, the pool's endpoints and the picker's metrics.
+#[derive(Debug)]
+pub struct Picker {
+    pub front: Arc<FrontendState>,
+    pub endpoints: Endpoints,
+    pub options: EppOptions,
+    pub metrics: metrics::EppMetrics,
+    /// Where the next request without a prompt (a `GET`, another route) goes, in turn.
+    turn: AtomicUsize,
+}
+
+impl Picker {
+    pub fn new(front: Arc<FrontendState>, options: EppOptions) -> Self {
+        let endpoints = Endpoints::of(&front);
+        let metrics = metrics::EppMetrics::new();
+        Self { front, endpoints, options, metrics, turn: AtomicUsize::new(0) }
+    }
+
+    /// The next worker in turn among `allowed` that is in rotation.
+    pub(crate) fn in_turn(&self, allowed: Option<&BTreeSet<WorkerId>>) -> Option<WorkerId> {
+        let ready: Vec<WorkerId> = self
+            .endpoints
+            .workers()
+            .filter(|w| allowed.is_none_or(|a| a.contains(w)) && self.front.in_rotation(*w))
+            .collect();
+        let n = ready.len();
+        (n > 0).then(|| ready[self.turn.fetch_add(1, Ordering::Relaxed) % n])
+    }
+}
+
+/// The ext_proc service over a [`Picker`].
+#[derive(Clone, Debug)]
+pub struct Service(pub Arc<Picker>);
+
+/// Messages queued toward the gateway per stream.
+const STREAM_QUEUE: usize = 16;
+
+#[tonic::async_trait]
+impl ExternalProcessor for Service {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(STREAM_QUEUE);
+        let picker = Arc::clone(&self.0);
+        tokio::spawn(async move {
+            let mut exchange = exchange::Exchange::new(picker);
+            loop {
+                let message = tokio::select! {
+                    m = inbound.message() => m,
+                    // The gateway stopped reading: nothing more to do for this request.
+                    () = tx.closed() => break,
+                };
+                let message = match message {
+                    Ok(Some(m)) => m,
+                    Ok(None) => break,
+                    Err(status) => {
+                        exchange.broken(&status);
+                        break;
+                    }
+                };
+                match exchange.on(message).await {
+                    Ok(responses) => {
+                        for r in responses {
+                            if tx.send(Ok(r)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        break;
+                    }
+                }
+                if exchange.done() {
+                    break;
+                }
+            }
+            // Dropping the exchange frees a request still in flight (the gateway gone).
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Largest ext_proc message decoded: a body chunk (Envoy's are at most its buffer, 64 KiB
+/// by default in streamed modes; a buffered body, up to [`EppOptions::max_body_bytes`]) with
+/// its headers and metadata.
+pub fn max_message_bytes(options: &EppOptions) -> usize {
+    options.max_body_bytes + (1 << 20)
+}
+
+/// Serves ext_proc and gRPC health on `listener` until `shutdown` resolves. Health says
+/// `liveness` serving from the start; `readiness` and the ext_proc service serving once
+/// `ready` resolves (the workers ready and every subscription up).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    picker: Arc<Picker>,
+    ready: impl std::future::Future<Output = ()> + Send + 'static,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_service_status("liveness", tonic_health::ServingStatus::Serving).await;
+    for name in ["readiness", EXT_PROC_SERVICE, ""] {
+        reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
+    }
+    tokio::spawn(async move {
+        ready.await;
+        for name in ["readiness", EXT_PROC_SERVICE, ""] {
+            reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
+        }
+    });
+    let limit = max_message_bytes(&picker.options);
+    let service = ExternalProcessorServer::new(Service(picker)).max_decoding_message_size(limit);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+}
+
+/// The address a listener for the picker binds by default.
+pub const DEFAULT_ADDR: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 9002);

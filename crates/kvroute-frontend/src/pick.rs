@@ -1,0 +1,251 @@
+//! A placement without a hop: what an Endpoint Picker behind a gateway asks of the front door
+//! (`kvroute-epp`). The request goes through the same stages as one the front door proxies
+//! (parsed, checked, preprocessed, hashed, admitted and placed, [`crate::handlers`]), but the
+//! gateway sends it: the picker answers with the worker and the body to send it, and holds the
+//! request in flight ([`Held`]) while the gateway passes the answer through it, which marks the
+//! prefill done, reads the engine's cached tokens and frees the request at the end (or when
+//! the held request is dropped: the gateway gone).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::http::HeaderMap;
+use kvroute_core::schedule::pairs::prefill_leg_id;
+use kvroute_core::{WorkerId, WorkerWithDpRank};
+use kvroute_http::ApiError;
+
+use crate::FrontendState;
+use crate::health::Failure;
+use crate::hop::{InFlight, Outbound};
+use crate::placer::Placement;
+use crate::usage::Usage;
+
+/// The OpenAI routes a picker places (any other path is the gateway's to route).
+pub const PICKED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
+/// Where a request goes, and what goes there.
+#[derive(Debug)]
+pub struct Picked {
+    /// The worker that decodes it (the one the gateway sends it to).
+    pub worker: WorkerId,
+    /// The other workers in rotation, in order after `worker` (fallbacks, when the gateway
+    /// cannot reach it).
+    pub fallbacks: Vec<WorkerId>,
+    /// In a disaggregated fleet, the worker that prefills it, when another one does.
+    pub prefill: Option<WorkerId>,
+    /// The body as the engine gets it (the client's, with the fields the front door sets:
+    /// `cache_salt`, a stream's usage, image identifiers, priority).
+    pub body: Bytes,
+    /// The model it asked for (the base model's name, or its adapter's).
+    pub model: String,
+    /// The request in flight until the answer ends.
+    pub held: Held,
+}
+
+/// A placed request in flight while the gateway passes its answer through the picker.
+#[derive(Debug)]
+pub struct Held {
+    guard: InFlight,
+    /// The prefill leg of a split request, freed with the first bytes of the answer.
+    prefill: Option<InFlight>,
+    placement: Placement,
+    prompt_tokens: u64,
+    strip_usage: bool,
+    usage: Option<Usage>,
+}
+
+impl Held {
+    /// The answer's head came: its status and content type. A success's cached tokens will be
+    /// compared with the prediction.
+    pub fn head(&mut self, status: u16, content_type: Option<&str>) {
+        let sse = content_type.is_some_and(|c| c.starts_with("text/event-stream"));
+        let state = &self.guard.state;
+        let worker = self.placement.worker.worker_id;
+        if (200..300).contains(&status) {
+            if state.health.succeeded(worker) {
+                tracing::info!(%worker, "worker answers again: back in rotation");
+            }
+            if self.guard.checked {
+                self.guard.predicted = Some((self.placement, self.prompt_tokens));
+            }
+        }
+        state.metrics.proxied.inc();
+        self.usage = Some(Usage::new(sse, self.strip_usage && sse));
+    }
+
+    /// A piece of the answer as it passes: the first marks the prefill done; the engine's
+    /// cached tokens are read, and the usage chunk only the front door asked for is dropped.
+    /// Returns the bytes to pass on (an event stream is passed on event by event, whole).
+    pub fn body(&mut self, bytes: Bytes) -> Bytes {
+        self.first_bytes();
+        let usage = self.usage.get_or_insert_with(Usage::default);
+        let (bytes, served) = usage.pass(bytes);
+        if served.is_some() {
+            self.guard.served = served;
+        }
+        bytes
+    }
+
+    /// The answer's first bytes (or its end, with none): the prefill is done.
+    pub fn first_bytes(&mut self) {
+        if !self.guard.prefilled {
+            self.guard.prefilled = true;
+            let sse = self.usage.as_ref().is_some_and(|u| u.sse);
+            self.guard.state.placer.prefill_done(&self.guard.id, sse);
+            self.prefill = None;
+        }
+    }
+
+    /// The gateway says `served` answered. When that is not the worker placed, the placed one
+    /// could not be reached: it is out of rotation for a while (as when the front door's hop
+    /// fails), and the answer is not compared with a prediction made for another worker.
+    pub fn served_by(&mut self, served: WorkerId) {
+        let placed = self.placement.worker.worker_id;
+        if served != placed {
+            tracing::warn!(%placed, %served, "the gateway fell back to another worker");
+            self.guard.state.worker_failed(placed, Failure::Connect);
+            self.guard.checked = false;
+            self.guard.predicted = None;
+        }
+    }
+
+    /// The worker placed, with its rank.
+    pub fn placed(&self) -> WorkerWithDpRank {
+        self.placement.worker
+    }
+
+    /// The cached prompt tokens predicted where it was placed.
+    pub fn predicted_cached_tokens(&self) -> u64 {
+        self.placement.predicted_cached_tokens
+    }
+}
+
+impl FrontendState {
+    /// Places the OpenAI request at `path` (one of [`PICKED_PATHS`]) among `allowed` workers
+    /// (all when `None`) that are in rotation, as the front door would, without sending it.
+    /// A 503 when none can take it; flow control's refusals as they are (429, 503).
+    pub async fn pick(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+        allowed: Option<&BTreeSet<WorkerId>>,
+    ) -> Result<Picked, ApiError> {
+        let out = match path {
+            "/v1/chat/completions" => {
+                crate::handlers::chat_outbound(self, None, headers, Ok(body)).await?
+            }
+            "/v1/completions" => crate::handlers::completion_outbound(self, None, headers, Ok(body))?,
+            other => {
+                return Err(ApiError::not_found(format!("{other} is not a route kvroute places")));
+            }
+        };
+        let mut excluded: Vec<WorkerWithDpRank> = self
+            .urls
+            .keys()
+            .filter(|w| allowed.is_some_and(|a| !a.contains(w)) || self.health.is_ejected(**w))
+            .flat_map(|&w| self.all_ranks(w))
+            .collect();
+        if self.placer.disaggregated(self.prefill_workers) {
+            return self.pick_pair(&out, excluded).await;
+        }
+        let mut ask = out.ask();
+        loop {
+            let id = self.request_id();
+            let placed = self.placer.place(ask, self.block_size, &id, &excluded).await?;
+            ask = ask.again();
+            let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
+                return Err(no_worker(allowed));
+            };
+            let guard = InFlight::new(self, id);
+            let worker = placement.worker.worker_id;
+            if let (Some(adapter), Some(base)) = (out.adapter.as_deref(), self.urls.get(&worker))
+                && !self.ensure_adapter(worker, base, adapter).await
+            {
+                excluded.extend(self.all_ranks(worker));
+                continue;
+            }
+            return Ok(self.picked(&out, placement, None, guard, &excluded));
+        }
+    }
+
+    /// [`FrontendState::pick`] in a fleet with prefill workers: the decode worker is the one
+    /// the gateway sends the request to; the prefill worker, when another one, is named.
+    async fn pick_pair(
+        self: &Arc<Self>,
+        out: &Outbound,
+        excluded: Vec<WorkerWithDpRank>,
+    ) -> Result<Picked, ApiError> {
+        let id = self.request_id();
+        let Some(pair) = self.placer.place_pair(out.ask(), &id, &excluded).await? else {
+            return Err(ApiError::unavailable("no worker is available"));
+        };
+        let mut guard = InFlight::new(self, id);
+        let prefill = pair.prefill.map(|p| {
+            guard.checked = false;
+            self.metrics.pd_split.inc();
+            let leg = InFlight::new(self, prefill_leg_id(&guard.id));
+            (p.worker.worker_id, leg)
+        });
+        if prefill.is_none() {
+            self.metrics.pd_in_place.inc();
+        }
+        let (prefill, leg) = prefill.unzip();
+        let mut picked = self.picked(out, pair.decode, leg, guard, &excluded);
+        picked.prefill = prefill;
+        Ok(picked)
+    }
+
+    fn picked(
+        self: &Arc<Self>,
+        out: &Outbound,
+        placement: Placement,
+        prefill: Option<InFlight>,
+        guard: InFlight,
+        excluded: &[WorkerWithDpRank],
+    ) -> Picked {
+        let worker = placement.worker.worker_id;
+        // The others in rotation, in order after the one placed.
+        let others: Vec<WorkerId> = self
+            .urls
+            .keys()
+            .copied()
+            .filter(|&w| w != worker && self.all_ranks(w).all(|r| !excluded.contains(&r)))
+            .collect();
+        let split = others.partition_point(|&w| w < worker);
+        let fallbacks = others[split..].iter().chain(&others[..split]).copied();
+        Picked {
+            worker,
+            fallbacks: fallbacks.collect(),
+            prefill: None,
+            body: out.body.clone(),
+            model: out.adapter.clone().unwrap_or_else(|| self.preprocessor.model_name().to_owned()),
+            held: Held {
+                guard,
+                prefill,
+                placement,
+                prompt_tokens: out.prompt_tokens as u64,
+                strip_usage: out.strip_usage,
+                usage: None,
+            },
+        }
+    }
+
+    /// Each worker's base URL (`http://host:port`), the gateway's endpoints.
+    pub fn worker_urls(&self) -> impl Iterator<Item = (WorkerId, &str)> {
+        self.urls.iter().map(|(w, u)| (*w, u.as_str()))
+    }
+
+    /// Whether the worker is in rotation (not ejected after a failure).
+    pub fn in_rotation(&self, worker: WorkerId) -> bool {
+        !self.health.is_ejected(worker)
+    }
+}
+
+fn no_worker(allowed: Option<&BTreeSet<WorkerId>>) -> ApiError {
+    match allowed {
+        Some(_) => ApiError::unavailable("no endpoint of the subset can take the request"),
+        None => ApiError::unavailable("no worker is available"),
+    }
+}
