@@ -23,12 +23,12 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::HeaderMap as EnvoyHeaders;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
     HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
     TrailersResponse, body_mutation, processing_request, processing_response,
 };
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use kvroute_core::WorkerId;
 use kvroute_frontend::pick::{Held, PICKED_PATHS};
 use kvroute_http::ApiError;
@@ -99,11 +99,10 @@ impl Exchange {
         self.phase == Phase::Done
     }
 
-    /// The gateway broke the stream (or sent bytes that are not a message): a request in
-    /// flight is freed when the exchange is dropped.
-    pub fn broken(&mut self, status: &Status) {
+    /// The stream ended: counted as broken when the response had not (the gateway reset
+    /// it, or ended it early); a request in flight is freed when the exchange is dropped.
+    pub fn broken(&mut self) {
         if self.phase != Phase::Done {
-            tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream broken");
             self.picker.metrics.broken.inc();
         }
     }
@@ -120,7 +119,9 @@ impl Exchange {
         };
         use processing_request::Request as R;
         match (self.phase, request) {
-            (Phase::Start, R::RequestHeaders(h)) => self.request_headers(&h, m.metadata_context.as_ref()).await,
+            (Phase::Start, R::RequestHeaders(h)) => {
+                self.request_headers(&h, m.metadata_context.as_ref()).await
+            }
             (Phase::Body, R::RequestBody(b)) => self.request_body(b).await,
             (Phase::Picked | Phase::Body, R::RequestTrailers(_)) => Ok(vec![trailers(true)]),
             (Phase::Picked, R::ResponseHeaders(h)) => {
@@ -155,11 +156,15 @@ impl Exchange {
             return Ok(vec![self.refuse(&e)]);
         }
         match metadata::subset(metadata) {
-            Ok(None) => {}
-            Ok(Some(subset)) => self.allowed = Some(self.picker.endpoints.allowed(&subset)),
+            Ok(subset) => {
+                let subset = subset.map(|s| self.picker.endpoints.allowed(&s));
+                self.allowed = self.picker.eligible(subset);
+            }
             Err(n) => {
                 let max = metadata::MAX_SUBSET;
-                let e = ApiError::bad_request(format!("the subset hint lists {n} endpoints, past {max}"));
+                let e = ApiError::bad_request(format!(
+                    "the subset hint lists {n} endpoints, past {max}"
+                ));
                 return Ok(vec![self.refuse(&e)]);
             }
         }
@@ -287,7 +292,10 @@ impl Exchange {
                     }),
                     ..routed(mutation)
                 };
-                vec![ProcessingResponse { dynamic_metadata: dynamic, ..body_response(common, true) }]
+                vec![ProcessingResponse {
+                    dynamic_metadata: dynamic,
+                    ..body_response(common, true)
+                }]
             }
         })
     }
@@ -306,7 +314,10 @@ impl Exchange {
         let dynamic = Some(metadata::destination(endpoint));
         match (side, self.request_mode) {
             (Side::Headers, _) => {
-                vec![ProcessingResponse { dynamic_metadata: dynamic, ..headers_response(common, true) }]
+                vec![ProcessingResponse {
+                    dynamic_metadata: dynamic,
+                    ..headers_response(common, true)
+                }]
             }
             (Side::Body, BodySendMode::FullDuplexStreamed) => {
                 let body = std::mem::take(&mut self.body);
@@ -316,7 +327,10 @@ impl Exchange {
                 out
             }
             (Side::Body, _) => {
-                vec![ProcessingResponse { dynamic_metadata: dynamic, ..body_response(common, true) }]
+                vec![ProcessingResponse {
+                    dynamic_metadata: dynamic,
+                    ..body_response(common, true)
+                }]
             }
         }
     }
@@ -338,7 +352,9 @@ impl Exchange {
                         }
                         held.served_by(w);
                     }
-                    None => tracing::debug!(served, "the gateway names an endpoint not in the pool"),
+                    None => {
+                        tracing::debug!(served, "the gateway names an endpoint not in the pool");
+                    }
                 }
             }
             held.head(status.unwrap_or(200), content_type.as_deref());
@@ -355,7 +371,10 @@ impl Exchange {
             self.end();
         }
         let mutation = (!set.is_empty()).then(|| metadata::set_headers(set));
-        headers_response(CommonResponse { header_mutation: mutation, ..CommonResponse::default() }, false)
+        headers_response(
+            CommonResponse { header_mutation: mutation, ..CommonResponse::default() },
+            false,
+        )
     }
 
     fn response_body(&mut self, b: HttpBody) -> ProcessingResponse {
@@ -367,9 +386,13 @@ impl Exchange {
             self.end();
         }
         let mutation = match self.response_mode {
-            BodySendMode::FullDuplexStreamed => body_mutation::Mutation::StreamedResponse(
-                StreamedBodyResponse { body: passed.to_vec(), end_of_stream: b.end_of_stream, ..StreamedBodyResponse::default() },
-            ),
+            BodySendMode::FullDuplexStreamed => {
+                body_mutation::Mutation::StreamedResponse(StreamedBodyResponse {
+                    body: passed.to_vec(),
+                    end_of_stream: b.end_of_stream,
+                    ..StreamedBodyResponse::default()
+                })
+            }
             _ => body_mutation::Mutation::Body(passed.to_vec()),
         };
         let common = CommonResponse {
@@ -451,7 +474,11 @@ fn header(headers: Option<&EnvoyHeaders>, name: &str) -> Option<String> {
 
 /// Headers set, and the route cleared (the gateway routes again by the destination).
 fn routed(mutation: HeaderMutation) -> CommonResponse {
-    CommonResponse { header_mutation: Some(mutation), clear_route_cache: true, ..CommonResponse::default() }
+    CommonResponse {
+        header_mutation: Some(mutation),
+        clear_route_cache: true,
+        ..CommonResponse::default()
+    }
 }
 
 fn headers_response(common: CommonResponse, request: bool) -> ProcessingResponse {

@@ -68,10 +68,8 @@ pub struct Endpoints {
 impl Endpoints {
     /// Each worker's `host:port`, from its base URL.
     pub fn of(front: &FrontendState) -> Self {
-        let by_worker = front
-            .worker_urls()
-            .filter_map(|(w, url)| Some((w, host_port(url)?)))
-            .collect();
+        let by_worker =
+            front.worker_urls().filter_map(|(w, url)| Some((w, host_port(url)?))).collect();
         Self { by_worker }
     }
 
@@ -100,6 +98,15 @@ impl Endpoints {
     }
 }
 
+/// The endpoints of an endpoints file: one per line, blank lines and `#` comments skipped.
+pub fn parse_endpoints(text: &str) -> Vec<String> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or_default().trim())
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
 /// `host:port` of a base URL (`http://10.0.0.1:8000` → `10.0.0.1:8000`), the port the
 /// scheme's when it names none.
 pub fn host_port(url: &str) -> Option<String> {
@@ -121,13 +128,79 @@ pub struct Picker {
     pub metrics: metrics::EppMetrics,
     /// Where the next request without a prompt (a `GET`, another route) goes, in turn.
     turn: AtomicUsize,
+    /// The workers the endpoints file lists (absent: every worker), [`Picker::watch`].
+    members: std::sync::RwLock<Option<BTreeSet<WorkerId>>>,
 }
 
 impl Picker {
     pub fn new(front: Arc<FrontendState>, options: EppOptions) -> Self {
         let endpoints = Endpoints::of(&front);
         let metrics = metrics::EppMetrics::new();
-        Self { front, endpoints, options, metrics, turn: AtomicUsize::new(0) }
+        let members = std::sync::RwLock::new(None);
+        Self { front, endpoints, options, metrics, turn: AtomicUsize::new(0), members }
+    }
+
+    /// The workers a request may go to: those of its subset hint (absent: all) that the
+    /// endpoints file lists (absent: all).
+    pub(crate) fn eligible(
+        &self,
+        subset: Option<BTreeSet<WorkerId>>,
+    ) -> Option<BTreeSet<WorkerId>> {
+        let members = self.members.read().unwrap_or_else(|e| e.into_inner());
+        match (subset, members.as_ref()) {
+            (s, None) => s,
+            (None, Some(m)) => Some(m.clone()),
+            (Some(s), Some(m)) => Some(s.intersection(m).copied().collect()),
+        }
+    }
+
+    /// Takes the pool's endpoints (`host:port` as the gateway names them): later requests
+    /// go only to the workers among them. Returns those that name no worker of the fleet.
+    pub fn set_members(&self, listed: &[String]) -> Vec<String> {
+        let members = self.endpoints.allowed(listed);
+        let unknown =
+            listed.iter().filter(|e| self.endpoints.allowed(std::slice::from_ref(e)).is_empty());
+        let unknown: Vec<String> = unknown.cloned().collect();
+        *self.members.write().unwrap_or_else(|e| e.into_inner()) = Some(members);
+        unknown
+    }
+
+    /// Rereads `path` every `every` and takes its endpoints when its text changed (one
+    /// `host:port` per line, `#` comments), until the picker is dropped. A file that cannot
+    /// be read leaves the pool as it was (a ConfigMap's file is swapped, never half written).
+    pub fn watch(
+        self: &Arc<Self>,
+        path: std::path::PathBuf,
+        every: std::time::Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut seen: Option<String> = None;
+            while let Some(picker) = weak.upgrade() {
+                match tokio::fs::read_to_string(&path).await {
+                    Ok(text) if seen.as_deref() != Some(text.as_str()) => {
+                        picker.reread(&path, &text);
+                        seen = Some(text);
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        let path = path.display();
+                        tracing::warn!(%path, error = %e, "endpoints file unreadable: pool kept");
+                    }
+                }
+                drop(picker);
+                tokio::time::sleep(every).await;
+            }
+        })
+    }
+
+    fn reread(&self, path: &std::path::Path, text: &str) {
+        let listed = parse_endpoints(text);
+        let unknown = self.set_members(&listed);
+        tracing::info!(path = %path.display(), endpoints = listed.len(), "pool endpoints read");
+        if !unknown.is_empty() {
+            tracing::warn!(?unknown, "pool endpoints that are no worker of the fleet (--worker)");
+        }
     }
 
     /// The next worker in turn among `allowed` that is in rotation.
@@ -162,7 +235,7 @@ impl ExternalProcessor for Service {
         let picker = Arc::clone(&self.0);
         tokio::spawn(async move {
             let mut exchange = exchange::Exchange::new(picker);
-            loop {
+            'stream: loop {
                 let message = tokio::select! {
                     m = inbound.message() => m,
                     // The gateway stopped reading: nothing more to do for this request.
@@ -172,15 +245,23 @@ impl ExternalProcessor for Service {
                     Ok(Some(m)) => m,
                     Ok(None) => break,
                     Err(status) => {
-                        exchange.broken(&status);
+                        // Bytes that are no message (or past the limit), or a reset: the
+                        // gateway is told, when it still listens.
+                        tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream broken");
+                        let _ = tx.try_send(Err(status));
                         break;
                     }
                 };
-                match exchange.on(message).await {
+                // A pick waiting for room (flow control) is dropped when the gateway goes.
+                let answered = tokio::select! {
+                    r = exchange.on(message) => r,
+                    () = tx.closed() => break,
+                };
+                match answered {
                     Ok(responses) => {
                         for r in responses {
                             if tx.send(Ok(r)).await.is_err() {
-                                return;
+                                break 'stream;
                             }
                         }
                     }
@@ -194,6 +275,7 @@ impl ExternalProcessor for Service {
                 }
             }
             // Dropping the exchange frees a request still in flight (the gateway gone).
+            exchange.broken();
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }

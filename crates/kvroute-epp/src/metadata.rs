@@ -74,7 +74,9 @@ pub fn string(s: &str) -> Value {
 
 /// Strings as a protobuf list value.
 pub fn list<'a>(items: impl IntoIterator<Item = &'a str>) -> Value {
-    Value { kind: Some(Kind::ListValue(ListValue { values: items.into_iter().map(string).collect() })) }
+    Value {
+        kind: Some(Kind::ListValue(ListValue { values: items.into_iter().map(string).collect() })),
+    }
 }
 
 /// `{namespace: {key: value}}`, as Envoy's dynamic and filter metadata nest them.
@@ -138,13 +140,14 @@ mod tests {
 
     fn hint(value: Value) -> Metadata {
         Metadata {
-            filter_metadata: nested(SUBSET_NAMESPACE, SUBSET_KEY, value).fields.into_iter().map(
-                |(k, v)| match v.kind {
+            filter_metadata: nested(SUBSET_NAMESPACE, SUBSET_KEY, value)
+                .fields
+                .into_iter()
+                .map(|(k, v)| match v.kind {
                     Some(Kind::StructValue(s)) => (k, s),
                     _ => unreachable!(),
-                },
-            )
-            .collect(),
+                })
+                .collect(),
             ..Metadata::default()
         }
     }
@@ -161,7 +164,8 @@ mod tests {
         assert_eq!(subset(Some(&flat)).unwrap().unwrap(), ["10.0.0.1:8000", "10.0.0.2"]);
         let empty = hint(list([]));
         assert_eq!(subset(Some(&empty)), Ok(Some(vec![])), "set but empty: nothing is eligible");
-        let long: Vec<String> = (0..=MAX_SUBSET).map(|i| format!("10.0.{}.{}:80", i / 256, i % 256)).collect();
+        let long: Vec<String> =
+            (0..=MAX_SUBSET).map(|i| format!("10.0.{}.{}:80", i / 256, i % 256)).collect();
         let long = hint(list(long.iter().map(String::as_str)));
         assert_eq!(subset(Some(&long)), Err(MAX_SUBSET + 1));
     }

@@ -20,16 +20,15 @@ pub struct ErrorLabels {
     error_code: String,
 }
 
-const DURATION_BUCKETS: [f64; 16] = [
-    0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0,
-];
+const DURATION_BUCKETS: [f64; 16] =
+    [0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0];
 
 const PICK_BUCKETS: [f64; 12] =
     [0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5];
 
 #[derive(Debug)]
 pub struct EppMetrics {
-    pub registry: Registry,
+    pub registry: std::sync::Arc<Registry>,
     pub streams: Counter,
     pub requests: Counter,
     pub broken: Counter,
@@ -61,8 +60,16 @@ impl EppMetrics {
         let duration = Family::<ModelLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(DURATION_BUCKETS)
         });
-        r.register("kvroute_epp_streams", "ext_proc streams opened by the gateway", streams.clone());
-        r.register("kvroute_epp_requests", "Requests whose headers came over ext_proc", requests.clone());
+        r.register(
+            "kvroute_epp_streams",
+            "ext_proc streams opened by the gateway",
+            streams.clone(),
+        );
+        r.register(
+            "kvroute_epp_requests",
+            "Requests whose headers came over ext_proc",
+            requests.clone(),
+        );
         r.register(
             "kvroute_epp_broken_streams",
             "ext_proc streams the gateway broke before the response ended (their requests freed)",
@@ -99,7 +106,7 @@ impl EppMetrics {
             duration.clone(),
         );
         Self {
-            registry: r,
+            registry: std::sync::Arc::new(r),
             streams,
             requests,
             broken,

@@ -253,8 +253,9 @@ pub(crate) async fn history(
 
 pub(crate) async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {
     state.metrics.ejected.set(state.health.ejected_count() as i64);
-    match state.placer.registry() {
-        Some(router) => kvroute_http::metrics::response(&[&state.metrics.registry, router]),
-        None => kvroute_http::metrics::response(&[&state.metrics.registry]),
-    }
+    let registries =
+        [Some(&state.metrics.registry), state.placer.registry(), state.beside.get().map(|r| &**r)];
+    let registries: Vec<&kvroute_http::metrics::Registry> =
+        registries.into_iter().flatten().collect();
+    kvroute_http::metrics::response(&registries)
 }

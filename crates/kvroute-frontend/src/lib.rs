@@ -290,6 +290,8 @@ pub struct FrontendState {
     room_salt: u64,
     /// What the status page's chart draws ([`FrontendState::spawn_history`]).
     history: Arc<kvroute_http::status::History>,
+    /// Metrics of a service beside the front door (the ext_proc picker), on its `/metrics`.
+    beside: std::sync::OnceLock<Arc<Registry>>,
 }
 
 impl std::fmt::Debug for FrontendState {
@@ -391,6 +393,7 @@ impl FrontendState {
                 0u8,
             ),
             history: Arc::default(),
+            beside: std::sync::OnceLock::new(),
             preprocessor,
         }
     }
@@ -523,6 +526,11 @@ impl FrontendState {
                 None => kvroute_http::status::Counters::read(&[&state.metrics.registry]),
             })
         })
+    }
+
+    /// Serves `registry` on `/metrics` beside the front door's and the router's (once).
+    pub fn serve_metrics_beside(&self, registry: Arc<Registry>) {
+        let _ = self.beside.set(registry);
     }
 
     /// Requests routed and not yet ended.

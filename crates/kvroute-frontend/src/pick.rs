@@ -136,7 +136,9 @@ impl FrontendState {
             "/v1/chat/completions" => {
                 crate::handlers::chat_outbound(self, None, headers, Ok(body)).await?
             }
-            "/v1/completions" => crate::handlers::completion_outbound(self, None, headers, Ok(body))?,
+            "/v1/completions" => {
+                crate::handlers::completion_outbound(self, None, headers, Ok(body))?
+            }
             other => {
                 return Err(ApiError::not_found(format!("{other} is not a route kvroute places")));
             }
@@ -194,6 +196,8 @@ impl FrontendState {
         let (prefill, leg) = prefill.unzip();
         let mut picked = self.picked(out, pair.decode, leg, guard, &excluded);
         picked.prefill = prefill;
+        // Another decode worker would not know the prefill named for this one.
+        picked.fallbacks.clear();
         Ok(picked)
     }
 

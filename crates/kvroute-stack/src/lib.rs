@@ -109,6 +109,10 @@ pub struct Simulated {
     /// The token an outside store (`SharedStore::At`) requires; otherwise the engines get
     /// a fresh one of their own.
     pub kv_peer_token: Option<String>,
+    /// Their HTTP routes answer without a token, for a gateway that calls them itself
+    /// (`--ext-proc-port`: the gateway holds no worker's token). Otherwise they answer only
+    /// the front door, each with a token of its own.
+    pub tokenless: bool,
 }
 
 /// Where simulated engines find the store they share.
@@ -137,6 +141,7 @@ impl Default for Simulated {
             lora_updating: false,
             store: None,
             kv_peer_token: None,
+            tokenless: false,
         }
     }
 }
@@ -328,6 +333,15 @@ impl Stack {
     }
 
     /// The front door's app (`None` without one).
+    /// The Endpoint Picker over the front door ([`kvroute_epp`]), its metrics served on the
+    /// front door's `/metrics`. None without a front door.
+    pub fn picker(&self, options: kvroute_epp::EppOptions) -> Option<Arc<kvroute_epp::Picker>> {
+        let front = self.frontend.as_ref()?;
+        let picker = Arc::new(kvroute_epp::Picker::new(Arc::clone(front), options));
+        front.serve_metrics_beside(Arc::clone(&picker.metrics.registry));
+        Some(picker)
+    }
+
     pub fn frontend_app(&self) -> Option<axum::Router> {
         self.frontend.as_ref().map(|f| kvroute_frontend::app(Arc::clone(f)))
     }

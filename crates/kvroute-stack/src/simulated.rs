@@ -109,9 +109,13 @@ impl Fleet<'_> {
         };
         // Its HTTP routes answer only the front door: a token of 256 random bits, known to
         // this process alone (its ZMQ ports stay on loopback, see the README).
-        let token = worker_token()?;
+        let token = (!simulated.tokenless).then(worker_token).transpose()?;
+        let api_keys = match &token {
+            Some(t) => kvroute_http::Credentials::new([t], "the embedded worker's token")?,
+            None => kvroute_http::Credentials::default(),
+        };
         let mocker = MockerConfig {
-            api_keys: kvroute_http::Credentials::new([&token], "the embedded worker's token")?,
+            api_keys,
             engine: EngineConfig { block_size: self.block_size, disagg, ..simulated.engine },
             endpoints,
             model_path: self.model_path.map(Path::to_path_buf),
@@ -133,7 +137,7 @@ impl Fleet<'_> {
         spec.events = spawned.events;
         spec.replay = spawned.replay;
         spec.metrics = spawned.metrics;
-        spec.api_key = Some(kvroute_router::WorkerKey(token));
+        spec.api_key = token.map(kvroute_router::WorkerKey);
         spec.dialect = simulated.dialect;
         spec.role = role;
         spec.node = node;

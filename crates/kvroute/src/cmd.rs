@@ -79,3 +79,36 @@ pub(crate) async fn serve_until_signal(
     }
     Ok(())
 }
+
+/// Starts the Endpoint Picker when the settings ask for one (`--ext-proc-port`), on `--host`,
+/// serving until the process ends. It answers gRPC health at once, `liveness` serving and
+/// `readiness` not until the returned sender is fired (the workers ready).
+pub(crate) async fn start_picker(
+    stack: &kvroute_stack::Stack,
+    settings: &kvroute_stack::settings::Settings,
+) -> anyhow::Result<Option<tokio::sync::oneshot::Sender<()>>> {
+    let (Some(options), Some(port)) = (settings.epp_options(), settings.gateway.ext_proc_port)
+    else {
+        return Ok(None);
+    };
+    let picker = stack.picker(options).context("the picker needs the front door")?;
+    if let Some(path) = &settings.gateway.endpoints_file {
+        picker.watch(path.clone(), Duration::from_secs(2));
+    }
+    let mut address = settings.clone();
+    address.listen.port = Some(port);
+    let listener = bind(&address.address(port)).await?;
+    let local = listener.local_addr()?;
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
+    let ready = async move {
+        let _ = ready_rx.await;
+    };
+    tokio::spawn(async move {
+        let never = std::future::pending::<()>();
+        if let Err(e) = kvroute_epp::serve(listener, picker, ready, never).await {
+            tracing::error!(error = %e, "the endpoint picker stopped");
+        }
+    });
+    announce(&[format!("kvroute endpoint picker (Envoy ext_proc, gRPC health) on {local}")]);
+    Ok(Some(ready_tx))
+}

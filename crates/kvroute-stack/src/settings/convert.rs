@@ -21,7 +21,7 @@ use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
 use super::groups::{Blocks, Engine, FrontDoor, Listen, Model, Nats, Routing, Security};
 use super::{
     DEFAULT_HOST, DEFAULT_READY_TIMEOUT_SECS, DEFAULT_SIMULATED_WORKERS, ENV_ADMIN_TOKEN,
-    ENV_API_KEYS, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN, Invalid, Settings,
+    ENV_API_KEYS, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN, Gateway, Invalid, Settings,
     SimulatedFleet,
 };
 use crate::{Access, SharedStore, Simulated, StackConfig, StackError};
@@ -141,8 +141,22 @@ impl Settings {
                 kv_hold_timeout: Some(engine.disagg.hold_timeout.as_secs_f64()),
                 kv_load_failure_policy: Some(engine.disagg.load_failure),
             },
+            gateway: Gateway {
+                epp_fallbacks: Some(kvroute_epp::EppOptions::default().fallbacks),
+                ..Gateway::default()
+            },
             ..Settings::default()
         }
+    }
+
+    /// The Endpoint Picker's options: none when no ext_proc port is set.
+    pub fn epp_options(&self) -> Option<kvroute_epp::EppOptions> {
+        self.gateway.ext_proc_port?;
+        let d = kvroute_epp::EppOptions::default();
+        Some(kvroute_epp::EppOptions {
+            fallbacks: self.gateway.epp_fallbacks.unwrap_or(d.fallbacks),
+            ..d
+        })
     }
 
     /// Each setting's default as `--help` says it: the value `--print-config` shows, or in
@@ -662,6 +676,9 @@ impl Settings {
                     (_, token) => token,
                 },
                 store,
+                // Behind a gateway the engines are called by the gateway, which holds no
+                // token of theirs (they listen on loopback only).
+                tokenless: self.gateway.ext_proc_port.is_some(),
             },
             router: self.router_config()?,
             router_url: self.remote.router_url.clone(),

@@ -133,6 +133,28 @@ pub struct FrontDoor {
     pub status_sample_ms: Option<u64>,
 }
 
+/// The Endpoint Picker a Kubernetes inference gateway asks (docs/kubernetes.md).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Inference gateway")]
+pub struct Gateway {
+    /// Also serve the Endpoint Picker on this port (on --host): Envoy's external processing
+    /// gRPC (ext_proc) as the Gateway API Inference Extension asks, with gRPC health
+    /// (liveness, readiness, the ext_proc service). Pickers usually listen on 9002; 0 picks
+    /// a free port. Off unless set.
+    #[arg(long)]
+    pub ext_proc_port: Option<u16>,
+    /// Endpoints listed after the one picked in x-gateway-destination-endpoint, which the
+    /// gateway tries in order when it cannot reach the first.
+    #[arg(long)]
+    pub epp_fallbacks: Option<usize>,
+    /// File of the pool's endpoints as the gateway names them (host:port, one per line, '#'
+    /// comments), reread when it changes (a ConfigMap, or a controller watching the pool's
+    /// pods): the picker picks only among the workers it lists. A worker must also be in the
+    /// fleet (--worker) to be picked. Without it every worker is in the pool.
+    #[arg(long)]
+    pub endpoints_file: Option<PathBuf>,
+}
+
 /// Tokens per KV block, for the router and the simulated engines alike.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
 #[command(next_help_heading = "Fleet")]

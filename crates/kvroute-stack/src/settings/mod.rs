@@ -22,7 +22,8 @@ pub mod groups;
 
 pub use convert::is_loopback;
 pub use groups::{
-    Blocks, Engine, FrontDoor, Listen, Model, Nats, RemoteRouter, Routing, Security, SimulatedFleet,
+    Blocks, Engine, FrontDoor, Gateway, Listen, Model, Nats, RemoteRouter, Routing, Security,
+    SimulatedFleet,
 };
 
 pub const DEFAULT_HOST: &str = "127.0.0.1";
@@ -174,6 +175,9 @@ pub struct Settings {
     #[serde(flatten)]
     #[command(flatten)]
     pub engine: Engine,
+    #[serde(flatten)]
+    #[command(flatten)]
+    pub gateway: Gateway,
 }
 
 /// Environment variables holding secrets themselves (flags and files name files instead, so

@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{
-    Blocks, DEFAULT_FRONT_DOOR_PORT, FrontDoor, Listen, Model, Nats, RemoteRouter, Routing,
-    Security, Settings, keys_of,
+    Blocks, DEFAULT_FRONT_DOOR_PORT, FrontDoor, Gateway, Listen, Model, Nats, RemoteRouter,
+    Routing, Security, Settings, keys_of,
 };
 
 use super::args::ConfigArgs;
@@ -30,6 +30,8 @@ pub(crate) struct FrontendArgs {
     #[command(flatten)]
     model: Model,
     #[command(flatten)]
+    gateway: Gateway,
+    #[command(flatten)]
     config: ConfigArgs,
 }
 
@@ -43,6 +45,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
         routing: args.routing.clone(),
         nats: args.nats.clone(),
         model: args.model.clone(),
+        gateway: args.gateway.clone(),
         ..Settings::default()
     };
     let keys = keys_of::<FrontendArgs>();
@@ -61,7 +64,11 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     super::runtime()?.block_on(async move {
         let listener = super::bind(&settings.address(DEFAULT_FRONT_DOOR_PORT)).await?;
         let stack = Stack::start(config).await?;
+        let picker_ready = super::start_picker(&stack, &settings).await?;
         stack.ready(timeout).await;
+        if let Some(ready) = picker_ready {
+            let _ = ready.send(());
+        }
         let local = listener.local_addr()?;
         let via = settings.remote.router_url.as_deref().unwrap_or("an embedded router");
         let n = stack.workers.len();

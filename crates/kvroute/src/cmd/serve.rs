@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{
-    Blocks, DEFAULT_FRONT_DOOR_PORT, Engine, FrontDoor, Listen, Model, Nats, Routing, Security,
-    Settings, SimulatedFleet, keys_of,
+    Blocks, DEFAULT_FRONT_DOOR_PORT, Engine, FrontDoor, Gateway, Listen, Model, Nats, Routing,
+    Security, Settings, SimulatedFleet, keys_of,
 };
 
 use super::args::ConfigArgs;
@@ -32,6 +32,8 @@ pub(crate) struct ServeArgs {
     #[command(flatten)]
     nats: Nats,
     #[command(flatten)]
+    gateway: Gateway,
+    #[command(flatten)]
     config: ConfigArgs,
 }
 
@@ -54,6 +56,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         front_door: args.front_door.clone(),
         security: args.security.clone(),
         nats: args.nats.clone(),
+        gateway: args.gateway.clone(),
         ..Settings::default()
     };
     let keys = keys_of::<ServeArgs>();
@@ -77,7 +80,11 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     super::runtime()?.block_on(async move {
         let listener = super::bind(&settings.address(DEFAULT_FRONT_DOOR_PORT)).await?;
         let stack = Stack::start(config).await?;
+        let picker_ready = super::start_picker(&stack, &settings).await?;
         let waiting = stack.ready(timeout).await;
+        if let Some(ready) = picker_ready {
+            let _ = ready.send(());
+        }
         let local = listener.local_addr()?;
         let n = stack.workers.len();
         let still = match waiting.is_empty() {

@@ -1,0 +1,602 @@
+//! kvroute as an Endpoint Picker over real sockets on 127.0.0.1 (docs/kubernetes.md): the
+//! ext_proc gRPC server, the test gateway that plays Envoy's side, simulated workers. Each
+//! rule of the Endpoint Picker protocol as a test: the destination in the header and in
+//! `envoy.lb` alike, with fallbacks; the subset hint obeyed; 503 when nothing is ready; 429
+//! when shedding; the endpoint that served read back; gRPC health; a stream dropped by the
+//! gateway freeing its request; bytes that are no message answered with a gRPC error.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::eventually;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request,
+    processing_response,
+};
+use envoy_types::pb::google::protobuf::Struct;
+use http_body_util::BodyExt;
+use kvroute_core::schedule::flow::FlowConfig;
+use kvroute_epp::gateway::{Gateway, GatewayConfig};
+use kvroute_epp::metadata;
+use kvroute_epp::{EppOptions, Picker};
+use kvroute_http::HttpClient;
+use kvroute_mocker::{EngineConfig, Timing};
+use kvroute_router::RouterConfig;
+use kvroute_stack::{Simulated, Stack, StackConfig};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// Simulated workers, the front door's stages, and the picker serving ext_proc on loopback.
+struct Pool {
+    stack: Stack,
+    picker: Arc<Picker>,
+    /// The picker's gRPC URL.
+    grpc: String,
+    /// The workers' `host:port`, in the order of their ids.
+    endpoints: Vec<String>,
+    /// Fires the picker's readiness (already fired unless the pool was started unready).
+    ready: Option<oneshot::Sender<()>>,
+}
+
+async fn pool_with(workers: usize, router: RouterConfig, options: EppOptions, ready: bool) -> Pool {
+    let config = StackConfig {
+        simulated: Simulated {
+            count: workers,
+            engine: EngineConfig { timing: Timing { speedup: 10.0 }, ..EngineConfig::default() },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        router,
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    let picker = stack.picker(options).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let grpc = format!("http://{}", listener.local_addr().unwrap());
+    let (ready_tx, ready_rx) = oneshot::channel::<()>();
+    let served = Arc::clone(&picker);
+    tokio::spawn(async move {
+        let ready = async move {
+            let _ = ready_rx.await;
+        };
+        kvroute_epp::serve(listener, served, ready, std::future::pending()).await.unwrap();
+    });
+    let mut ready_tx = Some(ready_tx);
+    if ready {
+        assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+        let _ = ready_tx.take().unwrap().send(());
+    }
+    let front = stack.frontend.as_ref().unwrap();
+    let endpoints = front.worker_urls().map(|(_, u)| kvroute_epp::host_port(u).unwrap()).collect();
+    Pool { stack, picker, grpc, endpoints, ready: ready_tx }
+}
+
+async fn pool(workers: usize) -> Pool {
+    pool_with(workers, RouterConfig::default(), EppOptions::default(), true).await
+}
+
+impl Pool {
+    async fn gateway(&self, configure: impl FnOnce(&mut GatewayConfig)) -> (Arc<Gateway>, String) {
+        let mut config = GatewayConfig::ext_proc(&self.grpc);
+        configure(&mut config);
+        let gateway = Gateway::new(config).unwrap();
+        let base = kvroute_stack::serve_on_loopback(gateway.app()).await.unwrap();
+        (gateway, base)
+    }
+
+    fn in_flight(&self) -> i64 {
+        self.stack.frontend.as_ref().unwrap().in_flight()
+    }
+
+    async fn metrics(&self) -> String {
+        let base = self.stack.serve_frontend_on_loopback().await.unwrap();
+        let (_, body) = HttpClient::new().get(&format!("{base}/metrics")).await.unwrap();
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+}
+
+/// A prompt of several blocks, different per `topic`.
+fn prompt(topic: &str) -> String {
+    (0..120).map(|i| format!("{topic} word{i}")).collect::<Vec<_>>().join(" ")
+}
+
+fn chat(text: &str, stream: bool) -> Value {
+    json!({"messages": [{"role": "user", "content": text}], "max_tokens": 4,
+        "ignore_eos": true, "stream": stream})
+}
+
+/// Status, headers and body of a POST through the gateway.
+async fn post(
+    base: &str,
+    path: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> (u16, hyper::HeaderMap, Vec<u8>) {
+    let mut request =
+        hyper::Request::post(format!("{base}{path}")).header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let body = serde_json::to_vec(body).unwrap();
+    let request = request.body(http_body_util::Full::new(hyper::body::Bytes::from(body))).unwrap();
+    let response = HttpClient::new().send(request).await.unwrap();
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes().to_vec();
+    (status, headers, bytes)
+}
+
+fn json_of(bytes: &[u8]) -> Value {
+    serde_json::from_slice(bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(bytes).into()))
+}
+
+fn cached(body: &Value) -> u64 {
+    body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_routes_by_cached_prefix_with_the_destination_in_header_and_metadata() {
+    let p = pool(4).await;
+    for mode in [BodySendMode::FullDuplexStreamed, BodySendMode::Buffered] {
+        let (gateway, base) = p
+            .gateway(|c| {
+                c.request_mode = mode;
+                c.response_mode = mode;
+                c.chunk_bytes = 512;
+            })
+            .await;
+        let text = prompt(&format!("{mode:?}"));
+        let (status, headers, first) =
+            post(&base, "/v1/chat/completions", &chat(&text, false), &[]).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&first));
+        assert!(
+            headers.contains_key(kvroute_frontend::WORKER_HEADER),
+            "the picker set the worker header"
+        );
+        let (status, _, second) =
+            post(&base, "/v1/chat/completions", &chat(&text, false), &[]).await;
+        assert_eq!(status, 200);
+        let routed = gateway.routed();
+        assert_eq!(routed.len(), 2);
+        for r in &routed {
+            // The same value in the header and in envoy.lb, the picked endpoint first and
+            // two fallbacks after it, all endpoints of the pool, none twice.
+            assert_eq!(r.header, r.metadata, "{mode:?}");
+            let listed: Vec<&str> = r.header.as_deref().unwrap().split(',').collect();
+            assert_eq!(listed.len(), 3, "{listed:?}");
+            assert!(listed.iter().all(|e| p.endpoints.iter().any(|x| x == e)));
+            assert_eq!(listed.iter().collect::<std::collections::BTreeSet<_>>().len(), 3);
+            assert_eq!(r.served.as_deref(), Some(listed[0]));
+        }
+        assert_eq!(
+            routed[0].served, routed[1].served,
+            "the second request follows its cached prefix"
+        );
+        assert!(cached(&json_of(&second)) > cached(&json_of(&first)), "{}", json_of(&second));
+        // Streamed: the answer passes through the picker chunk by chunk, without the usage
+        // chunk the client did not ask for.
+        let (status, _, streamed) =
+            post(&base, "/v1/chat/completions", &chat(&text, true), &[]).await;
+        assert_eq!(status, 200);
+        let streamed = String::from_utf8(streamed).unwrap();
+        assert!(streamed.trim_end().ends_with("data: [DONE]"), "{streamed}");
+        assert!(!streamed.contains("\"usage\""), "{streamed}");
+        assert_eq!(gateway.routed()[2].served, routed[0].served);
+        assert!(
+            eventually(Duration::from_secs(5), || p.in_flight() == 0).await,
+            "nothing left in flight"
+        );
+    }
+    let metrics = p.metrics().await;
+    for name in [
+        "inference_objective_request_total{",
+        "inference_objective_request_duration_seconds_bucket{",
+        "inference_extension_scheduler_e2e_duration_seconds_count",
+        "kvroute_epp_streams_total",
+    ] {
+        assert!(metrics.contains(name), "{name} on /metrics");
+    }
+    assert!(metrics.contains("inference_objective_running_requests{model_name=\""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_and_other_routes_pass_through_the_picker() {
+    let p = pool(2).await;
+    let (gateway, base) = p.gateway(|_| {}).await;
+    let body = json!({"prompt": prompt("completion"), "max_tokens": 3, "ignore_eos": true});
+    let (status, _, answer) = post(&base, "/v1/completions", &body, &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    // A GET has no body: the next ready endpoint in turn.
+    let (status, models) = HttpClient::new().get(&format!("{base}/v1/models")).await.unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&models));
+    let routed = gateway.routed();
+    assert_eq!(routed.len(), 2);
+    assert_eq!(routed[1].header, routed[1].metadata);
+    assert!(eventually(Duration::from_secs(5), || p.in_flight() == 0).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subset_hint_is_obeyed_and_an_empty_or_foreign_subset_is_a_503() {
+    let p = pool(4).await;
+    let only = p.endpoints[2].clone();
+    let (gateway, base) = p.gateway(|c| c.subset = Some(vec![only.clone()])).await;
+    for k in 0..4 {
+        let (status, _, body) =
+            post(&base, "/v1/chat/completions", &chat(&prompt(&format!("s{k}")), false), &[]).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    for r in gateway.routed() {
+        assert_eq!(
+            r.header.as_deref(),
+            Some(only.as_str()),
+            "only the subset, no fallback outside it"
+        );
+    }
+    // An address without a port allows every endpoint there.
+    let (gateway, base) = p.gateway(|c| c.subset = Some(vec!["127.0.0.1".to_owned()])).await;
+    let (status, _, _) = post(&base, "/v1/chat/completions", &chat("any", false), &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(gateway.routed()[0].header.as_deref().unwrap().split(',').count(), 3);
+    for subset in [vec![], vec!["10.9.9.9:8000".to_owned()]] {
+        let (gateway, base) = p.gateway(|c| c.subset = Some(subset.clone())).await;
+        let (status, headers, body) =
+            post(&base, "/v1/chat/completions", &chat("x", false), &[]).await;
+        assert_eq!(status, 503, "{subset:?}");
+        assert_eq!(headers["content-type"], "application/json");
+        assert!(
+            json_of(&body)["error"]["message"].as_str().unwrap().contains("subset"),
+            "{}",
+            json_of(&body)
+        );
+        assert!(gateway.routed().is_empty());
+    }
+    assert_eq!(p.in_flight(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoints_file_is_reread_and_an_empty_pool_is_a_503() {
+    let p = pool(2).await;
+    let dir = std::env::temp_dir().join(format!("kvroute-epp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("endpoints");
+    std::fs::write(&file, "# nothing yet\n").unwrap();
+    let _watch = p.picker.watch(file.clone(), Duration::from_millis(20));
+    let (gateway, base) = p.gateway(|_| {}).await;
+    let refused =
+        || async { post(&base, "/v1/chat/completions", &chat("pool", false), &[]).await.0 };
+    assert!(
+        eventually_async(|| async { refused().await == 503 }).await,
+        "no endpoint in the pool: 503"
+    );
+    // A ConfigMap's file is swapped whole.
+    let tmp = dir.join("endpoints.new");
+    std::fs::write(&tmp, format!("{}  # the second worker\n", p.endpoints[1])).unwrap();
+    std::fs::rename(&tmp, &file).unwrap();
+    assert!(eventually_async(|| async { refused().await == 200 }).await);
+    let routed = gateway.routed();
+    assert!(
+        routed.iter().all(|r| r.header.as_deref() == Some(p.endpoints[1].as_str())),
+        "{routed:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+async fn eventually_async<F: std::future::Future<Output = bool>>(mut f: impl FnMut() -> F) -> bool {
+    for _ in 0..250 {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shed_request_is_a_429_with_retry_after() {
+    let mut router = RouterConfig::default();
+    router.scheduler.flow = FlowConfig {
+        enabled: true,
+        max_engine_wait_ms: 0.001,
+        max_wait_ms: 30_000,
+        ..FlowConfig::default()
+    };
+    let p = pool_with(1, router, EppOptions::default(), true).await;
+    let (_gateway, base) = p.gateway(|_| {}).await;
+    // A long answer holds the only worker: the fleet is saturated.
+    let mut hold = chat("hold the worker", true);
+    hold["max_tokens"] = json!(30_000);
+    let body = serde_json::to_vec(&hold).unwrap();
+    let request = hyper::Request::post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
+        .unwrap();
+    let client = HttpClient::new();
+    let response = client.send(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut held = response.into_body();
+    assert!(held.frame().await.unwrap().unwrap().data_ref().is_some());
+    let (status, headers, body) = post(
+        &base,
+        "/v1/chat/completions",
+        &chat("shed me", false),
+        &[("x-kvroute-priority", "-1")],
+    )
+    .await;
+    assert_eq!(status, 429, "{}", String::from_utf8_lossy(&body));
+    assert!(headers.get("retry-after").is_some(), "Retry-After");
+    assert_eq!(json_of(&body)["error"]["type"], "rate_limit_error");
+    // The client leaves: the gateway drops the stream, the held request is freed.
+    drop(held);
+    assert!(eventually(Duration::from_secs(10), || p.in_flight() == 0).await, "{}", p.in_flight());
+    let metrics = p.metrics().await;
+    assert!(
+        metrics.contains("inference_objective_request_error_total{")
+            && metrics.contains("error_code=\"429\"")
+    );
+    assert!(metrics.contains("kvroute_epp_broken_streams_total 1"), "the dropped stream counted");
+}
+
+async fn channel(grpc: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(grpc.to_owned()).unwrap().connect().await.unwrap()
+}
+
+async fn health(grpc: &str, service: &str) -> ServingStatus {
+    let mut client = HealthClient::new(channel(grpc).await);
+    let request = tonic_health::pb::HealthCheckRequest { service: service.to_owned() };
+    let status = client.check(request).await.unwrap().into_inner().status;
+    ServingStatus::try_from(status).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_says_live_at_once_and_ready_once_the_workers_are() {
+    let mut p = pool_with(1, RouterConfig::default(), EppOptions::default(), false).await;
+    assert!(
+        eventually_async(|| async { health(&p.grpc, "liveness").await == ServingStatus::Serving })
+            .await
+    );
+    for service in ["readiness", kvroute_epp::EXT_PROC_SERVICE, ""] {
+        assert_eq!(health(&p.grpc, service).await, ServingStatus::NotServing, "{service}");
+    }
+    assert!(p.stack.ready(Duration::from_secs(10)).await.is_empty());
+    let _ = p.ready.take().unwrap().send(());
+    for service in ["readiness", kvroute_epp::EXT_PROC_SERVICE, ""] {
+        let serving = || async { health(&p.grpc, service).await == ServingStatus::Serving };
+        assert!(eventually_async(serving).await, "{service}");
+    }
+    let mut client = HealthClient::new(channel(&p.grpc).await);
+    let unknown = tonic_health::pb::HealthCheckRequest { service: "nope".to_owned() };
+    assert_eq!(client.check(unknown).await.unwrap_err().code(), tonic::Code::NotFound);
+}
+
+/// One ext_proc stream driven by hand, as a gateway would.
+struct Raw {
+    tx: mpsc::Sender<ProcessingRequest>,
+    rx: tonic::Streaming<ProcessingResponse>,
+}
+
+async fn raw(grpc: &str) -> Raw {
+    let mut client = ExternalProcessorClient::connect(grpc.to_owned()).await.unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    let rx =
+        client.process(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    Raw { tx, rx }
+}
+
+fn header(key: &str, value: &str) -> HeaderValue {
+    HeaderValue { key: key.to_owned(), value: String::new(), raw_value: value.as_bytes().to_vec() }
+}
+
+fn request_headers(path: &str) -> ProcessingRequest {
+    let headers = vec![
+        header(":method", "POST"),
+        header(":path", path),
+        header("content-type", "application/json"),
+    ];
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            ..HttpHeaders::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+fn request_body(body: &[u8], end: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: body.to_vec(),
+            end_of_stream: end,
+            ..HttpBody::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+/// Sends a whole chat request; the destination the picker answered.
+async fn picked(raw: &mut Raw, text: &str) -> String {
+    raw.tx.send(request_headers("/v1/chat/completions")).await.unwrap();
+    let body = serde_json::to_vec(&chat(text, true)).unwrap();
+    raw.tx.send(request_body(&body, true)).await.unwrap();
+    let answer = raw.rx.message().await.unwrap().unwrap();
+    let dynamic = answer.dynamic_metadata.as_ref().unwrap();
+    let destination = metadata::dynamic_string(dynamic, "envoy.lb", metadata::DESTINATION_KEY)
+        .unwrap()
+        .to_owned();
+    // The body comes back, its last chunk ending the stream.
+    loop {
+        let m = raw.rx.message().await.unwrap().unwrap();
+        let Some(processing_response::Response::RequestBody(b)) = m.response else {
+            panic!("{m:?}")
+        };
+        let mutation = b.response.unwrap().body_mutation.unwrap().mutation.unwrap();
+        let envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation::StreamedResponse(s) = mutation else {
+            panic!("a streamed body")
+        };
+        if s.end_of_stream {
+            break;
+        }
+    }
+    destination
+}
+
+fn response_headers(served: Option<&str>) -> ProcessingRequest {
+    let headers = vec![header(":status", "200"), header("content-type", "text/event-stream")];
+    let metadata_context = served.map(|s| Metadata {
+        filter_metadata: [(
+            "envoy.lb".to_owned(),
+            Struct { fields: [(metadata::SERVED_KEY.to_owned(), metadata::string(s))].into() },
+        )]
+        .into(),
+        ..Metadata::default()
+    });
+    ProcessingRequest {
+        request: Some(processing_request::Request::ResponseHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            ..HttpHeaders::default()
+        })),
+        metadata_context,
+        ..ProcessingRequest::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_dropped_mid_body_frees_its_request_and_the_served_endpoint_is_read() {
+    let p = pool(3).await;
+    // Dropped while the request body comes: nothing was placed, nothing is left.
+    let partial = raw(&p.grpc).await;
+    partial.tx.send(request_headers("/v1/chat/completions")).await.unwrap();
+    partial.tx.send(request_body(b"{\"messages\": [", false)).await.unwrap();
+    drop(partial);
+    // Placed, then dropped while the response passes: freed.
+    let mut placed = raw(&p.grpc).await;
+    let destination = picked(&mut placed, &prompt("dropped")).await;
+    assert_eq!(p.in_flight(), 1);
+    placed.tx.send(response_headers(Some(destination.split(',').next().unwrap()))).await.unwrap();
+    let _ = placed.rx.message().await.unwrap().unwrap();
+    drop(placed);
+    assert!(
+        eventually(Duration::from_secs(5), || p.in_flight() == 0).await,
+        "freed when the gateway dropped it"
+    );
+    // Served by a fallback: the endpoint picked is out of rotation for a while, as when
+    // the front door cannot reach a worker.
+    let mut fell_back = raw(&p.grpc).await;
+    let destination = picked(&mut fell_back, &prompt("fallback")).await;
+    let listed: Vec<&str> = destination.split(',').collect();
+    fell_back.tx.send(response_headers(Some(listed[1]))).await.unwrap();
+    let _ = fell_back.rx.message().await.unwrap().unwrap();
+    // Ejected (a probe may bring it back at once: the counter tells).
+    let metrics = p.metrics().await;
+    assert!(
+        metrics.contains("kvroute_frontend_worker_ejections_total 1"),
+        "the unreachable endpoint is ejected"
+    );
+    drop(fell_back);
+    assert!(eventually(Duration::from_secs(5), || p.in_flight() == 0).await);
+    assert!(p.metrics().await.contains("kvroute_epp_fallbacks_served_total 1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_order_oversized_and_malformed_messages_are_errors_never_a_panic() {
+    let options = EppOptions { max_body_bytes: 64 << 10, ..EppOptions::default() };
+    let p = pool_with(1, RouterConfig::default(), options, true).await;
+    // A body before the headers.
+    let mut r = raw(&p.grpc).await;
+    r.tx.send(request_body(b"{}", true)).await.unwrap();
+    assert_eq!(r.rx.message().await.unwrap_err().code(), tonic::Code::FailedPrecondition);
+    // A message with no request in it.
+    let mut r = raw(&p.grpc).await;
+    r.tx.send(ProcessingRequest::default()).await.unwrap();
+    assert_eq!(r.rx.message().await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    // A body past the limit: 413 in OpenAI's shape.
+    let mut r = raw(&p.grpc).await;
+    r.tx.send(request_headers("/v1/chat/completions")).await.unwrap();
+    r.tx.send(request_body(&vec![b' '; 40 << 10], false)).await.unwrap();
+    r.tx.send(request_body(&vec![b' '; 40 << 10], true)).await.unwrap();
+    let m = r.rx.message().await.unwrap().unwrap();
+    let Some(processing_response::Response::ImmediateResponse(i)) = m.response else {
+        panic!("{m:?}")
+    };
+    assert_eq!(i.status.unwrap().code, 413);
+    // A body that is no JSON: 400.
+    let mut r = raw(&p.grpc).await;
+    r.tx.send(request_headers("/v1/chat/completions")).await.unwrap();
+    r.tx.send(request_body(b"{\"messages\": [}", true)).await.unwrap();
+    let m = r.rx.message().await.unwrap().unwrap();
+    let Some(processing_response::Response::ImmediateResponse(i)) = m.response else {
+        panic!("{m:?}")
+    };
+    assert_eq!(i.status.unwrap().code, 400);
+    assert!(json_of(&i.body)["error"]["message"].is_string());
+    // A gRPC message past the decoder's limit: refused before it is held.
+    let mut r = raw(&p.grpc).await;
+    r.tx.send(request_headers("/v1/chat/completions")).await.unwrap();
+    r.tx.send(request_body(&vec![b' '; 2 << 20], true)).await.unwrap();
+    let code = r.rx.message().await.unwrap_err().code();
+    assert!(
+        matches!(
+            code,
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted | tonic::Code::Internal
+        ),
+        "{code:?}"
+    );
+    // Bytes that are no protobuf, and a message with a field no version of the protocol has.
+    let garbage = grpc_call(&p.grpc, &[0xff, 0xff, 0xff, 0xff, 0x0f, 0x12]).await;
+    assert_ne!(garbage, "0", "undecodable bytes are a gRPC error");
+    let mut unknown = prost::Message::encode_to_vec(&request_headers("/v1/models"));
+    unknown.extend_from_slice(&[0xf8, 0x3e, 0x01]); // field 999, varint 1
+    unknown.extend_from_slice(&prost::Message::encode_to_vec(&ProcessingRequest {
+        protocol_config: Some(Default::default()),
+        ..ProcessingRequest::default()
+    }));
+    assert_eq!(
+        grpc_call(&p.grpc, &unknown).await,
+        "0",
+        "unknown fields are skipped, as protobuf says"
+    );
+    // The picker still serves.
+    let (_gateway, base) = p.gateway(|_| {}).await;
+    assert_eq!(post(&base, "/v1/chat/completions", &chat("still here", false), &[]).await.0, 200);
+    assert_eq!(p.in_flight(), 0);
+}
+
+/// Sends one length-prefixed gRPC message of raw `payload` bytes on a real HTTP/2 stream and
+/// ends it; the `grpc-status` the picker answers with.
+async fn grpc_call(grpc: &str, payload: &[u8]) -> String {
+    let address = grpc.trim_start_matches("http://");
+    let tcp = tokio::net::TcpStream::connect(address).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    let request = hyper::Request::post(format!("{grpc}/{}/Process", kvroute_epp::EXT_PROC_SERVICE))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (response, mut send) = client.send_request(request, false).unwrap();
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&u32::try_from(payload.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(payload);
+    send.send_data(frame.into(), true).unwrap();
+    let response = response.await.unwrap();
+    if let Some(status) = response.headers().get("grpc-status") {
+        return status.to_str().unwrap().to_owned();
+    }
+    let mut body = response.into_body();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    let trailers = body.trailers().await.unwrap().unwrap();
+    trailers["grpc-status"].to_str().unwrap().to_owned()
+}
