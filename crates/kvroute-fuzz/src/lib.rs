@@ -19,6 +19,7 @@
 //! | `zmtp` | what a ZMQ peer sends, from its greeting on | ZMTP decoder: greeting, handshake, frames |
 //! | `handoff` | a request's transfer fields, a side channel call, a prefill's answer | each role's leg, key bounds, hold claims |
 //! | `store` | shared-store calls and answers, one per line | decode, apply to a store (bounds checked), an engine's writes |
+//! | `ext_proc` | a gateway's ext_proc messages on one stream (length-delimited protobuf) | decode, the picker's exchange: headers, body, pick, response |
 
 use std::sync::{Arc, OnceLock};
 
@@ -53,6 +54,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("tokenize", tokenize),
     ("handoff", handoff),
     ("store", store),
+    ("ext_proc", ext_proc),
 ];
 
 /// A simulated engine's hand-off decoders ([`kvroute_mocker::handoff::fuzz`]).
@@ -388,4 +390,218 @@ pub fn zmtp_messages(data: &[u8]) -> (usize, bool) {
         );
     }
     (messages, false)
+}
+
+/// A gateway's ext_proc stream: `ProcessingRequest`s, each length-delimited as protobuf
+/// frames them, through one exchange of a picker over a front door with two workers (their
+/// ports closed: nothing is sent, the pick is made and freed). Inputs naming a URL with a
+/// scheme (`://`) are skipped: an image URL would be fetched, and fuzzing stays off the
+/// network.
+pub fn ext_proc(data: &[u8]) {
+    let _ = ext_proc_answers(data);
+}
+
+/// [`ext_proc`], returning how many messages the picker answered with and whether it
+/// refused one (an immediate response, or a gRPC error).
+pub fn ext_proc_answers(data: &[u8]) -> (usize, bool) {
+    use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, processing_response};
+    use prost::Message as _;
+    if data.windows(3).any(|w| w == b"://") {
+        return (0, true);
+    }
+    // One stream at a time (tests run in threads): the in-flight count is this one's.
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let (runtime, picker) = ext_proc_picker();
+    let answered = runtime.block_on(async {
+        let _ = ProcessingRequest::decode(data);
+        let mut exchange = kvroute_epp::exchange::Exchange::new(Arc::clone(picker));
+        let (mut answers, mut rest) = (0, data);
+        while !rest.is_empty() {
+            let Ok(m) = ProcessingRequest::decode_length_delimited(&mut rest) else {
+                return (answers, true);
+            };
+            let Ok(out) = exchange.on(m).await else { return (answers, true) };
+            answers += out.len();
+            let immediate =
+                |r: &envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse| {
+                    matches!(r.response, Some(processing_response::Response::ImmediateResponse(_)))
+                };
+            if out.iter().any(immediate) {
+                return (answers, true);
+            }
+            if exchange.done() {
+                break;
+            }
+        }
+        (answers, false)
+    });
+    assert_eq!(picker.front.in_flight(), 0, "a dropped exchange leaves nothing in flight");
+    answered
+}
+
+fn ext_proc_picker() -> &'static (tokio::runtime::Runtime, Arc<kvroute_epp::Picker>) {
+    static PICKER: OnceLock<(tokio::runtime::Runtime, Arc<kvroute_epp::Picker>)> = OnceLock::new();
+    PICKER.get_or_init(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("a runtime: {e}"));
+        let picker = runtime.block_on(async {
+            let workers = (1..=2u64)
+                .map(|k| {
+                    let mut w = WorkerSpec::new(k);
+                    w.url = Some(format!("http://127.0.0.1:{k}"));
+                    w
+                })
+                .collect();
+            let router =
+                Arc::new(RouterState::new(RouterConfig { workers, ..RouterConfig::default() }));
+            let fetcher = kvroute_preprocess::fetch::Fetcher::new(
+                kvroute_preprocess::fetch::FetchConfig::default(),
+            )
+            .unwrap_or_else(|e| panic!("a fetcher: {e}"));
+            let front = Arc::new(kvroute_frontend::FrontendState::new(
+                Arc::clone(preprocessor()),
+                fetcher,
+                router,
+            ));
+            Arc::new(kvroute_epp::Picker::new(front, kvroute_epp::EppOptions::default()))
+        });
+        (runtime, picker)
+    })
+}
+
+/// The `ext_proc` target's seeds, built from the protobuf types (`fuzz/corpus/ext_proc`;
+/// `tests/corpus.rs` checks the files are these): a chat in full duplex with its streamed
+/// answer, a completion buffered with trailers, a `GET` with a subset hint, a body before
+/// any headers.
+pub fn ext_proc_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProtocolConfiguration,
+        processing_request::Request,
+    };
+    use envoy_types::pb::google::protobuf::Struct;
+    use prost::Message as _;
+    let headers = |pairs: &[(&str, &str)], end: bool| {
+        let headers = pairs
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: (*k).to_owned(),
+                value: String::new(),
+                raw_value: v.as_bytes().to_vec(),
+            })
+            .collect();
+        HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            end_of_stream: end,
+            ..HttpHeaders::default()
+        }
+    };
+    let body = |b: &[u8], end: bool| HttpBody {
+        body: b.to_vec(),
+        end_of_stream: end,
+        ..HttpBody::default()
+    };
+    let lb =
+        |namespace: &str, key: &str, value: envoy_types::pb::google::protobuf::Value| Metadata {
+            filter_metadata: [(
+                namespace.to_owned(),
+                Struct { fields: [(key.to_owned(), value)].into() },
+            )]
+            .into(),
+            ..Metadata::default()
+        };
+    let message = |request: Request, metadata: Option<Metadata>, modes: Option<(i32, i32)>| {
+        ProcessingRequest {
+            request: Some(request),
+            metadata_context: metadata,
+            protocol_config: modes.map(|(q, r)| ProtocolConfiguration {
+                request_body_mode: q,
+                response_body_mode: r,
+                ..ProtocolConfiguration::default()
+            }),
+            ..ProcessingRequest::default()
+        }
+    };
+    let frame = |messages: Vec<ProcessingRequest>| {
+        messages.iter().flat_map(|m| m.encode_length_delimited_to_vec()).collect::<Vec<u8>>()
+    };
+    let post = |path: &str| {
+        headers(
+            &[(":method", "POST"), (":path", path), ("content-type", "application/json")],
+            false,
+        )
+    };
+    let served = lb(
+        "envoy.lb",
+        kvroute_epp::metadata::SERVED_KEY,
+        kvroute_epp::metadata::string("127.0.0.1:1"),
+    );
+    let answer = headers(&[(":status", "200"), ("content-type", "text/event-stream")], false);
+    let chat = br#"{"messages":[{"role":"user","content":"Hello there, how are you?"}],"max_tokens":4,"stream":true}"#;
+    let (full, buffered) = (4, 2);
+    vec![
+        (
+            "chat-full-duplex",
+            frame(vec![
+                message(
+                    Request::RequestHeaders(post("/v1/chat/completions")),
+                    None,
+                    Some((full, full)),
+                ),
+                message(Request::RequestBody(body(&chat[..30], false)), None, None),
+                message(Request::RequestBody(body(&chat[30..], true)), None, None),
+                message(Request::ResponseHeaders(answer.clone()), Some(served), None),
+                message(
+                    Request::ResponseBody(body(b"data: {\"choices\":[]}\n\n", false)),
+                    None,
+                    None,
+                ),
+                message(Request::ResponseBody(body(b"data: [DONE]\n\n", true)), None, None),
+            ]),
+        ),
+        (
+            "completion-buffered",
+            frame(vec![
+                message(
+                    Request::RequestHeaders(post("/v1/completions")),
+                    None,
+                    Some((buffered, buffered)),
+                ),
+                message(
+                    Request::RequestBody(body(
+                        br#"{"prompt":"Once upon a time","max_tokens":3}"#,
+                        true,
+                    )),
+                    None,
+                    None,
+                ),
+                message(Request::ResponseHeaders(answer), None, None),
+                message(
+                    Request::ResponseBody(body(b"{\"usage\":{\"prompt_tokens\":5}}", false)),
+                    None,
+                    None,
+                ),
+                message(Request::ResponseTrailers(HttpTrailers::default()), None, None),
+            ]),
+        ),
+        (
+            "get-with-subset",
+            frame(vec![message(
+                Request::RequestHeaders(headers(
+                    &[(":method", "GET"), (":path", "/v1/models")],
+                    true,
+                )),
+                Some(lb(
+                    kvroute_epp::metadata::SUBSET_NAMESPACE,
+                    kvroute_epp::metadata::SUBSET_KEY,
+                    kvroute_epp::metadata::list(["127.0.0.1:2"]),
+                )),
+                None,
+            )]),
+        ),
+        ("body-first", frame(vec![message(Request::RequestBody(body(b"{}", true)), None, None)])),
+    ]
 }
