@@ -157,7 +157,7 @@ impl Exchange {
         }
         match metadata::subset(metadata) {
             Ok(subset) => {
-                let subset = subset.map(|s| self.picker.endpoints.allowed(&s));
+                let subset = subset.map(|s| self.picker.endpoints().allowed(&s));
                 self.allowed = self.picker.eligible(subset);
             }
             Err(n) => {
@@ -256,7 +256,7 @@ impl Exchange {
             Err(e) => return Ok(vec![self.refuse(&e)]),
         };
         self.model = picked.model.clone();
-        let endpoints = &self.picker.endpoints;
+        let endpoints = self.picker.endpoints();
         let Some(first) = endpoints.endpoint(picked.worker) else {
             return Ok(vec![self.refuse(&ApiError::internal("a placed worker has no endpoint"))]);
         };
@@ -306,7 +306,8 @@ impl Exchange {
         let Some(worker) = self.picker.in_turn(self.allowed.as_ref()) else {
             return vec![self.refuse(&unavailable(self.allowed.is_some()))];
         };
-        let Some(endpoint) = self.picker.endpoints.endpoint(worker) else {
+        let endpoints = self.picker.endpoints();
+        let Some(endpoint) = endpoints.endpoint(worker) else {
             return vec![self.refuse(&ApiError::internal("a worker has no endpoint"))];
         };
         self.phase = Phase::Picked;
@@ -345,7 +346,7 @@ impl Exchange {
         let mut set = Vec::new();
         if let Some(held) = self.held.as_mut() {
             if let Some(served) = metadata::served(metadata) {
-                match self.picker.endpoints.worker(served) {
+                match self.picker.endpoints().worker(served) {
                     Some(w) => {
                         if w != held.placed().worker_id {
                             self.picker.metrics.fallbacks_served.inc();

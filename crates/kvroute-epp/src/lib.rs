@@ -21,6 +21,7 @@
 //!   target drives it);
 //! - [`gateway`]: a small gateway that plays Envoy's side, for the tests and the bench.
 
+pub mod endpoints;
 pub mod exchange;
 pub mod gateway;
 pub mod metadata;
@@ -40,8 +41,15 @@ use kvroute_frontend::FrontendState;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+pub use endpoints::{Endpoints, host_port, parse_endpoints};
+
 /// The gRPC service name of ext_proc, also a health service name.
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+/// The health services that say serving once the picker is ready: `readiness`, the
+/// ext_proc service, the server as a whole (`""`), and `inference-extension`, the name the
+/// reference picker's manifests probe. `liveness` says serving from the start.
+pub const READY_SERVICES: [&str; 4] = ["readiness", EXT_PROC_SERVICE, "", "inference-extension"];
 
 /// The picker's settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,71 +67,12 @@ impl Default for EppOptions {
     }
 }
 
-/// The endpoints of the pool: each worker's `host:port`, as the gateway names it.
-#[derive(Clone, Debug, Default)]
-pub struct Endpoints {
-    by_worker: Vec<(WorkerId, String)>,
-}
-
-impl Endpoints {
-    /// Each worker's `host:port`, from its base URL.
-    pub fn of(front: &FrontendState) -> Self {
-        let by_worker =
-            front.worker_urls().filter_map(|(w, url)| Some((w, host_port(url)?))).collect();
-        Self { by_worker }
-    }
-
-    pub fn endpoint(&self, worker: WorkerId) -> Option<&str> {
-        self.by_worker.iter().find(|(w, _)| *w == worker).map(|(_, e)| e.as_str())
-    }
-
-    pub fn worker(&self, endpoint: &str) -> Option<WorkerId> {
-        self.by_worker.iter().find(|(_, e)| e == endpoint).map(|(w, _)| *w)
-    }
-
-    pub fn workers(&self) -> impl Iterator<Item = WorkerId> + '_ {
-        self.by_worker.iter().map(|(w, _)| *w)
-    }
-
-    /// The workers a subset hint allows: an entry `ip:port` names one endpoint, an entry
-    /// without a port every endpoint at that address.
-    pub fn allowed(&self, subset: &[String]) -> BTreeSet<WorkerId> {
-        self.by_worker
-            .iter()
-            .filter(|(_, e)| {
-                subset.iter().any(|s| s == e || e.rsplit_once(':').is_some_and(|(h, _)| h == s))
-            })
-            .map(|(w, _)| *w)
-            .collect()
-    }
-}
-
-/// The endpoints of an endpoints file: one per line, blank lines and `#` comments skipped.
-pub fn parse_endpoints(text: &str) -> Vec<String> {
-    text.lines()
-        .map(|l| l.split('#').next().unwrap_or_default().trim())
-        .filter(|l| !l.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
-
-/// `host:port` of a base URL (`http://10.0.0.1:8000` → `10.0.0.1:8000`), the port the
-/// scheme's when it names none.
-pub fn host_port(url: &str) -> Option<String> {
-    let uri: hyper::Uri = url.parse().ok()?;
-    let host = uri.host()?;
-    let port = uri.port_u16().unwrap_or(match uri.scheme_str() {
-        Some("https") => 443,
-        _ => 80,
-    });
-    Some(format!("{host}:{port}"))
-}
-
 /// The picker: the front door's stages, the pool's endpoints and the picker's metrics.
 #[derive(Debug)]
 pub struct Picker {
     pub front: Arc<FrontendState>,
-    pub endpoints: Endpoints,
+    /// The pool's endpoints, swapped whole when their names resolve anew.
+    endpoints: std::sync::RwLock<Arc<Endpoints>>,
     pub options: EppOptions,
     pub metrics: metrics::EppMetrics,
     /// Where the next request without a prompt (a `GET`, another route) goes, in turn.
@@ -134,10 +83,34 @@ pub struct Picker {
 
 impl Picker {
     pub fn new(front: Arc<FrontendState>, options: EppOptions) -> Self {
-        let endpoints = Endpoints::of(&front);
+        let endpoints = std::sync::RwLock::new(Arc::new(Endpoints::of(&front)));
         let metrics = metrics::EppMetrics::new();
         let members = std::sync::RwLock::new(None);
         Self { front, endpoints, options, metrics, turn: AtomicUsize::new(0), members }
+    }
+
+    /// The pool's endpoints as they stand.
+    pub fn endpoints(&self) -> Arc<Endpoints> {
+        Arc::clone(&self.endpoints.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// Resolves the workers' host names to the addresses the gateway names them by (an
+    /// original-destination cluster routes to `ip:port`), now and every `every` until the
+    /// picker is dropped. Workers named by address need none of it.
+    pub fn spawn_resolver(
+        self: &Arc<Self>,
+        every: std::time::Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some(picker) = weak.upgrade() {
+                let resolved = picker.endpoints().resolved().await;
+                *picker.endpoints.write().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    Arc::new(resolved);
+                drop(picker);
+                tokio::time::sleep(every).await;
+            }
+        })
     }
 
     /// The workers a request may go to: those of its subset hint (absent: all) that the
@@ -157,9 +130,10 @@ impl Picker {
     /// Takes the pool's endpoints (`host:port` as the gateway names them): later requests
     /// go only to the workers among them. Returns those that name no worker of the fleet.
     pub fn set_members(&self, listed: &[String]) -> Vec<String> {
-        let members = self.endpoints.allowed(listed);
+        let endpoints = self.endpoints();
+        let members = endpoints.allowed(listed);
         let unknown =
-            listed.iter().filter(|e| self.endpoints.allowed(std::slice::from_ref(e)).is_empty());
+            listed.iter().filter(|e| endpoints.allowed(std::slice::from_ref(e)).is_empty());
         let unknown: Vec<String> = unknown.cloned().collect();
         *self.members.write().unwrap_or_else(|e| e.into_inner()) = Some(members);
         unknown
@@ -206,7 +180,7 @@ impl Picker {
     /// The next worker in turn among `allowed` that is in rotation.
     pub(crate) fn in_turn(&self, allowed: Option<&BTreeSet<WorkerId>>) -> Option<WorkerId> {
         let ready: Vec<WorkerId> = self
-            .endpoints
+            .endpoints()
             .workers()
             .filter(|w| allowed.is_none_or(|a| a.contains(w)) && self.front.in_rotation(*w))
             .collect();
@@ -299,12 +273,12 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status("liveness", tonic_health::ServingStatus::Serving).await;
-    for name in ["readiness", EXT_PROC_SERVICE, ""] {
+    for name in READY_SERVICES {
         reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
     }
     tokio::spawn(async move {
         ready.await;
-        for name in ["readiness", EXT_PROC_SERVICE, ""] {
+        for name in READY_SERVICES {
             reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
         }
     });

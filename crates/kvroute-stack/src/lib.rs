@@ -339,6 +339,8 @@ impl Stack {
         let front = self.frontend.as_ref()?;
         let picker = Arc::new(kvroute_epp::Picker::new(Arc::clone(front), options));
         front.serve_metrics_beside(Arc::clone(&picker.metrics.registry));
+        // Workers named by host (a StatefulSet's pods) are told to the gateway by address.
+        picker.spawn_resolver(Duration::from_secs(10));
         Some(picker)
     }
 
