@@ -24,6 +24,6 @@ RUN apt-get update \
  && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvroute
 COPY --from=build /usr/local/bin/kvroute /usr/local/bin/kvroute
 USER 10001:10001
-EXPOSE 8000
+EXPOSE 8000 9002
 ENTRYPOINT ["/usr/local/bin/kvroute"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -12,7 +12,9 @@ use kvroute_http::metrics::{
 use kvroute_wire::ConvertStats;
 
 mod flow;
+mod kinds;
 pub use flow::{FLOW_REQUESTS, FLOW_WAIT_SECONDS, FLOW_WAITING, FlowMetrics, FlowOutcome};
+pub use kinds::EventKind;
 
 pub const EVENTS: &str = "kvroute_router_events";
 pub const REJECTED: &str = "kvroute_router_events_rejected";
@@ -42,6 +44,7 @@ pub const WORKER_DRIFTED: &str = "kvroute_router_worker_drifted";
 pub const WORKER_SILENT: &str = "kvroute_router_worker_silent";
 pub const ANSWERED_PROMPT_TOKENS: &str = "kvroute_router_answered_prompt_tokens";
 pub const ANSWERED_CACHED_TOKENS: &str = "kvroute_router_answered_cached_tokens";
+pub const ANSWERED_PREDICTED_TOKENS: &str = "kvroute_router_answered_predicted_cached_tokens";
 pub const NATS_CONNECTED: &str = "kvroute_nats_connected";
 pub const REPLICA_MESSAGES: &str = "kvroute_replica_messages";
 pub const REPLICA_PEERS: &str = "kvroute_replica_peers";
@@ -57,24 +60,6 @@ pub const TTFT_ERROR: &str = "kvroute_router_ttft_prediction_error_ratio";
 pub const TTFT_PREDICTED: &str = "kvroute_router_ttft_predicted_seconds";
 pub const TTFT_OBSERVED: &str = "kvroute_router_ttft_observed_seconds";
 pub const TTFT_CORRECTION: &str = "kvroute_router_ttft_correction";
-
-/// Event kinds, a label of [`EVENTS`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum EventKind {
-    Stored,
-    Removed,
-    Cleared,
-}
-
-impl EventKind {
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Stored => "stored",
-            Self::Removed => "removed",
-            Self::Cleared => "cleared",
-        }
-    }
-}
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct EventLabels {
@@ -224,6 +209,7 @@ pub struct Metrics {
     pub worker_silent: Family<WorkerIdLabels, Gauge>,
     pub prompt_tokens: Family<WorkerIdLabels, Counter>,
     pub cached_tokens: Family<WorkerIdLabels, Counter>,
+    pub predicted_tokens: Family<WorkerIdLabels, Counter>,
     pub nats_connected: Gauge,
     replica_messages: Family<OutcomeLabels, Counter>,
     pub replica_peers: Gauge,
@@ -294,6 +280,7 @@ impl Metrics {
             worker_silent: Family::default(),
             prompt_tokens: Family::default(),
             cached_tokens: Family::default(),
+            predicted_tokens: Family::default(),
             nats_connected: Gauge::default(),
             replica_messages: Family::default(),
             replica_peers: Gauge::default(),
@@ -418,6 +405,11 @@ impl Metrics {
             ANSWERED_CACHED_TOKENS,
             "Prompt tokens answered requests were served from the engines' caches (their own count)",
             m.cached_tokens.clone(),
+        );
+        r.register(
+            ANSWERED_PREDICTED_TOKENS,
+            "Prompt tokens the router predicted cached for answered requests (the predicted hit rate is these over prompt)",
+            m.predicted_tokens.clone(),
         );
         m.register_first_tokens(&mut r);
         m.register_replicas(&mut r);

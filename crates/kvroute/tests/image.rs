@@ -106,11 +106,14 @@ fn the_dockerfile_builds_the_binary_and_runs_it_unprivileged() {
         printed.contains("host = \"0.0.0.0\""),
         "it listens beyond the container's loopback: {printed}"
     );
+    // The front door's port, and the picker's (deploy/ runs it with ext_proc_port = 9002).
     let (_, expose) = run.iter().find(|(k, _)| k == "EXPOSE").unwrap();
-    assert!(
-        printed.contains(&format!("port = {expose}")),
-        "EXPOSE {expose} is the port: {printed}"
-    );
+    let ports: Vec<&str> = expose.split_whitespace().collect();
+    assert_eq!(ports.len(), 2, "EXPOSE {expose}");
+    assert!(printed.contains(&format!("port = {}", ports[0])), "EXPOSE {expose}: {printed}");
+    let picker =
+        std::fs::read_to_string(format!("{ROOT}/deploy/overlays/aggregated/kvroute.toml")).unwrap();
+    assert!(picker.contains(&format!("ext_proc_port = {}", ports[1])), "EXPOSE {expose}");
 
     // The build context leaves out what would make it gigabytes.
     let ignore = std::fs::read_to_string(format!("{ROOT}/.dockerignore")).unwrap();

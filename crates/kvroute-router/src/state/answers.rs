@@ -104,6 +104,7 @@ impl RouterState {
         let labels = WorkerIdLabels { worker_id: id.0 };
         m.prompt_tokens.get_or_create(&labels).inc_by(a.prompt_tokens);
         m.cached_tokens.get_or_create(&labels).inc_by(actual.min(a.prompt_tokens));
+        m.predicted_tokens.get_or_create(&labels).inc_by(predicted.min(a.prompt_tokens));
         m.predictions
             .get_or_create(&PredictionLabels { worker_id: id.0, outcome: outcome.name() })
             .inc();
