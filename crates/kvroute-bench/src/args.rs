@@ -378,6 +378,12 @@ pub struct BenchArgs {
     /// decisions over NATS ("-sync") and once without ("-alone"), beside the one-replica run.
     #[arg(long, env = "KVROUTE_BENCH_REPLICAS", default_value_t = 1)]
     pub replicas: usize,
+    /// Each policy also runs through the test gateway that plays Envoy's side of ext_proc
+    /// (docs/kubernetes.md), labelled `<policy>-gateway`: with kvroute as the gateway's
+    /// Endpoint Picker, or for round-robin the gateway alone, taking endpoints in turn.
+    /// Compare with `--dialect openai-chat`, the body the gateway sends the engines.
+    #[arg(long, env = "KVROUTE_BENCH_GATEWAY")]
+    pub gateway: bool,
     /// With --replicas: the NATS server the replicas use (default: the bench starts a
     /// nats-server from PATH, or KVROUTE_NATS_SERVER, in a temporary directory).
     #[arg(long, env = "KVROUTE_BENCH_NATS")]

@@ -137,6 +137,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
                 dialect: dialects[0],
                 pd_baseline,
                 store: true,
+                gateway: false,
             };
             let fleet = |policy, replicas: Option<Replicas>| fleet_of(policy, replicas, None);
             let with_events = args.policies().into_iter().flat_map(|p| {
@@ -151,6 +152,13 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
                         *store = false;
                     }
                     runs.push((format!("{p}-no-store"), alone));
+                }
+                if args.gateway {
+                    let mut through = fleet(p, None);
+                    if let Target::Fleet { gateway, .. } = &mut through {
+                        *gateway = true;
+                    }
+                    runs.push((format!("{p}-gateway"), through));
                 }
                 if args.replicas > 1 {
                     for sync in [true, false] {
@@ -172,31 +180,31 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
                             dialect: dialects[0],
                             pd_baseline: None,
                             store: true,
+                            gateway: false,
                         },
                     )
                 });
             // Each run over each dialect, side by side.
             let per_dialect = |(label, target): (String, Target)| -> Vec<(String, Target)> {
                 match target {
-                    Target::Fleet { policy, events, replicas, pd_baseline, store, .. }
-                        if several =>
-                    {
-                        dialects
-                            .iter()
-                            .map(|&dialect| {
-                                let replicas = replicas.clone();
-                                let target = Target::Fleet {
-                                    policy,
-                                    events,
-                                    replicas,
-                                    dialect,
-                                    pd_baseline,
-                                    store,
-                                };
-                                (format!("{label}@{dialect}"), target)
-                            })
-                            .collect()
-                    }
+                    Target::Fleet {
+                        policy, events, replicas, pd_baseline, store, gateway, ..
+                    } if several => dialects
+                        .iter()
+                        .map(|&dialect| {
+                            let replicas = replicas.clone();
+                            let target = Target::Fleet {
+                                policy,
+                                events,
+                                replicas,
+                                dialect,
+                                pd_baseline,
+                                store,
+                                gateway,
+                            };
+                            (format!("{label}@{dialect}"), target)
+                        })
+                        .collect(),
                     other => vec![(label, other)],
                 }
             };

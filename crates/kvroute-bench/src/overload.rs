@@ -294,6 +294,7 @@ fn target(policy: PolicyKind, fleet: &FleetConfig) -> Target {
         dialect: fleet.dialect,
         pd_baseline: None,
         store: false,
+        gateway: false,
     }
 }
 

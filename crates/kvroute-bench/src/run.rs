@@ -62,7 +62,7 @@ pub fn run(
         .context("starting a runtime")?;
     let result = runtime.block_on(async {
         match target {
-            Target::Fleet { policy, events, replicas, dialect, pd_baseline, store } => {
+            Target::Fleet { policy, events, replicas, dialect, pd_baseline, store, gateway } => {
                 let adapters = workload.adapters.clone();
                 let fleet = FleetConfig {
                     dialect: *dialect,
@@ -71,8 +71,10 @@ pub fn run(
                     store_blocks: if *store { fleet.store_blocks } else { 0 },
                     ..fleet.clone()
                 };
-                let (urls, stats) =
-                    start_fleet(&fleet, *policy, *events, replicas.as_ref()).await?;
+                let (urls, stats) = match gateway {
+                    true => start_gateway(&fleet, *policy, *events).await?,
+                    false => start_fleet(&fleet, *policy, *events, replicas.as_ref()).await?,
+                };
                 let driver = Driver::new(urls, None, preprocessor, bs, &stats);
                 drive(workload, &driver, &stats_urls(&stats), label, progress).await
             }
@@ -119,63 +121,8 @@ pub async fn start_fleet(
         Some(n)
     };
     router.nats = nats_for(0);
-    // A hybrid model's window, from its config.json (docs/mocker.md, "Hybrid models").
-    let sliding_window = match &fleet.model_path {
-        Some(dir) => kvroute_mocker::window::from_model_dir(dir)?,
-        None => None,
-    };
-    anyhow::ensure!(
-        sliding_window.is_none()
-            || (fleet.host.num_blocks == 0 && fleet.disagg.is_none() && fleet.store_blocks == 0),
-        "a hybrid model's simulated engines run without host memory, a shared store, and prefill and decode workers"
-    );
-    let config = StackConfig {
-        simulated: Simulated {
-            count: if fleet.disagg.is_some() { 0 } else { fleet.workers },
-            prefill: fleet.disagg.map_or(0, |(p, _)| p),
-            decode: fleet.disagg.map_or(0, |(_, d)| d),
-            nodes: fleet.nodes,
-            engine: EngineConfig {
-                num_blocks: fleet.num_blocks,
-                max_num_seqs: fleet.max_num_seqs,
-                max_batched_tokens: fleet.max_batched_tokens,
-                timing: Timing { speedup: fleet.speedup },
-                lora: kvroute_mocker::lora::LoraConfig {
-                    max_loras: fleet.max_loras,
-                    max_cpu_loras: fleet.max_loras,
-                    ..kvroute_mocker::lora::LoraConfig::default()
-                },
-                host: fleet.host,
-                disagg: kvroute_mocker::DisaggConfig {
-                    kv_transfer_bandwidth_gbps: fleet.kv_transfer_bandwidth,
-                    kv_transfer_bandwidth_across_nodes_gbps: fleet
-                        .kv_transfer_bandwidth_across_nodes,
-                    ..kvroute_mocker::DisaggConfig::default()
-                },
-                sliding_window,
-                scheduling: match fleet.engine_priority {
-                    true => kvroute_mocker::SchedulingPolicy::Priority,
-                    false => kvroute_mocker::SchedulingPolicy::Fcfs,
-                },
-                ..EngineConfig::default()
-            },
-            lora_modules: fleet.adapters.iter().map(|a| (a.clone(), None)).collect(),
-            events,
-            seed: 0,
-            max_model_len: None,
-            dialect: fleet.dialect,
-            chat_template: match &fleet.engine_chat_template {
-                Some(path) => Some(
-                    std::fs::read_to_string(path)
-                        .with_context(|| format!("reading {}", path.display()))?,
-                ),
-                None => None,
-            },
-            store: (fleet.store_blocks > 0).then_some(SharedStore::Start(fleet.store_blocks)),
-            ..Simulated::default()
-        },
-        ..front_door(router, fleet)
-    };
+    let config =
+        StackConfig { simulated: fleet_simulated(fleet, events)?, ..front_door(router, fleet) };
     let stack = started(config, "the fleet").await?;
     let urls: Vec<WorkerSpec> = stack.workers.iter().filter(|w| w.url.is_some()).cloned().collect();
     let mut fronts = vec![stack.serve_frontend_on_loopback().await?];
@@ -194,6 +141,108 @@ pub async fn start_fleet(
         std::future::pending::<()>().await;
     });
     Ok((fronts, urls))
+}
+
+/// The simulated workers of `fleet` (publishing KV events or not).
+fn fleet_simulated(fleet: &FleetConfig, events: bool) -> anyhow::Result<Simulated> {
+    // A hybrid model's window, from its config.json (docs/mocker.md, "Hybrid models").
+    let sliding_window = match &fleet.model_path {
+        Some(dir) => kvroute_mocker::window::from_model_dir(dir)?,
+        None => None,
+    };
+    anyhow::ensure!(
+        sliding_window.is_none()
+            || (fleet.host.num_blocks == 0 && fleet.disagg.is_none() && fleet.store_blocks == 0),
+        "a hybrid model's simulated engines run without host memory, a shared store, and prefill and decode workers"
+    );
+    Ok(Simulated {
+        count: if fleet.disagg.is_some() { 0 } else { fleet.workers },
+        prefill: fleet.disagg.map_or(0, |(p, _)| p),
+        decode: fleet.disagg.map_or(0, |(_, d)| d),
+        nodes: fleet.nodes,
+        engine: EngineConfig {
+            num_blocks: fleet.num_blocks,
+            max_num_seqs: fleet.max_num_seqs,
+            max_batched_tokens: fleet.max_batched_tokens,
+            timing: Timing { speedup: fleet.speedup },
+            lora: kvroute_mocker::lora::LoraConfig {
+                max_loras: fleet.max_loras,
+                max_cpu_loras: fleet.max_loras,
+                ..kvroute_mocker::lora::LoraConfig::default()
+            },
+            host: fleet.host,
+            disagg: kvroute_mocker::DisaggConfig {
+                kv_transfer_bandwidth_gbps: fleet.kv_transfer_bandwidth,
+                kv_transfer_bandwidth_across_nodes_gbps: fleet.kv_transfer_bandwidth_across_nodes,
+                ..kvroute_mocker::DisaggConfig::default()
+            },
+            sliding_window,
+            scheduling: match fleet.engine_priority {
+                true => kvroute_mocker::SchedulingPolicy::Priority,
+                false => kvroute_mocker::SchedulingPolicy::Fcfs,
+            },
+            ..EngineConfig::default()
+        },
+        lora_modules: fleet.adapters.iter().map(|a| (a.clone(), None)).collect(),
+        events,
+        seed: 0,
+        max_model_len: None,
+        dialect: fleet.dialect,
+        chat_template: match &fleet.engine_chat_template {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?,
+            ),
+            None => None,
+        },
+        store: (fleet.store_blocks > 0).then_some(SharedStore::Start(fleet.store_blocks)),
+        ..Simulated::default()
+    })
+}
+
+/// [`start_fleet`]'s fleet behind the test gateway, the gateway's URL in place of the front
+/// door's: kvroute as its Endpoint Picker over ext_proc, or for round-robin the gateway
+/// alone, taking the endpoints in turn. The engines answer without a token, as they do
+/// behind a gateway.
+pub async fn start_gateway(
+    fleet: &FleetConfig,
+    policy: PolicyKind,
+    events: bool,
+) -> anyhow::Result<(Vec<String>, Vec<WorkerSpec>)> {
+    use kvroute_epp::gateway::{Gateway, GatewayConfig, Picking};
+    let mut router = fleet.router_config(policy, Vec::new())?;
+    router.nats = None;
+    let config = StackConfig {
+        simulated: Simulated { tokenless: true, ..fleet_simulated(fleet, events)? },
+        ..front_door(router, fleet)
+    };
+    let stack = started(config, "the fleet").await?;
+    let workers: Vec<WorkerSpec> =
+        stack.workers.iter().filter(|w| w.url.is_some()).cloned().collect();
+    let config = match policy {
+        PolicyKind::RoundRobin => {
+            let endpoints =
+                workers.iter().filter_map(|w| kvroute_epp::host_port(w.url.as_deref()?));
+            GatewayConfig {
+                picking: Picking::RoundRobin(endpoints.collect()),
+                ..GatewayConfig::ext_proc("")
+            }
+        }
+        _ => {
+            let picker = stack.picker(kvroute_epp::EppOptions::default()).context("a picker")?;
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let url = format!("http://{}", listener.local_addr()?);
+            tokio::spawn(kvroute_epp::serve(listener, picker, async {}, std::future::pending()));
+            GatewayConfig::ext_proc(url)
+        }
+    };
+    let gateway = Gateway::new(config)?;
+    let url = kvroute_stack::serve_on_loopback(gateway.app()).await?;
+    tokio::spawn(async move {
+        let _stack = stack;
+        std::future::pending::<()>().await;
+    });
+    Ok((vec![url], workers))
 }
 
 /// A front door and router over `router`'s workers, as the bench runs them.

@@ -38,6 +38,41 @@ fn small_shared_prefix() -> kvroute_bench::workload::Workload {
     .generate(1, fleet().block_size().unwrap(), 0.1)
 }
 
+/// Through the test gateway: over ext_proc to kvroute as its picker, or round-robin alone;
+/// beside kvroute's own front door on the same kind of fleet (4 workers, 2 groups).
+#[test]
+fn through_the_gateway_the_picker_keeps_groups_together_and_round_robin_does_not() {
+    let workload = small_shared_prefix();
+    let fleet = FleetConfig { workers: 4, ..FleetConfig::default() };
+    let pre = std::sync::Arc::new(Preprocessor::builtin());
+    let mut hit = Vec::new();
+    let runs = [(PolicyKind::Kv, false), (PolicyKind::Kv, true), (PolicyKind::RoundRobin, true)];
+    for (policy, gateway) in runs {
+        let target = Target::Fleet {
+            policy,
+            events: true,
+            replicas: None,
+            dialect: Dialect::OpenaiChat,
+            pd_baseline: None,
+            store: true,
+            gateway,
+        };
+        let label = format!("{policy}-{gateway}");
+        let data =
+            run::run(&workload, &target, &fleet, &label, &ProgressBar::hidden(), &pre).unwrap();
+        assert_eq!(data.records.len(), 16);
+        assert!(data.records.iter().all(|r| r.error.is_none() && r.output_tokens == 4));
+        let s = summarize(&data, 16, Some(fleet.capacity_blocks()));
+        assert_eq!(s.errors, 0);
+        hit.push(s.hit_rate.unwrap());
+    }
+    // Round robin sends each group to every worker (8 misses of 16); kvroute's front door
+    // and its picker keep a group on few.
+    let miss = 512.0 / (16.0 * 544.0);
+    assert!((hit[2] - (1.0 - 8.0 * miss - 32.0 / 544.0)).abs() < 1e-9, "{hit:?}");
+    assert!(hit[0] > hit[2] + 1.5 * miss && hit[1] > hit[2] + 1.5 * miss, "{hit:?}");
+}
+
 /// A self-contained fleet under `policy`, with KV events, over vLLM's generate API.
 fn fleet_target(policy: PolicyKind) -> Target {
     Target::Fleet {
@@ -47,6 +82,7 @@ fn fleet_target(policy: PolicyKind) -> Target {
         dialect: Dialect::VllmGenerate,
         pd_baseline: None,
         store: true,
+        gateway: false,
     }
 }
 

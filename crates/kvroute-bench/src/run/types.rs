@@ -201,7 +201,8 @@ pub enum Target {
     /// events and the router predicts their caches from its own decisions (approximate mode).
     /// `dialect`: how the front door speaks to the simulated workers.
     /// `pd_baseline`: the pair cost made blind to one thing. `store`: the fleet's shared
-    /// store, if it has one, is started (off: the baseline without it).
+    /// store, if it has one, is started (off: the baseline without it). `gateway`: through
+    /// the test gateway.
     Fleet {
         policy: PolicyKind,
         events: bool,
@@ -209,6 +210,10 @@ pub enum Target {
         dialect: Dialect,
         pd_baseline: Option<PdBaseline>,
         store: bool,
+        /// Requests go through the test gateway (Envoy's side of ext_proc): with kvroute as
+        /// its Endpoint Picker, or, for round-robin, the gateway alone taking endpoints in
+        /// turn.
+        gateway: bool,
     },
     /// OpenAI-compatible endpoints (replicas of one front door: requests are sprayed across
     /// them), and the workers' base URLs whose `/stats` give the ground truth.
