@@ -47,8 +47,9 @@ use crate::metadata::{self, DESTINATION_KEY, DESTINATION_NAMESPACE, SERVED_KEY};
 /// How the gateway picks an endpoint.
 #[derive(Clone, Debug)]
 pub enum Picking {
-    /// Ask the picker at this gRPC URL (`http://127.0.0.1:9002`).
-    ExtProc(String),
+    /// Ask the picker at this gRPC URL (`http://127.0.0.1:9002`); several (the pods of the
+    /// picker's Service): each request's stream goes to the next in turn.
+    ExtProc(Vec<String>),
     /// Each endpoint in turn, no picker (the baseline a pool without one gets).
     RoundRobin(Vec<String>),
 }
@@ -69,7 +70,7 @@ pub struct GatewayConfig {
 impl GatewayConfig {
     pub fn ext_proc(url: impl Into<String>) -> Self {
         Self {
-            picking: Picking::ExtProc(url.into()),
+            picking: Picking::ExtProc(vec![url.into()]),
             request_mode: BodySendMode::FullDuplexStreamed,
             response_mode: BodySendMode::FullDuplexStreamed,
             subset: None,
@@ -95,7 +96,9 @@ pub struct Routed {
 #[derive(Debug)]
 pub struct Gateway {
     config: GatewayConfig,
-    ext_proc: Option<ExternalProcessorClient<Channel>>,
+    ext_proc: Vec<ExternalProcessorClient<Channel>>,
+    /// The picker the next stream goes to.
+    next_picker: AtomicUsize,
     http: HttpClient,
     turn: AtomicUsize,
     /// The last requests' routing, newest last (at most [`ROUTED_KEPT`]).
@@ -116,21 +119,24 @@ pub enum GatewayError {
 
 impl Gateway {
     pub fn new(config: GatewayConfig) -> Result<Arc<Self>, GatewayError> {
-        let ext_proc = match &config.picking {
-            Picking::ExtProc(url) => {
-                let channel = tonic::transport::Endpoint::from_shared(url.clone())?.connect_lazy();
-                let limit = 2 * MAX_BODY;
-                Some(
-                    ExternalProcessorClient::new(channel)
-                        .max_decoding_message_size(limit)
-                        .max_encoding_message_size(limit),
-                )
-            }
-            Picking::RoundRobin(_) => None,
+        let urls = match &config.picking {
+            Picking::ExtProc(urls) => urls.as_slice(),
+            Picking::RoundRobin(_) => &[],
         };
+        let mut ext_proc = Vec::new();
+        for url in urls {
+            let channel = tonic::transport::Endpoint::from_shared(url.clone())?.connect_lazy();
+            let limit = 2 * MAX_BODY;
+            ext_proc.push(
+                ExternalProcessorClient::new(channel)
+                    .max_decoding_message_size(limit)
+                    .max_encoding_message_size(limit),
+            );
+        }
         Ok(Arc::new(Self {
             config,
             ext_proc,
+            next_picker: AtomicUsize::new(0),
             http: HttpClient::new(),
             turn: AtomicUsize::new(0),
             routed: std::sync::Mutex::default(),
@@ -157,12 +163,14 @@ impl Gateway {
 }
 
 async fn handle(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
-    match &gateway.ext_proc {
-        Some(client) => match through_picker(&gateway, client.clone(), request).await {
-            Ok(response) => response,
-            Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e).into_response(),
-        },
-        None => round_robin(&gateway, request).await,
+    let n = gateway.ext_proc.len();
+    if n == 0 {
+        return round_robin(&gateway, request).await;
+    }
+    let client = gateway.ext_proc[gateway.next_picker.fetch_add(1, Ordering::Relaxed) % n].clone();
+    match through_picker(&gateway, client, request).await {
+        Ok(response) => response,
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e).into_response(),
     }
 }
 

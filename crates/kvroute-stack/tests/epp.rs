@@ -600,3 +600,91 @@ async fn grpc_call(grpc: &str, payload: &[u8]) -> String {
     let trailers = body.trailers().await.unwrap().unwrap();
     trailers["grpc-status"].to_str().unwrap().to_owned()
 }
+
+/// Two pickers behind one gateway (the pods of the picker's Service), each a router replica
+/// sharing decisions and events over a real NATS JetStream: both serve, no leader. Each
+/// prompt is sent four times, its streams alternating between the pickers: every repeat
+/// finds the whole prefix cached where the first went (the hit rate of the repeats is 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pickers_over_nats_keep_every_repeat_on_its_cached_prefix() {
+    use kvroute_router::nats::{EventsVia, NatsConfig};
+    use kvroute_stack::nats_server::NatsServer;
+    let dir = std::env::temp_dir().join(format!("kvroute-epp-nats-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let server = NatsServer::start(&dir, 0).await.unwrap();
+    let nats = |name: &str| {
+        let mut n = NatsConfig::new(server.url());
+        n.replica = name.into();
+        n.events = EventsVia::Zmq;
+        n
+    };
+    let a = Stack::start(StackConfig {
+        simulated: Simulated {
+            count: 4,
+            engine: EngineConfig { timing: Timing { speedup: 10.0 }, ..EngineConfig::default() },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        router: RouterConfig { nats: Some(nats("a")), ..RouterConfig::default() },
+        ..StackConfig::default()
+    })
+    .await
+    .unwrap();
+    assert!(a.ready(Duration::from_secs(10)).await.is_empty());
+    let b = Stack::start(StackConfig {
+        router: RouterConfig {
+            workers: a.workers.clone(),
+            nats: Some(nats("b")),
+            ..RouterConfig::default()
+        },
+        ..StackConfig::default()
+    })
+    .await
+    .unwrap();
+    assert!(b.ready(Duration::from_secs(10)).await.is_empty());
+    let peers = |s: &Stack| s.router.as_ref().unwrap().nats().unwrap().summary()["peers"].as_u64();
+    assert!(
+        eventually(Duration::from_secs(10), || peers(&a) == Some(1) && peers(&b) == Some(1)).await
+    );
+    let mut urls = Vec::new();
+    for stack in [&a, &b] {
+        let picker = stack.picker(EppOptions::default()).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        urls.push(format!("http://{}", listener.local_addr().unwrap()));
+        tokio::spawn(kvroute_epp::serve(listener, picker, async {}, std::future::pending()));
+    }
+    let mut config = GatewayConfig::ext_proc("");
+    config.picking = kvroute_epp::gateway::Picking::ExtProc(urls);
+    let gateway = Gateway::new(config).unwrap();
+    let base = kvroute_stack::serve_on_loopback(gateway.app()).await.unwrap();
+    let (mut repeats, mut hits) = (0, 0);
+    for topic in 0..6 {
+        let text = prompt(&format!("replicated {topic}"));
+        let mut first_cached = None;
+        for k in 0..4 {
+            let (status, _, body) =
+                post(&base, "/v1/chat/completions", &chat(&text, false), &[]).await;
+            assert_eq!(status, 200);
+            let body = json_of(&body);
+            let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+            if k == 0 {
+                first_cached = Some(cached(&body));
+                continue;
+            }
+            repeats += 1;
+            // The whole prompt but its last, partial block (and what the first found).
+            if cached(&body) + 16 > prompt_tokens {
+                hits += 1;
+            }
+        }
+        // A new prompt: at most the chat template's first block was cached anywhere.
+        assert!(first_cached.is_some_and(|c| c <= 16), "{first_cached:?}");
+    }
+    let routed = gateway.routed();
+    for pair in routed.chunks(4) {
+        let first = &pair[0].served;
+        assert!(pair.iter().all(|r| &r.served == first), "{pair:?}");
+    }
+    assert_eq!((hits, repeats), (18, 18), "every repeat on its cached prefix");
+    let _ = std::fs::remove_dir_all(&dir);
+}
