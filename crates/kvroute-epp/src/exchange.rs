@@ -111,8 +111,8 @@ impl Exchange {
     /// error for a message out of the protocol's order (the gateway then fails the request).
     pub async fn on(&mut self, m: ProcessingRequest) -> Result<Vec<ProcessingResponse>, Status> {
         if let Some(config) = &m.protocol_config {
-            self.request_mode = mode(config.request_body_mode);
-            self.response_mode = mode(config.response_body_mode);
+            self.request_mode = mode(config.request_body_mode)?;
+            self.response_mode = mode(config.response_body_mode)?;
         }
         let Some(request) = m.request else {
             return Err(Status::invalid_argument("a ProcessingRequest with no request"));
@@ -444,8 +444,10 @@ enum Side {
     Body,
 }
 
-fn mode(m: i32) -> BodySendMode {
-    BodySendMode::try_from(m).unwrap_or(BodySendMode::FullDuplexStreamed)
+/// A body mode the gateway names; one no version of the protocol has is an error.
+fn mode(m: i32) -> Result<BodySendMode, Status> {
+    BodySendMode::try_from(m)
+        .map_err(|_| Status::invalid_argument(format!("unknown body send mode {m}")))
 }
 
 fn kind(r: &processing_request::Request) -> &'static str {
@@ -534,4 +536,157 @@ fn streamed_body(body: &[u8], end: bool) -> Vec<ProcessingResponse> {
             body_response(common, true)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration;
+    use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
+
+    use super::*;
+
+    /// A picker over a front door with two workers (their ports closed: nothing is sent).
+    fn picker() -> Arc<Picker> {
+        let workers = (1..=2u64)
+            .map(|k| {
+                let mut w = WorkerSpec::new(k);
+                w.url = Some(format!("http://127.0.0.1:{k}"));
+                w
+            })
+            .collect();
+        let router =
+            Arc::new(RouterState::new(RouterConfig { workers, ..RouterConfig::default() }));
+        let fetch = kvroute_preprocess::fetch::FetchConfig::default();
+        let fetcher = kvroute_preprocess::fetch::Fetcher::new(fetch).unwrap();
+        let pre = Arc::new(kvroute_preprocess::Preprocessor::builtin());
+        let front = Arc::new(kvroute_frontend::FrontendState::new(pre, fetcher, router));
+        Arc::new(Picker::new(front, crate::EppOptions::default()))
+    }
+
+    fn headers(
+        pairs: &[(&str, &str)],
+        modes: Option<(BodySendMode, BodySendMode)>,
+    ) -> ProcessingRequest {
+        let headers = pairs
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: (*k).to_owned(),
+                value: String::new(),
+                raw_value: v.as_bytes().to_vec(),
+            })
+            .collect();
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap { headers }),
+                ..HttpHeaders::default()
+            })),
+            protocol_config: modes.map(|(q, r)| ProtocolConfiguration {
+                request_body_mode: q as i32,
+                response_body_mode: r as i32,
+                ..ProtocolConfiguration::default()
+            }),
+            ..ProcessingRequest::default()
+        }
+    }
+
+    fn body(b: &[u8]) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestBody(HttpBody {
+                body: b.to_vec(),
+                end_of_stream: true,
+                ..HttpBody::default()
+            })),
+            ..ProcessingRequest::default()
+        }
+    }
+
+    fn immediate(r: &ProcessingResponse) -> Option<u16> {
+        match &r.response {
+            Some(processing_response::Response::ImmediateResponse(i)) => {
+                i.status.as_ref().map(|s| s.code as u16)
+            }
+            _ => None,
+        }
+    }
+
+    const CHAT: &[u8] = br#"{"messages":[{"role":"user","content":"Hello there"}],"max_tokens":2}"#;
+    const POST: [(&str, &str); 2] = [(":method", "POST"), (":path", "/v1/chat/completions")];
+
+    #[tokio::test]
+    async fn buffered_answers_the_headers_at_once_and_the_destination_with_the_body() {
+        let picker = picker();
+        let mut x = Exchange::new(Arc::clone(&picker));
+        let modes = (BodySendMode::Buffered, BodySendMode::Buffered);
+        let out = x.on(headers(&POST, Some(modes))).await.unwrap();
+        assert!(matches!(out[0].response, Some(processing_response::Response::RequestHeaders(_))));
+        let out = x.on(body(CHAT)).await.unwrap();
+        assert_eq!(out.len(), 1);
+        let Some(processing_response::Response::RequestBody(b)) = &out[0].response else {
+            panic!("{out:?}")
+        };
+        let common = b.response.as_ref().unwrap();
+        assert!(common.clear_route_cache);
+        let set = &common.header_mutation.as_ref().unwrap().set_headers;
+        let header =
+            set.iter().find_map(|h| h.header.as_ref().filter(|h| h.key == DESTINATION_KEY));
+        let header = String::from_utf8(header.unwrap().raw_value.clone()).unwrap();
+        let dynamic = out[0].dynamic_metadata.as_ref().unwrap();
+        let metadata = metadata::dynamic_string(dynamic, "envoy.lb", DESTINATION_KEY).unwrap();
+        assert_eq!(header, metadata);
+        assert_eq!(header.split(',').count(), 2, "the picked worker and the other one");
+        assert!(matches!(
+            common.body_mutation.as_ref().unwrap().mutation,
+            Some(body_mutation::Mutation::Body(_))
+        ));
+        assert_eq!(picker.front.in_flight(), 1);
+        drop(x);
+        assert_eq!(picker.front.in_flight(), 0, "dropped: freed");
+    }
+
+    #[tokio::test]
+    async fn half_duplex_streamed_requests_and_unknown_modes_are_refused() {
+        let picker = picker();
+        let mut x = Exchange::new(Arc::clone(&picker));
+        let modes = (BodySendMode::Streamed, BodySendMode::Streamed);
+        let out = x.on(headers(&POST, Some(modes))).await.unwrap();
+        assert_eq!(immediate(&out[0]), Some(500));
+        assert!(x.done());
+        let mut x = Exchange::new(Arc::clone(&picker));
+        let mut m = headers(&POST, None);
+        m.protocol_config =
+            Some(ProtocolConfiguration { request_body_mode: 99, ..Default::default() });
+        assert_eq!(x.on(m).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    }
+
+    #[tokio::test]
+    async fn oversized_headers_are_a_431_and_a_huge_subset_a_400() {
+        let picker = picker();
+        let mut x = Exchange::new(Arc::clone(&picker));
+        let big = "x".repeat(MAX_HEADER_BYTES);
+        let out = x.on(headers(&[(":path", "/v1/chat/completions"), ("x-big", &big)], None)).await;
+        assert_eq!(immediate(&out.unwrap()[0]), Some(431));
+        let mut x = Exchange::new(Arc::clone(&picker));
+        let mut m = headers(&POST, None);
+        let hint = metadata::list((0..=metadata::MAX_SUBSET).map(|_| "10.0.0.1:8000"));
+        let hint = envoy_types::pb::google::protobuf::Struct {
+            fields: [(metadata::SUBSET_KEY.to_owned(), hint)].into(),
+        };
+        m.metadata_context = Some(envoy_types::pb::envoy::config::core::v3::Metadata {
+            filter_metadata: [(metadata::SUBSET_NAMESPACE.to_owned(), hint)].into(),
+            ..Default::default()
+        });
+        assert_eq!(immediate(&x.on(m).await.unwrap()[0]), Some(400));
+    }
+
+    #[tokio::test]
+    async fn an_unknown_model_is_the_front_doors_404_and_nothing_is_held() {
+        let picker = picker();
+        let mut x = Exchange::new(Arc::clone(&picker));
+        x.on(headers(&POST, None)).await.unwrap();
+        let out =
+            x.on(body(br#"{"model":"nope","messages":[{"role":"user","content":"x"}]}"#)).await;
+        assert_eq!(immediate(&out.unwrap()[0]), Some(404));
+        assert_eq!(picker.front.in_flight(), 0);
+    }
 }

@@ -125,7 +125,9 @@ impl Gateway {
         };
         let mut ext_proc = Vec::new();
         for url in urls {
-            let channel = tonic::transport::Endpoint::from_shared(url.clone())?.connect_lazy();
+            let channel = tonic::transport::Endpoint::from_shared(url.clone())?
+                .tcp_nodelay(true)
+                .connect_lazy();
             let limit = 2 * MAX_BODY;
             ext_proc.push(
                 ExternalProcessorClient::new(channel)

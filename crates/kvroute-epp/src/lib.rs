@@ -284,7 +284,8 @@ pub async fn serve(
     });
     let limit = max_message_bytes(&picker.options);
     let service = ExternalProcessorServer::new(Service(picker)).max_decoding_message_size(limit);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Small frames (a headers answer, a body chunk) go out at once, not after an ACK.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
         .add_service(health)
         .add_service(service)
