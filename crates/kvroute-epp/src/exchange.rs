@@ -99,14 +99,6 @@ impl Exchange {
         self.phase == Phase::Done
     }
 
-    /// The stream ended: counted as broken when the response had not (the gateway reset
-    /// it, or ended it early); a request in flight is freed when the exchange is dropped.
-    pub fn broken(&mut self) {
-        if self.phase != Phase::Done {
-            self.picker.metrics.broken.inc();
-        }
-    }
-
     /// Takes one message of the gateway's and returns the messages to answer with; a gRPC
     /// error for a message out of the protocol's order (the gateway then fails the request).
     pub async fn on(&mut self, m: ProcessingRequest) -> Result<Vec<ProcessingResponse>, Status> {
@@ -433,6 +425,19 @@ impl Exchange {
                 details: format!("kvroute_epp_{status}"),
             })),
             ..ProcessingResponse::default()
+        }
+    }
+}
+
+/// A stream that ends before its response did (the gateway reset it, or ended it early) is
+/// counted as broken; the request still in flight is freed as `held` drops.
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        if self.phase != Phase::Done {
+            self.picker.metrics.broken.inc();
+            if self.held.is_some() {
+                self.picker.metrics.finished(&self.model, self.started.elapsed());
+            }
         }
     }
 }

@@ -38,7 +38,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use kvroute_core::WorkerId;
 use kvroute_frontend::FrontendState;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 pub use endpoints::{Endpoints, host_port, parse_endpoints};
@@ -193,65 +192,69 @@ impl Picker {
 #[derive(Clone, Debug)]
 pub struct Service(pub Arc<Picker>);
 
-/// Messages queued toward the gateway per stream.
-const STREAM_QUEUE: usize = 16;
+/// What a stream holds between the messages it answers: the gateway's side, the exchange,
+/// answers not yet sent, and whether it is over.
+struct Open {
+    inbound: Streaming<ProcessingRequest>,
+    exchange: exchange::Exchange,
+    answers: std::collections::VecDeque<ProcessingResponse>,
+    over: bool,
+}
+
+/// The next message toward the gateway: the stream is driven by the gateway reading it (no
+/// task of its own), so when the gateway goes (its reset drops the stream) the exchange is
+/// dropped with it, a pick waiting for room (flow control) included, and its request freed.
+async fn next(mut open: Open) -> Option<(Result<ProcessingResponse, Status>, Open)> {
+    loop {
+        if let Some(answer) = open.answers.pop_front() {
+            return Some((Ok(answer), open));
+        }
+        if open.over {
+            return None;
+        }
+        match open.inbound.message().await {
+            Ok(Some(m)) => match open.exchange.on(m).await {
+                Ok(answers) => {
+                    open.answers.extend(answers);
+                    open.over = open.exchange.done();
+                }
+                Err(status) => {
+                    open.over = true;
+                    return Some((Err(status), open));
+                }
+            },
+            // The gateway ended its side before the response did: nothing more comes.
+            Ok(None) => open.over = true,
+            // Bytes that are no message (or past the limit), or a reset: the gateway is
+            // told, when it still listens.
+            Err(status) => {
+                tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream broken");
+                open.over = true;
+                return Some((Err(status), open));
+            }
+        }
+    }
+}
+
+type Answers = std::pin::Pin<
+    Box<dyn futures_util::Stream<Item = Result<ProcessingResponse, Status>> + Send + 'static>,
+>;
 
 #[tonic::async_trait]
 impl ExternalProcessor for Service {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+    type ProcessStream = Answers;
 
     async fn process(
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let mut inbound = request.into_inner();
-        let (tx, rx) = tokio::sync::mpsc::channel(STREAM_QUEUE);
-        let picker = Arc::clone(&self.0);
-        tokio::spawn(async move {
-            let mut exchange = exchange::Exchange::new(picker);
-            'stream: loop {
-                let message = tokio::select! {
-                    m = inbound.message() => m,
-                    // The gateway stopped reading: nothing more to do for this request.
-                    () = tx.closed() => break,
-                };
-                let message = match message {
-                    Ok(Some(m)) => m,
-                    Ok(None) => break,
-                    Err(status) => {
-                        // Bytes that are no message (or past the limit), or a reset: the
-                        // gateway is told, when it still listens.
-                        tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream broken");
-                        let _ = tx.try_send(Err(status));
-                        break;
-                    }
-                };
-                // A pick waiting for room (flow control) is dropped when the gateway goes.
-                let answered = tokio::select! {
-                    r = exchange.on(message) => r,
-                    () = tx.closed() => break,
-                };
-                match answered {
-                    Ok(responses) => {
-                        for r in responses {
-                            if tx.send(Ok(r)).await.is_err() {
-                                break 'stream;
-                            }
-                        }
-                    }
-                    Err(status) => {
-                        let _ = tx.send(Err(status)).await;
-                        break;
-                    }
-                }
-                if exchange.done() {
-                    break;
-                }
-            }
-            // Dropping the exchange frees a request still in flight (the gateway gone).
-            exchange.broken();
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let open = Open {
+            inbound: request.into_inner(),
+            exchange: exchange::Exchange::new(Arc::clone(&self.0)),
+            answers: std::collections::VecDeque::new(),
+            over: false,
+        };
+        Ok(Response::new(Box::pin(futures_util::stream::unfold(open, next))))
     }
 }
 

@@ -140,18 +140,19 @@ pub struct Gateway {
     /// Also serve the Endpoint Picker on this port (on --host): Envoy's external processing
     /// gRPC (ext_proc) as the Gateway API Inference Extension asks, with gRPC health
     /// (liveness, readiness, the ext_proc service). Pickers usually listen on 9002; 0 picks
-    /// a free port. Off unless set.
+    /// a free port. Off unless set. `serve`'s simulated workers then answer without a token
+    /// (the gateway calls them; they listen on loopback).
     #[arg(long)]
     pub ext_proc_port: Option<u16>,
     /// Endpoints listed after the one picked in x-gateway-destination-endpoint, which the
     /// gateway tries in order when it cannot reach the first.
-    #[arg(long)]
+    #[arg(long, requires = "ext_proc_port")]
     pub epp_fallbacks: Option<usize>,
     /// File of the pool's endpoints as the gateway names them (host:port, one per line, '#'
     /// comments), reread when it changes (a ConfigMap, or a controller watching the pool's
     /// pods): the picker picks only among the workers it lists. A worker must also be in the
     /// fleet (--worker) to be picked. Without it every worker is in the pool.
-    #[arg(long)]
+    #[arg(long, requires = "ext_proc_port")]
     pub endpoints_file: Option<PathBuf>,
 }
 
