@@ -688,3 +688,57 @@ async fn two_pickers_over_nats_keep_every_repeat_on_its_cached_prefix() {
     assert_eq!((hits, repeats), (18, 18), "every repeat on its cached prefix");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A pool with a prefill and a decode worker: the picker places a pair as the front door
+/// does, the gateway is sent to the decode worker, and the prefill worker is named in
+/// llm-d's `x-prefiller-host-port`; no fallback is listed (another decode worker would not
+/// know the prefill).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_prefill_decode_pool_the_decode_endpoint_is_picked_and_the_prefill_named() {
+    let stack = Stack::start(StackConfig {
+        simulated: Simulated {
+            prefill: 1,
+            decode: 1,
+            engine: EngineConfig { timing: Timing { speedup: 10.0 }, ..EngineConfig::default() },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        // Always split (never in place), so the prefill is named.
+        router: RouterConfig {
+            scheduler: kvroute_core::schedule::SchedulerConfig {
+                pairs: kvroute_core::schedule::PairConfig { in_place: 0.0, ..Default::default() },
+                ..Default::default()
+            },
+            ..RouterConfig::default()
+        },
+        ..StackConfig::default()
+    })
+    .await
+    .unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
+    let picker = stack.picker(EppOptions::default()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let grpc = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(kvroute_epp::serve(listener, picker, async {}, std::future::pending()));
+    let role = |r: kvroute_core::schedule::Role| {
+        let w = stack.workers.iter().find(|w| w.role == r).unwrap();
+        kvroute_epp::host_port(w.url.as_deref().unwrap()).unwrap()
+    };
+    let (prefill, decode) =
+        (role(kvroute_core::schedule::Role::Prefill), role(kvroute_core::schedule::Role::Decode));
+    let mut r = raw(&grpc).await;
+    r.tx.send(request_headers("/v1/chat/completions")).await.unwrap();
+    let body =
+        serde_json::to_vec(&chat(&prompt("a long new prompt to prefill elsewhere"), true)).unwrap();
+    r.tx.send(request_body(&body, true)).await.unwrap();
+    let answer = r.rx.message().await.unwrap().unwrap();
+    let dynamic = answer.dynamic_metadata.as_ref().unwrap();
+    let destination =
+        metadata::dynamic_string(dynamic, "envoy.lb", metadata::DESTINATION_KEY).unwrap();
+    assert_eq!(destination, decode, "the decode endpoint alone, no fallback");
+    let Some(processing_response::Response::RequestHeaders(h)) = answer.response else { panic!() };
+    let set = h.response.unwrap().header_mutation.unwrap().set_headers;
+    let named =
+        set.iter().filter_map(|o| o.header.as_ref()).find(|h| h.key == metadata::PREFILLER_HEADER);
+    assert_eq!(named.map(|h| String::from_utf8_lossy(&h.raw_value).into_owned()), Some(prefill));
+}
