@@ -34,8 +34,8 @@ use kvroute_frontend::pick::{Held, PICKED_PATHS};
 use kvroute_http::ApiError;
 use tonic::Status;
 
-use crate::Picker;
 use crate::metadata::{self, DESTINATION_KEY, PREFILLER_HEADER};
+use crate::picker::Picker;
 
 /// The largest body chunk sent back to the gateway (some gateways refuse chunks past 64 KiB).
 pub const CHUNK_BYTES: usize = 62_000;

@@ -249,28 +249,60 @@ struct Outgoing {
 
 async fn through_picker(
     gateway: &Arc<Gateway>,
-    mut client: ExternalProcessorClient<Channel>,
+    client: ExternalProcessorClient<Channel>,
     request: Request,
 ) -> Result<Response, String> {
-    let config = &gateway.config;
+    let (parts, mut body) = request.into_parts();
+    let has_body = !hyper::body::Body::is_end_stream(&body);
+    let mut stream = open(client, &gateway.config, &parts, has_body).await?;
+    // The client's body, whole (sent to the picker in chunks below).
+    let mut whole = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() else { continue };
+        whole.extend_from_slice(&data);
+        if whole.len() > MAX_BODY {
+            return Ok(StatusCode::PAYLOAD_TOO_LARGE.into_response());
+        }
+    }
+    let out =
+        Outgoing { headers: parts.headers.clone(), body: Vec::new(), routed: Routed::default() };
+    let mut out = match decide(&mut stream, &gateway.config, out, whole, has_body).await? {
+        Decided::Answered(response) => return Ok(response),
+        Decided::Routed(out) => out,
+    };
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let Some((served, response)) = forward(gateway, &parts.method, path, &mut out).await? else {
+        let refused = "no destination endpoint accepted a connection";
+        return Ok((StatusCode::SERVICE_UNAVAILABLE, refused).into_response());
+    };
+    out.routed.served = Some(served.clone());
+    gateway.record(out.routed);
+    respond(stream, &served, response, gateway.config.response_mode).await
+}
+
+/// Opens the stream with the request's headers, the processing modes and the subset hint.
+async fn open(
+    mut client: ExternalProcessorClient<Channel>,
+    config: &GatewayConfig,
+    parts: &axum::http::request::Parts,
+    has_body: bool,
+) -> Result<Stream, String> {
     let (tx, requests) = mpsc::channel::<ProcessingRequest>(16);
     let outbound = tokio_stream::wrappers::ReceiverStream::new(requests);
-    let (parts, mut body) = request.into_parts();
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
-    let mut envoy_headers = vec![
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut headers = vec![
         envoy_header(":method", parts.method.as_str()),
-        envoy_header(":path", &path),
+        envoy_header(":path", path),
         envoy_header(":scheme", "http"),
     ];
     for (name, value) in &parts.headers {
         let key = if name == axum::http::header::HOST { ":authority" } else { name.as_str() };
-        envoy_headers.push(EnvoyHeader {
+        headers.push(EnvoyHeader {
             key: key.to_owned(),
             value: String::new(),
             raw_value: value.as_bytes().to_vec(),
         });
     }
-    let has_body = !hyper::body::Body::is_end_stream(&body);
     let subset = config.subset.as_ref().map(|s| {
         let hint = metadata::list(s.iter().map(String::as_str));
         let hint = Struct { fields: [(metadata::SUBSET_KEY.to_owned(), hint)].into() };
@@ -281,7 +313,7 @@ async fn through_picker(
     });
     let first = ProcessingRequest {
         request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(EnvoyHeaders { headers: envoy_headers }),
+            headers: Some(EnvoyHeaders { headers }),
             end_of_stream: !has_body,
             ..HttpHeaders::default()
         })),
@@ -299,24 +331,43 @@ async fn through_picker(
         .await
         .map_err(|s| format!("the picker refused the stream: {s}"))?
         .into_inner();
-    let mut stream = Stream { tx, rx };
+    Ok(Stream { tx, rx })
+}
 
-    let mut out =
-        Outgoing { headers: parts.headers.clone(), body: Vec::new(), routed: Routed::default() };
-    let mut whole = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() else { continue };
-        whole.extend_from_slice(&data);
-        if whole.len() > MAX_BODY {
-            return Ok(StatusCode::PAYLOAD_TOO_LARGE.into_response());
+/// What the picker decided for a request.
+enum Decided {
+    /// An immediate response, for the client as it is.
+    Answered(Response),
+    /// The request as the picker left it, with its destination.
+    Routed(Outgoing),
+}
+
+/// Sends the body as the mode says and applies the picker's answers to the request.
+async fn decide(
+    stream: &mut Stream,
+    config: &GatewayConfig,
+    mut out: Outgoing,
+    whole: Vec<u8>,
+    has_body: bool,
+) -> Result<Decided, String> {
+    // Answers until one completes what is asked (`until_body`: the body's last chunk).
+    async fn take(
+        stream: &mut Stream,
+        out: &mut Outgoing,
+        until_body: bool,
+    ) -> Result<Option<Response>, String> {
+        loop {
+            let answer = stream.next_full().await?;
+            if let Some(r) = immediate(&answer) {
+                return Ok(Some(r));
+            }
+            if apply(out, &answer)? || !until_body {
+                return Ok(None);
+            }
         }
     }
-    if !has_body {
-        let answer = stream.next_full().await?;
-        if let Some(r) = immediate(&answer) {
-            return Ok(r);
-        }
-        apply(&mut out, &answer)?;
+    let answered = if !has_body {
+        take(stream, &mut out, false).await?
     } else if config.request_mode == BodySendMode::FullDuplexStreamed {
         let chunks: Vec<&[u8]> = whole.chunks(config.chunk_bytes.max(1)).collect();
         let n = chunks.len();
@@ -325,39 +376,35 @@ async fn through_picker(
             stream.send(processing_request::Request::RequestBody(b), None).await?;
         }
         // The headers answered once the whole body came, then the body in chunks.
-        let answer = stream.next_full().await?;
-        if let Some(r) = immediate(&answer) {
-            return Ok(r);
-        }
-        apply(&mut out, &answer)?;
-        loop {
-            let answer = stream.next_full().await?;
-            if let Some(r) = immediate(&answer) {
-                return Ok(r);
-            }
-            if apply(&mut out, &answer)? {
-                break;
-            }
+        match take(stream, &mut out, false).await? {
+            Some(r) => Some(r),
+            None => take(stream, &mut out, true).await?,
         }
     } else {
-        let answer = stream.next_full().await?;
-        if let Some(r) = immediate(&answer) {
-            return Ok(r);
+        match take(stream, &mut out, false).await? {
+            Some(r) => Some(r),
+            None => {
+                out.body.clone_from(&whole);
+                let b = body_chunk(whole, true);
+                stream.send(processing_request::Request::RequestBody(b), None).await?;
+                take(stream, &mut out, false).await?
+            }
         }
-        apply(&mut out, &answer)?;
-        out.body = whole.clone();
-        let b = body_chunk(whole, true);
-        stream.send(processing_request::Request::RequestBody(b), None).await?;
-        let answer = stream.next_full().await?;
-        if let Some(r) = immediate(&answer) {
-            return Ok(r);
-        }
-        apply(&mut out, &answer)?;
-    }
-    if !has_body {
-        out.body = Vec::new();
-    }
+    };
+    Ok(match answered {
+        Some(r) => Decided::Answered(r),
+        None => Decided::Routed(out),
+    })
+}
 
+/// Sends the request to the first endpoint of its destination that accepts a connection;
+/// that endpoint and its response, or none.
+async fn forward(
+    gateway: &Gateway,
+    method: &axum::http::Method,
+    path: &str,
+    out: &mut Outgoing,
+) -> Result<Option<(String, hyper::Response<hyper::body::Incoming>)>, String> {
     let destination = out
         .routed
         .metadata
@@ -365,66 +412,59 @@ async fn through_picker(
         .or_else(|| out.routed.header.clone())
         .ok_or("the picker named no destination")?;
     let body = Bytes::from(std::mem::take(&mut out.body));
-    let mut upstream = None;
     for endpoint in destination.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-        let request = upstream_request(&parts.method, endpoint, &path, &out.headers, body.clone());
+        let request = upstream_request(method, endpoint, path, &out.headers, body.clone());
         match gateway.http.send(request).await {
-            Ok(response) => {
-                upstream = Some((endpoint.to_owned(), response));
-                break;
-            }
+            Ok(response) => return Ok(Some((endpoint.to_owned(), response))),
             Err(e) if e.is_connect() => continue,
             Err(e) => return Err(format!("upstream {endpoint}: {e}")),
         }
     }
-    let Some((served, response)) = upstream else {
-        return Ok((
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no destination endpoint accepted a connection",
-        )
-            .into_response());
-    };
-    out.routed.served = Some(served.clone());
-    gateway.record(out.routed);
+    Ok(None)
+}
 
+/// Passes the response's headers (with the endpoint that served) through the picker, then
+/// its body, chunk by chunk, in a task of its own.
+async fn respond(
+    mut stream: Stream,
+    served: &str,
+    response: hyper::Response<hyper::body::Incoming>,
+    mode: BodySendMode,
+) -> Result<Response, String> {
     let (mut head, upstream_body) = response.into_parts();
-    let mut envoy_headers = vec![envoy_header(":status", head.status.as_str())];
+    let mut headers = vec![envoy_header(":status", head.status.as_str())];
     for (name, value) in &head.headers {
-        envoy_headers.push(EnvoyHeader {
+        headers.push(EnvoyHeader {
             key: name.as_str().to_owned(),
             value: String::new(),
             raw_value: value.as_bytes().to_vec(),
         });
     }
     let end = hyper::body::Body::is_end_stream(&upstream_body);
-    let served_metadata = Metadata {
+    let served = Metadata {
         filter_metadata: [(
             DESTINATION_NAMESPACE.to_owned(),
-            Struct { fields: [(SERVED_KEY.to_owned(), metadata::string(&served))].into() },
+            Struct { fields: [(SERVED_KEY.to_owned(), metadata::string(served))].into() },
         )]
         .into(),
         ..Metadata::default()
     };
     let h = HttpHeaders {
-        headers: Some(EnvoyHeaders { headers: envoy_headers }),
+        headers: Some(EnvoyHeaders { headers }),
         end_of_stream: end,
         ..HttpHeaders::default()
     };
-    stream.send(processing_request::Request::ResponseHeaders(h), Some(served_metadata)).await?;
-    let answer = stream.next().await?;
-    if let processing_response::Response::ImmediateResponse(_) = &answer {
-        return Err(
-            "the picker answered the response headers with an immediate response".to_owned()
-        );
-    }
-    if let processing_response::Response::ResponseHeaders(r) = &answer {
-        apply_headers(&mut head.headers, r.response.as_ref());
+    stream.send(processing_request::Request::ResponseHeaders(h), Some(served)).await?;
+    match stream.next().await? {
+        processing_response::Response::ResponseHeaders(r) => {
+            apply_headers(&mut head.headers, r.response.as_ref());
+        }
+        other => return Err(format!("the picker answered the response headers with {other:?}")),
     }
     if end {
         return Ok(Response::from_parts(head, Body::empty()));
     }
     let (to_client, from_gateway) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
-    let mode = gateway.config.response_mode;
     tokio::spawn(pump(stream, upstream_body, to_client, mode));
     let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(from_gateway));
     Ok(Response::from_parts(head, body))

@@ -1,0 +1,133 @@
+//! The ext_proc gRPC service over a [`Picker`], and the server with gRPC health.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::exchange;
+use crate::picker::{EppOptions, Picker};
+
+/// The gRPC service name of ext_proc, also a health service name.
+pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+/// The health services that say serving once the picker is ready: `readiness`, the
+/// ext_proc service, the server as a whole (`""`), and `inference-extension`, the name the
+/// reference picker's manifests probe. `liveness` says serving from the start.
+pub const READY_SERVICES: [&str; 4] = ["readiness", EXT_PROC_SERVICE, "", "inference-extension"];
+
+/// The ext_proc service over a [`Picker`].
+#[derive(Clone, Debug)]
+pub struct Service(pub Arc<Picker>);
+
+/// What a stream holds between the messages it answers: the gateway's side, the exchange,
+/// answers not yet sent, and whether it is over.
+struct Open {
+    inbound: Streaming<ProcessingRequest>,
+    exchange: exchange::Exchange,
+    answers: std::collections::VecDeque<ProcessingResponse>,
+    over: bool,
+}
+
+/// The next message toward the gateway: the stream is driven by the gateway reading it (no
+/// task of its own), so when the gateway goes (its reset drops the stream) the exchange is
+/// dropped with it, a pick waiting for room (flow control) included, and its request freed.
+async fn next(mut open: Open) -> Option<(Result<ProcessingResponse, Status>, Open)> {
+    loop {
+        if let Some(answer) = open.answers.pop_front() {
+            return Some((Ok(answer), open));
+        }
+        if open.over {
+            return None;
+        }
+        match open.inbound.message().await {
+            Ok(Some(m)) => match open.exchange.on(m).await {
+                Ok(answers) => {
+                    open.answers.extend(answers);
+                    open.over = open.exchange.done();
+                }
+                Err(status) => {
+                    open.over = true;
+                    return Some((Err(status), open));
+                }
+            },
+            // The gateway ended its side before the response did: nothing more comes.
+            Ok(None) => open.over = true,
+            // Bytes that are no message (or past the limit), or a reset: the gateway is
+            // told, when it still listens.
+            Err(status) => {
+                tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream broken");
+                open.over = true;
+                return Some((Err(status), open));
+            }
+        }
+    }
+}
+
+type Answers = std::pin::Pin<
+    Box<dyn futures_util::Stream<Item = Result<ProcessingResponse, Status>> + Send + 'static>,
+>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for Service {
+    type ProcessStream = Answers;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let open = Open {
+            inbound: request.into_inner(),
+            exchange: exchange::Exchange::new(Arc::clone(&self.0)),
+            answers: std::collections::VecDeque::new(),
+            over: false,
+        };
+        Ok(Response::new(Box::pin(futures_util::stream::unfold(open, next))))
+    }
+}
+
+/// Largest ext_proc message decoded: a body chunk (Envoy's are at most its buffer, 64 KiB
+/// by default in streamed modes; a buffered body, up to [`EppOptions::max_body_bytes`]) with
+/// its headers and metadata.
+pub fn max_message_bytes(options: &EppOptions) -> usize {
+    options.max_body_bytes + (1 << 20)
+}
+
+/// Serves ext_proc and gRPC health on `listener` until `shutdown` resolves. Health says
+/// `liveness` serving from the start; `readiness` and the ext_proc service serving once
+/// `ready` resolves (the workers ready and every subscription up).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    picker: Arc<Picker>,
+    ready: impl std::future::Future<Output = ()> + Send + 'static,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_service_status("liveness", tonic_health::ServingStatus::Serving).await;
+    for name in READY_SERVICES {
+        reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
+    }
+    tokio::spawn(async move {
+        ready.await;
+        for name in READY_SERVICES {
+            reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
+        }
+    });
+    let limit = max_message_bytes(&picker.options);
+    let service = ExternalProcessorServer::new(Service(picker)).max_decoding_message_size(limit);
+    // Small frames (a headers answer, a body chunk) go out at once, not after an ACK.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+}
+
+/// The address a listener for the picker binds by default.
+pub const DEFAULT_ADDR: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 9002);
