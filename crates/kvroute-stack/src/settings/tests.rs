@@ -179,6 +179,7 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
     let sample = |key: &str| -> toml::Value {
         match key {
             "nats_snapshot_every" | "max_model_len" => 7.into(),
+            "ext_proc_port" => 9002.into(),
             "kv_transfer_bandwidth_across_nodes" => 7.5.into(),
             _ => "/x".into(),
         }
@@ -189,6 +190,8 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
         "tls_key" => Some("tls_cert"),
         "nats_tls_cert" => Some("nats_tls_key"),
         "nats_tls_key" => Some("nats_tls_cert"),
+        // The picker's settings need its port.
+        "epp_fallbacks" | "endpoints_file" => Some("ext_proc_port"),
         _ => None,
     };
     let long = |key: &str| {
