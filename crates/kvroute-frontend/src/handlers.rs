@@ -106,22 +106,9 @@ fn parse<T: serde::de::DeserializeOwned>(
 ) -> Result<(Value, T), ApiError> {
     let (value, fields) = kvroute_http::openai::parse_body(&body?, param, None)?;
     if !state.options.trust_transfer_fields {
-        refuse_transfer_fields(&value)?;
+        crate::transfer::refuse(&value)?;
     }
     Ok((value, fields))
-}
-
-/// A 400 naming the first transfer field a client's body carries (any value, `null` too).
-fn refuse_transfer_fields(body: &Value) -> Result<(), ApiError> {
-    let Some(fields) = body.as_object() else { return Ok(()) };
-    match crate::TRANSFER_FIELDS.iter().find(|f| fields.contains_key(**f)) {
-        Some(field) => Err(ApiError::bad_request(format!(
-            "{field} is set by kvroute itself when it pairs prefill and decode engines; a \
-             client may not send it"
-        ))
-        .param(field)),
-        None => Ok(()),
-    }
 }
 
 pub(crate) async fn chat(

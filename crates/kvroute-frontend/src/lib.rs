@@ -48,9 +48,11 @@ pub mod parity;
 pub mod pick;
 mod placer;
 mod probes;
+pub mod transfer;
 mod translate;
 mod usage;
 pub use placer::{Placement, Placer, RemoteRouter};
+pub use transfer::TRANSFER_FIELDS;
 
 use health::{Failure, Health};
 
@@ -210,24 +212,6 @@ fn namespaced_session(
         _ => Some(session),
     }
 }
-
-/// The body fields that steer an engine's KV transfer or name a peer engine: vLLM's
-/// `kv_transfer_params`, SGLang's bootstrap and encoder fields, TensorRT-LLM's
-/// `disaggregated_params`. Only the front door's own pairing writes them
-/// ([`crate::pair`]); from a client they are refused unless a trusted upstream is configured
-/// ([`FrontDoorOptions::trust_transfer_fields`]).
-pub const TRANSFER_FIELDS: &[&str] = &[
-    "kv_transfer_params",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "bootstrap_pair_key",
-    "disagg_prefill_dp_rank",
-    "disaggregated_params",
-    "encoder_urls",
-    "need_wait_for_mm_inputs",
-    "num_items_assigned",
-];
 
 impl Default for FrontDoorOptions {
     fn default() -> Self {

@@ -433,6 +433,8 @@ async fn a_clients_transfer_fields_are_refused_at_the_front_door() {
         "disaggregated_params": {"request_type": "generation_only"},
         "encoder_urls": ["http://127.0.0.1:1"], "need_wait_for_mm_inputs": true,
         "num_items_assigned": {"image": [1]},
+        "ec_transfer_params": {"do_remote_decode": true}, "decode_tp_size": 1,
+        "kv_hints": {"version": 1},
     });
     for field in kvroute_frontend::TRANSFER_FIELDS {
         for (path, mut body) in [
@@ -451,6 +453,12 @@ async fn a_clients_transfer_fields_are_refused_at_the_front_door() {
         let body = json!({"prompt": "hi", "max_tokens": 2, *field: null});
         assert_eq!(send(&format!("{base}/v1/completions"), &body).await.0, 400, "{field}");
     }
+    // #64 finding 5: vLLM merges vllm_xargs into the request's extra_args, where its
+    // connector reads kv_transfer_params.
+    let xargs = json!({"prompt": "hi", "max_tokens": 2,
+        "vllm_xargs": {"kv_transfer_params": values["kv_transfer_params"]}});
+    let (status, _, answer, text) = send(&format!("{base}/v1/completions"), &xargs).await;
+    assert_eq!((status, &answer["error"]["param"]), (400, &json!("vllm_xargs")), "{text}");
     let called = tokio::time::timeout(Duration::from_millis(300), trap.accept()).await;
     assert!(called.is_err(), "an engine called the address a client named");
     assert_eq!(held(&stack), 0);
