@@ -229,7 +229,8 @@ pub async fn start_gateway(
             }
         }
         _ => {
-            let picker = stack.picker(kvroute_epp::EppOptions::default()).context("a picker")?;
+            let picker =
+                stack.picker(kvroute_epp::EppOptions::default(), None).context("a picker")?;
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let url = format!("http://{}", listener.local_addr()?);
             tokio::spawn(kvroute_epp::serve(listener, picker, async {}, std::future::pending()));

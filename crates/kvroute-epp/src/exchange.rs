@@ -16,8 +16,9 @@
 //! - `NONE`: a request with no body is placed in turn among the ready endpoints.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
-use std::time::Instant;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
@@ -32,9 +33,12 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use kvroute_core::WorkerId;
 use kvroute_frontend::pick::{Held, PICKED_PATHS};
 use kvroute_http::ApiError;
+use kvroute_http::auth::KeyId;
 use tonic::Status;
 
+use crate::budget::Share;
 use crate::metadata::{self, DESTINATION_KEY, PREFILLER_HEADER};
+use crate::metrics::Stage;
 use crate::picker::Picker;
 
 /// The largest body chunk sent back to the gateway (some gateways refuse chunks past 64 KiB).
@@ -70,14 +74,89 @@ pub struct Exchange {
     headers: HeaderMap,
     allowed: Option<BTreeSet<WorkerId>>,
     body: Vec<u8>,
-    held: Option<Held>,
+    /// What the body holds of the picker's budget.
+    share: Option<Share>,
+    hold: Hold,
     model: String,
     started: Instant,
+    /// When the stream's current wait ends: the request's headers and body, or the
+    /// response's beginning once placed.
+    deadline: Option<Instant>,
+    /// The gateway's own address (the client when it names none).
+    peer: Option<IpAddr>,
+    /// The API key the client's `authorization` header carried, when keys are configured.
+    key: Option<KeyId>,
+}
+
+/// A placed request while the gateway passes its response, freed once: at the response's
+/// end, when the stream goes, or at its deadline when the response has not begun by then,
+/// even if nobody reads the stream any more (a gateway that stopped reading it would
+/// otherwise never let its stream be polled again).
+#[derive(Debug, Default)]
+struct Hold {
+    slot: Arc<Mutex<Option<Held>>>,
+    watchdog: Option<tokio::task::AbortHandle>,
+}
+
+impl Hold {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Held>> {
+        self.slot.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Holds `held` and frees it after `within` unless the response begins
+    /// ([`Hold::begun`]) or it is freed before.
+    fn hold(&mut self, held: Held, within: Duration, picker: &Arc<Picker>, model: &str) {
+        *self.lock() = Some(held);
+        let (slot, picker, model) = (Arc::clone(&self.slot), Arc::clone(picker), model.to_owned());
+        let started = Instant::now();
+        let watchdog = tokio::spawn(async move {
+            tokio::time::sleep(within).await;
+            if release(&slot, &picker, &model, started, false) {
+                picker.metrics.deadline(Stage::Response);
+                tracing::debug!(%model, "the response did not begin in time: placement freed");
+            }
+        });
+        self.watchdog = Some(watchdog.abort_handle());
+    }
+
+    /// The response began: it is the gateway's and the engine's from now on.
+    fn begun(&mut self) {
+        if let Some(w) = self.watchdog.take() {
+            w.abort();
+        }
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.begun();
+    }
+}
+
+/// Frees what `slot` holds, once: true for the caller that freed it. `answered`: the
+/// response ended (its prefill is then done, if no byte said so before).
+fn release(
+    slot: &Mutex<Option<Held>>,
+    picker: &Picker,
+    model: &str,
+    started: Instant,
+    answered: bool,
+) -> bool {
+    let held = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+    let Some(mut held) = held else { return false };
+    if answered {
+        held.first_bytes();
+    }
+    drop(held);
+    picker.metrics.finished(model, started.elapsed());
+    true
 }
 
 impl Exchange {
-    pub fn new(picker: Arc<Picker>) -> Self {
+    /// A stream opened by `peer` (the gateway).
+    pub fn new(picker: Arc<Picker>, peer: Option<IpAddr>) -> Self {
         picker.metrics.streams.inc();
+        let deadline = Some(Instant::now() + picker.options.body_timeout);
         Self {
             picker,
             phase: Phase::Start,
@@ -88,9 +167,49 @@ impl Exchange {
             headers: HeaderMap::new(),
             allowed: None,
             body: Vec::new(),
-            held: None,
+            share: None,
+            hold: Hold::default(),
             model: String::new(),
             started: Instant::now(),
+            deadline,
+            peer,
+            key: None,
+        }
+    }
+
+    /// When the stream's current wait ends ([`Exchange::expired`] is then due).
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// The deadline passed: a request not yet whole is a 408; a placement whose response has
+    /// not begun is freed, and the stream ends with `DEADLINE_EXCEEDED` (the gateway fails
+    /// the request: its upstream did not answer in time).
+    pub fn expired(&mut self) -> Result<Vec<ProcessingResponse>, Status> {
+        self.deadline = None;
+        match self.phase {
+            Phase::Start | Phase::Body => {
+                self.picker.metrics.deadline(Stage::Request);
+                self.body = Vec::new();
+                self.share = None;
+                let secs = self.picker.options.body_timeout.as_secs_f64();
+                let e = ApiError::new(
+                    axum::http::StatusCode::REQUEST_TIMEOUT,
+                    format!("the request's headers and body did not arrive within {secs} s"),
+                );
+                Ok(vec![self.refuse(&e)])
+            }
+            Phase::Picked => {
+                if release(&self.hold.slot, &self.picker, &self.model, self.started, false) {
+                    self.picker.metrics.deadline(Stage::Response);
+                }
+                self.hold.begun();
+                self.phase = Phase::Done;
+                Err(Status::deadline_exceeded(
+                    "the response did not begin in time; the placement is freed",
+                ))
+            }
+            Phase::Answering | Phase::Done => Ok(Vec::new()),
         }
     }
 
@@ -147,6 +266,11 @@ impl Exchange {
         if let Err(e) = self.read_headers(h.headers.as_ref()) {
             return Ok(vec![self.refuse(&e)]);
         }
+        match self.picker.front.caller(&self.headers) {
+            Ok(key) => self.key = key,
+            Err(e) => return Ok(vec![self.refuse(&e)]),
+        }
+        self.share = Some(self.picker.budget.share(self.client()));
         match metadata::subset(metadata) {
             Ok(subset) => {
                 let subset = subset.map(|s| self.picker.endpoints().allowed(&s));
@@ -181,6 +305,18 @@ impl Exchange {
                 Ok(vec![headers_response(CommonResponse::default(), true)])
             }
         }
+    }
+
+    /// Who the request is from, for the body budget: the API key's tenant, else the address
+    /// the gateway appended last to `x-forwarded-for`, else the gateway itself.
+    fn client(&self) -> Arc<str> {
+        if let Some(key) = &self.key {
+            return Arc::from(format!("key:{}", key.id));
+        }
+        let forwarded = self.headers.get_all("x-forwarded-for").iter().next_back();
+        let last = forwarded.and_then(|v| v.to_str().ok()).and_then(|v| v.rsplit(',').next());
+        let ip = last.and_then(|a| a.trim().parse::<IpAddr>().ok()).or(self.peer);
+        Arc::from(ip.map_or_else(|| "unknown".to_owned(), |ip| ip.to_string()))
     }
 
     fn read_headers(&mut self, headers: Option<&EnvoyHeaders>) -> Result<(), ApiError> {
@@ -221,6 +357,12 @@ impl Exchange {
             );
             return Ok(vec![self.refuse(&e)]);
         }
+        if !self.share.as_mut().is_some_and(|s| s.take(b.body.len())) {
+            let e =
+                ApiError::unavailable("too many request body bytes in flight; try again shortly")
+                    .retry_after(1);
+            return Ok(vec![self.refuse(&e)]);
+        }
         self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
             return match self.request_mode {
@@ -236,12 +378,18 @@ impl Exchange {
             };
         }
         if !PICKED_PATHS.contains(&self.path.as_str()) {
+            let content_type = self.headers.get("content-type").and_then(|v| v.to_str().ok());
+            if let Err(e) = self.picker.front.check_transfer_fields(&self.body, content_type) {
+                return Ok(vec![self.refuse(&e)]);
+            }
+            self.picker.metrics.unplaced.inc();
             return Ok(self.in_turn(Side::Body));
         }
         let body = Bytes::from(std::mem::take(&mut self.body));
         let started = Instant::now();
-        let picked =
-            self.picker.front.pick(&self.path, &self.headers, body, self.allowed.as_ref()).await;
+        let (front, key) = (&self.picker.front, self.key.as_ref());
+        let picked = front.pick(&self.path, &self.headers, body, self.allowed.as_ref(), key).await;
+        self.share = None;
         self.picker.metrics.pick_seconds.observe(started.elapsed().as_secs_f64());
         let picked = match picked {
             Ok(p) => p,
@@ -264,9 +412,18 @@ impl Exchange {
             set.push((PREFILLER_HEADER, p.to_owned()));
         }
         self.picker.metrics.picked(&self.model);
-        self.held = Some(picked.held);
+        let within = match picked.streamed {
+            true => self.picker.front.first_byte_timeout(),
+            false => self.picker.options.response_timeout,
+        };
+        self.hold.hold(picked.held, within, &self.picker, &self.model);
+        self.deadline = Some(Instant::now() + within);
         self.phase = Phase::Picked;
-        let mutation = metadata::set_headers(set);
+        let mut mutation = metadata::set_headers(set);
+        if self.key.is_some() {
+            // The client's key is kvroute's, not the engine's.
+            mutation.remove_headers.push("authorization".to_owned());
+        }
         let dynamic = Some(metadata::destination(&destination));
         Ok(match self.request_mode {
             BodySendMode::FullDuplexStreamed => {
@@ -303,6 +460,9 @@ impl Exchange {
             return vec![self.refuse(&ApiError::internal("a worker has no endpoint"))];
         };
         self.phase = Phase::Picked;
+        // Nothing is held for the response: no deadline to keep.
+        self.deadline = None;
+        self.share = None;
         let common = routed(metadata::set_headers([(DESTINATION_KEY, endpoint.to_owned())]));
         let dynamic = Some(metadata::destination(endpoint));
         match (side, self.request_mode) {
@@ -336,7 +496,11 @@ impl Exchange {
         let status = header(h.headers.as_ref(), ":status").and_then(|s| s.parse::<u16>().ok());
         let content_type = header(h.headers.as_ref(), "content-type");
         let mut set = Vec::new();
-        if let Some(held) = self.held.as_mut() {
+        self.deadline = None;
+        self.hold.begun();
+        let slot = Arc::clone(&self.hold.slot);
+        let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(held) = slot.as_mut() {
             if let Some(served) = metadata::served(metadata) {
                 match self.picker.endpoints().worker(served) {
                     Some(w) => {
@@ -356,6 +520,7 @@ impl Exchange {
                 held.first_bytes();
             }
         }
+        drop(slot);
         if let Some(s) = status.filter(|s| *s >= 400) {
             self.picker.metrics.error(&self.model, s);
         }
@@ -371,7 +536,7 @@ impl Exchange {
     }
 
     fn response_body(&mut self, b: HttpBody) -> ProcessingResponse {
-        let passed = match self.held.as_mut() {
+        let passed = match self.hold.lock().as_mut() {
             Some(held) => held.body(Bytes::from(b.body)),
             None => Bytes::from(b.body),
         };
@@ -397,18 +562,15 @@ impl Exchange {
 
     /// The response ended: the request is freed now (not when the stream closes).
     fn end(&mut self) {
-        if let Some(mut held) = self.held.take() {
-            held.first_bytes();
-        }
-        if self.phase != Phase::Done {
-            self.picker.metrics.finished(&self.model, self.started.elapsed());
-        }
+        release(&self.hold.slot, &self.picker, &self.model, self.started, true);
         self.phase = Phase::Done;
     }
 
     /// An immediate response in OpenAI's error shape, with `Retry-After` when it says one.
     fn refuse(&mut self, e: &ApiError) -> ProcessingResponse {
         self.phase = Phase::Done;
+        self.deadline = None;
+        self.share = None;
         let status = e.status().as_u16();
         self.picker.metrics.refused(&self.model, status);
         let body = serde_json::to_vec(&e.body()).unwrap_or_default();
@@ -435,9 +597,7 @@ impl Drop for Exchange {
     fn drop(&mut self) {
         if self.phase != Phase::Done {
             self.picker.metrics.broken.inc();
-            if self.held.is_some() {
-                self.picker.metrics.finished(&self.model, self.started.elapsed());
-            }
+            release(&self.hold.slot, &self.picker, &self.model, self.started, false);
         }
     }
 }
@@ -621,7 +781,7 @@ mod tests {
     #[tokio::test]
     async fn buffered_answers_the_headers_at_once_and_the_destination_with_the_body() {
         let picker = picker();
-        let mut x = Exchange::new(Arc::clone(&picker));
+        let mut x = Exchange::new(Arc::clone(&picker), None);
         let modes = (BodySendMode::Buffered, BodySendMode::Buffered);
         let out = x.on(headers(&POST, Some(modes))).await.unwrap();
         assert!(matches!(out[0].response, Some(processing_response::Response::RequestHeaders(_))));
@@ -652,12 +812,12 @@ mod tests {
     #[tokio::test]
     async fn half_duplex_streamed_requests_and_unknown_modes_are_refused() {
         let picker = picker();
-        let mut x = Exchange::new(Arc::clone(&picker));
+        let mut x = Exchange::new(Arc::clone(&picker), None);
         let modes = (BodySendMode::Streamed, BodySendMode::Streamed);
         let out = x.on(headers(&POST, Some(modes))).await.unwrap();
         assert_eq!(immediate(&out[0]), Some(500));
         assert!(x.done());
-        let mut x = Exchange::new(Arc::clone(&picker));
+        let mut x = Exchange::new(Arc::clone(&picker), None);
         let mut m = headers(&POST, None);
         m.protocol_config =
             Some(ProtocolConfiguration { request_body_mode: 99, ..Default::default() });
@@ -667,11 +827,11 @@ mod tests {
     #[tokio::test]
     async fn oversized_headers_are_a_431_and_a_huge_subset_a_400() {
         let picker = picker();
-        let mut x = Exchange::new(Arc::clone(&picker));
+        let mut x = Exchange::new(Arc::clone(&picker), None);
         let big = "x".repeat(MAX_HEADER_BYTES);
         let out = x.on(headers(&[(":path", "/v1/chat/completions"), ("x-big", &big)], None)).await;
         assert_eq!(immediate(&out.unwrap()[0]), Some(431));
-        let mut x = Exchange::new(Arc::clone(&picker));
+        let mut x = Exchange::new(Arc::clone(&picker), None);
         let mut m = headers(&POST, None);
         let hint = metadata::list((0..=metadata::MAX_SUBSET).map(|_| "10.0.0.1:8000"));
         let hint = envoy_types::pb::google::protobuf::Struct {
@@ -687,7 +847,7 @@ mod tests {
     #[tokio::test]
     async fn an_unknown_model_is_the_front_doors_404_and_nothing_is_held() {
         let picker = picker();
-        let mut x = Exchange::new(Arc::clone(&picker));
+        let mut x = Exchange::new(Arc::clone(&picker), None);
         x.on(headers(&POST, None)).await.unwrap();
         let out =
             x.on(body(br#"{"model":"nope","messages":[{"role":"user","content":"x"}]}"#)).await;

@@ -20,9 +20,11 @@
 //! - [`exchange`]: one request's stream, as a state machine over messages (no I/O: the fuzz
 //!   target drives it);
 //! - [`picker`]: the front door's stages and the pool's endpoints;
-//! - [`service`]: the gRPC service and server, with health;
+//! - [`service`]: the gRPC service and server, with health; [`tls`]: its listener over TLS;
+//! - [`budget`]: the request body bytes the streams hold, in all and per client;
 //! - [`gateway`]: a small gateway that plays Envoy's side, for the tests and the bench.
 
+pub mod budget;
 pub mod endpoints;
 pub mod exchange;
 pub mod gateway;
@@ -30,9 +32,11 @@ pub mod metadata;
 pub mod metrics;
 pub mod picker;
 pub mod service;
+pub mod tls;
 
 pub use endpoints::{Endpoints, host_port, parse_endpoints};
 pub use picker::{EppOptions, Picker};
 pub use service::{
-    DEFAULT_ADDR, EXT_PROC_SERVICE, READY_SERVICES, Service, max_message_bytes, serve,
+    DEFAULT_ADDR, EXT_PROC_SERVICE, HANDSHAKE_TIMEOUT, READY_SERVICES, Service, max_message_bytes,
+    serve, serve_tls,
 };

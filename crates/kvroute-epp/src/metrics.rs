@@ -26,8 +26,27 @@ const DURATION_BUCKETS: [f64; 16] =
 const PICK_BUCKETS: [f64; 12] =
     [0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5];
 
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct StageLabels {
+    stage: String,
+}
+
+/// Where a stream's deadline passed: its request's headers and body (`request`), or the
+/// response's beginning (`response`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    Request,
+    Response,
+}
+
 #[derive(Debug)]
 pub struct EppMetrics {
+    /// Streams whose deadline passed, by stage (their placement freed).
+    deadlines: Family<StageLabels, Counter>,
+    /// Requests on routes the picker does not place, sent in turn.
+    pub unplaced: Counter,
+    /// Streams refused for a missing or wrong ext_proc token.
+    pub unauthenticated: Counter,
     pub registry: std::sync::Arc<Registry>,
     pub streams: Counter,
     pub requests: Counter,
@@ -54,6 +73,26 @@ impl EppMetrics {
         let broken = Counter::default();
         let fallbacks_served = Counter::default();
         let pick_seconds = Histogram::new(PICK_BUCKETS);
+        let deadlines = Family::<StageLabels, Counter>::default();
+        let unplaced = Counter::default();
+        let unauthenticated = Counter::default();
+        r.register(
+            "kvroute_epp_deadlines",
+            "Streams whose request did not arrive, or whose response did not begin, in time (its \
+             placement freed), by stage",
+            deadlines.clone(),
+        );
+        r.register(
+            "kvroute_epp_unplaced_requests",
+            "Requests on routes the picker does not place (sent in turn, after the transfer-field \
+             check)",
+            unplaced.clone(),
+        );
+        r.register(
+            "kvroute_epp_unauthenticated_streams",
+            "ext_proc streams refused for a missing or wrong token",
+            unauthenticated.clone(),
+        );
         let picked = Family::<ModelLabels, Counter>::default();
         let errors = Family::<ErrorLabels, Counter>::default();
         let running = Family::<ModelLabels, Gauge>::default();
@@ -106,6 +145,9 @@ impl EppMetrics {
             duration.clone(),
         );
         Self {
+            deadlines,
+            unplaced,
+            unauthenticated,
             registry: std::sync::Arc::new(r),
             streams,
             requests,
@@ -134,6 +176,23 @@ impl EppMetrics {
         }
         self.running.get_or_create(&Self::labels(model)).dec();
         self.duration.get_or_create(&Self::labels(model)).observe(took.as_secs_f64());
+    }
+
+    pub(crate) fn deadline(&self, stage: Stage) {
+        let stage = match stage {
+            Stage::Request => "request",
+            Stage::Response => "response",
+        };
+        self.deadlines.get_or_create(&StageLabels { stage: stage.to_owned() }).inc();
+    }
+
+    /// Deadlines passed at `stage` so far.
+    pub fn deadlines(&self, stage: Stage) -> u64 {
+        let stage = match stage {
+            Stage::Request => "request",
+            Stage::Response => "response",
+        };
+        self.deadlines.get_or_create(&StageLabels { stage: stage.to_owned() }).get()
     }
 
     pub(crate) fn refused(&self, model: &str, status: u16) {

@@ -4,10 +4,12 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use kvroute_core::WorkerId;
 use kvroute_frontend::FrontendState;
 
+use crate::budget::Budget;
 use crate::endpoints::{Endpoints, parse_endpoints};
 use crate::metrics;
 
@@ -19,11 +21,36 @@ pub struct EppOptions {
     pub fallbacks: usize,
     /// Largest request body read (a larger one is a 413).
     pub max_body_bytes: usize,
+    /// A request's headers and whole body must come within this of its stream's opening (a
+    /// 408 otherwise), as at the front door's listener.
+    pub body_timeout: Duration,
+    /// A placed request whose answer is not streamed must see its response begin within
+    /// this (a streamed one within the front door's first-byte timeout), or its placement is
+    /// freed and the stream ended with `DEADLINE_EXCEEDED`.
+    pub response_timeout: Duration,
+    /// Request body bytes held at once, all streams together (past it, a 503 to retry).
+    pub max_body_bytes_in_flight: usize,
+    /// Request body bytes one client holds at once ([`crate::budget`] says who a client is).
+    pub max_body_bytes_per_client: usize,
+    /// Largest gRPC message decoded: a full-duplex body chunk (Envoy's are at most its
+    /// buffer, 1 MiB by default) or a whole buffered body, with its headers. A message is
+    /// held whole before the picker sees it, so this bounds what one stream holds unseen;
+    /// buffered bodies past it need `FULL_DUPLEX_STREAMED`, which the protocol asks for.
+    pub max_message_bytes: usize,
 }
 
 impl Default for EppOptions {
     fn default() -> Self {
-        Self { fallbacks: 2, max_body_bytes: kvroute_frontend::BODY_LIMIT }
+        let listener = kvroute_http::server::ServeOptions::default();
+        Self {
+            fallbacks: 2,
+            max_body_bytes: kvroute_frontend::BODY_LIMIT,
+            body_timeout: listener.body_timeout,
+            response_timeout: kvroute_frontend::RESPONSE_TIMEOUT,
+            max_body_bytes_in_flight: listener.max_body_bytes_in_flight,
+            max_body_bytes_per_client: listener.max_body_bytes_per_client,
+            max_message_bytes: 4 << 20,
+        }
     }
 }
 
@@ -39,6 +66,10 @@ pub struct Picker {
     turn: AtomicUsize,
     /// The workers the endpoints file lists (absent: every worker), [`Picker::watch`].
     members: std::sync::RwLock<Option<BTreeSet<WorkerId>>>,
+    /// Request body bytes the streams hold.
+    pub budget: Arc<Budget>,
+    /// The token a gateway must send in its gRPC metadata (none: any gateway).
+    token: Option<kvroute_http::Credentials>,
 }
 
 impl Picker {
@@ -46,7 +77,25 @@ impl Picker {
         let endpoints = std::sync::RwLock::new(Arc::new(Endpoints::of(&front)));
         let metrics = metrics::EppMetrics::new();
         let members = std::sync::RwLock::new(None);
-        Self { front, endpoints, options, metrics, turn: AtomicUsize::new(0), members }
+        let budget =
+            Budget::new(options.max_body_bytes_in_flight, options.max_body_bytes_per_client);
+        let turn = AtomicUsize::new(0);
+        Self { front, endpoints, options, metrics, turn, members, budget, token: None }
+    }
+
+    /// Streams must carry `token` in their gRPC metadata (`authorization: Bearer <token>`,
+    /// as Envoy's `grpc_service.initial_metadata` sends it).
+    #[must_use]
+    pub fn with_token(mut self, token: kvroute_http::Credentials) -> Self {
+        self.token = Some(token).filter(|t| !t.is_empty());
+        self
+    }
+
+    /// Whether a stream's gRPC metadata carries the token (always, when none is set).
+    pub fn admits(&self, metadata: &tonic::metadata::MetadataMap) -> bool {
+        let Some(token) = &self.token else { return true };
+        let value = metadata.get("authorization").map(|v| v.as_bytes());
+        value.and_then(kvroute_http::auth::bearer_token).is_some_and(|t| token.accepts(t))
     }
 
     /// The pool's endpoints as they stand.

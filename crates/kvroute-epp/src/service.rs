@@ -44,7 +44,29 @@ async fn next(mut open: Open) -> Option<(Result<ProcessingResponse, Status>, Ope
         if open.over {
             return None;
         }
-        match open.inbound.message().await {
+        let message = match open.exchange.deadline() {
+            Some(at) => {
+                let at = tokio::time::Instant::from_std(at);
+                tokio::select! {
+                    m = open.inbound.message() => m,
+                    () = tokio::time::sleep_until(at) => {
+                        match open.exchange.expired() {
+                            Ok(answers) => {
+                                open.answers.extend(answers);
+                                open.over = open.exchange.done();
+                            }
+                            Err(status) => {
+                                open.over = true;
+                                return Some((Err(status), open));
+                            }
+                        }
+                        continue;
+                    }
+                }
+            }
+            None => open.inbound.message().await,
+        };
+        match message {
             Ok(Some(m)) => match open.exchange.on(m).await {
                 Ok(answers) => {
                     open.answers.extend(answers);
@@ -80,9 +102,14 @@ impl ExternalProcessor for Service {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        if !self.0.admits(request.metadata()) {
+            self.0.metrics.unauthenticated.inc();
+            return Err(Status::unauthenticated("the ext_proc token is missing or wrong"));
+        }
+        let peer = request.remote_addr().map(|a| a.ip());
         let open = Open {
             inbound: request.into_inner(),
-            exchange: exchange::Exchange::new(Arc::clone(&self.0)),
+            exchange: exchange::Exchange::new(Arc::clone(&self.0), peer),
             answers: std::collections::VecDeque::new(),
             over: false,
         };
@@ -90,11 +117,10 @@ impl ExternalProcessor for Service {
     }
 }
 
-/// Largest ext_proc message decoded: a body chunk (Envoy's are at most its buffer, 64 KiB
-/// by default in streamed modes; a buffered body, up to [`EppOptions::max_body_bytes`]) with
-/// its headers and metadata.
+/// Largest ext_proc message decoded: [`EppOptions::max_message_bytes`] (no more than a whole
+/// body), with room for its headers and metadata.
 pub fn max_message_bytes(options: &EppOptions) -> usize {
-    options.max_body_bytes + (1 << 20)
+    options.max_message_bytes.min(options.max_body_bytes) + (64 << 10)
 }
 
 /// Serves ext_proc and gRPC health on `listener` until `shutdown` resolves. Health says
@@ -103,6 +129,19 @@ pub fn max_message_bytes(options: &EppOptions) -> usize {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     picker: Arc<Picker>,
+    ready: impl std::future::Future<Output = ()> + Send + 'static,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    serve_tls(listener, picker, None, ready, shutdown).await
+}
+
+/// [`serve`], over TLS when `tls` is given (its ALPN should offer `h2`): each connection's
+/// handshake runs in a task of its own, within [`HANDSHAKE_TIMEOUT`], so a slow one holds
+/// up no other.
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    picker: Arc<Picker>,
+    tls: Option<Arc<rustls::ServerConfig>>,
     ready: impl std::future::Future<Output = ()> + Send + 'static,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
@@ -119,14 +158,23 @@ pub async fn serve(
     });
     let limit = max_message_bytes(&picker.options);
     let service = ExternalProcessorServer::new(Service(picker)).max_decoding_message_size(limit);
-    // Small frames (a headers answer, a body chunk) go out at once, not after an ACK.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
-        .add_service(health)
-        .add_service(service)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+    let server = tonic::transport::Server::builder().add_service(health).add_service(service);
+    match tls {
+        None => {
+            // Small frames (a headers answer, a body chunk) go out at once, not after an ACK.
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            server.serve_with_incoming_shutdown(incoming, shutdown).await
+        }
+        Some(config) => {
+            let incoming = crate::tls::incoming(listener, config);
+            server.serve_with_incoming_shutdown(incoming, shutdown).await
+        }
+    }
 }
+
+/// How long a client has to finish its TLS handshake.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The address a listener for the picker binds by default.
 pub const DEFAULT_ADDR: SocketAddr =

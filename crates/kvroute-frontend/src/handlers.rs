@@ -52,12 +52,16 @@ fn session(headers: &HeaderMap, body_key: Option<&str>) -> Result<Option<String>
 
 use crate::{PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER};
 
-/// A request's class for flow control, and whether the client named its priority: the
-/// priority and objective from their headers, the tenant from the API key that let it in
-/// (a client cannot pose as another key's tenant), else from its header, else `default`.
+/// A request's class for flow control, and whether its priority was named (by the client,
+/// its key or its model): the priority from its header, else the key's default, else the
+/// model's configured one (`model_priority`), lowered to the key's ceiling when above it
+/// (counted); the objective from its header; the tenant from the API key that let it in (a
+/// client cannot pose as another key's tenant), else from its header, else `default`.
 fn class(
+    state: &FrontendState,
     headers: &HeaderMap,
     key: Option<&KeyId>,
+    model_priority: Option<i32>,
 ) -> Result<(kvroute_core::schedule::flow::RequestClass, bool), ApiError> {
     fn header<'h>(headers: &'h HeaderMap, name: &'static str) -> Result<Option<&'h str>, ApiError> {
         headers
@@ -80,10 +84,18 @@ fn class(
         })
         .transpose()
     }
-    let priority = number::<i32>(header(headers, PRIORITY_HEADER)?, PRIORITY_HEADER)?;
+    let named = number::<i32>(header(headers, PRIORITY_HEADER)?, PRIORITY_HEADER)?;
+    let grant = key.map(|k| k.grant).unwrap_or_default();
+    let mut priority = named.or(grant.priority).or(model_priority);
+    if let (Some(p), Some(max)) = (priority, grant.max_priority)
+        && p > max
+    {
+        priority = Some(max);
+        state.metrics.priority_clamped.inc();
+    }
     let slo = number::<u32>(header(headers, SLO_HEADER)?, SLO_HEADER)?;
     let tenant = match key {
-        Some(KeyId(id)) => Some(id.as_str()),
+        Some(KeyId { id, .. }) => Some(id.as_str()),
         None => header(headers, TENANT_HEADER)?,
     };
     let class = kvroute_http::router_api::request_class(
@@ -130,8 +142,9 @@ pub(crate) async fn chat_outbound(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Outbound, ApiError> {
     let (mut raw, req) = parse::<ChatCompletionRequest>(state, body, "messages")?;
-    let (class, priority_named) = class(headers, key)?;
     let adapter = state.models.resolve(req.model.as_deref())?;
+    let model_priority = state.model_priority(adapter.as_deref());
+    let (class, priority_named) = class(state, headers, key, model_priority)?;
     let session = session(headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key, session);
     let namespace = state.namespace(key, req.cache_salt.as_deref());
@@ -192,8 +205,9 @@ pub(crate) fn completion_outbound(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Outbound, ApiError> {
     let (raw, req) = parse::<CompletionRequest>(state, body, "prompt")?;
-    let (class, priority_named) = class(headers, key)?;
     let adapter = state.models.resolve(req.model.as_deref())?;
+    let model_priority = state.model_priority(adapter.as_deref());
+    let (class, priority_named) = class(state, headers, key, model_priority)?;
     let session = session(headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key, session);
     let namespace = state.namespace(key, req.cache_salt.as_deref());

@@ -118,6 +118,7 @@ struct Metrics {
     pd_in_place: Counter,
     pd_prefill_failed: Counter,
     pd_handoff_failed: Counter,
+    priority_clamped: Counter,
 }
 
 impl Metrics {
@@ -165,6 +166,11 @@ impl Metrics {
              without that prefill worker)",
             m.pd_handoff_failed.clone(),
         );
+        r.register(
+            "kvroute_frontend_priority_clamped",
+            "Requests that named a priority above their API key's ceiling (lowered to it)",
+            m.priority_clamped.clone(),
+        );
         Self { registry: r, ..m }
     }
 }
@@ -204,7 +210,7 @@ fn namespaced_session(
 ) -> Option<String> {
     let session = session?;
     match (per_key, key) {
-        (true, Some(KeyId(key))) => {
+        (true, Some(KeyId { id: key, .. })) => {
             let mut h = blake3::Hasher::new();
             h.update(key.as_bytes()).update(b"\0").update(session.as_bytes());
             Some(format!("key-{}", &h.finalize().to_hex()[..32]))
@@ -276,6 +282,9 @@ pub struct FrontendState {
     history: Arc<kvroute_http::status::History>,
     /// Metrics of a service beside the front door (the ext_proc picker), on its `/metrics`.
     beside: std::sync::OnceLock<Arc<Registry>>,
+    /// The priority of each model's requests that name none (by the model's name as the
+    /// catalog resolves it: an adapter's, or the base model's), as GIE's `InferenceObjective`.
+    model_priorities: BTreeMap<String, i32>,
 }
 
 impl std::fmt::Debug for FrontendState {
@@ -378,6 +387,7 @@ impl FrontendState {
             ),
             history: Arc::default(),
             beside: std::sync::OnceLock::new(),
+            model_priorities: BTreeMap::new(),
             preprocessor,
         }
     }
@@ -426,7 +436,7 @@ impl FrontendState {
     fn namespace(&self, key: Option<&KeyId>, client: Option<&str>) -> Option<String> {
         let client = client.filter(|c| !c.is_empty());
         match (self.options.namespace_per_key, key) {
-            (true, Some(KeyId(key))) => Some(match client {
+            (true, Some(KeyId { id: key, .. })) => Some(match client {
                 Some(c) => format!("key-{key}:{c}"),
                 None => format!("key-{key}"),
             }),
@@ -499,6 +509,19 @@ impl FrontendState {
         self
     }
 
+    /// Each model's priority for its requests that name none (`--model-priority`).
+    #[must_use]
+    pub fn with_model_priorities(mut self, priorities: BTreeMap<String, i32>) -> Self {
+        self.model_priorities = priorities;
+        self
+    }
+
+    /// The configured priority of a request's model: its adapter's, else the base model's.
+    pub(crate) fn model_priority(&self, adapter: Option<&str>) -> Option<i32> {
+        let name = adapter.unwrap_or_else(|| self.preprocessor.model_name());
+        self.model_priorities.get(name).copied()
+    }
+
     /// Samples the counters the status page draws every `status_every` until the front door
     /// is dropped: the router's (embedded; a remote router's page has its own history).
     pub fn spawn_history(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
@@ -562,7 +585,7 @@ mod tests {
     /// client's.
     #[test]
     fn sessions_are_namespaced_per_key() {
-        let (a, b) = (KeyId("aaaa".into()), KeyId("bbbb".into()));
+        let (a, b) = (KeyId::named("aaaa"), KeyId::named("bbbb"));
         let s = || Some("s1".to_owned());
         let of_a = namespaced_session(true, Some(&a), s());
         assert_ne!(of_a, namespaced_session(true, Some(&b), s()));

@@ -14,6 +14,7 @@ use axum::http::HeaderMap;
 use kvroute_core::schedule::pairs::prefill_leg_id;
 use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::ApiError;
+use kvroute_http::auth::KeyId;
 
 use crate::FrontendState;
 use crate::health::Failure;
@@ -39,6 +40,8 @@ pub struct Picked {
     pub body: Bytes,
     /// The model it asked for (the base model's name, or its adapter's).
     pub model: String,
+    /// Its answer is streamed (its response begins with the first token, not the last).
+    pub streamed: bool,
     /// The request in flight until the answer ends.
     pub held: Held,
 }
@@ -131,13 +134,14 @@ impl FrontendState {
         headers: &HeaderMap,
         body: Bytes,
         allowed: Option<&BTreeSet<WorkerId>>,
+        key: Option<&KeyId>,
     ) -> Result<Picked, ApiError> {
         let out = match path {
             "/v1/chat/completions" => {
-                crate::handlers::chat_outbound(self, None, headers, Ok(body)).await?
+                crate::handlers::chat_outbound(self, key, headers, Ok(body)).await?
             }
             "/v1/completions" => {
-                crate::handlers::completion_outbound(self, None, headers, Ok(body))?
+                crate::handlers::completion_outbound(self, key, headers, Ok(body))?
             }
             other => {
                 return Err(ApiError::not_found(format!("{other} is not a route kvroute places")));
@@ -225,6 +229,7 @@ impl FrontendState {
             prefill: None,
             body: out.body.clone(),
             model: out.adapter.clone().unwrap_or_else(|| self.preprocessor.model_name().to_owned()),
+            streamed: out.streamed,
             held: Held {
                 guard,
                 prefill,
@@ -239,6 +244,36 @@ impl FrontendState {
     /// Each worker's base URL (`http://host:port`), the gateway's endpoints.
     pub fn worker_urls(&self) -> impl Iterator<Item = (WorkerId, &str)> {
         self.urls.iter().map(|(w, u)| (*w, u.as_str()))
+    }
+
+    /// Who sent a request, by the API key in its `authorization` header (as the front door's
+    /// `auth::require` checks it): `None` when no keys are configured, a 401 when keys are and
+    /// it carries none of them.
+    pub fn caller(&self, headers: &HeaderMap) -> Result<Option<KeyId>, ApiError> {
+        self.api_keys.check(headers)
+    }
+
+    /// Whether API keys are configured.
+    pub fn keys_required(&self) -> bool {
+        !self.api_keys.is_empty()
+    }
+
+    /// A 400 naming a transfer field a body on any route carries
+    /// ([`crate::transfer::refuse_bytes`]), unless a trusted upstream pairs engines itself.
+    pub fn check_transfer_fields(
+        &self,
+        body: &[u8],
+        content_type: Option<&str>,
+    ) -> Result<(), ApiError> {
+        match self.options.trust_transfer_fields {
+            true => Ok(()),
+            false => crate::transfer::refuse_bytes(body, content_type),
+        }
+    }
+
+    /// How long a streamed answer has to begin.
+    pub fn first_byte_timeout(&self) -> std::time::Duration {
+        self.options.first_byte_timeout
     }
 
     /// Whether the worker is in rotation (not ejected after a failure).

@@ -11,11 +11,14 @@ use kvroute_frontend::transfer::{NESTED_IN, TRANSFER_FIELDS};
 fn fields() -> Vec<(String, String, String, String)> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/engine-request-fields");
     let mut out = Vec::new();
-    let mut files: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .expect("the fixtures")
+        .map(|e| e.expect("an entry").path())
+        .collect();
     files.sort();
     assert_eq!(files.len(), 2, "vLLM's and SGLang's: {files:?}");
     for path in files {
-        let text = std::fs::read_to_string(&path).unwrap();
+        let text = std::fs::read_to_string(&path).expect("a fixture");
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let cols: Vec<&str> = line.split('\t').collect();
             assert_eq!(cols.len(), 4, "{}: {line}", path.display());

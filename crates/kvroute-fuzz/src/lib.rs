@@ -394,7 +394,10 @@ pub fn zmtp_messages(data: &[u8]) -> (usize, bool) {
 
 /// A gateway's ext_proc stream: `ProcessingRequest`s, each length-delimited as protobuf
 /// frames them, through one exchange of a picker over a front door with two workers (their
-/// ports closed: nothing is sent, the pick is made and freed). Inputs naming a URL with a
+/// ports closed: nothing is sent, the pick is made and freed). A message with no request
+/// and `observability_mode` set stands for the stream's deadline passing
+/// (`Exchange::expired`), so the fuzzer reaches every deadline from every phase. At the end
+/// nothing is in flight and no body byte is held of the budget. Inputs naming a URL with a
 /// scheme (`://`) are skipped: an image URL would be fetched, and fuzzing stays off the
 /// network.
 pub fn ext_proc(data: &[u8]) {
@@ -415,13 +418,18 @@ pub fn ext_proc_answers(data: &[u8]) -> (usize, bool) {
     let (runtime, picker) = ext_proc_picker();
     let answered = runtime.block_on(async {
         let _ = ProcessingRequest::decode(data);
-        let mut exchange = kvroute_epp::exchange::Exchange::new(Arc::clone(picker));
+        let peer = Some(std::net::IpAddr::from([127, 0, 0, 1]));
+        let mut exchange = kvroute_epp::exchange::Exchange::new(Arc::clone(picker), peer);
         let (mut answers, mut rest) = (0, data);
         while !rest.is_empty() {
             let Ok(m) = ProcessingRequest::decode_length_delimited(&mut rest) else {
                 return (answers, true);
             };
-            let Ok(out) = exchange.on(m).await else { return (answers, true) };
+            let out = match (&m.request, m.observability_mode) {
+                (None, true) => exchange.expired(),
+                _ => exchange.on(m).await,
+            };
+            let Ok(out) = out else { return (answers, true) };
             answers += out.len();
             let immediate =
                 |r: &envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse| {
@@ -437,6 +445,7 @@ pub fn ext_proc_answers(data: &[u8]) -> (usize, bool) {
         (answers, false)
     });
     assert_eq!(picker.front.in_flight(), 0, "a dropped exchange leaves nothing in flight");
+    assert_eq!(picker.budget.held(), 0, "a dropped exchange holds no body byte");
     answered
 }
 

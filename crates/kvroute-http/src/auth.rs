@@ -3,6 +3,15 @@
 //!
 //! Keys are kept only as BLAKE3 digests, compared in constant time, and never logged or
 //! echoed (OpenAI echoes a masked key; a 401 here names none).
+//!
+//! A keys file holds one key per line, optionally followed by what the key may ask of flow
+//! control: `sk-team-a-0123456789 priority=0 max-priority=10` (its default priority, and the
+//! highest a request with it may name: a higher one is lowered to it).
+//!
+//! A key's id, its tenant in flow control, metrics and logs, is a keyed hash of the key
+//! (`t-` and 16 hex digits): keyed by the deployment's salt ([`Credentials::with_salt`]), or
+//! by default by the digests of all its keys, so that nobody can tell from an id which key it
+//! is without the deployment's secret or every key.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -15,16 +24,37 @@ use axum::response::{IntoResponse, Response};
 
 use crate::ApiError;
 
-/// Which key a request carried: the first 16 hex digits of its digest (no secret; the same
-/// for every request with that key). Handlers behind [`require`] find it in the request's
-/// extensions.
+/// Which key a request carried: its id (a keyed hash, the same for every request with that
+/// key) and what it may ask. Handlers behind [`require`] find it in the request's extensions.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KeyId(pub String);
+pub struct KeyId {
+    pub id: String,
+    pub grant: Grant,
+}
+
+impl KeyId {
+    /// A key's id with no grant of its own (tests).
+    pub fn named(id: impl Into<String>) -> Self {
+        Self { id: id.into(), grant: Grant::default() }
+    }
+}
+
+/// What a key may ask of flow control, from its line of the keys file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Grant {
+    /// The priority of its requests that name none (`priority=N`).
+    pub priority: Option<i32>,
+    /// The highest priority its requests may name (`max-priority=N`); a higher one is lowered
+    /// to it.
+    pub max_priority: Option<i32>,
+}
 
 /// A set of accepted bearer keys; empty accepts everyone. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct Credentials {
-    digests: Arc<[blake3::Hash]>,
+    digests: Arc<[(blake3::Hash, Grant)]>,
+    /// The key of the ids' hash; `None`: derived from the digests.
+    salt: Option<[u8; 32]>,
 }
 
 impl std::fmt::Debug for Credentials {
@@ -41,29 +71,78 @@ pub enum CredentialsError {
     Read { path: String, source: std::io::Error },
     #[error("{0}: a key must be 8 to 256 visible ASCII characters")]
     Invalid(String),
+    #[error(
+        "{origin}: {option:?} is no key option (priority=N, max-priority=N, N from {} to {})",
+        kvroute_core::schedule::flow::MIN_PRIORITY,
+        kvroute_core::schedule::flow::MAX_PRIORITY
+    )]
+    Option { origin: String, option: String },
+}
+
+/// A key's options (`priority=N`, `max-priority=N`).
+fn grant(options: &[&str], origin: &str) -> Result<Grant, CredentialsError> {
+    use kvroute_core::schedule::flow::{MAX_PRIORITY, MIN_PRIORITY};
+    let mut grant = Grant::default();
+    for option in options {
+        let bad =
+            || CredentialsError::Option { origin: origin.to_owned(), option: (*option).to_owned() };
+        let (name, value) = option.split_once('=').ok_or_else(bad)?;
+        let value: i32 = value.parse().map_err(|_| bad())?;
+        if !(MIN_PRIORITY..=MAX_PRIORITY).contains(&value) {
+            return Err(bad());
+        }
+        match name {
+            "priority" => grant.priority = Some(value),
+            "max-priority" | "max_priority" => grant.max_priority = Some(value),
+            _ => return Err(bad()),
+        }
+    }
+    Ok(grant)
 }
 
 impl Credentials {
-    /// Accepts each of `keys` (surrounding whitespace trimmed; empty entries skipped). `origin`
-    /// names where they came from, in errors (never the key).
+    /// Accepts each of `keys` (surrounding whitespace trimmed; empty entries skipped), each
+    /// optionally followed by its options (`KEY priority=0 max-priority=10`). `origin` names
+    /// where they came from, in errors (never the key).
     pub fn new<I, S>(keys: I, origin: &str) -> Result<Self, CredentialsError>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
         let mut digests = Vec::new();
-        for key in keys {
-            let key = key.as_ref().trim();
-            if key.is_empty() {
-                continue;
-            }
+        for entry in keys {
+            let mut words = entry.as_ref().split_whitespace();
+            let Some(key) = words.next() else { continue };
+            let options: Vec<&str> = words.collect();
             let visible = key.bytes().all(|b| b.is_ascii_graphic());
             if !(8..=256).contains(&key.len()) || !visible {
                 return Err(CredentialsError::Invalid(origin.to_owned()));
             }
-            digests.push(blake3::hash(key.as_bytes()));
+            digests.push((blake3::hash(key.as_bytes()), grant(&options, origin)?));
         }
-        Ok(Self { digests: digests.into() })
+        Ok(Self { digests: digests.into(), salt: None })
+    }
+
+    /// Ids keyed by `secret` (the deployment's: the same on every replica), not by the keys.
+    #[must_use]
+    pub fn with_salt(mut self, secret: &[u8]) -> Self {
+        let mut h = blake3::Hasher::new_derive_key("kvroute 2026-12 tenant ids");
+        self.salt = Some(*h.update(secret).finalize().as_bytes());
+        self
+    }
+
+    /// The key of the ids' hash.
+    fn salt(&self) -> [u8; 32] {
+        if let Some(salt) = self.salt {
+            return salt;
+        }
+        let mut digests: Vec<&[u8; 32]> = self.digests.iter().map(|(d, _)| d.as_bytes()).collect();
+        digests.sort_unstable();
+        let mut h = blake3::Hasher::new_derive_key("kvroute 2026-12 tenant ids of a key set");
+        for d in digests {
+            h.update(d);
+        }
+        *h.finalize().as_bytes()
     }
 
     /// Keys from a file, one per line; blank lines and lines starting with `#` are skipped.
@@ -74,10 +153,13 @@ impl Credentials {
         Self::new(text.lines().filter(|l| !l.trim_start().starts_with('#')), &origin)
     }
 
-    /// These keys and `other`'s.
+    /// These keys and `other`'s (with this set's salt, if it has one, else `other`'s).
     #[must_use]
     pub fn and(&self, other: &Self) -> Self {
-        Self { digests: self.digests.iter().chain(other.digests.iter()).copied().collect() }
+        Self {
+            digests: self.digests.iter().chain(other.digests.iter()).copied().collect(),
+            salt: self.salt.or(other.salt),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -97,8 +179,15 @@ impl Credentials {
     fn find(&self, key: &str) -> Option<KeyId> {
         let digest = blake3::hash(key.as_bytes());
         // `Hash` compares in constant time; every key is compared.
-        let found = self.digests.iter().fold(false, |found, d| found | (*d == digest));
-        found.then(|| KeyId(digest.to_hex()[..16].to_owned()))
+        let mut found = None;
+        for (d, grant) in self.digests.iter() {
+            if *d == digest {
+                found = Some(*grant);
+            }
+        }
+        let grant = found?;
+        let id = blake3::keyed_hash(&self.salt(), key.as_bytes());
+        Some(KeyId { id: format!("t-{}", &id.to_hex()[..16]), grant })
     }
 
     /// Checks a request's `Authorization: Bearer` header: the key's id, or `None` when no key
@@ -197,8 +286,11 @@ mod tests {
         let second = keys.check(&bearer("sk-second-key")).unwrap().unwrap();
         assert_ne!(first, second, "each key its id");
         assert_eq!(keys.check(&bearer("sk-first-key")).unwrap(), Some(first.clone()));
-        assert_eq!(first.0.len(), 16);
-        assert!(!first.0.contains("first"), "the id is no part of the key");
+        assert_eq!(first.id.len(), 18);
+        assert!(first.id.starts_with("t-"));
+        assert!(!first.id.contains("first"), "the id is no part of the key");
+        let unkeyed = blake3::hash(b"sk-first-key").to_hex();
+        assert!(!unkeyed.starts_with(&first.id[2..]), "a keyed hash, not the key's digest");
         let wrong = keys.check(&bearer("sk-first-kez")).unwrap_err();
         assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
         let body = serde_json::to_value(wrong.body()).unwrap();
@@ -228,6 +320,39 @@ mod tests {
         assert!(keys.check(&headers).is_ok());
         headers.insert(header::AUTHORIZATION, "Bearer sk-test-0123456789 x".parse().unwrap());
         assert!(keys.check(&headers).is_err(), "a space inside is no key");
+    }
+
+    #[test]
+    fn a_key_carries_its_grant_and_ids_depend_on_the_salt() {
+        let keys = Credentials::new(
+            ["sk-low-0123456789 priority=-1 max-priority=0", "sk-plain-0123456789"],
+            "t",
+        )
+        .unwrap();
+        let low = keys.check(&bearer("sk-low-0123456789")).unwrap().unwrap();
+        assert_eq!(low.grant, Grant { priority: Some(-1), max_priority: Some(0) });
+        let plain = keys.check(&bearer("sk-plain-0123456789")).unwrap().unwrap();
+        assert_eq!(plain.grant, Grant::default());
+        assert!(keys.check(&bearer("sk-low-0123456789 priority=-1")).is_err());
+        // Another key set, another id for the same key; a salt fixes ids across key sets.
+        let more = Credentials::new(["sk-plain-0123456789", "sk-other-0123456789"], "t").unwrap();
+        let again = more.check(&bearer("sk-plain-0123456789")).unwrap().unwrap();
+        assert_ne!(again.id, plain.id);
+        let salted = |k: &Credentials| {
+            let k = k.clone().with_salt(b"deployment");
+            k.check(&bearer("sk-plain-0123456789")).unwrap().unwrap().id
+        };
+        assert_eq!(salted(&keys), salted(&more));
+        assert_ne!(salted(&keys), plain.id);
+        for bad in [
+            "sk-low-0123456789 priority=x",
+            "sk-low-0123456789 max-priority=1000",
+            "sk-low-0123456789 weight=3",
+        ] {
+            let e = Credentials::new([bad], "keys").unwrap_err();
+            assert!(e.to_string().starts_with("keys: "), "{e}");
+            assert!(!e.to_string().contains("sk-low"), "no key in the error: {e}");
+        }
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! - [`client`]: the one HTTP client, and [`sse`]: the one reader of event streams;
 //! - [`metrics`]: the Prometheus registry and its `/metrics` answer;
 //! - [`server`]: how every listener is served (TLS, timeouts, a connection limit), and
-//!   [`fallbacks`]; [`auth`]: bearer keys (API keys, the admin token);
+//!   [`fallbacks`]; [`auth`]: bearer keys (API keys, the admin token); [`tls`]: certificates
+//!   reread when their files change, or self-signed;
 //! - [`vllm_generate`]: vLLM's token-in, token-out API; [`sglang_generate`]: SGLang's native
 //!   `/generate`;
 //! - [`testing`]: calling an app in-process.
@@ -33,6 +34,7 @@ pub mod sglang_generate;
 pub mod sse;
 pub mod status;
 pub mod testing;
+pub mod tls;
 pub mod vllm_generate;
 
 use std::future::Future;

@@ -110,6 +110,8 @@ pub enum TlsError {
     Key { path: String, source: rustls::pki_types::pem::Error },
     #[error("the certificate and key do not make a TLS configuration")]
     Config(#[from] rustls::Error),
+    #[error("drawing a self-signed certificate: {0}")]
+    Generate(String),
 }
 
 /// A TLS acceptor from PEM files: the certificate chain (leaf first) and its private key.

@@ -120,7 +120,7 @@ async fn main() {
     .await
     .unwrap();
     assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
-    let picker = stack.picker(kvroute_epp::EppOptions::default()).unwrap();
+    let picker = stack.picker(kvroute_epp::EppOptions::default(), None).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let grpc = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(kvroute_epp::serve(listener, picker, async {}, std::future::pending()));

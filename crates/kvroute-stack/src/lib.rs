@@ -167,6 +167,8 @@ pub struct StackConfig {
     /// LoRA adapters the front door serves besides those the workers list (the simulated
     /// workers' own are added).
     pub adapters: Vec<String>,
+    /// Each model's priority for requests that name none.
+    pub model_priorities: std::collections::BTreeMap<String, i32>,
 }
 
 impl Default for StackConfig {
@@ -181,6 +183,7 @@ impl Default for StackConfig {
             access: Access::default(),
             front_door: FrontDoorOptions::default(),
             adapters: Vec::new(),
+            model_priorities: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -228,6 +231,7 @@ impl Stack {
             access,
             front_door,
             adapters,
+            model_priorities,
         } = config;
         let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
         if let Some(why) = preprocessor.text_only_reason() {
@@ -267,7 +271,8 @@ impl Stack {
         let frontend = match frontend {
             Some(f) => {
                 let limit = simulated.max_model_len;
-                Some(Arc::new(configured(f, &access, front_door, limit, &adapters)?))
+                let f = configured(f, &access, front_door, limit, &adapters)?;
+                Some(Arc::new(f.with_model_priorities(model_priorities)))
             }
             None => None,
         };
@@ -335,9 +340,18 @@ impl Stack {
     /// The front door's app (`None` without one).
     /// The Endpoint Picker over the front door ([`kvroute_epp`]), its metrics served on the
     /// front door's `/metrics`. None without a front door.
-    pub fn picker(&self, options: kvroute_epp::EppOptions) -> Option<Arc<kvroute_epp::Picker>> {
+    /// Gateways must send `token` in their gRPC metadata when one is given.
+    pub fn picker(
+        &self,
+        options: kvroute_epp::EppOptions,
+        token: Option<kvroute_http::Credentials>,
+    ) -> Option<Arc<kvroute_epp::Picker>> {
         let front = self.frontend.as_ref()?;
-        let picker = Arc::new(kvroute_epp::Picker::new(Arc::clone(front), options));
+        let picker = kvroute_epp::Picker::new(Arc::clone(front), options);
+        let picker = Arc::new(match token {
+            Some(token) => picker.with_token(token),
+            None => picker,
+        });
         front.serve_metrics_beside(Arc::clone(&picker.metrics.registry));
         // Workers named by host (a StatefulSet's pods) are told to the gateway by address.
         picker.spawn_resolver(Duration::from_secs(10));

@@ -59,7 +59,7 @@ async fn pool_with(workers: usize, router: RouterConfig, options: EppOptions, re
         ..StackConfig::default()
     };
     let stack = Stack::start(config).await.unwrap();
-    let picker = stack.picker(options).unwrap();
+    let picker = stack.picker(options, None).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let grpc = format!("http://{}", listener.local_addr().unwrap());
     let (ready_tx, ready_rx) = oneshot::channel::<()>();
@@ -648,7 +648,7 @@ async fn two_pickers_over_nats_keep_every_repeat_on_its_cached_prefix() {
     );
     let mut urls = Vec::new();
     for stack in [&a, &b] {
-        let picker = stack.picker(EppOptions::default()).unwrap();
+        let picker = stack.picker(EppOptions::default(), None).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         urls.push(format!("http://{}", listener.local_addr().unwrap()));
         tokio::spawn(kvroute_epp::serve(listener, picker, async {}, std::future::pending()));
@@ -716,7 +716,7 @@ async fn in_a_prefill_decode_pool_the_decode_endpoint_is_picked_and_the_prefill_
     .await
     .unwrap();
     assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
-    let picker = stack.picker(EppOptions::default()).unwrap();
+    let picker = stack.picker(EppOptions::default(), None).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let grpc = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(kvroute_epp::serve(listener, picker, async {}, std::future::pending()));

@@ -91,7 +91,9 @@ pub(crate) async fn start_picker(
     else {
         return Ok(None);
     };
-    let picker = stack.picker(options).context("the picker needs the front door")?;
+    let tls = settings.epp_tls()?;
+    let token = settings.epp_token()?;
+    let picker = stack.picker(options, token).context("the picker needs the front door")?;
     if let Some(path) = &settings.gateway.endpoints_file {
         picker.watch(path.clone(), Duration::from_secs(2));
     }
@@ -105,10 +107,13 @@ pub(crate) async fn start_picker(
     };
     tokio::spawn(async move {
         let never = std::future::pending::<()>();
-        if let Err(e) = kvroute_epp::serve(listener, picker, ready, never).await {
+        if let Err(e) = kvroute_epp::serve_tls(listener, picker, tls, ready, never).await {
             tracing::error!(error = %e, "the endpoint picker stopped");
         }
     });
-    announce(&[format!("kvroute endpoint picker (Envoy ext_proc, gRPC health) on {local}")]);
+    let scheme = if settings.epp_tls()?.is_some() { "TLS" } else { "plain text" };
+    announce(&[format!(
+        "kvroute endpoint picker (Envoy ext_proc, gRPC health, {scheme}) on {local}"
+    )]);
     Ok(Some(ready_tx))
 }

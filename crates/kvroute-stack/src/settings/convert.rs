@@ -21,8 +21,8 @@ use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
 use super::groups::{Blocks, Engine, FrontDoor, Listen, Model, Nats, Routing, Security};
 use super::{
     DEFAULT_HOST, DEFAULT_READY_TIMEOUT_SECS, DEFAULT_SIMULATED_WORKERS, ENV_ADMIN_TOKEN,
-    ENV_API_KEYS, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN, Gateway, Invalid, Settings,
-    SimulatedFleet,
+    ENV_API_KEYS, ENV_EXT_PROC_TOKEN, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN,
+    ENV_TENANT_SALT, Gateway, Invalid, Settings, SimulatedFleet,
 };
 use crate::{Access, SharedStore, Simulated, StackConfig, StackError};
 
@@ -55,6 +55,7 @@ impl Settings {
                 cache_namespace_per_key: Some(front_door.namespace_per_key),
                 parity_probe: Some(front_door.parity_probe),
                 adapters: Vec::new(),
+                model_priorities: Vec::new(),
                 load_adapters: Some(front_door.load_adapters),
                 trust_transfer_fields: Some(front_door.trust_transfer_fields),
                 engine_priority: Some(front_door.engine_priority),
@@ -143,20 +144,78 @@ impl Settings {
             },
             gateway: Gateway {
                 epp_fallbacks: Some(kvroute_epp::EppOptions::default().fallbacks),
+                ext_proc_self_signed: Some(false),
                 ..Gateway::default()
             },
             ..Settings::default()
         }
     }
 
-    /// The Endpoint Picker's options: none when no ext_proc port is set.
+    /// The Endpoint Picker's options: none when no ext_proc port is set. Its request bodies
+    /// are bounded as the listener's (`--max-body-bytes-in-flight`, `-per-client`).
     pub fn epp_options(&self) -> Option<kvroute_epp::EppOptions> {
         self.gateway.ext_proc_port?;
         let d = kvroute_epp::EppOptions::default();
+        let in_flight = self.listen.max_body_bytes_in_flight.unwrap_or(d.max_body_bytes_in_flight);
         Some(kvroute_epp::EppOptions {
             fallbacks: self.gateway.epp_fallbacks.unwrap_or(d.fallbacks),
+            max_body_bytes_in_flight: in_flight,
+            max_body_bytes_per_client: self
+                .listen
+                .max_body_bytes_per_client
+                .unwrap_or(in_flight / 4),
             ..d
         })
+    }
+
+    /// The picker's TLS: from its certificate files (reread on change), or self-signed,
+    /// offering HTTP/2 (gRPC); none for plain text.
+    pub fn epp_tls(&self) -> Result<Option<std::sync::Arc<rustls::ServerConfig>>, StackError> {
+        let g = &self.gateway;
+        let alpn: &[&[u8]] = &[b"h2"];
+        match (&g.ext_proc_tls_cert, &g.ext_proc_tls_key, g.ext_proc_self_signed) {
+            (Some(cert), Some(key), _) => {
+                let files = kvroute_http::tls::CertFiles::new(cert, key)?;
+                Ok(Some(kvroute_http::tls::server_config(files, alpn)?))
+            }
+            (None, None, Some(true)) => {
+                let names = self.listen.host.iter().cloned().collect::<Vec<_>>();
+                Ok(Some(kvroute_http::tls::self_signed(&names, alpn)?.0))
+            }
+            (None, None, _) => Ok(None),
+            _ => Err(Invalid::TlsPair.into()),
+        }
+    }
+
+    /// The token gateways must send on the picker's port (`--ext-proc-token-file`,
+    /// `KVROUTE_EXT_PROC_TOKEN`), if any.
+    pub fn epp_token(&self) -> Result<Option<Credentials>, StackError> {
+        let token = match (&self.gateway.ext_proc_token_file, std::env::var(ENV_EXT_PROC_TOKEN)) {
+            (Some(path), _) => first_line(path)?,
+            (None, Ok(token)) if !token.trim().is_empty() => token.trim().to_owned(),
+            (None, _) => return Ok(None),
+        };
+        let origin = match &self.gateway.ext_proc_token_file {
+            Some(path) => path.display().to_string(),
+            None => ENV_EXT_PROC_TOKEN.to_owned(),
+        };
+        Ok(Some(Credentials::new([token], &origin)?))
+    }
+
+    /// `--model-priority`: each model's priority.
+    pub fn model_priorities(&self) -> Result<BTreeMap<String, i32>, StackError> {
+        use kvroute_core::schedule::flow::{MAX_PRIORITY, MIN_PRIORITY};
+        let mut out = BTreeMap::new();
+        for entry in &self.front_door.model_priorities {
+            let bad = || Invalid::ModelPriority(entry.clone());
+            let (name, priority) = entry.split_once('=').ok_or_else(bad)?;
+            let priority: i32 = priority.trim().parse().map_err(|_| bad())?;
+            if name.trim().is_empty() || !(MIN_PRIORITY..=MAX_PRIORITY).contains(&priority) {
+                return Err(bad().into());
+            }
+            out.insert(name.trim().to_owned(), priority);
+        }
+        Ok(out)
     }
 
     /// Each setting's default as `--help` says it: the value `--print-config` shows, or in
@@ -233,8 +292,16 @@ impl Settings {
             (Some(path), _) => Some(first_line(path)?),
             (None, token) => token.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()),
         };
+        let mut api_keys = keys(&self.front_door.api_keys_file, ENV_API_KEYS, true)?;
+        let salt = match (&self.security.tenant_salt_file, env(ENV_TENANT_SALT)) {
+            (Some(path), _) => Some(first_line(path)?),
+            (None, salt) => salt.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()),
+        };
+        if let Some(salt) = salt {
+            api_keys = api_keys.with_salt(salt.as_bytes());
+        }
         Ok(Access {
-            api_keys: keys(&self.front_door.api_keys_file, ENV_API_KEYS, true)?,
+            api_keys,
             admin: keys(&self.security.admin_token_file, ENV_ADMIN_TOKEN, false)?,
             router_token,
         })
@@ -688,6 +755,7 @@ impl Settings {
             access: self.access()?,
             front_door: self.front_door()?,
             adapters: self.front_door.adapters.clone(),
+            model_priorities: self.model_priorities()?,
         })
     }
 }

@@ -67,6 +67,12 @@ pub struct Security {
     /// PEM private key of --tls-cert.
     #[arg(long, requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// File whose first line keys the API keys' ids (the tenant names in flow control,
+    /// metrics and logs, and the per-key cache namespaces), the same on every replica; or the
+    /// secret itself in KVROUTE_TENANT_SALT. Without it the ids are keyed by the set of keys
+    /// itself, so adding or removing a key renames every tenant.
+    #[arg(long)]
+    pub tenant_salt_file: Option<PathBuf>,
     /// Listen on a non-loopback address without API keys or an admin token (refused
     /// otherwise), e.g. behind a proxy that authenticates.
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
@@ -108,6 +114,14 @@ pub struct FrontDoor {
     #[arg(long, value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub adapters: Vec<String>,
+    /// The priority of a model's requests that name none (x-kvroute-priority), as the
+    /// Gateway API Inference Extension's InferenceObjective gives it: NAME=PRIORITY, the
+    /// base model's name or an adapter's; repeat or separate with ','. A key's own default
+    /// (its `priority=` in the keys file) comes first, and its ceiling (`max-priority=`)
+    /// caps both.
+    #[arg(long = "model-priority", value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub model_priorities: Vec<String>,
     /// Load a request's adapter on the chosen worker through vLLM's /v1/load_lora_adapter
     /// when the worker does not list it (the engine must allow runtime LoRA updating); off:
     /// an adapter goes only to the workers that list it.
@@ -154,6 +168,24 @@ pub struct Gateway {
     /// fleet (--worker) to be picked. Without it every worker is in the pool.
     #[arg(long, requires = "ext_proc_port")]
     pub endpoints_file: Option<PathBuf>,
+    /// PEM certificate chain the picker's port serves TLS with (with --ext-proc-tls-key),
+    /// reread when the files change (a renewed Secret is taken without a restart).
+    #[arg(long, requires = "ext_proc_tls_key", conflicts_with = "ext_proc_self_signed")]
+    pub ext_proc_tls_cert: Option<PathBuf>,
+    /// PEM private key of --ext-proc-tls-cert.
+    #[arg(long, requires = "ext_proc_tls_cert")]
+    pub ext_proc_tls_key: Option<PathBuf>,
+    /// Serve the picker's port over TLS with a self-signed certificate drawn at start, as
+    /// the Gateway API Inference Extension's picker does by default (gateways do not verify
+    /// it; use --ext-proc-tls-cert where they do).
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch(), requires = "ext_proc_port")]
+    pub ext_proc_self_signed: Option<bool>,
+    /// File whose first line is the token a gateway must send on the picker's port
+    /// (`authorization: Bearer <token>` in the gRPC metadata: Envoy's
+    /// grpc_service.initial_metadata); or the token itself in KVROUTE_EXT_PROC_TOKEN. Without
+    /// it any gateway that reaches the port may ask.
+    #[arg(long, requires = "ext_proc_port")]
+    pub ext_proc_token_file: Option<PathBuf>,
 }
 
 /// Tokens per KV block, for the router and the simulated engines alike.

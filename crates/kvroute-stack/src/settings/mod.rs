@@ -68,6 +68,8 @@ pub enum Invalid {
     Exposed { host: String, missing: String },
     #[error("--tls-cert and --tls-key go together")]
     TlsPair,
+    #[error("--model-priority {0:?}: expected NAME=PRIORITY, PRIORITY an integer from -100 to 100")]
+    ModelPriority(String),
     #[error("{0} must be at least 1")]
     AtLeastOne(&'static str),
     #[error("{0:?}: expected NAME=VALUE, VALUE a number")]
@@ -184,6 +186,8 @@ pub struct Settings {
 /// no key shows in `ps` or `--print-config`).
 pub const ENV_API_KEYS: &str = "KVROUTE_API_KEYS";
 pub const ENV_ADMIN_TOKEN: &str = "KVROUTE_ADMIN_TOKEN";
+pub const ENV_TENANT_SALT: &str = "KVROUTE_TENANT_SALT";
+pub const ENV_EXT_PROC_TOKEN: &str = "KVROUTE_EXT_PROC_TOKEN";
 pub const ENV_ROUTER_TOKEN: &str = "KVROUTE_ROUTER_TOKEN";
 pub const ENV_NATS_TOKEN: &str = "KVROUTE_NATS_TOKEN";
 pub const ENV_NATS_PASSWORD: &str = "KVROUTE_NATS_PASSWORD";

@@ -190,8 +190,12 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
         "tls_key" => Some("tls_cert"),
         "nats_tls_cert" => Some("nats_tls_key"),
         "nats_tls_key" => Some("nats_tls_cert"),
+        "ext_proc_tls_cert" => Some("ext_proc_tls_key"),
+        "ext_proc_tls_key" => Some("ext_proc_tls_cert"),
         // The picker's settings need its port.
-        "epp_fallbacks" | "endpoints_file" => Some("ext_proc_port"),
+        "epp_fallbacks" | "endpoints_file" | "ext_proc_self_signed" | "ext_proc_token_file" => {
+            Some("ext_proc_port")
+        }
         _ => None,
     };
     let long = |key: &str| {
@@ -211,6 +215,10 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
             "pd_cost" => (
                 vec!["--pd-cost".to_owned(), "in_place=0".to_owned()],
                 "[pd_cost]\nin_place = 0.0\n".to_owned(),
+            ),
+            "model_priorities" => (
+                vec!["--model-priority".to_owned(), "chat=5,base=-1".to_owned()],
+                "model_priorities = [\"chat=5\", \"base=-1\"]\n".to_owned(),
             ),
             "lora_modules" | "adapters" => (
                 vec![format!("--{}", long(&key)), "sql=/x,chat".to_owned()],
