@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use kvroute_router::WorkerSpec;
 
 mod convert;
+mod gateway;
 pub mod groups;
 
 pub use convert::is_loopback;
