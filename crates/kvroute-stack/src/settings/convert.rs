@@ -21,8 +21,8 @@ use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
 use super::groups::{Blocks, Engine, FrontDoor, Listen, Model, Nats, Routing, Security};
 use super::{
     DEFAULT_HOST, DEFAULT_READY_TIMEOUT_SECS, DEFAULT_SIMULATED_WORKERS, ENV_ADMIN_TOKEN,
-    ENV_API_KEYS, ENV_EXT_PROC_TOKEN, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN,
-    ENV_TENANT_SALT, Gateway, Invalid, Settings, SimulatedFleet,
+    ENV_API_KEYS, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN, ENV_TENANT_SALT, Gateway,
+    Invalid, Settings, SimulatedFleet,
 };
 use crate::{Access, SharedStore, Simulated, StackConfig, StackError};
 
