@@ -563,12 +563,13 @@ pub fn app(state: Arc<FrontendState>) -> Router {
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/models", get(handlers::models));
     let routes = require(openai, state.api_keys.clone())
-        .merge(require(
+        .merge(kvroute_http::auth::admin(
             Router::new()
                 .route("/metrics", get(handlers::metrics))
                 .route("/workers", get(handlers::workers))
                 .route("/ui/history", get(handlers::history)),
             state.admin.clone(),
+            &state.api_keys,
         ))
         .route("/health", get(handlers::health))
         .route("/ui", get(kvroute_http::status_page))

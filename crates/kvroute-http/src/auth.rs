@@ -243,6 +243,32 @@ pub fn require<S: Clone + Send + Sync + 'static>(
     router.route_layer(middleware::from_fn_with_state(keys, check_request))
 }
 
+/// `router`'s routes (those added so far) answer nobody: a 403 saying `why` (an admin route
+/// while API keys guard the others but no admin token is set).
+pub fn closed<S: Clone + Send + Sync + 'static>(router: Router<S>, why: &'static str) -> Router<S> {
+    router.route_layer(middleware::from_fn(move |_request: Request, _next: Next| async move {
+        ApiError::new(StatusCode::FORBIDDEN, why).into_response()
+    }))
+}
+
+/// The admin routes' guard beside API keys: the admin token when one is set; closed when
+/// API keys are set without one (what the keys keep from clients must not be open beside
+/// them); open when neither is (loopback, or `--insecure` behind a proxy).
+pub fn admin<S: Clone + Send + Sync + 'static>(
+    router: Router<S>,
+    admin: Credentials,
+    api_keys: &Credentials,
+) -> Router<S> {
+    match (admin.is_empty(), api_keys.is_empty()) {
+        (true, false) => closed(
+            router,
+            "this route needs the admin token, and none is set (--admin-token-file or \
+             KVROUTE_ADMIN_TOKEN)",
+        ),
+        _ => require(router, admin),
+    }
+}
+
 async fn check_request(
     State(keys): State<Credentials>,
     mut request: Request,
@@ -385,5 +411,28 @@ mod tests {
         assert_eq!(call("/secret", Some("sk-test-0002")).await.0, StatusCode::UNAUTHORIZED);
         assert_eq!(call("/secret", Some("sk-test-0001")).await.0, StatusCode::OK);
         assert_eq!(call("/health", None).await.0, StatusCode::OK);
+    }
+
+    /// #64 finding 5: with API keys and no admin token the admin routes are closed, not open.
+    #[tokio::test]
+    async fn admin_routes_are_closed_when_keys_are_on_without_an_admin_token() {
+        let keys = Credentials::new(["sk-client-0001"], "t").unwrap();
+        let token = Credentials::new(["admin-token-01"], "t").unwrap();
+        let routes = || Router::new().route("/metrics", get(|| async { "counters" }));
+        let get_with = |app: Router, key: Option<&'static str>| async move {
+            let mut r = axum::http::Request::get("/metrics");
+            if let Some(k) = key {
+                r = r.header(header::AUTHORIZATION, format!("Bearer {k}"));
+            }
+            crate::testing::call_raw(&app, r.body(axum::body::Body::empty()).unwrap()).await.0
+        };
+        let closed = admin(routes(), Credentials::default(), &keys);
+        assert_eq!(get_with(closed.clone(), None).await, StatusCode::FORBIDDEN);
+        assert_eq!(get_with(closed, Some("sk-client-0001")).await, StatusCode::FORBIDDEN);
+        let guarded = admin(routes(), token, &keys);
+        assert_eq!(get_with(guarded.clone(), None).await, StatusCode::UNAUTHORIZED);
+        assert_eq!(get_with(guarded, Some("admin-token-01")).await, StatusCode::OK);
+        let open = admin(routes(), Credentials::default(), &Credentials::default());
+        assert_eq!(get_with(open, None).await, StatusCode::OK, "neither set: loopback's default");
     }
 }

@@ -141,8 +141,29 @@ impl<S: Send + Sync> FromRequest<S> for EitherForm {
     }
 }
 
-/// A `find_best_worker` request's fields, checked before anything is placed.
+/// The largest `overlap_score_weight` taken (Dynamo's default is 1).
+pub const MAX_OVERLAP_WEIGHT: f64 = 1_000.0;
+
+/// A `find_best_worker` request's fields, checked before anything is placed, whether flow
+/// control is on or not (its class fields too: a request that names one is told at once).
 fn check_find(req: &FindBestWorker) -> Result<(), ApiError> {
+    if req.classed() {
+        router_api::request_class(
+            req.priority,
+            req.tenant.as_deref(),
+            req.ttft_slo_ms,
+            ["priority", "tenant", "ttft_slo_ms"],
+        )?;
+    }
+    if let Some(w) = req
+        .overlap_score_weight
+        .filter(|w| !w.is_finite() || !(0.0..=MAX_OVERLAP_WEIGHT).contains(w))
+    {
+        return Err(ApiError::bad_request(format!(
+            "overlap_score_weight must be from 0 to {MAX_OVERLAP_WEIGHT}, not {w}"
+        ))
+        .param("overlap_score_weight"));
+    }
     if let Some(id) = &req.request_id {
         check_request_id(id)?;
     }

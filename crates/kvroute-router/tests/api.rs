@@ -542,3 +542,37 @@ async fn the_binary_form_answers_as_json_does() {
         assert!(e["error"]["message"].as_str().unwrap().contains("query"), "{e}");
     }
 }
+
+/// #64 finding 5: class fields and weights are checked whether flow control is on or not
+/// (it is off here): out of range, NaN or too long is a 400 naming the field.
+#[tokio::test]
+async fn class_fields_and_weights_are_checked_with_flow_control_off() {
+    let state = state(&[1]);
+    assert!(!state.config.scheduler.flow.enabled);
+    let base = json!({"local_hashes": [1, 2], "num_tokens": 32});
+    let tenant = "t".repeat(1000);
+    let cases = [
+        ("priority", json!(1000)),
+        ("ttft_slo_ms", json!(0)),
+        ("tenant", json!(tenant)),
+        ("overlap_score_weight", json!(-1e308)),
+        ("overlap_score_weight", json!(1e9)),
+    ];
+    for (field, value) in cases {
+        let mut body = base.clone();
+        body[field] = value.clone();
+        let (status, r) =
+            call(&state, Method::POST, "/find_best_worker", Some(body.to_string())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{field}={value}: {r}");
+        assert_eq!(r["error"]["param"], field, "{r}");
+    }
+    // NaN is no JSON number: a client's "NaN" is refused as what it is.
+    let nan = r#"{"local_hashes": [1], "num_tokens": 16, "overlap_score_weight": NaN}"#;
+    let (status, _) = call(&state, Method::POST, "/find_best_worker", Some(nan.to_owned())).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let mut fine = base.clone();
+    fine["priority"] = json!(5);
+    fine["overlap_score_weight"] = json!(2.0);
+    let (status, r) = call(&state, Method::POST, "/find_best_worker", Some(fine.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+}
