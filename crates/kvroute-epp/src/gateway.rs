@@ -65,6 +65,11 @@ pub struct GatewayConfig {
     pub subset: Option<Vec<String>>,
     /// Largest request body chunk sent to the picker (Envoy sends chunks as they come).
     pub chunk_bytes: usize,
+    /// The token sent in each stream's gRPC metadata (`authorization: Bearer`), as Envoy's
+    /// `grpc_service.initial_metadata` sends it.
+    pub token: Option<String>,
+    /// Speak TLS to the picker with this client configuration (its ALPN should offer `h2`).
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl GatewayConfig {
@@ -75,6 +80,8 @@ impl GatewayConfig {
             response_mode: BodySendMode::FullDuplexStreamed,
             subset: None,
             chunk_bytes: 16 << 10,
+            token: None,
+            tls: None,
         }
     }
 }
@@ -125,9 +132,11 @@ impl Gateway {
         };
         let mut ext_proc = Vec::new();
         for url in urls {
-            let channel = tonic::transport::Endpoint::from_shared(url.clone())?
-                .tcp_nodelay(true)
-                .connect_lazy();
+            let endpoint = tonic::transport::Endpoint::from_shared(url.clone())?.tcp_nodelay(true);
+            let channel = match &config.tls {
+                None => endpoint.connect_lazy(),
+                Some(tls) => endpoint.connect_with_connector_lazy(tls_connector(Arc::clone(tls))),
+            };
             let limit = 2 * MAX_BODY;
             ext_proc.push(
                 ExternalProcessorClient::new(channel)
@@ -326,8 +335,13 @@ async fn open(
         ..ProcessingRequest::default()
     };
     tx.send(first).await.map_err(|_| "the picker stream closed")?;
+    let mut request = tonic::Request::new(outbound);
+    if let Some(token) = &config.token {
+        let value = format!("Bearer {token}").parse().map_err(|_| "a token that is no header")?;
+        request.metadata_mut().insert("authorization", value);
+    }
     let rx = client
-        .process(outbound)
+        .process(request)
         .await
         .map_err(|s| format!("the picker refused the stream: {s}"))?
         .into_inner();
@@ -373,7 +387,11 @@ async fn decide(
         let n = chunks.len();
         for (i, chunk) in chunks.into_iter().enumerate() {
             let b = body_chunk(chunk.to_vec(), i + 1 == n);
-            stream.send(processing_request::Request::RequestBody(b), None).await?;
+            // A picker that answered at the headers (an immediate response) has closed its
+            // side: its answer is read below.
+            if stream.send(processing_request::Request::RequestBody(b), None).await.is_err() {
+                break;
+            }
         }
         // The headers answered once the whole body came, then the body in chunks.
         match take(stream, &mut out, false).await? {
@@ -622,6 +640,32 @@ fn apply_headers(headers: &mut HeaderMap, common: Option<&CommonResponse>) {
             headers.insert(name, value);
         }
     }
+}
+
+/// Connects to the picker over TLS: TCP, then a handshake naming the URL's host (an address
+/// is named as one).
+fn tls_connector(
+    config: Arc<rustls::ClientConfig>,
+) -> impl tower::Service<
+    axum::http::Uri,
+    Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Clone
++ Send {
+    tower::service_fn(move |uri: axum::http::Uri| {
+        let connector = tokio_rustls::TlsConnector::from(Arc::clone(&config));
+        async move {
+            let host = uri.host().unwrap_or("localhost").trim_matches(['[', ']']).to_owned();
+            let port = uri.port_u16().unwrap_or(443);
+            let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+            let _ = tcp.set_nodelay(true);
+            let name = rustls::pki_types::ServerName::try_from(host)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+            let tls = connector.connect(name, tcp).await?;
+            Ok(hyper_util::rt::TokioIo::new(tls))
+        }
+    })
 }
 
 fn envoy_header(key: &str, value: &str) -> EnvoyHeader {

@@ -58,17 +58,30 @@ async fn pool_with(workers: usize, router: RouterConfig, options: EppOptions, re
         router,
         ..StackConfig::default()
     };
+    pool_of(config, options, Served::default(), ready).await
+}
+
+/// How the picker's port is served: its gateway token and TLS.
+#[derive(Default)]
+struct Served {
+    token: Option<&'static str>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+}
+
+async fn pool_of(config: StackConfig, options: EppOptions, served: Served, ready: bool) -> Pool {
     let stack = Stack::start(config).await.unwrap();
-    let picker = stack.picker(options, None).unwrap();
+    let token = served.token.map(|t| kvroute_http::Credentials::new([t], "test").unwrap());
+    let picker = stack.picker(options, token).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let grpc = format!("http://{}", listener.local_addr().unwrap());
     let (ready_tx, ready_rx) = oneshot::channel::<()>();
-    let served = Arc::clone(&picker);
+    let to_serve = Arc::clone(&picker);
     tokio::spawn(async move {
         let ready = async move {
             let _ = ready_rx.await;
         };
-        kvroute_epp::serve(listener, served, ready, std::future::pending()).await.unwrap();
+        let never = std::future::pending();
+        kvroute_epp::serve_tls(listener, to_serve, served.tls, ready, never).await.unwrap();
     });
     let mut ready_tx = Some(ready_tx);
     if ready {
@@ -741,4 +754,354 @@ async fn in_a_prefill_decode_pool_the_decode_endpoint_is_picked_and_the_prefill_
     let named =
         set.iter().filter_map(|o| o.header.as_ref()).find(|h| h.key == metadata::PREFILLER_HEADER);
     assert_eq!(named.map(|h| String::from_utf8_lossy(&h.raw_value).into_owned()), Some(prefill));
+}
+
+// ---- #64: the picker's port as hard as the front door ----
+
+/// Status and body of a POST of raw bytes through the gateway.
+async fn post_bytes(base: &str, path: &str, body: Vec<u8>, content_type: &str) -> (u16, Vec<u8>) {
+    let request = hyper::Request::post(format!("{base}{path}"))
+        .header("content-type", content_type)
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
+        .unwrap();
+    let response = HttpClient::new().send(request).await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.into_body().collect().await.unwrap().to_bytes().to_vec())
+}
+
+/// Blocks the simulated engines hold for KV transfers.
+fn held_blocks(stack: &Stack) -> u64 {
+    stack.simulated.iter().map(|e| e.engine.snapshot().stats.held_blocks).sum()
+}
+
+/// Finding 1: a body on any path, not only the two the picker places, is refused when it
+/// carries a field that steers a KV transfer (vLLM's generate API with `kv_transfer_params`,
+/// SGLang's `/generate` with bootstrap fields, `vllm_xargs`, a UTF-16 body, a form), and no
+/// prefill engine holds a block for it; a native body without them still goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_fields_are_refused_on_every_path_and_nothing_is_held() {
+    let config = StackConfig {
+        simulated: Simulated {
+            prefill: 1,
+            decode: 1,
+            engine: EngineConfig { timing: Timing { speedup: 10.0 }, ..EngineConfig::default() },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        ..StackConfig::default()
+    };
+    let p = pool_of(config, EppOptions::default(), Served::default(), true).await;
+    let (_gateway, base) = p.gateway(|_| {}).await;
+    let trap = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = trap.local_addr().unwrap().port();
+    let tokens: Vec<u32> = (1..=300).collect();
+    let kv = json!({"do_remote_decode": true});
+    let cases = [
+        (
+            "/inference/v1/generate",
+            json!({"token_ids": tokens, "sampling_params": {"max_tokens": 2}, "kv_transfer_params": kv}),
+        ),
+        (
+            "/inference/v1/generate",
+            json!({"token_ids": tokens, "sampling_params": {"max_tokens": 2}, "ec_transfer_params": kv}),
+        ),
+        (
+            "/generate",
+            json!({"input_ids": tokens, "sampling_params": {"max_new_tokens": 2},
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 7}),
+        ),
+        ("/v1/responses", json!({"input": "hi", "vllm_xargs": {"kv_transfer_params": kv}})),
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 2, "kv_transfer_params": kv})),
+    ];
+    for (path, body) in &cases {
+        let (status, _, text) = post(&base, path, body, &[]).await;
+        assert_eq!(status, 400, "{path} {body}: {}", String::from_utf8_lossy(&text));
+        assert!(
+            json_of(&text)["error"]["message"].as_str().unwrap().contains("transfer_params")
+                || json_of(&text)["error"]["message"].as_str().unwrap().contains("bootstrap")
+        );
+    }
+    let utf16: Vec<u8> = serde_json::to_string(&cases[0].1)
+        .unwrap()
+        .encode_utf16()
+        .flat_map(u16::to_be_bytes)
+        .collect();
+    assert_eq!(post_bytes(&base, "/inference/v1/generate", utf16, "application/json").await.0, 400);
+    let form = "--b\r\nContent-Disposition: form-data; name=\"vllm_xargs\"\r\n\r\n\
+                {\"kv_transfer_params\": {\"do_remote_decode\": true}}\r\n--b--\r\n";
+    let multipart = "multipart/form-data; boundary=b";
+    let refused = post_bytes(&base, "/v1/audio/transcriptions", form.into(), multipart).await;
+    assert_eq!(refused.0, 400);
+    // Without them a native body goes on, in turn, counted.
+    let plain = json!({"token_ids": tokens, "sampling_params": {"max_tokens": 2}});
+    let (status, _, text) = post(&base, "/inference/v1/generate", &plain, &[]).await;
+    assert_ne!(status, 400, "{}", String::from_utf8_lossy(&text));
+    assert!(p.metrics().await.contains("kvroute_epp_unplaced_requests_total 1"));
+    assert_eq!(held_blocks(&p.stack), 0, "no prefill engine holds a block for a client");
+    let called = tokio::time::timeout(Duration::from_millis(300), trap.accept()).await;
+    assert!(called.is_err(), "an engine called the address a client named");
+}
+
+/// A stream that sends a chat request, reads its pick and then never sends the response's
+/// headers (a gateway whose upstream hangs): kept open until dropped.
+async fn quiet_stream(grpc: String, n: usize) -> Raw {
+    let mut r = raw(&grpc).await;
+    let _ = picked(&mut r, &prompt(&format!("quiet {n}"))).await;
+    r
+}
+
+/// Finding 2: 60 quiet streams on a fleet with flow control (2 workers of 8 sequences)
+/// hold their placements only until the first-byte timeout: honest requests through the
+/// front door and through the picker beside them are answered within their normal time
+/// plus the deadline, and nothing is in flight once the deadlines have passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiet_streams_are_freed_at_the_deadline_and_honest_requests_pass() {
+    let deadline = Duration::from_secs(1);
+    let mut router = RouterConfig::default();
+    router.scheduler.flow = FlowConfig { enabled: true, ..FlowConfig::default() };
+    let config = StackConfig {
+        simulated: Simulated {
+            count: 2,
+            engine: EngineConfig {
+                timing: Timing { speedup: 10.0 },
+                max_num_seqs: 8,
+                ..EngineConfig::default()
+            },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        router,
+        front_door: kvroute_frontend::FrontDoorOptions {
+            first_byte_timeout: deadline,
+            ..Default::default()
+        },
+        ..StackConfig::default()
+    };
+    let p = pool_of(config, EppOptions::default(), Served::default(), true).await;
+    let (_gateway, base) = p.gateway(|_| {}).await;
+    let door = p.stack.serve_frontend_on_loopback().await.unwrap();
+    let quiet: Vec<_> = (0..60).map(|n| tokio::spawn(quiet_stream(p.grpc.clone(), n))).collect();
+    // Honest requests beside them, one after another, both ways in.
+    for i in 0..6 {
+        let started = std::time::Instant::now();
+        let entry = if i % 2 == 0 { &base } else { &door };
+        let honest = chat(&prompt(&format!("honest {i}")), false);
+        let tenant = [("x-kvroute-tenant", "honest")];
+        let (status, _, body) = post(entry, "/v1/chat/completions", &honest, &tenant).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let took = started.elapsed();
+        assert!(took < deadline + Duration::from_secs(8), "honest request {i} took {took:?}");
+    }
+    // Every quiet stream was picked (none waited past flow control's queue) and is freed.
+    let mut streams = Vec::new();
+    for q in quiet {
+        streams.push(q.await.unwrap());
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || p.in_flight() == 0).await,
+        "in flight after the deadline: {}",
+        p.in_flight()
+    );
+    let response = kvroute_epp::metrics::Stage::Response;
+    assert_eq!(p.picker.metrics.deadlines(response), 60, "each quiet stream's placement freed");
+    // Each quiet stream was ended with DEADLINE_EXCEEDED.
+    for mut r in streams.drain(..3) {
+        let status = loop {
+            match r.rx.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("ended without a status"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+    }
+}
+
+/// Finding 2, the request side: a stream whose body never ends is answered 408 at the body
+/// deadline and holds nothing after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_never_ends_is_a_408_at_the_body_deadline() {
+    let options = EppOptions { body_timeout: Duration::from_millis(500), ..EppOptions::default() };
+    let p = pool_with(1, RouterConfig::default(), options, true).await;
+    let mut r = raw(&p.grpc).await;
+    r.tx.send(request_headers("/v1/chat/completions")).await.unwrap();
+    r.tx.send(request_body(&vec![b' '; 100 << 10], false)).await.unwrap();
+    let m = r.rx.message().await.unwrap().unwrap();
+    let Some(processing_response::Response::ImmediateResponse(i)) = m.response else {
+        panic!("{m:?}")
+    };
+    assert_eq!(i.status.unwrap().code, 408);
+    assert_eq!(p.picker.budget.held(), 0, "the body's bytes are given back");
+    assert_eq!(p.picker.metrics.deadlines(kvroute_epp::metrics::Stage::Request), 1);
+}
+
+/// Finding 4: bodies held at once are bounded per client and in all: a client's streams past
+/// its share get a 503 to retry, another client is still served, and everything is given
+/// back when the streams go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_are_bounded_per_client_and_in_all() {
+    let options = EppOptions {
+        max_body_bytes_in_flight: 3 << 20,
+        max_body_bytes_per_client: 1 << 20,
+        ..EppOptions::default()
+    };
+    let p = pool_with(1, RouterConfig::default(), options, true).await;
+    let from = |ip: &str| {
+        let mut h = request_headers("/v1/chat/completions");
+        let Some(processing_request::Request::RequestHeaders(headers)) = &mut h.request else {
+            unreachable!()
+        };
+        // Envoy appends the address it saw last; earlier entries are the client's to forge.
+        let xff = format!("6.6.6.6, {ip}");
+        headers.headers.as_mut().unwrap().headers.push(header("x-forwarded-for", &xff));
+        h
+    };
+    let chunk = vec![b' '; 600 << 10];
+    // One client: the first stream takes 600 KiB of its 1 MiB, the second is refused.
+    let first = raw(&p.grpc).await;
+    first.tx.send(from("10.0.0.1")).await.unwrap();
+    first.tx.send(request_body(&chunk, false)).await.unwrap();
+    let mut second = raw(&p.grpc).await;
+    second.tx.send(from("10.0.0.1")).await.unwrap();
+    second.tx.send(request_body(&chunk, false)).await.unwrap();
+    let m = second.rx.message().await.unwrap().unwrap();
+    let Some(processing_response::Response::ImmediateResponse(i)) = m.response else {
+        panic!("{m:?}")
+    };
+    assert_eq!(i.status.unwrap().code, 503);
+    // Others: two more clients fill the total, a third is refused.
+    let mut others = Vec::new();
+    for ip in ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"] {
+        let r = raw(&p.grpc).await;
+        r.tx.send(from(ip)).await.unwrap();
+        r.tx.send(request_body(&chunk, false)).await.unwrap();
+        others.push(r);
+    }
+    assert!(
+        eventually(Duration::from_secs(5), || p.picker.budget.held() == 5 * chunk.len()).await,
+        "held {}",
+        p.picker.budget.held()
+    );
+    assert!(p.picker.budget.held() <= 3 << 20, "within the total");
+    // An honest client with a small body is still served.
+    let (_gateway, base) = p.gateway(|_| {}).await;
+    let (status, _, _) = post(&base, "/v1/chat/completions", &chat("small", false), &[]).await;
+    assert_eq!(status, 200);
+    drop((first, second, others));
+    assert!(eventually(Duration::from_secs(5), || p.picker.budget.held() == 0).await);
+}
+
+/// Finding 3: with API keys the picker authenticates the client's key the gateway
+/// forwards, takes the tenant from it (a tenant header is ignored), lowers a priority above
+/// the key's ceiling, and shows tenants only as keyed ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_authenticates_keys_and_caps_their_priority() {
+    let keys = kvroute_http::Credentials::new(
+        ["sk-tenant-a-0123456789 max-priority=0", "sk-tenant-b-0123456789"],
+        "test",
+    )
+    .unwrap();
+    let mut router = RouterConfig::default();
+    router.scheduler.flow = FlowConfig { enabled: true, ..FlowConfig::default() };
+    let config = StackConfig {
+        simulated: Simulated {
+            count: 2,
+            engine: EngineConfig { timing: Timing { speedup: 10.0 }, ..EngineConfig::default() },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        router,
+        access: kvroute_stack::Access {
+            api_keys: keys,
+            admin: kvroute_http::Credentials::new(["admin-token-0123"], "test").unwrap(),
+            ..Default::default()
+        },
+        ..StackConfig::default()
+    };
+    let p = pool_of(config, EppOptions::default(), Served::default(), true).await;
+    let (_gateway, base) = p.gateway(|_| {}).await;
+    let body = chat("who am I", false);
+    let (status, _, text) = post(&base, "/v1/chat/completions", &body, &[]).await;
+    assert_eq!(status, 401, "{}", String::from_utf8_lossy(&text));
+    let wrong = [("authorization", "Bearer sk-nobody-0123456789")];
+    assert_eq!(post(&base, "/v1/chat/completions", &body, &wrong).await.0, 401);
+    let a = [
+        ("authorization", "Bearer sk-tenant-a-0123456789"),
+        ("x-kvroute-priority", "100"),
+        ("x-kvroute-tenant", "someone-else"),
+    ];
+    let (status, _, text) = post(&base, "/v1/chat/completions", &body, &a).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&text));
+    // The front door's /metrics needs the admin token while keys are on.
+    let door = p.stack.serve_frontend_on_loopback().await.unwrap();
+    assert_eq!(HttpClient::new().get(&format!("{door}/metrics")).await.unwrap().0, 401);
+    let request = hyper::Request::get(format!("{door}/metrics"))
+        .header("authorization", "Bearer admin-token-0123")
+        .body(http_body_util::Full::new(hyper::body::Bytes::new()))
+        .unwrap();
+    let response = HttpClient::new().send(request).await.unwrap();
+    let metrics = response.into_body().collect().await.unwrap().to_bytes();
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(metrics.contains("kvroute_frontend_priority_clamped_total 1"), "lowered to 0");
+    let unkeyed = blake3::hash(b"sk-tenant-a-0123456789").to_hex();
+    assert!(!metrics.contains(&unkeyed[..16]), "no prefix of the key's hash is shown");
+    assert!(!metrics.contains("someone-else"), "the tenant header is not the tenant");
+}
+
+/// Finding 3, the port: over TLS with a gateway token, a gateway without the token is
+/// refused, one with it is served; a plain-text client gets nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_port_serves_tls_and_asks_for_the_gateways_token() {
+    let (tls, pem) = kvroute_http::tls::self_signed(&[], &[b"h2"]).unwrap();
+    let config = StackConfig {
+        simulated: Simulated {
+            count: 1,
+            engine: EngineConfig { timing: Timing { speedup: 10.0 }, ..EngineConfig::default() },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        ..StackConfig::default()
+    };
+    let served = Served { token: Some("gateway-token-0123"), tls: Some(tls) };
+    let p = pool_of(config, EppOptions::default(), served, true).await;
+    let grpc = p.grpc.replace("http://127.0.0.1", "https://localhost");
+    let mut roots = rustls::RootCertStore::empty();
+    use rustls::pki_types::pem::PemObject as _;
+    roots.add(rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    client.alpn_protocols = vec![b"h2".to_vec()];
+    let client = Arc::new(client);
+    let body = chat("over tls", false);
+    let with = |token: Option<&str>| {
+        let (grpc, client, token) = (grpc.clone(), Arc::clone(&client), token.map(str::to_owned));
+        move |c: &mut GatewayConfig| {
+            c.picking = kvroute_epp::gateway::Picking::ExtProc(vec![grpc]);
+            c.tls = Some(client);
+            c.token = token;
+        }
+    };
+    let (_g, no_token) = p.gateway(with(None)).await;
+    let (status, _, text) = post(&no_token, "/v1/chat/completions", &body, &[]).await;
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(&text));
+    assert!(String::from_utf8_lossy(&text).contains("token"));
+    let (_g, wrong) = p.gateway(with(Some("gateway-token-9999"))).await;
+    assert_eq!(post(&wrong, "/v1/chat/completions", &body, &[]).await.0, 500);
+    let (_g, good) = p.gateway(with(Some("gateway-token-0123"))).await;
+    let (status, _, text) = post(&good, "/v1/chat/completions", &body, &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&text));
+    assert!(p.metrics().await.contains("kvroute_epp_unauthenticated_streams_total 2"));
+    // Plain text on the TLS port: no gRPC answer.
+    let plain = tonic::transport::Endpoint::from_shared(p.grpc.clone()).unwrap();
+    let channel = tokio::time::timeout(Duration::from_secs(5), plain.connect()).await;
+    if let Ok(Ok(channel)) = channel {
+        let health = HealthClient::new(channel)
+            .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+            .await;
+        assert!(health.is_err(), "a plain-text client got an answer");
+    }
 }
