@@ -132,16 +132,18 @@ pub async fn serve(
     ready: impl std::future::Future<Output = ()> + Send + 'static,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    serve_tls(listener, picker, None, ready, shutdown).await
+    serve_tls(listener, picker, None, None, ready, shutdown).await
 }
 
 /// [`serve`], over TLS when `tls` is given (its ALPN should offer `h2`): each connection's
 /// handshake runs in a task of its own, within [`HANDSHAKE_TIMEOUT`], so a slow one holds
-/// up no other.
+/// up no other. `health`: a listener of its own for gRPC health in plain text, the same
+/// statuses (Kubernetes' gRPC probes speak no TLS; GIE's picker serves health on 9003).
 pub async fn serve_tls(
     listener: tokio::net::TcpListener,
     picker: Arc<Picker>,
     tls: Option<Arc<rustls::ServerConfig>>,
+    health_listener: Option<tokio::net::TcpListener>,
     ready: impl std::future::Future<Output = ()> + Send + 'static,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
@@ -156,6 +158,16 @@ pub async fn serve_tls(
             reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
         }
     });
+    if let Some(listener) = health_listener {
+        let health = health.clone();
+        tokio::spawn(async move {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener);
+            let served = tonic::transport::Server::builder().add_service(health);
+            if let Err(e) = served.serve_with_incoming(incoming).await {
+                tracing::error!(error = %e, "the picker's health port stopped");
+            }
+        });
+    }
     let limit = max_message_bytes(&picker.options);
     let service = ExternalProcessorServer::new(Service(picker)).max_decoding_message_size(limit);
     let server = tonic::transport::Server::builder().add_service(health).add_service(service);

@@ -66,6 +66,8 @@ async fn pool_with(workers: usize, router: RouterConfig, options: EppOptions, re
 struct Served {
     token: Option<&'static str>,
     tls: Option<Arc<rustls::ServerConfig>>,
+    /// Health in plain text on a port of its own.
+    health: Option<tokio::net::TcpListener>,
 }
 
 async fn pool_of(config: StackConfig, options: EppOptions, served: Served, ready: bool) -> Pool {
@@ -81,7 +83,9 @@ async fn pool_of(config: StackConfig, options: EppOptions, served: Served, ready
             let _ = ready_rx.await;
         };
         let never = std::future::pending();
-        kvroute_epp::serve_tls(listener, to_serve, served.tls, ready, never).await.unwrap();
+        kvroute_epp::serve_tls(listener, to_serve, served.tls, served.health, ready, never)
+            .await
+            .unwrap();
     });
     let mut ready_tx = Some(ready_tx);
     if ready {
@@ -1062,8 +1066,12 @@ async fn the_port_serves_tls_and_asks_for_the_gateways_token() {
         },
         ..StackConfig::default()
     };
-    let served = Served { token: Some("gateway-token-0123"), tls: Some(tls) };
+    let plain = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let health_url = format!("http://{}", plain.local_addr().unwrap());
+    let served = Served { token: Some("gateway-token-0123"), tls: Some(tls), health: Some(plain) };
     let p = pool_of(config, EppOptions::default(), served, true).await;
+    // Health in plain text beside the TLS port, for the kubelet's probes.
+    assert_eq!(health(&health_url, "readiness").await, ServingStatus::Serving);
     let grpc = p.grpc.replace("http://127.0.0.1", "https://localhost");
     let mut roots = rustls::RootCertStore::empty();
     use rustls::pki_types::pem::PemObject as _;

@@ -101,19 +101,27 @@ pub(crate) async fn start_picker(
     address.listen.port = Some(port);
     let listener = bind(&address.address(port)).await?;
     let local = listener.local_addr()?;
+    let health = match settings.gateway.ext_proc_health_port {
+        Some(port) => Some(bind(&address.address(port)).await?),
+        None => None,
+    };
+    let health_line = match &health {
+        Some(h) => format!("; gRPC health in plain text on {}", h.local_addr()?),
+        None => String::new(),
+    };
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
     let ready = async move {
         let _ = ready_rx.await;
     };
     tokio::spawn(async move {
         let never = std::future::pending::<()>();
-        if let Err(e) = kvroute_epp::serve_tls(listener, picker, tls, ready, never).await {
+        if let Err(e) = kvroute_epp::serve_tls(listener, picker, tls, health, ready, never).await {
             tracing::error!(error = %e, "the endpoint picker stopped");
         }
     });
     let scheme = if settings.epp_tls()?.is_some() { "TLS" } else { "plain text" };
     announce(&[format!(
-        "kvroute endpoint picker (Envoy ext_proc, gRPC health, {scheme}) on {local}"
+        "kvroute endpoint picker (Envoy ext_proc, gRPC health, {scheme}) on {local}{health_line}"
     )]);
     Ok(Some(ready_tx))
 }

@@ -186,6 +186,10 @@ pub struct Gateway {
     /// it any gateway that reaches the port may ask.
     #[arg(long, requires = "ext_proc_port")]
     pub ext_proc_token_file: Option<PathBuf>,
+    /// Also serve the picker's gRPC health in plain text on this port (on --host), for
+    /// Kubernetes' gRPC probes, which speak no TLS (GIE's picker uses 9003). Off unless set.
+    #[arg(long, requires = "ext_proc_port")]
+    pub ext_proc_health_port: Option<u16>,
 }
 
 /// Tokens per KV block, for the router and the simulated engines alike.

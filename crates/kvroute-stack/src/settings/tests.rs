@@ -180,6 +180,7 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
         match key {
             "nats_snapshot_every" | "max_model_len" => 7.into(),
             "ext_proc_port" => 9002.into(),
+            "ext_proc_health_port" => 9003.into(),
             "kv_transfer_bandwidth_across_nodes" => 7.5.into(),
             _ => "/x".into(),
         }
@@ -193,9 +194,11 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
         "ext_proc_tls_cert" => Some("ext_proc_tls_key"),
         "ext_proc_tls_key" => Some("ext_proc_tls_cert"),
         // The picker's settings need its port.
-        "epp_fallbacks" | "endpoints_file" | "ext_proc_self_signed" | "ext_proc_token_file" => {
-            Some("ext_proc_port")
-        }
+        "epp_fallbacks"
+        | "endpoints_file"
+        | "ext_proc_self_signed"
+        | "ext_proc_token_file"
+        | "ext_proc_health_port" => Some("ext_proc_port"),
         _ => None,
     };
     let long = |key: &str| {

@@ -118,7 +118,7 @@ def test_the_objects_point_at_each_other_and_the_picker_config_is_accepted(overl
     backend = route["spec"]["rules"][0]["backendRefs"][0]
     assert (backend["kind"], backend["name"]) == ("InferencePool", "kvroute-pool")
     # The picker's settings are ones `kvroute frontend` takes, with ext_proc on the port the
-    # probes and the Service use, and every endpoint of the pool file a configured worker.
+    # Service uses and health on the port the probes use, and every endpoint of the pool file a configured worker.
     config = by[("ConfigMap", "kvroute-config")]["data"]["kvroute.toml"]
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "kvroute.toml"
@@ -128,9 +128,12 @@ def test_the_objects_point_at_each_other_and_the_picker_config_is_accepted(overl
             check=True, capture_output=True, text=True,
         ).stdout
     assert "ext_proc_port = 9002" in shown
+    # TLS on the picker's port (#64), health in plain text where the probes ask.
+    assert "ext_proc_self_signed = true" in shown
+    assert "ext_proc_health_port = 9003" in shown
     container = picker["spec"]["template"]["spec"]["containers"][0]
-    for probe in ["livenessProbe", "readinessProbe"]:
-        assert container[probe]["grpc"]["port"] == 9002
+    for probe in ["livenessProbe", "readinessProbe", "startupProbe"]:
+        assert container[probe]["grpc"]["port"] == 9003
     endpoints = by[("ConfigMap", "kvroute-pool")]["data"]["endpoints"]
     listed = [l.split("#")[0].strip() for l in endpoints.splitlines()]
     for endpoint in filter(None, listed):
