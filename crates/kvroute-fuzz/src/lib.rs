@@ -549,6 +549,11 @@ pub fn ext_proc_seeds() -> Vec<(&'static str, Vec<u8>)> {
         kvroute_epp::metadata::string("127.0.0.1:1"),
     );
     let answer = headers(&[(":status", "200"), ("content-type", "text/event-stream")], false);
+    let answer_plain = headers(&[(":status", "200"), ("content-type", "application/json")], false);
+    // The stream's deadline passing (see `ext_proc`).
+    let expire = || ProcessingRequest { observability_mode: true, ..ProcessingRequest::default() };
+    let generate = br#"{"token_ids":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17],"sampling_params":{"max_tokens":2}}"#;
+    let generate_with = br#"{"token_ids":[1,2,3],"sampling_params":{"max_tokens":2},"vllm_xargs":{"kv_transfer_params":{"do_remote_decode":true}}}"#;
     let chat = br#"{"messages":[{"role":"user","content":"Hello there, how are you?"}],"max_tokens":4,"stream":true}"#;
     let (full, buffered) = (4, 2);
     vec![
@@ -612,5 +617,38 @@ pub fn ext_proc_seeds() -> Vec<(&'static str, Vec<u8>)> {
             )]),
         ),
         ("body-first", frame(vec![message(Request::RequestBody(body(b"{}", true)), None, None)])),
+        (
+            "generate-with-transfer",
+            frame(vec![
+                message(Request::RequestHeaders(post("/inference/v1/generate")), None, None),
+                message(Request::RequestBody(body(generate_with, true)), None, None),
+            ]),
+        ),
+        (
+            "generate-in-turn",
+            frame(vec![
+                message(Request::RequestHeaders(post("/inference/v1/generate")), None, None),
+                message(Request::RequestBody(body(generate, true)), None, None),
+                message(Request::ResponseHeaders(answer_plain.clone()), None, None),
+                message(Request::ResponseBody(body(b"{}", true)), None, None),
+            ]),
+        ),
+        (
+            "deadline-mid-body",
+            frame(vec![
+                message(Request::RequestHeaders(post("/v1/chat/completions")), None, None),
+                message(Request::RequestBody(body(&chat[..30], false)), None, None),
+                expire(),
+            ]),
+        ),
+        (
+            "deadline-after-pick",
+            frame(vec![
+                message(Request::RequestHeaders(post("/v1/chat/completions")), None, None),
+                message(Request::RequestBody(body(chat, true)), None, None),
+                expire(),
+                message(Request::ResponseHeaders(answer_plain), None, None),
+            ]),
+        ),
     ]
 }
