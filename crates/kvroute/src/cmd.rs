@@ -105,10 +105,14 @@ pub(crate) async fn start_picker(
         Some(port) => Some(bind(&address.address(port)).await?),
         None => None,
     };
-    let health_line = match &health {
-        Some(h) => format!("; gRPC health in plain text on {}", h.local_addr()?),
-        None => String::new(),
-    };
+    let mut lines =
+        vec![format!("kvroute endpoint picker (Envoy ext_proc, gRPC health) on {local}")];
+    if tls.is_some() {
+        lines.push("  the picker's port serves TLS".to_owned());
+    }
+    if let Some(h) = &health {
+        lines.push(format!("  the picker's gRPC health in plain text on {}", h.local_addr()?));
+    }
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
     let ready = async move {
         let _ = ready_rx.await;
@@ -119,9 +123,6 @@ pub(crate) async fn start_picker(
             tracing::error!(error = %e, "the endpoint picker stopped");
         }
     });
-    let scheme = if settings.epp_tls()?.is_some() { "TLS" } else { "plain text" };
-    announce(&[format!(
-        "kvroute endpoint picker (Envoy ext_proc, gRPC health, {scheme}) on {local}{health_line}"
-    )]);
+    announce(&lines);
     Ok(Some(ready_tx))
 }
