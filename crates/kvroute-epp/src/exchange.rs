@@ -31,6 +31,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use kvroute_core::WorkerId;
+use kvroute_frontend::native::NATIVE_PATHS;
 use kvroute_frontend::pick::{Held, PICKED_PATHS};
 use kvroute_http::ApiError;
 use kvroute_http::auth::KeyId;
@@ -377,7 +378,9 @@ impl Exchange {
                 }
             };
         }
-        if !PICKED_PATHS.contains(&self.path.as_str()) {
+        let path = self.path.as_str();
+        let native = NATIVE_PATHS.contains(&path);
+        if !PICKED_PATHS.contains(&path) && !native {
             let content_type = self.headers.get("content-type").and_then(|v| v.to_str().ok());
             if let Err(e) = self.picker.front.check_transfer_fields(&self.body, content_type) {
                 return Ok(vec![self.refuse(&e)]);
@@ -387,12 +390,21 @@ impl Exchange {
         }
         let body = Bytes::from(std::mem::take(&mut self.body));
         let started = Instant::now();
-        let (front, key) = (&self.picker.front, self.key.as_ref());
-        let picked = front.pick(&self.path, &self.headers, body, self.allowed.as_ref(), key).await;
+        let (front, key, allowed) = (&self.picker.front, self.key.as_ref(), self.allowed.as_ref());
+        let picked = match native {
+            true => front.pick_native(path, &self.headers, body.clone(), allowed, key).await,
+            false => front.pick(path, &self.headers, body.clone(), allowed, key).await.map(Some),
+        };
         self.share = None;
         self.picker.metrics.pick_seconds.observe(started.elapsed().as_secs_f64());
         let picked = match picked {
-            Ok(p) => p,
+            Ok(Some(p)) => p,
+            Ok(None) => {
+                // A native body kvroute does not place (a prompt as text, a batch): in turn.
+                self.body = body.to_vec();
+                self.picker.metrics.unplaced.inc();
+                return Ok(self.in_turn(Side::Body));
+            }
             Err(e) => return Ok(vec![self.refuse(&e)]),
         };
         self.model = picked.model.clone();

@@ -28,7 +28,10 @@ pub(crate) const SESSION_HEADER: &str = "x-session-id";
 
 /// A request's session: its `prompt_cache_key`, else its `x-session-id` header; a key past
 /// [`kvroute_http::router_api::MAX_SESSION_KEY`] bytes is a 400 naming where it came from.
-fn session(headers: &HeaderMap, body_key: Option<&str>) -> Result<Option<String>, ApiError> {
+pub(crate) fn session(
+    headers: &HeaderMap,
+    body_key: Option<&str>,
+) -> Result<Option<String>, ApiError> {
     let max = kvroute_http::router_api::MAX_SESSION_KEY;
     let too_long = |param: &'static str| {
         ApiError::bad_request(format!("{param} must be at most {max} bytes")).param(param)
@@ -57,7 +60,7 @@ use crate::{PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER};
 /// model's configured one (`model_priority`), lowered to the key's ceiling when above it
 /// (counted); the objective from its header; the tenant from the API key that let it in (a
 /// client cannot pose as another key's tenant), else from its header, else `default`.
-fn class(
+pub(crate) fn class(
     state: &FrontendState,
     headers: &HeaderMap,
     key: Option<&KeyId>,

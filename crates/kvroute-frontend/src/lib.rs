@@ -43,6 +43,7 @@ mod handlers;
 pub mod health;
 mod hop;
 mod models;
+pub mod native;
 mod pair;
 pub mod parity;
 pub mod pick;

@@ -147,6 +147,37 @@ impl FrontendState {
                 return Err(ApiError::not_found(format!("{other} is not a route kvroute places")));
             }
         };
+        self.place_picked(&out, allowed).await
+    }
+
+    /// [`FrontendState::pick`] for an engine's native token body at `path` (one of
+    /// [`crate::native::NATIVE_PATHS`]), placed by its token ids; `None` when it is not one
+    /// kvroute places (a SGLang prompt as text, a batch): the caller sends it on in turn.
+    pub async fn pick_native(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+        allowed: Option<&BTreeSet<WorkerId>>,
+        key: Option<&KeyId>,
+    ) -> Result<Option<Picked>, ApiError> {
+        let Some(path) = crate::native::NATIVE_PATHS.into_iter().find(|p| *p == path) else {
+            return Err(ApiError::not_found(format!(
+                "{path} is not a native route kvroute places"
+            )));
+        };
+        match self.native_outbound(path, key, headers, &body)? {
+            Some(out) => self.place_picked(&out, allowed).await.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Places `out` among `allowed` workers in rotation (a pair in a P/D fleet).
+    async fn place_picked(
+        self: &Arc<Self>,
+        out: &Outbound,
+        allowed: Option<&BTreeSet<WorkerId>>,
+    ) -> Result<Picked, ApiError> {
         let mut excluded: Vec<WorkerWithDpRank> = self
             .urls
             .keys()
@@ -154,7 +185,7 @@ impl FrontendState {
             .flat_map(|&w| self.all_ranks(w))
             .collect();
         if self.placer.disaggregated(self.prefill_workers) {
-            return self.pick_pair(&out, excluded).await;
+            return self.pick_pair(out, excluded).await;
         }
         let mut ask = out.ask();
         loop {
@@ -172,7 +203,7 @@ impl FrontendState {
                 excluded.extend(self.all_ranks(worker));
                 continue;
             }
-            return Ok(self.picked(&out, placement, None, guard, &excluded));
+            return Ok(self.picked(out, placement, None, guard, &excluded));
         }
     }
 

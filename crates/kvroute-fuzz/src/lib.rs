@@ -625,7 +625,7 @@ pub fn ext_proc_seeds() -> Vec<(&'static str, Vec<u8>)> {
             ]),
         ),
         (
-            "generate-in-turn",
+            "generate-placed",
             frame(vec![
                 message(Request::RequestHeaders(post("/inference/v1/generate")), None, None),
                 message(Request::RequestBody(body(generate, true)), None, None),

@@ -79,10 +79,10 @@ fn the_ext_proc_seeds_are_built_from_the_protobuf_types() {
     assert_eq!(answers("completion-buffered"), (5, false));
     assert_eq!(answers("get-with-subset"), (1, false));
     assert_eq!(answers("body-first"), (0, true));
-    // #64: a transfer field off the placed paths is refused; a native body goes on in turn;
+    // #64: a transfer field off the placed paths is refused; a native body is placed by its ids;
     // a deadline mid-body is a 408, after the pick the stream ends (its placement freed).
     assert_eq!(answers("generate-with-transfer"), (1, true));
-    assert_eq!(answers("generate-in-turn"), (4, false));
+    assert_eq!(answers("generate-placed"), (4, false));
     assert_eq!(answers("deadline-mid-body"), (1, true));
     assert_eq!(answers("deadline-after-pick"), (2, true));
 }

@@ -10,7 +10,7 @@
 //! The server must run with `--api-keys-file` holding `API_KEY max-priority=0`, an admin
 //! token, `--flow-control --max-num-seqs 8` and `--first-byte-timeout DEADLINE_SECS`.
 
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, clippy::print_stdout)]
 
 use std::time::{Duration, Instant};
 

@@ -836,9 +836,12 @@ async fn transfer_fields_are_refused_on_every_path_and_nothing_is_held() {
     let multipart = "multipart/form-data; boundary=b";
     let refused = post_bytes(&base, "/v1/audio/transcriptions", form.into(), multipart).await;
     assert_eq!(refused.0, 400);
-    // Without them a native body goes on, in turn, counted.
+    // Without them a native body goes on: placed by its ids, or (a prompt as text) in turn.
     let plain = json!({"token_ids": tokens, "sampling_params": {"max_tokens": 2}});
     let (status, _, text) = post(&base, "/inference/v1/generate", &plain, &[]).await;
+    assert_ne!(status, 400, "{}", String::from_utf8_lossy(&text));
+    let text_prompt = json!({"text": "hello", "sampling_params": {"max_new_tokens": 2}});
+    let (status, _, text) = post(&base, "/generate", &text_prompt, &[]).await;
     assert_ne!(status, 400, "{}", String::from_utf8_lossy(&text));
     assert!(p.metrics().await.contains("kvroute_epp_unplaced_requests_total 1"));
     assert_eq!(held_blocks(&p.stack), 0, "no prefill engine holds a block for a client");
@@ -1112,4 +1115,33 @@ async fn the_port_serves_tls_and_asks_for_the_gateways_token() {
             .await;
         assert!(health.is_err(), "a plain-text client got an answer");
     }
+}
+
+/// The engines' native token bodies through the picker are placed by their token ids: a
+/// vLLM generate body and a SGLang `/generate` body with `input_ids` that share a long
+/// prefix with an earlier one go where it went, and find it cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_token_bodies_are_placed_by_their_ids() {
+    let p = pool(4).await;
+    let (gateway, base) = p.gateway(|_| {}).await;
+    for (k, path) in ["/inference/v1/generate", "/generate"].into_iter().enumerate() {
+        let prefix: Vec<u32> = (0..600).map(|t| 1 + (t * 7 + 301 * k as u32) % 900).collect();
+        let mut longer = prefix.clone();
+        longer.extend(50..90);
+        let body = |ids: &[u32]| match path {
+            "/generate" => json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}),
+            _ => json!({"token_ids": ids, "sampling_params": {"max_tokens": 2}}),
+        };
+        let (status, _, text) = post(&base, path, &body(&prefix), &[]).await;
+        assert_eq!(status, 200, "{path}: {}", String::from_utf8_lossy(&text));
+        let first = gateway.routed().last().unwrap().served.clone();
+        for _ in 0..3 {
+            let (status, _, _) = post(&base, path, &body(&longer), &[]).await;
+            assert_eq!(status, 200);
+            assert_eq!(gateway.routed().last().unwrap().served, first, "{path}: with its prefix");
+        }
+    }
+    let metrics = p.metrics().await;
+    assert!(metrics.contains("kvroute_epp_unplaced_requests_total 0"), "every one placed");
+    assert!(eventually(Duration::from_secs(5), || p.in_flight() == 0).await);
 }
