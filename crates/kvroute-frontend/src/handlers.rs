@@ -263,3 +263,52 @@ pub(crate) async fn metrics(State(state): State<Arc<FrontendState>>) -> Response
         registries.into_iter().flatten().collect();
     kvroute_http::metrics::response(&registries)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use kvroute_http::auth::Grant;
+    use kvroute_router::{RouterConfig, RouterState};
+
+    use super::*;
+
+    fn state() -> FrontendState {
+        let router = Arc::new(RouterState::new(RouterConfig::default()));
+        let fetch = kvroute_preprocess::fetch::FetchConfig::default();
+        let fetcher = kvroute_preprocess::fetch::Fetcher::new(fetch).unwrap();
+        let pre = Arc::new(kvroute_preprocess::Preprocessor::builtin());
+        let state = FrontendState::new(pre, fetcher, router);
+        let model = state.preprocessor.model_name().to_owned();
+        state.with_model_priorities(BTreeMap::from([(model, 7)]))
+    }
+
+    fn priority(state: &FrontendState, header: Option<&str>, grant: Option<Grant>) -> i32 {
+        let mut headers = HeaderMap::new();
+        if let Some(h) = header {
+            headers.insert(crate::PRIORITY_HEADER, h.parse().unwrap());
+        }
+        let key = grant.map(|grant| KeyId { id: "t-0123".into(), grant });
+        let (class, _) = class(state, &headers, key.as_ref(), state.model_priority(None)).unwrap();
+        assert_eq!(class.tenant.as_ref(), if key.is_some() { "t-0123" } else { "default" });
+        class.priority
+    }
+
+    /// #64 finding 3: the header, else the key's default, else the model's; a key's ceiling
+    /// caps each of them (counted).
+    #[test]
+    fn priority_comes_from_the_header_the_key_or_the_model_and_a_key_caps_it() {
+        let state = state();
+        let capped = Grant { priority: None, max_priority: Some(2) };
+        let low = Grant { priority: Some(-3), max_priority: None };
+        assert_eq!(priority(&state, Some("50"), None), 50, "no key: as named");
+        assert_eq!(priority(&state, None, None), 7, "the model's");
+        assert_eq!(priority(&state, None, Some(low)), -3, "the key's default before the model's");
+        assert_eq!(priority(&state, Some("1"), Some(low)), 1, "a named one first");
+        assert_eq!(state.metrics.priority_clamped.get(), 0);
+        assert_eq!(priority(&state, Some("100"), Some(capped)), 2, "lowered to the ceiling");
+        assert_eq!(priority(&state, None, Some(capped)), 2, "the model's too");
+        assert_eq!(priority(&state, Some("-5"), Some(capped)), -5, "below it: as named");
+        assert_eq!(state.metrics.priority_clamped.get(), 2);
+    }
+}

@@ -335,3 +335,19 @@ fn the_engines_links_price_the_pairs() {
     s.engine.kv_transfer_bandwidth_across_nodes = Some(-1.0);
     assert!(s.engine_config().is_err());
 }
+
+/// `--model-priority NAME=N`: each model's priority; a malformed or out-of-range entry is
+/// refused at start, naming it.
+#[test]
+fn model_priorities_are_read_and_bad_ones_refused() {
+    let mut s = Settings::default();
+    s.front_door.model_priorities = vec!["chat=5".into(), " base = -1".into()];
+    let read = s.model_priorities().unwrap();
+    assert_eq!(read.get("chat"), Some(&5));
+    assert_eq!(read.get("base"), Some(&-1));
+    for bad in ["chat", "chat=x", "=3", "chat=1000"] {
+        s.front_door.model_priorities = vec![bad.into()];
+        let e = s.model_priorities().unwrap_err().to_string();
+        assert!(e.contains(bad.trim()), "{e}");
+    }
+}
