@@ -50,15 +50,9 @@ async fn next(mut open: Open) -> Option<(Result<ProcessingResponse, Status>, Ope
                 tokio::select! {
                     m = open.inbound.message() => m,
                     () = tokio::time::sleep_until(at) => {
-                        match open.exchange.expired() {
-                            Ok(answers) => {
-                                open.answers.extend(answers);
-                                open.over = open.exchange.done();
-                            }
-                            Err(status) => {
-                                open.over = true;
-                                return Some((Err(status), open));
-                            }
+                        let answered = open.exchange.expired();
+                        if let Err(status) = open.take(answered) {
+                            return Some((Err(status), open));
                         }
                         continue;
                     }
@@ -67,16 +61,12 @@ async fn next(mut open: Open) -> Option<(Result<ProcessingResponse, Status>, Ope
             None => open.inbound.message().await,
         };
         match message {
-            Ok(Some(m)) => match open.exchange.on(m).await {
-                Ok(answers) => {
-                    open.answers.extend(answers);
-                    open.over = open.exchange.done();
-                }
-                Err(status) => {
-                    open.over = true;
+            Ok(Some(m)) => {
+                let answered = open.exchange.on(m).await;
+                if let Err(status) = open.take(answered) {
                     return Some((Err(status), open));
                 }
-            },
+            }
             // The gateway ended its side before the response did: nothing more comes.
             Ok(None) => open.over = true,
             // Bytes that are no message (or past the limit), or a reset: the gateway is
@@ -85,6 +75,24 @@ async fn next(mut open: Open) -> Option<(Result<ProcessingResponse, Status>, Ope
                 tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream broken");
                 open.over = true;
                 return Some((Err(status), open));
+            }
+        }
+    }
+}
+
+impl Open {
+    /// Takes what the exchange answered: its messages queued (the stream over once the
+    /// exchange is done), or the error that ends the stream.
+    fn take(&mut self, answered: Result<Vec<ProcessingResponse>, Status>) -> Result<(), Status> {
+        match answered {
+            Ok(answers) => {
+                self.answers.extend(answers);
+                self.over = self.exchange.done();
+                Ok(())
+            }
+            Err(status) => {
+                self.over = true;
+                Err(status)
             }
         }
     }

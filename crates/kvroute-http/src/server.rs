@@ -116,21 +116,8 @@ pub enum TlsError {
 
 /// A TLS acceptor from PEM files: the certificate chain (leaf first) and its private key.
 pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
-    use rustls::pki_types::pem::PemObject as _;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let path = |p: &Path| p.display().to_string();
-    let certs = CertificateDer::pem_file_iter(cert)
-        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-        .map_err(|source| TlsError::Certs { path: path(cert), source })?;
-    let key = PrivateKeyDer::from_pem_file(key)
-        .map_err(|source| TlsError::Key { path: path(key), source })?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    let certified = crate::tls::read_pem(cert, key)?;
+    Ok(TlsAcceptor::from(crate::tls::fixed_config(certified, &[b"http/1.1"])?))
 }
 
 /// Body bytes released (received whole or abandoned) since the allocator last gave its free

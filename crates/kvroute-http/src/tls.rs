@@ -130,6 +130,14 @@ impl ResolvesServerCert for Fixed {
     }
 }
 
+/// A server configuration serving `certified` always, offering `alpn`.
+pub fn fixed_config(
+    certified: CertifiedKey,
+    alpn: &[&[u8]],
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    server_config(Arc::new(Fixed(Arc::new(certified))), alpn)
+}
+
 /// A self-signed certificate for `names` (and `localhost`), drawn now, with its PEM (for a
 /// client that wants to pin it), as a server configuration offering `alpn`.
 pub fn self_signed(
@@ -145,7 +153,7 @@ pub fn self_signed(
         .map_err(|e| TlsError::Generate(e.to_owned()))?;
     let certified =
         CertifiedKey::new(vec![generated.cert.der().clone()], any_supported_type(&key)?);
-    Ok((server_config(Arc::new(Fixed(Arc::new(certified))), alpn)?, pem))
+    Ok((fixed_config(certified, alpn)?, pem))
 }
 
 #[cfg(test)]
