@@ -193,8 +193,7 @@ pub async fn serve_tls(
     }
 }
 
-/// How long a client has to finish its TLS handshake.
-pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+pub use crate::tls::HANDSHAKE_TIMEOUT;
 
 /// The address a listener for the picker binds by default.
 pub const DEFAULT_ADDR: SocketAddr =

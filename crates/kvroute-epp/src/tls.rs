@@ -1,5 +1,5 @@
 //! The picker's listener over TLS: connections accepted, their handshakes done each in a task
-//! of its own (within [`crate::service::HANDSHAKE_TIMEOUT`]), and the streams handed to
+//! of its own (within [`HANDSHAKE_TIMEOUT`]), and the streams handed to
 //! tonic with their peer's address (the picker reads it for the body budget).
 
 use std::pin::Pin;
@@ -11,6 +11,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
+
+/// How long a client has to finish its TLS handshake.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A TLS connection with its addresses.
 #[derive(Debug)]
@@ -94,7 +97,7 @@ pub fn incoming(
                 TcpConnectInfo { local_addr: tcp.local_addr().ok(), remote_addr: Some(remote) };
             let (acceptor, tx) = (acceptor.clone(), tx.clone());
             tokio::spawn(async move {
-                let timeout = crate::service::HANDSHAKE_TIMEOUT;
+                let timeout = HANDSHAKE_TIMEOUT;
                 match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
                         let _ = tx.send(Ok(TlsConnection { stream, info })).await;

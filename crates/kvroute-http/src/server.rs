@@ -100,19 +100,7 @@ impl Default for ServeOptions {
     }
 }
 
-/// Why TLS could not be set up.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum TlsError {
-    #[error("reading the certificate chain {path}")]
-    Certs { path: String, source: rustls::pki_types::pem::Error },
-    #[error("reading the private key {path}")]
-    Key { path: String, source: rustls::pki_types::pem::Error },
-    #[error("the certificate and key do not make a TLS configuration")]
-    Config(#[from] rustls::Error),
-    #[error("drawing a self-signed certificate: {0}")]
-    Generate(String),
-}
+pub use crate::tls::TlsError;
 
 /// A TLS acceptor from PEM files: the certificate chain (leaf first) and its private key.
 pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {

@@ -14,7 +14,19 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 
-use crate::server::TlsError;
+/// Why TLS could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    #[error("reading the certificate chain {path}")]
+    Certs { path: String, source: rustls::pki_types::pem::Error },
+    #[error("reading the private key {path}")]
+    Key { path: String, source: rustls::pki_types::pem::Error },
+    #[error("the certificate and key do not make a TLS configuration")]
+    Config(#[from] rustls::Error),
+    #[error("drawing a self-signed certificate: {0}")]
+    Generate(String),
+}
 
 /// How often the files are looked at (their modification times), at most: on a handshake.
 pub const RECHECK: Duration = Duration::from_secs(1);
@@ -90,7 +102,7 @@ impl CertFiles {
                         tracing::info!(cert = %self.cert.display(), "TLS certificate reloaded");
                     }
                     Err(e) => tracing::warn!(
-                        cert = %self.cert.display(), error = %crate::error::chain(&e),
+                        cert = %self.cert.display(), error = ?e,
                         "TLS certificate changed but cannot be read: the last one kept"
                     ),
                 }
