@@ -31,8 +31,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use kvroute_core::WorkerId;
-use kvroute_frontend::native::NATIVE_PATHS;
-use kvroute_frontend::pick::{Held, PICKED_PATHS};
+use kvroute_frontend::pick::{self, Held, Pick};
 use kvroute_http::ApiError;
 use kvroute_http::auth::KeyId;
 use tonic::Status;
@@ -178,6 +177,11 @@ impl Exchange {
         }
     }
 
+    /// Frees the placement held, once ([`release`]): true for the call that freed it.
+    fn release(&self, answered: bool) -> bool {
+        release(&self.hold.slot, &self.picker, &self.model, self.started, answered)
+    }
+
     /// When the stream's current wait ends ([`Exchange::expired`] is then due).
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline
@@ -201,7 +205,7 @@ impl Exchange {
                 Ok(vec![self.refuse(&e)])
             }
             Phase::Picked => {
-                if release(&self.hold.slot, &self.picker, &self.model, self.started, false) {
+                if self.release(false) {
                     self.picker.metrics.deadline(Stage::Response);
                 }
                 self.hold.begun();
@@ -378,9 +382,7 @@ impl Exchange {
                 }
             };
         }
-        let path = self.path.as_str();
-        let native = NATIVE_PATHS.contains(&path);
-        if !PICKED_PATHS.contains(&path) && !native {
+        if !pick::places(&self.path) {
             let content_type = self.headers.get("content-type").and_then(|v| v.to_str().ok());
             if let Err(e) = self.picker.front.check_transfer_fields(&self.body, content_type) {
                 return Ok(vec![self.refuse(&e)]);
@@ -391,16 +393,12 @@ impl Exchange {
         let body = Bytes::from(std::mem::take(&mut self.body));
         let started = Instant::now();
         let (front, key, allowed) = (&self.picker.front, self.key.as_ref(), self.allowed.as_ref());
-        let picked = match native {
-            true => front.pick_native(path, &self.headers, body.clone(), allowed, key).await,
-            false => front.pick(path, &self.headers, body.clone(), allowed, key).await.map(Some),
-        };
+        let picked = front.pick(&self.path, &self.headers, body, allowed, key).await;
         self.share = None;
         self.picker.metrics.pick_seconds.observe(started.elapsed().as_secs_f64());
         let picked = match picked {
-            Ok(Some(p)) => p,
-            Ok(None) => {
-                // A native body kvroute does not place (a prompt as text, a batch): in turn.
+            Ok(Pick::Placed(p)) => *p,
+            Ok(Pick::InTurn(body)) => {
                 self.body = body.to_vec();
                 self.picker.metrics.unplaced.inc();
                 return Ok(self.in_turn(Side::Body));
@@ -510,8 +508,7 @@ impl Exchange {
         let mut set = Vec::new();
         self.deadline = None;
         self.hold.begun();
-        let slot = Arc::clone(&self.hold.slot);
-        let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut slot = self.hold.lock();
         if let Some(held) = slot.as_mut() {
             if let Some(served) = metadata::served(metadata) {
                 match self.picker.endpoints().worker(served) {
@@ -574,7 +571,7 @@ impl Exchange {
 
     /// The response ended: the request is freed now (not when the stream closes).
     fn end(&mut self) {
-        release(&self.hold.slot, &self.picker, &self.model, self.started, true);
+        self.release(true);
         self.phase = Phase::Done;
     }
 
@@ -609,7 +606,7 @@ impl Drop for Exchange {
     fn drop(&mut self) {
         if self.phase != Phase::Done {
             self.picker.metrics.broken.inc();
-            release(&self.hold.slot, &self.picker, &self.model, self.started, false);
+            self.release(false);
         }
     }
 }

@@ -25,6 +25,20 @@ use crate::usage::Usage;
 /// The OpenAI routes a picker places (any other path is the gateway's to route).
 pub const PICKED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
 
+/// Whether kvroute places a request at `path` (else it goes on in turn).
+pub fn places(path: &str) -> bool {
+    PICKED_PATHS.contains(&path) || crate::native::NATIVE_PATHS.contains(&path)
+}
+
+/// What [`FrontendState::pick`] made of a request.
+#[derive(Debug)]
+pub enum Pick {
+    /// Placed.
+    Placed(Box<Picked>),
+    /// Not one kvroute places: its body, to send on in turn.
+    InTurn(Bytes),
+}
+
 /// Where a request goes, and what goes there.
 #[derive(Debug)]
 pub struct Picked {
@@ -125,9 +139,12 @@ impl Held {
 }
 
 impl FrontendState {
-    /// Places the OpenAI request at `path` (one of [`PICKED_PATHS`]) among `allowed` workers
-    /// (all when `None`) that are in rotation, as the front door would, without sending it.
-    /// A 503 when none can take it; flow control's refusals as they are (429, 503).
+    /// Places the request at `path` (one of [`PICKED_PATHS`], or an engine's native token
+    /// route, [`crate::native::NATIVE_PATHS`], placed by its token ids) among `allowed`
+    /// workers (all when `None`) that are in rotation, as the front door would, without
+    /// sending it. A native body kvroute does not place (a SGLang prompt as text, a batch) is
+    /// handed back for the caller to send on in turn. A 503 when no worker can take it; flow
+    /// control's refusals as they are (429, 503).
     pub async fn pick(
         self: &Arc<Self>,
         path: &str,
@@ -135,7 +152,7 @@ impl FrontendState {
         body: Bytes,
         allowed: Option<&BTreeSet<WorkerId>>,
         key: Option<&KeyId>,
-    ) -> Result<Picked, ApiError> {
+    ) -> Result<Pick, ApiError> {
         let out = match path {
             "/v1/chat/completions" => {
                 crate::handlers::chat_outbound(self, key, headers, Ok(body)).await?
@@ -143,33 +160,22 @@ impl FrontendState {
             "/v1/completions" => {
                 crate::handlers::completion_outbound(self, key, headers, Ok(body))?
             }
-            other => {
-                return Err(ApiError::not_found(format!("{other} is not a route kvroute places")));
-            }
+            other => match crate::native::NATIVE_PATHS.into_iter().find(|p| *p == other) {
+                Some(native) => match self.native_outbound(native, key, headers, &body)? {
+                    // The body is not held while the request waits to be placed.
+                    Some(out) => {
+                        drop(body);
+                        out
+                    }
+                    None => return Ok(Pick::InTurn(body)),
+                },
+                None => {
+                    let e = format!("{other} is not a route kvroute places");
+                    return Err(ApiError::not_found(e));
+                }
+            },
         };
-        self.place_picked(&out, allowed).await
-    }
-
-    /// [`FrontendState::pick`] for an engine's native token body at `path` (one of
-    /// [`crate::native::NATIVE_PATHS`]), placed by its token ids; `None` when it is not one
-    /// kvroute places (a SGLang prompt as text, a batch): the caller sends it on in turn.
-    pub async fn pick_native(
-        self: &Arc<Self>,
-        path: &str,
-        headers: &HeaderMap,
-        body: Bytes,
-        allowed: Option<&BTreeSet<WorkerId>>,
-        key: Option<&KeyId>,
-    ) -> Result<Option<Picked>, ApiError> {
-        let Some(path) = crate::native::NATIVE_PATHS.into_iter().find(|p| *p == path) else {
-            return Err(ApiError::not_found(format!(
-                "{path} is not a native route kvroute places"
-            )));
-        };
-        match self.native_outbound(path, key, headers, &body)? {
-            Some(out) => self.place_picked(&out, allowed).await.map(Some),
-            None => Ok(None),
-        }
+        self.place_picked(&out, allowed).await.map(|p| Pick::Placed(Box::new(p)))
     }
 
     /// Places `out` among `allowed` workers in rotation (a pair in a P/D fleet).
