@@ -57,14 +57,14 @@ use crate::{PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER};
 
 /// A request's class for flow control, and whether its priority was named (by the client,
 /// its key or its model): the priority from its header, else the key's default, else the
-/// model's configured one (`model_priority`), lowered to the key's ceiling when above it
+/// configured one of its model (`adapter`, else the base model), lowered to the key's ceiling when above it
 /// (counted); the objective from its header; the tenant from the API key that let it in (a
 /// client cannot pose as another key's tenant), else from its header, else `default`.
 pub(crate) fn class(
     state: &FrontendState,
     headers: &HeaderMap,
     key: Option<&KeyId>,
-    model_priority: Option<i32>,
+    adapter: Option<&str>,
 ) -> Result<(kvroute_core::schedule::flow::RequestClass, bool), ApiError> {
     fn header<'h>(headers: &'h HeaderMap, name: &'static str) -> Result<Option<&'h str>, ApiError> {
         headers
@@ -89,7 +89,7 @@ pub(crate) fn class(
     }
     let named = number::<i32>(header(headers, PRIORITY_HEADER)?, PRIORITY_HEADER)?;
     let grant = key.map(|k| k.grant).unwrap_or_default();
-    let mut priority = named.or(grant.priority).or(model_priority);
+    let mut priority = named.or(grant.priority).or_else(|| state.model_priority(adapter));
     if let (Some(p), Some(max)) = (priority, grant.max_priority)
         && p > max
     {
@@ -146,8 +146,7 @@ pub(crate) async fn chat_outbound(
 ) -> Result<Outbound, ApiError> {
     let (mut raw, req) = parse::<ChatCompletionRequest>(state, body, "messages")?;
     let adapter = state.models.resolve(req.model.as_deref())?;
-    let model_priority = state.model_priority(adapter.as_deref());
-    let (class, priority_named) = class(state, headers, key, model_priority)?;
+    let (class, priority_named) = class(state, headers, key, adapter.as_deref())?;
     let session = session(headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key, session);
     let namespace = state.namespace(key, req.cache_salt.as_deref());
@@ -209,8 +208,7 @@ pub(crate) fn completion_outbound(
 ) -> Result<Outbound, ApiError> {
     let (raw, req) = parse::<CompletionRequest>(state, body, "prompt")?;
     let adapter = state.models.resolve(req.model.as_deref())?;
-    let model_priority = state.model_priority(adapter.as_deref());
-    let (class, priority_named) = class(state, headers, key, model_priority)?;
+    let (class, priority_named) = class(state, headers, key, adapter.as_deref())?;
     let session = session(headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key, session);
     let namespace = state.namespace(key, req.cache_salt.as_deref());
@@ -289,7 +287,7 @@ mod tests {
             headers.insert(crate::PRIORITY_HEADER, h.parse().unwrap());
         }
         let key = grant.map(|grant| KeyId { id: "t-0123".into(), grant });
-        let (class, _) = class(state, &headers, key.as_ref(), state.model_priority(None)).unwrap();
+        let (class, _) = class(state, &headers, key.as_ref(), None).unwrap();
         assert_eq!(class.tenant.as_ref(), if key.is_some() { "t-0123" } else { "default" });
         class.priority
     }

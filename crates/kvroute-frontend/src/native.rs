@@ -40,8 +40,8 @@ fn ids(ids: &[i64], param: &'static str) -> Result<Vec<u32>, ApiError> {
         .map_err(|_| ApiError::bad_request(format!("{param} must be token ids")).param(param))
 }
 
-fn vllm(raw: &Value) -> Result<Native, ApiError> {
-    let req: vllm_generate::GenerateRequest = serde_json::from_value(raw.clone())
+fn vllm(body: &[u8]) -> Result<Native, ApiError> {
+    let req: vllm_generate::GenerateRequest = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("the request body: {e}")))?;
     req.check()?;
     Ok(Native {
@@ -55,8 +55,8 @@ fn vllm(raw: &Value) -> Result<Native, ApiError> {
 }
 
 /// SGLang's body with one list of `input_ids` and no images; `None` otherwise.
-fn sglang(raw: &Value) -> Result<Option<Native>, ApiError> {
-    let req: sglang_generate::GenerateRequest = serde_json::from_value(raw.clone())
+fn sglang(body: &[u8]) -> Result<Option<Native>, ApiError> {
+    let req: sglang_generate::GenerateRequest = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("the request body: {e}")))?;
     let Some(sglang_generate::TokenIdsOrList::One(input)) = &req.input_ids else {
         return Ok(None);
@@ -97,8 +97,8 @@ impl FrontendState {
         let mut raw: Value = serde_json::from_slice(body)
             .map_err(|e| ApiError::bad_request(format!("the request body is not JSON: {e}")))?;
         let native = match path {
-            vllm_generate::PATH => vllm(&raw)?,
-            _ => match sglang(&raw)? {
+            vllm_generate::PATH => vllm(body)?,
+            _ => match sglang(body)? {
                 Some(n) => n,
                 None => return Ok(None),
             },
@@ -107,8 +107,7 @@ impl FrontendState {
             return Err(ApiError::bad_request("the prompt is empty"));
         }
         let adapter = self.models.resolve(native.model.as_deref())?;
-        let (class, _) =
-            crate::handlers::class(self, headers, key, self.model_priority(adapter.as_deref()))?;
+        let (class, _) = crate::handlers::class(self, headers, key, adapter.as_deref())?;
         let session = crate::handlers::session(headers, None)?;
         let session = self.session_key(key, session);
         let namespace = self.namespace(key, native.salt.as_deref());
