@@ -75,6 +75,8 @@ impl Share {
                 held.per_client.remove(&self.client);
             }
         }
+        drop(held);
+        kvroute_http::server::note_released_body_bytes(self.bytes);
         self.bytes = 0;
     }
 }

@@ -130,20 +130,80 @@ pub fn refuse_form(body: &[u8], content_type: &str) -> Result<(), ApiError> {
         decoded = percent_decoded(body);
         scanned = &decoded;
     }
-    let names = TRANSFER_FIELDS.iter().chain(NESTED_IN);
-    if let Some(name) = names.into_iter().find(|n| contains_ignoring_case(scanned, n.as_bytes())) {
+    if let Some(found) = names().find(scanned) {
+        let name = names_list()[found.pattern().as_usize()];
         return Err(ApiError::bad_request(format!(
             "the body names {name}, which kvroute sets itself when it pairs prefill and decode \
              engines; a client may not send it"
         )));
     }
     let encoded = [&b"content-transfer-encoding"[..], b"*="];
-    if lower.starts_with("multipart/") && encoded.iter().any(|e| contains_ignoring_case(body, e)) {
+    let headers = part_headers(body, content_type);
+    if lower.starts_with("multipart/")
+        && headers.iter().any(|h| encoded.iter().any(|e| contains_ignoring_case(h, e)))
+    {
         return Err(ApiError::bad_request(
             "multipart parts with encoded headers or content are not taken",
         ));
     }
     Ok(())
+}
+
+/// Most parts a multipart body is read for (Starlette refuses more than 1,000 fields and
+/// files: such a body reaches no engine); past them the whole body is scanned.
+const MAX_PARTS: usize = 1_000;
+
+/// The most bytes of a part taken for its headers.
+const MAX_PART_HEADERS: usize = 16 << 10;
+
+/// The header blocks of a multipart body's parts (each from its boundary line to the blank
+/// line after it, at most [`MAX_PART_HEADERS`]); the whole body when its boundary cannot be
+/// read or it has more than [`MAX_PARTS`] parts, so that nothing goes unscanned. A part's
+/// content (an audio file) is not a header: bytes like `*=` in it mean nothing. The bounds
+/// keep the scan linear in the body, whatever its bytes.
+fn part_headers<'b>(body: &'b [u8], content_type: &str) -> Vec<&'b [u8]> {
+    let boundary = content_type.split(';').find_map(|p| {
+        let (name, value) = p.split_once('=')?;
+        name.trim().eq_ignore_ascii_case("boundary").then(|| value.trim().trim_matches('"'))
+    });
+    let Some(boundary) = boundary.filter(|b| !b.is_empty()) else { return vec![body] };
+    let delimiter = format!("--{boundary}").into_bytes();
+    let mut blocks = Vec::new();
+    let mut rest = body;
+    while let Some(at) = rest.windows(delimiter.len()).position(|w| w == delimiter.as_slice()) {
+        if blocks.len() == MAX_PARTS {
+            return vec![body];
+        }
+        rest = &rest[at + delimiter.len()..];
+        let head = &rest[..rest.len().min(MAX_PART_HEADERS)];
+        // The block ends at the first empty line ("\r\n\r\n", or "\n\n").
+        let end = head
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map(|e| e + 4)
+            .or_else(|| head.windows(2).position(|w| w == b"\n\n").map(|e| e + 2))
+            .unwrap_or(head.len());
+        blocks.push(&head[..end]);
+    }
+    blocks
+}
+
+/// The transfer fields and [`NESTED_IN`], in one list.
+fn names_list() -> &'static [&'static str] {
+    static NAMES: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+    NAMES.get_or_init(|| TRANSFER_FIELDS.iter().chain(NESTED_IN).copied().collect())
+}
+
+/// One automaton for every name of [`names_list`], case aside: a body is scanned once, not
+/// once a name.
+fn names() -> &'static aho_corasick::AhoCorasick {
+    static NAMES: std::sync::OnceLock<aho_corasick::AhoCorasick> = std::sync::OnceLock::new();
+    NAMES.get_or_init(|| {
+        aho_corasick::AhoCorasick::builder()
+            .ascii_case_insensitive(true)
+            .build(names_list())
+            .unwrap_or_else(|e| unreachable!("a dozen short names: {e}"))
+    })
 }
 
 fn contains_ignoring_case(haystack: &[u8], needle: &[u8]) -> bool {
@@ -244,6 +304,16 @@ mod tests {
         assert!(refuse_bytes(part("VLLM_XARGS", "{}").as_bytes(), multipart).is_err());
         let hidden = "--x\r\nContent-Disposition: form-data; name*=utf-8''vllm%5Fxargs\r\n\r\n{}";
         assert!(refuse_bytes(hidden.as_bytes(), multipart).is_err());
+        let encoded = "--x\r\nContent-Disposition: form-data; name=\"a\"\r\nContent-Transfer-Encoding: base64\r\n\r\ndmxsbV94YXJncw==\r\n--x--\r\n";
+        assert!(refuse_bytes(encoded.as_bytes(), multipart).is_err());
+        // A file's content is no header: `*=` in it means nothing.
+        let file = part("file", "RIFF\x01*=\x02 content-transfer-encoding");
+        assert!(refuse_bytes(file.as_bytes(), multipart).is_ok());
+        // Without a boundary to find the parts by, the whole body is scanned; so is one of
+        // more parts than any engine takes.
+        assert!(refuse_bytes(file.as_bytes(), Some("multipart/form-data")).is_err());
+        let many = format!("{}{file}", "--x\r\n\r\n".repeat(MAX_PARTS));
+        assert!(refuse_bytes(many.as_bytes(), multipart).is_err());
         assert!(refuse_bytes(part("language", "en").as_bytes(), multipart).is_ok());
         let urlencoded = Some("application/x-www-form-urlencoded");
         assert!(refuse_bytes(b"vllm%5Fxargs=%7B%7D", urlencoded).is_err());

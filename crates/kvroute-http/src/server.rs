@@ -112,6 +112,12 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
 /// pages back, across every listener of the process.
 static RELEASED_BODY_BYTES: AtomicUsize = AtomicUsize::new(0);
 
+/// Counts `n` body bytes let go of outside a listener (the Endpoint Picker's streams), so
+/// that the next trimmer tick gives their pages back as it does a listener's.
+pub fn note_released_body_bytes(n: usize) {
+    RELEASED_BODY_BYTES.fetch_add(n, Ordering::Relaxed);
+}
+
 /// Released body bytes worth giving the allocator's free pages back for.
 pub const TRIM_AFTER_BYTES: usize = 16 << 20;
 
