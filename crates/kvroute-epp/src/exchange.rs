@@ -111,8 +111,7 @@ impl Hold {
         let started = Instant::now();
         let watchdog = tokio::spawn(async move {
             tokio::time::sleep(within).await;
-            if release(&slot, &picker, &model, started, false) {
-                picker.metrics.deadline(Stage::Response);
+            if release(&slot, &picker, &model, started, Freed::Deadline) {
                 tracing::debug!(%model, "the response did not begin in time: placement freed");
             }
         });
@@ -133,19 +132,32 @@ impl Drop for Hold {
     }
 }
 
-/// Frees what `slot` holds, once: true for the caller that freed it. `answered`: the
-/// response ended (its prefill is then done, if no byte said so before).
+/// Why a placement is freed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Freed {
+    /// The response ended (its prefill is then done, if no byte said so before).
+    Answered,
+    /// The response did not begin by the deadline.
+    Deadline,
+    /// The stream went first.
+    Gone,
+}
+
+/// Frees what `slot` holds, once: true for the caller that freed it. A deadline is counted
+/// before the placement goes, so whoever sees nothing in flight also sees it counted.
 fn release(
     slot: &Mutex<Option<Held>>,
     picker: &Picker,
     model: &str,
     started: Instant,
-    answered: bool,
+    why: Freed,
 ) -> bool {
     let held = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
     let Some(mut held) = held else { return false };
-    if answered {
-        held.first_bytes();
+    match why {
+        Freed::Answered => held.first_bytes(),
+        Freed::Deadline => picker.metrics.deadline(Stage::Response),
+        Freed::Gone => {}
     }
     drop(held);
     picker.metrics.finished(model, started.elapsed());
@@ -178,8 +190,8 @@ impl Exchange {
     }
 
     /// Frees the placement held, once ([`release`]): true for the call that freed it.
-    fn release(&self, answered: bool) -> bool {
-        release(&self.hold.slot, &self.picker, &self.model, self.started, answered)
+    fn release(&self, why: Freed) -> bool {
+        release(&self.hold.slot, &self.picker, &self.model, self.started, why)
     }
 
     /// When the stream's current wait ends ([`Exchange::expired`] is then due).
@@ -205,9 +217,7 @@ impl Exchange {
                 Ok(vec![self.refuse(&e)])
             }
             Phase::Picked => {
-                if self.release(false) {
-                    self.picker.metrics.deadline(Stage::Response);
-                }
+                self.release(Freed::Deadline);
                 self.hold.begun();
                 self.phase = Phase::Done;
                 Err(Status::deadline_exceeded(
@@ -571,7 +581,7 @@ impl Exchange {
 
     /// The response ended: the request is freed now (not when the stream closes).
     fn end(&mut self) {
-        self.release(true);
+        self.release(Freed::Answered);
         self.phase = Phase::Done;
     }
 
@@ -606,7 +616,7 @@ impl Drop for Exchange {
     fn drop(&mut self) {
         if self.phase != Phase::Done {
             self.picker.metrics.broken.inc();
-            self.release(false);
+            self.release(Freed::Gone);
         }
     }
 }
