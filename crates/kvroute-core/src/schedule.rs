@@ -33,6 +33,7 @@ pub mod pairs;
 pub mod predict;
 pub mod predicted;
 mod random;
+pub mod reuse;
 mod round_robin;
 pub mod sessions;
 #[cfg(test)]
@@ -256,6 +257,9 @@ pub struct Candidate {
     /// What its first tokens taught: its model predictions are multiplied by this (0: not
     /// filled in, taken as 1; filled in for a policy that [`Policy::learns_ttft`]).
     pub ttft_factor: f64,
+    /// Recomputes a token evicted from its cache is priced at ([`reuse`]; 0: not filled in,
+    /// taken as 1; filled in with [`Candidate::ttft_factor`]).
+    pub reuse: f64,
 }
 
 /// The request as policies see it.
@@ -513,6 +517,7 @@ pub struct Scheduler {
     /// Predicts each tracked request's first token, whatever the policy, and learns from it.
     predictor: predicted::PredictedPolicy,
     corrections: predict::Corrections,
+    reuse: reuse::Reuse,
 }
 
 /// What session affinity did, since the start.
@@ -568,6 +573,7 @@ impl Scheduler {
             pair_counts: pairs::PairCounts::default(),
             predictor: predicted::PredictedPolicy::new(config.kv, config.predictor.engine),
             corrections: predict::Corrections::new(config.predictor.correction),
+            reuse: reuse::Reuse::new(reuse::ReuseConfig::of(&config.kv)),
         }
     }
 
@@ -615,6 +621,7 @@ impl Scheduler {
         }
         self.active.remove_worker(worker);
         self.corrections.forget(worker);
+        self.reuse.forget(worker);
         self.adapters.remove_worker(worker);
         self.sessions.remove_worker(worker);
     }
@@ -742,9 +749,13 @@ impl Scheduler {
                 c.adapter = adapters.fit(c.worker, request.adapter);
             }
         }
-        if learned && !self.corrections.is_empty() {
+        if learned {
+            let corrected = !self.corrections.is_empty();
             for c in candidates.iter_mut() {
-                c.ttft_factor = self.corrections.factor(c.worker, now);
+                if corrected {
+                    c.ttft_factor = self.corrections.factor(c.worker, now);
+                }
+                c.reuse = self.reuse.factor(c.worker);
             }
         }
     }
@@ -804,6 +815,8 @@ impl Scheduler {
             self.active.add(id, c.worker, decision.predicted_prefill_tokens, blocks, now);
             self.active.hold_private(id, request.isl_tokens, request.output_tokens, bs);
             self.predict(id, request, &c, now);
+            let stored = decision.predicted_prefill_tokens + request.output_tokens;
+            self.reuse.routed(c.worker, cached, stored, now);
             self.remember(request.isl_tokens, candidates, chosen, costs.as_deref());
             if let Some(adapter) = request.adapter {
                 self.adapters.routed(id, c.worker, adapter);
@@ -958,6 +971,7 @@ impl Scheduler {
                 role: e.role,
                 node: e.node,
                 ttft_factor: 0.0,
+                reuse: 0.0,
             }
         }));
         if !self.policy.blind()

@@ -101,6 +101,14 @@ pub struct KvConfig {
     /// millisecond of theirs counts as one of its own). 0 by default: at 1 it moved every
     /// request off a prefix's busy owner (docs/routing.md).
     pub running_delay_weight: f64,
+    /// The `kv` cost: seconds over which each worker's reused and new tokens are averaged to
+    /// price a token evicted there (`schedule::reuse`).
+    pub reuse_window_s: f64,
+    /// The `kv` cost: most recomputes a token evicted from a cache is priced at (1: one, the
+    /// price before #65).
+    pub reuse_cap: f64,
+    /// The `kv` cost: tokens of evidence a worker's reuse starts with, at one use each.
+    pub reuse_prior_tokens: f64,
     /// 1: credit lower-tier blocks by the fixed weights below instead of by bandwidth.
     pub fixed_tier_weights: f64,
     /// Credit of a host block with fixed weights (Dynamo's `host_cache_hit_weight`: 0.75).
@@ -128,6 +136,9 @@ impl Default for KvConfig {
             disk_bandwidth_gbps: 10.0,
             external_bandwidth_gbps: 12.5,
             running_delay_weight: 0.0,
+            reuse_window_s: 30.0,
+            reuse_cap: 8.0,
+            reuse_prior_tokens: 2048.0,
             fixed_tier_weights: 0.0,
             host_weight: DYNAMO_TIER_WEIGHTS[0],
             disk_weight: DYNAMO_TIER_WEIGHTS[1],

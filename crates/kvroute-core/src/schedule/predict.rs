@@ -192,11 +192,22 @@ impl EngineModel {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CorrectionConfig {
-    /// Weight of each new first token in a worker's average (log of observed/predicted).
+    /// Most weight one new first token has in a worker's average (log of observed/predicted)
+    /// once the average has `1 / rate` of them.
     pub rate: f64,
+    /// Seconds the average spans: a first token weighs `1 - e^(-dt / window_s)` after `dt`
+    /// seconds without one (at most `rate`), so a burst of slow first tokens in a short spell
+    /// moves it by what that spell is worth in the window, not by how many answers it held
+    /// (a noisy second at 18 req/s moved every worker's factor and spread every prefix group
+    /// over the fleet: #65).
+    pub window_s: f64,
     /// Largest correction either way (a factor): a worker is never thought more than this
     /// much slower or faster than the model.
     pub max_factor: f64,
+    /// Largest correction of one worker against the fleet's, either way (a factor): what all
+    /// workers share (the network, the engine's overheads) is the fleet's; a worker differs
+    /// from it by its own hardware, not by a queue it once had.
+    pub max_spread: f64,
     /// Seconds after which a worker not heard from starts returning to the fleet's correction
     /// (over as many seconds again), so a slow spell cannot keep a worker unused and its
     /// correction unrevised.
@@ -205,7 +216,7 @@ pub struct CorrectionConfig {
 
 impl Default for CorrectionConfig {
     fn default() -> Self {
-        Self { rate: 0.05, max_factor: 4.0, forget_s: 30.0 }
+        Self { rate: 0.05, window_s: 30.0, max_factor: 4.0, max_spread: 2.0, forget_s: 30.0 }
     }
 }
 
@@ -229,6 +240,7 @@ pub struct Corrections {
     config: CorrectionConfig,
     fleet: f64,
     fleet_observed: u64,
+    fleet_last: Option<Instant>,
     workers: FxHashMap<WorkerWithDpRank, WorkerFit>,
 }
 
@@ -279,7 +291,23 @@ impl Corrections {
             true => (-(age - forget) / forget).exp(),
             false => 1.0,
         };
-        (self.fleet + keep * (fit.log_ratio - self.fleet)).exp()
+        let spread = self.config.max_spread.max(1.0).ln();
+        let own = (fit.log_ratio - self.fleet).clamp(-spread, spread);
+        (self.fleet + keep * own).exp().clamp(1.0 / self.limit().exp(), self.limit().exp())
+    }
+
+    /// Weight of a first token in an average of `n` of them whose last came at `last`.
+    fn step(&self, n: u64, last: Option<Instant>, now: Instant) -> f64 {
+        let rate = self.config.rate.clamp(0.0, 1.0);
+        let window = self.config.window_s;
+        let timed = match (last, window > 0.0) {
+            (Some(t), true) => {
+                1.0 - (-now.saturating_duration_since(t).as_secs_f64() / window).exp()
+            }
+            _ => rate,
+        };
+        // The first observations count fully until the average has `1 / rate` of them.
+        (1.0 / (n as f64 + 1.0)).max(timed.min(rate))
     }
 
     /// Learns from a first token `observed_ms` after routing, where the model said `model_ms`
@@ -296,14 +324,14 @@ impl Corrections {
         if model_ms > 0.0 && observed_ms > 0.0 {
             let limit = self.limit();
             let x = (observed_ms / model_ms).ln().clamp(-limit, limit);
-            let rate = self.config.rate.clamp(0.0, 1.0);
-            // The first observations count fully until the average has `1 / rate` of them.
-            let step = |n: u64| rate.max(1.0 / (n as f64 + 1.0));
-            self.fleet += step(self.fleet_observed) * (x - self.fleet);
+            self.fleet += self.step(self.fleet_observed, self.fleet_last, now) * (x - self.fleet);
             self.fleet_observed += 1;
+            self.fleet_last = Some(self.fleet_last.map_or(now, |t| t.max(now)));
             let start = self.factor(worker, now).ln();
+            let (n, last) = self.workers.get(&worker).map_or((0, None), |f| (f.observed, f.last));
+            let step = self.step(n, last, now);
             let fit = self.workers.entry(worker).or_default();
-            fit.log_ratio = start + step(fit.observed) * (x - start);
+            fit.log_ratio = start + step * (x - start);
             fit.last = Some(now);
             fit.observed += 1;
             if fit.errors.len() == ERROR_WINDOW {
@@ -434,5 +462,37 @@ mod tests {
         assert_eq!(stats.len(), 2);
         assert_eq!(stats[0].observed, 200);
         assert!((stats[0].error_p50 - 0.5).abs() < 1e-6, "predicted 10, observed 20");
+    }
+
+    #[test]
+    fn a_short_slow_spell_moves_a_worker_little_and_a_worker_stays_near_its_fleet() {
+        let start = Instant::now();
+        let mut c = Corrections::new(CorrectionConfig::default());
+        let (a, b) = (WorkerWithDpRank::new(1u64, 0u32), WorkerWithDpRank::new(2u64, 0u32));
+        // Two minutes of first tokens as predicted, 5 a second on each worker.
+        for k in 0..600u64 {
+            let now = start + Duration::from_millis(200 * k);
+            c.observe(a, 10.0, 10.0, 10.0, now);
+            c.observe(b, 10.0, 10.0, 10.0, now);
+        }
+        // Then a second of 50 answers on `a`, each 4x slower than predicted: by their count
+        // at the old 5% each they would have moved it 3.6x; now each weighs a 30 s window's
+        // 20 ms, or its share of the 600 first tokens before it, whichever is more.
+        let spell = start + Duration::from_secs(120);
+        for k in 0..50u64 {
+            c.observe(a, 10.0, 10.0, 40.0, spell + Duration::from_millis(20 * k));
+        }
+        let after = spell + Duration::from_secs(1);
+        assert!(c.factor(a, after) < 1.15, "{}", c.factor(a, after));
+        // Slow for two windows, it is learned, at most twice the fleet's.
+        for k in 0..3000u64 {
+            c.observe(a, 10.0, 10.0, 80.0, after + Duration::from_millis(20 * k));
+            c.observe(b, 10.0, 10.0, 10.0, after + Duration::from_millis(20 * k));
+        }
+        let end = after + Duration::from_secs(60);
+        let fleet = c.factor(WorkerWithDpRank::new(9u64, 0u32), end);
+        let ratio = c.factor(a, end) / fleet;
+        assert!(ratio > 1.2 && ratio <= 2.0 + 1e-9, "{ratio}");
+        assert!(c.factor(b, end) < fleet);
     }
 }

@@ -14,10 +14,12 @@
 //!             what its prefill adds to each token of the requests decoding there, and its
 //!             answer's KV to each of their steps (summed over them)
 //! evict_i   = eviction_weight * (isl - device prefix_i) * fullness_i * model.token_ms
-//!             / (1 - kv share_i)
-//!             storing what it lacks evicts as much, computed again by a later request; the
-//!             fuller of running requests, the more recently used (and likelier wanted) what
-//!             the LRU cache evicts from the rest;
+//!             / (1 - kv share_i) * reuse_i
+//!             storing what it lacks evicts as much, computed again by later requests: as
+//!             many times as a token there is used again before the cache lets it go
+//!             (reuse_i, learned per worker: [`super::reuse`]); the fuller of running
+//!             requests, the more recently used (and likelier wanted) what the LRU cache
+//!             evicts from the rest;
 //!             + (held - device prefix_i) * the same price at the prefix's best holder:
 //!             placed away from it, the holder's copy serves no one and takes room there
 //! wait_i    = memory_wait_tokens / prefill_tokens_per_s   when it does not fit beside the
@@ -104,6 +106,15 @@ fn factor(c: &Candidate) -> f64 {
     }
 }
 
+/// Recomputes a token evicted from `c`'s cache costs later ([`super::reuse`]; 1 when not
+/// filled in).
+fn reuse(c: &Candidate) -> f64 {
+    match c.reuse > 0.0 {
+        true => c.reuse,
+        false => 1.0,
+    }
+}
+
 impl PredictedPolicy {
     pub fn new(kv: KvConfig, model: EngineModel) -> Self {
         Self { kv, model }
@@ -134,8 +145,11 @@ impl PredictedPolicy {
         let holder = candidates.iter().max_by_key(|c| have(c));
         let (held, held_token_ms) = holder.map_or((0, 0.0), |h| {
             let fill = Fill::of(h);
-            let per_token =
-                kv.evict_tokens(1.0, fill) * m.token_ms() * pressure(kv_share(h, fill)) * factor(h);
+            let per_token = kv.evict_tokens(1.0, fill)
+                * m.token_ms()
+                * pressure(kv_share(h, fill))
+                * factor(h)
+                * reuse(h);
             (have(h).min(request.isl_tokens), per_token)
         });
         let per_block = tier_block_ms(kv, bs);
@@ -159,9 +173,12 @@ impl PredictedPolicy {
                     false => 0.0,
                 };
                 let lacks = request.isl_tokens.saturating_sub(have(c)) as f64;
-                let evict =
-                    kv.evict_tokens(lacks, fill) * m.token_ms() * pressure(s.kv_share) * factor
-                        + held.saturating_sub(have(c)) as f64 * held_token_ms;
+                let evict = kv.evict_tokens(lacks, fill)
+                    * m.token_ms()
+                    * pressure(s.kv_share)
+                    * factor
+                    * reuse(c)
+                    + held.saturating_sub(have(c)) as f64 * held_token_ms;
                 // The wait for memory is in the predicted first token when the running
                 // answers' lengths are known; otherwise the fixed price.
                 let wait = match m.memory_wait_ms(&s) {
