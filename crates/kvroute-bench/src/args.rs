@@ -118,9 +118,16 @@ pub struct BenchArgs {
     #[arg(long, env = "KVROUTE_BENCH_ENGINE_CHAT_TEMPLATE")]
     pub engine_chat_template: Option<PathBuf>,
     /// Rate sweep: run every workload at each of these arrival rates (requests/s; users/s
-    /// for multi-turn) instead of its own default.
-    #[arg(long, env = "KVROUTE_BENCH_RATES", value_delimiter = ',')]
-    pub rates: Vec<f64>,
+    /// for multi-turn) instead of its own default. A range FROM..TO:STEP stands for FROM,
+    /// FROM+STEP, ... up to TO, and TO itself: `--rates 6..28:3` is 6, 9, ..., 27, 28. The
+    /// report then has a sweep table and a plot of hit rate and TTFT p99 against the rate.
+    #[arg(long, env = "KVROUTE_BENCH_RATES", value_delimiter = ',', value_parser = RateSpec::parse)]
+    pub rates: Vec<RateSpec>,
+    /// Runs at each rate (with --rates, or of the default rate): the same schedule played
+    /// again, so what differs between runs is the machine's timing alone. The sweep plot shows
+    /// every run's point and a line through the medians.
+    #[arg(long, env = "KVROUTE_BENCH_RUNS", default_value_t = 1)]
+    pub runs: usize,
     /// Share of each schedule's first requests (multi-turn: first rounds) left out of the
     /// latency figures.
     #[arg(long, env = "KVROUTE_BENCH_WARMUP", default_value_t = 0.1)]
@@ -403,7 +410,33 @@ fn parse_disagg(s: &str) -> anyhow::Result<(usize, usize)> {
     }
 }
 
+/// One `--rates` item: a rate, or a range `FROM..TO:STEP` (FROM, FROM+STEP, ... below TO,
+/// then TO).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RateSpec(pub Vec<f64>);
+
+impl RateSpec {
+    fn parse(s: &str) -> Result<Self, String> {
+        let number = |t: &str| t.trim().parse::<f64>().map_err(|e| format!("{t:?}: {e}"));
+        let Some((from, rest)) = s.split_once("..") else { return Ok(Self(vec![number(s)?])) };
+        let (to, step) = rest.split_once(':').ok_or("a range is FROM..TO:STEP, e.g. 6..28:3")?;
+        let (from, to, step) = (number(from)?, number(to)?, number(step)?);
+        if !(step > 0.0 && from <= to && (to - from) / step <= 1_000.0) {
+            return Err(format!("{s}: FROM must be <= TO and STEP > 0 (at most 1,000 steps)"));
+        }
+        let mut rates: Vec<f64> =
+            (0..).map(|k| from + f64::from(k) * step).take_while(|r| *r < to - 1e-9).collect();
+        rates.push(to);
+        Ok(Self(rates))
+    }
+}
+
 impl BenchArgs {
+    /// The `--rates`, ranges spelled out.
+    pub fn rates(&self) -> Vec<f64> {
+        self.rates.iter().flat_map(|r| r.0.iter().copied()).collect()
+    }
+
     pub fn fleet(&self) -> FleetConfig {
         FleetConfig {
             workers: self.workers,
@@ -576,9 +609,10 @@ impl BenchArgs {
         let rates =
             [self.shared_prefix_rate, self.multi_turn_rate, self.multimodal_rate, self.random_rate];
         anyhow::ensure!(
-            rates.iter().chain(&self.rates).all(|r| r.is_finite() && *r > 0.0),
+            rates.iter().chain(&self.rates()).all(|r| r.is_finite() && *r > 0.0),
             "rates must be > 0"
         );
+        anyhow::ensure!(self.runs >= 1, "--runs must be >= 1");
         anyhow::ensure!(self.think_time >= 0.0, "--think-time must be >= 0");
         anyhow::ensure!(
             self.session_margin.is_finite() && self.session_margin >= 0.0,
@@ -700,6 +734,23 @@ impl BenchArgs {
         match self.text_prompts {
             true => workload.into_text(preprocessor, bs),
             false => Ok(workload),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RateSpec;
+
+    #[test]
+    fn a_rate_range_is_spelled_out_to_its_end() {
+        let r = |s: &str| RateSpec::parse(s).map(|r| r.0);
+        assert_eq!(r("18"), Ok(vec![18.0]));
+        assert_eq!(r("6..28:3"), Ok(vec![6.0, 9.0, 12.0, 15.0, 18.0, 21.0, 24.0, 27.0, 28.0]));
+        assert_eq!(r("6..12:3"), Ok(vec![6.0, 9.0, 12.0]));
+        assert_eq!(r("5..5:1"), Ok(vec![5.0]));
+        for bad in ["6..28", "28..6:3", "6..28:0", "6..28:-1", "x", "0..1e9:1e-3"] {
+            assert!(r(bad).is_err(), "{bad}");
         }
     }
 }

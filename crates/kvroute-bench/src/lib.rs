@@ -37,6 +37,8 @@ pub use args::{BenchArgs, DISAGG_SLO_TPOT_MS};
 pub struct WorkloadResult {
     pub workload: Workload,
     pub rate: Option<f64>,
+    /// Which of the `--runs` at this rate (0 first).
+    pub run: usize,
     pub runs: Vec<(run::RunData, summary::Summary)>,
 }
 
@@ -230,10 +232,9 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
         return Ok(Finished { report, summary: String::new() });
     }
 
-    let rates: Vec<Option<f64>> = if args.rates.is_empty() {
-        vec![None]
-    } else {
-        args.rates.iter().copied().map(Some).collect()
+    let rates: Vec<Option<f64>> = match args.rates() {
+        rates if rates.is_empty() => vec![None],
+        rates => rates.into_iter().map(Some).collect(),
     };
     let started = Instant::now();
     let mut results = Vec::new();
@@ -243,7 +244,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
             None => Some(fleet.capacity_blocks()),
             Some(_) => None,
         };
-        for &rate in &rates {
+        for (rate, run) in rates.iter().flat_map(|&r| (0..args.runs).map(move |n| (r, n))) {
             let workload = args.workload(kind, rate, &preprocessor)?;
             let mut runs = Vec::new();
             for (label, target) in &targets {
@@ -275,7 +276,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
                 );
                 runs.push((data, summary));
             }
-            results.push(WorkloadResult { workload, rate, runs });
+            results.push(WorkloadResult { workload, rate, run, runs });
         }
     }
     let elapsed = started.elapsed();

@@ -115,54 +115,112 @@ pub fn ttft_cdf(path: &Path, title: &str, series: &[(String, Vec<f64>)]) -> anyh
     Ok(())
 }
 
-/// TTFT p99 (ms, log scale) against the arrival rate, one line per policy.
-pub fn rate_sweep(
-    path: &Path,
-    title: &str,
-    series: &[(String, Vec<(f64, f64)>)],
-) -> anyhow::Result<()> {
-    let points = || series.iter().flat_map(|(_, p)| p.iter().copied());
-    let (x_hi, y_lo, y_hi) = points()
-        .fold((0.0f64, f64::INFINITY, 0.0f64), |(x, lo, hi), (r, v)| {
-            (x.max(r), lo.min(v), hi.max(v))
-        });
-    let (y_lo, y_hi) =
-        if y_lo.is_finite() { (y_lo.max(0.1) * 0.8, y_hi.max(1.0) * 1.25) } else { (1.0, 10.0) };
-    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+/// One policy's runs of a rate sweep: (rate, hit rate, TTFT p99 ms) per run.
+#[derive(Debug)]
+pub struct SweepSeries {
+    pub label: String,
+    pub points: Vec<(f64, Option<f64>, Option<f64>)>,
+}
+
+/// The median of each rate's values: `(rate, median)`, by rate.
+fn medians(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    let mut points = points.to_vec();
+    points.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
+    points
+        .chunk_by(|a, b| a.0 == b.0)
+        .map(|same| {
+            let n = same.len();
+            let mid = match n % 2 {
+                1 => same[n / 2].1,
+                _ => (same[n / 2 - 1].1 + same[n / 2].1) / 2.0,
+            };
+            (same[0].0, mid)
+        })
+        .collect()
+}
+
+/// Hit rate (top) and TTFT p99 (ms, log scale, bottom) against the arrival rate: a dot per
+/// run, a line through each policy's medians.
+pub fn rate_sweep(path: &Path, title: &str, series: &[SweepSeries]) -> anyhow::Result<()> {
+    let pick = |panel: usize| -> Vec<Vec<(f64, f64)>> {
+        let value = |p: &(f64, Option<f64>, Option<f64>)| match panel {
+            0 => p.1,
+            _ => p.2,
+        };
+        series
+            .iter()
+            .map(|s| s.points.iter().filter_map(|p| Some((p.0, value(p)?))).collect())
+            .collect()
+    };
+    let x_hi = series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).fold(1.0f64, f64::max);
+    let root = SVGBackend::new(path, (900, 840)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
-        .margin(16)
-        .x_label_area_size(44)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0f64..x_hi.max(1.0) * 1.05, (y_lo..y_hi).log_scale())
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("arrival rate, requests/s")
-        .y_desc("TTFT p99, ms (log scale)")
-        .y_label_formatter(&|y| format!("{y:.0}"))
-        .draw()
-        .map_err(err)?;
-    for (i, (label, pts)) in series.iter().enumerate() {
+    let root = root.titled(title, ("sans-serif", 22)).map_err(err)?;
+    let panels = root.split_evenly((2, 1));
+    for (panel, area) in panels.iter().enumerate() {
+        let data = pick(panel);
+        let all = || data.iter().flatten().map(|p| p.1);
+        let (lo, hi) = all().fold((f64::INFINITY, 0.0f64), |(l, h), v| (l.min(v), h.max(v)));
+        let mut builder = ChartBuilder::on(area);
+        builder.margin(16).x_label_area_size(44).y_label_area_size(56);
+        let x = 0f64..x_hi * 1.05;
+        if panel == 0 {
+            let lo = if lo.is_finite() { (lo - 0.05).clamp(0.0, 0.9) } else { 0.0 };
+            let mut chart = builder.build_cartesian_2d(x, lo..1.0).map_err(err)?;
+            chart
+                .configure_mesh()
+                .x_desc("arrival rate, requests/s")
+                .y_desc("fleet cache hit rate")
+                .draw()
+                .map_err(err)?;
+            draw_sweep(&mut chart, series, &data)?;
+        } else {
+            let (lo, hi) =
+                if lo.is_finite() { (lo.max(0.1) * 0.8, hi.max(1.0) * 1.25) } else { (1.0, 10.0) };
+            let mut chart = builder.build_cartesian_2d(x, (lo..hi).log_scale()).map_err(err)?;
+            chart
+                .configure_mesh()
+                .x_desc("arrival rate, requests/s")
+                .y_desc("TTFT p99, ms (log scale)")
+                .y_label_formatter(&|y| format!("{y:.0}"))
+                .draw()
+                .map_err(err)?;
+            draw_sweep(&mut chart, series, &data)?;
+        }
+    }
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// A sweep panel's lines (through the medians) and dots (every run).
+fn draw_sweep<'a, Y>(
+    chart: &mut ChartContext<
+        'a,
+        SVGBackend<'a>,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, Y>,
+    >,
+    series: &[SweepSeries],
+    data: &[Vec<(f64, f64)>],
+) -> anyhow::Result<()>
+where
+    Y: Ranged<ValueType = f64>,
+{
+    for (i, (label, pts)) in series.iter().map(|s| &s.label).zip(data).enumerate() {
         let c = color(i);
-        let mut pts = pts.clone();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .draw_series(LineSeries::new(medians(pts), c.stroke_width(2)))
             .map_err(err)?
             .label(label.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled()))).map_err(err)?;
+        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled()))).map_err(err)?;
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(SeriesLabelPosition::LowerLeft)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
         .map_err(err)?;
-    root.present().map_err(err)?;
     Ok(())
 }
 
@@ -374,9 +432,21 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let series = vec![("kv".to_owned(), vec![10.0, 20.0, 30.0]), ("rr".to_owned(), vec![40.0])];
         ttft_cdf(&dir.join("a.svg"), "t", &series).unwrap();
-        let sweep = [("kv".to_owned(), vec![(6.0, 90.0), (12.0, 110.0)])];
+        let points = vec![
+            (6.0, Some(0.95), Some(90.0)),
+            (12.0, Some(0.96), Some(110.0)),
+            (12.0, Some(0.60), Some(2_700.0)),
+            (12.0, Some(0.97), None),
+        ];
+        let sweep = [SweepSeries { label: "kv".to_owned(), points }];
         rate_sweep(&dir.join("sweep.svg"), "t", &sweep).unwrap();
-        assert!(std::fs::read_to_string(dir.join("sweep.svg")).unwrap().contains("TTFT p99"));
+        let svg = std::fs::read_to_string(dir.join("sweep.svg")).unwrap();
+        assert!(svg.contains("TTFT p99") && svg.contains("hit rate"), "{svg}");
+        assert_eq!(
+            medians(&[(12.0, 3.0), (6.0, 1.0), (12.0, 1.0), (12.0, 2.0)]),
+            [(6.0, 1.0), (12.0, 2.0)]
+        );
+        assert_eq!(medians(&[(6.0, 1.0), (6.0, 2.0)]), [(6.0, 1.5)]);
         hit_rates(&dir.join("b.svg"), "t", &[("kv".into(), 0.9), ("rr".into(), 0.3)], Some(0.95))
             .unwrap();
         hit_rates(&dir.join("one.svg"), "t", &[("kv".into(), 0.9)], None).unwrap();

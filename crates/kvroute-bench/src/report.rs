@@ -25,15 +25,20 @@ fn find<'a>(result: &'a WorkloadResult, label: &str) -> Option<&'a Summary> {
     result.runs.iter().map(|(_, s)| s).find(|s| s.label == label)
 }
 
-fn rate_suffix(rate: Option<f64>) -> String {
-    rate.map(|r| format!(" @ {r}/s")).unwrap_or_default()
+/// ` @ 18/s` for a run at a given rate, ` (run 2)` for a repeated one.
+fn rate_suffix(result: &WorkloadResult) -> String {
+    let rate = result.rate.map(|r| format!(" @ {r}/s")).unwrap_or_default();
+    match result.run {
+        0 => rate,
+        n => format!("{rate} (run {})", n + 1),
+    }
 }
 
 /// The targets, on the figures of the same run.
 pub fn check_targets(results: &[WorkloadResult]) -> Vec<TargetCheck> {
     let mut out = Vec::new();
     for r in results {
-        let name = format!("{}{}", r.workload.kind, rate_suffix(r.rate));
+        let name = format!("{}{}", r.workload.kind, rate_suffix(r));
         match r.workload.kind {
             WorkloadKind::SharedPrefix | WorkloadKind::MultiTurn => {
                 let Some(kv) = find(r, "kv") else { continue };
@@ -205,9 +210,13 @@ fn times(v: Option<f64>) -> String {
 }
 
 fn slug(result: &WorkloadResult) -> String {
-    match result.rate {
+    let base = match result.rate {
         Some(r) => format!("{}-{}", result.workload.kind, r.to_string().replace('.', "_")),
         None => result.workload.kind.to_string(),
+    };
+    match result.run {
+        0 => base,
+        n => format!("{base}-run{}", n + 1),
     }
 }
 
@@ -301,6 +310,7 @@ pub fn write(
         "workloads": results.iter().map(|r| json!({
             "workload": r.workload.kind,
             "rate": r.rate,
+            "run": r.run + 1,
             "params": r.workload.params.iter().map(|(k, v)| json!({k: v})).collect::<Vec<_>>(),
             "runs": r.runs.iter().map(|(data, summary)| json!({
                 "summary": summary,
@@ -337,7 +347,7 @@ fn save(out: &Path, md: &str, json: &Value) -> anyhow::Result<PathBuf> {
 
 fn write_workload(md: &mut String, out: &Path, result: &WorkloadResult) -> anyhow::Result<()> {
     let w = &result.workload;
-    let _ = writeln!(md, "## {}{}\n", w.kind, rate_suffix(result.rate));
+    let _ = writeln!(md, "## {}{}\n", w.kind, rate_suffix(result));
     for (k, v) in &w.params {
         let _ = writeln!(md, "- {k}: {v}");
     }
@@ -432,8 +442,8 @@ fn write_predictions(md: &mut String, result: &WorkloadResult) {
     let _ = writeln!(md);
 }
 
-/// A workload run at several rates (`--rates`): one table of every policy at every rate, and
-/// TTFT p99 against the rate.
+/// A workload run at several rates (`--rates`) or several times (`--runs`): one table of
+/// every policy at every rate and run, and hit rate and TTFT p99 against the rate.
 fn write_sweeps(md: &mut String, out: &Path, results: &[WorkloadResult]) -> anyhow::Result<()> {
     let mut kinds: Vec<_> = results.iter().map(|r| r.workload.kind).collect();
     kinds.dedup();
@@ -445,9 +455,9 @@ fn write_sweeps(md: &mut String, out: &Path, results: &[WorkloadResult]) -> anyh
         }
         let _ = writeln!(
             md,
-            "## {kind}: rate sweep\n\n| rate | policy | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p99 | TTFT pred. error p50 / p90 | errors |\n|---|---|---|---|---|---|---|---|---|"
+            "## {kind}: rate sweep\n\n| rate | run | policy | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p99 | TTFT pred. error p50 / p90 | errors |\n|---|---|---|---|---|---|---|---|---|---|"
         );
-        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        let mut series: Vec<crate::plot::SweepSeries> = Vec::new();
         for r in &runs {
             let rate = r.rate.unwrap_or(0.0);
             for (d, s) in &r.runs {
@@ -456,7 +466,8 @@ fn write_sweeps(md: &mut String, out: &Path, results: &[WorkloadResult]) -> anyh
                 });
                 let _ = writeln!(
                     md,
-                    "| {rate} | {} | {} | {} | {} | {} | {} | {error} | {} |",
+                    "| {rate} | {} | {} | {} | {} | {} | {} | {} | {error} | {} |",
+                    r.run + 1,
                     s.label,
                     frac(s.hit_rate),
                     ms(s.ttft_ms.p50),
@@ -465,21 +476,22 @@ fn write_sweeps(md: &mut String, out: &Path, results: &[WorkloadResult]) -> anyh
                     ms(s.tpot_ms.p99),
                     s.errors
                 );
-                if let Some(p99) = s.ttft_ms.p99 {
-                    match series.iter_mut().find(|(l, _)| *l == s.label) {
-                        Some((_, points)) => points.push((rate, p99)),
-                        None => series.push((s.label.clone(), vec![(rate, p99)])),
-                    }
+                let point = (rate, s.hit_rate, s.ttft_ms.p99);
+                match series.iter_mut().find(|x| x.label == s.label) {
+                    Some(x) => x.points.push(point),
+                    None => series.push(crate::plot::SweepSeries {
+                        label: s.label.clone(),
+                        points: vec![point],
+                    }),
                 }
             }
         }
-        let name = format!("{kind}-sweep-ttft-p99.svg");
-        crate::plot::rate_sweep(
-            &out.join(&name),
-            &format!("{kind}: TTFT p99 against rate"),
-            &series,
-        )?;
-        let _ = writeln!(md, "\n![TTFT p99 against rate]({name})\n");
+        let name = format!("{kind}-sweep.svg");
+        crate::plot::rate_sweep(&out.join(&name), &format!("{kind}: against the rate"), &series)?;
+        let _ = writeln!(
+            md,
+            "\n![hit rate and TTFT p99 against rate]({name})\n\nEach dot is one run; the line joins the medians at each rate.\n"
+        );
     }
     Ok(())
 }

@@ -93,7 +93,10 @@ fn ms(v: Option<f64>) -> String {
 pub fn render(results: &[WorkloadResult], slo_ms: f64) -> String {
     let mut out = String::new();
     for result in results {
-        let rate = result.rate.map(|r| format!(" at {r} req/s")).unwrap_or_default();
+        let mut rate = result.rate.map(|r| format!(" at {r} req/s")).unwrap_or_default();
+        if result.run > 0 {
+            rate += &format!(", run {}", result.run + 1);
+        }
         let _ = writeln!(out, "\n{}{rate}:", result.workload.kind);
         let _ = writeln!(
             out,

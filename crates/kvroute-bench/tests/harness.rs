@@ -143,7 +143,7 @@ fn a_fresh_fleet_per_policy_and_its_ground_truth() {
     let out = std::env::temp_dir().join(format!("kvroute-bench-report-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let args = bench_args("--workers 2");
-    let results = vec![WorkloadResult { workload, rate: None, runs }];
+    let results = vec![WorkloadResult { workload, rate: None, run: 0, runs }];
     let report =
         kvroute_bench::report::write(&out, &args, &fleet, &results, Duration::ZERO).unwrap();
     let md = std::fs::read_to_string(report).unwrap();

@@ -366,6 +366,13 @@ pub trait Policy: Send + Sync + fmt::Debug {
     fn learns_ttft(&self) -> bool {
         false
     }
+    /// Whether its costs price a worker's memory (the wait of a request that does not fit,
+    /// what it evicts): a worker over `busy_kv_usage` then stays a candidate, priced, rather
+    /// than being dropped (dropping its prefix's holder copies the prefix elsewhere, which
+    /// filled the other workers in turn and spread every prefix over every worker: #65).
+    fn weighs_memory(&self) -> bool {
+        false
+    }
     /// The choice of a policy without costs (a priced one picks by its costs).
     fn select(&mut self, request: &RequestInfo, candidates: &[Candidate], rng: &mut Rng) -> usize {
         let costs = self.costs(request, candidates).unwrap_or_else(|| vec![0.0; candidates.len()]);
@@ -694,7 +701,7 @@ impl Scheduler {
         if candidates.iter().any(|c| c.role != Role::Prefill) {
             candidates.retain(|c| c.role != Role::Prefill);
         }
-        if self.config.refuse_when_busy && candidates.iter().all(|c| self.is_busy(c)) {
+        if self.config.refuse_when_busy && candidates.iter().all(|c| self.is_busy(c, true)) {
             candidates.clear();
         }
         let decision = self.route_among(request, &mut candidates, now, gate);
@@ -974,16 +981,18 @@ impl Scheduler {
                 reuse: 0.0,
             }
         }));
-        if !self.policy.blind()
-            && all.iter().any(|c| self.is_busy(c))
-            && all.iter().any(|c| !self.is_busy(c))
-        {
-            all.retain(|c| !self.is_busy(c));
+        let memory = self.policy.weighs_memory();
+        let busy = |c: &Candidate| self.is_busy(c, !memory);
+        if !self.policy.blind() && all.iter().any(busy) && !all.iter().all(busy) {
+            all.retain(|c| !busy(c));
         }
     }
 
-    fn is_busy(&self, c: &Candidate) -> bool {
-        let kv_busy = matches!((self.config.busy_kv_usage, c.load.kv_cache_usage), (Some(max), Some(u)) if u > max);
+    /// Over a busy threshold: queued prefill tokens, or (`by_kv`) the KV usage the worker
+    /// reports.
+    fn is_busy(&self, c: &Candidate, by_kv: bool) -> bool {
+        let kv_busy = by_kv
+            && matches!((self.config.busy_kv_usage, c.load.kv_cache_usage), (Some(max), Some(u)) if u > max);
         let prefill_busy =
             self.config.busy_prefill_tokens.is_some_and(|max| c.active.prefill_tokens > max);
         kv_busy || prefill_busy

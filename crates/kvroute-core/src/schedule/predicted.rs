@@ -22,9 +22,12 @@
 //!             evicts from the rest;
 //!             + (held - device prefix_i) * the same price at the prefix's best holder:
 //!             placed away from it, the holder's copy serves no one and takes room there
-//! wait_i    = memory_wait_tokens / prefill_tokens_per_s   when it does not fit beside the
-//!             running requests (their answers' blocks included) and their answers' lengths
-//!             are unknown; when they are known, the predicted wait is in ttft_i
+//! wait_i    = memory_wait_tokens / prefill_tokens_per_s - the model's wait in ttft_i (at
+//!             least 0) when it does not fit beside the running requests (their answers'
+//!             blocks included): a request that does not fit costs at least the fixed price,
+//!             as the holder of its prefix keeps drawing its group there while every idle
+//!             prefix there is evicted (priced at the model's wait alone, the holders of a
+//!             fleet near its memory filled up and were dropped as busy: #65)
 //! lora_i    = the `kv` cost's adapter term ([`super::kv`]) in the same seconds
 //! cost_i    = ttft_i + running_i + evict_i + wait_i + lora_i        (seconds)
 //! ```
@@ -179,12 +182,12 @@ impl PredictedPolicy {
                     * factor
                     * reuse(c)
                     + held.saturating_sub(have(c)) as f64 * held_token_ms;
-                // The wait for memory is in the predicted first token when the running
-                // answers' lengths are known; otherwise the fixed price.
-                let wait = match m.memory_wait_ms(&s) {
-                    Some(_) => 0.0,
-                    None => kv.seconds(kv.wait_tokens(c, fill, request.num_blocks)) * 1e3,
-                };
+                // A request that does not fit costs at least the fixed price: the model's
+                // wait is its own, but the holder of its prefix keeps drawing its group there,
+                // each request queued behind the last, while the worker's idle prefixes are
+                // all evicted. The model's wait, when known, is in the first token already.
+                let flat = kv.seconds(kv.wait_tokens(c, fill, request.num_blocks)) * 1e3;
+                let wait = (flat - m.memory_wait_ms(&s).unwrap_or(0.0)).max(0.0);
                 let lora = kv.seconds(kv.adapter_tokens(c, true)) * 1e3;
                 (ttft + running + evict + wait + lora) / 1e3
             })
@@ -206,6 +209,10 @@ impl Policy for PredictedPolicy {
     }
 
     fn learns_ttft(&self) -> bool {
+        true
+    }
+
+    fn weighs_memory(&self) -> bool {
         true
     }
 }

@@ -300,7 +300,15 @@ fn busy_workers_are_skipped_unless_all_are_busy() {
     let p = prompt(&(0..256).collect::<Vec<_>>());
     let full = scores(&[(0, 16)]);
     let busy = WorkerLoad { kv_cache_usage: Some(0.99), ..WorkerLoad::default() };
+    // The default cost prices memory itself: the busy holder of the whole prompt stays a
+    // candidate, and with nothing running anywhere it is the cheapest.
     let mut s = scheduler(PolicyKind::Kv, 3);
+    s.update_load(w(0), busy);
+    assert_eq!(
+        s.route(&request(&p, None), &full, &UnknownTreeSizes, Instant::now()).unwrap().worker,
+        w(0)
+    );
+    let mut s = scheduler(PolicyKind::KvTokens, 3);
     s.update_load(w(0), busy);
     assert_ne!(
         s.route(&request(&p, None), &full, &UnknownTreeSizes, Instant::now()).unwrap().worker,
@@ -963,4 +971,27 @@ fn a_prefix_stays_with_its_owner_until_the_queue_costs_more() {
     assert_eq!(place(0), w(0));
     assert_eq!(place(2_000), w(0), "a short queue is cheaper than 3,840 tokens again");
     assert_eq!(place(30_000), w(1), "four steps of queue are not");
+}
+
+#[test]
+fn kv_charges_at_least_the_fixed_wait_to_a_request_that_does_not_fit() {
+    use super::predict::EngineModel;
+    let config = kv::KvConfig::default();
+    let kv = predicted::PredictedPolicy::new(config, EngineModel::default());
+    // Two workers alike but for room: the first's running requests (answers of known
+    // length, so the model predicts their end) leave no room for the request's 64 blocks.
+    let mut roomy = candidate(0, 0);
+    roomy.load.kv_total_blocks = Some(550);
+    roomy.tree_size = 550;
+    roomy.active.requests = 4;
+    roomy.active.blocks = 400;
+    roomy.active.answer_tokens = 4 * 32;
+    roomy.active.answered = 4;
+    let mut full = roomy;
+    full.worker = w(1);
+    full.active.blocks = 540;
+    let request = RequestInfo { output_tokens: 32, ..info(1024) };
+    let costs = kv.costs(&request, &[roomy, full]);
+    let fixed = config.memory_wait_tokens / config.prefill_tokens_per_s;
+    assert!(costs[1] - costs[0] >= fixed * 0.99, "{costs:?}: the fixed {fixed} s");
 }
