@@ -203,12 +203,23 @@ pub struct KvPolicy {
 pub(crate) struct Fill {
     pub(crate) total: Option<f64>,
     pub(crate) fullness: f64,
+    /// Blocks the cache holds nothing in yet (0 when its capacity is unknown).
+    pub(crate) free_blocks: f64,
 }
 
 impl Fill {
     pub(crate) fn of(c: &Candidate) -> Self {
         let total = c.load.kv_total_blocks.filter(|&t| t > 0).map(|t| t as f64);
-        Self { total, fullness: total.map_or(1.0, |t| (c.tree_size as f64 / t).min(1.0)) }
+        Self {
+            total,
+            fullness: total.map_or(1.0, |t| (c.tree_size as f64 / t).min(1.0)),
+            free_blocks: total.map_or(0.0, |t| (t - c.tree_size as f64).max(0.0)),
+        }
+    }
+
+    /// Of `tokens` stored, those that do not fit in the free room: what storing them evicts.
+    pub(crate) fn overflow(self, tokens: f64, block_size: usize) -> f64 {
+        (tokens - self.free_blocks * block_size as f64).max(0.0)
     }
 }
 

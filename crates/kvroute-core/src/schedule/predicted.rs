@@ -13,15 +13,19 @@
 //! running_i = running_delay_weight * model.added_decode(situation_i, added share, answer)
 //!             what its prefill adds to each token of the requests decoding there, and its
 //!             answer's KV to each of their steps (summed over them)
-//! evict_i   = eviction_weight * (isl - device prefix_i) * fullness_i * model.token_ms
+//! evict_i   = eviction_weight * max(0, isl - device prefix_i - free_i) * model.token_ms
 //!             / (1 - kv share_i) * reuse_i
-//!             storing what it lacks evicts as much, computed again by later requests: as
-//!             many times as a token there is used again before the cache lets it go
-//!             (reuse_i, learned per worker: [`super::reuse`]); the fuller of running
-//!             requests, the more recently used (and likelier wanted) what the LRU cache
-//!             evicts from the rest;
-//!             + (held - device prefix_i) * the same price at the prefix's best holder:
-//!             placed away from it, the holder's copy serves no one and takes room there
+//!             storing what it lacks beyond its free room evicts as much, computed again by
+//!             later requests: as many times as a token there is used again before the cache
+//!             lets it go (reuse_i, learned per worker: [`super::reuse`]); the fuller of
+//!             running requests, the more recently used (and likelier wanted) what the LRU
+//!             cache evicts from the rest;
+//!             + max(0, held - device prefix_i - free_h) * the same price at the prefix's
+//!             best holder h: placed away from it, the holder's copy serves no one and takes
+//!             room there, once its cache has none free.
+//!             (free_i: tokens of blocks the index holds nothing in. A cache with room
+//!             evicts nothing, so at light load the cost is the predicted wait alone and an
+//!             idle worker that answers sooner than the holder gets the request: #65.)
 //! wait_i    = memory_wait_tokens / prefill_tokens_per_s - the model's wait in ttft_i (at
 //!             least 0) when it does not fit beside the running requests (their answers'
 //!             blocks included): a request that does not fit costs at least the fixed price,
@@ -146,14 +150,15 @@ impl PredictedPolicy {
         // What a token of the prefix's best holder is worth where it is: placed elsewhere,
         // the holder's copy of the difference serves no one and takes room there.
         let holder = candidates.iter().max_by_key(|c| have(c));
-        let (held, held_token_ms) = holder.map_or((0, 0.0), |h| {
+        // Its free room takes a stranded copy at no cost (nothing evicted for it yet).
+        let (held, held_free, held_token_ms) = holder.map_or((0, 0.0, 0.0), |h| {
             let fill = Fill::of(h);
-            let per_token = kv.evict_tokens(1.0, fill)
+            let per_token = kv.eviction_weight
                 * m.token_ms()
                 * pressure(kv_share(h, fill))
                 * factor(h)
                 * reuse(h);
-            (have(h).min(request.isl_tokens), per_token)
+            (have(h).min(request.isl_tokens), fill.free_blocks * bs as f64, per_token)
         });
         let per_block = tier_block_ms(kv, bs);
         candidates
@@ -176,12 +181,14 @@ impl PredictedPolicy {
                     false => 0.0,
                 };
                 let lacks = request.isl_tokens.saturating_sub(have(c)) as f64;
-                let evict = kv.evict_tokens(lacks, fill)
+                let stranded = held.saturating_sub(have(c)) as f64;
+                let evict = kv.eviction_weight
+                    * fill.overflow(lacks, bs)
                     * m.token_ms()
                     * pressure(s.kv_share)
                     * factor
                     * reuse(c)
-                    + held.saturating_sub(have(c)) as f64 * held_token_ms;
+                    + (stranded - held_free).max(0.0) * held_token_ms;
                 // A request that does not fit costs at least the fixed price: the model's
                 // wait is its own, but the holder of its prefix keeps drawing its group there,
                 // each request queued behind the last, while the worker's idle prefixes are

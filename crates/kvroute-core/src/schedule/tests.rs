@@ -995,3 +995,29 @@ fn kv_charges_at_least_the_fixed_wait_to_a_request_that_does_not_fit() {
     let fixed = config.memory_wait_tokens / config.prefill_tokens_per_s;
     assert!(costs[1] - costs[0] >= fixed * 0.99, "{costs:?}: the fixed {fixed} s");
 }
+
+#[test]
+fn kv_sends_a_request_to_an_idle_worker_with_room_when_it_answers_sooner() {
+    use super::predict::EngineModel;
+    let kv = predicted::PredictedPolicy::new(kv::KvConfig::default(), EngineModel::default());
+    // The holder has the request's 64-block prefix and prompts queued; the other worker is
+    // idle. Both caches have 100 free blocks: the copy evicts nothing on either.
+    let mut holder = candidate(0, 64);
+    holder.load.kv_total_blocks = Some(550);
+    holder.tree_size = 450;
+    holder.active.requests = 2;
+    holder.active.prefilling = 2;
+    holder.active.prefill_tokens = 2_000;
+    holder.active.blocks = 130;
+    let mut idle = candidate(1, 0);
+    idle.load.kv_total_blocks = Some(550);
+    idle.tree_size = 450;
+    let request = info(1_088);
+    let costs = kv.costs(&request, &[holder, idle]);
+    assert!(costs[1] < costs[0], "{costs:?}: the idle worker answers sooner");
+    // With the caches full, the copy evicts as much there and strands the holder's: kept.
+    holder.tree_size = 550;
+    idle.tree_size = 550;
+    let costs = kv.costs(&request, &[holder, idle]);
+    assert!(costs[0] < costs[1], "{costs:?}: the holder, once room costs evictions");
+}
