@@ -55,6 +55,10 @@ pub struct BenchArgs {
     /// Flow control's --max-engine-wait-ms in the runs that have it (default: the router's).
     #[arg(long)]
     pub max_engine_wait_ms: Option<f64>,
+    /// Flow control's --over-share-wait in the runs that have it (default: the router's; 1
+    /// keeps no reserve for tenants within their share).
+    #[arg(long)]
+    pub over_share_wait: Option<f64>,
     /// Turn the router's flow control on in every run (`--overload` turns it on in its own
     /// runs).
     #[arg(long, env = "KVROUTE_BENCH_FLOW_CONTROL")]
@@ -509,6 +513,7 @@ impl BenchArgs {
         kvroute_core::schedule::flow::FlowConfig {
             enabled: self.flow_control,
             max_engine_wait_ms: self.max_engine_wait_ms.unwrap_or(d.max_engine_wait_ms),
+            over_share_wait: self.over_share_wait.unwrap_or(d.over_share_wait),
             ..d
         }
     }

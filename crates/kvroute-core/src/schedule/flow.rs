@@ -11,6 +11,13 @@
 //! tenants take turns by start-time fair queueing over their prompt tokens, so a tenant that
 //! sends ten times its share waits behind its own requests, not in front of the others'.
 //! The queues are bounded in requests, per tenant, in bytes and in time.
+//!
+//! A tenant over its share ([`shares`]: it sent more than [`FlowConfig::over_share`] times
+//! the mean of the tenants lately) takes a worker only while the predicted wait there is
+//! within [`FlowConfig::over_share_wait`] of the limit: the headroom above is the others', so
+//! a tenant within its share is neither queued behind it here nor far behind it in an engine.
+
+pub mod shares;
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, VecDeque};
@@ -72,6 +79,12 @@ pub struct FlowConfig {
     /// A sheddable request (priority below 0) is refused at once when no worker has room,
     /// instead of waiting.
     pub shed_at_once: bool,
+    /// A tenant is over its share when its prompt tokens sent lately (half-life 10 s) are
+    /// more than this many times the mean of the tenants sending; 0: no tenant ever is.
+    pub over_share: f64,
+    /// The share of `max_engine_wait_ms` within which a request of a tenant over its share
+    /// may take a worker (the rest is kept for the tenants within theirs).
+    pub over_share_wait: f64,
 }
 
 impl Default for FlowConfig {
@@ -84,6 +97,8 @@ impl Default for FlowConfig {
             max_queued_bytes: 64 << 20,
             max_wait_ms: 30_000,
             shed_at_once: true,
+            over_share: 1.5,
+            over_share_wait: 0.25,
         }
     }
 }
@@ -111,6 +126,15 @@ impl Gate {
     pub fn for_class(config: &FlowConfig, class: &RequestClass, waited: Duration) -> Self {
         let left = class.ttft_slo_ms.map(|slo| f64::from(slo) - waited.as_secs_f64() * 1e3);
         Self { max_wait_ms: config.max_engine_wait_ms, max_ttft_ms: left }
+    }
+
+    /// This gate for a request of a tenant over its share when `over`: its wait within
+    /// [`FlowConfig::over_share_wait`] of the limit.
+    pub fn over_share(self, config: &FlowConfig, over: bool) -> Self {
+        match over {
+            true => Self { max_wait_ms: self.max_wait_ms * config.over_share_wait, ..self },
+            false => self,
+        }
     }
 
     /// Whether a worker whose predictions for the request are `wait_ms` before its prefill
@@ -233,11 +257,40 @@ pub struct FlowQueues<T> {
     /// Where each waiting request is: its priority and tenant.
     index: FxHashMap<u64, (i32, Arc<str>)>,
     bytes: usize,
+    /// What each tenant sent to the engines lately.
+    shares: shares::Shares,
 }
 
 impl<T> FlowQueues<T> {
     pub fn new(config: FlowConfig) -> Self {
-        Self { config, bands: BTreeMap::new(), index: FxHashMap::default(), bytes: 0 }
+        Self {
+            config,
+            bands: BTreeMap::new(),
+            index: FxHashMap::default(),
+            bytes: 0,
+            shares: shares::Shares::default(),
+        }
+    }
+
+    /// `tokens` of `tenant`'s prompts went to the engines (placed at once or released).
+    pub fn sent(&mut self, tenant: &Arc<str>, tokens: f64, now: Instant) {
+        self.shares.record(tenant, tokens, now);
+    }
+
+    /// Whether `tenant` is over its share ([`shares`]).
+    pub fn over_share(&self, tenant: &str, now: Instant) -> bool {
+        self.shares.over(tenant, self.config.over_share, now)
+    }
+
+    /// Requests a request of a tenant within its share at `priority` waits behind: every one
+    /// above its priority, and those of tenants within their share at it.
+    pub fn within_share_ahead(&self, priority: i32, now: Instant) -> usize {
+        let above = self.waiting_from(priority.saturating_add(1));
+        let level = self.bands.get(&Reverse(priority)).map_or(0, |b| {
+            let within = b.tenants.iter().filter(|(t, _)| !self.over_share(t, now));
+            within.map(|(_, q)| q.waiting.len()).sum()
+        });
+        above + level
     }
 
     pub fn config(&self) -> &FlowConfig {
@@ -322,27 +375,45 @@ impl<T> FlowQueues<T> {
         band.tenants.get(band.next_tenant()?)?.waiting.front()
     }
 
+    /// The request that leaves next when the tenants in `skip` are passed over (their heads
+    /// cannot go now): the fair tenant's first among the others of the highest priority
+    /// waiting (none when they are all passed over: a lower priority does not go first).
+    pub fn peek_except(&self, skip: &[Arc<str>]) -> Option<&Queued<T>> {
+        let band = self.bands.values().find(|b| b.len > 0)?;
+        band.tenants
+            .iter()
+            .filter(|(t, _)| !skip.contains(t))
+            .filter_map(|(_, q)| q.waiting.front())
+            .min_by(|a, b| a.start.total_cmp(&b.start).then(a.id.cmp(&b.id)))
+    }
+
     /// Takes the request [`Self::peek`] shows.
     pub fn pop(&mut self) -> Option<Queued<T>> {
-        let band = self.bands.values_mut().find(|b| b.len > 0)?;
-        let tenant = band.next_tenant()?.clone();
-        let q = band.tenants.get_mut(&tenant)?.waiting.pop_front()?;
-        band.clock = band.clock.max(q.start);
-        band.len -= 1;
-        band.tidy(&tenant);
-        self.index.remove(&q.id);
-        self.bytes -= q.bytes;
-        self.bands.retain(|_, b| b.len > 0);
-        Some(q)
+        let id = self.peek()?.id;
+        self.take(id, true)
+    }
+
+    /// Takes out the request `id` as it leaves to be served, its turn taken (one that
+    /// [`Self::peek_except`] showed).
+    pub fn serve(&mut self, id: u64) -> Option<Queued<T>> {
+        self.take(id, true)
     }
 
     /// Takes a waiting request out (its client went away).
     pub fn remove(&mut self, id: u64) -> Option<Queued<T>> {
+        self.take(id, false)
+    }
+
+    /// Takes the request `id` out; `served`: its band's virtual time moves to its start.
+    fn take(&mut self, id: u64, served: bool) -> Option<Queued<T>> {
         let (priority, tenant) = self.index.remove(&id)?;
         let band = self.bands.get_mut(&Reverse(priority))?;
         let waiting = &mut band.tenants.get_mut(&tenant)?.waiting;
         let at = waiting.iter().position(|q| q.id == id)?;
         let q = waiting.remove(at)?;
+        if served {
+            band.clock = band.clock.max(q.start);
+        }
         band.len -= 1;
         band.tidy(&tenant);
         self.bytes -= q.bytes;
@@ -421,6 +492,35 @@ mod tests {
             order.iter().enumerate().filter(|(_, id)| **id > 20).map(|(i, _)| i).collect();
         assert_eq!(light.len(), 4);
         assert!(light.iter().all(|&i| i < 6), "{order:?}");
+    }
+
+    #[test]
+    fn a_tenant_over_its_share_is_passed_over_and_not_counted_ahead() {
+        let mut q = FlowQueues::new(FlowConfig::default());
+        let now = Instant::now();
+        q.sent(&Arc::from("heavy"), 10_000.0, now);
+        for t in ["a", "b", "c"] {
+            q.sent(&Arc::from(t), 1_000.0, now);
+        }
+        assert!(q.over_share("heavy", now) && !q.over_share("a", now));
+        push(&mut q, 1, 0, "heavy", 100.0);
+        push(&mut q, 2, 0, "a", 100.0);
+        push(&mut q, 3, 0, "heavy", 100.0);
+        push(&mut q, 4, -1, "b", 100.0);
+        assert_eq!(q.waiting_from(0), 3);
+        // Of its priority, a request within its share waits behind a's alone; one above
+        // waits behind nobody, one below behind all three.
+        assert_eq!(q.within_share_ahead(0, now), 1);
+        assert_eq!(q.within_share_ahead(1, now), 0);
+        assert_eq!(q.within_share_ahead(-1, now), 4);
+        // Heavy passed over: a's request, though after heavy's first.
+        let skip = [Arc::<str>::from("heavy")];
+        assert_eq!(q.peek_except(&skip).map(|r| r.id), Some(2));
+        assert_eq!(q.serve(2).map(|r| r.id), Some(2));
+        // Only heavy's left at priority 0: b's lower one does not go first.
+        assert!(q.peek_except(&skip).is_none());
+        assert_eq!(q.peek_except(&[]).map(|r| r.id), Some(1));
+        assert_eq!(drain(&mut q), vec![1, 3, 4]);
     }
 
     #[test]

@@ -271,13 +271,20 @@ fn admit_now<'a>(state: &'a RouterState, class: &RequestClass, ask: Ask) -> Now<
         return Now::Done(Ok(place_gated(state, &ask, None).unwrap_or(Placed::One(None))));
     }
     let mut queues = lock(&state.flow.queues);
-    let gate = Gate::for_class(&config, class, Duration::ZERO);
-    let ahead =
-        queues.waiting_from(class.priority) + state.flow.peers_waiting_above(class.priority, now);
+    // A tenant within its share waits behind no request of a tenant over it at its priority;
+    // one over it takes a worker only within its part of the wait.
+    let over = queues.over_share(&class.tenant, now);
+    let gate = Gate::for_class(&config, class, Duration::ZERO).over_share(&config, over);
+    let waiting = match over {
+        true => queues.waiting_from(class.priority),
+        false => queues.within_share_ahead(class.priority, now),
+    };
+    let ahead = waiting + state.flow.peers_waiting_above(class.priority, now);
     let mut outlook = None;
     if ahead == 0 {
         match place_gated(state, &ask, Some(&gate)) {
             Ok(placed) => {
+                queues.sent(&class.tenant, ask.num_tokens as f64, now);
                 drop(queues);
                 state.metrics.flow_metrics.record(class, FlowOutcome::Admitted, None);
                 return Now::Done(Ok(placed));
@@ -315,7 +322,8 @@ fn admit_now<'a>(state: &'a RouterState, class: &RequestClass, ask: Ask) -> Now<
 }
 
 /// Lets waiting requests go while workers can take them, highest priority first and the
-/// tenants of a priority in turn; refuses those past their deadline.
+/// tenants of a priority in turn (a tenant over its share passed over while its part of the
+/// wait is used up); refuses those past their deadline.
 pub(crate) fn release(state: &RouterState) {
     let config = state.config.scheduler.flow;
     if !config.enabled {
@@ -333,9 +341,11 @@ pub(crate) fn release(state: &RouterState) {
         let message = "the request waited past its deadline for a worker to take it";
         q.item.tx.send(Err(refusal(status, 1, message))).ok();
     }
-    while let Some(head) = queues.peek() {
+    let mut passed_over = Vec::new();
+    while let Some(head) = queues.peek_except(&passed_over) {
+        let id = head.id;
         if head.item.tx.is_closed() {
-            if let Some(q) = queues.pop() {
+            if let Some(q) = queues.remove(id) {
                 state.metrics.flow_metrics.record(
                     &q.class,
                     FlowOutcome::Abandoned,
@@ -347,10 +357,13 @@ pub(crate) fn release(state: &RouterState) {
         if state.flow.peers_waiting_above(head.class.priority, now) > 0 {
             break;
         }
-        let gate = Gate::for_class(&config, &head.class, now - head.enqueued);
+        let over = queues.over_share(&head.class.tenant, now);
+        let gate =
+            Gate::for_class(&config, &head.class, now - head.enqueued).over_share(&config, over);
         match place_gated(state, &head.item.ask, Some(&gate)) {
             Ok(placed) => {
-                let Some(q) = queues.pop() else { break };
+                let Some(q) = queues.serve(id) else { break };
+                queues.sent(&q.class.tenant, q.item.ask.num_tokens as f64, now);
                 state.metrics.flow_metrics.record(
                     &q.class,
                     FlowOutcome::Released,
@@ -358,6 +371,7 @@ pub(crate) fn release(state: &RouterState) {
                 );
                 orphans.extend(send(q.item, Ok(placed)));
             }
+            Err(_) if over => passed_over.push(head.class.tenant.clone()),
             Err(_) => break,
         }
     }
@@ -458,6 +472,43 @@ mod tests {
         let placed = tokio::time::timeout(PENDING, &mut low).await.unwrap().unwrap();
         assert!(matches!(placed, Placed::One(Some(_))));
         assert_eq!(state.flow().waiting(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_tenant_within_its_share_goes_past_one_over_it() {
+        // Over its share, a request takes the worker only when nothing is queued there.
+        let flow = FlowConfig {
+            enabled: true,
+            max_engine_wait_ms: 60_000.0,
+            over_share_wait: 0.0,
+            ..FlowConfig::default()
+        };
+        let state = state(flow);
+        let of = |tenant: &str| RequestClass { tenant: tenant.into(), ..class(0) };
+        let placed = state.admit(of("light"), ask("l1")).await.unwrap();
+        assert!(matches!(placed, Placed::One(Some(_))));
+        state.finish("l1");
+        // Heavy's first prompt is 25 times light's: its next is over its share.
+        let big = |id: &str| Ask { num_tokens: 1_000, ..ask(id) };
+        let placed = state.admit(of("heavy"), big("h1")).await.unwrap();
+        assert!(matches!(placed, Placed::One(Some(_))));
+        let mut h4 = Box::pin(state.admit(of("heavy"), big("h4")));
+        assert!(tokio::time::timeout(PENDING, &mut h4).await.is_err(), "over its share: waits");
+        // The light tenant's request is not queued behind it, and a release passes it over.
+        let placed = state.admit(of("light"), ask("l2")).await.unwrap();
+        assert!(matches!(placed, Placed::One(Some(_))));
+        let mut l3 = Box::pin(state.admit(of("light"), ask("l3")));
+        let placed = tokio::time::timeout(PENDING, &mut l3).await.unwrap().unwrap();
+        assert!(matches!(placed, Placed::One(Some(_))));
+        release(&state);
+        assert!(tokio::time::timeout(PENDING, &mut h4).await.is_err());
+        // The worker idle again: its turn.
+        for id in ["h1", "l2", "l3"] {
+            state.finish(id);
+        }
+        release(&state);
+        let placed = tokio::time::timeout(PENDING, &mut h4).await.unwrap().unwrap();
+        assert!(matches!(placed, Placed::One(Some(_))));
     }
 
     #[tokio::test]

@@ -94,6 +94,8 @@ impl Settings {
                 max_queued_bytes: Some(scheduler.flow.max_queued_bytes),
                 max_queue_wait_ms: Some(scheduler.flow.max_wait_ms),
                 queue_sheddable: Some(!scheduler.flow.shed_at_once),
+                over_share: Some(scheduler.flow.over_share),
+                over_share_wait: Some(scheduler.flow.over_share_wait),
             },
             nats: Nats {
                 nats_prefix: Some(kvroute_router::nats::DEFAULT_PREFIX.to_owned()),
@@ -402,6 +404,16 @@ impl Settings {
         f.max_queued_bytes = r.max_queued_bytes.unwrap_or(f.max_queued_bytes);
         f.max_wait_ms = r.max_queue_wait_ms.unwrap_or(f.max_wait_ms);
         f.shed_at_once = r.queue_sheddable.map_or(f.shed_at_once, |queue| !queue);
+        f.over_share = match r.over_share {
+            Some(x) if x.is_finite() && x >= 0.0 => x,
+            Some(_) => return Err(Invalid::Negative("over_share").into()),
+            None => f.over_share,
+        };
+        f.over_share_wait = match r.over_share_wait {
+            Some(x) if (0.0..=1.0).contains(&x) => x,
+            Some(_) => return Err(Invalid::Fraction("over_share_wait").into()),
+            None => f.over_share_wait,
+        };
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
             return Err(Invalid::Temperature.into());
         }

@@ -340,6 +340,15 @@ pub struct Routing {
     /// saturated, instead of refusing them at once with 429.
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub queue_sheddable: Option<bool>,
+    /// A tenant is over its share when it sent more than this many times the mean of the
+    /// tenants sending lately (prompt tokens, half-life 10 s); 0: never. Its requests then
+    /// take a worker only within --over-share-wait of the wait limit.
+    #[arg(long)]
+    pub over_share: Option<f64>,
+    /// The share (0-1) of --max-engine-wait-ms within which a request of a tenant over its
+    /// share may take a worker; the rest is kept for tenants within theirs.
+    #[arg(long)]
+    pub over_share_wait: Option<f64>,
 }
 
 /// A front door's remote router (`kvroute frontend`).

@@ -77,6 +77,8 @@ pub enum Invalid {
     Weight(String),
     #[error("{0} must be a finite number >= 0")]
     Negative(&'static str),
+    #[error("{0} must be a number from 0 to 1")]
+    Fraction(&'static str),
     #[error("block_size: {0}")]
     BlockSize(#[source] kvroute_core::Error),
     #[error("temperature must be >= 0")]
