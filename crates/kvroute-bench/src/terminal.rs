@@ -67,6 +67,59 @@ impl Tail {
     }
 }
 
+/// Where a run's requests went against where their prompt was cached: a request *moved*
+/// when another worker had computed more of its prompt's blocks before it was sent (by every
+/// earlier request's blocks, none evicted).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Moves {
+    /// Requests outside the warm-up whose prompt some worker had computed a block of.
+    pub cached_somewhere: usize,
+    /// Of those, the ones sent to a worker holding less of it than another.
+    pub moved: usize,
+}
+
+impl Moves {
+    pub fn of(data: &RunData) -> Self {
+        let mut sent: Vec<&RequestRecord> = data.records.iter().collect();
+        sent.sort_by_key(|r| r.sent_order);
+        let mut held: std::collections::BTreeMap<&str, std::collections::HashSet<u64>> =
+            std::collections::BTreeMap::new();
+        let mut moves = Self { cached_somewhere: 0, moved: 0 };
+        for r in sent {
+            let Some(worker) = r.worker.as_deref() else { continue };
+            let prefix = |blocks: &std::collections::HashSet<u64>| {
+                r.prompt_blocks.iter().take_while(|b| blocks.contains(b)).count()
+            };
+            let best = held.values().map(prefix).max().unwrap_or(0);
+            let own = held.get(worker).map_or(0, prefix);
+            if !r.warmup && best > 0 {
+                moves.cached_somewhere += 1;
+                moves.moved += usize::from(own < best);
+            }
+            held.entry(worker).or_default().extend(r.computed_blocks.iter().copied());
+        }
+        moves
+    }
+
+    /// The sentence on it for a newcomer, of the policy `label`.
+    pub fn sentence(self, label: &str) -> Option<String> {
+        if self.cached_somewhere > 0 && self.moved == 0 {
+            return Some(format!(
+                "{label} sent each of the {} requests whose prompt a worker had cached to the worker holding the most of it: no other was predicted to answer sooner once its copy's evictions were priced.",
+                self.cached_somewhere
+            ));
+        }
+        (self.cached_somewhere > 0).then(|| {
+            format!(
+                "{label} sent {} of the {} requests whose prompt a worker had cached to a worker holding less of it: there, by its engine model, they would start sooner than queued behind the holder, with what the copy evicts priced; the other {} stayed with their cached prefix.",
+                self.moved,
+                self.cached_somewhere,
+                self.cached_somewhere - self.moved,
+            )
+        })
+    }
+}
+
 /// Answered requests per second outside the warm-up whose TTFT met `slo_ms`.
 pub fn goodput(data: &RunData, slo_ms: f64) -> f64 {
     let measured: Vec<&RequestRecord> = data.records.iter().filter(|r| !r.warmup).collect();
@@ -116,6 +169,10 @@ pub fn render(results: &[WorkloadResult], slo_ms: f64) -> String {
         }
         let _ = writeln!(out, "  (goodput: answered requests per second with TTFT <= {slo_ms} ms)");
         if let Some(line) = explain(&result.runs) {
+            let _ = writeln!(out, "  {line}");
+        }
+        let kv = result.runs.iter().find(|(_, s)| s.label == "kv");
+        if let Some(line) = kv.and_then(|(data, s)| Moves::of(data).sentence(&s.label)) {
             let _ = writeln!(out, "  {line}");
         }
     }
@@ -217,6 +274,30 @@ mod tests {
         assert!((tail.idle_elsewhere - 1.0).abs() < 1e-9);
         // Goodput at 35 ms: requests 0-2 met it, over the 0.0..0.230 s the run spanned.
         assert!((goodput(&run, 35.0) - 3.0 / 0.23).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_request_moved_when_another_worker_held_more_of_its_prompt() {
+        let blocks = |i: usize, prompt: &[u64], computed: &[u64], worker: &str| RequestRecord {
+            sent_order: i,
+            prompt_blocks: prompt.to_vec(),
+            computed_blocks: computed.to_vec(),
+            ..record(i, worker, i as f64, 1.0, 1.0, 0)
+        };
+        let run = data(vec![
+            // Nothing cached anywhere yet: not counted.
+            blocks(0, &[1, 2], &[1, 2, 3], "a"),
+            // With its cached prefix on a; then moved to b, which held less; then on b with
+            // what it computed there.
+            blocks(1, &[1, 2, 4], &[1, 2, 4], "a"),
+            blocks(2, &[1, 2, 5], &[1, 2, 5], "b"),
+            blocks(3, &[1, 2, 5, 6], &[], "b"),
+        ]);
+        let moves = Moves::of(&run);
+        assert_eq!(moves, Moves { cached_somewhere: 3, moved: 1 });
+        let line = moves.sentence("kv").unwrap();
+        assert!(line.starts_with("kv sent 1 of the 3 requests") && line.contains("other 2"));
+        assert_eq!(Moves::of(&data(Vec::new())).sentence("kv"), None);
     }
 
     #[test]
