@@ -13,13 +13,15 @@
 //! running_i = running_delay_weight * model.added_decode(situation_i, added share, answer)
 //!             what its prefill adds to each token of the requests decoding there, and its
 //!             answer's KV to each of their steps (summed over them)
-//! evict_i   = eviction_weight * max(0, isl - device prefix_i - free_i) * model.token_ms
-//!             / (1 - kv share_i) * reuse_i
-//!             storing what it lacks beyond its free room evicts as much, computed again by
-//!             later requests: as many times as a token there is used again before the cache
-//!             lets it go (reuse_i, learned per worker: [`super::reuse`]); the fuller of
-//!             running requests, the more recently used (and likelier wanted) what the LRU
-//!             cache evicts from the rest;
+//! evict_i   = eviction_weight * stored_i * model.token_ms / (1 - kv share_i) * reuse_i
+//!             stored_i = max(0, isl - device prefix_i - free_i) when another worker holds
+//!             more of the prompt (a copy evicts only past the free room), else
+//!             (isl - device prefix_i) * fullness_i (what nobody holds better is stored where
+//!             it crowds least); what it evicts is computed again by later requests: as
+//!             many times as a token there is used again before the cache lets it go
+//!             (reuse_i, learned per worker: [`super::reuse`]); the fuller of running
+//!             requests, the more recently used (and likelier wanted) what the LRU cache
+//!             evicts from the rest;
 //!             + max(0, held - device prefix_i - free_h) * the same price at the prefix's
 //!             best holder h: placed away from it, the holder's copy serves no one and takes
 //!             room there, once its cache has none free.
@@ -182,8 +184,17 @@ impl PredictedPolicy {
                 };
                 let lacks = request.isl_tokens.saturating_sub(have(c)) as f64;
                 let stranded = held.saturating_sub(have(c)) as f64;
+                // A copy of what another worker holds is charged what it evicts: nothing while
+                // the cache has room. What no worker holds better is stored where it crowds
+                // least, by the cache's fullness: placed by the wait alone while the caches
+                // had room, shared-prefix's 12 groups landed 4 on one worker, whose memory
+                // then thrashed (p99 206 ms at 9 req/s; #65).
+                let stored = match stranded > 0.0 {
+                    true => fill.overflow(lacks, bs),
+                    false => lacks * fill.fullness,
+                };
                 let evict = kv.eviction_weight
-                    * fill.overflow(lacks, bs)
+                    * stored
                     * m.token_ms()
                     * pressure(s.kv_share)
                     * factor

@@ -1021,3 +1021,19 @@ fn kv_sends_a_request_to_an_idle_worker_with_room_when_it_answers_sooner() {
     let costs = kv.costs(&request, &[holder, idle]);
     assert!(costs[0] < costs[1], "{costs:?}: the holder, once room costs evictions");
 }
+
+#[test]
+fn kv_stores_a_prefix_nobody_holds_where_it_crowds_least() {
+    use super::predict::EngineModel;
+    let kv = predicted::PredictedPolicy::new(kv::KvConfig::default(), EngineModel::default());
+    // Both idle with room; one cache holds three groups' prefixes, the other one.
+    let mut crowded = candidate(0, 0);
+    crowded.load.kv_total_blocks = Some(550);
+    crowded.tree_size = 400;
+    crowded.reuse = 8.0;
+    let mut roomy = crowded;
+    roomy.worker = w(1);
+    roomy.tree_size = 140;
+    let costs = kv.costs(&info(2_112), &[crowded, roomy]);
+    assert!(costs[1] < costs[0], "{costs:?}");
+}
