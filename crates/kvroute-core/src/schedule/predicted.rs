@@ -16,8 +16,9 @@
 //! evict_i   = eviction_weight * stored_i * model.token_ms / (1 - kv share_i) * reuse_i
 //!             stored_i = max(0, isl - device prefix_i - free_i) when another worker holds
 //!             more of the prompt (a copy evicts only past the free room), else
-//!             (isl - device prefix_i) * fullness_i (what nobody holds better is stored where
-//!             it crowds least); what it evicts is computed again by later requests: as
+//!             (isl - device prefix_i) * max(fullness_i, kv share_i) (what nobody holds
+//!             better is stored where it crowds least, counting the running requests' blocks
+//!             that the events have not reported yet); what it evicts is computed again by later requests: as
 //!             many times as a token there is used again before the cache lets it go
 //!             (reuse_i, learned per worker: [`super::reuse`]); the fuller of running
 //!             requests, the more recently used (and likelier wanted) what the LRU cache
@@ -189,9 +190,12 @@ impl PredictedPolicy {
                 // least, by the cache's fullness: placed by the wait alone while the caches
                 // had room, shared-prefix's 12 groups landed 4 on one worker, whose memory
                 // then thrashed (p99 206 ms at 9 req/s; #65).
+                // The cache holds at least its running requests' blocks, which its KV events
+                // may not have reported yet: at 28 req/s every group's first request comes
+                // within 2 s, and 4 landed on one worker whose index still looked empty.
                 let stored = match stranded > 0.0 {
                     true => fill.overflow(lacks, bs),
-                    false => lacks * fill.fullness,
+                    false => lacks * fill.fullness.max(s.kv_share),
                 };
                 let evict = kv.eviction_weight
                     * stored

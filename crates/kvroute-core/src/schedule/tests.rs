@@ -1036,4 +1036,12 @@ fn kv_stores_a_prefix_nobody_holds_where_it_crowds_least() {
     roomy.tree_size = 140;
     let costs = kv.costs(&info(2_112), &[crowded, roomy]);
     assert!(costs[1] < costs[0], "{costs:?}");
+    // A cache whose events have not reported its running requests' 400 blocks yet is no
+    // emptier than one whose have.
+    let mut reported = crowded;
+    reported.active.requests = 3;
+    reported.active.blocks = 400;
+    let unreported = Candidate { tree_size: 0, worker: w(1), ..reported };
+    let costs = kv.costs(&info(2_112), &[reported, unreported]);
+    assert!((costs[0] - costs[1]).abs() < 1e-9, "{costs:?}");
 }
