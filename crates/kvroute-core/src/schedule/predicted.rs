@@ -14,8 +14,8 @@
 //!             what its prefill adds to each token of the requests decoding there, and its
 //!             answer's KV to each of their steps (summed over them)
 //! evict_i   = eviction_weight * stored_i * model.token_ms / (1 - kv share_i) * reuse_i
-//!             stored_i = max(0, isl - device prefix_i - free_i) when another worker holds
-//!             more of the prompt (a copy evicts only past the free room), else
+//!             stored_i = max(0, isl - device prefix_i - free_i) when any worker holds part
+//!             of the prompt (storing evicts only past the free room), else
 //!             (isl - device prefix_i) * max(fullness_i, kv share_i) (what nobody holds
 //!             better is stored where it crowds least, counting the running requests' blocks
 //!             that the events have not reported yet); what it evicts is computed again by later requests: as
@@ -185,15 +185,17 @@ impl PredictedPolicy {
                 };
                 let lacks = request.isl_tokens.saturating_sub(have(c)) as f64;
                 let stranded = held.saturating_sub(have(c)) as f64;
-                // A copy of what another worker holds is charged what it evicts: nothing while
-                // the cache has room. What no worker holds better is stored where it crowds
+                // Where some worker holds part of the prompt, each candidate is charged what
+                // storing the rest there evicts: nothing while its cache has room (the holder
+                // too: charged by fullness while a copy went free, a holder with room lost
+                // its own prefix's requests). A prompt nobody holds is stored where it crowds
                 // least, by the cache's fullness: placed by the wait alone while the caches
                 // had room, shared-prefix's 12 groups landed 4 on one worker, whose memory
                 // then thrashed (p99 206 ms at 9 req/s; #65).
                 // The cache holds at least its running requests' blocks, which its KV events
                 // may not have reported yet: at 28 req/s every group's first request comes
                 // within 2 s, and 4 landed on one worker whose index still looked empty.
-                let stored = match stranded > 0.0 {
+                let stored = match held > 0 {
                     true => fill.overflow(lacks, bs),
                     false => lacks * fill.fullness.max(s.kv_share),
                 };
