@@ -286,8 +286,11 @@ impl<T> FlowQueues<T> {
     /// above its priority, and those of tenants within their share at it.
     pub fn within_share_ahead(&self, priority: i32, now: Instant) -> usize {
         let above = self.waiting_from(priority.saturating_add(1));
+        // The share's limit once, not once per tenant waiting (tenants are clients' names).
+        let limit = self.shares.limit(self.config.over_share, now);
+        let over = |t: &str| limit.is_some_and(|l| self.shares.used(t, now) > l);
         let level = self.bands.get(&Reverse(priority)).map_or(0, |b| {
-            let within = b.tenants.iter().filter(|(t, _)| !self.over_share(t, now));
+            let within = b.tenants.iter().filter(|(t, _)| !over(t));
             within.map(|(_, q)| q.waiting.len()).sum()
         });
         above + level

@@ -55,10 +55,16 @@ impl Shares {
     /// Whether `tenant` used more than `ratio` times the mean of the tenants using the fleet
     /// (never with fewer than two of them, nor with `ratio` 0: the reserve off).
     pub fn over(&self, tenant: &str, ratio: f64, now: Instant) -> bool {
+        self.limit(ratio, now).is_some_and(|limit| self.used(tenant, now) > limit)
+    }
+
+    /// The use past which a tenant is over its share: `ratio` times the mean of the tenants
+    /// using the fleet (`None`: fewer than two of them, or `ratio` 0). One pass over the
+    /// tenants, for callers that judge several.
+    pub fn limit(&self, ratio: f64, now: Instant) -> Option<f64> {
         if ratio <= 0.0 {
-            return false;
+            return None;
         }
-        let Some(&(own, at)) = self.used.get(tenant) else { return false };
         let (mut sum, mut active) = (0.0, 0usize);
         for &(v, at) in self.used.values() {
             let v = decayed(v, at, now);
@@ -67,7 +73,12 @@ impl Shares {
                 active += 1;
             }
         }
-        active >= 2 && decayed(own, at, now) > ratio * sum / active as f64
+        (active >= 2).then(|| ratio * sum / active as f64)
+    }
+
+    /// `tenant`'s use, decayed to `now`.
+    pub fn used(&self, tenant: &str, now: Instant) -> f64 {
+        self.used.get(tenant).map_or(0.0, |&(v, at)| decayed(v, at, now))
     }
 
     /// Tenants remembered.
