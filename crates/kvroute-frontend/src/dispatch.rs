@@ -34,11 +34,11 @@ pub(crate) async fn dispatch(
     }
     // Flow control admits a request once; placed again after a worker failed it, it is not
     // held again.
-    let mut ask = out.ask();
+    let mut request = out.place.clone();
     loop {
         let id = state.request_id();
-        let placed = state.placer.place(ask, state.block_size, &id, &excluded).await?;
-        ask = ask.again();
+        let placed = state.placer.place(&request, state.block_size, &id, &excluded).await?;
+        request.class = None;
         let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
             return Err(ApiError::unavailable("no worker is available"));
         };
@@ -48,7 +48,7 @@ pub(crate) async fn dispatch(
             excluded.push(worker);
             continue;
         };
-        if let Some(adapter) = out.adapter.as_deref()
+        if let Some(adapter) = out.place.adapter.as_deref()
             && !state.ensure_adapter(worker.worker_id, base, adapter).await
         {
             excluded.extend(state.all_ranks(worker.worker_id));

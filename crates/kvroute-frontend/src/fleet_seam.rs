@@ -110,7 +110,7 @@ impl Placer {
     /// The adapters `rank` lists (`None`: it serves any).
     pub fn set_served_adapters(&self, rank: WorkerWithDpRank, served: Option<BTreeSet<String>>) {
         match self {
-            Self::Embedded(router) => router.placing().set_served_adapters(rank, served),
+            Self::Embedded(router) => router.placing.set_served_adapters(rank, served),
             Self::Remote(remote) => {
                 let body = ServedAdapters {
                     dp_rank: rank.dp_rank,
@@ -137,9 +137,9 @@ impl Placer {
     pub async fn view(&self) -> Value {
         match self {
             Self::Embedded(router) => json!({"workers": router.workers(),
-                "recent_decisions": router.placing().recent_decisions(),
-                "ttft_predictions": router.placing().prediction_stats(),
-                "nats": router.nats().map(|n| n.summary())}),
+                "recent_decisions": router.placing.recent_decisions(),
+                "ttft_predictions": router.placing.prediction_stats(),
+                "nats": router.nats.get().map(|n| n.summary())}),
             Self::Remote(remote) => remote.get(router_api::WORKERS).await.unwrap_or(Value::Null),
         }
     }

@@ -14,12 +14,12 @@ use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use futures_util::StreamExt;
 use http_body_util::Full;
-use kvroute_core::{BlockHasher, BlockSize, LocalBlockHash, WorkerId, WorkerWithDpRank};
+use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_http::openai::Api;
 use kvroute_http::router_api::Answered;
 use kvroute_http::{ApiError, ClientError};
 use kvroute_preprocess::Prepared;
-use kvroute_router::Dialect;
+use kvroute_router::{Dialect, PlaceRequest};
 use serde_json::{Value, json};
 
 use crate::dialect::{self, Keys, tokens_body};
@@ -38,20 +38,13 @@ pub(crate) struct Outbound {
     pub kind: Api,
     /// The body in each tokens dialect the fleet speaks that the request fits.
     pub tokens: Vec<(Dialect, Bytes)>,
-    /// The prompt's block hashes (with its images, adapter and cache namespace).
-    pub local: Vec<LocalBlockHash>,
-    /// Its LoRA adapter (routed only to workers that serve it).
-    pub adapter: Option<String>,
-    /// Its session, if it names one.
-    pub session: Option<String>,
-    /// Its class for flow control (none: placed at once, as a request placed again is).
-    pub class: Option<kvroute_core::schedule::flow::RequestClass>,
-    pub prompt_tokens: usize,
+    /// What routing needs of it, made once: the prompt's block hashes (with its images,
+    /// adapter and cache namespace), its length, adapter (routed only to workers that serve
+    /// it), session, answer bound and class for flow control.
+    pub place: PlaceRequest,
     /// The prompt's last ids, which seed the decoding of an answer that comes back as token
     /// ids (`vllm-generate-tokens`).
     pub prompt_tail: Vec<u32>,
-    /// Tokens its answer may run to (`max_completion_tokens` or `max_tokens`; 0: unset).
-    pub output_tokens: usize,
     pub streamed: bool,
     /// The front door asked a stream for its usage, which the client did not: the usage
     /// chunk is read and dropped.
@@ -118,30 +111,19 @@ impl Outbound {
             body,
             kind,
             tokens,
-            local,
-            adapter: keys.adapter.map(str::to_owned),
-            session: keys.session.map(str::to_owned),
-            class: keys.class.cloned(),
-            prompt_tokens,
+            place: PlaceRequest {
+                local_hashes: local.into(),
+                num_tokens: prompt_tokens,
+                output_tokens,
+                adapter: keys.adapter.map(str::to_owned),
+                session: keys.session.map(str::to_owned),
+                class: keys.class.cloned(),
+                ..PlaceRequest::default()
+            },
             prompt_tail,
-            output_tokens,
             streamed,
             strip_usage: streamed && !client_usage,
         })
-    }
-}
-
-impl Outbound {
-    /// What routing needs of it.
-    pub(crate) fn ask(&self) -> crate::placer::Ask<'_> {
-        crate::placer::Ask {
-            local: &self.local,
-            num_tokens: self.prompt_tokens,
-            adapter: self.adapter.as_deref(),
-            session: self.session.as_deref(),
-            output_tokens: self.output_tokens,
-            class: self.class.as_ref(),
-        }
     }
 }
 
@@ -280,13 +262,13 @@ where
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     if parts.status.is_success() && guard.checked {
-        guard.predicted = Some((placement, out.prompt_tokens as u64));
+        guard.predicted = Some((placement, out.place.num_tokens as u64));
     }
     let usage = Usage::new(sse, out.strip_usage);
     let translator = match (from, parts.status.is_success()) {
         (Some(from), true) => {
             // An adapter's answer names the adapter, as vLLM's does.
-            let model = out.adapter.clone();
+            let model = out.place.adapter.clone();
             let model = model.unwrap_or_else(|| state.preprocessor.model_name().to_owned());
             let translator = Translator::new(from, out.kind, &guard.id, model, sse);
             Some(match from {
@@ -465,13 +447,19 @@ mod tests {
         assert!(out.streamed && out.strip_usage);
         let plain = Outbound::new("/v1/completions", raw.clone(), &p, &Keys::default(), bs, &[]);
         let plain = plain.unwrap();
-        assert_ne!(plain.local, out.local, "the namespace changes every block's hash");
+        assert_ne!(
+            plain.place.local_hashes, out.place.local_hashes,
+            "the namespace changes every block's hash"
+        );
         let both = Keys { adapter: Some("sql"), ..keys };
         let adapted = Outbound::new("/v1/completions", raw, &p, &both, bs, &[]).unwrap();
-        assert_ne!(adapted.local, out.local, "the adapter salts them too");
+        assert_ne!(
+            adapted.place.local_hashes, out.place.local_hashes,
+            "the adapter salts them too"
+        );
         let hasher = BlockHasher::new(bs).with_namespace(Some("k")).with_lora(Some("sql"));
-        assert_eq!(adapted.local, hasher.local_hashes(&p.tokens, None));
-        assert_eq!(adapted.adapter.as_deref(), Some("sql"));
+        assert_eq!(*adapted.place.local_hashes, *hasher.local_hashes(&p.tokens, None));
+        assert_eq!(adapted.place.adapter.as_deref(), Some("sql"));
 
         let asked = json!({"stream": true, "stream_options": {"include_usage": true}});
         let out = Outbound::new("/v1/completions", asked, &p, &Keys::default(), bs, &[]).unwrap();

@@ -15,6 +15,7 @@ use kvroute_http::ApiError;
 use kvroute_http::auth::KeyId;
 use kvroute_http::openai::Api;
 use kvroute_http::{sglang_generate, vllm_generate};
+use kvroute_router::PlaceRequest;
 use serde_json::Value;
 
 use crate::FrontendState;
@@ -129,13 +130,16 @@ impl FrontendState {
             body,
             kind: Api::Completion,
             tokens: Vec::new(),
-            local,
-            adapter,
-            session,
-            class: Some(class),
-            prompt_tokens,
+            place: PlaceRequest {
+                local_hashes: local.into(),
+                num_tokens: prompt_tokens,
+                output_tokens: native.output_tokens,
+                adapter,
+                session,
+                class: Some(class),
+                ..PlaceRequest::default()
+            },
             prompt_tail: native.tokens[prompt_tokens.saturating_sub(8)..].to_vec(),
-            output_tokens: native.output_tokens,
             streamed: native.streamed,
             strip_usage: false,
         }))

@@ -60,11 +60,11 @@ pub(crate) async fn dispatch_pair(
     // client streams or not, so a stalled prefill engine is given up on (ejected, the
     // request placed again) in that time, not the whole answer's.
     let prefill_timeout = state.options.first_byte_timeout;
-    let mut ask = out.ask();
+    let mut request = out.place.clone();
     loop {
         let id = state.request_id();
-        let placed = state.placer.place_pair(ask, &id, &excluded).await?;
-        ask = ask.again();
+        let placed = state.placer.place_pair(&request, &id, &excluded).await?;
+        request.class = None;
         let Some(pair) = placed else {
             return Err(ApiError::unavailable("no worker is available"));
         };
@@ -134,7 +134,7 @@ fn log_placement(id: &str, out: &Outbound, pair: &crate::placer::PairPlacement) 
     tracing::debug!(
         target: "kvroute::placement",
         request = %id,
-        prompt_tokens = out.prompt_tokens,
+        prompt_tokens = out.place.num_tokens,
         prefill = ?pair.prefill.map(|p| (p.worker, p.predicted_cached_tokens)),
         decode = %pair.decode.worker,
         decode_cached_tokens = pair.decode.predicted_cached_tokens,
@@ -314,7 +314,7 @@ impl Leg {
     ) -> oneshot::Receiver<PrefillOutcome> {
         let worker = self.placed.worker.worker_id;
         let (path, body, _) = self.state.hop(worker, out);
-        let prompt_tokens = out.prompt_tokens;
+        let prompt_tokens = out.place.num_tokens;
         let (tell, outcome) = oneshot::channel();
         tokio::spawn(async move {
             let whole = |v: &mut Value| {
@@ -393,12 +393,12 @@ async fn vllm_prefill(
     {
         Ok(a) => a,
         Err(f) => {
-            leg.ended(out.prompt_tokens, None);
+            leg.ended(out.place.num_tokens, None);
             return Ok(Err(f));
         }
     };
-    let answer = answer.inspect_err(|_| leg.ended(out.prompt_tokens, None))?;
-    leg.ended(out.prompt_tokens, cached_tokens(&answer));
+    let answer = answer.inspect_err(|_| leg.ended(out.place.num_tokens, None))?;
+    leg.ended(out.place.num_tokens, cached_tokens(&answer));
     match answer.get("kv_transfer_params") {
         Some(params) if params.is_object() => Ok(Ok(params.clone())),
         _ => Err(ApiError::new(

@@ -193,17 +193,18 @@ impl FrontendState {
         if self.placer.disaggregated(self.prefill_workers) {
             return self.pick_pair(out, excluded).await;
         }
-        let mut ask = out.ask();
+        let mut request = out.place.clone();
         loop {
             let id = self.request_id();
-            let placed = self.placer.place(ask, self.block_size, &id, &excluded).await?;
-            ask = ask.again();
+            let placed = self.placer.place(&request, self.block_size, &id, &excluded).await?;
+            request.class = None;
             let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
                 return Err(no_worker(allowed));
             };
             let guard = InFlight::new(self, id);
             let worker = placement.worker.worker_id;
-            if let (Some(adapter), Some(base)) = (out.adapter.as_deref(), self.urls.get(&worker))
+            if let (Some(adapter), Some(base)) =
+                (out.place.adapter.as_deref(), self.urls.get(&worker))
                 && !self.ensure_adapter(worker, base, adapter).await
             {
                 excluded.extend(self.all_ranks(worker));
@@ -221,7 +222,7 @@ impl FrontendState {
         excluded: Vec<WorkerWithDpRank>,
     ) -> Result<Picked, ApiError> {
         let id = self.request_id();
-        let Some(pair) = self.placer.place_pair(out.ask(), &id, &excluded).await? else {
+        let Some(pair) = self.placer.place_pair(&out.place, &id, &excluded).await? else {
             return Err(ApiError::unavailable("no worker is available"));
         };
         let mut guard = InFlight::new(self, id);
@@ -265,13 +266,17 @@ impl FrontendState {
             fallbacks: fallbacks.collect(),
             prefill: None,
             body: out.body.clone(),
-            model: out.adapter.clone().unwrap_or_else(|| self.preprocessor.model_name().to_owned()),
+            model: out
+                .place
+                .adapter
+                .clone()
+                .unwrap_or_else(|| self.preprocessor.model_name().to_owned()),
             streamed: out.streamed,
             held: Held {
                 guard,
                 prefill,
                 placement,
-                prompt_tokens: out.prompt_tokens as u64,
+                prompt_tokens: out.place.num_tokens as u64,
                 strip_usage: out.strip_usage,
                 usage: None,
             },

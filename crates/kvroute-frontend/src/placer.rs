@@ -6,13 +6,11 @@
 use std::sync::Arc;
 
 use axum::http::{Method, StatusCode};
-use kvroute_core::schedule::flow::RequestClass;
 use kvroute_core::schedule::{RouteDecision, reusable_by_tier};
-use kvroute_core::{BlockSize, LocalBlockHash, WorkerWithDpRank};
+use kvroute_core::{BlockSize, WorkerWithDpRank};
 use kvroute_http::router_api::{self, Answered, BestWorker, FindBestWorker};
 use kvroute_http::{ApiError, ClientError, HttpClient};
-use kvroute_router::state::flow::{self, Placed};
-use kvroute_router::{PlaceRequest, RouterState};
+use kvroute_router::{Decision, PlaceRequest, Refusal, RouterState};
 
 // One per front door: the remote variant's size (its HTTP client's, larger when a crate in
 // the build turns on hyper's HTTP/2) costs nothing worth a box.
@@ -96,45 +94,10 @@ pub(crate) struct PairPlacement {
     pub decode: Placement,
 }
 
-/// What routing needs of a request: its block hashes and length, its adapter and session.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Ask<'a> {
-    pub local: &'a [LocalBlockHash],
-    pub num_tokens: usize,
-    pub adapter: Option<&'a str>,
-    pub session: Option<&'a str>,
-    /// Tokens its answer may run to (`max_tokens`; 0 when the client set none).
-    pub output_tokens: usize,
-    /// Its class: through flow control, which may hold or refuse it (none when placed again
-    /// after a worker failed it: it was admitted already).
-    pub class: Option<&'a RequestClass>,
-}
-
-impl<'a> Ask<'a> {
-    /// The same request placed again: admitted already.
-    pub(crate) fn again(self) -> Self {
-        Self { class: None, ..self }
-    }
-
-    /// Flow control's owned form of it, tracked as `id`.
-    fn owned(self, id: &str, exclude: &[WorkerWithDpRank], pair: bool) -> flow::Ask {
-        flow::Ask::of(&self.request(id, exclude), id, pair)
-    }
-
-    /// The embedded router's request for it, tracked as `id`.
-    fn request(self, id: &'a str, exclude: &'a [WorkerWithDpRank]) -> PlaceRequest<'a> {
-        PlaceRequest {
-            local_hashes: self.local,
-            num_tokens: self.num_tokens,
-            request_id: Some(id),
-            overlap_weight: None,
-            temperature: None,
-            exclude,
-            adapter: self.adapter,
-            session: self.session,
-            output_tokens: self.output_tokens,
-        }
-    }
+/// `request` tracked as `id`, other than `exclude`: the one owned copy the router gets (the
+/// hashes are shared, not copied).
+fn tracked(request: &PlaceRequest, id: &str, exclude: &[WorkerWithDpRank]) -> PlaceRequest {
+    PlaceRequest { id: Some(id.to_owned()), exclude: exclude.to_vec(), ..request.clone() }
 }
 
 impl Placer {
@@ -142,31 +105,23 @@ impl Placer {
     /// request is in flight from now on.
     pub(crate) async fn place(
         &self,
-        ask: Ask<'_>,
+        request: &PlaceRequest,
         block_size: BlockSize,
         id: &str,
         exclude: &[WorkerWithDpRank],
     ) -> Result<Option<Placement>, ApiError> {
-        let num_tokens = ask.num_tokens;
+        let num_tokens = request.num_tokens;
         match self {
             Self::Embedded(router) => {
-                let decision = match ask.class {
-                    Some(class) => {
-                        let owned = ask.owned(id, exclude, false);
-                        match router.admit(class.clone(), owned).await {
-                            Ok(Placed::One(d)) => d,
-                            Ok(Placed::Pair(p)) => p.map(|p| p.decode),
-                            Err(refused) => return Err(refused.into_api_error()),
-                        }
-                    }
-                    None => router.place(&ask.request(id, exclude)).map(|(d, _)| d),
-                };
-                Ok(decision.map(|d| {
-                    let blocks = (d.overlap_blocks, d.tier_blocks);
-                    Placement::new(d.worker, blocks, num_tokens, block_size)
-                }))
+                let decision = router.decide(&tracked(request, id, exclude)).await;
+                Ok(decision.map_err(Refusal::into_api_error)?.map(
+                    |Decision { decode: d, .. }| {
+                        let blocks = (d.overlap_blocks, d.tier_blocks);
+                        Placement::new(d.worker, blocks, num_tokens, block_size)
+                    },
+                ))
             }
-            Self::Remote(remote) => Ok(remote.find(ask, id, exclude).await?.map(|best| {
+            Self::Remote(remote) => Ok(remote.find(request, id, exclude).await?.map(|best| {
                 // A router that tells only the sum: taken as host memory's.
                 let tiers = match best.tier_blocks.iter().sum::<u32>() {
                     0 => [best.lower_tier_blocks, 0, 0],
@@ -182,40 +137,24 @@ impl Placer {
     /// none. Both legs are in flight from now on (the prefill's as `{id}/prefill`).
     pub(crate) async fn place_pair(
         &self,
-        ask: Ask<'_>,
+        request: &PlaceRequest,
         id: &str,
         exclude: &[WorkerWithDpRank],
     ) -> Result<Option<PairPlacement>, ApiError> {
-        let num_tokens = ask.num_tokens;
+        let num_tokens = request.num_tokens;
         let cached = |predicted_prefill: usize| num_tokens.saturating_sub(predicted_prefill) as u64;
         match self {
             Self::Embedded(router) => {
-                let request = ask.request(id, exclude);
                 let leg = |d: &RouteDecision| {
                     Placement::leg(d.worker, d.overlap_blocks, cached(d.predicted_prefill_tokens))
                 };
-                let pair = match ask.class {
-                    Some(class) => {
-                        match router.admit(class.clone(), ask.owned(id, exclude, true)).await {
-                            Ok(Placed::Pair(p)) => p,
-                            Ok(Placed::One(d)) => {
-                                d.map(|decode| kvroute_core::schedule::PairDecision {
-                                    prefill: None,
-                                    decode,
-                                    transfer_blocks: 0,
-                                })
-                            }
-                            Err(refused) => return Err(refused.into_api_error()),
-                        }
-                    }
-                    None => router.place_pair(&request),
-                };
-                Ok(pair.map(|pair| PairPlacement {
+                let pair = router.decide(&tracked(request, id, exclude)).await;
+                Ok(pair.map_err(Refusal::into_api_error)?.map(|pair| PairPlacement {
                     prefill: pair.prefill.as_ref().map(leg),
                     decode: leg(&pair.decode),
                 }))
             }
-            Self::Remote(remote) => Ok(remote.find(ask, id, exclude).await?.map(|best| {
+            Self::Remote(remote) => Ok(remote.find(request, id, exclude).await?.map(|best| {
                 let prefill = best.prefill.map(|p| {
                     Placement::leg(p.worker(), p.overlap_blocks, cached(p.predicted_prefill_tokens))
                 });
@@ -233,7 +172,7 @@ impl Placer {
     /// workers, or (a remote router) the front door's own list of workers does.
     pub(crate) fn disaggregated(&self, listed_prefill_workers: bool) -> bool {
         match self {
-            Self::Embedded(router) => router.placing().disaggregated(),
+            Self::Embedded(router) => router.placing.disaggregated(),
             Self::Remote(_) => listed_prefill_workers,
         }
     }
@@ -284,25 +223,25 @@ impl RemoteRouter {
     /// to choose (503).
     async fn find(
         &self,
-        ask: Ask<'_>,
+        ask: &PlaceRequest,
         id: &str,
         exclude: &[WorkerWithDpRank],
     ) -> Result<Option<BestWorker>, ApiError> {
         let request = FindBestWorker {
-            local_hashes: ask.local.iter().map(|l| l.0).collect(),
+            local_hashes: ask.local_hashes.iter().map(|l| l.0).collect(),
             num_tokens: i64::try_from(ask.num_tokens).unwrap_or(i64::MAX),
             request_id: Some(id.to_owned()),
             overlap_score_weight: None,
             temperature: None,
             exclude: exclude.to_vec(),
-            lora_name: ask.adapter.map(str::to_owned),
-            session_id: ask.session.map(str::to_owned),
+            lora_name: ask.adapter.clone(),
+            session_id: ask.session.clone(),
             max_tokens: Some(ask.output_tokens as u64).filter(|&m| m > 0),
             // Only what differs from the default class (a router older than flow control
             // refuses the fields; a newer one admits every tracked request anyway).
-            priority: ask.class.map(|c| c.priority).filter(|&p| p != 0),
-            tenant: ask.class.map(|c| c.tenant.to_string()).filter(|t| t != "default"),
-            ttft_slo_ms: ask.class.and_then(|c| c.ttft_slo_ms),
+            priority: ask.class.as_ref().map(|c| c.priority).filter(|&p| p != 0),
+            tenant: ask.class.as_ref().map(|c| c.tenant.to_string()).filter(|t| t != "default"),
+            ttft_slo_ms: ask.class.as_ref().and_then(|c| c.ttft_slo_ms),
         };
         match self.client.find_best_worker(&self.base, &request).await {
             Ok(best) => Ok(Some(best)),

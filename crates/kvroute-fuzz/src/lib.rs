@@ -141,7 +141,7 @@ pub fn replica_sync(data: &[u8]) {
     let state = router();
     let mut peers = kvroute_router::nats::Peers::default();
     peers.apply(&state, batch);
-    let _ = state.placing().in_flight();
+    let _ = state.placing.in_flight();
 }
 
 pub fn index_snapshot(data: &[u8]) {
@@ -174,19 +174,19 @@ fn place(req: &FindBestWorker) {
         return;
     }
     let state = router();
-    let local: Vec<LocalBlockHash> = req.local_hashes.iter().copied().map(LocalBlockHash).collect();
     let placement = PlaceRequest {
-        local_hashes: &local,
+        id: req.request_id.clone(),
+        local_hashes: req.local_hashes.iter().copied().map(LocalBlockHash).collect(),
         num_tokens,
-        request_id: req.request_id.as_deref(),
+        output_tokens: req.max_tokens.map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX)),
+        adapter: req.lora_name.clone(),
+        session: req.session_id.clone(),
+        exclude: req.exclude.clone(),
         overlap_weight: req.overlap_score_weight.filter(|w| w.is_finite()),
         temperature: req.temperature.filter(|t| t.is_finite() && *t >= 0.0),
-        exclude: &req.exclude,
-        adapter: req.lora_name.as_deref(),
-        session: req.session_id.as_deref(),
-        output_tokens: req.max_tokens.map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX)),
+        class: None,
     };
-    let _ = state.place(&placement);
+    let _ = state.place_now(&placement);
     if req.classed() {
         admit(req, &placement);
     }
@@ -194,7 +194,7 @@ fn place(req: &FindBestWorker) {
 
 /// A request that names its class goes through flow control (on here, and saturated, so some
 /// wait): its first poll admits, queues or refuses it; dropped, it leaves the queue.
-fn admit(req: &FindBestWorker, p: &PlaceRequest<'_>) {
+fn admit(req: &FindBestWorker, p: &PlaceRequest) {
     use std::future::Future as _;
     let params = ["priority", "tenant", "ttft_slo_ms"];
     let Ok(class) = kvroute_http::router_api::request_class(
@@ -210,12 +210,13 @@ fn admit(req: &FindBestWorker, p: &PlaceRequest<'_>) {
     config.scheduler.flow.max_engine_wait_ms = 0.0;
     let state = RouterState::new(config);
     for k in 0..3 {
-        let ask = kvroute_router::state::flow::Ask::of(p, &format!("fuzz-{k}"), false);
-        let mut admitted = std::pin::pin!(state.admit(class.clone(), ask));
+        let ask =
+            PlaceRequest { id: Some(format!("fuzz-{k}")), class: Some(class.clone()), ..p.clone() };
+        let mut admitted = std::pin::pin!(state.decide(&ask));
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         let _ = admitted.as_mut().poll(&mut cx);
     }
-    assert_eq!(state.flow().waiting(), (0, 0), "an abandoned wait leaves the queue");
+    assert_eq!(state.flow.waiting(), (0, 0), "an abandoned wait leaves the queue");
 }
 
 fn preprocessor() -> &'static Arc<Preprocessor> {
@@ -340,19 +341,19 @@ pub fn worker_reports(data: &[u8]) {
     let w = kvroute_core::WorkerWithDpRank::new(1u64, 0u32);
     if let Some((_, load, adapters)) = kvroute_router::load::decode_report(data) {
         if let Some(a) = adapters {
-            state.placing().report_adapters(w, &a);
+            a.report(&state.placing, w);
         }
         state.update_load(w, load);
     }
     let text = String::from_utf8_lossy(data);
     let _ = kvroute_router::load::parse_prometheus(&text);
     if let Some(a) = kvroute_router::load::parse_lora_info(&text) {
-        state.placing().report_adapters(w, &a);
+        a.report(&state.placing, w);
     }
     if let Ok(list) = serde_json::from_slice::<kvroute_http::openai::ModelList>(data) {
         let listed: std::collections::BTreeSet<String> =
             list.adapters_of("kvroute-tiny").into_iter().collect();
-        state.placing().set_served_adapters(w, Some(listed));
+        state.placing.set_served_adapters(w, Some(listed));
     }
 }
 

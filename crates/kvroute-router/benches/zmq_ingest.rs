@@ -180,8 +180,8 @@ async fn main() {
         }
     });
     let hasher = BlockHasher::new(BlockSize::new(BS as u32).unwrap());
-    let queries: Vec<Vec<LocalBlockHash>> =
-        (0..64).map(|s| hasher.local_hashes(&tokens(s * 3), None)).collect();
+    let queries: Vec<Arc<[LocalBlockHash]>> =
+        (0..64).map(|s| hasher.local_hashes(&tokens(s * 3), None).into()).collect();
     let bodies: Vec<FindBestWorker> = queries
         .iter()
         .map(|q| FindBestWorker::query(q.iter().map(|l| l.0).collect(), (512 * BS) as i64))
@@ -198,17 +198,11 @@ async fn main() {
         let q = &queries[i % queries.len()];
         let t = Instant::now();
         let placement = PlaceRequest {
-            local_hashes: q,
+            local_hashes: Arc::clone(q),
             num_tokens: 512 * BS,
-            request_id: None,
-            overlap_weight: None,
-            temperature: None,
-            exclude: &[],
-            adapter: None,
-            session: None,
-            output_tokens: 0,
+            ..PlaceRequest::default()
         };
-        std::hint::black_box(state.place(&placement));
+        std::hint::black_box(state.place_now(&placement));
         inside.push(t.elapsed().as_nanos() as u64);
         let t = Instant::now();
         let answer: BestWorker = client.post_json(&url, &bodies[i % bodies.len()]).await.unwrap();

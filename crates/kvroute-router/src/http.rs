@@ -41,7 +41,7 @@ use kvroute_http::router_api::{
 use kvroute_http::{ApiError, Credentials};
 use serde_json::json;
 
-use crate::state::{Parity, PlaceRequest, RouterState};
+use crate::state::{Decision, Parity, PlaceRequest, Refusal, RouterState};
 
 /// Most adapters one rank may be said to list (`PUT /workers/{id}/adapters`).
 pub const MAX_LISTED_ADAPTERS: usize = 4096;
@@ -204,52 +204,39 @@ async fn find_best_worker(
 ) -> Result<Json<BestWorker>, ApiError> {
     let state = &api.state;
     check_find(&req)?;
-    let local: Vec<LocalBlockHash> = req.local_hashes.iter().copied().map(LocalBlockHash).collect();
-    let placement = PlaceRequest {
-        local_hashes: &local,
-        num_tokens: req.num_tokens as usize,
-        request_id: req.request_id.as_deref(),
-        overlap_weight: req.overlap_score_weight,
-        temperature: req.temperature,
-        exclude: &req.exclude,
-        adapter: req.lora_name.as_deref().filter(|n| !n.is_empty()),
-        session: req.session_id.as_deref().filter(|k| !k.is_empty()),
-        output_tokens: req.max_tokens.map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX)),
-    };
-    let unknown = || ApiError::unavailable("no workers are known");
-    let pair_fleet = state.placing().disaggregated();
     // A tracked request goes through flow control when it is on (its class the default
     // unless it names one).
-    let admitted = match &req.request_id {
-        Some(id) if state.config.scheduler.flow.enabled => {
-            Some(admit(state, &req, id, &placement, pair_fleet).await?)
-        }
+    let class = match &req.request_id {
+        Some(_) if state.config.scheduler.flow.enabled => Some(router_api::request_class(
+            req.priority,
+            req.tenant.as_deref(),
+            req.ttft_slo_ms,
+            ["priority", "tenant", "ttft_slo_ms"],
+        )?),
         _ => None,
     };
-    let (decision, prefill) = match pair_fleet {
-        true => {
-            let pair = match admitted {
-                Some(crate::state::flow::Placed::Pair(pair)) => pair,
-                _ => state.place_pair(&placement),
-            };
-            let pair = pair.ok_or_else(unknown)?;
-            let prefill = pair.prefill.map(|p| PrefillWorker {
-                worker_id: p.worker.worker_id,
-                dp_rank: p.worker.dp_rank,
-                overlap_blocks: p.overlap_blocks,
-                predicted_prefill_tokens: p.predicted_prefill_tokens,
-                transfer_blocks: pair.transfer_blocks,
-            });
-            (pair.decode, prefill)
-        }
-        false => {
-            let one = match admitted {
-                Some(crate::state::flow::Placed::One(one)) => one,
-                _ => state.place(&placement).map(|(d, _)| d),
-            };
-            (one.ok_or_else(unknown)?, None)
-        }
+    let placement = PlaceRequest {
+        id: req.request_id.clone(),
+        local_hashes: req.local_hashes.iter().copied().map(LocalBlockHash).collect(),
+        num_tokens: req.num_tokens as usize,
+        output_tokens: req.max_tokens.map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX)),
+        adapter: req.lora_name.clone().filter(|n| !n.is_empty()),
+        session: req.session_id.clone().filter(|k| !k.is_empty()),
+        exclude: req.exclude.clone(),
+        overlap_weight: req.overlap_score_weight,
+        temperature: req.temperature,
+        class,
     };
+    let decision = state.decide(&placement).await.map_err(Refusal::into_api_error)?;
+    let Decision { prefill, decode: decision, transfer_blocks } =
+        decision.ok_or_else(|| ApiError::unavailable("no workers are known"))?;
+    let prefill = prefill.map(|p| PrefillWorker {
+        worker_id: p.worker.worker_id,
+        dp_rank: p.worker.dp_rank,
+        overlap_blocks: p.overlap_blocks,
+        predicted_prefill_tokens: p.predicted_prefill_tokens,
+        transfer_blocks,
+    });
     let bs = state.config.block_size.tokens();
     Ok(Json(BestWorker {
         worker_id: decision.worker.worker_id,
@@ -262,25 +249,6 @@ async fn find_best_worker(
         tier_blocks: decision.tier_blocks,
         prefill,
     }))
-}
-
-/// A tracked request goes through flow control: its answer may wait until a worker can take
-/// it, or be a refusal with `Retry-After`.
-async fn admit(
-    state: &crate::RouterState,
-    req: &FindBestWorker,
-    id: &str,
-    p: &PlaceRequest<'_>,
-    pair: bool,
-) -> Result<crate::state::flow::Placed, ApiError> {
-    let class = router_api::request_class(
-        req.priority,
-        req.tenant.as_deref(),
-        req.ttft_slo_ms,
-        ["priority", "tenant", "ttft_slo_ms"],
-    )?;
-    let ask = crate::state::flow::Ask::of(p, id, pair);
-    state.admit(class, ask).await.map_err(crate::state::flow::Refusal::into_api_error)
 }
 
 /// `?timed=false`: the answer was not streamed, its first bytes are not its first token.
@@ -329,7 +297,7 @@ async fn answers(
             );
         }
     }
-    if let Err(why) = api.state.fleet().check_rank(a.worker()) {
+    if let Err(why) = api.state.fleet.check_rank(a.worker()) {
         return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
     }
     if !api.state.record_answer(&a) {
@@ -357,9 +325,8 @@ async fn inject_event(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let state = &api.state;
     let Json(req) = body?;
-    if let Err(why) = state
-        .fleet()
-        .check_rank(WorkerWithDpRank { worker_id: req.worker_id, dp_rank: req.dp_rank })
+    if let Err(why) =
+        state.fleet.check_rank(WorkerWithDpRank { worker_id: req.worker_id, dp_rank: req.dp_rank })
     {
         return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
     }
@@ -375,7 +342,7 @@ async fn inject_event(
     let event = RouterEvent::new(req.worker_id, KvCacheEvent::new(0, data, req.dp_rank));
     let worker = event.worker();
     if state.apply_posted(&[event]) == 0 {
-        if !state.fleet().knows_worker(worker.worker_id) {
+        if !state.fleet.knows_worker(worker.worker_id) {
             return Err(ApiError::bad_request(format!(
                 "worker {} is not one of the router's workers",
                 worker.worker_id
@@ -414,9 +381,9 @@ async fn tree_info(State(api): ApiState) -> Result<Json<serde_json::Value>, ApiE
 
 async fn workers(State(api): ApiState) -> Json<serde_json::Value> {
     let state = &api.state;
-    Json(json!({"workers": state.workers(), "in_flight": state.placing().in_flight(),
-        "recent_decisions": state.placing().recent_decisions(),
-        "ttft_predictions": state.placing().prediction_stats(), "nats": state.nats().map(|n| n.summary())}))
+    Json(json!({"workers": state.workers(), "in_flight": state.placing.in_flight(),
+        "recent_decisions": state.placing.recent_decisions(),
+        "ttft_predictions": state.placing.prediction_stats(), "nats": state.nats.get().map(|n| n.summary())}))
 }
 
 async fn metrics(State(api): ApiState) -> Response {
@@ -491,11 +458,11 @@ async fn adapters(
     }
     let worker = known_worker(&api, id)?;
     let rank = WorkerWithDpRank { worker_id: worker, dp_rank: served.dp_rank };
-    if let Err(why) = api.state.fleet().check_rank(rank) {
+    if let Err(why) = api.state.fleet.check_rank(rank) {
         return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
     }
     let names = served.adapters.map(|a| a.into_iter().collect());
-    api.state.placing().set_served_adapters(rank, names);
+    api.state.placing.set_served_adapters(rank, names);
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -37,7 +37,7 @@ pub use config::{
 pub use error::RouterError;
 use kvroute_core::BlockSize;
 pub use kvroute_wire::ConvertStats;
-pub use state::{CacheMode, Parity, PlaceRequest, RouterState, WorkerStatus};
+pub use state::{CacheMode, Decision, Parity, PlaceRequest, Refusal, RouterState, WorkerStatus};
 pub use tasks::Tasks;
 use tokio::net::TcpListener;
 
@@ -78,7 +78,7 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
             tasks.push(tokio::spawn(load::run(Arc::clone(state), spec.id, metrics.clone())));
         }
     }
-    if state.fleet().has_approximate() {
+    if state.fleet.has_approximate() {
         let approx = Arc::clone(state);
         tasks.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -93,7 +93,7 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
         let mut tick = tokio::time::interval(Duration::from_secs(10));
         loop {
             tick.tick().await;
-            let n = reclaim.placing().reclaim_stale();
+            let n = reclaim.placing.reclaim_stale();
             if n > 0 {
                 tracing::warn!(
                     requests = n,
@@ -109,11 +109,11 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
         tasks.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(50));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut reported = state::flow::Reported::default();
+            let mut reported = state::Reported::default();
             loop {
                 tick.tick().await;
-                state::flow::release(&flow);
-                state::flow::report(&flow, &mut reported);
+                flow.release();
+                flow.report_queues(&mut reported);
             }
         }));
     }

@@ -27,7 +27,7 @@ use serde::Deserialize;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
 use crate::error::RouterError;
-use crate::state::RouterState;
+use crate::state::{Placing, RouterState};
 use crate::subscriber::MAX_BACKOFF;
 
 /// How often a Prometheus endpoint is read.
@@ -57,6 +57,12 @@ pub struct AdapterReport {
 
 impl AdapterReport {
     /// From comma-joined names (names past the adapter name limit are not taken).
+    /// Hands the report to the scheduler's adapter table.
+    pub fn report(&self, placing: &Placing, worker: WorkerWithDpRank) {
+        let names: Vec<&str> = self.in_slots.iter().map(String::as_str).collect();
+        placing.report_adapters(worker, self.max_loras, &names);
+    }
+
     fn new(max_loras: Option<usize>, names: &str) -> Self {
         let max = kvroute_http::models::MAX_ADAPTER_NAME;
         let in_slots = names
@@ -106,11 +112,11 @@ async fn subscribe(state: Arc<RouterState>, worker: WorkerId, endpoint: String) 
                 let Some(payload) = message.into_vec().pop() else { continue };
                 match decode_report(&payload) {
                     Some((r, load, adapters))
-                        if state.fleet().check_rank(WorkerWithDpRank::new(worker, r)).is_ok() =>
+                        if state.fleet.check_rank(WorkerWithDpRank::new(worker, r)).is_ok() =>
                     {
                         let rank = WorkerWithDpRank::new(worker, r);
                         if let Some(adapters) = adapters {
-                            state.placing().report_adapters(rank, &adapters);
+                            adapters.report(&state.placing, rank);
                         }
                         state.update_load(rank, load);
                     }
@@ -150,9 +156,9 @@ async fn poll(state: Arc<RouterState>, worker: WorkerId, url: String) {
         let text = String::from_utf8_lossy(&text);
         let adapters = parse_lora_info(&text);
         for (rank, load) in parse_prometheus(&text) {
-            if state.fleet().check_rank(WorkerWithDpRank::new(worker, rank)).is_ok() {
+            if state.fleet.check_rank(WorkerWithDpRank::new(worker, rank)).is_ok() {
                 if let Some(a) = &adapters {
-                    state.placing().report_adapters(WorkerWithDpRank::new(worker, rank), a);
+                    a.report(&state.placing, WorkerWithDpRank::new(worker, rank));
                 }
                 state.update_load(WorkerWithDpRank::new(worker, rank), load);
             }

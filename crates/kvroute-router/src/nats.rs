@@ -110,7 +110,9 @@ pub(crate) fn spawn(
         _ => (None, None),
     };
     let links = NatsLinks::new(config.clone(), Arc::clone(&status), outbox_tx, relay_tx);
-    state.set_nats(links);
+    if state.nats.set(links).is_err() {
+        tracing::warn!("NATS links set twice; keeping the first");
+    }
     let state = Arc::clone(state);
     vec![tokio::spawn(async move {
         let client = match connect_options(&config, Arc::clone(&status))
@@ -293,7 +295,7 @@ impl Peers {
                         block_size: state.config.block_size.tokens(),
                         output_tokens,
                     };
-                    let placing = state.placing();
+                    let placing = &state.placing;
                     if placing.track_peer(&state.index, &state.metrics, &key, routed) {
                         peer.in_flight.insert(id);
                     } else {
@@ -301,15 +303,15 @@ impl Peers {
                     }
                 }
                 SyncMessage::PrefillDone { id } => {
-                    state.placing().peer_prefill_done(&peer_request_id(&batch.replica, &id));
+                    state.placing.peer_prefill_done(&peer_request_id(&batch.replica, &id));
                 }
                 SyncMessage::Freed { id } => {
                     if peer.in_flight.remove(&id) {
-                        state.placing().free_peer(&peer_request_id(&batch.replica, &id));
+                        state.placing.free_peer(&peer_request_id(&batch.replica, &id));
                     }
                 }
                 SyncMessage::Heartbeat => {}
-                SyncMessage::Queues { bands } => state.flow().peer_report(&batch.replica, bands),
+                SyncMessage::Queues { bands } => state.flow.peer_report(&batch.replica, bands),
             }
         }
     }
@@ -322,7 +324,7 @@ impl Peers {
             }
             let n = peer.in_flight.len();
             for id in &peer.in_flight {
-                state.placing().free_peer(&peer_request_id(name, id));
+                state.placing.free_peer(&peer_request_id(name, id));
             }
             state.metrics.replica_expired.inc_by(n as u64);
             tracing::warn!(peer = %name, freed = n, "a replica went silent: its in-flight requests expire");

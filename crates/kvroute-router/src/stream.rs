@@ -305,7 +305,7 @@ fn mark_caught_up(state: &RouterState, status: &NatsStatus) {
             "caught up with the event stream"
         );
         // Every worker that follows the stream is connected and caught up.
-        for rank in state.fleet().configured_ranks() {
+        for rank in state.fleet.configured_ranks() {
             state.link(rank, Link::Connected(None));
             state.link(rank, Link::CaughtUp);
         }

@@ -220,7 +220,7 @@ async fn follow_sequence(
     stream: &mut Stream<'_>,
     seq: u64,
 ) {
-    if state.checks().take_resync(sub.worker) {
+    if state.checks.take_resync(sub.worker) {
         // Drifted: its blocks were cleared; rebuild from what the engine still buffers.
         tracing::info!(worker = %sub.worker, "resynchronising from the engine's replay");
         stream.last = None;

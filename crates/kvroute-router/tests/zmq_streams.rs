@@ -155,19 +155,10 @@ async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
     assert_eq!(state.index.tree_size(WorkerWithDpRank::new(9u64, 0u32)), 0);
     let hashes = [LocalBlockHash(1), LocalBlockHash(2)];
     for _ in 0..50 {
-        let placement = PlaceRequest {
-            local_hashes: &hashes,
-            num_tokens: 8,
-            request_id: None,
-            overlap_weight: None,
-            temperature: None,
-            exclude: &[],
-            adapter: None,
-            session: None,
-            output_tokens: 0,
-        };
-        let (decision, _) = state.place(&placement).unwrap();
-        assert_eq!(decision.worker, WorkerWithDpRank::new(9u64, 0u32));
+        let placement =
+            PlaceRequest { local_hashes: hashes.into(), num_tokens: 8, ..PlaceRequest::default() };
+        let decision = state.place_now(&placement).unwrap();
+        assert_eq!(decision.decode.worker, WorkerWithDpRank::new(9u64, 0u32));
     }
 }
 
@@ -221,9 +212,9 @@ async fn load_is_polled_from_a_prometheus_endpoint() {
     spec.metrics = Some(format!("http://{addr}/metrics"));
     let state =
         Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
-    assert_eq!(state.fleet().not_ready().len(), 1, "no load report yet");
+    assert_eq!(state.fleet.not_ready().len(), 1, "no load report yet");
     let _tasks = kvroute_router::spawn_background(&state).unwrap();
-    let waiting = state.fleet().wait_ready(Duration::from_secs(10)).await;
+    let waiting = state.fleet.wait_ready(Duration::from_secs(10)).await;
     assert!(waiting.is_empty(), "{waiting:?}");
     let load = state.workers()[0].load[0].unwrap();
     assert_eq!(

@@ -301,7 +301,7 @@ impl Stack {
                 None => Vec::new(),
             }
         };
-        let (mut waiting, unprobed) = tokio::join!(router.fleet().wait_ready(timeout), parity);
+        let (mut waiting, unprobed) = tokio::join!(router.fleet.wait_ready(timeout), parity);
         for worker in unprobed {
             let w = WorkerWithDpRank::new(worker, 0u32);
             if !waiting.contains(&w) {

@@ -659,7 +659,8 @@ async fn two_pickers_over_nats_keep_every_repeat_on_its_cached_prefix() {
     .await
     .unwrap();
     assert!(b.ready(Duration::from_secs(10)).await.is_empty());
-    let peers = |s: &Stack| s.router.as_ref().unwrap().nats().unwrap().summary()["peers"].as_u64();
+    let peers =
+        |s: &Stack| s.router.as_ref().unwrap().nats.get().unwrap().summary()["peers"].as_u64();
     assert!(
         eventually(Duration::from_secs(10), || peers(&a) == Some(1) && peers(&b) == Some(1)).await
     );

@@ -137,7 +137,7 @@ async fn a_repeated_prompt_returns_to_its_worker_with_cached_tokens() {
     assert_eq!(again.worker, first.worker, "where its blocks are");
     let full = prompt_tokens / 16 * 16;
     assert_eq!((again.predicted, cached(&again.body)), (Some(full), full));
-    assert_eq!(f.router().placing().in_flight(), 0);
+    assert_eq!(f.router().placing.in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -159,7 +159,7 @@ async fn streams_and_completions_pass_through() {
         post(&f.base, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 2}))
             .await;
     assert_eq!((c.status, c.body["object"].as_str()), (200, Some("text_completion")), "{}", c.body);
-    assert_eq!(f.router().placing().in_flight(), 0);
+    assert_eq!(f.router().placing.in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -170,7 +170,7 @@ async fn an_unreachable_worker_is_skipped_for_another() {
         let a = post(&f.base, "/v1/chat/completions", &chat(&format!("question number {k}"))).await;
         assert_eq!((a.status, a.worker), (200, Some(live[0])), "{}", a.body);
     }
-    assert_eq!(f.router().placing().in_flight(), 0);
+    assert_eq!(f.router().placing.in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,11 +184,11 @@ async fn a_client_that_leaves_mid_stream_leaves_no_load() {
     assert_eq!(response.status(), 200);
     let mut stream = response.into_body();
     assert!(stream.frame().await.unwrap().unwrap().data_ref().is_some(), "a first chunk");
-    assert_eq!(f.router().placing().in_flight(), 1);
+    assert_eq!(f.router().placing.in_flight(), 1);
     drop(stream);
     drop(client);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while f.router().placing().in_flight() > 0 {
+    while f.router().placing.in_flight() > 0 {
         assert!(Instant::now() < deadline, "in-flight load left behind");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -356,7 +356,7 @@ async fn a_remote_router_by_url() {
     // The lifecycle calls reach the router in the background: in flight drops back to 0.
     let router = routed.router.as_ref().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while router.placing().in_flight() > 0 {
+    while router.placing.in_flight() > 0 {
         assert!(Instant::now() < deadline, "the remote router still counts the request in flight");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

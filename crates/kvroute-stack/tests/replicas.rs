@@ -71,7 +71,7 @@ fn replica(workers: &[WorkerSpec], nats: NatsConfig) -> (Arc<RouterState>, Tasks
 }
 
 fn peers(state: &RouterState) -> u64 {
-    let n = state.nats().unwrap().summary();
+    let n = state.nats.get().unwrap().summary();
     n["peers"].as_u64().unwrap()
 }
 
@@ -81,17 +81,12 @@ fn hashes(seed: u64, n: u64) -> Vec<LocalBlockHash> {
 
 fn place(state: &RouterState, id: &str, local: &[LocalBlockHash]) -> WorkerWithDpRank {
     let p = PlaceRequest {
-        local_hashes: local,
+        id: Some(id.to_owned()),
+        local_hashes: local.into(),
         num_tokens: local.len() * 16,
-        request_id: Some(id),
-        overlap_weight: None,
-        temperature: None,
-        exclude: &[],
-        adapter: None,
-        session: None,
-        output_tokens: 0,
+        ..PlaceRequest::default()
     };
-    state.place(&p).unwrap().0.worker
+    state.place_now(&p).unwrap().decode.worker
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -108,25 +103,19 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
     // flight) would choose, and its decision saw a's blocks in flight on a's worker.
     let prefix = hashes(1, 64);
     let first = place(&a, "r1", &prefix);
-    assert!(eventually(Duration::from_secs(5), || b.placing().in_flight() == 1).await);
+    assert!(eventually(Duration::from_secs(5), || b.placing.in_flight() == 1).await);
     let untracked = PlaceRequest {
-        local_hashes: &prefix,
+        local_hashes: prefix.as_slice().into(),
         num_tokens: prefix.len() * 16,
-        request_id: None,
-        overlap_weight: None,
-        temperature: None,
-        exclude: &[],
-        adapter: None,
-        session: None,
-        output_tokens: 0,
+        ..PlaceRequest::default()
     };
-    let one_router = a.place(&untracked).unwrap().0.worker;
+    let one_router = a.place_now(&untracked).unwrap().decode.worker;
     let second = place(&b, "r2", &prefix);
     assert_eq!(second, one_router, "b decides as a single router would");
-    let seen = b.placing().recent_decisions().pop().unwrap();
+    let seen = b.placing.recent_decisions().pop().unwrap();
     let on_first = seen.candidates.iter().find(|c| c.worker == first).unwrap();
     assert_eq!(on_first.inflight_prefix_blocks, 64, "a's request priced by b");
-    assert!(eventually(Duration::from_secs(5), || a.placing().in_flight() == 2).await);
+    assert!(eventually(Duration::from_secs(5), || a.placing.in_flight() == 2).await);
     // b would have made a's choice: counted as agreement.
     assert_eq!(b.metrics.agreements(true), 1);
 
@@ -134,17 +123,17 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
     a.prefill_done("r1", true);
     assert!(a.finish("r1"));
     assert!(
-        eventually(Duration::from_secs(5), || b.placing().in_flight() == 1).await,
+        eventually(Duration::from_secs(5), || b.placing.in_flight() == 1).await,
         "only r2 left on b"
     );
     assert!(b.finish("r2"));
-    assert!(eventually(Duration::from_secs(5), || a.placing().in_flight() == 0).await);
+    assert!(eventually(Duration::from_secs(5), || a.placing.in_flight() == 0).await);
 
     // b goes silent with a request in flight: a frees it once b is not heard for PEER_TIMEOUT.
     place(&b, "r3", &hashes(2, 8));
-    assert!(eventually(Duration::from_secs(5), || a.placing().in_flight() == 1).await);
+    assert!(eventually(Duration::from_secs(5), || a.placing.in_flight() == 1).await);
     drop(b_tasks);
-    let expired = eventually(PEER_TIMEOUT * 3, || a.placing().in_flight() == 0).await;
+    let expired = eventually(PEER_TIMEOUT * 3, || a.placing.in_flight() == 0).await;
     assert!(expired, "a silent replica's entries expire");
     assert!(a.render_metrics().contains("kvroute_replica_expired_requests_total 1"));
 }
@@ -169,7 +158,6 @@ fn flow_replica(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_agree_on_saturation_by_their_queue_reports() {
     use kvroute_core::schedule::flow::{FlowConfig, RequestClass};
-    use kvroute_router::state::flow::{Ask, Placed};
     let server = NatsServer::start(&store_dir("flow"), 0).await.unwrap();
     // a admits nothing (no worker can have a wait below 0): everything it takes waits.
     let on = FlowConfig { enabled: true, ..FlowConfig::default() };
@@ -177,22 +165,22 @@ async fn replicas_agree_on_saturation_by_their_queue_reports() {
     let (a, _a_tasks) = flow_replica(&server, "a", saturated);
     let (b, _b_tasks) = flow_replica(&server, "b", on);
     assert!(eventually(Duration::from_secs(10), || peers(&a) == 1 && peers(&b) == 1).await);
-    let ask = |id: &str| Ask {
-        id: id.to_owned(),
-        local_hashes: hashes(3, 4),
+    let ask = |id: &str, priority| PlaceRequest {
+        id: Some(id.to_owned()),
+        local_hashes: hashes(3, 4).into(),
         num_tokens: 64,
-        ..Ask::default()
+        class: Some(RequestClass { priority, ..RequestClass::default() }),
+        ..PlaceRequest::default()
     };
-    let class = |priority| RequestClass { priority, ..RequestClass::default() };
     // b alone: a priority-0 request goes at once.
-    assert!(matches!(b.admit(class(0), ask("b0")).await.unwrap(), Placed::One(Some(_))));
+    assert!(b.decide(&ask("b0", 0)).await.unwrap().is_some());
     // A priority-5 request waits at a; b hears of it within a report.
     let a_ref = Arc::clone(&a);
-    let waiting = tokio::spawn(async move { a_ref.admit(class(5), ask("a1")).await });
-    assert!(eventually(Duration::from_secs(5), || a.flow().waiting().0 == 1).await);
+    let waiting = tokio::spawn(async move { a_ref.decide(&ask("a1", 5)).await });
+    assert!(eventually(Duration::from_secs(5), || a.flow.waiting().0 == 1).await);
     let queued = Instant::now();
     assert!(
-        eventually(Duration::from_secs(2), || b.flow().peers_waiting_above(0, Instant::now()) == 1)
+        eventually(Duration::from_secs(2), || b.flow.peers_waiting_above(0, Instant::now()) == 1)
             .await
     );
     let agreed = queued.elapsed();
@@ -200,14 +188,14 @@ async fn replicas_agree_on_saturation_by_their_queue_reports() {
     assert!(agreed < Duration::from_secs(1), "{agreed:?}");
     // Meanwhile b holds a priority-0 request back, and lets a priority-6 one go.
     let b_ref = Arc::clone(&b);
-    let held = tokio::spawn(async move { b_ref.admit(class(0), ask("b1")).await });
-    assert!(eventually(Duration::from_secs(2), || b.flow().waiting().0 == 1).await);
-    assert!(matches!(b.admit(class(6), ask("b2")).await.unwrap(), Placed::One(Some(_))));
+    let held = tokio::spawn(async move { b_ref.decide(&ask("b1", 0)).await });
+    assert!(eventually(Duration::from_secs(2), || b.flow.waiting().0 == 1).await);
+    assert!(b.decide(&ask("b2", 6)).await.unwrap().is_some());
     // a's request is abandoned: a's queue empties, b hears of it and lets its own go.
     waiting.abort();
     let emptied = Instant::now();
     let placed = tokio::time::timeout(Duration::from_secs(2), held).await.unwrap().unwrap();
-    assert!(matches!(placed.unwrap(), Placed::One(Some(_))));
+    assert!(placed.unwrap().is_some());
     eprintln!(
         "b released its request {} ms after a's queue emptied",
         emptied.elapsed().as_millis()
@@ -240,7 +228,7 @@ async fn nats_away_is_degraded_and_the_replicas_reconnect() {
     assert!(back.await, "both reconnect within 5 s of the server's return");
     place(&a, "after", &hashes(99, 4));
     assert!(
-        eventually(Duration::from_secs(5), || b.placing().in_flight() == 1).await,
+        eventually(Duration::from_secs(5), || b.placing.in_flight() == 1).await,
         "decisions flow again"
     );
 }
@@ -334,7 +322,7 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
     let started = Instant::now();
     let (fresh, _fresh_tasks) =
         replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
-    let warm = fresh.fleet().wait_ready(Duration::from_secs(10)).await;
+    let warm = fresh.fleet.wait_ready(Duration::from_secs(10)).await;
     assert!(warm.is_empty(), "caught up: {warm:?}");
     let took = started.elapsed();
     assert_eq!(fresh.metrics.snapshots("loaded"), 1, "started from the snapshot");
@@ -345,18 +333,14 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
     for i in 0..20 {
         let local = hashes(500 + i, 6);
         let p = PlaceRequest {
-            local_hashes: &local,
+            local_hashes: local.into(),
             num_tokens: 96,
-            request_id: None,
-            overlap_weight: None,
             temperature: Some(0.0),
-            exclude: &[],
-            adapter: None,
-            session: None,
-            output_tokens: 0,
+            ..PlaceRequest::default()
         };
-        let (x, y) = (relay.place(&p).unwrap().1, fresh.place(&p).unwrap().1);
-        assert_eq!(x.scores, y.scores);
+        let scores = |r: &RouterState| r.index.find_matches_within(&p.local_hashes, 5, 16).scores;
+        assert_eq!(scores(&relay), scores(&fresh));
+        assert_eq!(relay.place_now(&p).unwrap(), fresh.place_now(&p).unwrap());
     }
 
     // The relay restarts while the engines keep working: the new one resumes from the
@@ -396,7 +380,7 @@ async fn relay_restart(stack: &mut Stack, mut config: NatsConfig) -> (Arc<Router
     stack.stop_router_tasks();
     config.replica = "relay-2".into();
     let (state, tasks) = replica(&stack.workers, config);
-    assert!(state.fleet().wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(state.fleet.wait_ready(Duration::from_secs(10)).await.is_empty());
     (state, tasks)
 }
 
@@ -410,12 +394,12 @@ async fn after_a_nats_outage_the_stream_has_everything_the_engines_did() {
     let relay = Arc::clone(stack.router.as_ref().unwrap());
     let (follower, _f) =
         replica(&stack.workers, nats_config(&server, "follower", EventsVia::Stream));
-    assert!(follower.fleet().wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(follower.fleet.wait_ready(Duration::from_secs(10)).await.is_empty());
     // The ground truth: a router on the engines' own ZMQ streams, beside NATS.
     let mut direct_config = nats_config(&server, "direct", EventsVia::Zmq);
     direct_config.sync = false;
     let (direct, _d) = replica(&stack.workers, direct_config);
-    assert!(direct.fleet().wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(direct.fleet.wait_ready(Duration::from_secs(10)).await.is_empty());
     for i in 0..10 {
         chat(&base, &format!("before the outage, question {i} about rivers and their long names"))
             .await;
@@ -436,7 +420,7 @@ async fn after_a_nats_outage_the_stream_has_everything_the_engines_did() {
     // Within 5 s the follower's index equals a fresh replica's and what the engines' own
     // streams say (the direct router): nothing the engines did during the outage is missing.
     let (fresh, _fr) = replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
-    assert!(fresh.fleet().wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(fresh.fleet.wait_ready(Duration::from_secs(10)).await.is_empty());
     let equal = eventually(Duration::from_secs(5), || {
         let f = chains(&follower);
         f == chains(&fresh) && f == chains(&relay) && f == chains(&direct)
@@ -467,8 +451,11 @@ async fn a_nats_token_is_sent_and_a_wrong_one_is_degraded() {
     // Refused by the server: it stays degraded (and routes on local state); no peer is heard.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(b.health()["degraded"], true);
-    assert!(format!("{:?}", b.nats().unwrap().config).contains("<redacted>"));
-    assert!(!format!("{:?}", b.nats().unwrap().config).contains("wrong"), "the token never shows");
+    assert!(format!("{:?}", b.nats.get().unwrap().config).contains("<redacted>"));
+    assert!(
+        !format!("{:?}", b.nats.get().unwrap().config).contains("wrong"),
+        "the token never shows"
+    );
     assert_eq!(peers(&a), 0);
 }
 

@@ -177,7 +177,7 @@ async fn an_adapter_goes_only_where_it_is_listed(mode: Mode) {
             split.chat("sql", &format!("{k} a question for the sql adapter")).await;
         assert_eq!(status, 200, "{mode:?}: {body}");
         k += 1;
-        if router.placing().recent_decisions().last().is_some_and(|d| d.considered == 1) {
+        if router.placing.recent_decisions().last().is_some_and(|d| d.considered == 1) {
             assert_eq!(worker, Some(serving), "{mode:?}");
             break;
         }
@@ -190,7 +190,7 @@ async fn an_adapter_goes_only_where_it_is_listed(mode: Mode) {
     }
     assert_eq!(split.chat("kvroute-tiny", "base").await.0, 200);
     assert_eq!(
-        router.placing().recent_decisions().last().unwrap().considered,
+        router.placing.recent_decisions().last().unwrap().considered,
         2,
         "{mode:?}: the base model may go to both"
     );

@@ -125,7 +125,7 @@ async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
     // The self-checks count it as an answer predicted from host memory, exact.
     let host = TierCheck { answered: 1, exact: 1, predicted_tokens: 19 * 16 };
     assert!(eventually(Duration::from_secs(5), || tiers_of(router, owner).host == host).await);
-    assert_eq!(router.placing().in_flight(), 0, "nothing left in flight");
+    assert_eq!(router.placing.in_flight(), 0, "nothing left in flight");
     let metrics = router.render_metrics();
     let line = format!(
         "kvroute_router_predicted_tier_tokens_total{{worker_id=\"{owner}\",tier=\"host\"}} 304"
@@ -234,5 +234,5 @@ async fn a_prompt_one_engine_computed_is_served_by_another_from_the_shared_store
     let external = || tiers_of(router, worker).external;
     let want = TierCheck { answered: 1, exact: 1, predicted_tokens: 19 * 16 };
     assert!(eventually(Duration::from_secs(5), || external() == want).await, "{:?}", external());
-    assert_eq!(router.placing().in_flight(), 0, "nothing left in flight");
+    assert_eq!(router.placing.in_flight(), 0, "nothing left in flight");
 }

@@ -19,7 +19,7 @@ use kvroute_core::{BlockSize, DpRank, WorkerId, WorkerWithDpRank};
 use kvroute_wire::ConvertStats;
 use serde::{Deserialize, Serialize};
 
-use super::lock;
+use super::lock::lock;
 use crate::checks::CheckStatus;
 use crate::config::{RouterConfig, WorkerSpec};
 

@@ -6,18 +6,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvroute_core::index::{ApproxTracker, OverlapScores, ShardedIndex};
+use kvroute_core::index::{ApproxTracker, ShardedIndex};
 use kvroute_core::schedule::adapters::WorkerAdapters;
-use kvroute_core::schedule::flow::{Gate, Outlook};
-use kvroute_core::schedule::pairs::{PairCounts, prefill_leg_id};
+use kvroute_core::schedule::pairs::PairCounts;
 use kvroute_core::schedule::{
-    AffinityCounts, DecisionRecord, PairDecision, RequestBlocks, RouteDecision, RouteRequest,
-    Scheduler, WorkerLoad,
+    AffinityCounts, DecisionRecord, RequestBlocks, RouteRequest, Scheduler,
 };
-use kvroute_core::{LocalBlockHash, RouterEvent, SequenceHash, WorkerWithDpRank, sequence_hashes};
-use kvroute_wire::replica::SyncMessage;
+use kvroute_core::{LocalBlockHash, WorkerWithDpRank, sequence_hashes};
 
-use super::{CacheMode, PlaceRequest, RouterState, apply_one, lock};
+use super::lock::lock;
 use crate::config::{RouterConfig, WorkerSpec};
 use crate::metrics::Metrics;
 
@@ -133,10 +130,14 @@ impl Placing {
         self.scheduler().adapters_mut().set_served(worker, served);
     }
 
-    /// A worker rank's adapters as it reports them (its slots, the adapters in them).
-    pub fn report_adapters(&self, worker: WorkerWithDpRank, report: &crate::load::AdapterReport) {
-        let names: Vec<&str> = report.in_slots.iter().map(String::as_str).collect();
-        self.scheduler().adapters_mut().report(worker, report.max_loras, &names);
+    /// A worker rank's adapters as it reports them: its slots, the adapters in them.
+    pub fn report_adapters(
+        &self,
+        worker: WorkerWithDpRank,
+        slots: Option<usize>,
+        in_slots: &[&str],
+    ) {
+        self.scheduler().adapters_mut().report(worker, slots, in_slots);
     }
 
     /// Each worker's adapters as the router knows them.
@@ -175,174 +176,4 @@ pub(crate) struct PeerRouted<'a> {
     pub block_size: usize,
     /// Tokens its answer may run to (0: unknown).
     pub output_tokens: usize,
-}
-
-impl RouterState {
-    /// Chooses a worker. `None` when there is none to choose. A drifted worker's overlap counts
-    /// half until its predictions agree again (not nothing: it must still be routed the
-    /// prefixes only it holds, or its predictions could never be seen to agree).
-    pub fn place(&self, p: &PlaceRequest<'_>) -> Option<(RouteDecision, OverlapScores)> {
-        place_gated(self, p, None).unwrap_or(None)
-    }
-
-    /// Chooses the legs of a request in a disaggregated fleet ([`Scheduler::route_pair`]):
-    /// a prefill and a decode worker, or a decode worker alone. `None` when there is none.
-    pub fn place_pair(&self, p: &PlaceRequest<'_>) -> Option<PairDecision> {
-        place_pair_gated(self, p, None).unwrap_or(None)
-    }
-
-    /// The request's first token arrived. `timed`: when it did is when its first token was
-    /// (a streamed answer), so it teaches the predictions; an answer sent whole is not.
-    pub fn prefill_done(&self, request_id: &str, timed: bool) {
-        let mut scheduler = self.placing.scheduler();
-        let seen = match timed {
-            true => scheduler.mark_prefill_done(request_id),
-            false => {
-                scheduler.mark_prefill_done_untimed(request_id);
-                None
-            }
-        };
-        drop(scheduler);
-        if let Some(seen) = seen {
-            self.metrics.first_token(&seen);
-        }
-        if let Some(nats) = self.nats.get() {
-            nats.send(&self.metrics, SyncMessage::PrefillDone { id: request_id.to_owned() });
-        }
-        super::flow::release(self);
-    }
-
-    /// Returns whether the request was in flight.
-    pub fn finish(&self, request_id: &str) -> bool {
-        let tracked = self.placing.scheduler().free(request_id);
-        if let (true, Some(nats)) = (tracked, self.nats.get()) {
-            nats.send(&self.metrics, SyncMessage::Freed { id: request_id.to_owned() });
-        }
-        super::flow::release(self);
-        tracked
-    }
-
-    /// A rank's load report: the scheduler's load, approximate mode's capacity, readiness.
-    pub fn update_load(&self, worker: WorkerWithDpRank, load: WorkerLoad) {
-        self.placing.scheduler().update_load(worker, load);
-        if self.fleet.mode(worker.worker_id) == Some(CacheMode::Approximate) {
-            let capacity = load.kv_total_blocks.map(|b| b as usize);
-            self.placing.approx().set_capacity(worker, capacity);
-        }
-        if let Some(ready) = self.fleet.set_load(worker, load) {
-            self.placing.scheduler().set_ready(worker, ready);
-        }
-        self.fleet.signal();
-        super::flow::release(self);
-    }
-}
-
-/// [`RouterState::place`], through flow control's gate when given: only a worker that can
-/// take the request now ([`Scheduler::route_gated`]); the fleet's best offer when none can.
-pub(super) fn place_gated(
-    state: &RouterState,
-    p: &PlaceRequest<'_>,
-    gate: Option<&Gate>,
-) -> Result<Option<(RouteDecision, OverlapScores)>, Outlook> {
-    let start = Instant::now();
-    let (scores, sequence) = scores_for(state, p);
-    let request = route_request(p, &sequence);
-    // The scheduler's lock is released before `placed` (which may take approximate mode's).
-    let decision =
-        state.placing.scheduler().route_gated(&request, &scores, &state.index, start, gate);
-    let Some(d) = decision? else { return Ok(None) };
-    placed(state, p.request_id, &d, p, start);
-    Ok(Some((d, scores)))
-}
-
-/// [`RouterState::place_pair`], when the gate (if given) lets the fleet's best offer through
-/// (any worker of either pool; the pair is then chosen as always). The index is read once.
-pub(super) fn place_pair_gated(
-    state: &RouterState,
-    p: &PlaceRequest<'_>,
-    gate: Option<&Gate>,
-) -> Result<Option<PairDecision>, Outlook> {
-    let start = Instant::now();
-    let (scores, sequence) = scores_for(state, p);
-    let request = route_request(p, &sequence);
-    let mut scheduler = state.placing.scheduler();
-    if let Some(gate) = gate {
-        let outlook = scheduler.outlook(&request, &scores, &state.index, start);
-        if let Some(o) = outlook.filter(|o| !gate.admits(o.wait_ms, o.ttft_ms)) {
-            return Err(o);
-        }
-    }
-    let pair = scheduler.route_pair(&request, &scores, &state.index, start);
-    drop(scheduler);
-    let Some(pair) = pair else { return Ok(None) };
-    if let Some(prefill) = &pair.prefill {
-        let id = p.request_id.map(prefill_leg_id);
-        placed(state, id.as_deref(), prefill, p, start);
-    }
-    placed(state, p.request_id, &pair.decode, p, start);
-    Ok(Some(pair))
-}
-
-/// The index's scores of a request (a drifted worker's halved), and its chained hashes when
-/// it is tracked.
-fn scores_for(state: &RouterState, p: &PlaceRequest<'_>) -> (OverlapScores, Vec<SequenceHash>) {
-    let bs = state.config.block_size.tokens();
-    let max_blocks = p.num_tokens.saturating_sub(1) / bs;
-    let mut scores = state.index.find_matches_within(p.local_hashes, max_blocks, bs);
-    state.checks.halve_drifted(&mut scores);
-    // Only a tracked request keeps its chained hashes (for the in-flight accounting).
-    let sequence = match p.request_id {
-        Some(_) => sequence_hashes(p.local_hashes),
-        None => Vec::new(),
-    };
-    (scores, sequence)
-}
-
-/// A decision made: the replicas hear of it, an approximate worker assumes its blocks, the
-/// metrics count it.
-fn placed(
-    state: &RouterState,
-    id: Option<&str>,
-    d: &RouteDecision,
-    p: &PlaceRequest<'_>,
-    start: Instant,
-) {
-    if let (Some(id), Some(nats)) = (id, state.nats.get()) {
-        nats.send(
-            &state.metrics,
-            SyncMessage::Routed {
-                id: id.to_owned(),
-                worker_id: d.worker.worker_id.0,
-                dp_rank: d.worker.dp_rank.0,
-                isl_tokens: p.num_tokens,
-                prefill_tokens: d.predicted_prefill_tokens,
-                local_hashes: p.local_hashes.iter().map(|h| h.0).collect(),
-                output_tokens: p.output_tokens,
-            },
-        );
-    }
-    if state.fleet.mode(d.worker.worker_id) == Some(CacheMode::Approximate) {
-        let mut approx = state.placing.approx();
-        let assumed: Vec<RouterEvent> = approx.record_routed(d.worker, p.local_hashes, start);
-        for e in &assumed {
-            apply_one(state, e);
-        }
-    }
-    state.metrics.decision(d.worker, start.elapsed());
-}
-
-/// The scheduler's view of a request to place.
-fn route_request<'a>(p: &PlaceRequest<'a>, sequence: &'a [SequenceHash]) -> RouteRequest<'a> {
-    RouteRequest {
-        id: p.request_id,
-        isl_tokens: p.num_tokens,
-        local_hashes: p.local_hashes,
-        sequence_hashes: sequence,
-        overlap_weight: p.overlap_weight,
-        temperature: p.temperature,
-        exclude: p.exclude,
-        adapter: p.adapter,
-        session: p.session,
-        output_tokens: p.output_tokens,
-    }
 }

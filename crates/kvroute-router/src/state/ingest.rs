@@ -8,10 +8,13 @@ use std::time::Instant;
 use kvroute_core::{KvCacheEventData, RouterEvent, WorkerId, WorkerWithDpRank};
 use kvroute_wire::ConvertStats;
 
-use super::RouterState;
-use super::fleet::{Known, Live};
+use kvroute_core::index::ShardedIndex;
+
+use super::composite::RouterState;
+use super::fleet::{CacheMode, Fleet, Known, Live};
+use super::placing::Placing;
 use crate::links::Relayed;
-use crate::metrics::EventKind;
+use crate::metrics::{EventKind, Metrics};
 
 fn kind_of(e: &RouterEvent) -> EventKind {
     match e.event.data {
@@ -26,7 +29,7 @@ impl RouterState {
     /// cleanly. Events naming a data-parallel rank at or above `max_dp_size` are refused
     /// (counted) before they can register anything.
     pub fn apply(&self, events: &[RouterEvent]) -> usize {
-        apply_from(self, events, false)
+        self.apply_from(events, false)
     }
 
     /// Applies events posted over HTTP (`/events`, `/debug/inject_event`). A worker the router
@@ -35,7 +38,7 @@ impl RouterState {
     /// that stores something; anything else naming an unknown worker is refused (counted as
     /// `unknown_worker`) and registers nothing.
     pub fn apply_posted(&self, events: &[RouterEvent]) -> usize {
-        apply_from(self, events, true)
+        self.apply_from(events, true)
     }
 
     /// The way in for one configured rank's event subscription; `None` for a worker not
@@ -46,11 +49,60 @@ impl RouterState {
         Some(Ingest { state: self, worker, live })
     }
 
+    /// The general way in: each event's worker and rank checked against the registry.
+    fn apply_from(&self, events: &[RouterEvent], posted: bool) -> usize {
+        let mut ok = 0;
+        let mut seen: Option<(WorkerId, bool)> = None;
+        let fleet = &self.fleet;
+        for e in events {
+            if seen.is_none_or(|(w, _)| w != e.worker_id) {
+                let failed = fleet.parity_failed(e.worker_id);
+                if !failed && fleet.knows_worker(e.worker_id) {
+                    self.checks.event_seen(e.worker_id);
+                }
+                seen = Some((e.worker_id, failed));
+            }
+            if seen.is_some_and(|(_, failed)| failed) {
+                self.metrics.rejected("parity");
+                continue;
+            }
+            let worker = e.worker();
+            if let Err(why) = fleet.check_rank(worker) {
+                self.metrics.rejected("dp_rank");
+                tracing::debug!(%worker, %why, "event refused");
+                continue;
+            }
+            let known = fleet.knows(worker);
+            if matches!(known, Known::No) && posted && !fleet.may_learn() {
+                self.metrics.rejected("unknown_worker");
+                tracing::debug!(%worker, "posted event refused: unknown worker");
+                continue;
+            }
+            if matches!(known, Known::Rank) {
+                // Known: what it says overrides approximate mode, before it applies.
+                learn(&self.fleet, &self.placing, &self.index, worker);
+                ok += usize::from(apply_one(&self.index, &self.metrics, e));
+                continue;
+            }
+            if !matches!(e.event.data, KvCacheEventData::Stored(_)) {
+                // Nothing to remove or clear: it must not register the worker either.
+                self.metrics.event(kind_of(e), false);
+                continue;
+            }
+            let applied = apply_one(&self.index, &self.metrics, e);
+            if self.index.tree_size(worker) > 0 {
+                learn(&self.fleet, &self.placing, &self.index, worker);
+            }
+            ok += usize::from(applied);
+        }
+        ok
+    }
+
     /// Forgets approximate-mode blocks whose time is up.
     pub fn expire_approximate(&self, now: Instant) {
         let mut approx = self.placing.approx();
         for e in approx.expire(now) {
-            apply_one(self, &e);
+            apply_one(&self.index, &self.metrics, &e);
         }
     }
 }
@@ -107,7 +159,7 @@ impl Ingest<'_> {
             return 0;
         }
         if events.iter().any(|e| e.worker() != self.worker) {
-            return apply_from(s, events, false);
+            return s.apply_from(events, false);
         }
         if self.live.untrusted.load(Ordering::Acquire) {
             s.metrics.rejected_n("parity", events.len() as u64);
@@ -129,84 +181,35 @@ impl Ingest<'_> {
     }
 }
 
-/// The general way in: each event's worker and rank checked against the registry.
-fn apply_from(state: &RouterState, events: &[RouterEvent], posted: bool) -> usize {
-    let mut ok = 0;
-    let mut seen: Option<(WorkerId, bool)> = None;
-    let fleet = &state.fleet;
-    for e in events {
-        if seen.is_none_or(|(w, _)| w != e.worker_id) {
-            let failed = fleet.parity_failed(e.worker_id);
-            if !failed && fleet.knows_worker(e.worker_id) {
-                state.checks.event_seen(e.worker_id);
-            }
-            seen = Some((e.worker_id, failed));
-        }
-        if seen.is_some_and(|(_, failed)| failed) {
-            state.metrics.rejected("parity");
-            continue;
-        }
-        let worker = e.worker();
-        if let Err(why) = fleet.check_rank(worker) {
-            state.metrics.rejected("dp_rank");
-            tracing::debug!(%worker, %why, "event refused");
-            continue;
-        }
-        let known = fleet.knows(worker);
-        if matches!(known, Known::No) && posted && !fleet.may_learn() {
-            state.metrics.rejected("unknown_worker");
-            tracing::debug!(%worker, "posted event refused: unknown worker");
-            continue;
-        }
-        if matches!(known, Known::Rank) {
-            // Known: what it says overrides approximate mode, before it applies.
-            learn(state, worker);
-            ok += usize::from(apply_one(state, e));
-            continue;
-        }
-        if !matches!(e.event.data, KvCacheEventData::Stored(_)) {
-            // Nothing to remove or clear: it must not register the worker either.
-            state.metrics.event(kind_of(e), false);
-            continue;
-        }
-        let applied = apply_one(state, e);
-        if state.index.tree_size(worker) > 0 {
-            learn(state, worker);
-        }
-        ok += usize::from(applied);
-    }
-    ok
-}
-
 /// An event's rank becomes known; a worker routed approximately follows its events from now
 /// on (what approximate mode assumed of it is forgotten, under its lock: lock order
 /// `placing.approx` → the fleet's registry).
-fn learn(state: &RouterState, worker: WorkerWithDpRank) {
-    let approximate = state.fleet.mode(worker.worker_id) == Some(super::CacheMode::Approximate);
+fn learn(fleet: &Fleet, placing: &Placing, index: &ShardedIndex, worker: WorkerWithDpRank) {
+    let approximate = fleet.mode(worker.worker_id) == Some(CacheMode::Approximate);
     let learned = match approximate {
         true => {
-            let mut approx = state.placing.approx();
-            let learned = state.fleet.learn(worker);
+            let mut approx = placing.approx();
+            let learned = fleet.learn(worker);
             if learned.left_approximate {
                 approx.remove_worker(worker.worker_id);
-                state.index.clear_all_blocks(worker.worker_id);
+                index.clear_all_blocks(worker.worker_id);
             }
             learned
         }
-        false => state.fleet.learn(worker),
+        false => fleet.learn(worker),
     };
     if learned.new_rank {
-        state.placing.scheduler().add_worker(worker);
+        placing.scheduler().add_worker(worker);
     }
 }
 
 /// Applies one event to the index, counted.
-pub(super) fn apply_one(state: &RouterState, e: &RouterEvent) -> bool {
+pub(super) fn apply_one(index: &ShardedIndex, metrics: &Metrics, e: &RouterEvent) -> bool {
     let kind = kind_of(e);
-    let result = state.index.apply_event(e);
+    let result = index.apply_event(e);
     if let Err(err) = &result {
         tracing::debug!(worker = %e.worker(), %err, "event not applied cleanly");
     }
-    state.metrics.event(kind, result.is_ok());
+    metrics.event(kind, result.is_ok());
     result.is_ok()
 }

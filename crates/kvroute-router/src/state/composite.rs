@@ -1,0 +1,67 @@
+//! [`RouterState`]: the owners composed, and made from the configuration. Its verbs, the only
+//! code that crosses owners, are written in the sibling modules: `decide.rs`, `ingest.rs`,
+//! `observe.rs` and `workers.rs`.
+
+use std::sync::OnceLock;
+
+use kvroute_core::WorkerWithDpRank;
+use kvroute_core::index::ShardedIndex;
+use kvroute_wire::transport::ZmqLimits;
+
+use super::fleet::{Fleet, WorkerStatus};
+use super::flow::Flow;
+use super::placing::Placing;
+use super::self_checks::SelfChecks;
+use crate::config::RouterConfig;
+use crate::links::NatsLinks;
+use crate::metrics::Metrics;
+
+/// The router's state: its owners, composed (see the module docs).
+#[derive(Debug)]
+pub struct RouterState {
+    pub config: RouterConfig,
+    /// The KV index (its shards lock themselves; a leaf of the lock order).
+    pub index: ShardedIndex,
+    pub metrics: Metrics,
+    /// The scheduler, in-flight accounting and approximate mode.
+    pub placing: Placing,
+    /// The worker registry and its health.
+    pub fleet: Fleet,
+    /// Predictions against answers.
+    pub checks: SelfChecks,
+    /// Flow control's queues; their lock comes before the scheduler's.
+    pub flow: Flow,
+    /// Replica sync and the event stream, when NATS is configured (set once, as it starts).
+    pub nats: OnceLock<NatsLinks>,
+    /// What every ZMQ socket of the router may receive; refusals count in `metrics`.
+    pub zmq: ZmqLimits,
+}
+
+impl RouterState {
+    pub fn new(config: RouterConfig) -> Self {
+        let state = Self {
+            zmq: ZmqLimits::new(config.zmq_max_message_bytes),
+            index: ShardedIndex::new(config.shards, config.index),
+            metrics: Metrics::new(),
+            placing: Placing::new(&config),
+            fleet: Fleet::new(&config),
+            checks: SelfChecks::default(),
+            flow: Flow::new(config.scheduler.flow),
+            nats: OnceLock::new(),
+            config,
+        };
+        for spec in &state.config.workers {
+            let mut status = WorkerStatus::new(spec, true);
+            if let Some(nats) = state.config.nats.as_ref().filter(|n| n.events.from_stream()) {
+                // Its events come from the stream: ready once the stream's consumer caught up.
+                status.follow_stream(format!("jetstream:{}.events.{}.*", nats.prefix, spec.id));
+            }
+            state.placing.add_worker(spec, &status.ready);
+            for rank in 0..spec.dp_size {
+                state.index.register_worker(WorkerWithDpRank::new(spec.id, rank));
+            }
+            state.fleet.insert(status);
+        }
+        state
+    }
+}
