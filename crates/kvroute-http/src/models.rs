@@ -13,7 +13,6 @@ use std::sync::RwLock;
 use serde::{Deserialize, Serialize};
 
 use crate::ApiError;
-use crate::openai::MAX_ECHOED_CHARS;
 
 /// Adapters one catalog holds at most: names come from outside (a load request, a worker's
 /// model list), so the set is bounded.
@@ -22,6 +21,9 @@ pub const MAX_ADAPTERS: usize = 4_096;
 pub const MAX_ADAPTER_NAME: usize = 256;
 /// The longest path an adapter's weights may be named by (Linux's `PATH_MAX`).
 pub const MAX_ADAPTER_PATH: usize = 4_096;
+
+/// The most characters of a client's string an error message repeats.
+pub const MAX_ECHOED_CHARS: usize = 64;
 
 /// One served model in `GET /v1/models`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -312,7 +312,7 @@ pub fn stream_chunks(body: &[u8]) -> Result<(Vec<Completion>, bool), serde_json:
     Ok((chunks, done))
 }
 
-pub use crate::models::{ModelCard, ModelList, check_model};
+pub use crate::models::{MAX_ECHOED_CHARS, ModelCard, ModelList, check_model};
 
 /// The context length of a model that does not state one.
 pub const DEFAULT_MAX_MODEL_LEN: u64 = 32_768;
@@ -412,9 +412,6 @@ fn offending_field(body: &[u8]) -> Option<String> {
         .find(|(_, v)| serde_json::from_str::<Value>(v.get()).is_err())
         .map(|(k, _)| k.chars().take(MAX_ECHOED_CHARS).collect())
 }
-
-/// The most characters of a client's string an error message repeats.
-pub const MAX_ECHOED_CHARS: usize = 64;
 
 /// Most log probabilities per token an engine returns (vLLM's default `max_logprobs`).
 const MAX_LOGPROBS: i64 = 20;

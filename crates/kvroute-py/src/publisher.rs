@@ -114,7 +114,7 @@ impl KvEventPublisher {
                 self.block_size
             )));
         }
-        let infos = crate::mm_infos(block_mm_infos)?;
+        let infos = crate::mm::mm_infos(block_mm_infos)?;
         if infos.as_ref().is_some_and(|i| i.len() > n) {
             return Err(PyValueError::new_err(
                 "block_mm_infos has more entries than there are blocks",

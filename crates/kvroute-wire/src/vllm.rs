@@ -4,85 +4,13 @@
 //! unknown keys and extra positional items are ignored, missing optional fields are `None`, a
 //! malformed event becomes [`EngineEvent::Malformed`] instead of failing the whole batch.
 
-use serde::Serialize;
-
 use crate::WireError;
 use crate::msgpack::{self, Value, Writer};
 
-/// One decoded batch.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct KvEventBatch {
-    pub ts: f64,
-    pub events: Vec<EngineEvent>,
-    pub dp_rank: Option<u32>,
-}
+mod events;
+mod fast;
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(tag = "type")]
-pub enum EngineEvent {
-    BlockStored(BlockStored),
-    BlockRemoved(BlockRemoved),
-    AllBlocksCleared,
-    /// An event of a type this decoder does not know (skipped, counted).
-    Unknown {
-        kind: String,
-    },
-    /// An event whose fields could not be read (skipped, counted).
-    Malformed {
-        reason: &'static str,
-    },
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct BlockStored {
-    /// The engine's block ids, as u64 (signed ones as their bits, 32-byte ones as their last
-    /// 8 bytes, big-endian).
-    pub block_hashes: Vec<u64>,
-    pub parent_block_hash: Option<u64>,
-    /// Token ids of all the blocks, in order. u64: SGLang writes image pad values above u32.
-    pub token_ids: Vec<u64>,
-    pub block_size: u32,
-    #[serde(skip_serializing)]
-    pub lora_id: Option<i64>,
-    pub medium: Option<String>,
-    pub lora_name: Option<String>,
-    /// One entry per block: that block's extra keys, or `None`.
-    pub extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
-    pub cache_salt: Option<String>,
-    #[serde(skip_serializing)]
-    pub group_idx: Option<u32>,
-    /// `LOCAL` or `REMOTE` (a store outside the engine), vLLM 0.33's offloading tiers.
-    #[serde(skip_serializing)]
-    pub locality: Option<String>,
-    /// What the block's cache group keeps (`full_attention`, `sliding_window`, `mamba`, ...)
-    /// and a sliding window's length in tokens: vLLM 0.33's hybrid allocator.
-    #[serde(skip_serializing)]
-    pub kv_cache_spec_kind: Option<String>,
-    #[serde(skip_serializing)]
-    pub kv_cache_spec_sliding_window: Option<u32>,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct BlockRemoved {
-    pub block_hashes: Vec<u64>,
-    pub medium: Option<String>,
-    #[serde(skip_serializing)]
-    pub group_idx: Option<u32>,
-    #[serde(skip_serializing)]
-    pub locality: Option<String>,
-}
-
-/// One of a block's extra hash keys.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(untagged)]
-pub enum ExtraKey {
-    /// A multimodal object: its identifier and an offset.
-    Mm(String, i64),
-    /// A LoRA name or cache salt.
-    Text(String),
-    /// Anything else (kept opaque, not hashed).
-    Other(#[serde(skip)] ()),
-}
+pub use events::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, KvEventBatch};
 
 /// Splits a ZMQ message into topic, sequence number and payload. Accepts `[topic, seq,
 /// payload]` and the topic-less `[seq, payload]`.
@@ -98,7 +26,7 @@ pub fn split_frames<F: AsRef<[u8]>>(frames: &[F]) -> Result<(&[u8], u64, &[u8]),
 
 /// Decodes a batch payload.
 pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, WireError> {
-    match crate::vllm_fast::decode_batch(payload) {
+    match fast::decode_batch(payload) {
         Some(batch) => Ok(batch),
         None => decode_batch_general(payload),
     }
@@ -421,4 +349,18 @@ fn hashes(w: &mut Writer, hashes: &[u64]) {
     for &h in hashes {
         w.uint(h);
     }
+}
+
+/// The `extra_keys` entry a publisher writes for an image of `mm_hash` starting at
+/// `offset_in_block` (maps back to the same `mm_hash` through the identifier rule).
+pub fn publisher_mm_key(mm_hash: u64, offset_in_block: i64) -> ExtraKey {
+    ExtraKey::Mm(format!("{mm_hash:016x}"), offset_in_block)
+}
+
+/// A block's images as `extra_keys`, in the publisher form.
+pub fn publisher_extra_keys(info: &kvroute_core::BlockExtraInfo) -> Vec<ExtraKey> {
+    info.mm_objects
+        .iter()
+        .map(|o| publisher_mm_key(o.mm_hash, o.offsets.first().map_or(0, |r| r.0 as i64)))
+        .collect()
 }

@@ -10,50 +10,15 @@
 //! block the stream stored (up to [`MAX_REMEMBERED`] per stream; past that a block is still
 //! indexed, but a move of it is skipped and counted as `moved_unknown`).
 
-use std::collections::HashMap;
-
 use kvroute_core::hash::mm_hash_from_identifier;
 use kvroute_core::{
     BlockHasher, DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
-    KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, StorageTier,
+    KvCacheStoreData, KvCacheStoredBlockData, StorageTier,
 };
 
-use super::Converter;
+use super::converter::Converter;
+use super::residency::{Remembered, tier_of};
 use crate::trtllm::{TrtBlock, TrtData, TrtDiff, TrtEvent};
-
-/// Blocks a stream remembers (about 50 bytes each: 25 MiB at the bound, an engine holding
-/// half a million blocks across its levels).
-pub const MAX_REMEMBERED: usize = 1 << 19;
-
-/// TensorRT-LLM's cache level as a tier: 0 device memory, 1 host memory, 2 and up disk.
-fn tier_of(level: u32) -> StorageTier {
-    match level {
-        0 => StorageTier::Device,
-        1 => StorageTier::HostPinned,
-        _ => StorageTier::Disk,
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Remembered {
-    parent: Option<u64>,
-    tokens_hash: LocalBlockHash,
-    level: u32,
-}
-
-/// The blocks one TensorRT-LLM stream stored, by attention rank and engine hash.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Residency {
-    blocks: HashMap<(u32, u64), Remembered>,
-}
-
-impl Residency {
-    fn remember(&mut self, key: (u32, u64), block: Remembered) {
-        if self.blocks.len() < MAX_REMEMBERED || self.blocks.contains_key(&key) {
-            self.blocks.insert(key, block);
-        }
-    }
-}
 
 fn event(id: u64, data: KvCacheEventData, tier: StorageTier) -> KvCacheEvent {
     let mut e = KvCacheEvent::new(id, data, DpRank(0));
@@ -294,20 +259,5 @@ mod tests {
             }
             prop_assert_eq!(c.stats().moved_unknown, 0);
         }
-    }
-
-    #[test]
-    fn the_memory_stops_at_its_bound_but_keeps_what_it_holds_current() {
-        let mut r = Residency::default();
-        let block = |level| Remembered { parent: None, tokens_hash: LocalBlockHash(1), level };
-        for h in 0..MAX_REMEMBERED as u64 {
-            r.remember((0, h), block(0));
-        }
-        r.remember((0, u64::MAX), block(0));
-        assert_eq!(r.blocks.len(), MAX_REMEMBERED);
-        assert!(!r.blocks.contains_key(&(0, u64::MAX)));
-        // A block it holds is still updated at the bound.
-        r.remember((0, 7), block(1));
-        assert_eq!(r.blocks[&(0, 7)].level, 1);
     }
 }

@@ -10,8 +10,8 @@
 //! over the value budget. The two agree on every input (`tests` below, and the `vllm` fuzz
 //! target compares them).
 
+use super::events::{BlockRemoved, BlockStored, EngineEvent, KvEventBatch};
 use crate::msgpack::Reader;
-use crate::vllm::{BlockRemoved, BlockStored, EngineEvent, KvEventBatch};
 
 pub(crate) fn decode_batch(payload: &[u8]) -> Option<KvEventBatch> {
     let mut r = Reader::new(payload);
