@@ -14,11 +14,15 @@
 //!
 //! [`settings`] reads what configures a stack from flags, environment and a TOML file.
 
+mod config;
+mod error;
 pub mod nats_server;
 pub mod settings;
 mod simulated;
 
-use std::path::PathBuf;
+pub use config::{Access, SharedStore, Simulated, StackConfig};
+pub use error::StackError;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,166 +31,9 @@ use kvroute_core::WorkerWithDpRank;
 pub use kvroute_frontend::FrontDoorOptions;
 use kvroute_frontend::FrontendState;
 use kvroute_http::Credentials;
-use kvroute_mocker::EngineConfig;
 use kvroute_preprocess::Preprocessor;
-use kvroute_preprocess::fetch::{FetchConfig, Fetcher};
-use kvroute_router::{Dialect, RouterConfig, RouterState, Tasks, WorkerSpec};
-
-/// Everything a stack can fail with at start-up.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum StackError {
-    #[error(transparent)]
-    Config(#[from] settings::Invalid),
-    /// The local NATS server (tests, the bench) could not be started.
-    #[error("nats-server: {0}")]
-    NatsServer(#[from] nats_server::NatsServerError),
-    #[error("no randomness for a worker token")]
-    Randomness(#[source] getrandom::Error),
-    #[error("the stack has no front door")]
-    NoFrontDoor,
-    #[error(transparent)]
-    Settings(#[from] settings::SettingsError),
-    #[error(transparent)]
-    Router(#[from] kvroute_router::RouterError),
-    #[error(transparent)]
-    RouterConfig(#[from] kvroute_router::ConfigError),
-    #[error(transparent)]
-    Nats(#[from] kvroute_router::config::nats::NatsConfigError),
-    #[error("a simulated worker")]
-    Mocker(#[from] kvroute_mocker::MockerError),
-    #[error("the model")]
-    Model(#[from] kvroute_preprocess::PreprocessError),
-    #[error("I/O")]
-    Io(#[from] std::io::Error),
-    #[error(transparent)]
-    Credentials(#[from] kvroute_http::auth::CredentialsError),
-    #[error(transparent)]
-    Tls(#[from] kvroute_http::server::TlsError),
-    #[error("adapters: {0}")]
-    Adapters(String),
-}
-
-/// Who may call what: the front door's API keys, the admin token of the router's API and of
-/// `/metrics`, and the token to send a remote router. Empty sets leave routes open.
-#[derive(Clone, Debug, Default)]
-pub struct Access {
-    pub api_keys: Credentials,
-    pub admin: Credentials,
-    pub router_token: Option<String>,
-}
-
-/// The simulated workers of a stack.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Simulated {
-    /// Aggregated workers.
-    pub count: usize,
-    /// Prefill and decode workers (`--prefill-workers`, `--decode-workers`), after those.
-    pub prefill: usize,
-    pub decode: usize,
-    /// Nodes the prefill and decode workers are spread over, each pool in turn (`node-0`,
-    /// `node-1`, ...; 0 or 1: unlabelled, one node).
-    pub nodes: usize,
-    /// Each one's engine (its block size is the router's).
-    pub engine: EngineConfig,
-    /// Whether they publish KV events (otherwise they are routed approximately).
-    pub events: bool,
-    /// Seeds the generated text, the same on every worker (so every routing policy sees the
-    /// same conversations).
-    pub seed: u64,
-    /// The longest prompt plus output (`None`: the model's, at most the KV capacity).
-    pub max_model_len: Option<u64>,
-    /// How the front door speaks to them (they serve every dialect).
-    pub dialect: Dialect,
-    /// A chat template of their own (Jinja text) instead of the model's.
-    pub chat_template: Option<String>,
-    /// The LoRA adapters each serves from the start (name, path).
-    pub lora_modules: Vec<(String, Option<String>)>,
-    /// Each serves vLLM's dynamic adapter API.
-    pub lora_updating: bool,
-    /// The store they share (docs/mocker.md, "Shared store").
-    pub store: Option<SharedStore>,
-    /// The token an outside store (`SharedStore::At`) requires; otherwise the engines get
-    /// a fresh one of their own.
-    pub kv_peer_token: Option<String>,
-    /// Their HTTP routes answer without a token, for a gateway that calls them itself
-    /// (`--ext-proc-port`: the gateway holds no worker's token). Otherwise they answer only
-    /// the front door, each with a token of its own.
-    pub tokenless: bool,
-}
-
-/// Where simulated engines find the store they share.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum SharedStore {
-    /// A store already running (`kvroute mocker --role store`).
-    At(String),
-    /// One of this many blocks, started with the stack on a loopback port.
-    Start(usize),
-}
-
-impl Default for Simulated {
-    fn default() -> Self {
-        Self {
-            count: 0,
-            prefill: 0,
-            decode: 0,
-            nodes: 1,
-            engine: EngineConfig::default(),
-            events: true,
-            seed: 0,
-            max_model_len: None,
-            dialect: Dialect::VllmGenerate,
-            chat_template: None,
-            lora_modules: Vec::new(),
-            lora_updating: false,
-            store: None,
-            kv_peer_token: None,
-            tokenless: false,
-        }
-    }
-}
-
-/// What to start.
-#[derive(Clone, Debug)]
-pub struct StackConfig {
-    pub simulated: Simulated,
-    /// The router's settings; its `workers` are the external ones (simulated ones are added,
-    /// numbered after the highest external id).
-    pub router: RouterConfig,
-    /// Ask the `kvroute router` at this URL instead of embedding one.
-    pub router_url: Option<String>,
-    /// Build a front door.
-    pub frontend: bool,
-    /// The model of the front door and the simulated workers (`None`: the built-in one).
-    pub model_path: Option<PathBuf>,
-    /// Image fetching of the front door and the simulated workers.
-    pub fetch: FetchConfig,
-    pub access: Access,
-    /// The front door's own settings (the bench asks for `expose_overlap`).
-    pub front_door: FrontDoorOptions,
-    /// LoRA adapters the front door serves besides those the workers list (the simulated
-    /// workers' own are added).
-    pub adapters: Vec<String>,
-    /// Each model's priority for requests that name none.
-    pub model_priorities: std::collections::BTreeMap<String, i32>,
-}
-
-impl Default for StackConfig {
-    fn default() -> Self {
-        Self {
-            simulated: Simulated::default(),
-            router: RouterConfig::default(),
-            router_url: None,
-            frontend: true,
-            model_path: None,
-            fetch: FetchConfig::default(),
-            access: Access::default(),
-            front_door: FrontDoorOptions::default(),
-            adapters: Vec::new(),
-            model_priorities: std::collections::BTreeMap::new(),
-        }
-    }
-}
+use kvroute_preprocess::fetch::Fetcher;
+use kvroute_router::{RouterState, Tasks, WorkerSpec};
 
 /// A running stack; dropping it stops the router's background tasks (simulated workers live
 /// as long as the runtime that started them).
@@ -398,72 +245,4 @@ fn configured(
     };
     f.with_adapters(adapters.iter().map(String::as_str))
         .map_err(|e| StackError::Adapters(e.to_string()))
-}
-
-/// The node label of the `k`-th simulated worker (aggregated ones first, then the prefill
-/// pool, then the decode pool): each pool spread over `nodes` in turn; none on one node.
-fn node_label(k: usize, simulated: &Simulated) -> Option<String> {
-    let within = match k.checked_sub(simulated.count) {
-        None => return None,
-        Some(i) if i < simulated.prefill => i,
-        Some(i) => i - simulated.prefill,
-    };
-    (simulated.nodes > 1).then(|| format!("node-{}", within % simulated.nodes))
-}
-
-/// A configured prefill worker's side channel: its URL's host (an IP address or localhost)
-/// and its bootstrap port.
-fn side_channel_of(w: &WorkerSpec) -> Option<std::net::SocketAddr> {
-    let port = w.bootstrap_port?;
-    let rest = w.url.as_deref()?.split_once("://")?.1;
-    let authority = rest.split('/').next()?;
-    let host = match authority.rsplit_once(':') {
-        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
-        _ => authority,
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let ip = match host {
-        "localhost" => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-        _ => host.parse().ok()?,
-    };
-    Some(std::net::SocketAddr::new(ip, port))
-}
-
-/// An unguessable token: 32 bytes from the operating system's generator, in hex.
-fn worker_token() -> Result<String, StackError> {
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes).map_err(StackError::Randomness)?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_prefill_workers_side_channel_is_its_host_and_bootstrap_port() {
-        let at = |url: &str, port: Option<u16>| {
-            let mut w = WorkerSpec::new(1);
-            w.url = Some(url.into());
-            w.bootstrap_port = port;
-            side_channel_of(&w).map(|a| a.to_string())
-        };
-        assert_eq!(at("http://127.0.0.1:8000", Some(9000)).as_deref(), Some("127.0.0.1:9000"));
-        assert_eq!(at("http://[::1]:8000/", Some(9000)).as_deref(), Some("[::1]:9000"));
-        assert_eq!(at("http://localhost", Some(9000)).as_deref(), Some("127.0.0.1:9000"));
-        assert_eq!(at("http://prefill.example:8000", Some(9000)), None, "never resolved");
-        assert_eq!(at("http://127.0.0.1:8000", None), None);
-    }
-
-    /// Each pool is spread over the nodes in turn; aggregated workers and one node: none.
-    #[test]
-    fn pools_are_spread_over_the_nodes() {
-        let fleet = Simulated { count: 1, prefill: 3, decode: 2, nodes: 2, ..Simulated::default() };
-        let labels: Vec<Option<String>> = (0..6).map(|k| node_label(k, &fleet)).collect();
-        let want =
-            [None, Some("node-0"), Some("node-1"), Some("node-0"), Some("node-0"), Some("node-1")];
-        assert_eq!(labels, want.map(|l| l.map(str::to_owned)));
-        let one = Simulated { nodes: 1, ..fleet };
-        assert!((0..6).all(|k| node_label(k, &one).is_none()));
-    }
 }

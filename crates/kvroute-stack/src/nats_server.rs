@@ -9,7 +9,6 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::StackError;
 
 /// Why the local NATS server did not start.
 #[derive(Debug, thiserror::Error)]
@@ -28,6 +27,8 @@ pub enum NatsServerError {
     LogEnded,
     #[error("reading its log")]
     Log(#[source] std::io::Error),
+    #[error("making its store {path}")]
+    Store { path: std::path::PathBuf, source: std::io::Error },
 }
 
 /// How long a server has to say it is ready.
@@ -51,13 +52,14 @@ impl NatsServer {
 
     /// Starts a server with JetStream storing in `store`, on `port` (0: any free one), and
     /// waits until it is ready.
-    pub async fn start(store: &Path, port: u16) -> Result<Self, StackError> {
+    pub async fn start(store: &Path, port: u16) -> Result<Self, NatsServerError> {
         Self::start_with(store, port, &[]).await
     }
 
     /// [`NatsServer::start`] with more arguments (e.g. `--auth TOKEN`), kept for restarts.
-    pub async fn start_with(store: &Path, port: u16, extra: &[&str]) -> Result<Self, StackError> {
-        std::fs::create_dir_all(store)?;
+    pub async fn start_with(store: &Path, port: u16, extra: &[&str]) -> Result<Self, NatsServerError> {
+        std::fs::create_dir_all(store)
+            .map_err(|source| NatsServerError::Store { path: store.to_owned(), source })?;
         let port_arg = if port == 0 { "-1".to_owned() } else { port.to_string() };
         let mut child = Command::new(Self::binary())
             .args(["-js", "-a", "127.0.0.1", "-p", &port_arg, "-sd"])
@@ -111,7 +113,7 @@ impl NatsServer {
     }
 
     /// Starts it again on the same port and storage.
-    pub async fn restart(&mut self) -> Result<(), StackError> {
+    pub async fn restart(&mut self) -> Result<(), NatsServerError> {
         self.stop().await;
         let extra: Vec<String> = std::mem::take(&mut self.extra);
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();

@@ -10,7 +10,7 @@ use kvroute_mocker::{EngineConfig, MockerConfig};
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::{RouterConfig, WorkerSpec};
 
-use crate::{SharedStore, Simulated, StackError, node_label, side_channel_of, worker_token};
+use crate::{SharedStore, Simulated, StackError};
 
 /// What every simulated engine of one fleet shares.
 struct Fleet<'a> {
@@ -146,5 +146,73 @@ impl Fleet<'_> {
             spec.max_loras = Some(simulated.engine.lora.max_loras);
         }
         Ok((spec, spawned.state))
+    }
+}
+
+/// The node label of the `k`-th simulated worker (aggregated ones first, then the prefill
+/// pool, then the decode pool): each pool spread over `nodes` in turn; none on one node.
+fn node_label(k: usize, simulated: &Simulated) -> Option<String> {
+    let within = match k.checked_sub(simulated.count) {
+        None => return None,
+        Some(i) if i < simulated.prefill => i,
+        Some(i) => i - simulated.prefill,
+    };
+    (simulated.nodes > 1).then(|| format!("node-{}", within % simulated.nodes))
+}
+
+/// A configured prefill worker's side channel: its URL's host (an IP address or localhost)
+/// and its bootstrap port.
+fn side_channel_of(w: &WorkerSpec) -> Option<std::net::SocketAddr> {
+    let port = w.bootstrap_port?;
+    let rest = w.url.as_deref()?.split_once("://")?.1;
+    let authority = rest.split('/').next()?;
+    let host = match authority.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => authority,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ip = match host {
+        "localhost" => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        _ => host.parse().ok()?,
+    };
+    Some(std::net::SocketAddr::new(ip, port))
+}
+
+/// An unguessable token: 32 bytes from the operating system's generator, in hex.
+fn worker_token() -> Result<String, StackError> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(StackError::Randomness)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefill_workers_side_channel_is_its_host_and_bootstrap_port() {
+        let at = |url: &str, port: Option<u16>| {
+            let mut w = WorkerSpec::new(1);
+            w.url = Some(url.into());
+            w.bootstrap_port = port;
+            side_channel_of(&w).map(|a| a.to_string())
+        };
+        assert_eq!(at("http://127.0.0.1:8000", Some(9000)).as_deref(), Some("127.0.0.1:9000"));
+        assert_eq!(at("http://[::1]:8000/", Some(9000)).as_deref(), Some("[::1]:9000"));
+        assert_eq!(at("http://localhost", Some(9000)).as_deref(), Some("127.0.0.1:9000"));
+        assert_eq!(at("http://prefill.example:8000", Some(9000)), None, "never resolved");
+        assert_eq!(at("http://127.0.0.1:8000", None), None);
+    }
+
+    /// Each pool is spread over the nodes in turn; aggregated workers and one node: none.
+    #[test]
+    fn pools_are_spread_over_the_nodes() {
+        let fleet = Simulated { count: 1, prefill: 3, decode: 2, nodes: 2, ..Simulated::default() };
+        let labels: Vec<Option<String>> = (0..6).map(|k| node_label(k, &fleet)).collect();
+        let want =
+            [None, Some("node-0"), Some("node-1"), Some("node-0"), Some("node-0"), Some("node-1")];
+        assert_eq!(labels, want.map(|l| l.map(str::to_owned)));
+        let one = Simulated { nodes: 1, ..fleet };
+        assert!((0..6).all(|k| node_label(k, &one).is_none()));
     }
 }

@@ -2,9 +2,12 @@
 
 use super::*;
 use crate::Access;
+use clap::Args;
 use kvroute_core::schedule::PolicyKind;
 use kvroute_core::schedule::kv::KvConfig;
 use kvroute_router::RouterConfig;
+use kvroute_router::WorkerSpec;
+use std::path::Path;
 
 /// Every key (`serve` and `frontend` together).
 fn all() -> Vec<String> {
