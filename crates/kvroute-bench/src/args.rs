@@ -707,7 +707,7 @@ impl BenchArgs {
             }
             .generate(self.seed, bs, self.warmup, preprocessor)?,
             WorkloadKind::Overload => {
-                crate::overload::workload(self.seed, rate.unwrap_or(1.0), 30.0, true, bs)
+                crate::workload::tenants_overload(self.seed, rate.unwrap_or(1.0), 30.0, true, bs)
             }
             WorkloadKind::LongPrompt => workload::LongPrompts {
                 requests: self.long_requests,

@@ -13,6 +13,7 @@ pub mod goodput;
 pub mod overload;
 pub mod plot;
 pub mod report;
+mod results;
 pub mod run;
 pub mod stats;
 pub mod summary;
@@ -28,19 +29,9 @@ use kvroute_core::schedule::PolicyKind;
 use kvroute_preprocess::Preprocessor;
 
 use crate::run::{Replicas, Target};
-use crate::workload::Workload;
 
 pub use args::{BenchArgs, DISAGG_SLO_TPOT_MS};
-
-/// Every run of one workload at one rate.
-#[derive(Debug)]
-pub struct WorkloadResult {
-    pub workload: Workload,
-    pub rate: Option<f64>,
-    /// Which of the `--runs` at this rate (0 first).
-    pub run: usize,
-    pub runs: Vec<(run::RunData, summary::Summary)>,
-}
+pub use results::WorkloadResult;
 
 fn set_nats(targets: &mut [(String, Target)], url: &str) {
     for (_, target) in targets {

@@ -13,10 +13,13 @@ use kvroute_core::schedule::Rng;
 use kvroute_preprocess::Preprocessor;
 use serde::Serialize;
 
-use super::{
-    BenchRequest, MultiTurn, Prompt, Start, Workload, WorkloadKind, mark_warmup, poisson_arrivals,
-    random_tokens, token_blocks, zipf_draw, zipf_table,
+use super::request::mark_warmup;
+use super::draw::{
+    poisson_arrivals, random_tokens, token_blocks, zipf_draw, zipf_table,
 };
+use super::kind::WorkloadKind;
+use super::request::{BenchRequest, Prompt, Start, Workload};
+use super::synthetic::MultiTurn;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct MultiLora {

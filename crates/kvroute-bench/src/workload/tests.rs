@@ -1,5 +1,11 @@
+use kvroute_core::BlockSize;
+use kvroute_core::schedule::Rng;
+use kvroute_preprocess::Preprocessor;
+
 use std::collections::{HashMap, HashSet};
 
+use super::draw::*;
+use super::synthetic::*;
 use super::*;
 
 fn bs() -> BlockSize {

@@ -1,7 +1,16 @@
 //! A recorded trace replayed ([`TraceReplay`]): Mooncake's JSONL format, each line a
 //! request's arrival, its prompt as hash ids of 512-token blocks, and its output length.
 
-use super::*;
+use std::collections::HashMap;
+
+use anyhow::Context;
+use kvroute_core::BlockSize;
+use kvroute_core::schedule::Rng;
+use serde::Serialize;
+
+use super::draw::*;
+use super::kind::WorkloadKind;
+use super::request::*;
 
 /// `trace`: a recorded trace in the Mooncake format replayed, one JSON object per line:
 /// `timestamp` (ms from the trace's start), `input_length`, `output_length` and `hash_ids`,
