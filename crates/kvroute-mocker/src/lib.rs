@@ -12,6 +12,7 @@ pub mod app;
 mod derender;
 pub mod disagg;
 pub mod engine;
+mod error;
 pub mod generate;
 pub mod handoff;
 mod holds;
@@ -38,6 +39,7 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineRequest, EngineStats, HostConfig, Output, OutputPlan,
     SchedulingPolicy, Step, Usage,
 };
+pub use error::MockerError;
 pub use handoff::Peers;
 pub use kvroute_preprocess::fetch::FetchConfig;
 pub use loads::TierLoads;
@@ -84,18 +86,6 @@ pub struct MockerConfig {
     /// and store calls send it) and a decode engine's prefill peers (docs/security.md).
     pub peers: handoff::Peers,
 }
-
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum MockerError {
-    #[error(transparent)]
-    Model(#[from] kvroute_preprocess::PreprocessError),
-    #[error("ZMQ: {0}")]
-    Zmq(#[from] zeromq::ZmqError),
-    #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
-}
-
 /// An engine started by [`spawn`]: where to reach it, and its state (for tests that look
 /// inside or inject faults).
 #[derive(Clone, Debug)]

@@ -4,9 +4,10 @@
 use kvroute_core::SequenceHash;
 use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent, ExtraKey, publisher_extra_keys};
 
-use super::*;
-use crate::kv::Slot;
+use crate::host::Tier;
 use crate::sequence::Sequence;
+
+use crate::kv::Slot;
 
 /// Collects a step's events in order, runs of one kind merged. A hybrid model's events
 /// name their cache group and its kind, as vLLM's do; a full-attention model's name none

@@ -8,8 +8,10 @@ use kvroute_core::SequenceHash;
 
 use super::events::Events;
 use super::events::*;
-use super::*;
-use super::{Engine, Handoff, Step};
+use super::state::Engine;
+use super::types::*;
+use crate::disagg::Handoff;
+use crate::kv::Stored;
 use crate::sequence::{Block, Sequence};
 
 /// What a step has done so far, carried through its phases.

@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use kvroute_core::SequenceHash;
 
-use super::Engine;
 use super::events::*;
-use super::*;
+use super::state::Engine;
+use crate::kv::Stored;
+use crate::sequence::{Block, Sequence};
 
 /// Where a block loaded from below the GPU comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
