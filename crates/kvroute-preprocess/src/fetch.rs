@@ -18,6 +18,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
+pub use crate::error::FetchError;
 use kvroute_http::ApiError;
 use kvroute_http::openai::{ChatCompletionRequest, check_lengths};
 
@@ -198,50 +199,6 @@ impl Fetcher {
                 Err(FetchError::Timeout { url: url.to_owned(), after: self.config.timeout }.into())
             }
         }
-    }
-}
-
-/// Why an image could not be fetched.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum FetchError {
-    #[error("an extra root certificate is unusable: {source}")]
-    RootCertificate { source: rustls::Error },
-    #[error("TLS setup: {source}")]
-    TlsSetup { source: rustls::Error },
-    #[error("fetching {url}: no answer within {after:?}")]
-    Timeout { url: String, after: Duration },
-    #[error("bad image URL {url:?}: {source}")]
-    BadUrl { url: String, source: hyper::http::uri::InvalidUri },
-    #[error("unsupported image URL {0:?}: use http(s):// or data:")]
-    Scheme(String),
-    #[error("image URL {0:?} has no host")]
-    NoHost(String),
-    #[error("resolving {host}: {source}")]
-    Resolve { host: String, source: std::io::Error },
-    #[error("image host {0} resolves only to private or local addresses, which are not fetched")]
-    Private(String),
-    #[error("connecting to {host}: {source}")]
-    Connect { host: String, source: std::io::Error },
-    #[error("TLS name {name:?}: {source}")]
-    TlsName { name: String, source: rustls::pki_types::InvalidDnsNameError },
-    #[error("TLS with {host}: {source}")]
-    Tls { host: String, source: std::io::Error },
-    #[error("talking to {authority}: {source}")]
-    Handshake { authority: String, source: hyper::Error },
-    #[error("building the request for {url}: {source}")]
-    Request { url: String, source: hyper::http::Error },
-    #[error("fetching {url}: {source}")]
-    Send { url: String, source: hyper::Error },
-    #[error("fetching {url}: HTTP {status} (redirects are not followed)")]
-    Status { url: String, status: hyper::StatusCode },
-    #[error("reading {url}: {source}")]
-    Read { url: String, source: Box<dyn std::error::Error + Send + Sync> },
-}
-
-impl From<FetchError> for PreprocessError {
-    fn from(e: FetchError) -> Self {
-        PreprocessError::Image(e.into())
     }
 }
 

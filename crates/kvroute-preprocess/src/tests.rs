@@ -3,6 +3,7 @@ use image::{ImageBuffer, ImageFormat, Rgba};
 use kvroute_core::{BlockHasher, BlockSize};
 
 use super::*;
+use std::path::Path;
 
 fn model() -> Preprocessor {
     Preprocessor::builtin()
