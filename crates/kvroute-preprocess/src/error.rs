@@ -96,7 +96,7 @@ pub enum FetchError {
     #[error("TLS setup: {source}")]
     TlsSetup { source: rustls::Error },
     #[error("fetching {url}: no answer within {after:?}")]
-    Timeout { url: String, after: Duration },
+    Timeout { url: String, after: std::time::Duration },
     #[error("bad image URL {url:?}: {source}")]
     BadUrl { url: String, source: hyper::http::uri::InvalidUri },
     #[error("unsupported image URL {0:?}: use http(s):// or data:")]

@@ -295,7 +295,7 @@ impl Preprocessor {
         self
     }
 
-    fn text_only_error(&self) -> PreprocessError {
+    pub(crate) fn text_only_error(&self) -> PreprocessError {
         PreprocessError::TextOnly {
             model: self.model_name.clone(),
             why: self.text_only.as_ref().map_or_else(String::new, |w| format!(": {w}")),

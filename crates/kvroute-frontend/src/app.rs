@@ -1,0 +1,42 @@
+//! The front door's HTTP API: its routes, and serving them.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+
+use crate::handlers;
+use crate::names::*;
+use crate::state::FrontendState;
+
+/// Serves [`app`] on `listener` until `shutdown` resolves, then waits for open responses (bound
+/// that wait outside).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<FrontendState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    kvroute_http::serve(listener, app(state), shutdown).await
+}
+
+pub fn app(state: Arc<FrontendState>) -> Router {
+    use kvroute_http::auth::require;
+    let openai = Router::new()
+        .route("/v1/chat/completions", post(handlers::chat))
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/models", get(handlers::models));
+    let routes = require(openai, state.api_keys.clone())
+        .merge(kvroute_http::auth::admin(
+            Router::new()
+                .route("/metrics", get(handlers::metrics))
+                .route("/workers", get(handlers::workers))
+                .route("/ui/history", get(handlers::history)),
+            state.admin.clone(),
+            &state.api_keys,
+        ))
+        .route("/health", get(handlers::health))
+        .route("/ui", get(kvroute_http::status_page))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT));
+    kvroute_http::fallbacks(routes).with_state(state)
+}

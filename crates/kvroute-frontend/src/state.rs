@@ -1,0 +1,357 @@
+//! [`FrontendState`]: what the front door holds (its model, router, workers, health, keys)
+//! and the decisions that read it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+use kvroute_core::{BlockSize, WorkerId, WorkerWithDpRank};
+use kvroute_http::auth::KeyId;
+use kvroute_http::metrics::Registry;
+use kvroute_http::models::Catalog;
+use kvroute_http::{Credentials, HttpClient};
+use kvroute_preprocess::Preprocessor;
+use kvroute_preprocess::fetch::Fetcher;
+use kvroute_router::{Dialect, RouterState, WorkerSpec};
+
+use crate::health;
+use crate::metrics::Metrics;
+use crate::options::{FrontDoorOptions, namespaced_session};
+use crate::placer::{Placer, RemoteRouter};
+
+use health::{Failure, Health};
+
+pub struct FrontendState {
+    pub preprocessor: Arc<Preprocessor>,
+    pub fetcher: Fetcher,
+    pub placer: Placer,
+    pub(crate) block_size: BlockSize,
+    pub(crate) urls: BTreeMap<WorkerId, String>,
+    /// The workers configured with KV events (a restarted one is parity-probed again).
+    pub(crate) evented: std::collections::BTreeSet<WorkerId>,
+    /// How each worker is spoken to (absent: the client's OpenAI body).
+    pub(crate) dialects: BTreeMap<WorkerId, Dialect>,
+    /// Each worker's data-parallel ranks (all are excluded when it is ejected).
+    pub(crate) ranks: BTreeMap<WorkerId, u32>,
+    pub health: Health,
+    /// What the settings chose ([`FrontendState::with_options`]).
+    pub(crate) options: FrontDoorOptions,
+    pub(crate) client: HttpClient,
+    pub(crate) next_id: AtomicU64,
+    pub(crate) metrics: Metrics,
+    pub(crate) api_keys: Credentials,
+    pub(crate) admin: Credentials,
+    /// Workers still to be parity-probed (all at start; a restarted one again).
+    pub(crate) to_probe: std::sync::Mutex<std::collections::BTreeSet<WorkerId>>,
+    /// Probes that could not be made: when each is tried next, and its backoff.
+    pub(crate) probe_retries:
+        std::sync::Mutex<std::collections::BTreeMap<WorkerId, (Instant, Duration)>>,
+    pub(crate) probed: tokio::sync::Notify,
+    /// Prompt plus output tokens at most (checked before routing, as vLLM checks it).
+    pub(crate) max_model_len: u64,
+    /// The base model and the adapters the fleet serves ([`crate::models`]).
+    pub models: Catalog,
+    /// The adapters the settings name (always served), with where their weights are.
+    pub(crate) configured_adapters: Vec<(String, Option<String>)>,
+    /// What each worker listed in its `/v1/models`, when last read.
+    pub(crate) listed: std::sync::Mutex<BTreeMap<WorkerId, std::collections::BTreeSet<String>>>,
+    /// Each SGLang prefill worker's bootstrap host and port.
+    pub(crate) bootstraps: BTreeMap<WorkerId, (String, u16)>,
+    /// Some worker is a prefill worker (`--worker role=prefill`): with a remote router,
+    /// requests are placed in pairs.
+    pub(crate) prefill_workers: bool,
+    /// Mixed into SGLang bootstrap rooms, so two front doors draw different ones.
+    pub(crate) room_salt: u64,
+    /// What the status page's chart draws ([`FrontendState::spawn_history`]).
+    pub(crate) history: Arc<kvroute_http::status::History>,
+    /// Metrics of a service beside the front door (the ext_proc picker), on its `/metrics`.
+    pub(crate) beside: std::sync::OnceLock<Arc<Registry>>,
+    /// The priority of each model's requests that name none (by the model's name as the
+    /// catalog resolves it: an adapter's, or the base model's), as GIE's `InferenceObjective`.
+    pub(crate) model_priorities: BTreeMap<String, i32>,
+}
+
+impl std::fmt::Debug for FrontendState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrontendState").field("urls", &self.urls).finish_non_exhaustive()
+    }
+}
+
+fn urls(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, String> {
+    workers
+        .iter()
+        .filter_map(|w| w.url.as_ref().map(|u| (w.id, u.trim_end_matches('/').to_owned())))
+        .collect()
+}
+
+/// Each prefill worker's bootstrap host (its URL's) and port, when it has one.
+fn bootstraps(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, (String, u16)> {
+    workers
+        .iter()
+        .filter_map(|w| {
+            let url: hyper::Uri = w.url.as_deref()?.parse().ok()?;
+            let host = url.host()?.trim_start_matches('[').trim_end_matches(']').to_owned();
+            Some((w.id, (host, w.bootstrap_port?)))
+        })
+        .collect()
+}
+
+fn ranks(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, u32> {
+    workers.iter().map(|w| (w.id, w.dp_size)).collect()
+}
+
+impl FrontendState {
+    /// A front door over the embedded `router`, proxying to its workers that have a URL.
+    pub fn new(
+        preprocessor: Arc<Preprocessor>,
+        fetcher: Fetcher,
+        router: Arc<RouterState>,
+    ) -> Self {
+        let (block_size, workers) = (router.config.block_size, router.config.workers.clone());
+        Self::with(preprocessor, fetcher, Placer::Embedded(router), block_size, &workers)
+    }
+
+    /// A front door asking the `kvroute router` at `router_url`, proxying to `workers`.
+    pub fn remote(
+        preprocessor: Arc<Preprocessor>,
+        fetcher: Fetcher,
+        router_url: &str,
+        router_token: Option<&str>,
+        workers: &[WorkerSpec],
+        block_size: BlockSize,
+    ) -> Self {
+        let placer = Placer::Remote(RemoteRouter::new(router_url, router_token));
+        Self::with(preprocessor, fetcher, placer, block_size, workers)
+    }
+
+    pub(crate) fn with(
+        preprocessor: Arc<Preprocessor>,
+        fetcher: Fetcher,
+        placer: Placer,
+        block_size: BlockSize,
+        workers: &[WorkerSpec],
+    ) -> Self {
+        let max_model_len =
+            preprocessor.max_model_len().unwrap_or(kvroute_http::openai::DEFAULT_MAX_MODEL_LEN);
+        Self {
+            fetcher,
+            placer,
+            block_size,
+            urls: urls(workers),
+            evented: workers.iter().filter(|w| w.events.is_some()).map(|w| w.id).collect(),
+            dialects: workers.iter().map(|w| (w.id, w.dialect)).collect(),
+            ranks: ranks(workers),
+            health: Health::new(workers.iter().filter(|w| w.url.is_some()).map(|w| w.id)),
+            options: FrontDoorOptions::default(),
+            client: kvroute_router::workers_client(workers),
+            next_id: AtomicU64::new(0),
+            metrics: Metrics::new(),
+            api_keys: Credentials::default(),
+            admin: Credentials::default(),
+            probe_retries: std::sync::Mutex::default(),
+            to_probe: std::sync::Mutex::new(
+                workers
+                    .iter()
+                    .filter(|w| w.url.is_some() && w.events.is_some())
+                    .map(|w| w.id)
+                    .collect(),
+            ),
+            probed: tokio::sync::Notify::new(),
+            max_model_len,
+            models: Catalog::new(preprocessor.model_name(), Some(max_model_len)),
+            configured_adapters: Vec::new(),
+            listed: std::sync::Mutex::default(),
+            bootstraps: bootstraps(workers),
+            prefill_workers: workers
+                .iter()
+                .any(|w| w.role == kvroute_core::schedule::Role::Prefill),
+            room_salt: std::hash::BuildHasher::hash_one(
+                &std::collections::hash_map::RandomState::new(),
+                0u8,
+            ),
+            history: Arc::default(),
+            beside: std::sync::OnceLock::new(),
+            model_priorities: BTreeMap::new(),
+            preprocessor,
+        }
+    }
+
+    /// Serves these LoRA adapters over the base model (besides those the workers list).
+    /// `NAME` or `NAME=PATH` each (the path is what `load_adapters` sends vLLM).
+    pub fn with_adapters<'a>(
+        mut self,
+        adapters: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Self, kvroute_http::models::AdapterError> {
+        for spec in adapters {
+            let (name, path) = match spec.split_once('=') {
+                Some((name, path)) => (name.trim(), Some(path.trim().to_owned())),
+                None => (spec.trim(), None),
+            };
+            self.models.insert(name, path.as_deref())?;
+            self.configured_adapters.push((name.to_owned(), path));
+        }
+        Ok(self)
+    }
+
+    /// The longest prompt plus output accepted (default: the model's context length, else
+    /// [`kvroute_http::openai::DEFAULT_MAX_MODEL_LEN`]).
+    #[must_use]
+    pub fn max_model_len(mut self, max_model_len: u64) -> Self {
+        self.max_model_len = max_model_len;
+        let adapters = self.models.adapters();
+        self.models = Catalog::new(self.preprocessor.model_name(), Some(max_model_len));
+        for name in adapters {
+            let _ = self.models.insert(&name, None);
+        }
+        self
+    }
+
+    /// The OpenAI routes need one of `api_keys`, `/metrics` the `admin` token (each open when
+    /// empty); `/health` is always open.
+    #[must_use]
+    pub fn guarded(mut self, api_keys: Credentials, admin: Credentials) -> Self {
+        self.api_keys = api_keys;
+        self.admin = admin;
+        self
+    }
+
+    /// The cache namespace of a request: the client's `cache_salt`, inside its key's when
+    /// namespaces are per key (`key-<id>:<salt>`: vLLM 0.33 refuses `/` and `@` in a salt).
+    pub(crate) fn namespace(&self, key: Option<&KeyId>, client: Option<&str>) -> Option<String> {
+        let client = client.filter(|c| !c.is_empty());
+        match (self.options.namespace_per_key, key) {
+            (true, Some(KeyId { id: key, .. })) => Some(match client {
+                Some(c) => format!("key-{key}:{c}"),
+                None => format!("key-{key}"),
+            }),
+            _ => client.map(str::to_owned),
+        }
+    }
+
+    /// A request's session as the router keys it: with namespacing per key, inside the key's
+    /// namespace (the key's id and the client's session, hashed to a fixed length), so that
+    /// another key's requests naming the same session do not join it.
+    pub(crate) fn session_key(
+        &self,
+        key: Option<&KeyId>,
+        session: Option<String>,
+    ) -> Option<String> {
+        namespaced_session(self.options.namespace_per_key, key, session)
+    }
+
+    /// How a worker is spoken to.
+    pub(crate) fn dialect(&self, worker: WorkerId) -> Dialect {
+        self.dialects.get(&worker).copied().unwrap_or_default()
+    }
+
+    /// A prefill worker's SGLang bootstrap host and port.
+    pub(crate) fn bootstrap(&self, worker: WorkerId) -> Option<(String, u16)> {
+        self.bootstraps.get(&worker).cloned()
+    }
+
+    /// The tokens dialects some worker speaks (a request is made a body in each).
+    pub(crate) fn tokens_dialects(&self) -> Vec<Dialect> {
+        let mut dialects: Vec<Dialect> =
+            self.dialects.values().copied().filter(|d| d.sends_tokens()).collect();
+        dialects.sort_unstable_by_key(|d| *d as u8);
+        dialects.dedup();
+        dialects
+    }
+
+    /// Every rank of `worker`.
+    pub(crate) fn all_ranks(
+        &self,
+        worker: WorkerId,
+    ) -> impl Iterator<Item = WorkerWithDpRank> + use<> {
+        let n = self.ranks.get(&worker).copied().unwrap_or(1);
+        (0..n).map(move |r| WorkerWithDpRank::new(worker, r))
+    }
+
+    /// A worker failed a request: out of rotation for a while; a refused connection also
+    /// means its cache is gone.
+    pub(crate) fn worker_failed(&self, worker: WorkerId, why: Failure) {
+        let was_ejected = self.health.is_ejected(worker);
+        let backoff = self.health.failed(worker, why, Instant::now());
+        if was_ejected {
+            tracing::debug!(%worker, ?why, backoff_secs = backoff.as_secs_f64(), "still failing");
+        } else {
+            self.metrics.ejections.inc();
+            tracing::warn!(%worker, ?why, backoff_secs = backoff.as_secs_f64(), "worker ejected");
+        }
+        if why == Failure::Connect {
+            self.placer.forget_blocks(worker);
+            self.forget_models(worker);
+            // Whatever comes back on its port is probed again.
+            let probed = self.evented.contains(&worker);
+            if let (true, Ok(mut to_probe)) = (probed, self.to_probe.lock()) {
+                to_probe.insert(worker);
+            }
+        }
+    }
+
+    /// Every one of `options`.
+    #[must_use]
+    pub fn with_options(mut self, options: FrontDoorOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Each model's priority for its requests that name none (`--model-priority`).
+    #[must_use]
+    pub fn with_model_priorities(mut self, priorities: BTreeMap<String, i32>) -> Self {
+        self.model_priorities = priorities;
+        self
+    }
+
+    /// The configured priority of a request's model: its adapter's, else the base model's.
+    pub(crate) fn model_priority(&self, adapter: Option<&str>) -> Option<i32> {
+        let name = adapter.unwrap_or_else(|| self.preprocessor.model_name());
+        self.model_priorities.get(name).copied()
+    }
+
+    /// Samples the counters the status page draws every `status_every` until the front door
+    /// is dropped: the router's (embedded; a remote router's page has its own history).
+    pub fn spawn_history(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        self.history.spawn(self.options.status_every, move || {
+            let state = weak.upgrade()?;
+            Some(match state.placer.registry() {
+                Some(r) => kvroute_http::status::Counters::read(&[&state.metrics.registry, r]),
+                None => kvroute_http::status::Counters::read(&[&state.metrics.registry]),
+            })
+        })
+    }
+
+    /// Serves `registry` on `/metrics` beside the front door's and the router's (once).
+    pub fn serve_metrics_beside(&self, registry: Arc<Registry>) {
+        let _ = self.beside.set(registry);
+    }
+
+    /// Requests routed and not yet ended.
+    pub fn in_flight(&self) -> i64 {
+        self.metrics.in_flight.get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// #51 finding 12: with namespacing per key, two keys naming the same session are two
+    /// sessions (and one key's is stable); without it, or without a key, the session is the
+    /// client's.
+    #[test]
+    fn sessions_are_namespaced_per_key() {
+        let (a, b) = (KeyId::named("aaaa"), KeyId::named("bbbb"));
+        let s = || Some("s1".to_owned());
+        let of_a = namespaced_session(true, Some(&a), s());
+        assert_ne!(of_a, namespaced_session(true, Some(&b), s()));
+        assert_eq!(of_a, namespaced_session(true, Some(&a), s()));
+        assert_ne!(of_a, s());
+        assert!(of_a.unwrap().len() <= kvroute_http::router_api::MAX_SESSION_KEY);
+        assert_eq!(namespaced_session(false, Some(&a), s()), s());
+        assert_eq!(namespaced_session(true, None, s()), s());
+        assert_eq!(namespaced_session(true, Some(&a), None), None);
+    }
+}
