@@ -31,7 +31,6 @@ use crate::workload::{CLASSES, INTERACTIVE_SLO_MS, tenants_overload as workload}
 /// tokens.
 const DYNAMO_BUSY: (f64, usize) = (0.85, 10_000);
 
-
 /// One class's figures in one run.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct ClassFigures {

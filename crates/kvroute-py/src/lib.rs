@@ -9,10 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use kvroute_core::index::RadixIndex;
-use kvroute_core::{
-    KvCacheEvent, LocalBlockHash, RouterEvent, WorkerId,
-    WorkerWithDpRank,
-};
+use kvroute_core::{KvCacheEvent, LocalBlockHash, RouterEvent, WorkerId, WorkerWithDpRank};
 
 mod mm;
 mod publisher;

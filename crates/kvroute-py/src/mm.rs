@@ -8,7 +8,9 @@ use kvroute_core::{BlockExtraInfo, BlockMmObjectInfo};
 
 /// Reads `block_mm_infos`: a list with one entry per block, `None` or
 /// `{"mm_objects": [{"mm_hash": int, "offsets": [[start, end], ...]}, ...]}`.
-pub(crate) fn mm_infos(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<Option<BlockExtraInfo>>>> {
+pub(crate) fn mm_infos(
+    value: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<Vec<Option<BlockExtraInfo>>>> {
     let Some(value) = value.filter(|v| !v.is_none()) else { return Ok(None) };
     let list = value.cast::<PyList>().map_err(|_| {
         PyTypeError::new_err("block_mm_infos must be a list (one entry per block) or None")

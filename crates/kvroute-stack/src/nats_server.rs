@@ -9,7 +9,6 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-
 /// Why the local NATS server did not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -57,7 +56,11 @@ impl NatsServer {
     }
 
     /// [`NatsServer::start`] with more arguments (e.g. `--auth TOKEN`), kept for restarts.
-    pub async fn start_with(store: &Path, port: u16, extra: &[&str]) -> Result<Self, NatsServerError> {
+    pub async fn start_with(
+        store: &Path,
+        port: u16,
+        extra: &[&str],
+    ) -> Result<Self, NatsServerError> {
         std::fs::create_dir_all(store)
             .map_err(|source| NatsServerError::Store { path: store.to_owned(), source })?;
         let port_arg = if port == 0 { "-1".to_owned() } else { port.to_string() };
@@ -94,7 +97,7 @@ impl NatsServer {
                     Ok(Err(e)) => NatsServerError::Log(e),
                     Ok(Ok(_)) => NatsServerError::LogEnded,
                 };
-                return Err(why.into());
+                return Err(why);
             }
         };
         // Keep draining its log so it never blocks on a full pipe.

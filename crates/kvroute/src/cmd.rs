@@ -10,4 +10,6 @@ pub(crate) mod serve;
 
 mod process;
 
-pub(crate) use process::{announce, bind, decorated, runtime, scheme, serve_until_signal, start_picker};
+pub(crate) use process::{
+    announce, bind, decorated, runtime, scheme, serve_until_signal, start_picker,
+};

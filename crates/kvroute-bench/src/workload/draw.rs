@@ -1,6 +1,5 @@
 //! What the workloads draw: arrivals, tokens, words, images, Zipf popularity, block hashes.
 
-
 use anyhow::Context;
 use kvroute_core::schedule::Rng;
 use kvroute_core::{BlockHasher, BlockSize, sequence_hashes};
@@ -68,8 +67,6 @@ pub fn extended_blocks(
     }
     out
 }
-
-
 
 /// A generated square PNG: a pattern of its own per `index` (every image differs in its
 /// pixels), smooth enough to stay a few kilobytes.

@@ -13,11 +13,9 @@ use kvroute_core::schedule::Rng;
 use kvroute_preprocess::Preprocessor;
 use serde::Serialize;
 
-use super::request::mark_warmup;
-use super::draw::{
-    poisson_arrivals, random_tokens, token_blocks, zipf_draw, zipf_table,
-};
+use super::draw::{poisson_arrivals, random_tokens, token_blocks, zipf_draw, zipf_table};
 use super::kind::WorkloadKind;
+use super::request::mark_warmup;
 use super::request::{BenchRequest, Prompt, Start, Workload};
 use super::synthetic::MultiTurn;
 

@@ -38,7 +38,13 @@ pub const CLASSES: [Class; 3] = [
 
 /// The overload schedule at `rate` requests per second in all, `seconds` of arrivals; without
 /// `heavy`, tenant `t0`'s requests are left out (the others' are the same).
-pub fn tenants_overload(seed: u64, rate: f64, seconds: f64, heavy: bool, bs: BlockSize) -> Workload {
+pub fn tenants_overload(
+    seed: u64,
+    rate: f64,
+    seconds: f64,
+    heavy: bool,
+    bs: BlockSize,
+) -> Workload {
     let weights: Vec<f64> = (0..TENANTS).map(|t| if t == 0 { HEAVY_SHARE } else { 1.0 }).collect();
     let total: f64 = weights.iter().sum();
     let mut requests = Vec::new();

@@ -18,7 +18,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use super::{Candidate, Policy, RequestInfo};
+use super::policy::Policy;
+pub use super::types::AdapterFit;
+use super::types::{Candidate, RequestInfo};
 use crate::protocols::WorkerWithDpRank;
 
 /// Adapters remembered as resident on a worker whose slot count is unknown.
@@ -28,21 +30,6 @@ pub const MAX_SERVED: usize = 4_096;
 /// The most GPU slots a worker's report is taken to have (vLLM's `max_loras` is a handful;
 /// a report claiming 2^62 would otherwise keep every adapter name ever reported).
 pub const MAX_SLOTS: usize = 256;
-
-/// What running a request's adapter on a worker takes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AdapterFit {
-    /// The base model, or an adapter in a slot.
-    #[default]
-    Resident,
-    /// A load into a free slot.
-    Load,
-    /// A load that evicts another adapter (every slot holds one).
-    LoadEvicting,
-    /// Every slot holds an adapter of a running request: it waits for one to end.
-    Wait,
-}
 
 /// A worker's adapters, as the router knows them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]

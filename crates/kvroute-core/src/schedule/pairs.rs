@@ -39,59 +39,11 @@
 //! then for each decode candidate `decode_d + transfer` against each node's best prefill,
 //! so its cost grows with `P + D x nodes`, not `P x D`.
 
-use std::str::FromStr;
-
+pub use super::types::Role;
 use serde::{Deserialize, Serialize};
 
-use std::time::Instant;
-
 use super::kv::{Fill, KvConfig};
-use super::{
-    Candidate, PolicyKind, RequestBlocks, RequestInfo, RouteDecision, RouteRequest, Scheduler,
-    TreeSizes, pick_by_cost, reusable_tokens,
-};
-use crate::index::OverlapScores;
-
-/// What a worker does in a disaggregated fleet.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Prefill and decode (an aggregated engine).
-    #[default]
-    Both,
-    /// Prefills for decode engines.
-    Prefill,
-    /// Decodes prompts prefilled elsewhere (or, when cheaper, prefilled in place).
-    Decode,
-}
-
-impl Role {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Both => "both",
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
-}
-
-impl FromStr for Role {
-    type Err = crate::UnknownChoice;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "both" => Ok(Self::Both),
-            "prefill" => Ok(Self::Prefill),
-            "decode" => Ok(Self::Decode),
-            _ => Err(crate::UnknownChoice::new("role", s, "prefill, decode or both")),
-        }
-    }
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use super::{Candidate, RouteDecision, RouteRequest, reusable_tokens};
 
 /// The pair cost's settings; each one by its field name (`--kv-cost NAME=VALUE` takes the
 /// `kv` cost's, these are `--pd-cost NAME=VALUE`, the config file's `[pd_cost]`).
@@ -177,7 +129,7 @@ pub fn node_id(label: Option<&str>) -> u32 {
 /// What the router tells of each leg of a pair: where it goes, the blocks it holds there, and
 /// the prompt tokens it must compute (a decode leg fed by a prefill computes only the last
 /// block's; one alone, what it does not hold).
-fn pair_decisions(
+pub(super) fn pair_decisions(
     request: &RouteRequest<'_>,
     bs: usize,
     p: Option<&Candidate>,
@@ -206,12 +158,12 @@ fn pair_decisions(
 
 /// The prompt's blocks a decode engine can pull: every full block but the one holding the
 /// last prompt token, which the decode engine computes itself.
-fn pullable(isl_tokens: usize, block_size: usize) -> u32 {
+pub(super) fn pullable(isl_tokens: usize, block_size: usize) -> u32 {
     (isl_tokens.saturating_sub(1) / block_size.max(1)) as u32
 }
 
 /// Blocks of the prompt `d` holds or has in flight, as the pair cost credits them.
-fn held(c: &Candidate, config: &PairConfig) -> u32 {
+pub(super) fn held(c: &Candidate, config: &PairConfig) -> u32 {
     match config.decode_cache_credit > 0.0 {
         true => c.overlap_blocks.max(c.inflight_prefix_blocks),
         false => 0,
@@ -220,7 +172,7 @@ fn held(c: &Candidate, config: &PairConfig) -> u32 {
 
 /// The decode-side terms of `d` for a request whose blocks it lacks `lacks` (seconds): the
 /// kv cost's decode, wait and evict terms (no queue: a pulled request joins the batch).
-fn decode_cost(kv: &KvConfig, r: &PairRequest, d: &Candidate, lacks: u32) -> f64 {
+pub(super) fn decode_cost(kv: &KvConfig, r: &PairRequest, d: &Candidate, lacks: u32) -> f64 {
     let fill = Fill::of(d);
     let decode = kv.decode_tokens(d, fill, r.block_size);
     let wait = kv.wait_tokens(d, fill, r.num_blocks);
@@ -229,7 +181,7 @@ fn decode_cost(kv: &KvConfig, r: &PairRequest, d: &Candidate, lacks: u32) -> f64
 }
 
 /// Seconds to move `blocks` over the link between `p` and `d`.
-fn transfer(
+pub(super) fn transfer(
     kv: &KvConfig,
     config: &PairConfig,
     r: &PairRequest,
@@ -322,7 +274,7 @@ pub fn choose(
 }
 
 /// What prefilling the request on `w` costs the requests running there (see the module).
-fn stall(config: &PairConfig, r: &PairRequest, w: &Candidate, speed: f64) -> f64 {
+pub(super) fn stall(config: &PairConfig, r: &PairRequest, w: &Candidate, speed: f64) -> f64 {
     let cached =
         (w.overlap_blocks.max(w.inflight_prefix_blocks) as usize * r.block_size).min(r.isl_tokens);
     config.interference_weight
@@ -344,143 +296,6 @@ pub fn prefill_leg_id(id: &str) -> String {
     format!("{id}/prefill")
 }
 
-impl Scheduler {
-    /// Chooses where a request runs in a disaggregated fleet: a prefill and a decode worker,
-    /// or one decode worker alone, by the pair cost for the `kv` policies ([`choose`]) and by
-    /// the policy over each pool for the others (the baselines, and `dynamo`: each pool on
-    /// its own, as the peers route). A fleet with no prefill or no decode worker is routed
-    /// as aggregated ([`Scheduler::route`]). With an id, both legs are tracked in flight:
-    /// the prefill under [`prefill_leg_id`], the decode under the id.
-    pub fn route_pair(
-        &mut self,
-        request: &RouteRequest<'_>,
-        scores: &OverlapScores,
-        sizes: &dyn TreeSizes,
-        now: Instant,
-    ) -> Option<PairDecision> {
-        let mut all = std::mem::take(&mut self.scratch);
-        self.fill_candidates(&mut all, request.local_hashes, scores, sizes);
-        let adapters = &self.adapters;
-        all.retain(|c| {
-            !request.exclude.contains(&c.worker) && adapters.serves(c.worker, request.adapter)
-        });
-        let (prefills, decodes): (Vec<Candidate>, Vec<Candidate>) =
-            all.iter().partition(|c| c.role == Role::Prefill);
-        if prefills.is_empty() || decodes.is_empty() {
-            // One pool is empty: route over what is left, as `route` would, without
-            // filling the candidates again.
-            if !decodes.is_empty() {
-                all.retain(|c| c.role != Role::Prefill);
-            }
-            let decision = self.route_among(request, &mut all, now, None).unwrap_or(None);
-            self.scratch = all;
-            if decision.is_some() && request.id.is_some() && !decodes.is_empty() {
-                self.pair_counts.record(false);
-            }
-            return Some(PairDecision { prefill: None, decode: decision?, transfer_blocks: 0 });
-        }
-        self.scratch = all;
-        let bs = self.config.block_size.tokens();
-        let info = self.info(request);
-        let choice = self.choose_pair(&info, &prefills, &decodes)?;
-        let d = match choice.on_prefill {
-            true => prefills[choice.decode],
-            false => decodes[choice.decode],
-        };
-        let p = choice.prefill.map(|i| prefills[i]);
-        let (prefill, decode) = pair_decisions(request, bs, p.as_ref(), &d);
-        if let Some(id) = request.id {
-            let legs = (prefill.as_ref(), &decode);
-            self.track_pair(request, id, legs, (p.as_ref(), &d), &choice, now);
-        }
-        Some(PairDecision { prefill, decode, transfer_blocks: choice.transfer_blocks })
-    }
-
-    /// Tracks both legs of a placed pair in flight (the prefill's as [`prefill_leg_id`]), the
-    /// pull the decode leg makes, and the adapter it runs with.
-    fn track_pair(
-        &mut self,
-        request: &RouteRequest<'_>,
-        id: &str,
-        (prefill, decode): (Option<&RouteDecision>, &RouteDecision),
-        (p, d): (Option<&Candidate>, &Candidate),
-        choice: &PairChoice,
-        now: Instant,
-    ) {
-        let bs = self.config.block_size.tokens();
-        let blocks =
-            RequestBlocks { local: request.local_hashes, sequence: request.sequence_hashes };
-        if let Some(prefill) = prefill {
-            let leg = prefill_leg_id(id);
-            self.active.add(&leg, prefill.worker, prefill.predicted_prefill_tokens, blocks, now);
-            // A prefill leg answers with one token.
-            self.active.hold_private(&leg, request.isl_tokens, 1, bs);
-        }
-        self.active.add(id, d.worker, decode.predicted_prefill_tokens, blocks, now);
-        self.active.hold_private(id, request.isl_tokens, request.output_tokens, bs);
-        if let Some(p) = p {
-            self.active.set_pull(id, p.node != d.node, choice.transfer_blocks as usize);
-        }
-        if let Some(adapter) = request.adapter {
-            self.adapters.routed(id, d.worker, adapter);
-        }
-        self.pair_counts.record(prefill.is_some());
-    }
-
-    fn choose_pair(
-        &mut self,
-        info: &RequestInfo,
-        prefills: &[Candidate],
-        decodes: &[Candidate],
-    ) -> Option<PairChoice> {
-        let priced = matches!(
-            self.config.policy,
-            PolicyKind::Kv | PolicyKind::KvTokens | PolicyKind::Sticky | PolicyKind::KvAdapterBlind
-        );
-        // Pairs are priced with the `kv-tokens` terms (the pair cost is built on them); the
-        // predicted-milliseconds cost places aggregated requests.
-        let tokens = super::kv::KvPolicy::new(self.config.kv);
-        let (pc, dc) = match self.config.policy {
-            PolicyKind::Kv => {
-                (Some(tokens.costs(info, prefills)), Some(tokens.costs(info, decodes)))
-            }
-            _ => (self.policy.costs(info, prefills), self.policy.costs(info, decodes)),
-        };
-        if let (true, Some(pc), Some(dc)) = (priced, &pc, &dc) {
-            let r = PairRequest {
-                isl_tokens: info.isl_tokens,
-                block_size: info.block_size,
-                num_blocks: info.num_blocks,
-            };
-            return choose(&self.config.kv, &self.config.pairs, &r, (prefills, pc), (decodes, dc));
-        }
-        let t = info.temperature;
-        let p = match &pc {
-            Some(c) => pick_by_cost(c, prefills, t, &mut self.rng),
-            None => self.policy.select(info, prefills, &mut self.rng),
-        };
-        let d = match &dc {
-            Some(c) => pick_by_cost(c, decodes, t, &mut self.rng),
-            None => self.decode_policy.select(info, decodes, &mut self.rng),
-        };
-        // The baselines price nothing, but the decode engine still pulls only what it lacks.
-        let lacks = pullable(info.isl_tokens, info.block_size)
-            .saturating_sub(decodes[d].overlap_blocks.max(decodes[d].inflight_prefix_blocks));
-        Some(PairChoice {
-            prefill: Some(p),
-            decode: d,
-            on_prefill: false,
-            cost: 0.0,
-            transfer_blocks: lacks,
-        })
-    }
-
-    /// How many requests were split and how many prefilled where they decode.
-    pub fn pair_counts(&self) -> PairCounts {
-        self.pair_counts
-    }
-}
-
 /// What the pair choice did, since the start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PairCounts {
@@ -491,7 +306,7 @@ pub struct PairCounts {
 }
 
 impl PairCounts {
-    fn record(&mut self, split: bool) {
+    pub(super) fn record(&mut self, split: bool) {
         match split {
             true => self.split += 1,
             false => self.in_place += 1,

@@ -1,3 +1,7 @@
+use crate::index::OverlapScores;
+use crate::protocols::BlockSize;
+use crate::protocols::WorkerWithDpRank;
+use crate::protocols::{LocalBlockHash, SequenceHash};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::{Duration, Instant};
 
@@ -442,7 +446,11 @@ fn baselines_behave() {
     assert_eq!(picks.len(), 3);
     for kind in PolicyKind::ALL {
         assert_eq!(kind.name().parse::<PolicyKind>().unwrap(), kind);
-        assert_eq!(kind.build(&SchedulerConfig::default()).name(), kind.name());
+        assert_eq!(
+            kind.build(SchedulerConfig::default().kv, SchedulerConfig::default().predictor.engine)
+                .name(),
+            kind.name()
+        );
     }
     assert!("fastest".parse::<PolicyKind>().is_err());
 }

@@ -10,7 +10,7 @@
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
-use super::{ROOT, RadixIndex, WorkerState};
+use super::tree::{ROOT, RadixIndex, WorkerState};
 use crate::protocols::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent,

@@ -2,12 +2,20 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 
-use super::*;
+use super::tree::*;
+use crate::Error;
 use crate::hash::BlockHasher;
+use crate::index::IndexConfig;
+use crate::index::holders::Slot;
 use crate::protocols::{
     BlockExtraInfo, BlockMmObjectInfo, BlockSize, DpRank, KvCacheEvent, KvCacheRemoveData,
     KvCacheStoreData,
 };
+use crate::protocols::{
+    ExternalBlockHash, KvCacheEventData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+    WorkerId, WorkerWithDpRank,
+};
+use rustc_hash::FxHashMap;
 
 fn w(id: u64) -> WorkerWithDpRank {
     WorkerWithDpRank::new(id, 0u32)
