@@ -209,7 +209,7 @@ pub async fn start_gateway(
     policy: PolicyKind,
     events: bool,
 ) -> anyhow::Result<(Vec<String>, Vec<WorkerSpec>)> {
-    use kvroute_epp::gateway::{Gateway, GatewayConfig, Picking};
+    use kvroute_test_gateway::{Gateway, GatewayConfig, Picking};
     let mut router = fleet.router_config(policy, Vec::new())?;
     router.nats = None;
     let config = StackConfig {

@@ -22,12 +22,13 @@
 //! - [`picker`]: the front door's stages and the pool's endpoints;
 //! - [`service`]: the gRPC service and server, with health; [`tls`]: its listener over TLS;
 //! - [`budget`]: the request body bytes the streams hold, in all and per client;
-//! - [`gateway`]: a small gateway that plays Envoy's side, for the tests and the bench.
+//!
+//! The gateway that plays Envoy's side for the tests and the bench is its own crate,
+//! `kvroute-test-gateway`, outside the product.
 
 pub mod budget;
 pub mod endpoints;
 pub mod exchange;
-pub mod gateway;
 pub mod metadata;
 pub mod metrics;
 pub mod picker;

@@ -21,8 +21,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request,
 };
 use http_body_util::BodyExt;
-use kvroute_epp::gateway::{Gateway, GatewayConfig};
 use kvroute_http::HttpClient;
+use kvroute_test_gateway::{Gateway, GatewayConfig};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 

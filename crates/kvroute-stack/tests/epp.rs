@@ -23,13 +23,13 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::Struct;
 use http_body_util::BodyExt;
 use kvroute_core::schedule::flow::FlowConfig;
-use kvroute_epp::gateway::{Gateway, GatewayConfig};
 use kvroute_epp::metadata;
 use kvroute_epp::{EppOptions, Picker};
 use kvroute_http::HttpClient;
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_router::RouterConfig;
 use kvroute_stack::{Simulated, Stack, StackConfig};
+use kvroute_test_gateway::{Gateway, GatewayConfig};
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -672,7 +672,7 @@ async fn two_pickers_over_nats_keep_every_repeat_on_its_cached_prefix() {
         tokio::spawn(kvroute_epp::serve(listener, picker, async {}, std::future::pending()));
     }
     let mut config = GatewayConfig::ext_proc("");
-    config.picking = kvroute_epp::gateway::Picking::ExtProc(urls);
+    config.picking = kvroute_test_gateway::Picking::ExtProc(urls);
     let gateway = Gateway::new(config).unwrap();
     let base = kvroute_stack::serve_on_loopback(gateway.app()).await.unwrap();
     let (mut repeats, mut hits) = (0, 0);
@@ -1092,7 +1092,7 @@ async fn the_port_serves_tls_and_asks_for_the_gateways_token() {
     let with = |token: Option<&str>| {
         let (grpc, client, token) = (grpc.clone(), Arc::clone(&client), token.map(str::to_owned));
         move |c: &mut GatewayConfig| {
-            c.picking = kvroute_epp::gateway::Picking::ExtProc(vec![grpc]);
+            c.picking = kvroute_test_gateway::Picking::ExtProc(vec![grpc]);
             c.tls = Some(client);
             c.token = token;
         }

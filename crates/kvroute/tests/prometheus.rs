@@ -142,8 +142,8 @@ fn expressions() -> (Vec<String>, Vec<String>) {
 async fn prometheus_scrapes_kvroute_and_every_rule_and_panel_returns_data() {
     let prometheus = prometheus();
     let (_serve, front, picker) = serve();
-    let gateway = kvroute_epp::gateway::Gateway::new(
-        kvroute_epp::gateway::GatewayConfig::ext_proc(format!("http://{picker}")),
+    let gateway = kvroute_test_gateway::Gateway::new(
+        kvroute_test_gateway::GatewayConfig::ext_proc(format!("http://{picker}")),
     )
     .unwrap();
     let gateway = kvroute_stack::serve_on_loopback(gateway.app()).await.unwrap();

@@ -42,7 +42,36 @@ use kvroute_http::HttpClient;
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
-use crate::metadata::{self, DESTINATION_KEY, DESTINATION_NAMESPACE, SERVED_KEY};
+use kvroute_epp::metadata::{self, DESTINATION_KEY, DESTINATION_NAMESPACE, SERVED_KEY};
+
+/// Why the gateway could not start (a picker address), or carry a request through the picker
+/// (answered as a 500, Envoy's default for a broken external processor).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GatewayError {
+    /// The picker's stream broke or answered what the protocol does not allow.
+    #[error("{0}")]
+    Protocol(&'static str),
+    #[error("the picker failed the stream: {0}")]
+    StreamFailed(tonic::Status),
+    #[error("the picker refused the stream: {0}")]
+    Refused(tonic::Status),
+    #[error("the picker answered {what} with {answer}")]
+    Unexpected { what: &'static str, answer: String },
+    #[error("reading the client's body: {0}")]
+    ClientBody(#[source] axum::Error),
+    #[error("upstream {endpoint}: {source}")]
+    Upstream { endpoint: String, source: kvroute_http::ClientError },
+    /// A picker URL the gateway cannot connect to.
+    #[error("picker address: {0}")]
+    Address(#[from] tonic::transport::Error),
+}
+
+impl From<&'static str> for GatewayError {
+    fn from(why: &'static str) -> Self {
+        Self::Protocol(why)
+    }
+}
 
 /// How the gateway picks an endpoint.
 #[derive(Clone, Debug)]
@@ -118,12 +147,6 @@ pub const ROUTED_KEPT: usize = 4096;
 /// Largest body the gateway reads or takes back.
 const MAX_BODY: usize = 64 << 20;
 
-#[derive(Debug, thiserror::Error)]
-pub enum GatewayError {
-    #[error("picker address: {0}")]
-    Address(#[from] tonic::transport::Error),
-}
-
 impl Gateway {
     pub fn new(config: GatewayConfig) -> Result<Arc<Self>, GatewayError> {
         let urls = match &config.picking {
@@ -181,7 +204,7 @@ async fn handle(State(gateway): State<Arc<Gateway>>, request: Request) -> Respon
     let client = gateway.ext_proc[gateway.next_picker.fetch_add(1, Ordering::Relaxed) % n].clone();
     match through_picker(&gateway, client, request).await {
         Ok(response) => response,
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }
 }
 
@@ -221,30 +244,33 @@ impl Stream {
         &self,
         request: processing_request::Request,
         metadata: Option<Metadata>,
-    ) -> Result<(), String> {
+    ) -> Result<(), GatewayError> {
         let message = ProcessingRequest {
             request: Some(request),
             metadata_context: metadata,
             ..ProcessingRequest::default()
         };
-        self.tx.send(message).await.map_err(|_| "the picker closed the stream".to_owned())
+        self.tx
+            .send(message)
+            .await
+            .map_err(|_| GatewayError::Protocol("the picker closed the stream"))
     }
 
-    async fn next(&mut self) -> Result<processing_response::Response, String> {
+    async fn next(&mut self) -> Result<processing_response::Response, GatewayError> {
         match self.rx.message().await {
             Ok(Some(ProcessingResponse { response: Some(r), .. })) => Ok(r),
-            Ok(Some(_)) => Err("the picker answered an empty message".to_owned()),
-            Ok(None) => Err("the picker ended the stream".to_owned()),
-            Err(status) => Err(format!("the picker failed the stream: {status}")),
+            Ok(Some(_)) => Err("the picker answered an empty message".into()),
+            Ok(None) => Err("the picker ended the stream".into()),
+            Err(status) => Err(GatewayError::StreamFailed(status)),
         }
     }
 
     /// The next message with its dynamic metadata.
-    async fn next_full(&mut self) -> Result<ProcessingResponse, String> {
+    async fn next_full(&mut self) -> Result<ProcessingResponse, GatewayError> {
         match self.rx.message().await {
             Ok(Some(m)) => Ok(m),
-            Ok(None) => Err("the picker ended the stream".to_owned()),
-            Err(status) => Err(format!("the picker failed the stream: {status}")),
+            Ok(None) => Err("the picker ended the stream".into()),
+            Err(status) => Err(GatewayError::StreamFailed(status)),
         }
     }
 }
@@ -260,14 +286,14 @@ async fn through_picker(
     gateway: &Arc<Gateway>,
     client: ExternalProcessorClient<Channel>,
     request: Request,
-) -> Result<Response, String> {
+) -> Result<Response, GatewayError> {
     let (parts, mut body) = request.into_parts();
     let has_body = !hyper::body::Body::is_end_stream(&body);
     let mut stream = open(client, &gateway.config, &parts, has_body).await?;
     // The client's body, whole (sent to the picker in chunks below).
     let mut whole = Vec::new();
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() else { continue };
+        let Ok(data) = frame.map_err(GatewayError::ClientBody)?.into_data() else { continue };
         whole.extend_from_slice(&data);
         if whole.len() > MAX_BODY {
             return Ok(StatusCode::PAYLOAD_TOO_LARGE.into_response());
@@ -295,7 +321,7 @@ async fn open(
     config: &GatewayConfig,
     parts: &axum::http::request::Parts,
     has_body: bool,
-) -> Result<Stream, String> {
+) -> Result<Stream, GatewayError> {
     let (tx, requests) = mpsc::channel::<ProcessingRequest>(16);
     let outbound = tokio_stream::wrappers::ReceiverStream::new(requests);
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
@@ -340,11 +366,7 @@ async fn open(
         let value = format!("Bearer {token}").parse().map_err(|_| "a token that is no header")?;
         request.metadata_mut().insert("authorization", value);
     }
-    let rx = client
-        .process(request)
-        .await
-        .map_err(|s| format!("the picker refused the stream: {s}"))?
-        .into_inner();
+    let rx = client.process(request).await.map_err(GatewayError::Refused)?.into_inner();
     Ok(Stream { tx, rx })
 }
 
@@ -363,13 +385,13 @@ async fn decide(
     mut out: Outgoing,
     whole: Vec<u8>,
     has_body: bool,
-) -> Result<Decided, String> {
+) -> Result<Decided, GatewayError> {
     // Answers until one completes what is asked (`until_body`: the body's last chunk).
     async fn take(
         stream: &mut Stream,
         out: &mut Outgoing,
         until_body: bool,
-    ) -> Result<Option<Response>, String> {
+    ) -> Result<Option<Response>, GatewayError> {
         loop {
             let answer = stream.next_full().await?;
             if let Some(r) = immediate(&answer) {
@@ -422,7 +444,7 @@ async fn forward(
     method: &axum::http::Method,
     path: &str,
     out: &mut Outgoing,
-) -> Result<Option<(String, hyper::Response<hyper::body::Incoming>)>, String> {
+) -> Result<Option<(String, hyper::Response<hyper::body::Incoming>)>, GatewayError> {
     let destination = out
         .routed
         .metadata
@@ -435,7 +457,9 @@ async fn forward(
         match gateway.http.send(request).await {
             Ok(response) => return Ok(Some((endpoint.to_owned(), response))),
             Err(e) if e.is_connect() => continue,
-            Err(e) => return Err(format!("upstream {endpoint}: {e}")),
+            Err(source) => {
+                return Err(GatewayError::Upstream { endpoint: endpoint.to_owned(), source });
+            }
         }
     }
     Ok(None)
@@ -448,7 +472,7 @@ async fn respond(
     served: &str,
     response: hyper::Response<hyper::body::Incoming>,
     mode: BodySendMode,
-) -> Result<Response, String> {
+) -> Result<Response, GatewayError> {
     let (mut head, upstream_body) = response.into_parts();
     let mut headers = vec![envoy_header(":status", head.status.as_str())];
     for (name, value) in &head.headers {
@@ -477,7 +501,10 @@ async fn respond(
         processing_response::Response::ResponseHeaders(r) => {
             apply_headers(&mut head.headers, r.response.as_ref());
         }
-        other => return Err(format!("the picker answered the response headers with {other:?}")),
+        other => {
+            let answer = format!("{other:?}");
+            return Err(GatewayError::Unexpected { what: "the response headers", answer });
+        }
     }
     if end {
         return Ok(Response::from_parts(head, Body::empty()));
@@ -588,7 +615,7 @@ fn immediate(answer: &ProcessingResponse) -> Option<Response> {
 }
 
 /// Applies one answer to the request; true when the request body is complete.
-fn apply(out: &mut Outgoing, answer: &ProcessingResponse) -> Result<bool, String> {
+fn apply(out: &mut Outgoing, answer: &ProcessingResponse) -> Result<bool, GatewayError> {
     if let Some(dynamic) = &answer.dynamic_metadata
         && let Some(d) = metadata::dynamic_string(dynamic, DESTINATION_NAMESPACE, DESTINATION_KEY)
     {
@@ -598,7 +625,10 @@ fn apply(out: &mut Outgoing, answer: &ProcessingResponse) -> Result<bool, String
         Some(processing_response::Response::RequestHeaders(h)) => h.response.as_ref(),
         Some(processing_response::Response::RequestBody(b)) => b.response.as_ref(),
         Some(processing_response::Response::RequestTrailers(_)) => return Ok(false),
-        other => return Err(format!("the picker answered out of order: {other:?}")),
+        other => {
+            let answer = format!("{other:?}");
+            return Err(GatewayError::Unexpected { what: "out of order", answer });
+        }
     };
     apply_headers(&mut out.headers, common);
     if let Some(m) = common.and_then(|c| c.header_mutation.as_ref()) {
