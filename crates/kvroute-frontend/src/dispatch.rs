@@ -9,7 +9,8 @@ use axum::response::Response;
 use kvroute_core::WorkerWithDpRank;
 use kvroute_http::ApiError;
 
-use crate::hop::{InFlight, Outbound, send};
+use crate::hop::{Outbound, send};
+use crate::observer::InFlight;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
 
 pub(crate) use crate::dialect::Keys;

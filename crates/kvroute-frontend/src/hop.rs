@@ -16,7 +16,6 @@ use futures_util::StreamExt;
 use http_body_util::Full;
 use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_http::openai::Api;
-use kvroute_http::router_api::Answered;
 use kvroute_http::{ApiError, ClientError};
 use kvroute_preprocess::Prepared;
 use kvroute_router::{Dialect, PlaceRequest};
@@ -24,9 +23,10 @@ use serde_json::{Value, json};
 
 use crate::dialect::{self, Keys, tokens_body};
 use crate::health::Failure;
+use crate::observer::{AnswerObserver, InFlight};
 use crate::placer::Placement;
 use crate::translate::Translator;
-use crate::usage::{Usage, stream_error_event};
+use crate::usage::stream_error_event;
 use crate::{FrontendState, OVERLAP_HEADER, OVERLAP_TIER_HEADER, WORKER_HEADER};
 
 /// A request ready for an engine: its body as the engine gets it, and what routing needs.
@@ -243,7 +243,7 @@ pub(crate) fn respond<B>(
     state: &Arc<FrontendState>,
     out: &Outbound,
     placement: Placement,
-    mut guard: InFlight,
+    guard: InFlight,
     response: hyper::Response<B>,
     from: Option<Dialect>,
 ) -> Result<Response, ApiError>
@@ -252,25 +252,21 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let worker = placement.worker;
-    if state.health.succeeded(worker.worker_id) {
-        tracing::info!(%worker, "worker answers again: back in rotation");
-    }
-    state.metrics.proxied.inc();
     let (parts, incoming) = response.into_parts();
     let sse = parts
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    if parts.status.is_success() && guard.checked {
-        guard.predicted = Some((placement, out.place.num_tokens as u64));
-    }
-    let usage = Usage::new(sse, out.strip_usage);
+    let prompt_tokens = out.place.num_tokens as u64;
+    let mut observer = AnswerObserver::new(guard, None, placement, prompt_tokens, out.strip_usage);
+    // Any head shows the worker answers: it is the front door's own hop.
+    observer.head(parts.status.is_success(), true, sse);
     let translator = match (from, parts.status.is_success()) {
         (Some(from), true) => {
             // An adapter's answer names the adapter, as vLLM's does.
             let model = out.place.adapter.clone();
             let model = model.unwrap_or_else(|| state.preprocessor.model_name().to_owned());
-            let translator = Translator::new(from, out.kind, &guard.id, model, sse);
+            let translator = Translator::new(from, out.kind, &observer.guard.id, model, sse);
             Some(match from {
                 Dialect::VllmGenerateTokens => {
                     translator.detokenizing(Arc::clone(&state.preprocessor), &out.prompt_tail)
@@ -282,7 +278,7 @@ where
         (None, _) => None,
     };
     let data = translated(incoming, translator);
-    let stream = proxy_body(data, guard, worker.worker_id, usage);
+    let stream = proxy_body(data, observer, worker.worker_id);
     let mut answer = Response::builder().status(parts.status);
     for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
         if let Some(v) = parts.headers.get(&name) {
@@ -299,83 +295,27 @@ where
     answer.body(Body::from_stream(stream)).map_err(ApiError::internal)
 }
 
-/// Frees the request's in-flight accounting when dropped: at the end of the response body,
-/// on an error, or when the client goes away.
-pub(crate) struct InFlight {
-    pub(crate) state: Arc<FrontendState>,
-    pub(crate) id: String,
-    pub(crate) prefilled: bool,
-    /// Its answer's cached tokens check the router's prediction (not a decode leg's, whose
-    /// prompt KV came from its prefill engine).
-    pub(crate) checked: bool,
-    /// What the router predicted (where, and the cached tokens) with the prompt's length, and
-    /// what the engine reported it served, compared when the request ends.
-    pub(crate) predicted: Option<(Placement, u64)>,
-    pub(crate) served: Option<u64>,
-}
-
-impl std::fmt::Debug for InFlight {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InFlight").field("id", &self.id).finish_non_exhaustive()
-    }
-}
-
-impl InFlight {
-    pub(crate) fn new(state: &Arc<FrontendState>, id: String) -> Self {
-        state.metrics.in_flight.inc();
-        let state = Arc::clone(state);
-        Self { state, id, prefilled: false, checked: true, predicted: None, served: None }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.state.metrics.in_flight.dec();
-        self.state.placer.finish(&self.id);
-        if let (Some((placement, prompt_tokens)), Some(served)) = (self.predicted, self.served) {
-            self.state.placer.answered(Answered {
-                worker_id: placement.worker.worker_id,
-                dp_rank: placement.worker.dp_rank,
-                prompt_tokens,
-                predicted_cached_tokens: placement.predicted_cached_tokens,
-                predicted_tier_tokens: placement.predicted_tier_tokens,
-                cached_tokens: served,
-            });
-        }
-    }
-}
-
-/// The worker's answer, passed on as it arrives: its first bytes mark the prefill done, its
-/// end (or the client leaving) frees the request. A worker that breaks off mid-answer is
-/// ejected, and an event stream ends with an error event in OpenAI's shape and `[DONE]`
-/// rather than a truncated body.
+/// The worker's answer, passed on as it arrives through its observer (first bytes, usage,
+/// end). A worker that breaks off mid-answer is ejected, and an event stream ends with an
+/// error event in OpenAI's shape and `[DONE]` rather than a truncated body.
 fn proxy_body(
     chunks: impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
-    guard: InFlight,
+    observer: AnswerObserver,
     worker: WorkerId,
-    usage: Usage,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
-    let sse = usage.sse;
-    chunks.scan((guard, false, usage), move |(guard, done, usage), chunk| {
+    let sse = observer.sse();
+    chunks.scan((observer, false), move |(observer, done), chunk| {
         if *done {
             return std::future::ready(None);
         }
-        if !guard.prefilled {
-            guard.prefilled = true;
-            guard.state.placer.prefill_done(&guard.id, sse);
-        }
+        observer.first_bytes();
         let item = match chunk {
-            Ok(bytes) => {
-                let (bytes, served) = usage.pass(bytes);
-                if served.is_some() {
-                    guard.served = served;
-                }
-                Ok(bytes)
-            }
+            Ok(bytes) => Ok(observer.piece(bytes)),
             Err(e) => {
                 *done = true;
-                guard.state.metrics.broken.inc();
-                guard.state.worker_failed(worker, Failure::Broken);
+                let state = &observer.guard.state;
+                state.metrics.broken.inc();
+                state.worker_failed(worker, Failure::Broken);
                 tracing::warn!(%worker, error = %e, "the worker broke off its answer");
                 match sse {
                     true => Ok(Bytes::from(stream_error_event(worker))),

@@ -30,6 +30,7 @@ mod metrics;
 mod models;
 mod names;
 pub mod native;
+mod observer;
 mod options;
 mod pair;
 pub mod parity;

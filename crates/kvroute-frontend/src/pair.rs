@@ -38,7 +38,8 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use crate::health::Failure;
-use crate::hop::{Edit, Head, HopFailure, InFlight, Outbound, edited, post, respond, send};
+use crate::hop::{Edit, Head, HopFailure, Outbound, edited, post, respond, send};
+use crate::observer::InFlight;
 use crate::placer::Placement;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
 

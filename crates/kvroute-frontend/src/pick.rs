@@ -18,9 +18,10 @@ use kvroute_http::auth::KeyId;
 
 use crate::FrontendState;
 use crate::health::Failure;
-use crate::hop::{InFlight, Outbound};
+use crate::hop::Outbound;
+use crate::observer::AnswerObserver;
+use crate::observer::InFlight;
 use crate::placer::Placement;
-use crate::usage::Usage;
 
 /// The OpenAI routes a picker places (any other path is the gateway's to route).
 pub const PICKED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
@@ -60,81 +61,57 @@ pub struct Picked {
     pub held: Held,
 }
 
-/// A placed request in flight while the gateway passes its answer through the picker.
+/// A placed request in flight while the gateway passes its answer through the picker: the
+/// front door's own answer observer, fed by the gateway's messages.
 #[derive(Debug)]
 pub struct Held {
-    guard: InFlight,
-    /// The prefill leg of a split request, freed with the first bytes of the answer.
-    prefill: Option<InFlight>,
-    placement: Placement,
-    prompt_tokens: u64,
-    strip_usage: bool,
-    usage: Option<Usage>,
+    observer: AnswerObserver,
 }
 
 impl Held {
     /// The answer's head came: its status and content type. A success's cached tokens will be
-    /// compared with the prediction.
+    /// compared with the prediction; only a success shows the worker answers (the gateway
+    /// may answer an error itself).
     pub fn head(&mut self, status: u16, content_type: Option<&str>) {
         let sse = content_type.is_some_and(|c| c.starts_with("text/event-stream"));
-        let state = &self.guard.state;
-        let worker = self.placement.worker.worker_id;
-        if (200..300).contains(&status) {
-            if state.health.succeeded(worker) {
-                tracing::info!(%worker, "worker answers again: back in rotation");
-            }
-            if self.guard.checked {
-                self.guard.predicted = Some((self.placement, self.prompt_tokens));
-            }
-        }
-        state.metrics.proxied.inc();
-        self.usage = Some(Usage::new(sse, self.strip_usage && sse));
+        let success = (200..300).contains(&status);
+        self.observer.head(success, success, sse);
     }
 
     /// A piece of the answer as it passes: the first marks the prefill done; the engine's
     /// cached tokens are read, and the usage chunk only the front door asked for is dropped.
     /// Returns the bytes to pass on (an event stream is passed on event by event, whole).
     pub fn body(&mut self, bytes: Bytes) -> Bytes {
-        self.first_bytes();
-        let usage = self.usage.get_or_insert_with(Usage::default);
-        let (bytes, served) = usage.pass(bytes);
-        if served.is_some() {
-            self.guard.served = served;
-        }
-        bytes
+        self.observer.piece(bytes)
     }
 
     /// The answer's first bytes (or its end, with none): the prefill is done.
     pub fn first_bytes(&mut self) {
-        if !self.guard.prefilled {
-            self.guard.prefilled = true;
-            let sse = self.usage.as_ref().is_some_and(|u| u.sse);
-            self.guard.state.placer.prefill_done(&self.guard.id, sse);
-            self.prefill = None;
-        }
+        self.observer.first_bytes();
     }
 
     /// The gateway says `served` answered. When that is not the worker placed, the placed one
     /// could not be reached: it is out of rotation for a while (as when the front door's hop
     /// fails), and the answer is not compared with a prediction made for another worker.
     pub fn served_by(&mut self, served: WorkerId) {
-        let placed = self.placement.worker.worker_id;
+        let placed = self.observer.placement.worker.worker_id;
         if served != placed {
             tracing::warn!(%placed, %served, "the gateway fell back to another worker");
-            self.guard.state.worker_failed(placed, Failure::Connect);
-            self.guard.checked = false;
-            self.guard.predicted = None;
+            let guard = &mut self.observer.guard;
+            guard.state.worker_failed(placed, Failure::Connect);
+            guard.checked = false;
+            guard.predicted = None;
         }
     }
 
     /// The worker placed, with its rank.
     pub fn placed(&self) -> WorkerWithDpRank {
-        self.placement.worker
+        self.observer.placement.worker
     }
 
     /// The cached prompt tokens predicted where it was placed.
     pub fn predicted_cached_tokens(&self) -> u64 {
-        self.placement.predicted_cached_tokens
+        self.observer.placement.predicted_cached_tokens
     }
 }
 
@@ -273,12 +250,13 @@ impl FrontendState {
                 .unwrap_or_else(|| self.preprocessor.model_name().to_owned()),
             streamed: out.streamed,
             held: Held {
-                guard,
-                prefill,
-                placement,
-                prompt_tokens: out.place.num_tokens as u64,
-                strip_usage: out.strip_usage,
-                usage: None,
+                observer: AnswerObserver::new(
+                    guard,
+                    prefill,
+                    placement,
+                    out.place.num_tokens as u64,
+                    out.strip_usage,
+                ),
             },
         }
     }

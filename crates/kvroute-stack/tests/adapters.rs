@@ -126,11 +126,19 @@ async fn one_keys_adapter_blocks_never_hit_anothers() {
     let url = format!("{base}/v1/chat/completions");
     let a = HttpClient::new().with_bearer("sk-tenant-a");
     let b = HttpClient::new().with_bearer("sk-tenant-b");
+    let w = WorkerWithDpRank::new(stack.workers[0].id, 0u32);
+    // The parity probe's blocks are in before the first request (the probe passes on them).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !router.workers().iter().all(|s| s.parity == kvroute_router::Parity::Ok) {
+        assert!(Instant::now() < deadline, "the parity probe never passed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = router.index.tree_size(w);
     let (status, _, predicted, first) = post_with(&a, &url, &chat("sql")).await;
     assert_eq!((status, predicted, cached(&first)), (200, Some(0), 0), "{first}");
-    let w = WorkerWithDpRank::new(stack.workers[0].id, 0u32);
+    let full_blocks = first["usage"]["prompt_tokens"].as_u64().unwrap() as usize / 16;
     let deadline = Instant::now() + Duration::from_secs(10);
-    while router.index.tree_size(w) < 2 {
+    while router.index.tree_size(w) < before + full_blocks {
         assert!(Instant::now() < deadline, "the worker's Stored events never reached the router");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

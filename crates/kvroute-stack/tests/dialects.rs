@@ -115,7 +115,13 @@ async fn answers_in_token_ids_are_detokenized_by_the_front_door_as_the_engine_wo
 }
 
 async fn as_token_ids(dialect: Dialect) {
-    let (_stack, base) = fleet(dialect).await;
+    let (stack, base) = fleet(dialect).await;
+    let router = stack.router.as_ref().unwrap();
+    // The parity probes' blocks are in before the first request (each probe passes on them).
+    let probed = || router.workers().iter().all(|w| w.parity == kvroute_router::Parity::Ok);
+    assert!(common::eventually(Duration::from_secs(10), probed).await, "the probes passed");
+    let held = || router.workers().iter().map(|w| w.tree_size.iter().sum::<usize>()).sum::<usize>();
+    let before = held();
     let (status, _, first) = post(&base, "/v1/chat/completions", &chat(json!({}))).await;
     assert_eq!(status, 200, "{first}");
     assert_eq!(first["object"], "chat.completion");
@@ -127,7 +133,12 @@ async fn as_token_ids(dialect: Dialect) {
     assert!(choice["finish_reason"].is_string());
     assert_eq!(first["usage"]["completion_tokens"], 4);
     // The repeat: the engine serves from its cache exactly what the router predicted, since
-    // it ran the very token ids the router hashed.
+    // it ran the very token ids the router hashed (once the first answer's KV events, which
+    // race with the answer itself, have reached the router).
+    let full_blocks = first["usage"]["prompt_tokens"].as_u64().unwrap() as usize / 16;
+    let stored =
+        common::eventually(Duration::from_secs(10), || held() >= before + full_blocks).await;
+    assert!(stored, "the first answer's blocks never reached the router");
     let (_, predicted, second) = post(&base, "/v1/chat/completions", &chat(json!({}))).await;
     let served = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
     assert!(served > 0);
