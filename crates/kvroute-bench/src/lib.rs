@@ -29,6 +29,7 @@ use kvroute_core::schedule::PolicyKind;
 use kvroute_preprocess::Preprocessor;
 
 use crate::run::{Replicas, Target};
+use crate::workload::Workload;
 
 pub use args::{BenchArgs, DISAGG_SLO_TPOT_MS};
 pub use results::WorkloadResult;
@@ -98,112 +99,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
         let summary = std::fs::read_to_string(&report).unwrap_or_default();
         return Ok(Finished { report, summary });
     }
-    let targets: Vec<(String, Target)> = match &args.target {
-        Some(url) => vec![(
-            args.label.clone().unwrap_or_else(|| "target".to_owned()),
-            Target::Remote {
-                api: args.target_api,
-                urls: url.split(',').map(|u| u.trim().trim_end_matches('/').to_owned()).collect(),
-                worker_stats: args
-                    .worker_stats
-                    .iter()
-                    .enumerate()
-                    .map(|(k, url)| {
-                        let mut w = kvroute_router::WorkerSpec::new(k as u64);
-                        w.url = Some(url.trim_end_matches('/').to_owned());
-                        w
-                    })
-                    .collect(),
-                model: args.model.clone(),
-            },
-        )],
-        None => {
-            let dialects = match args.dialects.is_empty() {
-                true => vec![kvroute_router::Dialect::VllmGenerate],
-                false => args.dialects.clone(),
-            };
-            let several = dialects.len() > 1;
-            let fleet_of = |policy, replicas, pd_baseline| Target::Fleet {
-                policy,
-                events: true,
-                replicas,
-                dialect: dialects[0],
-                pd_baseline,
-                store: true,
-                gateway: false,
-            };
-            let fleet = |policy, replicas: Option<Replicas>| fleet_of(policy, replicas, None);
-            let with_events = args.policies().into_iter().flat_map(|p| {
-                let mut runs = vec![(p.to_string(), fleet(p, None))];
-                // The pair cost's baselines, beside the kv policy's own.
-                for &b in args.pd_baselines.iter().filter(|_| p == PolicyKind::Kv) {
-                    runs.push((format!("{p}-{}", b.label()), fleet_of(p, None, Some(b))));
-                }
-                if args.store_baseline {
-                    let mut alone = fleet(p, None);
-                    if let Target::Fleet { store, .. } = &mut alone {
-                        *store = false;
-                    }
-                    runs.push((format!("{p}-no-store"), alone));
-                }
-                if args.gateway {
-                    let mut through = fleet(p, None);
-                    if let Target::Fleet { gateway, .. } = &mut through {
-                        *gateway = true;
-                    }
-                    runs.push((format!("{p}-gateway"), through));
-                }
-                if args.replicas > 1 {
-                    for sync in [true, false] {
-                        let suffix = if sync { "sync" } else { "alone" };
-                        let r = Replicas { n: args.replicas, sync, nats_url: None };
-                        runs.push((format!("{p}-x{}-{suffix}", args.replicas), fleet(p, Some(r))));
-                    }
-                }
-                runs
-            });
-            let approximate =
-                args.approximate.iter().filter(|_| args.slo_ttft_p99.is_empty()).map(|&p| {
-                    (
-                        format!("{p}-approx"),
-                        Target::Fleet {
-                            policy: p,
-                            events: false,
-                            replicas: None,
-                            dialect: dialects[0],
-                            pd_baseline: None,
-                            store: true,
-                            gateway: false,
-                        },
-                    )
-                });
-            // Each run over each dialect, side by side.
-            let per_dialect = |(label, target): (String, Target)| -> Vec<(String, Target)> {
-                match target {
-                    Target::Fleet {
-                        policy, events, replicas, pd_baseline, store, gateway, ..
-                    } if several => dialects
-                        .iter()
-                        .map(|&dialect| {
-                            let replicas = replicas.clone();
-                            let target = Target::Fleet {
-                                policy,
-                                events,
-                                replicas,
-                                dialect,
-                                pd_baseline,
-                                store,
-                                gateway,
-                            };
-                            (format!("{label}@{dialect}"), target)
-                        })
-                        .collect(),
-                    other => vec![(label, other)],
-                }
-            };
-            with_events.chain(approximate).flat_map(per_dialect).collect()
-        }
-    };
+    let targets = targets(args);
     // The replicas' NATS: given, or a server of the bench's own for as long as it runs.
     let mut targets = targets;
     let _nats = match (args.replicas > 1, &args.nats) {
@@ -223,11 +119,139 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
         return Ok(Finished { report, summary: String::new() });
     }
 
+    let started = Instant::now();
+    let results = run_workloads(args, &targets, &preprocessor)?;
+    let elapsed = started.elapsed();
+    let report = report::write(&args.out, args, &fleet, &results, elapsed)?;
+    Ok(Finished { report, summary: terminal::render(&results, args.goodput_ttft_ms) })
+}
+
+/// What the bench runs each workload against: the remote target, or a fleet per policy and
+/// variant (pair-cost baselines, no store, through the gateway, replicas, approximate mode),
+/// each over each dialect asked for.
+fn targets(args: &BenchArgs) -> Vec<(String, Target)> {
+    let Some(url) = &args.target else { return fleet_targets(args) };
+    let worker_stats = args
+        .worker_stats
+        .iter()
+        .enumerate()
+        .map(|(k, url)| {
+            let mut w = kvroute_router::WorkerSpec::new(k as u64);
+            w.url = Some(url.trim_end_matches('/').to_owned());
+            w
+        })
+        .collect();
+    let target = Target::Remote {
+        api: args.target_api,
+        urls: url.split(',').map(|u| u.trim().trim_end_matches('/').to_owned()).collect(),
+        worker_stats,
+        model: args.model.clone(),
+    };
+    vec![(args.label.clone().unwrap_or_else(|| "target".to_owned()), target)]
+}
+
+/// [`targets`] of the bench's own fleets.
+fn fleet_targets(args: &BenchArgs) -> Vec<(String, Target)> {
+    let dialects = match args.dialects.is_empty() {
+        true => vec![kvroute_router::Dialect::VllmGenerate],
+        false => args.dialects.clone(),
+    };
+    let fleet = |policy, events| Target::Fleet {
+        policy,
+        events,
+        replicas: None,
+        dialect: dialects[0],
+        pd_baseline: None,
+        store: true,
+        gateway: false,
+    };
+    let with_events = args.policies().into_iter().flat_map(|p| variants(args, p, &fleet(p, true)));
+    let approximate = args
+        .approximate
+        .iter()
+        .filter(|_| args.slo_ttft_p99.is_empty())
+        .map(|&p| (format!("{p}-approx"), fleet(p, false)));
+    with_events.chain(approximate).flat_map(|run| per_dialect(&dialects, run)).collect()
+}
+
+/// A policy's fleet and the variants asked for beside it.
+fn variants(args: &BenchArgs, p: PolicyKind, base: &Target) -> Vec<(String, Target)> {
+    let with = |change: &dyn Fn(&mut Target)| {
+        let mut target = base.clone();
+        change(&mut target);
+        target
+    };
+    let mut runs = vec![(p.to_string(), base.clone())];
+    // The pair cost's baselines, beside the kv policy's own.
+    for &b in args.pd_baselines.iter().filter(|_| p == PolicyKind::Kv) {
+        let target = with(&|t| {
+            if let Target::Fleet { pd_baseline, .. } = t {
+                *pd_baseline = Some(b);
+            }
+        });
+        runs.push((format!("{p}-{}", b.label()), target));
+    }
+    if args.store_baseline {
+        let target = with(&|t| {
+            if let Target::Fleet { store, .. } = t {
+                *store = false;
+            }
+        });
+        runs.push((format!("{p}-no-store"), target));
+    }
+    if args.gateway {
+        let target = with(&|t| {
+            if let Target::Fleet { gateway, .. } = t {
+                *gateway = true;
+            }
+        });
+        runs.push((format!("{p}-gateway"), target));
+    }
+    if args.replicas > 1 {
+        for sync in [true, false] {
+            let suffix = if sync { "sync" } else { "alone" };
+            let r = Replicas { n: args.replicas, sync, nats_url: None };
+            let target = with(&|t| {
+                if let Target::Fleet { replicas, .. } = t {
+                    *replicas = Some(r.clone());
+                }
+            });
+            runs.push((format!("{p}-x{}-{suffix}", args.replicas), target));
+        }
+    }
+    runs
+}
+
+/// One run over each dialect, side by side, when more than one is asked for.
+fn per_dialect(
+    dialects: &[kvroute_router::Dialect],
+    (label, target): (String, Target),
+) -> Vec<(String, Target)> {
+    match target {
+        Target::Fleet { .. } if dialects.len() > 1 => dialects
+            .iter()
+            .map(|&d| {
+                let mut target = target.clone();
+                if let Target::Fleet { dialect, .. } = &mut target {
+                    *dialect = d;
+                }
+                (format!("{label}@{d}"), target)
+            })
+            .collect(),
+        other => vec![(label, other)],
+    }
+}
+
+/// Every workload at every rate, `--runs` times, against every target.
+fn run_workloads(
+    args: &BenchArgs,
+    targets: &[(String, Target)],
+    preprocessor: &std::sync::Arc<Preprocessor>,
+) -> anyhow::Result<Vec<WorkloadResult>> {
     let rates: Vec<Option<f64>> = match args.rates() {
         rates if rates.is_empty() => vec![None],
         rates => rates.into_iter().map(Some).collect(),
     };
-    let started = Instant::now();
     let mut results = Vec::new();
     for kind in args.workloads() {
         let fleet = args.fleet_for(kind);
@@ -236,43 +260,52 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
             Some(_) => None,
         };
         for (rate, run) in rates.iter().flat_map(|&r| (0..args.runs).map(move |n| (r, n))) {
-            let workload = args.workload(kind, rate, &preprocessor)?;
+            let workload = args.workload(kind, rate, preprocessor)?;
             let mut runs = Vec::new();
-            for (label, target) in &targets {
-                let bar = progress_bar();
-                let data = run::run(&workload, target, &fleet, label, &bar, &preprocessor)?;
-                bar.finish_and_clear();
-                let bs = fleet.block_size as usize;
-                // A remote fleet's capacity: what its workers report.
-                let cap = capacity.or_else(|| {
-                    let blocks: u64 = data
-                        .stats_end
-                        .iter()
-                        .map(|s| s.kv_total_blocks + s.host_total_blocks + s.storage_total_blocks)
-                        .sum();
-                    (blocks > 0).then_some(blocks as usize)
-                });
-                let summary = summary::summarize(&data, bs, cap);
-                tracing::info!(
-                    workload = %kind,
-                    policy = %label,
-                    secs = format!("{:.1}", data.wall_secs),
-                    ttft_p50_ms = format!("{:.1}", summary.ttft_ms.p50.unwrap_or(f64::NAN)),
-                    hit_rate = format!("{:.3}", summary.hit_rate.unwrap_or(f64::NAN)),
-                    errors = summary.errors,
-                    drifts = data.drifts.map_or("-".to_owned(), |d| d.to_string()),
-                    flow = format!("{:?}", data.flow),
-                    exact = format!("{}/{}", summary.exactly_predicted, summary.predicted),
-                    "run done"
-                );
-                runs.push((data, summary));
+            for target in targets {
+                runs.push(run_one(&workload, target, &fleet, capacity, preprocessor)?);
             }
             results.push(WorkloadResult { workload, rate, run, runs });
         }
     }
-    let elapsed = started.elapsed();
-    let report = report::write(&args.out, args, &fleet, &results, elapsed)?;
-    Ok(Finished { report, summary: terminal::render(&results, args.goodput_ttft_ms) })
+    Ok(results)
+}
+
+/// One run of `workload` against `target`, summarized.
+fn run_one(
+    workload: &Workload,
+    (label, target): &(String, Target),
+    fleet: &run::FleetConfig,
+    capacity: Option<usize>,
+    preprocessor: &std::sync::Arc<Preprocessor>,
+) -> anyhow::Result<(run::RunData, summary::Summary)> {
+    let bar = progress_bar();
+    let data = run::run(workload, target, fleet, label, &bar, preprocessor)?;
+    bar.finish_and_clear();
+    let bs = fleet.block_size as usize;
+    // A remote fleet's capacity: what its workers report.
+    let cap = capacity.or_else(|| {
+        let blocks: u64 = data
+            .stats_end
+            .iter()
+            .map(|s| s.kv_total_blocks + s.host_total_blocks + s.storage_total_blocks)
+            .sum();
+        (blocks > 0).then_some(blocks as usize)
+    });
+    let summary = summary::summarize(&data, bs, cap);
+    tracing::info!(
+        workload = %workload.kind,
+        policy = %label,
+        secs = format!("{:.1}", data.wall_secs),
+        ttft_p50_ms = format!("{:.1}", summary.ttft_ms.p50.unwrap_or(f64::NAN)),
+        hit_rate = format!("{:.3}", summary.hit_rate.unwrap_or(f64::NAN)),
+        errors = summary.errors,
+        drifts = data.drifts.map_or("-".to_owned(), |d| d.to_string()),
+        flow = format!("{:?}", data.flow),
+        exact = format!("{}/{}", summary.exactly_predicted, summary.predicted),
+        "run done"
+    );
+    Ok((data, summary))
 }
 
 /// `--slo-ttft-p99`: the goodput search of every workload and target; writes its report.

@@ -26,14 +26,15 @@
 mod active;
 pub mod adapters;
 mod config;
+pub mod cost;
 pub mod dynamo;
 pub mod flow;
 pub mod kv;
+pub mod kv_tokens;
 mod least_loaded;
 pub mod pairs;
 mod policy;
 pub mod predict;
-pub mod predicted;
 mod random;
 mod registry;
 pub mod reuse;

@@ -150,6 +150,15 @@ pub(crate) async fn send(
     })
 }
 
+/// How a request goes to one worker: the path and body in the worker's dialect.
+pub(crate) struct Hop {
+    pub path: &'static str,
+    pub body: Bytes,
+    /// The tokens dialect it went in (its answer then comes back in that dialect's shape, to
+    /// be turned into the client's); `None`: the client's own API.
+    pub tokens: Option<Dialect>,
+}
+
 /// A worker's answer as it starts: its head, its body still to come.
 pub(crate) type Head = hyper::Response<hyper::body::Incoming>;
 
@@ -165,7 +174,7 @@ pub(crate) async fn post(
     let Some(base) = state.urls.get(&worker) else {
         return Err(ApiError::internal("a placed worker has no URL"));
     };
-    let (path, body, from) = state.hop(worker, out);
+    let Hop { path, body, tokens: from } = state.hop(worker, out);
     let body = match edit {
         Some(edit) => edited(&body, edit)?,
         None => body,
@@ -211,25 +220,21 @@ impl FrontendState {
 }
 
 impl FrontendState {
-    /// How `out` goes to `worker`: the path, the body, and the tokens dialect it went in
-    /// (its answer then comes back in that dialect's shape, to be turned into the client's).
-    pub(crate) fn hop(
-        &self,
-        worker: WorkerId,
-        out: &Outbound,
-    ) -> (&'static str, Bytes, Option<Dialect>) {
+    /// How `out` goes to `worker`, in the worker's dialect.
+    pub(crate) fn hop(&self, worker: WorkerId, out: &Outbound) -> Hop {
         let dialect = self.dialects.get(&worker).copied().unwrap_or_default();
+        let as_sent = || Hop { path: out.path, body: out.body.clone(), tokens: None };
         if !dialect.sends_tokens() {
-            return (out.path, out.body.clone(), None);
+            return as_sent();
         }
         match out.tokens.iter().find(|(d, _)| *d == dialect) {
             Some((_, tokens)) => {
                 self.metrics.as_tokens.inc();
-                (dialect::path(dialect), tokens.clone(), Some(dialect))
+                Hop { path: dialect::path(dialect), body: tokens.clone(), tokens: Some(dialect) }
             }
             None => {
                 self.metrics.fallbacks.inc();
-                (out.path, out.body.clone(), None)
+                as_sent()
             }
         }
     }

@@ -38,7 +38,7 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use crate::health::Failure;
-use crate::hop::{Edit, Head, HopFailure, Outbound, edited, post, respond, send};
+use crate::hop::{Edit, Head, Hop, HopFailure, Outbound, edited, post, respond, send};
 use crate::observer::InFlight;
 use crate::placer::Placement;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
@@ -314,7 +314,7 @@ impl Leg {
         timeout: Duration,
     ) -> oneshot::Receiver<PrefillOutcome> {
         let worker = self.placed.worker.worker_id;
-        let (path, body, _) = self.state.hop(worker, out);
+        let Hop { path, body, .. } = self.state.hop(worker, out);
         let prompt_tokens = out.place.num_tokens;
         let (tell, outcome) = oneshot::channel();
         tokio::spawn(async move {
@@ -368,7 +368,7 @@ async fn vllm_prefill(
     timeout: Duration,
 ) -> Result<Result<Value, HopFailure>, ApiError> {
     let worker = prefill.worker.worker_id;
-    let (path, body, _) = state.hop(worker, out);
+    let Hop { path, body, .. } = state.hop(worker, out);
     let one_token: Edit<'_> = &|v: &mut Value| {
         v["kv_transfer_params"] = json!({
             "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,

@@ -140,7 +140,7 @@ pub fn replica_sync(data: &[u8]) {
     let Ok(batch) = kvroute_wire::replica::decode_sync(data) else { return };
     let state = router();
     let mut peers = kvroute_router::nats::Peers::default();
-    peers.apply(&state, batch);
+    peers.apply_sync(&state, batch);
     let _ = state.placing.in_flight();
 }
 

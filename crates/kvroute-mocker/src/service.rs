@@ -305,13 +305,13 @@ fn run(
     let mut offset = Duration::ZERO; // simulated time spent idle does not count
     loop {
         while let Ok(cmd) = rx.try_recv() {
-            send(apply(cmd, &mut engine, &mut streams, &mut store));
+            send(run_command(cmd, &mut engine, &mut streams, &mut store));
         }
         let Some(step) = engine.step() else {
             publish_snapshot(&engine, snapshot);
             let idle_from = Instant::now();
             match rx.blocking_recv() {
-                Some(cmd) => send(apply(cmd, &mut engine, &mut streams, &mut store)),
+                Some(cmd) => send(run_command(cmd, &mut engine, &mut streams, &mut store)),
                 None => return,
             }
             offset += idle_from.elapsed();
@@ -380,7 +380,7 @@ fn publish_events(
 }
 
 /// Applies a command; the KV events it makes known (the shared store's answers).
-fn apply(
+fn run_command(
     cmd: Command,
     engine: &mut Engine,
     streams: &mut Streams,

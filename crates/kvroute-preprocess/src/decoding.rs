@@ -59,9 +59,9 @@ impl Ord for Waiter {
     }
 }
 
-/// One request's place among the flows.
+/// One request's turn among those decoding images (fair by pixels).
 #[derive(Debug, Default)]
-pub(crate) struct Flow {
+pub(crate) struct DecodeTurn {
     last_tag: u64,
 }
 
@@ -102,7 +102,7 @@ impl DecodeQueue {
     }
 
     /// Waits for a slot for a decode of `cost` (pixels) in `flow`.
-    pub(crate) async fn acquire(&self, flow: &mut Flow, cost: u64) -> Slot<'_> {
+    pub(crate) async fn acquire(&self, flow: &mut DecodeTurn, cost: u64) -> Slot<'_> {
         let (tx, rx) = oneshot::channel();
         {
             let mut inner = self.lock();
@@ -173,7 +173,7 @@ mod tests {
     #[tokio::test]
     async fn a_small_image_waits_for_no_heavy_one_queued_before_it() {
         let q: &'static DecodeQueue = Box::leak(Box::new(DecodeQueue::new(1)));
-        let busy = q.acquire(&mut Flow::default(), 1).await;
+        let busy = q.acquire(&mut DecodeTurn::default(), 1).await;
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for (name, cost) in [
@@ -184,7 +184,7 @@ mod tests {
         ] {
             let order = Arc::clone(&order);
             tasks.push(tokio::spawn(async move {
-                let _slot = q.acquire(&mut Flow::default(), cost).await;
+                let _slot = q.acquire(&mut DecodeTurn::default(), cost).await;
                 order.lock().unwrap_or_else(PoisonError::into_inner).push(name);
             }));
             tokio::task::yield_now().await;
@@ -207,14 +207,14 @@ mod tests {
     #[tokio::test]
     async fn flows_interleave_by_cost() {
         let q: &'static DecodeQueue = Box::leak(Box::new(DecodeQueue::new(1)));
-        let busy = q.acquire(&mut Flow::default(), 1).await;
+        let busy = q.acquire(&mut DecodeTurn::default(), 1).await;
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         // a's first, second and third image (its flow's last tag 0, 100, 200), then b's first.
         for (name, last_tag) in [("a1", 0), ("a2", 100), ("a3", 200), ("b1", 0)] {
             let order = Arc::clone(&order);
             tasks.push(tokio::spawn(async move {
-                let _slot = q.acquire(&mut Flow { last_tag }, 100).await;
+                let _slot = q.acquire(&mut DecodeTurn { last_tag }, 100).await;
                 order.lock().unwrap_or_else(PoisonError::into_inner).push(name);
             }));
             while q.lock().waiting.len() < tasks.len() {
@@ -234,9 +234,9 @@ mod tests {
     #[tokio::test]
     async fn an_abandoned_wait_gives_its_slot_back() {
         let q: &'static DecodeQueue = Box::leak(Box::new(DecodeQueue::new(1)));
-        let busy = q.acquire(&mut Flow::default(), 1).await;
+        let busy = q.acquire(&mut DecodeTurn::default(), 1).await;
         let waiting = tokio::spawn(async move {
-            let _slot = q.acquire(&mut Flow::default(), 10).await;
+            let _slot = q.acquire(&mut DecodeTurn::default(), 10).await;
         });
         while q.lock().waiting.is_empty() {
             tokio::task::yield_now().await;
@@ -245,7 +245,7 @@ mod tests {
         let _ = waiting.await;
         drop(busy);
         assert_eq!(q.free(), 1);
-        let _again = q.acquire(&mut Flow::default(), 1).await;
+        let _again = q.acquire(&mut DecodeTurn::default(), 1).await;
         assert_eq!(q.free(), 0);
     }
 }

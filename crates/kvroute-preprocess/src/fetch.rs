@@ -86,7 +86,7 @@ impl Preprocessor {
         }
         let mut out = Vec::new();
         let mut pixels_left = config.max_request_pixels;
-        let mut flow = crate::decoding::Flow::default();
+        let mut flow = crate::decoding::DecodeTurn::default();
         for &url in urls {
             let (bytes, fetched) = match url.strip_prefix("data:") {
                 Some(_) => (images::data_url_bytes(url, &config)?, false),
@@ -150,7 +150,7 @@ async fn decode_off_runtime(
     bytes: Vec<u8>,
     config: images::ImageConfig,
     max_pixels: u64,
-    flow: &mut crate::decoding::Flow,
+    flow: &mut crate::decoding::DecodeTurn,
 ) -> Result<(images::Image, Vec<u8>), PreprocessError> {
     // Its cost, from its header (what cannot be read costs its size; decoding will refuse it).
     let cost = images::header_pixels(&bytes).unwrap_or(bytes.len() as u64);

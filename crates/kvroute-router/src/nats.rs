@@ -223,7 +223,7 @@ async fn receive_decisions(
                     let Some(message) = message else { break };
                     match decode_sync(&message.payload) {
                         Ok(batch) if batch.replica == config.replica => {}
-                        Ok(batch) => peers.apply(&state, batch),
+                        Ok(batch) => peers.apply_sync(&state, batch),
                         Err(err) => {
                             state.metrics.replica_message("garbage");
                             tracing::debug!(%err, "undecodable decisions message");
@@ -253,7 +253,7 @@ impl std::fmt::Debug for Peers {
 
 impl Peers {
     /// Applies a peer's batch (decoded from the wire) to `state`'s in-flight accounting.
-    pub fn apply(&mut self, state: &RouterState, batch: SyncBatch) {
+    pub fn apply_sync(&mut self, state: &RouterState, batch: SyncBatch) {
         let now = Instant::now();
         if !self.0.contains_key(&batch.replica) {
             if self.0.len() >= MAX_PEERS {

@@ -192,7 +192,7 @@ async fn run_once(
             }
             follow_sequence(state, sub, stream, seq).await;
         }
-        apply(state, sub, stream, framed).await;
+        hand_on(state, sub, stream, framed).await;
     }
 }
 
@@ -295,7 +295,7 @@ async fn recover(
                     continue;
                 }
                 state.metrics.replayed_batches.inc();
-                apply(state, sub, stream, Framed { seq: Some(seq), payload: &payload }).await;
+                hand_on(state, sub, stream, Framed { seq: Some(seq), payload: &payload }).await;
             }
         }
         Ok(Err(err)) => tracing::warn!(worker = %sub.worker, error = ?err, "replay failed"),
@@ -308,7 +308,7 @@ async fn recover(
 
 /// Decodes one message through the pipeline and hands its events on. An undecodable batch
 /// is not consumed: to us it is missing, and the next one asks for it again.
-async fn apply(
+async fn hand_on(
     state: &RouterState,
     sub: &Subscription,
     stream: &mut Stream<'_>,

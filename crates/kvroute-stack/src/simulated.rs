@@ -13,7 +13,7 @@ use kvroute_router::{RouterConfig, WorkerSpec};
 use crate::{SharedStore, Simulated, StackError};
 
 /// What every simulated engine of one fleet shares.
-struct Fleet<'a> {
+struct Shared<'a> {
     simulated: &'a Simulated,
     block_size: kvroute_core::BlockSize,
     model_path: Option<&'a Path>,
@@ -43,7 +43,7 @@ pub(crate) async fn start(
     // channel (bootstrap port), then the simulated ones as they start.
     let outside = router.workers.iter().filter(|w| w.role == Role::Prefill);
     let prefill = outside.filter_map(side_channel_of).collect();
-    let mut fleet = Fleet {
+    let mut fleet = Shared {
         simulated,
         block_size: router.block_size,
         model_path,
@@ -86,7 +86,7 @@ async fn shared_store(
     })
 }
 
-impl Fleet<'_> {
+impl Shared<'_> {
     /// Starts the `k`-th engine in `role`; returns its worker spec and its state.
     async fn spawn(
         &self,

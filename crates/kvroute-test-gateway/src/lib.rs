@@ -397,7 +397,7 @@ async fn decide(
             if let Some(r) = immediate(&answer) {
                 return Ok(Some(r));
             }
-            if apply(out, &answer)? || !until_body {
+            if apply_mutations(out, &answer)? || !until_body {
                 return Ok(None);
             }
         }
@@ -615,7 +615,7 @@ fn immediate(answer: &ProcessingResponse) -> Option<Response> {
 }
 
 /// Applies one answer to the request; true when the request body is complete.
-fn apply(out: &mut Outgoing, answer: &ProcessingResponse) -> Result<bool, GatewayError> {
+fn apply_mutations(out: &mut Outgoing, answer: &ProcessingResponse) -> Result<bool, GatewayError> {
     if let Some(dynamic) = &answer.dynamic_metadata
         && let Some(d) = metadata::dynamic_string(dynamic, DESTINATION_NAMESPACE, DESTINATION_KEY)
     {

@@ -127,7 +127,7 @@ impl FleetConfig {
     }
 
     /// The router prices a host (and storage) load as the workers take it.
-    pub fn price_host_loads(&self, kv: &mut kvroute_core::schedule::kv::KvConfig) {
+    pub fn price_host_loads(&self, kv: &mut kvroute_core::schedule::cost::KvConfig) {
         kv.host_bandwidth_gbps = self.host.h2d_gbps;
         kv.disk_bandwidth_gbps = self.host.storage_gbps;
         kv.external_bandwidth_gbps = self.host.store_gbps;

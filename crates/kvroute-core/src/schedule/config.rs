@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::cost;
 use super::pairs::PairConfig;
 use super::sessions::SessionConfig;
-use super::{flow, kv, predict};
+use super::{flow, predict};
 
 use crate::protocols::BlockSize;
 
@@ -31,7 +32,7 @@ pub struct SchedulerConfig {
     /// Requests whose end is never reported are freed after this long.
     pub stale_after: Duration,
     pub seed: u64,
-    pub kv: kv::KvConfig,
+    pub kv: cost::KvConfig,
     /// Conversation affinity ([`sessions`]).
     pub sessions: SessionConfig,
     /// The pair cost of a disaggregated fleet ([`pairs`]).
@@ -62,7 +63,7 @@ impl Default for SchedulerConfig {
             refuse_when_busy: false,
             stale_after: Duration::from_secs(600),
             seed: 0x006b_7672_6f75_7465,
-            kv: kv::KvConfig::default(),
+            kv: cost::KvConfig::default(),
             sessions: SessionConfig::default(),
             pairs: PairConfig::default(),
             predictor: PredictorConfig::default(),

@@ -10,7 +10,7 @@
 //! The decode term is why it scatters a shared prefix: the worker that holds a prefix also runs
 //! that prefix's requests, so its decode blocks grow and a cold worker soon looks cheaper.
 
-use super::kv::DYNAMO_TIER_WEIGHTS;
+use super::cost::DYNAMO_TIER_WEIGHTS;
 use super::{Candidate, Policy, RequestInfo};
 
 #[derive(Clone, Copy, Debug, Default)]

@@ -1,338 +1,219 @@
-//! The `kv-tokens` policy (kvroute's default before the cost in predicted milliseconds,
-//! [`super::predicted`], kept for comparison): the lowest predicted time to first token in
-//! tokens of prefill work, counting the price of copying a prefix away from the worker that
-//! holds it. Its terms also price the pairs of a disaggregated fleet ([`super::pairs`]).
+//! kvroute's default policy: the worker with the lowest predicted time to first token, plus
+//! what the choice costs the requests already there and the hits it evicts, all in predicted
+//! milliseconds of the engine model ([`super::predict`]).
 //!
-//! For each candidate `i`, in tokens of prefill work (divided by `prefill_tokens_per_s` to get
-//! seconds):
+//! For each candidate `i` (its [`Situation`]: prompt tokens queued there, the request's own
+//! tokens after its cached prefix and lower-tier blocks, requests decoding, KV share):
 //!
 //! ```text
-//! cached_i = max(kv overlap_i, in-flight prefix_i) * bs        tokens it has or is computing
-//! loaded_i = sum over lower-tier blocks t past cached_i of credit_t * bs    (see below)
-//! ttft_i   = queue_weight * queued_prefill_i + (isl - cached_i - loaded_i)
-//!                                                             work ahead of the first token
-//! evict_i  = eviction_weight * (isl - cached_i) * fullness_i   what storing the rest evicts
-//! decode_i = decode_full_cache_tokens * active_blocks_i / kv_total_blocks_i
-//! wait_i   = memory_wait_tokens if active_blocks_i + the request's blocks not in flight there
-//!            exceed kv_total_blocks_i, else 0 (active_blocks_i: what the running requests
-//!            hold, their answers' blocks included: `ActiveSequences::hold_private`)
-//! lora_i   = 0 with the request's adapter in a slot there (or none), adapter_load_tokens
-//!            x (1 + requests there waiting for their first token) to load it,
-//!            + adapter_evict_tokens when that evicts another, or adapter_wait_tokens when
-//!            every slot runs another adapter's requests
-//! cost_i   = (ttft_i + evict_i + decode_i + wait_i + lora_i) / prefill_tokens_per_s
+//! ttft_i    = factor_i * model.ttft(situation_i)          the module `predict`'s formula,
+//!                                                         corrected by worker i's first tokens
+//!             (factor_i multiplies every model millisecond of worker i below too: an engine
+//!             that answers faster than the model also recomputes faster)
+//! running_i = running_delay_weight * model.added_decode(situation_i, added share, answer)
+//!             what its prefill adds to each token of the requests decoding there, and its
+//!             answer's KV to each of their steps (summed over them)
+//! evict_i   = eviction_weight * stored_i * model.token_ms / (1 - kv share_i) * reuse_i
+//!             stored_i = max(0, isl - device prefix_i - free_i) when any worker holds part
+//!             of the prompt (storing evicts only past the free room), else
+//!             (isl - device prefix_i) * max(fullness_i, kv share_i) (what nobody holds
+//!             better is stored where it crowds least, counting the running requests' blocks
+//!             that the events have not reported yet); what it evicts is computed again by later requests: as
+//!             many times as a token there is used again before the cache lets it go
+//!             (reuse_i, learned per worker: [`super::reuse`]); the fuller of running
+//!             requests, the more recently used (and likelier wanted) what the LRU cache
+//!             evicts from the rest;
+//!             + max(0, held - device prefix_i - free_h) * the same price at the prefix's
+//!             best holder h: placed away from it, the holder's copy serves no one and takes
+//!             room there, once its cache has none free.
+//!             (free_i: tokens of blocks the index holds nothing in. A cache with room
+//!             evicts nothing, so at light load the cost is the predicted wait alone and an
+//!             idle worker that answers sooner than the holder gets the request: #65.)
+//! wait_i    = memory_wait_tokens / prefill_tokens_per_s - the model's wait in ttft_i (at
+//!             least 0) when it does not fit beside the running requests (their answers'
+//!             blocks included): a request that does not fit costs at least the fixed price,
+//!             as the holder of its prefix keeps drawing its group there while every idle
+//!             prefix there is evicted (priced at the model's wait alone, the holders of a
+//!             fleet near its memory filled up and were dropped as busy: #65)
+//! lora_i    = the `kv` cost's adapter term ([`super::kv_tokens`]) in the same seconds
+//! cost_i    = ttft_i + running_i + evict_i + wait_i + lora_i        (seconds)
 //! ```
 //!
-//! - `loaded_i`: blocks the worker keeps below its device (host memory, disk, a shared store)
-//!   right after its device prefix are loaded instead of computed. One counts
-//!   `credit_t = max(0, 1 - load_t / recompute)`: `load_t` = a block's bytes
-//!   (`kv_bytes_per_token * bs`) over the tier's bandwidth, `recompute` = `bs` over
-//!   `prefill_tokens_per_s`. With `fixed_tier_weights` = 1, Dynamo's fixed credits instead
-//!   (`host_weight`, `disk_weight`, `external_weight`). Their blocks still take room on the
-//!   device, so `evict_i` counts them as uncached.
-//! - The in-flight prefix counts as cached: a request routed behind an identical one reuses
-//!   its blocks as they are computed, so a burst of cold duplicates stays together.
-//! - `queue_weight` < 1: in a chunked-prefill engine queued prompts share steps with this one;
-//!   at full weight a queue moved prefixes off their owner and a fleet near saturation spread
-//!   every prefix group over every worker.
-//! - `evict_i` prices the future: what a request adds to a full cache evicts something a later
-//!   request computes again, so a prefix moves only when waiting costs more than computing it
-//!   twice, and new prefixes go where there is room.
-//! - `decode_i`: a step decodes every running request and grows with the KV it reads, so a
-//!   first token comes later on a worker full of running requests; it spreads requests that
-//!   share nothing.
-//! - `wait_i`: a worker that cannot hold the request next to its running ones admits it only
-//!   when some finish, far longer than recomputing a prefix elsewhere.
-//! - `lora_i`: an adapter not in a slot holds up the step that loads it, for every request
-//!   there still waiting for its first token, so a request goes where its adapter is unless
-//!   the queue there costs more than a load: a hot adapter spreads as its queue grows, a cold
-//!   one stays where it is, and a load goes to an engine with little waiting on it. (Priced
-//!   for this request alone, kv lost to llm-d's residency score at high rates on the
-//!   short-prompt multi-lora run: docs/bench/adapters.md.)
-//! - Every worker is priced at one prefill speed (a speed learned from first-token times
-//!   starved workers and was removed).
-//!
-//! Why each weight has its value, with the runs that chose them, and the variants tried and
-//! dropped: `docs/bench/kv-cost.md` and `docs/routing.md`. Dynamo's cost is
-//! [`super::dynamo`].
+//! Every number comes from the engine model (the simulated engine's own timing by default,
+//! its speed-up included), from what the router tracks in flight (this router's requests and
+//! those its replicas routed), from the workers' KV events, or from the learned correction.
+//! The `kv-tokens` policy keeps the earlier cost, in prefill tokens with weights, for
+//! comparison.
 
-use serde::{Deserialize, Serialize};
-
-use super::{AdapterFit, Candidate, Policy, RequestInfo};
-
-/// The `kv` cost's weights; each one is a setting by its field name (`--kv-cost NAME=VALUE`,
-/// the config file's `[kv_cost]` table).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct KvConfig {
-    /// The workers' prefill speed (tokens per second): the unit of the cost, in seconds.
-    pub prefill_tokens_per_s: f64,
-    /// Price of each token a request adds to a full cache (what it evicts), in prefill tokens.
-    pub eviction_weight: f64,
-    /// What running requests filling a worker's whole cache add to its time to first token,
-    /// in prefill tokens (scaled by the share of the cache they fill).
-    pub decode_full_cache_tokens: f64,
-    /// Price of each in-flight token, in prefill tokens, when the worker's capacity is unknown.
-    pub decode_weight: f64,
-    /// Price of waiting for memory on a worker whose cache cannot hold the request next to its
-    /// running ones, in prefill tokens.
-    pub memory_wait_tokens: f64,
-    /// Weight of the prompt tokens already queued at a worker (see the module notes).
-    pub queue_weight: f64,
-    /// Loading a LoRA adapter not in a slot, in prefill tokens (100 ms at 20k tokens/s, the
-    /// simulated engine's default load).
-    pub adapter_load_tokens: f64,
-    /// What evicting another adapter costs besides (its likely reload), in prefill tokens.
-    pub adapter_evict_tokens: f64,
-    /// Waiting for a slot when every slot runs another adapter's requests, in prefill tokens.
-    pub adapter_wait_tokens: f64,
-    /// KV bytes per token (2 x layers x KV heads x head size x bytes per value), to price a
-    /// block's load from a lower tier: 131,072 (128 KiB, a Llama-3-8B-sized model in 16 bits).
-    pub kv_bytes_per_token: f64,
-    /// Host-to-device bandwidth (GB/s) of loading a host-memory block (Dynamo's mocker: 32).
-    pub host_bandwidth_gbps: f64,
-    /// Bandwidth (GB/s) of reading a block from local disk (Dynamo's mocker's G3 tier: 10);
-    /// it then takes the host copy too, as vLLM's tiering promotes it through host memory.
-    pub disk_bandwidth_gbps: f64,
-    /// Bandwidth (GB/s) of loading a block from the shared store (100 Gb/s Ethernet: 12.5).
-    pub external_bandwidth_gbps: f64,
-    /// The `kv` cost (predicted milliseconds): weight of the time a request adds to the
-    /// requests decoding on its worker against its own time to first token (1: a
-    /// millisecond of theirs counts as one of its own). 0 by default: at 1 it moved every
-    /// request off a prefix's busy owner (docs/routing.md).
-    pub running_delay_weight: f64,
-    /// The `kv` cost: seconds over which each worker's reused and new tokens are averaged to
-    /// price a token evicted there (`schedule::reuse`).
-    pub reuse_window_s: f64,
-    /// The `kv` cost: most recomputes a token evicted from a cache is priced at (1: one, the
-    /// price before #65).
-    pub reuse_cap: f64,
-    /// The `kv` cost: tokens of evidence a worker's reuse starts with, at one use each.
-    pub reuse_prior_tokens: f64,
-    /// 1: credit lower-tier blocks by the fixed weights below instead of by bandwidth.
-    pub fixed_tier_weights: f64,
-    /// Credit of a host block with fixed weights (Dynamo's `host_cache_hit_weight`: 0.75).
-    pub host_weight: f64,
-    /// Credit of a disk block with fixed weights (Dynamo's `disk_cache_hit_weight`: 0.25).
-    pub disk_weight: f64,
-    /// Credit of a shared-store block with fixed weights (Dynamo's shared pool: 0.5).
-    pub external_weight: f64,
-}
-
-impl Default for KvConfig {
-    fn default() -> Self {
-        Self {
-            prefill_tokens_per_s: 20_000.0,
-            eviction_weight: 1.0,
-            decode_full_cache_tokens: 2_500.0,
-            decode_weight: 0.02,
-            memory_wait_tokens: 20_000.0,
-            queue_weight: 0.5,
-            adapter_load_tokens: 2_000.0,
-            adapter_evict_tokens: 1_000.0,
-            adapter_wait_tokens: 20_000.0,
-            kv_bytes_per_token: 131_072.0,
-            host_bandwidth_gbps: 32.0,
-            disk_bandwidth_gbps: 10.0,
-            external_bandwidth_gbps: 12.5,
-            running_delay_weight: 0.0,
-            reuse_window_s: 30.0,
-            reuse_cap: 8.0,
-            reuse_prior_tokens: 2048.0,
-            fixed_tier_weights: 0.0,
-            host_weight: DYNAMO_TIER_WEIGHTS[0],
-            disk_weight: DYNAMO_TIER_WEIGHTS[1],
-            external_weight: DYNAMO_TIER_WEIGHTS[2],
-        }
-    }
-}
-
-/// Dynamo 1.6's credits for a host, disk and shared-pool block (its defaults).
-pub const DYNAMO_TIER_WEIGHTS: [f64; 3] = [0.75, 0.25, 0.5];
-
-impl KvConfig {
-    /// What one block of each lower tier (host, disk, external) counts for, against a block
-    /// on the device.
-    pub fn tier_credits(&self, block_size: usize) -> [f64; 3] {
-        if self.fixed_tier_weights > 0.0 {
-            return [self.host_weight, self.disk_weight, self.external_weight];
-        }
-        let bytes = self.kv_bytes_per_token * block_size as f64;
-        let recompute = block_size as f64 / self.prefill_tokens_per_s.max(1.0);
-        let seconds = |gbps: f64| match gbps > 0.0 {
-            true => Some(bytes / (gbps * 1e9)),
-            false => None,
-        };
-        let host = seconds(self.host_bandwidth_gbps);
-        // A disk block reaches the device through host memory, as vLLM's tiering promotes a
-        // secondary tier's blocks: its read, then the host copy.
-        let disk = seconds(self.disk_bandwidth_gbps).map(|d| d + host.unwrap_or(0.0));
-        let external = seconds(self.external_bandwidth_gbps);
-        [host, disk, external].map(|load| match load {
-            Some(load) => (1.0 - load / recompute).max(0.0),
-            None => 0.0,
-        })
-    }
-}
-
-/// Blocks of `c`'s lower-tier run past the first `have` blocks of the request, each counted
-/// at its tier's credit: the run starts where the device prefix ends.
-pub fn loaded_blocks(c: &Candidate, have: u32, credits: [f64; 3]) -> f64 {
-    let mut at = c.overlap_blocks;
-    let mut loaded = 0.0;
-    for (blocks, credit) in c.tier_blocks.into_iter().zip(credits) {
-        let end = at + blocks;
-        loaded += f64::from(end.saturating_sub(have.max(at))) * credit;
-        at = end;
-    }
-    loaded
-}
+use super::cost::{Fill, KvConfig, blocks_needed, kv_share, loaded_blocks};
+use super::predict::{EngineModel, Situation};
+use super::{Candidate, Policy, RequestInfo, reusable_tokens};
 
 #[derive(Clone, Copy, Debug)]
 pub struct KvPolicy {
-    config: KvConfig,
-    /// Prices adapter loads (off: the adapter-blind baseline).
-    adapters: bool,
-    /// The policy's name (`kv`, or a baseline built on it).
-    name: &'static str,
+    kv: KvConfig,
+    model: EngineModel,
 }
 
-/// A candidate's cache as the cost sees it: its capacity in blocks, when it reports one, and
-/// how full its index is (1 when the capacity is unknown).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Fill {
-    pub(crate) total: Option<f64>,
-    pub(crate) fullness: f64,
-    /// Blocks the cache holds nothing in yet (0 when its capacity is unknown).
-    pub(crate) free_blocks: f64,
+/// Milliseconds of loading one block from each lower tier (host, disk, shared store), at the
+/// model's speed; `None` for a tier with no bandwidth set.
+fn tier_block_ms(kv: &KvConfig, block_size: usize) -> [Option<f64>; 3] {
+    let bytes = kv.kv_bytes_per_token * block_size as f64;
+    let ms = |gbps: f64| (gbps > 0.0).then(|| bytes / (gbps * 1e9) * 1e3);
+    let host = ms(kv.host_bandwidth_gbps);
+    let disk = ms(kv.disk_bandwidth_gbps).map(|d| d + host.unwrap_or(0.0));
+    [host, disk, ms(kv.external_bandwidth_gbps)]
 }
 
-impl Fill {
-    pub(crate) fn of(c: &Candidate) -> Self {
-        let total = c.load.kv_total_blocks.filter(|&t| t > 0).map(|t| t as f64);
-        Self {
-            total,
-            fullness: total.map_or(1.0, |t| (c.tree_size as f64 / t).min(1.0)),
-            free_blocks: total.map_or(0.0, |t| (t - c.tree_size as f64).max(0.0)),
-        }
-    }
+/// The request's situation on candidate `c`.
+pub fn situation(kv: &KvConfig, request: &RequestInfo, c: &Candidate) -> Situation {
+    situation_with(request, c, tier_block_ms(kv, request.block_size))
+}
 
-    /// Of `tokens` stored, those that do not fit in the free room: what storing them evicts.
-    pub(crate) fn overflow(self, tokens: f64, block_size: usize) -> f64 {
-        (tokens - self.free_blocks * block_size as f64).max(0.0)
+/// [`situation`] with each lower tier's load time per block given (the same for every
+/// candidate of a request).
+fn situation_with(request: &RequestInfo, c: &Candidate, per_block: [Option<f64>; 3]) -> Situation {
+    let bs = request.block_size;
+    let have = c.overlap_blocks.max(c.inflight_prefix_blocks);
+    let (loaded, load_ms) = match c.tier_blocks == [0; 3] {
+        true => (0.0, 0.0),
+        false => (
+            loaded_blocks(c, have, per_block.map(|t| f64::from(u8::from(t.is_some())))),
+            loaded_blocks(c, have, per_block.map(|t| t.unwrap_or(0.0))),
+        ),
+    };
+    let cached = reusable_tokens(have + loaded as u32, request.isl_tokens, bs);
+    let fill = Fill::of(c);
+    let needs = blocks_needed(c, request.num_blocks);
+    let shortfall = fill.total.map_or(0, |t| (c.active.blocks + needs).saturating_sub(t as usize));
+    let per = |n: usize, of: usize| if of > 0 { n as f64 / of as f64 } else { 0.0 };
+    Situation {
+        shortfall_blocks: shortfall,
+        blocks_per_request: per(c.active.blocks, c.active.requests),
+        mean_answer_tokens: per(c.active.answer_tokens, c.active.answered),
+        queued_tokens: c.active.prefill_tokens,
+        own_tokens: request.isl_tokens - cached,
+        decoding: c.active.requests.saturating_sub(c.active.prefilling),
+        running: c.active.requests,
+        kv_share: kv_share(c, fill),
+        load_ms,
     }
 }
 
-/// Blocks a request of `num_blocks` takes on `c` while it runs: every one is referenced (cached
-/// ones too) except those already in flight there, plus one for its first output token.
-pub(crate) fn blocks_needed(c: &Candidate, num_blocks: usize) -> usize {
-    num_blocks.saturating_sub(c.inflight_prefix_blocks as usize) + 1
+/// How much likelier a block evicted at KV share `s` (held by running requests) is asked
+/// for again than one evicted from an idle cache: an LRU cache evicts from the `1 - s` not
+/// held, so its victim was last used `1 - s` times as long ago (capped at a cache 95% held).
+fn pressure(share: f64) -> f64 {
+    1.0 / (1.0 - share.clamp(0.0, 0.95))
 }
 
-/// The share of `c`'s cache its running requests hold (its reported KV usage when its
-/// capacity is unknown).
-pub(crate) fn kv_share(c: &Candidate, fill: Fill) -> f64 {
-    match fill.total {
-        Some(t) => (c.active.blocks as f64 / t).min(1.0),
-        None => c.load.kv_cache_usage.unwrap_or(0.0),
+/// What `c`'s first tokens taught of its speed: every millisecond the model predicts there
+/// is multiplied by it (1 when none is filled in).
+fn factor(c: &Candidate) -> f64 {
+    match c.ttft_factor > 0.0 {
+        true => c.ttft_factor,
+        false => 1.0,
     }
 }
 
-/// The cost's terms, each in tokens of prefill work, shared by the `kv` cost and the pair
-/// cost's decode side (`pairs.rs`), so there is one definition of each.
-impl KvConfig {
-    /// `evict_i`: what storing `tokens` more evicts.
-    pub(crate) fn evict_tokens(&self, tokens: f64, fill: Fill) -> f64 {
-        self.eviction_weight * tokens * fill.fullness
-    }
-
-    /// `decode_i`: the decode work running there, by its share of the cache (or its tokens,
-    /// when the capacity is unknown).
-    pub(crate) fn decode_tokens(&self, c: &Candidate, fill: Fill, block_size: usize) -> f64 {
-        match fill.total {
-            Some(t) => self.decode_full_cache_tokens * (c.active.blocks as f64 / t).min(1.0),
-            None => self.decode_weight * (c.active.blocks * block_size) as f64,
-        }
-    }
-
-    /// `wait_i`: every block of a request of `num_blocks` is referenced while it runs (cached
-    /// ones too), except those already in flight there, plus one for its first output token;
-    /// past the capacity it waits for memory.
-    pub(crate) fn wait_tokens(&self, c: &Candidate, fill: Fill, num_blocks: usize) -> f64 {
-        let needs = blocks_needed(c, num_blocks);
-        match fill.total {
-            Some(t) if (c.active.blocks + needs) as f64 > t => self.memory_wait_tokens,
-            _ => 0.0,
-        }
-    }
-
-    /// `lora_i`: what running the request's adapter on a candidate adds, in prefill tokens
-    /// (nothing when `priced` is off: the adapter-blind baseline). A load holds up the
-    /// engine's step: every request there still waiting for its first token waits for it
-    /// too, so it counts once for this request and once for each of them.
-    pub(crate) fn adapter_tokens(&self, c: &Candidate, priced: bool) -> f64 {
-        let held = 1.0 + c.active.prefilling as f64;
-        match (priced, c.adapter) {
-            (false, _) | (true, AdapterFit::Resident) => 0.0,
-            (true, AdapterFit::Load) => self.adapter_load_tokens * held,
-            (true, AdapterFit::LoadEvicting) => {
-                self.adapter_load_tokens * held + self.adapter_evict_tokens
-            }
-            (true, AdapterFit::Wait) => self.adapter_wait_tokens,
-        }
-    }
-
-    /// Tokens of prefill work as seconds.
-    pub(crate) fn seconds(&self, tokens: f64) -> f64 {
-        tokens / self.prefill_tokens_per_s.max(1.0)
+/// Recomputes a token evicted from `c`'s cache costs later ([`super::reuse`]; 1 when not
+/// filled in).
+fn reuse(c: &Candidate) -> f64 {
+    match c.reuse > 0.0 {
+        true => c.reuse,
+        false => 1.0,
     }
 }
 
 impl KvPolicy {
-    pub fn new(config: KvConfig) -> Self {
-        Self { config, adapters: true, name: "kv-tokens" }
+    pub fn new(kv: KvConfig, model: EngineModel) -> Self {
+        Self { kv, model }
     }
 
-    /// The same cost under another policy's name (a baseline that differs elsewhere).
-    #[must_use]
-    pub fn named(mut self, name: &'static str) -> Self {
-        self.name = name;
-        self
+    /// The engine model's time to first token of `request` on `c`, ms (uncorrected).
+    pub fn model_ttft_ms(&self, request: &RequestInfo, c: &Candidate) -> f64 {
+        self.model.ttft_ms(&situation(&self.kv, request, c))
     }
 
-    /// The same cost with no price on adapter loads: a baseline.
-    #[must_use]
-    pub fn adapter_blind(mut self) -> Self {
-        self.adapters = false;
-        self.name = "kv-adapter-blind";
-        self
+    /// What the engine model, corrected, predicts of `request` on `c`, ms: its wait before
+    /// its own prefill starts (the prompts queued ahead, a step under way, memory to free)
+    /// and its first token.
+    pub fn wait_and_ttft_ms(&self, request: &RequestInfo, c: &Candidate) -> (f64, f64) {
+        let s = situation(&self.kv, request, c);
+        let ahead = Situation { own_tokens: 0, load_ms: 0.0, ..s };
+        let f = factor(c);
+        (f * self.model.ttft_ms(&ahead), f * self.model.ttft_ms(&s))
     }
 
-    /// Predicted cost (seconds) of each candidate, in order.
+    /// Each candidate's cost, seconds (the module's formula).
     pub fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Vec<f64> {
-        let w = &self.config;
+        let (kv, m) = (&self.kv, &self.model);
         let bs = request.block_size;
-        let cached = |c: &Candidate| {
-            (c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs).min(request.isl_tokens)
-        };
-        let credits = self.config.tier_credits(bs);
+        let have = |c: &Candidate| c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs;
+        // What a token of the prefix's best holder is worth where it is: placed elsewhere,
+        // the holder's copy of the difference serves no one and takes room there.
+        let holder = candidates.iter().max_by_key(|c| have(c));
+        // Its free room takes a stranded copy at no cost (nothing evicted for it yet).
+        let (held, held_free, held_token_ms) = holder.map_or((0, 0.0, 0.0), |h| {
+            let fill = Fill::of(h);
+            let per_token = kv.eviction_weight
+                * m.token_ms()
+                * pressure(kv_share(h, fill))
+                * factor(h)
+                * reuse(h);
+            (have(h).min(request.isl_tokens), fill.free_blocks * bs as f64, per_token)
+        });
+        let per_block = tier_block_ms(kv, bs);
         candidates
             .iter()
             .map(|c| {
-                let have = cached(c);
+                let s = situation_with(request, c, per_block);
                 let fill = Fill::of(c);
-                let uncached = (request.isl_tokens - have) as f64;
-                let have_blocks = c.overlap_blocks.max(c.inflight_prefix_blocks);
-                let loaded = match c.tier_blocks == [0; 3] {
-                    true => 0.0,
-                    false => (loaded_blocks(c, have_blocks, credits) * bs as f64).min(uncached),
+                let factor = factor(c);
+                let ttft = factor * m.ttft_ms(&s);
+                let added_blocks =
+                    request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize)
+                        + request.output_tokens.div_ceil(bs.max(1));
+                let added_share = fill.total.map_or(0.0, |t| added_blocks as f64 / t);
+                let running = match kv.running_delay_weight > 0.0 {
+                    true => {
+                        kv.running_delay_weight
+                            * factor
+                            * m.added_decode_ms(&s, added_share, request.output_tokens)
+                    }
+                    false => 0.0,
                 };
-                let ttft = w.queue_weight * c.active.prefill_tokens as f64 + uncached - loaded;
-                let evict = w.evict_tokens(uncached, fill);
-                let decode = w.decode_tokens(c, fill, bs);
-                let wait = w.wait_tokens(c, fill, request.num_blocks);
-                let adapter = w.adapter_tokens(c, self.adapters);
-                w.seconds(ttft + evict + decode + wait + adapter)
+                let lacks = request.isl_tokens.saturating_sub(have(c)) as f64;
+                let stranded = held.saturating_sub(have(c)) as f64;
+                // Where some worker holds part of the prompt, each candidate is charged what
+                // storing the rest there evicts: nothing while its cache has room (the holder
+                // too: charged by fullness while a copy went free, a holder with room lost
+                // its own prefix's requests). A prompt nobody holds is stored where it crowds
+                // least, by the cache's fullness: placed by the wait alone while the caches
+                // had room, shared-prefix's 12 groups landed 4 on one worker, whose memory
+                // then thrashed (p99 206 ms at 9 req/s; #65).
+                // The cache holds at least its running requests' blocks, which its KV events
+                // may not have reported yet: at 28 req/s every group's first request comes
+                // within 2 s, and 4 landed on one worker whose index still looked empty.
+                let stored = match held > 0 {
+                    true => fill.overflow(lacks, bs),
+                    false => lacks * fill.fullness.max(s.kv_share),
+                };
+                let evict = kv.eviction_weight
+                    * stored
+                    * m.token_ms()
+                    * pressure(s.kv_share)
+                    * factor
+                    * reuse(c)
+                    + (stranded - held_free).max(0.0) * held_token_ms;
+                // A request that does not fit costs at least the fixed price: the model's
+                // wait is its own, but the holder of its prefix keeps drawing its group there,
+                // each request queued behind the last, while the worker's idle prefixes are
+                // all evicted. The model's wait, when known, is in the first token already.
+                let flat = kv.seconds(kv.wait_tokens(c, fill, request.num_blocks)) * 1e3;
+                let wait = (flat - m.memory_wait_ms(&s).unwrap_or(0.0)).max(0.0);
+                let lora = kv.seconds(kv.adapter_tokens(c, true)) * 1e3;
+                (ttft + running + evict + wait + lora) / 1e3
             })
             .collect()
     }
@@ -340,7 +221,7 @@ impl KvPolicy {
 
 impl Policy for KvPolicy {
     fn name(&self) -> &'static str {
-        self.name
+        "kv"
     }
 
     fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Option<Vec<f64>> {
@@ -349,5 +230,13 @@ impl Policy for KvPolicy {
 
     fn cost_unit(&self) -> Option<&'static str> {
         Some("s")
+    }
+
+    fn learns_ttft(&self) -> bool {
+        true
+    }
+
+    fn weighs_memory(&self) -> bool {
+        true
     }
 }

@@ -6,7 +6,7 @@
 //! (`kv.prefill_tokens_per_s`):
 //!
 //! ```text
-//! prefill_p    = the kv cost of p for the request ([`super::kv`]: its queue, the prompt
+//! prefill_p    = the kv cost of p for the request ([`super::kv_tokens`]: its queue, the prompt
 //!                tokens it lacks, what storing them evicts, its memory)
 //! transfer_pd  = (lacks_d + pulling_d,link) * bs * kv_bytes_per_token / link(p, d)
 //!                lacks_d = n - blocks d holds of the prompt (its KV events and in flight):
@@ -42,7 +42,7 @@
 pub use super::types::Role;
 use serde::{Deserialize, Serialize};
 
-use super::kv::{Fill, KvConfig};
+use super::cost::{Fill, KvConfig};
 use super::{Candidate, RouteDecision, RouteRequest, reusable_tokens};
 
 /// The pair cost's settings; each one by its field name (`--kv-cost NAME=VALUE` takes the
@@ -320,7 +320,7 @@ mod tests {
 
     use super::*;
     use crate::schedule::WorkerLoad;
-    use crate::schedule::kv::KvPolicy;
+    use crate::schedule::kv_tokens::KvTokensPolicy;
     use crate::{WorkerId, WorkerWithDpRank};
 
     fn candidate(id: u64, node: u32, overlap: u32) -> Candidate {
@@ -344,7 +344,7 @@ mod tests {
             temperature: 0.0,
             output_tokens: 0,
         };
-        let policy = KvPolicy::new(kv);
+        let policy = KvTokensPolicy::new(kv);
         let (pc, dc) = (policy.costs(&info, prefills), policy.costs(&info, decodes));
         choose(&kv, config, &r, (prefills, &pc), (decodes, &dc)).unwrap()
     }

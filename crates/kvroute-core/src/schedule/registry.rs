@@ -6,12 +6,12 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use super::kv::KvConfig;
+use super::cost::KvConfig;
 use super::least_loaded::LeastLoaded;
 use super::predict::EngineModel;
 use super::random::RandomPolicy;
 use super::round_robin::RoundRobin;
-use super::{adapters, dynamo, kv, predicted};
+use super::{adapters, dynamo, kv, kv_tokens};
 
 /// A policy by name, as on the command line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -62,10 +62,10 @@ impl PolicyKind {
 
     pub fn build(self, kv: KvConfig, engine: EngineModel) -> Box<dyn Policy> {
         match self {
-            Self::Kv => Box::new(predicted::PredictedPolicy::new(kv, engine)),
-            Self::KvTokens => Box::new(kv::KvPolicy::new(kv)),
-            Self::Sticky => Box::new(kv::KvPolicy::new(kv).named("sticky")),
-            Self::KvAdapterBlind => Box::new(kv::KvPolicy::new(kv).adapter_blind()),
+            Self::Kv => Box::new(kv::KvPolicy::new(kv, engine)),
+            Self::KvTokens => Box::new(kv_tokens::KvTokensPolicy::new(kv)),
+            Self::Sticky => Box::new(kv_tokens::KvTokensPolicy::new(kv).named("sticky")),
+            Self::KvAdapterBlind => Box::new(kv_tokens::KvTokensPolicy::new(kv).adapter_blind()),
             Self::LoraAffinity => Box::new(adapters::LoraAffinity),
             Self::Dynamo => Box::new(dynamo::DynamoPolicy),
             Self::RoundRobin => Box::new(RoundRobin::default()),

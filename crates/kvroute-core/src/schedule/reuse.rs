@@ -36,19 +36,19 @@ pub struct ReuseConfig {
 }
 
 impl ReuseConfig {
-    pub fn of(kv: &super::kv::KvConfig) -> Self {
+    pub fn of(kv: &super::cost::KvConfig) -> Self {
         Self { window_s: kv.reuse_window_s, cap: kv.reuse_cap, prior_tokens: kv.reuse_prior_tokens }
     }
 }
 
 impl Default for ReuseConfig {
     fn default() -> Self {
-        Self::of(&super::kv::KvConfig::default())
+        Self::of(&super::cost::KvConfig::default())
     }
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Flow {
+struct Decayed {
     reused: f64,
     new: f64,
     at: Instant,
@@ -58,7 +58,7 @@ struct Flow {
 #[derive(Clone, Debug, Default)]
 pub struct Reuse {
     config: ReuseConfig,
-    workers: FxHashMap<WorkerWithDpRank, Flow>,
+    workers: FxHashMap<WorkerWithDpRank, Decayed>,
 }
 
 impl Reuse {
@@ -81,7 +81,7 @@ impl Reuse {
         let keep = flow.map_or(0.0, |f| self.decay(f.at, now));
         let (r, n) = flow.map_or((0.0, 0.0), |f| (f.reused, f.new));
         let at = flow.map_or(now, |f| f.at.max(now));
-        let flow = Flow { reused: r * keep + reused as f64, new: n * keep + new as f64, at };
+        let flow = Decayed { reused: r * keep + reused as f64, new: n * keep + new as f64, at };
         self.workers.insert(worker, flow);
     }
 

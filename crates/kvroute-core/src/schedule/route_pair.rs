@@ -107,7 +107,7 @@ impl Scheduler {
         );
         // Pairs are priced with the `kv-tokens` terms (the pair cost is built on them); the
         // predicted-milliseconds cost places aggregated requests.
-        let tokens = super::kv::KvPolicy::new(self.config.kv);
+        let tokens = super::kv_tokens::KvTokensPolicy::new(self.config.kv);
         let (pc, dc) = match self.config.policy {
             PolicyKind::Kv => {
                 (Some(tokens.costs(info, prefills)), Some(tokens.costs(info, decodes)))

@@ -25,7 +25,7 @@ use super::adapters::{AdapterFit, AdapterTable};
 use super::pairs::Role;
 use super::sessions::Sessions;
 use super::types::ScoredCandidate;
-use super::{flow, pairs, predict, predicted};
+use super::{flow, kv, pairs, predict};
 
 use crate::index::OverlapScores;
 use crate::protocols::{LocalBlockHash, WorkerWithDpRank};
@@ -51,7 +51,7 @@ pub struct Scheduler {
     pub(super) decode_policy: Box<dyn Policy>,
     pub(super) pair_counts: pairs::PairCounts,
     /// Predicts each tracked request's first token, whatever the policy, and learns from it.
-    pub(super) predictor: predicted::PredictedPolicy,
+    pub(super) predictor: kv::KvPolicy,
     pub(super) corrections: predict::Corrections,
     pub(super) reuse: reuse::Reuse,
 }
@@ -96,7 +96,7 @@ impl Scheduler {
             scratch: Vec::new(),
             decode_policy: config.policy.build(config.kv, config.predictor.engine),
             pair_counts: pairs::PairCounts::default(),
-            predictor: predicted::PredictedPolicy::new(config.kv, config.predictor.engine),
+            predictor: kv::KvPolicy::new(config.kv, config.predictor.engine),
             corrections: predict::Corrections::new(config.predictor.correction),
             reuse: reuse::Reuse::new(reuse::ReuseConfig::of(&config.kv)),
         }

@@ -143,7 +143,7 @@ fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
     assert_eq!(dynamo::DynamoPolicy.select(&info(isl), &[owner, idle], &mut rng), 0);
     // kv: only a long prefill queue at the owner sends the request away (queued tokens count
     // half: 6000 queued weigh 3000 < 2 x 2048).
-    let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
+    let mut kv = kv_tokens::KvTokensPolicy::new(cost::KvConfig::default());
     owner.active = ActiveLoad {
         prefill_tokens: 6000,
         blocks: 400,
@@ -158,8 +158,8 @@ fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
 
 #[test]
 fn lower_tier_blocks_are_credited_by_what_loading_them_costs() {
-    let kv = kv::KvPolicy::new(kv::KvConfig::default());
-    let config = kv::KvConfig::default();
+    let kv = kv_tokens::KvTokensPolicy::new(cost::KvConfig::default());
+    let config = cost::KvConfig::default();
     // 16 tokens of 128 KiB: 2 MiB, 66 us at 32 GB/s against 800 us to recompute at 20k/s.
     let [host, disk, external] = config.tier_credits(BS);
     assert!((host - (1.0 - 2_097_152.0 / 32e9 / 0.0008)).abs() < 1e-9, "{host}");
@@ -168,10 +168,10 @@ fn lower_tier_blocks_are_credited_by_what_loading_them_costs() {
     let disk_load = 2_097_152.0 / 10e9 + 2_097_152.0 / 32e9;
     assert!((disk - (1.0 - disk_load / 0.0008)).abs() < 1e-9, "{disk}");
     // A fixed preset gives Dynamo's weights.
-    let fixed = kv::KvConfig { fixed_tier_weights: 1.0, ..config };
-    assert_eq!(fixed.tier_credits(BS), kv::DYNAMO_TIER_WEIGHTS);
+    let fixed = cost::KvConfig { fixed_tier_weights: 1.0, ..config };
+    assert_eq!(fixed.tier_credits(BS), cost::DYNAMO_TIER_WEIGHTS);
     // Too slow a tier counts nothing.
-    let slow = kv::KvConfig { host_bandwidth_gbps: 1.0, ..config };
+    let slow = cost::KvConfig { host_bandwidth_gbps: 1.0, ..config };
     assert_eq!(slow.tier_credits(BS)[0], 0.0);
     // A worker with 64 host blocks after 32 device blocks beats one with 40 on its device.
     let isl = 2048;
@@ -181,8 +181,8 @@ fn lower_tier_blocks_are_credited_by_what_loading_them_costs() {
     let costs = kv.costs(&info(isl), &[hosted, device]);
     assert!(costs[0] < costs[1], "{costs:?}");
     // What it loads counts only past what is in flight there already.
-    assert!((kv::loaded_blocks(&hosted, 32, [host, disk, external]) - 64.0 * host).abs() < 1e-9);
-    assert!((kv::loaded_blocks(&hosted, 90, [host, disk, external]) - 6.0 * host).abs() < 1e-9);
+    assert!((cost::loaded_blocks(&hosted, 32, [host, disk, external]) - 64.0 * host).abs() < 1e-9);
+    assert!((cost::loaded_blocks(&hosted, 90, [host, disk, external]) - 6.0 * host).abs() < 1e-9);
     // Dynamo's cost credits the same blocks at 0.75.
     let d = [dynamo::cost(&info(isl), &hosted), dynamo::cost(&info(isl), &device)];
     assert!(d[0] < d[1], "{d:?}");
@@ -204,7 +204,7 @@ fn a_decision_predicts_the_lower_tier_blocks_as_served() {
 
 #[test]
 fn kv_duplication_is_cheap_onto_an_empty_cache() {
-    let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
+    let mut kv = kv_tokens::KvTokensPolicy::new(cost::KvConfig::default());
     let mut owner = candidate(0, 128);
     // 6000 queued weigh 3000: more than the 2048 the empty cache computes (evicting nothing).
     owner.active.prefill_tokens = 6000;
@@ -216,7 +216,7 @@ fn kv_duplication_is_cheap_onto_an_empty_cache() {
 
 #[test]
 fn kv_spreads_requests_that_share_nothing_by_running_load() {
-    let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
+    let mut kv = kv_tokens::KvTokensPolicy::new(cost::KvConfig::default());
     let mut busy = candidate(0, 0);
     busy.load.kv_total_blocks = Some(550);
     busy.tree_size = 550;
@@ -239,7 +239,7 @@ fn kv_spreads_requests_that_share_nothing_by_running_load() {
 
 #[test]
 fn kv_does_not_queue_a_request_for_memory_behind_its_prefix() {
-    let mut kv = kv::KvPolicy::new(kv::KvConfig::default());
+    let mut kv = kv_tokens::KvTokensPolicy::new(cost::KvConfig::default());
     // The owner holds 112 of the 118 blocks of a conversation; its running requests take 430
     // of its 550 blocks.
     let mut owner = candidate(0, 112);
@@ -783,9 +783,9 @@ fn kv_prices_adapter_loads_and_a_hot_adapter_spreads() {
         elsewhere.adapter = AdapterFit::Load;
         policy.costs(&info(256), &[resident, elsewhere]).unwrap()
     };
-    let kv = kv::KvPolicy::new(kv::KvConfig::default());
+    let kv = kv_tokens::KvTokensPolicy::new(cost::KvConfig::default());
     let c = costs(&kv, 0);
-    let load_s = kv::KvConfig::default().adapter_load_tokens / 20_000.0;
+    let load_s = cost::KvConfig::default().adapter_load_tokens / 20_000.0;
     assert!((c[1] - c[0] - load_s).abs() < 1e-9, "a load costs its time: {c:?}");
     // Three requests waiting for their first token there wait for the load too.
     let mut busy = candidate(1, 0);
@@ -797,7 +797,7 @@ fn kv_prices_adapter_loads_and_a_hot_adapter_spreads() {
     // Queued prefill counts at half weight: 4,000 queued tokens (2,000) tie with a load.
     let c = costs(&kv, 6_000);
     assert!(c[1] < c[0], "a long queue at the adapter's worker: load it elsewhere {c:?}");
-    let blind = kv::KvPolicy::new(kv::KvConfig::default()).adapter_blind();
+    let blind = kv_tokens::KvTokensPolicy::new(cost::KvConfig::default()).adapter_blind();
     let c = costs(&blind, 0);
     assert_eq!(c[0], c[1], "blind to slots");
     let c = costs(&adapters::LoraAffinity, 6_000);
@@ -984,8 +984,8 @@ fn a_prefix_stays_with_its_owner_until_the_queue_costs_more() {
 #[test]
 fn kv_charges_at_least_the_fixed_wait_to_a_request_that_does_not_fit() {
     use super::predict::EngineModel;
-    let config = kv::KvConfig::default();
-    let kv = predicted::PredictedPolicy::new(config, EngineModel::default());
+    let config = cost::KvConfig::default();
+    let kv = kv::KvPolicy::new(config, EngineModel::default());
     // Two workers alike but for room: the first's running requests (answers of known
     // length, so the model predicts their end) leave no room for the request's 64 blocks.
     let mut roomy = candidate(0, 0);
@@ -1007,7 +1007,7 @@ fn kv_charges_at_least_the_fixed_wait_to_a_request_that_does_not_fit() {
 #[test]
 fn kv_sends_a_request_to_an_idle_worker_with_room_when_it_answers_sooner() {
     use super::predict::EngineModel;
-    let kv = predicted::PredictedPolicy::new(kv::KvConfig::default(), EngineModel::default());
+    let kv = kv::KvPolicy::new(cost::KvConfig::default(), EngineModel::default());
     // The holder has the request's 64-block prefix and prompts queued; the other worker is
     // idle. Both caches have 100 free blocks: the copy evicts nothing on either.
     let mut holder = candidate(0, 64);
@@ -1033,7 +1033,7 @@ fn kv_sends_a_request_to_an_idle_worker_with_room_when_it_answers_sooner() {
 #[test]
 fn kv_stores_a_prefix_nobody_holds_where_it_crowds_least() {
     use super::predict::EngineModel;
-    let kv = predicted::PredictedPolicy::new(kv::KvConfig::default(), EngineModel::default());
+    let kv = kv::KvPolicy::new(cost::KvConfig::default(), EngineModel::default());
     // Both idle with room; one cache holds three groups' prefixes, the other one.
     let mut crowded = candidate(0, 0);
     crowded.load.kv_total_blocks = Some(550);

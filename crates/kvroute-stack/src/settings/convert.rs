@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use kvroute_core::BlockSize;
 use kvroute_core::index::{ApproxConfig, IndexConfig};
-use kvroute_core::schedule::kv::KvConfig;
+use kvroute_core::schedule::cost::KvConfig;
+use kvroute_core::schedule::flow::FlowConfig;
 use kvroute_core::schedule::{PairConfig, SchedulerConfig, SessionConfig};
 use kvroute_frontend::FrontDoorOptions;
 use kvroute_http::{Credentials, ServeOptions};
@@ -18,141 +19,15 @@ use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::RouterConfig;
 use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
 
-use super::groups::{Blocks, Engine, FrontDoor, Listen, Model, Nats, Routing, Security};
+use super::groups::Routing;
 use super::{
     DEFAULT_HOST, DEFAULT_READY_TIMEOUT_SECS, DEFAULT_SIMULATED_WORKERS, ENV_ADMIN_TOKEN,
-    ENV_API_KEYS, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN, ENV_TENANT_SALT, Gateway,
-    Invalid, Settings, SimulatedFleet,
+    ENV_API_KEYS, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN, ENV_TENANT_SALT, Invalid,
+    Settings,
 };
 use crate::{Access, SharedStore, Simulated, StackConfig, StackError};
 
 impl Settings {
-    /// Every setting at its default, taken from the libraries' own `Default`s: what applies
-    /// where no flag, variable or file sets one (`port`: the command's). Settings without a
-    /// default (no NATS server, no files, the model's own context length) stay absent.
-    pub fn defaults(port: u16) -> Settings {
-        let listener = ServeOptions::default();
-        let router = RouterConfig::default();
-        let scheduler = SchedulerConfig::default();
-        let engine = EngineConfig::default();
-        let front_door = FrontDoorOptions::default();
-        let kv_cost = toml::Table::try_from(KvConfig::default())
-            .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
-            .unwrap_or_default();
-        Settings {
-            listen: Listen {
-                host: Some(DEFAULT_HOST.to_owned()),
-                port: Some(port),
-                max_connections_per_client: Some(listener.max_connections_per_client),
-                max_body_bytes_in_flight: Some(listener.max_body_bytes_in_flight),
-                max_body_bytes_per_client: Some(listener.max_body_bytes_per_client),
-            },
-            security: Security { insecure: Some(false), ..Security::default() },
-            front_door: FrontDoor {
-                api_keys_file: None,
-                expose_overlap: Some(front_door.expose_overlap),
-                first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
-                cache_namespace_per_key: Some(front_door.namespace_per_key),
-                parity_probe: Some(front_door.parity_probe),
-                adapters: Vec::new(),
-                model_priorities: Vec::new(),
-                load_adapters: Some(front_door.load_adapters),
-                trust_transfer_fields: Some(front_door.trust_transfer_fields),
-                engine_priority: Some(front_door.engine_priority),
-                status_sample_ms: Some(front_door.status_every.as_millis() as u64),
-            },
-            blocks: Blocks { block_size: Some(BlockSize::default().get()) },
-            simulated: SimulatedFleet {
-                simulated_workers: Some(DEFAULT_SIMULATED_WORKERS),
-                simulated_dialect: Some(Simulated::default().dialect),
-                prefill_workers: Some(0),
-                decode_workers: Some(0),
-                simulated_nodes: Some(1),
-            },
-            routing: Routing {
-                workers: Vec::new(),
-                policy: Some(scheduler.policy),
-                temperature: Some(scheduler.temperature),
-                overlap_weight: Some(scheduler.overlap_weight),
-                kv_cost,
-                pd_cost: toml::Table::try_from(PairConfig::default())
-                    .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
-                    .unwrap_or_default(),
-                shards: Some(router.shards),
-                max_index_blocks: router.index.max_held_blocks,
-                max_dp_size: Some(router.max_dp_size),
-                approx_ttl: Some(router.approx.ttl.as_secs_f64()),
-                ready_timeout: Some(DEFAULT_READY_TIMEOUT_SECS),
-                zmq_max_message_bytes: Some(router.zmq_max_message_bytes),
-                session_ttl: Some(scheduler.sessions.ttl.as_secs_f64()),
-                session_margin: Some(scheduler.sessions.margin_s),
-                max_sessions: Some(scheduler.sessions.capacity),
-                flow_control: Some(scheduler.flow.enabled),
-                max_engine_wait_ms: Some(scheduler.flow.max_engine_wait_ms),
-                max_queued: Some(scheduler.flow.max_queued),
-                max_queued_per_tenant: Some(scheduler.flow.max_queued_per_tenant),
-                max_queued_bytes: Some(scheduler.flow.max_queued_bytes),
-                max_queue_wait_ms: Some(scheduler.flow.max_wait_ms),
-                queue_sheddable: Some(!scheduler.flow.shed_at_once),
-                over_share: Some(scheduler.flow.over_share),
-                over_share_wait: Some(scheduler.flow.over_share_wait),
-            },
-            nats: Nats {
-                nats_prefix: Some(kvroute_router::nats::DEFAULT_PREFIX.to_owned()),
-                nats_sync: Some(true),
-                nats_events: Some("zmq".to_owned()),
-                nats_stream_max_bytes: Some(kvroute_router::nats::DEFAULT_STREAM_MAX_BYTES),
-                nats_stream_max_age: Some(
-                    kvroute_router::nats::DEFAULT_STREAM_MAX_AGE.as_secs_f64(),
-                ),
-                ..Nats::default()
-            },
-            model: Model {
-                model_path: None,
-                allow_private_image_urls: Some(FetchConfig::default().allow_private),
-            },
-            engine: Engine {
-                num_blocks: Some(engine.num_blocks),
-                max_num_seqs: Some(engine.max_num_seqs),
-                max_batched_tokens: Some(engine.max_batched_tokens),
-                speedup: Some(engine.timing.speedup),
-                seed: Some(Simulated::default().seed),
-                max_model_len: None,
-                chat_template: None,
-                lora_modules: Vec::new(),
-                max_loras: Some(engine.lora.max_loras),
-                max_cpu_loras: Some(engine.lora.max_cpu_loras),
-                lora_load_ms: Some(engine.lora.load.as_secs_f64() * 1e3),
-                lora_swap_ms: Some(engine.lora.swap.as_secs_f64() * 1e3),
-                lora_step_ms: Some(engine.lora.step_cost.as_secs_f64() * 1e3),
-                lora_updating: Some(false),
-                num_host_blocks: Some(engine.host.num_blocks),
-                host_offload_h2d_bandwidth_gbps: Some(engine.host.h2d_gbps),
-                host_offload_d2h_bandwidth_gbps: Some(engine.host.d2h_gbps),
-                num_storage_blocks: Some(engine.host.storage_blocks),
-                storage_bandwidth_gbps: Some(engine.host.storage_gbps),
-                store_url: None,
-                num_store_blocks: Some(0),
-                store_bandwidth_gbps: Some(engine.host.store_gbps),
-                tier_loads: Some(engine.host.loads),
-                scheduling_policy: Some(engine.scheduling),
-                kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
-                kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
-                kv_transfer_bandwidth_across_nodes: None,
-                node: None,
-                kv_transfer_timing: Some(engine.disagg.timing),
-                kv_hold_timeout: Some(engine.disagg.hold_timeout.as_secs_f64()),
-                kv_load_failure_policy: Some(engine.disagg.load_failure),
-            },
-            gateway: Gateway {
-                epp_fallbacks: Some(kvroute_epp::EppOptions::default().fallbacks),
-                ext_proc_self_signed: Some(false),
-                ..Gateway::default()
-            },
-            ..Settings::default()
-        }
-    }
-
     /// `--model-priority`: each model's priority.
     pub fn model_priorities(&self) -> Result<BTreeMap<String, i32>, StackError> {
         use kvroute_core::schedule::flow::{MAX_PRIORITY, MIN_PRIORITY};
@@ -345,40 +220,7 @@ impl Settings {
         s.overlap_weight = r.overlap_weight.unwrap_or(s.overlap_weight);
         s.kv = kv_config(&r.kv_cost)?;
         s.pairs = pd_config(&r.pd_cost)?;
-        // The simulated engines' host memory prices its loads, unless the cost names its own.
-        let named = |n: &str| r.kv_cost.iter().any(|(k, _)| k == n);
-        let e = &self.engine;
-        if let Some(b) = e.host_offload_h2d_bandwidth_gbps.filter(|_| !named("host_bandwidth_gbps"))
-        {
-            s.kv.host_bandwidth_gbps = b;
-        }
-        if let Some(b) = e.kv_bytes_per_token.filter(|_| !named("kv_bytes_per_token")) {
-            s.kv.kv_bytes_per_token = b;
-        }
-        if let Some(b) = e.storage_bandwidth_gbps.filter(|_| !named("disk_bandwidth_gbps")) {
-            s.kv.disk_bandwidth_gbps = b;
-        }
-        if let Some(b) = e.store_bandwidth_gbps.filter(|_| !named("external_bandwidth_gbps")) {
-            s.kv.external_bandwidth_gbps = b;
-        }
-        // The predictions run at the simulated engines' speed and step budget.
-        if let Some(x) = e.speedup.filter(|x| x.is_finite() && *x > 0.0) {
-            s.predictor.engine.speedup = x;
-        }
-        if let Some(t) = e.max_batched_tokens.filter(|&t| t > 0) {
-            s.predictor.engine.step_tokens = t;
-        }
-        // And their links price the pairs' transfers, unless the pair cost names its own.
-        let named = |n: &str| r.pd_cost.iter().any(|(k, _)| k == n);
-        if let Some(b) = e.kv_transfer_bandwidth.filter(|_| !named("link_within_node_gbps")) {
-            s.pairs.link_within_node_gbps = b;
-            s.pairs.link_across_nodes_gbps = b;
-        }
-        if let Some(b) =
-            e.kv_transfer_bandwidth_across_nodes.filter(|_| !named("link_across_nodes_gbps"))
-        {
-            s.pairs.link_across_nodes_gbps = b;
-        }
+        self.priced_by_engines(s);
         let sd = s.sessions;
         s.sessions = SessionConfig {
             ttl: match r.session_ttl {
@@ -392,28 +234,7 @@ impl Settings {
             },
             capacity: r.max_sessions.unwrap_or(sd.capacity),
         };
-        let f = &mut s.flow;
-        f.enabled = r.flow_control.unwrap_or(f.enabled);
-        f.max_engine_wait_ms = match r.max_engine_wait_ms {
-            Some(ms) if ms.is_finite() && ms >= 0.0 => ms,
-            Some(_) => return Err(Invalid::Negative("max_engine_wait_ms").into()),
-            None => f.max_engine_wait_ms,
-        };
-        f.max_queued = r.max_queued.unwrap_or(f.max_queued);
-        f.max_queued_per_tenant = r.max_queued_per_tenant.unwrap_or(f.max_queued_per_tenant);
-        f.max_queued_bytes = r.max_queued_bytes.unwrap_or(f.max_queued_bytes);
-        f.max_wait_ms = r.max_queue_wait_ms.unwrap_or(f.max_wait_ms);
-        f.shed_at_once = r.queue_sheddable.map_or(f.shed_at_once, |queue| !queue);
-        f.over_share = match r.over_share {
-            Some(x) if x.is_finite() && x >= 0.0 => x,
-            Some(_) => return Err(Invalid::Negative("over_share").into()),
-            None => f.over_share,
-        };
-        f.over_share_wait = match r.over_share_wait {
-            Some(x) if (0.0..=1.0).contains(&x) => x,
-            Some(_) => return Err(Invalid::Fraction("over_share_wait").into()),
-            None => f.over_share_wait,
-        };
+        flow_settings(r, &mut s.flow)?;
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
             return Err(Invalid::Temperature.into());
         }
@@ -777,4 +598,73 @@ fn named_numbers<T: serde::Serialize + serde::de::DeserializeOwned>(
         fields.insert(name.clone(), value.into());
     }
     fields.try_into().map_err(|e| Invalid::KvCostRead(e).into())
+}
+
+impl Settings {
+    /// The simulated engines' host memory, disk, store and links price the cost's loads and
+    /// the pairs' transfers, unless the cost names its own; the predictions run at their speed
+    /// and step budget.
+    fn priced_by_engines(&self, s: &mut SchedulerConfig) {
+        let r = &self.routing;
+        let e = &self.engine;
+        // The simulated engines' host memory prices its loads, unless the cost names its own.
+        let named = |n: &str| r.kv_cost.iter().any(|(k, _)| k == n);
+        if let Some(b) = e.host_offload_h2d_bandwidth_gbps.filter(|_| !named("host_bandwidth_gbps"))
+        {
+            s.kv.host_bandwidth_gbps = b;
+        }
+        if let Some(b) = e.kv_bytes_per_token.filter(|_| !named("kv_bytes_per_token")) {
+            s.kv.kv_bytes_per_token = b;
+        }
+        if let Some(b) = e.storage_bandwidth_gbps.filter(|_| !named("disk_bandwidth_gbps")) {
+            s.kv.disk_bandwidth_gbps = b;
+        }
+        if let Some(b) = e.store_bandwidth_gbps.filter(|_| !named("external_bandwidth_gbps")) {
+            s.kv.external_bandwidth_gbps = b;
+        }
+        // The predictions run at the simulated engines' speed and step budget.
+        if let Some(x) = e.speedup.filter(|x| x.is_finite() && *x > 0.0) {
+            s.predictor.engine.speedup = x;
+        }
+        if let Some(t) = e.max_batched_tokens.filter(|&t| t > 0) {
+            s.predictor.engine.step_tokens = t;
+        }
+        // And their links price the pairs' transfers, unless the pair cost names its own.
+        let named = |n: &str| r.pd_cost.iter().any(|(k, _)| k == n);
+        if let Some(b) = e.kv_transfer_bandwidth.filter(|_| !named("link_within_node_gbps")) {
+            s.pairs.link_within_node_gbps = b;
+            s.pairs.link_across_nodes_gbps = b;
+        }
+        if let Some(b) =
+            e.kv_transfer_bandwidth_across_nodes.filter(|_| !named("link_across_nodes_gbps"))
+        {
+            s.pairs.link_across_nodes_gbps = b;
+        }
+    }
+}
+
+/// Flow control's settings.
+fn flow_settings(r: &Routing, f: &mut FlowConfig) -> Result<(), StackError> {
+    f.enabled = r.flow_control.unwrap_or(f.enabled);
+    f.max_engine_wait_ms = match r.max_engine_wait_ms {
+        Some(ms) if ms.is_finite() && ms >= 0.0 => ms,
+        Some(_) => return Err(Invalid::Negative("max_engine_wait_ms").into()),
+        None => f.max_engine_wait_ms,
+    };
+    f.max_queued = r.max_queued.unwrap_or(f.max_queued);
+    f.max_queued_per_tenant = r.max_queued_per_tenant.unwrap_or(f.max_queued_per_tenant);
+    f.max_queued_bytes = r.max_queued_bytes.unwrap_or(f.max_queued_bytes);
+    f.max_wait_ms = r.max_queue_wait_ms.unwrap_or(f.max_wait_ms);
+    f.shed_at_once = r.queue_sheddable.map_or(f.shed_at_once, |queue| !queue);
+    f.over_share = match r.over_share {
+        Some(x) if x.is_finite() && x >= 0.0 => x,
+        Some(_) => return Err(Invalid::Negative("over_share").into()),
+        None => f.over_share,
+    };
+    f.over_share_wait = match r.over_share_wait {
+        Some(x) if (0.0..=1.0).contains(&x) => x,
+        Some(_) => return Err(Invalid::Fraction("over_share_wait").into()),
+        None => f.over_share_wait,
+    };
+    Ok(())
 }

@@ -1,6 +1,18 @@
 //! The defaults every command starts from, and the environment variables that hold secrets.
 
+use super::groups::{Blocks, Engine, FrontDoor, Listen, Model, Nats, Routing, Security};
+use super::groups::{Gateway, SimulatedFleet};
 use super::invalid::Invalid;
+use super::sources::Settings;
+use crate::Simulated;
+use kvroute_core::BlockSize;
+use kvroute_core::schedule::cost::KvConfig;
+use kvroute_core::schedule::{PairConfig, SchedulerConfig};
+use kvroute_frontend::FrontDoorOptions;
+use kvroute_http::ServeOptions;
+use kvroute_mocker::EngineConfig;
+use kvroute_preprocess::fetch::FetchConfig;
+use kvroute_router::RouterConfig;
 
 pub const DEFAULT_HOST: &str = "127.0.0.1";
 pub const DEFAULT_READY_TIMEOUT_SECS: f64 = 10.0;
@@ -32,4 +44,142 @@ pub fn kv_peer_token() -> Result<Option<String>, Invalid> {
     let token = token.trim().to_owned();
     let ok = (16..=256).contains(&token.len()) && token.bytes().all(|b| b.is_ascii_graphic());
     ok.then_some(Some(token)).ok_or(Invalid::PeerToken)
+}
+
+impl Settings {
+    /// Every setting at its default, taken from the libraries' own `Default`s: what applies
+    /// where no flag, variable or file sets one (`port`: the command's). Settings without a
+    /// default (no NATS server, no files, the model's own context length) stay absent.
+    pub fn defaults(port: u16) -> Settings {
+        let listener = ServeOptions::default();
+        let front_door = FrontDoorOptions::default();
+        Settings {
+            listen: Listen {
+                host: Some(DEFAULT_HOST.to_owned()),
+                port: Some(port),
+                max_connections_per_client: Some(listener.max_connections_per_client),
+                max_body_bytes_in_flight: Some(listener.max_body_bytes_in_flight),
+                max_body_bytes_per_client: Some(listener.max_body_bytes_per_client),
+            },
+            security: Security { insecure: Some(false), ..Security::default() },
+            front_door: FrontDoor {
+                api_keys_file: None,
+                expose_overlap: Some(front_door.expose_overlap),
+                first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
+                cache_namespace_per_key: Some(front_door.namespace_per_key),
+                parity_probe: Some(front_door.parity_probe),
+                adapters: Vec::new(),
+                model_priorities: Vec::new(),
+                load_adapters: Some(front_door.load_adapters),
+                trust_transfer_fields: Some(front_door.trust_transfer_fields),
+                engine_priority: Some(front_door.engine_priority),
+                status_sample_ms: Some(front_door.status_every.as_millis() as u64),
+            },
+            blocks: Blocks { block_size: Some(BlockSize::default().get()) },
+            simulated: SimulatedFleet {
+                simulated_workers: Some(DEFAULT_SIMULATED_WORKERS),
+                simulated_dialect: Some(Simulated::default().dialect),
+                prefill_workers: Some(0),
+                decode_workers: Some(0),
+                simulated_nodes: Some(1),
+            },
+            routing: routing_defaults(),
+            nats: Nats {
+                nats_prefix: Some(kvroute_router::nats::DEFAULT_PREFIX.to_owned()),
+                nats_sync: Some(true),
+                nats_events: Some("zmq".to_owned()),
+                nats_stream_max_bytes: Some(kvroute_router::nats::DEFAULT_STREAM_MAX_BYTES),
+                nats_stream_max_age: Some(
+                    kvroute_router::nats::DEFAULT_STREAM_MAX_AGE.as_secs_f64(),
+                ),
+                ..Nats::default()
+            },
+            model: Model {
+                model_path: None,
+                allow_private_image_urls: Some(FetchConfig::default().allow_private),
+            },
+            engine: engine_defaults(),
+            gateway: Gateway {
+                epp_fallbacks: Some(kvroute_epp::EppOptions::default().fallbacks),
+                ext_proc_self_signed: Some(false),
+                ..Gateway::default()
+            },
+            ..Settings::default()
+        }
+    }
+}
+
+/// The routing group's defaults: the scheduler's, the router's and flow control's.
+fn routing_defaults() -> Routing {
+    let router = RouterConfig::default();
+    let scheduler = SchedulerConfig::default();
+    let kv_cost = toml::Table::try_from(KvConfig::default())
+        .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
+        .unwrap_or_default();
+    Routing {
+        workers: Vec::new(),
+        policy: Some(scheduler.policy),
+        temperature: Some(scheduler.temperature),
+        overlap_weight: Some(scheduler.overlap_weight),
+        kv_cost,
+        pd_cost: toml::Table::try_from(PairConfig::default())
+            .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
+            .unwrap_or_default(),
+        shards: Some(router.shards),
+        max_index_blocks: router.index.max_held_blocks,
+        max_dp_size: Some(router.max_dp_size),
+        approx_ttl: Some(router.approx.ttl.as_secs_f64()),
+        ready_timeout: Some(DEFAULT_READY_TIMEOUT_SECS),
+        zmq_max_message_bytes: Some(router.zmq_max_message_bytes),
+        session_ttl: Some(scheduler.sessions.ttl.as_secs_f64()),
+        session_margin: Some(scheduler.sessions.margin_s),
+        max_sessions: Some(scheduler.sessions.capacity),
+        flow_control: Some(scheduler.flow.enabled),
+        max_engine_wait_ms: Some(scheduler.flow.max_engine_wait_ms),
+        max_queued: Some(scheduler.flow.max_queued),
+        max_queued_per_tenant: Some(scheduler.flow.max_queued_per_tenant),
+        max_queued_bytes: Some(scheduler.flow.max_queued_bytes),
+        max_queue_wait_ms: Some(scheduler.flow.max_wait_ms),
+        queue_sheddable: Some(!scheduler.flow.shed_at_once),
+        over_share: Some(scheduler.flow.over_share),
+        over_share_wait: Some(scheduler.flow.over_share_wait),
+    }
+}
+
+/// The simulated engine's defaults.
+fn engine_defaults() -> Engine {
+    let engine = EngineConfig::default();
+    Engine {
+        num_blocks: Some(engine.num_blocks),
+        max_num_seqs: Some(engine.max_num_seqs),
+        max_batched_tokens: Some(engine.max_batched_tokens),
+        speedup: Some(engine.timing.speedup),
+        seed: Some(Simulated::default().seed),
+        max_model_len: None,
+        chat_template: None,
+        lora_modules: Vec::new(),
+        max_loras: Some(engine.lora.max_loras),
+        max_cpu_loras: Some(engine.lora.max_cpu_loras),
+        lora_load_ms: Some(engine.lora.load.as_secs_f64() * 1e3),
+        lora_swap_ms: Some(engine.lora.swap.as_secs_f64() * 1e3),
+        lora_step_ms: Some(engine.lora.step_cost.as_secs_f64() * 1e3),
+        lora_updating: Some(false),
+        num_host_blocks: Some(engine.host.num_blocks),
+        host_offload_h2d_bandwidth_gbps: Some(engine.host.h2d_gbps),
+        host_offload_d2h_bandwidth_gbps: Some(engine.host.d2h_gbps),
+        num_storage_blocks: Some(engine.host.storage_blocks),
+        storage_bandwidth_gbps: Some(engine.host.storage_gbps),
+        store_url: None,
+        num_store_blocks: Some(0),
+        store_bandwidth_gbps: Some(engine.host.store_gbps),
+        tier_loads: Some(engine.host.loads),
+        scheduling_policy: Some(engine.scheduling),
+        kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
+        kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
+        kv_transfer_bandwidth_across_nodes: None,
+        node: None,
+        kv_transfer_timing: Some(engine.disagg.timing),
+        kv_hold_timeout: Some(engine.disagg.hold_timeout.as_secs_f64()),
+        kv_load_failure_policy: Some(engine.disagg.load_failure),
+    }
 }

@@ -4,7 +4,7 @@ use super::*;
 use crate::Access;
 use clap::Args;
 use kvroute_core::schedule::PolicyKind;
-use kvroute_core::schedule::kv::KvConfig;
+use kvroute_core::schedule::cost::KvConfig;
 use kvroute_router::RouterConfig;
 use kvroute_router::WorkerSpec;
 use std::path::Path;
