@@ -174,6 +174,7 @@ fn place(req: &FindBestWorker) {
         return;
     }
     let state = router();
+    #[allow(clippy::needless_update)] // a new field of the request defaults here
     let placement = PlaceRequest {
         id: req.request_id.clone(),
         local_hashes: req.local_hashes.iter().copied().map(LocalBlockHash).collect(),
@@ -184,7 +185,7 @@ fn place(req: &FindBestWorker) {
         exclude: req.exclude.clone(),
         overlap_weight: req.overlap_score_weight.filter(|w| w.is_finite()),
         temperature: req.temperature.filter(|t| t.is_finite() && *t >= 0.0),
-        class: None,
+        ..PlaceRequest::default()
     };
     let _ = state.place_now(&placement);
     if req.classed() {

@@ -215,6 +215,9 @@ async fn find_best_worker(
         )?),
         _ => None,
     };
+    // Every field the API carries, and the defaults for any the API does not (a new field of
+    // the request is set where it is known and read where it is used, not here).
+    #[allow(clippy::needless_update)]
     let placement = PlaceRequest {
         id: req.request_id.clone(),
         local_hashes: req.local_hashes.iter().copied().map(LocalBlockHash).collect(),
@@ -226,6 +229,7 @@ async fn find_best_worker(
         overlap_weight: req.overlap_score_weight,
         temperature: req.temperature,
         class,
+        ..PlaceRequest::default()
     };
     let decision = state.decide(&placement).await.map_err(Refusal::into_api_error)?;
     let Decision { prefill, decode: decision, transfer_blocks } =
