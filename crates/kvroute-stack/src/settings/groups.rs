@@ -14,8 +14,13 @@ use std::path::PathBuf;
 use clap::Args;
 use clap::builder::{BoolishValueParser, TypedValueParser as _};
 use kvroute_core::schedule::PolicyKind;
+use kvroute_core::schedule::cost::KvConfig;
+use kvroute_core::schedule::{PairConfig, SchedulerConfig};
+use kvroute_router::RouterConfig;
 use kvroute_router::{Dialect, WorkerSpec};
 use serde::{Deserialize, Serialize};
+
+use super::defaults::DEFAULT_READY_TIMEOUT_SECS;
 
 /// A switch's value: true, named or set (`--name`, `KVROUTE_NAME=1`).
 fn switch() -> BoolishValueParser {
@@ -560,4 +565,43 @@ pub struct Engine {
     /// prompt itself; vLLM's protocol only).
     #[arg(long)]
     pub kv_load_failure_policy: Option<kvroute_mocker::LoadFailurePolicy>,
+}
+
+impl Routing {
+    /// The routing group's defaults: the scheduler's, the router's and flow control's.
+    pub(super) fn defaults() -> Self {
+        let router = RouterConfig::default();
+        let scheduler = SchedulerConfig::default();
+        let kv_cost = toml::Table::try_from(KvConfig::default())
+            .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
+            .unwrap_or_default();
+        Routing {
+            workers: Vec::new(),
+            policy: Some(scheduler.policy),
+            temperature: Some(scheduler.temperature),
+            overlap_weight: Some(scheduler.overlap_weight),
+            kv_cost,
+            pd_cost: toml::Table::try_from(PairConfig::default())
+                .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
+                .unwrap_or_default(),
+            shards: Some(router.shards),
+            max_index_blocks: router.index.max_held_blocks,
+            max_dp_size: Some(router.max_dp_size),
+            approx_ttl: Some(router.approx.ttl.as_secs_f64()),
+            ready_timeout: Some(DEFAULT_READY_TIMEOUT_SECS),
+            zmq_max_message_bytes: Some(router.zmq_max_message_bytes),
+            session_ttl: Some(scheduler.sessions.ttl.as_secs_f64()),
+            session_margin: Some(scheduler.sessions.margin_s),
+            max_sessions: Some(scheduler.sessions.capacity),
+            flow_control: Some(scheduler.flow.enabled),
+            max_engine_wait_ms: Some(scheduler.flow.max_engine_wait_ms),
+            max_queued: Some(scheduler.flow.max_queued),
+            max_queued_per_tenant: Some(scheduler.flow.max_queued_per_tenant),
+            max_queued_bytes: Some(scheduler.flow.max_queued_bytes),
+            max_queue_wait_ms: Some(scheduler.flow.max_wait_ms),
+            queue_sheddable: Some(!scheduler.flow.shed_at_once),
+            over_share: Some(scheduler.flow.over_share),
+            over_share_wait: Some(scheduler.flow.over_share_wait),
+        }
+    }
 }
