@@ -8,9 +8,7 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 
 use kvroute_core::BlockSize;
-use kvroute_frontend::FrontDoorOptions;
 use kvroute_http::ServeOptions;
-use kvroute_mocker::EngineConfig;
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::WorkerSpec;
 
@@ -215,7 +213,6 @@ impl Settings {
     /// default (no NATS server, no files, the model's own context length) stay absent.
     pub fn defaults(port: u16) -> Settings {
         let listener = ServeOptions::default();
-        let front_door = FrontDoorOptions::default();
         Settings {
             listen: Listen {
                 host: Some(DEFAULT_HOST.to_owned()),
@@ -225,19 +222,7 @@ impl Settings {
                 max_body_bytes_per_client: Some(listener.max_body_bytes_per_client),
             },
             security: Security { insecure: Some(false), ..Security::default() },
-            front_door: FrontDoor {
-                api_keys_file: None,
-                expose_overlap: Some(front_door.expose_overlap),
-                first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
-                cache_namespace_per_key: Some(front_door.namespace_per_key),
-                parity_probe: Some(front_door.parity_probe),
-                adapters: Vec::new(),
-                model_priorities: Vec::new(),
-                load_adapters: Some(front_door.load_adapters),
-                trust_transfer_fields: Some(front_door.trust_transfer_fields),
-                engine_priority: Some(front_door.engine_priority),
-                status_sample_ms: Some(front_door.status_every.as_millis() as u64),
-            },
+            front_door: FrontDoor::defaults(),
             blocks: Blocks { block_size: Some(BlockSize::default().get()) },
             simulated: SimulatedFleet {
                 simulated_workers: Some(DEFAULT_SIMULATED_WORKERS),
@@ -261,7 +246,7 @@ impl Settings {
                 model_path: None,
                 allow_private_image_urls: Some(FetchConfig::default().allow_private),
             },
-            engine: engine_defaults(),
+            engine: Engine::defaults(),
             gateway: Gateway {
                 epp_fallbacks: Some(kvroute_epp::EppOptions::default().fallbacks),
                 ext_proc_self_signed: Some(false),
@@ -269,43 +254,5 @@ impl Settings {
             },
             ..Settings::default()
         }
-    }
-}
-
-/// The simulated engine's defaults.
-fn engine_defaults() -> Engine {
-    let engine = EngineConfig::default();
-    Engine {
-        num_blocks: Some(engine.num_blocks),
-        max_num_seqs: Some(engine.max_num_seqs),
-        max_batched_tokens: Some(engine.max_batched_tokens),
-        speedup: Some(engine.timing.speedup),
-        seed: Some(Simulated::default().seed),
-        max_model_len: None,
-        chat_template: None,
-        lora_modules: Vec::new(),
-        max_loras: Some(engine.lora.max_loras),
-        max_cpu_loras: Some(engine.lora.max_cpu_loras),
-        lora_load_ms: Some(engine.lora.load.as_secs_f64() * 1e3),
-        lora_swap_ms: Some(engine.lora.swap.as_secs_f64() * 1e3),
-        lora_step_ms: Some(engine.lora.step_cost.as_secs_f64() * 1e3),
-        lora_updating: Some(false),
-        num_host_blocks: Some(engine.host.num_blocks),
-        host_offload_h2d_bandwidth_gbps: Some(engine.host.h2d_gbps),
-        host_offload_d2h_bandwidth_gbps: Some(engine.host.d2h_gbps),
-        num_storage_blocks: Some(engine.host.storage_blocks),
-        storage_bandwidth_gbps: Some(engine.host.storage_gbps),
-        store_url: None,
-        num_store_blocks: Some(0),
-        store_bandwidth_gbps: Some(engine.host.store_gbps),
-        tier_loads: Some(engine.host.loads),
-        scheduling_policy: Some(engine.scheduling),
-        kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
-        kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
-        kv_transfer_bandwidth_across_nodes: None,
-        node: None,
-        kv_transfer_timing: Some(engine.disagg.timing),
-        kv_hold_timeout: Some(engine.disagg.hold_timeout.as_secs_f64()),
-        kv_load_failure_policy: Some(engine.disagg.load_failure),
     }
 }
