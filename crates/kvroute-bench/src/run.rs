@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use http_body_util::BodyExt;
@@ -24,13 +24,14 @@ use serde_json::{Value, json};
 
 use crate::workload::{BenchRequest, Prompt, Start, Workload, extended_blocks, token_blocks};
 
+mod observe;
 mod types;
+
+use observe::{read_stats, router_figures, settled_stats, spawn_sampler};
 pub use types::*;
 
 /// A request that has not finished after this long is recorded as failed.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
-const SAMPLE_EVERY: Duration = Duration::from_millis(250);
-
 /// What every request of a run shares.
 #[derive(Clone, Debug)]
 struct Driver {
@@ -288,30 +289,8 @@ async fn first_model(base: &str) -> Option<String> {
     list.data.into_iter().next().map(|m| m.id)
 }
 
-async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, bytes::Bytes)> {
-    let (status, body) = tokio::time::timeout(Duration::from_secs(5), client.get(url))
-        .await
-        .context("timed out")??;
-    Ok((status.as_u16(), body))
-}
-
 fn stats_urls(workers: &[WorkerSpec]) -> Vec<String> {
     workers.iter().filter_map(|w| w.url.clone()).collect()
-}
-
-fn stats_url(base: &str) -> String {
-    let base = base.trim_end_matches('/');
-    if base.ends_with("/stats") { base.to_owned() } else { format!("{base}/stats") }
-}
-
-async fn read_stats(client: &HttpClient, urls: &[String]) -> Vec<WorkerStats> {
-    let reads = urls.iter().map(|u| async move {
-        match get(client, &stats_url(u)).await {
-            Ok((200, body)) => serde_json::from_slice(&body).unwrap_or_default(),
-            _ => WorkerStats::default(),
-        }
-    });
-    futures_util::future::join_all(reads).await
 }
 
 /// Requests that run one after another: a head starting at a time, then followers.
@@ -369,11 +348,50 @@ async fn drive(
     let records: Arc<Mutex<Vec<RequestRecord>>> = Arc::new(Mutex::new(Vec::with_capacity(n)));
     let sent = Arc::new(AtomicUsize::new(0));
     let t0 = driver.t0;
+    let handles = spawn_chains(workload, driver, &records, &sent, progress);
+    // Sample the workers while the requests run.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let sampler = spawn_sampler(client.clone(), stats_urls.to_vec(), t0, stop_rx);
+    for h in handles {
+        h.await.context("a request task failed")?;
+    }
+    let wall_secs = tokio::time::Instant::now().saturating_duration_since(t0).as_secs_f64();
+    let _ = stop_tx.send(true);
+    let mut samples = sampler.await.unwrap_or_default();
+    let mut records = std::mem::take(&mut *records.lock().unwrap_or_else(PoisonError::into_inner));
+    records.sort_by_key(|r| r.index);
+    let answered = records.iter().filter(|r| r.error.is_none()).count() as u64;
+    let stats_end = settled_stats(&client, stats_urls, &stats_start, answered).await;
+    samples.push(Sample { t: wall_secs, workers: stats_end.clone() });
+    let (drifts, ttft_error, flow) = router_figures(&client, &driver.bases).await;
+    Ok(RunData {
+        label: label.to_owned(),
+        records,
+        samples,
+        stats_start,
+        stats_end,
+        wall_secs,
+        drifts,
+        ttft_error,
+        flow,
+    })
+}
+
+/// Each chain of the workload (one user's conversation, or one request) as a task of its own,
+/// its records pushed as they end.
+fn spawn_chains(
+    workload: &Workload,
+    driver: &Driver,
+    records: &Arc<Mutex<Vec<RequestRecord>>>,
+    sent: &Arc<AtomicUsize>,
+    progress: &ProgressBar,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let t0 = driver.t0;
     let requests = Arc::new(workload.requests.clone());
     let mut handles = Vec::new();
     for chain in chains(&workload.requests) {
         let (records, sent, requests) =
-            (Arc::clone(&records), Arc::clone(&sent), Arc::clone(&requests));
+            (Arc::clone(records), Arc::clone(sent), Arc::clone(&requests));
         let (driver, progress) = (driver.clone(), progress.clone());
         handles.push(tokio::spawn(async move {
             // A chain is one user's conversation when its requests are turns.
@@ -398,116 +416,7 @@ async fn drive(
             }
         }));
     }
-    // Sample the workers while the requests run.
-    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let sampler = {
-        let (client, urls) = (client.clone(), stats_urls.to_vec());
-        tokio::spawn(async move {
-            let mut samples = Vec::new();
-            let mut tick = tokio::time::interval(SAMPLE_EVERY);
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = stop_rx.changed() => break,
-                }
-                let workers = read_stats(&client, &urls).await;
-                let t = tokio::time::Instant::now().saturating_duration_since(t0).as_secs_f64();
-                samples.push(Sample { t, workers });
-            }
-            samples
-        })
-    };
-    for h in handles {
-        h.await.context("a request task failed")?;
-    }
-    let wall_secs = tokio::time::Instant::now().saturating_duration_since(t0).as_secs_f64();
-    let _ = stop_tx.send(true);
-    let mut samples = sampler.await.unwrap_or_default();
-    let mut records = std::mem::take(&mut *records.lock().unwrap_or_else(PoisonError::into_inner));
-    records.sort_by_key(|r| r.index);
-    // The workers count a request when it finishes, which the client may see a moment
-    // before: wait (briefly, boundedly) until every answered request is counted.
-    let answered = records.iter().filter(|r| r.error.is_none()).count() as u64;
-    let started: u64 = stats_start.iter().map(|s| s.requests_finished).sum();
-    let deadline = Instant::now() + Duration::from_secs(3);
-    let stats_end = loop {
-        let now = read_stats(&client, stats_urls).await;
-        let done: u64 =
-            now.iter().map(|s| s.requests_finished).sum::<u64>().saturating_sub(started);
-        if stats_urls.is_empty() || done >= answered || Instant::now() > deadline {
-            break now;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    samples.push(Sample { t: wall_secs, workers: stats_end.clone() });
-    let mut drifts_seen = None;
-    for base in &driver.bases {
-        if let Some(d) = drifts(&client, base).await {
-            drifts_seen = Some(drifts_seen.unwrap_or(0) + d);
-        }
-    }
-    let drifts = drifts_seen;
-    let ttft_error = match driver.bases.as_slice() {
-        [base] => ttft_error(&client, base).await,
-        _ => None,
-    };
-    let mut flow = std::collections::BTreeMap::new();
-    for base in &driver.bases {
-        for (outcome, n) in flow_outcomes(&client, base).await {
-            *flow.entry(outcome).or_insert(0.0) += n;
-        }
-    }
-    Ok(RunData {
-        label: label.to_owned(),
-        records,
-        samples,
-        stats_start,
-        stats_end,
-        wall_secs,
-        drifts,
-        ttft_error,
-        flow,
-    })
-}
-
-/// What a kvroute front door's flow control did, by outcome (its `/metrics`).
-async fn flow_outcomes(client: &HttpClient, base: &str) -> Vec<(String, f64)> {
-    let url = format!("{}/metrics", base.trim_end_matches('/'));
-    let Ok(Ok((status, body))) =
-        tokio::time::timeout(Duration::from_secs(5), client.get(&url)).await
-    else {
-        return Vec::new();
-    };
-    let text = std::str::from_utf8(&body).ok().filter(|_| status.is_success()).unwrap_or("");
-    let prefix = "kvroute_router_flow_requests_total{";
-    text.lines()
-        .filter_map(|l| l.strip_prefix(prefix))
-        .filter_map(|l| {
-            let outcome = l.split("outcome=\"").nth(1)?.split('"').next()?;
-            Some((outcome.to_owned(), l.rsplit(' ').next()?.parse().ok()?))
-        })
-        .collect()
-}
-
-/// The first-token predictions of a kvroute front door's embedded router, from its
-/// `/metrics`: how many, and their median and 90th percentile relative error.
-async fn ttft_error(client: &HttpClient, base: &str) -> Option<(u64, f64, f64)> {
-    let url = format!("{}/metrics", base.trim_end_matches('/'));
-    let (status, body) =
-        tokio::time::timeout(Duration::from_secs(5), client.get(&url)).await.ok()?.ok()?;
-    let text = std::str::from_utf8(&body).ok().filter(|_| status.is_success())?;
-    let name = "kvroute_router_ttft_prediction_error_ratio";
-    let (n, q) = kvroute_http::metrics::histogram_quantiles(text, name, &[0.5, 0.9])?;
-    Some((n, q[0], q[1]))
-}
-
-/// The drifts a kvroute front door's embedded router counted (its `/workers`).
-async fn drifts(client: &HttpClient, base: &str) -> Option<u64> {
-    let url = format!("{}/workers", base.trim_end_matches('/'));
-    let workers: Value =
-        tokio::time::timeout(Duration::from_secs(5), client.get_json(&url)).await.ok()?.ok()?;
-    let list = workers.get("workers")?.as_array()?;
-    Some(list.iter().filter_map(|w| w.pointer("/checks/drifts")?.as_u64()).sum())
+    handles
 }
 
 /// The path and body of a request; a conversation turn appends its messages to
