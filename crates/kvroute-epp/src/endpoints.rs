@@ -28,12 +28,24 @@ impl Endpoints {
     pub fn of(front: &FrontendState) -> Self {
         let all = front
             .worker_urls()
+            .into_iter()
             .filter_map(|(worker, url)| {
-                let name = host_port(url)?;
+                let name = host_port(&url)?;
                 Some(Endpoint { worker, address: name.clone(), name })
             })
             .collect();
         Self { all }
+    }
+
+    /// These endpoints, each with the address `before` resolved for its name (a worker
+    /// still a member keeps its address until it resolves anew).
+    pub fn keeping(mut self, before: &Endpoints) -> Self {
+        for e in &mut self.all {
+            if let Some(old) = before.all.iter().find(|o| o.name == e.name) {
+                e.address.clone_from(&old.address);
+            }
+        }
+        self
     }
 
     /// The same endpoints with each host name resolved anew (an IPv4 address first); one

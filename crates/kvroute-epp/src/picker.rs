@@ -104,22 +104,30 @@ impl Picker {
     }
 
     /// Resolves the workers' host names to the addresses the gateway names them by (an
-    /// original-destination cluster routes to `ip:port`), now and every `every` until the
-    /// picker is dropped. Workers named by address need none of it.
+    /// original-destination cluster routes to `ip:port`), now, every `every` and whenever the
+    /// fleet's membership changes, until the picker is dropped. Workers named by address need
+    /// none of it. A worker that joined is an endpoint from then on; one that left is not.
     pub fn spawn_resolver(
         self: &Arc<Self>,
         every: std::time::Duration,
     ) -> tokio::task::JoinHandle<()> {
         let weak = Arc::downgrade(self);
+        let mut changes = self.front.watch_workers();
         tokio::spawn(async move {
             while let Some(picker) = weak.upgrade() {
+                let now = Endpoints::of(&picker.front).keeping(&picker.endpoints());
+                picker.set_endpoints(now);
                 let resolved = picker.endpoints().resolved().await;
-                *picker.endpoints.write().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                    Arc::new(resolved);
+                picker.set_endpoints(resolved);
                 drop(picker);
-                tokio::time::sleep(every).await;
+                let _ = tokio::time::timeout(every, changes.changed()).await;
             }
         })
+    }
+
+    fn set_endpoints(&self, endpoints: Endpoints) {
+        *self.endpoints.write().unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Arc::new(endpoints);
     }
 
     /// The workers a request may go to: those of its subset hint (absent: all) that the

@@ -30,7 +30,9 @@ pub fn app(state: Arc<FrontendState>) -> Router {
         .merge(kvroute_http::auth::admin(
             Router::new()
                 .route("/metrics", get(handlers::metrics))
-                .route("/workers", get(handlers::workers))
+                .route("/workers", get(handlers::workers).post(handlers::add_worker))
+                .route("/workers/{id}/drain", post(handlers::drain_worker))
+                .route("/workers/{id}", axum::routing::delete(handlers::remove_worker))
                 .route("/ui/history", get(handlers::history)),
             state.admin.clone(),
             &state.api_keys,

@@ -30,7 +30,7 @@ pub(crate) async fn dispatch(
         .into_iter()
         .flat_map(|w| state.all_ranks(w))
         .collect();
-    if state.placer.disaggregated(state.prefill_workers) {
+    if state.placer.disaggregated(state.workers().prefill_workers) {
         return crate::pair::dispatch_pair(state, out, excluded).await;
     }
     // Flow control admits a request once; placed again after a worker failed it, it is not
@@ -45,12 +45,12 @@ pub(crate) async fn dispatch(
         };
         let guard = InFlight::new(state, id);
         let worker = placement.worker;
-        let Some(base) = state.urls.get(&worker.worker_id) else {
+        let Some(base) = state.workers().url(worker.worker_id).map(str::to_owned) else {
             excluded.push(worker);
             continue;
         };
         if let Some(adapter) = out.place.adapter.as_deref()
-            && !state.ensure_adapter(worker.worker_id, base, adapter).await
+            && !state.ensure_adapter(worker.worker_id, &base, adapter).await
         {
             excluded.extend(state.all_ranks(worker.worker_id));
             continue;

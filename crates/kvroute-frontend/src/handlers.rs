@@ -10,7 +10,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Extension, State};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use base64::Engine as _;
 use kvroute_http::ApiError;
@@ -238,6 +238,46 @@ pub(crate) async fn workers(State(state): State<Arc<FrontendState>>) -> Json<Val
     Json(json!({"health": health, "workers": view["workers"],
         "recent_decisions": view["recent_decisions"], "ttft_predictions": view["ttft_predictions"],
         "nats": view["nats"]}))
+}
+
+type Membership = Result<(StatusCode, Json<Value>), ApiError>;
+
+/// The embedded router, whose membership the front door's API changes.
+fn membership(state: &FrontendState) -> Result<&Arc<kvroute_router::RouterState>, ApiError> {
+    match &state.placer {
+        crate::placer::Placer::Embedded(router) => Ok(router),
+        crate::placer::Placer::Remote(_) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "the fleet's membership is the remote router's: change it there (POST /workers)",
+        )),
+    }
+}
+
+/// `POST /workers`: a worker joins (`kvroute_router::members::api::add`).
+pub(crate) async fn add_worker(
+    State(state): State<Arc<FrontendState>>,
+    body: axum::body::Bytes,
+) -> Membership {
+    let (status, body) = kvroute_router::members::api::add(membership(&state)?, &body)?;
+    Ok((status, Json(body)))
+}
+
+/// `POST /workers/{id}/drain`.
+pub(crate) async fn drain_worker(
+    State(state): State<Arc<FrontendState>>,
+    axum::extract::Path(id): axum::extract::Path<u64>,
+) -> Membership {
+    let (status, body) = kvroute_router::members::api::drain_one(membership(&state)?, id)?;
+    Ok((status, Json(body)))
+}
+
+/// `DELETE /workers/{id}`.
+pub(crate) async fn remove_worker(
+    State(state): State<Arc<FrontendState>>,
+    axum::extract::Path(id): axum::extract::Path<u64>,
+) -> Membership {
+    let (status, body) = kvroute_router::members::api::remove_one(membership(&state)?, id)?;
+    Ok((status, Json(body)))
 }
 
 /// Liveness; with an embedded router, its state (NATS away is degraded, not down).

@@ -62,6 +62,16 @@ impl Health {
         Self { workers: Mutex::new(map) }
     }
 
+    /// A worker joined: in rotation.
+    pub fn add(&self, worker: WorkerId) {
+        self.lock().entry(worker).or_default();
+    }
+
+    /// A worker left.
+    pub fn remove(&self, worker: WorkerId) {
+        self.lock().remove(&worker);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<WorkerId, WorkerHealth>> {
         self.workers.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -171,7 +171,7 @@ pub(crate) async fn post(
     edit: Option<Edit<'_>>,
     timeout: std::time::Duration,
 ) -> Result<Result<(Head, Option<Dialect>), HopFailure>, ApiError> {
-    let Some(base) = state.urls.get(&worker) else {
+    let Some(base) = state.workers().url(worker).map(str::to_owned) else {
         return Err(ApiError::internal("a placed worker has no URL"));
     };
     let Hop { path, body, tokens: from } = state.hop(worker, out);
@@ -183,7 +183,7 @@ pub(crate) async fn post(
         .header(header::CONTENT_TYPE, "application/json")
         .body(Full::new(body))
         .map_err(ApiError::internal)?;
-    Ok(match tokio::time::timeout(timeout, state.client.send(request)).await {
+    Ok(match tokio::time::timeout(timeout, state.client().send(request)).await {
         Ok(Ok(r)) => Ok((r, from)),
         Ok(Err(e)) if e.is_connect() => Err((Failure::Connect, e)),
         Ok(Err(e)) => Err((Failure::Broken, e)),
@@ -222,7 +222,7 @@ impl FrontendState {
 impl FrontendState {
     /// How `out` goes to `worker`, in the worker's dialect.
     pub(crate) fn hop(&self, worker: WorkerId, out: &Outbound) -> Hop {
-        let dialect = self.dialects.get(&worker).copied().unwrap_or_default();
+        let dialect = self.dialect(worker);
         let as_sent = || Hop { path: out.path, body: out.body.clone(), tokens: None };
         if !dialect.sends_tokens() {
             return as_sent();

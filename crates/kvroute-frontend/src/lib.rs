@@ -37,6 +37,7 @@ pub mod parity;
 pub mod pick;
 mod placer;
 mod probes;
+mod roster;
 mod state;
 pub mod transfer;
 mod translate;

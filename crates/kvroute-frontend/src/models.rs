@@ -19,7 +19,8 @@ impl FrontendState {
     /// Reads every worker's model list; a worker that does not answer keeps what it listed
     /// last (unknown at first: taken to serve any adapter).
     pub async fn discover_models(self: &Arc<Self>) {
-        let reads = self.urls.iter().map(|(&worker, base)| {
+        let workers = self.workers();
+        let reads = workers.urls.iter().map(|(&worker, base)| {
             let state = Arc::clone(self);
             let url = format!("{base}/v1/models");
             async move { (worker, state.adapters_listed(&url).await) }
@@ -41,7 +42,8 @@ impl FrontendState {
 
     /// The adapters one worker lists over the base model; `None` when it did not answer.
     async fn adapters_listed(&self, url: &str) -> Option<BTreeSet<String>> {
-        let read = tokio::time::timeout(PROBE_TIMEOUT, self.client.get_json::<ModelList>(url));
+        let client = self.client();
+        let read = tokio::time::timeout(PROBE_TIMEOUT, client.get_json::<ModelList>(url));
         let list = read.await.ok()?.ok()?;
         Some(list.adapters_of(self.models.base()).into_iter().collect())
     }
@@ -84,7 +86,8 @@ impl FrontendState {
             .unwrap_or_else(|| adapter.to_owned());
         let body = serde_json::json!({"lora_name": adapter, "lora_path": path});
         let url = format!("{base}/v1/load_lora_adapter");
-        let call = self.client.call(axum::http::Method::POST, &url, Some(&body));
+        let client = self.client();
+        let call = client.call(axum::http::Method::POST, &url, Some(&body));
         let loaded = match tokio::time::timeout(PROBE_TIMEOUT, call).await {
             Ok(Ok(r)) => r.status().is_success(),
             _ => false,

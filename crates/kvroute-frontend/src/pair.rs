@@ -418,7 +418,7 @@ async fn prefill_answer(
     body: Bytes,
     timeout: Duration,
 ) -> Result<Result<Value, ApiError>, HopFailure> {
-    let Some(base) = state.urls.get(&worker) else {
+    let Some(base) = state.workers().url(worker).map(str::to_owned) else {
         return Ok(Err(ApiError::internal("a placed worker has no URL")));
     };
     let request = hyper::Request::post(format!("{base}{path}"))
@@ -429,7 +429,7 @@ async fn prefill_answer(
         Err(e) => return Ok(Err(ApiError::internal(e))),
     };
     let started = Instant::now();
-    let response = match tokio::time::timeout(timeout, state.client.send(request)).await {
+    let response = match tokio::time::timeout(timeout, state.client().send(request)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) if e.is_connect() => return Err((Failure::Connect, e)),
         Ok(Err(e)) => return Err((Failure::Broken, e)),

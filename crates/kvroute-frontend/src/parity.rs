@@ -77,7 +77,7 @@ pub enum Retry {
 /// [`Placer`]); `Ok(None)` when there is nothing to probe (no URL), `Err` when it cannot be
 /// probed now (the caller tries again after a backoff, and records why).
 pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Option<Parity>, Retry> {
-    let Some(base) = state.urls.get(&worker) else {
+    let Some(base) = state.workers().url(worker).map(str::to_owned) else {
         return Ok(None);
     };
     let placer = &state.placer;
@@ -99,7 +99,7 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
         probes.push(image_probe(state, worker, nonce).ok_or(Retry::Unprepared)?);
     }
     // Each probe goes as a request would: in the worker's dialect when it carries it.
-    let dialect = state.dialects.get(&worker).copied().unwrap_or_default();
+    let dialect = state.dialect(worker);
     for p in &probes {
         let tokens =
             dialect::tokens_body(dialect, &p.body, &p.prepared, &Default::default(), false);
@@ -208,7 +208,8 @@ async fn run(
     let placer = &state.placer;
     let conversion = async || Some(placer.worker(worker).await.ok()??.conversion);
     let before = conversion().await?;
-    let answer = state.client.post_json::<Value>(url, &body);
+    let client = state.client();
+    let answer = client.post_json::<Value>(url, &body);
     match tokio::time::timeout(PROBE_WAIT, answer).await {
         Ok(Ok(_)) => {}
         Ok(Err(ClientError::Status { status, message, .. })) if status.is_client_error() => {

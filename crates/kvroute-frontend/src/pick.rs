@@ -161,13 +161,14 @@ impl FrontendState {
         out: &Outbound,
         allowed: Option<&BTreeSet<WorkerId>>,
     ) -> Result<Picked, ApiError> {
-        let mut excluded: Vec<WorkerWithDpRank> = self
+        let workers = self.workers();
+        let mut excluded: Vec<WorkerWithDpRank> = workers
             .urls
             .keys()
             .filter(|w| allowed.is_some_and(|a| !a.contains(w)) || self.health.is_ejected(**w))
             .flat_map(|&w| self.all_ranks(w))
             .collect();
-        if self.placer.disaggregated(self.prefill_workers) {
+        if self.placer.disaggregated(workers.prefill_workers) {
             return self.pick_pair(out, excluded).await;
         }
         let mut request = out.place.clone();
@@ -180,8 +181,7 @@ impl FrontendState {
             };
             let guard = InFlight::new(self, id);
             let worker = placement.worker.worker_id;
-            if let (Some(adapter), Some(base)) =
-                (out.place.adapter.as_deref(), self.urls.get(&worker))
+            if let (Some(adapter), Some(base)) = (out.place.adapter.as_deref(), workers.url(worker))
                 && !self.ensure_adapter(worker, base, adapter).await
             {
                 excluded.extend(self.all_ranks(worker));
@@ -231,6 +231,7 @@ impl FrontendState {
         let worker = placement.worker.worker_id;
         // The others in rotation, in order after the one placed.
         let others: Vec<WorkerId> = self
+            .workers()
             .urls
             .keys()
             .copied()
@@ -262,8 +263,8 @@ impl FrontendState {
     }
 
     /// Each worker's base URL (`http://host:port`), the gateway's endpoints.
-    pub fn worker_urls(&self) -> impl Iterator<Item = (WorkerId, &str)> {
-        self.urls.iter().map(|(w, u)| (*w, u.as_str()))
+    pub fn worker_urls(&self) -> Vec<(WorkerId, String)> {
+        self.workers().urls.iter().map(|(w, u)| (*w, u.clone())).collect()
     }
 
     /// Who sent a request, by the API key in its `authorization` header (as the front door's

@@ -9,6 +9,10 @@ use kvroute_core::WorkerId;
 use crate::health::Failure;
 use crate::{FrontendState, HEALTH_INTERVAL, PROBE_BACKOFF_MAX, PROBE_TIMEOUT, parity};
 
+/// How long a joining worker's parity probe waits for its event subscription.
+const JOIN_PROBE_WAIT: Duration = Duration::from_secs(5);
+const JOIN_PROBE_POLL: Duration = Duration::from_millis(50);
+
 impl FrontendState {
     fn probes_left(&self) -> Vec<WorkerId> {
         match self.options.parity_probe {
@@ -76,7 +80,8 @@ impl FrontendState {
                     let state = Arc::clone(&state);
                     tokio::spawn(async move { state.discover_models().await });
                 }
-                let checks = state.urls.iter().map(|(&worker, base)| {
+                let workers = state.workers();
+                let checks = workers.urls.iter().map(|(&worker, base)| {
                     let state = Arc::clone(&state);
                     let url = format!("{base}/health");
                     async move { (worker, state.probe(&url).await) }
@@ -103,26 +108,48 @@ impl FrontendState {
                         async move { (worker, parity::probe(&state, worker).await) }
                     });
                 for (worker, outcome) in futures_util::future::join_all(probes).await {
-                    match outcome {
-                        Ok(Some(_)) => {
-                            if let Ok(mut to_probe) = state.to_probe.lock() {
-                                to_probe.remove(&worker);
-                            }
-                            state.probe_retries.lock().map(|mut r| r.remove(&worker)).ok();
-                            state.probed.notify_waiters();
-                        }
-                        Ok(None) => {}
-                        Err(why) => state.probe_later(worker, &why),
-                    }
+                    state.probe_made(worker, outcome);
                 }
             }
         })
     }
 
+    fn probe_made(
+        &self,
+        worker: WorkerId,
+        outcome: Result<Option<kvroute_router::Parity>, parity::Retry>,
+    ) {
+        match outcome {
+            Ok(Some(_)) => {
+                if let Ok(mut to_probe) = self.to_probe.lock() {
+                    to_probe.remove(&worker);
+                }
+                self.probe_retries.lock().map(|mut r| r.remove(&worker)).ok();
+                self.probed.notify_waiters();
+            }
+            Ok(None) => {}
+            Err(why) => self.probe_later(worker, &why),
+        }
+    }
+
+    /// Probes a worker that just joined as soon as its events are connected (within
+    /// [`JOIN_PROBE_WAIT`]; the health tick tries again after that).
+    pub(crate) async fn probe_joined(self: &Arc<Self>, worker: WorkerId) {
+        let deadline = tokio::time::Instant::now() + JOIN_PROBE_WAIT;
+        loop {
+            match parity::probe(self, worker).await {
+                Err(parity::Retry::NotSubscribed) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(JOIN_PROBE_POLL).await;
+                }
+                outcome => return self.probe_made(worker, outcome),
+            }
+        }
+    }
+
     /// One health check: `Err(Connect)` when the connection is refused, `Err(Probe)` for no
     /// or a bad answer in time.
     async fn probe(&self, url: &str) -> Result<(), Failure> {
-        match tokio::time::timeout(PROBE_TIMEOUT, self.client.get(url)).await {
+        match tokio::time::timeout(PROBE_TIMEOUT, self.client().get(url)).await {
             Ok(Ok((status, _))) if status.is_success() => Ok(()),
             Ok(Err(e)) if e.is_connect() => Err(Failure::Connect),
             _ => Err(Failure::Probe),

@@ -2,8 +2,8 @@
 //! and the decisions that read it.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use kvroute_core::{BlockSize, WorkerId, WorkerWithDpRank};
@@ -19,6 +19,7 @@ use crate::health;
 use crate::metrics::Metrics;
 use crate::options::{FrontDoorOptions, namespaced_session};
 use crate::placer::{Placer, RemoteRouter};
+use crate::roster::Workers;
 
 use health::{Failure, Health};
 
@@ -27,17 +28,15 @@ pub struct FrontendState {
     pub fetcher: Fetcher,
     pub placer: Placer,
     pub(crate) block_size: BlockSize,
-    pub(crate) urls: BTreeMap<WorkerId, String>,
-    /// The workers configured with KV events (a restarted one is parity-probed again).
-    pub(crate) evented: std::collections::BTreeSet<WorkerId>,
-    /// How each worker is spoken to (absent: the client's OpenAI body).
-    pub(crate) dialects: BTreeMap<WorkerId, Dialect>,
-    /// Each worker's data-parallel ranks (all are excluded when it is ejected).
-    pub(crate) ranks: BTreeMap<WorkerId, u32>,
+    /// The workers spoken to now, replaced as a whole when the membership changes.
+    workers: RwLock<Arc<Workers>>,
     pub health: Health,
     /// What the settings chose ([`FrontendState::with_options`]).
     pub(crate) options: FrontDoorOptions,
-    pub(crate) client: HttpClient,
+    /// The client every worker's client shares its connections with.
+    base_client: HttpClient,
+    /// Counts the membership's changes, for who follows them (the picker's endpoints).
+    changes: tokio::sync::watch::Sender<u64>,
     pub(crate) next_id: AtomicU64,
     pub(crate) metrics: Metrics,
     pub(crate) api_keys: Credentials,
@@ -56,11 +55,6 @@ pub struct FrontendState {
     pub(crate) configured_adapters: Vec<(String, Option<String>)>,
     /// What each worker listed in its `/v1/models`, when last read.
     pub(crate) listed: std::sync::Mutex<BTreeMap<WorkerId, std::collections::BTreeSet<String>>>,
-    /// Each SGLang prefill worker's bootstrap host and port.
-    pub(crate) bootstraps: BTreeMap<WorkerId, (String, u16)>,
-    /// Some worker is a prefill worker (`--worker role=prefill`): with a remote router,
-    /// requests are placed in pairs.
-    pub(crate) prefill_workers: bool,
     /// Mixed into SGLang bootstrap rooms, so two front doors draw different ones.
     pub(crate) room_salt: u64,
     /// What the status page's chart draws ([`FrontendState::spawn_history`]).
@@ -74,31 +68,8 @@ pub struct FrontendState {
 
 impl std::fmt::Debug for FrontendState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FrontendState").field("urls", &self.urls).finish_non_exhaustive()
+        f.debug_struct("FrontendState").field("urls", &self.workers().urls).finish_non_exhaustive()
     }
-}
-
-fn urls(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, String> {
-    workers
-        .iter()
-        .filter_map(|w| w.url.as_ref().map(|u| (w.id, u.trim_end_matches('/').to_owned())))
-        .collect()
-}
-
-/// Each prefill worker's bootstrap host (its URL's) and port, when it has one.
-fn bootstraps(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, (String, u16)> {
-    workers
-        .iter()
-        .filter_map(|w| {
-            let url: hyper::Uri = w.url.as_deref()?.parse().ok()?;
-            let host = url.host()?.trim_start_matches('[').trim_end_matches(']').to_owned();
-            Some((w.id, (host, w.bootstrap_port?)))
-        })
-        .collect()
-}
-
-fn ranks(workers: &[WorkerSpec]) -> BTreeMap<WorkerId, u32> {
-    workers.iter().map(|w| (w.id, w.dp_size)).collect()
 }
 
 impl FrontendState {
@@ -134,38 +105,28 @@ impl FrontendState {
     ) -> Self {
         let max_model_len =
             preprocessor.max_model_len().unwrap_or(kvroute_http::openai::DEFAULT_MAX_MODEL_LEN);
+        let base_client = HttpClient::new();
+        let roster = Workers::new(workers, &base_client);
         Self {
             fetcher,
             placer,
             block_size,
-            urls: urls(workers),
-            evented: workers.iter().filter(|w| w.events.is_some()).map(|w| w.id).collect(),
-            dialects: workers.iter().map(|w| (w.id, w.dialect)).collect(),
-            ranks: ranks(workers),
-            health: Health::new(workers.iter().filter(|w| w.url.is_some()).map(|w| w.id)),
+            health: Health::new(roster.urls.keys().copied()),
+            to_probe: std::sync::Mutex::new(roster.probed().collect()),
+            workers: RwLock::new(Arc::new(roster)),
             options: FrontDoorOptions::default(),
-            client: kvroute_router::workers_client(workers),
+            base_client,
+            changes: tokio::sync::watch::Sender::new(0),
             next_id: AtomicU64::new(0),
             metrics: Metrics::new(),
             api_keys: Credentials::default(),
             admin: Credentials::default(),
             probe_retries: std::sync::Mutex::default(),
-            to_probe: std::sync::Mutex::new(
-                workers
-                    .iter()
-                    .filter(|w| w.url.is_some() && w.events.is_some())
-                    .map(|w| w.id)
-                    .collect(),
-            ),
             probed: tokio::sync::Notify::new(),
             max_model_len,
             models: Catalog::new(preprocessor.model_name(), Some(max_model_len)),
             configured_adapters: Vec::new(),
             listed: std::sync::Mutex::default(),
-            bootstraps: bootstraps(workers),
-            prefill_workers: workers
-                .iter()
-                .any(|w| w.role == kvroute_core::schedule::Role::Prefill),
             room_salt: std::hash::BuildHasher::hash_one(
                 &std::collections::hash_map::RandomState::new(),
                 0u8,
@@ -240,20 +201,87 @@ impl FrontendState {
         namespaced_session(self.options.namespace_per_key, key, session)
     }
 
+    /// The workers spoken to now (one snapshot: read it once per decision).
+    pub(crate) fn workers(&self) -> Arc<Workers> {
+        Arc::clone(&self.workers.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The membership changed: `workers` (draining ones included, until they leave) are the
+    /// ones spoken to from now on. A newcomer is in the health checks and, with events, due
+    /// for its parity probe; one gone leaves both.
+    pub fn set_workers(&self, workers: &[WorkerSpec]) -> Vec<WorkerId> {
+        let mut joined = Vec::new();
+        let roster = Arc::new(Workers::new(workers, &self.base_client));
+        let old = std::mem::replace(
+            &mut *self.workers.write().unwrap_or_else(PoisonError::into_inner),
+            Arc::clone(&roster),
+        );
+        for &gone in old.urls.keys().filter(|w| !roster.urls.contains_key(w)) {
+            self.health.remove(gone);
+            self.to_probe.lock().map(|mut p| p.remove(&gone)).ok();
+            self.probe_retries.lock().map(|mut r| r.remove(&gone)).ok();
+            self.forget_models(gone);
+        }
+        for &new in roster.urls.keys().filter(|w| !old.urls.contains_key(w)) {
+            self.health.add(new);
+            if roster.evented.contains(&new) {
+                self.to_probe.lock().map(|mut p| p.insert(new)).ok();
+                joined.push(new);
+            }
+        }
+        self.changes.send_modify(|n| *n += 1);
+        joined
+    }
+
+    /// Sees each change of the workers spoken to ([`Self::set_workers`]).
+    pub fn watch_workers(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Follows the embedded router's membership until the front door is dropped: each change
+    /// becomes the workers spoken to, and a newcomer's parity probe is made at once (not at
+    /// the next health tick). Nothing to follow with a remote router.
+    pub fn spawn_follow(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        let roster = match &self.placer {
+            Placer::Embedded(router) => Some(router.roster.subscribe()),
+            Placer::Remote(_) => None,
+        };
+        tokio::spawn(async move {
+            let Some(mut roster) = roster else { return };
+            while roster.changed().await.is_ok() {
+                let members = roster.borrow_and_update().clone();
+                let Some(state) = weak.upgrade() else { return };
+                let specs: Vec<WorkerSpec> = members.iter().map(|m| m.spec.clone()).collect();
+                for worker in state.set_workers(&specs) {
+                    if state.options.parity_probe {
+                        let state = Arc::clone(&state);
+                        tokio::spawn(async move { state.probe_joined(worker).await });
+                    }
+                }
+            }
+        })
+    }
+
+    /// The client that sends to the workers (each with its own token).
+    pub(crate) fn client(&self) -> HttpClient {
+        self.workers().client.clone()
+    }
+
     /// How a worker is spoken to.
     pub(crate) fn dialect(&self, worker: WorkerId) -> Dialect {
-        self.dialects.get(&worker).copied().unwrap_or_default()
+        self.workers().dialects.get(&worker).copied().unwrap_or_default()
     }
 
     /// A prefill worker's SGLang bootstrap host and port.
     pub(crate) fn bootstrap(&self, worker: WorkerId) -> Option<(String, u16)> {
-        self.bootstraps.get(&worker).cloned()
+        self.workers().bootstraps.get(&worker).cloned()
     }
 
     /// The tokens dialects some worker speaks (a request is made a body in each).
     pub(crate) fn tokens_dialects(&self) -> Vec<Dialect> {
         let mut dialects: Vec<Dialect> =
-            self.dialects.values().copied().filter(|d| d.sends_tokens()).collect();
+            self.workers().dialects.values().copied().filter(|d| d.sends_tokens()).collect();
         dialects.sort_unstable_by_key(|d| *d as u8);
         dialects.dedup();
         dialects
@@ -264,7 +292,7 @@ impl FrontendState {
         &self,
         worker: WorkerId,
     ) -> impl Iterator<Item = WorkerWithDpRank> + use<> {
-        let n = self.ranks.get(&worker).copied().unwrap_or(1);
+        let n = self.workers().ranks.get(&worker).copied().unwrap_or(1);
         (0..n).map(move |r| WorkerWithDpRank::new(worker, r))
     }
 
@@ -283,7 +311,7 @@ impl FrontendState {
             self.placer.forget_blocks(worker);
             self.forget_models(worker);
             // Whatever comes back on its port is probed again.
-            let probed = self.evented.contains(&worker);
+            let probed = self.workers().evented.contains(&worker);
             if let (true, Ok(mut to_probe)) = (probed, self.to_probe.lock()) {
                 to_probe.insert(worker);
             }
@@ -294,6 +322,10 @@ impl FrontendState {
     #[must_use]
     pub fn with_options(mut self, options: FrontDoorOptions) -> Self {
         self.options = options;
+        if let (true, Placer::Embedded(router)) = (self.options.parity_probe, &self.placer) {
+            // Workers joining later wait for their probe before they are candidates.
+            router.roster.set_probed();
+        }
         self
     }
 

@@ -378,7 +378,7 @@ impl RouterConfig {
 }
 
 impl WorkerSpec {
-    fn validate(&self, max_dp_size: u32) -> Result<(), WorkerError> {
+    pub(crate) fn validate(&self, max_dp_size: u32) -> Result<(), WorkerError> {
         for endpoint in [&self.events, &self.replay].into_iter().flatten() {
             if !endpoint.starts_with("tcp://") {
                 return Err(WorkerError::Endpoint(endpoint.clone()));

@@ -9,6 +9,7 @@
 //! | `POST /debug/inject_event` | one Stored block: `{worker_id, tokens_hash, block_hash?, mm_extra_info?}` |
 //! | `GET /debug/tree_info` | `{"num_blocks", "events": first 20 dumped events}` |
 //! | `GET /workers`, `GET /metrics`, `GET /health` | status, Prometheus text, liveness |
+//! | `POST /workers`, `POST /workers/{id}/drain`, `DELETE /workers/{id}` | membership: a worker joins, drains, leaves ([`crate::members::api`]) |
 //!
 //! With an admin token, every route but `/health` needs it (`Authorization: Bearer`): the
 //! index, the in-flight accounting and the fleet's status are the router's to change and to
@@ -76,12 +77,14 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         .route(router_api::EVENTS, post(events))
         .route(router_api::INJECT_EVENT, post(inject_event))
         .route(router_api::TREE_INFO, get(tree_info))
-        .route(router_api::WORKERS, get(workers))
         .route("/metrics", get(metrics))
         .route(router_api::OVERLAPS, post(overlaps))
         .route("/workers/{id}/parity", axum::routing::put(parity))
         .route("/workers/{id}/adapters", axum::routing::put(adapters))
         .route("/workers/{id}/forget", post(forget))
+        .route(router_api::WORKERS, get(workers).post(add_worker))
+        .route("/workers/{id}/drain", post(drain_worker))
+        .route("/workers/{id}", delete(remove_worker))
         .route("/ui/history", get(history));
     let routes = kvroute_http::auth::require(routes, admin)
         .route("/health", get(health))
@@ -475,4 +478,21 @@ async fn forget(State(api): ApiState, Path(id): Path<u64>) -> Result<StatusCode,
     let worker = known_worker(&api, id)?;
     api.state.forget_blocks(worker);
     Ok(StatusCode::NO_CONTENT)
+}
+
+type Answer = Result<(StatusCode, Json<serde_json::Value>), ApiError>;
+
+/// `POST /workers`: a worker joins (see [`crate::members::api::add`]).
+async fn add_worker(State(api): ApiState, body: Bytes) -> Answer {
+    crate::members::api::add(&api.state, &body).map(|(s, v)| (s, Json(v)))
+}
+
+/// `POST /workers/{id}/drain`.
+async fn drain_worker(State(api): ApiState, Path(id): Path<u64>) -> Answer {
+    crate::members::api::drain_one(&api.state, id).map(|(s, v)| (s, Json(v)))
+}
+
+/// `DELETE /workers/{id}`.
+async fn remove_worker(State(api): ApiState, Path(id): Path<u64>) -> Answer {
+    crate::members::api::remove_one(&api.state, id).map(|(s, v)| (s, Json(v)))
 }

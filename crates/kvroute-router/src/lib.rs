@@ -20,8 +20,10 @@ mod error;
 pub mod http;
 pub mod links;
 pub mod load;
+pub mod members;
 pub mod metrics;
 pub mod nats;
+mod plane;
 pub mod state;
 pub mod stream;
 pub mod subscriber;
@@ -58,25 +60,20 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
     }
     let mut tasks = Vec::new();
     let events_via = state.config.nats.as_ref().map(|n| n.events).unwrap_or_default();
-    let subscribes = events_via != nats::EventsVia::Stream
-        && state.config.workers.iter().any(|w| w.events.is_some());
-    let plane = match subscribes {
-        true => Some(tasks::EventPlane::start()?),
-        false => None,
-    };
-    if let (nats::EventsVia::Zmq, Some(plane)) = (events_via, &plane) {
-        for sub in subscriber::subscriptions(state) {
-            tasks.push(plane.spawn(subscriber::run(Arc::clone(state), sub)));
+    for spec in &state.config.workers {
+        if events_via == nats::EventsVia::Zmq {
+            // Its subscriptions and load reader are its own: stopped when it leaves.
+            members::start_tasks(state, spec)?;
+        } else if let Some(metrics) = &spec.metrics {
+            tasks.push(tokio::spawn(load::run(Arc::clone(state), spec.id, metrics.clone())));
         }
     }
     if let Some(config) = &state.config.nats {
-        // The relay starts the subscriptions itself, once it knows where the stream ends.
-        tasks.extend(nats::spawn(state, config.clone(), plane.clone()));
-    }
-    for spec in &state.config.workers {
-        if let Some(metrics) = &spec.metrics {
-            tasks.push(tokio::spawn(load::run(Arc::clone(state), spec.id, metrics.clone())));
-        }
+        // A relay starts the subscriptions itself, once it knows where the stream ends.
+        let relays = events_via == nats::EventsVia::Relay
+            && state.config.workers.iter().any(|w| w.events.is_some());
+        let plane = if relays { Some(state.roster.plane()?) } else { None };
+        tasks.extend(nats::spawn(state, config.clone(), plane));
     }
     if state.fleet.has_approximate() {
         let approx = Arc::clone(state);
@@ -117,7 +114,7 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
             }
         }));
     }
-    Ok(Tasks::new(tasks, plane))
+    Ok(Tasks::new(tasks, Arc::clone(state)))
 }
 
 /// Serves the HTTP API, open (no admin token), on `listener` until `shutdown` resolves.

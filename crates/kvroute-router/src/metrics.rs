@@ -6,15 +6,15 @@
 use std::time::Duration;
 
 use kvroute_core::WorkerWithDpRank;
-use kvroute_http::metrics::{
-    Counter, CounterOf, EncodeLabelSet, Family, Gauge, Histogram, Registry,
-};
+use kvroute_http::metrics::{Counter, CounterOf, Family, Gauge, Histogram, Registry};
 use kvroute_wire::ConvertStats;
 
 mod flow;
 mod kinds;
+mod labels;
 pub use flow::{FLOW_REQUESTS, FLOW_WAIT_SECONDS, FLOW_WAITING, FlowMetrics, FlowOutcome};
 pub use kinds::EventKind;
+pub use labels::*;
 
 pub const EVENTS: &str = "kvroute_router_events";
 pub const REJECTED: &str = "kvroute_router_events_rejected";
@@ -60,98 +60,7 @@ pub const TTFT_ERROR: &str = "kvroute_router_ttft_prediction_error_ratio";
 pub const TTFT_PREDICTED: &str = "kvroute_router_ttft_predicted_seconds";
 pub const TTFT_OBSERVED: &str = "kvroute_router_ttft_observed_seconds";
 pub const TTFT_CORRECTION: &str = "kvroute_router_ttft_correction";
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct EventLabels {
-    pub kind: &'static str,
-    /// `ok`, or `error` when the index refused the event.
-    pub status: &'static str,
-}
-
-/// What session affinity did with a request, a label of [`SESSION_REQUESTS`].
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct AffinityLabels {
-    pub affinity: &'static str,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct SocketLabels {
-    pub socket: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabels {
-    pub reason: &'static str,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct OutcomeLabels {
-    pub outcome: &'static str,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct WorkerLabels {
-    pub worker_id: u64,
-    pub dp_rank: u32,
-}
-
-impl From<WorkerWithDpRank> for WorkerLabels {
-    fn from(w: WorkerWithDpRank) -> Self {
-        Self { worker_id: w.worker_id.0, dp_rank: w.dp_rank.0 }
-    }
-}
-
-/// Where a worker's blocks come from, a label of [`WORKER_BLOCKS`].
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct BlocksLabels {
-    pub worker_id: u64,
-    pub dp_rank: u32,
-    pub mode: &'static str,
-}
-
-/// A worker rank and a tier below its device, a label of [`WORKER_TIER_BLOCKS`].
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct TierLabels {
-    pub worker_id: u64,
-    pub dp_rank: u32,
-    pub tier: &'static str,
-}
-
-/// What conversion did with an engine's blocks, a label of [`CONVERTED`].
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct ConvertLabels {
-    pub worker_id: u64,
-    pub outcome: &'static str,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct WorkerIdLabels {
-    pub worker_id: u64,
-}
-
-/// A prediction's outcome, a label of [`PREDICTIONS`].
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct PredictionLabels {
-    pub worker_id: u64,
-    /// `exact`, `over` (predicted more than served) or `under`.
-    pub outcome: &'static str,
-}
-
-/// An answer predicted to load from a lower tier, a label of [`TIER_PREDICTIONS`].
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct TierPredictionLabels {
-    pub worker_id: u64,
-    /// `host`, `disk` or `external` (the shared store).
-    pub tier: &'static str,
-    pub outcome: &'static str,
-}
-
-/// Tokens predicted from a lower tier, a label of [`TIER_TOKENS`].
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct TierTokenLabels {
-    pub worker_id: u64,
-    pub tier: &'static str,
-}
+pub const MEMBERSHIP: &str = "kvroute_router_membership_changes";
 
 /// Upper bounds (tokens) of the prediction-error histogram.
 const ERROR_BUCKETS: [f64; 8] = [0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0];
@@ -230,6 +139,7 @@ pub struct Metrics {
     ttft_observed: Family<WorkerLabels, Histogram>,
     pub ttft_correction: Family<WorkerLabels, kvroute_http::metrics::FloatGauge>,
     pub flow_metrics: FlowMetrics,
+    membership: Family<MemberLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -267,6 +177,7 @@ impl Metrics {
             ttft_observed: Family::new_with_constructor(|| Histogram::new(TTFT_BUCKETS)),
             ttft_correction: Family::default(),
             flow_metrics: FlowMetrics::new(),
+            membership: Family::default(),
             worker_ready: Family::default(),
             worker_blocks: Family::default(),
             worker_tier_blocks: Family::default(),
@@ -414,6 +325,11 @@ impl Metrics {
         m.register_first_tokens(&mut r);
         m.register_replicas(&mut r);
         m.flow_metrics.register(&mut r);
+        r.register(
+            MEMBERSHIP,
+            "Workers that joined, drained, were removed or were refused, by the source that asked",
+            m.membership.clone(),
+        );
         Self { registry: r, ..m }
     }
 
@@ -574,7 +490,55 @@ impl Metrics {
         self.worker_decisions.get_or_create(&worker.into()).inc();
     }
 
-    /// Adds what conversion did with `worker`'s blocks since `before`.
+    /// Drops every label set of a worker that left the fleet (its `dp_size` ranks): a
+    /// scrape no longer shows it.
+    pub fn forget_worker(&self, worker: kvroute_core::WorkerId, dp_size: u32) {
+        let worker_id = worker.0;
+        let id = WorkerIdLabels { worker_id };
+        for f in [&self.drifts, &self.prompt_tokens, &self.cached_tokens, &self.predicted_tokens] {
+            f.remove(&id);
+        }
+        for f in [&self.worker_drifted, &self.worker_silent] {
+            f.remove(&id);
+        }
+        self.prediction_error.remove(&id);
+        for outcome in PREDICTION_OUTCOMES {
+            self.predictions.remove(&PredictionLabels { worker_id, outcome });
+        }
+        for (outcome, _) in ConvertStats::default().counts() {
+            self.converted.remove(&ConvertLabels { worker_id, outcome });
+        }
+        for tier in kvroute_core::StorageTier::LOWER.map(|t| t.name()) {
+            self.tier_tokens.remove(&TierTokenLabels { worker_id, tier });
+            for outcome in PREDICTION_OUTCOMES {
+                self.tier_predictions.remove(&TierPredictionLabels { worker_id, tier, outcome });
+            }
+        }
+        for dp_rank in 0..dp_size {
+            let w = WorkerLabels { worker_id, dp_rank };
+            self.worker_decisions.remove(&w);
+            self.worker_ready.remove(&w);
+            for f in [&self.ttft_error, &self.ttft_predicted, &self.ttft_observed] {
+                f.remove(&w);
+            }
+            self.ttft_correction.remove(&w);
+            for mode in ["events", "approximate"] {
+                self.worker_blocks.remove(&BlocksLabels { worker_id, dp_rank, mode });
+            }
+            for tier in kvroute_core::StorageTier::LOWER.map(|t| t.name()) {
+                self.worker_tier_blocks.remove(&TierLabels { worker_id, dp_rank, tier });
+            }
+        }
+    }
+
+    /// Counts `n` membership changes of one kind asked by `source`.
+    pub fn membership(&self, source: &str, change: &'static str, n: usize) {
+        if n > 0 {
+            let labels = MemberLabels { source: source.to_owned(), change };
+            self.membership.get_or_create(&labels).inc_by(n as u64);
+        }
+    }
+
     /// Counts what conversion did with one message's blocks.
     pub fn converted(&self, worker: u64, stats: &ConvertStats) {
         for (outcome, n) in stats.counts() {

@@ -31,9 +31,9 @@ use kvroute_wire::replica::{SyncBatch, SyncMessage, decode_sync, encode_sync};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::plane::EventPlane;
 use crate::state::{PeerRouted, RouterState};
 use crate::stream;
-use crate::tasks::EventPlane;
 
 /// How often a replica says it is alive when it routes nothing.
 pub const HEARTBEAT: Duration = Duration::from_secs(1);

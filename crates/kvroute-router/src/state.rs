@@ -11,7 +11,8 @@
 //! methods that touch only its own state: [`Fleet`], the worker registry and health
 //! (`fleet.rs`); [`Placing`], the scheduler, in-flight accounting and approximate mode
 //! (`placing.rs`); [`SelfChecks`], predictions against answers (`self_checks.rs`); [`Flow`],
-//! flow control's queues (`flow.rs`); and the KV index, whose shards lock themselves.
+//! flow control's queues (`flow.rs`); [`Roster`], the membership as its sources and the front
+//! door see it, with each member's tasks (`roster.rs`); and the KV index, whose shards lock themselves.
 //! [`RouterState`] (`composite.rs`) holds them. Its methods, the verbs, are the only code that
 //! crosses owners, each written once:
 //! - **decide** (`decide.rs`): a [`PlaceRequest`] becomes a [`Decision`] (one worker or a
@@ -21,7 +22,8 @@
 //!   posted events, approximate mode's expiry);
 //! - **observe** (`observe.rs`): health, statuses, metrics at scrape time, answers against
 //!   predictions;
-//! - **membership** (`workers.rs`): parity probes, engines gone, event links.
+//! - **membership** (`workers.rs`): workers joining, draining and leaving
+//!   ([`MemberChange`]), parity probes, engines gone, event links.
 //!
 //! No owner names another's lock or the composite, and the owners' files name no verb's:
 //! the arrows run from the verbs down to the owners. Replica sync lives in [`crate::nats`]
@@ -44,15 +46,20 @@ mod lock;
 mod observe;
 mod placing;
 mod request;
+mod roster;
 mod self_checks;
+mod status;
 mod workers;
 
 pub use composite::RouterState;
-pub use fleet::{CacheMode, Fleet, Link, Parity, RankRefused, WorkerStatus};
+pub use fleet::{Fleet, Link, RankRefused};
 pub(crate) use flow::Reported;
 pub use flow::{Flow, Refusal};
 pub use ingest::Ingest;
 pub(crate) use placing::PeerRouted;
 pub use placing::Placing;
 pub use request::{Decision, PlaceRequest};
+pub use roster::{Member, Members, Roster};
 pub use self_checks::SelfChecks;
+pub use status::{CacheMode, Parity, WorkerStatus};
+pub use workers::MemberChange;

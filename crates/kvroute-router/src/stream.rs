@@ -30,9 +30,9 @@ use tokio::sync::mpsc;
 
 use crate::config::nats::NatsConfig;
 use crate::links::{NatsStatus, Relayed};
+use crate::plane::EventPlane;
 use crate::state::{Link, RouterState};
 use crate::subscriber;
-use crate::tasks::EventPlane;
 
 /// Batches waiting for the relay's publisher.
 pub(crate) const RELAY_QUEUE: usize = 1024;
@@ -94,7 +94,7 @@ pub(crate) async fn relay(
             None => tokio::spawn(run),
         });
     }
-    let _subscriptions = crate::tasks::Tasks::new(subscriptions, plane);
+    let (_subscriptions, _plane) = (crate::tasks::AbortAll(subscriptions), plane);
     while let Some(batch) = rx.recv().await {
         publish_until_stored(&state, &js, &config, &batch).await;
     }

@@ -29,7 +29,7 @@ use kvroute_wire::vllm::split_frames;
 use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use crate::config::WorkerSpec;
+use crate::config::{RouterConfig, WorkerSpec};
 use crate::error::RouterError;
 use crate::state::{Ingest, Link, RouterState};
 
@@ -53,29 +53,32 @@ pub struct Subscription {
 
 /// The event subscriptions of every configured worker rank.
 pub(crate) fn subscriptions(state: &RouterState) -> Vec<Subscription> {
+    state.config.workers.iter().flat_map(|spec| subscriptions_of(spec, &state.config)).collect()
+}
+
+/// The event subscriptions of one worker's ranks (none without `events`).
+pub(crate) fn subscriptions_of(spec: &WorkerSpec, config: &RouterConfig) -> Vec<Subscription> {
+    let block_size = spec.block_size.and_then(|bs| BlockSize::new(bs).ok());
+    let convert = ConvertConfig {
+        block_size: block_size.unwrap_or(config.block_size),
+        image_token_id: spec.image_token_id,
+        vocab_size: spec.vocab_size,
+    };
+    let Some(events) = &spec.events else { return Vec::new() };
     let mut out = Vec::new();
-    for spec in &state.config.workers {
-        let block_size = spec.block_size.and_then(|bs| BlockSize::new(bs).ok());
-        let convert = ConvertConfig {
-            block_size: block_size.unwrap_or(state.config.block_size),
-            image_token_id: spec.image_token_id,
-            vocab_size: spec.vocab_size,
-        };
-        let Some(events) = &spec.events else { continue };
-        for rank in 0..spec.dp_size {
-            // Validated at start: the endpoints are tcp:// with a port.
-            let Ok(endpoint) = WorkerSpec::endpoint_for_rank(events, rank) else { continue };
-            let replay =
-                spec.replay.as_deref().and_then(|r| WorkerSpec::endpoint_for_rank(r, rank).ok());
-            out.push(Subscription {
-                worker: WorkerWithDpRank::new(spec.id, rank),
-                endpoint,
-                replay,
-                format: spec.format,
-                convert,
-                resume_after: None,
-            });
-        }
+    for rank in 0..spec.dp_size {
+        // Validated before: the endpoints are tcp:// with a port.
+        let Ok(endpoint) = WorkerSpec::endpoint_for_rank(events, rank) else { continue };
+        let replay =
+            spec.replay.as_deref().and_then(|r| WorkerSpec::endpoint_for_rank(r, rank).ok());
+        out.push(Subscription {
+            worker: WorkerWithDpRank::new(spec.id, rank),
+            endpoint,
+            replay,
+            format: spec.format,
+            convert,
+            resume_after: None,
+        });
     }
     out
 }

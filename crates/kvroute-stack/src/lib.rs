@@ -123,7 +123,9 @@ impl Stack {
             }
             None => None,
         };
-        let probes = frontend.as_ref().map(|f| Probes(vec![f.spawn_probes(), f.spawn_history()]));
+        let probes = frontend
+            .as_ref()
+            .map(|f| Probes(vec![f.spawn_probes(), f.spawn_history(), f.spawn_follow()]));
         Ok(Self {
             workers,
             simulated: engines,

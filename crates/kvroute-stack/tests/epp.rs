@@ -93,7 +93,8 @@ async fn pool_of(config: StackConfig, options: EppOptions, served: Served, ready
         let _ = ready_tx.take().unwrap().send(());
     }
     let front = stack.frontend.as_ref().unwrap();
-    let endpoints = front.worker_urls().map(|(_, u)| kvroute_epp::host_port(u).unwrap()).collect();
+    let endpoints =
+        front.worker_urls().into_iter().map(|(_, u)| kvroute_epp::host_port(&u).unwrap()).collect();
     Pool { stack, picker, grpc, endpoints, ready: ready_tx }
 }
 

@@ -64,6 +64,8 @@ pub(super) struct WorkerEntry {
     pub(super) ready: bool,
     pub(super) role: Role,
     pub(super) node: u32,
+    /// Leaving the fleet: never a candidate, whatever else is (its requests finish).
+    pub(super) draining: bool,
 }
 
 /// Looks workers up, in increasing order, in a list sorted by worker: one pass for all of them
@@ -134,6 +136,7 @@ impl Scheduler {
                 ready: true,
                 role: Role::Both,
                 node: 0,
+                draining: false,
             };
             self.workers.insert(at, entry);
         }
@@ -183,6 +186,14 @@ impl Scheduler {
     pub fn set_ready(&mut self, worker: WorkerWithDpRank, ready: bool) {
         if let Some(entry) = self.entry(worker) {
             entry.ready = ready;
+        }
+    }
+
+    /// Marks a cache as leaving the fleet: no decision chooses it again (not even when no
+    /// other is ready); what it runs is still tracked until it ends.
+    pub fn set_draining(&mut self, worker: WorkerWithDpRank) {
+        if let Some(entry) = self.entry(worker) {
+            entry.draining = true;
         }
     }
 
@@ -482,10 +493,11 @@ impl Scheduler {
         let mut tree_size = cursor(&scores.tree_sizes);
         let listed = sizes.all_sorted();
         let mut listed_size = cursor(listed.as_deref().unwrap_or_default());
-        let any_ready = self.workers.iter().any(|e| e.ready);
+        let any_ready = self.workers.iter().any(|e| e.ready && !e.draining);
         all.clear();
         let tiers = scores.tiers.as_deref();
-        all.extend(self.workers.iter().filter(|e| e.ready || !any_ready).map(|e| {
+        let candidate = |e: &&WorkerEntry| !e.draining && (e.ready || !any_ready);
+        all.extend(self.workers.iter().filter(candidate).map(|e| {
             let overlap_blocks = overlap(e.worker).unwrap_or(0);
             Candidate {
                 worker: e.worker,

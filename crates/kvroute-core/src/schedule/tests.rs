@@ -130,6 +130,30 @@ fn full_overlap_wins_at_equal_load() {
 }
 
 #[test]
+fn a_draining_worker_is_never_chosen_even_when_no_other_is_ready() {
+    let p = prompt(&(0..512).collect::<Vec<_>>());
+    for policy in [PolicyKind::Kv, PolicyKind::Dynamo, PolicyKind::RoundRobin] {
+        let mut s = scheduler(policy, 3);
+        s.set_draining(w(2));
+        for _ in 0..6 {
+            let d =
+                s.route(&request(&p, None), &scores(&[(2, 32)]), &UnknownTreeSizes, Instant::now());
+            assert_ne!(d.unwrap().worker, w(2), "{policy}: the draining owner of the whole prompt");
+        }
+        // The others not ready: still not the draining one (a worker not ready may be chosen
+        // when none is; one leaving may not).
+        s.set_ready(w(0), false);
+        s.set_ready(w(1), false);
+        let d = s.route(&request(&p, None), &scores(&[(2, 32)]), &UnknownTreeSizes, Instant::now());
+        assert_ne!(d.unwrap().worker, w(2), "{policy}");
+        s.set_draining(w(0));
+        s.set_draining(w(1));
+        let d = s.route(&request(&p, None), &scores(&[(2, 32)]), &UnknownTreeSizes, Instant::now());
+        assert!(d.is_none(), "{policy}: every worker leaving: no decision");
+    }
+}
+
+#[test]
 fn loaded_owner_loses_to_an_idle_worker_when_the_cost_says_so() {
     let isl = 2048;
     // Dynamo: the owner's in-flight decode blocks outweigh the prefill it would save.

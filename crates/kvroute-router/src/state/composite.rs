@@ -8,10 +8,12 @@ use kvroute_core::WorkerWithDpRank;
 use kvroute_core::index::ShardedIndex;
 use kvroute_wire::transport::ZmqLimits;
 
-use super::fleet::{Fleet, WorkerStatus};
+use super::fleet::Fleet;
 use super::flow::Flow;
 use super::placing::Placing;
+use super::roster::Roster;
 use super::self_checks::SelfChecks;
+use super::status::WorkerStatus;
 use crate::config::RouterConfig;
 use crate::links::NatsLinks;
 use crate::metrics::Metrics;
@@ -31,6 +33,9 @@ pub struct RouterState {
     pub checks: SelfChecks,
     /// Flow control's queues; their lock comes before the scheduler's.
     pub flow: Flow,
+    /// The fleet's membership as its sources and the front door see it, with each member's
+    /// tasks.
+    pub roster: Roster,
     /// Replica sync and the event stream, when NATS is configured (set once, as it starts).
     pub nats: OnceLock<NatsLinks>,
     /// What every ZMQ socket of the router may receive; refusals count in `metrics`.
@@ -47,6 +52,7 @@ impl RouterState {
             fleet: Fleet::new(&config),
             checks: SelfChecks::default(),
             flow: Flow::new(config.scheduler.flow),
+            roster: Roster::default(),
             nats: OnceLock::new(),
             config,
         };
@@ -61,6 +67,7 @@ impl RouterState {
                 state.index.register_worker(WorkerWithDpRank::new(spec.id, rank));
             }
             state.fleet.insert(status);
+            state.roster.insert(spec, "config");
         }
         state
     }

@@ -24,11 +24,11 @@ use kvroute_wire::replica::SyncMessage;
 use tokio::sync::oneshot;
 
 use super::composite::RouterState;
-use super::fleet::CacheMode;
 use super::flow::{Outcome, Reported, Waiter, refusal, retry_after};
 use super::ingest::apply_one;
 use super::request::{Decision, PlaceRequest};
 use super::self_checks::SelfChecks;
+use super::status::CacheMode;
 use crate::metrics::FlowOutcome;
 
 impl RouterState {

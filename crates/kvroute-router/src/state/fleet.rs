@@ -6,233 +6,21 @@
 //! rank's readiness, a worker's mode), its method says so in what it returns and
 //! [`super::RouterState`] carries it over. What an event subscription writes on every batch
 //! (the last sequence number, conversion counts, whether the worker's events are trusted)
-//! is a worker's [`Live`] part, shared with the subscription's
+//! is a worker's [`Live`] part (`status.rs`), shared with the subscription's
 //! [`super::events::Ingest`] handle, so a batch takes no registry lock.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use kvroute_core::schedule::WorkerLoad;
-use kvroute_core::{BlockSize, DpRank, WorkerId, WorkerWithDpRank};
-use kvroute_wire::ConvertStats;
-use serde::{Deserialize, Serialize};
+use kvroute_core::{DpRank, WorkerId, WorkerWithDpRank};
 
 use super::lock::lock;
-use crate::checks::CheckStatus;
 use crate::config::{RouterConfig, WorkerSpec};
 
-/// How the router knows a worker's cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CacheMode {
-    /// From the KV events the engine publishes.
-    Events,
-    /// From its own routing decisions, for engines without events.
-    Approximate,
-}
-
-impl CacheMode {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Events => "events",
-            Self::Approximate => "approximate",
-        }
-    }
-}
-
-/// Whether a worker's KV events describe the blocks the front door hashes (the parity probe
-/// at join: a known prompt sent to the worker, its announced blocks compared).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "state", content = "cause")]
-pub enum Parity {
-    #[default]
-    Unchecked,
-    /// Not probed yet, and why: it is tried again after a backoff (its events trusted
-    /// meanwhile).
-    Retrying(String),
-    Ok,
-    /// Its events cannot be trusted: ignored, the worker routed approximately.
-    Failed(String),
-}
-
-/// What the router knows of one worker.
-#[derive(Clone, Debug, Serialize)]
-pub struct WorkerStatus {
-    pub id: WorkerId,
-    pub url: Option<String>,
-    pub events: Option<String>,
-    pub replay: Option<String>,
-    pub metrics: Option<String>,
-    pub mode: CacheMode,
-    pub dp_size: u32,
-    /// Per rank: ready to be routed to (see the module docs).
-    pub ready: Vec<bool>,
-    /// Per rank: is the event subscription connected, has its first replay caught up, and
-    /// the last sequence number seen.
-    pub connected: Vec<bool>,
-    pub caught_up: Vec<bool>,
-    pub last_seq: Vec<Option<u64>>,
-    /// Per rank: blocks in the index and the last load report.
-    pub tree_size: Vec<usize>,
-    /// Per rank: blocks it keeps below its device, by tier (host, disk, external), by its
-    /// events (filled in when read, like `tree_size`).
-    pub lower_tier_blocks: Vec<[usize; 3]>,
-    pub load: Vec<Option<WorkerLoad>>,
-    /// What conversion did with the worker's event blocks (all ranks).
-    pub conversion: ConvertStats,
-    /// Known from configuration (false: it appeared through events).
-    pub configured: bool,
-    /// Its predictions against what it served: drift and silence (see [`crate::checks`]).
-    pub checks: CheckStatus,
-    pub parity: Parity,
-    /// Ranks with an event subscription of their own (the configured ones).
-    #[serde(skip)]
-    subscribed: usize,
-    /// What its subscriptions write per batch (`last_seq` and `conversion` are read from it).
-    #[serde(skip)]
-    pub(super) live: Arc<Live>,
-}
-
-/// The part of a worker's status its event subscriptions write on every batch, without the
-/// registry's lock: atomics, and one mutex no other path takes while it is held.
-#[derive(Debug, Default)]
-pub(crate) struct Live {
-    /// Its parity probe failed: its events are ignored (counted as rejected `parity`).
-    pub(super) untrusted: AtomicBool,
-    /// Per configured rank: the last sequence number seen, plus one (0: none yet).
-    last_seq: Box<[AtomicU64]>,
-    /// What conversion did with its event blocks (all ranks).
-    conversion: Mutex<ConvertStats>,
-}
-
-impl Live {
-    fn new(ranks: usize) -> Self {
-        Self { last_seq: (0..ranks).map(|_| AtomicU64::new(0)).collect(), ..Self::default() }
-    }
-
-    /// Batch `seq` of `rank` was handled.
-    pub(super) fn seen(&self, rank: usize, seq: u64) {
-        if let Some(last) = self.last_seq.get(rank) {
-            last.store(seq.saturating_add(1), Ordering::Relaxed);
-        }
-    }
-
-    fn last_seq(&self, rank: usize) -> Option<u64> {
-        let n = self.last_seq.get(rank)?.load(Ordering::Relaxed);
-        n.checked_sub(1)
-    }
-
-    /// Adds what conversion did with one message of `worker`'s; the first blocks of another
-    /// size are logged as an error (its events cannot be used).
-    pub(super) fn converted(&self, worker: WorkerWithDpRank, stats: &ConvertStats, bs: BlockSize) {
-        let mut total = lock(&self.conversion);
-        if total.wrong_block_size == 0 && stats.wrong_block_size > 0 {
-            tracing::error!(
-                worker = %worker,
-                engine_block_size = ?stats.seen_block_size,
-                router_block_size = bs.get(),
-                "the worker publishes blocks of another size: its KV events are ignored (set block_size for this worker or the router to match the engine)"
-            );
-        }
-        *total += *stats;
-    }
-}
-
-impl WorkerStatus {
-    pub(super) fn new(spec: &WorkerSpec, configured: bool) -> Self {
-        let n = spec.dp_size as usize;
-        let mode = match (&spec.events, configured) {
-            (None, true) => CacheMode::Approximate,
-            _ => CacheMode::Events,
-        };
-        let mut status = Self {
-            id: spec.id,
-            url: spec.url.clone(),
-            events: spec.events.clone(),
-            replay: spec.replay.clone(),
-            metrics: spec.metrics.clone(),
-            mode,
-            dp_size: spec.dp_size,
-            ready: vec![false; n],
-            connected: vec![false; n],
-            caught_up: vec![false; n],
-            last_seq: vec![None; n],
-            tree_size: vec![0; n],
-            lower_tier_blocks: vec![[0; 3]; n],
-            load: vec![None; n],
-            conversion: ConvertStats::default(),
-            configured,
-            checks: CheckStatus::default(),
-            parity: Parity::Unchecked,
-            subscribed: if configured { n } else { 0 },
-            live: Arc::new(Live::new(if configured { n } else { 0 })),
-        };
-        for rank in 0..n {
-            status.ready[rank] = status.rank_ready(rank);
-        }
-        status
-    }
-
-    pub(super) fn follow_stream(&mut self, source: String) {
-        self.events = Some(source);
-        self.mode = CacheMode::Events;
-        for rank in 0..self.ready.len() {
-            self.ready[rank] = self.rank_ready(rank);
-        }
-    }
-
-    pub(super) fn rank_ready(&self, rank: usize) -> bool {
-        // Workers and ranks learned from events are as ready as what brought them.
-        rank >= self.subscribed || (self.stream_up(rank) && self.load_in(rank))
-    }
-
-    /// Its event stream (if it has one) connected and caught up at `rank`.
-    pub(super) fn stream_up(&self, rank: usize) -> bool {
-        self.events.is_none()
-            || (self.connected.get(rank) == Some(&true) && self.caught_up.get(rank) == Some(&true))
-    }
-
-    /// Its first load report (if it sends any) in at `rank`.
-    pub(super) fn load_in(&self, rank: usize) -> bool {
-        self.metrics.is_none() || self.load.get(rank).is_some_and(Option::is_some)
-    }
-
-    /// What `rank` still waits for before it is ready: its event stream, its first load
-    /// report, its parity probe (with the cause when the probe could not be made yet).
-    pub fn waiting_for(&self, rank: usize) -> Vec<String> {
-        let mut missing = Vec::new();
-        if !self.stream_up(rank) {
-            missing.push("its event stream".to_owned());
-        }
-        if !self.load_in(rank) {
-            missing.push("its first load report".to_owned());
-        }
-        match &self.parity {
-            Parity::Retrying(cause) => missing.push(format!("its parity probe ({cause})")),
-            Parity::Unchecked if self.events.is_some() => {
-                missing.push("its parity probe".to_owned());
-            }
-            _ => {}
-        }
-        missing
-    }
-
-    pub(super) fn grow(&mut self, n: usize) {
-        if n <= self.connected.len() {
-            return;
-        }
-        self.dp_size = n as u32;
-        self.connected.resize(n, false);
-        self.caught_up.resize(n, false);
-        self.last_seq.resize(n, None);
-        self.tree_size.resize(n, 0);
-        self.lower_tier_blocks.resize(n, [0; 3]);
-        self.load.resize(n, None);
-        self.ready.resize(n, true);
-    }
-}
+use super::status::{CacheMode, Live, Parity, WorkerStatus};
 
 /// Why a rank named from outside was refused ([`Fleet::check_rank`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -263,13 +51,15 @@ pub enum Link {
     CaughtUp,
 }
 
-/// What a change of parity asks of the index and approximate mode.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What a change of parity asks of the index, approximate mode and the scheduler.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(super) struct ParityChange {
     /// Forget every block of the worker.
     pub clear: bool,
     /// Forget what approximate mode assumed of it.
     pub leave_approximate: bool,
+    /// Ranks whose readiness changed (a worker that waited for its probe).
+    pub ready: Vec<(WorkerWithDpRank, bool)>,
 }
 
 /// What learning an event's rank asks of the scheduler and approximate mode.
@@ -304,6 +94,32 @@ impl Fleet {
 
     pub(super) fn insert(&self, status: WorkerStatus) {
         self.write().entry(status.id).or_insert(status);
+    }
+
+    /// Adds a worker joining while the router runs; `false` (nothing changed) when its id is
+    /// known already.
+    pub(super) fn join(&self, status: WorkerStatus) -> bool {
+        let mut workers = self.write();
+        if workers.contains_key(&status.id) {
+            return false;
+        }
+        workers.insert(status.id, status);
+        true
+    }
+
+    /// Marks a worker as leaving; its ranks (`None`: not known).
+    pub(super) fn drain(&self, worker: WorkerId) -> Option<u32> {
+        let mut workers = self.write();
+        let status = workers.get_mut(&worker)?;
+        status.draining = true;
+        Some(status.dp_size)
+    }
+
+    /// Takes a worker out of the registry.
+    pub(super) fn remove(&self, worker: WorkerId) -> Option<WorkerStatus> {
+        let status = self.write().remove(&worker)?;
+        status.live.gone.store(true, Ordering::SeqCst);
+        Some(status)
     }
 
     /// Every worker's status (`tree_size`, `lower_tier_blocks` and `checks` are left to the
@@ -350,15 +166,22 @@ impl Fleet {
         }
         status.parity = parity;
         status.live.untrusted.store(failed, Ordering::Release);
+        let mut change = ParityChange::default();
+        for rank in 0..status.ready.len() {
+            let ready = status.rank_ready(rank);
+            if ready != status.ready[rank] {
+                status.ready[rank] = ready;
+                change.ready.push((WorkerWithDpRank::new(worker, rank as u32), ready));
+            }
+        }
         if failed && status.mode == CacheMode::Events {
             status.mode = CacheMode::Approximate;
-            return ParityChange { clear: true, leave_approximate: false };
-        }
-        if !failed && was_failed && status.events.is_some() {
+            change.clear = true;
+        } else if !failed && was_failed && status.events.is_some() {
             status.mode = CacheMode::Events;
-            return ParityChange { clear: true, leave_approximate: true };
+            (change.clear, change.leave_approximate) = (true, true);
         }
-        ParityChange::default()
+        change
     }
 
     /// Whether `rank` is within the configured bound of data-parallel ranks.

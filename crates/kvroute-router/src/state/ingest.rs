@@ -11,8 +11,9 @@ use kvroute_wire::ConvertStats;
 use kvroute_core::index::ShardedIndex;
 
 use super::composite::RouterState;
-use super::fleet::{CacheMode, Fleet, Known, Live};
+use super::fleet::{Fleet, Known};
 use super::placing::Placing;
+use super::status::{CacheMode, Live};
 use crate::links::Relayed;
 use crate::metrics::{EventKind, Metrics};
 
@@ -167,6 +168,11 @@ impl Ingest<'_> {
         }
         s.checks.event_seen(self.worker.worker_id);
         let errors = s.index.apply_batch(events);
+        if self.live.gone.load(Ordering::SeqCst) {
+            // It left while this batch was applied: the removal may have run before it.
+            s.index.remove_worker(self.worker.worker_id);
+            return 0;
+        }
         let mut counts = [[0u64; 2]; 3];
         let mut failed = errors.iter().map(|(i, _)| *i).peekable();
         for (i, e) in events.iter().enumerate() {

@@ -5,10 +5,10 @@ use kvroute_core::{StorageTier, WorkerWithDpRank};
 use kvroute_http::metrics::Registry;
 
 use super::composite::RouterState;
-use super::fleet::WorkerStatus;
+use super::status::WorkerStatus;
 use kvroute_http::router_api::Answered;
 
-use super::fleet::CacheMode;
+use super::status::CacheMode;
 use crate::checks::Change;
 use crate::metrics::{
     BlocksLabels, PredictionLabels, TierLabels, TierPredictionLabels, TierTokenLabels,

@@ -164,6 +164,12 @@ impl Placing {
     pub fn in_flight(&self) -> usize {
         self.scheduler().active().len()
     }
+
+    /// The in-flight requests on a worker's ranks.
+    pub fn in_flight_on(&self, worker: kvroute_core::WorkerId, ranks: u32) -> usize {
+        let scheduler = self.scheduler();
+        (0..ranks).map(|r| scheduler.active().load(WorkerWithDpRank::new(worker, r)).requests).sum()
+    }
 }
 
 /// A peer replica's decision, as its sync message names it.

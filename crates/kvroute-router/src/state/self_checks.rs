@@ -27,6 +27,12 @@ pub struct SelfChecks {
 }
 
 impl SelfChecks {
+    /// Forgets a worker that left the fleet.
+    pub(super) fn forget(&self, worker: WorkerId) {
+        lock(&self.per_worker).workers.remove(&worker);
+        lock(&self.resync).retain(|w| w.worker_id != worker);
+    }
+
     /// A worker's record, if it has one.
     pub fn status(&self, worker: WorkerId) -> Option<CheckStatus> {
         lock(&self.per_worker).workers.get(&worker).cloned()
