@@ -19,11 +19,15 @@
 //! belongs to the source that brought it: another source never drains it.
 
 pub mod api;
+mod bucket;
 mod change;
 mod dns;
 mod source;
 mod template;
 
+pub use bucket::{
+    BucketConfig, BucketError, BucketSource, MAX_ENTRY_BYTES, MEMBERS_TTL, parse_entry, register,
+};
 pub(crate) use change::start_tasks;
 pub use change::{DRAIN_TIMEOUT, JoinError, drain, join, remove};
 pub use dns::{DNS_EVERY, DnsConfig, DnsError, DnsSource};

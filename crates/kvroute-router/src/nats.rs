@@ -52,7 +52,7 @@ pub use crate::config::nats::{
 };
 
 /// The connection's options: name, reconnection, credentials, TLS.
-fn connect_options(config: &NatsConfig, status: Arc<NatsStatus>) -> ConnectOptions {
+pub(crate) fn connect_options(config: &NatsConfig, status: Arc<NatsStatus>) -> ConnectOptions {
     let mut o = ConnectOptions::new()
         .name(format!("kvroute {}", config.replica))
         .retry_on_initial_connect()

@@ -86,6 +86,22 @@ impl Default for Simulated {
     }
 }
 
+/// Where the fleet's members come from while the stack runs, besides its configured and
+/// simulated workers (docs/membership.md).
+#[derive(Clone, Debug)]
+pub struct Discovery {
+    pub dns: Option<kvroute_router::members::DnsConfig>,
+    pub bucket: Option<kvroute_router::members::BucketConfig>,
+    /// How long a draining worker's requests may run before it is removed all the same.
+    pub drain_timeout: std::time::Duration,
+}
+
+impl Default for Discovery {
+    fn default() -> Self {
+        Self { dns: None, bucket: None, drain_timeout: kvroute_router::members::DRAIN_TIMEOUT }
+    }
+}
+
 /// What to start.
 #[derive(Clone, Debug)]
 pub struct StackConfig {
@@ -109,6 +125,8 @@ pub struct StackConfig {
     pub adapters: Vec<String>,
     /// Each model's priority for requests that name none.
     pub model_priorities: std::collections::BTreeMap<String, i32>,
+    /// Sources of members while it runs (the embedded router's).
+    pub discovery: Discovery,
 }
 
 impl Default for StackConfig {
@@ -124,6 +142,7 @@ impl Default for StackConfig {
             front_door: FrontDoorOptions::default(),
             adapters: Vec::new(),
             model_priorities: std::collections::BTreeMap::new(),
+            discovery: Discovery::default(),
         }
     }
 }

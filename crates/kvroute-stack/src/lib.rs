@@ -20,7 +20,7 @@ pub mod nats_server;
 pub mod settings;
 mod simulated;
 
-pub use config::{Access, SharedStore, Simulated, StackConfig};
+pub use config::{Access, Discovery, SharedStore, Simulated, StackConfig};
 pub use error::StackError;
 
 use std::sync::Arc;
@@ -52,6 +52,22 @@ pub struct Stack {
     _probes: Option<Probes>,
 }
 
+/// The sources of members `discovery` names.
+fn sources(discovery: Discovery) -> Vec<Box<dyn kvroute_router::members::Source>> {
+    use kvroute_router::members::{BucketSource, DnsSource};
+    let mut out: Vec<Box<dyn kvroute_router::members::Source>> = Vec::new();
+    if let Some(dns) = discovery.dns {
+        match DnsSource::new(dns) {
+            Ok(source) => out.push(Box::new(source)),
+            Err(err) => tracing::error!(%err, "DNS discovery cannot start"),
+        }
+    }
+    if let Some(bucket) = discovery.bucket {
+        out.push(Box::new(BucketSource::new(bucket)));
+    }
+    out
+}
+
 /// The front door's health probes; stopped when the stack is dropped.
 #[derive(Debug)]
 struct Probes(Vec<tokio::task::JoinHandle<()>>);
@@ -79,6 +95,7 @@ impl Stack {
             front_door,
             adapters,
             model_priorities,
+            discovery,
         } = config;
         let preprocessor = Arc::new(Preprocessor::load_or_builtin(model_path.as_deref())?);
         if let Some(why) = preprocessor.text_only_reason() {
@@ -94,7 +111,11 @@ impl Stack {
             Some(_) => (None, None),
             None => {
                 let state = Arc::new(RouterState::new(router));
-                let tasks = kvroute_router::spawn_background(&state)?;
+                let mut tasks = kvroute_router::spawn_background(&state)?;
+                for source in sources(discovery.clone()) {
+                    let drain = discovery.drain_timeout;
+                    tasks.push(kvroute_router::members::spawn_source(&state, source, drain));
+                }
                 (Some(state), Some(tasks))
             }
         };

@@ -47,6 +47,10 @@ enum Command {
     /// against a fresh simulated fleet per routing policy, or against --target; writes
     /// report.md, results.json and SVG plots.
     Bench(Box<kvroute_bench::BenchArgs>),
+    /// Keeps one worker registered in the fleet's NATS key-value bucket (--members-bucket)
+    /// while it runs: a sidecar beside an engine, for fleets without Kubernetes or DNS. On
+    /// Ctrl-C or SIGTERM the registration is deleted and the routers drain the worker.
+    Register(Box<cmd::register::RegisterArgs>),
 }
 
 fn main() -> ExitCode {
@@ -65,6 +69,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => cmd::serve::run(args),
         Command::Frontend(args) => cmd::frontend::run(args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Register(args) => cmd::register::run(args),
     };
     match result {
         Ok(code) => code,

@@ -123,3 +123,55 @@ pub fn spawn_source(
     let sink = Sink::new(Arc::clone(state), &source.name(), drain_timeout);
     tokio::spawn(source.run(sink))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RouterConfig;
+
+    fn worker(k: u32) -> WorkerSpec {
+        let mut spec = WorkerSpec::new(u64::from(k) + 1);
+        spec.url = Some(format!("http://127.3.{}.{}:9", k / 250, k % 250 + 1));
+        spec
+    }
+
+    #[test]
+    fn a_set_of_ten_thousand_is_cut_to_the_bound_the_same_way_each_time() {
+        let state = Arc::new(RouterState::new(RouterConfig::default()));
+        let sink = Sink::new(Arc::clone(&state), "dns", Duration::from_secs(1));
+        let many: Vec<WorkerSpec> = (0..10_000).rev().map(worker).collect();
+        let first = sink.offer(many.clone());
+        assert_eq!(
+            (first.joined.len(), first.cut),
+            (MAX_MEMBERS_PER_SOURCE, 10_000 - MAX_MEMBERS_PER_SOURCE)
+        );
+        assert_eq!(
+            first.joined.iter().max().map(|w| w.0),
+            Some(MAX_MEMBERS_PER_SOURCE as u64),
+            "the lowest ids"
+        );
+        let again = sink.offer(many);
+        assert_eq!(
+            (again.joined.len(), again.drained.len()),
+            (0, 0),
+            "the same cut: nothing changes"
+        );
+        assert_eq!(state.workers().len(), MAX_MEMBERS_PER_SOURCE);
+        assert!(state.render_metrics().contains(
+            "kvroute_router_membership_changes_total{source=\"dns\",change=\"refused\"} 17952"
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_member_of_another_source_is_neither_joined_twice_nor_drained() {
+        let state = Arc::new(RouterState::new(RouterConfig::default()));
+        join(&state, &worker(1), "api").unwrap();
+        let sink = Sink::new(Arc::clone(&state), "dns", Duration::from_secs(1));
+        let offered = sink.offer(vec![worker(1), worker(2)]);
+        assert_eq!(offered.joined, [worker(2).id]);
+        let offered = sink.offer(Vec::new());
+        assert_eq!(offered.drained, [worker(2).id], "only its own member drains");
+        assert_eq!(state.roster.get(worker(1).id).unwrap().source, "api");
+        assert!(!state.roster.get(worker(1).id).unwrap().draining);
+    }
+}

@@ -474,6 +474,39 @@ impl Settings {
             .map_err(|source| Invalid::ReadChatTemplate { path: path.clone(), source }.into())
     }
 
+    /// Where members come from while kvroute runs (--discover-dns, --members-bucket).
+    pub fn discovery(&self) -> Result<crate::Discovery, StackError> {
+        use kvroute_router::members::{BucketConfig, DnsConfig, Template};
+        let m = &self.membership;
+        let d = super::groups::Membership::defaults();
+        let secs = |v: Option<u64>, d: Option<u64>| Duration::from_secs(v.or(d).unwrap_or(0));
+        let mut discovery = crate::Discovery {
+            drain_timeout: secs(m.drain_timeout_secs, d.drain_timeout_secs),
+            ..crate::Discovery::default()
+        };
+        if let Some(name) = &m.discover_dns {
+            let template = m.worker_template.as_deref().ok_or(Invalid::NoTemplate)?;
+            let template: Template =
+                template.parse().map_err(|e: kvroute_router::members::TemplateError| {
+                    Invalid::Template(e.to_string())
+                })?;
+            let server = match &m.dns_server {
+                Some(s) => Some(s.parse().map_err(|_| Invalid::DnsServer(s.clone()))?),
+                None => None,
+            };
+            let every = m.discover_every_ms.or(d.discover_every_ms).unwrap_or(5000).max(100);
+            let every = Duration::from_millis(every);
+            discovery.dns = Some(DnsConfig { name: name.clone(), server, every, template });
+        }
+        if let Some(bucket) = &m.members_bucket {
+            let nats = self.nats_config(|name| std::env::var(name).ok())?;
+            let nats = nats.ok_or(Invalid::BucketWithoutNats)?;
+            let ttl = secs(m.members_ttl_secs, d.members_ttl_secs).max(Duration::from_secs(1));
+            discovery.bucket = Some(BucketConfig { nats, bucket: bucket.clone(), ttl });
+        }
+        Ok(discovery)
+    }
+
     /// The simulated engines' seed.
     pub fn seed(&self) -> u64 {
         self.engine.seed.unwrap_or(Simulated::default().seed)
@@ -538,6 +571,7 @@ impl Settings {
             front_door: self.front_door()?,
             adapters: self.front_door.adapters.clone(),
             model_priorities: self.model_priorities()?,
+            discovery: self.discovery()?,
         })
     }
 }

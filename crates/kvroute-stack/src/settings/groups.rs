@@ -429,6 +429,56 @@ pub struct Nats {
     pub nats_tls_key: Option<PathBuf>,
 }
 
+/// Where the fleet's members come from while kvroute runs, besides `--worker`
+/// (docs/membership.md). Workers also join and leave through the admin API (`POST /workers`,
+/// `POST /workers/{id}/drain`, `DELETE /workers/{id}`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Membership")]
+pub struct Membership {
+    /// A DNS name whose addresses are workers, resolved every --discover-every-ms: a
+    /// Kubernetes headless Service's (engines.ns.svc.cluster.local: its ready pods), or an SRV
+    /// name (_http._tcp.engines.ns.svc.cluster.local: each target's addresses, the record's
+    /// port as {port}). Each address becomes a worker by --worker-template.
+    #[arg(long)]
+    pub discover_dns: Option<String>,
+    /// The DNS server --discover-dns asks (IP:PORT); absent: the system's (/etc/resolv.conf).
+    #[arg(long)]
+    pub dns_server: Option<String>,
+    /// Milliseconds between two DNS lookups.
+    #[arg(long)]
+    pub discover_every_ms: Option<u64>,
+    /// A discovered worker: --worker's keys, without id (made from its address), with {host}
+    /// for its address and {port} for an SRV record's port, e.g.
+    /// url=http://{host}:8000,events=tcp://{host}:5557,metrics=http://{host}:8000/metrics
+    #[arg(long)]
+    pub worker_template: Option<String>,
+    /// A NATS JetStream key-value bucket where workers register themselves (`kvroute
+    /// register`, or the engines' own sidecars) on the --nats-url server: every replica
+    /// watches it, so all see the same members.
+    #[arg(long)]
+    pub members_bucket: Option<String>,
+    /// Seconds a registration lives without renewal (`kvroute register` renews it every third
+    /// of it): a worker whose sidecar stops is drained after this.
+    #[arg(long)]
+    pub members_ttl_secs: Option<u64>,
+    /// Seconds a draining worker's requests may run before it is removed all the same.
+    #[arg(long)]
+    pub drain_timeout_secs: Option<u64>,
+}
+
+impl Membership {
+    /// The membership group's defaults: the members' library's.
+    pub(super) fn defaults() -> Self {
+        use kvroute_router::members;
+        Membership {
+            discover_every_ms: Some(members::DNS_EVERY.as_millis() as u64),
+            members_ttl_secs: Some(members::MEMBERS_TTL.as_secs()),
+            drain_timeout_secs: Some(members::DRAIN_TIMEOUT.as_secs()),
+            ..Membership::default()
+        }
+    }
+}
+
 /// The model and its images (front door and simulated workers).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
 #[command(next_help_heading = "Model")]

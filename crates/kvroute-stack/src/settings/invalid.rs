@@ -36,6 +36,14 @@ pub enum Invalid {
     Exposed { host: String, missing: String },
     #[error("--tls-cert and --tls-key go together")]
     TlsPair,
+    #[error("--discover-dns needs --worker-template (how each address found is a worker)")]
+    NoTemplate,
+    #[error("--worker-template: {0}")]
+    Template(String),
+    #[error("--dns-server {0:?}: expected IP:PORT")]
+    DnsServer(String),
+    #[error("--members-bucket needs --nats-url (the server the bucket is on)")]
+    BucketWithoutNats,
     #[error("--model-priority {0:?}: expected NAME=PRIORITY, PRIORITY an integer from -100 to 100")]
     ModelPriority(String),
     #[error("{0} must be at least 1")]

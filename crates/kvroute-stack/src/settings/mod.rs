@@ -20,8 +20,8 @@ mod weights;
 pub use convert::is_loopback;
 pub use defaults::*;
 pub use groups::{
-    Blocks, Engine, FrontDoor, Gateway, Listen, Model, Nats, RemoteRouter, Routing, Security,
-    SimulatedFleet,
+    Blocks, Engine, FrontDoor, Gateway, Listen, Membership, Model, Nats, RemoteRouter, Routing,
+    Security, SimulatedFleet,
 };
 pub use invalid::{Invalid, SettingsError};
 pub use sources::{Settings, decorate, keys_of};

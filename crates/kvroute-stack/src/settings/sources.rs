@@ -14,8 +14,8 @@ use kvroute_router::WorkerSpec;
 
 use super::defaults::{DEFAULT_HOST, DEFAULT_SIMULATED_WORKERS};
 use super::groups::{
-    Blocks, Engine, FrontDoor, Gateway, Listen, Model, Nats, RemoteRouter, Routing, Security,
-    SimulatedFleet,
+    Blocks, Engine, FrontDoor, Gateway, Listen, Membership, Model, Nats, RemoteRouter, Routing,
+    Security, SimulatedFleet,
 };
 use super::invalid::SettingsError;
 use crate::Simulated;
@@ -57,6 +57,9 @@ pub struct Settings {
     #[serde(flatten)]
     #[command(flatten)]
     pub gateway: Gateway,
+    #[serde(flatten)]
+    #[command(flatten)]
+    pub membership: Membership,
 }
 
 pub fn keys_of<A: Args>() -> Vec<String> {
@@ -247,6 +250,7 @@ impl Settings {
                 allow_private_image_urls: Some(FetchConfig::default().allow_private),
             },
             engine: Engine::defaults(),
+            membership: Membership::defaults(),
             gateway: Gateway {
                 epp_fallbacks: Some(kvroute_epp::EppOptions::default().fallbacks),
                 ext_proc_self_signed: Some(false),

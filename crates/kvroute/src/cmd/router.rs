@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{
-    Blocks, DEFAULT_ROUTER_PORT, Listen, Nats, Routing, Security, Settings, keys_of,
+    Blocks, DEFAULT_ROUTER_PORT, Listen, Membership, Nats, Routing, Security, Settings, keys_of,
 };
 
 use super::args::ConfigArgs;
@@ -23,6 +23,8 @@ pub(crate) struct RouterArgs {
     #[command(flatten)]
     nats: Nats,
     #[command(flatten)]
+    membership: Membership,
+    #[command(flatten)]
     config: ConfigArgs,
 }
 
@@ -33,12 +35,14 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
         blocks: args.blocks.clone(),
         routing: args.routing.clone(),
         nats: args.nats.clone(),
+        membership: args.membership.clone(),
         ..Settings::default()
     };
     let keys = keys_of::<RouterArgs>();
     let settings = args.config.merge(flags, &keys, "router")?;
     if args.config.printed(&settings, DEFAULT_ROUTER_PORT, &keys, |s: &Settings| {
-        s.router_config().map(drop)
+        s.router_config()?;
+        s.discovery().map(drop)
     })? {
         return Ok(ExitCode::SUCCESS);
     }

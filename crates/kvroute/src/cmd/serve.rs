@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{
-    Blocks, DEFAULT_FRONT_DOOR_PORT, Engine, FrontDoor, Gateway, Listen, Model, Nats, Routing,
-    Security, Settings, SimulatedFleet, keys_of,
+    Blocks, DEFAULT_FRONT_DOOR_PORT, Engine, FrontDoor, Gateway, Listen, Membership, Model, Nats,
+    Routing, Security, Settings, SimulatedFleet, keys_of,
 };
 
 use super::args::ConfigArgs;
@@ -34,6 +34,8 @@ pub(crate) struct ServeArgs {
     #[command(flatten)]
     gateway: Gateway,
     #[command(flatten)]
+    membership: Membership,
+    #[command(flatten)]
     config: ConfigArgs,
 }
 
@@ -42,6 +44,7 @@ fn check(settings: &Settings) -> Result<(), kvroute_stack::StackError> {
     settings.router_config()?;
     settings.front_door()?;
     settings.engine_config()?;
+    settings.discovery()?;
     Ok(())
 }
 
@@ -57,6 +60,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         security: args.security.clone(),
         nats: args.nats.clone(),
         gateway: args.gateway.clone(),
+        membership: args.membership.clone(),
         ..Settings::default()
     };
     let keys = keys_of::<ServeArgs>();

@@ -1,0 +1,378 @@
+//! Members found by DNS, from a real DNS server on loopback: Debian's `dnsmasq`, serving a
+//! hosts file the test rewrites (its SIGHUP re-reads it), in front of simulated engines each
+//! on an address of its own in 127.0.0.0/8 (docs/membership.md).
+
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+mod common;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use kvroute_http::HttpClient;
+use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
+use kvroute_router::members::{
+    DnsConfig, DnsSource, MAX_MEMBERS_PER_SOURCE, Template, spawn_source,
+};
+use kvroute_router::{RouterConfig, RouterState};
+use kvroute_stack::{Simulated, Stack, StackConfig};
+use serde_json::json;
+
+use common::eventually;
+
+/// A `dnsmasq` answering from `hosts` on a free loopback port; stopped when dropped.
+struct Dns {
+    child: Child,
+    at: SocketAddr,
+    hosts: PathBuf,
+    _dir: tempdir::Dir,
+}
+
+mod tempdir {
+    /// A directory of the test's own under the system's temporary one, removed when dropped.
+    pub(super) struct Dir(pub(super) std::path::PathBuf);
+
+    impl Dir {
+        pub(super) fn new(tag: &str) -> Self {
+            let path = std::env::temp_dir().join(format!("kvroute-{tag}-{}", std::process::id()));
+            std::fs::create_dir_all(&path).unwrap();
+            Self(path)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl Dns {
+    /// `None` (the test says why and passes) when `dnsmasq` is not installed; `scripts/test`
+    /// installs it (Debian's dnsmasq-base).
+    fn start(tag: &str, srv: &[&str]) -> Option<Self> {
+        let binary =
+            ["/usr/sbin/dnsmasq", "/usr/bin/dnsmasq"].into_iter().find(|p| Path::new(p).exists());
+        let Some(binary) = binary else {
+            eprintln!("dnsmasq is not installed (Debian's dnsmasq-base): the DNS test is skipped");
+            return None;
+        };
+        let dir = tempdir::Dir::new(tag);
+        let hosts = dir.0.join("hosts");
+        std::fs::write(&hosts, "").unwrap();
+        // A free UDP port on loopback: bound, then handed to dnsmasq.
+        let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut cmd = Command::new(binary);
+        cmd.args([
+            "--keep-in-foreground",
+            "--no-resolv",
+            "--no-hosts",
+            "--bind-interfaces",
+            "--listen-address=127.0.0.1",
+            "--conf-file=/dev/null",
+            "--pid-file=",
+            "--user=root",
+            "--local-ttl=0",
+            "--log-facility=-",
+            "--dns-forward-max=1000",
+            "--local=/kvroute.test/",
+        ])
+        .arg(format!("--port={port}"))
+        .arg(format!("--addn-hosts={}", hosts.display()));
+        for s in srv {
+            cmd.arg(format!("--srv-host={s}"));
+        }
+        let child =
+            cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let at = SocketAddr::from(([127, 0, 0, 1], port));
+        // Up once it takes connections (it serves TCP beside UDP); a SIGHUP before that
+        // would end it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(at).is_err() {
+            assert!(std::time::Instant::now() < deadline, "dnsmasq never listened on {at}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Some(Self { child, at, hosts, _dir: dir })
+    }
+
+    /// Publishes `name` at `addresses` (the file rewritten, dnsmasq told to read it again).
+    fn publish(&self, entries: &[(IpAddr, &str)]) {
+        let text: String = entries.iter().map(|(ip, name)| format!("{ip} {name}\n")).collect();
+        std::fs::write(&self.hosts, text).unwrap();
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill").args(["-HUP", &pid]).status().unwrap().success());
+    }
+}
+
+impl Drop for Dns {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The ports every engine of the test listens on, each on an address of its own.
+#[derive(Clone, Copy, Debug)]
+struct Ports {
+    http: u16,
+    events: u16,
+    replay: u16,
+    metrics: u16,
+}
+
+fn port_of(endpoint: &str) -> u16 {
+    endpoint.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// A simulated engine on `ip`, on `ports` (the first one's ports chosen free, then shared).
+async fn engine_at(ip: IpAddr, ports: Option<Ports>) -> (kvroute_mocker::Spawned, Ports) {
+    let at = |p: Option<u16>| Some(format!("tcp://{ip}:{}", p.unwrap_or(0)));
+    let endpoints = kvroute_mocker::Endpoints {
+        events: at(ports.map(|p| p.events)),
+        replay: at(ports.map(|p| p.replay)),
+        metrics: at(ports.map(|p| p.metrics)),
+    };
+    let engine = EngineConfig { timing: Timing { speedup: 100.0 }, ..EngineConfig::default() };
+    let config = MockerConfig { engine, endpoints, ..MockerConfig::default() };
+    let listener = tokio::net::TcpListener::bind((ip, ports.map_or(0, |p| p.http))).await.unwrap();
+    let http = listener.local_addr().unwrap().port();
+    let spawned = kvroute_mocker::spawn(config, listener).await.unwrap();
+    let ports = Ports {
+        http,
+        events: port_of(spawned.events.as_deref().unwrap()),
+        replay: port_of(spawned.replay.as_deref().unwrap()),
+        metrics: port_of(spawned.metrics.as_deref().unwrap()),
+    };
+    (spawned, ports)
+}
+
+fn template(p: Ports) -> Template {
+    format!(
+        "url=http://{{host}}:{},events=tcp://{{host}}:{},replay=tcp://{{host}}:{},metrics=tcp://{{host}}:{}",
+        p.http, p.events, p.replay, p.metrics
+    )
+    .parse()
+    .unwrap()
+}
+
+fn ip(last: u8) -> IpAddr {
+    IpAddr::from([127, 0, 9, last])
+}
+
+fn members(router: &RouterState) -> Vec<String> {
+    let mut urls: Vec<String> =
+        router.workers().iter().filter(|w| !w.draining).filter_map(|w| w.url.clone()).collect();
+    urls.sort();
+    urls
+}
+
+fn ready_count(router: &RouterState) -> usize {
+    router.workers().iter().filter(|w| !w.draining && w.ready.iter().all(|r| *r)).count()
+}
+
+async fn chat(base: &str, k: usize) -> u16 {
+    let body = json!({"messages": [{"role": "user", "content": format!("{k} question of its own")}], "max_tokens": 2});
+    let response = HttpClient::new()
+        .call(hyper::Method::POST, &format!("{base}/v1/chat/completions"), Some(&body))
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let _ = response.into_body().collect().await;
+    status
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_join_and_leave_as_the_name_resolves() {
+    let Some(dns) = Dns::start("dns", &[]) else { return };
+    let (first, ports) = engine_at(ip(1), None).await;
+    let (_second, _) = engine_at(ip(2), Some(ports)).await;
+    let (_third, _) = engine_at(ip(3), Some(ports)).await;
+    let name = "engines.kvroute.test";
+    dns.publish(&[(ip(1), name), (ip(2), name)]);
+
+    let config = StackConfig {
+        simulated: Simulated { count: 0, ..Simulated::default() },
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let router = Arc::clone(stack.router.as_ref().unwrap());
+    let dns_config = DnsConfig {
+        name: name.into(),
+        server: Some(dns.at),
+        every: Duration::from_millis(200),
+        template: template(ports),
+    };
+    let _source = spawn_source(
+        &router,
+        Box::new(DnsSource::new(dns_config).unwrap()),
+        Duration::from_secs(30),
+    );
+
+    assert!(
+        eventually(Duration::from_secs(10), || ready_count(&router) == 2).await,
+        "{:?}",
+        router.workers()
+    );
+    assert_eq!(
+        members(&router),
+        [format!("http://{}:{}", ip(1), ports.http), format!("http://{}:{}", ip(2), ports.http)]
+    );
+    assert!(router.workers().iter().all(|w| w.source == "dns"));
+    for k in 0..5 {
+        assert_eq!(chat(&base, k).await, 200);
+    }
+    // Scale out, then in: the name answers a third address, then loses the first.
+    dns.publish(&[(ip(1), name), (ip(2), name), (ip(3), name)]);
+    assert!(
+        eventually(Duration::from_secs(10), || ready_count(&router) == 3).await,
+        "{:?}",
+        router.workers()
+    );
+    dns.publish(&[(ip(2), name), (ip(3), name)]);
+    let gone = kvroute_router::members::id_for(&first.url);
+    assert!(
+        eventually(Duration::from_secs(10), || !router.fleet.knows_worker(gone)).await,
+        "the first drained and left"
+    );
+    for k in 5..10 {
+        assert_eq!(chat(&base, k).await, 200);
+    }
+    assert_eq!(ready_count(&router), 2);
+    // No records at all: an empty fleet, every member drains.
+    dns.publish(&[]);
+    assert!(eventually(Duration::from_secs(10), || router.workers().is_empty()).await);
+}
+
+/// As many as one DNS answer over TCP holds (64 KiB); the sink's own bound is tested with
+/// ten thousand in `kvroute_router::members`.
+const ADDRESSES: u32 = 3_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_of_many_addresses_is_cut_to_the_bound() {
+    let Some(dns) = Dns::start("dns-big", &[]) else { return };
+    let name = "many.kvroute.test";
+    // Addresses in 127.0.0.0/8 only: nothing leaves the machine, whatever is tried.
+    let entries: Vec<(IpAddr, &str)> = (0..ADDRESSES)
+        .map(|k| (IpAddr::from([127, 2, (k / 250) as u8, (k % 250) as u8 + 1]), name))
+        .collect();
+    dns.publish(&entries);
+    let router = Arc::new(RouterState::new(RouterConfig::default()));
+    // Workers without events or load reports: nothing is subscribed to.
+    let dns_config = DnsConfig {
+        name: name.into(),
+        server: Some(dns.at),
+        every: Duration::from_millis(500),
+        template: "url=http://{host}:9".parse().unwrap(),
+    };
+    let source = DnsSource::new(dns_config).unwrap();
+    // Once dnsmasq has read the file (and over TCP: the answer does not fit a datagram).
+    let mut found = 0;
+    for _ in 0..20 {
+        found = source.lookup().await.map_or(0, |f| f.len());
+        if found > MAX_MEMBERS_PER_SOURCE {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(found > MAX_MEMBERS_PER_SOURCE, "a large answer: {found}");
+    let _source = spawn_source(&router, Box::new(source), Duration::from_secs(30));
+    assert!(
+        eventually(Duration::from_secs(20), || router.workers().len() == MAX_MEMBERS_PER_SOURCE)
+            .await,
+        "{}",
+        router.workers().len()
+    );
+    let metrics = router.render_metrics();
+    assert!(
+        metrics
+            .contains("kvroute_router_membership_changes_total{source=\"dns\",change=\"refused\"}"),
+        "the cut is counted"
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(router.workers().len(), MAX_MEMBERS_PER_SOURCE, "the same cut each round");
+}
+
+/// Two routers (a replica and a picker's embedded one alike) watch one bucket on a real
+/// `nats-server`: a worker a sidecar registers joins both within the bound, one deleted leaves
+/// both, one whose renewals stop expires, and a garbage entry is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
+    use kvroute_router::members::{BucketConfig, BucketSource, register};
+    use kvroute_router::nats::NatsConfig;
+    use kvroute_stack::nats_server::NatsServer;
+    let dir = tempdir::Dir::new("bucket");
+    let server = NatsServer::start(&dir.0.join("store"), 0).await.unwrap();
+    let ttl = Duration::from_secs(2);
+    let bucket =
+        BucketConfig { nats: NatsConfig::new(server.url()), bucket: "kvroute_members".into(), ttl };
+    let routers: Vec<Arc<RouterState>> =
+        (0..2).map(|_| Arc::new(RouterState::new(RouterConfig::default()))).collect();
+    let _sources: Vec<_> = routers
+        .iter()
+        .map(|r| {
+            spawn_source(r, Box::new(BucketSource::new(bucket.clone())), Duration::from_secs(5))
+        })
+        .collect();
+    // Workers without events: nothing to subscribe to, so membership alone is measured.
+    let spec = json!({"url": "http://127.0.9.20:9"});
+    let id = kvroute_router::members::id_for("http://127.0.9.20:9");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let sidecar = {
+        let bucket = bucket.clone();
+        tokio::spawn(async move {
+            register(&bucket, "w1", &spec, async {
+                let _ = stopped.await;
+            })
+            .await
+        })
+    };
+    let on_all = |routers: &[Arc<RouterState>]| routers.iter().all(|r| r.fleet.knows_worker(id));
+    let asked = std::time::Instant::now();
+    assert!(eventually(Duration::from_secs(10), || on_all(&routers)).await);
+    let first = routers.iter().position(|r| r.fleet.knows_worker(id));
+    eprintln!(
+        "a registration reached both routers within {:?} (first: router {first:?})",
+        asked.elapsed()
+    );
+
+    // Garbage beside it: refused, nothing else changes.
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let kv = js.get_key_value("kvroute_members").await.unwrap();
+    kv.put("junk", bytes::Bytes::from_static(b"\x00\xffnot json")).await.unwrap();
+    kv.put("noaddr", bytes::Bytes::from_static(b"{\"dialect\":\"openai-chat\"}")).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(routers.iter().all(|r| r.workers().len() == 1), "garbage joins nothing");
+
+    // The sidecar stops: its registration is deleted, both routers drain the worker.
+    stop.send(()).unwrap();
+    sidecar.await.unwrap().unwrap();
+    let gone = |routers: &[Arc<RouterState>]| routers.iter().all(|r| !r.fleet.knows_worker(id));
+    let stopped_at = std::time::Instant::now();
+    assert!(eventually(Duration::from_secs(10), || gone(&routers)).await);
+    eprintln!("a deleted registration left both routers within {:?}", stopped_at.elapsed());
+
+    // A registration never renewed expires after its time to live.
+    kv.put("w2", bytes::Bytes::from_static(b"{\"url\":\"http://127.0.9.21:9\"}")).await.unwrap();
+    let id2 = kvroute_router::members::id_for("http://127.0.9.21:9");
+    assert!(
+        eventually(Duration::from_secs(5), || routers.iter().all(|r| r.fleet.knows_worker(id2)))
+            .await
+    );
+    assert!(
+        eventually(ttl * 4, || routers.iter().all(|r| !r.fleet.knows_worker(id2))).await,
+        "expired"
+    );
+    let metrics = routers[0].render_metrics();
+    assert!(
+        metrics.contains(
+            "kvroute_router_membership_changes_total{source=\"nats\",change=\"joined\"} 2"
+        ),
+        "{metrics}"
+    );
+}
