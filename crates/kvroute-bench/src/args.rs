@@ -37,6 +37,20 @@ pub struct BenchArgs {
     /// tenant. Writes overload.md and overload.json.
     #[arg(long, env = "KVROUTE_BENCH_OVERLOAD")]
     pub overload: bool,
+    /// The membership bench instead (docs/bench/membership.md): engines join and leave while
+    /// the shared-prefix schedule runs at 12 requests/s. scale: 2 workers, 4 at 40 s, 3 at
+    /// 90 s; rolling: 4 workers each replaced by one at a new address, one every 20 s. Each
+    /// through every --churn-sources and --churn-via. Writes membership.md, .json and .svg.
+    #[arg(long, value_delimiter = ',')]
+    pub churn: Vec<crate::churn::ChurnPlan>,
+    /// With --churn: where the members come from (api, dns: a dnsmasq on loopback, nats: a
+    /// bucket on a nats-server of the bench's own).
+    #[arg(long, value_delimiter = ',', default_value = "api")]
+    pub churn_sources: Vec<crate::churn::ChurnSource>,
+    /// With --churn: requests through the front door, or through a gateway whose picker is
+    /// kvroute.
+    #[arg(long, value_delimiter = ',', default_value = "front")]
+    pub churn_via: Vec<crate::churn::ChurnVia>,
     /// With --overload: the offered loads, as multiples of the measured capacity.
     #[arg(long, value_delimiter = ',', default_value = "0.5,1,1.5,3")]
     pub overload_loads: Vec<f64>,

@@ -9,6 +9,7 @@
 //! - [`terminal`]: the table printed at the end, and what the worst tail was made of.
 
 mod args;
+pub mod churn;
 pub mod goodput;
 pub mod overload;
 pub mod plot;
@@ -94,6 +95,11 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
     );
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
+    if !args.churn.is_empty() {
+        let report = churn::bench(args, &preprocessor)?;
+        let summary = std::fs::read_to_string(&report).unwrap_or_default();
+        return Ok(Finished { report, summary });
+    }
     if args.overload {
         let report = overload::bench(args, &preprocessor)?;
         let summary = std::fs::read_to_string(&report).unwrap_or_default();

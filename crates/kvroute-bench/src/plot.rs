@@ -23,12 +23,12 @@ const COLORS: [RGBColor; 8] = [
     RGBColor(127, 127, 127),
 ];
 
-fn color(i: usize) -> RGBColor {
+pub(crate) fn color(i: usize) -> RGBColor {
     COLORS[i % COLORS.len()]
 }
 
 /// plotters' errors are not `Send`; keep their message.
-fn err(e: impl std::fmt::Display) -> anyhow::Error {
+pub(crate) fn err(e: impl std::fmt::Display) -> anyhow::Error {
     anyhow::anyhow!("plotting: {e}")
 }
 

@@ -332,6 +332,22 @@ impl Driver {
     }
 }
 
+/// Plays `workload` against `urls` on the current runtime (a fleet the caller started and
+/// changes while it runs), the workers' counters read from `workers`; the run's start, as
+/// the workload's times count from it.
+pub(crate) async fn drive_on(
+    workload: &Workload,
+    urls: Vec<String>,
+    workers: &[WorkerSpec],
+    preprocessor: &Arc<Preprocessor>,
+    bs: BlockSize,
+    started: tokio::sync::oneshot::Sender<tokio::time::Instant>,
+) -> anyhow::Result<RunData> {
+    let driver = Driver::new(urls, None, preprocessor, bs, workers);
+    let _ = started.send(driver.t0);
+    drive(workload, &driver, &stats_urls(workers), "churn", &ProgressBar::hidden()).await
+}
+
 async fn drive(
     workload: &Workload,
     driver: &Driver,

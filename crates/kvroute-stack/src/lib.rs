@@ -15,6 +15,7 @@
 //! [`settings`] reads what configures a stack from flags, environment and a TOML file.
 
 mod config;
+pub mod dns_server;
 mod error;
 pub mod nats_server;
 pub mod settings;

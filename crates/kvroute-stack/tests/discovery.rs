@@ -1,14 +1,13 @@
-//! Members found by DNS, from a real DNS server on loopback: Debian's `dnsmasq`, serving a
-//! hosts file the test rewrites (its SIGHUP re-reads it), in front of simulated engines each
-//! on an address of its own in 127.0.0.0/8 (docs/membership.md).
+//! Members found by DNS, from a real DNS server on loopback (Debian's `dnsmasq`, serving a
+//! hosts file the test rewrites: `kvroute_stack::dns_server`), in front of simulated engines
+//! each on an address of its own in 127.0.0.0/8; and by a NATS key-value bucket on a real
+//! `nats-server` (docs/membership.md).
 
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 mod common;
 
-use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,18 +18,11 @@ use kvroute_router::members::{
     DnsConfig, DnsSource, MAX_MEMBERS_PER_SOURCE, Template, spawn_source,
 };
 use kvroute_router::{RouterConfig, RouterState};
+use kvroute_stack::dns_server::{DnsServer, DnsServerError};
 use kvroute_stack::{Simulated, Stack, StackConfig};
 use serde_json::json;
 
 use common::eventually;
-
-/// A `dnsmasq` answering from `hosts` on a free loopback port; stopped when dropped.
-struct Dns {
-    child: Child,
-    at: SocketAddr,
-    hosts: PathBuf,
-    _dir: tempdir::Dir,
-}
 
 mod tempdir {
     /// A directory of the test's own under the system's temporary one, removed when dropped.
@@ -51,67 +43,16 @@ mod tempdir {
     }
 }
 
-impl Dns {
-    /// `None` (the test says why and passes) when `dnsmasq` is not installed; `scripts/test`
-    /// installs it (Debian's dnsmasq-base).
-    fn start(tag: &str, srv: &[&str]) -> Option<Self> {
-        let binary =
-            ["/usr/sbin/dnsmasq", "/usr/bin/dnsmasq"].into_iter().find(|p| Path::new(p).exists());
-        let Some(binary) = binary else {
+/// A `dnsmasq` authoritative for `kvroute.test`; `None` (the test says why and passes) when it
+/// is not installed: `scripts/test` installs it (Debian's dnsmasq-base).
+fn dns_server() -> Option<DnsServer> {
+    match DnsServer::start("kvroute.test", &[]) {
+        Ok(dns) => Some(dns),
+        Err(DnsServerError::Missing) => {
             eprintln!("dnsmasq is not installed (Debian's dnsmasq-base): the DNS test is skipped");
-            return None;
-        };
-        let dir = tempdir::Dir::new(tag);
-        let hosts = dir.0.join("hosts");
-        std::fs::write(&hosts, "").unwrap();
-        // A free UDP port on loopback: bound, then handed to dnsmasq.
-        let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut cmd = Command::new(binary);
-        cmd.args([
-            "--keep-in-foreground",
-            "--no-resolv",
-            "--no-hosts",
-            "--bind-interfaces",
-            "--listen-address=127.0.0.1",
-            "--conf-file=/dev/null",
-            "--pid-file=",
-            "--user=root",
-            "--local-ttl=0",
-            "--log-facility=-",
-            "--dns-forward-max=1000",
-            "--local=/kvroute.test/",
-        ])
-        .arg(format!("--port={port}"))
-        .arg(format!("--addn-hosts={}", hosts.display()));
-        for s in srv {
-            cmd.arg(format!("--srv-host={s}"));
+            None
         }
-        let child =
-            cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-        let at = SocketAddr::from(([127, 0, 0, 1], port));
-        // Up once it takes connections (it serves TCP beside UDP); a SIGHUP before that
-        // would end it.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(at).is_err() {
-            assert!(std::time::Instant::now() < deadline, "dnsmasq never listened on {at}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Some(Self { child, at, hosts, _dir: dir })
-    }
-
-    /// Publishes `name` at `addresses` (the file rewritten, dnsmasq told to read it again).
-    fn publish(&self, entries: &[(IpAddr, &str)]) {
-        let text: String = entries.iter().map(|(ip, name)| format!("{ip} {name}\n")).collect();
-        std::fs::write(&self.hosts, text).unwrap();
-        let pid = self.child.id().to_string();
-        assert!(Command::new("kill").args(["-HUP", &pid]).status().unwrap().success());
-    }
-}
-
-impl Drop for Dns {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        Err(err) => panic!("{err}"),
     }
 }
 
@@ -187,12 +128,12 @@ async fn chat(base: &str, k: usize) -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_join_and_leave_as_the_name_resolves() {
-    let Some(dns) = Dns::start("dns", &[]) else { return };
+    let Some(dns) = dns_server() else { return };
     let (first, ports) = engine_at(ip(1), None).await;
     let (_second, _) = engine_at(ip(2), Some(ports)).await;
     let (_third, _) = engine_at(ip(3), Some(ports)).await;
     let name = "engines.kvroute.test";
-    dns.publish(&[(ip(1), name), (ip(2), name)]);
+    dns.publish(&[(ip(1), name), (ip(2), name)]).unwrap();
 
     let config = StackConfig {
         simulated: Simulated { count: 0, ..Simulated::default() },
@@ -227,13 +168,13 @@ async fn workers_join_and_leave_as_the_name_resolves() {
         assert_eq!(chat(&base, k).await, 200);
     }
     // Scale out, then in: the name answers a third address, then loses the first.
-    dns.publish(&[(ip(1), name), (ip(2), name), (ip(3), name)]);
+    dns.publish(&[(ip(1), name), (ip(2), name), (ip(3), name)]).unwrap();
     assert!(
         eventually(Duration::from_secs(10), || ready_count(&router) == 3).await,
         "{:?}",
         router.workers()
     );
-    dns.publish(&[(ip(2), name), (ip(3), name)]);
+    dns.publish(&[(ip(2), name), (ip(3), name)]).unwrap();
     let gone = kvroute_router::members::id_for(&first.url);
     assert!(
         eventually(Duration::from_secs(10), || !router.fleet.knows_worker(gone)).await,
@@ -244,7 +185,7 @@ async fn workers_join_and_leave_as_the_name_resolves() {
     }
     assert_eq!(ready_count(&router), 2);
     // No records at all: an empty fleet, every member drains.
-    dns.publish(&[]);
+    dns.publish(&[]).unwrap();
     assert!(eventually(Duration::from_secs(10), || router.workers().is_empty()).await);
 }
 
@@ -254,13 +195,13 @@ const ADDRESSES: u32 = 3_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_of_many_addresses_is_cut_to_the_bound() {
-    let Some(dns) = Dns::start("dns-big", &[]) else { return };
+    let Some(dns) = dns_server() else { return };
     let name = "many.kvroute.test";
     // Addresses in 127.0.0.0/8 only: nothing leaves the machine, whatever is tried.
     let entries: Vec<(IpAddr, &str)> = (0..ADDRESSES)
         .map(|k| (IpAddr::from([127, 2, (k / 250) as u8, (k % 250) as u8 + 1]), name))
         .collect();
-    dns.publish(&entries);
+    dns.publish(&entries).unwrap();
     let router = Arc::new(RouterState::new(RouterConfig::default()));
     // Workers without events or load reports: nothing is subscribed to.
     let dns_config = DnsConfig {
@@ -375,4 +316,56 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
         ),
         "{metrics}"
     );
+}
+
+/// A pod flapping (its address published, withdrawn, published every 100 ms) while requests
+/// run: no request fails, the steady workers stay, and the flapping one is bounded to a join
+/// and a drain at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flapping_pod_fails_no_request() {
+    let Some(dns) = dns_server() else { return };
+    let (_first, ports) = engine_at(ip(11), None).await;
+    let (_second, _) = engine_at(ip(12), Some(ports)).await;
+    let (_flapping, _) = engine_at(ip(13), Some(ports)).await;
+    let name = "flap.kvroute.test";
+    let steady = [(ip(11), name), (ip(12), name)];
+    dns.publish(&steady).unwrap();
+    let config = StackConfig {
+        simulated: Simulated { count: 0, ..Simulated::default() },
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let router = Arc::clone(stack.router.as_ref().unwrap());
+    let dns_config = DnsConfig {
+        name: name.into(),
+        server: Some(dns.at),
+        every: Duration::from_millis(100),
+        template: template(ports),
+    };
+    let _source = spawn_source(
+        &router,
+        Box::new(DnsSource::new(dns_config).unwrap()),
+        Duration::from_secs(5),
+    );
+    assert!(eventually(Duration::from_secs(10), || ready_count(&router) == 2).await);
+    let flapper = tokio::spawn(async move {
+        let all = [steady[0], steady[1], (ip(13), name)];
+        for k in 0..30 {
+            dns.publish(if k % 2 == 0 { &all } else { &steady }).unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        dns
+    });
+    let mut k = 0;
+    while !flapper.is_finished() {
+        assert_eq!(chat(&base, k).await, 200, "request {k}");
+        k += 1;
+    }
+    let _dns = flapper.await.unwrap();
+    assert!(k > 10, "requests ran throughout: {k}");
+    let steady_ids = [11, 12]
+        .map(|l| kvroute_router::members::id_for(&format!("http://{}:{}", ip(l), ports.http)));
+    assert!(steady_ids.iter().all(|&w| router.fleet.knows_worker(w)), "the steady workers stay");
+    assert!(router.workers().len() <= 3);
 }

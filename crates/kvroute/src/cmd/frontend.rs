@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{
-    Blocks, DEFAULT_FRONT_DOOR_PORT, FrontDoor, Gateway, Listen, Model, Nats, RemoteRouter,
-    Routing, Security, Settings, keys_of,
+    Blocks, DEFAULT_FRONT_DOOR_PORT, FrontDoor, Gateway, Listen, Membership, Model, Nats,
+    RemoteRouter, Routing, Security, Settings, keys_of,
 };
 
 use super::args::ConfigArgs;
@@ -32,6 +32,8 @@ pub(crate) struct FrontendArgs {
     #[command(flatten)]
     gateway: Gateway,
     #[command(flatten)]
+    membership: Membership,
+    #[command(flatten)]
     config: ConfigArgs,
 }
 
@@ -46,16 +48,23 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
         nats: args.nats.clone(),
         model: args.model.clone(),
         gateway: args.gateway.clone(),
+        membership: args.membership.clone(),
         ..Settings::default()
     };
     let keys = keys_of::<FrontendArgs>();
     let settings = args.config.merge(flags, &keys, "frontend")?;
     if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys, |s: &Settings| {
-        s.router_config().and(s.front_door()).map(drop)
+        s.router_config().and(s.front_door()).and(s.discovery()).map(drop)
     })? {
         return Ok(ExitCode::SUCCESS);
     }
-    anyhow::ensure!(!settings.routing.workers.is_empty(), "no workers: give --worker id=..,url=..");
+    let m = &settings.membership;
+    anyhow::ensure!(
+        !settings.routing.workers.is_empty()
+            || m.discover_dns.is_some()
+            || m.members_bucket.is_some(),
+        "no workers: give --worker id=..,url=.., --discover-dns or --members-bucket"
+    );
     let config = settings.stack_config(0, true)?;
     settings.check_exposure(&config.access, true)?;
     let options = settings.serve_options()?;

@@ -13,7 +13,9 @@ import os
 import pathlib
 import shutil
 import subprocess
+import re
 import tempfile
+import tomllib
 
 import jsonschema
 import kubernetes_validate
@@ -134,10 +136,22 @@ def test_the_objects_point_at_each_other_and_the_picker_config_is_accepted(overl
     container = picker["spec"]["template"]["spec"]["containers"][0]
     for probe in ["livenessProbe", "readinessProbe", "startupProbe"]:
         assert container[probe]["grpc"]["port"] == 9003
-    endpoints = by[("ConfigMap", "kvroute-pool")]["data"]["endpoints"]
-    listed = [l.split("#")[0].strip() for l in endpoints.splitlines()]
-    for endpoint in filter(None, listed):
-        assert f'url = "http://{endpoint}"' in config, endpoint
+    if "discover_dns" in config:
+        # The workers are the pool's headless Service's ready pods, by DNS: the name is that
+        # Service's, and the template's ports are the ports it publishes.
+        settings = tomllib.loads(config)
+        service = by[("Service", settings["discover_dns"])]
+        assert service["spec"]["clusterIP"] == "None", "a headless Service answers its pods"
+        assert selector.items() <= service["spec"]["selector"].items()
+        published = {p["port"] for p in service["spec"]["ports"]}
+        used = {int(p) for p in re.findall(r"\{host\}:(\d+)", settings["worker_template"])}
+        assert used and used <= published, (used, published)
+        assert "workers" not in settings and "endpoints_file" not in settings
+    else:
+        endpoints = by[("ConfigMap", "kvroute-pool")]["data"]["endpoints"]
+        listed = [l.split("#")[0].strip() for l in endpoints.splitlines()]
+        for endpoint in filter(None, listed):
+            assert f'url = "http://{endpoint}"' in config, endpoint
 
 
 def test_the_prometheus_rules_pass_promtool():

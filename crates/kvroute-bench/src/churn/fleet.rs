@@ -1,0 +1,230 @@
+//! The engines a churn run moves in and out of the fleet, each on an address of its own in
+//! 127.0.0.0/8 (so that a DNS name can list them), and the source that tells kvroute.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use kvroute_core::WorkerId;
+use kvroute_http::HttpClient;
+use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
+use kvroute_router::WorkerSpec;
+use kvroute_router::members::{BucketConfig, DnsConfig, Template, id_for, register};
+use kvroute_stack::Discovery;
+use kvroute_stack::dns_server::DnsServer;
+use kvroute_stack::nats_server::NatsServer;
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+
+use super::plan::ChurnSource;
+use crate::run::FleetConfig;
+
+/// The DNS name the engines are published under.
+const NAME: &str = "engines.kvroute.test";
+
+/// The ports every engine listens on, each on its own address.
+#[derive(Clone, Copy, Debug)]
+struct Ports {
+    http: u16,
+    events: u16,
+    replay: u16,
+    metrics: u16,
+}
+
+/// The engines of a run.
+pub(super) struct Engines {
+    pub(super) specs: Vec<WorkerSpec>,
+    ports: Ports,
+    _engines: Vec<kvroute_mocker::Spawned>,
+}
+
+fn ip(k: usize) -> IpAddr {
+    IpAddr::from([127, 0, 10, (k + 1) as u8])
+}
+
+fn port_of(endpoint: Option<&str>) -> anyhow::Result<u16> {
+    let endpoint = endpoint.context("an engine without an endpoint")?;
+    Ok(endpoint.rsplit(':').next().unwrap_or_default().parse()?)
+}
+
+impl Engines {
+    /// Starts `n` simulated engines of `fleet`'s kind, engine `k` at 127.0.10.(k+1), all on the
+    /// first one's (free) ports.
+    pub(super) async fn start(n: usize, fleet: &FleetConfig) -> anyhow::Result<Self> {
+        let mut ports: Option<Ports> = None;
+        let (mut specs, mut engines) = (Vec::new(), Vec::new());
+        for k in 0..n {
+            let at = |p: Option<u16>| Some(format!("tcp://{}:{}", ip(k), p.unwrap_or(0)));
+            let endpoints = kvroute_mocker::Endpoints {
+                events: at(ports.map(|p| p.events)),
+                replay: at(ports.map(|p| p.replay)),
+                metrics: at(ports.map(|p| p.metrics)),
+            };
+            let engine = EngineConfig {
+                num_blocks: fleet.num_blocks,
+                max_num_seqs: fleet.max_num_seqs,
+                max_batched_tokens: fleet.max_batched_tokens,
+                timing: Timing { speedup: fleet.speedup },
+                ..EngineConfig::default()
+            };
+            let config = MockerConfig { engine, endpoints, ..MockerConfig::default() };
+            let listener = tokio::net::TcpListener::bind((ip(k), ports.map_or(0, |p| p.http)))
+                .await
+                .with_context(|| format!("binding {}", ip(k)))?;
+            let http = listener.local_addr()?.port();
+            let spawned = kvroute_mocker::spawn(config, listener).await?;
+            let these = Ports {
+                http,
+                events: port_of(spawned.events.as_deref())?,
+                replay: port_of(spawned.replay.as_deref())?,
+                metrics: port_of(spawned.metrics.as_deref())?,
+            };
+            ports.get_or_insert(these);
+            let mut spec = WorkerSpec::new(0);
+            spec.url = Some(spawned.url.clone());
+            spec.events.clone_from(&spawned.events);
+            spec.replay.clone_from(&spawned.replay);
+            spec.metrics.clone_from(&spawned.metrics);
+            spec.id = id_for(&spawned.url);
+            specs.push(spec);
+            engines.push(spawned);
+        }
+        let ports = ports.context("no engine")?;
+        Ok(Self { specs, ports, _engines: engines })
+    }
+
+    pub(super) fn id(&self, k: usize) -> WorkerId {
+        self.specs[k].id
+    }
+
+    /// Engine `k` as `POST /workers` and a registration take it (no id: made from its URL).
+    fn json(&self, k: usize) -> Value {
+        let s = &self.specs[k];
+        json!({"url": s.url, "events": s.events, "replay": s.replay, "metrics": s.metrics})
+    }
+
+    fn template(&self) -> anyhow::Result<Template> {
+        let p = self.ports;
+        let text = format!(
+            "url=http://{{host}}:{},events=tcp://{{host}}:{},replay=tcp://{{host}}:{},metrics=tcp://{{host}}:{}",
+            p.http, p.events, p.replay, p.metrics
+        );
+        Ok(text.parse()?)
+    }
+}
+
+/// How the run tells kvroute its members (one per run: its size does not matter).
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Membership {
+    Api {
+        admin: String,
+    },
+    Dns {
+        server: DnsServer,
+    },
+    Nats {
+        bucket: BucketConfig,
+        sidecars: BTreeMap<usize, oneshot::Sender<()>>,
+        _server: NatsServer,
+    },
+}
+
+impl Membership {
+    /// The source's servers, and what the stack must follow (the API needs nothing).
+    pub(super) async fn start(
+        source: ChurnSource,
+        engines: &Engines,
+        store: &std::path::Path,
+    ) -> anyhow::Result<(Self, Discovery)> {
+        let mut discovery =
+            Discovery { drain_timeout: Duration::from_secs(60), ..Discovery::default() };
+        let membership = match source {
+            ChurnSource::Api => Self::Api { admin: String::new() },
+            ChurnSource::Dns => {
+                let server = DnsServer::start("kvroute.test", &[])?;
+                discovery.dns = Some(DnsConfig {
+                    name: NAME.into(),
+                    server: Some(server.at),
+                    every: Duration::from_millis(500),
+                    template: engines.template()?,
+                });
+                Self::Dns { server }
+            }
+            ChurnSource::Nats => {
+                let server = NatsServer::start(store, 0).await?;
+                let nats = kvroute_router::nats::NatsConfig::new(server.url());
+                let bucket = BucketConfig {
+                    nats,
+                    bucket: "churn_members".into(),
+                    ttl: Duration::from_secs(6),
+                };
+                discovery.bucket = Some(bucket.clone());
+                Self::Nats { bucket, sidecars: BTreeMap::new(), _server: server }
+            }
+        };
+        Ok((membership, discovery))
+    }
+
+    /// The front door whose admin API takes the API's changes.
+    pub(super) fn set_admin(&mut self, base: &str) {
+        if let Self::Api { admin } = self {
+            base.clone_into(admin);
+        }
+    }
+
+    /// `members` are the fleet from now on: `join` are new in it, `leave` gone from it.
+    pub(super) async fn apply(
+        &mut self,
+        engines: &Engines,
+        members: &[usize],
+        join: &[usize],
+        leave: &[usize],
+    ) -> anyhow::Result<()> {
+        match self {
+            Self::Api { admin } => {
+                let client = HttpClient::new();
+                for &k in join {
+                    let url = format!("{admin}/workers");
+                    let response =
+                        client.call(hyper::Method::POST, &url, Some(&engines.json(k))).await?;
+                    anyhow::ensure!(
+                        response.status() == 201,
+                        "POST /workers: {}",
+                        response.status()
+                    );
+                }
+                for &k in leave {
+                    let url = format!("{admin}/workers/{}/drain", engines.id(k));
+                    let response = client.call(hyper::Method::POST, &url, None::<&Value>).await?;
+                    anyhow::ensure!(response.status() == 202, "drain: {}", response.status());
+                }
+            }
+            Self::Dns { server } => {
+                let entries: Vec<(IpAddr, &str)> = members.iter().map(|&k| (ip(k), NAME)).collect();
+                server.publish(&entries)?;
+            }
+            Self::Nats { bucket, sidecars, .. } => {
+                for &k in join {
+                    let (stop, stopped) = oneshot::channel::<()>();
+                    let (bucket, spec, key) = (bucket.clone(), engines.json(k), format!("w{k}"));
+                    tokio::spawn(async move {
+                        let stop = async {
+                            let _ = stopped.await;
+                        };
+                        if let Err(err) = register(&bucket, &key, &spec, stop).await {
+                            tracing::error!(%err, "a sidecar failed");
+                        }
+                    });
+                    sidecars.insert(k, stop);
+                }
+                for k in leave {
+                    if let Some(stop) = sidecars.remove(k) {
+                        let _ = stop.send(());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
