@@ -63,9 +63,13 @@ pub struct ChangeFigures {
     pub left: Vec<LeaveFigures>,
     /// The hit rate of the 15 s before the change.
     pub hit_before: Option<f64>,
-    /// The lowest 10 s window after it.
+    /// The lowest 10 s window in the 30 s after it.
     pub hit_lowest_after: Option<f64>,
-    /// Seconds until a 10 s window is back within 0.02 of `hit_before` (0: it never left).
+    /// The steady state it settles in: the hit rate from 30 s after it to the next change
+    /// (or the end).
+    pub hit_settled: Option<f64>,
+    /// Seconds from the change until the 10 s windows stay within 0.02 of `hit_settled`
+    /// (from then to 30 s after the change).
     pub back_within_s: Option<f64>,
 }
 
@@ -126,7 +130,9 @@ pub(super) fn figures(
     let changes = plan
         .changes
         .iter()
-        .map(|c| {
+        .enumerate()
+        .map(|(i, c)| {
+            let next = plan.changes.get(i + 1).map_or(end, |n| n.at);
             let joined = c
                 .join
                 .iter()
@@ -173,16 +179,26 @@ pub(super) fn figures(
                 })
                 .collect();
             let before = hit(&between(data, c.at - 15.0, c.at));
-            let after: Vec<&(f64, f64)> = windows.iter().filter(|(s, _)| *s >= c.at).collect();
-            let back = before
-                .and_then(|b| after.iter().find(|(_, h)| *h >= b - WITHIN).map(|(s, _)| s - c.at));
-            let lowest = after.iter().take(30).map(|(_, h)| *h).reduce(f64::min);
+            let settled = hit(&between(data, c.at + 30.0, next));
+            // The windows that start in the 30 s after the change (they end within 40 s).
+            let after: Vec<(f64, f64)> =
+                windows.iter().copied().filter(|(s, _)| *s >= c.at && *s < c.at + 30.0).collect();
+            let lowest = after.iter().map(|(_, h)| *h).reduce(f64::min);
+            // The first window from which every later one (to 30 s) stays within 0.02.
+            let back = settled.and_then(|s| {
+                let last_off = after.iter().rposition(|(_, h)| (h - s).abs() > WITHIN);
+                match last_off {
+                    None => Some(0.0),
+                    Some(k) => after.get(k + 1).map(|(t, _)| t - c.at),
+                }
+            });
             ChangeFigures {
                 at: c.at,
                 joined,
                 left,
                 hit_before: before,
                 hit_lowest_after: lowest,
+                hit_settled: settled,
                 back_within_s: back,
             }
         })
