@@ -92,13 +92,20 @@ impl Default for Simulated {
 pub struct Discovery {
     pub dns: Option<kvroute_router::members::DnsConfig>,
     pub bucket: Option<kvroute_router::members::BucketConfig>,
+    /// The configuration file, read again when it changes.
+    pub reload: Option<crate::reload::Reload>,
     /// How long a draining worker's requests may run before it is removed all the same.
     pub drain_timeout: std::time::Duration,
 }
 
 impl Default for Discovery {
     fn default() -> Self {
-        Self { dns: None, bucket: None, drain_timeout: kvroute_router::members::DRAIN_TIMEOUT }
+        Self {
+            dns: None,
+            bucket: None,
+            reload: None,
+            drain_timeout: kvroute_router::members::DRAIN_TIMEOUT,
+        }
     }
 }
 

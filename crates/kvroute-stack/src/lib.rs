@@ -18,6 +18,7 @@ mod config;
 pub mod dns_server;
 mod error;
 pub mod nats_server;
+pub mod reload;
 pub mod settings;
 mod simulated;
 
@@ -54,7 +55,10 @@ pub struct Stack {
 }
 
 /// The sources of members `discovery` names.
-fn sources(discovery: Discovery) -> Vec<Box<dyn kvroute_router::members::Source>> {
+fn sources(
+    discovery: Discovery,
+    simulated: &[WorkerSpec],
+) -> Vec<Box<dyn kvroute_router::members::Source>> {
     use kvroute_router::members::{BucketSource, DnsSource};
     let mut out: Vec<Box<dyn kvroute_router::members::Source>> = Vec::new();
     if let Some(dns) = discovery.dns {
@@ -65,6 +69,9 @@ fn sources(discovery: Discovery) -> Vec<Box<dyn kvroute_router::members::Source>
     }
     if let Some(bucket) = discovery.bucket {
         out.push(Box::new(BucketSource::new(bucket)));
+    }
+    if let Some(reload) = discovery.reload {
+        out.push(Box::new(reload::ReloadSource::new(reload, simulated.to_vec())));
     }
     out
 }
@@ -102,8 +109,11 @@ impl Stack {
         if let Some(why) = preprocessor.text_only_reason() {
             tracing::warn!(model = preprocessor.model_name(), %why, "the model takes text only");
         }
+        let listed: Vec<_> = router.workers.iter().map(|w| w.id).collect();
         let engines =
             simulated::start(&simulated, &mut router, model_path.as_deref(), &fetch).await?;
+        let simulated_specs: Vec<WorkerSpec> =
+            router.workers.iter().filter(|w| !listed.contains(&w.id)).cloned().collect();
         router.validate()?;
         let workers = router.workers.clone();
         let block_size = router.block_size;
@@ -113,7 +123,7 @@ impl Stack {
             None => {
                 let state = Arc::new(RouterState::new(router));
                 let mut tasks = kvroute_router::spawn_background(&state)?;
-                for source in sources(discovery.clone()) {
+                for source in sources(discovery.clone(), &simulated_specs) {
                     let drain = discovery.drain_timeout;
                     tasks.push(kvroute_router::members::spawn_source(&state, source, drain));
                 }

@@ -369,3 +369,58 @@ async fn a_flapping_pod_fails_no_request() {
     assert!(steady_ids.iter().all(|&w| router.fleet.knows_worker(w)), "the steady workers stay");
     assert!(router.workers().len() <= 3);
 }
+
+/// The configuration file read again when it changes: a worker added to `[[workers]]` joins,
+/// one removed drains and leaves, and the simulated workers (not in the file) stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_configuration_files_workers_are_followed_when_it_changes() {
+    let dir = tempdir::Dir::new("reload");
+    let path = dir.0.join("kvroute.toml");
+    let (a, _) = engine_at(ip(21), None).await;
+    let (b, _) = engine_at(ip(22), None).await;
+    let table = |id: u64, e: &kvroute_mocker::Spawned| {
+        format!(
+            "[[workers]]\nid = {id}\nurl = \"{}\"\nevents = \"{}\"\n\n",
+            e.url,
+            e.events.as_deref().unwrap()
+        )
+    };
+    std::fs::write(&path, table(50, &a)).unwrap();
+    let read = {
+        let path = path.clone();
+        move || -> Result<Vec<kvroute_router::WorkerSpec>, String> {
+            #[derive(serde::Deserialize)]
+            struct File {
+                workers: Vec<kvroute_router::WorkerSpec>,
+            }
+            let text = std::fs::read_to_string(&path).map_err(|e| e.to_string())?;
+            Ok(toml::from_str::<File>(&text).map_err(|e| e.to_string())?.workers)
+        }
+    };
+    let config = StackConfig {
+        simulated: Simulated { count: 1, ..Simulated::default() },
+        router: RouterConfig { workers: read().unwrap(), ..RouterConfig::default() },
+        discovery: kvroute_stack::Discovery {
+            reload: Some(kvroute_stack::reload::Reload {
+                path: path.clone(),
+                workers: Arc::new(read),
+            }),
+            ..kvroute_stack::Discovery::default()
+        },
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    let router = Arc::clone(stack.router.as_ref().unwrap());
+    let simulated = stack.workers.iter().map(|w| w.id.0).find(|&id| id != 50).unwrap();
+    let knows = |id: u64| router.fleet.knows_worker(kvroute_core::WorkerId(id));
+    assert!(knows(50) && knows(simulated));
+    std::fs::write(&path, table(50, &a) + &table(51, &b)).unwrap();
+    assert!(eventually(Duration::from_secs(10), || knows(51)).await, "an added worker joins");
+    std::fs::write(&path, table(51, &b)).unwrap();
+    assert!(eventually(Duration::from_secs(10), || !knows(50)).await, "a removed worker leaves");
+    assert!(knows(51) && knows(simulated), "the others stay");
+    // A file that no longer parses changes nothing.
+    std::fs::write(&path, "[[workers]]\nid = \"x\"\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(knows(51) && knows(simulated));
+}

@@ -36,6 +36,26 @@ impl ConfigArgs {
         Ok(file.overlaid_by(flags)?)
     }
 
+    /// The configuration file followed while the command runs (its `[[workers]]` read again
+    /// on change, under the same `flags`); none without `--config`.
+    pub(crate) fn reload(
+        &self,
+        flags: &Settings,
+        allowed: &[String],
+        command: &'static str,
+    ) -> Option<kvroute_stack::reload::Reload> {
+        let path = self.config.clone()?;
+        let (flags, allowed, file) = (flags.clone(), allowed.to_vec(), path.clone());
+        let workers = move || -> Result<Vec<kvroute_router::WorkerSpec>, String> {
+            let settings = Settings::from_file(&file, &allowed, command)
+                .and_then(|s| s.overlaid_by(flags.clone()))
+                .map_err(|e| e.to_string())?;
+            let router = settings.router_config().map_err(|e| e.to_string())?;
+            Ok(router.workers)
+        };
+        Some(kvroute_stack::reload::Reload { path, workers: std::sync::Arc::new(workers) })
+    }
+
     /// With `--print-config`: checks `settings` as the command would (`check`: the
     /// conversions it makes; what it would refuse is refused here too, not printed), prints
     /// them over the defaults (the command's `port`, its `allowed` keys) and says to stop.

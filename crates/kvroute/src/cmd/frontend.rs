@@ -52,6 +52,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
         ..Settings::default()
     };
     let keys = keys_of::<FrontendArgs>();
+    let reload = args.config.reload(&flags, &keys, "frontend");
     let settings = args.config.merge(flags, &keys, "frontend")?;
     if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys, |s: &Settings| {
         s.router_config().and(s.front_door()).and(s.discovery()).map(drop)
@@ -65,7 +66,8 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
             || m.members_bucket.is_some(),
         "no workers: give --worker id=..,url=.., --discover-dns or --members-bucket"
     );
-    let config = settings.stack_config(0, true)?;
+    let mut config = settings.stack_config(0, true)?;
+    config.discovery.reload = reload;
     settings.check_exposure(&config.access, true)?;
     let options = settings.serve_options()?;
     let scheme = super::scheme(&options);

@@ -39,6 +39,7 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
         ..Settings::default()
     };
     let keys = keys_of::<RouterArgs>();
+    let reload = args.config.reload(&flags, &keys, "router");
     let settings = args.config.merge(flags, &keys, "router")?;
     if args.config.printed(&settings, DEFAULT_ROUTER_PORT, &keys, |s: &Settings| {
         s.router_config()?;
@@ -46,7 +47,8 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
     })? {
         return Ok(ExitCode::SUCCESS);
     }
-    let config = settings.stack_config(0, false)?;
+    let mut config = settings.stack_config(0, false)?;
+    config.discovery.reload = reload;
     settings.check_exposure(&config.access, false)?;
     let options = settings.serve_options()?;
     let scheme = super::scheme(&options);

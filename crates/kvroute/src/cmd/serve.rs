@@ -64,6 +64,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         ..Settings::default()
     };
     let keys = keys_of::<ServeArgs>();
+    let reload = args.config.reload(&flags, &keys, "serve");
     let settings = args.config.merge(flags, &keys, "serve")?;
     if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys, check)? {
         return Ok(ExitCode::SUCCESS);
@@ -75,7 +76,8 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         simulated + pd > 0 || !settings.routing.workers.is_empty(),
         "no workers: use --simulated-workers N, --prefill-workers P --decode-workers D, or --worker ..."
     );
-    let config = settings.stack_config(simulated, true)?;
+    let mut config = settings.stack_config(simulated, true)?;
+    config.discovery.reload = reload;
     settings.check_exposure(&config.access, true)?;
     let options = settings.serve_options()?;
     let scheme = super::scheme(&options);
