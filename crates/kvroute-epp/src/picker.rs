@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvroute_core::WorkerId;
-use kvroute_frontend::FrontendState;
+use kvroute_frontend::{FrontendState, Placer};
 
 use crate::budget::Budget;
 use crate::endpoints::{Endpoints, parse_endpoints};
@@ -70,6 +70,23 @@ pub struct Picker {
     pub budget: Arc<Budget>,
     /// The token a gateway must send in its gRPC metadata (none: any gateway).
     token: Option<kvroute_http::Credentials>,
+    /// The endpoints file's own workers: each `ip:port` it lists that is no worker of the
+    /// fleet joins through the template ([`Picker::add_listed`]), and leaves with its line.
+    joins: std::sync::OnceLock<Joins>,
+    /// The endpoints the file lists now (the pool narrowed to them, again as workers change).
+    listed: std::sync::RwLock<Option<Vec<String>>>,
+}
+
+/// How the endpoints file adds workers.
+struct Joins {
+    template: kvroute_router::members::Template,
+    sink: kvroute_router::members::Sink,
+}
+
+impl std::fmt::Debug for Joins {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Joins").field("template", &self.template).finish_non_exhaustive()
+    }
 }
 
 impl Picker {
@@ -80,7 +97,18 @@ impl Picker {
         let budget =
             Budget::new(options.max_body_bytes_in_flight, options.max_body_bytes_per_client);
         let turn = AtomicUsize::new(0);
-        Self { front, endpoints, options, metrics, turn, members, budget, token: None }
+        Self {
+            front,
+            endpoints,
+            options,
+            metrics,
+            turn,
+            members,
+            budget,
+            token: None,
+            joins: std::sync::OnceLock::new(),
+            listed: std::sync::RwLock::new(None),
+        }
     }
 
     /// Streams must carry `token` in their gRPC metadata (`authorization: Bearer <token>`,
@@ -128,6 +156,52 @@ impl Picker {
     fn set_endpoints(&self, endpoints: Endpoints) {
         *self.endpoints.write().unwrap_or_else(std::sync::PoisonError::into_inner) =
             Arc::new(endpoints);
+        let listed = self.listed.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(listed) = listed {
+            // The pool narrowed again: a worker that joined since is among its endpoints.
+            self.set_members(&listed);
+        }
+    }
+
+    /// From now on, each `ip:port` the endpoints file lists that is no worker of the fleet
+    /// joins as a worker described by `template` (the address as `{host}`, the port as
+    /// `{port}`), source `file`; one whose line goes drains. Needs the embedded router:
+    /// `false` (nothing changes) with a remote one, or when set before.
+    pub fn add_listed(
+        &self,
+        template: kvroute_router::members::Template,
+        drain_timeout: std::time::Duration,
+    ) -> bool {
+        let Placer::Embedded(router) = &self.front.placer else { return false };
+        let sink = kvroute_router::members::Sink::new(Arc::clone(router), "file", drain_timeout);
+        self.joins.set(Joins { template, sink }).is_ok()
+    }
+
+    /// The endpoints file's own workers: what it lists that no other source brought, made
+    /// workers by the template.
+    fn offer_listed(&self, listed: &[String]) {
+        let Some(joins) = self.joins.get() else { return };
+        let Placer::Embedded(router) = &self.front.placer else { return };
+        let endpoints = self.endpoints();
+        let mut specs = Vec::new();
+        for endpoint in listed {
+            let others = endpoints.allowed(std::slice::from_ref(endpoint));
+            let theirs =
+                others.iter().any(|w| router.roster.get(*w).is_some_and(|m| m.source != "file"));
+            let Some((host, port)) = endpoint.rsplit_once(':') else { continue };
+            let (Ok(ip), Ok(port)) = (host.trim_matches(['[', ']']).parse(), port.parse::<u16>())
+            else {
+                continue;
+            };
+            if theirs {
+                continue;
+            }
+            match joins.template.fill(ip, Some(port)) {
+                Ok(spec) => specs.push(spec),
+                Err(err) => tracing::warn!(%endpoint, %err, "a listed endpoint cannot be a worker"),
+            }
+        }
+        joins.sink.offer(specs);
     }
 
     /// The workers a request may go to: those of its subset hint (absent: all) that the
@@ -187,6 +261,8 @@ impl Picker {
 
     fn reread(&self, path: &std::path::Path, text: &str) {
         let listed = parse_endpoints(text);
+        *self.listed.write().unwrap_or_else(|e| e.into_inner()) = Some(listed.clone());
+        self.offer_listed(&listed);
         let unknown = self.set_members(&listed);
         tracing::info!(path = %path.display(), endpoints = listed.len(), "pool endpoints read");
         if !unknown.is_empty() {

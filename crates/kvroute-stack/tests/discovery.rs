@@ -424,3 +424,44 @@ async fn the_configuration_files_workers_are_followed_when_it_changes() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(knows(51) && knows(simulated));
 }
+
+/// The picker's endpoints file keeps narrowing the pool, and with a worker template what it
+/// lists that is no worker joins (source `file`), and leaves with its line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pickers_endpoints_file_adds_workers_through_the_template() {
+    let dir = tempdir::Dir::new("pool");
+    let path = dir.0.join("endpoints");
+    let (outside, ports) = engine_at(ip(31), None).await;
+    let config = StackConfig {
+        simulated: Simulated { count: 1, tokenless: true, ..Simulated::default() },
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
+    let router = Arc::clone(stack.router.as_ref().unwrap());
+    let picker = stack.picker(kvroute_epp::EppOptions::default(), None).unwrap();
+    assert!(picker.add_listed(template(ports), Duration::from_secs(5)));
+    let simulated = kvroute_epp::host_port(stack.workers[0].url.as_deref().unwrap()).unwrap();
+    let listed = format!("{}:{}", ip(31), ports.http);
+    std::fs::write(&path, format!("{simulated}\n{listed}\n")).unwrap();
+    let _watch = picker.watch(path.clone(), Duration::from_millis(100));
+    let id = kvroute_router::members::id_for(&outside.url);
+    assert!(
+        eventually(Duration::from_secs(10), || is_ready(&router, id)).await,
+        "{:?}",
+        router.workers()
+    );
+    assert_eq!(router.roster.get(id).unwrap().source, "file");
+    assert!(
+        eventually(Duration::from_secs(5), || picker.endpoints().endpoint(id).is_some()).await,
+        "an endpoint of the pool"
+    );
+    // Its line goes: it drains and leaves; the simulated worker stays.
+    std::fs::write(&path, format!("{simulated}\n")).unwrap();
+    assert!(eventually(Duration::from_secs(10), || !router.fleet.knows_worker(id)).await);
+    assert!(router.fleet.knows_worker(stack.workers[0].id));
+}
+
+fn is_ready(router: &RouterState, id: kvroute_core::WorkerId) -> bool {
+    router.workers().iter().any(|w| w.id == id && w.ready.iter().all(|r| *r))
+}

@@ -88,6 +88,11 @@ pub(crate) async fn start_picker(
     let token = settings.epp_token()?;
     let picker = stack.picker(options, token).context("the picker needs the front door")?;
     if let Some(path) = &settings.gateway.endpoints_file {
+        // With a worker template, what the file lists that is no worker joins.
+        if let Some(template) = &settings.membership.worker_template {
+            let discovery = settings.discovery()?;
+            picker.add_listed(template.parse()?, discovery.drain_timeout);
+        }
         picker.watch(path.clone(), Duration::from_secs(2));
     }
     let mut address = settings.clone();
