@@ -251,7 +251,8 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
     let ttl = Duration::from_secs(2);
     let bucket =
         BucketConfig { nats: NatsConfig::new(server.url()), bucket: "kvroute_members".into(), ttl };
-    let routers: Vec<Arc<RouterState>> =
+    // Two router replicas, and two pickers (each a stack's embedded router), on one bucket.
+    let mut routers: Vec<Arc<RouterState>> =
         (0..2).map(|_| Arc::new(RouterState::new(RouterConfig::default()))).collect();
     let _sources: Vec<_> = routers
         .iter()
@@ -259,6 +260,22 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
             spawn_source(r, Box::new(BucketSource::new(bucket.clone())), Duration::from_secs(5))
         })
         .collect();
+    let mut pickers = Vec::new();
+    for _ in 0..2 {
+        let discovery = kvroute_stack::Discovery {
+            bucket: Some(bucket.clone()),
+            ..kvroute_stack::Discovery::default()
+        };
+        let config = StackConfig {
+            simulated: Simulated { count: 0, ..Simulated::default() },
+            discovery,
+            ..StackConfig::default()
+        };
+        let stack = Stack::start(config).await.unwrap();
+        routers.push(Arc::clone(stack.router.as_ref().unwrap()));
+        let picker = stack.picker(kvroute_epp::EppOptions::default(), None).unwrap();
+        pickers.push((stack, picker));
+    }
     // Workers without events: nothing to subscribe to, so membership alone is measured.
     let spec = json!({"url": "http://127.0.9.20:9"});
     let id = kvroute_router::members::id_for("http://127.0.9.20:9");
@@ -273,13 +290,33 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
         })
     };
     let on_all = |routers: &[Arc<RouterState>]| routers.iter().all(|r| r.fleet.knows_worker(id));
+    // When each of the four saw it, from the registration's start (the first is the bucket's
+    // own delivery; the spread between first and last is how long the four disagreed).
     let asked = std::time::Instant::now();
-    assert!(eventually(Duration::from_secs(10), || on_all(&routers)).await);
-    let first = routers.iter().position(|r| r.fleet.knows_worker(id));
+    let mut seen: Vec<Option<Duration>> = vec![None; routers.len()];
+    while seen.iter().any(Option::is_none) {
+        assert!(asked.elapsed() < Duration::from_secs(10), "{seen:?}");
+        for (k, r) in routers.iter().enumerate() {
+            if seen[k].is_none() && r.fleet.knows_worker(id) {
+                seen[k] = Some(asked.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let seen: Vec<Duration> = seen.into_iter().flatten().collect();
+    let spread = *seen.iter().max().unwrap() - *seen.iter().min().unwrap();
     eprintln!(
-        "a registration reached both routers within {:?} (first: router {first:?})",
-        asked.elapsed()
+        "a registration reached two replicas and two pickers at {seen:?}: they disagreed for {spread:?}"
     );
+    assert!(spread < Duration::from_secs(1), "within the bound: {spread:?}");
+    assert!(on_all(&routers));
+    for (_, picker) in &pickers {
+        let endpoint = || picker.endpoints().endpoint(id).is_some();
+        assert!(
+            eventually(Duration::from_secs(5), endpoint).await,
+            "an endpoint of each picker's pool"
+        );
+    }
 
     // Garbage beside it: refused, nothing else changes.
     let client = async_nats::connect(server.url()).await.unwrap();
@@ -291,12 +328,12 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
     assert!(routers.iter().all(|r| r.workers().len() == 1), "garbage joins nothing");
 
     // The sidecar stops: its registration is deleted, both routers drain the worker.
+    let stopped_at = std::time::Instant::now();
     stop.send(()).unwrap();
     sidecar.await.unwrap().unwrap();
     let gone = |routers: &[Arc<RouterState>]| routers.iter().all(|r| !r.fleet.knows_worker(id));
-    let stopped_at = std::time::Instant::now();
     assert!(eventually(Duration::from_secs(10), || gone(&routers)).await);
-    eprintln!("a deleted registration left both routers within {:?}", stopped_at.elapsed());
+    eprintln!("a sidecar stopping: the worker left all four within {:?}", stopped_at.elapsed());
 
     // A registration never renewed expires after its time to live.
     kv.put("w2", bytes::Bytes::from_static(b"{\"url\":\"http://127.0.9.21:9\"}")).await.unwrap();
