@@ -165,7 +165,10 @@ impl FrontendState {
         let mut excluded: Vec<WorkerWithDpRank> = workers
             .urls
             .keys()
-            .filter(|w| allowed.is_some_and(|a| !a.contains(w)) || self.health.is_ejected(**w))
+            .filter(|w| {
+                let out = self.health.is_ejected(**w) || workers.draining.contains(*w);
+                out || allowed.is_some_and(|a| !a.contains(w))
+            })
             .flat_map(|&w| self.all_ranks(w))
             .collect();
         if self.placer.disaggregated(workers.prefill_workers) {
@@ -299,7 +302,7 @@ impl FrontendState {
 
     /// Whether the worker is in rotation (not ejected after a failure).
     pub fn in_rotation(&self, worker: WorkerId) -> bool {
-        !self.health.is_ejected(worker)
+        !self.health.is_ejected(worker) && !self.workers().draining.contains(&worker)
     }
 }
 

@@ -25,6 +25,9 @@ pub(crate) struct Workers {
     pub(crate) prefill_workers: bool,
     /// The client, with each worker's own token for its origin.
     pub(crate) client: HttpClient,
+    /// Workers leaving the fleet: spoken to for what they run, never offered anything new
+    /// (not a fallback, not a request in turn).
+    pub(crate) draining: BTreeSet<WorkerId>,
 }
 
 impl Workers {
@@ -45,6 +48,7 @@ impl Workers {
             bootstraps: workers.iter().filter_map(bootstrap).collect(),
             prefill_workers: workers.iter().any(|w| w.role == Role::Prefill),
             client,
+            draining: BTreeSet::new(),
         }
     }
 

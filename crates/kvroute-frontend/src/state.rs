@@ -209,9 +209,13 @@ impl FrontendState {
     /// The membership changed: `workers` (draining ones included, until they leave) are the
     /// ones spoken to from now on. A newcomer is in the health checks and, with events, due
     /// for its parity probe; one gone leaves both.
-    pub fn set_workers(&self, workers: &[WorkerSpec]) -> Vec<WorkerId> {
+    pub fn set_workers(
+        &self,
+        workers: &[WorkerSpec],
+        draining: std::collections::BTreeSet<WorkerId>,
+    ) -> Vec<WorkerId> {
         let mut joined = Vec::new();
-        let roster = Arc::new(Workers::new(workers, &self.base_client));
+        let roster = Arc::new(Workers { draining, ..Workers::new(workers, &self.base_client) });
         let old = std::mem::replace(
             &mut *self.workers.write().unwrap_or_else(PoisonError::into_inner),
             Arc::clone(&roster),
@@ -253,7 +257,8 @@ impl FrontendState {
                 let members = roster.borrow_and_update().clone();
                 let Some(state) = weak.upgrade() else { return };
                 let specs: Vec<WorkerSpec> = members.iter().map(|m| m.spec.clone()).collect();
-                for worker in state.set_workers(&specs) {
+                let draining = members.iter().filter(|m| m.draining).map(|m| m.spec.id).collect();
+                for worker in state.set_workers(&specs, draining) {
                     if state.options.parity_probe {
                         let state = Arc::clone(&state);
                         tokio::spawn(async move { state.probe_joined(worker).await });

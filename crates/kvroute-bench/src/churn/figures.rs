@@ -230,7 +230,7 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 pub(super) fn write_report(out: &Path, runs: &[ChurnRun]) -> anyhow::Result<PathBuf> {
     std::fs::write(out.join("membership.json"), serde_json::to_vec_pretty(runs)?)?;
     let mut md = String::from("# The fleet changing under load (`kvroute bench --churn`)\n\n");
-    md.push_str("| plan / source / via | requests | failed | hit rate | change at | joined: ready after, first decision after ready (s) | left: draining after, decisions while draining, removed after (s), nothing left | hit before | lowest 10 s after | back within 0.02 after (s) |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("| plan / source / via | requests | failed | hit rate | change at | joined: ready after, first decision after ready (s) | left: draining after, decisions while draining, removed after (s), nothing left | hit before | lowest 10 s window in 30 s after | settled (30 s after to next change) | within 0.02 of settled from (s after) |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
     for run in runs {
         for (i, c) in run.changes.iter().enumerate() {
             let joined: Vec<String> = c
@@ -271,12 +271,13 @@ pub(super) fn write_report(out: &Path, runs: &[ChurnRun]) -> anyhow::Result<Path
             };
             let _ = writeln!(
                 md,
-                "| {head} | {:.0} | {} | {} | {} | {} | {} |",
+                "| {head} | {:.0} | {} | {} | {} | {} | {} | {} |",
                 c.at,
                 joined.join("; "),
                 left.join("; "),
                 opt(c.hit_before, 3),
                 opt(c.hit_lowest_after, 3),
+                opt(c.hit_settled, 3),
                 opt(c.back_within_s, 0)
             );
         }
