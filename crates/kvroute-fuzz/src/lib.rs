@@ -20,6 +20,7 @@
 //! | `handoff` | a request's transfer fields, a side channel call, a prefill's answer | each role's leg, key bounds, hold claims |
 //! | `store` | shared-store calls and answers, one per line | decode, apply to a store (bounds checked), an engine's writes |
 //! | `ext_proc` | a gateway's ext_proc messages on one stream (length-delimited protobuf) | decode, the picker's exchange: headers, body, pick, response |
+//! | `members` | members' bucket entries and `POST /workers` bodies, and worker templates, one per line | decode, template fill, join and remove on a router |
 
 use std::sync::{Arc, OnceLock};
 
@@ -55,7 +56,30 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("handoff", handoff),
     ("store", store),
     ("ext_proc", ext_proc),
+    ("members", members),
 ];
+
+/// Each line a members' bucket entry (the body `POST /workers` takes) and a worker template:
+/// decoded; a worker joins a router (no events or load reports: nothing is started) and
+/// leaves; a template is filled with an address.
+pub fn members(data: &[u8]) {
+    use kvroute_router::members::{Template, parse_entry};
+    static ROUTER: OnceLock<Arc<RouterState>> = OnceLock::new();
+    let router = ROUTER.get_or_init(|| Arc::new(router()));
+    for line in data.split(|&b| b == b'\n') {
+        if let Ok(mut spec) = parse_entry(line) {
+            (spec.events, spec.replay, spec.metrics) = (None, None, None);
+            if kvroute_router::members::join(router, &spec, "fuzz").is_ok() {
+                kvroute_router::members::remove(router, spec.id);
+            }
+        }
+        let Ok(text) = std::str::from_utf8(line) else { continue };
+        if let Ok(template) = text.parse::<Template>() {
+            let _ = template.fill(std::net::IpAddr::from([127, 0, 0, 1]), Some(8000));
+            let _ = template.fill("::1".parse().unwrap_or(std::net::IpAddr::from([0; 16])), None);
+        }
+    }
+}
 
 /// A simulated engine's hand-off decoders ([`kvroute_mocker::handoff::fuzz`]).
 pub fn handoff(data: &[u8]) {
