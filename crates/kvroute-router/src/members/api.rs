@@ -56,7 +56,7 @@ pub fn drain_one(state: &Arc<RouterState>, id: u64) -> Result<(StatusCode, Value
     let after = DRAIN_TIMEOUT.as_secs();
     Ok((
         StatusCode::ACCEPTED,
-        json!({"worker_id": id, "draining": true, "removed_within_s": after}),
+        json!({"worker_id": id, "draining": true, "drain_timeout_s": after}),
     ))
 }
 
