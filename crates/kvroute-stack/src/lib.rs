@@ -14,6 +14,7 @@
 //!
 //! [`settings`] reads what configures a stack from flags, environment and a TOML file.
 
+pub mod addressed;
 mod config;
 pub mod dns_server;
 mod error;

@@ -13,11 +13,12 @@ use std::time::Duration;
 
 use http_body_util::BodyExt;
 use kvroute_http::HttpClient;
-use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
+use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_router::members::{
     DnsConfig, DnsSource, MAX_MEMBERS_PER_SOURCE, Template, spawn_source,
 };
 use kvroute_router::{RouterConfig, RouterState};
+use kvroute_stack::addressed::Ports;
 use kvroute_stack::dns_server::{DnsServer, DnsServerError};
 use kvroute_stack::{Simulated, Stack, StackConfig};
 use serde_json::json;
@@ -56,48 +57,37 @@ fn dns_server() -> Option<DnsServer> {
     }
 }
 
-/// The ports every engine of the test listens on, each on an address of its own.
-#[derive(Clone, Copy, Debug)]
-struct Ports {
-    http: u16,
-    events: u16,
-    replay: u16,
-    metrics: u16,
-}
-
-fn port_of(endpoint: &str) -> u16 {
-    endpoint.rsplit(':').next().unwrap().parse().unwrap()
-}
-
 /// A simulated engine on `ip`, on `ports` (the first one's ports chosen free, then shared).
 async fn engine_at(ip: IpAddr, ports: Option<Ports>) -> (kvroute_mocker::Spawned, Ports) {
-    let at = |p: Option<u16>| Some(format!("tcp://{ip}:{}", p.unwrap_or(0)));
-    let endpoints = kvroute_mocker::Endpoints {
-        events: at(ports.map(|p| p.events)),
-        replay: at(ports.map(|p| p.replay)),
-        metrics: at(ports.map(|p| p.metrics)),
-    };
     let engine = EngineConfig { timing: Timing { speedup: 100.0 }, ..EngineConfig::default() };
-    let config = MockerConfig { engine, endpoints, ..MockerConfig::default() };
-    let listener = tokio::net::TcpListener::bind((ip, ports.map_or(0, |p| p.http))).await.unwrap();
-    let http = listener.local_addr().unwrap().port();
-    let spawned = kvroute_mocker::spawn(config, listener).await.unwrap();
-    let ports = Ports {
-        http,
-        events: port_of(spawned.events.as_deref().unwrap()),
-        replay: port_of(spawned.replay.as_deref().unwrap()),
-        metrics: port_of(spawned.metrics.as_deref().unwrap()),
-    };
+    let (spawned, _, ports) = kvroute_stack::addressed::engine_at(ip, ports, engine).await.unwrap();
     (spawned, ports)
 }
 
 fn template(p: Ports) -> Template {
-    format!(
-        "url=http://{{host}}:{},events=tcp://{{host}}:{},replay=tcp://{{host}}:{},metrics=tcp://{{host}}:{}",
-        p.http, p.events, p.replay, p.metrics
-    )
-    .parse()
-    .unwrap()
+    p.template().unwrap()
+}
+
+/// A stack over no configured worker, its front door served, its members `dns` answers for
+/// `name` (resolved every `every`).
+async fn dns_fleet(
+    dns: &DnsServer,
+    name: &str,
+    every: Duration,
+    ports: Ports,
+) -> (Stack, String, Arc<RouterState>, tokio::task::JoinHandle<()>) {
+    let config = StackConfig {
+        simulated: Simulated { count: 0, ..Simulated::default() },
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let router = Arc::clone(stack.router.as_ref().unwrap());
+    let config =
+        DnsConfig { name: name.into(), server: Some(dns.at), every, template: template(ports) };
+    let source = DnsSource::new(config).unwrap();
+    let task = spawn_source(&router, Box::new(source), Duration::from_secs(5));
+    (stack, base, router, task)
 }
 
 fn ip(last: u8) -> IpAddr {
@@ -135,24 +125,8 @@ async fn workers_join_and_leave_as_the_name_resolves() {
     let name = "engines.kvroute.test";
     dns.publish(&[(ip(1), name), (ip(2), name)]).unwrap();
 
-    let config = StackConfig {
-        simulated: Simulated { count: 0, ..Simulated::default() },
-        ..StackConfig::default()
-    };
-    let stack = Stack::start(config).await.unwrap();
-    let base = stack.serve_frontend_on_loopback().await.unwrap();
-    let router = Arc::clone(stack.router.as_ref().unwrap());
-    let dns_config = DnsConfig {
-        name: name.into(),
-        server: Some(dns.at),
-        every: Duration::from_millis(200),
-        template: template(ports),
-    };
-    let _source = spawn_source(
-        &router,
-        Box::new(DnsSource::new(dns_config).unwrap()),
-        Duration::from_secs(30),
-    );
+    let (_stack, base, router, _source) =
+        dns_fleet(&dns, name, Duration::from_millis(200), ports).await;
 
     assert!(
         eventually(Duration::from_secs(10), || ready_count(&router) == 2).await,
@@ -367,24 +341,8 @@ async fn a_flapping_pod_fails_no_request() {
     let name = "flap.kvroute.test";
     let steady = [(ip(11), name), (ip(12), name)];
     dns.publish(&steady).unwrap();
-    let config = StackConfig {
-        simulated: Simulated { count: 0, ..Simulated::default() },
-        ..StackConfig::default()
-    };
-    let stack = Stack::start(config).await.unwrap();
-    let base = stack.serve_frontend_on_loopback().await.unwrap();
-    let router = Arc::clone(stack.router.as_ref().unwrap());
-    let dns_config = DnsConfig {
-        name: name.into(),
-        server: Some(dns.at),
-        every: Duration::from_millis(100),
-        template: template(ports),
-    };
-    let _source = spawn_source(
-        &router,
-        Box::new(DnsSource::new(dns_config).unwrap()),
-        Duration::from_secs(5),
-    );
+    let (_stack, base, router, _source) =
+        dns_fleet(&dns, name, Duration::from_millis(100), ports).await;
     assert!(eventually(Duration::from_secs(10), || ready_count(&router) == 2).await);
     let flapper = tokio::spawn(async move {
         let all = [steady[0], steady[1], (ip(13), name)];

@@ -8,10 +8,11 @@ use std::time::Duration;
 use anyhow::Context;
 use kvroute_core::WorkerId;
 use kvroute_http::HttpClient;
-use kvroute_mocker::{EngineConfig, MockerConfig, Timing};
+use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_router::WorkerSpec;
-use kvroute_router::members::{BucketConfig, DnsConfig, Template, id_for, register};
+use kvroute_router::members::{BucketConfig, DnsConfig, Template, register};
 use kvroute_stack::Discovery;
+use kvroute_stack::addressed::{Ports, engine_at};
 use kvroute_stack::dns_server::DnsServer;
 use kvroute_stack::nats_server::NatsServer;
 use serde_json::{Value, json};
@@ -22,15 +23,6 @@ use crate::run::FleetConfig;
 
 /// The DNS name the engines are published under.
 const NAME: &str = "engines.kvroute.test";
-
-/// The ports every engine listens on, each on its own address.
-#[derive(Clone, Copy, Debug)]
-struct Ports {
-    http: u16,
-    events: u16,
-    replay: u16,
-    metrics: u16,
-}
 
 /// The engines of a run.
 pub(super) struct Engines {
@@ -43,11 +35,6 @@ fn ip(k: usize) -> IpAddr {
     IpAddr::from([127, 0, 10, (k + 1) as u8])
 }
 
-fn port_of(endpoint: Option<&str>) -> anyhow::Result<u16> {
-    let endpoint = endpoint.context("an engine without an endpoint")?;
-    Ok(endpoint.rsplit(':').next().unwrap_or_default().parse()?)
-}
-
 impl Engines {
     /// Starts `n` simulated engines of `fleet`'s kind, engine `k` at 127.0.10.(k+1), all on the
     /// first one's (free) ports.
@@ -55,12 +42,6 @@ impl Engines {
         let mut ports: Option<Ports> = None;
         let (mut specs, mut engines) = (Vec::new(), Vec::new());
         for k in 0..n {
-            let at = |p: Option<u16>| Some(format!("tcp://{}:{}", ip(k), p.unwrap_or(0)));
-            let endpoints = kvroute_mocker::Endpoints {
-                events: at(ports.map(|p| p.events)),
-                replay: at(ports.map(|p| p.replay)),
-                metrics: at(ports.map(|p| p.metrics)),
-            };
             let engine = EngineConfig {
                 num_blocks: fleet.num_blocks,
                 max_num_seqs: fleet.max_num_seqs,
@@ -68,25 +49,10 @@ impl Engines {
                 timing: Timing { speedup: fleet.speedup },
                 ..EngineConfig::default()
             };
-            let config = MockerConfig { engine, endpoints, ..MockerConfig::default() };
-            let listener = tokio::net::TcpListener::bind((ip(k), ports.map_or(0, |p| p.http)))
+            let (spawned, spec, these) = engine_at(ip(k), ports, engine)
                 .await
-                .with_context(|| format!("binding {}", ip(k)))?;
-            let http = listener.local_addr()?.port();
-            let spawned = kvroute_mocker::spawn(config, listener).await?;
-            let these = Ports {
-                http,
-                events: port_of(spawned.events.as_deref())?,
-                replay: port_of(spawned.replay.as_deref())?,
-                metrics: port_of(spawned.metrics.as_deref())?,
-            };
+                .with_context(|| format!("an engine at {}", ip(k)))?;
             ports.get_or_insert(these);
-            let mut spec = WorkerSpec::new(0);
-            spec.url = Some(spawned.url.clone());
-            spec.events.clone_from(&spawned.events);
-            spec.replay.clone_from(&spawned.replay);
-            spec.metrics.clone_from(&spawned.metrics);
-            spec.id = id_for(&spawned.url);
             specs.push(spec);
             engines.push(spawned);
         }
@@ -105,12 +71,7 @@ impl Engines {
     }
 
     fn template(&self) -> anyhow::Result<Template> {
-        let p = self.ports;
-        let text = format!(
-            "url=http://{{host}}:{},events=tcp://{{host}}:{},replay=tcp://{{host}}:{},metrics=tcp://{{host}}:{}",
-            p.http, p.events, p.replay, p.metrics
-        );
-        Ok(text.parse()?)
+        Ok(self.ports.template()?)
     }
 }
 

@@ -54,10 +54,7 @@ pub fn drain_one(state: &Arc<RouterState>, id: u64) -> Result<(StatusCode, Value
     }
     state.metrics.membership(API_SOURCE, "drained", 1);
     let after = DRAIN_TIMEOUT.as_secs();
-    Ok((
-        StatusCode::ACCEPTED,
-        json!({"worker_id": id, "draining": true, "drain_timeout_s": after}),
-    ))
+    Ok((StatusCode::ACCEPTED, json!({"worker_id": id, "draining": true, "drain_timeout_s": after})))
 }
 
 /// `DELETE /workers/{id}`: it leaves now (its in-flight requests are no longer accounted).
