@@ -94,6 +94,8 @@ pub struct Discovery {
     pub bucket: Option<kvroute_router::members::BucketConfig>,
     /// The configuration file, read again when it changes.
     pub reload: Option<crate::reload::Reload>,
+    /// An `InferencePool`'s ready pods, watched through the Kubernetes API.
+    pub kube: Option<kvroute_kube::KubeConfig>,
     /// How long a draining worker's requests may run before it is removed all the same.
     pub drain_timeout: std::time::Duration,
 }
@@ -104,6 +106,7 @@ impl Default for Discovery {
             dns: None,
             bucket: None,
             reload: None,
+            kube: None,
             drain_timeout: kvroute_router::members::DRAIN_TIMEOUT,
         }
     }

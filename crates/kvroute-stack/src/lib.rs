@@ -71,6 +71,9 @@ fn sources(
     if let Some(bucket) = discovery.bucket {
         out.push(Box::new(BucketSource::new(bucket)));
     }
+    if let Some(kube) = discovery.kube {
+        out.push(Box::new(kvroute_kube::KubeSource::in_cluster(kube)));
+    }
     if let Some(reload) = discovery.reload {
         out.push(Box::new(reload::ReloadSource::new(reload, simulated.to_vec())));
     }

@@ -484,12 +484,25 @@ impl Settings {
             drain_timeout: secs(m.drain_timeout_secs, d.drain_timeout_secs),
             ..crate::Discovery::default()
         };
-        if let Some(name) = &m.discover_dns {
+        let template = || -> Result<Template, Invalid> {
             let template = m.worker_template.as_deref().ok_or(Invalid::NoTemplate)?;
-            let template: Template =
-                template.parse().map_err(|e: kvroute_router::members::TemplateError| {
-                    Invalid::Template(e.to_string())
-                })?;
+            template.parse().map_err(|e: kvroute_router::members::TemplateError| {
+                Invalid::Template(e.to_string())
+            })
+        };
+        if let Some(pool) = &m.kube_pool {
+            discovery.kube = Some(kvroute_kube::KubeConfig {
+                pool: pool.clone(),
+                namespace: m
+                    .kube_namespace
+                    .clone()
+                    .unwrap_or_else(kvroute_kube::KubeSource::own_namespace),
+                template: template()?,
+                own_pod: std::env::var("POD_NAME").or_else(|_| std::env::var("HOSTNAME")).ok(),
+            });
+        }
+        if let Some(name) = &m.discover_dns {
+            let template = template()?;
             let server = match &m.dns_server {
                 Some(s) => Some(s.parse().map_err(|_| Invalid::DnsServer(s.clone()))?),
                 None => None,

@@ -464,6 +464,15 @@ pub struct Membership {
     /// Seconds a draining worker's requests may run before it is removed all the same.
     #[arg(long)]
     pub drain_timeout_secs: Option<u64>,
+    /// A Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) whose
+    /// ready pods are the workers, watched through the Kubernetes API with the pod's service
+    /// account (get inferencepools; list and watch pods): each by --worker-template, {host} its
+    /// address and {port} the pool's target port, its role from llm-d's llm-d.ai/role label.
+    #[arg(long)]
+    pub kube_pool: Option<String>,
+    /// The namespace of --kube-pool; absent: the pod's own (its service account's).
+    #[arg(long)]
+    pub kube_namespace: Option<String>,
 }
 
 impl Membership {

@@ -36,7 +36,9 @@ pub enum Invalid {
     Exposed { host: String, missing: String },
     #[error("--tls-cert and --tls-key go together")]
     TlsPair,
-    #[error("--discover-dns needs --worker-template (how each address found is a worker)")]
+    #[error(
+        "--discover-dns and --kube-pool need --worker-template (how each address found is a worker)"
+    )]
     NoTemplate,
     #[error("--worker-template: {0}")]
     Template(String),

@@ -63,8 +63,9 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(
         !settings.routing.workers.is_empty()
             || m.discover_dns.is_some()
-            || m.members_bucket.is_some(),
-        "no workers: give --worker id=..,url=.., --discover-dns or --members-bucket"
+            || m.members_bucket.is_some()
+            || m.kube_pool.is_some(),
+        "no workers: give --worker id=..,url=.., --discover-dns, --members-bucket or --kube-pool"
     );
     let mut config = settings.stack_config(0, true)?;
     config.discovery.reload = reload;

@@ -72,7 +72,7 @@ def test_every_rendered_object_passes_its_schema(overlay):
     schemas = crd_schemas()
     docs = render(overlay)
     kinds = sorted({d["kind"] for d in docs})
-    for want in ["ConfigMap", "Deployment", "HTTPRoute", "InferencePool", "Service", "StatefulSet"]:
+    for want in ["ConfigMap", "Deployment", "HTTPRoute", "InferencePool", "Role", "RoleBinding", "Service", "StatefulSet"]:
         assert want in kinds, kinds
     for doc in docs:
         assert problems(doc, schemas) == [], f"{doc['kind']}/{doc['metadata']['name']}"
@@ -136,7 +136,27 @@ def test_the_objects_point_at_each_other_and_the_picker_config_is_accepted(overl
     container = picker["spec"]["template"]["spec"]["containers"][0]
     for probe in ["livenessProbe", "readinessProbe", "startupProbe"]:
         assert container[probe]["grpc"]["port"] == 9003
-    if "discover_dns" in config:
+    if "kube_pool" in config:
+        # The workers are the InferencePool's ready pods, watched through the API: the pool
+        # named is this one, the template uses its target port, and the picker's service
+        # account may do exactly what the watch needs, in its namespace only.
+        settings = tomllib.loads(config)
+        assert settings["kube_pool"] == pool["metadata"]["name"]
+        assert "{port}" in settings["worker_template"]
+        assert "workers" not in settings and "endpoints_file" not in settings
+        role = by[("Role", "kvroute-picker")]
+        rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): sorted(r["verbs"]) for r in role["rules"]}
+        assert rules == {
+            (("inference.networking.k8s.io",), ("inferencepools",)): ["get"],
+            (("",), ("pods",)): ["list", "watch"],
+        }, rules
+        binding = by[("RoleBinding", "kvroute-picker")]
+        assert binding["roleRef"]["name"] == "kvroute-picker"
+        sa = picker["spec"]["template"]["spec"]["serviceAccountName"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa}]
+        assert by[("ServiceAccount", sa)]["automountServiceAccountToken"] is True
+        assert not any(d["kind"] in ("ClusterRole", "ClusterRoleBinding") for d in docs)
+    elif "discover_dns" in config:
         # The workers are the pool's headless Service's ready pods, by DNS: the name is that
         # Service's, and the template's ports are the ports it publishes.
         settings = tomllib.loads(config)
