@@ -6,6 +6,7 @@
 //! a draining worker was still given, whether a removed worker left nothing behind, and the
 //! hit rate through it (a plot).
 
+mod fake_api;
 mod figures;
 mod fleet;
 mod plan;

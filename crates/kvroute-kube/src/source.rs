@@ -59,6 +59,16 @@ impl KubeSource {
         Self { client: Some(client), config }
     }
 
+    /// With a client of an API server at `url` that asks for no credentials (a test's or a
+    /// bench's on loopback).
+    pub fn at(url: &str, config: KubeConfig) -> Result<Self, String> {
+        let uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+        let mut kube_config = kube::Config::new(uri);
+        kube_config.default_namespace.clone_from(&config.namespace);
+        let client = kube::Client::try_from(kube_config).map_err(|e| e.to_string())?;
+        Ok(Self::new(client, config))
+    }
+
     /// With the client of the pod's service account (or `KUBECONFIG` outside a cluster).
     pub fn in_cluster(config: KubeConfig) -> Self {
         Self { client: None, config }

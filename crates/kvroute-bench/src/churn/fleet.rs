@@ -27,7 +27,7 @@ const NAME: &str = "engines.kvroute.test";
 /// The engines of a run.
 pub(super) struct Engines {
     pub(super) specs: Vec<WorkerSpec>,
-    ports: Ports,
+    pub(super) ports: Ports,
     _engines: Vec<kvroute_mocker::Spawned>,
 }
 
@@ -89,6 +89,10 @@ pub(super) enum Membership {
         sidecars: BTreeMap<usize, oneshot::Sender<()>>,
         _server: NatsServer,
     },
+    Kube {
+        api: super::fake_api::FakeApi,
+        url: String,
+    },
 }
 
 impl Membership {
@@ -123,8 +127,27 @@ impl Membership {
                 discovery.bucket = Some(bucket.clone());
                 Self::Nats { bucket, sidecars: BTreeMap::new(), _server: server }
             }
+            ChurnSource::Kube => {
+                let (api, url) = super::fake_api::FakeApi::start(engines.ports.http).await?;
+                Self::Kube { api, url }
+            }
         };
         Ok((membership, discovery))
+    }
+
+    /// The Kubernetes source over the run's own API server (`None` for the other sources).
+    pub(super) fn kube_source(
+        &self,
+        engines: &Engines,
+    ) -> anyhow::Result<Option<kvroute_kube::KubeSource>> {
+        let Self::Kube { url, .. } = self else { return Ok(None) };
+        let config = kvroute_kube::KubeConfig {
+            pool: super::fake_api::POOL.into(),
+            namespace: super::fake_api::NAMESPACE.into(),
+            template: engines.template()?,
+            own_pod: None,
+        };
+        Ok(Some(kvroute_kube::KubeSource::at(url, config).map_err(anyhow::Error::msg)?))
     }
 
     /// The front door whose admin API takes the API's changes.
@@ -164,6 +187,11 @@ impl Membership {
             Self::Dns { server } => {
                 let entries: Vec<(IpAddr, &str)> = members.iter().map(|&k| (ip(k), NAME)).collect();
                 server.publish(&entries)?;
+            }
+            Self::Kube { api, .. } => {
+                let pods: Vec<(String, IpAddr)> =
+                    members.iter().map(|&k| (format!("vllm-{k}"), ip(k))).collect();
+                api.set(&pods);
             }
             Self::Nats { bucket, sidecars, .. } => {
                 for &k in join {

@@ -22,6 +22,9 @@ pub enum ChurnSource {
     Dns,
     /// A NATS key-value bucket on a real nats-server, each worker's registration its sidecar's.
     Nats,
+    /// An InferencePool's pods, watched with kube's client on an API server of the bench's own
+    /// (a pod ADDED as an engine joins, DELETED as it leaves).
+    Kube,
 }
 
 /// Where the requests go in.
