@@ -9,9 +9,8 @@ use kvroute_core::WorkerId;
 use kvroute_http::ApiError;
 use serde_json::{Value, json};
 
+use super::bucket::parse_entry;
 use super::change::{DRAIN_TIMEOUT, JoinError, drain, join, remove};
-use super::template::id_for;
-use crate::config::WorkerSpec;
 use crate::state::RouterState;
 
 /// The source of members added through the API.
@@ -21,15 +20,8 @@ pub const API_SOURCE: &str = "api";
 /// JSON; without an `id`, one is made from its `url` (else `events`), as for discovered
 /// workers. 201 with the worker's id; 409 when the id is a member already.
 pub fn add(state: &Arc<RouterState>, body: &[u8]) -> Result<(StatusCode, Value), ApiError> {
-    let bad = |e: &dyn std::fmt::Display| ApiError::bad_request(format!("a worker: {e}"));
-    let mut value: Value = serde_json::from_slice(body).map_err(|e| bad(&e))?;
-    let object = value.as_object_mut().ok_or_else(|| bad(&"not a JSON object"))?;
-    if !object.contains_key("id") {
-        let address = ["url", "events"].iter().find_map(|k| object.get(*k)?.as_str());
-        let address = address.ok_or_else(|| bad(&"neither an id nor a url or events"))?;
-        object.insert("id".into(), json!(id_for(address).0));
-    }
-    let spec: WorkerSpec = serde_json::from_value(value).map_err(|e| bad(&e))?;
+    // The same description a bucket's registration is, read the same way.
+    let spec = parse_entry(body).map_err(|e| ApiError::bad_request(e.to_string()))?;
     match join(state, &spec, API_SOURCE) {
         Ok(()) => {
             state.metrics.membership(API_SOURCE, "joined", 1);
