@@ -44,7 +44,8 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     pub churn: Vec<crate::churn::ChurnPlan>,
     /// With --churn: where the members come from (api, dns: a dnsmasq on loopback, nats: a
-    /// bucket on a nats-server of the bench's own).
+    /// bucket on a nats-server of the bench's own, kube: an InferencePool and its pods on an
+    /// API server of the bench's own).
     #[arg(long, value_delimiter = ',', default_value = "api")]
     pub churn_sources: Vec<crate::churn::ChurnSource>,
     /// With --churn: requests through the front door, or through a gateway whose picker is
