@@ -79,14 +79,9 @@ async fn one(
     let base = stack.serve_frontend_on_loopback().await?;
     membership.set_admin(&base);
     let router = Arc::clone(stack.router.as_ref().context("an embedded router")?);
-    let _kube = match membership.kube_source(&engines)? {
-        Some(source) => Some(kvroute_router::members::spawn_source(
-            &router,
-            Box::new(source),
-            Duration::from_secs(60),
-        )),
-        None => None,
-    };
+    let _kube = membership.kube_source(&engines)?.map(|source| {
+        kvroute_router::members::spawn_source(&router, Box::new(source), Duration::from_secs(60))
+    });
     let urls = match via {
         ChurnVia::Front => vec![base],
         ChurnVia::Picker => vec![gateway(&stack).await?],
