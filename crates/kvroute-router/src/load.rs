@@ -166,6 +166,55 @@ async fn poll(state: Arc<RouterState>, worker: WorkerId, url: String) {
     }
 }
 
+/// The block size the workers' engines run with, as their metrics report it (vLLM's
+/// `cache_config_info`), each worker's metrics URL read until it answers or `timeout` ends:
+/// `Ok(None)` when none reports one, an error naming them when they disagree. A worker with
+/// its own `block_size` is left out.
+pub async fn engines_block_size(
+    workers: &[crate::config::WorkerSpec],
+    timeout: Duration,
+) -> Result<Option<u32>, String> {
+    let client = HttpClient::new();
+    let urls: Vec<(WorkerId, &str)> = workers
+        .iter()
+        .filter(|w| w.block_size.is_none())
+        .filter_map(|w| Some((w.id, w.metrics.as_deref().filter(|m| m.starts_with("http://"))?)))
+        .collect();
+    let read = |id: WorkerId, url: &str| {
+        let client = &client;
+        let url = url.to_owned();
+        async move {
+            let deadline = tokio::time::Instant::now() + timeout;
+            loop {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                if let Ok(Ok((status, body))) = tokio::time::timeout(left, client.get(&url)).await
+                    && status.is_success()
+                {
+                    let text = String::from_utf8_lossy(&body);
+                    return (id, parse_prometheus(&text).values().find_map(|l| l.block_size));
+                }
+                if tokio::time::Instant::now() + POLL_EVERY >= deadline {
+                    return (id, None);
+                }
+                tokio::time::sleep(POLL_EVERY).await;
+            }
+        }
+    };
+    let sizes: Vec<(WorkerId, Option<u32>)> =
+        futures_util::future::join_all(urls.iter().map(|&(id, url)| read(id, url))).await;
+    let known: Vec<(WorkerId, u32)> =
+        sizes.into_iter().filter_map(|(id, size)| Some((id, size?))).collect();
+    let Some(&(_, first)) = known.first() else { return Ok(None) };
+    if known.iter().all(|&(_, size)| size == first) {
+        return Ok(Some(first));
+    }
+    let each: Vec<String> = known.iter().map(|(id, size)| format!("{id}: {size}")).collect();
+    Err(format!(
+        "the engines run different KV block sizes ({}): give --block-size, and a worker's own block_size where it differs",
+        each.join(", ")
+    ))
+}
+
 /// The load gauges of a Prometheus exposition, per data-parallel rank (vLLM's `engine`
 /// label; rank 0 without it). Ranks with none of the gauges are absent.
 pub fn parse_prometheus(text: &str) -> BTreeMap<u32, WorkerLoad> {
@@ -196,6 +245,13 @@ pub fn parse_prometheus(text: &str) -> BTreeMap<u32, WorkerLoad> {
                     .and_then(|(_, v)| v.parse().ok());
                 if blocks.is_some() {
                     entry(&|l| l.kv_total_blocks = blocks);
+                }
+                let size = labels
+                    .iter()
+                    .find(|(k, _)| *k == "block_size")
+                    .and_then(|(_, v)| v.parse().ok());
+                if size.is_some() {
+                    entry(&|l| l.block_size = size);
                 }
             }
             _ => {}

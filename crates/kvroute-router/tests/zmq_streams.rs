@@ -163,7 +163,8 @@ async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
 }
 
 /// A worker publishing blocks of another size than the router's: its blocks are counted on
-/// `/metrics` and `/workers` (with the size it uses), not silently dropped.
+/// `/metrics` and `/workers` (with the size it uses), not silently dropped, and the worker is
+/// refused (never routed to blind) with a message naming both sizes and the flag.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_of_another_size_are_counted_and_shown() {
     use kvroute_wire::publisher::EventPublisher;
@@ -189,6 +190,16 @@ async fn blocks_of_another_size_are_counted_and_shown() {
     let status = &state.workers()[0];
     assert_eq!(status.conversion.seen_block_size, Some(32));
     assert_eq!(status.tree_size[0], 0, "nothing indexed");
+    let why = status.refused.as_deref().expect("refused");
+    assert!(why.contains("32") && why.contains("16") && why.contains("--block-size 32"), "{why}");
+    assert_eq!(status.ready, vec![false]);
+    let placement = kvroute_router::PlaceRequest {
+        local_hashes: [kvroute_core::LocalBlockHash(1)].into(),
+        num_tokens: 8,
+        ..kvroute_router::PlaceRequest::default()
+    };
+    assert!(state.place_now(&placement).is_none(), "a refused worker is never chosen");
+    assert!(state.fleet.not_ready()[0].worker_id == kvroute_core::WorkerId(4));
     let metrics = state.render_metrics();
     assert!(
         metrics.contains(
@@ -221,4 +232,70 @@ async fn load_is_polled_from_a_prometheus_endpoint() {
         (load.num_running_reqs, load.num_waiting_reqs, load.kv_cache_usage, load.kv_total_blocks),
         (Some(2), Some(1), Some(0.5), Some(4096))
     );
+    assert_eq!(load.block_size, Some(16));
+    // Without --block-size, the size the engines report is taken.
+    let workers = state.config.workers.clone();
+    let size = kvroute_router::load::engines_block_size(&workers, Duration::from_secs(5)).await;
+    assert_eq!(size, Ok(Some(16)));
+}
+
+/// An engine whose metrics report another block size than the router's is refused before
+/// its first event: never ready, the cause in its status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_reporting_another_block_size_is_refused() {
+    const VLLM: &str = "vllm:num_requests_running{engine=\"0\"} 0.0\nvllm:cache_config_info{block_size=\"32\",engine=\"0\",num_gpu_blocks=\"128\"} 1.0\n";
+    let app = axum::Router::new().route("/metrics", axum::routing::get(|| async { VLLM }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
+    let mut spec = WorkerSpec::new(3);
+    spec.metrics = Some(format!("http://{addr}/metrics"));
+    let mut same = spec.clone();
+    same.block_size = Some(32);
+    same.id = kvroute_core::WorkerId(5);
+    let config = RouterConfig { workers: vec![spec, same], ..RouterConfig::default() };
+    let state = Arc::new(RouterState::new(config));
+    let _tasks = kvroute_router::spawn_background(&state).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state.workers().iter().any(|w| w.load[0].is_none()) {
+        assert!(Instant::now() < deadline, "no load report");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let workers = state.workers();
+    let why = workers[0].refused.as_deref().expect("refused");
+    assert!(why.contains("32 tokens") && why.contains("as 16"), "{why}");
+    assert!(!workers[0].ready[0]);
+    assert!(workers[0].waiting_for(0).iter().any(|w| w.contains("refused")));
+    assert_eq!(workers[1].refused, None, "its own block_size=32 matches its engine");
+    assert!(workers[1].ready[0]);
+}
+
+/// Engines that disagree on their block size: no size is taken, and the error names each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_that_disagree_on_their_block_size_are_named() {
+    let mut workers = Vec::new();
+    for (id, size) in [(1u64, 16), (2, 32)] {
+        let text = format!("vllm:cache_config_info{{block_size=\"{size}\",engine=\"0\"}} 1.0\n");
+        let app =
+            axum::Router::new().route("/metrics", axum::routing::get(move || async move { text }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
+        let mut spec = WorkerSpec::new(id);
+        spec.metrics = Some(format!("http://{addr}/metrics"));
+        workers.push(spec);
+    }
+    let err = kvroute_router::load::engines_block_size(&workers, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(
+        err.contains("1: 16") && err.contains("2: 32") && err.contains("--block-size"),
+        "{err}"
+    );
+    // An engine that never answers reports nothing.
+    let mut silent = WorkerSpec::new(3);
+    silent.metrics = Some("http://127.0.0.1:9/metrics".into());
+    let none =
+        kvroute_router::load::engines_block_size(&[silent], Duration::from_millis(600)).await;
+    assert_eq!(none, Ok(None));
 }

@@ -35,4 +35,7 @@ pub enum StackError {
     Tls(#[from] kvroute_http::server::TlsError),
     #[error("adapters: {0}")]
     Adapters(String),
+    /// The engines report different block sizes, and none was given.
+    #[error("{0}")]
+    BlockSizes(String),
 }

@@ -64,7 +64,8 @@ pub(super) struct WorkerEntry {
     pub(super) ready: bool,
     pub(super) role: Role,
     pub(super) node: u32,
-    /// Leaving the fleet: never a candidate, whatever else is (its requests finish).
+    /// Leaving the fleet, or refused (its engine cannot be read): never a candidate, whatever
+    /// else is (its requests finish).
     pub(super) draining: bool,
 }
 
@@ -195,6 +196,12 @@ impl Scheduler {
         if let Some(entry) = self.entry(worker) {
             entry.draining = true;
         }
+    }
+
+    /// Marks a cache as refused (its engine's blocks are not the router's size): no decision
+    /// chooses it, as if it were leaving.
+    pub fn set_refused(&mut self, worker: WorkerWithDpRank) {
+        self.set_draining(worker);
     }
 
     pub fn active(&self) -> &ActiveSequences {

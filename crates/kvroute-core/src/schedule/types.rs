@@ -20,6 +20,10 @@ pub struct WorkerLoad {
     pub num_running_reqs: Option<u64>,
     #[serde(default)]
     pub kv_total_blocks: Option<u64>,
+    /// Tokens per KV block the engine runs with (vLLM's `cache_config_info`): a worker whose
+    /// size is not the router's is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
 }
 
 /// A request to place.

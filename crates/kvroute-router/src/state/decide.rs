@@ -167,6 +167,9 @@ impl RouterState {
         if let Some(ready) = self.fleet.set_load(worker, load) {
             self.placing.scheduler().set_ready(worker, ready);
         }
+        if load.block_size.is_some() && self.fleet.refused(worker.worker_id) {
+            self.placing.scheduler().set_refused(worker);
+        }
         self.fleet.signal();
         self.release();
     }

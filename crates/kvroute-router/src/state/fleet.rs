@@ -75,6 +75,8 @@ pub(super) struct Learned {
 #[derive(Debug)]
 pub struct Fleet {
     workers: RwLock<BTreeMap<WorkerId, WorkerStatus>>,
+    /// Tokens per block the router reads events as (a worker's own `block_size` aside).
+    block_size: u32,
     /// Signalled whenever a rank's readiness may have changed.
     changed: tokio::sync::Notify,
     max_dp_size: u32,
@@ -88,6 +90,7 @@ impl Fleet {
             workers: RwLock::new(BTreeMap::new()),
             changed: Default::default(),
             max_dp_size: config.max_dp_size,
+            block_size: config.block_size.get(),
             learn_up_to: if config.workers.is_empty() { config.max_learned_workers } else { 0 },
         }
     }
@@ -299,9 +302,33 @@ impl Fleet {
         })
     }
 
-    /// Records a rank's load report; returns its readiness when that changed.
+    /// Records a rank's load report; returns its readiness when that changed (refused when
+    /// its engine's block size is not the router's).
     pub(super) fn set_load(&self, worker: WorkerWithDpRank, load: WorkerLoad) -> Option<bool> {
-        self.update_rank(worker, |w, rank| w.load[rank] = Some(load))
+        let router = self.block_size;
+        self.update_rank(worker, |w, rank| {
+            w.load[rank] = Some(load);
+            if let Some(engine) = load.block_size {
+                w.engine_block_size(engine, router);
+            }
+        })
+    }
+
+    /// The worker's events carry blocks of `engine` tokens, not the router's: it is refused.
+    /// Its ranks, when that is new (none else).
+    pub(super) fn refuse_block_size(&self, worker: WorkerId, engine: u32) -> Vec<WorkerWithDpRank> {
+        let mut workers = self.write();
+        let Some(w) = workers.get_mut(&worker) else { return Vec::new() };
+        if !w.engine_block_size(engine, self.block_size) {
+            return Vec::new();
+        }
+        w.ready.iter_mut().for_each(|r| *r = false);
+        (0..w.ready.len()).map(|rank| WorkerWithDpRank::new(worker, rank as u32)).collect()
+    }
+
+    /// Whether the worker is refused (see [`WorkerStatus::refused`]).
+    pub fn refused(&self, worker: WorkerId) -> bool {
+        self.read().get(&worker).is_some_and(|w| w.refused.is_some())
     }
 
     /// Changes one rank's status and re-derives its readiness; returns it when it changed.

@@ -129,7 +129,17 @@ impl Ingest<'_> {
             return;
         }
         self.state.metrics.converted(self.worker.worker_id.0, stats);
-        self.live.converted(self.worker, stats, self.state.config.block_size);
+        if let Some(engine) = self.live.converted(stats) {
+            // Its events cannot be read: refused, never routed to (blind).
+            let fleet = &self.state.fleet;
+            let mut scheduler = self.state.placing.scheduler();
+            for rank in fleet.refuse_block_size(self.worker.worker_id, engine) {
+                scheduler.set_ready(rank, false);
+                scheduler.set_refused(rank);
+            }
+            drop(scheduler);
+            fleet.signal();
+        }
     }
 
     /// Batch `seq` was handled (the rank's status shows it as its last sequence number).

@@ -6,8 +6,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use kvroute_core::WorkerId;
 use kvroute_core::schedule::WorkerLoad;
-use kvroute_core::{BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_wire::ConvertStats;
 use serde::{Deserialize, Serialize};
 
@@ -84,6 +84,12 @@ pub struct WorkerStatus {
     pub source: String,
     /// Leaving the fleet: no new decision; removed once its requests end.
     pub draining: bool,
+    /// Why it is refused, never routed to: its engine's KV blocks are not the size the
+    /// router reads them at (its load report or its events say so).
+    pub refused: Option<String>,
+    /// Its own `block_size`, when its spec names one.
+    #[serde(skip)]
+    pub(super) block_size: Option<u32>,
     /// Joined while the router runs with a front door that probes parity: ready only once
     /// its probe is made (passed, or failed and routed approximately).
     #[serde(skip)]
@@ -127,19 +133,13 @@ impl Live {
         n.checked_sub(1)
     }
 
-    /// Adds what conversion did with one message of `worker`'s; the first blocks of another
-    /// size are logged as an error (its events cannot be used).
-    pub(super) fn converted(&self, worker: WorkerWithDpRank, stats: &ConvertStats, bs: BlockSize) {
+    /// Adds what conversion did with one message of the worker's; the size of the first
+    /// blocks of another size than the router's (the worker is then refused).
+    pub(super) fn converted(&self, stats: &ConvertStats) -> Option<u32> {
         let mut total = lock(&self.conversion);
-        if total.wrong_block_size == 0 && stats.wrong_block_size > 0 {
-            tracing::error!(
-                worker = %worker,
-                engine_block_size = ?stats.seen_block_size,
-                router_block_size = bs.get(),
-                "the worker publishes blocks of another size: its KV events are ignored (set block_size for this worker or the router to match the engine)"
-            );
-        }
+        let first = total.wrong_block_size == 0 && stats.wrong_block_size > 0;
         *total += *stats;
+        first.then_some(stats.seen_block_size).flatten()
     }
 }
 
@@ -171,6 +171,8 @@ impl WorkerStatus {
             parity: Parity::Unchecked,
             source: if configured { "config" } else { "events" }.to_owned(),
             draining: false,
+            refused: None,
+            block_size: spec.block_size,
             gate_on_parity: false,
             subscribed: if configured { n } else { 0 },
             live: Arc::new(Live::new(if configured { n } else { 0 })),
@@ -191,7 +193,30 @@ impl WorkerStatus {
 
     pub(super) fn rank_ready(&self, rank: usize) -> bool {
         // Workers and ranks learned from events are as ready as what brought them.
-        rank >= self.subscribed || (self.stream_up(rank) && self.load_in(rank) && self.probed())
+        self.refused.is_none()
+            && (rank >= self.subscribed
+                || (self.stream_up(rank) && self.load_in(rank) && self.probed()))
+    }
+
+    /// Its engine runs blocks of `engine` tokens, the router `router` (unless the worker's
+    /// own `block_size` says otherwise): refused when they differ. Whether that is new.
+    pub(super) fn engine_block_size(&mut self, engine: u32, router: u32) -> bool {
+        let expected = self.block_size.unwrap_or(router);
+        if engine == expected || self.refused.is_some() {
+            return false;
+        }
+        let own = match self.block_size {
+            Some(_) => format!(" (its block_size={expected})"),
+            None => String::new(),
+        };
+        let why = format!(
+            "its engine runs KV blocks of {engine} tokens, kvroute reads them as {expected}{own}: \
+             start kvroute with --block-size {engine}, or without --block-size to take the \
+             engines' size"
+        );
+        tracing::error!(worker = %self.id, engine_block_size = engine, router_block_size = expected, "worker refused: {why}");
+        self.refused = Some(why);
+        true
     }
 
     /// Its parity probe made, when it must wait for one.
@@ -216,6 +241,9 @@ impl WorkerStatus {
     /// report, its parity probe (with the cause when the probe could not be made yet).
     pub fn waiting_for(&self, rank: usize) -> Vec<String> {
         let mut missing = Vec::new();
+        if let Some(why) = &self.refused {
+            missing.push(format!("nothing: it is refused ({why})"));
+        }
         if !self.stream_up(rank) {
             missing.push("its event stream".to_owned());
         }

@@ -204,7 +204,9 @@ pub struct Gateway {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
 #[command(next_help_heading = "Fleet")]
 pub struct Blocks {
-    /// Tokens per KV block; the engines must use the same.
+    /// Tokens per KV block; the engines must use the same (a worker whose engine reports
+    /// another size is refused). Left out with --worker: the size the workers' engines report
+    /// on their metrics (vLLM's cache_config_info) when they agree, else the default.
     #[arg(long)]
     pub block_size: Option<u32>,
 }

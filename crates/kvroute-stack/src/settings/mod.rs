@@ -11,6 +11,7 @@
 
 mod convert;
 mod defaults;
+mod engines;
 mod gateway;
 pub mod groups;
 mod invalid;

@@ -53,7 +53,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     };
     let keys = keys_of::<FrontendArgs>();
     let reload = args.config.reload(&flags, &keys, "frontend");
-    let settings = args.config.merge(flags, &keys, "frontend")?;
+    let mut settings = args.config.merge(flags, &keys, "frontend")?;
     if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys, |s: &Settings| {
         s.router_config().and(s.front_door()).and(s.discovery()).map(drop)
     })? {
@@ -67,6 +67,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
             || m.kube_pool.is_some(),
         "no workers: give --worker id=..,url=.., --discover-dns, --members-bucket or --kube-pool"
     );
+    settings.take_engines_block_size()?;
     let mut config = settings.stack_config(0, true)?;
     config.discovery.reload = reload;
     settings.check_exposure(&config.access, true)?;

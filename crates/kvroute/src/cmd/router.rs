@@ -40,13 +40,14 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
     };
     let keys = keys_of::<RouterArgs>();
     let reload = args.config.reload(&flags, &keys, "router");
-    let settings = args.config.merge(flags, &keys, "router")?;
+    let mut settings = args.config.merge(flags, &keys, "router")?;
     if args.config.printed(&settings, DEFAULT_ROUTER_PORT, &keys, |s: &Settings| {
         s.router_config()?;
         s.discovery().map(drop)
     })? {
         return Ok(ExitCode::SUCCESS);
     }
+    settings.take_engines_block_size()?;
     let mut config = settings.stack_config(0, false)?;
     config.discovery.reload = reload;
     settings.check_exposure(&config.access, false)?;

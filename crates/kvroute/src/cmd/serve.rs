@@ -65,7 +65,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     };
     let keys = keys_of::<ServeArgs>();
     let reload = args.config.reload(&flags, &keys, "serve");
-    let settings = args.config.merge(flags, &keys, "serve")?;
+    let mut settings = args.config.merge(flags, &keys, "serve")?;
     if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys, check)? {
         return Ok(ExitCode::SUCCESS);
     }
@@ -76,6 +76,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         simulated + pd > 0 || !settings.routing.workers.is_empty(),
         "no workers: use --simulated-workers N, --prefill-workers P --decode-workers D, or --worker ..."
     );
+    settings.take_engines_block_size()?;
     let mut config = settings.stack_config(simulated, true)?;
     config.discovery.reload = reload;
     settings.check_exposure(&config.access, true)?;
