@@ -110,6 +110,10 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
         let url = format!("{base}{path}");
         match run(state, worker, &url, body, p).await {
             Some(Ok(())) => {}
+            // A text-only model refuses pictures: its text passed, and it takes none.
+            Some(Err(Mismatch::Refused { status, message })) if p.without_images.is_some() => {
+                tracing::info!(%worker, %status, %message, "the engine takes no pictures: its text probe passed, its picture probe was refused");
+            }
             Some(Err(cause)) => return Ok(Some(fail(placer, worker, &cause))),
             None => return Err(Retry::NoAnswer),
         }
