@@ -42,6 +42,7 @@ mod round_robin;
 mod route_pair;
 mod scheduler;
 pub mod sessions;
+pub mod shape;
 #[cfg(test)]
 mod tests;
 mod types;

@@ -61,8 +61,13 @@ struct ActiveRequest {
 pub struct Predicted {
     /// The engine model's time to first token, ms.
     pub model_ms: f64,
-    /// The same, corrected by what the worker's first tokens taught ([`super::predict`]).
+    /// The same, corrected by the worker's factor ([`super::predict`]).
+    pub corrected_ms: f64,
+    /// What was predicted: the worker's learned shape when it predicts better than the
+    /// corrected model ([`super::shape`]), else the corrected model.
     pub predicted_ms: f64,
+    /// The situation the prediction read, for the shape to learn from.
+    pub features: super::shape::Features,
 }
 
 /// A request's first token arrived: where it ran, when it was routed, what was predicted.

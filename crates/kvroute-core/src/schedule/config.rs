@@ -49,6 +49,8 @@ pub struct SchedulerConfig {
 pub struct PredictorConfig {
     pub engine: predict::EngineModel,
     pub correction: predict::CorrectionConfig,
+    /// Each worker's time to first token fitted from what it served ([`super::shape`]).
+    pub shape: super::shape::ShapeConfig,
 }
 
 impl Default for SchedulerConfig {

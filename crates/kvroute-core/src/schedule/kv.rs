@@ -47,6 +47,7 @@
 
 use super::cost::{Fill, KvConfig, blocks_needed, kv_share, loaded_blocks};
 use super::predict::{EngineModel, Situation};
+use super::shape::Features;
 use super::{Candidate, Policy, RequestInfo, reusable_tokens};
 
 #[derive(Clone, Copy, Debug)]
@@ -133,6 +134,11 @@ impl KvPolicy {
     /// The engine model's time to first token of `request` on `c`, ms (uncorrected).
     pub fn model_ttft_ms(&self, request: &RequestInfo, c: &Candidate) -> f64 {
         self.model.ttft_ms(&situation(&self.kv, request, c))
+    }
+
+    /// The situation of `request` on `c` as the learned shape reads it.
+    pub fn features(&self, request: &RequestInfo, c: &Candidate) -> Features {
+        self.model.features(&situation(&self.kv, request, c))
     }
 
     /// What the engine model, corrected, predicts of `request` on `c`, ms: its wait before

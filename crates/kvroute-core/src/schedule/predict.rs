@@ -35,6 +35,8 @@ use std::time::Instant;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
+use super::Predicted;
+use super::shape::{Features, ShapeConfig, ShapeFits};
 use crate::protocols::WorkerWithDpRank;
 
 /// The engine's timing, as the simulated engine runs it (its defaults: Dynamo's mocker).
@@ -87,6 +89,17 @@ pub struct Situation {
     pub mean_answer_tokens: f64,
 }
 
+/// A predicted time to first token by its parts, ms.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TtftParts {
+    /// The prompt tokens queued there and its own, a chunk a step.
+    pub prefill: f64,
+    /// The running requests' decodes in those steps, and the step under way.
+    pub decode: f64,
+    /// Its blocks loaded from lower tiers, and its wait for memory.
+    pub rest: f64,
+}
+
 impl EngineModel {
     fn scaled(&self, ms: f64) -> f64 {
         ms / self.speedup.max(1e-9)
@@ -124,6 +137,18 @@ impl EngineModel {
 
     /// Predicted time to first token, ms (the module's formula).
     pub fn ttft_ms(&self, s: &Situation) -> f64 {
+        let parts = self.ttft_parts(s);
+        parts.decode + parts.prefill + parts.rest
+    }
+
+    /// The situation as the learned shape reads it ([`super::shape`]).
+    pub fn features(&self, s: &Situation) -> Features {
+        let p = self.ttft_parts(s);
+        Features::new(s.queued_tokens + s.own_tokens, s.running, [p.prefill, p.decode, p.rest])
+    }
+
+    /// The module's formula by its parts.
+    pub fn ttft_parts(&self, s: &Situation) -> TtftParts {
         let (steps, prefill) = self.prefill_ms(s.queued_tokens + s.own_tokens, s.decoding);
         let decode = self.decode_step_ms(s.kv_share);
         let decodes = match s.decoding {
@@ -134,11 +159,11 @@ impl EngineModel {
             0 => 0.0,
             _ => decode / 2.0,
         };
-        residual
-            + prefill
-            + decodes
-            + self.scaled(s.load_ms)
-            + self.memory_wait_ms(s).unwrap_or(0.0)
+        TtftParts {
+            prefill,
+            decode: residual + decodes,
+            rest: self.scaled(s.load_ms) + self.memory_wait_ms(s).unwrap_or(0.0),
+        }
     }
 
     /// How long a request that does not fit waits for running requests to end, ms: `k` of
@@ -233,11 +258,12 @@ struct WorkerFit {
     errors: VecDeque<f32>,
 }
 
-/// The fleet's and each worker's correction of the model, and how far off the corrected
-/// predictions were.
+/// The fleet's and each worker's correction of the model, their learned shapes
+/// ([`super::shape`]), and how far off the predictions were.
 #[derive(Clone, Debug, Default)]
 pub struct Corrections {
     config: CorrectionConfig,
+    shapes: ShapeFits,
     fleet: f64,
     fleet_observed: u64,
     fleet_last: Option<Instant>,
@@ -255,6 +281,10 @@ pub struct PredictionStats {
     /// Median and 90th percentile of the recent relative errors (|pred - obs| / obs).
     pub error_p50: f64,
     pub error_p90: f64,
+    /// Its learned shape's terms ([`super::shape`]), and whether its predictions are the
+    /// shape's (they are once it predicts better than the corrected model).
+    pub shape: Option<[f64; super::shape::TERMS]>,
+    pub shape_used: bool,
 }
 
 /// One first token: what was predicted and what came.
@@ -273,8 +303,31 @@ impl Observation {
 }
 
 impl Corrections {
-    pub fn new(config: CorrectionConfig) -> Self {
-        Self { config, ..Self::default() }
+    pub fn new(config: CorrectionConfig, shape: ShapeConfig) -> Self {
+        Self { config, shapes: ShapeFits::new(shape), ..Self::default() }
+    }
+
+    /// What is predicted of a first token on `worker` at `x`, ms: the model corrected by the
+    /// worker's factor, and the prediction used (the worker's learned shape when it predicts
+    /// better, else the same).
+    pub fn predict(&self, worker: WorkerWithDpRank, x: &Features, now: Instant) -> (f64, f64) {
+        let corrected = x.model_ms() * self.factor(worker, now);
+        (corrected, self.shapes.predict(worker, x).unwrap_or(corrected))
+    }
+
+    /// The factor every model millisecond of `worker` is multiplied by for a request at `x`:
+    /// its prediction over the model's.
+    pub fn factor_at(&self, worker: WorkerWithDpRank, x: &Features, now: Instant) -> f64 {
+        let model = x.model_ms();
+        match self.shapes.predict(worker, x) {
+            Some(p) if model > 0.0 => p / model,
+            _ => self.factor(worker, now),
+        }
+    }
+
+    /// The learned shapes.
+    pub fn shapes(&self) -> &ShapeFits {
+        &self.shapes
     }
 
     fn limit(&self) -> f64 {
@@ -310,17 +363,17 @@ impl Corrections {
         (1.0 / (n as f64 + 1.0)).max(timed.min(rate))
     }
 
-    /// Learns from a first token `observed_ms` after routing, where the model said `model_ms`
-    /// and the corrected prediction was `predicted_ms`.
+    /// Learns from a first token `observed_ms` after routing, where `p` was predicted.
     pub fn observe(
         &mut self,
         worker: WorkerWithDpRank,
-        model_ms: f64,
-        predicted_ms: f64,
+        p: &Predicted,
         observed_ms: f64,
         now: Instant,
     ) -> Observation {
+        let (model_ms, predicted_ms) = (p.model_ms, p.predicted_ms);
         let seen = Observation { worker, predicted_ms, observed_ms };
+        self.shapes.observe(worker, &p.features, p.corrected_ms, observed_ms);
         if model_ms > 0.0 && observed_ms > 0.0 {
             let limit = self.limit();
             let x = (observed_ms / model_ms).ln().clamp(-limit, limit);
@@ -349,6 +402,7 @@ impl Corrections {
 
     pub fn forget(&mut self, worker: WorkerWithDpRank) {
         self.workers.remove(&worker);
+        self.shapes.forget(worker);
     }
 
     /// Each worker's predictions as they turned out, by worker.
@@ -369,6 +423,8 @@ impl Corrections {
                     factor: self.factor(worker, now),
                     error_p50: q(0.5),
                     error_p90: q(0.9),
+                    shape: self.shapes.terms(worker).map(|(t, _)| t),
+                    shape_used: self.shapes.terms(worker).is_some_and(|(_, used)| used),
                 }
             })
             .collect();
@@ -382,6 +438,15 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    fn pred(model_ms: f64, predicted_ms: f64) -> Predicted {
+        Predicted {
+            model_ms,
+            predicted_ms,
+            corrected_ms: predicted_ms,
+            features: Features::default(),
+        }
+    }
 
     #[test]
     fn the_model_is_the_simulated_engines() {
@@ -441,11 +506,14 @@ mod tests {
     #[test]
     fn corrections_learn_a_slower_worker_and_forget_it_unheard() {
         let now = Instant::now();
-        let mut c = Corrections::new(CorrectionConfig::default());
+        let mut c = Corrections::new(
+            CorrectionConfig::default(),
+            ShapeConfig { enabled: false, ..ShapeConfig::default() },
+        );
         let (a, b) = (WorkerWithDpRank::new(1u64, 0u32), WorkerWithDpRank::new(2u64, 0u32));
         for _ in 0..200 {
-            c.observe(a, 10.0, 10.0, 20.0, now);
-            c.observe(b, 10.0, 10.0, 10.0, now);
+            c.observe(a, &pred(10.0, 10.0), 20.0, now);
+            c.observe(b, &pred(10.0, 10.0), 10.0, now);
         }
         assert!((c.factor(a, now) - 2.0).abs() < 0.05, "{}", c.factor(a, now));
         assert!((c.factor(b, now) - 1.0).abs() < 0.05);
@@ -455,7 +523,7 @@ mod tests {
         assert!((c.factor(a, later) - fleet).abs() < 1e-6);
         // Corrections stay inside the limit.
         for _ in 0..500 {
-            c.observe(b, 1.0, 1.0, 1000.0, now);
+            c.observe(b, &pred(1.0, 1.0), 1000.0, now);
         }
         assert!(c.factor(b, now) <= 4.0 + 1e-9);
         let stats = c.stats(now);
@@ -467,27 +535,30 @@ mod tests {
     #[test]
     fn a_short_slow_spell_moves_a_worker_little_and_a_worker_stays_near_its_fleet() {
         let start = Instant::now();
-        let mut c = Corrections::new(CorrectionConfig::default());
+        let mut c = Corrections::new(
+            CorrectionConfig::default(),
+            ShapeConfig { enabled: false, ..ShapeConfig::default() },
+        );
         let (a, b) = (WorkerWithDpRank::new(1u64, 0u32), WorkerWithDpRank::new(2u64, 0u32));
         // Two minutes of first tokens as predicted, 5 a second on each worker.
         for k in 0..600u64 {
             let now = start + Duration::from_millis(200 * k);
-            c.observe(a, 10.0, 10.0, 10.0, now);
-            c.observe(b, 10.0, 10.0, 10.0, now);
+            c.observe(a, &pred(10.0, 10.0), 10.0, now);
+            c.observe(b, &pred(10.0, 10.0), 10.0, now);
         }
         // Then a second of 50 answers on `a`, each 4x slower than predicted: by their count
         // at the old 5% each they would have moved it 3.6x; now each weighs a 30 s window's
         // 20 ms, or its share of the 600 first tokens before it, whichever is more.
         let spell = start + Duration::from_secs(120);
         for k in 0..50u64 {
-            c.observe(a, 10.0, 10.0, 40.0, spell + Duration::from_millis(20 * k));
+            c.observe(a, &pred(10.0, 10.0), 40.0, spell + Duration::from_millis(20 * k));
         }
         let after = spell + Duration::from_secs(1);
         assert!(c.factor(a, after) < 1.15, "{}", c.factor(a, after));
         // Slow for two windows, it is learned, at most twice the fleet's.
         for k in 0..3000u64 {
-            c.observe(a, 10.0, 10.0, 80.0, after + Duration::from_millis(20 * k));
-            c.observe(b, 10.0, 10.0, 10.0, after + Duration::from_millis(20 * k));
+            c.observe(a, &pred(10.0, 10.0), 80.0, after + Duration::from_millis(20 * k));
+            c.observe(b, &pred(10.0, 10.0), 10.0, after + Duration::from_millis(20 * k));
         }
         let end = after + Duration::from_secs(60);
         let fleet = c.factor(WorkerWithDpRank::new(9u64, 0u32), end);

@@ -100,7 +100,10 @@ impl Scheduler {
             decode_policy: config.policy.build(config.kv, config.predictor.engine),
             pair_counts: pairs::PairCounts::default(),
             predictor: kv::KvPolicy::new(config.kv, config.predictor.engine),
-            corrections: predict::Corrections::new(config.predictor.correction),
+            corrections: predict::Corrections::new(
+                config.predictor.correction,
+                config.predictor.shape,
+            ),
             reuse: reuse::Reuse::new(reuse::ReuseConfig::of(&config.kv)),
         }
     }
@@ -294,9 +297,11 @@ impl Scheduler {
         }
         if learned {
             let corrected = !self.corrections.is_empty();
+            let info = self.info(request);
             for c in candidates.iter_mut() {
                 if corrected {
-                    c.ttft_factor = self.corrections.factor(c.worker, now);
+                    let x = self.predictor.features(&info, c);
+                    c.ttft_factor = self.corrections.factor_at(c.worker, &x, now);
                 }
                 c.reuse = self.reuse.factor(c.worker);
             }
@@ -379,9 +384,11 @@ impl Scheduler {
         c: &Candidate,
         now: Instant,
     ) {
-        let model_ms = self.predictor.model_ttft_ms(&self.info(request), c);
-        let predicted_ms = model_ms * self.corrections.factor(c.worker, now);
-        self.active.set_prediction(id, Predicted { model_ms, predicted_ms });
+        let features = self.predictor.features(&self.info(request), c);
+        let (corrected_ms, predicted_ms) = self.corrections.predict(c.worker, &features, now);
+        let model_ms = features.model_ms();
+        self.active
+            .set_prediction(id, Predicted { model_ms, corrected_ms, predicted_ms, features });
     }
 
     /// Each worker's first-token predictions as they turned out.
@@ -584,7 +591,7 @@ impl Scheduler {
         let first = self.active.mark_prefill_done(id)?;
         let p = first.predicted?;
         let observed_ms = now.saturating_duration_since(first.routed).as_secs_f64() * 1e3;
-        Some(self.corrections.observe(first.worker, p.model_ms, p.predicted_ms, observed_ms, now))
+        Some(self.corrections.observe(first.worker, &p, observed_ms, now))
     }
 
     /// Tracks a request another router routed (a replica's decision) as in flight on
