@@ -158,6 +158,13 @@ pub struct BenchArgs {
     /// Simulated workers (self-contained mode).
     #[arg(long, env = "KVROUTE_BENCH_WORKERS", default_value_t = 4)]
     pub workers: usize,
+    /// Engines the bench did not start, in place of simulated workers: each run starts
+    /// kvroute with its policy in front of them, as `--worker` (id, url, events, replay,
+    /// metrics, dialect, ...), after emptying their prefix caches (vLLM's
+    /// /reset_prefix_cache, served with VLLM_SERVER_DEV_MODE=1). Repeat for each engine;
+    /// scripts/real-engines bench runs it on vLLM's CPU build.
+    #[arg(long = "engine", env = "KVROUTE_BENCH_ENGINES", value_delimiter = ';')]
+    pub engines: Vec<kvroute_router::WorkerSpec>,
     /// KV blocks of each simulated worker.
     #[arg(long, env = "KVROUTE_BENCH_NUM_BLOCKS", default_value_t = 550)]
     pub num_blocks: usize,
@@ -459,6 +466,7 @@ impl BenchArgs {
     pub fn fleet(&self) -> FleetConfig {
         FleetConfig {
             workers: self.workers,
+            engines: self.engines.clone(),
             num_blocks: self.num_blocks,
             block_size: self.block_size,
             speedup: self.speedup,

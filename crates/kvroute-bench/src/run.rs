@@ -108,7 +108,8 @@ pub async fn start_fleet(
     events: bool,
     replicas: Option<&Replicas>,
 ) -> anyhow::Result<(Vec<String>, Vec<WorkerSpec>)> {
-    let mut router = fleet.router_config(policy, Vec::new())?;
+    let mut router = fleet.router_config(policy, fleet.engines.clone())?;
+    reset_engines(&fleet.engines).await;
     if let Some(r) = replicas {
         anyhow::ensure!(r.nats_url.is_some() || !r.sync, "replica sync needs a NATS URL");
     }
@@ -157,7 +158,7 @@ fn fleet_simulated(fleet: &FleetConfig, events: bool) -> anyhow::Result<Simulate
         "a hybrid model's simulated engines run without host memory, a shared store, and prefill and decode workers"
     );
     Ok(Simulated {
-        count: if fleet.disagg.is_some() { 0 } else { fleet.workers },
+        count: if fleet.disagg.is_some() || !fleet.engines.is_empty() { 0 } else { fleet.workers },
         prefill: fleet.disagg.map_or(0, |(p, _)| p),
         decode: fleet.disagg.map_or(0, |(_, d)| d),
         nodes: fleet.nodes,
@@ -199,6 +200,25 @@ fn fleet_simulated(fleet: &FleetConfig, events: bool) -> anyhow::Result<Simulate
         store: (fleet.store_blocks > 0).then_some(SharedStore::Start(fleet.store_blocks)),
         ..Simulated::default()
     })
+}
+
+/// Empties the prefix caches of engines the bench did not start, so that each run starts
+/// cold as a simulated fleet does (vLLM's `/reset_prefix_cache`; an engine without it keeps
+/// what earlier runs left, and is said to).
+async fn reset_engines(engines: &[WorkerSpec]) {
+    let client = HttpClient::new();
+    for e in engines {
+        let Some(url) = &e.url else { continue };
+        let reset = format!("{url}/reset_prefix_cache");
+        match client.post_json::<Value>(&reset, &json!({})).await {
+            Ok(_) | Err(kvroute_http::ClientError::Json(_)) => {}
+            Err(err) => tracing::warn!(
+                worker = %e.id,
+                %err,
+                "could not empty the engine's prefix cache (serve vLLM with VLLM_SERVER_DEV_MODE=1): this run starts with what earlier runs left"
+            ),
+        }
+    }
 }
 
 /// [`start_fleet`]'s fleet behind the test gateway, the gateway's URL in place of the front
