@@ -964,6 +964,8 @@ fn first_tokens_correct_the_predictions_of_their_worker() {
     assert!(stats[0].factor > 2.5 && stats[1].factor < 1.2, "{stats:?}");
     // The last predictions were close: the recent median error is small on both.
     assert!(stats.iter().all(|x| x.error_p50 < 0.15), "{stats:?}");
+    // Each worker's shape was fitted beside its factor.
+    assert!(stats.iter().all(|x| x.shape.is_some()), "{stats:?}");
     let cold = prompt(&(5000..6000).collect::<Vec<_>>());
     assert_eq!(
         s.route(&request(&cold, None), &none, &UnknownTreeSizes, later).unwrap().worker,
