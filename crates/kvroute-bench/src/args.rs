@@ -466,7 +466,7 @@ impl BenchArgs {
     pub fn fleet(&self) -> FleetConfig {
         FleetConfig {
             workers: self.workers,
-            engines: self.engines.clone(),
+            external: self.engines.clone(),
             num_blocks: self.num_blocks,
             block_size: self.block_size,
             speedup: self.speedup,

@@ -261,9 +261,10 @@ fn run_workloads(
     let mut results = Vec::new();
     for kind in args.workloads() {
         let fleet = args.fleet_for(kind);
+        // Engines the bench did not start have a capacity it does not know.
         let capacity = match &args.target {
-            None => Some(fleet.capacity_blocks()),
-            Some(_) => None,
+            None if fleet.external.is_empty() => Some(fleet.capacity_blocks()),
+            _ => None,
         };
         for (rate, run) in rates.iter().flat_map(|&r| (0..args.runs).map(move |n| (r, n))) {
             let workload = args.workload(kind, rate, preprocessor)?;
@@ -325,7 +326,8 @@ fn goodput_search(
     let mut results = Vec::new();
     for kind in args.workloads() {
         let fleet = args.fleet_for(kind);
-        let capacity = args.target.is_none().then(|| fleet.capacity_blocks());
+        let capacity =
+            (args.target.is_none() && fleet.external.is_empty()).then(|| fleet.capacity_blocks());
         let load = goodput::Load::of(kind);
         let start = match load {
             goodput::Load::Rate => args.default_rate(kind, preprocessor),

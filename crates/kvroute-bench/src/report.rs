@@ -241,6 +241,18 @@ pub fn write(
     let targets = check_targets(results);
     let mut md = heading("kvroute bench", elapsed);
     match &args.target {
+        None if !fleet.external.is_empty() => {
+            let urls: Vec<&str> = fleet.external.iter().filter_map(|e| e.url.as_deref()).collect();
+            let _ = writeln!(
+                md,
+                "Fleet: {} engines the bench did not start ({}), blocks of {} tokens, their prefix caches emptied before each policy; the front door and router of `kvroute serve` started per policy in front of them. Hit rate from the answers' usage (the engines' own `cached_tokens`). Seed {}; the first {:.0}% of each schedule is warm-up, left out of the latency figures.\n",
+                urls.len(),
+                urls.join(", "),
+                fleet.block_size,
+                args.seed,
+                args.warmup * 100.0
+            );
+        }
         None => {
             let _ = writeln!(
                 md,

@@ -108,8 +108,16 @@ pub async fn start_fleet(
     events: bool,
     replicas: Option<&Replicas>,
 ) -> anyhow::Result<(Vec<String>, Vec<WorkerSpec>)> {
-    let mut router = fleet.router_config(policy, fleet.engines.clone())?;
-    reset_engines(&fleet.engines).await;
+    // Engines the bench did not start publish their events whatever the run; an approximate
+    // run does not subscribe to them.
+    let external = fleet.external.iter().cloned().map(|mut e| {
+        if !events {
+            (e.events, e.replay) = (None, None);
+        }
+        e
+    });
+    let mut router = fleet.router_config(policy, external.collect())?;
+    reset_engines(&fleet.external).await;
     if let Some(r) = replicas {
         anyhow::ensure!(r.nats_url.is_some() || !r.sync, "replica sync needs a NATS URL");
     }
@@ -126,7 +134,12 @@ pub async fn start_fleet(
     let config =
         StackConfig { simulated: fleet_simulated(fleet, events)?, ..front_door(router, fleet) };
     let stack = started(config, "the fleet").await?;
-    let urls: Vec<WorkerSpec> = stack.workers.iter().filter(|w| w.url.is_some()).cloned().collect();
+    // Engines the bench did not start serve no simulated engine's /stats: the hit rate is
+    // read from the answers' usage (their own cached_tokens).
+    let urls: Vec<WorkerSpec> = match fleet.external.is_empty() {
+        true => stack.workers.iter().filter(|w| w.url.is_some()).cloned().collect(),
+        false => Vec::new(),
+    };
     let mut fronts = vec![stack.serve_frontend_on_loopback().await?];
     let mut stacks = vec![stack];
     for k in 1..replicas.map_or(1, |r| r.n) {
@@ -158,7 +171,7 @@ fn fleet_simulated(fleet: &FleetConfig, events: bool) -> anyhow::Result<Simulate
         "a hybrid model's simulated engines run without host memory, a shared store, and prefill and decode workers"
     );
     Ok(Simulated {
-        count: if fleet.disagg.is_some() || !fleet.engines.is_empty() { 0 } else { fleet.workers },
+        count: if fleet.disagg.is_some() || !fleet.external.is_empty() { 0 } else { fleet.workers },
         prefill: fleet.disagg.map_or(0, |(p, _)| p),
         decode: fleet.disagg.map_or(0, |(_, d)| d),
         nodes: fleet.nodes,

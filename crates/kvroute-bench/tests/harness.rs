@@ -252,6 +252,40 @@ fn a_target_by_url_with_worker_stats() {
     host.shutdown_timeout(Duration::from_secs(1));
 }
 
+/// `--engine`: engines the bench did not start (here another fleet's simulated engines, on
+/// a runtime of their own as another process's would be), kvroute started per policy in front
+/// of them; every request answered, every prediction exact, the hit rate from the answers'
+/// usage.
+#[test]
+fn engines_the_bench_did_not_start() {
+    let host =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let (_, engines) =
+        host.block_on(run::start_fleet(&fleet(), PolicyKind::RoundRobin, true, None)).unwrap();
+    assert_eq!(engines.len(), 2);
+    let fleet = FleetConfig { external: engines, ..fleet() };
+    let workload = small_shared_prefix();
+    let pre = std::sync::Arc::new(Preprocessor::builtin());
+    let data = run::run(
+        &workload,
+        &fleet_target(PolicyKind::Kv),
+        &fleet,
+        "kv",
+        &ProgressBar::hidden(),
+        &pre,
+    )
+    .unwrap();
+    assert_eq!(data.records.len(), 16);
+    assert!(data.records.iter().all(|r| r.error.is_none()), "{:?}", data.records);
+    assert!(data.stats_end.is_empty(), "no simulated engine's counters: the usage is the truth");
+    let s = summarize(&data, 16, None);
+    let cached: u64 = data.records.iter().map(|r| r.cached_tokens.unwrap()).sum();
+    assert_eq!(s.hit_rate, Some(cached as f64 / (16.0 * 544.0)));
+    assert!(s.hit_rate.unwrap() > 0.5, "kv kept each group on one engine: {s:?}");
+    assert_eq!((s.predicted, s.over_predicted, s.false_hits), (16, 0, 0));
+    host.shutdown_timeout(Duration::from_secs(1));
+}
+
 /// `--target-api sglang-generate`: a workload sent to an engine's SGLang `/generate` as token
 /// ids, its cumulative stream read back (tokens timed, the answer and the cache hits kept).
 #[test]

@@ -17,7 +17,7 @@ pub struct FleetConfig {
     pub workers: usize,
     /// Engines the bench did not start, in place of the simulated workers.
     #[serde(skip)]
-    pub engines: Vec<WorkerSpec>,
+    pub external: Vec<WorkerSpec>,
     pub num_blocks: usize,
     pub block_size: u32,
     pub speedup: f64,
@@ -95,7 +95,7 @@ impl PdBaseline {
 impl Default for FleetConfig {
     fn default() -> Self {
         Self {
-            engines: Vec::new(),
+            external: Vec::new(),
             workers: 4,
             num_blocks: 550,
             block_size: 16,
