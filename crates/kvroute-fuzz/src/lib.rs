@@ -371,7 +371,10 @@ pub fn worker_reports(data: &[u8]) {
         state.update_load(w, load);
     }
     let text = String::from_utf8_lossy(data);
-    let _ = kvroute_router::load::parse_prometheus(&text);
+    // Scraped gauges go where a poll takes them (a block size not the router's refuses it).
+    if let Some(load) = kvroute_router::load::parse_prometheus(&text).into_values().next() {
+        state.update_load(w, load);
+    }
     if let Some(a) = kvroute_router::load::parse_lora_info(&text) {
         a.report(&state.placing, w);
     }

@@ -221,6 +221,7 @@ impl Settings {
         s.kv = kv_config(&r.kv_cost)?;
         s.pairs = pd_config(&r.pd_cost)?;
         self.priced_by_engines(s);
+        s.predictor.shape.enabled = r.learn_shape.unwrap_or(s.predictor.shape.enabled);
         let sd = s.sessions;
         s.sessions = SessionConfig {
             ttl: match r.session_ttl {

@@ -329,6 +329,11 @@ pub struct Routing {
     /// once, however saturated the fleet.
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub flow_control: Option<bool>,
+    /// Learn each worker's first-token time by least squares, used where it predicts better
+    /// than the engine model with one factor per worker (docs/routing.md, "The learned
+    /// shape"); --learn-shape=false keeps the model and its factor alone.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = switch())]
+    pub learn_shape: Option<bool>,
     /// A worker can take a request without an objective while the engine model predicts its
     /// wait there, before its own prefill, within this many milliseconds.
     #[arg(long)]
@@ -718,6 +723,7 @@ impl Routing {
             session_margin: Some(scheduler.sessions.margin_s),
             max_sessions: Some(scheduler.sessions.capacity),
             flow_control: Some(scheduler.flow.enabled),
+            learn_shape: Some(scheduler.predictor.shape.enabled),
             max_engine_wait_ms: Some(scheduler.flow.max_engine_wait_ms),
             max_queued: Some(scheduler.flow.max_queued),
             max_queued_per_tenant: Some(scheduler.flow.max_queued_per_tenant),
