@@ -163,7 +163,9 @@ pub(crate) async fn chat_outbound(
         class: Some(&class),
         priority_named: priority_named && state.options.engine_priority,
     };
-    Outbound::new("/v1/chat/completions", raw, &prepared, &keys, state.block_size, &dialects)
+    let out =
+        Outbound::new("/v1/chat/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
+    Ok(Outbound { trace: kvroute_http::trace::TraceContext::from_headers(headers), ..out })
 }
 
 /// Each `image_url` part, in order, gets its image inline (a fetched one as a `data:` URL)
@@ -221,7 +223,8 @@ pub(crate) fn completion_outbound(
         class: Some(&class),
         priority_named: priority_named && state.options.engine_priority,
     };
-    Outbound::new("/v1/completions", raw, &prepared, &keys, state.block_size, &dialects)
+    let out = Outbound::new("/v1/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
+    Ok(Outbound { trace: kvroute_http::trace::TraceContext::from_headers(headers), ..out })
 }
 
 /// The base model and every adapter the fleet serves (from the settings and the workers'

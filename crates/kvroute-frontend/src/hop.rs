@@ -16,6 +16,7 @@ use futures_util::StreamExt;
 use http_body_util::Full;
 use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_http::openai::Api;
+use kvroute_http::trace::TraceContext;
 use kvroute_http::{ApiError, ClientError};
 use kvroute_preprocess::Prepared;
 use kvroute_router::{Dialect, PlaceRequest};
@@ -49,6 +50,8 @@ pub(crate) struct Outbound {
     /// The front door asked a stream for its usage, which the client did not: the usage
     /// chunk is read and dropped.
     pub strip_usage: bool,
+    /// The client's or the gateway's trace context: each engine call goes on as its child.
+    pub trace: Option<TraceContext>,
 }
 
 impl Outbound {
@@ -123,6 +126,7 @@ impl Outbound {
             prompt_tail,
             streamed,
             strip_usage: streamed && !client_usage,
+            trace: None,
         })
     }
 }
@@ -179,16 +183,24 @@ pub(crate) async fn post(
         Some(edit) => edited(&body, edit)?,
         None => body,
     };
-    let request = hyper::Request::post(format!("{base}{path}"))
+    let mut request = hyper::Request::post(format!("{base}{path}"))
         .header(header::CONTENT_TYPE, "application/json")
         .body(Full::new(body))
         .map_err(ApiError::internal)?;
+    traced(request.headers_mut(), out.trace.as_ref());
     Ok(match tokio::time::timeout(timeout, state.client().send(request)).await {
         Ok(Ok(r)) => Ok((r, from)),
         Ok(Err(e)) if e.is_connect() => Err((Failure::Connect, e)),
         Ok(Err(e)) => Err((Failure::Broken, e)),
         Err(_) => Err((Failure::Timeout, ClientError::Timeout(timeout))),
     })
+}
+
+/// An engine call's headers carry the request's trace as the child of a span of its own.
+pub(crate) fn traced(headers: &mut axum::http::HeaderMap, trace: Option<&TraceContext>) {
+    if let Some(trace) = trace {
+        trace.child(kvroute_http::trace::new_span_id()).write(headers);
+    }
 }
 
 /// `body` (a JSON object) with `edit` applied.

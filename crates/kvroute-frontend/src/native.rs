@@ -142,6 +142,7 @@ impl FrontendState {
             prompt_tail: native.tokens[prompt_tokens.saturating_sub(8)..].to_vec(),
             streamed: native.streamed,
             strip_usage: false,
+            trace: kvroute_http::trace::TraceContext::from_headers(headers),
         }))
     }
 }

@@ -19,6 +19,7 @@
 //! legs are in flight in the router from placement: the prefill leg until its answer, the
 //! decode leg until the client's answer ends.
 
+use kvroute_http::trace::TraceContext;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -316,6 +317,7 @@ impl Leg {
         let worker = self.placed.worker.worker_id;
         let Hop { path, body, .. } = self.state.hop(worker, out);
         let prompt_tokens = out.place.num_tokens;
+        let trace = out.trace.clone();
         let (tell, outcome) = oneshot::channel();
         tokio::spawn(async move {
             let whole = |v: &mut Value| {
@@ -323,7 +325,9 @@ impl Leg {
                 v["stream"] = json!(false);
             };
             let answer = match edited(&body, &whole) {
-                Ok(body) => prefill_answer(&self.state, worker, path, body, timeout).await,
+                Ok(body) => {
+                    prefill_answer(&self.state, (worker, trace.as_ref()), path, body, timeout).await
+                }
                 Err(e) => Ok(Err(e)),
             };
             let ended = match answer {
@@ -390,7 +394,8 @@ async fn vllm_prefill(
         }
     };
     let leg = Leg { state: Arc::clone(state), id: id.to_owned(), placed: *prefill };
-    let answer = match prefill_answer(state, worker, path, edited(&body, one_token)?, timeout).await
+    let leg_to = (worker, out.trace.as_ref());
+    let answer = match prefill_answer(state, leg_to, path, edited(&body, one_token)?, timeout).await
     {
         Ok(a) => a,
         Err(f) => {
@@ -413,7 +418,7 @@ async fn vllm_prefill(
 /// worker said it); the failure when no answer came or the worker failed (5xx).
 async fn prefill_answer(
     state: &Arc<FrontendState>,
-    worker: WorkerId,
+    (worker, trace): (WorkerId, Option<&TraceContext>),
     path: &str,
     body: Bytes,
     timeout: Duration,
@@ -424,10 +429,11 @@ async fn prefill_answer(
     let request = hyper::Request::post(format!("{base}{path}"))
         .header(header::CONTENT_TYPE, "application/json")
         .body(Full::new(body));
-    let request = match request {
+    let mut request = match request {
         Ok(r) => r,
         Err(e) => return Ok(Err(ApiError::internal(e))),
     };
+    crate::hop::traced(request.headers_mut(), trace);
     let started = Instant::now();
     let response = match tokio::time::timeout(timeout, state.client().send(request)).await {
         Ok(Ok(r)) => r,

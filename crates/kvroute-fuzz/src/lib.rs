@@ -57,7 +57,31 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("store", store),
     ("ext_proc", ext_proc),
     ("members", members),
+    ("trace_context", trace_context),
 ];
+
+/// The first line a `traceparent`, the rest `tracestate` values (one header each): read as a
+/// request's trace context, and passed on as a child when valid, within its bounds.
+pub fn trace_context(data: &[u8]) {
+    use axum::http::{HeaderMap, HeaderValue};
+    use kvroute_http::trace::{MAX_TRACESTATE_BYTES, TRACEPARENT, TRACESTATE, TraceContext};
+    let mut lines = data.split(|&b| b == b'\n');
+    let mut headers = HeaderMap::new();
+    if let Some(Ok(v)) = lines.next().map(HeaderValue::from_bytes) {
+        headers.insert(TRACEPARENT, v);
+    }
+    for line in lines {
+        if let Ok(v) = HeaderValue::from_bytes(line) {
+            headers.append(TRACESTATE, v);
+        }
+    }
+    if let Some(t) = TraceContext::from_headers(&headers) {
+        assert!(t.state.as_ref().is_none_or(|s| s.len() <= MAX_TRACESTATE_BYTES));
+        let mut out = HeaderMap::new();
+        t.child(kvroute_http::trace::new_span_id()).write(&mut out);
+        assert_eq!(out[TRACEPARENT].len(), 55);
+    }
+}
 
 /// Each line a members' bucket entry (the body `POST /workers` takes) and a worker template:
 /// decoded; a worker joins a router (no events or load reports: nothing is started) and

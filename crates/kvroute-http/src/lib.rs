@@ -35,6 +35,7 @@ pub mod sse;
 pub mod status;
 pub mod testing;
 pub mod tls;
+pub mod trace;
 pub mod vllm_generate;
 
 use std::future::Future;

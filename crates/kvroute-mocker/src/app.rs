@@ -49,11 +49,40 @@ pub struct AppState {
     /// The ids of the requests under way: a caller's id (SGLang's `rid`, vLLM's
     /// `x-request-id`) names one request at a time.
     live_ids: Arc<std::sync::Mutex<rustc_hash::FxHashSet<String>>>,
+    /// The trace contexts the engine was called in (as vLLM continues a `traceparent`).
+    pub traces: Arc<Traces>,
     /// The store the fleet shares (`--store-url`), asked what it holds of each prompt.
     pub store: Option<crate::store::StoreLink>,
 }
 
 pub use kvroute_http::openai::DEFAULT_MAX_MODEL_LEN;
+
+/// The W3C trace contexts the engine's requests carried: how many, and the last one as it
+/// came (`/stats`'s `trace`), so that a test can see a router pass a trace on.
+#[derive(Debug, Default)]
+pub struct Traces {
+    last: std::sync::Mutex<(u64, Option<kvroute_http::trace::TraceContext>)>,
+}
+
+impl Traces {
+    pub(crate) fn seen(&self, headers: &axum::http::HeaderMap) {
+        if let Some(t) = kvroute_http::trace::TraceContext::from_headers(headers) {
+            let mut last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            *last = (last.0 + 1, Some(t));
+        }
+    }
+
+    /// `{"requests": n, "traceparent": ..., "tracestate": ...}`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let t = last.1.as_ref();
+        serde_json::json!({
+            "requests": last.0,
+            "traceparent": t.map(kvroute_http::trace::TraceContext::traceparent),
+            "tracestate": t.and_then(|t| t.state.as_ref()).and_then(|s| s.to_str().ok()),
+        })
+    }
+}
 
 impl AppState {
     /// `max_model_len`: the model's context length (default: the model directory's, else
@@ -96,6 +125,7 @@ impl AppState {
             side_channel: None,
             peers: crate::holds::Peers::default(),
             live_ids: Arc::default(),
+            traces: Arc::default(),
             store: None,
         }
     }

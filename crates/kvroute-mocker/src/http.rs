@@ -60,9 +60,16 @@ pub fn app(state: Arc<AppState>) -> Router {
             .route("/v1/unload_lora_adapter", post(crate::lora_api::unload)),
         false => guarded,
     };
+    let traces = Arc::clone(&state.traces);
     let routes = kvroute_http::auth::require(guarded, state.api_keys.clone())
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
-        .layer(DefaultBodyLimit::max(BODY_LIMIT));
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                traces.seen(request.headers());
+                next.run(request)
+            },
+        ));
     kvroute_http::fallbacks(routes).with_state(state)
 }
 
@@ -381,6 +388,7 @@ async fn stats(State(state): State<Arc<AppState>>) -> Json<Value> {
         fields.insert("lora".to_owned(), adapters);
         fields.insert("role".to_owned(), state.engine.config.disagg.role.name().into());
         fields.insert("handoff".to_owned(), state.holds.counts.to_json());
+        fields.insert("trace".to_owned(), state.traces.to_json());
     }
     Json(stats)
 }

@@ -1,0 +1,149 @@
+//! W3C trace context through the front door into the engines, over real sockets: a client's
+//! `traceparent` and `tracestate` reach the simulated engine (which records what it was
+//! called in, as vLLM continues a `traceparent`) as the child of a span of kvroute's own, on
+//! an aggregated request and on both legs of a prefill/decode pair; hostile trace headers are
+//! bounded and ignored.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use axum::http::{HeaderValue, Request};
+use http_body_util::{BodyExt, Full};
+use kvroute_core::schedule::{PairConfig, SchedulerConfig};
+use kvroute_http::HttpClient;
+use kvroute_mocker::{DisaggConfig, EngineConfig, Timing};
+use kvroute_router::RouterConfig;
+use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
+use serde_json::{Value, json};
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+async fn stack(prefill: usize, decode: usize, count: usize) -> (Stack, String) {
+    let pairs = PairConfig { in_place: 0.0, ..PairConfig::default() };
+    let config = StackConfig {
+        simulated: Simulated {
+            count,
+            prefill,
+            decode,
+            engine: EngineConfig {
+                timing: Timing { speedup: 50.0 },
+                disagg: DisaggConfig {
+                    hold_timeout: Duration::from_millis(500),
+                    ..DisaggConfig::default()
+                },
+                ..EngineConfig::default()
+            },
+            ..Simulated::default()
+        },
+        router: RouterConfig {
+            scheduler: SchedulerConfig { pairs, ..SchedulerConfig::default() },
+            ..RouterConfig::default()
+        },
+        // No parity probe: the engines' requests are the test's alone.
+        front_door: FrontDoorOptions { parity_probe: false, ..FrontDoorOptions::default() },
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    (stack, base)
+}
+
+/// Sends a completion with these trace headers; its status.
+async fn ask(base: &str, headers: &[(&str, &str)]) -> u16 {
+    let prompt: Vec<u32> = (0..300).map(|t| 3 + (t * 11) % 900).collect();
+    let body = json!({"model": "kvroute-tiny", "prompt": prompt, "max_tokens": 4});
+    let mut request = Request::post(format!("{base}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(body.to_string())))
+        .unwrap();
+    for (k, v) in headers {
+        let name = axum::http::HeaderName::from_bytes(k.as_bytes()).unwrap();
+        request.headers_mut().append(name, HeaderValue::from_str(v).unwrap());
+    }
+    let response = HttpClient::new().send(request).await.unwrap();
+    let status = response.status().as_u16();
+    let _ = response.into_body().collect().await.unwrap();
+    status
+}
+
+/// What each engine was called in (`/stats`'s `trace`).
+async fn traces(stack: &Stack) -> Vec<Value> {
+    let mut out = Vec::new();
+    for w in &stack.workers {
+        let client = HttpClient::new().with_bearer(&w.api_key.as_ref().unwrap().0);
+        let stats: Value =
+            client.get_json(&format!("{}/stats", w.url.as_ref().unwrap())).await.unwrap();
+        out.push(stats["trace"].clone());
+    }
+    out
+}
+
+fn continued(t: &Value) -> bool {
+    let parent = t["traceparent"].as_str().unwrap_or("");
+    let fields: Vec<&str> = parent.split('-').collect();
+    // The client's trace, sampled as it was, as the child of kvroute's span (not the
+    // client's).
+    fields.len() == 4
+        && fields[1] == TRACE_ID
+        && fields[2] != "00f067aa0ba902b7"
+        && fields[3] == "01"
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_trace_reaches_the_engine_as_the_child_of_kvroutes_span() {
+    let (stack, base) = stack(0, 0, 1).await;
+    assert_eq!(
+        ask(&base, &[("traceparent", PARENT), ("tracestate", "congo=t61rcWkgMzE")]).await,
+        200
+    );
+    let t = &traces(&stack).await[0];
+    assert_eq!(t["requests"], 1, "{t}");
+    assert!(continued(t), "{t}");
+    assert_eq!(t["tracestate"], "congo=t61rcWkgMzE");
+    // Without a trace, none is made up.
+    assert_eq!(ask(&base, &[]).await, 200);
+    assert_eq!(traces(&stack).await[0]["requests"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_legs_of_a_pair_carry_the_trace() {
+    let (stack, base) = stack(1, 1, 0).await;
+    assert_eq!(ask(&base, &[("traceparent", PARENT)]).await, 200);
+    let all = traces(&stack).await;
+    assert_eq!(all.len(), 2);
+    for t in &all {
+        assert_eq!(t["requests"], 1, "{all:?}");
+        assert!(continued(t), "{t}");
+    }
+    // Each leg is a span of its own.
+    assert_ne!(all[0]["traceparent"], all[1]["traceparent"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_trace_headers_are_bounded_and_ignored() {
+    let (stack, base) = stack(0, 0, 1).await;
+    // Malformed or oversized traceparents: the request is served, no trace goes on.
+    let long = format!("{PARENT}{}", "-ab".repeat(3000));
+    for bad in [
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "garbage",
+        long.as_str(),
+    ] {
+        assert_eq!(ask(&base, &[("traceparent", bad)]).await, 200, "{}", &bad[..bad.len().min(40)]);
+    }
+    assert_eq!(traces(&stack).await[0]["requests"], 0);
+    // 1,000 tracestate members, or an oversized one: the traceparent goes on alone.
+    let thousand: String = (0..1000).map(|i| format!("k{i}=v")).collect::<Vec<_>>().join(",");
+    let oversized = format!("k={}", "v".repeat(4000));
+    for (n, state) in [thousand, oversized].iter().enumerate() {
+        assert_eq!(ask(&base, &[("traceparent", PARENT), ("tracestate", state)]).await, 200);
+        let t = &traces(&stack).await[0];
+        assert_eq!(t["requests"], n as u64 + 1);
+        assert!(continued(t), "{t}");
+        assert_eq!(t["tracestate"], Value::Null, "{t}");
+    }
+}
