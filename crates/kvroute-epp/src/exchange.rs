@@ -431,6 +431,10 @@ impl Exchange {
         if let Some(p) = picked.prefill.and_then(|p| endpoints.endpoint(p)) {
             set.push((PREFILLER_HEADER, p.to_owned()));
         }
+        // The engine continues the trace under the picker's span, not the client's.
+        if let Some(trace) = &picked.trace {
+            set.push((kvroute_http::trace::TRACEPARENT, trace.traceparent()));
+        }
         self.picker.metrics.picked(&self.model);
         let within = match picked.streamed {
             true => self.picker.front.first_byte_timeout(),
@@ -443,6 +447,10 @@ impl Exchange {
         if self.key.is_some() {
             // The client's key is kvroute's, not the engine's.
             mutation.remove_headers.push("authorization".to_owned());
+        }
+        if picked.trace.as_ref().is_some_and(|t| t.state.is_none()) {
+            // A tracestate past its bounds is not passed on.
+            mutation.remove_headers.push(kvroute_http::trace::TRACESTATE.to_owned());
         }
         let dynamic = Some(metadata::destination(&destination));
         Ok(match self.request_mode {

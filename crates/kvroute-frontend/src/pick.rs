@@ -57,6 +57,8 @@ pub struct Picked {
     pub model: String,
     /// Its answer is streamed (its response begins with the first token, not the last).
     pub streamed: bool,
+    /// The request's trace context as the engine gets it: the child of the picker's span.
+    pub trace: Option<kvroute_http::trace::TraceContext>,
     /// The request in flight until the answer ends.
     pub held: Held,
 }
@@ -253,6 +255,7 @@ impl FrontendState {
                 .clone()
                 .unwrap_or_else(|| self.preprocessor.model_name().to_owned()),
             streamed: out.streamed,
+            trace: out.trace.as_ref().map(|t| t.child(kvroute_http::trace::new_span_id())),
             held: Held {
                 observer: AnswerObserver::new(
                     guard,

@@ -73,7 +73,10 @@ async fn ask(base: &str, headers: &[(&str, &str)]) -> u16 {
 async fn traces(stack: &Stack) -> Vec<Value> {
     let mut out = Vec::new();
     for w in &stack.workers {
-        let client = HttpClient::new().with_bearer(&w.api_key.as_ref().unwrap().0);
+        let client = match &w.api_key {
+            Some(key) => HttpClient::new().with_bearer(&key.0),
+            None => HttpClient::new(),
+        };
         let stats: Value =
             client.get_json(&format!("{}/stats", w.url.as_ref().unwrap())).await.unwrap();
         out.push(stats["trace"].clone());
@@ -146,4 +149,44 @@ async fn hostile_trace_headers_are_bounded_and_ignored() {
         assert!(continued(t), "{t}");
         assert_eq!(t["tracestate"], Value::Null, "{t}");
     }
+}
+
+/// Through a gateway whose Endpoint Picker is kvroute: the picker's header mutation gives the
+/// engine the client's trace as the child of the picker's span, and drops a tracestate past
+/// its bounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_passes_the_trace_through_its_header_mutation() {
+    let config = StackConfig {
+        simulated: Simulated {
+            count: 1,
+            engine: EngineConfig { timing: Timing { speedup: 50.0 }, ..EngineConfig::default() },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        front_door: FrontDoorOptions { parity_probe: false, ..FrontDoorOptions::default() },
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
+    let picker = stack.picker(kvroute_epp::EppOptions::default(), None).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let grpc = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (ready, never) = (async {}, std::future::pending());
+        kvroute_epp::serve_tls(listener, picker, None, None, ready, never).await.unwrap();
+    });
+    let gateway =
+        kvroute_test_gateway::Gateway::new(kvroute_test_gateway::GatewayConfig::ext_proc(&grpc))
+            .unwrap();
+    let base = kvroute_stack::serve_on_loopback(gateway.app()).await.unwrap();
+    assert_eq!(ask(&base, &[("traceparent", PARENT), ("tracestate", "rojo=1")]).await, 200);
+    let t = &traces(&stack).await[0];
+    assert_eq!(t["requests"], 1, "{t}");
+    assert!(continued(t), "{t}");
+    assert_eq!(t["tracestate"], "rojo=1");
+    let thousand: String = (0..1000).map(|i| format!("k{i}=v")).collect::<Vec<_>>().join(",");
+    assert_eq!(ask(&base, &[("traceparent", PARENT), ("tracestate", &thousand)]).await, 200);
+    let t = &traces(&stack).await[0];
+    assert_eq!(t["requests"], 2, "{t}");
+    assert_eq!(t["tracestate"], Value::Null, "{t}");
 }
