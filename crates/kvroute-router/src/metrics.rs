@@ -28,6 +28,7 @@ pub const INDEX_BLOCKS: &str = "kvroute_router_index_blocks";
 pub const INDEX_HELD_BLOCKS: &str = "kvroute_router_index_held_blocks";
 pub const INDEX_BUDGET: &str = "kvroute_router_index_budget_blocks";
 pub const INDEX_EVICTED: &str = "kvroute_router_index_evicted_blocks";
+pub const AVOIDABLE_PREFILL: &str = "kvroute_router_avoidable_prefill_tokens";
 pub const DECISIONS: &str = "kvroute_router_decisions";
 pub const DECISION_SECONDS: &str = "kvroute_router_decision_seconds";
 pub const WORKER_DECISIONS: &str = "kvroute_router_worker_decisions";
@@ -102,6 +103,7 @@ pub struct Metrics {
     pub index_held_blocks: Gauge,
     pub index_budget: Gauge,
     pub index_evicted: CounterOf,
+    pub avoidable_prefill: CounterOf,
     pub decisions: Counter,
     decision_seconds: Histogram,
     pub worker_decisions: Family<WorkerLabels, Counter>,
@@ -164,6 +166,7 @@ impl Metrics {
             index_held_blocks: Gauge::default(),
             index_budget: Gauge::default(),
             index_evicted: CounterOf::default(),
+            avoidable_prefill: CounterOf::default(),
             decisions: Counter::default(),
             decision_seconds: Histogram::new(BUCKETS),
             worker_decisions: Family::default(),
@@ -252,6 +255,11 @@ impl Metrics {
             INDEX_EVICTED,
             "(worker, block) pairs evicted to stay within the budget",
             m.index_evicted.counter.clone(),
+        );
+        r.register(
+            AVOIDABLE_PREFILL,
+            "Prompt tokens prefilled on the chosen worker that another candidate held in its cache",
+            m.avoidable_prefill.counter.clone(),
         );
         r.register(DECISIONS, "Routing decisions", m.decisions.clone());
         r.register(DECISION_SECONDS, "Time to decide, seconds", m.decision_seconds.clone());

@@ -43,6 +43,9 @@ pub struct Scheduler {
     pub(super) adapters: AdapterTable,
     pub(super) sessions: Sessions,
     pub(super) affinity: AffinityCounts,
+    /// Prompt tokens prefilled on the chosen worker that another candidate held, summed over
+    /// the decisions of tracked requests ([`Self::avoidable_prefill_tokens`]).
+    avoidable_tokens: u64,
     /// The candidates' buffer, kept between decisions (a thousand candidates are ~140 KB:
     /// allocated per decision, that was a fresh mapping and its page faults each time).
     pub(super) scratch: Vec<Candidate>,
@@ -96,6 +99,7 @@ impl Scheduler {
             adapters: AdapterTable::default(),
             sessions: Sessions::new(config.sessions),
             affinity: AffinityCounts::default(),
+            avoidable_tokens: 0,
             scratch: Vec::new(),
             decode_policy: config.policy.build(config.kv, config.predictor.engine),
             pair_counts: pairs::PairCounts::default(),
@@ -115,6 +119,12 @@ impl Scheduler {
 
     pub fn adapters_mut(&mut self) -> &mut AdapterTable {
         &mut self.adapters
+    }
+
+    /// Prompt tokens prefilled so far on a chosen worker that another candidate held in its
+    /// cache (a choice for load or eviction's sake, or a worse one): what the cost traded.
+    pub fn avoidable_prefill_tokens(&self) -> u64 {
+        self.avoidable_tokens
     }
 
     /// What session affinity did so far, and how many sessions are remembered.
@@ -366,6 +376,7 @@ impl Scheduler {
             let stored = decision.predicted_prefill_tokens + request.output_tokens;
             self.reuse.routed(c.worker, cached, stored, now);
             self.remember(request.isl_tokens, candidates, chosen, costs.as_deref());
+            self.avoidable_tokens += avoidable(candidates, chosen, request.isl_tokens, bs);
             if let Some(adapter) = request.adapter {
                 self.adapters.routed(id, c.worker, adapter);
             }
@@ -644,4 +655,14 @@ impl Scheduler {
         }
         reclaimed
     }
+}
+
+/// Prompt tokens the chosen candidate prefills that the candidate holding most of the prompt
+/// (in its cache or in flight) would not: 0 when the chosen holds as much.
+fn avoidable(candidates: &[Candidate], chosen: usize, isl_tokens: usize, bs: usize) -> u64 {
+    let held = |c: &Candidate| c.overlap_blocks.max(c.inflight_prefix_blocks);
+    let Some(mine) = candidates.get(chosen).map(held) else { return 0 };
+    let best = candidates.iter().map(held).max().unwrap_or(0);
+    let tokens = |blocks| reusable_tokens(blocks, isl_tokens, bs);
+    (tokens(best) - tokens(mine)) as u64
 }

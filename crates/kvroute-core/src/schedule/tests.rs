@@ -1079,3 +1079,26 @@ fn kv_stores_a_prefix_nobody_holds_where_it_crowds_least() {
     let costs = kv.costs(&info(2_112), &[reported, unreported]);
     assert!((costs[0] - costs[1]).abs() < 1e-9, "{costs:?}");
 }
+
+/// The prompt tokens a decision prefilled that another candidate held are counted: none when
+/// kv sends a prompt to its holder, the holder's whole prefix when round-robin does not.
+#[test]
+fn avoidable_prefill_tokens_are_what_another_candidate_held() {
+    let p = prompt(&(0..512).collect::<Vec<_>>());
+    let held = scores(&[(1, 32)]);
+    let mut kv = scheduler(PolicyKind::Kv, 2);
+    let d = kv.route(&request(&p, Some("a")), &held, &UnknownTreeSizes, Instant::now()).unwrap();
+    assert_eq!(d.worker, w(1));
+    assert_eq!(kv.avoidable_prefill_tokens(), 0);
+    let mut rr = scheduler(PolicyKind::RoundRobin, 2);
+    let mut avoidable = 0;
+    for id in ["a", "b"] {
+        let d = rr.route(&request(&p, Some(id)), &held, &UnknownTreeSizes, Instant::now());
+        if d.unwrap().worker == w(0) {
+            // All 32 blocks held elsewhere; the engine recomputes the last one anyway.
+            avoidable += 512 - BS;
+        }
+    }
+    assert!(avoidable > 0, "round-robin chose the other worker once");
+    assert_eq!(rr.avoidable_prefill_tokens(), avoidable as u64);
+}

@@ -63,6 +63,7 @@ impl RouterState {
         m.index_held_blocks.set(stats.held_blocks as i64);
         m.index_budget.set(self.index.budget().map_or(-1, |b| b as i64));
         m.index_evicted.sync(stats.evicted_blocks);
+        m.avoidable_prefill.sync(self.placing.avoidable_prefill_tokens());
         m.sync_zmq_refused();
         m.in_flight.set(self.placing.in_flight() as i64);
         let (affinity, sessions) = self.placing.affinity();

@@ -145,6 +145,11 @@ impl Placing {
         self.scheduler().adapters().workers().clone()
     }
 
+    /// Prompt tokens prefilled on a chosen worker that another candidate held, so far.
+    pub fn avoidable_prefill_tokens(&self) -> u64 {
+        self.scheduler().avoidable_prefill_tokens()
+    }
+
     /// What session affinity did so far, and how many sessions are remembered.
     pub fn affinity(&self) -> (AffinityCounts, usize) {
         self.scheduler().affinity()
