@@ -59,7 +59,7 @@ pub use round_robin::RoundRobin;
 pub use scheduler::Scheduler;
 pub use sessions::{SessionConfig, Sessions};
 pub use types::{
-    AffinityCounts, Candidate, DecisionRecord, RECENT_DECISIONS, RECORDED_CANDIDATES, RequestInfo,
-    Rng, RouteDecision, RouteRequest, ScoredCandidate, TreeSizes, UnknownTreeSizes, WorkerLoad,
-    reusable_by_tier, reusable_tokens,
+    AffinityCounts, Candidate, CostTerms, DecisionRecord, RECENT_DECISIONS, RECORDED_CANDIDATES,
+    RequestInfo, Rng, RouteDecision, RouteRequest, ScoredCandidate, TreeSizes, UnknownTreeSizes,
+    WorkerLoad, reusable_by_tier, reusable_tokens,
 };

@@ -48,7 +48,7 @@
 use super::cost::{Fill, KvConfig, blocks_needed, kv_share, loaded_blocks};
 use super::predict::{EngineModel, Situation};
 use super::shape::Features;
-use super::{Candidate, Policy, RequestInfo, reusable_tokens};
+use super::{Candidate, CostTerms, Policy, RequestInfo, reusable_tokens};
 
 #[derive(Clone, Copy, Debug)]
 pub struct KvPolicy {
@@ -153,6 +153,11 @@ impl KvPolicy {
 
     /// Each candidate's cost, seconds (the module's formula).
     pub fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Vec<f64> {
+        self.terms(request, candidates).iter().map(CostTerms::total_s).collect()
+    }
+
+    /// Each candidate's cost by its terms (the module's formula).
+    pub fn terms(&self, request: &RequestInfo, candidates: &[Candidate]) -> Vec<CostTerms> {
         let (kv, m) = (&self.kv, &self.model);
         let bs = request.block_size;
         let have = |c: &Candidate| c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs;
@@ -219,7 +224,13 @@ impl KvPolicy {
                 let flat = kv.seconds(kv.wait_tokens(c, fill, request.num_blocks)) * 1e3;
                 let wait = (flat - m.memory_wait_ms(&s).unwrap_or(0.0)).max(0.0);
                 let lora = kv.seconds(kv.adapter_tokens(c, true)) * 1e3;
-                (ttft + running + evict + wait + lora) / 1e3
+                CostTerms {
+                    ttft_ms: ttft,
+                    running_ms: running,
+                    evict_ms: evict,
+                    wait_ms: wait,
+                    lora_ms: lora,
+                }
             })
             .collect()
     }
@@ -232,6 +243,14 @@ impl Policy for KvPolicy {
 
     fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Option<Vec<f64>> {
         Some(KvPolicy::costs(self, request, candidates))
+    }
+
+    fn cost_terms(
+        &self,
+        request: &RequestInfo,
+        candidates: &[Candidate],
+    ) -> Option<Vec<CostTerms>> {
+        Some(self.terms(request, candidates))
     }
 
     fn cost_unit(&self) -> Option<&'static str> {

@@ -20,6 +20,15 @@ pub trait Policy: Send + Sync + fmt::Debug {
     fn costs(&self, _request: &RequestInfo, _candidates: &[Candidate]) -> Option<Vec<f64>> {
         None
     }
+    /// [`Policy::costs`] by their terms, for a cost that has them (`kv`); the scheduler then
+    /// chooses by their totals and keeps them with its recent decisions.
+    fn cost_terms(
+        &self,
+        _request: &RequestInfo,
+        _candidates: &[Candidate],
+    ) -> Option<Vec<super::CostTerms>> {
+        None
+    }
     /// What [`Policy::costs`] counts in, for people reading them (`None`: no costs).
     fn cost_unit(&self) -> Option<&'static str> {
         None

@@ -8,6 +8,7 @@ use crate::schedule::policy::pick_by_cost;
 use crate::schedule::registry::PolicyKind;
 use crate::schedule::types::AffinityCounts;
 use crate::schedule::types::Candidate;
+use crate::schedule::types::CostTerms;
 use crate::schedule::types::DecisionRecord;
 use crate::schedule::types::RECENT_DECISIONS;
 use crate::schedule::types::RECORDED_CANDIDATES;
@@ -46,6 +47,8 @@ pub struct Scheduler {
     /// Prompt tokens prefilled on the chosen worker that another candidate held, summed over
     /// the decisions of tracked requests ([`Self::avoidable_prefill_tokens`]).
     avoidable_tokens: u64,
+    /// The last selection's cost terms, per candidate (empty for a cost without terms).
+    terms: Vec<CostTerms>,
     /// The candidates' buffer, kept between decisions (a thousand candidates are ~140 KB:
     /// allocated per decision, that was a fresh mapping and its page faults each time).
     pub(super) scratch: Vec<Candidate>,
@@ -100,6 +103,7 @@ impl Scheduler {
             sessions: Sessions::new(config.sessions),
             affinity: AffinityCounts::default(),
             avoidable_tokens: 0,
+            terms: Vec::new(),
             scratch: Vec::new(),
             decode_policy: config.policy.build(config.kv, config.predictor.engine),
             pair_counts: pairs::PairCounts::default(),
@@ -467,6 +471,7 @@ impl Scheduler {
                 inflight_prefix_blocks: c.inflight_prefix_blocks,
                 running: c.active.requests,
                 cost: cost(i),
+                terms: self.terms.get(i).copied(),
             }
         };
         let record = DecisionRecord {
@@ -570,11 +575,18 @@ impl Scheduler {
             return None;
         }
         let info = self.info(request);
-        let (chosen, costs) = match self.policy.costs(&info, candidates) {
-            Some(costs) => {
-                (pick_by_cost(&costs, candidates, info.temperature, &mut self.rng), Some(costs))
+        self.terms.clear();
+        let costs = match self.policy.cost_terms(&info, candidates) {
+            Some(terms) => {
+                let costs = terms.iter().map(CostTerms::total_s).collect();
+                self.terms = terms;
+                Some(costs)
             }
-            None => (self.policy.select(&info, candidates, &mut self.rng), None),
+            None => self.policy.costs(&info, candidates),
+        };
+        let chosen = match &costs {
+            Some(costs) => pick_by_cost(costs, candidates, info.temperature, &mut self.rng),
+            None => self.policy.select(&info, candidates, &mut self.rng),
         };
         Some((chosen.min(candidates.len() - 1), costs))
     }

@@ -1090,6 +1090,17 @@ fn avoidable_prefill_tokens_are_what_another_candidate_held() {
     let d = kv.route(&request(&p, Some("a")), &held, &UnknownTreeSizes, Instant::now()).unwrap();
     assert_eq!(d.worker, w(1));
     assert_eq!(kv.avoidable_prefill_tokens(), 0);
+    // The decision explained: each recorded candidate's cost by its terms, the chosen first,
+    // the terms adding up to the cost it was chosen by.
+    let record = kv.recent_decisions().pop().unwrap();
+    assert_eq!(record.candidates[0].worker, w(1));
+    for c in &record.candidates {
+        let terms = c.terms.expect("kv prices by terms");
+        assert!((terms.total_s() - c.cost.unwrap()).abs() < 1e-12, "{c:?}");
+    }
+    let (chosen, other) =
+        (record.candidates[0].terms.unwrap(), record.candidates[1].terms.unwrap());
+    assert!(chosen.ttft_ms < other.ttft_ms, "the holder answers sooner: {chosen:?} {other:?}");
     let mut rr = scheduler(PolicyKind::RoundRobin, 2);
     let mut avoidable = 0;
     for id in ["a", "b"] {

@@ -231,6 +231,28 @@ pub struct ScoredCandidate {
     pub running: usize,
     /// The policy's cost (seconds for `kv`, blocks for `dynamo`); none for the baselines.
     pub cost: Option<f64>,
+    /// The `kv` cost by its terms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub terms: Option<CostTerms>,
+}
+
+/// The `kv` cost of one candidate by its terms, ms (`schedule/kv.rs`'s formula): its predicted
+/// first token, what it adds to the requests running there, what storing it evicts, its wait
+/// for memory beyond the model's, and its adapter's loading.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct CostTerms {
+    pub ttft_ms: f64,
+    pub running_ms: f64,
+    pub evict_ms: f64,
+    pub wait_ms: f64,
+    pub lora_ms: f64,
+}
+
+impl CostTerms {
+    /// The cost, seconds.
+    pub fn total_s(&self) -> f64 {
+        (self.ttft_ms + self.running_ms + self.evict_ms + self.wait_ms + self.lora_ms) / 1e3
+    }
 }
 
 /// What session affinity did, since the start.
