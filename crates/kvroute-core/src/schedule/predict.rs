@@ -317,9 +317,20 @@ impl Corrections {
 
     /// The factor every model millisecond of `worker` is multiplied by for a request at `x`:
     /// its prediction over the model's.
-    pub fn factor_at(&self, worker: WorkerWithDpRank, x: &Features, now: Instant) -> f64 {
+    /// `x` is read only for a worker whose shape is in use (the situation is not computed
+    /// twice for the others).
+    pub fn factor_at(
+        &self,
+        worker: WorkerWithDpRank,
+        x: impl FnOnce() -> Features,
+        now: Instant,
+    ) -> f64 {
+        if !self.shapes.in_use(worker) {
+            return self.factor(worker, now);
+        }
+        let x = x();
         let model = x.model_ms();
-        match self.shapes.predict(worker, x) {
+        match self.shapes.predict(worker, &x) {
             Some(p) if model > 0.0 => p / model,
             _ => self.factor(worker, now),
         }

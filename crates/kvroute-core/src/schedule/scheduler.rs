@@ -314,8 +314,8 @@ impl Scheduler {
             let info = self.info(request);
             for c in candidates.iter_mut() {
                 if corrected {
-                    let x = self.predictor.features(&info, c);
-                    c.ttft_factor = self.corrections.factor_at(c.worker, &x, now);
+                    let x = || self.predictor.features(&info, c);
+                    c.ttft_factor = self.corrections.factor_at(c.worker, x, now);
                 }
                 c.reuse = self.reuse.factor(c.worker);
             }

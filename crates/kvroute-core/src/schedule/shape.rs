@@ -225,6 +225,14 @@ impl ShapeFits {
             .then(|| w.fit.predict(x))
     }
 
+    /// Whether `worker`'s own fit gives its predictions now.
+    pub fn in_use(&self, worker: WorkerWithDpRank) -> bool {
+        self.config.enabled
+            && self.workers.get(&worker).is_some_and(|w| {
+                w.fit.observed >= self.config.min_observed && w.fit_error < w.model_error
+            })
+    }
+
     /// Learns a first token `observed_ms` on `worker` at `x`, where the corrected model had
     /// predicted `corrected_ms`.
     pub fn observe(
