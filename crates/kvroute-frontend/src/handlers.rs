@@ -165,7 +165,20 @@ pub(crate) async fn chat_outbound(
     };
     let out =
         Outbound::new("/v1/chat/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
-    Ok(Outbound { trace: kvroute_http::trace::TraceContext::from_headers(headers), ..out })
+    Ok(Outbound {
+        trace: kvroute_http::trace::TraceContext::from_headers(headers),
+        explain: explain(state, headers),
+        ..out
+    })
+}
+
+/// Whether the request asks for its decision ([`crate::EXPLAIN_HEADER`]) of a front door that
+/// explains them.
+pub(crate) fn explain(state: &FrontendState, headers: &HeaderMap) -> bool {
+    state.options.explain_decisions
+        && headers
+            .get(crate::EXPLAIN_HEADER)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true") || v.as_bytes() == b"1")
 }
 
 /// Each `image_url` part, in order, gets its image inline (a fetched one as a `data:` URL)
@@ -224,7 +237,11 @@ pub(crate) fn completion_outbound(
         priority_named: priority_named && state.options.engine_priority,
     };
     let out = Outbound::new("/v1/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
-    Ok(Outbound { trace: kvroute_http::trace::TraceContext::from_headers(headers), ..out })
+    Ok(Outbound {
+        trace: kvroute_http::trace::TraceContext::from_headers(headers),
+        explain: explain(state, headers),
+        ..out
+    })
 }
 
 /// The base model and every adapter the fleet serves (from the settings and the workers'

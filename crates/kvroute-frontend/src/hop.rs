@@ -52,6 +52,8 @@ pub(crate) struct Outbound {
     pub strip_usage: bool,
     /// The client's or the gateway's trace context: each engine call goes on as its child.
     pub trace: Option<TraceContext>,
+    /// The client asked for its decision ([`crate::EXPLAIN_HEADER`]).
+    pub explain: bool,
 }
 
 impl Outbound {
@@ -127,6 +129,7 @@ impl Outbound {
             streamed,
             strip_usage: streamed && !client_usage,
             trace: None,
+            explain: false,
         })
     }
 }
@@ -275,6 +278,7 @@ where
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     let prompt_tokens = out.place.num_tokens as u64;
+    let observer_id = guard.id.clone();
     let mut observer = AnswerObserver::new(guard, None, placement, prompt_tokens, out.strip_usage);
     // Any head shows the worker answers: it is the front door's own hop.
     observer.head(parts.status.is_success(), true, sse);
@@ -303,6 +307,9 @@ where
         }
     }
     answer = answer.header(WORKER_HEADER, HeaderValue::from(worker.worker_id.0));
+    if let Some(decision) = out.explain.then(|| explained(state, &observer_id)).flatten() {
+        answer = answer.header(crate::DECISION_HEADER, decision);
+    }
     if state.options.expose_overlap {
         let [host, disk, external] = placement.predicted_tier_tokens;
         answer = answer
@@ -310,6 +317,20 @@ where
             .header(OVERLAP_TIER_HEADER, format!("{host},{disk},{external}"));
     }
     answer.body(Body::from_stream(stream)).map_err(ApiError::internal)
+}
+
+/// Request `id`'s decision as [`crate::DECISION_HEADER`]'s value, while the embedded router
+/// still holds it among its recent ones (a remote router's are on its `/workers`).
+fn explained(state: &FrontendState, id: &str) -> Option<HeaderValue> {
+    let crate::placer::Placer::Embedded(router) = &state.placer else { return None };
+    let record = router.placing.decision_of(id)?;
+    let json = serde_json::json!({
+        "considered": record.considered,
+        "cost_unit": record.cost_unit,
+        "isl_tokens": record.isl_tokens,
+        "candidates": record.candidates,
+    });
+    HeaderValue::from_str(&json.to_string()).ok()
 }
 
 /// The worker's answer, passed on as it arrives through its observer (first bytes, usage,

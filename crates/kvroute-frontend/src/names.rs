@@ -31,6 +31,16 @@ pub const PREFILL_WORKER_HEADER: &str = "x-kvroute-prefill-worker";
 /// prompt someone sent before, so clients could probe each other's prompts with it.
 pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-tokens";
 
+/// A request header asking for the request's routing decision (`true` or `1`), answered in
+/// [`DECISION_HEADER`] when the front door explains decisions
+/// ([`FrontDoorOptions::explain_decisions`]).
+pub const EXPLAIN_HEADER: &str = "x-kvroute-explain";
+
+/// The request's decision as compact JSON: the candidates considered, and the chosen one
+/// first, then the cheapest others, each with its cached blocks, running requests, cost and
+/// (for `kv`) the cost's terms in ms.
+pub const DECISION_HEADER: &str = "x-kvroute-decision";
+
 /// Beside [`OVERLAP_HEADER`]: of those tokens, the ones expected from host memory, disk and
 /// the shared store, comma-separated (`0,0,0` when all come from the GPU).
 pub const OVERLAP_TIER_HEADER: &str = "x-kvroute-overlap-tier-tokens";

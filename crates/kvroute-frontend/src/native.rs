@@ -143,6 +143,7 @@ impl FrontendState {
             streamed: native.streamed,
             strip_usage: false,
             trace: kvroute_http::trace::TraceContext::from_headers(headers),
+            explain: crate::handlers::explain(self, headers),
         }))
     }
 }

@@ -12,6 +12,9 @@ use crate::names::*;
 pub struct FrontDoorOptions {
     /// Answers carry [`OVERLAP_HEADER`] (off by default: it tells a client what others sent).
     pub expose_overlap: bool,
+    /// A request that asks with [`crate::EXPLAIN_HEADER`] is answered with its decision in
+    /// [`crate::DECISION_HEADER`] (off by default: it shows the other workers' caches).
+    pub explain_decisions: bool,
     /// How long a worker has to start a streamed answer.
     pub first_byte_timeout: Duration,
     /// Each API key its own cache namespace: requests reuse cached prefixes only of requests
@@ -54,6 +57,7 @@ impl Default for FrontDoorOptions {
     fn default() -> Self {
         Self {
             expose_overlap: false,
+            explain_decisions: false,
             first_byte_timeout: FIRST_BYTE_TIMEOUT,
             namespace_per_key: false,
             parity_probe: true,

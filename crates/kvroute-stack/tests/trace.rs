@@ -6,6 +6,9 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{HeaderValue, Request};
@@ -189,4 +192,75 @@ async fn the_picker_passes_the_trace_through_its_header_mutation() {
     let t = &traces(&stack).await[0];
     assert_eq!(t["requests"], 2, "{t}");
     assert_eq!(t["tracestate"], Value::Null, "{t}");
+}
+
+/// A request that asks for its decision gets it: the chosen worker first with its cost by the
+/// `kv` cost's terms against the runner-up's; only when the front door explains decisions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_is_explained_on_request() {
+    for explains in [true, false] {
+        let config = StackConfig {
+            simulated: Simulated {
+                count: 2,
+                engine: EngineConfig {
+                    timing: Timing { speedup: 50.0 },
+                    ..EngineConfig::default()
+                },
+                ..Simulated::default()
+            },
+            front_door: FrontDoorOptions {
+                parity_probe: false,
+                explain_decisions: explains,
+                ..FrontDoorOptions::default()
+            },
+            ..StackConfig::default()
+        };
+        let stack = Stack::start(config).await.unwrap();
+        assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
+        let base = stack.serve_frontend_on_loopback().await.unwrap();
+        assert_eq!(ask(&base, &[]).await, 200);
+        let router = Arc::clone(stack.router.as_ref().unwrap());
+        // Its blocks in the index before the same prompt comes again.
+        let held = || router.workers().iter().any(|w| w.tree_size[0] > 0);
+        assert!(common::eventually(Duration::from_secs(10), held).await);
+        let prompt: Vec<u32> = (0..300).map(|t| 3 + (t * 11) % 900).collect();
+        let body = json!({"model": "kvroute-tiny", "prompt": prompt, "max_tokens": 4});
+        let request = Request::post(format!("{base}/v1/completions"))
+            .header("content-type", "application/json")
+            .header("x-kvroute-explain", "true")
+            .body(Full::new(bytes::Bytes::from(body.to_string())))
+            .unwrap();
+        let response = HttpClient::new().send(request).await.unwrap();
+        let headers = response.headers().clone();
+        let _ = response.into_body().collect().await.unwrap();
+        let decision = headers.get("x-kvroute-decision");
+        if !explains {
+            assert!(decision.is_none(), "explained without the front door's consent");
+            continue;
+        }
+        let decision: Value = serde_json::from_slice(decision.unwrap().as_bytes()).unwrap();
+        let worker: u64 = headers["x-kvroute-worker"].to_str().unwrap().parse().unwrap();
+        let candidates = decision["candidates"].as_array().unwrap();
+        assert_eq!((decision["considered"].as_u64(), candidates.len()), (Some(2), 2), "{decision}");
+        let (chosen, runner_up) = (&candidates[0], &candidates[1]);
+        assert_eq!(chosen["worker"]["worker_id"], worker);
+        assert_eq!(decision["cost_unit"], "s");
+        for c in candidates {
+            let t = &c["terms"];
+            let sum: f64 = ["ttft_ms", "running_ms", "evict_ms", "wait_ms", "lora_ms"]
+                .iter()
+                .map(|k| t[k].as_f64().unwrap())
+                .sum();
+            assert!((sum / 1e3 - c["cost"].as_f64().unwrap()).abs() < 1e-9, "{c}");
+        }
+        // The holder of the prompt answers sooner, and nothing it held was recomputed.
+        assert!(chosen["overlap_blocks"].as_u64() > runner_up["overlap_blocks"].as_u64());
+        assert!(chosen["terms"]["ttft_ms"].as_f64() < runner_up["terms"]["ttft_ms"].as_f64());
+        let metrics = router.render_metrics();
+        assert!(
+            metrics.contains("kvroute_router_avoidable_prefill_tokens_total 0"),
+            "{}",
+            metrics.lines().filter(|l| l.contains("avoidable")).collect::<Vec<_>>().join("\n")
+        );
+    }
 }

@@ -379,7 +379,7 @@ impl Scheduler {
             self.predict(id, request, &c, now);
             let stored = decision.predicted_prefill_tokens + request.output_tokens;
             self.reuse.routed(c.worker, cached, stored, now);
-            self.remember(request.isl_tokens, candidates, chosen, costs.as_deref());
+            self.remember(id, request.isl_tokens, candidates, chosen, costs.as_deref());
             self.avoidable_tokens += avoidable(candidates, chosen, request.isl_tokens, bs);
             if let Some(adapter) = request.adapter {
                 self.adapters.routed(id, c.worker, adapter);
@@ -446,6 +446,7 @@ impl Scheduler {
     /// cheapest others, up to [`RECORDED_CANDIDATES`] in all (linear in the candidates).
     pub(super) fn remember(
         &mut self,
+        request: &str,
         isl_tokens: usize,
         candidates: &[Candidate],
         chosen: usize,
@@ -475,6 +476,7 @@ impl Scheduler {
             }
         };
         let record = DecisionRecord {
+            request: request.to_owned(),
             at_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
@@ -487,6 +489,12 @@ impl Scheduler {
             self.recent.pop_front();
         }
         self.recent.push_back(record);
+    }
+
+    /// The recent decision of request `id`, if it is still among the last
+    /// [`RECENT_DECISIONS`].
+    pub fn decision_of(&self, id: &str) -> Option<DecisionRecord> {
+        self.recent.iter().rev().find(|r| r.request == id).cloned()
     }
 
     /// The last [`RECENT_DECISIONS`] decisions of tracked requests, oldest first.

@@ -209,6 +209,8 @@ pub const RECORDED_CANDIDATES: usize = 4;
 /// One routing decision as the status page shows it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DecisionRecord {
+    /// The request's id (the front door's, or the client's `x-request-id` to the router).
+    pub request: String,
     /// Milliseconds since the Unix epoch.
     pub at_ms: u64,
     pub isl_tokens: usize,

@@ -155,6 +155,11 @@ impl Placing {
         self.scheduler().affinity()
     }
 
+    /// The decision of request `id`, while it is among the scheduler's recent ones.
+    pub fn decision_of(&self, id: &str) -> Option<DecisionRecord> {
+        self.scheduler().decision_of(id)
+    }
+
     /// The scheduler's last decisions of tracked requests, oldest first.
     pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
         self.scheduler().recent_decisions()

@@ -440,6 +440,7 @@ impl Settings {
         let (f, d) = (&self.front_door, FrontDoorOptions::default());
         Ok(FrontDoorOptions {
             expose_overlap: f.expose_overlap.unwrap_or(d.expose_overlap),
+            explain_decisions: f.explain_decisions.unwrap_or(d.explain_decisions),
             first_byte_timeout: match f.first_byte_timeout {
                 Some(t) => secs(t, "first_byte_timeout")?,
                 None => d.first_byte_timeout,

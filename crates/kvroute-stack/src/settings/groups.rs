@@ -100,6 +100,11 @@ pub struct FrontDoor {
     /// Off by default: it lets a client test guesses of other clients' prompts.
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub expose_overlap: Option<bool>,
+    /// Answer a request that asks with x-kvroute-explain: true with its routing decision in
+    /// x-kvroute-decision (the candidates, their cached blocks, costs and the kv cost's terms).
+    /// Off by default: it shows what the other workers hold.
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
+    pub explain_decisions: Option<bool>,
     /// Seconds a worker has to start a streamed answer before the request goes to another
     /// worker and this one is ejected for a while.
     #[arg(long)]
@@ -643,6 +648,7 @@ impl FrontDoor {
         FrontDoor {
             api_keys_file: None,
             expose_overlap: Some(front_door.expose_overlap),
+            explain_decisions: Some(front_door.explain_decisions),
             first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
             cache_namespace_per_key: Some(front_door.namespace_per_key),
             parity_probe: Some(front_door.parity_probe),
