@@ -153,14 +153,32 @@ impl KvPolicy {
 
     /// Each candidate's cost, seconds (the module's formula).
     pub fn costs(&self, request: &RequestInfo, candidates: &[Candidate]) -> Vec<f64> {
-        self.terms(request, candidates).iter().map(CostTerms::total_s).collect()
+        self.priced(request, candidates, 0..candidates.len()).map(|t| t.total_s()).collect()
     }
 
-    /// Each candidate's cost by its terms (the module's formula).
-    pub fn terms(&self, request: &RequestInfo, candidates: &[Candidate]) -> Vec<CostTerms> {
+    /// The cost by its terms of the candidates at `which` (the module's formula).
+    pub fn terms(
+        &self,
+        request: &RequestInfo,
+        candidates: &[Candidate],
+        which: &[usize],
+    ) -> Vec<CostTerms> {
+        let which = which.iter().copied().filter(|&i| i < candidates.len());
+        self.priced(request, candidates, which).collect()
+    }
+
+    /// The cost by its terms of the candidates at `which`, each priced among all of them (the
+    /// prefix's best holder is the whole set's).
+    fn priced<'a>(
+        &'a self,
+        request: &'a RequestInfo,
+        candidates: &'a [Candidate],
+        which: impl Iterator<Item = usize> + 'a,
+    ) -> impl Iterator<Item = CostTerms> + 'a {
         let (kv, m) = (&self.kv, &self.model);
         let bs = request.block_size;
-        let have = |c: &Candidate| c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs;
+        let have =
+            move |c: &Candidate| c.overlap_blocks.max(c.inflight_prefix_blocks) as usize * bs;
         // What a token of the prefix's best holder is worth where it is: placed elsewhere,
         // the holder's copy of the difference serves no one and takes room there.
         let holder = candidates.iter().max_by_key(|c| have(c));
@@ -175,64 +193,61 @@ impl KvPolicy {
             (have(h).min(request.isl_tokens), fill.free_blocks * bs as f64, per_token)
         });
         let per_block = tier_block_ms(kv, bs);
-        candidates
-            .iter()
-            .map(|c| {
-                let s = situation_with(request, c, per_block);
-                let fill = Fill::of(c);
-                let factor = factor(c);
-                let ttft = factor * m.ttft_ms(&s);
-                let added_blocks =
-                    request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize)
-                        + request.output_tokens.div_ceil(bs.max(1));
-                let added_share = fill.total.map_or(0.0, |t| added_blocks as f64 / t);
-                let running = match kv.running_delay_weight > 0.0 {
-                    true => {
-                        kv.running_delay_weight
-                            * factor
-                            * m.added_decode_ms(&s, added_share, request.output_tokens)
-                    }
-                    false => 0.0,
-                };
-                let lacks = request.isl_tokens.saturating_sub(have(c)) as f64;
-                let stranded = held.saturating_sub(have(c)) as f64;
-                // Where some worker holds part of the prompt, each candidate is charged what
-                // storing the rest there evicts: nothing while its cache has room (the holder
-                // too: charged by fullness while a copy went free, a holder with room lost
-                // its own prefix's requests). A prompt nobody holds is stored where it crowds
-                // least, by the cache's fullness: placed by the wait alone while the caches
-                // had room, shared-prefix's 12 groups landed 4 on one worker, whose memory
-                // then thrashed (p99 206 ms at 9 req/s; #65).
-                // The cache holds at least its running requests' blocks, which its KV events
-                // may not have reported yet: at 28 req/s every group's first request comes
-                // within 2 s, and 4 landed on one worker whose index still looked empty.
-                let stored = match held > 0 {
-                    true => fill.overflow(lacks, bs),
-                    false => lacks * fill.fullness.max(s.kv_share),
-                };
-                let evict = kv.eviction_weight
-                    * stored
-                    * m.token_ms()
-                    * pressure(s.kv_share)
-                    * factor
-                    * reuse(c)
-                    + (stranded - held_free).max(0.0) * held_token_ms;
-                // A request that does not fit costs at least the fixed price: the model's
-                // wait is its own, but the holder of its prefix keeps drawing its group there,
-                // each request queued behind the last, while the worker's idle prefixes are
-                // all evicted. The model's wait, when known, is in the first token already.
-                let flat = kv.seconds(kv.wait_tokens(c, fill, request.num_blocks)) * 1e3;
-                let wait = (flat - m.memory_wait_ms(&s).unwrap_or(0.0)).max(0.0);
-                let lora = kv.seconds(kv.adapter_tokens(c, true)) * 1e3;
-                CostTerms {
-                    ttft_ms: ttft,
-                    running_ms: running,
-                    evict_ms: evict,
-                    wait_ms: wait,
-                    lora_ms: lora,
+        which.map(move |i| {
+            let c = &candidates[i];
+            let s = situation_with(request, c, per_block);
+            let fill = Fill::of(c);
+            let factor = factor(c);
+            let ttft = factor * m.ttft_ms(&s);
+            let added_blocks = request.num_blocks.saturating_sub(c.inflight_prefix_blocks as usize)
+                + request.output_tokens.div_ceil(bs.max(1));
+            let added_share = fill.total.map_or(0.0, |t| added_blocks as f64 / t);
+            let running = match kv.running_delay_weight > 0.0 {
+                true => {
+                    kv.running_delay_weight
+                        * factor
+                        * m.added_decode_ms(&s, added_share, request.output_tokens)
                 }
-            })
-            .collect()
+                false => 0.0,
+            };
+            let lacks = request.isl_tokens.saturating_sub(have(c)) as f64;
+            let stranded = held.saturating_sub(have(c)) as f64;
+            // Where some worker holds part of the prompt, each candidate is charged what
+            // storing the rest there evicts: nothing while its cache has room (the holder
+            // too: charged by fullness while a copy went free, a holder with room lost
+            // its own prefix's requests). A prompt nobody holds is stored where it crowds
+            // least, by the cache's fullness: placed by the wait alone while the caches
+            // had room, shared-prefix's 12 groups landed 4 on one worker, whose memory
+            // then thrashed (p99 206 ms at 9 req/s; #65).
+            // The cache holds at least its running requests' blocks, which its KV events
+            // may not have reported yet: at 28 req/s every group's first request comes
+            // within 2 s, and 4 landed on one worker whose index still looked empty.
+            let stored = match held > 0 {
+                true => fill.overflow(lacks, bs),
+                false => lacks * fill.fullness.max(s.kv_share),
+            };
+            let evict = kv.eviction_weight
+                * stored
+                * m.token_ms()
+                * pressure(s.kv_share)
+                * factor
+                * reuse(c)
+                + (stranded - held_free).max(0.0) * held_token_ms;
+            // A request that does not fit costs at least the fixed price: the model's
+            // wait is its own, but the holder of its prefix keeps drawing its group there,
+            // each request queued behind the last, while the worker's idle prefixes are
+            // all evicted. The model's wait, when known, is in the first token already.
+            let flat = kv.seconds(kv.wait_tokens(c, fill, request.num_blocks)) * 1e3;
+            let wait = (flat - m.memory_wait_ms(&s).unwrap_or(0.0)).max(0.0);
+            let lora = kv.seconds(kv.adapter_tokens(c, true)) * 1e3;
+            CostTerms {
+                ttft_ms: ttft,
+                running_ms: running,
+                evict_ms: evict,
+                wait_ms: wait,
+                lora_ms: lora,
+            }
+        })
     }
 }
 
@@ -249,8 +264,9 @@ impl Policy for KvPolicy {
         &self,
         request: &RequestInfo,
         candidates: &[Candidate],
+        which: &[usize],
     ) -> Option<Vec<CostTerms>> {
-        Some(self.terms(request, candidates))
+        Some(self.terms(request, candidates, which))
     }
 
     fn cost_unit(&self) -> Option<&'static str> {

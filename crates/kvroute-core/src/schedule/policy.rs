@@ -20,12 +20,14 @@ pub trait Policy: Send + Sync + fmt::Debug {
     fn costs(&self, _request: &RequestInfo, _candidates: &[Candidate]) -> Option<Vec<f64>> {
         None
     }
-    /// [`Policy::costs`] by their terms, for a cost that has them (`kv`); the scheduler then
-    /// chooses by their totals and keeps them with its recent decisions.
+    /// [`Policy::costs`] by their terms of the candidates at `which`, for a cost that has them
+    /// (`kv`): the scheduler keeps them with its recent decisions (computed for the few it
+    /// records, not for every candidate of every decision).
     fn cost_terms(
         &self,
         _request: &RequestInfo,
         _candidates: &[Candidate],
+        _which: &[usize],
     ) -> Option<Vec<super::CostTerms>> {
         None
     }

@@ -8,7 +8,6 @@ use crate::schedule::policy::pick_by_cost;
 use crate::schedule::registry::PolicyKind;
 use crate::schedule::types::AffinityCounts;
 use crate::schedule::types::Candidate;
-use crate::schedule::types::CostTerms;
 use crate::schedule::types::DecisionRecord;
 use crate::schedule::types::RECENT_DECISIONS;
 use crate::schedule::types::RECORDED_CANDIDATES;
@@ -47,8 +46,6 @@ pub struct Scheduler {
     /// Prompt tokens prefilled on the chosen worker that another candidate held, summed over
     /// the decisions of tracked requests ([`Self::avoidable_prefill_tokens`]).
     avoidable_tokens: u64,
-    /// The last selection's cost terms, per candidate (empty for a cost without terms).
-    terms: Vec<CostTerms>,
     /// The candidates' buffer, kept between decisions (a thousand candidates are ~140 KB:
     /// allocated per decision, that was a fresh mapping and its page faults each time).
     pub(super) scratch: Vec<Candidate>,
@@ -103,7 +100,6 @@ impl Scheduler {
             sessions: Sessions::new(config.sessions),
             affinity: AffinityCounts::default(),
             avoidable_tokens: 0,
-            terms: Vec::new(),
             scratch: Vec::new(),
             decode_policy: config.policy.build(config.kv, config.predictor.engine),
             pair_counts: pairs::PairCounts::default(),
@@ -379,7 +375,8 @@ impl Scheduler {
             self.predict(id, request, &c, now);
             let stored = decision.predicted_prefill_tokens + request.output_tokens;
             self.reuse.routed(c.worker, cached, stored, now);
-            self.remember(id, request.isl_tokens, candidates, chosen, costs.as_deref());
+            let info = self.info(request);
+            self.remember(id, &info, candidates, chosen, costs.as_deref());
             self.avoidable_tokens += avoidable(candidates, chosen, request.isl_tokens, bs);
             if let Some(adapter) = request.adapter {
                 self.adapters.routed(id, c.worker, adapter);
@@ -447,7 +444,7 @@ impl Scheduler {
     pub(super) fn remember(
         &mut self,
         request: &str,
-        isl_tokens: usize,
+        info: &RequestInfo,
         candidates: &[Candidate],
         chosen: usize,
         costs: Option<&[f64]>,
@@ -464,7 +461,10 @@ impl Scheduler {
             order.truncate(keep);
         }
         order.sort_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal));
-        let scored = |i: usize| {
+        let recorded: Vec<usize> = std::iter::once(chosen).chain(order.iter().copied()).collect();
+        let terms = self.policy.cost_terms(info, candidates, &recorded);
+        let terms_of = |k: usize| terms.as_ref().and_then(|t| t.get(k).copied());
+        let scored = |(k, i): (usize, usize)| {
             let c = &candidates[i];
             ScoredCandidate {
                 worker: c.worker,
@@ -472,7 +472,7 @@ impl Scheduler {
                 inflight_prefix_blocks: c.inflight_prefix_blocks,
                 running: c.active.requests,
                 cost: cost(i),
-                terms: self.terms.get(i).copied(),
+                terms: terms_of(k),
             }
         };
         let record = DecisionRecord {
@@ -480,9 +480,9 @@ impl Scheduler {
             at_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
-            isl_tokens,
+            isl_tokens: info.isl_tokens,
             considered: candidates.len(),
-            candidates: std::iter::once(chosen).chain(order).map(scored).collect(),
+            candidates: recorded.iter().copied().enumerate().map(scored).collect(),
             cost_unit: costs.and(self.policy.cost_unit()),
         };
         if self.recent.len() == RECENT_DECISIONS {
@@ -583,18 +583,11 @@ impl Scheduler {
             return None;
         }
         let info = self.info(request);
-        self.terms.clear();
-        let costs = match self.policy.cost_terms(&info, candidates) {
-            Some(terms) => {
-                let costs = terms.iter().map(CostTerms::total_s).collect();
-                self.terms = terms;
-                Some(costs)
+        let (chosen, costs) = match self.policy.costs(&info, candidates) {
+            Some(costs) => {
+                (pick_by_cost(&costs, candidates, info.temperature, &mut self.rng), Some(costs))
             }
-            None => self.policy.costs(&info, candidates),
-        };
-        let chosen = match &costs {
-            Some(costs) => pick_by_cost(costs, candidates, info.temperature, &mut self.rng),
-            None => self.policy.select(&info, candidates, &mut self.rng),
+            None => (self.policy.select(&info, candidates, &mut self.rng), None),
         };
         Some((chosen.min(candidates.len() - 1), costs))
     }
