@@ -239,17 +239,13 @@ pub fn parse_prometheus(text: &str) -> BTreeMap<u32, WorkerLoad> {
                 entry(&|l| l.kv_cache_usage = value.is_finite().then_some(value));
             }
             "vllm:cache_config_info" => {
-                let blocks = labels
-                    .iter()
-                    .find(|(k, _)| *k == "num_gpu_blocks")
-                    .and_then(|(_, v)| v.parse().ok());
+                let label =
+                    |key: &str| labels.iter().find(|(k, _)| *k == key).map(|(_, v)| v.as_str());
+                let blocks = label("num_gpu_blocks").and_then(|v| v.parse().ok());
                 if blocks.is_some() {
                     entry(&|l| l.kv_total_blocks = blocks);
                 }
-                let size = labels
-                    .iter()
-                    .find(|(k, _)| *k == "block_size")
-                    .and_then(|(_, v)| v.parse().ok());
+                let size = label("block_size").and_then(|v| v.parse().ok());
                 if size.is_some() {
                     entry(&|l| l.block_size = size);
                 }

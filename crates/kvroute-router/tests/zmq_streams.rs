@@ -209,18 +209,24 @@ async fn blocks_of_another_size_are_counted_and_shown() {
     );
 }
 
+/// Serves `text` as an engine's Prometheus endpoint on loopback; its URL.
+async fn serve_metrics(text: String) -> String {
+    let app = axum::Router::new()
+        .route("/metrics", axum::routing::get(move || std::future::ready(text.clone())));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
+    format!("http://{addr}/metrics")
+}
+
 /// `metrics=http://...`: the router polls an engine's Prometheus endpoint for vLLM's gauges
 /// (here a real HTTP server answering what vLLM 0.11 serves); the worker is ready once they
 /// arrived.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_is_polled_from_a_prometheus_endpoint() {
     const VLLM: &str = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\",model_name=\"m\"} 2.0\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 1.0\nvllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.5\nvllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"4096\"} 1.0\n";
-    let app = axum::Router::new().route("/metrics", axum::routing::get(|| async { VLLM }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
     let mut spec = WorkerSpec::new(3);
-    spec.metrics = Some(format!("http://{addr}/metrics"));
+    spec.metrics = Some(serve_metrics(VLLM.to_owned()).await);
     let state =
         Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
     assert_eq!(state.fleet.not_ready().len(), 1, "no load report yet");
@@ -244,12 +250,8 @@ async fn load_is_polled_from_a_prometheus_endpoint() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_reporting_another_block_size_is_refused() {
     const VLLM: &str = "vllm:num_requests_running{engine=\"0\"} 0.0\nvllm:cache_config_info{block_size=\"32\",engine=\"0\",num_gpu_blocks=\"128\"} 1.0\n";
-    let app = axum::Router::new().route("/metrics", axum::routing::get(|| async { VLLM }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
     let mut spec = WorkerSpec::new(3);
-    spec.metrics = Some(format!("http://{addr}/metrics"));
+    spec.metrics = Some(serve_metrics(VLLM.to_owned()).await);
     let mut same = spec.clone();
     same.block_size = Some(32);
     same.id = kvroute_core::WorkerId(5);
@@ -276,13 +278,8 @@ async fn engines_that_disagree_on_their_block_size_are_named() {
     let mut workers = Vec::new();
     for (id, size) in [(1u64, 16), (2, 32)] {
         let text = format!("vllm:cache_config_info{{block_size=\"{size}\",engine=\"0\"}} 1.0\n");
-        let app =
-            axum::Router::new().route("/metrics", axum::routing::get(move || async move { text }));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(kvroute_http::serve(listener, app, std::future::pending()));
         let mut spec = WorkerSpec::new(id);
-        spec.metrics = Some(format!("http://{addr}/metrics"));
+        spec.metrics = Some(serve_metrics(text).await);
         workers.push(spec);
     }
     let err = kvroute_router::load::engines_block_size(&workers, Duration::from_secs(5))
