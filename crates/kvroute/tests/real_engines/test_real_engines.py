@@ -147,8 +147,8 @@ def test_every_prediction_exact_on_shared_prefixes_and_turns(kvroute, dialect):
 
 
 def test_predictions_stay_exact_through_evictions(kvroute):
-    """Run with REAL_ENGINES_KV_BYTES=4M: 128 blocks of 32 tokens an engine; 12 prompts of
-    ~1,000 tokens evict the first ones."""
+    """`scripts/real-engines test` runs 128-block caches (REAL_ENGINES_KV_BYTES=4M): 12
+    prompts of ~1,000 tokens evict the first ones."""
     k = kvroute()
     seen = []
     for rep in range(2):
