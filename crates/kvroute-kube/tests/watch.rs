@@ -50,19 +50,29 @@ fn members(router: &RouterState) -> Vec<(String, Role)> {
     m
 }
 
-#[tokio::test]
-async fn the_pools_ready_pods_are_followed_through_a_watch_and_a_410() {
-    let (service, mut api) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+/// The API's side of kube's test client.
+type Api = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+/// A Kubernetes source over kube's test client, watching pool `kvroute-pool` of namespace
+/// `serving` into a router of its own: the API's side, the router, the source's task.
+fn watching(own_pod: Option<&str>) -> (Api, Arc<RouterState>, tokio::task::JoinHandle<()>) {
+    let (service, api) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let client = kube::Client::new(service, "serving");
     let router = Arc::new(RouterState::new(RouterConfig::default()));
     let config = KubeConfig {
         pool: "kvroute-pool".into(),
         namespace: "serving".into(),
         template: "url=http://{host}:{port}".parse().unwrap(),
-        own_pod: Some("kvroute-picker-7c9d6f-x2x9k".into()),
+        own_pod: own_pod.map(str::to_owned),
     };
     let sink = Sink::new(Arc::clone(&router), "kubernetes", Duration::from_secs(5));
     let source = tokio::spawn(Box::new(KubeSource::new(client, config)).run(sink));
+    (api, router, source)
+}
+
+#[tokio::test]
+async fn the_pools_ready_pods_are_followed_through_a_watch_and_a_410() {
+    let (mut api, router, source) = watching(Some("kvroute-picker-7c9d6f-x2x9k"));
 
     // The pool: its selector and target port.
     let (request, reply) = api.next_request().await.unwrap();
@@ -130,17 +140,7 @@ async fn the_pools_ready_pods_are_followed_through_a_watch_and_a_410() {
 
 #[tokio::test]
 async fn a_pool_without_a_selector_joins_nothing() {
-    let (service, mut api) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let client = kube::Client::new(service, "serving");
-    let router = Arc::new(RouterState::new(RouterConfig::default()));
-    let config = KubeConfig {
-        pool: "kvroute-pool".into(),
-        namespace: "serving".into(),
-        template: "url=http://{host}:{port}".parse().unwrap(),
-        own_pod: None,
-    };
-    let sink = Sink::new(Arc::clone(&router), "kubernetes", Duration::from_secs(5));
-    let source = tokio::spawn(Box::new(KubeSource::new(client, config)).run(sink));
+    let (mut api, router, source) = watching(None);
     let mut pool: serde_json::Value = serde_json::from_slice(&fixture("pool.json")).unwrap();
     pool["spec"].as_object_mut().unwrap().remove("selector");
     let (_, reply) = api.next_request().await.unwrap();
