@@ -38,13 +38,17 @@ pub(crate) async fn dispatch(
     let mut request = out.place.clone();
     loop {
         let id = state.request_id();
-        let placed = state.placer.place(&request, state.block_size, &id, &excluded).await?;
+        let placed = state
+            .placer
+            .place(&request, state.block_size, (&id, out.trace.as_ref()), &excluded)
+            .await?;
         request.class = None;
         let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
             return Err(ApiError::unavailable("no worker is available"));
         };
-        let guard = InFlight::new(state, id);
+        let mut guard = InFlight::new(state, id);
         let worker = placement.worker;
+        guard.span = crate::hop::engine_span(worker, "aggregated", &guard.id);
         let Some(base) = state.workers().url(worker.worker_id).map(str::to_owned) else {
             excluded.push(worker);
             continue;

@@ -132,8 +132,29 @@ pub(crate) async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let out = chat_outbound(&state, key.as_ref().map(|k| &k.0), &headers, body).await?;
-    dispatch(&state, &out).await
+    let trace = kvroute_http::trace::TraceContext::from_headers(&headers);
+    let span = kvroute_http::otel::request_span("chat", trace.as_ref());
+    traced(span, async {
+        let out = chat_outbound(&state, key.as_ref().map(|k| &k.0), &headers, body).await?;
+        dispatch(&state, &out).await
+    })
+    .await
+}
+
+/// A request's handling in its span (kvroute's spans are exported): marked failed with the
+/// error's status when it fails before its answer.
+pub(crate) async fn traced<T>(
+    span: tracing::Span,
+    handling: impl Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
+    if span.is_disabled() {
+        return handling.await;
+    }
+    let result = tracing::Instrument::instrument(handling, span.clone()).await;
+    if let Err(e) = &result {
+        kvroute_http::otel::failed(&span, e.status().as_str());
+    }
+    result
 }
 
 /// A chat request made an [`Outbound`]: parsed and checked, its class, model, session and
@@ -151,8 +172,19 @@ pub(crate) async fn chat_outbound(
     let session = state.session_key(key, session);
     let namespace = state.namespace(key, req.cache_salt.as_deref());
     // Images: fetched once here, forwarded inline, named by their identifier.
-    let (prepared, images) =
-        state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len).await?;
+    if kvroute_http::otel::on() {
+        model_named(req.model.as_deref());
+    }
+    let preprocess = kvroute_http::span!(
+        "kvroute.preprocess",
+        kvroute.prompt_tokens = tracing::field::Empty,
+        kvroute.images = tracing::field::Empty,
+    );
+    let prepare =
+        state.preprocessor.prepare_chat_request(&req, &state.fetcher, state.max_model_len);
+    let (prepared, images) = tracing::Instrument::instrument(prepare, preprocess.clone()).await?;
+    preprocess.record("kvroute.prompt_tokens", prepared.tokens.len() as i64);
+    preprocess.record("kvroute.images", images.len() as i64);
     drop(req);
     rewrite_image_parts(&mut raw, &images);
     let dialects = state.tokens_dialects();
@@ -170,6 +202,13 @@ pub(crate) async fn chat_outbound(
         explain: explain(state, headers),
         ..out
     })
+}
+
+/// The request's span names the model the client asked for.
+fn model_named(model: Option<&str>) {
+    if let Some(model) = model {
+        tracing::Span::current().record("gen_ai.request.model", model);
+    }
 }
 
 /// Whether the request asks for its decision ([`crate::EXPLAIN_HEADER`]) of a front door that
@@ -210,8 +249,13 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let out = completion_outbound(&state, key.as_ref().map(|k| &k.0), &headers, body)?;
-    dispatch(&state, &out).await
+    let trace = kvroute_http::trace::TraceContext::from_headers(&headers);
+    let span = kvroute_http::otel::request_span("text_completion", trace.as_ref());
+    traced(span, async {
+        let out = completion_outbound(&state, key.as_ref().map(|k| &k.0), &headers, body)?;
+        dispatch(&state, &out).await
+    })
+    .await
 }
 
 /// A completion request made an [`Outbound`], as [`chat_outbound`] makes a chat request.
@@ -227,7 +271,14 @@ pub(crate) fn completion_outbound(
     let session = session(headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key, session);
     let namespace = state.namespace(key, req.cache_salt.as_deref());
-    let prepared = state.preprocessor.prepare_completion_request(&req, state.max_model_len)?;
+    if kvroute_http::otel::on() {
+        model_named(req.model.as_deref());
+    }
+    let preprocess =
+        kvroute_http::span!("kvroute.preprocess", kvroute.prompt_tokens = tracing::field::Empty,);
+    let prepared = preprocess
+        .in_scope(|| state.preprocessor.prepare_completion_request(&req, state.max_model_len))?;
+    preprocess.record("kvroute.prompt_tokens", prepared.tokens.len() as i64);
     let dialects = state.tokens_dialects();
     let keys = Keys {
         namespace: namespace.as_deref(),

@@ -38,6 +38,18 @@ pub enum Failure {
     Probe,
 }
 
+impl Failure {
+    /// Its name, as a span's `error.type` says it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::Connect => "connect",
+            Failure::Timeout => "timeout",
+            Failure::Broken => "broken",
+            Failure::Probe => "probe",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct WorkerHealth {
     /// Failures in a row.

@@ -30,6 +30,26 @@ use crate::translate::Translator;
 use crate::usage::stream_error_event;
 use crate::{FrontendState, OVERLAP_HEADER, OVERLAP_TIER_HEADER, WORKER_HEADER};
 
+/// The span of one engine call (`leg`: `aggregated`, `prefill` or `decode`): its context is
+/// the `traceparent` the engine gets; it ends with the answer.
+pub(crate) fn engine_span(worker: WorkerWithDpRank, leg: &'static str, id: &str) -> tracing::Span {
+    kvroute_http::span!(
+        "kvroute.engine",
+        otel.kind = "client",
+        otel.status_code = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        kvroute.leg = leg,
+        kvroute.request_id = id,
+        kvroute.worker_id = worker.worker_id.0 as i64,
+        kvroute.dp_rank = i64::from(worker.dp_rank.0),
+        http.response.status_code = tracing::field::Empty,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        gen_ai.usage.cache_read.input_tokens = tracing::field::Empty,
+        kvroute.predicted_cached_tokens = tracing::field::Empty,
+    )
+}
+
 /// A request ready for an engine: its body as the engine gets it, and what routing needs.
 #[derive(Debug)]
 pub(crate) struct Outbound {
@@ -78,10 +98,14 @@ impl Outbound {
         }
         let block_infos = (!prepared.mm.mm_objects.is_empty())
             .then(|| prepared.mm.to_block_level(block_size, prepared.tokens.len()));
-        let local = BlockHasher::new(block_size)
-            .with_namespace(namespace)
-            .with_lora(keys.adapter)
-            .local_hashes(&prepared.tokens, block_infos.as_deref());
+        let hash = kvroute_http::span!("kvroute.hash", kvroute.blocks = tracing::field::Empty);
+        let local = hash.in_scope(|| {
+            BlockHasher::new(block_size)
+                .with_namespace(namespace)
+                .with_lora(keys.adapter)
+                .local_hashes(&prepared.tokens, block_infos.as_deref())
+        });
+        hash.record("kvroute.blocks", local.len() as i64);
         if let (Some(ns), Some(fields)) = (namespace, raw.as_object_mut()) {
             fields.insert("cache_salt".to_owned(), Value::String(ns.to_owned()));
         }
@@ -151,7 +175,7 @@ pub(crate) async fn send(
     timeout: std::time::Duration,
 ) -> Result<Result<Response, HopFailure>, ApiError> {
     let worker = placement.worker.worker_id;
-    Ok(match post(state, out, worker, edit, timeout).await? {
+    Ok(match post(state, out, (worker, &guard.span), edit, timeout).await? {
         Ok((r, from)) => Ok(respond(state, out, placement, guard, r, from)?),
         Err(failure) => Err(failure),
     })
@@ -169,12 +193,13 @@ pub(crate) struct Hop {
 /// A worker's answer as it starts: its head, its body still to come.
 pub(crate) type Head = hyper::Response<hyper::body::Incoming>;
 
-/// Posts `out` to `worker` (its body in the worker's dialect, changed by `edit`): the
-/// answer's head and the tokens dialect it went in, or the failure when no head came.
+/// Posts `out` to `worker` in its engine call's `span` (its body in the worker's dialect,
+/// changed by `edit`): the answer's head and the tokens dialect it went in, or the failure
+/// when no head came.
 pub(crate) async fn post(
     state: &Arc<FrontendState>,
     out: &Outbound,
-    worker: WorkerId,
+    (worker, span): (WorkerId, &tracing::Span),
     edit: Option<Edit<'_>>,
     timeout: std::time::Duration,
 ) -> Result<Result<(Head, Option<Dialect>), HopFailure>, ApiError> {
@@ -190,19 +215,33 @@ pub(crate) async fn post(
         .header(header::CONTENT_TYPE, "application/json")
         .body(Full::new(body))
         .map_err(ApiError::internal)?;
-    traced(request.headers_mut(), out.trace.as_ref());
-    Ok(match tokio::time::timeout(timeout, state.client().send(request)).await {
+    traced(request.headers_mut(), span, out.trace.as_ref());
+    let sent = tokio::time::timeout(timeout, state.client().send(request)).await;
+    Ok(match sent {
         Ok(Ok(r)) => Ok((r, from)),
-        Ok(Err(e)) if e.is_connect() => Err((Failure::Connect, e)),
-        Ok(Err(e)) => Err((Failure::Broken, e)),
-        Err(_) => Err((Failure::Timeout, ClientError::Timeout(timeout))),
+        Ok(Err(e)) if e.is_connect() => Err(failed(span, Failure::Connect, e)),
+        Ok(Err(e)) => Err(failed(span, Failure::Broken, e)),
+        Err(_) => Err(failed(span, Failure::Timeout, ClientError::Timeout(timeout))),
     })
 }
 
-/// An engine call's headers carry the request's trace as the child of a span of its own.
-pub(crate) fn traced(headers: &mut axum::http::HeaderMap, trace: Option<&TraceContext>) {
-    if let Some(trace) = trace {
-        trace.child(kvroute_http::trace::new_span_id()).write(headers);
+/// A hop that failed before its answer, marked so on its span.
+pub(crate) fn failed(span: &tracing::Span, why: Failure, error: ClientError) -> HopFailure {
+    if kvroute_http::otel::on() {
+        kvroute_http::otel::failed(span, why.as_str());
+    }
+    (why, error)
+}
+
+/// An engine call's headers carry the request's trace: the engine call's `span` when kvroute
+/// exports spans, else the caller's context as the child of a span id of its own.
+pub(crate) fn traced(
+    headers: &mut axum::http::HeaderMap,
+    span: &tracing::Span,
+    trace: Option<&TraceContext>,
+) {
+    if let Some(trace) = kvroute_http::otel::outbound(span, trace) {
+        trace.write(headers);
     }
 }
 
@@ -282,6 +321,7 @@ where
     let mut observer = AnswerObserver::new(guard, None, placement, prompt_tokens, out.strip_usage);
     // Any head shows the worker answers: it is the front door's own hop.
     observer.head(parts.status.is_success(), true, sse);
+    observer.guard.status(parts.status.as_u16());
     let translator = match (from, parts.status.is_success()) {
         (Some(from), true) => {
             // An adapter's answer names the adapter, as vLLM's does.

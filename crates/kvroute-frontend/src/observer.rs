@@ -62,6 +62,9 @@ impl AnswerObserver {
     pub(crate) fn first_bytes(&mut self) {
         if !self.guard.prefilled {
             self.guard.prefilled = true;
+            if kvroute_http::otel::on() {
+                self.guard.span.in_scope(|| kvroute_http::span_event!("first byte"));
+            }
             let sse = self.usage.as_ref().is_some_and(|u| u.sse);
             self.guard.state.placer.prefill_done(&self.guard.id, sse);
             self.prefill = None;
@@ -77,6 +80,16 @@ impl AnswerObserver {
         let (bytes, served) = usage.pass(bytes);
         if served.is_some() {
             self.guard.served = served;
+        }
+        if let Some((input, output)) = usage.counts.take()
+            && kvroute_http::otel::on()
+        {
+            self.guard.span.record("gen_ai.usage.input_tokens", input as i64);
+            self.guard.span.record("gen_ai.usage.output_tokens", output as i64);
+            if let Some(request) = &self.guard.request_span {
+                request.record("gen_ai.usage.input_tokens", input as i64);
+                request.record("gen_ai.usage.output_tokens", output as i64);
+            }
         }
         bytes
     }
@@ -100,6 +113,11 @@ pub(crate) struct InFlight {
     /// what the engine reported it served, compared when the request ends.
     pub(crate) predicted: Option<(Placement, u64)>,
     pub(crate) served: Option<u64>,
+    /// Its engine call's span ([`crate::hop::engine_span`]), ended with the answer; disabled
+    /// unless spans are exported.
+    pub(crate) span: tracing::Span,
+    /// The request's own span, kept open until its answer ends (when spans are exported).
+    pub(crate) request_span: Option<tracing::Span>,
 }
 
 impl std::fmt::Debug for InFlight {
@@ -112,7 +130,50 @@ impl InFlight {
     pub(crate) fn new(state: &Arc<FrontendState>, id: String) -> Self {
         state.metrics.in_flight.inc();
         let state = Arc::clone(state);
-        Self { state, id, prefilled: false, checked: true, predicted: None, served: None }
+        let (span, request_span) = match kvroute_http::otel::on() {
+            true => {
+                let request = tracing::Span::current();
+                request.record("kvroute.request_id", id.as_str());
+                (tracing::Span::none(), Some(request))
+            }
+            false => (tracing::Span::none(), None),
+        };
+        Self {
+            state,
+            id,
+            prefilled: false,
+            checked: true,
+            predicted: None,
+            served: None,
+            span,
+            request_span,
+        }
+    }
+
+    /// The engine answered with HTTP `status`.
+    pub(crate) fn status(&self, status: u16) {
+        if kvroute_http::otel::on() {
+            self.span.record("http.response.status_code", i64::from(status));
+            if status >= 500 {
+                kvroute_http::otel::failed(&self.span, "http");
+            }
+        }
+    }
+
+    /// The self-check of the answer, as a span under its engine call's: the cached tokens
+    /// predicted and served.
+    fn checked_span(&self, predicted: u64, served: u64) {
+        if kvroute_http::otel::on() && !self.span.is_disabled() {
+            let _check = tracing::info_span!(
+                target: kvroute_http::otel::TARGET,
+                parent: &self.span,
+                "kvroute.self_check",
+                kvroute.predicted_cached_tokens = predicted as i64,
+                kvroute.served_cached_tokens = served as i64,
+                kvroute.agrees = predicted == served,
+            );
+            self.span.record("gen_ai.usage.cache_read.input_tokens", served as i64);
+        }
     }
 }
 
@@ -121,6 +182,7 @@ impl Drop for InFlight {
         self.state.metrics.in_flight.dec();
         self.state.placer.finish(&self.id);
         if let (Some((placement, prompt_tokens)), Some(served)) = (self.predicted, self.served) {
+            self.checked_span(placement.predicted_cached_tokens, served);
             self.state.placer.answered(Answered {
                 worker_id: placement.worker.worker_id,
                 dp_rank: placement.worker.dp_rank,

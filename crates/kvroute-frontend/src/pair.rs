@@ -65,13 +65,13 @@ pub(crate) async fn dispatch_pair(
     let mut request = out.place.clone();
     loop {
         let id = state.request_id();
-        let placed = state.placer.place_pair(&request, &id, &excluded).await?;
+        let placed =
+            state.placer.place_pair(&request, (&id, out.trace.as_ref()), &excluded).await?;
         request.class = None;
         let Some(pair) = placed else {
             return Err(ApiError::unavailable("no worker is available"));
         };
-        log_placement(&id, out, &pair);
-        let mut guard = InFlight::new(state, id.clone());
+        let mut guard = in_flight(state, &id, out, &pair);
         let decode = pair.decode;
         let Some(prefill) = pair.prefill else {
             state.metrics.pd_in_place.inc();
@@ -129,6 +129,20 @@ pub(crate) async fn dispatch_pair(
     }
 }
 
+/// A pair placed: logged ([`log_placement`]) and in flight, in its decode leg's engine span.
+fn in_flight(
+    state: &Arc<FrontendState>,
+    id: &str,
+    out: &Outbound,
+    pair: &crate::placer::PairPlacement,
+) -> InFlight {
+    log_placement(id, out, pair);
+    let mut guard = InFlight::new(state, id.to_owned());
+    let leg = if pair.prefill.is_some() { "decode" } else { "aggregated" };
+    guard.span = crate::hop::engine_span(pair.decode.worker, leg, id);
+    guard
+}
+
 /// Where a request went and what each engine was predicted to hold, at debug level
 /// (`kvroute::placement`): records to join with a load generator's when a tail needs
 /// explaining.
@@ -180,9 +194,10 @@ async fn decode_leg(
     prefill: Option<oneshot::Receiver<PrefillOutcome>>,
 ) -> Result<Decoded, ApiError> {
     let worker = decode.worker.worker_id;
+    let span = guard.span.clone();
     let head = async {
         let started = Instant::now();
-        let (head, from) = match post(state, out, worker, Some(edit), timeout).await? {
+        let (head, from) = match post(state, out, (worker, &span), Some(edit), timeout).await? {
             Ok(h) => h,
             Err(f) => return Ok(Err(Decoded::Failed(f))),
         };
@@ -318,6 +333,8 @@ impl Leg {
         let Hop { path, body, .. } = self.state.hop(worker, out);
         let prompt_tokens = out.place.num_tokens;
         let trace = out.trace.clone();
+        let span =
+            crate::hop::engine_span(self.placed.worker, "prefill", &prefill_leg_id(&self.id));
         let (tell, outcome) = oneshot::channel();
         tokio::spawn(async move {
             let whole = |v: &mut Value| {
@@ -326,7 +343,8 @@ impl Leg {
             };
             let answer = match edited(&body, &whole) {
                 Ok(body) => {
-                    prefill_answer(&self.state, (worker, trace.as_ref()), path, body, timeout).await
+                    let to = (worker, trace.as_ref(), &span);
+                    prefill_answer(&self.state, to, path, body, timeout).await
                 }
                 Err(e) => Ok(Err(e)),
             };
@@ -394,7 +412,8 @@ async fn vllm_prefill(
         }
     };
     let leg = Leg { state: Arc::clone(state), id: id.to_owned(), placed: *prefill };
-    let leg_to = (worker, out.trace.as_ref());
+    let span = crate::hop::engine_span(prefill.worker, "prefill", &prefill_leg_id(id));
+    let leg_to = (worker, out.trace.as_ref(), &span);
     let answer = match prefill_answer(state, leg_to, path, edited(&body, one_token)?, timeout).await
     {
         Ok(a) => a,
@@ -415,10 +434,11 @@ async fn vllm_prefill(
 }
 
 /// A prefill leg's whole answer as JSON, or its refusal as the client's error (a 4xx as the
-/// worker said it); the failure when no answer came or the worker failed (5xx).
+/// worker said it); the failure when no answer came or the worker failed (5xx). `span`: the
+/// leg's engine call.
 async fn prefill_answer(
     state: &Arc<FrontendState>,
-    (worker, trace): (WorkerId, Option<&TraceContext>),
+    (worker, trace, span): (WorkerId, Option<&TraceContext>, &tracing::Span),
     path: &str,
     body: Bytes,
     timeout: Duration,
@@ -433,15 +453,19 @@ async fn prefill_answer(
         Ok(r) => r,
         Err(e) => return Ok(Err(ApiError::internal(e))),
     };
-    crate::hop::traced(request.headers_mut(), trace);
+    crate::hop::traced(request.headers_mut(), span, trace);
     let started = Instant::now();
+    let failed = |why, e| crate::hop::failed(span, why, e);
     let response = match tokio::time::timeout(timeout, state.client().send(request)).await {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) if e.is_connect() => return Err((Failure::Connect, e)),
-        Ok(Err(e)) => return Err((Failure::Broken, e)),
-        Err(_) => return Err((Failure::Timeout, ClientError::Timeout(timeout))),
+        Ok(Err(e)) if e.is_connect() => return Err(failed(Failure::Connect, e)),
+        Ok(Err(e)) => return Err(failed(Failure::Broken, e)),
+        Err(_) => return Err(failed(Failure::Timeout, ClientError::Timeout(timeout))),
     };
     let status = response.status();
+    if kvroute_http::otel::on() {
+        span.record("http.response.status_code", i64::from(status.as_u16()));
+    }
     let left = timeout.saturating_sub(started.elapsed());
     let whole = Limited::new(response.into_body(), PREFILL_ANSWER_LIMIT).collect();
     let bytes = match tokio::time::timeout(left, whole).await {

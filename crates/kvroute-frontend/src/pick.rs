@@ -57,7 +57,8 @@ pub struct Picked {
     pub model: String,
     /// Its answer is streamed (its response begins with the first token, not the last).
     pub streamed: bool,
-    /// The request's trace context as the engine gets it: the child of the picker's span.
+    /// The request's trace context as the engine gets it: the child of the picker's span
+    /// (its engine call's, when spans are exported).
     pub trace: Option<kvroute_http::trace::TraceContext>,
     /// The request in flight until the answer ends.
     pub held: Held,
@@ -78,6 +79,7 @@ impl Held {
         let sse = content_type.is_some_and(|c| c.starts_with("text/event-stream"));
         let success = (200..300).contains(&status);
         self.observer.head(success, success, sse);
+        self.observer.guard.status(status);
     }
 
     /// A piece of the answer as it passes: the first marks the prefill done; the engine's
@@ -132,6 +134,25 @@ impl FrontendState {
         allowed: Option<&BTreeSet<WorkerId>>,
         key: Option<&KeyId>,
     ) -> Result<Pick, ApiError> {
+        let trace = kvroute_http::trace::TraceContext::from_headers(headers);
+        let operation = match path {
+            "/v1/completions" => "text_completion",
+            "/v1/chat/completions" => "chat",
+            _ => "generate",
+        };
+        let span = kvroute_http::otel::request_span(operation, trace.as_ref());
+        crate::handlers::traced(span, self.pick_in_span(path, headers, body, allowed, key)).await
+    }
+
+    /// [`FrontendState::pick`] in the request's span.
+    async fn pick_in_span(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+        allowed: Option<&BTreeSet<WorkerId>>,
+        key: Option<&KeyId>,
+    ) -> Result<Pick, ApiError> {
         let out = match path {
             "/v1/chat/completions" => {
                 crate::handlers::chat_outbound(self, key, headers, Ok(body)).await?
@@ -179,7 +200,8 @@ impl FrontendState {
         let mut request = out.place.clone();
         loop {
             let id = self.request_id();
-            let placed = self.placer.place(&request, self.block_size, &id, &excluded).await?;
+            let to = (id.as_str(), out.trace.as_ref());
+            let placed = self.placer.place(&request, self.block_size, to, &excluded).await?;
             request.class = None;
             let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
                 return Err(no_worker(allowed));
@@ -204,7 +226,8 @@ impl FrontendState {
         excluded: Vec<WorkerWithDpRank>,
     ) -> Result<Picked, ApiError> {
         let id = self.request_id();
-        let Some(pair) = self.placer.place_pair(&out.place, &id, &excluded).await? else {
+        let to = (id.as_str(), out.trace.as_ref());
+        let Some(pair) = self.placer.place_pair(&out.place, to, &excluded).await? else {
             return Err(ApiError::unavailable("no worker is available"));
         };
         let mut guard = InFlight::new(self, id);
@@ -230,10 +253,13 @@ impl FrontendState {
         out: &Outbound,
         placement: Placement,
         prefill: Option<InFlight>,
-        guard: InFlight,
+        mut guard: InFlight,
         excluded: &[WorkerWithDpRank],
     ) -> Picked {
         let worker = placement.worker.worker_id;
+        let leg = if prefill.is_some() { "decode" } else { "aggregated" };
+        guard.span = crate::hop::engine_span(placement.worker, leg, &guard.id);
+        let trace = kvroute_http::otel::outbound(&guard.span, out.trace.as_ref());
         // The others in rotation, in order after the one placed.
         let others: Vec<WorkerId> = self
             .workers()
@@ -255,7 +281,7 @@ impl FrontendState {
                 .clone()
                 .unwrap_or_else(|| self.preprocessor.model_name().to_owned()),
             streamed: out.streamed,
-            trace: out.trace.as_ref().map(|t| t.child(kvroute_http::trace::new_span_id())),
+            trace,
             held: Held {
                 observer: AnswerObserver::new(
                     guard,

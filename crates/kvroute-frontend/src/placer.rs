@@ -9,6 +9,7 @@ use axum::http::{Method, StatusCode};
 use kvroute_core::schedule::{RouteDecision, reusable_by_tier};
 use kvroute_core::{BlockSize, WorkerWithDpRank};
 use kvroute_http::router_api::{self, Answered, BestWorker, FindBestWorker};
+use kvroute_http::trace::TraceContext;
 use kvroute_http::{ApiError, ClientError, HttpClient};
 use kvroute_router::{Decision, PlaceRequest, Refusal, RouterState};
 
@@ -107,7 +108,7 @@ impl Placer {
         &self,
         request: &PlaceRequest,
         block_size: BlockSize,
-        id: &str,
+        (id, trace): (&str, Option<&TraceContext>),
         exclude: &[WorkerWithDpRank],
     ) -> Result<Option<Placement>, ApiError> {
         let num_tokens = request.num_tokens;
@@ -121,14 +122,21 @@ impl Placer {
                     },
                 ))
             }
-            Self::Remote(remote) => Ok(remote.find(request, id, exclude).await?.map(|best| {
-                // A router that tells only the sum: taken as host memory's.
-                let tiers = match best.tier_blocks.iter().sum::<u32>() {
-                    0 => [best.lower_tier_blocks, 0, 0],
-                    _ => best.tier_blocks,
-                };
-                Placement::new(best.worker(), (best.overlap_blocks, tiers), num_tokens, block_size)
-            })),
+            Self::Remote(remote) => {
+                Ok(remote.find(request, (id, trace), exclude).await?.map(|best| {
+                    // A router that tells only the sum: taken as host memory's.
+                    let tiers = match best.tier_blocks.iter().sum::<u32>() {
+                        0 => [best.lower_tier_blocks, 0, 0],
+                        _ => best.tier_blocks,
+                    };
+                    Placement::new(
+                        best.worker(),
+                        (best.overlap_blocks, tiers),
+                        num_tokens,
+                        block_size,
+                    )
+                }))
+            }
         }
     }
 
@@ -138,7 +146,7 @@ impl Placer {
     pub(crate) async fn place_pair(
         &self,
         request: &PlaceRequest,
-        id: &str,
+        (id, trace): (&str, Option<&TraceContext>),
         exclude: &[WorkerWithDpRank],
     ) -> Result<Option<PairPlacement>, ApiError> {
         let num_tokens = request.num_tokens;
@@ -154,17 +162,23 @@ impl Placer {
                     decode: leg(&pair.decode),
                 }))
             }
-            Self::Remote(remote) => Ok(remote.find(request, id, exclude).await?.map(|best| {
-                let prefill = best.prefill.map(|p| {
-                    Placement::leg(p.worker(), p.overlap_blocks, cached(p.predicted_prefill_tokens))
-                });
-                let decode = Placement::leg(
-                    best.worker(),
-                    best.overlap_blocks,
-                    cached(best.predicted_prefill_tokens),
-                );
-                PairPlacement { prefill, decode }
-            })),
+            Self::Remote(remote) => {
+                Ok(remote.find(request, (id, trace), exclude).await?.map(|best| {
+                    let prefill = best.prefill.map(|p| {
+                        Placement::leg(
+                            p.worker(),
+                            p.overlap_blocks,
+                            cached(p.predicted_prefill_tokens),
+                        )
+                    });
+                    let decode = Placement::leg(
+                        best.worker(),
+                        best.overlap_blocks,
+                        cached(best.predicted_prefill_tokens),
+                    );
+                    PairPlacement { prefill, decode }
+                }))
+            }
         }
     }
 
@@ -224,7 +238,7 @@ impl RemoteRouter {
     async fn find(
         &self,
         ask: &PlaceRequest,
-        id: &str,
+        (id, trace): (&str, Option<&TraceContext>),
         exclude: &[WorkerWithDpRank],
     ) -> Result<Option<BestWorker>, ApiError> {
         let request = FindBestWorker {
@@ -243,7 +257,10 @@ impl RemoteRouter {
             tenant: ask.class.as_ref().map(|c| c.tenant.to_string()).filter(|t| t != "default"),
             ttft_slo_ms: ask.class.as_ref().and_then(|c| c.ttft_slo_ms),
         };
-        match self.client.find_best_worker(&self.base, &request).await {
+        // The router continues the request's trace (kvroute's request span when spans are
+        // exported, else the caller's).
+        let trace = kvroute_http::otel::outbound(&tracing::Span::current(), trace);
+        match self.client.find_best_worker_in(&self.base, &request, trace.as_ref()).await {
             Ok(best) => Ok(Some(best)),
             Err(ClientError::Status {
                 status: status @ (StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS),

@@ -20,6 +20,8 @@ pub(crate) struct Usage {
     depth: Option<u32>,
     in_string: bool,
     escaped: bool,
+    /// The answer's prompt and completion tokens once its usage passed (taken by the reader).
+    pub(crate) counts: Option<(u64, u64)>,
 }
 
 impl Default for Usage {
@@ -32,6 +34,7 @@ impl Default for Usage {
             depth: Some(0),
             in_string: false,
             escaped: false,
+            counts: None,
         }
     }
 }
@@ -60,6 +63,10 @@ struct Peek {
 struct PeekUsage {
     #[serde(default)]
     prompt_tokens_details: Option<PeekDetails>,
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -68,18 +75,28 @@ struct PeekDetails {
     cached_tokens: Option<u64>,
 }
 
-/// An answer's or event's cached tokens, and whether it is a usage-only chunk (its choices
-/// empty); `None` when it is not JSON. Read through [`Peek`], or, when a field is not of
-/// the type the peek expects, through a [`Value`], as before.
-fn peek(json: &[u8]) -> Option<(Option<u64>, bool)> {
+/// An answer's or event's cached tokens, whether it is a usage-only chunk (its choices
+/// empty) and its prompt and completion tokens; `None` when it is not JSON. Read through
+/// [`Peek`], or, when a field is not of the type the peek expects, through a [`Value`], as
+/// before.
+fn peek(json: &[u8]) -> Option<Peeked> {
     if let Ok(p) = serde_json::from_slice::<Peek>(json) {
-        let cached = p.usage.and_then(|u| u.prompt_tokens_details).and_then(|d| d.cached_tokens);
-        return Some((cached, p.choices.is_some_and(|c| c.is_empty())));
+        let usage_only = p.choices.is_some_and(|c| c.is_empty());
+        let Some(usage) = p.usage else { return Some((None, usage_only, None)) };
+        let counts = usage.prompt_tokens.zip(usage.completion_tokens);
+        let cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+        return Some((cached, usage_only, counts));
     }
     let v = serde_json::from_slice::<Value>(json).ok()?;
     let usage_only = v.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty);
-    Some((cached_tokens(&v), usage_only))
+    let count = |name: &str| v.get("usage")?.get(name)?.as_u64();
+    let counts = count("prompt_tokens").zip(count("completion_tokens"));
+    Some((cached_tokens(&v), usage_only, counts))
 }
+
+/// What [`peek`] reads: the cached tokens, whether the chunk is usage only, and the prompt
+/// and completion tokens.
+type Peeked = (Option<u64>, bool, Option<(u64, u64)>);
 
 impl Usage {
     /// A reader of an event stream (`sse`) or a whole JSON answer; `strip`: drop the usage
@@ -124,7 +141,9 @@ impl Usage {
             // Parsed once, when the top-level object closes (a running count of brackets
             // outside strings), not at every chunk.
             let complete = self.depth.is_some_and(|_| bytes.iter().any(|&b| self.scan(b)));
-            let served = complete.then(|| peek(&self.whole)).flatten().and_then(|(c, _)| c);
+            let peeked = complete.then(|| peek(&self.whole)).flatten();
+            let Some((served, _, counts)) = peeked else { return (bytes, None) };
+            self.counts = counts;
             return (bytes, served);
         }
         let mut out = Vec::with_capacity(bytes.len());
@@ -133,9 +152,13 @@ impl Usage {
             match event {
                 kvroute_http::SseEvent::Done => out.extend_from_slice(b"data: [DONE]\n\n"),
                 kvroute_http::SseEvent::Data(data) => {
-                    let (found, usage_only) = peek(data.as_bytes()).unwrap_or((None, false));
+                    let (found, usage_only, counts) =
+                        peek(data.as_bytes()).unwrap_or((None, false, None));
                     if found.is_some() {
                         served = found;
+                    }
+                    if counts.is_some() {
+                        self.counts = counts;
                     }
                     if self.strip && found.is_some() {
                         if usage_only {
@@ -233,7 +256,8 @@ mod tests {
             r#"{}"#,
         ];
         for json in cases {
-            assert_eq!(peek(json.as_bytes()), by_value(json), "{json}");
+            let peeked = peek(json.as_bytes()).map(|(cached, usage_only, _)| (cached, usage_only));
+            assert_eq!(peeked, by_value(json), "{json}");
         }
     }
 }

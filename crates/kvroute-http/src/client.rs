@@ -202,14 +202,37 @@ impl HttpClient {
         base: &str,
         request: &crate::router_api::FindBestWorker,
     ) -> Result<crate::router_api::BestWorker, ClientError> {
+        self.find_best_worker_in(base, request, None).await
+    }
+
+    /// [`HttpClient::find_best_worker`] in a trace: the router continues `trace` (its
+    /// `traceparent` and `tracestate`).
+    pub async fn find_best_worker_in(
+        &self,
+        base: &str,
+        request: &crate::router_api::FindBestWorker,
+        trace: Option<&crate::trace::TraceContext>,
+    ) -> Result<crate::router_api::BestWorker, ClientError> {
         use crate::router_api::{BINARY_HASHES, FIND_BEST_WORKER};
-        match request.to_binary() {
+        let (url, content_type, body) = match request.to_binary() {
             Some((query, body)) => {
-                let url = format!("{base}{FIND_BEST_WORKER}?{query}");
-                self.post_bytes(&url, BINARY_HASHES, Bytes::from(body)).await
+                (format!("{base}{FIND_BEST_WORKER}?{query}"), BINARY_HASHES, Bytes::from(body))
             }
-            None => self.post_json(&format!("{base}{FIND_BEST_WORKER}"), request).await,
+            None => (
+                format!("{base}{FIND_BEST_WORKER}"),
+                "application/json",
+                Bytes::from(serde_json::to_vec(request)?),
+            ),
+        };
+        let mut request = Request::builder()
+            .method(Method::POST)
+            .uri(url)
+            .header(header::CONTENT_TYPE, content_type)
+            .body(Full::new(body))?;
+        if let Some(trace) = trace {
+            trace.write(request.headers_mut());
         }
+        json(self.send(request).await?).await
     }
 
     /// `POST url` with a JSON body, the answer decoded as JSON; a non-2xx answer is an error.

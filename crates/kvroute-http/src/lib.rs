@@ -28,6 +28,7 @@ pub mod fast_json;
 pub mod metrics;
 pub mod models;
 pub mod openai;
+pub mod otel;
 pub mod router_api;
 pub mod server;
 pub mod sglang_generate;

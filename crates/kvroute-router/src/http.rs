@@ -203,7 +203,27 @@ fn check_find(req: &FindBestWorker) -> Result<(), ApiError> {
 
 async fn find_best_worker(
     State(api): ApiState,
+    headers: axum::http::HeaderMap,
     EitherForm(req): EitherForm,
+) -> Result<Json<BestWorker>, ApiError> {
+    // A front door's or client's trace goes on here: the decision's spans hang under it.
+    let trace = kvroute_http::trace::TraceContext::from_headers(&headers);
+    let span = kvroute_http::otel::request_span("find_best_worker", trace.as_ref());
+    if let Some(id) = req.request_id.as_deref() {
+        span.record("kvroute.request_id", id);
+    }
+    let answer = tracing::Instrument::instrument(find_best_worker_in_span(&api, req), span.clone());
+    let answer = answer.await;
+    if let Err(e) = &answer {
+        kvroute_http::otel::failed(&span, e.status().as_str());
+    }
+    answer
+}
+
+/// [`find_best_worker`] in the request's span.
+async fn find_best_worker_in_span(
+    api: &Api,
+    req: FindBestWorker,
 ) -> Result<Json<BestWorker>, ApiError> {
     let state = &api.state;
     check_find(&req)?;

@@ -13,4 +13,5 @@ mod process;
 
 pub(crate) use process::{
     announce, bind, decorated, runtime, scheme, serve_until_signal, shutdown_signal, start_picker,
+    started,
 };

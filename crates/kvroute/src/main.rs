@@ -1,12 +1,14 @@
 //! `kvroute`: parse the command line, run the chosen subcommand. Everything else lives in the
 //! library crates.
 
-use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
-use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 
 mod cmd;
+mod telemetry;
+
+use telemetry::LogFormat;
 
 /// KV-cache-aware router for LLM inference fleets.
 #[derive(Debug, Parser)]
@@ -18,12 +20,6 @@ struct Cli {
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -61,7 +57,12 @@ fn main() -> ExitCode {
         Command::Bench(_) => "warn,kvroute_bench=info",
         _ => "info",
     };
-    init_tracing(cli.log_format, default_filter);
+    telemetry::set_logging(telemetry::Logging { format: cli.log_format, default: default_filter });
+    // The serving commands start their log once their settings are read (with the spans'
+    // exporter, when they ask for one); the others start it now.
+    if !matches!(cli.command, Command::Serve(_) | Command::Frontend(_) | Command::Router(_)) {
+        let _ = telemetry::init(None, "");
+    }
     let result = match &cli.command {
         Command::Hash(args) => cmd::hash::run(args),
         Command::Router(args) => cmd::router::run(args),
@@ -81,19 +82,4 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// Logs to stderr; `KVROUTE_LOG` (or `RUST_LOG`) sets the filter, else `default`. Colour only
-/// when stderr is a terminal, so files and pipes get plain text.
-fn init_tracing(format: LogFormat, default: &str) {
-    let filter = std::env::var("KVROUTE_LOG")
-        .or_else(|_| std::env::var("RUST_LOG"))
-        .unwrap_or_else(|_| default.to_owned());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).try_init(),
-        LogFormat::Json => builder.json().with_ansi(false).try_init(),
-    };
 }

@@ -39,10 +39,31 @@ impl RouterState {
     pub async fn decide(&self, request: &PlaceRequest) -> Outcome {
         match &request.class {
             Some(class) if request.id.is_some() && self.config.scheduler.flow.enabled => {
-                match self.admit_now(class, request) {
+                let admit = kvroute_http::span!(
+                    "kvroute.admit",
+                    kvroute.priority = i64::from(class.priority),
+                    kvroute.tenant = &*class.tenant,
+                    kvroute.outcome = tracing::field::Empty,
+                    kvroute.queue_wait_ms = tracing::field::Empty,
+                );
+                let start = Instant::now();
+                let outcome = match admit.in_scope(|| self.admit_now(class, request)) {
                     Now::Done(outcome) => outcome,
-                    Now::Waiting(ticket) => ticket.wait().await,
+                    Now::Waiting(ticket) => {
+                        tracing::Instrument::instrument(ticket.wait(), admit.clone()).await
+                    }
+                };
+                if !admit.is_disabled() {
+                    let said = match &outcome {
+                        Ok(Some(_)) => "placed",
+                        Ok(None) => "no worker",
+                        Err(r) if r.status == 429 => "refused",
+                        Err(_) => "expired",
+                    };
+                    admit.record("kvroute.outcome", said);
+                    admit.record("kvroute.queue_wait_ms", start.elapsed().as_secs_f64() * 1e3);
                 }
+                outcome
             }
             _ => Ok(self.place_now(request)),
         }
@@ -66,6 +87,15 @@ impl RouterState {
         gate: Option<&Gate>,
     ) -> Result<Option<Decision>, Outlook> {
         let start = Instant::now();
+        let span = kvroute_http::span!(
+            "kvroute.decide",
+            kvroute.request_id = p.id.as_deref(),
+            kvroute.worker = tracing::field::Empty,
+            kvroute.prefill_worker = tracing::field::Empty,
+            kvroute.overlap_blocks = tracing::field::Empty,
+            kvroute.predicted_cached_tokens = tracing::field::Empty,
+        );
+        let _in = span.enter();
         let scores = scores_for(&self.index, &self.checks, self.config.block_size.tokens(), p);
         // Only a tracked request keeps its chained hashes (for the in-flight accounting).
         let sequence: Vec<SequenceHash> = match p.id {
@@ -96,6 +126,14 @@ impl RouterState {
             self.placed(id.as_deref(), prefill, p, start);
         }
         self.placed(p.id.as_deref(), &decision.decode, p, start);
+        if !span.is_disabled() {
+            explain_span(
+                &span,
+                self.placing.decision_of(p.id.as_deref().unwrap_or("")),
+                p,
+                &decision,
+            );
+        }
         Ok(Some(decision))
     }
 
@@ -211,7 +249,7 @@ impl RouterState {
         let (bytes, cost) = (request.bytes(), request.num_tokens as f64);
         let deadline = config.deadline(class, now);
         let request_id = request.id.clone().unwrap_or_default();
-        let waiter = Waiter { request: request.clone(), tx };
+        let waiter = Waiter { request: request.clone(), tx, span: tracing::Span::current() };
         let pushed = queues.push(id, class.clone(), cost, bytes, now, deadline, waiter);
         drop(queues);
         if let Err((full, _)) = pushed {
@@ -264,7 +302,8 @@ impl RouterState {
             let over = queues.over_share(&head.class.tenant, now);
             let gate = Gate::for_class(&config, &head.class, now - head.enqueued)
                 .over_share(&config, over);
-            match self.place_gated(&head.item.request, Some(&gate)) {
+            let placing = || self.place_gated(&head.item.request, Some(&gate));
+            match head.item.span.in_scope(placing) {
                 Ok(placed) => {
                     let Some(q) = queues.serve(id) else { break };
                     queues.sent(&q.class.tenant, q.item.request.num_tokens as f64, now);
@@ -298,6 +337,28 @@ impl RouterState {
             nats.send(&self.metrics, SyncMessage::Queues { bands: bands.clone() });
             *last = Reported { bands, at: Instant::now() };
         }
+    }
+}
+
+/// A decision on its span: where it went, the cached tokens predicted there, and (a tracked
+/// request's `record`, as the scheduler keeps it) its candidates with their cost terms.
+fn explain_span(
+    span: &tracing::Span,
+    record: Option<kvroute_core::schedule::DecisionRecord>,
+    p: &PlaceRequest,
+    decision: &PairDecision,
+) {
+    let d = &decision.decode;
+    span.record("kvroute.worker", tracing::field::display(d.worker));
+    if let Some(prefill) = &decision.prefill {
+        span.record("kvroute.prefill_worker", tracing::field::display(prefill.worker));
+    }
+    span.record("kvroute.overlap_blocks", i64::from(d.overlap_blocks));
+    let first = decision.prefill.as_ref().unwrap_or(d);
+    let cached = p.num_tokens.saturating_sub(first.predicted_prefill_tokens);
+    span.record("kvroute.predicted_cached_tokens", cached as i64);
+    if let Some(record) = record.filter(|_| p.id.is_some()) {
+        kvroute_http::otel::decision_attributes(span, &record);
     }
 }
 

@@ -43,6 +43,8 @@ type PeerQueues = HashMap<String, (Instant, Vec<(i32, u32)>)>;
 pub(super) struct Waiter {
     pub(super) request: PlaceRequest,
     pub(super) tx: oneshot::Sender<Outcome>,
+    /// Its admission's span: its decision, made when it is let go, is placed under it.
+    pub(super) span: tracing::Span,
 }
 
 /// The queues, and what the replicas last said of theirs.

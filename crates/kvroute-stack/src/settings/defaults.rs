@@ -33,3 +33,7 @@ pub fn kv_peer_token() -> Result<Option<String>, Invalid> {
     let ok = (16..=256).contains(&token.len()) && token.bytes().all(|b| b.is_ascii_graphic());
     ok.then_some(Some(token)).ok_or(Invalid::PeerToken)
 }
+/// Share of new traces sampled when spans are exported (`--trace-ratio`).
+pub const DEFAULT_TRACE_RATIO: f64 = 0.1;
+/// Share of decisions the decision log keeps (`--decision-log-ratio`).
+pub const DEFAULT_DECISION_LOG_RATIO: f64 = 0.01;

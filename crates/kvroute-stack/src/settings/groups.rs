@@ -500,6 +500,29 @@ impl Membership {
     }
 }
 
+/// kvroute's own spans and its decision log (docs/tracing.md).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
+#[command(next_help_heading = "Tracing")]
+pub struct Tracing {
+    /// Export kvroute's spans (the request, preprocess, hash, admit, decide, the engine call,
+    /// the self-check) over OTLP/gRPC to this collector, e.g. http://127.0.0.1:4317. Off
+    /// unless set: then no span is made at all.
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
+    /// Share of new traces sampled, 0 to 1. Parent-based: a request whose caller's
+    /// traceparent is sampled is traced, one whose caller's is not is not; the ratio decides
+    /// for the others.
+    #[arg(long)]
+    pub trace_ratio: Option<f64>,
+    /// Append a sampled log of routing decisions to this file, JSON lines: the request id,
+    /// its blocks, the candidates with their cost terms, the choice. Off unless set.
+    #[arg(long)]
+    pub decision_log: Option<PathBuf>,
+    /// Share of decisions the decision log keeps, 0 to 1.
+    #[arg(long)]
+    pub decision_log_ratio: Option<f64>,
+}
+
 /// The model and its images (front door and simulated workers).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
 #[command(next_help_heading = "Model")]

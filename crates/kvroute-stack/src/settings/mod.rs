@@ -22,7 +22,7 @@ pub use convert::is_loopback;
 pub use defaults::*;
 pub use groups::{
     Blocks, Engine, FrontDoor, Gateway, Listen, Membership, Model, Nats, RemoteRouter, Routing,
-    Security, SimulatedFleet,
+    Security, SimulatedFleet, Tracing,
 };
 pub use invalid::{Invalid, SettingsError};
 pub use sources::{Settings, decorate, keys_of};

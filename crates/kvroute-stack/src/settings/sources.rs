@@ -12,10 +12,12 @@ use kvroute_http::ServeOptions;
 use kvroute_preprocess::fetch::FetchConfig;
 use kvroute_router::WorkerSpec;
 
-use super::defaults::{DEFAULT_HOST, DEFAULT_SIMULATED_WORKERS};
+use super::defaults::{
+    DEFAULT_DECISION_LOG_RATIO, DEFAULT_HOST, DEFAULT_SIMULATED_WORKERS, DEFAULT_TRACE_RATIO,
+};
 use super::groups::{
     Blocks, Engine, FrontDoor, Gateway, Listen, Membership, Model, Nats, RemoteRouter, Routing,
-    Security, SimulatedFleet,
+    Security, SimulatedFleet, Tracing,
 };
 use super::invalid::SettingsError;
 use crate::Simulated;
@@ -60,6 +62,9 @@ pub struct Settings {
     #[serde(flatten)]
     #[command(flatten)]
     pub membership: Membership,
+    #[serde(flatten)]
+    #[command(flatten)]
+    pub tracing: Tracing,
 }
 
 pub fn keys_of<A: Args>() -> Vec<String> {
@@ -251,6 +256,11 @@ impl Settings {
             },
             engine: Engine::defaults(),
             membership: Membership::defaults(),
+            tracing: Tracing {
+                trace_ratio: Some(DEFAULT_TRACE_RATIO),
+                decision_log_ratio: Some(DEFAULT_DECISION_LOG_RATIO),
+                ..Tracing::default()
+            },
             gateway: Gateway {
                 epp_fallbacks: Some(kvroute_epp::EppOptions::default().fallbacks),
                 ext_proc_self_signed: Some(false),

@@ -6,7 +6,7 @@ use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{
     Blocks, DEFAULT_FRONT_DOOR_PORT, FrontDoor, Gateway, Listen, Membership, Model, Nats,
-    RemoteRouter, Routing, Security, Settings, keys_of,
+    RemoteRouter, Routing, Security, Settings, Tracing, keys_of,
 };
 
 use super::args::ConfigArgs;
@@ -34,6 +34,8 @@ pub(crate) struct FrontendArgs {
     #[command(flatten)]
     membership: Membership,
     #[command(flatten)]
+    tracing: Tracing,
+    #[command(flatten)]
     config: ConfigArgs,
 }
 
@@ -49,6 +51,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
         model: args.model.clone(),
         gateway: args.gateway.clone(),
         membership: args.membership.clone(),
+        tracing: args.tracing.clone(),
         ..Settings::default()
     };
     let keys = keys_of::<FrontendArgs>();
@@ -59,6 +62,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     })? {
         return Ok(ExitCode::SUCCESS);
     }
+    let (runtime, telemetry) = super::started(&settings.tracing, "frontend")?;
     let m = &settings.membership;
     anyhow::ensure!(
         !settings.routing.workers.is_empty()
@@ -74,7 +78,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
     let options = settings.serve_options()?;
     let scheme = super::scheme(&options);
     let timeout = settings.ready_timeout()?;
-    super::runtime()?.block_on(async move {
+    runtime.block_on(async move {
         let listener = super::bind(&settings.address(DEFAULT_FRONT_DOOR_PORT)).await?;
         let stack = Stack::start(config).await?;
         let picker_ready = super::start_picker(&stack, &settings).await?;
@@ -90,6 +94,7 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
         )]);
         let app = stack.frontend_app().ok_or_else(|| anyhow::anyhow!("no front door"))?;
         super::serve_until_signal(listener, app, options).await?;
+        telemetry.flush().await;
         Ok(ExitCode::SUCCESS)
     })
 }

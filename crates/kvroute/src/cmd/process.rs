@@ -40,6 +40,20 @@ pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting a runtime")
 }
 
+/// The runtime, with the process's log and its spans' exporter (`role` names the process in
+/// its spans) started in it.
+pub(crate) fn started(
+    tracing: &kvroute_stack::settings::Tracing,
+    role: &'static str,
+) -> anyhow::Result<(tokio::runtime::Runtime, crate::telemetry::Telemetry)> {
+    let runtime = runtime()?;
+    let telemetry = {
+        let _inside = runtime.enter();
+        crate::telemetry::init(Some(tracing), role)?
+    };
+    Ok((runtime, telemetry))
+}
+
 pub(crate) async fn bind(address: &str) -> anyhow::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(address).await.with_context(|| format!("binding {address}"))
 }

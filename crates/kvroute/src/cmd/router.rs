@@ -5,7 +5,8 @@ use std::process::ExitCode;
 use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{
-    Blocks, DEFAULT_ROUTER_PORT, Listen, Membership, Nats, Routing, Security, Settings, keys_of,
+    Blocks, DEFAULT_ROUTER_PORT, Listen, Membership, Nats, Routing, Security, Settings, Tracing,
+    keys_of,
 };
 
 use super::args::ConfigArgs;
@@ -25,6 +26,8 @@ pub(crate) struct RouterArgs {
     #[command(flatten)]
     membership: Membership,
     #[command(flatten)]
+    tracing: Tracing,
+    #[command(flatten)]
     config: ConfigArgs,
 }
 
@@ -36,6 +39,7 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
         routing: args.routing.clone(),
         nats: args.nats.clone(),
         membership: args.membership.clone(),
+        tracing: args.tracing.clone(),
         ..Settings::default()
     };
     let keys = keys_of::<RouterArgs>();
@@ -47,6 +51,7 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
     })? {
         return Ok(ExitCode::SUCCESS);
     }
+    let (runtime, telemetry) = super::started(&settings.tracing, "router")?;
     settings.take_engines_block_size()?;
     let mut config = settings.stack_config(0, false)?;
     config.discovery.reload = reload;
@@ -55,7 +60,7 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
     let scheme = super::scheme(&options);
     let policy = config.router.scheduler.policy;
     let timeout = settings.ready_timeout()?;
-    super::runtime()?.block_on(async move {
+    runtime.block_on(async move {
         let listener = super::bind(&settings.address(DEFAULT_ROUTER_PORT)).await?;
         let stack = Stack::start(config).await?;
         stack.ready(timeout).await;
@@ -70,6 +75,7 @@ pub(crate) fn run(args: &RouterArgs) -> anyhow::Result<ExitCode> {
         ]);
         let app = stack.router_app().ok_or_else(|| anyhow::anyhow!("no router"))?;
         super::serve_until_signal(listener, app, options).await?;
+        telemetry.flush().await;
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -6,7 +6,7 @@ use clap::Args;
 use kvroute_stack::Stack;
 use kvroute_stack::settings::{
     Blocks, DEFAULT_FRONT_DOOR_PORT, Engine, FrontDoor, Gateway, Listen, Membership, Model, Nats,
-    Routing, Security, Settings, SimulatedFleet, keys_of,
+    Routing, Security, Settings, SimulatedFleet, Tracing, keys_of,
 };
 
 use super::args::ConfigArgs;
@@ -36,6 +36,8 @@ pub(crate) struct ServeArgs {
     #[command(flatten)]
     membership: Membership,
     #[command(flatten)]
+    tracing: Tracing,
+    #[command(flatten)]
     config: ConfigArgs,
 }
 
@@ -61,6 +63,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         nats: args.nats.clone(),
         gateway: args.gateway.clone(),
         membership: args.membership.clone(),
+        tracing: args.tracing.clone(),
         ..Settings::default()
     };
     let keys = keys_of::<ServeArgs>();
@@ -69,6 +72,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     if args.config.printed(&settings, DEFAULT_FRONT_DOOR_PORT, &keys, check)? {
         return Ok(ExitCode::SUCCESS);
     }
+    let (runtime, telemetry) = super::started(&settings.tracing, "serve")?;
     let simulated = settings.simulated_workers();
     let pd = settings.simulated.prefill_workers.unwrap_or(0)
         + settings.simulated.decode_workers.unwrap_or(0);
@@ -84,7 +88,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let scheme = super::scheme(&options);
     let policy = config.router.scheduler.policy;
     let timeout = settings.ready_timeout()?;
-    super::runtime()?.block_on(async move {
+    runtime.block_on(async move {
         let listener = super::bind(&settings.address(DEFAULT_FRONT_DOOR_PORT)).await?;
         let stack = Stack::start(config).await?;
         let picker_ready = super::start_picker(&stack, &settings).await?;
@@ -106,6 +110,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         ]);
         let app = stack.frontend_app().ok_or_else(|| anyhow::anyhow!("no front door"))?;
         super::serve_until_signal(listener, app, options).await?;
+        telemetry.flush().await;
         Ok(ExitCode::SUCCESS)
     })
 }
