@@ -440,6 +440,7 @@ impl Exchange {
             true => self.picker.front.first_byte_timeout(),
             false => self.picker.options.response_timeout,
         };
+        let held_id = picked.held.id().to_owned();
         self.hold.hold(picked.held, within, &self.picker, &self.model);
         self.deadline = Some(Instant::now() + within);
         self.phase = Phase::Picked;
@@ -452,7 +453,17 @@ impl Exchange {
             // A tracestate past its bounds is not passed on.
             mutation.remove_headers.push(kvroute_http::trace::TRACESTATE.to_owned());
         }
-        let dynamic = Some(metadata::destination(&destination));
+        let dynamic = Some(match self.picker.options.endpoint_scores {
+            true => {
+                let scores = self.picker.front.endpoint_scores(&held_id);
+                let scored: Vec<(&str, f64)> = scores
+                    .iter()
+                    .filter_map(|(w, score)| Some((endpoints.endpoint(*w)?, *score)))
+                    .collect();
+                metadata::destination_scored(&destination, &scored)
+            }
+            false => metadata::destination(&destination),
+        });
         Ok(match self.request_mode {
             BodySendMode::FullDuplexStreamed => {
                 let mut out = vec![ProcessingResponse {

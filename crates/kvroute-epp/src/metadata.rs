@@ -91,6 +91,28 @@ pub fn destination(value: &str) -> Struct {
     nested(DESTINATION_NAMESPACE, DESTINATION_KEY, string(value))
 }
 
+/// The key in [`DESTINATION_NAMESPACE`] of the candidates' scores (llm-d's picker's).
+pub const SCORES_KEY: &str = "x-gateway-destination-endpoint-scores";
+
+/// The dynamic metadata naming the destination and, beside it, each scored endpoint's score.
+pub fn destination_scored(value: &str, scores: &[(&str, f64)]) -> Struct {
+    let mut out = destination(value);
+    let scored = Struct {
+        fields: scores
+            .iter()
+            .map(|(endpoint, score)| {
+                ((*endpoint).to_owned(), Value { kind: Some(Kind::NumberValue(*score)) })
+            })
+            .collect(),
+    };
+    if let Some(Value { kind: Some(Kind::StructValue(lb)) }) =
+        out.fields.get_mut(DESTINATION_NAMESPACE)
+    {
+        lb.fields.insert(SCORES_KEY.to_owned(), Value { kind: Some(Kind::StructValue(scored)) });
+    }
+    out
+}
+
 /// Reads `namespace.key` out of dynamic metadata as the gateway does.
 pub fn dynamic_string<'a>(metadata: &'a Struct, namespace: &str, key: &str) -> Option<&'a str> {
     match &metadata.fields.get(namespace)?.kind {

@@ -37,6 +37,10 @@ pub struct EppOptions {
     /// held whole before the picker sees it, so this bounds what one stream holds unseen;
     /// buffered bodies past it need `FULL_DUPLEX_STREAMED`, which the protocol asks for.
     pub max_message_bytes: usize,
+    /// Also return the candidates' scores as llm-d's picker does with
+    /// `--emit-endpoint-scores`: under `x-gateway-destination-endpoint-scores` in the
+    /// `envoy.lb` dynamic metadata, a struct of endpoint (`ip:port`) to score, higher better.
+    pub endpoint_scores: bool,
 }
 
 impl Default for EppOptions {
@@ -44,6 +48,7 @@ impl Default for EppOptions {
         let listener = kvroute_http::server::ServeOptions::default();
         Self {
             fallbacks: 2,
+            endpoint_scores: false,
             max_body_bytes: kvroute_frontend::BODY_LIMIT,
             body_timeout: listener.body_timeout,
             response_timeout: kvroute_frontend::RESPONSE_TIMEOUT,

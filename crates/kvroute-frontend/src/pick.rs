@@ -117,6 +117,58 @@ impl Held {
     pub fn predicted_cached_tokens(&self) -> u64 {
         self.observer.placement.predicted_cached_tokens
     }
+
+    /// The request's id at the router.
+    pub fn id(&self) -> &str {
+        &self.observer.guard.id
+    }
+}
+
+impl FrontendState {
+    /// The scores of request `id`'s candidates, by worker, as llm-d's picker returns them
+    /// (`x-gateway-destination-endpoint-scores`: higher is better), from the embedded router's
+    /// record of the decision (the chosen candidate and the cheapest others; none when the
+    /// router is remote or no longer holds it). See [`endpoint_scores`].
+    pub fn endpoint_scores(&self, id: &str) -> Vec<(WorkerId, f64)> {
+        let crate::placer::Placer::Embedded(router) = &self.placer else { return Vec::new() };
+        router.placing.decision_of(id).map(|r| endpoint_scores(&r)).unwrap_or_default()
+    }
+}
+
+/// A decision's candidates scored from 0 to 1, higher better, one per worker (its best rank):
+/// the cheapest cost over the candidate's (1 for the cheapest; a cost at or below zero is
+/// scored `1 / (1 + its excess over the cheapest)`), or, for a policy without costs, the
+/// prompt blocks it holds over the most any holds.
+pub fn endpoint_scores(record: &kvroute_core::schedule::DecisionRecord) -> Vec<(WorkerId, f64)> {
+    let costs: Option<Vec<f64>> = record.candidates.iter().map(|c| c.cost).collect();
+    let scores: Vec<f64> = match costs {
+        Some(costs) if !costs.is_empty() => {
+            let least = costs.iter().copied().fold(f64::INFINITY, f64::min);
+            costs
+                .iter()
+                .map(|&c| match least > 0.0 {
+                    true => least / c,
+                    false => 1.0 / (1.0 + (c - least)),
+                })
+                .collect()
+        }
+        _ => {
+            let most = record.candidates.iter().map(|c| c.overlap_blocks).max().unwrap_or(0);
+            let held = |c: &kvroute_core::schedule::ScoredCandidate| match most {
+                0 => 1.0,
+                m => f64::from(c.overlap_blocks) / f64::from(m),
+            };
+            record.candidates.iter().map(held).collect()
+        }
+    };
+    let mut by_worker: Vec<(WorkerId, f64)> = Vec::new();
+    for (c, score) in record.candidates.iter().zip(scores) {
+        match by_worker.iter_mut().find(|(w, _)| *w == c.worker.worker_id) {
+            Some((_, best)) => *best = best.max(score),
+            None => by_worker.push((c.worker.worker_id, score)),
+        }
+    }
+    by_worker
 }
 
 impl FrontendState {
@@ -339,5 +391,46 @@ fn no_worker(allowed: Option<&BTreeSet<WorkerId>>) -> ApiError {
     match allowed {
         Some(_) => ApiError::unavailable("no endpoint of the subset can take the request"),
         None => ApiError::unavailable("no worker is available"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_core::schedule::{DecisionRecord, ScoredCandidate};
+    use kvroute_core::{WorkerId, WorkerWithDpRank};
+
+    use super::endpoint_scores;
+
+    fn record(candidates: &[(u64, u32, u32, Option<f64>)]) -> DecisionRecord {
+        let scored = |&(w, r, blocks, cost): &(u64, u32, u32, Option<f64>)| ScoredCandidate {
+            worker: WorkerWithDpRank::new(w, r),
+            overlap_blocks: blocks,
+            inflight_prefix_blocks: 0,
+            running: 0,
+            cost,
+            terms: None,
+        };
+        DecisionRecord {
+            request: "r".to_owned(),
+            at_ms: 0,
+            isl_tokens: 64,
+            considered: candidates.len(),
+            candidates: candidates.iter().map(scored).collect(),
+            cost_unit: None,
+        }
+    }
+
+    /// Scores are the cheapest cost over each one's, one per worker (its best rank); without
+    /// costs, the blocks held over the most held; costs at or below zero stay within 0 to 1.
+    #[test]
+    fn scores_are_the_cheapest_cost_over_each_and_one_per_worker() {
+        let w = WorkerId;
+        let priced = record(&[(1, 0, 4, Some(0.02)), (2, 0, 0, Some(0.04)), (2, 1, 0, Some(0.08))]);
+        assert_eq!(endpoint_scores(&priced), vec![(w(1), 1.0), (w(2), 0.5)]);
+        let blind = record(&[(3, 0, 2, None), (1, 0, 8, None)]);
+        assert_eq!(endpoint_scores(&blind), vec![(w(3), 0.25), (w(1), 1.0)]);
+        let signed = record(&[(1, 0, 0, Some(-2.0)), (2, 0, 0, Some(-1.0))]);
+        assert_eq!(endpoint_scores(&signed), vec![(w(1), 1.0), (w(2), 0.5)]);
+        assert!(endpoint_scores(&record(&[])).is_empty());
     }
 }

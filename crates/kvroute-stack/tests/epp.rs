@@ -762,6 +762,67 @@ async fn in_a_prefill_decode_pool_the_decode_endpoint_is_picked_and_the_prefill_
     assert_eq!(named.map(|h| String::from_utf8_lossy(&h.raw_value).into_owned()), Some(prefill));
 }
 
+/// The scores a pick returns with `endpoint_scores` (llm-d's `--emit-endpoint-scores`): every
+/// worker in a struct of `ip:port` to score beside the destination in `envoy.lb`, the one
+/// picked (the cheapest) scored 1 and the other below it, its cached prefix gone elsewhere;
+/// without the option, no scores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_candidates_scores_ride_beside_the_destination_when_asked() {
+    let scores_of = |answer: &ProcessingResponse| -> Option<Vec<(String, f64)>> {
+        let dynamic = answer.dynamic_metadata.as_ref()?;
+        let Some(envoy_types::pb::google::protobuf::value::Kind::StructValue(lb)) =
+            &dynamic.fields.get("envoy.lb")?.kind
+        else {
+            return None;
+        };
+        let scores = match &lb.fields.get(metadata::SCORES_KEY)?.kind {
+            Some(envoy_types::pb::google::protobuf::value::Kind::StructValue(s)) => s,
+            other => panic!("{other:?}"),
+        };
+        let number = |v: &envoy_types::pb::google::protobuf::Value| match v.kind {
+            Some(envoy_types::pb::google::protobuf::value::Kind::NumberValue(n)) => n,
+            _ => panic!("{v:?}"),
+        };
+        let mut out: Vec<(String, f64)> =
+            scores.fields.iter().map(|(k, v)| (k.clone(), number(v))).collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Some(out)
+    };
+    for asked in [true, false] {
+        let options = EppOptions { endpoint_scores: asked, ..EppOptions::default() };
+        let pool = pool_with(2, RouterConfig::default(), options, true).await;
+        let mut r = raw(&pool.grpc).await;
+        let text = prompt("scores");
+        // The first is held in flight on its worker (its answer never comes), so the two
+        // workers differ for the second.
+        picked(&mut r, &text).await;
+        let mut r = raw(&pool.grpc).await;
+        r.tx.send(request_headers("/v1/chat/completions")).await.unwrap();
+        let body = serde_json::to_vec(&chat(&text, true)).unwrap();
+        r.tx.send(request_body(&body, true)).await.unwrap();
+        let answer = r.rx.message().await.unwrap().unwrap();
+        let scores = scores_of(&answer);
+        if !asked {
+            assert_eq!(scores, None, "no scores unless asked");
+            continue;
+        }
+        let scores = scores.expect("scores beside the destination");
+        let mut endpoints = pool.endpoints.clone();
+        endpoints.sort();
+        assert_eq!(scores.iter().map(|s| s.0.clone()).collect::<Vec<_>>(), endpoints);
+        let dynamic = answer.dynamic_metadata.as_ref().unwrap();
+        let destination =
+            metadata::dynamic_string(dynamic, "envoy.lb", metadata::DESTINATION_KEY).unwrap();
+        let chosen = destination.split(',').next().unwrap();
+        for (endpoint, score) in &scores {
+            match endpoint == chosen {
+                true => assert!((score - 1.0).abs() < 1e-9, "the cheapest: {scores:?}"),
+                false => assert!(*score <= 1.0 && *score > 0.0, "{scores:?}"),
+            }
+        }
+    }
+}
+
 // ---- #64: the picker's port as hard as the front door ----
 
 /// Status and body of a POST of raw bytes through the gateway.

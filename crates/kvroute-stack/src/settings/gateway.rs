@@ -14,6 +14,7 @@ impl Settings {
         let in_flight = self.listen.max_body_bytes_in_flight.unwrap_or(d.max_body_bytes_in_flight);
         Some(kvroute_epp::EppOptions {
             fallbacks: self.gateway.epp_fallbacks.unwrap_or(d.fallbacks),
+            endpoint_scores: self.gateway.epp_endpoint_scores.unwrap_or(d.endpoint_scores),
             max_body_bytes_in_flight: in_flight,
             max_body_bytes_per_client: self
                 .listen

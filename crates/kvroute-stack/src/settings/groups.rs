@@ -175,6 +175,12 @@ pub struct Gateway {
     /// gateway tries in order when it cannot reach the first.
     #[arg(long, requires = "ext_proc_port")]
     pub epp_fallbacks: Option<usize>,
+    /// Return the candidates' scores with each pick, as llm-d's picker does with
+    /// --emit-endpoint-scores: x-gateway-destination-endpoint-scores in the envoy.lb dynamic
+    /// metadata, endpoint (ip:port) to score from 0 to 1, higher better (the cheapest cost
+    /// over each one's), for the chosen and the cheapest others.
+    #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch(), requires = "ext_proc_port")]
+    pub epp_endpoint_scores: Option<bool>,
     /// File of the pool's endpoints as the gateway names them (host:port, one per line, '#'
     /// comments), reread when it changes (a ConfigMap, or a controller watching the pool's
     /// pods): the picker picks only among the workers it lists. A worker must also be in the

@@ -263,6 +263,7 @@ impl Settings {
             },
             gateway: Gateway {
                 epp_fallbacks: Some(kvroute_epp::EppOptions::default().fallbacks),
+                epp_endpoint_scores: Some(false),
                 ext_proc_self_signed: Some(false),
                 ..Gateway::default()
             },
