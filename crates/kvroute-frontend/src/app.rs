@@ -33,6 +33,7 @@ pub fn app(state: Arc<FrontendState>) -> Router {
                 .route("/workers", get(handlers::workers).post(handlers::add_worker))
                 .route("/workers/{id}/drain", post(handlers::drain_worker))
                 .route("/workers/{id}", axum::routing::delete(handlers::remove_worker))
+                .route("/decisions/{id}", get(handlers::decision))
                 .route("/ui/history", get(handlers::history)),
             state.admin.clone(),
             &state.api_keys,

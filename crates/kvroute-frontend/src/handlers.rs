@@ -352,6 +352,21 @@ pub(crate) async fn remove_worker(
 }
 
 /// Liveness; with an embedded router, its state (NATS away is degraded, not down).
+/// Request `id`'s decision (the embedded router's decision log or recent decisions; a remote
+/// router answers on its own `/decisions/{id}`); 404 when none is kept.
+pub(crate) async fn decision(
+    State(state): State<Arc<FrontendState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let crate::placer::Placer::Embedded(router) = &state.placer else {
+        let message = "the decisions are the remote router's: ask its /decisions/{id}";
+        return Err(ApiError::not_found(message));
+    };
+    kvroute_router::state::decision_of(router.decision_log.as_ref(), &router.placing, &id)
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("no decision of request {id} is kept")))
+}
+
 pub(crate) async fn health(State(state): State<Arc<FrontendState>>) -> Json<Value> {
     Json(state.placer.health())
 }

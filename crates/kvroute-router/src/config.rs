@@ -308,6 +308,15 @@ pub use kvroute_wire::transport::DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_ZMQ_MAX_ME
 /// Default of [`RouterConfig::max_learned_workers`].
 pub const DEFAULT_MAX_LEARNED_WORKERS: usize = 1024;
 
+/// Where routing decisions are logged and which share (`state::DecisionLog`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DecisionLogConfig {
+    pub path: std::path::PathBuf,
+    /// Share of decisions logged, 0 to 1 (by the request id's hash, so a request is logged or
+    /// not whichever replica decides it).
+    pub ratio: f64,
+}
+
 /// Everything the router service needs, with kvroute's defaults.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RouterConfig {
@@ -335,6 +344,8 @@ pub struct RouterConfig {
     /// send; larger ones are refused before anything is allocated and the peer dropped
     /// (see [`kvroute_wire::transport`]).
     pub zmq_max_message_bytes: usize,
+    /// The sampled decision log; none by default.
+    pub decision_log: Option<DecisionLogConfig>,
 }
 
 impl Default for RouterConfig {
@@ -351,6 +362,7 @@ impl Default for RouterConfig {
             scheduler: SchedulerConfig::default(),
             nats: None,
             zmq_max_message_bytes: DEFAULT_ZMQ_MAX_MESSAGE_BYTES,
+            decision_log: None,
         }
     }
 }

@@ -85,6 +85,7 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         .route(router_api::WORKERS, get(workers).post(add_worker))
         .route("/workers/{id}/drain", post(drain_worker))
         .route("/workers/{id}", delete(remove_worker))
+        .route("/decisions/{id}", get(decision))
         .route("/ui/history", get(history));
     let routes = kvroute_http::auth::require(routes, admin)
         .route("/health", get(health))
@@ -411,6 +412,18 @@ async fn workers(State(api): ApiState) -> Json<serde_json::Value> {
     Json(json!({"workers": state.workers(), "in_flight": state.placing.in_flight(),
         "recent_decisions": state.placing.recent_decisions(),
         "ttft_predictions": state.placing.prediction_stats(), "nats": state.nats.get().map(|n| n.summary())}))
+}
+
+/// Request `id`'s decision: its line of the decision log, or its record among the recent
+/// decisions; 404 when neither holds it.
+async fn decision(
+    State(api): ApiState,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let state = &api.state;
+    crate::state::decision_of(state.decision_log.as_ref(), &state.placing, &id)
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("no decision of request {id} is kept")))
 }
 
 async fn metrics(State(api): ApiState) -> Response {

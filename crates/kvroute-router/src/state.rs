@@ -39,6 +39,7 @@
 
 mod composite;
 mod decide;
+mod decision_log;
 mod fleet;
 mod flow;
 mod ingest;
@@ -52,6 +53,7 @@ mod status;
 mod workers;
 
 pub use composite::RouterState;
+pub use decision_log::{DecisionLog, decision_of};
 pub use fleet::{Fleet, Link, RankRefused};
 pub(crate) use flow::Reported;
 pub use flow::{Flow, Refusal};

@@ -264,3 +264,85 @@ async fn a_decision_is_explained_on_request() {
         );
     }
 }
+
+/// The decision log: with a ratio of 1 every decision is a JSON line of the file (its blocks,
+/// its candidates with their cost terms, the choice), and the front door's `/decisions/{id}`
+/// shows it; with a ratio of 0 nothing is written, and `/decisions/{id}` still shows a recent
+/// decision's record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_decisions_are_logged_as_json_lines_and_found_by_request_id() {
+    let dir = std::env::temp_dir().join(format!("kvroute-decision-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for ratio in [1.0, 0.0] {
+        let path = dir.join(format!("decisions-{ratio}.jsonl"));
+        let _ = std::fs::remove_file(&path);
+        let config = StackConfig {
+            simulated: Simulated {
+                count: 2,
+                engine: EngineConfig {
+                    timing: Timing { speedup: 50.0 },
+                    ..EngineConfig::default()
+                },
+                ..Simulated::default()
+            },
+            router: RouterConfig {
+                decision_log: Some(kvroute_router::config::DecisionLogConfig {
+                    path: path.clone(),
+                    ratio,
+                }),
+                ..RouterConfig::default()
+            },
+            front_door: FrontDoorOptions { parity_probe: false, ..FrontDoorOptions::default() },
+            ..StackConfig::default()
+        };
+        let stack = Stack::start(config).await.unwrap();
+        assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
+        let base = stack.serve_frontend_on_loopback().await.unwrap();
+        let prompt: Vec<u32> = (0..300).map(|t| 3 + (t * 11) % 900).collect();
+        let body = json!({"model": "kvroute-tiny", "prompt": prompt, "max_tokens": 4});
+        let client = HttpClient::new();
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            let answer: Value =
+                client.post_json(&format!("{base}/v1/completions"), &body).await.unwrap();
+            ids.push(answer["id"].as_str().unwrap().trim_start_matches("cmpl-").to_owned());
+        }
+        let router = Arc::clone(stack.router.as_ref().unwrap());
+        let written = || {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).collect::<Vec<_>>()
+        };
+        for id in &ids {
+            let shown: Value = client.get_json(&format!("{base}/decisions/{id}")).await.unwrap();
+            assert_eq!(shown["request"], id.as_str(), "{shown}");
+            let candidates = shown["candidates"].as_array().unwrap();
+            assert_eq!(candidates.len(), 2, "{shown}");
+            assert!(candidates.iter().all(|c| c["terms"]["ttft_ms"].as_f64().is_some()), "{shown}");
+            if ratio == 1.0 {
+                assert_eq!(shown["blocks"], 300 / 16, "{shown}");
+                assert_eq!(shown["chosen"], candidates[0]["worker"], "{shown}");
+            }
+        }
+        match ratio == 1.0 {
+            true => {
+                let logged = || written().len() == 2;
+                assert!(
+                    common::eventually(Duration::from_secs(10), logged).await,
+                    "{:?}",
+                    written()
+                );
+                let lines = written();
+                let logged: Vec<&str> =
+                    lines.iter().map(|l| l["request"].as_str().unwrap()).collect();
+                assert_eq!(logged, ids);
+            }
+            false => {
+                // Nothing is written (the file was created when the log opened).
+                assert!(router.decision_log.as_ref().is_some_and(|l| l.dropped() == 0));
+                assert!(written().is_empty());
+            }
+        }
+        let missing = client.get(&format!("{base}/decisions/no-such-request")).await.unwrap();
+        assert_eq!(missing.0, 404);
+    }
+}

@@ -40,6 +40,8 @@ pub struct RouterState {
     pub nats: OnceLock<NatsLinks>,
     /// What every ZMQ socket of the router may receive; refusals count in `metrics`.
     pub zmq: ZmqLimits,
+    /// The sampled decision log, when configured (and its file opened).
+    pub decision_log: Option<super::DecisionLog>,
 }
 
 impl RouterState {
@@ -54,6 +56,13 @@ impl RouterState {
             flow: Flow::new(config.scheduler.flow),
             roster: Roster::default(),
             nats: OnceLock::new(),
+            decision_log: config.decision_log.as_ref().and_then(|c| {
+                super::DecisionLog::open(c)
+                    .inspect_err(|e| {
+                        tracing::error!(path = %c.path.display(), error = %e, "no decision log");
+                    })
+                    .ok()
+            }),
             config,
         };
         for spec in &state.config.workers {

@@ -126,14 +126,8 @@ impl RouterState {
             self.placed(id.as_deref(), prefill, p, start);
         }
         self.placed(p.id.as_deref(), &decision.decode, p, start);
-        if !span.is_disabled() {
-            explain_span(
-                &span,
-                self.placing.decision_of(p.id.as_deref().unwrap_or("")),
-                p,
-                &decision,
-            );
-        }
+        let log = self.decision_log.as_ref();
+        logged_and_explained(log, &self.placing, &span, (p, &decision));
         Ok(Some(decision))
     }
 
@@ -340,6 +334,30 @@ impl RouterState {
     }
 }
 
+/// A decision written where it is asked for: to the decision log when it samples the request,
+/// and on the decision's span when spans are exported (the scheduler's record read once, and
+/// only then).
+fn logged_and_explained(
+    log: Option<&super::DecisionLog>,
+    placing: &super::Placing,
+    span: &tracing::Span,
+    (p, decision): (&PlaceRequest, &PairDecision),
+) {
+    let logged = match (log, p.id.as_deref()) {
+        (Some(log), Some(id)) if log.sampled(id) => Some((log, id)),
+        _ => None,
+    };
+    if logged.is_none() && span.is_disabled() {
+        return;
+    }
+    let record = p.id.as_deref().and_then(|id| placing.decision_of(id));
+    if let Some((log, id)) = logged {
+        let chosen = (decision.decode.worker, decision.prefill.map(|d| d.worker));
+        log.log(id, p.local_hashes.len(), record.as_ref(), chosen);
+    }
+    explain_span(span, record, p, decision);
+}
+
 /// A decision on its span: where it went, the cached tokens predicted there, and (a tracked
 /// request's `record`, as the scheduler keeps it) its candidates with their cost terms.
 fn explain_span(
@@ -348,6 +366,9 @@ fn explain_span(
     p: &PlaceRequest,
     decision: &PairDecision,
 ) {
+    if span.is_disabled() {
+        return;
+    }
     let d = &decision.decode;
     span.record("kvroute.worker", tracing::field::display(d.worker));
     if let Some(prefill) = &decision.prefill {

@@ -195,6 +195,22 @@ impl Settings {
         self.simulated.simulated_workers.unwrap_or(DEFAULT_SIMULATED_WORKERS)
     }
 
+    /// The decision log the settings ask for, its file opened once to check it can be
+    /// written.
+    pub fn decision_log(
+        &self,
+    ) -> Result<Option<kvroute_router::config::DecisionLogConfig>, StackError> {
+        let t = &self.tracing;
+        let Some(path) = &t.decision_log else { return Ok(None) };
+        let ratio = t.decision_log_ratio.unwrap_or(super::DEFAULT_DECISION_LOG_RATIO);
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(Invalid::Fraction("decision_log_ratio").into());
+        }
+        let opened = std::fs::OpenOptions::new().create(true).append(true).open(path);
+        opened.map_err(|source| super::SettingsError::Read { path: path.clone(), source })?;
+        Ok(Some(kvroute_router::config::DecisionLogConfig { path: path.clone(), ratio }))
+    }
+
     /// The router's configuration, with the settings' workers.
     pub fn router_config(&self) -> Result<RouterConfig, StackError> {
         let (r, d) = (&self.routing, RouterConfig::default());
@@ -205,6 +221,7 @@ impl Settings {
             index: IndexConfig { max_held_blocks: r.max_index_blocks.or(d.index.max_held_blocks) },
             max_dp_size: r.max_dp_size.unwrap_or(d.max_dp_size),
             zmq_max_message_bytes: r.zmq_max_message_bytes.unwrap_or(d.zmq_max_message_bytes),
+            decision_log: self.decision_log()?,
             approx: ApproxConfig {
                 ttl: match r.approx_ttl {
                     Some(t) => secs(t, "approx_ttl")?,

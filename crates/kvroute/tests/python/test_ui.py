@@ -162,8 +162,14 @@ def test_the_status_page_shows_every_worker_and_matches_the_metrics(serve):
     # in milliseconds (kv's cost is predicted seconds).
     assert len(re.findall(r'data-decision="\d+"', html)) == 12
     rows = re.findall(r'<tr data-decision="\d+">(.*?)</tr>', html)
-    costs = [re.findall(r"<td>(.*?)</td>", row)[5] for row in rows]
+    costs = [re.findall(r"<td>(.*?)</td>", row)[6] for row in rows]
     assert all(re.fullmatch(r"\d+\.\d+ ms", c) for c in costs), costs
+    # Each row names its request, a link that opens the request's decision (/decisions/{id}).
+    recent = json.loads(get(base + "/workers"))["recent_decisions"]
+    linked = [re.search(r'<a href="#decision">(.*?)</a>', row).group(1) for row in rows]
+    assert sorted(linked) == sorted(d["request"] for d in recent), (linked, recent)
+    shown = json.loads(get(base + "/decisions/" + linked[0]))
+    assert shown["request"] == linked[0] and shown["candidates"], shown
     # The first-token predictions: one row per worker that answered, its first tokens
     # counted as the server counts them.
     predictions = json.loads(get(base + "/workers"))["ttft_predictions"]
