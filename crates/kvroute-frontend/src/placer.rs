@@ -95,10 +95,15 @@ pub(crate) struct PairPlacement {
     pub decode: Placement,
 }
 
-/// `request` tracked as `id`, other than `exclude`: the one owned copy the router gets (the
-/// hashes are shared, not copied).
-fn tracked(request: &PlaceRequest, id: &str, exclude: &[WorkerWithDpRank]) -> PlaceRequest {
-    PlaceRequest { id: Some(id.to_owned()), exclude: exclude.to_vec(), ..request.clone() }
+/// `request` tracked as `id` in the caller's `trace`, other than `exclude`: the one owned copy
+/// the router gets (the hashes are shared, not copied).
+fn tracked(
+    request: &PlaceRequest,
+    (id, trace): (&str, Option<&TraceContext>),
+    exclude: &[WorkerWithDpRank],
+) -> PlaceRequest {
+    let (id, trace) = (Some(id.to_owned()), trace.cloned());
+    PlaceRequest { id, trace, exclude: exclude.to_vec(), ..request.clone() }
 }
 
 impl Placer {
@@ -114,7 +119,7 @@ impl Placer {
         let num_tokens = request.num_tokens;
         match self {
             Self::Embedded(router) => {
-                let decision = router.decide(&tracked(request, id, exclude)).await;
+                let decision = router.decide(&tracked(request, (id, trace), exclude)).await;
                 Ok(decision.map_err(Refusal::into_api_error)?.map(
                     |Decision { decode: d, .. }| {
                         let blocks = (d.overlap_blocks, d.tier_blocks);
@@ -156,7 +161,7 @@ impl Placer {
                 let leg = |d: &RouteDecision| {
                     Placement::leg(d.worker, d.overlap_blocks, cached(d.predicted_prefill_tokens))
                 };
-                let pair = router.decide(&tracked(request, id, exclude)).await;
+                let pair = router.decide(&tracked(request, (id, trace), exclude)).await;
                 Ok(pair.map_err(Refusal::into_api_error)?.map(|pair| PairPlacement {
                     prefill: pair.prefill.as_ref().map(leg),
                     decode: leg(&pair.decode),

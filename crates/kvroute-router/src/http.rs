@@ -213,7 +213,8 @@ async fn find_best_worker(
     if let Some(id) = req.request_id.as_deref() {
         span.record("kvroute.request_id", id);
     }
-    let answer = tracing::Instrument::instrument(find_best_worker_in_span(&api, req), span.clone());
+    let answer = find_best_worker_in_span(&api, req, trace);
+    let answer = tracing::Instrument::instrument(answer, span.clone());
     let answer = answer.await;
     if let Err(e) = &answer {
         kvroute_http::otel::failed(&span, e.status().as_str());
@@ -225,6 +226,7 @@ async fn find_best_worker(
 async fn find_best_worker_in_span(
     api: &Api,
     req: FindBestWorker,
+    trace: Option<kvroute_http::trace::TraceContext>,
 ) -> Result<Json<BestWorker>, ApiError> {
     let state = &api.state;
     check_find(&req)?;
@@ -253,6 +255,7 @@ async fn find_best_worker_in_span(
         overlap_weight: req.overlap_score_weight,
         temperature: req.temperature,
         class,
+        trace,
         ..PlaceRequest::default()
     };
     let decision = state.decide(&placement).await.map_err(Refusal::into_api_error)?;

@@ -252,7 +252,8 @@ impl std::fmt::Debug for Peers {
 }
 
 impl Peers {
-    /// Applies a peer's batch (decoded from the wire) to `state`'s in-flight accounting.
+    /// Applies a peer's batch (decoded from the wire) to `state`'s in-flight accounting (a
+    /// decision made in a trace is recorded there as heard, when spans are exported).
     pub fn apply_sync(&mut self, state: &RouterState, batch: SyncBatch) {
         let now = Instant::now();
         if !self.0.contains_key(&batch.replica) {
@@ -278,7 +279,9 @@ impl Peers {
                     prefill_tokens,
                     local_hashes,
                     output_tokens,
+                    traceparent,
                 } => {
+                    heard_in(traceparent.as_deref(), &batch.replica, &id, (worker_id, dp_rank));
                     if peer.in_flight.len() >= MAX_PEER_IN_FLIGHT && !peer.in_flight.contains(&id) {
                         state.metrics.replica_message("peer_full");
                         continue;
@@ -331,4 +334,21 @@ impl Peers {
             false
         });
     }
+}
+
+/// A peer's decision heard in its trace: a span of this replica's under the decision's
+/// (`traceparent`, untrusted bytes: one that does not parse is ignored).
+fn heard_in(traceparent: Option<&str>, replica: &str, id: &str, (worker, rank): (u64, u32)) {
+    let Some(traceparent) = traceparent.filter(|_| kvroute_http::otel::on()) else { return };
+    let Ok(value) = axum::http::HeaderValue::from_str(traceparent) else { return };
+    let mut headers = axum::http::HeaderMap::new();
+    headers.insert(kvroute_http::trace::TRACEPARENT, value);
+    let Some(trace) = kvroute_http::trace::TraceContext::from_headers(&headers) else { return };
+    let span = kvroute_http::span!(
+        "kvroute.replica.routed",
+        kvroute.replica = replica,
+        kvroute.request_id = id,
+        kvroute.worker = format!("{worker}/{rank}"),
+    );
+    kvroute_http::otel::continue_trace(&span, Some(&trace));
 }

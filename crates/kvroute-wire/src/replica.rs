@@ -51,6 +51,10 @@ pub enum SyncMessage {
         /// older than the field): the peers hold its answer's blocks on its worker too.
         #[serde(default)]
         output_tokens: usize,
+        /// The trace the decision was made in (its W3C `traceparent`, at most
+        /// [`MAX_SYNC_ID_BYTES`]): a peer that exports spans records hearing of it there.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        traceparent: Option<String>,
     },
     /// Its first token arrived: its prefill no longer queues.
     PrefillDone { id: String },
@@ -70,9 +74,12 @@ pub const MAX_SYNC_BANDS: usize = 201;
 impl SyncMessage {
     fn check(&self) -> Result<(), WireError> {
         let id = match self {
-            Self::Routed { id, local_hashes, isl_tokens, prefill_tokens, .. } => {
+            Self::Routed { id, local_hashes, isl_tokens, prefill_tokens, traceparent, .. } => {
                 if local_hashes.len() > MAX_SYNC_BLOCKS {
                     return Err(WireError::Shape("too many block hashes"));
+                }
+                if traceparent.as_ref().is_some_and(|t| t.len() > MAX_SYNC_ID_BYTES) {
+                    return Err(WireError::Shape("traceparent too long"));
                 }
                 if prefill_tokens > isl_tokens {
                     return Err(WireError::Shape("prefill tokens above the prompt's"));
@@ -158,6 +165,9 @@ mod tests {
                     prefill_tokens: 8,
                     local_hashes: vec![1, 2],
                     output_tokens: 64,
+                    traceparent: Some(
+                        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+                    ),
                 },
                 SyncMessage::PrefillDone { id: "a".into() },
                 SyncMessage::Freed { id: "a".into() },

@@ -179,6 +179,27 @@ fn one<'a>(spans: &'a [Span], name: &str) -> &'a Span {
     named[0]
 }
 
+/// A `kvroute` command exporting every span to `receiver`: its ready line's first address.
+fn started(receiver: &Receiver, args: &[&str], ready: &str) -> (Killed, String) {
+    let mut child = common::kvroute()
+        .args(args)
+        .args(["--otlp-endpoint", &receiver.endpoint, "--trace-ratio", "1"])
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let child = Killed(child);
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix(ready) {
+            return (child, rest.split_whitespace().next().unwrap().to_owned());
+        }
+    }
+    panic!("{args:?} did not start")
+}
+
 /// `kvroute serve` exporting every span to `receiver`, with its picker (whose simulated
 /// workers then answer `/stats` without a token): its front door's and its picker's
 /// addresses.
@@ -358,4 +379,69 @@ async fn a_prefill_decode_request_is_one_trace_with_a_span_per_leg() {
             engine.attributes["kvroute.leg"]
         );
     }
+}
+
+/// A decision is heard by the other replicas in its trace, and the remote router API continues
+/// the caller's: a `kvroute serve` and a `kvroute router` sharing decisions over a real
+/// nats-server, both exporting; the router's span of a peer's decision hangs under the
+/// decision's span, and a `find_best_worker` call with a `traceparent` is a trace of the
+/// router's spans under the caller's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_and_the_router_api_carry_the_trace() {
+    let Some(receiver) = receiver("replicas") else { return };
+    let store = std::env::temp_dir().join(format!("kvroute-otel-nats-{}", std::process::id()));
+    let nats = kvroute_stack::nats_server::NatsServer::start(&store, 0).await.unwrap();
+    let url = nats.url();
+    let (_serve, front, _) = serve(&receiver, &["--simulated-workers", "2", "--nats-url", &url]);
+    let fleet: Value = HttpClient::new().get_json(&format!("{front}/workers")).await.unwrap();
+    let workers: Vec<String> = fleet["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| format!("id={},url={}", w["id"], w["url"].as_str().unwrap()))
+        .collect();
+    let mut args = vec!["router", "--port", "0", "--nats-url", &url, "--nats-replica", "b"];
+    for w in &workers {
+        args.extend(["--worker", w.as_str()]);
+    }
+    let (_router, router) = started(&receiver, &args, "kvroute router listening on ");
+    // The router hears the serve's decisions once it subscribed: ask until one is heard.
+    let trace = "6bf92f3577b34da6a3ce929d0e0e4738";
+    let heard = |spans: &[Span]| spans.iter().any(|s| s.name == "kvroute.replica.routed");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let spans = loop {
+        assert_eq!(chat(&front, &traceparent(trace), "a question for two replicas").await, 200);
+        let spans: Vec<Span> =
+            received(&receiver.log).into_iter().filter(|s| s.trace == trace).collect();
+        if heard(&spans) {
+            break spans;
+        }
+        assert!(Instant::now() < deadline, "no replica heard a decision: {spans:#?}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let routed = spans.iter().find(|s| s.name == "kvroute.replica.routed").unwrap();
+    // Heard by the router (replica b) from the serve, the replica that decided.
+    assert_ne!(routed.attributes["kvroute.replica"], "b", "{routed:?}");
+    let decided: Vec<&Span> = spans.iter().filter(|s| s.name == "kvroute.decide").collect();
+    assert!(
+        decided.iter().any(|d| d.id == routed.parent),
+        "{routed:?} under a decision: {decided:#?}"
+    );
+
+    // The router's API continues a caller's trace.
+    let trace = "7bf92f3577b34da6a3ce929d0e0e4739";
+    let body = json!({"local_hashes": [1, 2, 3], "num_tokens": 48, "request_id": "api-1"});
+    let request = hyper::Request::post(format!("{router}/find_best_worker"))
+        .header("content-type", "application/json")
+        .header("traceparent", traceparent(trace))
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(body.to_string())))
+        .unwrap();
+    let response = HttpClient::new().send(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let spans = trace_of(&receiver, trace, &["kvroute.request", "kvroute.decide"]);
+    let request = one(&spans, "kvroute.request");
+    assert_eq!(request.parent, CLIENT_SPAN);
+    assert_eq!(request.attributes["gen_ai.operation.name"], "find_best_worker");
+    assert_eq!(request.attributes["kvroute.request_id"], "api-1");
+    assert_eq!(one(&spans, "kvroute.decide").parent, request.id);
 }

@@ -145,6 +145,12 @@ impl RouterState {
                     prefill_tokens: d.predicted_prefill_tokens,
                     local_hashes: p.local_hashes.iter().map(|h| h.0).collect(),
                     output_tokens: p.output_tokens,
+                    // The decision's span when spans are exported, else the caller's trace.
+                    traceparent: kvroute_http::otel::outbound(
+                        &tracing::Span::current(),
+                        p.trace.as_ref(),
+                    )
+                    .map(|t| t.traceparent()),
                 },
             );
         }

@@ -32,6 +32,8 @@ pub struct PlaceRequest {
     /// Its class for flow control (when it is on); `None`: placed at once, as a request
     /// placed again after a worker failed it (admitted already).
     pub class: Option<RequestClass>,
+    /// The caller's trace context: the replicas hear of the decision in it.
+    pub trace: Option<kvroute_http::trace::TraceContext>,
 }
 
 impl PlaceRequest {
