@@ -305,3 +305,48 @@ def test_a_block_size_mismatch_refuses_the_worker(kvroute):
     assert w["ready"] == [False]
     status, _, answer = k.chat("hello", "there")
     assert status == 503, (status, answer)
+
+
+SPANS = os.environ.get("REAL_ENGINES_SPANS")
+OTLP = os.environ.get("REAL_ENGINES_OTLP")
+
+
+def received_spans(path: str) -> list[dict]:
+    """The spans rotel printed (its debug log, "detailed"): trace, parent, id, name."""
+    spans, fields = [], {"    Trace ID       :": "trace", "    Parent ID      :": "parent",
+                         "    ID             :": "id", "    Name           :": "name"}
+    for line in pathlib.Path(path).read_text(errors="replace").splitlines():
+        if line.startswith("Span #"):
+            spans.append({})
+        for prefix, key in fields.items():
+            if spans and line.startswith(prefix):
+                spans[-1][key] = line[len(prefix):].strip()
+    return spans
+
+
+@pytest.mark.skipif(not SPANS, reason="no collector: scripts/real-engines test starts rotel from the suite's .venv")
+def test_vllms_spans_hang_under_kvroutes_engine_span(kvroute, monkeypatch):
+    """One trace from the client through kvroute into vLLM: the engines export to the same
+    collector (--otlp-traces-endpoint), and vLLM's `llm_request` span is the child of the
+    `kvroute.engine` span whose context kvroute sent it."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    k = kvroute(None, "--otlp-endpoint", OTLP, "--trace-ratio", "1")
+    trace = "8bf92f3577b34da6a3ce929d0e0e4730"
+    body = json.dumps({"messages": [{"role": "user", "content": text(5, 40)}], "max_tokens": 4}).encode()
+    request = urllib.request.Request(k.base + "/v1/chat/completions", data=body, headers={
+        "content-type": "application/json", "traceparent": f"00-{trace}-00f067aa0ba902b7-01"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert r.status == 200
+    deadline = time.monotonic() + 60
+    while True:
+        spans = [s for s in received_spans(SPANS) if s.get("trace") == trace]
+        engine = [s for s in spans if s.get("name") == "kvroute.engine"]
+        vllm = [s for s in spans if s.get("name") == "llm_request"]
+        if engine and vllm:
+            break
+        assert time.monotonic() < deadline, spans
+        time.sleep(0.2)
+    assert [s["parent"] for s in vllm] == [engine[0]["id"]], (engine, vllm)
+    request_span = [s for s in spans if s.get("name") == "kvroute.request"]
+    assert request_span and request_span[0]["parent"] == "00f067aa0ba902b7", spans
+    assert engine[0]["parent"] == request_span[0]["id"]
