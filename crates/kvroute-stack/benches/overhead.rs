@@ -7,7 +7,10 @@
 //! hop the front door adds.
 //! Target (issue #29): the front door adds <= 100 µs at p50.
 //!
-//! `cargo bench -p kvroute-stack --bench overhead` (without `--bench`: a quick pass).
+//! `cargo bench -p kvroute-stack --bench overhead` (without `--bench`: a quick pass). With
+//! `KVROUTE_BENCH_OTLP=http://127.0.0.1:4317` the spans are exported there (as `serve
+//! --otlp-endpoint` does; `KVROUTE_BENCH_TRACE_RATIO`, default 1), to state their cost; without
+//! it the spans are off, as in a process started without an endpoint.
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
@@ -37,10 +40,23 @@ fn pct(v: &mut [Duration], p: f64) -> f64 {
 async fn main() {
     let quick = !std::env::args().any(|a| a == "--bench");
     let n = if quick { 50 } else { 3_000 };
+    let telemetry = std::env::var("KVROUTE_BENCH_OTLP").ok().map(|endpoint| {
+        let ratio = std::env::var("KVROUTE_BENCH_TRACE_RATIO").map_or(1.0, |r| r.parse().unwrap());
+        println!("spans exported to {endpoint}, ratio {ratio}\n");
+        let tracing = kvroute_stack::settings::Tracing {
+            otlp_endpoint: Some(endpoint),
+            trace_ratio: Some(ratio),
+            ..Default::default()
+        };
+        kvroute_stack::telemetry::init(Some(&tracing), "bench").unwrap()
+    });
     println!("| ~100-token chat, 1 output token, kept-alive connections | p50 us | p99 us |");
     println!("|---|---|---|");
     for dialect in [Dialect::OpenaiChat, Dialect::VllmGenerate] {
         measure(dialect, n).await;
+    }
+    if let Some(telemetry) = telemetry {
+        telemetry.flush().await;
     }
 }
 

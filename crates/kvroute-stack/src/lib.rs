@@ -22,6 +22,7 @@ pub mod nats_server;
 pub mod reload;
 pub mod settings;
 mod simulated;
+pub mod telemetry;
 
 pub use config::{Access, Discovery, SharedStore, Simulated, StackConfig};
 pub use error::StackError;

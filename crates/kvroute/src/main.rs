@@ -4,11 +4,9 @@
 use std::process::ExitCode;
 
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
+use kvroute_stack::telemetry;
 
 mod cmd;
-mod telemetry;
-
-use telemetry::LogFormat;
 
 /// KV-cache-aware router for LLM inference fleets.
 #[derive(Debug, Parser)]
@@ -20,6 +18,13 @@ struct Cli {
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The log's lines: text (coloured on a terminal only) or JSON objects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -57,7 +62,8 @@ fn main() -> ExitCode {
         Command::Bench(_) => "warn,kvroute_bench=info",
         _ => "info",
     };
-    telemetry::set_logging(telemetry::Logging { format: cli.log_format, default: default_filter });
+    let json = cli.log_format == LogFormat::Json;
+    telemetry::set_logging(telemetry::Logging { json, default: default_filter });
     // The serving commands start their log once their settings are read (with the spans'
     // exporter, when they ask for one); the others start it now.
     if !matches!(cli.command, Command::Serve(_) | Command::Frontend(_) | Command::Router(_)) {

@@ -45,11 +45,11 @@ pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub(crate) fn started(
     tracing: &kvroute_stack::settings::Tracing,
     role: &'static str,
-) -> anyhow::Result<(tokio::runtime::Runtime, crate::telemetry::Telemetry)> {
+) -> anyhow::Result<(tokio::runtime::Runtime, kvroute_stack::telemetry::Telemetry)> {
     let runtime = runtime()?;
     let telemetry = {
         let _inside = runtime.enter();
-        crate::telemetry::init(Some(tracing), role)?
+        kvroute_stack::telemetry::init(Some(tracing), role)?
     };
     Ok((runtime, telemetry))
 }

@@ -8,7 +8,6 @@ use std::io::IsTerminal as _;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
@@ -16,37 +15,44 @@ use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
-/// The log's lines: text (coloured on a terminal only) or JSON objects.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum LogFormat {
-    Text,
-    Json,
-}
-
-/// How the log is written, as the command line said (set once, by `main`).
+/// How the log is written, as the command line said (set once, by the binary's `main`).
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Logging {
-    pub(crate) format: LogFormat,
+pub struct Logging {
+    /// JSON objects, else text (coloured on a terminal only).
+    pub json: bool,
     /// The filter when neither `KVROUTE_LOG` nor `RUST_LOG` is set.
-    pub(crate) default: &'static str,
+    pub default: &'static str,
 }
 
 static LOGGING: OnceLock<Logging> = OnceLock::new();
 
-pub(crate) fn set_logging(logging: Logging) {
+pub fn set_logging(logging: Logging) {
     let _ = LOGGING.set(logging);
+}
+
+/// Why spans cannot be exported as asked.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("--trace-ratio must be within 0 and 1, not {0}")]
+    Ratio(f64),
+    #[error("the OTLP exporter to {endpoint}")]
+    Exporter {
+        endpoint: String,
+        #[source]
+        source: opentelemetry_otlp::ExporterBuildError,
+    },
 }
 
 /// The exporter of a process that exports spans: flushed at the end.
 #[derive(Debug, Default)]
-pub(crate) struct Telemetry {
+pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
 }
 
 impl Telemetry {
     /// Sends the spans still batched (within the exporter's timeout), off the runtime's
     /// threads (the batch task runs on them).
-    pub(crate) async fn flush(self) {
+    pub async fn flush(self) {
         if let Some(provider) = self.provider {
             let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
         }
@@ -56,12 +62,11 @@ impl Telemetry {
 /// The process's log, and its spans' exporter when `tracing` names an endpoint. Called once,
 /// inside the runtime the exporter's batch task runs on (`role` names the process in its
 /// spans' resource: serve, frontend, router).
-pub(crate) fn init(
-    tracing: Option<&kvroute_stack::settings::Tracing>,
+pub fn init(
+    tracing: Option<&crate::settings::Tracing>,
     role: &'static str,
-) -> anyhow::Result<Telemetry> {
-    let logging =
-        LOGGING.get().copied().unwrap_or(Logging { format: LogFormat::Text, default: "info" });
+) -> Result<Telemetry, TelemetryError> {
+    let logging = LOGGING.get().copied().unwrap_or(Logging { json: false, default: "info" });
     let filter = std::env::var("KVROUTE_LOG")
         .or_else(|_| std::env::var("RUST_LOG"))
         .unwrap_or_else(|_| logging.default.to_owned());
@@ -69,16 +74,15 @@ pub(crate) fn init(
     let filter =
         tracing_subscriber::EnvFilter::new(format!("{}=off,{filter}", kvroute_http::otel::TARGET));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
-    let fmt = match logging.format {
-        LogFormat::Text => fmt.with_ansi(std::io::stderr().is_terminal()).boxed(),
-        LogFormat::Json => fmt.json().with_ansi(false).boxed(),
+    let fmt = match logging.json {
+        false => fmt.with_ansi(std::io::stderr().is_terminal()).boxed(),
+        true => fmt.json().with_ansi(false).boxed(),
     };
     let endpoint = tracing.and_then(|t| t.otlp_endpoint.as_deref());
     let (provider, otel) = match endpoint {
         Some(endpoint) => {
-            let ratio = tracing
-                .and_then(|t| t.trace_ratio)
-                .unwrap_or(kvroute_stack::settings::DEFAULT_TRACE_RATIO);
+            let ratio =
+                tracing.and_then(|t| t.trace_ratio).unwrap_or(crate::settings::DEFAULT_TRACE_RATIO);
             let provider = provider(endpoint, ratio, role)?;
             let layer = tracing_opentelemetry::layer()
                 .with_tracer(provider.tracer("kvroute"))
@@ -102,17 +106,20 @@ pub(crate) fn init(
 }
 
 /// Spans batched to `endpoint` over OTLP/gRPC, sampled parent-based at `ratio`.
-fn provider(endpoint: &str, ratio: f64, role: &'static str) -> anyhow::Result<SdkTracerProvider> {
-    anyhow::ensure!(
-        (0.0..=1.0).contains(&ratio),
-        "--trace-ratio must be within 0 and 1, not {ratio}"
-    );
+fn provider(
+    endpoint: &str,
+    ratio: f64,
+    role: &'static str,
+) -> Result<SdkTracerProvider, TelemetryError> {
+    if !(0.0..=1.0).contains(&ratio) {
+        return Err(TelemetryError::Ratio(ratio));
+    }
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_tonic()
         .with_endpoint(endpoint)
         .with_timeout(Duration::from_secs(5))
         .build()
-        .with_context(|| format!("the OTLP exporter to {endpoint}"))?;
+        .map_err(|source| TelemetryError::Exporter { endpoint: endpoint.to_owned(), source })?;
     let batch =
         opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(
             exporter,
