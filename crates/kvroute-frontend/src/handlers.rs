@@ -351,7 +351,6 @@ pub(crate) async fn remove_worker(
     Ok((status, Json(body)))
 }
 
-/// Liveness; with an embedded router, its state (NATS away is degraded, not down).
 /// Request `id`'s decision (the embedded router's decision log or recent decisions; a remote
 /// router answers on its own `/decisions/{id}`); 404 when none is kept.
 pub(crate) async fn decision(
@@ -367,6 +366,7 @@ pub(crate) async fn decision(
         .ok_or_else(|| ApiError::not_found(format!("no decision of request {id} is kept")))
 }
 
+/// Liveness; with an embedded router, its state (NATS away is degraded, not down).
 pub(crate) async fn health(State(state): State<Arc<FrontendState>>) -> Json<Value> {
     Json(state.placer.health())
 }

@@ -133,7 +133,10 @@ impl InFlight {
         let (span, request_span) = match kvroute_http::otel::on() {
             true => {
                 let request = tracing::Span::current();
-                request.record("kvroute.request_id", id.as_str());
+                // A split's prefill leg is tracked under `{id}/prefill`: the request keeps its id.
+                if !id.ends_with("/prefill") {
+                    request.record("kvroute.request_id", id.as_str());
+                }
                 (tracing::Span::none(), Some(request))
             }
             false => (tracing::Span::none(), None),

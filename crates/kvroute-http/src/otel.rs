@@ -114,7 +114,7 @@ pub fn outbound(span: &Span, trace: Option<&TraceContext>) -> Option<TraceContex
 /// as `kvroute.candidate.{k}.*` (its worker, the blocks it holds, its cost and, for `kv`, the
 /// cost's terms), and the runner-up with why it lost (`kvroute.runner_up.reason`).
 pub fn decision_attributes(span: &Span, record: &kvroute_core::schedule::DecisionRecord) {
-    if !on() || span.is_disabled() {
+    if !sampled(span) {
         return;
     }
     span.set_attribute("kvroute.candidates", record.considered as i64);
@@ -188,6 +188,12 @@ pub fn why_lost(
         }
     }
     why
+}
+
+/// Whether `span` is exported: spans are on, it is enabled, and its trace is sampled (a span
+/// of an unsampled trace is still made in-process; what only it would carry is not computed).
+pub fn sampled(span: &Span) -> bool {
+    on() && !span.is_disabled() && span.context().span().span_context().is_sampled()
 }
 
 /// Marks `span` failed, with the error's kind (`error.type`).

@@ -353,7 +353,9 @@ fn logged_and_explained(
         (Some(log), Some(id)) if log.sampled(id) => Some((log, id)),
         _ => None,
     };
-    if logged.is_none() && span.is_disabled() {
+    // Only a span whose trace is sampled is explained (one that is not is never exported).
+    let explained = kvroute_http::otel::sampled(span);
+    if logged.is_none() && !explained {
         return;
     }
     let record = p.id.as_deref().and_then(|id| placing.decision_of(id));
@@ -361,7 +363,9 @@ fn logged_and_explained(
         let chosen = (decision.decode.worker, decision.prefill.map(|d| d.worker));
         log.log(id, p.local_hashes.len(), record.as_ref(), chosen);
     }
-    explain_span(span, record, p, decision);
+    if explained {
+        explain_span(span, record, p, decision);
+    }
 }
 
 /// A decision on its span: where it went, the cached tokens predicted there, and (a tracked
@@ -372,9 +376,6 @@ fn explain_span(
     p: &PlaceRequest,
     decision: &PairDecision,
 ) {
-    if span.is_disabled() {
-        return;
-    }
     let d = &decision.decode;
     span.record("kvroute.worker", tracing::field::display(d.worker));
     if let Some(prefill) = &decision.prefill {
