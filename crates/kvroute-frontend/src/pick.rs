@@ -193,41 +193,32 @@ impl FrontendState {
             _ => "generate",
         };
         let span = kvroute_http::otel::request_span(operation, trace.as_ref());
-        crate::handlers::traced(span, self.pick_in_span(path, headers, body, allowed, key)).await
-    }
-
-    /// [`FrontendState::pick`] in the request's span.
-    async fn pick_in_span(
-        self: &Arc<Self>,
-        path: &str,
-        headers: &HeaderMap,
-        body: Bytes,
-        allowed: Option<&BTreeSet<WorkerId>>,
-        key: Option<&KeyId>,
-    ) -> Result<Pick, ApiError> {
-        let out = match path {
-            "/v1/chat/completions" => {
-                crate::handlers::chat_outbound(self, key, headers, Ok(body)).await?
-            }
-            "/v1/completions" => {
-                crate::handlers::completion_outbound(self, key, headers, Ok(body))?
-            }
-            other => match crate::native::NATIVE_PATHS.into_iter().find(|p| *p == other) {
-                Some(native) => match self.native_outbound(native, key, headers, &body)? {
-                    // The body is not held while the request waits to be placed.
-                    Some(out) => {
-                        drop(body);
-                        out
-                    }
-                    None => return Ok(Pick::InTurn(body)),
-                },
-                None => {
-                    let e = format!("{other} is not a route kvroute places");
-                    return Err(ApiError::not_found(e));
+        crate::handlers::traced(span, async {
+            let out = match path {
+                "/v1/chat/completions" => {
+                    crate::handlers::chat_outbound(self, key, headers, Ok(body)).await?
                 }
-            },
-        };
-        self.place_picked(&out, allowed).await.map(|p| Pick::Placed(Box::new(p)))
+                "/v1/completions" => {
+                    crate::handlers::completion_outbound(self, key, headers, Ok(body))?
+                }
+                other => match crate::native::NATIVE_PATHS.into_iter().find(|p| *p == other) {
+                    Some(native) => match self.native_outbound(native, key, headers, &body)? {
+                        // The body is not held while the request waits to be placed.
+                        Some(out) => {
+                            drop(body);
+                            out
+                        }
+                        None => return Ok(Pick::InTurn(body)),
+                    },
+                    None => {
+                        let e = format!("{other} is not a route kvroute places");
+                        return Err(ApiError::not_found(e));
+                    }
+                },
+            };
+            self.place_picked(&out, allowed).await.map(|p| Pick::Placed(Box::new(p)))
+        })
+        .await
     }
 
     /// Places `out` among `allowed` workers in rotation (a pair in a P/D fleet).

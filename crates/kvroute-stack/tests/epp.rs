@@ -1031,6 +1031,9 @@ async fn request_bodies_are_bounded_per_client_and_in_all() {
     let first = raw(&p.grpc).await;
     first.tx.send(from("10.0.0.1")).await.unwrap();
     first.tx.send(request_body(&chunk, false)).await.unwrap();
+    // Sent is not yet held: the second stream comes once the picker holds the first's bytes.
+    let held = || p.picker.budget.held() >= chunk.len();
+    assert!(eventually(Duration::from_secs(10), held).await, "the first body is held");
     let mut second = raw(&p.grpc).await;
     second.tx.send(from("10.0.0.1")).await.unwrap();
     second.tx.send(request_body(&chunk, false)).await.unwrap();

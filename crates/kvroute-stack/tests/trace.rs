@@ -194,27 +194,29 @@ async fn the_picker_passes_the_trace_through_its_header_mutation() {
     assert_eq!(t["tracestate"], Value::Null, "{t}");
 }
 
+/// Two simulated workers, fast, with `router` and `front_door`.
+fn two_workers(router: RouterConfig, front_door: FrontDoorOptions) -> StackConfig {
+    let engine = EngineConfig { timing: Timing { speedup: 50.0 }, ..EngineConfig::default() };
+    StackConfig {
+        simulated: Simulated { count: 2, engine, ..Simulated::default() },
+        router,
+        front_door,
+        ..StackConfig::default()
+    }
+}
+
+/// A front door without its parity probe: the engines' requests are the test's alone.
+fn quiet() -> FrontDoorOptions {
+    FrontDoorOptions { parity_probe: false, ..FrontDoorOptions::default() }
+}
+
 /// A request that asks for its decision gets it: the chosen worker first with its cost by the
 /// `kv` cost's terms against the runner-up's; only when the front door explains decisions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_is_explained_on_request() {
     for explains in [true, false] {
-        let config = StackConfig {
-            simulated: Simulated {
-                count: 2,
-                engine: EngineConfig {
-                    timing: Timing { speedup: 50.0 },
-                    ..EngineConfig::default()
-                },
-                ..Simulated::default()
-            },
-            front_door: FrontDoorOptions {
-                parity_probe: false,
-                explain_decisions: explains,
-                ..FrontDoorOptions::default()
-            },
-            ..StackConfig::default()
-        };
+        let front_door = FrontDoorOptions { explain_decisions: explains, ..quiet() };
+        let config = two_workers(RouterConfig::default(), front_door);
         let stack = Stack::start(config).await.unwrap();
         assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
         let base = stack.serve_frontend_on_loopback().await.unwrap();
@@ -276,25 +278,9 @@ async fn sampled_decisions_are_logged_as_json_lines_and_found_by_request_id() {
     for ratio in [1.0, 0.0] {
         let path = dir.join(format!("decisions-{ratio}.jsonl"));
         let _ = std::fs::remove_file(&path);
-        let config = StackConfig {
-            simulated: Simulated {
-                count: 2,
-                engine: EngineConfig {
-                    timing: Timing { speedup: 50.0 },
-                    ..EngineConfig::default()
-                },
-                ..Simulated::default()
-            },
-            router: RouterConfig {
-                decision_log: Some(kvroute_router::config::DecisionLogConfig {
-                    path: path.clone(),
-                    ratio,
-                }),
-                ..RouterConfig::default()
-            },
-            front_door: FrontDoorOptions { parity_probe: false, ..FrontDoorOptions::default() },
-            ..StackConfig::default()
-        };
+        let log = kvroute_router::config::DecisionLogConfig { path: path.clone(), ratio };
+        let router = RouterConfig { decision_log: Some(log), ..RouterConfig::default() };
+        let config = two_workers(router, quiet());
         let stack = Stack::start(config).await.unwrap();
         assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
         let base = stack.serve_frontend_on_loopback().await.unwrap();

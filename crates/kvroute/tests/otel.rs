@@ -14,24 +14,15 @@
 
 mod common;
 
+use common::Killed;
+
 use std::collections::BTreeMap;
-use std::io::BufRead as _;
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kvroute_http::HttpClient;
 use serde_json::{Value, json};
-
-/// A child process killed when the test ends, however it ends.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// rotel's binary: `KVROUTE_ROTEL`, else the `rotel` package in the Python environment on
 /// PATH (scripts/test's .venv).
@@ -179,57 +170,30 @@ fn one<'a>(spans: &'a [Span], name: &str) -> &'a Span {
     named[0]
 }
 
-/// A `kvroute` command exporting every span to `receiver`: its ready line's first address.
-fn started(receiver: &Receiver, args: &[&str], ready: &str) -> (Killed, String) {
-    let mut child = common::kvroute()
+/// A `kvroute` command exporting every span to `receiver`, once it printed its `ready` line:
+/// the first address of that line, and the lines before it.
+fn started(receiver: &Receiver, args: &[&str], ready: &str) -> (Killed, String, Vec<String>) {
+    let mut command = common::kvroute();
+    command
         .args(args)
         .args(["--otlp-endpoint", &receiver.endpoint, "--trace-ratio", "1"])
+        // Spans leave in batches every 100 ms instead of 5 s (the SDK's own variable).
         .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let child = Killed(child);
-    for line in std::io::BufReader::new(stdout).lines() {
-        let line = line.unwrap();
-        if let Some(rest) = line.strip_prefix(ready) {
-            return (child, rest.split_whitespace().next().unwrap().to_owned());
-        }
-    }
-    panic!("{args:?} did not start")
+        .stderr(Stdio::null());
+    common::spawned(command, ready)
 }
 
 /// `kvroute serve` exporting every span to `receiver`, with its picker (whose simulated
 /// workers then answer `/stats` without a token): its front door's and its picker's
 /// addresses.
 fn serve(receiver: &Receiver, fleet: &[&str]) -> (Killed, String, String) {
-    let mut command = common::kvroute();
-    command
-        .args(["serve", "--port", "0", "--speedup", "50", "--flow-control", "--no-parity-probe"])
-        .args(fleet)
-        .args(["--otlp-endpoint", &receiver.endpoint, "--trace-ratio", "1"])
-        // Spans leave in batches every 100 ms instead of 5 s (the SDK's own variable).
-        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    command.args(["--ext-proc-port", "0"]);
-    let mut child = command.spawn().unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let child = Killed(child);
-    let (mut front, mut picked) = (None, None);
-    for line in std::io::BufReader::new(stdout).lines() {
-        let line = line.unwrap();
-        let picker_line = "kvroute endpoint picker (Envoy ext_proc, gRPC health) on ";
-        if let Some(rest) = line.strip_prefix(picker_line) {
-            picked = Some(rest.trim().to_owned());
-        }
-        if let Some(rest) = line.strip_prefix("kvroute serve ready on ") {
-            front = Some(rest.split_whitespace().next().unwrap().to_owned());
-            break;
-        }
-    }
-    (child, front.expect("the ready line"), picked.expect("the picker's line"))
+    let mut args = vec!["serve", "--port", "0", "--speedup", "50", "--flow-control"];
+    args.extend(["--no-parity-probe", "--ext-proc-port", "0"]);
+    args.extend(fleet);
+    let (child, front, before) = started(receiver, &args, "kvroute serve ready on ");
+    let picker_line = "kvroute endpoint picker (Envoy ext_proc, gRPC health) on ";
+    let picker = before.iter().find_map(|l| l.strip_prefix(picker_line)).expect("its line");
+    (child, front, picker.trim().to_owned())
 }
 
 /// A chat with `traceparent`: its status.
@@ -404,7 +368,7 @@ async fn replicas_and_the_router_api_carry_the_trace() {
     for w in &workers {
         args.extend(["--worker", w.as_str()]);
     }
-    let (_router, router) = started(&receiver, &args, "kvroute router listening on ");
+    let (_router, router, _) = started(&receiver, &args, "kvroute router listening on ");
     // The router hears the serve's decisions once it subscribed: ask until one is heard.
     let trace = "6bf92f3577b34da6a3ce929d0e0e4738";
     let heard = |spans: &[Span]| spans.iter().any(|s| s.name == "kvroute.replica.routed");

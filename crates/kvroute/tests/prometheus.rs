@@ -10,25 +10,16 @@
 
 mod common;
 
-use std::io::BufRead as _;
+use common::Killed;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_http::HttpClient;
 use serde_json::{Value, json};
-
-/// A child process killed when the test ends, however it ends.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -44,29 +35,16 @@ fn prometheus() -> PathBuf {
 
 /// Starts `kvroute serve` and returns it with its front door's and its picker's addresses.
 fn serve() -> (Killed, String, String) {
-    let mut child = common::kvroute()
+    let mut command = common::kvroute();
+    command
         .args(["serve", "--simulated-workers", "2", "--port", "0", "--ext-proc-port", "0"])
         .args(["--flow-control", "--speedup", "20"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let child = Killed(child);
-    let (mut front, mut picker) = (None, None);
-    for line in std::io::BufReader::new(stdout).lines() {
-        let line = line.unwrap();
-        if let Some(rest) =
-            line.strip_prefix("kvroute endpoint picker (Envoy ext_proc, gRPC health) on ")
-        {
-            picker = Some(rest.trim().to_owned());
-        }
-        if let Some(rest) = line.strip_prefix("kvroute serve ready on ") {
-            front = Some(rest.split_whitespace().next().unwrap().to_owned());
-            break;
-        }
-    }
-    (child, front.expect("the ready line"), picker.expect("the picker's line"))
+        .stderr(Stdio::null());
+    let (child, front, before) = common::spawned(command, "kvroute serve ready on ");
+    let picker_line = "kvroute endpoint picker (Envoy ext_proc, gRPC health) on ";
+    let picker =
+        before.iter().find_map(|l| l.strip_prefix(picker_line)).expect("the picker's line");
+    (child, front, picker.trim().to_owned())
 }
 
 fn free_port() -> u16 {
