@@ -198,6 +198,7 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
         "ext_proc_tls_key" => Some("ext_proc_tls_cert"),
         // The picker's settings need its port.
         "epp_fallbacks"
+        | "epp_endpoint_scores"
         | "endpoints_file"
         | "ext_proc_self_signed"
         | "ext_proc_token_file"
