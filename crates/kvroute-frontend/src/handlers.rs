@@ -16,6 +16,7 @@ use base64::Engine as _;
 use kvroute_http::ApiError;
 use kvroute_http::auth::KeyId;
 use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest, ModelList};
+use kvroute_http::trace::TraceContext;
 use kvroute_preprocess::fetch::LoadedImage;
 use serde_json::{Value, json};
 
@@ -132,29 +133,14 @@ pub(crate) async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let trace = kvroute_http::trace::TraceContext::from_headers(&headers);
+    let trace = TraceContext::from_headers(&headers);
     let span = kvroute_http::otel::request_span("chat", trace.as_ref());
-    traced(span, async {
-        let out = chat_outbound(&state, key.as_ref().map(|k| &k.0), &headers, body).await?;
+    kvroute_http::otel::in_span(span, async {
+        let key = key.as_ref().map(|k| &k.0);
+        let out = chat_outbound(&state, key, &headers, trace, body).await?;
         dispatch(&state, &out).await
     })
     .await
-}
-
-/// A request's handling in its span (kvroute's spans are exported): marked failed with the
-/// error's status when it fails before its answer.
-pub(crate) async fn traced<T>(
-    span: tracing::Span,
-    handling: impl Future<Output = Result<T, ApiError>>,
-) -> Result<T, ApiError> {
-    if span.is_disabled() {
-        return handling.await;
-    }
-    let result = tracing::Instrument::instrument(handling, span.clone()).await;
-    if let Err(e) = &result {
-        kvroute_http::otel::failed(&span, e.status().as_str());
-    }
-    result
 }
 
 /// A chat request made an [`Outbound`]: parsed and checked, its class, model, session and
@@ -163,6 +149,7 @@ pub(crate) async fn chat_outbound(
     state: &FrontendState,
     key: Option<&KeyId>,
     headers: &HeaderMap,
+    trace: Option<TraceContext>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Outbound, ApiError> {
     let (mut raw, req) = parse::<ChatCompletionRequest>(state, body, "messages")?;
@@ -172,9 +159,7 @@ pub(crate) async fn chat_outbound(
     let session = state.session_key(key, session);
     let namespace = state.namespace(key, req.cache_salt.as_deref());
     // Images: fetched once here, forwarded inline, named by their identifier.
-    if kvroute_http::otel::on() {
-        model_named(req.model.as_deref());
-    }
+    model_named(req.model.as_deref());
     let preprocess = kvroute_http::span!(
         "kvroute.preprocess",
         kvroute.prompt_tokens = tracing::field::Empty,
@@ -197,16 +182,12 @@ pub(crate) async fn chat_outbound(
     };
     let out =
         Outbound::new("/v1/chat/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
-    Ok(Outbound {
-        trace: kvroute_http::trace::TraceContext::from_headers(headers),
-        explain: explain(state, headers),
-        ..out
-    })
+    Ok(Outbound { trace, explain: explain(state, headers), ..out })
 }
 
-/// The request's span names the model the client asked for.
+/// The request's span names the model the client asked for (when spans are exported).
 fn model_named(model: Option<&str>) {
-    if let Some(model) = model {
+    if let Some(model) = model.filter(|_| kvroute_http::otel::on()) {
         tracing::Span::current().record("gen_ai.request.model", model);
     }
 }
@@ -249,10 +230,11 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let trace = kvroute_http::trace::TraceContext::from_headers(&headers);
+    let trace = TraceContext::from_headers(&headers);
     let span = kvroute_http::otel::request_span("text_completion", trace.as_ref());
-    traced(span, async {
-        let out = completion_outbound(&state, key.as_ref().map(|k| &k.0), &headers, body)?;
+    kvroute_http::otel::in_span(span, async {
+        let key = key.as_ref().map(|k| &k.0);
+        let out = completion_outbound(&state, key, &headers, trace, body)?;
         dispatch(&state, &out).await
     })
     .await
@@ -263,6 +245,7 @@ pub(crate) fn completion_outbound(
     state: &FrontendState,
     key: Option<&KeyId>,
     headers: &HeaderMap,
+    trace: Option<TraceContext>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Outbound, ApiError> {
     let (raw, req) = parse::<CompletionRequest>(state, body, "prompt")?;
@@ -271,9 +254,7 @@ pub(crate) fn completion_outbound(
     let session = session(headers, req.prompt_cache_key.as_deref())?;
     let session = state.session_key(key, session);
     let namespace = state.namespace(key, req.cache_salt.as_deref());
-    if kvroute_http::otel::on() {
-        model_named(req.model.as_deref());
-    }
+    model_named(req.model.as_deref());
     let preprocess =
         kvroute_http::span!("kvroute.preprocess", kvroute.prompt_tokens = tracing::field::Empty,);
     let prepared = preprocess
@@ -288,11 +269,7 @@ pub(crate) fn completion_outbound(
         priority_named: priority_named && state.options.engine_priority,
     };
     let out = Outbound::new("/v1/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
-    Ok(Outbound {
-        trace: kvroute_http::trace::TraceContext::from_headers(headers),
-        explain: explain(state, headers),
-        ..out
-    })
+    Ok(Outbound { trace, explain: explain(state, headers), ..out })
 }
 
 /// The base model and every adapter the fleet serves (from the settings and the workers'

@@ -91,7 +91,7 @@ impl FrontendState {
         &self,
         path: &'static str,
         key: Option<&KeyId>,
-        headers: &HeaderMap,
+        (headers, trace): (&HeaderMap, Option<kvroute_http::trace::TraceContext>),
         body: &Bytes,
     ) -> Result<Option<Outbound>, ApiError> {
         self.check_transfer_fields(body, Some("application/json"))?;
@@ -142,7 +142,7 @@ impl FrontendState {
             prompt_tail: native.tokens[prompt_tokens.saturating_sub(8)..].to_vec(),
             streamed: native.streamed,
             strip_usage: false,
-            trace: kvroute_http::trace::TraceContext::from_headers(headers),
+            trace,
             explain: crate::handlers::explain(self, headers),
         }))
     }

@@ -130,17 +130,14 @@ impl InFlight {
     pub(crate) fn new(state: &Arc<FrontendState>, id: String) -> Self {
         state.metrics.in_flight.inc();
         let state = Arc::clone(state);
-        let (span, request_span) = match kvroute_http::otel::on() {
-            true => {
-                let request = tracing::Span::current();
-                // A split's prefill leg is tracked under `{id}/prefill`: the request keeps its id.
-                if !id.ends_with("/prefill") {
-                    request.record("kvroute.request_id", id.as_str());
-                }
-                (tracing::Span::none(), Some(request))
+        let request_span = kvroute_http::otel::on().then(|| {
+            let request = tracing::Span::current();
+            // A split's prefill leg is tracked under `{id}/prefill`: the request keeps its id.
+            if !id.ends_with("/prefill") {
+                request.record("kvroute.request_id", id.as_str());
             }
-            false => (tracing::Span::none(), None),
-        };
+            request
+        });
         Self {
             state,
             id,
@@ -148,7 +145,7 @@ impl InFlight {
             checked: true,
             predicted: None,
             served: None,
-            span,
+            span: tracing::Span::none(),
             request_span,
         }
     }

@@ -193,23 +193,25 @@ impl FrontendState {
             _ => "generate",
         };
         let span = kvroute_http::otel::request_span(operation, trace.as_ref());
-        crate::handlers::traced(span, async {
+        kvroute_http::otel::in_span(span, async {
             let out = match path {
                 "/v1/chat/completions" => {
-                    crate::handlers::chat_outbound(self, key, headers, Ok(body)).await?
+                    crate::handlers::chat_outbound(self, key, headers, trace, Ok(body)).await?
                 }
                 "/v1/completions" => {
-                    crate::handlers::completion_outbound(self, key, headers, Ok(body))?
+                    crate::handlers::completion_outbound(self, key, headers, trace, Ok(body))?
                 }
                 other => match crate::native::NATIVE_PATHS.into_iter().find(|p| *p == other) {
-                    Some(native) => match self.native_outbound(native, key, headers, &body)? {
-                        // The body is not held while the request waits to be placed.
-                        Some(out) => {
-                            drop(body);
-                            out
+                    Some(native) => {
+                        match self.native_outbound(native, key, (headers, trace), &body)? {
+                            // The body is not held while the request waits to be placed.
+                            Some(out) => {
+                                drop(body);
+                                out
+                            }
+                            None => return Ok(Pick::InTurn(body)),
                         }
-                        None => return Ok(Pick::InTurn(body)),
-                    },
+                    }
                     None => {
                         let e = format!("{other} is not a route kvroute places");
                         return Err(ApiError::not_found(e));

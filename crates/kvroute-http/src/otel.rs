@@ -69,6 +69,22 @@ pub fn request_span(operation: &'static str, trace: Option<&TraceContext>) -> Sp
     span
 }
 
+/// A request's handling in its span (when spans are exported), the span marked failed with
+/// the error's status when the handling fails.
+pub async fn in_span<T>(
+    span: Span,
+    handling: impl Future<Output = Result<T, crate::ApiError>>,
+) -> Result<T, crate::ApiError> {
+    if span.is_disabled() {
+        return handling.await;
+    }
+    let result = tracing::Instrument::instrument(handling, span.clone()).await;
+    if let Err(e) = &result {
+        failed(&span, e.status().as_str());
+    }
+    result
+}
+
 /// `span` continues `trace` (the caller's): its parent is the caller's span.
 pub fn continue_trace(span: &Span, trace: Option<&TraceContext>) {
     let Some(trace) = trace else { return };

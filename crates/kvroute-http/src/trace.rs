@@ -78,14 +78,9 @@ fn valid_state(state: &str) -> bool {
 }
 
 impl TraceContext {
-    /// The context of a request's headers; `None` without a valid `traceparent`.
-    pub fn from_headers(headers: &HeaderMap) -> Option<Self> {
-        let mut parents = headers.get_all(TRACEPARENT).iter();
-        let parent = parents.next()?;
-        if parents.next().is_some() {
-            return None;
-        }
-        let parent = parent.to_str().ok()?;
+    /// The context a `traceparent` value names (untrusted bytes: see the module docs), with
+    /// no `tracestate`; `None` when it is not exactly the format.
+    pub fn from_traceparent(parent: &str) -> Option<Self> {
         if parent.len() > MAX_TRACEPARENT_BYTES {
             return None;
         }
@@ -103,12 +98,23 @@ impl TraceContext {
         if !rest_ok || trace_id == [0; 16] || parent_id == [0; 8] {
             return None;
         }
+        Some(Self { trace_id, parent_id, flags, state: None })
+    }
+
+    /// The context of a request's headers; `None` without a valid `traceparent`.
+    pub fn from_headers(headers: &HeaderMap) -> Option<Self> {
+        let mut parents = headers.get_all(TRACEPARENT).iter();
+        let parent = parents.next()?;
+        if parents.next().is_some() {
+            return None;
+        }
+        let parsed = Self::from_traceparent(parent.to_str().ok()?)?;
         let mut states = headers.get_all(TRACESTATE).iter();
         let state = match (states.next(), states.next()) {
             (Some(s), None) => s.to_str().ok().filter(|s| valid_state(s)).map(|_| s.clone()),
             _ => None,
         };
-        Some(Self { trace_id, parent_id, flags, state })
+        Some(Self { state, ..parsed })
     }
 
     pub fn sampled(&self) -> bool {

@@ -213,13 +213,7 @@ async fn find_best_worker(
     if let Some(id) = req.request_id.as_deref() {
         span.record("kvroute.request_id", id);
     }
-    let answer = find_best_worker_in_span(&api, req, trace);
-    let answer = tracing::Instrument::instrument(answer, span.clone());
-    let answer = answer.await;
-    if let Err(e) = &answer {
-        kvroute_http::otel::failed(&span, e.status().as_str());
-    }
-    answer
+    kvroute_http::otel::in_span(span, find_best_worker_in_span(&api, req, trace)).await
 }
 
 /// [`find_best_worker`] in the request's span.

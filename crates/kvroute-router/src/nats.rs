@@ -340,10 +340,9 @@ impl Peers {
 /// (`traceparent`, untrusted bytes: one that does not parse is ignored).
 fn heard_in(traceparent: Option<&str>, replica: &str, id: &str, (worker, rank): (u64, u32)) {
     let Some(traceparent) = traceparent.filter(|_| kvroute_http::otel::on()) else { return };
-    let Ok(value) = axum::http::HeaderValue::from_str(traceparent) else { return };
-    let mut headers = axum::http::HeaderMap::new();
-    headers.insert(kvroute_http::trace::TRACEPARENT, value);
-    let Some(trace) = kvroute_http::trace::TraceContext::from_headers(&headers) else { return };
+    let Some(trace) = kvroute_http::trace::TraceContext::from_traceparent(traceparent) else {
+        return;
+    };
     let span = kvroute_http::span!(
         "kvroute.replica.routed",
         kvroute.replica = replica,

@@ -385,7 +385,7 @@ fn explain_span(
     let first = decision.prefill.as_ref().unwrap_or(d);
     let cached = p.num_tokens.saturating_sub(first.predicted_prefill_tokens);
     span.record("kvroute.predicted_cached_tokens", cached as i64);
-    if let Some(record) = record.filter(|_| p.id.is_some()) {
+    if let Some(record) = record {
         kvroute_http::otel::decision_attributes(span, &record);
     }
 }
