@@ -21,6 +21,13 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
+/// The repository's `.venv` Python (where scripts/test installs pyzmq and msgspec), so this
+/// file runs alone with cargo's own command; else `python3` on PATH.
+fn python() -> std::path::PathBuf {
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python3");
+    if venv.is_file() { venv } else { "python3".into() }
+}
+
 struct Publisher {
     child: Child,
     stdin: ChildStdin,
@@ -30,7 +37,7 @@ struct Publisher {
 impl Publisher {
     async fn start() -> (Self, Value) {
         let script = format!("{}/tests/vllm_publisher.py", env!("CARGO_MANIFEST_DIR"));
-        let mut child = Command::new("python3")
+        let mut child = Command::new(python())
             .arg(script)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -23,6 +23,7 @@ pub mod reload;
 pub mod settings;
 mod simulated;
 pub mod telemetry;
+pub mod tools;
 
 pub use config::{Access, Discovery, SharedStore, Simulated, StackConfig};
 pub use error::StackError;

