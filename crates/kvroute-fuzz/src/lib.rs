@@ -83,14 +83,34 @@ pub fn trace_context(data: &[u8]) {
     }
 }
 
-/// Each line a members' bucket entry (the body `POST /workers` takes) and a worker template:
-/// decoded; a worker joins a router (no events or load reports: nothing is started) and
-/// leaves; a template is filled with an address.
+/// Each line the body `POST /workers` takes, a signed members' bucket registration (checked
+/// under the fuzz fleet's key, `KEY`, with allowed ranges) and a worker template: decoded; a
+/// worker joins a router (no events or load reports: nothing is started) and leaves; a
+/// template is filled with an address.
 pub fn members(data: &[u8]) {
-    use kvroute_router::members::{Template, parse_entry};
+    use kvroute_router::members::signed::worker_of;
+    use kvroute_router::members::{MembersKey, Template, Verifier, parse_entry};
     static ROUTER: OnceLock<Arc<RouterState>> = OnceLock::new();
+    static VERIFIER: OnceLock<Option<Verifier>> = OnceLock::new();
     let router = ROUTER.get_or_init(|| Arc::new(router()));
+    let verifier = VERIFIER.get_or_init(|| {
+        Some(Verifier {
+            key: MembersKey::from_secret(MEMBERS_FUZZ_KEY).ok()?,
+            bucket: "fuzz".into(),
+            ttl: std::time::Duration::from_secs(u64::MAX / 4_000),
+            allow: vec!["127.0.0.0/8".parse().ok()?, "fd00::/8".parse().ok()?],
+        })
+    });
     for line in data.split(|&b| b == b'\n') {
+        // A registration: `KEY<TAB>VALUE`, or the whole line under one key.
+        let (key, value) = match line.iter().position(|&b| b == b'\t') {
+            Some(tab) => (String::from_utf8_lossy(&line[..tab]).into_owned(), &line[tab + 1..]),
+            None => ("w1".to_owned(), line),
+        };
+        if let Some(verifier) = verifier {
+            let _ = verifier.verify(&key, value);
+        }
+        let _ = worker_of(value);
         if let Ok(mut spec) = parse_entry(line) {
             (spec.events, spec.replay, spec.metrics) = (None, None, None);
             if kvroute_router::members::join(router, &spec, "fuzz").is_ok() {
@@ -104,6 +124,9 @@ pub fn members(data: &[u8]) {
         }
     }
 }
+
+/// The fuzz fleet's registration key (the corpus' signed registrations are signed with it).
+pub const MEMBERS_FUZZ_KEY: &[u8] = b"the fuzz fleet's registration key";
 
 /// A simulated engine's hand-off decoders ([`kvroute_mocker::handoff::fuzz`]).
 pub fn handoff(data: &[u8]) {

@@ -265,8 +265,59 @@ pub fn admin<S: Clone + Send + Sync + 'static>(
             "this route needs the admin token, and none is set (--admin-token-file or \
              KVROUTE_ADMIN_TOKEN)",
         ),
-        _ => require(router, admin),
+        _ => require_admin(router, admin),
     }
+}
+
+/// Routes that change where prompts go (a worker added, drained or removed): the admin token,
+/// always, whatever the address; closed (403) when none is set.
+pub fn mutations<S: Clone + Send + Sync + 'static>(
+    router: Router<S>,
+    admin: Credentials,
+) -> Router<S> {
+    match admin.is_empty() {
+        true => closed(
+            router,
+            "adding, draining or removing a worker needs the admin token, and none is set: \
+             start with --admin-token-file or KVROUTE_ADMIN_TOKEN",
+        ),
+        false => require_admin(router, admin),
+    }
+}
+
+/// [`require`] for the admin token: its answers name the admin token, not an API key.
+pub fn require_admin<S: Clone + Send + Sync + 'static>(
+    router: Router<S>,
+    admin: Credentials,
+) -> Router<S> {
+    if admin.is_empty() {
+        return router;
+    }
+    router.route_layer(middleware::from_fn_with_state(admin, check_admin_request))
+}
+
+async fn check_admin_request(
+    State(keys): State<Credentials>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let error = match request.headers().get(header::AUTHORIZATION) {
+        None => unauthorized(
+            "This route needs the admin token, in an Authorization header using Bearer auth \
+             (Authorization: Bearer ADMIN_TOKEN); it is the one in --admin-token-file or \
+             KVROUTE_ADMIN_TOKEN.",
+            None,
+        ),
+        Some(value) if bearer_token(value.as_bytes()).is_some_and(|k| keys.accepts(k)) => {
+            return next.run(request).await;
+        }
+        Some(_) => unauthorized("Incorrect admin token provided.", Some("invalid_admin_token")),
+    };
+    let mut response = error.into_response();
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+    response
 }
 
 async fn check_request(

@@ -26,6 +26,8 @@ pub enum ConfigError {
     MaxDpSize,
     #[error("worker id {0} given twice")]
     DuplicateWorker(WorkerId),
+    #[error("{0} workers configured: at most {1} (--max-workers)")]
+    TooManyWorkers(usize, usize),
     #[error("worker {worker}: {why}")]
     Worker { worker: WorkerId, why: WorkerError },
 }
@@ -346,7 +348,13 @@ pub struct RouterConfig {
     pub zmq_max_message_bytes: usize,
     /// The sampled decision log; none by default.
     pub decision_log: Option<DecisionLogConfig>,
+    /// Most members at once, from every source together (the configuration, the admin API,
+    /// DNS, a bucket, Kubernetes): a join past it is refused, the members kept.
+    pub max_workers: usize,
 }
+
+/// Most members at once, unless configured (each source's own bound, too).
+pub const DEFAULT_MAX_WORKERS: usize = 1024;
 
 impl Default for RouterConfig {
     fn default() -> Self {
@@ -363,6 +371,7 @@ impl Default for RouterConfig {
             nats: None,
             zmq_max_message_bytes: DEFAULT_ZMQ_MAX_MESSAGE_BYTES,
             decision_log: None,
+            max_workers: DEFAULT_MAX_WORKERS,
         }
     }
 }
@@ -375,6 +384,9 @@ impl RouterConfig {
         }
         if self.max_dp_size == 0 {
             return Err(ConfigError::MaxDpSize);
+        }
+        if self.workers.len() > self.max_workers {
+            return Err(ConfigError::TooManyWorkers(self.workers.len(), self.max_workers));
         }
         let mut ids: Vec<_> = self.workers.iter().map(|w| w.id).collect();
         ids.sort_unstable();

@@ -82,12 +82,16 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         .route("/workers/{id}/parity", axum::routing::put(parity))
         .route("/workers/{id}/adapters", axum::routing::put(adapters))
         .route("/workers/{id}/forget", post(forget))
-        .route(router_api::WORKERS, get(workers).post(add_worker))
-        .route("/workers/{id}/drain", post(drain_worker))
-        .route("/workers/{id}", delete(remove_worker))
+        .route(router_api::WORKERS, get(workers))
         .route("/decisions/{id}", get(decision))
         .route("/ui/history", get(history));
-    let routes = kvroute_http::auth::require(routes, admin)
+    // Membership changes need the admin token always (the others only when one is set).
+    let mutations = Router::new()
+        .route(router_api::WORKERS, post(add_worker))
+        .route("/workers/{id}/drain", post(drain_worker))
+        .route("/workers/{id}", delete(remove_worker));
+    let routes = kvroute_http::auth::require_admin(routes, admin.clone())
+        .merge(kvroute_http::auth::mutations(mutations, admin))
         .route("/health", get(health))
         .route("/ui", get(kvroute_http::status_page));
     kvroute_http::fallbacks(routes).with_state(api)

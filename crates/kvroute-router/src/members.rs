@@ -22,14 +22,14 @@ pub mod api;
 mod bucket;
 mod change;
 mod dns;
+pub mod signed;
 mod source;
 mod template;
 
-pub use bucket::{
-    BucketConfig, BucketError, BucketSource, MAX_ENTRY_BYTES, MEMBERS_TTL, parse_entry, register,
-};
+pub use bucket::{BucketConfig, BucketError, BucketSource, MEMBERS_TTL, parse_entry, register};
 pub(crate) use change::start_tasks;
 pub use change::{DRAIN_TIMEOUT, JoinError, drain, join, remove};
 pub use dns::{DNS_EVERY, DnsConfig, DnsError, DnsSource};
+pub use signed::{AddressRange, MAX_ENTRY_BYTES, MembersKey, RegistrationError, Verifier};
 pub use source::{MAX_MEMBERS_PER_SOURCE, Offered, Sink, Source, spawn_source};
 pub use template::{Template, TemplateError, id_for};

@@ -22,9 +22,19 @@ fn engine() -> EngineConfig {
     EngineConfig { timing: Timing { speedup: 100.0 }, ..EngineConfig::default() }
 }
 
+/// The admin token of the tests' front doors: membership changes need it, always.
+const ADMIN: &str = "membership-test-admin-token";
+
 async fn stack(count: usize) -> (Stack, String) {
+    stack_with(count, kvroute_router::RouterConfig::default()).await
+}
+
+async fn stack_with(count: usize, router: kvroute_router::RouterConfig) -> (Stack, String) {
+    let admin = kvroute_http::Credentials::new([ADMIN], "test").unwrap();
     let config = StackConfig {
         simulated: Simulated { count, engine: engine(), tokenless: true, ..Simulated::default() },
+        access: kvroute_stack::Access { admin, ..Default::default() },
+        router,
         ..StackConfig::default()
     };
     let stack = Stack::start(config).await.unwrap();
@@ -48,8 +58,23 @@ async fn outside_engine() -> (Value, kvroute_mocker::Spawned) {
     (spec, spawned)
 }
 
+/// A call with the admin token (it goes to the front door's routes that want it).
 async fn call(method: hyper::Method, url: &str, body: Option<&Value>) -> (u16, Value, Option<u64>) {
-    let response = HttpClient::new().call(method, url, body).await.unwrap();
+    call_as(Some(ADMIN), method, url, body).await
+}
+
+async fn call_as(
+    token: Option<&str>,
+    method: hyper::Method,
+    url: &str,
+    body: Option<&Value>,
+) -> (u16, Value, Option<u64>) {
+    let origin = url.splitn(4, '/').take(3).collect::<Vec<_>>().join("/");
+    let client = match token {
+        Some(token) => HttpClient::new().with_bearer_for(&origin, token),
+        None => HttpClient::new(),
+    };
+    let response = client.call(method, url, body).await.unwrap();
     let worker = response
         .headers()
         .get("x-kvroute-worker")
@@ -138,7 +163,9 @@ async fn a_worker_joins_through_the_api_drains_and_leaves_with_nothing_left_behi
     let ids: Vec<u64> =
         workers["workers"].as_array().unwrap().iter().map(|w| w["id"].as_u64().unwrap()).collect();
     assert!(!ids.contains(&old) && ids.contains(&new), "{ids:?}");
-    let metrics = HttpClient::new().get(&format!("{base}/metrics")).await.unwrap().1;
+    let metrics_url = format!("{base}/metrics");
+    let metrics =
+        HttpClient::new().with_bearer_for(&base, ADMIN).get(&metrics_url).await.unwrap().1;
     let metrics = String::from_utf8_lossy(&metrics);
     assert!(!metrics.contains(&format!("worker_id=\"{old}\"")), "its label sets are dropped");
     assert!(metrics.contains(&format!("worker_id=\"{new}\"")));
@@ -170,4 +197,91 @@ async fn a_worker_joins_through_the_api_drains_and_leaves_with_nothing_left_behi
         let w = chat(&base, k).await.unwrap();
         assert!(w != new && w != old);
     }
+}
+
+/// Membership changes need the admin token on every port that serves them, loopback
+/// included (#77): without it (or with a wrong one) `POST /workers`, drain and delete are
+/// 401, naming the admin token; a front door without an admin token at all refuses them (403).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_changes_need_the_admin_token_even_on_loopback() {
+    let (stack, base) = stack(1).await;
+    let router = Arc::clone(stack.router.as_ref().unwrap());
+    let one = stack.workers[0].id.0;
+    let mine = json!({"url": "http://127.0.0.1:19001"});
+    for token in [None, Some("not-the-admin-token")] {
+        let (status, err, _) =
+            call_as(token, hyper::Method::POST, &format!("{base}/workers"), Some(&mine)).await;
+        assert_eq!(status, 401, "{err}");
+        assert!(err["error"]["message"].as_str().unwrap().contains("admin token"), "{err}");
+        let drain = format!("{base}/workers/{one}/drain");
+        assert_eq!(call_as(token, hyper::Method::POST, &drain, None).await.0, 401);
+        let delete = format!("{base}/workers/{one}");
+        assert_eq!(call_as(token, hyper::Method::DELETE, &delete, None).await.0, 401);
+    }
+    assert_eq!(router.workers().len(), 1, "nothing joined or left");
+    assert!(!router.roster.get(kvroute_core::WorkerId(one)).unwrap().draining);
+    // The router's own API, as `kvroute router` serves it, with the same token.
+    let admin = kvroute_http::Credentials::new([ADMIN], "test").unwrap();
+    let app = kvroute_router::http::app(Arc::clone(&router), admin);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let router_url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (status, _, _) =
+        call_as(None, hyper::Method::POST, &format!("{router_url}/workers"), Some(&mine)).await;
+    assert_eq!(status, 401);
+    let (status, _, _) =
+        call_as(None, hyper::Method::DELETE, &format!("{router_url}/workers/{one}"), None).await;
+    assert_eq!(status, 401);
+    assert_eq!(router.workers().len(), 1);
+
+    // A front door with no admin token set: the changes are closed to everyone.
+    let config = StackConfig {
+        simulated: Simulated {
+            count: 1,
+            engine: engine(),
+            tokenless: true,
+            ..Simulated::default()
+        },
+        ..StackConfig::default()
+    };
+    let open = Stack::start(config).await.unwrap();
+    let open_base = open.serve_frontend_on_loopback().await.unwrap();
+    let (status, err, _) =
+        call_as(None, hyper::Method::POST, &format!("{open_base}/workers"), Some(&mine)).await;
+    assert_eq!(status, 403, "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("--admin-token-file"), "{err}");
+    let id = open.workers[0].id.0;
+    let (status, _, _) =
+        call_as(None, hyper::Method::DELETE, &format!("{open_base}/workers/{id}"), None).await;
+    assert_eq!(status, 403);
+    // Reading the fleet stays open there, as before.
+    assert_eq!(
+        call_as(None, hyper::Method::GET, &format!("{open_base}/workers"), None).await.0,
+        200
+    );
+}
+
+/// The members' bound holds for the admin API too (#77): the 1,025th worker is refused (409)
+/// and the members stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_is_refused_past_the_members_bound() {
+    let bound = kvroute_router::config::DEFAULT_MAX_WORKERS;
+    let (stack, base) = stack_with(1, kvroute_router::RouterConfig::default()).await;
+    let router = Arc::clone(stack.router.as_ref().unwrap());
+    // Workers without events or load reports: nothing is subscribed to; each its own URL.
+    for k in 1..bound {
+        let spec = json!({"url": format!("http://127.8.{}.{}:9", k / 250, k % 250 + 1)});
+        let (status, body, _) =
+            call(hyper::Method::POST, &format!("{base}/workers"), Some(&spec)).await;
+        assert_eq!(status, 201, "{body}");
+    }
+    let spec = json!({"url": "http://127.9.200.200:9"});
+    let (status, err, _) = call(hyper::Method::POST, &format!("{base}/workers"), Some(&spec)).await;
+    assert_eq!(status, 409, "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("--max-workers"), "{err}");
+    assert_eq!(router.workers().len(), bound);
+    // One removed: room for one again.
+    let gone = stack.workers[0].id.0;
+    assert_eq!(call(hyper::Method::DELETE, &format!("{base}/workers/{gone}"), None).await.0, 200);
+    assert_eq!(call(hyper::Method::POST, &format!("{base}/workers"), Some(&spec)).await.0, 201);
 }

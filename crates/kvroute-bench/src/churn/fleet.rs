@@ -75,11 +75,20 @@ impl Engines {
     }
 }
 
+/// A secret of the run's own: 32 random bytes in hex (the API's admin token, the bucket's
+/// registration key).
+pub(super) fn admin_token() -> anyhow::Result<String> {
+    let mut secret = [0u8; 32];
+    getrandom::fill(&mut secret).map_err(|e| anyhow::anyhow!("no randomness: {e}"))?;
+    Ok(secret.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// How the run tells kvroute its members (one per run: its size does not matter).
 #[allow(clippy::large_enum_variant)]
 pub(super) enum Membership {
     Api {
         admin: String,
+        token: String,
     },
     Dns {
         server: DnsServer,
@@ -105,7 +114,7 @@ impl Membership {
         let mut discovery =
             Discovery { drain_timeout: Duration::from_secs(60), ..Discovery::default() };
         let membership = match source {
-            ChurnSource::Api => Self::Api { admin: String::new() },
+            ChurnSource::Api => Self::Api { admin: String::new(), token: String::new() },
             ChurnSource::Dns => {
                 let server = DnsServer::start("kvroute.test", &[])?;
                 discovery.dns = Some(DnsConfig {
@@ -119,10 +128,15 @@ impl Membership {
             ChurnSource::Nats => {
                 let server = NatsServer::start(store, 0).await?;
                 let nats = kvroute_router::nats::NatsConfig::new(server.url());
+                // The run's own registration key, drawn at random.
                 let bucket = BucketConfig {
                     nats,
                     bucket: "churn_members".into(),
                     ttl: Duration::from_secs(6),
+                    key: kvroute_router::members::MembersKey::from_secret(
+                        admin_token()?.as_bytes(),
+                    )?,
+                    allow: Vec::new(),
                 };
                 discovery.bucket = Some(bucket.clone());
                 Self::Nats { bucket, sidecars: BTreeMap::new(), _server: server }
@@ -151,9 +165,10 @@ impl Membership {
     }
 
     /// The front door whose admin API takes the API's changes.
-    pub(super) fn set_admin(&mut self, base: &str) {
-        if let Self::Api { admin } = self {
+    pub(super) fn set_admin(&mut self, base: &str, with: &str) {
+        if let Self::Api { admin, token } = self {
             base.clone_into(admin);
+            with.clone_into(token);
         }
     }
 
@@ -166,8 +181,8 @@ impl Membership {
         leave: &[usize],
     ) -> anyhow::Result<()> {
         match self {
-            Self::Api { admin } => {
-                let client = HttpClient::new();
+            Self::Api { admin, token } => {
+                let client = HttpClient::new().with_bearer_for(admin, token);
                 for &k in join {
                     let url = format!("{admin}/workers");
                     let response =
@@ -196,12 +211,12 @@ impl Membership {
             Self::Nats { bucket, sidecars, .. } => {
                 for &k in join {
                     let (stop, stopped) = oneshot::channel::<()>();
-                    let (bucket, spec, key) = (bucket.clone(), engines.json(k), format!("w{k}"));
+                    let (bucket, spec) = (bucket.clone(), engines.json(k));
                     tokio::spawn(async move {
                         let stop = async {
                             let _ = stopped.await;
                         };
-                        if let Err(err) = register(&bucket, &key, &spec, stop).await {
+                        if let Err(err) = register(&bucket, &spec, stop).await {
                             tracing::error!(%err, "a sidecar failed");
                         }
                     });

@@ -14,7 +14,7 @@ use kvroute_router::RouterState;
 use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
 
 use super::figures::{ChurnRun, Timeline, figures, write_report};
-use super::fleet::{Engines, Membership};
+use super::fleet::{Engines, Membership, admin_token};
 use super::plan::{ChurnPlan, ChurnSource, ChurnVia, Plan};
 use crate::args::BenchArgs;
 use crate::run::{FleetConfig, RunData};
@@ -68,16 +68,22 @@ async fn one(
     let engines = Engines::start(plan.engines, fleet).await?;
     let store = std::env::temp_dir().join(format!("kvroute-churn-{}", std::process::id()));
     let (mut membership, discovery) = Membership::start(source, &engines, &store).await?;
+    // Membership changes through the API need an admin token: the run draws its own.
+    let token = admin_token()?;
     let config = StackConfig {
         simulated: Simulated { count: 0, ..Simulated::default() },
         router: fleet.router_config(PolicyKind::Kv, Vec::new())?,
         front_door: FrontDoorOptions { expose_overlap: true, ..FrontDoorOptions::default() },
         discovery,
+        access: kvroute_stack::Access {
+            admin: kvroute_http::Credentials::new([token.as_str()], "the churn run")?,
+            ..Default::default()
+        },
         ..StackConfig::default()
     };
     let stack = Stack::start(config).await?;
     let base = stack.serve_frontend_on_loopback().await?;
-    membership.set_admin(&base);
+    membership.set_admin(&base, &token);
     let router = Arc::clone(stack.router.as_ref().context("an embedded router")?);
     let _kube = membership.kube_source(&engines)?.map(|source| {
         kvroute_router::members::spawn_source(&router, Box::new(source), Duration::from_secs(60))

@@ -32,6 +32,9 @@ pub fn add(state: &Arc<RouterState>, body: &[u8]) -> Result<(StatusCode, Value),
             format!("worker {id} is a member already (DELETE /workers/{id} first)"),
         )
         .param("id")),
+        Err(err @ JoinError::Full(_)) => {
+            Err(ApiError::new(StatusCode::CONFLICT, err.to_string()).code("too_many_workers"))
+        }
         Err(err @ JoinError::Plane(_)) => {
             Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string()))
         }

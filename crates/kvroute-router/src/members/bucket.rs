@@ -2,8 +2,10 @@
 //! registration that keeps a worker in it ([`register`]): the form that needs neither
 //! Kubernetes nor DNS.
 //!
-//! Each entry is one worker: its key names it, its value is the worker as `POST /workers`
-//! takes it (JSON; without an `id`, one is made from its `url`). A registration is renewed
+//! Each entry is one worker, signed with the fleet's registration key ([`super::signed`]): its
+//! key is `w<id>`, the id made from its URL; an entry a router cannot verify never joins, and
+//! is counted once. At the bound ([`MAX_MEMBERS_PER_SOURCE`]) the members held are kept and
+//! newcomers wait: a flood of registrations pushes nobody out. A registration is renewed
 //! every third of the time to live; one not renewed within it is dropped here (and the
 //! bucket's own `max_age` removes it from the server), so a worker whose sidecar died
 //! drains. A registration deleted on purpose (the sidecar stopping) drains it at once. Every
@@ -19,6 +21,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, kv};
 use futures_util::StreamExt;
 
+use super::signed::{AddressRange, MAX_ENTRY_BYTES, MembersKey, Verifier, sign};
 use super::source::{MAX_MEMBERS_PER_SOURCE, Sink, Source};
 use super::template::id_for;
 use crate::config::WorkerSpec;
@@ -27,15 +30,28 @@ use crate::nats::{NatsConfig, NatsStatus};
 /// A registration's time to live, unless configured.
 pub const MEMBERS_TTL: Duration = Duration::from_secs(10);
 
-/// Largest registration read (a worker's description is a few hundred bytes).
-pub const MAX_ENTRY_BYTES: usize = 16 * 1024;
-
 /// The bucket a fleet's workers register in.
 #[derive(Clone, Debug)]
 pub struct BucketConfig {
     pub nats: NatsConfig,
     pub bucket: String,
     pub ttl: Duration,
+    /// The fleet's registration key: a sidecar signs with it, a router takes only what it
+    /// signed.
+    pub key: MembersKey,
+    /// When not empty, a registered worker's endpoints must all be addresses in these.
+    pub allow: Vec<AddressRange>,
+}
+
+impl BucketConfig {
+    fn verifier(&self) -> Verifier {
+        Verifier {
+            key: self.key.clone(),
+            bucket: self.bucket.clone(),
+            ttl: self.ttl,
+            allow: self.allow.clone(),
+        }
+    }
 }
 
 /// Why a registration cannot be made or read.
@@ -76,7 +92,7 @@ async fn open(config: &BucketConfig) -> Result<kv::Store, BucketError> {
     }
 }
 
-/// A registration's worker: the JSON of `POST /workers`, its id made from its URL when absent.
+/// A worker as `POST /workers` takes it (JSON), its id made from its URL when absent.
 pub fn parse_entry(value: &[u8]) -> Result<WorkerSpec, BucketError> {
     if value.len() > MAX_ENTRY_BYTES {
         return Err(BucketError::Entry(format!(
@@ -107,40 +123,60 @@ impl BucketSource {
     }
 }
 
+/// Most refused keys remembered (so that each is counted once); past it, refusals are no
+/// longer counted.
+const MAX_REFUSED_KEYS: usize = 64 * 1024;
+
 /// What the bucket holds, as this process last heard it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Registrations {
+    verifier: Verifier,
     /// Each key's worker and when its registration was last heard.
     entries: BTreeMap<String, (WorkerSpec, Instant)>,
-    /// Keys whose value was refused (each logged once).
+    /// Keys whose value was refused (each counted and logged once).
     refused: std::collections::BTreeSet<String>,
 }
 
 impl Registrations {
+    fn new(verifier: Verifier) -> Self {
+        Self { verifier, entries: BTreeMap::new(), refused: Default::default() }
+    }
+
     /// One entry heard; whether the set changed.
-    fn heard(&mut self, entry: &kv::Entry, source: &str) -> bool {
+    fn heard(&mut self, entry: &kv::Entry, sink: &Sink) -> bool {
         match entry.operation {
-            kv::Operation::Put => match parse_entry(&entry.value) {
+            kv::Operation::Put => match self.verifier.verify(&entry.key, &entry.value) {
                 Ok(spec) => {
-                    let full = self.entries.len() >= MAX_MEMBERS_PER_SOURCE * 4;
+                    // At the bound, the members held stay and a newcomer waits (counted once).
+                    let full = self.entries.len() >= MAX_MEMBERS_PER_SOURCE;
                     if full && !self.entries.contains_key(&entry.key) {
+                        self.refuse(&entry.key, sink, &"the members' bound is reached");
                         return false;
                     }
+                    self.refused.remove(&entry.key);
                     let old =
                         self.entries.insert(entry.key.clone(), (spec.clone(), Instant::now()));
                     old.is_none_or(|(o, _)| o != spec)
                 }
                 Err(err) => {
-                    if self.refused.len() < MAX_MEMBERS_PER_SOURCE
-                        && self.refused.insert(entry.key.clone())
-                    {
-                        tracing::warn!(source, key = %entry.key, %err, "a registration that is no worker: ignored");
-                    }
-                    self.entries.remove(&entry.key).is_some()
+                    // A value that cannot be verified changes nothing: a member written over
+                    // stays until its own registration lapses or is deleted.
+                    self.refuse(&entry.key, sink, &err);
+                    false
                 }
             },
             kv::Operation::Delete | kv::Operation::Purge => {
                 self.entries.remove(&entry.key).is_some()
+            }
+        }
+    }
+
+    /// A refused registration: counted and logged the first time its key is refused.
+    fn refuse(&mut self, key: &str, sink: &Sink, why: &dyn std::fmt::Display) {
+        if self.refused.len() < MAX_REFUSED_KEYS && self.refused.insert(key.to_owned()) {
+            sink.count_refused(1);
+            if self.refused.len() <= MAX_MEMBERS_PER_SOURCE {
+                tracing::warn!(source = sink.source(), key, %why, "a registration refused");
             }
         }
     }
@@ -181,7 +217,7 @@ impl BucketSource {
     async fn follow(&self, sink: &Sink) -> Result<(), BucketError> {
         let store = open(&self.config).await?;
         let mut watch = store.watch_with_history(">").await.map_err(nats_error)?;
-        let mut held = Registrations::default();
+        let mut held = Registrations::new(self.config.verifier());
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         // The history comes first; its end (or an empty bucket) is when the set is known.
         let mut current = store.status().await.map_err(nats_error)?.values() == 0;
@@ -193,7 +229,7 @@ impl BucketSource {
                 next = watch.next() => {
                     let Some(entry) = next else { return Ok(()) };
                     let entry = entry.map_err(nats_error)?;
-                    let changed = held.heard(&entry, sink.source());
+                    let changed = held.heard(&entry, sink);
                     current |= entry.delta == 0 || entry.seen_current;
                     if current && (changed || entry.delta == 0) {
                         sink.offer(held.specs());
@@ -209,32 +245,32 @@ impl BucketSource {
     }
 }
 
-/// Keeps `spec` registered under `key` until `stop` resolves, renewed every third of the
-/// time to live; then deletes the registration (the routers drain the worker at once).
+/// Keeps `spec` registered (under `w<id>`, the id made from its URL) until `stop` resolves,
+/// signed anew with the fleet's key and renewed every third of the time to live; then deletes
+/// the registration (the routers drain the worker at once).
 pub async fn register(
     config: &BucketConfig,
-    key: &str,
     spec: &serde_json::Value,
     stop: impl Future<Output = ()>,
 ) -> Result<(), BucketError> {
-    let value = bytes::Bytes::from(
-        serde_json::to_vec(spec).map_err(|e| BucketError::Entry(e.to_string()))?,
-    );
-    parse_entry(&value)?;
+    let signed =
+        || sign(&config.key, &config.bucket, spec).map_err(|e| BucketError::Entry(e.to_string()));
+    let (key, _) = signed()?;
     let store = open(config).await?;
     let mut tick = tokio::time::interval(config.ttl / 3);
     tokio::pin!(stop);
     loop {
         tokio::select! {
             _ = tick.tick() => {
-                if let Err(err) = store.put(key, value.clone()).await {
+                let (_, value) = signed()?;
+                if let Err(err) = store.put(key.as_str(), value.into()).await {
                     tracing::warn!(%err, key, "registration not renewed; trying again");
                 }
             }
             () = &mut stop => break,
         }
     }
-    store.delete(key).await.map_err(nats_error)?;
+    store.delete(key.as_str()).await.map_err(nats_error)?;
     tracing::info!(key, "registration deleted");
     Ok(())
 }

@@ -30,6 +30,8 @@ pub enum JoinError {
     EventsVia { worker: WorkerId, via: &'static str },
     #[error("the event plane cannot start: {0}")]
     Plane(#[from] std::io::Error),
+    #[error("the fleet holds its most workers ({0}, --max-workers): drain or remove one first")]
+    Full(usize),
 }
 
 /// A worker joins the fleet while the router runs (see [`crate::members`]). With a front door
@@ -64,6 +66,9 @@ fn check(state: &RouterState, spec: &WorkerSpec) -> Result<(), JoinError> {
     }
     if state.roster.get(spec.id).is_some() {
         return Err(JoinError::Known(spec.id));
+    }
+    if state.roster.len() >= state.config.max_workers {
+        return Err(JoinError::Full(state.config.max_workers));
     }
     Ok(())
 }

@@ -15,9 +15,14 @@ use super::change::{JoinError, drain, join};
 use crate::config::WorkerSpec;
 use crate::state::RouterState;
 
-/// Most members one source may bring: a larger set (a DNS answer of ten thousand addresses)
-/// is cut to the lowest ids, the same cut on every replica, counted and logged once.
+/// Most members one source may bring: from a larger set (a DNS answer of ten thousand
+/// addresses, a flood of registrations) the members already held are kept and the newcomers
+/// with the lowest ids fill what is left, the same cut on every replica that holds the same
+/// members; each worker cut or refused is counted once.
 pub const MAX_MEMBERS_PER_SOURCE: usize = 1024;
+
+/// Most workers remembered as refused or cut (each counted once); past it, no more are counted.
+const MAX_COUNTED: usize = 64 * 1024;
 
 /// A source of the fleet's members.
 pub trait Source: Send + 'static {
@@ -34,8 +39,8 @@ pub struct Sink {
     state: Arc<RouterState>,
     source: String,
     drain_timeout: Duration,
-    /// Workers whose refusal was logged (each once); bounded by the members' bound.
-    logged: Mutex<BTreeSet<WorkerId>>,
+    /// Workers refused or cut, each counted (and, up to the members' bound, logged) once.
+    counted: Mutex<BTreeSet<WorkerId>>,
     cut_logged: AtomicBool,
 }
 
@@ -55,7 +60,7 @@ impl Sink {
             state,
             source: source.to_owned(),
             drain_timeout,
-            logged: Mutex::default(),
+            counted: Mutex::default(),
             cut_logged: AtomicBool::new(false),
         }
     }
@@ -70,11 +75,24 @@ impl Sink {
         let mut out = Offered::default();
         desired.sort_by_key(|w| w.id);
         desired.dedup_by_key(|w| w.id);
+        let mut newly = 0;
         if desired.len() > MAX_MEMBERS_PER_SOURCE {
-            out.cut = desired.len() - MAX_MEMBERS_PER_SOURCE;
-            desired.truncate(MAX_MEMBERS_PER_SOURCE);
+            // The members held first (a flood cannot push one out), then newcomers by id.
+            let held: BTreeSet<WorkerId> = self
+                .state
+                .roster
+                .of_source(&self.source)
+                .iter()
+                .filter(|m| !m.draining)
+                .map(|m| m.spec.id)
+                .collect();
+            desired.sort_by_key(|w| (!held.contains(&w.id), w.id));
+            let cut = desired.split_off(MAX_MEMBERS_PER_SOURCE);
+            out.cut = cut.len();
+            newly += cut.iter().filter(|w| self.first_time(w.id)).count();
+            desired.sort_by_key(|w| w.id);
             if !self.cut_logged.swap(true, Ordering::Relaxed) {
-                tracing::warn!(source = %self.source, cut = out.cut, bound = MAX_MEMBERS_PER_SOURCE, "a source lists more workers than the bound: the lowest ids are kept");
+                tracing::warn!(source = %self.source, cut = out.cut, bound = MAX_MEMBERS_PER_SOURCE, "a source lists more workers than the bound: the members held are kept, newcomers wait");
             }
         }
         let wanted: BTreeSet<WorkerId> = desired.iter().map(|w| w.id).collect();
@@ -95,22 +113,36 @@ impl Sink {
                 Ok(()) => out.joined.push(spec.id),
                 Err(err) => {
                     out.refused += 1;
-                    self.refused(spec.id, &err);
+                    newly += usize::from(self.refused(spec.id, &err));
                 }
             }
         }
         let m = &self.state.metrics;
         m.membership(&self.source, "joined", out.joined.len());
         m.membership(&self.source, "drained", out.drained.len());
-        m.membership(&self.source, "refused", out.refused + out.cut);
+        m.membership(&self.source, "refused", newly);
         out
     }
 
-    fn refused(&self, worker: WorkerId, err: &JoinError) {
-        let mut logged = self.logged.lock().unwrap_or_else(PoisonError::into_inner);
-        if logged.len() < MAX_MEMBERS_PER_SOURCE && logged.insert(worker) {
+    /// Counts `n` refusals the source made itself (a registration it could not verify).
+    pub fn count_refused(&self, n: usize) {
+        self.state.metrics.membership(&self.source, "refused", n);
+    }
+
+    /// Whether `worker` is refused or cut for the first time (then it is counted).
+    fn first_time(&self, worker: WorkerId) -> bool {
+        let mut counted = self.counted.lock().unwrap_or_else(PoisonError::into_inner);
+        counted.len() < MAX_COUNTED && counted.insert(worker)
+    }
+
+    /// A refusal: whether it is the first for `worker` (then it is counted and logged).
+    fn refused(&self, worker: WorkerId, err: &JoinError) -> bool {
+        let first = self.first_time(worker);
+        let logged = self.counted.lock().unwrap_or_else(PoisonError::into_inner).len();
+        if first && logged <= MAX_MEMBERS_PER_SOURCE {
             tracing::warn!(source = %self.source, %worker, %err, "a worker the source lists cannot join");
         }
+        first
     }
 }
 
@@ -157,9 +189,31 @@ mod tests {
             "the same cut: nothing changes"
         );
         assert_eq!(state.workers().len(), MAX_MEMBERS_PER_SOURCE);
-        assert!(state.render_metrics().contains(
-            "kvroute_router_membership_changes_total{source=\"dns\",change=\"refused\"} 17952"
-        ));
+        assert!(
+            state.render_metrics().contains(
+                "kvroute_router_membership_changes_total{source=\"dns\",change=\"refused\"} 8976"
+            ),
+            "each worker cut is counted once, not at every look"
+        );
+    }
+
+    #[test]
+    fn at_the_bound_the_members_held_stay_and_lower_ids_wait() {
+        let state = Arc::new(RouterState::new(RouterConfig::default()));
+        let sink = Sink::new(Arc::clone(&state), "nats", Duration::from_secs(1));
+        // Ten real workers, with the highest ids.
+        let real: Vec<WorkerSpec> = (5000..5010).map(worker).collect();
+        assert_eq!(sink.offer(real.clone()).joined.len(), 10);
+        // A flood of 2,000 newcomers whose ids are all lower.
+        let mut flood: Vec<WorkerSpec> = (0..2000).map(worker).collect();
+        flood.extend(real.iter().cloned());
+        let offered = sink.offer(flood.clone());
+        assert!(offered.drained.is_empty(), "nobody held is pushed out: {:?}", offered.drained);
+        assert_eq!(offered.joined.len(), MAX_MEMBERS_PER_SOURCE - 10);
+        for w in &real {
+            assert!(!state.roster.get(w.id).unwrap().draining);
+        }
+        assert_eq!(sink.offer(flood).joined.len(), 0, "the same cut again");
     }
 
     #[tokio::test]

@@ -85,6 +85,15 @@ impl Roster {
         lock(&self.table).members.get(&worker).cloned()
     }
 
+    /// How many members there are (draining ones included).
+    pub fn len(&self) -> usize {
+        lock(&self.table).members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The members a source brought.
     pub fn of_source(&self, source: &str) -> Vec<Member> {
         lock(&self.table).members.values().filter(|m| m.source == source).cloned().collect()

@@ -22,8 +22,8 @@ use kvroute_router::nats::{DEFAULT_SNAPSHOT_EVERY, EventsVia, NatsConfig};
 use super::groups::Routing;
 use super::{
     DEFAULT_HOST, DEFAULT_READY_TIMEOUT_SECS, DEFAULT_SIMULATED_WORKERS, ENV_ADMIN_TOKEN,
-    ENV_API_KEYS, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN, ENV_TENANT_SALT, Invalid,
-    Settings,
+    ENV_API_KEYS, ENV_MEMBERS_KEY, ENV_NATS_PASSWORD, ENV_NATS_TOKEN, ENV_ROUTER_TOKEN,
+    ENV_TENANT_SALT, Invalid, Settings,
 };
 use crate::{Access, SharedStore, Simulated, StackConfig, StackError};
 
@@ -82,8 +82,13 @@ impl Settings {
 
     /// `host:port`, with `default_port`.
     pub fn address(&self, default_port: u16) -> String {
+        self.address_on(self.listen.port.unwrap_or(default_port))
+    }
+
+    /// `--host` with `port` (another listener's: the picker's, its health's), whatever
+    /// `--port` says.
+    pub fn address_on(&self, port: u16) -> String {
         let host = self.listen.host.as_deref().unwrap_or(DEFAULT_HOST);
-        let port = self.listen.port.unwrap_or(default_port);
         match host.contains(':') && !host.starts_with('[') {
             true => format!("[{host}]:{port}"),
             false => format!("{host}:{port}"),
@@ -222,6 +227,7 @@ impl Settings {
             max_dp_size: r.max_dp_size.unwrap_or(d.max_dp_size),
             zmq_max_message_bytes: r.zmq_max_message_bytes.unwrap_or(d.zmq_max_message_bytes),
             decision_log: self.decision_log()?,
+            max_workers: self.membership.max_workers.unwrap_or(d.max_workers).max(1),
             approx: ApproxConfig {
                 ttl: match r.approx_ttl {
                     Some(t) => secs(t, "approx_ttl")?,
@@ -534,9 +540,31 @@ impl Settings {
             let nats = self.nats_config(|name| std::env::var(name).ok())?;
             let nats = nats.ok_or(Invalid::BucketWithoutNats)?;
             let ttl = secs(m.members_ttl_secs, d.members_ttl_secs).max(Duration::from_secs(1));
-            discovery.bucket = Some(BucketConfig { nats, bucket: bucket.clone(), ttl });
+            let key = self.members_key(|name| std::env::var(name).ok())?;
+            let allow = m
+                .members_allow
+                .iter()
+                .map(|r| r.parse())
+                .collect::<Result<_, kvroute_router::members::RegistrationError>>()
+                .map_err(|e| Invalid::MembersKey(e.to_string()))?;
+            discovery.bucket = Some(BucketConfig { nats, bucket: bucket.clone(), ttl, key, allow });
         }
         Ok(discovery)
+    }
+
+    /// The fleet's registration key: `--members-key-file`'s bytes, else `KVROUTE_MEMBERS_KEY`.
+    pub(super) fn members_key(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<kvroute_router::members::MembersKey, StackError> {
+        use kvroute_router::members::MembersKey;
+        let secret = match (&self.membership.members_key_file, env(ENV_MEMBERS_KEY)) {
+            (Some(path), _) => std::fs::read(path)
+                .map_err(|source| Invalid::ReadSecret { path: path.clone(), source })?,
+            (None, Some(secret)) => secret.into_bytes(),
+            (None, None) => return Err(Invalid::BucketWithoutKey.into()),
+        };
+        MembersKey::from_secret(&secret).map_err(|e| Invalid::MembersKey(e.to_string()).into())
     }
 
     /// The simulated engines' seed.

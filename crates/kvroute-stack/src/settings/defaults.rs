@@ -14,6 +14,8 @@ pub const DEFAULT_MOCKER_PORT: u16 = 8100;
 /// no key shows in `ps` or `--print-config`).
 pub const ENV_API_KEYS: &str = "KVROUTE_API_KEYS";
 pub const ENV_ADMIN_TOKEN: &str = "KVROUTE_ADMIN_TOKEN";
+/// The fleet's registration key, when not in `--members-key-file`.
+pub const ENV_MEMBERS_KEY: &str = "KVROUTE_MEMBERS_KEY";
 pub const ENV_TENANT_SALT: &str = "KVROUTE_TENANT_SALT";
 pub const ENV_EXT_PROC_TOKEN: &str = "KVROUTE_EXT_PROC_TOKEN";
 pub const ENV_ROUTER_TOKEN: &str = "KVROUTE_ROUTER_TOKEN";

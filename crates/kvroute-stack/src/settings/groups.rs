@@ -65,7 +65,8 @@ pub struct Listen {
 pub struct Security {
     /// File holding the admin token (first line): the router's API (events, lifecycle, debug,
     /// status) and /metrics then need `Authorization: Bearer <token>`. Or the token itself in
-    /// KVROUTE_ADMIN_TOKEN.
+    /// KVROUTE_ADMIN_TOKEN. Adding, draining or removing a worker (`POST /workers`, ...) needs
+    /// it always: without one, those routes are closed.
     #[arg(long)]
     pub admin_token_file: Option<PathBuf>,
     /// PEM certificate chain to serve HTTPS with (with --tls-key); leave both out when a proxy
@@ -479,9 +480,24 @@ pub struct Membership {
     /// of it): a worker whose sidecar stops is drained after this.
     #[arg(long)]
     pub members_ttl_secs: Option<u64>,
+    /// The fleet's registration key (a file of at least 16 secret bytes; or the secret in
+    /// KVROUTE_MEMBERS_KEY), needed with --members-bucket: `kvroute register` signs with it,
+    /// and a router takes only registrations it signed, fresh, under their worker's own key
+    /// (docs/security.md, "The control plane").
+    #[arg(long)]
+    pub members_key_file: Option<PathBuf>,
+    /// Address ranges a registered worker's endpoints must all be in (comma-separated, e.g.
+    /// 10.0.0.0/8,fd00::/8); absent: any address.
+    #[arg(long, value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members_allow: Vec<String>,
     /// Seconds a draining worker's requests may run before it is removed all the same.
     #[arg(long)]
     pub drain_timeout_secs: Option<u64>,
+    /// Most workers at once, from every source together (--worker, the admin API, DNS, the
+    /// bucket, Kubernetes): a join past it is refused and the members stay.
+    #[arg(long)]
+    pub max_workers: Option<usize>,
     /// A Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) whose
     /// ready pods are the workers, watched through the Kubernetes API with the pod's service
     /// account (get inferencepools; list and watch pods): each by --worker-template, {host} its
@@ -494,6 +510,12 @@ pub struct Membership {
 }
 
 impl Membership {
+    /// Whether a source of members is named (DNS, the bucket, Kubernetes): a fleet may then
+    /// start with no configured worker.
+    pub fn has_source(&self) -> bool {
+        self.discover_dns.is_some() || self.members_bucket.is_some() || self.kube_pool.is_some()
+    }
+
     /// The membership group's defaults: the members' library's.
     pub(super) fn defaults() -> Self {
         use kvroute_router::members;
@@ -501,6 +523,7 @@ impl Membership {
             discover_every_ms: Some(members::DNS_EVERY.as_millis() as u64),
             members_ttl_secs: Some(members::MEMBERS_TTL.as_secs()),
             drain_timeout_secs: Some(members::DRAIN_TIMEOUT.as_secs()),
+            max_workers: Some(kvroute_router::config::DEFAULT_MAX_WORKERS),
             ..Membership::default()
         }
     }

@@ -46,6 +46,12 @@ pub enum Invalid {
     DnsServer(String),
     #[error("--members-bucket needs --nats-url (the server the bucket is on)")]
     BucketWithoutNats,
+    #[error(
+        "--members-bucket needs the fleet's registration key (--members-key-file or KVROUTE_MEMBERS_KEY): without it, whoever can write to the bucket could add a worker"
+    )]
+    BucketWithoutKey,
+    #[error("the registration key: {0}")]
+    MembersKey(String),
     #[error("--model-priority {0:?}: expected NAME=PRIORITY, PRIORITY an integer from -100 to 100")]
     ModelPriority(String),
     #[error("{0} must be at least 1")]

@@ -63,12 +63,8 @@ pub(crate) fn run(args: &FrontendArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let (runtime, telemetry) = super::started(&settings.tracing, "frontend")?;
-    let m = &settings.membership;
     anyhow::ensure!(
-        !settings.routing.workers.is_empty()
-            || m.discover_dns.is_some()
-            || m.members_bucket.is_some()
-            || m.kube_pool.is_some(),
+        !settings.routing.workers.is_empty() || settings.membership.has_source(),
         "no workers: give --worker id=..,url=.., --discover-dns, --members-bucket or --kube-pool"
     );
     settings.take_engines_block_size()?;

@@ -21,8 +21,43 @@ pub(crate) fn decorated(command: clap::Command) -> clap::Command {
         ("mocker", DEFAULT_MOCKER_PORT),
     ];
     ports.into_iter().fold(command, |command, (name, port)| {
-        command.mut_subcommand(name, |sub| decorate(sub, &Settings::defaults(port)))
+        command.mut_subcommand(name, |sub| short_help(decorate(sub, &Settings::defaults(port))))
     })
+}
+
+/// The flags `-h` shows: the ones a newcomer needs first (where to listen, which workers, a
+/// config file); `--help` shows every flag, by group.
+const FIRST_FLAGS: &[&str] = &[
+    "host",
+    "port",
+    "simulated_workers",
+    "speedup",
+    "workers",
+    "router_url",
+    "model_path",
+    "policy",
+    "admin_token_file",
+    "api_keys_file",
+    "config",
+    "print_config",
+    "help",
+    "version",
+];
+
+/// `-h` lists [`FIRST_FLAGS`] only, and says where the rest are.
+fn short_help(mut command: clap::Command) -> clap::Command {
+    let ids: Vec<String> = command.get_arguments().map(|a| a.get_id().to_string()).collect();
+    let all = ids.len();
+    // Every argument in turn (clap moves an argument it changes to the end).
+    for id in ids {
+        let first = FIRST_FLAGS.contains(&id.as_str());
+        command = command.mut_arg(&id, |arg| arg.hide_short_help(!first));
+    }
+    command
+        .after_help(format!(
+            "-h shows the flags to start with; --help shows all {all}, each also an environment variable (KVROUTE_<FLAG>) and a key of --config's file."
+        ))
+        .after_long_help("Each setting is also an environment variable (KVROUTE_<FLAG>) and a key of --config's file (snake_case).")
 }
 
 /// Writes the ready line (and a hint) to stdout. A closed stdout (`kvroute serve | head -1`)
@@ -109,12 +144,10 @@ pub(crate) async fn start_picker(
         }
         picker.watch(path.clone(), Duration::from_secs(2));
     }
-    let mut address = settings.clone();
-    address.listen.port = Some(port);
-    let listener = bind(&address.address(port)).await?;
+    let listener = bind(&settings.address_on(port)).await?;
     let local = listener.local_addr()?;
     let health = match settings.gateway.ext_proc_health_port {
-        Some(port) => Some(bind(&address.address(port)).await?),
+        Some(port) => Some(bind(&settings.address_on(port)).await?),
         None => None,
     };
     let mut lines =

@@ -31,21 +31,23 @@ pub(crate) fn run(args: &RegisterArgs) -> anyhow::Result<ExitCode> {
         anyhow::bail!("kvroute register needs --members-bucket and --nats-url");
     };
     let spec = registration(&args.worker)?;
-    let key = format!("w{}", kvroute_router::members::parse_entry(&serde_json::to_vec(&spec)?)?.id);
+    let key = kvroute_router::members::signed::sign(&bucket.key, &bucket.bucket, &spec)?.0;
     super::runtime()?.block_on(async move {
         tracing::info!(bucket = %bucket.bucket, %key, ttl_secs = bucket.ttl.as_secs(), "registering the worker");
-        kvroute_router::members::register(&bucket, &key, &spec, super::shutdown_signal()).await
+        kvroute_router::members::register(&bucket, &spec, super::shutdown_signal()).await
     })?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// A `--worker` description as the bucket holds it: JSON, the id left out unless given, and
-/// never a token (the bucket is shared; a worker that needs one gets it from the routers'
-/// own configuration).
+/// A `--worker` description as the bucket holds it: JSON, without an id (the routers make it
+/// from the URL) and never with a token (the bucket is shared; a worker that needs one gets
+/// it from the routers' own configuration).
 fn registration(text: &str) -> anyhow::Result<serde_json::Value> {
     let has_id = text.split(',').filter_map(|p| p.split_once('=')).any(|(k, _)| k.trim() == "id");
-    let with_id = if has_id { text.to_owned() } else { format!("id=0,{text}") };
-    let spec: kvroute_router::WorkerSpec = with_id.parse()?;
+    if has_id {
+        anyhow::bail!("a registered worker's id is made from its url: leave id out of --worker");
+    }
+    let spec: kvroute_router::WorkerSpec = format!("id=0,{text}").parse()?;
     if spec.api_key.is_some() {
         anyhow::bail!("a worker's token does not belong in the shared bucket");
     }
@@ -53,7 +55,7 @@ fn registration(text: &str) -> anyhow::Result<serde_json::Value> {
         anyhow::bail!("--worker needs a url (or events)");
     }
     let mut json = serde_json::to_value(&spec)?;
-    if let (false, Some(object)) = (has_id, json.as_object_mut()) {
+    if let Some(object) = json.as_object_mut() {
         object.remove("id");
     }
     Ok(json)
@@ -69,7 +71,7 @@ mod tests {
         assert!(r.get("id").is_none());
         let spec = kvroute_router::members::parse_entry(&serde_json::to_vec(&r).unwrap()).unwrap();
         assert_eq!(spec.id, kvroute_router::members::id_for("http://10.0.0.1:8000"));
-        assert_eq!(registration("id=4,url=http://a:1").unwrap()["id"], 4);
+        assert!(registration("id=4,url=http://a:1").is_err());
         assert!(registration("url=http://a:1,api_key=x").is_err());
         assert!(registration("dialect=openai-chat").is_err());
     }

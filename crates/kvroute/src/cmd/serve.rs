@@ -77,8 +77,10 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let pd = settings.simulated.prefill_workers.unwrap_or(0)
         + settings.simulated.decode_workers.unwrap_or(0);
     anyhow::ensure!(
-        simulated + pd > 0 || !settings.routing.workers.is_empty(),
-        "no workers: use --simulated-workers N, --prefill-workers P --decode-workers D, or --worker ..."
+        simulated + pd > 0
+            || !settings.routing.workers.is_empty()
+            || settings.membership.has_source(),
+        "no workers: use --simulated-workers N, --prefill-workers P --decode-workers D, --worker ..., or a source of members (--discover-dns, --members-bucket, --kube-pool)"
     );
     settings.take_engines_block_size()?;
     let mut config = settings.stack_config(simulated, true)?;
