@@ -38,11 +38,16 @@ pub struct ReloadSource {
     /// Workers the file does not list but the configuration's source holds (the stack's
     /// simulated ones).
     also: Vec<WorkerSpec>,
+    /// The file as the stack started with it: taken here, not when the task first runs, so
+    /// a change made right after the start is not taken for the starting point.
+    seen: Option<(SystemTime, u64)>,
 }
 
 impl ReloadSource {
     pub fn new(reload: Reload, also: Vec<WorkerSpec>) -> Self {
-        Self { reload, also }
+        let mut source = Self { reload, also, seen: None };
+        source.seen = source.stamp();
+        source
     }
 
     fn stamp(&self) -> Option<(SystemTime, u64)> {
@@ -58,7 +63,7 @@ impl Source for ReloadSource {
 
     fn run(self: Box<Self>, sink: Sink) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         Box::pin(async move {
-            let mut seen = self.stamp();
+            let mut seen = self.seen;
             loop {
                 tokio::time::sleep(EVERY).await;
                 let now = self.stamp();

@@ -212,19 +212,32 @@ async fn an_answer_of_many_addresses_is_cut_to_the_bound() {
     assert_eq!(router.workers().len(), MAX_MEMBERS_PER_SOURCE, "the same cut each round");
 }
 
+/// A bucket on `server` under a registration key of the test's own.
+fn bucket_config(
+    server: &kvroute_stack::nats_server::NatsServer,
+    ttl: Duration,
+) -> kvroute_router::members::BucketConfig {
+    kvroute_router::members::BucketConfig {
+        nats: kvroute_router::nats::NatsConfig::new(server.url()),
+        bucket: "kvroute_members".into(),
+        ttl,
+        key: kvroute_router::members::MembersKey::from_secret(b"the test fleet's own key").unwrap(),
+        allow: Vec::new(),
+    }
+}
+
 /// Two routers (a replica and a picker's embedded one alike) watch one bucket on a real
 /// `nats-server`: a worker a sidecar registers joins both within the bound, one deleted leaves
 /// both, one whose renewals stop expires, and a garbage entry is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
-    use kvroute_router::members::{BucketConfig, BucketSource, register};
-    use kvroute_router::nats::NatsConfig;
+    use kvroute_router::members::signed::sign;
+    use kvroute_router::members::{BucketSource, register};
     use kvroute_stack::nats_server::NatsServer;
     let dir = tempdir::Dir::new("bucket");
     let server = NatsServer::start(&dir.0.join("store"), 0).await.unwrap();
     let ttl = Duration::from_secs(2);
-    let bucket =
-        BucketConfig { nats: NatsConfig::new(server.url()), bucket: "kvroute_members".into(), ttl };
+    let bucket = bucket_config(&server, ttl);
     // Two router replicas, and two pickers (each a stack's embedded router), on one bucket.
     let mut routers: Vec<Arc<RouterState>> =
         (0..2).map(|_| Arc::new(RouterState::new(RouterConfig::default()))).collect();
@@ -257,7 +270,7 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
     let sidecar = {
         let bucket = bucket.clone();
         tokio::spawn(async move {
-            register(&bucket, "w1", &spec, async {
+            register(&bucket, &spec, async {
                 let _ = stopped.await;
             })
             .await
@@ -310,7 +323,9 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
     eprintln!("a sidecar stopping: the worker left all four within {:?}", stopped_at.elapsed());
 
     // A registration never renewed expires after its time to live.
-    kv.put("w2", bytes::Bytes::from_static(b"{\"url\":\"http://127.0.9.21:9\"}")).await.unwrap();
+    let (key, value) =
+        sign(&bucket.key, &bucket.bucket, &json!({"url": "http://127.0.9.21:9"})).unwrap();
+    kv.put(key, value.into()).await.unwrap();
     let id2 = kvroute_router::members::id_for("http://127.0.9.21:9");
     assert!(
         eventually(Duration::from_secs(5), || routers.iter().all(|r| r.fleet.knows_worker(id2)))
@@ -410,15 +425,15 @@ async fn the_configuration_files_workers_are_followed_when_it_changes() {
     let knows = |id: u64| router.fleet.knows_worker(kvroute_core::WorkerId(id));
     assert!(knows(50) && knows(simulated));
     // The waits are generous: a CI run of the whole suite on 2 cores once took over 10 s.
-    std::fs::write(&path, table(50, &a) + &table(51, &b)).unwrap();
-    assert!(eventually(Duration::from_secs(30), || knows(51)).await, "an added worker joins");
-    std::fs::write(&path, table(51, &b)).unwrap();
+    std::fs::write(&path, table(50, &a) + &table(70, &b)).unwrap();
+    assert!(eventually(Duration::from_secs(30), || knows(70)).await, "an added worker joins");
+    std::fs::write(&path, table(70, &b)).unwrap();
     assert!(eventually(Duration::from_secs(30), || !knows(50)).await, "a removed worker leaves");
-    assert!(knows(51) && knows(simulated), "the others stay");
+    assert!(knows(70) && knows(simulated), "the others stay");
     // A file that no longer parses changes nothing.
     std::fs::write(&path, "[[workers]]\nid = \"x\"\n").unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(knows(51) && knows(simulated));
+    assert!(knows(70) && knows(simulated));
 }
 
 /// The picker's endpoints file keeps narrowing the pool, and with a worker template what it
@@ -460,4 +475,119 @@ async fn the_pickers_endpoints_file_adds_workers_through_the_template() {
 
 fn is_ready(router: &RouterState, id: kvroute_core::WorkerId) -> bool {
     router.workers().iter().any(|w| w.id == id && w.ready.iter().all(|r| *r))
+}
+
+/// The members' bucket under attack (#77), on a real `nats-server`: with write access to the
+/// bucket and without the fleet's key, unsigned, forged and moved registrations never join;
+/// an old registration written again is stale; a value's own `id` is ignored; 2,000 signed
+/// newcomers at the bound push none of the real workers out; each refused key is counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_writer_to_the_bucket_cannot_take_the_fleet() {
+    use kvroute_router::members::signed::{sign, sign_at};
+    use kvroute_router::members::{BucketSource, MembersKey, id_for, register};
+    use kvroute_stack::nats_server::NatsServer;
+    let dir = tempdir::Dir::new("hostile-bucket");
+    let server = NatsServer::start(&dir.0.join("store"), 0).await.unwrap();
+    let bucket = bucket_config(&server, Duration::from_secs(10));
+    let router = Arc::new(RouterState::new(RouterConfig::default()));
+    let _source =
+        spawn_source(&router, Box::new(BucketSource::new(bucket.clone())), Duration::from_secs(5));
+    // Two real workers, each kept by its sidecar.
+    let real: Vec<String> = (30..32).map(|k| format!("http://127.0.9.{k}:9")).collect();
+    let mut sidecars = Vec::new();
+    for url in &real {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (bucket, spec) = (bucket.clone(), json!({ "url": url }));
+        tokio::spawn(async move {
+            register(&bucket, &spec, async {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        sidecars.push(stop);
+    }
+    let real_ids: Vec<_> = real.iter().map(|u| id_for(u)).collect();
+    let has_real = |r: &RouterState| real_ids.iter().all(|id| r.fleet.knows_worker(*id));
+    assert!(eventually(Duration::from_secs(10), || has_real(&router)).await);
+
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let kv = async_nats::jetstream::new(client).get_key_value("kvroute_members").await.unwrap();
+    let mine = "http://127.0.9.66:9";
+    let mine_id = id_for(mine);
+    // Unsigned, the way a worker used to be written (and with a real worker's id).
+    let plain = json!({"id": real_ids[0].0, "url": mine}).to_string();
+    kv.put(format!("w{mine_id}"), plain.clone().into()).await.unwrap();
+    kv.put(format!("w{}", real_ids[0]), plain.into()).await.unwrap();
+    // Signed with a key that is not the fleet's.
+    let other = MembersKey::from_secret(b"a key the attacker made up").unwrap();
+    let (key, forged) = sign(&other, &bucket.bucket, &json!({"url": mine})).unwrap();
+    kv.put(key, forged.into()).await.unwrap();
+    // A real registration moved under another key: the first real worker's, holding mine.
+    let (_, value) = sign(&bucket.key, &bucket.bucket, &json!({"url": mine})).unwrap();
+    kv.put(format!("w{}", real_ids[1]), value.into()).await.unwrap();
+    // A registration of mine made (signed) a minute ago, written again now: stale.
+    let minute_ago =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis()
+            as u64
+            - 60_000;
+    let (key, old) =
+        sign_at(&bucket.key, &bucket.bucket, &json!({"url": mine}), minute_ago).unwrap();
+    kv.put(key, old.into()).await.unwrap();
+    // A fresh, signed registration whose value names a real worker's id: the id is ignored.
+    let named = json!({"id": real_ids[0].0, "url": "http://127.0.9.67:9"});
+    let (key, value) = sign(&bucket.key, &bucket.bucket, &named).unwrap();
+    kv.put(key, value.into()).await.unwrap();
+    let named_id = id_for("http://127.0.9.67:9");
+    assert!(eventually(Duration::from_secs(10), || router.fleet.knows_worker(named_id)).await);
+    assert!(
+        !router.fleet.knows_worker(mine_id),
+        "no unsigned, forged, moved or stale entry joined"
+    );
+    let urls: Vec<Option<String>> = router.workers().iter().map(|w| w.url.clone()).collect();
+    assert!(has_real(&router), "the real workers stay: {urls:?}");
+    for id in &real_ids {
+        let w = router.workers().into_iter().find(|w| w.id == *id).unwrap();
+        assert!(real.contains(w.url.as_ref().unwrap()), "{id} still points at its engine: {w:?}");
+    }
+
+    // A flood: 2,000 registrations signed with the fleet's key (a leaked key, at worst).
+    for k in 0..2000u32 {
+        let url = format!("http://127.1.{}.{}:9", k / 250, k % 250 + 1);
+        let (key, value) = sign(&bucket.key, &bucket.bucket, &json!({ "url": url })).unwrap();
+        kv.put(key, value.into()).await.unwrap();
+    }
+    let bound = kvroute_router::members::MAX_MEMBERS_PER_SOURCE;
+    assert!(eventually(Duration::from_secs(20), || router.workers().len() == bound).await);
+    assert!(has_real(&router), "2,000 newcomers at the bound push no real worker out");
+    let refused = |r: &RouterState| {
+        let text = r.render_metrics();
+        let line = text
+            .lines()
+            .find(|l| {
+                l.starts_with(
+                    "kvroute_router_membership_changes_total{source=\"nats\",change=\"refused\"}",
+                )
+            })
+            .map(str::to_owned);
+        line.and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    // Refused before the flood, counted by key: mine's (unsigned, forged, stale: one key) and
+    // the two real workers' keys written over (unsigned, moved); then, of the 2,003 signed
+    // registrations, what did not fit the bound.
+    let expected = (3 + 2003 - bound) as f64;
+    assert!(
+        eventually(Duration::from_secs(10), || refused(&router) == expected).await,
+        "{}",
+        refused(&router)
+    );
+    // The same keys written again: not counted again.
+    for k in 0..50u32 {
+        let url = format!("http://127.1.{}.{}:9", k / 250, k % 250 + 1);
+        let (key, value) = sign(&bucket.key, &bucket.bucket, &json!({ "url": url })).unwrap();
+        kv.put(key, value.into()).await.unwrap();
+    }
+    kv.put(format!("w{mine_id}"), json!({"url": mine}).to_string().into()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(refused(&router), expected, "each refused key is counted once");
+    drop(sidecars);
 }
