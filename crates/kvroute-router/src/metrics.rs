@@ -50,6 +50,7 @@ pub const NATS_CONNECTED: &str = "kvroute_nats_connected";
 pub const REPLICA_MESSAGES: &str = "kvroute_replica_messages";
 pub const REPLICA_PEERS: &str = "kvroute_replica_peers";
 pub const REPLICA_EXPIRED: &str = "kvroute_replica_expired_requests";
+pub const RECONCILED: &str = "kvroute_router_reconciled_requests";
 pub const REPLICA_AGREEMENT: &str = "kvroute_replica_agreement";
 pub const STREAM_MESSAGES: &str = "kvroute_stream_messages";
 pub const STREAM_SEQUENCE: &str = "kvroute_stream_applied_sequence";
@@ -125,6 +126,8 @@ pub struct Metrics {
     replica_messages: Family<OutcomeLabels, Counter>,
     pub replica_peers: Gauge,
     pub replica_expired: Counter,
+    /// Placements freed because their engine's load reports never showed them.
+    pub reconciled: Counter,
     replica_agreement: Family<OutcomeLabels, Counter>,
     stream_messages: Family<OutcomeLabels, Counter>,
     pub stream_sequence: Gauge,
@@ -199,6 +202,7 @@ impl Metrics {
             replica_messages: Family::default(),
             replica_peers: Gauge::default(),
             replica_expired: Counter::default(),
+            reconciled: Counter::default(),
             replica_agreement: Family::default(),
             stream_messages: Family::default(),
             stream_sequence: Gauge::default(),
@@ -384,6 +388,11 @@ impl Metrics {
             self.replica_messages.clone(),
         );
         r.register(REPLICA_PEERS, "Other replicas heard from", self.replica_peers.clone());
+        r.register(
+            RECONCILED,
+            "Placements freed because their engine's load reports showed fewer requests than kvroute held there, for longer than the window, before any first token",
+            self.reconciled.clone(),
+        );
         r.register(
             REPLICA_EXPIRED,
             "Peers' in-flight requests freed because their replica went silent",

@@ -5,7 +5,7 @@
 //! when shedding; the endpoint that served read back; gRPC health; a stream dropped by the
 //! gateway freeing its request; bytes that are no message answered with a gRPC error.
 
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 mod common;
 
@@ -442,11 +442,17 @@ fn request_body(body: &[u8], end: bool) -> ProcessingRequest {
 
 /// Sends a whole chat request; the destination the picker answered.
 async fn picked(raw: &mut Raw, text: &str) -> String {
+    picked_as(raw, text, true).await.expect("a pick")
+}
+
+/// [`picked`] with the chat streamed or not; `None` when the picker answered it itself (a
+/// refusal) instead of picking.
+async fn picked_as(raw: &mut Raw, text: &str, stream: bool) -> Option<String> {
     raw.tx.send(request_headers("/v1/chat/completions")).await.unwrap();
-    let body = serde_json::to_vec(&chat(text, true)).unwrap();
+    let body = serde_json::to_vec(&chat(text, stream)).unwrap();
     raw.tx.send(request_body(&body, true)).await.unwrap();
     let answer = raw.rx.message().await.unwrap().unwrap();
-    let dynamic = answer.dynamic_metadata.as_ref().unwrap();
+    let dynamic = answer.dynamic_metadata.as_ref()?;
     let destination = metadata::dynamic_string(dynamic, "envoy.lb", metadata::DESTINATION_KEY)
         .unwrap()
         .to_owned();
@@ -464,7 +470,7 @@ async fn picked(raw: &mut Raw, text: &str) -> String {
             break;
         }
     }
-    destination
+    Some(destination)
 }
 
 fn response_headers(served: Option<&str>) -> ProcessingRequest {
@@ -985,6 +991,84 @@ async fn quiet_streams_are_freed_at_the_deadline_and_honest_requests_pass() {
         };
         assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
     }
+}
+
+/// #77 finding 5: 60 quiet streams of non-streamed chats (whose deadline is the response's,
+/// 600 s) on a fleet with flow control (2 workers of 8 sequences). The engines' load reports
+/// never show them, so once the reconcile window passes kvroute gives their capacity back,
+/// oldest first, counted: honest requests beside them, through the gateway and the front
+/// door, are answered within the window plus their normal time, and kvroute's in-flight count
+/// comes back to what the engines report (nothing) while the quiet streams are still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placements_the_engines_never_saw_are_given_back_within_the_window() {
+    let window = Duration::from_secs(2);
+    let mut router = RouterConfig::default();
+    router.scheduler.flow = FlowConfig { enabled: true, ..FlowConfig::default() };
+    router.scheduler.reconcile_after = window;
+    let config = StackConfig {
+        simulated: Simulated {
+            count: 2,
+            engine: EngineConfig {
+                timing: Timing { speedup: 10.0 },
+                max_num_seqs: 8,
+                ..EngineConfig::default()
+            },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        router,
+        ..StackConfig::default()
+    };
+    let p = pool_of(config, EppOptions::default(), Served::default(), true).await;
+    let (_gateway, base) = p.gateway(|_| {}).await;
+    let door = p.stack.serve_frontend_on_loopback().await.unwrap();
+    let quiet: Vec<_> = (0..60)
+        .map(|n| {
+            let grpc = p.grpc.clone();
+            tokio::spawn(async move {
+                let mut r = raw(&grpc).await;
+                let placed = picked_as(&mut r, &prompt(&format!("quiet {n}")), false).await;
+                (r, placed.is_some())
+            })
+        })
+        .collect();
+    for i in 0..4 {
+        let started = std::time::Instant::now();
+        let entry = if i % 2 == 0 { &base } else { &door };
+        let honest = chat(&prompt(&format!("honest {i}")), false);
+        let tenant = [("x-kvroute-tenant", "honest")];
+        let (status, _, body) = post(entry, "/v1/chat/completions", &honest, &tenant).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let took = started.elapsed();
+        eprintln!("honest request {i} beside the quiet streams: {took:?}");
+        assert!(took < window + Duration::from_secs(8), "honest request {i} took {took:?}");
+    }
+    // The quiet streams stay open (600 s from their deadline); those flow control could not
+    // place within its queue's wait were refused.
+    let mut streams = Vec::new();
+    let mut placed = 0;
+    for q in quiet {
+        let (stream, was_placed) = q.await.unwrap();
+        placed += usize::from(was_placed);
+        streams.push(stream);
+    }
+    eprintln!("quiet streams placed: {placed} of 60");
+    assert!(placed >= 16, "at least the fleet's capacity was taken by quiet streams: {placed}");
+    let router = Arc::clone(p.stack.router.as_ref().unwrap());
+    assert!(
+        eventually(Duration::from_secs(10), || router.placing.in_flight() == 0).await,
+        "kvroute's in-flight count comes back to the engines' word: {}",
+        router.placing.in_flight()
+    );
+    let metrics = router.render_metrics();
+    assert!(
+        metrics.contains(&format!("kvroute_router_reconciled_requests_total {placed}")),
+        "each of the {placed} quiet placements freed once: {}",
+        metrics.lines().filter(|l| l.contains("reconciled")).collect::<Vec<_>>().join("\n")
+    );
+    let response = kvroute_epp::metrics::Stage::Response;
+    assert_eq!(p.picker.metrics.deadlines(response), 0, "none waited for its deadline");
+    drop(streams);
 }
 
 /// Finding 2, the request side: a stream whose body never ends is answered 408 at the body

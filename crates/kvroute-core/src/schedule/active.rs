@@ -277,6 +277,42 @@ impl ActiveSequences {
         stale.len()
     }
 
+    /// The engine's own word on `worker`: it runs or queues `engine` requests. While more are
+    /// tracked there, the oldest not yet past prefill (no first token) and routed at least
+    /// `window` before `now` are freed, up to the excess: placements the engine never saw
+    /// (a client that placed a request and never sent it) give their capacity back instead of
+    /// holding it to their deadline. A request past prefill is never freed here (the engine
+    /// answered it); one younger than `window` may not be in the engine's report yet. Returns
+    /// the ids freed, oldest first.
+    pub fn reconcile(
+        &mut self,
+        worker: WorkerWithDpRank,
+        engine: usize,
+        now: Instant,
+        window: Duration,
+    ) -> Vec<String> {
+        let tracked = self.load(worker).requests;
+        if tracked <= engine {
+            return Vec::new();
+        }
+        let mut unseen: Vec<(Instant, &String)> = self
+            .requests
+            .iter()
+            // A split request's decode leg waits on its prefill leg elsewhere: its engine may
+            // not have it yet, and that is no sign of a placement lost.
+            .filter(|(_, r)| r.worker == worker && !r.prefill_done && r.pull.is_none())
+            .filter(|(_, r)| now.saturating_duration_since(r.added) >= window)
+            .map(|(id, r)| (r.added, id))
+            .collect();
+        unseen.sort();
+        let freed: Vec<String> =
+            unseen.into_iter().take(tracked - engine).map(|(_, id)| id.clone()).collect();
+        for id in &freed {
+            self.free(id);
+        }
+        freed
+    }
+
     pub fn load(&self, worker: WorkerWithDpRank) -> ActiveLoad {
         self.loads.get(&worker).copied().unwrap_or_default()
     }

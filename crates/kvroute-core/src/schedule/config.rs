@@ -12,6 +12,11 @@ use super::{flow, predict};
 
 use crate::protocols::BlockSize;
 
+/// How long a placement may go unseen by its engine's load reports before it is freed: a few
+/// of the engines' report intervals (a mocker reports within 100 ms, kvroute polls vLLM's
+/// Prometheus gauges every second), and well under a non-streamed request's deadline.
+pub(super) const DEFAULT_RECONCILE_AFTER: Duration = Duration::from_secs(5);
+
 /// Scheduler settings; `Default` gives kvroute's defaults.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -31,6 +36,10 @@ pub struct SchedulerConfig {
     pub refuse_when_busy: bool,
     /// Requests whose end is never reported are freed after this long.
     pub stale_after: Duration,
+    /// How long a placement may go unseen by its engine: one routed this long ago, with no
+    /// first token, on an engine whose load reports show fewer requests than kvroute holds
+    /// there, is freed ([`super::active::ActiveSequences::reconcile`]).
+    pub reconcile_after: Duration,
     pub seed: u64,
     pub kv: cost::KvConfig,
     /// Conversation affinity ([`sessions`]).
@@ -64,6 +73,7 @@ impl Default for SchedulerConfig {
             busy_prefill_tokens: None,
             refuse_when_busy: false,
             stale_after: Duration::from_secs(600),
+            reconcile_after: DEFAULT_RECONCILE_AFTER,
             seed: 0x006b_7672_6f75_7465,
             kv: cost::KvConfig::default(),
             sessions: SessionConfig::default(),

@@ -659,6 +659,23 @@ impl Scheduler {
         self.active.free(id)
     }
 
+    /// A worker's load report, against what is tracked on it: placements its engine never saw
+    /// are freed ([`ActiveSequences::reconcile`], over `reconcile_after`). Returns the ids
+    /// freed.
+    pub fn reconcile(
+        &mut self,
+        worker: WorkerWithDpRank,
+        engine: usize,
+        now: Instant,
+    ) -> Vec<String> {
+        let window = self.config.reconcile_after;
+        let freed = self.active.reconcile(worker, engine, now, window);
+        for id in &freed {
+            self.adapters.freed(id);
+        }
+        freed
+    }
+
     /// Frees requests older than the configured timeout; returns how many.
     pub fn reclaim_stale(&mut self, now: Instant) -> usize {
         let reclaimed = self.active.reclaim_stale(now, self.config.stale_after);

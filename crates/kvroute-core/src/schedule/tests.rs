@@ -1113,3 +1113,36 @@ fn avoidable_prefill_tokens_are_what_another_candidate_held() {
     assert!(avoidable > 0, "round-robin chose the other worker once");
     assert_eq!(rr.avoidable_prefill_tokens(), avoidable as u64);
 }
+
+/// #77: the engine's word against kvroute's count. Only the excess goes, oldest first, and
+/// only requests routed at least the window ago, with no first token and no pull pending.
+#[test]
+fn placements_the_engine_never_saw_are_reconciled_oldest_first() {
+    let tokens: Vec<u32> = (0..4 * BS as u32).collect();
+    let p = prompt(&tokens);
+    let blocks = || RequestBlocks { local: &p.local[..2], sequence: &p.seq[..2] };
+    let mut active = ActiveSequences::new();
+    let t0 = Instant::now();
+    let window = Duration::from_secs(5);
+    // On worker 1: six requests a second apart; "3" answered its first token, "4" pulls.
+    for k in 0..6u64 {
+        active.add(&k.to_string(), w(1), 10, blocks(), t0 + Duration::from_secs(k));
+    }
+    active.mark_prefill_done("3");
+    active.set_pull("4", false, 2);
+    // Another worker's requests are never its business.
+    active.add("other", w(2), 10, blocks(), t0);
+    let at = t0 + Duration::from_secs(10);
+    // The engine runs as many as are tracked: nothing goes.
+    assert!(active.reconcile(w(1), 6, at, window).is_empty());
+    // It runs 3 of 6: the 3 oldest it could not have seen go (0, 1, 2), oldest first.
+    assert_eq!(active.reconcile(w(1), 3, at, window), ["0", "1", "2"]);
+    assert_eq!(active.load(w(1)).requests, 3);
+    // It runs none: "5" goes, "3" (answered) and "4" (pulling) stay.
+    assert_eq!(active.reconcile(w(1), 0, at, window), ["5"]);
+    // Younger than the window: kept, whatever the report says.
+    active.add("young", w(1), 10, blocks(), at - Duration::from_secs(1));
+    assert!(active.reconcile(w(1), 0, at, window).is_empty());
+    assert_eq!(active.load(w(2)).requests, 1);
+    assert!(active.contains("3") && active.contains("4") && active.contains("young"));
+}

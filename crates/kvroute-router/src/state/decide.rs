@@ -195,9 +195,26 @@ impl RouterState {
         tracked
     }
 
-    /// A rank's load report: the scheduler's load, approximate mode's capacity, readiness.
+    /// A rank's load report: the scheduler's load, approximate mode's capacity, readiness; and
+    /// the engine's word on its requests against what kvroute holds there (placements it never
+    /// saw are freed, [`kvroute_core::schedule::Scheduler::reconcile`]).
     pub fn update_load(&self, worker: WorkerWithDpRank, load: WorkerLoad) {
-        self.placing.scheduler().update_load(worker, load);
+        let freed = {
+            let mut scheduler = self.placing.scheduler();
+            scheduler.update_load(worker, load);
+            match (load.num_running_reqs, load.num_waiting_reqs) {
+                (Some(running), Some(waiting)) => {
+                    let engine =
+                        usize::try_from(running.saturating_add(waiting)).unwrap_or(usize::MAX);
+                    scheduler.reconcile(worker, engine, Instant::now())
+                }
+                _ => Vec::new(),
+            }
+        };
+        if !freed.is_empty() {
+            self.metrics.reconciled.inc_by(freed.len() as u64);
+            tracing::info!(%worker, freed = freed.len(), oldest = %freed[0], "placements the engine never saw are freed");
+        }
         if self.fleet.mode(worker.worker_id) == Some(CacheMode::Approximate) {
             let capacity = load.kv_total_blocks.map(|b| b as usize);
             self.placing.approx().set_capacity(worker, capacity);
