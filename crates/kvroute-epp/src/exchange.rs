@@ -449,6 +449,8 @@ impl Exchange {
             // The client's key is kvroute's, not the engine's.
             mutation.remove_headers.push("authorization".to_owned());
         }
+        // kvroute's admin token is never the engine's business.
+        mutation.remove_headers.push(kvroute_frontend::ADMIN_TOKEN_HEADER.to_owned());
         if picked.trace.as_ref().is_some_and(|t| t.state.is_none()) {
             // A tracestate past its bounds is not passed on.
             mutation.remove_headers.push(kvroute_http::trace::TRACESTATE.to_owned());

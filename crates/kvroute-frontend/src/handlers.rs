@@ -193,12 +193,19 @@ fn model_named(model: Option<&str>) {
 }
 
 /// Whether the request asks for its decision ([`crate::EXPLAIN_HEADER`]) of a front door that
-/// explains them.
+/// explains them, and shows the admin token ([`crate::ADMIN_TOKEN_HEADER`]): a decision tells
+/// what other workers hold and run, and so whether another tenant's prompt is cached, which
+/// is no client's business. Without an admin token set, nothing is explained.
 pub(crate) fn explain(state: &FrontendState, headers: &HeaderMap) -> bool {
     state.options.explain_decisions
         && headers
             .get(crate::EXPLAIN_HEADER)
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true") || v.as_bytes() == b"1")
+        && !state.admin.is_empty()
+        && headers
+            .get(crate::ADMIN_TOKEN_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|token| state.admin.accepts(token.trim()))
 }
 
 /// Each `image_url` part, in order, gets its image inline (a fetched one as a `data:` URL)

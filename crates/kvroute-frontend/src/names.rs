@@ -35,6 +35,9 @@ pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-tokens";
 /// [`DECISION_HEADER`] when the front door explains decisions
 /// ([`FrontDoorOptions::explain_decisions`]).
 pub const EXPLAIN_HEADER: &str = "x-kvroute-explain";
+/// The admin token beside an OpenAI request (whose `Authorization` holds the client's API
+/// key): what [`EXPLAIN_HEADER`] needs.
+pub const ADMIN_TOKEN_HEADER: &str = "x-kvroute-admin-token";
 
 /// The request's decision as compact JSON: the candidates considered, and the chosen one
 /// first, then the cheapest others, each with its cached blocks, running requests, cost and

@@ -116,3 +116,24 @@ fn mutated_ext_proc_streams_never_panic() {
         kvroute_fuzz::ext_proc(&bytes);
     }
 }
+
+/// The members target's signed seed verifies under the fuzz fleet's key, so the fuzzer starts
+/// past the signature into the worker's own checks (#77).
+#[test]
+fn the_members_seed_holds_a_registration_signed_with_the_fuzz_key() {
+    use kvroute_router::members::{MembersKey, Verifier};
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/members/signed");
+    let text = std::fs::read(&path).unwrap();
+    let verifier = Verifier {
+        key: MembersKey::from_secret(kvroute_fuzz::MEMBERS_FUZZ_KEY).unwrap(),
+        bucket: "fuzz".into(),
+        ttl: std::time::Duration::from_secs(u64::MAX / 4_000),
+        allow: vec!["127.0.0.0/8".parse().unwrap()],
+    };
+    let line = text.split(|&b| b == b'\n').next().unwrap();
+    let tab = line.iter().position(|&b| b == b'\t').unwrap();
+    let key = std::str::from_utf8(&line[..tab]).unwrap();
+    let spec = verifier.verify(key, &line[tab + 1..]).unwrap();
+    assert_eq!(spec.url.as_deref(), Some("http://127.0.0.1:8000"));
+}

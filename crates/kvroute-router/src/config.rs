@@ -314,10 +314,18 @@ pub const DEFAULT_MAX_LEARNED_WORKERS: usize = 1024;
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DecisionLogConfig {
     pub path: std::path::PathBuf,
-    /// Share of decisions logged, 0 to 1 (by the request id's hash, so a request is logged or
-    /// not whichever replica decides it).
+    /// Share of decisions logged, 0 to 1 (by a keyed hash of the request's id, its key drawn
+    /// at start: no caller can choose ids that are always logged).
     pub ratio: f64,
+    /// The file is rotated past this size: `path` becomes `path.1`, `path.1` `path.2`, ...
+    pub max_bytes: u64,
+    /// Files kept, the one written included (at least 1: then it is truncated instead).
+    pub files: usize,
 }
+
+/// The decision log's rotation, unless configured: 100 MiB a file, 5 files.
+pub const DEFAULT_DECISION_LOG_MAX_BYTES: u64 = 100 << 20;
+pub const DEFAULT_DECISION_LOG_FILES: usize = 5;
 
 /// Everything the router service needs, with kvroute's defaults.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -216,7 +216,8 @@ fn quiet() -> FrontDoorOptions {
 async fn a_decision_is_explained_on_request() {
     for explains in [true, false] {
         let front_door = FrontDoorOptions { explain_decisions: explains, ..quiet() };
-        let config = two_workers(RouterConfig::default(), front_door);
+        let mut config = two_workers(RouterConfig::default(), front_door);
+        config.access.admin = kvroute_http::Credentials::new(["explain-admin"], "test").unwrap();
         let stack = Stack::start(config).await.unwrap();
         assert!(stack.ready(Duration::from_secs(10)).await.is_empty());
         let base = stack.serve_frontend_on_loopback().await.unwrap();
@@ -227,12 +228,22 @@ async fn a_decision_is_explained_on_request() {
         assert!(common::eventually(Duration::from_secs(10), held).await);
         let prompt: Vec<u32> = (0..300).map(|t| 3 + (t * 11) % 900).collect();
         let body = json!({"model": "kvroute-tiny", "prompt": prompt, "max_tokens": 4});
-        let request = Request::post(format!("{base}/v1/completions"))
-            .header("content-type", "application/json")
-            .header("x-kvroute-explain", "true")
-            .body(Full::new(bytes::Bytes::from(body.to_string())))
-            .unwrap();
-        let response = HttpClient::new().send(request).await.unwrap();
+        let asked = |token: Option<&str>| {
+            let mut request = Request::post(format!("{base}/v1/completions"))
+                .header("content-type", "application/json")
+                .header("x-kvroute-explain", "true");
+            if let Some(token) = token {
+                request = request.header("x-kvroute-admin-token", token);
+            }
+            request.body(Full::new(bytes::Bytes::from(body.to_string()))).unwrap()
+        };
+        // Without the admin token, or with a wrong one, no client learns the decision (#77).
+        for token in [None, Some("not-the-admin-token")] {
+            let response = HttpClient::new().send(asked(token)).await.unwrap();
+            assert!(response.headers().get("x-kvroute-decision").is_none(), "{token:?}");
+            let _ = response.into_body().collect().await.unwrap();
+        }
+        let response = HttpClient::new().send(asked(Some("explain-admin"))).await.unwrap();
         let headers = response.headers().clone();
         let _ = response.into_body().collect().await.unwrap();
         let decision = headers.get("x-kvroute-decision");
@@ -278,7 +289,12 @@ async fn sampled_decisions_are_logged_as_json_lines_and_found_by_request_id() {
     for ratio in [1.0, 0.0] {
         let path = dir.join(format!("decisions-{ratio}.jsonl"));
         let _ = std::fs::remove_file(&path);
-        let log = kvroute_router::config::DecisionLogConfig { path: path.clone(), ratio };
+        let log = kvroute_router::config::DecisionLogConfig {
+            path: path.clone(),
+            ratio,
+            max_bytes: kvroute_router::config::DEFAULT_DECISION_LOG_MAX_BYTES,
+            files: kvroute_router::config::DEFAULT_DECISION_LOG_FILES,
+        };
         let router = RouterConfig { decision_log: Some(log), ..RouterConfig::default() };
         let config = two_workers(router, quiet());
         let stack = Stack::start(config).await.unwrap();

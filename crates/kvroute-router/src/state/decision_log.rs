@@ -2,7 +2,10 @@
 //! as JSON lines, each with the request's id, its blocks, the candidates with their cost terms
 //! and the choice. The lines are written by a thread of their own from a bounded queue (a
 //! decision never waits on the disk: past the queue, a line is dropped and counted); the last
-//! [`KEPT`] logged stay in memory, so `/decisions/{id}` can show a request's decision.
+//! [`KEPT`] logged stay in memory, so `/decisions/{id}` can show a request's decision. Which
+//! decisions are logged is a keyed hash of the request's id (the key drawn at start), so no
+//! caller picks ids that are always logged; the file is rotated past its size, a bounded
+//! number of files kept.
 
 use std::collections::VecDeque;
 use std::io::Write as _;
@@ -25,8 +28,10 @@ use crate::config::DecisionLogConfig;
 #[derive(Debug)]
 pub struct DecisionLog {
     lines: SyncSender<Arc<str>>,
-    /// Ids whose hash is at most this are logged.
+    /// Ids whose keyed hash is at most this are logged.
     threshold: u64,
+    /// The sampling hash's key, drawn at start.
+    key: [u8; 32],
     kept: Mutex<VecDeque<(String, Arc<str>)>>,
     dropped: AtomicU64,
 }
@@ -34,28 +39,41 @@ pub struct DecisionLog {
 impl DecisionLog {
     /// Opens `config.path` for appending (creating it) and starts its writer.
     pub fn open(config: &DecisionLogConfig) -> std::io::Result<Self> {
-        let file = open(&config.path)?;
+        let mut file = Rotating::open(config)?;
         let (lines, queue) = std::sync::mpsc::sync_channel::<Arc<str>>(QUEUED);
         std::thread::Builder::new().name("kvroute-decision-log".to_owned()).spawn(move || {
-            let mut out = std::io::BufWriter::new(file);
             // One flush per burst: every line queued is written before the next flush.
             while let Ok(line) = queue.recv() {
-                let mut written = writeln!(out, "{line}");
+                let mut written = file.write(&line);
                 while let Ok(line) = queue.try_recv() {
-                    written = written.and_then(|()| writeln!(out, "{line}"));
+                    written = written.and_then(|()| file.write(&line));
                 }
-                if let Err(e) = written.and_then(|()| out.flush()) {
+                if let Err(e) = written.and_then(|()| file.flush()) {
                     tracing::warn!(error = %e, "the decision log cannot be written");
                 }
             }
         })?;
         let threshold = (config.ratio.clamp(0.0, 1.0) * u64::MAX as f64) as u64;
-        Ok(Self { lines, threshold, kept: Mutex::new(VecDeque::new()), dropped: AtomicU64::new(0) })
+        let mut key = [0u8; 32];
+        getrandom::fill(&mut key).map_err(|e| std::io::Error::other(e.to_string()))?;
+        Ok(Self {
+            lines,
+            threshold,
+            key,
+            kept: Mutex::new(VecDeque::new()),
+            dropped: AtomicU64::new(0),
+        })
     }
 
     /// Whether request `id`'s decision is logged.
     pub fn sampled(&self, id: &str) -> bool {
-        self.threshold > 0 && xxhash_rust::xxh3::xxh3_64(id.as_bytes()) <= self.threshold
+        if self.threshold == 0 {
+            return false;
+        }
+        let hash = blake3::keyed_hash(&self.key, id.as_bytes());
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&hash.as_bytes()[..8]);
+        self.threshold == u64::MAX || u64::from_le_bytes(first) <= self.threshold
     }
 
     /// Logs a decision: its record (the chosen candidate and the cheapest others, with their
@@ -111,6 +129,64 @@ fn open(path: &Path) -> std::io::Result<std::fs::File> {
     std::fs::OpenOptions::new().create(true).append(true).open(path)
 }
 
+/// The log's file, rotated past its size ([`DecisionLogConfig::max_bytes`]).
+struct Rotating {
+    path: std::path::PathBuf,
+    out: std::io::BufWriter<std::fs::File>,
+    written: u64,
+    max_bytes: u64,
+    files: usize,
+}
+
+impl Rotating {
+    fn open(config: &DecisionLogConfig) -> std::io::Result<Self> {
+        let file = open(&config.path)?;
+        let written = file.metadata()?.len();
+        Ok(Self {
+            path: config.path.clone(),
+            out: std::io::BufWriter::new(file),
+            written,
+            max_bytes: config.max_bytes.max(1),
+            files: config.files.max(1),
+        })
+    }
+
+    fn write(&mut self, line: &str) -> std::io::Result<()> {
+        if self.written > 0 && self.written + line.len() as u64 + 1 > self.max_bytes {
+            self.rotate()?;
+        }
+        writeln!(self.out, "{line}")?;
+        self.written += line.len() as u64 + 1;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+
+    /// `path.{files-2}` becomes `path.{files-1}` (the oldest kept goes), ..., `path` becomes
+    /// `path.1`; a new `path` is begun. With one file, `path` is begun again.
+    fn rotate(&mut self) -> std::io::Result<()> {
+        self.out.flush()?;
+        let numbered = |k: usize| {
+            let mut name = self.path.clone().into_os_string();
+            name.push(format!(".{k}"));
+            std::path::PathBuf::from(name)
+        };
+        for k in (1..self.files).rev() {
+            let from = if k == 1 { self.path.clone() } else { numbered(k - 1) };
+            if from.exists() {
+                std::fs::rename(&from, numbered(k))?;
+            }
+        }
+        let file =
+            std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(&self.path)?;
+        self.out = std::io::BufWriter::new(file);
+        self.written = 0;
+        Ok(())
+    }
+}
+
 /// One decision as its log line.
 fn line(
     id: &str,
@@ -141,14 +217,64 @@ mod tests {
 
     use super::*;
 
+    fn config(path: std::path::PathBuf, ratio: f64) -> DecisionLogConfig {
+        DecisionLogConfig {
+            path,
+            ratio,
+            max_bytes: crate::config::DEFAULT_DECISION_LOG_MAX_BYTES,
+            files: crate::config::DEFAULT_DECISION_LOG_FILES,
+        }
+    }
+
+    /// Ids a caller could choose are not always logged: two logs (two starts) sample
+    /// different ids at the same ratio.
+    #[test]
+    fn the_ids_logged_are_not_the_callers_to_choose() {
+        let dir = std::env::temp_dir().join(format!("kvroute-dlog3-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let a = DecisionLog::open(&config(dir.join("a.jsonl"), 0.1)).unwrap();
+        let b = DecisionLog::open(&config(dir.join("b.jsonl"), 0.1)).unwrap();
+        let chosen: Vec<String> =
+            (0..10_000).map(|i| format!("kvr-{i}")).filter(|id| a.sampled(id)).collect();
+        let again = chosen.iter().filter(|id| b.sampled(id)).count();
+        assert!(again < chosen.len() / 2, "{again} of {}", chosen.len());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Past its size the file is rotated: at most `files` files, each within the size.
+    #[test]
+    fn the_file_is_rotated_and_the_files_kept_are_bounded() {
+        let dir = std::env::temp_dir().join(format!("kvroute-dlog4-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("d.jsonl");
+        let config = DecisionLogConfig { max_bytes: 1000, files: 3, ..config(path.clone(), 1.0) };
+        let mut file = Rotating::open(&config).unwrap();
+        let line = "x".repeat(99);
+        for _ in 0..100 {
+            file.write(&line).unwrap();
+        }
+        file.flush().unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["d.jsonl", "d.jsonl.1", "d.jsonl.2"]);
+        for name in &names {
+            let len = std::fs::metadata(dir.join(name)).unwrap().len();
+            assert!(len <= 1000 && len > 0, "{name}: {len}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// The ratio is the share logged, by the ids' hashes: none at 0, all at 1, near it between.
     #[test]
     fn the_share_logged_follows_the_ratio() {
         let dir = std::env::temp_dir().join(format!("kvroute-dlog-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let share = |ratio: f64| {
-            let log =
-                DecisionLog::open(&DecisionLogConfig { path: dir.join("d.jsonl"), ratio }).unwrap();
+            let log = DecisionLog::open(&config(dir.join("d.jsonl"), ratio)).unwrap();
             (0..10_000).filter(|i| log.sampled(&format!("kvr-{i}"))).count()
         };
         assert_eq!(share(0.0), 0);
@@ -164,7 +290,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("d.jsonl");
         let _ = std::fs::remove_file(&path);
-        let log = DecisionLog::open(&DecisionLogConfig { path: path.clone(), ratio: 1.0 }).unwrap();
+        let log = DecisionLog::open(&config(path.clone(), 1.0)).unwrap();
         let w = WorkerWithDpRank::new(3u64, 0u32);
         log.log("kvr-7", 12, None, (w, None));
         assert_eq!(log.find("kvr-7").unwrap()["blocks"], 12);

@@ -213,7 +213,13 @@ impl Settings {
         }
         let opened = std::fs::OpenOptions::new().create(true).append(true).open(path);
         opened.map_err(|source| super::SettingsError::Read { path: path.clone(), source })?;
-        Ok(Some(kvroute_router::config::DecisionLogConfig { path: path.clone(), ratio }))
+        use kvroute_router::config::{DEFAULT_DECISION_LOG_FILES, DEFAULT_DECISION_LOG_MAX_BYTES};
+        Ok(Some(kvroute_router::config::DecisionLogConfig {
+            path: path.clone(),
+            ratio,
+            max_bytes: t.decision_log_max_bytes.unwrap_or(DEFAULT_DECISION_LOG_MAX_BYTES).max(1),
+            files: t.decision_log_files.unwrap_or(DEFAULT_DECISION_LOG_FILES).max(1),
+        }))
     }
 
     /// The router's configuration, with the settings' workers.

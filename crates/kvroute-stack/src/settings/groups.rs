@@ -101,9 +101,10 @@ pub struct FrontDoor {
     /// Off by default: it lets a client test guesses of other clients' prompts.
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub expose_overlap: Option<bool>,
-    /// Answer a request that asks with x-kvroute-explain: true with its routing decision in
-    /// x-kvroute-decision (the candidates, their cached blocks, costs and the kv cost's terms).
-    /// Off by default: it shows what the other workers hold.
+    /// Answer a request that asks with x-kvroute-explain: true, and shows the admin token in
+    /// x-kvroute-admin-token, with its routing decision in x-kvroute-decision (the candidates,
+    /// their cached blocks, costs and the kv cost's terms). Off by default: it shows what the
+    /// other workers hold.
     #[arg(long, num_args = 0, default_missing_value = "true", value_parser = switch())]
     pub explain_decisions: Option<bool>,
     /// Seconds a worker has to start a streamed answer before the request goes to another
@@ -547,9 +548,16 @@ pub struct Tracing {
     /// its blocks, the candidates with their cost terms, the choice. Off unless set.
     #[arg(long)]
     pub decision_log: Option<PathBuf>,
-    /// Share of decisions the decision log keeps, 0 to 1.
+    /// Share of decisions the decision log keeps, 0 to 1 (by a keyed hash of the request's
+    /// id, its key drawn at start).
     #[arg(long)]
     pub decision_log_ratio: Option<f64>,
+    /// The decision log is rotated past this many bytes (FILE to FILE.1, FILE.1 to FILE.2...).
+    #[arg(long)]
+    pub decision_log_max_bytes: Option<u64>,
+    /// Decision log files kept, the one written included.
+    #[arg(long)]
+    pub decision_log_files: Option<usize>,
 }
 
 /// The model and its images (front door and simulated workers).

@@ -259,6 +259,10 @@ impl Settings {
             tracing: Tracing {
                 trace_ratio: Some(DEFAULT_TRACE_RATIO),
                 decision_log_ratio: Some(DEFAULT_DECISION_LOG_RATIO),
+                decision_log_max_bytes: Some(
+                    kvroute_router::config::DEFAULT_DECISION_LOG_MAX_BYTES,
+                ),
+                decision_log_files: Some(kvroute_router::config::DEFAULT_DECISION_LOG_FILES),
                 ..Tracing::default()
             },
             gateway: Gateway {

@@ -231,6 +231,10 @@ fn every_setting_reads_the_same_from_its_flag_and_from_the_file() {
                 vec![format!("--{}", long(&key)), "sql=/x,chat".to_owned()],
                 format!("{key} = [\"sql=/x\", \"chat\"]\n"),
             ),
+            "members_allow" => (
+                vec!["--members-allow".to_owned(), "10.0.0.0/8,fd00::/8".to_owned()],
+                "members_allow = [\"10.0.0.0/8\", \"fd00::/8\"]\n".to_owned(),
+            ),
             _ => {
                 let mut flags = Vec::new();
                 let mut text = String::new();
