@@ -248,7 +248,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("d.jsonl");
-        let config = DecisionLogConfig { max_bytes: 1000, files: 3, ..config(path.clone(), 1.0) };
+        let config = DecisionLogConfig { max_bytes: 1000, files: 3, ..config(path, 1.0) };
         let mut file = Rotating::open(&config).unwrap();
         let line = "x".repeat(99);
         for _ in 0..100 {
