@@ -339,6 +339,7 @@ def started(cmd: list[str], env: dict, stderr_path: pathlib.Path, ready=None, st
     for line in pipe:
         seen.append(line)
         if ready in line:
+            proc.ready_line = line
             # Keep draining it so that it never blocks on a full pipe.
             threading.Thread(target=lambda: [None for _ in pipe], daemon=True).start()
             return proc
@@ -367,6 +368,43 @@ def eventually(check, what: str, seconds: float = 60):
             last = e
         time.sleep(0.2)
     raise AssertionError(f"{what} within {seconds} s (last: {last})")
+
+
+def sidecar_can_register(binary: str, env: dict, nats_port: int, secrets: dict, tmp: pathlib.Path):
+    """Against the deployed nats.conf: a router (as `picker`) follows the members' bucket, an
+    engine's sidecar (as `sidecar`, allowed only to write registrations) registers its engine
+    there and the router takes it; a sidecar with a wrong password registers nothing."""
+    import time
+    import urllib.request
+    key = tmp / "members.key"
+    key.write_text("a fleet registration key of the test's own\n")
+    for name, password in [("picker", secrets["picker-password"]), ("sidecar", secrets["sidecar-password"]),
+                           ("wrong", "not-the-password")]:
+        (tmp / f"{name}.password").write_text(password + "\n")
+    common = ["--nats-url", f"nats://127.0.0.1:{nats_port}", "--members-bucket", "kvroute_members",
+              "--members-key-file", str(key)]
+    procs = [started([binary, "serve", "--simulated-workers", "0", "--port", "0", *common,
+                      "--nats-user", "picker", "--nats-password-file", str(tmp / "picker.password")],
+                     env, tmp / "bucket-router.log", ready="kvroute serve ready on ")]
+    base = procs[0].ready_line.split("ready on ", 1)[1].split()[0]
+    try:
+        for ip, password in [("127.0.6.1", "sidecar"), ("127.0.6.2", "wrong")]:
+            procs.append(started([binary, "register", *common, "--nats-user", "sidecar",
+                                  "--nats-password-file", str(tmp / f"{password}.password"),
+                                  "--worker", f"url=http://{ip}:8000"], env, tmp / f"sidecar-{password}.log"))
+        deadline = time.monotonic() + 30
+        seen = []
+        while "http://127.0.6.1:8000" not in seen and time.monotonic() < deadline:
+            workers = json.loads(urllib.request.urlopen(base + "/workers", timeout=5).read())["workers"]
+            seen = [w.get("url") for w in workers]
+            time.sleep(0.3)
+        assert "http://127.0.6.1:8000" in seen, f"{seen} {(tmp / 'sidecar-sidecar.log').read_text()[-2000:]}"
+        assert "http://127.0.6.2:8000" not in seen, "a wrong password registers nothing"
+        assert "authorization violation" in (tmp / "sidecar-wrong.log").read_text(), "refused by NATS"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -502,9 +540,11 @@ def test_the_picker_starts_as_deployed(overlay, tmp_path):
         request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", data=body,
                                          headers={"content-type": "application/json"})
         eventually(lambda: urllib.request.urlopen(request, timeout=10).status == 200, "a chat answered", 60)
-        # The pickers log in to NATS as `picker` with the Secret's password (a wrong one is refused).
-        assert f"nats_user = \"picker\"" in text
+        # The pickers log in to NATS as `picker` with the Secret's password.
+        assert 'nats_user = "picker"' in text
         assert picker.poll() is None, (tmp_path / "picker.log").read_text()[-3000:]
+        if overlay == "aggregated":
+            sidecar_can_register(binary, clean_env, nats_port, secrets, tmp_path)
     finally:
         for proc in reversed(procs):
             proc.kill()
