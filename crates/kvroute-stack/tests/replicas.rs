@@ -45,7 +45,7 @@ async fn fleet(workers: usize, nats: NatsConfig, frontend: bool) -> Stack {
             engine: EngineConfig { timing: Timing { speedup: 100.0 }, ..EngineConfig::default() },
             ..Simulated::default()
         },
-        router: RouterConfig { nats: Some(nats), ..RouterConfig::default() },
+        router: RouterConfig { nats: Some(nats), ..unreconciled() },
         frontend,
         front_door: FrontDoorOptions { parity_probe: false, ..FrontDoorOptions::default() },
         ..StackConfig::default()
@@ -53,6 +53,15 @@ async fn fleet(workers: usize, nats: NatsConfig, frontend: bool) -> Stack {
     let stack = Stack::start(config).await.unwrap();
     assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
     stack
+}
+
+/// These tests place requests at the router that no engine ever sees: the reconciliation with
+/// the engines' load reports (which frees such placements after 5 s, tests/epp.rs) is kept out
+/// of their way, so that what they measure is the replicas' own bookkeeping.
+fn unreconciled() -> RouterConfig {
+    let mut config = RouterConfig::default();
+    config.scheduler.reconcile_after = Duration::from_secs(3600);
+    config
 }
 
 /// Another replica over the same workers.
@@ -64,7 +73,7 @@ fn replica(workers: &[WorkerSpec], nats: NatsConfig) -> (Arc<RouterState>, Tasks
             w.replay = None;
         }
     }
-    let config = RouterConfig { workers, nats: Some(nats), ..RouterConfig::default() };
+    let config = RouterConfig { workers, nats: Some(nats), ..unreconciled() };
     let state = Arc::new(RouterState::new(config));
     let tasks = kvroute_router::spawn_background(&state).unwrap();
     (state, tasks)
