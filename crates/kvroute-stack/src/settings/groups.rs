@@ -63,10 +63,9 @@ pub struct Listen {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, Args)]
 #[command(next_help_heading = "Security")]
 pub struct Security {
-    /// File holding the admin token (first line): the router's API (events, lifecycle, debug,
-    /// status) and /metrics then need `Authorization: Bearer <token>`. Or the token itself in
-    /// KVROUTE_ADMIN_TOKEN. Adding, draining or removing a worker (`POST /workers`, ...) needs
-    /// it always: without one, those routes are closed.
+    /// File holding the admin token (first line), or the token in KVROUTE_ADMIN_TOKEN: the
+    /// router's API and /metrics then need `Authorization: Bearer <token>`; adding, draining or
+    /// removing a worker needs it always (without one, those routes are closed).
     #[arg(long)]
     pub admin_token_file: Option<PathBuf>,
     /// PEM certificate chain to serve HTTPS with (with --tls-key); leave both out when a proxy
@@ -481,22 +480,19 @@ pub struct Membership {
     /// of it): a worker whose sidecar stops is drained after this.
     #[arg(long)]
     pub members_ttl_secs: Option<u64>,
-    /// The fleet's registration key (a file of at least 16 secret bytes; or the secret in
-    /// KVROUTE_MEMBERS_KEY), needed with --members-bucket: `kvroute register` signs with it,
-    /// and a router takes only registrations it signed, fresh, under their worker's own key
-    /// (docs/security.md, "The control plane").
+    /// The fleet's registration key (a file of at least 16 secret bytes, or KVROUTE_MEMBERS_KEY),
+    /// needed with --members-bucket: `kvroute register` signs with it, a router takes only
+    /// what it signed (docs/security.md, "The control plane").
     #[arg(long)]
     pub members_key_file: Option<PathBuf>,
-    /// Address ranges a registered worker's endpoints must all be in (comma-separated, e.g.
-    /// 10.0.0.0/8,fd00::/8); absent: any address.
+    /// Address ranges a registered worker's endpoints must all be in, e.g. 10.0.0.0/8,fd00::/8.
     #[arg(long, value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub members_allow: Vec<String>,
     /// Seconds a draining worker's requests may run before it is removed all the same.
     #[arg(long)]
     pub drain_timeout_secs: Option<u64>,
-    /// Most workers at once, from every source together (--worker, the admin API, DNS, the
-    /// bucket, Kubernetes): a join past it is refused and the members stay.
+    /// Most workers at once, from every source together: a join past it is refused.
     #[arg(long)]
     pub max_workers: Option<usize>,
     /// A Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) whose
@@ -511,8 +507,7 @@ pub struct Membership {
 }
 
 impl Membership {
-    /// Whether a source of members is named (DNS, the bucket, Kubernetes): a fleet may then
-    /// start with no configured worker.
+    /// Whether a source of members is named: a fleet may then start with no worker.
     pub fn has_source(&self) -> bool {
         self.discover_dns.is_some() || self.members_bucket.is_some() || self.kube_pool.is_some()
     }
