@@ -926,16 +926,10 @@ async fn quiet_stream(grpc: String, n: usize) -> Raw {
     r
 }
 
-/// Finding 2: 60 quiet streams on a fleet with flow control (2 workers of 8 sequences)
-/// hold their placements only until the first-byte timeout: honest requests through the
-/// front door and through the picker beside them are answered within their normal time
-/// plus the deadline, and nothing is in flight once the deadlines have passed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quiet_streams_are_freed_at_the_deadline_and_honest_requests_pass() {
-    let deadline = Duration::from_secs(1);
-    let mut router = RouterConfig::default();
+/// Two simulated workers of 8 sequences each (10x speed) under `router` with flow control on.
+fn two_by_eight_with_flow_control(mut router: RouterConfig) -> StackConfig {
     router.scheduler.flow = FlowConfig { enabled: true, ..FlowConfig::default() };
-    let config = StackConfig {
+    StackConfig {
         simulated: Simulated {
             count: 2,
             engine: EngineConfig {
@@ -947,11 +941,23 @@ async fn quiet_streams_are_freed_at_the_deadline_and_honest_requests_pass() {
             ..Simulated::default()
         },
         router,
+        ..StackConfig::default()
+    }
+}
+
+/// Finding 2: 60 quiet streams on a fleet with flow control (2 workers of 8 sequences)
+/// hold their placements only until the first-byte timeout: honest requests through the
+/// front door and through the picker beside them are answered within their normal time
+/// plus the deadline, and nothing is in flight once the deadlines have passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiet_streams_are_freed_at_the_deadline_and_honest_requests_pass() {
+    let deadline = Duration::from_secs(1);
+    let config = StackConfig {
         front_door: kvroute_frontend::FrontDoorOptions {
             first_byte_timeout: deadline,
             ..Default::default()
         },
-        ..StackConfig::default()
+        ..two_by_eight_with_flow_control(RouterConfig::default())
     };
     let p = pool_of(config, EppOptions::default(), Served::default(), true).await;
     let (_gateway, base) = p.gateway(|_| {}).await;
@@ -1003,22 +1009,8 @@ async fn quiet_streams_are_freed_at_the_deadline_and_honest_requests_pass() {
 async fn placements_the_engines_never_saw_are_given_back_within_the_window() {
     let window = Duration::from_secs(2);
     let mut router = RouterConfig::default();
-    router.scheduler.flow = FlowConfig { enabled: true, ..FlowConfig::default() };
     router.scheduler.reconcile_after = window;
-    let config = StackConfig {
-        simulated: Simulated {
-            count: 2,
-            engine: EngineConfig {
-                timing: Timing { speedup: 10.0 },
-                max_num_seqs: 8,
-                ..EngineConfig::default()
-            },
-            tokenless: true,
-            ..Simulated::default()
-        },
-        router,
-        ..StackConfig::default()
-    };
+    let config = two_by_eight_with_flow_control(router);
     let p = pool_of(config, EppOptions::default(), Served::default(), true).await;
     let (_gateway, base) = p.gateway(|_| {}).await;
     let door = p.stack.serve_frontend_on_loopback().await.unwrap();
