@@ -26,9 +26,7 @@ fn root() -> PathBuf {
 }
 
 fn prometheus() -> PathBuf {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths).map(|p| p.join("prometheus")).find(|p| p.is_file())
-    });
+    let found = kvroute_stack::tools::on_path("prometheus");
     // scripts/test installs it (Debian's `prometheus`); a developer without it is told how.
     found.unwrap_or_else(|| panic!("a Prometheus server is needed: `apt-get install prometheus`"))
 }
