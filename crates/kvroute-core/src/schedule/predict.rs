@@ -237,11 +237,25 @@ pub struct CorrectionConfig {
     /// (over as many seconds again), so a slow spell cannot keep a worker unused and its
     /// correction unrevised.
     pub forget_s: f64,
+    /// First tokens the fleet's correction is worth as a worker's prior: a worker's own
+    /// departure from the fleet counts `n / (n + prior_samples)` after `n` first tokens, so
+    /// a newcomer is priced as the fleet. One first token at the most a worker may differ
+    /// (`max_spread`, 2x) moves its price by 1.10x, two by 1.19x: no more than a first
+    /// token's own noise (the shape's `noise`, 0.2). One sample decided a newcomer's price
+    /// and starved the other newcomer for 20 s (#78).
+    pub prior_samples: f64,
 }
 
 impl Default for CorrectionConfig {
     fn default() -> Self {
-        Self { rate: 0.05, window_s: 30.0, max_factor: 4.0, max_spread: 2.0, forget_s: 30.0 }
+        Self {
+            rate: 0.05,
+            window_s: 30.0,
+            max_factor: 4.0,
+            max_spread: 2.0,
+            forget_s: 30.0,
+            prior_samples: 6.0,
+        }
     }
 }
 
@@ -267,6 +281,8 @@ pub struct Corrections {
     fleet: f64,
     fleet_observed: u64,
     fleet_last: Option<Instant>,
+    /// Mean relative error of the corrected predictions over the fleet (recent ones).
+    fleet_error: f64,
     workers: FxHashMap<WorkerWithDpRank, WorkerFit>,
 }
 
@@ -345,19 +361,52 @@ impl Corrections {
         self.config.max_factor.max(1.0).ln()
     }
 
-    /// The factor `worker`'s model predictions are multiplied by at `now`.
+    /// The factor `worker`'s model predictions are multiplied by at `now`: the fleet's, times
+    /// the worker's own departure from it weighed by its evidence (`n / (n + prior)` after
+    /// `n` first tokens) and, once it is not heard from, fading.
     pub fn factor(&self, worker: WorkerWithDpRank, now: Instant) -> f64 {
-        let Some(fit) = self.workers.get(&worker) else { return self.fleet.exp() };
-        let age =
-            fit.last.map_or(f64::INFINITY, |t| now.saturating_duration_since(t).as_secs_f64());
+        let own = self.workers.get(&worker).map_or(0.0, |fit| self.own(fit, now));
+        (self.fleet + own).exp().clamp(1.0 / self.limit().exp(), self.limit().exp())
+    }
+
+    /// What the fit of a worker adds to the fleet's log factor at `now`.
+    fn own(&self, fit: &WorkerFit, now: Instant) -> f64 {
+        let n = fit.observed as f64;
+        let evidence = n / (n + self.config.prior_samples.max(0.0)).max(1.0);
+        evidence * self.departure(fit, now)
+    }
+
+    /// The worker's mean less the fleet's, bounded by `max_spread` and fading once it is not
+    /// heard from.
+    fn departure(&self, fit: &WorkerFit, now: Instant) -> f64 {
+        let spread = self.config.max_spread.max(1.0).ln();
+        self.fading(fit.last, now) * (fit.log_ratio - self.fleet).clamp(-spread, spread)
+    }
+
+    /// How much of a worker's own departure is kept at `now`: all of it until it is not
+    /// heard from for `forget_s`, then less over as many seconds again.
+    fn fading(&self, last: Option<Instant>, now: Instant) -> f64 {
+        let age = last.map_or(f64::INFINITY, |t| now.saturating_duration_since(t).as_secs_f64());
         let forget = self.config.forget_s;
-        let keep = match forget > 0.0 && age > forget {
+        match forget > 0.0 && age > forget {
             true => (-(age - forget) / forget).exp(),
             false => 1.0,
-        };
-        let spread = self.config.max_spread.max(1.0).ln();
-        let own = (fit.log_ratio - self.fleet).clamp(-spread, spread);
-        (self.fleet + keep * own).exp().clamp(1.0 / self.limit().exp(), self.limit().exp())
+        }
+    }
+
+    /// How much of `worker`'s price is still the fleet's: `prior / (n + prior)` after `n`
+    /// first tokens (1 for a worker never heard from).
+    pub fn unproven(&self, worker: WorkerWithDpRank) -> f64 {
+        let prior = self.config.prior_samples.max(0.0);
+        let n = self.workers.get(&worker).map_or(0, |f| f.observed) as f64;
+        if n + prior <= 0.0 { 0.0 } else { prior / (n + prior) }
+    }
+
+    /// How far off the corrected predictions were lately, over the fleet: the mean of
+    /// `|predicted - observed| / observed` (0 before any first token). Costs closer than
+    /// this are within what the model can tell apart.
+    pub fn relative_error(&self) -> f64 {
+        self.fleet_error
     }
 
     /// Weight of a first token in an average of `n` of them whose last came at `last`.
@@ -388,10 +437,16 @@ impl Corrections {
         if model_ms > 0.0 && observed_ms > 0.0 {
             let limit = self.limit();
             let x = (observed_ms / model_ms).ln().clamp(-limit, limit);
-            self.fleet += self.step(self.fleet_observed, self.fleet_last, now) * (x - self.fleet);
+            let fleet_step = self.step(self.fleet_observed, self.fleet_last, now);
+            self.fleet += fleet_step * (x - self.fleet);
+            let error = seen.relative_error().min(10.0);
+            self.fleet_error += fleet_step * (error - self.fleet_error);
             self.fleet_observed += 1;
             self.fleet_last = Some(self.fleet_last.map_or(now, |t| t.max(now)));
-            let start = self.factor(worker, now).ln();
+            let start = match self.workers.get(&worker) {
+                Some(fit) => self.fleet + self.departure(fit, now),
+                None => self.fleet,
+            };
             let (n, last) = self.workers.get(&worker).map_or((0, None), |f| (f.observed, f.last));
             let step = self.step(n, last, now);
             let fit = self.workers.entry(worker).or_default();
@@ -449,6 +504,10 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    fn w(id: u64) -> WorkerWithDpRank {
+        WorkerWithDpRank::new(id, 0u32)
+    }
 
     fn pred(model_ms: f64, predicted_ms: f64) -> Predicted {
         Predicted {
@@ -541,6 +600,41 @@ mod tests {
         assert_eq!(stats.len(), 2);
         assert_eq!(stats[0].observed, 200);
         assert!((stats[0].error_p50 - 0.5).abs() < 1e-6, "predicted 10, observed 20");
+    }
+
+    #[test]
+    fn a_newcomer_is_priced_as_the_fleet_until_its_own_first_tokens_say_otherwise() {
+        let now = Instant::now();
+        let mut c = Corrections::new(
+            CorrectionConfig::default(),
+            ShapeConfig { enabled: false, ..ShapeConfig::default() },
+        );
+        let (old, a, b) = (w(1), w(2), w(3));
+        for k in 0..100u64 {
+            c.observe(old, &pred(10.0, 10.0), 3.2, now + Duration::from_millis(100 * k));
+        }
+        let t = now + Duration::from_secs(10);
+        let fleet = c.factor(old, t);
+        assert!((fleet - 0.32).abs() < 0.01, "{fleet}");
+        assert_eq!(c.factor(a, t), fleet, "nothing seen: the fleet's");
+        // One slow first stream (the --speedup 5 run of #78: 0.70 against 0.32) moves the
+        // newcomer by less than a first token's noise, not to 0.70.
+        c.observe(a, &pred(10.0, 10.0), 7.0, t);
+        let one = c.factor(a, t) / c.factor(b, t);
+        assert!(one > 1.0 && one <= 1.105, "{one}");
+        c.observe(a, &pred(10.0, 10.0), 7.0, t);
+        let two = c.factor(a, t) / c.factor(b, t);
+        assert!(two > one && two <= 1.2, "{two}");
+        // Its own evidence, once there is some, says otherwise: it is slower than the old
+        // worker by most of the 2.19x its first tokens show.
+        for k in 0..200u64 {
+            let at = t + Duration::from_millis(50 * k);
+            c.observe(a, &pred(10.0, 10.0), 7.0, at);
+            c.observe(old, &pred(10.0, 10.0), 3.2, at);
+        }
+        let end = t + Duration::from_secs(10);
+        let learned = c.factor(a, end) / c.factor(old, end);
+        assert!(learned > 1.9 && learned < 2.2, "{learned}");
     }
 
     #[test]

@@ -8,9 +8,13 @@
 //! recompute: the price of evicting one is `R / N` recomputes, not one.
 //!
 //! ```text
-//! reuse_w = (R_w + prior) / (N_w + prior)       R_w, N_w: tokens, decayed over window_s
+//! reuse_w = (R_w + prior x fleet) / (N_w + prior)     R_w, N_w: tokens, decayed over window_s
+//! fleet   = (R + prior) / (N + prior)                 R, N: the same over all workers
 //!           capped at `cap`; 1 (one recompute) before anything is known
 //! ```
+//!
+//! A worker little seen is priced as the fleet: `prior` tokens of the fleet's ratio are its
+//! prior (#78: every learned number earns its weight).
 //!
 //! On a fleet whose groups share long system prompts, `R / N` is in the tens: spreading a
 //! group over a worker whose cache holds other groups evicts what they use many times, and
@@ -30,8 +34,8 @@ pub struct ReuseConfig {
     pub window_s: f64,
     /// Most recomputes one evicted token is priced at.
     pub cap: f64,
-    /// Tokens of evidence both counts start with, at one use each: a worker little seen is
-    /// priced near one recompute per evicted token.
+    /// Tokens of evidence both counts start with, at the fleet's ratio (one use each for the
+    /// fleet's own): a worker little seen is priced near the fleet's price.
     pub prior_tokens: f64,
 }
 
@@ -59,11 +63,13 @@ struct Decayed {
 pub struct Reuse {
     config: ReuseConfig,
     workers: FxHashMap<WorkerWithDpRank, Decayed>,
+    /// All workers' together.
+    fleet: Option<Decayed>,
 }
 
 impl Reuse {
     pub fn new(config: ReuseConfig) -> Self {
-        Self { config, workers: FxHashMap::default() }
+        Self { config, workers: FxHashMap::default(), fleet: None }
     }
 
     fn decay(&self, since: Instant, now: Instant) -> f64 {
@@ -77,19 +83,24 @@ impl Reuse {
     /// A request routed to `worker`: `reused` prompt tokens served from its cache, `new`
     /// tokens it stores there (its prompt's others and its answer).
     pub fn routed(&mut self, worker: WorkerWithDpRank, reused: usize, new: usize, now: Instant) {
-        let flow = self.workers.get(&worker).copied();
-        let keep = flow.map_or(0.0, |f| self.decay(f.at, now));
-        let (r, n) = flow.map_or((0.0, 0.0), |f| (f.reused, f.new));
-        let at = flow.map_or(now, |f| f.at.max(now));
-        let flow = Decayed { reused: r * keep + reused as f64, new: n * keep + new as f64, at };
-        self.workers.insert(worker, flow);
+        let add = |flow: Option<Decayed>| {
+            let keep = flow.map_or(0.0, |f| self.decay(f.at, now));
+            let (r, n) = flow.map_or((0.0, 0.0), |f| (f.reused, f.new));
+            let at = flow.map_or(now, |f| f.at.max(now));
+            Decayed { reused: r * keep + reused as f64, new: n * keep + new as f64, at }
+        };
+        let (one, all) = (add(self.workers.get(&worker).copied()), add(self.fleet));
+        self.workers.insert(worker, one);
+        self.fleet = Some(all);
     }
 
     /// Recomputes one token evicted from `worker` is priced at (the module's formula).
     pub fn factor(&self, worker: WorkerWithDpRank) -> f64 {
         let prior = self.config.prior_tokens.max(1.0);
         let (r, n) = self.workers.get(&worker).map_or((0.0, 0.0), |f| (f.reused, f.new));
-        ((r + prior) / (n + prior)).clamp(0.0, self.config.cap.max(0.0))
+        let (fr, fnew) = self.fleet.map_or((0.0, 0.0), |f| (f.reused, f.new));
+        let fleet = (fr + prior) / (fnew + prior);
+        ((r + prior * fleet) / (n + prior)).clamp(0.0, self.config.cap.max(0.0))
     }
 
     pub fn forget(&mut self, worker: WorkerWithDpRank) {
@@ -120,8 +131,11 @@ mod tests {
         }
         assert_eq!(r.factor(w(1)), 8.0, "21 uses, capped");
         assert!(r.factor(w(2)) < 0.01, "{}", r.factor(w(2)));
+        // A newcomer is priced as the fleet: the two above together.
+        let fleet = (200.0 * 2048.0 + 2048.0) / (200.0 * (96.0 + 2144.0) + 2048.0);
+        assert!((r.factor(w(3)) - fleet).abs() < 1e-9, "{}", r.factor(w(3)));
         r.forget(w(1));
-        assert_eq!(r.factor(w(1)), 1.0);
+        assert!((r.factor(w(1)) - fleet).abs() < 1e-9);
     }
 
     #[test]
@@ -135,13 +149,12 @@ mod tests {
         for _ in 0..100 {
             r.routed(w(1), 2000, 100, later);
         }
-        // Ten windows later the cold past weighs e^-10 of itself.
+        // Ten windows later the cold past weighs e^-10 of itself (the one worker is the
+        // fleet, and its prior the fleet's ratio).
         let f = r.factor(w(1));
-        assert!(
-            (f - (200_000.0 + 2048.0) / (10_000.0 + 2048.0 + 200_000.0 * (-10f64).exp())).abs()
-                < 0.01,
-            "{f}"
-        );
+        let (reused, new) = (200_000.0, 10_000.0 + 200_000.0 * (-10f64).exp());
+        let fleet = (reused + 2048.0) / (new + 2048.0);
+        assert!((f - (reused + 2048.0 * fleet) / (new + 2048.0)).abs() < 0.01, "{f}");
         // A clock that goes back does not grow the evidence.
         r.routed(w(1), 0, 0, now);
         assert!((r.factor(w(1)) - f).abs() < 1e-9);
