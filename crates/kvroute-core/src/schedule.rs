@@ -52,7 +52,7 @@ pub use adapters::{AdapterFit, AdapterTable};
 pub use config::{PredictorConfig, SchedulerConfig};
 pub use least_loaded::LeastLoaded;
 pub use pairs::{PairConfig, PairDecision, Role};
-pub use policy::{Policy, pick_by_cost};
+pub use policy::{Policy, pick_by_cost, pick_near};
 pub use random::RandomPolicy;
 pub use registry::PolicyKind;
 pub use round_robin::RoundRobin;

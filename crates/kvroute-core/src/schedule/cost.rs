@@ -54,8 +54,12 @@ pub struct KvConfig {
     /// The `kv` cost: most recomputes a token evicted from a cache is priced at (1: one, the
     /// price before #65).
     pub reuse_cap: f64,
-    /// The `kv` cost: tokens of evidence a worker's reuse starts with, at one use each.
+    /// The `kv` cost: tokens of evidence a worker's reuse starts with, at the fleet's ratio.
     pub reuse_prior_tokens: f64,
+    /// The `kv` cost: the most two costs may differ, as a share of the lower, and be treated
+    /// as equal; the band is the fleet's recent prediction error up to this (`pick_near`;
+    /// 0.25: about a first token's own noise).
+    pub near_tie: f64,
     /// 1: credit lower-tier blocks by the fixed weights below instead of by bandwidth.
     pub fixed_tier_weights: f64,
     /// Credit of a host block with fixed weights (Dynamo's `host_cache_hit_weight`: 0.75).
@@ -86,6 +90,7 @@ impl Default for KvConfig {
             reuse_window_s: 30.0,
             reuse_cap: 8.0,
             reuse_prior_tokens: 2048.0,
+            near_tie: 0.25,
             fixed_tier_weights: 0.0,
             host_weight: DYNAMO_TIER_WEIGHTS[0],
             disk_weight: DYNAMO_TIER_WEIGHTS[1],

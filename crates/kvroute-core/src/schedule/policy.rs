@@ -55,11 +55,28 @@ pub trait Policy: Send + Sync + fmt::Debug {
 
 /// Picks the lowest of `costs`, or samples with a softmax at temperature `t > 0`:
 /// `p_i ∝ exp(-(c_i - min) / ((max - min) * t))`, uniform when all costs are equal. Ties at
-/// temperature 0 go to the smaller tree, then to a seeded coin.
+/// temperature 0 go as [`pick_near`]'s.
 pub fn pick_by_cost(
     costs: &[f64],
     candidates: &[Candidate],
     temperature: f64,
+    rng: &mut Rng,
+) -> usize {
+    pick_near(costs, candidates, temperature, &|_: &Candidate| 0.0, rng)
+}
+
+/// [`pick_by_cost`] with each candidate's cost within its `tolerance` of the lowest (a share
+/// of it: the prediction's own error there) taken as equal to it. Equals go to the one running fewest requests, then
+/// to the smaller tree (so new prefixes spread over the idle workers, newcomers first), then
+/// to a seeded coin. What a cached prefix saves, and what copying it evicts, is in the costs
+/// already: a holder is passed over only for a worker the model cannot tell from it. A
+/// newcomer priced 1% above another from one first token took every new conversation for
+/// 20 s while the other got none (#78).
+pub fn pick_near(
+    costs: &[f64],
+    candidates: &[Candidate],
+    temperature: f64,
+    tolerance: &dyn Fn(&Candidate) -> f64,
     rng: &mut Rng,
 ) -> usize {
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
@@ -80,20 +97,19 @@ pub fn pick_by_cost(
         }
         return costs.len() - 1;
     }
+    let band = |i: usize| min + tolerance(&candidates[i]).max(0.0) * min.abs();
+    let key = |i: usize| (candidates[i].active.requests, candidates[i].tree_size);
     let mut best: Vec<usize> = Vec::new();
-    let mut best_tree = usize::MAX;
     for (i, &c) in costs.iter().enumerate() {
-        if c != min {
+        if c.is_nan() || c > band(i) {
             continue;
         }
-        let tree = candidates[i].tree_size;
-        if tree < best_tree {
-            best.clear();
-            best_tree = tree;
+        match best.first().map(|&b| key(i).cmp(&key(b))) {
+            Some(std::cmp::Ordering::Greater) => continue,
+            Some(std::cmp::Ordering::Less) => best.clear(),
+            _ => {}
         }
-        if tree == best_tree {
-            best.push(i);
-        }
+        best.push(i);
     }
     match best.len() {
         0 => 0, // only NaN costs: any

@@ -4,7 +4,7 @@
 use super::reuse;
 use crate::schedule::config::SchedulerConfig;
 use crate::schedule::policy::Policy;
-use crate::schedule::policy::pick_by_cost;
+use crate::schedule::policy::pick_near;
 use crate::schedule::registry::PolicyKind;
 use crate::schedule::types::AffinityCounts;
 use crate::schedule::types::Candidate;
@@ -312,6 +312,7 @@ impl Scheduler {
                 if corrected {
                     let x = || self.predictor.features(&info, c);
                     c.ttft_factor = self.corrections.factor_at(c.worker, x, now);
+                    c.unproven = self.corrections.unproven(c.worker);
                 }
                 c.reuse = self.reuse.factor(c.worker);
             }
@@ -553,6 +554,7 @@ impl Scheduler {
                 node: e.node,
                 ttft_factor: 0.0,
                 reuse: 0.0,
+                unproven: 0.0,
             }
         }));
         let memory = self.policy.weighs_memory();
@@ -585,11 +587,29 @@ impl Scheduler {
         let info = self.info(request);
         let (chosen, costs) = match self.policy.costs(&info, candidates) {
             Some(costs) => {
-                (pick_by_cost(&costs, candidates, info.temperature, &mut self.rng), Some(costs))
+                let near = self.near_tie();
+                let chosen = pick_near(&costs, candidates, info.temperature, &near, &mut self.rng);
+                (chosen, Some(costs))
             }
             None => (self.policy.select(&info, candidates, &mut self.rng), None),
         };
         Some((chosen.min(candidates.len() - 1), costs))
+    }
+
+    /// How close a candidate's cost may be to the lowest and count as equal, a share of the
+    /// lowest: for a cost in predicted milliseconds, the prediction's own error there (the
+    /// fleet's recent error, or, for a worker whose price is still partly the fleet's, that
+    /// share of the most a worker may differ from it: `max_spread`), at most the `near_tie`
+    /// weight; 0 (exact ties only) for the others.
+    fn near_tie(&self) -> impl Fn(&Candidate) -> f64 + use<> {
+        let learns = self.policy.learns_ttft();
+        let fleet = self.corrections.relative_error();
+        let spread = (self.config.predictor.correction.max_spread - 1.0).max(0.0);
+        let cap = self.config.kv.near_tie;
+        move |c: &Candidate| match learns {
+            true => fleet.max(c.unproven * spread).min(cap),
+            false => 0.0,
+        }
     }
 
     /// The request as policies see it.

@@ -77,6 +77,11 @@ pub struct Candidate {
     /// Recomputes a token evicted from its cache is priced at ([`reuse`]; 0: not filled in,
     /// taken as 1; filled in with [`Candidate::ttft_factor`]).
     pub reuse: f64,
+    /// How much of its price is still the fleet's, not its own (1 for a worker never heard
+    /// from, towards 0 as its first tokens come; 0: not filled in): a newcomer's prediction is
+    /// less sure than an old worker's, and near-ties are judged with that error
+    /// ([`super::pick_near`]).
+    pub unproven: f64,
 }
 
 /// The request as policies see it.
