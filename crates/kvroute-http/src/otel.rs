@@ -6,9 +6,15 @@
 //! Off (the default), a span is a disabled callsite: no span is made, nothing is recorded,
 //! and a request's trace context goes on to the engine as before ([`outbound`]: the caller's,
 //! as the child of a fresh span id).
+//!
+//! On, whether a request is traced is decided once, at its start ([`request_span`]): by its
+//! caller's sampled flag when it sent a `traceparent`, else by the ratio. An unsampled
+//! request gets no spans at all: its request span is [`Span::none`], and [`span!`] makes a
+//! span only inside an enabled one (spans built and then dropped by the exporter's sampler
+//! cost an unsampled request three quarters of a sampled one's: #78).
 
 use std::str::FromStr as _;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use opentelemetry::trace::{
     SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
@@ -22,22 +28,44 @@ use crate::trace::{TraceContext, new_span_id};
 pub const TARGET: &str = "kvroute_otel";
 
 static ON: AtomicBool = AtomicBool::new(false);
+/// The share of requests without a caller's decision that are traced, of `u64::MAX`.
+static RATIO: AtomicU64 = AtomicU64::new(u64::MAX);
 
 /// Whether spans are exported (the process installed the OpenTelemetry layer).
 pub fn on() -> bool {
     ON.load(Ordering::Relaxed)
 }
 
-/// Called once the OpenTelemetry layer is installed.
-pub fn turn_on() {
+/// Called once the OpenTelemetry layer is installed: `ratio` (0..=1) of the requests whose
+/// caller did not decide are traced.
+pub fn turn_on(ratio: f64) {
+    let share = (ratio.clamp(0.0, 1.0) * u64::MAX as f64) as u64;
+    RATIO.store(share, Ordering::Relaxed);
     ON.store(true, Ordering::Relaxed);
 }
 
-/// One of kvroute's spans: `info_span!` under [`TARGET`].
+/// Whether a request whose caller sent `trace` is traced: the caller's sampled flag, else
+/// a coin at the ratio.
+pub fn sample(trace: Option<&TraceContext>) -> bool {
+    match trace {
+        Some(t) => t.flags & 1 == 1,
+        None => {
+            let share = RATIO.load(Ordering::Relaxed);
+            share == u64::MAX || u64::from_be_bytes(new_span_id()) < share
+        }
+    }
+}
+
+/// One of kvroute's spans: `info_span!` under [`TARGET`], made only when spans are exported
+/// and inside an enabled span (a sampled request's); else [`tracing::Span::none`], so that an
+/// unsampled request makes none.
 #[macro_export]
 macro_rules! span {
     ($name:expr $(, $($fields:tt)*)?) => {
-        ::tracing::info_span!(target: $crate::otel::TARGET, $name $(, $($fields)*)?)
+        match $crate::otel::on() && !::tracing::Span::current().is_disabled() {
+            true => ::tracing::info_span!(target: $crate::otel::TARGET, $name $(, $($fields)*)?),
+            false => ::tracing::Span::none(),
+        }
     };
 }
 
@@ -52,7 +80,11 @@ macro_rules! span_event {
 /// A request's span as a server sees it: `operation` (`chat`, `text_completion`,
 /// `find_best_worker`, `pick`), continuing the caller's `trace` when it sent one. Its fields
 /// are recorded as the request goes: the model, the request id, the usage, the status.
+/// [`Span::none`] when spans are off or the request is not sampled ([`sample`]).
 pub fn request_span(operation: &'static str, trace: Option<&TraceContext>) -> Span {
+    if !on() || !sample(trace) {
+        return Span::none();
+    }
     let span = tracing::info_span!(
         target: TARGET,
         "kvroute.request",

@@ -343,7 +343,13 @@ fn heard_in(traceparent: Option<&str>, replica: &str, id: &str, (worker, rank): 
     let Some(trace) = kvroute_http::trace::TraceContext::from_traceparent(traceparent) else {
         return;
     };
-    let span = kvroute_http::span!(
+    if !kvroute_http::otel::sample(Some(&trace)) {
+        return;
+    }
+    // A root of this replica's own, under the peer's span (`span!` makes spans only inside
+    // an enabled one).
+    let span = tracing::info_span!(
+        target: kvroute_http::otel::TARGET,
         "kvroute.replica.routed",
         kvroute.replica = replica,
         kvroute.request_id = id,

@@ -79,10 +79,9 @@ pub fn init(
         true => fmt.json().with_ansi(false).boxed(),
     };
     let endpoint = tracing.and_then(|t| t.otlp_endpoint.as_deref());
+    let ratio = tracing.and_then(|t| t.trace_ratio).unwrap_or(crate::settings::DEFAULT_TRACE_RATIO);
     let (provider, otel) = match endpoint {
         Some(endpoint) => {
-            let ratio =
-                tracing.and_then(|t| t.trace_ratio).unwrap_or(crate::settings::DEFAULT_TRACE_RATIO);
             let provider = provider(endpoint, ratio, role)?;
             let layer = tracing_opentelemetry::layer()
                 .with_tracer(provider.tracer("kvroute"))
@@ -100,12 +99,14 @@ pub fn init(
     };
     let _ = tracing_subscriber::registry().with(fmt.with_filter(filter)).with(otel).try_init();
     if provider.is_some() {
-        kvroute_http::otel::turn_on();
+        kvroute_http::otel::turn_on(ratio);
     }
     Ok(Telemetry { provider })
 }
 
-/// Spans batched to `endpoint` over OTLP/gRPC, sampled parent-based at `ratio`.
+/// Spans batched to `endpoint` over OTLP/gRPC. Whether a request is traced is decided at
+/// its start, once (`kvroute_http::otel::sample`: the caller's flag, else `ratio`); the spans
+/// made are the sampled requests' and are all kept (parent-based over always-on).
 fn provider(
     endpoint: &str,
     ratio: f64,
@@ -132,7 +133,7 @@ fn provider(
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
         resource = resource.with_service_name("kvroute");
     }
-    let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)));
+    let sampler = Sampler::ParentBased(Box::new(Sampler::AlwaysOn));
     Ok(SdkTracerProvider::builder()
         .with_span_processor(batch)
         .with_sampler(sampler)

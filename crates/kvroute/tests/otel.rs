@@ -176,10 +176,20 @@ fn one<'a>(spans: &'a [Span], name: &str) -> &'a Span {
 /// A `kvroute` command exporting every span to `receiver`, once it printed its `ready` line:
 /// the first address of that line, and the lines before it.
 fn started(receiver: &Receiver, args: &[&str], ready: &str) -> (Killed, String, Vec<String>) {
+    started_at(receiver, args, ready, "1")
+}
+
+/// [`started`] at a trace ratio of `ratio`.
+fn started_at(
+    receiver: &Receiver,
+    args: &[&str],
+    ready: &str,
+    ratio: &str,
+) -> (Killed, String, Vec<String>) {
     let mut command = common::kvroute();
     command
         .args(args)
-        .args(["--otlp-endpoint", &receiver.endpoint, "--trace-ratio", "1"])
+        .args(["--otlp-endpoint", &receiver.endpoint, "--trace-ratio", ratio])
         // Spans leave in batches every 100 ms instead of 5 s (the SDK's own variable).
         .env("OTEL_BSP_SCHEDULE_DELAY", "100")
         .stderr(Stdio::null());
@@ -319,6 +329,38 @@ async fn an_aggregated_request_is_one_trace_from_the_front_door_and_from_the_pic
         std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!(root.trace.len(), 32, "{root:?}");
+}
+
+/// Sampling is decided once, at the request's start: at ratio 0 a request the caller did not
+/// sample, or that came without a (valid) `traceparent`, makes no span at all, and its
+/// caller's context goes on to the engine unsampled; a request its caller sampled is traced
+/// whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsampled_request_makes_no_spans_and_a_sampled_one_its_whole_tree() {
+    let Some(receiver) = receiver("ratio-0") else { return };
+    let args = ["serve", "--port", "0", "--speedup", "50", "--flow-control", "--no-parity-probe"];
+    // With its picker, whose simulated workers answer /stats without a token.
+    let args = [&args[..], &["--ext-proc-port", "0"]].concat();
+    let args = [&args[..], &["--simulated-workers", "2"]].concat();
+    let (_serve, front, _) = started_at(&receiver, &args, "kvroute serve ready on ", "0");
+    let unsampled = "11111111111111111111111111111111";
+    let header = format!("00-{unsampled}-{CLIENT_SPAN}-00");
+    assert_eq!(chat(&front, &header, "a question nobody traces").await, 200);
+    let parents = engine_parents(&front).await;
+    assert!(
+        parents.iter().any(|p| p.starts_with(&format!("00-{unsampled}-")) && p.ends_with("-00")),
+        "the caller's unsampled context goes on: {parents:?}"
+    );
+    assert_eq!(chat(&front, "00-NOT-A-TRACE-01", "a question of its own").await, 200);
+    let trace = "22222222222222222222222222222222";
+    assert_eq!(chat(&front, &traceparent(trace), "a traced question").await, 200);
+    let spans = trace_of(&receiver, trace, &["kvroute.request", "kvroute.self_check"]);
+    assert_request_tree(&spans, &["aggregated"]);
+    // The exporter sends spans in the order they end: the traced request's came after the
+    // others', so nothing else was made.
+    let all = received(&receiver.log);
+    let others: Vec<_> = all.iter().filter(|s| s.trace != trace).collect();
+    assert!(others.is_empty(), "spans of unsampled requests: {others:#?}");
 }
 
 /// A prefill/decode request is one trace: an engine span per leg, both under the request,
