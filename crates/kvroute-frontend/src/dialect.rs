@@ -46,6 +46,19 @@ pub(crate) fn vllm_priority(priority: i32) -> i64 {
     -i64::from(priority)
 }
 
+/// Lowers a body's engine `priority` by one step, so that it runs after the requests of its
+/// class from other tenants (and still before those of the class below): vLLM's is lower
+/// first, SGLang's `/generate` higher first; a body without one was at 0.
+pub(crate) fn lower_priority(body: &mut Value, dialect: Option<Dialect>) {
+    let Some(fields) = body.as_object_mut() else { return };
+    let now = fields.get("priority").and_then(Value::as_i64).unwrap_or(0);
+    let lowered = match dialect {
+        Some(Dialect::SglangGenerate) => now.saturating_sub(1),
+        _ => now.saturating_add(1),
+    };
+    fields.insert("priority".to_owned(), lowered.into());
+}
+
 /// SGLang's `priority` (higher first, its default) of a body's vLLM-style one.
 fn sglang_priority(vllm: i64) -> i64 {
     vllm.saturating_neg()
@@ -341,5 +354,29 @@ pub(crate) fn path(dialect: Dialect) -> &'static str {
         Dialect::VllmGenerate | Dialect::VllmGenerateTokens => vllm_generate::PATH,
         Dialect::OpenaiCompletionsTokens => "/v1/completions",
         Dialect::SglangGenerate => sglang_generate::PATH,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_lowered_priority_is_one_step_later_in_each_engines_order() {
+        // vLLM's (and an OpenAI body's): lower first, so later is one more; none was 0.
+        let mut chat = json!({"messages": [], "priority": -10});
+        lower_priority(&mut chat, None);
+        assert_eq!(chat["priority"], -9);
+        let mut plain = json!({"messages": []});
+        lower_priority(&mut plain, Some(Dialect::VllmGenerate));
+        assert_eq!(plain["priority"], 1);
+        // SGLang's /generate: higher first, so later is one less.
+        let mut sglang = json!({"input_ids": [1, 2], "priority": 10});
+        lower_priority(&mut sglang, Some(Dialect::SglangGenerate));
+        assert_eq!(sglang["priority"], 9);
+        let mut odd = json!([1, 2]);
+        lower_priority(&mut odd, None);
+        assert_eq!(odd, json!([1, 2]), "not a body: left alone");
     }
 }

@@ -36,13 +36,18 @@ pub(crate) async fn dispatch(
     // Flow control admits a request once; placed again after a worker failed it, it is not
     // held again.
     let mut request = out.place.clone();
+    // A tenant over its share gets a lower engine priority than its class's, once placed: its
+    // work fills the engines without standing ahead of the others' (#78).
+    let mut lowered = false;
     loop {
         let id = state.request_id();
         let placed = state
             .placer
             .place(&request, state.block_size, (&id, out.trace.as_ref()), &excluded)
             .await?;
-        request.class = None;
+        if let Some(class) = request.class.take() {
+            lowered = state.options.engine_priority && state.placer.over_share(Some(&class));
+        }
         let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
             return Err(ApiError::unavailable("no worker is available"));
         };
@@ -59,7 +64,14 @@ pub(crate) async fn dispatch(
             excluded.extend(state.all_ranks(worker.worker_id));
             continue;
         }
-        match send(state, out, placement, guard, None, timeout).await? {
+        let dialect = Some(state.dialect(worker.worker_id))
+            .filter(|d| out.tokens.iter().any(|(sent, _)| sent == d));
+        let lower = move |v: &mut serde_json::Value| crate::dialect::lower_priority(v, dialect);
+        let edit: Option<crate::hop::Edit<'_>> = lowered.then_some(&lower);
+        if lowered {
+            state.metrics.lowered_priority.inc();
+        }
+        match send(state, out, placement, guard, edit, timeout).await? {
             Ok(answer) => return Ok(answer),
             Err(failure) => state.retry_without(worker.worker_id, failure, &mut excluded),
         }

@@ -20,6 +20,7 @@ pub(crate) struct Metrics {
     pub(crate) pd_prefill_failed: Counter,
     pub(crate) pd_handoff_failed: Counter,
     pub(crate) priority_clamped: Counter,
+    pub(crate) lowered_priority: Counter,
 }
 
 impl Metrics {
@@ -71,6 +72,11 @@ impl Metrics {
             "kvroute_frontend_priority_clamped",
             "Requests that named a priority above their API key's ceiling (lowered to it)",
             m.priority_clamped.clone(),
+        );
+        r.register(
+            "kvroute_frontend_engine_priority_lowered",
+            "Requests of a tenant over its share sent with a lower engine priority than their class's",
+            m.lowered_priority.clone(),
         );
         Self { registry: r, ..m }
     }

@@ -145,6 +145,20 @@ impl Placer {
         }
     }
 
+    /// Whether the tenant of `class` is over its share of the fleet by this router's flow
+    /// control (the embedded router's; a remote router's shares are its own, and not asked).
+    pub(crate) fn over_share(
+        &self,
+        class: Option<&kvroute_core::schedule::flow::RequestClass>,
+    ) -> bool {
+        match (self, class) {
+            (Self::Embedded(router), Some(class)) => {
+                router.config.scheduler.flow.enabled && router.flow.over_share(&class.tenant)
+            }
+            _ => false,
+        }
+    }
+
     /// Chooses where a request runs in a disaggregated fleet, other than `exclude`: a
     /// prefill and a decode worker, or (no prefill) one worker alone; `None` when there is
     /// none. Both legs are in flight from now on (the prefill's as `{id}/prefill`).

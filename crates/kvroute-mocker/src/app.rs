@@ -51,6 +51,9 @@ pub struct AppState {
     live_ids: Arc<std::sync::Mutex<rustc_hash::FxHashSet<String>>>,
     /// The trace contexts the engine was called in (as vLLM continues a `traceparent`).
     pub traces: Arc<Traces>,
+    /// Requests taken, by the engine `priority` they came with (`/stats`'s `priorities`), so
+    /// that a test can see a router lower one.
+    pub priorities: Arc<std::sync::Mutex<std::collections::BTreeMap<i64, u64>>>,
     /// The store the fleet shares (`--store-url`), asked what it holds of each prompt.
     pub store: Option<crate::store::StoreLink>,
 }
@@ -126,6 +129,7 @@ impl AppState {
             peers: crate::holds::Peers::default(),
             live_ids: Arc::default(),
             traces: Arc::default(),
+            priorities: Arc::default(),
             store: None,
         }
     }
@@ -250,6 +254,12 @@ impl AppState {
             .kind("BadRequestError")
             .param("priority"));
         }
+        *self
+            .priorities
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(s.priority)
+            .or_default() += 1;
         let needed = s.tokens.len().div_ceil(bs.tokens()) + 1;
         if needed > config.num_blocks {
             return Err(ApiError::too_large(format!(

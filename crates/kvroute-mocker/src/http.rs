@@ -389,6 +389,10 @@ async fn stats(State(state): State<Arc<AppState>>) -> Json<Value> {
         fields.insert("role".to_owned(), state.engine.config.disagg.role.name().into());
         fields.insert("handoff".to_owned(), state.holds.counts.to_json());
         fields.insert("trace".to_owned(), state.traces.to_json());
+        let priorities = state.priorities.lock().map(|p| p.clone()).unwrap_or_default();
+        let priorities: serde_json::Map<String, Value> =
+            priorities.into_iter().map(|(p, n)| (p.to_string(), n.into())).collect();
+        fields.insert("priorities".to_owned(), priorities.into());
     }
     Json(stats)
 }

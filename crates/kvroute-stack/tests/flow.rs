@@ -218,3 +218,62 @@ async fn a_thousand_clients_that_leave_while_waiting_leave_nothing_behind() {
     drop(client);
     assert!(eventually(Duration::from_secs(5), || f.router().placing.in_flight() == 0).await);
 }
+
+/// With engine priorities on, a tenant over its share is placed as any other but sent with
+/// a lower engine priority than its class's (vLLM's `priority`, lower first: 1 for class 0),
+/// so that its work runs after the others' of its class at the engine; a tenant within its
+/// share keeps its class's (0: no field).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_over_its_share_is_sent_at_a_lower_engine_priority() {
+    let mut router = RouterConfig::default();
+    router.scheduler.flow = FlowConfig { enabled: true, ..FlowConfig::default() };
+    let engine = EngineConfig {
+        timing: Timing { speedup: 50.0 },
+        scheduling: kvroute_mocker::SchedulingPolicy::Priority,
+        ..EngineConfig::default()
+    };
+    let config = StackConfig {
+        simulated: Simulated { count: 1, engine, ..Simulated::default() },
+        router,
+        front_door: kvroute_frontend::FrontDoorOptions {
+            engine_priority: true,
+            ..kvroute_frontend::FrontDoorOptions::default()
+        },
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).await.unwrap();
+    assert!(stack.ready(Duration::from_secs(10)).await.is_empty(), "every worker ready");
+    let base = stack.serve_frontend_on_loopback().await.unwrap();
+    let f = Fleet { base, stack };
+    let light = ask(&f.base, &[("x-kvroute-tenant", "light")], "a light tenant's question").await;
+    assert_eq!(light.0, 200, "{light:?}");
+    for k in 0..12 {
+        let text = format!("the heavy tenant's question {k}, longer than the light one's");
+        let heavy = ask(&f.base, &[("x-kvroute-tenant", "heavy")], &text).await;
+        assert_eq!(heavy.0, 200, "{heavy:?}");
+    }
+    let w = &f.stack.workers[0];
+    let client = match &w.api_key {
+        Some(key) => HttpClient::new().with_bearer(&key.0),
+        None => HttpClient::new(),
+    };
+    let stats: Value =
+        client.get_json(&format!("{}/stats", w.url.as_ref().unwrap())).await.unwrap();
+    let at = |p: &str| stats["priorities"][p].as_u64().unwrap_or(0);
+    // The light tenant's and the heavy one's first (one tenant alone is nobody's over):
+    // class 0; the heavy tenant's others, once it was over its share: one step lower.
+    // (The stack's own probes of the engine come at 0 too.)
+    assert!((8..=11).contains(&at("1")), "{stats}");
+    assert!(at("0") >= 2, "{stats}");
+    let response = HttpClient::new()
+        .call(hyper::Method::GET, &format!("{}/metrics", f.base), None::<&Value>)
+        .await
+        .unwrap();
+    let text = response.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&text);
+    let lowered = text
+        .lines()
+        .find_map(|l| l.strip_prefix("kvroute_frontend_engine_priority_lowered_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert_eq!(lowered, Some(at("1") as f64), "{text}");
+}

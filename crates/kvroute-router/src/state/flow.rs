@@ -90,6 +90,12 @@ impl Flow {
         lock(&self.queues).bands()
     }
 
+    /// Whether `tenant` sent more than its share of the prompt tokens lately
+    /// ([`FlowConfig::over_share`]).
+    pub fn over_share(&self, tenant: &str) -> bool {
+        lock(&self.queues).over_share(tenant, Instant::now())
+    }
+
     /// Requests waiting here per priority and tenant.
     pub fn tenants(&self) -> Vec<(i32, std::sync::Arc<str>, usize)> {
         lock(&self.queues).tenants()
