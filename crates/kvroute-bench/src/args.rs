@@ -23,9 +23,12 @@ pub struct BenchArgs {
     /// shared-prefix,multi-turn).
     #[arg(long, env = "KVROUTE_BENCH_WORKLOADS", value_delimiter = ',')]
     pub workloads: Vec<WorkloadKind>,
-    /// A first look in about 10 seconds: shared-prefix only, 4 groups x 24 prompts of
-    /// 1,024 + 64 tokens with 8 out, speedup 4, kv against round-robin. Sets those settings
-    /// (workloads, policies, sizes, speedup; no approximate runs) over any given.
+    /// A first look in about 10 seconds: shared-prefix only, 16 groups x 6 prompts of
+    /// 2,048 + 64 tokens with 8 out, speedup 4, kv against round-robin. The 16 system prompts
+    /// are four times what one worker's cache holds and about what the fleet's hold, as in
+    /// production, where routing decides whether each prompt is computed once or on every
+    /// worker (and a prompt computed again misses the 10 ms of the goodput). Sets those settings (workloads, policies, sizes, speedup; no approximate runs)
+    /// over any given.
     #[arg(long, env = "KVROUTE_BENCH_QUICK")]
     pub quick: bool,
     /// The overload bench instead (docs/bench/overload.md): interactive (short prompts on a
@@ -112,7 +115,7 @@ pub struct BenchArgs {
     pub seed: u64,
     /// The TTFT (ms) a request must meet to count in the terminal table's goodput (answered
     /// requests per second within it). --quick sets 10: its engines run at 4x speed, where a
-    /// whole 1,088-token prefill takes about 9 ms.
+    /// whole 2,112-token prefill takes about 12 ms and a cached one about 5.
     #[arg(long, env = "KVROUTE_BENCH_GOODPUT_TTFT_MS", default_value_t = 100.0)]
     pub goodput_ttft_ms: f64,
     /// Send shared-prefix and random prompts to /v1/completions as text instead of token ids
@@ -585,9 +588,9 @@ impl BenchArgs {
             workloads: vec![WorkloadKind::SharedPrefix],
             policies: vec![PolicyKind::Kv, PolicyKind::RoundRobin],
             approximate: Vec::new(),
-            groups: 4,
-            prompts_per_group: 24,
-            system_tokens: 1024,
+            groups: 16,
+            prompts_per_group: 6,
+            system_tokens: 2048,
             output_tokens: 8,
             speedup: 4.0,
             goodput_ttft_ms: 10.0,
