@@ -597,17 +597,17 @@ impl Scheduler {
     }
 
     /// How close a candidate's cost may be to the lowest and count as equal, a share of the
-    /// lowest: for a cost in predicted milliseconds, the prediction's own error there (the
-    /// fleet's recent error, or, for a worker whose price is still partly the fleet's, that
-    /// share of the most a worker may differ from it: `max_spread`), at most the `near_tie`
-    /// weight; 0 (exact ties only) for the others.
+    /// lowest: for a cost in predicted milliseconds, the prediction's own error there: the
+    /// fleet's recent error (at most the `near_tie` weight), or, for a worker whose price is
+    /// still partly the fleet's, that share of the most a worker may differ from the fleet
+    /// (`max_spread`: a newcomer's first tokens may well show it twice as fast or slow);
+    /// 0 (exact ties only) for the others.
     fn near_tie(&self) -> impl Fn(&Candidate) -> f64 + use<> {
         let learns = self.policy.learns_ttft();
-        let fleet = self.corrections.relative_error();
+        let fleet = self.corrections.relative_error().min(self.config.kv.near_tie);
         let spread = (self.config.predictor.correction.max_spread - 1.0).max(0.0);
-        let cap = self.config.kv.near_tie;
         move |c: &Candidate| match learns {
-            true => fleet.max(c.unproven * spread).min(cap),
+            true => fleet.max(c.unproven * spread),
             false => 0.0,
         }
     }

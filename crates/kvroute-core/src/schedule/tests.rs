@@ -957,6 +957,43 @@ fn running_answers_hold_blocks_the_memory_term_counts() {
     assert_eq!(placed_beside_running_answers(64), w(1));
 }
 
+/// A newcomer among workers the router has learned is priced as the fleet, and its price is
+/// less sure: a prompt its cached holder would start sooner goes to the newcomer while the
+/// difference is within what a newcomer's first tokens could show (2x), and to the holder
+/// once the newcomer has shown its speed (#78).
+#[test]
+fn a_newcomer_takes_what_it_cannot_be_told_from_and_then_competes_on_its_price() {
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    let none = OverlapScores::default();
+    let mut at = Instant::now();
+    let learn = |s: &mut Scheduler, at: &mut Instant, k: u64, only: u64, tokens: u32| {
+        let id = format!("learn{k}");
+        let p = prompt(&(0..tokens).map(|t| t + 100_000 * (k as u32 + 1)).collect::<Vec<_>>());
+        let exclude: Vec<_> = (0..3).filter(|&x| x != only).map(w).collect();
+        let r = RouteRequest { exclude: &exclude, ..request(&p, Some(&id)) };
+        *at += Duration::from_millis(200);
+        assert_eq!(s.route(&r, &none, &UnknownTreeSizes, *at).unwrap().worker, w(only));
+        let model = EngineModelProbe::ttft(&p);
+        s.mark_prefill_done_at(&id, *at + Duration::from_secs_f64(model / 1e3)).unwrap();
+        s.free(&id);
+    };
+    for k in 0..60 {
+        learn(&mut s, &mut at, k, k % 2, 500);
+    }
+    s.add_worker(w(2));
+    // Worker 0 holds the first 600 of the prompt's 700 tokens: it starts it sooner, but by
+    // less than twice.
+    let p = prompt(&(0..700).collect::<Vec<_>>());
+    let held = scores(&[(0, 600 / BS as u32)]);
+    let newcomer = s.route(&request(&p, None), &held, &UnknownTreeSizes, at).unwrap().worker;
+    assert_eq!(newcomer, w(2), "the newcomer is tried");
+    // Proven (as fast as the fleet), it competes on its price: the holder starts it sooner.
+    for k in 60..120 {
+        learn(&mut s, &mut at, k, 2, 500);
+    }
+    assert_eq!(s.route(&request(&p, None), &held, &UnknownTreeSizes, at).unwrap().worker, w(0));
+}
+
 /// Each routed request's first token is predicted on its worker and compared with the time it
 /// took: a worker whose first tokens come three times later than the model says is learned
 /// to be slower, and a cold prompt then goes to the other one.
