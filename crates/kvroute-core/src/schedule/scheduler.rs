@@ -587,7 +587,8 @@ impl Scheduler {
         let info = self.info(request);
         let (chosen, costs) = match self.policy.costs(&info, candidates) {
             Some(costs) => {
-                let near = self.near_tie();
+                let known = candidates.iter().map(|c| c.unproven).fold(1.0, f64::min);
+                let near = self.near_tie(known);
                 let chosen = pick_near(&costs, candidates, info.temperature, &near, &mut self.rng);
                 (chosen, Some(costs))
             }
@@ -599,15 +600,17 @@ impl Scheduler {
     /// How close a candidate's cost may be to the lowest and count as equal, a share of the
     /// lowest: for a cost in predicted milliseconds, the prediction's own error there: the
     /// fleet's recent error (at most the `near_tie` weight), or, for a worker whose price is
-    /// still partly the fleet's, that share of the most a worker may differ from the fleet
-    /// (`max_spread`: a newcomer's first tokens may well show it twice as fast or slow);
-    /// 0 (exact ties only) for the others.
-    fn near_tie(&self) -> impl Fn(&Candidate) -> f64 + use<> {
+    /// still more the fleet's than the best known candidate's (`least_unproven`), that share
+    /// of the most a worker may differ from the fleet (`max_spread`: a newcomer's first
+    /// tokens may well show it twice as fast or slow as the workers the router knows; a fleet
+    /// that starts knows none of them better than another); 0 (exact ties only) for the
+    /// others.
+    fn near_tie(&self, least_unproven: f64) -> impl Fn(&Candidate) -> f64 + use<> {
         let learns = self.policy.learns_ttft();
         let fleet = self.corrections.relative_error().min(self.config.kv.near_tie);
         let spread = (self.config.predictor.correction.max_spread - 1.0).max(0.0);
         move |c: &Candidate| match learns {
-            true => fleet.max(c.unproven * spread),
+            true => fleet.max((c.unproven - least_unproven).max(0.0) * spread),
             false => 0.0,
         }
     }
