@@ -588,7 +588,11 @@ impl Scheduler {
         let (chosen, costs) = match self.policy.costs(&info, candidates) {
             Some(costs) => {
                 let known = candidates.iter().map(|c| c.unproven).fold(1.0, f64::min);
-                let near = self.near_tie(known);
+                let cheapest = (0..costs.len()).min_by(|&a, &b| costs[a].total_cmp(&costs[b]));
+                let held = cheapest.map_or(0, |i| {
+                    candidates[i].overlap_blocks.max(candidates[i].inflight_prefix_blocks)
+                });
+                let near = self.near_tie(known, held);
                 let chosen = pick_near(&costs, candidates, info.temperature, &near, &mut self.rng);
                 (chosen, Some(costs))
             }
@@ -598,20 +602,27 @@ impl Scheduler {
     }
 
     /// How close a candidate's cost may be to the lowest and count as equal, a share of the
-    /// lowest: for a cost in predicted milliseconds, the prediction's own error there: the
-    /// fleet's recent error (at most the `near_tie` weight), or, for a worker whose price is
-    /// still more the fleet's than the best known candidate's (`least_unproven`), that share
-    /// of the most a worker may differ from the fleet (`max_spread`: a newcomer's first
-    /// tokens may well show it twice as fast or slow as the workers the router knows; a fleet
-    /// that starts knows none of them better than another); 0 (exact ties only) for the
-    /// others.
-    fn near_tie(&self, least_unproven: f64) -> impl Fn(&Candidate) -> f64 + use<> {
+    /// lowest: for a cost in predicted milliseconds, the prediction's own error there. For a
+    /// candidate holding as much of the prompt as the cheapest (`held`), the fleet's recent
+    /// error (at most the `near_tie` weight): a near-tie spreads load, never a cached prefix.
+    /// For a worker whose price is still more the fleet's than the best known candidate's
+    /// (`least_unproven`), that excess share of the most a worker may differ from the fleet
+    /// (`max_spread`: a newcomer's first tokens may well show it twice as fast or slow as the
+    /// workers the router knows, and it is tried even at a prefix's copy; a fleet that starts
+    /// knows none of its workers better than another). 0 (exact ties only) for the others.
+    fn near_tie(&self, least_unproven: f64, held: u32) -> impl Fn(&Candidate) -> f64 + use<> {
         let learns = self.policy.learns_ttft();
         let fleet = self.corrections.relative_error().min(self.config.kv.near_tie);
         let spread = (self.config.predictor.correction.max_spread - 1.0).max(0.0);
-        move |c: &Candidate| match learns {
-            true => fleet.max((c.unproven - least_unproven).max(0.0) * spread),
-            false => 0.0,
+        move |c: &Candidate| {
+            if !learns {
+                return 0.0;
+            }
+            let doubt = (c.unproven - least_unproven).max(0.0) * spread;
+            match c.overlap_blocks.max(c.inflight_prefix_blocks) >= held {
+                true => fleet.max(doubt),
+                false => doubt,
+            }
         }
     }
 
