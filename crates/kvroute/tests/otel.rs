@@ -428,14 +428,22 @@ async fn replicas_and_the_router_api_carry_the_trace() {
         assert!(Instant::now() < deadline, "no replica heard a decision: {spans:#?}");
         std::thread::sleep(Duration::from_millis(200));
     };
-    let routed = spans.iter().find(|s| s.name == "kvroute.replica.routed").unwrap();
+    let routed = spans.iter().find(|s| s.name == "kvroute.replica.routed").unwrap().clone();
     // Heard by the router (replica b) from the serve, the replica that decided.
     assert_ne!(routed.attributes["kvroute.replica"], "b", "{routed:?}");
-    let decided: Vec<&Span> = spans.iter().filter(|s| s.name == "kvroute.decide").collect();
-    assert!(
-        decided.iter().any(|d| d.id == routed.parent),
-        "{routed:?} under a decision: {decided:#?}"
-    );
+    // The two processes export in batches of their own: the decision's span may come after
+    // the replica's.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let spans: Vec<Span> =
+            received(&receiver.log).into_iter().filter(|s| s.trace == trace).collect();
+        let decided: Vec<&Span> = spans.iter().filter(|s| s.name == "kvroute.decide").collect();
+        if decided.iter().any(|d| d.id == routed.parent) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{routed:?} under a decision: {decided:#?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     // The router's API continues a caller's trace.
     let trace = "7bf92f3577b34da6a3ce929d0e0e4739";
