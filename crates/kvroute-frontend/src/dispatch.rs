@@ -46,7 +46,7 @@ pub(crate) async fn dispatch(
             .place(&request, state.block_size, (&id, out.trace.as_ref()), &excluded)
             .await?;
         if let Some(class) = request.class.take() {
-            lowered = state.options.engine_priority && state.placer.over_share(Some(&class));
+            lowered = state.options.engine_priority && state.placer.over_share(&class);
         }
         let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
             return Err(ApiError::unavailable("no worker is available"));

@@ -147,15 +147,12 @@ impl Placer {
 
     /// Whether the tenant of `class` is over its share of the fleet by this router's flow
     /// control (the embedded router's; a remote router's shares are its own, and not asked).
-    pub(crate) fn over_share(
-        &self,
-        class: Option<&kvroute_core::schedule::flow::RequestClass>,
-    ) -> bool {
-        match (self, class) {
-            (Self::Embedded(router), Some(class)) => {
+    pub(crate) fn over_share(&self, class: &kvroute_core::schedule::flow::RequestClass) -> bool {
+        match self {
+            Self::Embedded(router) => {
                 router.config.scheduler.flow.enabled && router.flow.over_share(&class.tenant)
             }
-            _ => false,
+            Self::Remote(_) => false,
         }
     }
 

@@ -371,9 +371,7 @@ impl Corrections {
 
     /// What the fit of a worker adds to the fleet's log factor at `now`.
     fn own(&self, fit: &WorkerFit, now: Instant) -> f64 {
-        let n = fit.observed as f64;
-        let evidence = n / (n + self.config.prior_samples.max(0.0)).max(1.0);
-        evidence * self.departure(fit, now)
+        (1.0 - self.prior_share(fit.observed)) * self.departure(fit, now)
     }
 
     /// The worker's mean less the fleet's, bounded by `max_spread` and fading once it is not
@@ -397,8 +395,13 @@ impl Corrections {
     /// How much of `worker`'s price is still the fleet's: `prior / (n + prior)` after `n`
     /// first tokens (1 for a worker never heard from).
     pub fn unproven(&self, worker: WorkerWithDpRank) -> f64 {
+        self.prior_share(self.workers.get(&worker).map_or(0, |f| f.observed))
+    }
+
+    /// The fleet's share of a price after `n` first tokens: `prior / (n + prior)`.
+    fn prior_share(&self, n: u64) -> f64 {
         let prior = self.config.prior_samples.max(0.0);
-        let n = self.workers.get(&worker).map_or(0, |f| f.observed) as f64;
+        let n = n as f64;
         if n + prior <= 0.0 { 0.0 } else { prior / (n + prior) }
     }
 
@@ -505,6 +508,14 @@ mod tests {
 
     use super::*;
 
+    /// Corrections with the default settings and no learned shape.
+    fn unshaped() -> Corrections {
+        Corrections::new(
+            CorrectionConfig::default(),
+            ShapeConfig { enabled: false, ..ShapeConfig::default() },
+        )
+    }
+
     fn w(id: u64) -> WorkerWithDpRank {
         WorkerWithDpRank::new(id, 0u32)
     }
@@ -576,10 +587,7 @@ mod tests {
     #[test]
     fn corrections_learn_a_slower_worker_and_forget_it_unheard() {
         let now = Instant::now();
-        let mut c = Corrections::new(
-            CorrectionConfig::default(),
-            ShapeConfig { enabled: false, ..ShapeConfig::default() },
-        );
+        let mut c = unshaped();
         let (a, b) = (WorkerWithDpRank::new(1u64, 0u32), WorkerWithDpRank::new(2u64, 0u32));
         for _ in 0..200 {
             c.observe(a, &pred(10.0, 10.0), 20.0, now);
@@ -605,10 +613,7 @@ mod tests {
     #[test]
     fn a_newcomer_is_priced_as_the_fleet_until_its_own_first_tokens_say_otherwise() {
         let now = Instant::now();
-        let mut c = Corrections::new(
-            CorrectionConfig::default(),
-            ShapeConfig { enabled: false, ..ShapeConfig::default() },
-        );
+        let mut c = unshaped();
         let (old, a, b) = (w(1), w(2), w(3));
         for k in 0..100u64 {
             c.observe(old, &pred(10.0, 10.0), 3.2, now + Duration::from_millis(100 * k));
@@ -640,10 +645,7 @@ mod tests {
     #[test]
     fn a_short_slow_spell_moves_a_worker_little_and_a_worker_stays_near_its_fleet() {
         let start = Instant::now();
-        let mut c = Corrections::new(
-            CorrectionConfig::default(),
-            ShapeConfig { enabled: false, ..ShapeConfig::default() },
-        );
+        let mut c = unshaped();
         let (a, b) = (WorkerWithDpRank::new(1u64, 0u32), WorkerWithDpRank::new(2u64, 0u32));
         // Two minutes of first tokens as predicted, 5 a second on each worker.
         for k in 0..600u64 {
