@@ -277,11 +277,9 @@ impl Picker {
 
     /// The next worker in turn among `allowed` that is in rotation.
     pub(crate) fn in_turn(&self, allowed: Option<&BTreeSet<WorkerId>>) -> Option<WorkerId> {
-        let ready: Vec<WorkerId> = self
-            .endpoints()
-            .workers()
-            .filter(|w| allowed.is_none_or(|a| a.contains(w)) && self.front.in_rotation(*w))
-            .collect();
+        let listed: BTreeSet<WorkerId> = self.endpoints().workers().collect();
+        let ready: Vec<WorkerId> =
+            self.front.in_rotation(allowed).into_iter().filter(|w| listed.contains(w)).collect();
         let n = ready.len();
         (n > 0).then(|| ready[self.turn.fetch_add(1, Ordering::Relaxed) % n])
     }

@@ -118,17 +118,6 @@ impl Health {
         was
     }
 
-    /// Workers not to offer the router now (none when that would be all of them).
-    pub fn excluded(&self, now: Instant) -> Vec<WorkerId> {
-        let workers = self.lock();
-        let out: Vec<WorkerId> = workers
-            .iter()
-            .filter(|(_, h)| h.ejected && h.until.is_some_and(|u| now < u))
-            .map(|(w, _)| *w)
-            .collect();
-        if out.len() == workers.len() { Vec::new() } else { out }
-    }
-
     /// Ejected workers whose backoff is over: time to probe them.
     pub fn due_for_probe(&self, now: Instant) -> Vec<WorkerId> {
         let workers = self.lock();
@@ -176,22 +165,11 @@ mod tests {
         }
         assert_eq!(backoffs, [1, 2, 4, 8, 16, 30, 30, 30]);
         let t = now - Duration::from_secs(30);
-        assert_eq!(h.excluded(t), [WorkerId(1)]);
         assert!(h.due_for_probe(t).is_empty());
         assert_eq!(h.due_for_probe(t + Duration::from_secs(30)), [WorkerId(1)]);
-        assert!(h.excluded(t + Duration::from_secs(30)).is_empty(), "its backoff is over");
+        assert!(h.is_ejected(WorkerId(1)), "out until a probe succeeds, its backoff over");
         assert!(h.succeeded(WorkerId(1)));
         assert!(!h.is_ejected(WorkerId(1)));
         assert_eq!(h.failed(WorkerId(1), Failure::Timeout, t).as_secs(), 1, "starts over");
-    }
-
-    #[test]
-    fn never_every_worker_excluded() {
-        let h = Health::new([WorkerId(1), WorkerId(2)]);
-        let t = Instant::now();
-        h.failed(WorkerId(1), Failure::Connect, t);
-        h.failed(WorkerId(2), Failure::Connect, t);
-        assert!(h.excluded(t).is_empty());
-        assert_eq!(h.ejected_count(), 2);
     }
 }

@@ -257,20 +257,6 @@ impl FrontendState {
     pub(crate) fn request_id(&self) -> String {
         format!("kvr-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
     }
-
-    /// A worker failed before answering: it is ejected and its ranks left out of the next try.
-    pub(crate) fn retry_without(
-        &self,
-        worker: WorkerId,
-        (why, error): HopFailure,
-        excluded: &mut Vec<WorkerWithDpRank>,
-    ) {
-        let error = kvroute_http::error::chain(&error);
-        tracing::warn!(%worker, %error, "worker failed; trying another");
-        self.worker_failed(worker, why);
-        self.metrics.retried.inc();
-        excluded.extend(self.all_ranks(worker));
-    }
 }
 
 impl FrontendState {

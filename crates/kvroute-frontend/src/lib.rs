@@ -20,6 +20,7 @@
 //! `docs/architecture.md`.
 
 mod app;
+mod attempts;
 mod dialect;
 mod dispatch;
 mod fleet_seam;

@@ -30,16 +30,17 @@ use futures_util::StreamExt as _;
 use futures_util::stream::BoxStream;
 use http_body_util::{BodyExt as _, Full, Limited, StreamBody};
 use hyper::body::Frame;
+use kvroute_core::WorkerId;
 use kvroute_core::schedule::pairs::prefill_leg_id;
-use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::router_api::Answered;
 use kvroute_http::{ApiError, ClientError};
 use kvroute_router::Dialect;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
+use crate::attempts::{Attempt, Attempts};
 use crate::health::Failure;
-use crate::hop::{Edit, Head, Hop, HopFailure, Outbound, edited, post, respond, send};
+use crate::hop::{Edit, Head, Hop, HopFailure, Outbound, edited, post, respond};
 use crate::observer::InFlight;
 use crate::placer::Placement;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
@@ -47,13 +48,16 @@ use crate::{FrontendState, RESPONSE_TIMEOUT};
 /// The largest prefill answer read (one token and its envelope).
 const PREFILL_ANSWER_LIMIT: usize = 1 << 20;
 
-/// Places `out` in a pair and dispatches its legs, trying again without a worker that fails
-/// before the client's answer starts.
-pub(crate) async fn dispatch_pair(
+/// A split's two legs: the `prefill` leg, then (vLLM) or beside it (SGLang) the decode leg, whose
+/// answer the client gets; `None` when a worker failed or refused before that answer began
+/// (left out of the next attempts).
+pub(crate) async fn split(
     state: &Arc<FrontendState>,
     out: &Outbound,
-    mut excluded: Vec<WorkerWithDpRank>,
-) -> Result<Response, ApiError> {
+    prefill: Placement,
+    Attempt { legs, mut guard }: Attempt,
+    attempts: &mut Attempts<'_>,
+) -> Result<Option<Response>, ApiError> {
     let timeout = match out.streamed {
         true => state.options.first_byte_timeout,
         false => RESPONSE_TIMEOUT,
@@ -62,100 +66,54 @@ pub(crate) async fn dispatch_pair(
     // client streams or not, so a stalled prefill engine is given up on (ejected, the
     // request placed again) in that time, not the whole answer's.
     let prefill_timeout = state.options.first_byte_timeout;
-    let mut request = out.place.clone();
-    loop {
-        let id = state.request_id();
-        let placed =
-            state.placer.place_pair(&request, (&id, out.trace.as_ref()), &excluded).await?;
-        request.class = None;
-        let Some(pair) = placed else {
-            return Err(ApiError::unavailable("no worker is available"));
-        };
-        let mut guard = in_flight(state, &id, out, &pair);
-        let decode = pair.decode;
-        let Some(prefill) = pair.prefill else {
-            state.metrics.pd_in_place.inc();
-            match send(state, out, decode, guard, None, timeout).await? {
-                Ok(answer) => return Ok(answer),
-                Err(f) => state.retry_without(decode.worker.worker_id, f, &mut excluded),
-            }
-            continue;
-        };
-        state.metrics.pd_split.inc();
-        guard.checked = false;
-        let p = prefill.worker.worker_id;
-        let (edit, prefill_leg): (LegFields, _) = match state.dialect(p) {
-            Dialect::SglangGenerate => {
-                let Some((host, port)) = state.bootstrap(p) else {
-                    return Err(ApiError::internal("a prefill worker has no bootstrap port"));
-                };
-                let room = bootstrap_room(state);
-                let fields = move |v: &mut Value| {
-                    v["bootstrap_host"] = json!(host);
-                    v["bootstrap_port"] = json!(port);
-                    v["bootstrap_room"] = json!(room);
-                };
-                let leg = Leg { state: Arc::clone(state), id: id.clone(), placed: prefill };
-                let outcome = leg.spawn_sglang(out, fields.clone(), prefill_timeout);
-                (Box::new(fields), Some(outcome))
-            }
-            _ => match vllm_prefill(state, out, &prefill, &id, prefill_timeout).await? {
-                Ok(params) => {
-                    (Box::new(move |v: &mut Value| v["kv_transfer_params"] = params.clone()), None)
-                }
-                Err(f) => {
-                    state.metrics.pd_prefill_failed.inc();
-                    state.retry_without(p, f, &mut excluded);
-                    continue;
-                }
-            },
-        };
-        match decode_leg(state, out, decode, guard, &*edit, timeout, prefill_leg).await? {
-            Decoded::Answer(mut answer) => {
-                let named = axum::http::HeaderValue::from(p.0);
-                answer.headers_mut().insert(crate::PREFILL_WORKER_HEADER, named);
-                return Ok(answer);
-            }
-            Decoded::Failed(f) => state.retry_without(decode.worker.worker_id, f, &mut excluded),
-            Decoded::Handoff(why) => {
-                state.metrics.pd_handoff_failed.inc();
-                let d = decode.worker.worker_id;
-                tracing::warn!(prefill = %p, decode = %d, %why, "KV handoff failed; placing again");
-                excluded.extend(state.all_ranks(p));
-            }
-            Decoded::Prefill(PrefillOutcome::Refused(e)) => return Err(e),
-            Decoded::Prefill(_) => excluded.extend(state.all_ranks(p)),
+    let decode = legs.decode;
+    state.metrics.pd_split.inc();
+    guard.checked = false;
+    let id = guard.id.clone();
+    let p = prefill.worker.worker_id;
+    let (edit, prefill_leg): (LegFields, _) = match state.dialect(p) {
+        Dialect::SglangGenerate => {
+            let Some((host, port)) = state.bootstrap(p) else {
+                return Err(ApiError::internal("a prefill worker has no bootstrap port"));
+            };
+            let room = bootstrap_room(state);
+            let fields = move |v: &mut Value| {
+                v["bootstrap_host"] = json!(host);
+                v["bootstrap_port"] = json!(port);
+                v["bootstrap_room"] = json!(room);
+            };
+            let leg = Leg { state: Arc::clone(state), id, placed: prefill };
+            let outcome = leg.spawn_sglang(out, fields.clone(), prefill_timeout);
+            (Box::new(fields), Some(outcome))
         }
+        _ => match vllm_prefill(state, out, &prefill, &id, prefill_timeout).await? {
+            Ok(params) => {
+                (Box::new(move |v: &mut Value| v["kv_transfer_params"] = params.clone()), None)
+            }
+            Err(f) => {
+                state.metrics.pd_prefill_failed.inc();
+                attempts.failed(p, f);
+                return Ok(None);
+            }
+        },
+    };
+    match decode_leg(state, out, decode, guard, &*edit, timeout, prefill_leg).await? {
+        Decoded::Answer(mut answer) => {
+            let named = axum::http::HeaderValue::from(p.0);
+            answer.headers_mut().insert(crate::PREFILL_WORKER_HEADER, named);
+            return Ok(Some(answer));
+        }
+        Decoded::Failed(f) => attempts.failed(decode.worker.worker_id, f),
+        Decoded::Handoff(why) => {
+            state.metrics.pd_handoff_failed.inc();
+            let d = decode.worker.worker_id;
+            tracing::warn!(prefill = %p, decode = %d, %why, "KV handoff failed; placing again");
+            attempts.skip(p);
+        }
+        Decoded::Prefill(PrefillOutcome::Refused(e)) => return Err(e),
+        Decoded::Prefill(_) => attempts.skip(p),
     }
-}
-
-/// A pair placed: logged ([`log_placement`]) and in flight, in its decode leg's engine span.
-fn in_flight(
-    state: &Arc<FrontendState>,
-    id: &str,
-    out: &Outbound,
-    pair: &crate::placer::PairPlacement,
-) -> InFlight {
-    log_placement(id, out, pair);
-    let mut guard = InFlight::new(state, id.to_owned());
-    let leg = if pair.prefill.is_some() { "decode" } else { "aggregated" };
-    guard.span = crate::hop::engine_span(pair.decode.worker, leg, id);
-    guard
-}
-
-/// Where a request went and what each engine was predicted to hold, at debug level
-/// (`kvroute::placement`): records to join with a load generator's when a tail needs
-/// explaining.
-fn log_placement(id: &str, out: &Outbound, pair: &crate::placer::PairPlacement) {
-    tracing::debug!(
-        target: "kvroute::placement",
-        request = %id,
-        prompt_tokens = out.place.num_tokens,
-        prefill = ?pair.prefill.map(|p| (p.worker, p.predicted_cached_tokens)),
-        decode = %pair.decode.worker,
-        decode_cached_tokens = pair.decode.predicted_cached_tokens,
-        "placed"
-    );
+    Ok(None)
 }
 
 /// The fields a decode leg's body gets: where its prefill's KV is.

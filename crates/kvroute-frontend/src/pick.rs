@@ -17,11 +17,11 @@ use kvroute_http::ApiError;
 use kvroute_http::auth::KeyId;
 
 use crate::FrontendState;
+use crate::attempts::{Attempt, Attempts, out_of_rotation};
 use crate::health::Failure;
 use crate::hop::Outbound;
 use crate::observer::AnswerObserver;
 use crate::observer::InFlight;
-use crate::placer::Placement;
 
 /// The OpenAI routes a picker places (any other path is the gateway's to route).
 pub const PICKED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
@@ -223,102 +223,56 @@ impl FrontendState {
         .await
     }
 
-    /// Places `out` among `allowed` workers in rotation (a pair in a P/D fleet).
+    /// Places `out` among `allowed` workers in rotation (a pair in a P/D fleet): the first
+    /// attempt the worker can take, with the rest of the order as the gateway's fallbacks.
     async fn place_picked(
         self: &Arc<Self>,
         out: &Outbound,
         allowed: Option<&BTreeSet<WorkerId>>,
     ) -> Result<Picked, ApiError> {
-        let workers = self.workers();
-        let mut excluded: Vec<WorkerWithDpRank> = workers
-            .urls
-            .keys()
-            .filter(|w| {
-                let out = self.health.is_ejected(**w) || workers.draining.contains(*w);
-                out || allowed.is_some_and(|a| !a.contains(w))
-            })
-            .flat_map(|&w| self.all_ranks(w))
-            .collect();
-        if self.placer.disaggregated(workers.prefill_workers) {
-            return self.pick_pair(out, excluded).await;
-        }
-        let mut request = out.place.clone();
+        let mut attempts = Attempts::new(self, out, allowed);
         loop {
-            let id = self.request_id();
-            let to = (id.as_str(), out.trace.as_ref());
-            let placed = self.placer.place(&request, self.block_size, to, &excluded).await?;
-            request.class = None;
-            let Some(placement) = placed.filter(|p| !excluded.contains(&p.worker)) else {
-                return Err(no_worker(allowed));
-            };
-            let guard = InFlight::new(self, id);
-            let worker = placement.worker.worker_id;
-            if let (Some(adapter), Some(base)) = (out.place.adapter.as_deref(), workers.url(worker))
+            let attempt = attempts.next().await?;
+            let worker = attempt.legs.decode.worker.worker_id;
+            if let (Some(adapter), Some(base)) =
+                (out.place.adapter.as_deref(), self.workers().url(worker))
                 && !self.ensure_adapter(worker, base, adapter).await
             {
-                excluded.extend(self.all_ranks(worker));
+                attempts.skip(worker);
                 continue;
             }
-            return Ok(self.picked(out, placement, None, guard, &excluded));
+            return Ok(self.picked(out, attempt, &attempts));
         }
     }
 
-    /// [`FrontendState::pick`] in a fleet with prefill workers: the decode worker is the one
-    /// the gateway sends the request to; the prefill worker, when another one, is named.
-    async fn pick_pair(
-        self: &Arc<Self>,
-        out: &Outbound,
-        excluded: Vec<WorkerWithDpRank>,
-    ) -> Result<Picked, ApiError> {
-        let id = self.request_id();
-        let to = (id.as_str(), out.trace.as_ref());
-        let Some(pair) = self.placer.place_pair(&out.place, to, &excluded).await? else {
-            return Err(ApiError::unavailable("no worker is available"));
-        };
-        let mut guard = InFlight::new(self, id);
-        let prefill = pair.prefill.map(|p| {
-            guard.checked = false;
-            self.metrics.pd_split.inc();
-            let leg = InFlight::new(self, prefill_leg_id(&guard.id));
-            (p.worker.worker_id, leg)
-        });
-        if prefill.is_none() {
-            self.metrics.pd_in_place.inc();
-        }
-        let (prefill, leg) = prefill.unzip();
-        let mut picked = self.picked(out, pair.decode, leg, guard, &excluded);
-        picked.prefill = prefill;
-        // Another decode worker would not know the prefill named for this one.
-        picked.fallbacks.clear();
-        Ok(picked)
-    }
-
+    /// What the gateway gets of an attempt: the decode worker it sends the request to, the
+    /// prefill worker named when another one, and the fallbacks (none for a pair: another
+    /// decode worker would not know the prefill named for this one).
     fn picked(
         self: &Arc<Self>,
         out: &Outbound,
-        placement: Placement,
-        prefill: Option<InFlight>,
-        mut guard: InFlight,
-        excluded: &[WorkerWithDpRank],
+        attempt: Attempt,
+        attempts: &Attempts<'_>,
     ) -> Picked {
-        let worker = placement.worker.worker_id;
-        let leg = if prefill.is_some() { "decode" } else { "aggregated" };
-        guard.span = crate::hop::engine_span(placement.worker, leg, &guard.id);
+        let Attempt { legs, mut guard } = attempt;
+        let worker = legs.decode.worker.worker_id;
+        let leg = legs.prefill.map(|_| {
+            guard.checked = false;
+            self.metrics.pd_split.inc();
+            InFlight::new(self, prefill_leg_id(&guard.id))
+        });
+        if attempts.paired() && leg.is_none() {
+            self.metrics.pd_in_place.inc();
+        }
+        let fallbacks = match attempts.paired() {
+            true => Vec::new(),
+            false => attempts.rest(worker),
+        };
         let trace = kvroute_http::otel::outbound(&guard.span, out.trace.as_ref());
-        // The others in rotation, in order after the one placed.
-        let others: Vec<WorkerId> = self
-            .workers()
-            .urls
-            .keys()
-            .copied()
-            .filter(|&w| w != worker && self.all_ranks(w).all(|r| !excluded.contains(&r)))
-            .collect();
-        let split = others.partition_point(|&w| w < worker);
-        let fallbacks = others[split..].iter().chain(&others[..split]).copied();
         Picked {
             worker,
-            fallbacks: fallbacks.collect(),
-            prefill: None,
+            fallbacks,
+            prefill: legs.prefill.map(|p| p.worker.worker_id),
             body: out.body.clone(),
             model: out
                 .place
@@ -330,8 +284,8 @@ impl FrontendState {
             held: Held {
                 observer: AnswerObserver::new(
                     guard,
-                    prefill,
-                    placement,
+                    leg,
+                    legs.decode,
                     out.place.num_tokens as u64,
                     out.strip_usage,
                 ),
@@ -374,16 +328,11 @@ impl FrontendState {
         self.options.first_byte_timeout
     }
 
-    /// Whether the worker is in rotation (not ejected after a failure).
-    pub fn in_rotation(&self, worker: WorkerId) -> bool {
-        !self.health.is_ejected(worker) && !self.workers().draining.contains(&worker)
-    }
-}
-
-fn no_worker(allowed: Option<&BTreeSet<WorkerId>>) -> ApiError {
-    match allowed {
-        Some(_) => ApiError::unavailable("no endpoint of the subset can take the request"),
-        None => ApiError::unavailable("no worker is available"),
+    /// The workers in rotation among `allowed` now ([`crate::attempts::out_of_rotation`]'s
+    /// rule), in order of their ids.
+    pub fn in_rotation(&self, allowed: Option<&BTreeSet<WorkerId>>) -> Vec<WorkerId> {
+        let out = out_of_rotation(self, allowed);
+        self.workers().urls.keys().copied().filter(|w| !out.contains(w)).collect()
     }
 }
 

@@ -1287,3 +1287,103 @@ async fn native_token_bodies_are_placed_by_their_ids() {
     assert!(metrics.contains("kvroute_epp_unplaced_requests_total 0"), "every one placed");
     assert!(eventually(Duration::from_secs(5), || p.in_flight() == 0).await);
 }
+
+const ROTATION_ADMIN: &str = "rotation-test-admin";
+
+/// The workers the front door's router considered for a request (its explained decision).
+async fn front_door_candidates(base: &str, topic: &str) -> std::collections::BTreeSet<u64> {
+    let explain = [("x-kvroute-explain", "true"), ("x-kvroute-admin-token", ROTATION_ADMIN)];
+    let (status, headers, body) =
+        post(base, "/v1/chat/completions", &chat(&prompt(topic), false), &explain).await;
+    assert_eq!(status, 200, "{}", json_of(&body));
+    let decision: Value = serde_json::from_slice(headers["x-kvroute-decision"].as_bytes()).unwrap();
+    let candidates = decision["candidates"].as_array().unwrap();
+    candidates.iter().map(|c| c["worker"]["worker_id"].as_u64().unwrap()).collect()
+}
+
+/// The workers the picker offers the gateway for a request: the one picked and its fallbacks.
+async fn picker_offers(p: &Pool, subset: Option<Vec<String>>, topic: &str) -> Vec<u64> {
+    let (gateway, base) = p.gateway(|c| c.subset = subset).await;
+    let (status, _, body) =
+        post(&base, "/v1/chat/completions", &chat(&prompt(topic), false), &[]).await;
+    assert_eq!(status, 200, "{topic}: {} {:?}", json_of(&body), gateway.routed());
+    let header = gateway.routed()[0].header.clone().unwrap();
+    let ids = p.stack.frontend.as_ref().unwrap().worker_urls();
+    let id = |endpoint: &str| {
+        let at = p.endpoints.iter().position(|e| e == endpoint).unwrap();
+        ids[at].0.0
+    };
+    let mut offered: Vec<u64> = header.split(',').map(id).collect();
+    offered.sort_unstable();
+    offered
+}
+
+/// The front door and the picker take the same workers out of rotation for the same fleet
+/// state, by one rule: an ejected worker (here one whose port refuses connections, ejected by
+/// the health checks), a draining one (held by a request the picker placed there); the
+/// picker's subset hint on top; and when every worker left is ejected, those are tried all
+/// the same rather than none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_front_door_and_the_picker_take_the_same_workers_out_of_rotation() {
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+    let mut dead = kvroute_router::WorkerSpec::new(100);
+    dead.url = Some(format!("http://{closed}"));
+    let admin = kvroute_http::Credentials::new([ROTATION_ADMIN], "test").unwrap();
+    let config = StackConfig {
+        simulated: Simulated {
+            count: 3,
+            engine: EngineConfig { timing: Timing { speedup: 10.0 }, ..EngineConfig::default() },
+            tokenless: true,
+            ..Simulated::default()
+        },
+        router: RouterConfig { workers: vec![dead], ..RouterConfig::default() },
+        access: kvroute_stack::Access { admin, ..Default::default() },
+        front_door: kvroute_frontend::FrontDoorOptions {
+            explain_decisions: true,
+            ..Default::default()
+        },
+        ..StackConfig::default()
+    };
+    let p = pool_of(config, EppOptions::default(), Served::default(), true).await;
+    let front = p.stack.frontend.as_ref().unwrap();
+    let base = p.stack.serve_frontend_on_loopback().await.unwrap();
+    let all: Vec<u64> = front.worker_urls().iter().map(|(w, _)| w.0).collect();
+    let live: Vec<u64> = all.iter().copied().filter(|&w| w != 100).collect();
+    assert_eq!(live.len(), 3);
+    let ejected = || !front.in_rotation(None).contains(&kvroute_core::WorkerId(100));
+    assert!(eventually(Duration::from_secs(10), ejected).await, "the dead worker ejected");
+
+    // Ejected: out for both.
+    let considered: Vec<u64> = front_door_candidates(&base, "ejected").await.into_iter().collect();
+    assert_eq!(considered, live, "the front door's router considered");
+    assert_eq!(picker_offers(&p, None, "ejected").await, live, "the picker offered");
+    // A subset: the picker keeps to it, the ejected still out; a subset of only ejected
+    // workers has them tried.
+    let endpoint = |id: u64| p.endpoints[all.iter().position(|&w| w == id).unwrap()].clone();
+    let subset = Some(vec![endpoint(live[0]), endpoint(100)]);
+    assert_eq!(picker_offers(&p, subset, "subset").await, [live[0]]);
+    let (gateway, gateway_base) = p.gateway(|c| c.subset = Some(vec![endpoint(100)])).await;
+    let (status, _, _) =
+        post(&gateway_base, "/v1/chat/completions", &chat("only the dead", false), &[]).await;
+    assert_eq!(status, 503, "the gateway could not reach the one it was offered");
+    let offered = gateway.routed().first().and_then(|r| r.header.clone());
+    assert_eq!(offered, Some(endpoint(100)), "the ejected tried when no other is left");
+
+    // Draining: a request the picker placed holds it while it drains; out for both.
+    let mut holding = raw(&p.grpc).await;
+    let destination = picked(&mut holding, &prompt("held")).await;
+    let at = p.endpoints.iter().position(|e| *e == destination.split(',').next().unwrap());
+    let draining = all[at.unwrap()];
+    let client = HttpClient::new().with_bearer_for(&base, ROTATION_ADMIN);
+    let drain = format!("{base}/workers/{draining}/drain");
+    let response = client.call(hyper::Method::POST, &drain, None::<&Value>).await.unwrap();
+    assert_eq!(response.status(), 202);
+    let out = || !front.in_rotation(None).contains(&kvroute_core::WorkerId(draining));
+    assert!(eventually(Duration::from_secs(5), out).await, "the front door sees it draining");
+    let rest: Vec<u64> = live.iter().copied().filter(|&w| w != draining).collect();
+    let considered: Vec<u64> = front_door_candidates(&base, "drained").await.into_iter().collect();
+    assert_eq!(considered, rest, "the front door's router considered");
+    assert_eq!(picker_offers(&p, None, "drained").await, rest, "the picker offered");
+    drop(holding);
+    assert!(eventually(Duration::from_secs(5), || p.in_flight() == 0).await);
+}

@@ -122,7 +122,7 @@ pub struct Routed {
     pub header: Option<String>,
     /// `envoy.lb` / `x-gateway-destination-endpoint` in the dynamic metadata.
     pub metadata: Option<String>,
-    /// The endpoint the request went to.
+    /// The endpoint the request went to (none when no endpoint offered accepted a connection).
     pub served: Option<String>,
     /// Headers the picker set on the upstream request, by name.
     pub set: Vec<(String, String)>,
@@ -307,6 +307,8 @@ async fn through_picker(
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let Some((served, response)) = forward(gateway, &parts.method, path, &mut out).await? else {
+        // Routed all the same: what the picker offered is recorded, nothing served.
+        gateway.record(out.routed);
         let refused = "no destination endpoint accepted a connection";
         return Ok((StatusCode::SERVICE_UNAVAILABLE, refused).into_response());
     };
