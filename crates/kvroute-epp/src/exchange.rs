@@ -17,32 +17,35 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::HeaderMap as EnvoyHeaders;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
-    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
-    TrailersResponse, body_mutation, processing_request, processing_response,
+    BodyMutation, CommonResponse, HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest,
+    ProcessingResponse, StreamedBodyResponse, body_mutation, processing_request,
+    processing_response,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use kvroute_core::WorkerId;
-use kvroute_frontend::pick::{self, Held, Pick};
+use kvroute_frontend::pick::{self, Pick};
 use kvroute_http::ApiError;
 use kvroute_http::auth::KeyId;
 use tonic::Status;
 
 use crate::budget::Share;
+use crate::frames::{
+    body_response, header, headers_response, kind, mode, routed, streamed_body, trailers,
+};
+use crate::hold::{Freed, Hold};
 use crate::metadata::{self, DESTINATION_KEY, PREFILLER_HEADER};
 use crate::metrics::Stage;
 use crate::picker::Picker;
 
-/// The largest body chunk sent back to the gateway (some gateways refuse chunks past 64 KiB).
-pub const CHUNK_BYTES: usize = 62_000;
+pub use crate::frames::CHUNK_BYTES;
 
 /// The most header bytes (names and values) of a request read.
 pub const MAX_HEADER_BYTES: usize = 64 << 10;
@@ -88,82 +91,6 @@ pub struct Exchange {
     key: Option<KeyId>,
 }
 
-/// A placed request while the gateway passes its response, freed once: at the response's
-/// end, when the stream goes, or at its deadline when the response has not begun by then,
-/// even if nobody reads the stream any more (a gateway that stopped reading it would
-/// otherwise never let its stream be polled again).
-#[derive(Debug, Default)]
-struct Hold {
-    slot: Arc<Mutex<Option<Held>>>,
-    watchdog: Option<tokio::task::AbortHandle>,
-}
-
-impl Hold {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Held>> {
-        self.slot.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Holds `held` and frees it after `within` unless the response begins
-    /// ([`Hold::begun`]) or it is freed before.
-    fn hold(&mut self, held: Held, within: Duration, picker: &Arc<Picker>, model: &str) {
-        *self.lock() = Some(held);
-        let (slot, picker, model) = (Arc::clone(&self.slot), Arc::clone(picker), model.to_owned());
-        let started = Instant::now();
-        let watchdog = tokio::spawn(async move {
-            tokio::time::sleep(within).await;
-            if release(&slot, &picker, &model, started, Freed::Deadline) {
-                tracing::debug!(%model, "the response did not begin in time: placement freed");
-            }
-        });
-        self.watchdog = Some(watchdog.abort_handle());
-    }
-
-    /// The response began: it is the gateway's and the engine's from now on.
-    fn begun(&mut self) {
-        if let Some(w) = self.watchdog.take() {
-            w.abort();
-        }
-    }
-}
-
-impl Drop for Hold {
-    fn drop(&mut self) {
-        self.begun();
-    }
-}
-
-/// Why a placement is freed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Freed {
-    /// The response ended (its prefill is then done, if no byte said so before).
-    Answered,
-    /// The response did not begin by the deadline.
-    Deadline,
-    /// The stream went first.
-    Gone,
-}
-
-/// Frees what `slot` holds, once: true for the caller that freed it. A deadline is counted
-/// before the placement goes, so whoever sees nothing in flight also sees it counted.
-fn release(
-    slot: &Mutex<Option<Held>>,
-    picker: &Picker,
-    model: &str,
-    started: Instant,
-    why: Freed,
-) -> bool {
-    let held = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
-    let Some(mut held) = held else { return false };
-    match why {
-        Freed::Answered => held.first_bytes(),
-        Freed::Deadline => picker.metrics.deadline(Stage::Response),
-        Freed::Gone => {}
-    }
-    drop(held);
-    picker.metrics.finished(model, started.elapsed());
-    true
-}
-
 impl Exchange {
     /// A stream opened by `peer` (the gateway).
     pub fn new(picker: Arc<Picker>, peer: Option<IpAddr>) -> Self {
@@ -191,7 +118,7 @@ impl Exchange {
 
     /// Frees the placement held, once ([`release`]): true for the call that freed it.
     fn release(&self, why: Freed) -> bool {
-        release(&self.hold.slot, &self.picker, &self.model, self.started, why)
+        self.hold.free(&self.picker, &self.model, self.started, why)
     }
 
     /// When the stream's current wait ends ([`Exchange::expired`] is then due).
@@ -364,33 +291,8 @@ impl Exchange {
     }
 
     async fn request_body(&mut self, b: HttpBody) -> Result<Vec<ProcessingResponse>, Status> {
-        let max = self.picker.options.max_body_bytes;
-        if self.body.len() + b.body.len() > max {
-            let e = ApiError::new(
-                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the request body is past {max} bytes"),
-            );
-            return Ok(vec![self.refuse(&e)]);
-        }
-        if !self.share.as_mut().is_some_and(|s| s.take(b.body.len())) {
-            let e =
-                ApiError::unavailable("too many request body bytes in flight; try again shortly")
-                    .retry_after(1);
-            return Ok(vec![self.refuse(&e)]);
-        }
-        self.body.extend_from_slice(&b.body);
-        if !b.end_of_stream {
-            return match self.request_mode {
-                BodySendMode::FullDuplexStreamed => Ok(Vec::new()),
-                // BUFFERED_PARTIAL past Envoy's buffer: the rest would never come here.
-                _ => {
-                    let e = ApiError::new(
-                        axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                        "the request body is past the gateway's buffer",
-                    );
-                    Ok(vec![self.refuse(&e)])
-                }
-            };
+        if let Some(refused) = self.gather(&b) {
+            return Ok(refused);
         }
         if !pick::places(&self.path) {
             let content_type = self.headers.get("content-type").and_then(|v| v.to_str().ok());
@@ -406,19 +308,58 @@ impl Exchange {
         let picked = front.pick(&self.path, &self.headers, body, allowed, key).await;
         self.share = None;
         self.picker.metrics.pick_seconds.observe(started.elapsed().as_secs_f64());
-        let picked = match picked {
-            Ok(Pick::Placed(p)) => *p,
+        Ok(match picked {
+            Ok(Pick::Placed(p)) => self.send_to(*p),
             Ok(Pick::InTurn(body)) => {
                 self.body = body.to_vec();
                 self.picker.metrics.unplaced.inc();
-                return Ok(self.in_turn(Side::Body));
+                self.in_turn(Side::Body)
             }
-            Err(e) => return Ok(vec![self.refuse(&e)]),
-        };
+            Err(e) => vec![self.refuse(&e)],
+        })
+    }
+
+    /// Takes a chunk of the request body within its bounds: the answers when it is refused, or
+    /// (full duplex) while more is to come; `None` once the whole body has come.
+    fn gather(&mut self, b: &HttpBody) -> Option<Vec<ProcessingResponse>> {
+        let max = self.picker.options.max_body_bytes;
+        if self.body.len() + b.body.len() > max {
+            let e = ApiError::new(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is past {max} bytes"),
+            );
+            return Some(vec![self.refuse(&e)]);
+        }
+        if !self.share.as_mut().is_some_and(|s| s.take(b.body.len())) {
+            let e =
+                ApiError::unavailable("too many request body bytes in flight; try again shortly")
+                    .retry_after(1);
+            return Some(vec![self.refuse(&e)]);
+        }
+        self.body.extend_from_slice(&b.body);
+        if !b.end_of_stream {
+            return match self.request_mode {
+                BodySendMode::FullDuplexStreamed => Some(Vec::new()),
+                // BUFFERED_PARTIAL past Envoy's buffer: the rest would never come here.
+                _ => {
+                    let e = ApiError::new(
+                        axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                        "the request body is past the gateway's buffer",
+                    );
+                    Some(vec![self.refuse(&e)])
+                }
+            };
+        }
+        None
+    }
+
+    /// The answer to a placed request: its destination (the worker picked, then fallbacks) in
+    /// the header and `envoy.lb`, the body as the engine gets it; held until its response ends.
+    fn send_to(&mut self, picked: pick::Picked) -> Vec<ProcessingResponse> {
         self.model = picked.model.clone();
         let endpoints = self.picker.endpoints();
         let Some(first) = endpoints.endpoint(picked.worker) else {
-            return Ok(vec![self.refuse(&ApiError::internal("a placed worker has no endpoint"))]);
+            return vec![self.refuse(&ApiError::internal("a placed worker has no endpoint"))];
         };
         let fallbacks = picked.fallbacks.iter().filter_map(|w| endpoints.endpoint(*w));
         let fallbacks = fallbacks.take(self.picker.options.fallbacks);
@@ -466,7 +407,7 @@ impl Exchange {
             }
             false => metadata::destination(&destination),
         });
-        Ok(match self.request_mode {
+        match self.request_mode {
             BodySendMode::FullDuplexStreamed => {
                 let mut out = vec![ProcessingResponse {
                     dynamic_metadata: dynamic,
@@ -487,7 +428,7 @@ impl Exchange {
                     ..body_response(common, true)
                 }]
             }
-        })
+        }
     }
 
     /// A request kvroute does not place (no body, or a route other than completions): the
@@ -649,98 +590,11 @@ enum Side {
     Body,
 }
 
-/// A body mode the gateway names; one no version of the protocol has is an error.
-fn mode(m: i32) -> Result<BodySendMode, Status> {
-    BodySendMode::try_from(m)
-        .map_err(|_| Status::invalid_argument(format!("unknown body send mode {m}")))
-}
-
-fn kind(r: &processing_request::Request) -> &'static str {
-    use processing_request::Request as R;
-    match r {
-        R::RequestHeaders(_) => "request headers",
-        R::RequestBody(_) => "a request body",
-        R::RequestTrailers(_) => "request trailers",
-        R::ResponseHeaders(_) => "response headers",
-        R::ResponseBody(_) => "a response body",
-        R::ResponseTrailers(_) => "response trailers",
-    }
-}
-
 fn unavailable(subset: bool) -> ApiError {
     match subset {
         true => ApiError::unavailable("no endpoint of the subset is ready"),
         false => ApiError::unavailable("no endpoint is ready"),
     }
-}
-
-/// A header's value, as text, from Envoy's headers.
-fn header(headers: Option<&EnvoyHeaders>, name: &str) -> Option<String> {
-    let h = headers?.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name))?;
-    Some(String::from_utf8_lossy(metadata::header_value(h)).into_owned())
-}
-
-/// Headers set, and the route cleared (the gateway routes again by the destination).
-fn routed(mutation: HeaderMutation) -> CommonResponse {
-    CommonResponse {
-        header_mutation: Some(mutation),
-        clear_route_cache: true,
-        ..CommonResponse::default()
-    }
-}
-
-fn headers_response(common: CommonResponse, request: bool) -> ProcessingResponse {
-    let r = HeadersResponse { response: Some(common) };
-    let response = match request {
-        true => processing_response::Response::RequestHeaders(r),
-        false => processing_response::Response::ResponseHeaders(r),
-    };
-    ProcessingResponse { response: Some(response), ..ProcessingResponse::default() }
-}
-
-fn body_response(common: CommonResponse, request: bool) -> ProcessingResponse {
-    let r = BodyResponse { response: Some(common) };
-    let response = match request {
-        true => processing_response::Response::RequestBody(r),
-        false => processing_response::Response::ResponseBody(r),
-    };
-    ProcessingResponse { response: Some(response), ..ProcessingResponse::default() }
-}
-
-fn trailers(request: bool) -> ProcessingResponse {
-    let r = TrailersResponse::default();
-    let response = match request {
-        true => processing_response::Response::RequestTrailers(r),
-        false => processing_response::Response::ResponseTrailers(r),
-    };
-    ProcessingResponse { response: Some(response), ..ProcessingResponse::default() }
-}
-
-/// A request body sent back in full duplex: chunks of at most [`CHUNK_BYTES`], the last one
-/// ending the stream (one empty chunk for an empty body).
-fn streamed_body(body: &[u8], end: bool) -> Vec<ProcessingResponse> {
-    let chunks: Vec<&[u8]> = match body.is_empty() {
-        true => vec![&[][..]],
-        false => body.chunks(CHUNK_BYTES).collect(),
-    };
-    let n = chunks.len();
-    chunks
-        .into_iter()
-        .enumerate()
-        .map(|(i, chunk)| {
-            let streamed = StreamedBodyResponse {
-                body: chunk.to_vec(),
-                end_of_stream: end && i + 1 == n,
-                ..StreamedBodyResponse::default()
-            };
-            let mutation = body_mutation::Mutation::StreamedResponse(streamed);
-            let common = CommonResponse {
-                body_mutation: Some(BodyMutation { mutation: Some(mutation) }),
-                ..CommonResponse::default()
-            };
-            body_response(common, true)
-        })
-        .collect()
 }
 
 #[cfg(test)]

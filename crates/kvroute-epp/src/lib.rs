@@ -29,6 +29,8 @@
 pub mod budget;
 pub mod endpoints;
 pub mod exchange;
+mod frames;
+mod hold;
 pub mod metadata;
 pub mod metrics;
 pub mod picker;
