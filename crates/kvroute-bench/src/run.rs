@@ -15,6 +15,7 @@ use indicatif::ProgressBar;
 use kvroute_core::BlockSize;
 use kvroute_core::schedule::PolicyKind;
 use kvroute_http::openai::{Completion, ModelList};
+use kvroute_http::paths;
 use kvroute_http::{HttpClient, SseEvent, SseReader};
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::{ChatMessage, Preprocessor};
@@ -318,7 +319,8 @@ fn fleet_nonce() -> u32 {
 }
 
 async fn first_model(base: &str) -> Option<String> {
-    let list: ModelList = HttpClient::new().get_json(&format!("{base}/v1/models")).await.ok()?;
+    let list: ModelList =
+        HttpClient::new().get_json(&format!("{base}{}", paths::MODELS)).await.ok()?;
     list.data.into_iter().next().map(|m| m.id)
 }
 
@@ -480,15 +482,15 @@ fn request_body(
         return sglang_body(request);
     }
     let (path, mut body) = match &request.prompt {
-        Prompt::Tokens(tokens) => ("/v1/completions", json!({"prompt": tokens})),
-        Prompt::Text(text) => ("/v1/completions", json!({"prompt": text})),
-        Prompt::Chat(messages) => ("/v1/chat/completions", json!({"messages": messages.as_ref()})),
+        Prompt::Tokens(tokens) => (paths::COMPLETIONS, json!({"prompt": tokens})),
+        Prompt::Text(text) => (paths::COMPLETIONS, json!({"prompt": text})),
+        Prompt::Chat(messages) => (paths::CHAT_COMPLETIONS, json!({"messages": messages.as_ref()})),
         Prompt::Turn { context, text } => {
             if let Some(context) = context {
                 conversation.push(json!({"role": "system", "content": context.as_ref()}));
             }
             conversation.push(json!({"role": "user", "content": text}));
-            ("/v1/chat/completions", json!({"messages": conversation}))
+            (paths::CHAT_COMPLETIONS, json!({"messages": conversation}))
         }
     };
     body["max_tokens"] = json!(request.max_tokens);

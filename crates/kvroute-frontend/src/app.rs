@@ -1,5 +1,6 @@
 //! The front door's HTTP API: its routes, and serving them.
 
+use kvroute_http::paths;
 use std::sync::Arc;
 
 use axum::Router;
@@ -23,9 +24,9 @@ pub async fn serve(
 pub fn app(state: Arc<FrontendState>) -> Router {
     use kvroute_http::auth::require;
     let openai = Router::new()
-        .route("/v1/chat/completions", post(handlers::chat))
-        .route("/v1/completions", post(handlers::completions))
-        .route("/v1/models", get(handlers::models));
+        .route(paths::CHAT_COMPLETIONS, post(handlers::chat))
+        .route(paths::COMPLETIONS, post(handlers::completions))
+        .route(paths::MODELS, get(handlers::models));
     let routes = require(openai, state.api_keys.clone())
         .merge(kvroute_http::auth::mutations(
             Router::new()
@@ -36,14 +37,14 @@ pub fn app(state: Arc<FrontendState>) -> Router {
         ))
         .merge(kvroute_http::auth::admin(
             Router::new()
-                .route("/metrics", get(handlers::metrics))
+                .route(paths::METRICS, get(handlers::metrics))
                 .route("/workers", get(handlers::workers))
                 .route("/decisions/{id}", get(handlers::decision))
                 .route("/ui/history", get(handlers::history)),
             state.admin.clone(),
             &state.api_keys,
         ))
-        .route("/health", get(handlers::health))
+        .route(paths::HEALTH, get(handlers::health))
         .route("/ui", get(kvroute_http::status_page))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     kvroute_http::fallbacks(routes).with_state(state)

@@ -18,6 +18,7 @@
 //! fallback.
 
 use axum::body::Bytes;
+use kvroute_http::paths;
 use kvroute_http::sglang_generate::{self, OneOrMany, TokenIdsOrList};
 use kvroute_http::vllm_generate::{
     self, GenerateRequest, OutputMode, SamplingParams, StreamOptions,
@@ -350,9 +351,9 @@ fn generate_body(
 /// Where a tokens dialect's body goes.
 pub(crate) fn path(dialect: Dialect) -> &'static str {
     match dialect {
-        Dialect::OpenaiChat => "/v1/chat/completions",
+        Dialect::OpenaiChat => paths::CHAT_COMPLETIONS,
         Dialect::VllmGenerate | Dialect::VllmGenerateTokens => vllm_generate::PATH,
-        Dialect::OpenaiCompletionsTokens => "/v1/completions",
+        Dialect::OpenaiCompletionsTokens => paths::COMPLETIONS,
         Dialect::SglangGenerate => sglang_generate::PATH,
     }
 }

@@ -16,6 +16,7 @@ use base64::Engine as _;
 use kvroute_http::ApiError;
 use kvroute_http::auth::KeyId;
 use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest, ModelList};
+use kvroute_http::paths;
 use kvroute_http::trace::TraceContext;
 use kvroute_preprocess::fetch::LoadedImage;
 use serde_json::{Value, json};
@@ -181,7 +182,7 @@ pub(crate) async fn chat_outbound(
         priority_named: priority_named && state.options.engine_priority,
     };
     let out =
-        Outbound::new("/v1/chat/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
+        Outbound::new(paths::CHAT_COMPLETIONS, raw, &prepared, &keys, state.block_size, &dialects)?;
     Ok(Outbound { trace, explain: explain(state, headers), ..out })
 }
 
@@ -275,7 +276,8 @@ pub(crate) fn completion_outbound(
         class: Some(&class),
         priority_named: priority_named && state.options.engine_priority,
     };
-    let out = Outbound::new("/v1/completions", raw, &prepared, &keys, state.block_size, &dialects)?;
+    let out =
+        Outbound::new(paths::COMPLETIONS, raw, &prepared, &keys, state.block_size, &dialects)?;
     Ok(Outbound { trace, explain: explain(state, headers), ..out })
 }
 

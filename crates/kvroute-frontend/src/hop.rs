@@ -16,6 +16,7 @@ use futures_util::StreamExt;
 use http_body_util::Full;
 use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
 use kvroute_http::openai::Api;
+use kvroute_http::paths;
 use kvroute_http::trace::TraceContext;
 use kvroute_http::{ApiError, ClientError};
 use kvroute_preprocess::Prepared;
@@ -90,7 +91,7 @@ impl Outbound {
     ) -> Result<Self, ApiError> {
         let namespace = keys.namespace;
         let kind = match path {
-            "/v1/completions" => Api::Completion,
+            paths::COMPLETIONS => Api::Completion,
             _ => Api::Chat,
         };
         if prepared.tokens.is_empty() {

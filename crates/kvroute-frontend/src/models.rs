@@ -22,7 +22,7 @@ impl FrontendState {
         let workers = self.workers();
         let reads = workers.urls.iter().map(|(&worker, base)| {
             let state = Arc::clone(self);
-            let url = format!("{base}/v1/models");
+            let url = format!("{base}{}", kvroute_http::paths::MODELS);
             async move { (worker, state.adapters_listed(&url).await) }
         });
         let listed = futures_util::future::join_all(reads).await;

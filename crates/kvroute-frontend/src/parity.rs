@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::{BlockHasher, LocalBlockHash, WorkerId};
 use kvroute_http::ClientError;
 use kvroute_http::openai::{ChatMessage, ContentPart, ImageUrl, MessageContent};
+use kvroute_http::paths;
 use kvroute_preprocess::{Prepared, images};
 use kvroute_router::{ConvertStats, Parity};
 use serde_json::{Value, json};
@@ -105,7 +106,7 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
             dialect::tokens_body(dialect, &p.body, &p.prepared, &Default::default(), false);
         let (path, body) = match tokens.and_then(|b| serde_json::from_slice(&b).ok()) {
             Some(tokens) => (dialect::path(dialect), tokens),
-            None => ("/v1/chat/completions", p.body.clone()),
+            None => (paths::CHAT_COMPLETIONS, p.body.clone()),
         };
         let url = format!("{base}{path}");
         match run(state, worker, &url, body, p).await {

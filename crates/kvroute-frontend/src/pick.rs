@@ -15,6 +15,7 @@ use kvroute_core::schedule::pairs::prefill_leg_id;
 use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::ApiError;
 use kvroute_http::auth::KeyId;
+use kvroute_http::paths;
 
 use crate::FrontendState;
 use crate::attempts::{Attempt, Attempts, out_of_rotation};
@@ -24,7 +25,7 @@ use crate::observer::AnswerObserver;
 use crate::observer::InFlight;
 
 /// The OpenAI routes a picker places (any other path is the gateway's to route).
-pub const PICKED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+pub const PICKED_PATHS: [&str; 2] = [paths::CHAT_COMPLETIONS, paths::COMPLETIONS];
 
 /// Whether kvroute places a request at `path` (else it goes on in turn).
 pub fn places(path: &str) -> bool {
@@ -188,17 +189,17 @@ impl FrontendState {
     ) -> Result<Pick, ApiError> {
         let trace = kvroute_http::trace::TraceContext::from_headers(headers);
         let operation = match path {
-            "/v1/completions" => "text_completion",
-            "/v1/chat/completions" => "chat",
+            paths::COMPLETIONS => "text_completion",
+            paths::CHAT_COMPLETIONS => "chat",
             _ => "generate",
         };
         let span = kvroute_http::otel::request_span(operation, trace.as_ref());
         kvroute_http::otel::in_span(span, async {
             let out = match path {
-                "/v1/chat/completions" => {
+                paths::CHAT_COMPLETIONS => {
                     crate::handlers::chat_outbound(self, key, headers, trace, Ok(body)).await?
                 }
-                "/v1/completions" => {
+                paths::COMPLETIONS => {
                     crate::handlers::completion_outbound(self, key, headers, trace, Ok(body))?
                 }
                 other => match crate::native::NATIVE_PATHS.into_iter().find(|p| *p == other) {

@@ -83,7 +83,7 @@ impl FrontendState {
                 let workers = state.workers();
                 let checks = workers.urls.iter().map(|(&worker, base)| {
                     let state = Arc::clone(&state);
-                    let url = format!("{base}/health");
+                    let url = format!("{base}{}", kvroute_http::paths::HEALTH);
                     async move { (worker, state.probe(&url).await) }
                 });
                 let results = futures_util::future::join_all(checks).await;

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod models;
 pub mod openai;
 pub mod otel;
+pub mod paths;
 pub mod router_api;
 pub mod server;
 pub mod sglang_generate;

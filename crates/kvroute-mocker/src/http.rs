@@ -23,6 +23,7 @@ use kvroute_http::openai::{
     Api, AssistantMessage, ChatCompletionRequest, Choice, Completion, CompletionRequest, Delta,
     Envelope, ModelList, parse_request,
 };
+use kvroute_http::paths;
 use kvroute_http::vllm_generate::check_cache_salt;
 use kvroute_preprocess::{Prepared, Preprocessor};
 use serde_json::{Value, json};
@@ -38,11 +39,11 @@ use crate::service::CancelOnDrop;
 /// [`AppState::api_keys`] when it has any.
 pub fn app(state: Arc<AppState>) -> Router {
     let guarded = Router::new()
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
+        .route(paths::CHAT_COMPLETIONS, post(chat))
+        .route(paths::COMPLETIONS, post(completions))
+        .route(paths::MODELS, get(models))
         .route("/stats", get(stats))
-        .route("/metrics", get(metrics))
+        .route(paths::METRICS, get(metrics))
         .route("/tokenize", post(crate::vllm::tokenize))
         .route("/detokenize", post(crate::vllm::detokenize))
         .route("/v1/chat/completions/render", post(crate::vllm::render_chat))
@@ -62,7 +63,7 @@ pub fn app(state: Arc<AppState>) -> Router {
     };
     let traces = Arc::clone(&state.traces);
     let routes = kvroute_http::auth::require(guarded, state.api_keys.clone())
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route(paths::HEALTH, get(|| async { Json(json!({"status": "ok"})) }))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::from_fn(
             move |request: axum::extract::Request, next: axum::middleware::Next| {

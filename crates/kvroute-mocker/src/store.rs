@@ -41,6 +41,7 @@ use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use kvroute_http::paths;
 use kvroute_http::{ApiError, HttpClient};
 use kvroute_wire::{BlockRemoved, BlockStored, EngineEvent};
 use rustc_hash::FxHashMap;
@@ -403,7 +404,7 @@ pub fn app(store: Shared, writers: kvroute_http::Credentials) -> Router {
         .route("/store/lookup", post(lookup))
         .route("/stats", get(stats));
     kvroute_http::auth::require(guarded, writers)
-        .route("/health", get(|| async { "ok" }))
+        .route(paths::HEALTH, get(|| async { "ok" }))
         .with_state(store)
 }
 

@@ -35,6 +35,7 @@ use kvroute_core::{
     LocalBlockHash, RouterEvent, WorkerId, WorkerWithDpRank,
 };
 use kvroute_http::fast_json::FastJson;
+use kvroute_http::paths;
 use kvroute_http::router_api::{
     self, Answered, BestWorker, BinaryQuery, EventsReply, FindBestWorker, InjectEvent, Overlap,
     Overlaps, OverlapsReply, PrefillWorker, ServedAdapters,
@@ -77,7 +78,7 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         .route(router_api::EVENTS, post(events))
         .route(router_api::INJECT_EVENT, post(inject_event))
         .route(router_api::TREE_INFO, get(tree_info))
-        .route("/metrics", get(metrics))
+        .route(paths::METRICS, get(metrics))
         .route(router_api::OVERLAPS, post(overlaps))
         .route("/workers/{id}/parity", axum::routing::put(parity))
         .route("/workers/{id}/adapters", axum::routing::put(adapters))
@@ -92,7 +93,7 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         .route("/workers/{id}", delete(remove_worker));
     let routes = kvroute_http::auth::require_admin(routes, admin.clone())
         .merge(kvroute_http::auth::mutations(mutations, admin))
-        .route("/health", get(health))
+        .route(paths::HEALTH, get(health))
         .route("/ui", get(kvroute_http::status_page));
     kvroute_http::fallbacks(routes).with_state(api)
 }
