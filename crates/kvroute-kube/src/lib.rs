@@ -7,4 +7,4 @@ mod pool;
 mod source;
 
 pub use pool::{PoolError, PoolSpec, ROLE_LABEL, Skipped, pool_spec, workers};
-pub use source::{KubeConfig, KubeSource, pool_resource};
+pub use source::{KubeConfig, KubeSource, KubeSourceError, pool_resource};

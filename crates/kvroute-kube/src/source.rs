@@ -19,7 +19,7 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kvroute_router::members::{Sink, Source, Template};
 
-use crate::pool::{Skipped, pool_spec, workers};
+use crate::pool::{PoolError, Skipped, pool_spec, workers};
 
 /// What the source follows.
 #[derive(Clone, Debug)]
@@ -53,6 +53,19 @@ pub fn pool_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(&gvk, "inferencepools")
 }
 
+/// Why an InferencePool cannot be followed.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeSourceError {
+    #[error("{url}: {source}")]
+    Url { url: String, source: http::uri::InvalidUri },
+    #[error("no Kubernetes client: {0}")]
+    Client(kube::Error),
+    #[error("the InferencePool cannot be read: {0}")]
+    Pool(kube::Error),
+    #[error(transparent)]
+    Spec(#[from] PoolError),
+}
+
 impl KubeSource {
     /// With `client` (in a pod: `kube::Client::try_default()`, its service account).
     pub fn new(client: kube::Client, config: KubeConfig) -> Self {
@@ -61,11 +74,12 @@ impl KubeSource {
 
     /// With a client of an API server at `url` that asks for no credentials (a test's or a
     /// bench's on loopback).
-    pub fn at(url: &str, config: KubeConfig) -> Result<Self, String> {
-        let uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    pub fn at(url: &str, config: KubeConfig) -> Result<Self, KubeSourceError> {
+        let uri =
+            url.parse().map_err(|source| KubeSourceError::Url { url: url.to_owned(), source })?;
         let mut kube_config = kube::Config::new(uri);
         kube_config.default_namespace.clone_from(&config.namespace);
-        let client = kube::Client::try_from(kube_config).map_err(|e| e.to_string())?;
+        let client = kube::Client::try_from(kube_config).map_err(KubeSourceError::Client)?;
         Ok(Self::new(client, config))
     }
 
@@ -89,11 +103,11 @@ impl KubeSource {
         client: &kube::Client,
         sink: &Sink,
         logged: &mut BTreeSet<String>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KubeSourceError> {
         let ns = self.config.namespace.as_str();
         let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &pool_resource());
-        let pool = pools.get(&self.config.pool).await.map_err(|e| e.to_string())?;
-        let spec = pool_spec(&pool).map_err(|e| e.to_string())?;
+        let pool = pools.get(&self.config.pool).await.map_err(KubeSourceError::Pool)?;
+        let spec = pool_spec(&pool)?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
         let watch = watcher::watcher(pods, watcher::Config::default().labels(&spec.selector));
         let mut events = std::pin::pin!(watch.default_backoff());
@@ -178,11 +192,11 @@ impl Source for KubeSource {
             loop {
                 let client = match &self.client {
                     Some(client) => Ok(client.clone()),
-                    None => kube::Client::try_default().await.map_err(|e| e.to_string()),
+                    None => kube::Client::try_default().await.map_err(KubeSourceError::Client),
                 };
                 let followed = match client {
                     Ok(client) => self.follow(&client, &sink, &mut logged).await,
-                    Err(err) => Err(format!("no Kubernetes client: {err}")),
+                    Err(err) => Err(err),
                 };
                 match followed {
                     Ok(()) => failing = false,

@@ -166,6 +166,19 @@ async fn poll(state: Arc<RouterState>, worker: WorkerId, url: String) {
     }
 }
 
+/// The engines run different KV block sizes, each worker's named, and none was given.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the engines run different KV block sizes ({}): give --block-size, and a worker's own block_size where it differs",
+    each(.0)
+)]
+pub struct BlockSizesDiffer(pub Vec<(WorkerId, u32)>);
+
+fn each(sizes: &[(WorkerId, u32)]) -> String {
+    let each: Vec<String> = sizes.iter().map(|(id, size)| format!("{id}: {size}")).collect();
+    each.join(", ")
+}
+
 /// The block size the workers' engines run with, as their metrics report it (vLLM's
 /// `cache_config_info`), each worker's metrics URL read until it answers or `timeout` ends:
 /// `Ok(None)` when none reports one, an error naming them when they disagree. A worker with
@@ -173,7 +186,7 @@ async fn poll(state: Arc<RouterState>, worker: WorkerId, url: String) {
 pub async fn engines_block_size(
     workers: &[crate::config::WorkerSpec],
     timeout: Duration,
-) -> Result<Option<u32>, String> {
+) -> Result<Option<u32>, BlockSizesDiffer> {
     let client = HttpClient::new();
     let urls: Vec<(WorkerId, &str)> = workers
         .iter()
@@ -208,11 +221,7 @@ pub async fn engines_block_size(
     if known.iter().all(|&(_, size)| size == first) {
         return Ok(Some(first));
     }
-    let each: Vec<String> = known.iter().map(|(id, size)| format!("{id}: {size}")).collect();
-    Err(format!(
-        "the engines run different KV block sizes ({}): give --block-size, and a worker's own block_size where it differs",
-        each.join(", ")
-    ))
+    Err(BlockSizesDiffer(known))
 }
 
 /// The load gauges of a Prometheus exposition, per data-parallel rank (vLLM's `engine`

@@ -284,7 +284,8 @@ async fn engines_that_disagree_on_their_block_size_are_named() {
     }
     let err = kvroute_router::load::engines_block_size(&workers, Duration::from_secs(5))
         .await
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("1: 16") && err.contains("2: 32") && err.contains("--block-size"),
         "{err}"

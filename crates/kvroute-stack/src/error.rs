@@ -36,6 +36,6 @@ pub enum StackError {
     #[error("adapters: {0}")]
     Adapters(String),
     /// The engines report different block sizes, and none was given.
-    #[error("{0}")]
-    BlockSizes(String),
+    #[error(transparent)]
+    BlockSizes(#[from] kvroute_router::load::BlockSizesDiffer),
 }

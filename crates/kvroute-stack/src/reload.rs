@@ -16,7 +16,7 @@ use kvroute_router::members::{Sink, Source};
 const EVERY: Duration = Duration::from_secs(1);
 
 /// The workers the configuration names now (flags, environment and the file, merged).
-pub type ReadWorkers = Arc<dyn Fn() -> Result<Vec<WorkerSpec>, String> + Send + Sync>;
+pub type ReadWorkers = Arc<dyn Fn() -> Result<Vec<WorkerSpec>, crate::StackError> + Send + Sync>;
 
 /// The file to follow and how to read it.
 #[derive(Clone)]

@@ -398,13 +398,14 @@ async fn the_configuration_files_workers_are_followed_when_it_changes() {
     std::fs::write(&path, table(50, &a)).unwrap();
     let read = {
         let path = path.clone();
-        move || -> Result<Vec<kvroute_router::WorkerSpec>, String> {
+        move || -> Result<Vec<kvroute_router::WorkerSpec>, kvroute_stack::StackError> {
             #[derive(serde::Deserialize)]
             struct File {
                 workers: Vec<kvroute_router::WorkerSpec>,
             }
-            let text = std::fs::read_to_string(&path).map_err(|e| e.to_string())?;
-            Ok(toml::from_str::<File>(&text).map_err(|e| e.to_string())?.workers)
+            let text = std::fs::read_to_string(&path)?;
+            let file = toml::from_str::<File>(&text).map_err(std::io::Error::other)?;
+            Ok(file.workers)
         }
     };
     let config = StackConfig {

@@ -161,7 +161,7 @@ impl Membership {
             template: engines.template()?,
             own_pod: None,
         };
-        Ok(Some(kvroute_kube::KubeSource::at(url, config).map_err(anyhow::Error::msg)?))
+        Ok(Some(kvroute_kube::KubeSource::at(url, config)?))
     }
 
     /// The front door whose admin API takes the API's changes.

@@ -75,7 +75,7 @@ impl DnsSource {
 
     /// The workers the name answers now (none when it has no records); `Err` when the lookup
     /// failed.
-    pub async fn lookup(&self) -> Result<Vec<WorkerSpec>, String> {
+    pub async fn lookup(&self) -> Result<Vec<WorkerSpec>, DnsError> {
         let found = match self.config.name.starts_with('_') {
             true => self.srv().await,
             false => {
@@ -86,13 +86,13 @@ impl DnsSource {
         let found = match found {
             Ok(found) => found,
             Err(err) if err.is_no_records_found() => Vec::new(),
-            Err(err) => return Err(err.to_string()),
+            Err(err) => return Err(DnsError(err.to_string())),
         };
         let mut specs = Vec::new();
         for (ip, port) in found.into_iter().take(MAX_MEMBERS_PER_SOURCE * 4) {
             match self.config.template.fill(ip, port) {
                 Ok(spec) => specs.push(spec),
-                Err(err) => return Err(err.to_string()),
+                Err(err) => return Err(DnsError(err.to_string())),
             }
         }
         Ok(specs)

@@ -46,13 +46,12 @@ impl ConfigArgs {
     ) -> Option<kvroute_stack::reload::Reload> {
         let path = self.config.clone()?;
         let (flags, allowed, file) = (flags.clone(), allowed.to_vec(), path.clone());
-        let workers = move || -> Result<Vec<kvroute_router::WorkerSpec>, String> {
-            let settings = Settings::from_file(&file, &allowed, command)
-                .and_then(|s| s.overlaid_by(flags.clone()))
-                .map_err(|e| e.to_string())?;
-            let router = settings.router_config().map_err(|e| e.to_string())?;
-            Ok(router.workers)
-        };
+        let workers =
+            move || -> Result<Vec<kvroute_router::WorkerSpec>, kvroute_stack::StackError> {
+                let settings = Settings::from_file(&file, &allowed, command)
+                    .and_then(|s| s.overlaid_by(flags.clone()))?;
+                Ok(settings.router_config()?.workers)
+            };
         Some(kvroute_stack::reload::Reload { path, workers: std::sync::Arc::new(workers) })
     }
 
