@@ -126,7 +126,16 @@ fn reuse(c: &Candidate) -> f64 {
     }
 }
 
-impl KvPolicy {
+/// The engine model's first token of a request on a candidate, and what its learned
+/// correction reads of it: what flow control and the learning ask of every decision, whatever
+/// the policy (the `kv` cost prices with the same one).
+#[derive(Clone, Copy, Debug)]
+pub struct Predictor {
+    kv: KvConfig,
+    model: EngineModel,
+}
+
+impl Predictor {
     pub fn new(kv: KvConfig, model: EngineModel) -> Self {
         Self { kv, model }
     }
@@ -149,6 +158,12 @@ impl KvPolicy {
         let ahead = Situation { own_tokens: 0, load_ms: 0.0, ..s };
         let f = factor(c);
         (f * self.model.ttft_ms(&ahead), f * self.model.ttft_ms(&s))
+    }
+}
+
+impl KvPolicy {
+    pub fn new(kv: KvConfig, model: EngineModel) -> Self {
+        Self { kv, model }
     }
 
     /// Each candidate's cost, seconds (the module's formula).

@@ -54,7 +54,7 @@ pub struct Scheduler {
     pub(super) decode_policy: Box<dyn Policy>,
     pub(super) pair_counts: pairs::PairCounts,
     /// Predicts each tracked request's first token, whatever the policy, and learns from it.
-    pub(super) predictor: kv::KvPolicy,
+    pub(super) predictor: kv::Predictor,
     pub(super) corrections: predict::Corrections,
     pub(super) reuse: reuse::Reuse,
 }
@@ -103,7 +103,7 @@ impl Scheduler {
             scratch: Vec::new(),
             decode_policy: config.policy.build(config.kv, config.predictor.engine),
             pair_counts: pairs::PairCounts::default(),
-            predictor: kv::KvPolicy::new(config.kv, config.predictor.engine),
+            predictor: kv::Predictor::new(config.kv, config.predictor.engine),
             corrections: predict::Corrections::new(
                 config.predictor.correction,
                 config.predictor.shape,
