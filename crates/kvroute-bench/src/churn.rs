@@ -10,8 +10,8 @@ mod fake_api;
 mod figures;
 mod fleet;
 mod plan;
-mod run;
+mod play;
 
 pub use figures::{ChangeFigures, ChurnRun, JoinFigures, LeaveFigures};
 pub use plan::{Change, ChurnPlan, ChurnSource, ChurnVia, Plan};
-pub use run::bench;
+pub use play::bench;

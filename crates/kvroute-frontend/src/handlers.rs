@@ -18,7 +18,7 @@ use kvroute_http::auth::KeyId;
 use kvroute_http::openai::{ChatCompletionRequest, CompletionRequest, ModelList};
 use kvroute_http::paths;
 use kvroute_http::trace::TraceContext;
-use kvroute_preprocess::fetch::LoadedImage;
+use kvroute_preprocess::chat_request::LoadedImage;
 use serde_json::{Value, json};
 
 use crate::FrontendState;

@@ -4,9 +4,9 @@
 //!  client ─▶ auth + limits (kvroute_http: listener bounds, `auth::require`)
 //!         ─▶ parse + check (handlers::parse: typed fields, sizes as the engine checks them)
 //!         ─▶ preprocess (kvroute_preprocess: images fetched/decoded, chat template, tokens)
-//!         ─▶ Outbound (dispatch.rs: block hashes with images and namespace, the body to send)
+//!         ─▶ Outbound (hop.rs: block hashes with images and namespace, the body to send)
 //!         ─▶ place (placer.rs: embedded router or a remote one → Placement, in flight from now)
-//!         ─▶ dispatch (dispatch.rs: one hop, retries and ejection, the answer streamed back
+//!         ─▶ dispatch (dispatch.rs over attempts.rs: one hop, retries and ejection, the answer streamed back
 //!            with its cached tokens read on the way, usage.rs; end or client gone = freed)
 //!  the health tick (probes.rs): /health of every worker, parity probes of joining ones
 //! ```

@@ -20,6 +20,8 @@
 //! given, so an installed binary needs no files.
 
 #[cfg(feature = "fetch")]
+pub mod chat_request;
+#[cfg(feature = "fetch")]
 mod decoding;
 mod detokenize;
 mod error;

@@ -8,7 +8,7 @@ use kvroute_core::schedule::SchedulerConfig;
 use kvroute_core::{BlockSize, WorkerId};
 use serde::{Deserialize, Serialize};
 
-pub mod nats;
+pub mod replicas;
 
 pub use kvroute_wire::EventFormat;
 
@@ -21,7 +21,7 @@ pub enum ConfigError {
     #[error("--worker {flag:?}: {why}")]
     WorkerFlag { flag: String, why: WorkerFlagError },
     #[error(transparent)]
-    Nats(#[from] nats::NatsConfigError),
+    Nats(#[from] replicas::NatsConfigError),
     #[error("max_dp_size must be at least 1")]
     MaxDpSize,
     #[error("worker id {0} given twice")]
@@ -349,7 +349,7 @@ pub struct RouterConfig {
     pub approx: ApproxConfig,
     pub scheduler: SchedulerConfig,
     /// Replicas over NATS: decisions shared, events from a JetStream stream (docs/replicas.md).
-    pub nats: Option<nats::NatsConfig>,
+    pub nats: Option<replicas::NatsConfig>,
     /// The largest ZMQ message (all frames) an engine's event, replay or load socket may
     /// send; larger ones are refused before anything is allocated and the peer dropped
     /// (see [`kvroute_wire::transport`]).

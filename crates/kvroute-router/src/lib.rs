@@ -14,7 +14,7 @@
 //! take its workers' events from a JetStream stream instead of their ZMQ sockets: see
 //! [`nats`] and [`stream`].
 
-pub mod checks;
+pub mod check_status;
 pub mod config;
 mod error;
 pub mod http;

@@ -10,7 +10,7 @@ use kvroute_core::{RouterEvent, WorkerWithDpRank};
 use kvroute_wire::replica::SyncMessage;
 use tokio::sync::mpsc;
 
-use crate::config::nats::NatsConfig;
+use crate::config::replicas::NatsConfig;
 use crate::metrics::Metrics;
 
 /// One engine batch on its way into the stream.

@@ -9,10 +9,10 @@ use kvroute_core::WorkerWithDpRank;
 use kvroute_http::metrics::{Counter, CounterOf, Family, Gauge, Histogram, Registry};
 use kvroute_wire::ConvertStats;
 
-mod flow;
+mod admission;
 mod kinds;
 mod labels;
-pub use flow::{FLOW_REQUESTS, FLOW_WAIT_SECONDS, FLOW_WAITING, FlowMetrics, FlowOutcome};
+pub use admission::{FLOW_REQUESTS, FLOW_WAIT_SECONDS, FLOW_WAITING, FlowMetrics, FlowOutcome};
 pub use kinds::EventKind;
 pub use labels::*;
 

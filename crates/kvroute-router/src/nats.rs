@@ -46,7 +46,7 @@ const OUTBOX: usize = 65_536;
 /// Most decisions in one message.
 const BATCH: usize = 256;
 
-pub use crate::config::nats::{
+pub use crate::config::replicas::{
     DEFAULT_PREFIX, DEFAULT_SNAPSHOT_EVERY, DEFAULT_STREAM_MAX_AGE, DEFAULT_STREAM_MAX_BYTES,
     EventsVia, NatsAuth, NatsConfig,
 };

@@ -34,18 +34,18 @@
 //! so no assumed block is applied across the change); `placing.approx` → an index shard
 //! (assumed blocks applied); `placing.scheduler` → an index shard (the scheduler reads the
 //! index while it routes); the index's hybrid `groups` → a shard (a hybrid event); `flow`'s
-//! queues → `placing`'s locks (a request placed as it leaves the queue, [`flow`]). The index's
+//! queues → `placing`'s locks (a request placed as it leaves the queue, [`queues`]). The index's
 //! shard locks are leaves. Everything else is an atomic.
 
 mod composite;
 mod decide;
 mod decision_log;
 mod fleet;
-mod flow;
 mod ingest;
 mod lock;
 mod observe;
 mod placing;
+mod queues;
 mod request;
 mod roster;
 mod self_checks;
@@ -55,11 +55,11 @@ mod workers;
 pub use composite::RouterState;
 pub use decision_log::{DecisionLog, decision_of};
 pub use fleet::{Fleet, Link, RankRefused};
-pub(crate) use flow::Reported;
-pub use flow::{Flow, Refusal};
 pub use ingest::Ingest;
 pub(crate) use placing::PeerRouted;
 pub use placing::Placing;
+pub(crate) use queues::Reported;
+pub use queues::{Flow, Refusal};
 pub use request::{Decision, PlaceRequest};
 pub use roster::{Member, Members, Roster};
 pub use self_checks::SelfChecks;

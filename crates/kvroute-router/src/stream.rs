@@ -28,7 +28,7 @@ use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
 use tokio::io::AsyncReadExt;
 use tokio::sync::mpsc;
 
-use crate::config::nats::NatsConfig;
+use crate::config::replicas::NatsConfig;
 use crate::links::{NatsStatus, Relayed};
 use crate::plane::EventPlane;
 use crate::state::{Link, RouterState};

@@ -22,7 +22,7 @@ pub enum StackError {
     #[error(transparent)]
     RouterConfig(#[from] kvroute_router::ConfigError),
     #[error(transparent)]
-    Nats(#[from] kvroute_router::config::nats::NatsConfigError),
+    Nats(#[from] kvroute_router::config::replicas::NatsConfigError),
     #[error("a simulated worker")]
     Mocker(#[from] kvroute_mocker::MockerError),
     #[error("the model")]

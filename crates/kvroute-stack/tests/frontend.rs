@@ -17,7 +17,7 @@ use kvroute_http::openai::{ChatMessage, stream_chunks};
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_preprocess::Preprocessor;
 use kvroute_preprocess::fetch::FetchConfig;
-use kvroute_router::checks::SILENT_AFTER;
+use kvroute_router::check_status::SILENT_AFTER;
 use kvroute_router::{RouterConfig, RouterState, WorkerSpec};
 use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
 use serde_json::{Value, json};

@@ -16,7 +16,7 @@ use http_body_util::BodyExt;
 use kvroute_core::BlockSize;
 use kvroute_http::HttpClient;
 use kvroute_mocker::{EngineConfig, HostConfig, Timing};
-use kvroute_router::checks::{TierCheck, TierChecks};
+use kvroute_router::check_status::{TierCheck, TierChecks};
 use kvroute_router::{RouterConfig, RouterState};
 use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
 use serde_json::{Value, json};

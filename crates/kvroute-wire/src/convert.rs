@@ -9,10 +9,10 @@
 //!   vocabulary size; a run of one value is one image, the value its `mm_hash`) and
 //!   TensorRT-LLM's `vocab_size + 1`. vLLM writes the real pad id and names the image in
 //!   `extra_keys`; TensorRT-LLM names it in `mm_keys`.
-//! - Each event names its tier ([`StorageTier`]): vLLM's and SGLang's `medium` (`GPU`, `CPU`,
+//! - Each event names its tier ([`kvroute_core::StorageTier`]): vLLM's and SGLang's `medium` (`GPU`, `CPU`,
 //!   `STORAGE`, with `locality` `REMOTE` for a store outside the engine), TensorRT-LLM's
 //!   `cache_level` (0 the device, 1 host memory, 2 and up disk; a move between levels,
-//!   `updated`, becomes a removal and a store, `convert/trtllm.rs`), and its cache group
+//!   `updated`, becomes a removal and a store, `convert/trtllm_stream.rs`), and its cache group
 //!   (`group_idx`, with what the group keeps: `kv_cache_spec_kind`, a sliding window's length).
 //!   A medium nobody defines is counted and skipped, as are a group of a kind the router does
 //!   not model, a lower tier of a group beyond the first, blocks of another block size, and
@@ -20,7 +20,7 @@
 
 mod converter;
 mod residency;
-mod trtllm;
+mod trtllm_stream;
 
 pub use converter::{ConvertConfig, ConvertStats, Converter};
 pub use residency::MAX_REMEMBERED;

@@ -9,8 +9,8 @@ use kvroute_core::index::ShardedIndex;
 use kvroute_wire::transport::ZmqLimits;
 
 use super::fleet::Fleet;
-use super::flow::Flow;
 use super::placing::Placing;
+use super::queues::Flow;
 use super::roster::Roster;
 use super::self_checks::SelfChecks;
 use super::status::WorkerStatus;

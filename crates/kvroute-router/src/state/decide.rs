@@ -24,8 +24,8 @@ use kvroute_wire::replica::SyncMessage;
 use tokio::sync::oneshot;
 
 use super::composite::RouterState;
-use super::flow::{Outcome, Reported, Waiter, refusal, retry_after};
 use super::ingest::apply_one;
+use super::queues::{Outcome, Reported, Waiter, refusal, retry_after};
 use super::request::{Decision, PlaceRequest};
 use super::self_checks::SelfChecks;
 use super::status::CacheMode;
@@ -487,7 +487,7 @@ mod tests {
 
     use super::*;
     use crate::config::{RouterConfig, WorkerSpec};
-    use crate::state::flow::PEER_REPORT_TTL;
+    use crate::state::queues::PEER_REPORT_TTL;
 
     fn state(flow: FlowConfig) -> RouterState {
         let mut config = RouterConfig { workers: vec![WorkerSpec::new(1)], ..Default::default() };

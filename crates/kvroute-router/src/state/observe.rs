@@ -9,7 +9,7 @@ use super::status::WorkerStatus;
 use kvroute_http::router_api::Answered;
 
 use super::status::CacheMode;
-use crate::checks::Change;
+use crate::check_status::Change;
 use crate::metrics::{
     BlocksLabels, PredictionLabels, TierLabels, TierPredictionLabels, TierTokenLabels,
     WorkerIdLabels, WorkerLabels,
@@ -136,7 +136,7 @@ impl RouterState {
         m.prediction_error
             .get_or_create(&WorkerIdLabels { worker_id: id.0 })
             .observe(predicted.abs_diff(actual) as f64);
-        let tiers = crate::checks::TierChecks::NAMES.into_iter().zip(a.predicted_tier_tokens);
+        let tiers = crate::check_status::TierChecks::NAMES.into_iter().zip(a.predicted_tier_tokens);
         for (tier, tokens) in tiers.filter(|&(_, n)| n > 0) {
             let outcome = outcome.name();
             m.tier_predictions

@@ -1,5 +1,5 @@
 //! The self-checks as they act on the router: answers recorded, drifted workers discounted
-//! and resynchronised, event streams seen (the checks themselves are [`crate::checks`]).
+//! and resynchronised, event streams seen (the checks themselves are [`crate::check_status`]).
 //! [`SelfChecks`] owns two mutexes, never held together and never with another lock of the
 //! router held under them.
 
@@ -13,7 +13,7 @@ use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::router_api::Answered;
 
 use super::lock::lock;
-use crate::checks::{Change, CheckStatus, Checks, Outcome};
+use crate::check_status::{Change, CheckStatus, Checks, Outcome};
 
 /// Predictions against answers, and the resyncs they ask for.
 #[derive(Debug, Default)]

@@ -12,7 +12,7 @@ use kvroute_wire::ConvertStats;
 use serde::{Deserialize, Serialize};
 
 use super::lock::lock;
-use crate::checks::CheckStatus;
+use crate::check_status::CheckStatus;
 use crate::config::WorkerSpec;
 
 /// How the router knows a worker's cache.
@@ -76,7 +76,7 @@ pub struct WorkerStatus {
     pub conversion: ConvertStats,
     /// Known from configuration (false: it appeared through events).
     pub configured: bool,
-    /// Its predictions against what it served: drift and silence (see [`crate::checks`]).
+    /// Its predictions against what it served: drift and silence (see [`crate::check_status`]).
     pub checks: CheckStatus,
     pub parity: Parity,
     /// Where its membership comes from (`config`, `api`, `dns`, `nats`, `kubernetes`, `file`;

@@ -1,5 +1,5 @@
 //! The converter of one stream: its settings, its counts, and vLLM's and SGLang's events
-//! into core events (TensorRT-LLM's are `trtllm.rs`).
+//! into core events (TensorRT-LLM's are `trtllm_stream.rs`).
 
 use kvroute_core::hash::mm_hash_from_identifier;
 use kvroute_core::{

@@ -6,8 +6,8 @@
 //! block has reached. The index keeps the device (a tree) and the lower tiers (by sequence
 //! hash) apart, so a move becomes a removal from the old tier and a store in the new one, and a
 //! removal goes to the tier the block is in. Both need what the engine no longer says: the
-//! block's content hash, its parent and its level, which [`Residency`] remembers for every
-//! block the stream stored (up to [`MAX_REMEMBERED`] per stream; past that a block is still
+//! block's content hash, its parent and its level, which [`super::residency::Residency`] remembers for every
+//! block the stream stored (up to [`super::residency::MAX_REMEMBERED`] per stream; past that a block is still
 //! indexed, but a move of it is skipped and counted as `moved_unknown`).
 
 use kvroute_core::hash::mm_hash_from_identifier;
