@@ -13,7 +13,7 @@
 //!
 //! - Children are found by `(parent node, first LocalBlockHash of the child)` in one hash map,
 //!   so a node needs no child container and splits/merges never re-key children.
-//! - Each worker keeps a map from its engine's block hash ([`ExternalBlockHash`]) to a stable
+//! - Each worker keeps a map from its engine's block hash ([`crate::ExternalBlockHash`]) to a stable
 //!   block id; block ids find their node through a slot table (`node`, `pos`), where
 //!   `pos - node.base` is the block's offset in the edge. Splitting moves the *head* of an edge
 //!   into a new node, so only the head's slots change, and the tail keeps its children.
@@ -40,11 +40,11 @@ mod shard_lock;
 mod sharded;
 mod tiers;
 
-mod types;
+mod scores;
 
 pub use approx::{ApproxConfig, ApproxIndex, ApproxTracker};
 pub use groups::{HybridGroups, MAX_GROUPS};
 pub use radix::RadixIndex;
+pub use scores::{IndexConfig, IndexStats, OverlapScores};
 pub use sharded::{BLOCKS_PER_LOCK, ShardedIndex};
 pub use tiers::{LowerTiers, REMEMBERED, TierRun, TierScores};
-pub use types::{IndexConfig, IndexStats, OverlapScores};

@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Policies (one file each, behind [`Policy`]):
-//! - `kv` (default, [`predicted`]): lowest predicted time to first token in milliseconds of the
+//! - `kv` (default, [`kv`]): lowest predicted time to first token in milliseconds of the
 //!   engine model ([`predict`]), plus what the choice costs the requests running there and the
 //!   hits it evicts;
 //! - `kv-tokens` ([`kv`]): the earlier cost, in tokens of prefill work with weights, with a

@@ -116,7 +116,7 @@ impl Exchange {
         }
     }
 
-    /// Frees the placement held, once ([`release`]): true for the call that freed it.
+    /// Frees the placement held, once ([`crate::hold::Hold::free`]): true for the call that freed it.
     fn release(&self, why: Freed) -> bool {
         self.hold.free(&self.picker, &self.model, self.started, why)
     }

@@ -27,13 +27,13 @@ pub const PREFILL_WORKER_HEADER: &str = "x-kvroute-prefill-worker";
 /// (its leading blocks held by the worker's KV events, in tokens, less the last block of a
 /// fully cached prompt, which engines recompute): compare with the response's
 /// `usage.prompt_tokens_details.cached_tokens` to see how exact the router's view is. Sent
-/// only when asked for ([`FrontDoorOptions::expose_overlap`]): it tells a client how much of its
+/// only when asked for ([`crate::FrontDoorOptions::expose_overlap`]): it tells a client how much of its
 /// prompt someone sent before, so clients could probe each other's prompts with it.
 pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-tokens";
 
 /// A request header asking for the request's routing decision (`true` or `1`), answered in
 /// [`DECISION_HEADER`] when the front door explains decisions
-/// ([`FrontDoorOptions::explain_decisions`]).
+/// ([`crate::FrontDoorOptions::explain_decisions`]).
 pub const EXPLAIN_HEADER: &str = "x-kvroute-explain";
 /// The admin token beside an OpenAI request (whose `Authorization` holds the client's API
 /// key): what [`EXPLAIN_HEADER`] needs.

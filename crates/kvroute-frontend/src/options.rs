@@ -22,12 +22,12 @@ pub struct FrontDoorOptions {
     /// another sent. The namespace goes to the engine as vLLM's `cache_salt` (a client's own
     /// salt is kept inside the key's) and into the router's block hashes.
     pub namespace_per_key: bool,
-    /// Probe each joining worker's parity ([`parity`]).
+    /// Probe each joining worker's parity ([`crate::parity`]).
     pub parity_probe: bool,
     /// Load a request's adapter on the chosen worker through vLLM's dynamic API when the
     /// worker does not list it ([`crate::models`]); off: only workers that list it are chosen.
     pub load_adapters: bool,
-    /// Pass a client's own KV-transfer fields ([`TRANSFER_FIELDS`]) on; off: refused (400).
+    /// Pass a client's own KV-transfer fields ([`crate::TRANSFER_FIELDS`]) on; off: refused (400).
     pub trust_transfer_fields: bool,
     /// Tell the engines each request's priority in their own field (they schedule by it).
     pub engine_priority: bool,
@@ -36,7 +36,7 @@ pub struct FrontDoorOptions {
     pub status_every: Duration,
 }
 
-/// [`FrontendState::session_key`]: `per_key` is whether namespacing per key is on.
+/// [`crate::FrontendState::session_key`]: `per_key` is whether namespacing per key is on.
 pub(crate) fn namespaced_session(
     per_key: bool,
     key: Option<&KeyId>,

@@ -1,6 +1,6 @@
 //! A request's two legs in a disaggregated fleet (docs/routing.md, "Prefill and decode"):
 //! the router chooses a prefill and a decode worker, or one decode worker alone
-//! ([`RouterState::place_pair`]); the front door then speaks the engines' own protocol:
+//! ([`crate::placer::Placer::place_pair`]); the front door then speaks the engines' own protocol:
 //!
 //! - **vLLM** (`kv_transfer_params`, as vllm-router's P/D mode and vLLM's proxy send it):
 //!   the prefill worker gets the request with `do_remote_decode: true`, one token and no

@@ -9,7 +9,7 @@
 //!
 //! On, whether a request is traced is decided once, at its start ([`request_span`]): by its
 //! caller's sampled flag when it sent a `traceparent`, else by the ratio. An unsampled
-//! request gets no spans at all: its request span is [`Span::none`], and [`span!`] makes a
+//! request gets no spans at all: its request span is [`Span::none`], and [`crate::span!`] makes a
 //! span only inside an enabled one (spans built and then dropped by the exporter's sampler
 //! cost an unsampled request three quarters of a sampled one's: #78).
 

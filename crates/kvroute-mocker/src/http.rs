@@ -3,7 +3,7 @@
 //! is the engine's real cache hits), `GET /v1/models`, `/health`, `/metrics` (Prometheus, with
 //! vLLM's names) and `/stats` (JSON ground truth), and vLLM's endpoints for routers
 //! ([`crate::vllm`]). An answer is words of the model's vocabulary chosen by the prompt and the
-//! seed ([`OutputPlan`]): its text tokenizes back to the generated token ids, and it runs to
+//! seed ([`crate::sequence::OutputPlan`]): its text tokenizes back to the generated token ids, and it runs to
 //! `max_tokens` (`finish_reason: length`, as vLLM says of an answer cut by its length; `stop`
 //! only when a `stop` string ends it). Request and answer types are `kvroute_http::openai`'s; fields
 //! the engine does not read are ignored, as vLLM ignores them.

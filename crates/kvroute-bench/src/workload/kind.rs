@@ -10,14 +10,14 @@ pub enum WorkloadKind {
     MultiTurn,
     Multimodal,
     Random,
-    /// A recorded trace replayed ([`TraceReplay`]).
+    /// A recorded trace replayed ([`super::trace::TraceReplay`]).
     Trace,
-    /// Requests for many LoRA adapters of Zipf popularity ([`MultiLora`]).
+    /// Requests for many LoRA adapters of Zipf popularity ([`super::lora::MultiLora`]).
     MultiLora,
     /// `multi-turn` with each user's requests tagged as a session (`prompt_cache_key`).
     Sessions,
     /// Long prompts (a shared document, then a long unique part) and long answers: where
-    /// prefills stall decodes, so where disaggregation should matter ([`LongPrompts`]).
+    /// prefills stall decodes, so where disaggregation should matter ([`super::synthetic::LongPrompts`]).
     LongPrompt,
     /// Classes and tenants past the fleet's capacity (`--overload`, [`crate::overload`]); not
     /// one of `--workloads`.

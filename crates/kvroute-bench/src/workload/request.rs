@@ -58,7 +58,7 @@ pub struct BenchRequest {
     pub class: Option<Arc<RequestTag>>,
 }
 
-/// A request's class in an overload workload ([`overload`]).
+/// A request's class in an overload workload ([`crate::overload`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestTag {
     /// `interactive`, `standard` or `batch`.

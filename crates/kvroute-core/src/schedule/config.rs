@@ -42,9 +42,9 @@ pub struct SchedulerConfig {
     pub reconcile_after: Duration,
     pub seed: u64,
     pub kv: cost::KvConfig,
-    /// Conversation affinity ([`sessions`]).
+    /// Conversation affinity ([`super::sessions`]).
     pub sessions: SessionConfig,
-    /// The pair cost of a disaggregated fleet ([`pairs`]).
+    /// The pair cost of a disaggregated fleet ([`super::pairs`]).
     pub pairs: PairConfig,
     /// The engine model and its online correction ([`predict`]).
     pub predictor: PredictorConfig,

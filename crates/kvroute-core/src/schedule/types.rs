@@ -40,10 +40,10 @@ pub struct RouteRequest<'a> {
     /// Caches not to choose (e.g. one that just refused a connection).
     pub exclude: &'a [WorkerWithDpRank],
     /// The LoRA adapter it runs with: only workers that serve it are candidates, and what
-    /// loading it costs is priced ([`adapters`]).
+    /// loading it costs is priced ([`super::adapters`]).
     pub adapter: Option<&'a str>,
     /// Its conversation: it stays on the session's worker unless another is cheaper by a
-    /// margin ([`sessions`]).
+    /// margin ([`super::sessions`]).
     pub session: Option<&'a str>,
     /// Tokens its answer may run to (its `max_tokens`; 0 when unknown). While it runs, the
     /// blocks its answer grows into are held on its worker like its prompt's.
@@ -72,9 +72,9 @@ pub struct Candidate {
     pub role: Role,
     pub node: u32,
     /// What its first tokens taught: its model predictions are multiplied by this (0: not
-    /// filled in, taken as 1; filled in for a policy that [`Policy::learns_ttft`]).
+    /// filled in, taken as 1; filled in for a policy that [`super::Policy::learns_ttft`]).
     pub ttft_factor: f64,
-    /// Recomputes a token evicted from its cache is priced at ([`reuse`]; 0: not filled in,
+    /// Recomputes a token evicted from its cache is priced at ([`super::reuse`]; 0: not filled in,
     /// taken as 1; filled in with [`Candidate::ttft_factor`]).
     pub reuse: f64,
     /// How much of its price is still the fleet's, not its own (1 for a worker never heard

@@ -7,7 +7,7 @@
 //! [`super::RouterState`] carries it over. What an event subscription writes on every batch
 //! (the last sequence number, conversion counts, whether the worker's events are trusted)
 //! is a worker's [`Live`] part (`status.rs`), shared with the subscription's
-//! [`super::events::Ingest`] handle, so a batch takes no registry lock.
+//! [`super::ingest::Ingest`] handle, so a batch takes no registry lock.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;

@@ -9,6 +9,8 @@
 //! A switch is `--name` (or its variable set to true, 1, yes or on); a negated switch
 //! (`--no-parity-probe`) sets its setting (`parity_probe`) to false.
 
+#![allow(rustdoc::broken_intra_doc_links)] // help texts name TOML tables: `[kv_cost]`
+
 use std::path::PathBuf;
 
 use clap::Args;

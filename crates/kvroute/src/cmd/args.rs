@@ -2,6 +2,10 @@
 //! settings' own flags are declared once, in [`kvroute_stack::settings::groups`], and
 //! flattened into each command.
 
+// Clap's help texts are these doc comments: they write a config file's TOML tables in
+// brackets (`[[workers]]`, `[kv_cost]`), which rustdoc would read as links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 use std::path::PathBuf;
 
 use clap::Args;

@@ -29,7 +29,7 @@ impl RadixIndex {
 
     /// Applies an event, or a piece of one, without counting it in `events_applied`.
     /// Events about a tier below the device change nothing here (the service form keeps those
-    /// tiers: [`super::ShardedIndex`]).
+    /// tiers: [`crate::index::ShardedIndex`]).
     pub(crate) fn apply_part(&mut self, event: &RouterEvent) -> Result<(), Error> {
         if !event.event.storage_tier.is_device() {
             return Ok(());

@@ -10,7 +10,7 @@ use super::tree::*;
 
 impl RadixIndex {
     /// Evicts the least recently touched leaves until at most `target` (worker, block) pairs
-    /// remain (what a caller with its own budget, like [`super::ShardedIndex`], uses).
+    /// remain (what a caller with its own budget, like [`crate::index::ShardedIndex`], uses).
     pub(crate) fn evict_to(&mut self, target: usize) {
         self.evict(target);
     }

@@ -100,7 +100,7 @@ pub(super) struct Run {
 }
 
 /// A compressed radix tree of which cache holds which block. Not thread-safe on its own; see
-/// [`super::ShardedIndex`] for the service form.
+/// [`crate::index::ShardedIndex`] for the service form.
 ///
 /// ```
 /// use kvroute_core::index::RadixIndex;
