@@ -9,6 +9,7 @@ use kvroute_http::ApiError;
 
 use crate::attempts::{Attempt, Attempts};
 use crate::hop::{Outbound, send};
+use crate::pair::split;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
 
 pub(crate) use crate::dialect::Keys;
@@ -25,9 +26,7 @@ pub(crate) async fn dispatch(
     loop {
         let attempt = attempts.next().await?;
         let answer = match attempt.legs.prefill {
-            Some(prefill) => {
-                crate::pair::split(state, out, prefill, attempt, &mut attempts).await?
-            }
+            Some(prefill) => split(state, out, prefill, attempt, &mut attempts).await?,
             None => one(state, out, attempt, &mut attempts).await?,
         };
         if let Some(answer) = answer {
@@ -41,9 +40,10 @@ pub(crate) async fn dispatch(
 async fn one(
     state: &Arc<FrontendState>,
     out: &Outbound,
-    Attempt { legs, guard }: Attempt,
+    attempt: Attempt,
     attempts: &mut Attempts<'_>,
 ) -> Result<Option<Response>, ApiError> {
+    let Attempt { legs, guard } = attempt;
     let timeout = if out.streamed { state.options.first_byte_timeout } else { RESPONSE_TIMEOUT };
     if attempts.paired() {
         state.metrics.pd_in_place.inc();

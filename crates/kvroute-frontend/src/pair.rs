@@ -55,9 +55,10 @@ pub(crate) async fn split(
     state: &Arc<FrontendState>,
     out: &Outbound,
     prefill: Placement,
-    Attempt { legs, mut guard }: Attempt,
+    attempt: Attempt,
     attempts: &mut Attempts<'_>,
 ) -> Result<Option<Response>, ApiError> {
+    let Attempt { legs, mut guard } = attempt;
     let timeout = match out.streamed {
         true => state.options.first_byte_timeout,
         false => RESPONSE_TIMEOUT,
