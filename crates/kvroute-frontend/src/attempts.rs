@@ -87,7 +87,7 @@ impl<'a> Attempts<'a> {
             out,
             subset,
             request: out.place.clone(),
-            excluded: out_of.into_iter().flat_map(|w| state.all_ranks(w)).collect(),
+            excluded: out_of.into_iter().flat_map(|w| state.workers().all_ranks(w)).collect(),
             paired: state.placer.disaggregated(state.workers().prefill_workers),
             lowered: false,
         }
@@ -146,19 +146,19 @@ impl<'a> Attempts<'a> {
     /// `worker` cannot take the request (it is not to blame): left out of the attempts that
     /// follow.
     pub(crate) fn skip(&mut self, worker: WorkerId) {
-        self.excluded.extend(self.state.all_ranks(worker));
+        self.excluded.extend(self.state.workers().all_ranks(worker));
     }
 
     /// The workers in rotation other than `worker`, in order after it: where a gateway falls
     /// back when it cannot reach `worker`.
     pub(crate) fn rest(&self, worker: WorkerId) -> Vec<WorkerId> {
         let state = self.state;
-        let others: Vec<WorkerId> = state
-            .workers()
+        let workers = state.workers();
+        let others: Vec<WorkerId> = workers
             .urls
             .keys()
             .copied()
-            .filter(|&w| w != worker && state.all_ranks(w).all(|r| !self.excluded.contains(&r)))
+            .filter(|&w| w != worker && workers.all_ranks(w).all(|r| !self.excluded.contains(&r)))
             .collect();
         let split = others.partition_point(|&w| w < worker);
         others[split..].iter().chain(&others[..split]).copied().collect()

@@ -63,8 +63,8 @@ async fn one(
     // A tenant over its share gets a lower engine priority than its class's, once placed: its
     // work fills the engines without standing ahead of the others' (#78).
     let lowered = attempts.lowered();
-    let dialect =
-        Some(state.dialect(worker)).filter(|d| out.tokens.iter().any(|(sent, _)| sent == d));
+    let dialect = Some(state.workers().dialect(worker))
+        .filter(|d| out.tokens.iter().any(|(sent, _)| sent == d));
     let lower = move |v: &mut serde_json::Value| crate::dialect::lower_priority(v, dialect);
     let edit: Option<crate::hop::Edit<'_>> = lowered.then_some(&lower);
     if lowered {

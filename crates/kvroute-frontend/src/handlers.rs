@@ -173,7 +173,7 @@ pub(crate) async fn chat_outbound(
     preprocess.record("kvroute.images", images.len() as i64);
     drop(req);
     rewrite_image_parts(&mut raw, &images);
-    let dialects = state.tokens_dialects();
+    let dialects = state.workers().tokens_dialects();
     let keys = Keys {
         namespace: namespace.as_deref(),
         adapter: adapter.as_deref(),
@@ -268,7 +268,7 @@ pub(crate) fn completion_outbound(
     let prepared = preprocess
         .in_scope(|| state.preprocessor.prepare_completion_request(&req, state.max_model_len))?;
     preprocess.record("kvroute.prompt_tokens", prepared.tokens.len() as i64);
-    let dialects = state.tokens_dialects();
+    let dialects = state.workers().tokens_dialects();
     let keys = Keys {
         namespace: namespace.as_deref(),
         adapter: adapter.as_deref(),

@@ -217,7 +217,7 @@ pub(crate) async fn post(
         .body(Full::new(body))
         .map_err(ApiError::internal)?;
     traced(request.headers_mut(), span, out.trace.as_ref());
-    let sent = tokio::time::timeout(timeout, state.client().send(request)).await;
+    let sent = tokio::time::timeout(timeout, state.workers().client.send(request)).await;
     Ok(match sent {
         Ok(Ok(r)) => Ok((r, from)),
         Ok(Err(e)) if e.is_connect() => Err(failed(span, Failure::Connect, e)),
@@ -263,7 +263,7 @@ impl FrontendState {
 impl FrontendState {
     /// How `out` goes to `worker`, in the worker's dialect.
     pub(crate) fn hop(&self, worker: WorkerId, out: &Outbound) -> Hop {
-        let dialect = self.dialect(worker);
+        let dialect = self.workers().dialect(worker);
         let as_sent = || Hop { path: out.path, body: out.body.clone(), tokens: None };
         if !dialect.sends_tokens() {
             return as_sent();

@@ -19,6 +19,7 @@
 //! it: the embedded router forgets its blocks. The journey, file by file, is in
 //! `docs/architecture.md`.
 
+mod adapters;
 mod app;
 mod attempts;
 mod dialect;
@@ -35,6 +36,7 @@ mod observer;
 mod options;
 mod pair;
 pub mod parity;
+mod parity_probes;
 pub mod pick;
 mod placer;
 mod probes;

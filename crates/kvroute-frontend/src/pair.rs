@@ -72,9 +72,9 @@ pub(crate) async fn split(
     guard.checked = false;
     let id = guard.id.clone();
     let p = prefill.worker.worker_id;
-    let (edit, prefill_leg): (LegFields, _) = match state.dialect(p) {
+    let (edit, prefill_leg): (LegFields, _) = match state.workers().dialect(p) {
         Dialect::SglangGenerate => {
-            let Some((host, port)) = state.bootstrap(p) else {
+            let Some((host, port)) = state.workers().bootstrap(p) else {
                 return Err(ApiError::internal("a prefill worker has no bootstrap port"));
             };
             let room = bootstrap_room(state);
@@ -415,7 +415,7 @@ async fn prefill_answer(
     crate::hop::traced(request.headers_mut(), span, trace);
     let started = Instant::now();
     let failed = |why, e| crate::hop::failed(span, why, e);
-    let response = match tokio::time::timeout(timeout, state.client().send(request)).await {
+    let response = match tokio::time::timeout(timeout, state.workers().client.send(request)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) if e.is_connect() => return Err(failed(Failure::Connect, e)),
         Ok(Err(e)) => return Err(failed(Failure::Broken, e)),

@@ -100,7 +100,7 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
         probes.push(image_probe(state, worker, nonce).ok_or(Retry::Unprepared)?);
     }
     // Each probe goes as a request would: in the worker's dialect when it carries it.
-    let dialect = state.dialect(worker);
+    let dialect = state.workers().dialect(worker);
     for p in &probes {
         let tokens =
             dialect::tokens_body(dialect, &p.body, &p.prepared, &Default::default(), false);
@@ -213,7 +213,7 @@ async fn run(
     let placer = &state.placer;
     let conversion = async || Some(placer.worker(worker).await.ok()??.conversion);
     let before = conversion().await?;
-    let client = state.client();
+    let client = state.workers().client.clone();
     let answer = client.post_json::<Value>(url, &body);
     match tokio::time::timeout(PROBE_WAIT, answer).await {
         Ok(Ok(_)) => {}

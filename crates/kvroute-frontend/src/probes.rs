@@ -7,27 +7,20 @@ use std::time::{Duration, Instant};
 use kvroute_core::WorkerId;
 
 use crate::health::Failure;
-use crate::{FrontendState, HEALTH_INTERVAL, PROBE_BACKOFF_MAX, PROBE_TIMEOUT, parity};
+use crate::{FrontendState, HEALTH_INTERVAL, PROBE_TIMEOUT, parity};
 
 /// How long a joining worker's parity probe waits for its event subscription.
 const JOIN_PROBE_WAIT: Duration = Duration::from_secs(5);
 const JOIN_PROBE_POLL: Duration = Duration::from_millis(50);
 
 impl FrontendState {
-    fn probes_left(&self) -> Vec<WorkerId> {
-        match self.options.parity_probe {
-            true => self.to_probe.lock().map(|s| s.iter().copied().collect()).unwrap_or_default(),
-            false => Vec::new(),
-        }
-    }
-
     /// Waits until every reachable worker had its parity probe, or `timeout`; the workers
     /// left (an unreachable one is probed when it answers; the health checks report it).
     pub async fn parity_done(&self, timeout: Duration) -> Vec<WorkerId> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let notified = self.probed.notified();
-            let mut left = self.probes_left();
+            let notified = self.parity.made.notified();
+            let mut left = self.parity_left();
             left.retain(|w| !self.health.is_ejected(*w));
             if left.is_empty() || tokio::time::Instant::now() >= deadline {
                 return left;
@@ -36,32 +29,12 @@ impl FrontendState {
         }
     }
 
-    /// Whether `worker`'s parity probe may be tried at `now` (not backing off). Probes run on
-    /// the health tick, and a backoff is counted from the end of the last round of probes: a
-    /// deadline less than half a tick away counts as reached, or a 1 s backoff would wait for
-    /// the tick after next (2 s; serve's readiness waited that long on a startup race).
-    fn probe_due(&self, worker: WorkerId, now: Instant) -> bool {
-        let now = now + HEALTH_INTERVAL / 2;
-        self.probe_retries.lock().map_or(true, |r| r.get(&worker).is_none_or(|(at, _)| now >= *at))
-    }
-
-    /// A probe could not be made: tried again after a backoff that doubles from 1 s to
-    /// [`PROBE_BACKOFF_MAX`], its cause in `/workers` (unless the worker failed a probe
-    /// before: that cause stands) and logged when it first happens.
-    fn probe_later(&self, worker: WorkerId, why: &parity::Retry) {
-        let Ok(mut retries) = self.probe_retries.lock() else { return };
-        let backoff = match retries.get(&worker) {
-            Some((_, b)) => (*b * 2).min(PROBE_BACKOFF_MAX),
-            None => {
-                tracing::info!(%worker, cause = %why, "parity probe not made yet; trying again with a backoff");
-                Duration::from_secs(1)
-            }
-        };
-        retries.insert(worker, (Instant::now() + backoff, backoff));
-        tracing::debug!(%worker, cause = %why, backoff_secs = backoff.as_secs(), "parity probe deferred");
-        // A failed worker stays failed until a probe is made (the router keeps that rule).
-        let cause = format!("{why}; next try in {} s", backoff.as_secs());
-        self.placer.set_parity(worker, kvroute_router::Parity::Retrying(cause));
+    /// The workers still to be parity-probed (none when the probes are off).
+    pub(crate) fn parity_left(&self) -> Vec<WorkerId> {
+        match self.options.parity_probe {
+            true => self.parity.left(),
+            false => Vec::new(),
+        }
     }
 
     /// Checks every worker's `GET /health` each [`HEALTH_INTERVAL`] until the front door is
@@ -100,9 +73,9 @@ impl FrontendState {
                 }
                 let now = Instant::now();
                 let probes = state
-                    .probes_left()
+                    .parity_left()
                     .into_iter()
-                    .filter(|w| !state.health.is_ejected(*w) && state.probe_due(*w, now))
+                    .filter(|w| !state.health.is_ejected(*w) && state.parity.due(*w, now))
                     .map(|worker| {
                         let state = Arc::clone(&state);
                         async move { (worker, parity::probe(&state, worker).await) }
@@ -120,15 +93,15 @@ impl FrontendState {
         outcome: Result<Option<kvroute_router::Parity>, parity::Retry>,
     ) {
         match outcome {
-            Ok(Some(_)) => {
-                if let Ok(mut to_probe) = self.to_probe.lock() {
-                    to_probe.remove(&worker);
-                }
-                self.probe_retries.lock().map(|mut r| r.remove(&worker)).ok();
-                self.probed.notify_waiters();
-            }
+            Ok(Some(_)) => self.parity.made(worker),
             Ok(None) => {}
-            Err(why) => self.probe_later(worker, &why),
+            Err(why) => {
+                // A failed worker stays failed until a probe is made (the router keeps that
+                // rule): the cause stands unless it failed one before.
+                if let Some(cause) = self.parity.later(worker, &why) {
+                    self.placer.set_parity(worker, kvroute_router::Parity::Retrying(cause));
+                }
+            }
         }
     }
 
@@ -149,7 +122,7 @@ impl FrontendState {
     /// One health check: `Err(Connect)` when the connection is refused, `Err(Probe)` for no
     /// or a bad answer in time.
     async fn probe(&self, url: &str) -> Result<(), Failure> {
-        match tokio::time::timeout(PROBE_TIMEOUT, self.client().get(url)).await {
+        match tokio::time::timeout(PROBE_TIMEOUT, self.workers().client.get(url)).await {
             Ok(Ok((status, _))) if status.is_success() => Ok(()),
             Ok(Err(e)) if e.is_connect() => Err(Failure::Connect),
             _ => Err(Failure::Probe),

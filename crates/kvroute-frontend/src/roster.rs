@@ -4,8 +4,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvroute_core::WorkerId;
 use kvroute_core::schedule::Role;
+use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::HttpClient;
 use kvroute_router::{Dialect, WorkerSpec};
 
@@ -50,6 +50,34 @@ impl Workers {
             client,
             draining: BTreeSet::new(),
         }
+    }
+
+    /// How a worker is spoken to.
+    pub(crate) fn dialect(&self, worker: WorkerId) -> Dialect {
+        self.dialects.get(&worker).copied().unwrap_or_default()
+    }
+
+    /// A prefill worker's SGLang bootstrap host and port.
+    pub(crate) fn bootstrap(&self, worker: WorkerId) -> Option<(String, u16)> {
+        self.bootstraps.get(&worker).cloned()
+    }
+
+    /// The tokens dialects some worker speaks (a request is made a body in each).
+    pub(crate) fn tokens_dialects(&self) -> Vec<Dialect> {
+        let mut dialects: Vec<Dialect> =
+            self.dialects.values().copied().filter(|d| d.sends_tokens()).collect();
+        dialects.sort_unstable_by_key(|d| *d as u8);
+        dialects.dedup();
+        dialects
+    }
+
+    /// Every rank of `worker`.
+    pub(crate) fn all_ranks(
+        &self,
+        worker: WorkerId,
+    ) -> impl Iterator<Item = WorkerWithDpRank> + use<> {
+        let n = self.ranks.get(&worker).copied().unwrap_or(1);
+        (0..n).map(move |r| WorkerWithDpRank::new(worker, r))
     }
 
     /// A worker's base URL.

@@ -4,20 +4,22 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvroute_core::{BlockSize, WorkerId, WorkerWithDpRank};
+use kvroute_core::{BlockSize, WorkerId};
 use kvroute_http::auth::KeyId;
 use kvroute_http::metrics::Registry;
 use kvroute_http::models::Catalog;
 use kvroute_http::{Credentials, HttpClient};
 use kvroute_preprocess::Preprocessor;
 use kvroute_preprocess::fetch::Fetcher;
-use kvroute_router::{Dialect, RouterState, WorkerSpec};
+use kvroute_router::{RouterState, WorkerSpec};
 
+use crate::adapters::ListedAdapters;
 use crate::health;
 use crate::metrics::Metrics;
 use crate::options::{FrontDoorOptions, namespaced_session};
+use crate::parity_probes::ParityProbes;
 use crate::placer::{Placer, RemoteRouter};
 use crate::roster::Workers;
 
@@ -41,20 +43,14 @@ pub struct FrontendState {
     pub(crate) metrics: Metrics,
     pub(crate) api_keys: Credentials,
     pub(crate) admin: Credentials,
-    /// Workers still to be parity-probed (all at start; a restarted one again).
-    pub(crate) to_probe: std::sync::Mutex<std::collections::BTreeSet<WorkerId>>,
-    /// Probes that could not be made: when each is tried next, and its backoff.
-    pub(crate) probe_retries:
-        std::sync::Mutex<std::collections::BTreeMap<WorkerId, (Instant, Duration)>>,
-    pub(crate) probed: tokio::sync::Notify,
+    /// The parity probes' bookkeeping ([`crate::probes`]).
+    pub(crate) parity: ParityProbes,
     /// Prompt plus output tokens at most (checked before routing, as vLLM checks it).
     pub(crate) max_model_len: u64,
     /// The base model and the adapters the fleet serves ([`crate::models`]).
     pub models: Catalog,
-    /// The adapters the settings name (always served), with where their weights are.
-    pub(crate) configured_adapters: Vec<(String, Option<String>)>,
-    /// What each worker listed in its `/v1/models`, when last read.
-    pub(crate) listed: std::sync::Mutex<BTreeMap<WorkerId, std::collections::BTreeSet<String>>>,
+    /// The adapters the settings name and what each worker listed in its `/v1/models`.
+    pub(crate) adapters: ListedAdapters,
     /// Mixed into SGLang bootstrap rooms, so two front doors draw different ones.
     pub(crate) room_salt: u64,
     /// What the status page's chart draws ([`FrontendState::spawn_history`]).
@@ -112,7 +108,7 @@ impl FrontendState {
             placer,
             block_size,
             health: Health::new(roster.urls.keys().copied()),
-            to_probe: std::sync::Mutex::new(roster.probed().collect()),
+            parity: ParityProbes::new(roster.probed()),
             workers: RwLock::new(Arc::new(roster)),
             options: FrontDoorOptions::default(),
             base_client,
@@ -121,12 +117,9 @@ impl FrontendState {
             metrics: Metrics::new(),
             api_keys: Credentials::default(),
             admin: Credentials::default(),
-            probe_retries: std::sync::Mutex::default(),
-            probed: tokio::sync::Notify::new(),
             max_model_len,
             models: Catalog::new(preprocessor.model_name(), Some(max_model_len)),
-            configured_adapters: Vec::new(),
-            listed: std::sync::Mutex::default(),
+            adapters: ListedAdapters::default(),
             room_salt: std::hash::BuildHasher::hash_one(
                 &std::collections::hash_map::RandomState::new(),
                 0u8,
@@ -150,7 +143,7 @@ impl FrontendState {
                 None => (spec.trim(), None),
             };
             self.models.insert(name, path.as_deref())?;
-            self.configured_adapters.push((name.to_owned(), path));
+            self.adapters.configure(name, path);
         }
         Ok(self)
     }
@@ -222,14 +215,13 @@ impl FrontendState {
         );
         for &gone in old.urls.keys().filter(|w| !roster.urls.contains_key(w)) {
             self.health.remove(gone);
-            self.to_probe.lock().map(|mut p| p.remove(&gone)).ok();
-            self.probe_retries.lock().map(|mut r| r.remove(&gone)).ok();
-            self.forget_models(gone);
+            self.parity.forget(gone);
+            self.adapters.forget(gone);
         }
         for &new in roster.urls.keys().filter(|w| !old.urls.contains_key(w)) {
             self.health.add(new);
             if roster.evented.contains(&new) {
-                self.to_probe.lock().map(|mut p| p.insert(new)).ok();
+                self.parity.again(new);
                 joined.push(new);
             }
         }
@@ -268,39 +260,6 @@ impl FrontendState {
         })
     }
 
-    /// The client that sends to the workers (each with its own token).
-    pub(crate) fn client(&self) -> HttpClient {
-        self.workers().client.clone()
-    }
-
-    /// How a worker is spoken to.
-    pub(crate) fn dialect(&self, worker: WorkerId) -> Dialect {
-        self.workers().dialects.get(&worker).copied().unwrap_or_default()
-    }
-
-    /// A prefill worker's SGLang bootstrap host and port.
-    pub(crate) fn bootstrap(&self, worker: WorkerId) -> Option<(String, u16)> {
-        self.workers().bootstraps.get(&worker).cloned()
-    }
-
-    /// The tokens dialects some worker speaks (a request is made a body in each).
-    pub(crate) fn tokens_dialects(&self) -> Vec<Dialect> {
-        let mut dialects: Vec<Dialect> =
-            self.workers().dialects.values().copied().filter(|d| d.sends_tokens()).collect();
-        dialects.sort_unstable_by_key(|d| *d as u8);
-        dialects.dedup();
-        dialects
-    }
-
-    /// Every rank of `worker`.
-    pub(crate) fn all_ranks(
-        &self,
-        worker: WorkerId,
-    ) -> impl Iterator<Item = WorkerWithDpRank> + use<> {
-        let n = self.workers().ranks.get(&worker).copied().unwrap_or(1);
-        (0..n).map(move |r| WorkerWithDpRank::new(worker, r))
-    }
-
     /// A worker failed a request: out of rotation for a while; a refused connection also
     /// means its cache is gone.
     pub(crate) fn worker_failed(&self, worker: WorkerId, why: Failure) {
@@ -314,11 +273,10 @@ impl FrontendState {
         }
         if why == Failure::Connect {
             self.placer.forget_blocks(worker);
-            self.forget_models(worker);
+            self.adapters.forget(worker);
             // Whatever comes back on its port is probed again.
-            let probed = self.workers().evented.contains(&worker);
-            if let (true, Ok(mut to_probe)) = (probed, self.to_probe.lock()) {
-                to_probe.insert(worker);
+            if self.workers().evented.contains(&worker) {
+                self.parity.again(worker);
             }
         }
     }
