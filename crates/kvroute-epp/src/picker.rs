@@ -192,7 +192,7 @@ impl Picker {
         for endpoint in listed {
             let others = endpoints.allowed(std::slice::from_ref(endpoint));
             let theirs =
-                others.iter().any(|w| router.roster.get(*w).is_some_and(|m| m.source != "file"));
+                others.iter().any(|w| router.view().member(*w).is_some_and(|m| m.source != "file"));
             let Some((host, port)) = endpoint.rsplit_once(':') else { continue };
             let (Ok(ip), Ok(port)) = (host.trim_matches(['[', ']']).parse(), port.parse::<u16>())
             else {

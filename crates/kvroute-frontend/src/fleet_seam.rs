@@ -4,7 +4,7 @@
 //!
 //! | the front door | embedded | remote |
 //! |---|---|---|
-//! | a worker's state, for its parity probe | `RouterState::workers` | `GET /workers` |
+//! | a worker's state, for its parity probe | `View::workers` (`RouterState::view`) | `GET /workers` |
 //! | blocks a worker holds of the probe | the index | `POST /overlaps` |
 //! | the probe's outcome | `set_parity` | `PUT /workers/{id}/parity` |
 //! | the adapters a worker lists | `set_served_adapters` | `PUT /workers/{id}/adapters` |
@@ -43,14 +43,16 @@ impl Placer {
     pub async fn worker(&self, worker: WorkerId) -> Result<Option<WorkerView>, ClientError> {
         match self {
             Self::Embedded(router) => {
-                Ok(router.workers().into_iter().find(|w| w.id == worker).map(|w| WorkerView {
-                    id: w.id,
-                    events: w.events,
-                    dp_size: w.dp_size,
-                    connected: w.connected,
-                    caught_up: w.caught_up,
-                    conversion: w.conversion,
-                    parity: w.parity,
+                Ok(router.view().workers().into_iter().find(|w| w.id == worker).map(|w| {
+                    WorkerView {
+                        id: w.id,
+                        events: w.events,
+                        dp_size: w.dp_size,
+                        connected: w.connected,
+                        caught_up: w.caught_up,
+                        conversion: w.conversion,
+                        parity: w.parity,
+                    }
                 }))
             }
             Self::Remote(remote) => {
@@ -81,7 +83,7 @@ impl Placer {
         };
         match self {
             Self::Embedded(router) => {
-                let scores = router.index.find_matches(hashes);
+                let scores = router.view().find_matches(hashes);
                 Ok(of_worker(&mut scores.scores.iter().copied()))
             }
             Self::Remote(remote) => {
@@ -110,7 +112,7 @@ impl Placer {
     /// The adapters `rank` lists (`None`: it serves any).
     pub fn set_served_adapters(&self, rank: WorkerWithDpRank, served: Option<BTreeSet<String>>) {
         match self {
-            Self::Embedded(router) => router.placing.set_served_adapters(rank, served),
+            Self::Embedded(router) => router.set_served_adapters(rank, served),
             Self::Remote(remote) => {
                 let body = ServedAdapters {
                     dp_rank: rank.dp_rank,
@@ -136,10 +138,10 @@ impl Placer {
     /// as it answers; `null` when it does not).
     pub async fn view(&self) -> Value {
         match self {
-            Self::Embedded(router) => json!({"workers": router.workers(),
-                "recent_decisions": router.placing.recent_decisions(),
-                "ttft_predictions": router.placing.prediction_stats(),
-                "nats": router.nats.get().map(|n| n.summary())}),
+            Self::Embedded(router) => json!({"workers": router.view().workers(),
+                "recent_decisions": router.view().recent_decisions(),
+                "ttft_predictions": router.view().prediction_stats(),
+                "nats": router.view().nats()}),
             Self::Remote(remote) => remote.get(router_api::WORKERS).await.unwrap_or(Value::Null),
         }
     }
@@ -148,7 +150,7 @@ impl Placer {
     /// router answers for itself.
     pub fn health(&self) -> Value {
         match self {
-            Self::Embedded(router) => router.health(),
+            Self::Embedded(router) => router.view().health(),
             Self::Remote(_) => json!({"status": "ok", "degraded": false}),
         }
     }
@@ -157,7 +159,7 @@ impl Placer {
     /// its own).
     pub fn registry(&self) -> Option<&Registry> {
         match self {
-            Self::Embedded(router) => Some(router.registry()),
+            Self::Embedded(router) => Some(router.view().registry()),
             Self::Remote(_) => None,
         }
     }

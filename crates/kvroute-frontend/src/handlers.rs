@@ -347,7 +347,9 @@ pub(crate) async fn decision(
         let message = "the decisions are the remote router's: ask its /decisions/{id}";
         return Err(ApiError::not_found(message));
     };
-    kvroute_router::state::decision_of(router.decision_log.as_ref(), &router.placing, &id)
+    router
+        .view()
+        .explained(&id)
         .map(Json)
         .ok_or_else(|| ApiError::not_found(format!("no decision of request {id} is kept")))
 }

@@ -350,7 +350,7 @@ where
 /// still holds it among its recent ones (a remote router's are on its `/workers`).
 fn explained(state: &FrontendState, id: &str) -> Option<HeaderValue> {
     let crate::placer::Placer::Embedded(router) = &state.placer else { return None };
-    let record = router.placing.decision_of(id)?;
+    let record = router.view().decision_of(id)?;
     let json = serde_json::json!({
         "considered": record.considered,
         "cost_unit": record.cost_unit,

@@ -132,7 +132,7 @@ impl FrontendState {
     /// router is remote or no longer holds it). See [`endpoint_scores`].
     pub fn endpoint_scores(&self, id: &str) -> Vec<(WorkerId, f64)> {
         let crate::placer::Placer::Embedded(router) = &self.placer else { return Vec::new() };
-        router.placing.decision_of(id).map(|r| endpoint_scores(&r)).unwrap_or_default()
+        router.view().decision_of(id).map(|r| endpoint_scores(&r)).unwrap_or_default()
     }
 }
 

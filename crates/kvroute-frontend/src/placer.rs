@@ -149,9 +149,7 @@ impl Placer {
     /// control (the embedded router's; a remote router's shares are its own, and not asked).
     pub(crate) fn over_share(&self, class: &kvroute_core::schedule::flow::RequestClass) -> bool {
         match self {
-            Self::Embedded(router) => {
-                router.config.scheduler.flow.enabled && router.flow.over_share(&class.tenant)
-            }
+            Self::Embedded(router) => router.view().over_share(&class.tenant),
             Self::Remote(_) => false,
         }
     }
@@ -202,7 +200,7 @@ impl Placer {
     /// workers, or (a remote router) the front door's own list of workers does.
     pub(crate) fn disaggregated(&self, listed_prefill_workers: bool) -> bool {
         match self {
-            Self::Embedded(router) => router.placing.disaggregated(),
+            Self::Embedded(router) => router.view().disaggregated(),
             Self::Remote(_) => listed_prefill_workers,
         }
     }

@@ -240,7 +240,7 @@ impl FrontendState {
     pub fn spawn_follow(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let weak = Arc::downgrade(self);
         let roster = match &self.placer {
-            Placer::Embedded(router) => Some(router.roster.subscribe()),
+            Placer::Embedded(router) => Some(router.view().follow_members()),
             Placer::Remote(_) => None,
         };
         tokio::spawn(async move {
@@ -287,7 +287,7 @@ impl FrontendState {
         self.options = options;
         if let (true, Placer::Embedded(router)) = (self.options.parity_probe, &self.placer) {
             // Workers joining later wait for their probe before they are candidates.
-            router.roster.set_probed();
+            router.probe_joiners();
         }
         self
     }

@@ -167,7 +167,7 @@ fn events(format: EventFormat, data: &[u8]) {
     let Some(ingest) = state.ingest_for(WorkerWithDpRank::new(WorkerId(1), 0)) else { return };
     ingest.converted(&decoded.stats);
     ingest.apply(&decoded.events);
-    let _ = state.workers();
+    let _ = state.view().workers();
 }
 
 pub fn vllm(data: &[u8]) {
@@ -190,7 +190,7 @@ pub fn router_events(data: &[u8]) {
     let Ok(events) = kvroute_wire::decode_router_events(data) else { return };
     let state = router();
     state.apply_posted(&events);
-    let _ = state.workers();
+    let _ = state.view().workers();
     // Look the stored blocks up again: the device tree, the lower tiers and hybrid groups.
     let query: Vec<kvroute_core::LocalBlockHash> = events
         .iter()
@@ -203,8 +203,8 @@ pub fn router_events(data: &[u8]) {
         .flatten()
         .take(64)
         .collect();
-    let _ = state.index.find_matches_within(&query, query.len(), 16);
-    let _ = state.index.find_matches_within(&query, query.len() / 2, 1);
+    let _ = state.view().find_matches_within(&query, query.len(), 16);
+    let _ = state.view().find_matches_within(&query, query.len() / 2, 1);
 }
 
 pub fn replica_sync(data: &[u8]) {
@@ -212,14 +212,14 @@ pub fn replica_sync(data: &[u8]) {
     let state = router();
     let mut peers = kvroute_router::nats::Peers::default();
     peers.apply_sync(&state, batch);
-    let _ = state.placing.in_flight();
+    let _ = state.view().in_flight();
 }
 
 pub fn index_snapshot(data: &[u8]) {
     let Ok(snapshot) = kvroute_wire::replica::decode_snapshot(data) else { return };
     let state = router();
     state.apply(&snapshot.events);
-    let _ = state.index.dump_as_events();
+    let _ = state.view().index_as_events();
 }
 
 pub fn router_api(data: &[u8]) {
@@ -288,7 +288,7 @@ fn admit(req: &FindBestWorker, p: &PlaceRequest) {
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         let _ = admitted.as_mut().poll(&mut cx);
     }
-    assert_eq!(state.flow.waiting(), (0, 0), "an abandoned wait leaves the queue");
+    assert_eq!(state.view().waiting(), (0, 0), "an abandoned wait leaves the queue");
 }
 
 fn preprocessor() -> &'static Arc<Preprocessor> {
@@ -413,7 +413,7 @@ pub fn worker_reports(data: &[u8]) {
     let w = kvroute_core::WorkerWithDpRank::new(1u64, 0u32);
     if let Some((_, load, adapters)) = kvroute_router::load::decode_report(data) {
         if let Some(a) = adapters {
-            a.report(&state.placing, w);
+            a.report(&state, w);
         }
         state.update_load(w, load);
     }
@@ -423,12 +423,12 @@ pub fn worker_reports(data: &[u8]) {
         state.update_load(w, load);
     }
     if let Some(a) = kvroute_router::load::parse_lora_info(&text) {
-        a.report(&state.placing, w);
+        a.report(&state, w);
     }
     if let Ok(list) = serde_json::from_slice::<kvroute_http::openai::ModelList>(data) {
         let listed: std::collections::BTreeSet<String> =
             list.adapters_of("kvroute-tiny").into_iter().collect();
-        state.placing.set_served_adapters(w, Some(listed));
+        state.set_served_adapters(w, Some(listed));
     }
 }
 

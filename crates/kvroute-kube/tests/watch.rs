@@ -40,7 +40,7 @@ async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
 /// The members' URLs and roles, sorted.
 fn members(router: &RouterState) -> Vec<(String, Role)> {
     let mut m: Vec<(String, Role)> = router
-        .roster
+        .view()
         .members()
         .iter()
         .filter(|m| !m.draining)
@@ -98,7 +98,7 @@ async fn the_pools_ready_pods_are_followed_through_a_watch_and_a_410() {
         "{:?}",
         members(&router)
     );
-    assert_eq!(router.roster.get(id_for("http://10.1.0.10:8000")).unwrap().source, "kubernetes");
+    assert_eq!(router.view().member(id_for("http://10.1.0.10:8000")).unwrap().source, "kubernetes");
 
     // Then watched from the list's version: vllm-2 ready (a prefill pod), a bookmark, vllm-0
     // terminating then deleted, and a 410 Gone.
@@ -118,7 +118,7 @@ async fn the_pools_ready_pods_are_followed_through_a_watch_and_a_410() {
     );
     let gone = id_for("http://10.1.0.10:8000");
     assert!(
-        eventually(Duration::from_secs(5), || !router.fleet.knows_worker(gone)).await,
+        eventually(Duration::from_secs(5), || !router.view().knows_worker(gone)).await,
         "the deleted pod's worker drained and left"
     );
 
@@ -134,7 +134,7 @@ async fn the_pools_ready_pods_are_followed_through_a_watch_and_a_410() {
         members(&router)
     );
     // The picker's own pod, which the selector matches, never joined.
-    assert!(!router.fleet.knows_worker(id_for("http://10.1.0.99:8000")));
+    assert!(!router.view().knows_worker(id_for("http://10.1.0.99:8000")));
     source.abort();
 }
 
@@ -151,6 +151,6 @@ async fn a_pool_without_a_selector_joins_nothing() {
     let next =
         tokio::time::timeout(Duration::from_secs(5), api.next_request()).await.unwrap().unwrap();
     assert!(next.0.uri().path().ends_with("/inferencepools/kvroute-pool"), "{}", next.0.uri());
-    assert!(router.workers().is_empty());
+    assert!(router.view().workers().is_empty());
     source.abort();
 }

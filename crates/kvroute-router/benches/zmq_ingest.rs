@@ -101,14 +101,14 @@ async fn start_router(
     // Wait for the subscription: send probes (sequence numbers 0..) until one lands.
     let mut seq = 0;
     let deadline = Instant::now() + Duration::from_secs(10);
-    while state.index.stats().blocks == 0 && Instant::now() < deadline {
+    while state.view().index_stats().blocks == 0 && Instant::now() < deadline {
         for m in batches(9_999_999, &mut seq).into_iter().take(1) {
             publisher.send(m).await.unwrap();
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(state.index.stats().blocks > 0, "the subscription never came up");
-    state.index.clear_all_blocks(kvroute_core::WorkerId(1));
+    assert!(state.view().index_stats().blocks > 0, "the subscription never came up");
+    state.forget_blocks(kvroute_core::WorkerId(1));
     (state, tasks, addr)
 }
 
@@ -118,8 +118,8 @@ async fn main() {
     let sequences: u64 = if quick { 16 } else { 1_024 };
     let mut publisher = PubSocket::new();
     let (state, _tasks, addr) = start_router(&mut publisher).await;
-    let probes = (state.metrics.events(EventKind::Stored, true)
-        + state.metrics.events(EventKind::Stored, false)) as usize;
+    let probes = (state.view().events(EventKind::Stored, true)
+        + state.view().events(EventKind::Stored, false)) as usize;
 
     // 1. Flood.
     let mut seq = 1_000;
@@ -131,7 +131,7 @@ async fn main() {
     let start = Instant::now();
     let deadline = start + Duration::from_secs(120);
     let processed = || {
-        let m = &state.metrics;
+        let m = state.view();
         (m.events(EventKind::Stored, true) + m.events(EventKind::Stored, false)) as usize - probes
     };
     let batches_total = all.len();
@@ -151,7 +151,7 @@ async fn main() {
             break; // the rest was dropped
         }
     }
-    let applied = state.index.stats().held_blocks;
+    let applied = state.view().index_stats().held_blocks;
     let secs = start.elapsed().as_secs_f64();
     println!("| ZMQ ingest (64-block batches, one subscription) | value |");
     println!("|---|---|");
@@ -161,7 +161,7 @@ async fn main() {
     println!("| ingested blocks/s | {:.2}M |", (processed() * CHUNK) as f64 / secs / 1e6);
 
     // 2. Routing at 1,000/s while 100k blocks/s stream in.
-    state.index.clear_all_blocks(kvroute_core::WorkerId(1));
+    state.forget_blocks(kvroute_core::WorkerId(1));
     let rate_blocks = 100_000.0;
     let decisions = if quick { 200 } else { 10_000 };
     let mut seq2 = seq;
@@ -226,5 +226,5 @@ async fn main() {
         us(&mut http, 0.5),
         us(&mut http, 0.99)
     );
-    println!("\nindex blocks while routing: {}", state.index.stats().blocks);
+    println!("\nindex blocks while routing: {}", state.view().index_stats().blocks);
 }

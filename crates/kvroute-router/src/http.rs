@@ -67,7 +67,7 @@ pub fn app(state: Arc<RouterState>, admin: Credentials) -> Router {
         let weak = Arc::downgrade(&api);
         api.history.spawn(kvroute_http::status::SAMPLE_EVERY, move || {
             let api = weak.upgrade()?;
-            Some(kvroute_http::status::Counters::read(&[api.state.registry()]))
+            Some(kvroute_http::status::Counters::read(&[api.state.view().registry()]))
         });
     }
     let routes = Router::new()
@@ -411,7 +411,7 @@ async fn tree_info(State(api): ApiState) -> Result<Json<serde_json::Value>, ApiE
 
 async fn workers(State(api): ApiState) -> Json<serde_json::Value> {
     let state = &api.state;
-    Json(json!({"workers": state.workers(), "in_flight": state.placing.in_flight(),
+    Json(json!({"workers": state.view().workers(), "in_flight": state.view().in_flight(),
         "recent_decisions": state.placing.recent_decisions(),
         "ttft_predictions": state.placing.prediction_stats(), "nats": state.nats.get().map(|n| n.summary())}))
 }
@@ -429,11 +429,11 @@ async fn decision(
 }
 
 async fn metrics(State(api): ApiState) -> Response {
-    kvroute_http::metrics::response(&[api.state.registry()])
+    kvroute_http::metrics::response(&[api.state.view().registry()])
 }
 
 async fn health(State(api): ApiState) -> Json<serde_json::Value> {
-    Json(api.state.health())
+    Json(api.state.view().health())
 }
 
 /// `POST /overlaps`: the leading blocks each rank holds of these, by its events.
@@ -461,7 +461,7 @@ async fn overlaps(
 /// A worker named in a path, known to the router; 404 otherwise.
 fn known_worker(api: &Api, id: u64) -> Result<WorkerId, ApiError> {
     let worker = WorkerId(id);
-    match api.state.workers().iter().any(|w| w.id == worker) {
+    match api.state.view().workers().iter().any(|w| w.id == worker) {
         true => Ok(worker),
         false => {
             Err(ApiError::not_found(format!("worker {id} is not one of the router's workers")))

@@ -27,7 +27,7 @@ use serde::Deserialize;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
 use crate::error::RouterError;
-use crate::state::{Placing, RouterState};
+use crate::state::RouterState;
 use crate::subscriber::MAX_BACKOFF;
 
 /// How often a Prometheus endpoint is read.
@@ -58,9 +58,9 @@ pub struct AdapterReport {
 impl AdapterReport {
     /// From comma-joined names (names past the adapter name limit are not taken).
     /// Hands the report to the scheduler's adapter table.
-    pub fn report(&self, placing: &Placing, worker: WorkerWithDpRank) {
+    pub fn report(&self, state: &crate::RouterState, worker: WorkerWithDpRank) {
         let names: Vec<&str> = self.in_slots.iter().map(String::as_str).collect();
-        placing.report_adapters(worker, self.max_loras, &names);
+        state.placing.report_adapters(worker, self.max_loras, &names);
     }
 
     fn new(max_loras: Option<usize>, names: &str) -> Self {
@@ -116,7 +116,7 @@ async fn subscribe(state: Arc<RouterState>, worker: WorkerId, endpoint: String) 
                     {
                         let rank = WorkerWithDpRank::new(worker, r);
                         if let Some(adapters) = adapters {
-                            adapters.report(&state.placing, rank);
+                            adapters.report(&state, rank);
                         }
                         state.update_load(rank, load);
                     }
@@ -158,7 +158,7 @@ async fn poll(state: Arc<RouterState>, worker: WorkerId, url: String) {
         for (rank, load) in parse_prometheus(&text) {
             if state.fleet.check_rank(WorkerWithDpRank::new(worker, rank)).is_ok() {
                 if let Some(a) = &adapters {
-                    a.report(&state.placing, WorkerWithDpRank::new(worker, rank));
+                    a.report(&state, WorkerWithDpRank::new(worker, rank));
                 }
                 state.update_load(WorkerWithDpRank::new(worker, rank), load);
             }

@@ -1,7 +1,7 @@
 //! The router's Prometheus metrics, registered once in a [`Registry`] (names as constants;
 //! counters get `_total` when encoded). Sizes the index and the scheduler know (blocks,
 //! evictions, in-flight requests, per-worker state) are read at scrape time by
-//! [`RouterState::registry`](crate::RouterState::registry).
+//! [`View::registry`](crate::state::View::registry).
 
 use std::time::Duration;
 

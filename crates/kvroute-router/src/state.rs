@@ -50,6 +50,7 @@ mod request;
 mod roster;
 mod self_checks;
 mod status;
+mod view;
 mod workers;
 
 pub use composite::RouterState;
@@ -64,4 +65,5 @@ pub use request::{Decision, PlaceRequest};
 pub use roster::{Member, Members, Roster};
 pub use self_checks::SelfChecks;
 pub use status::{CacheMode, Parity, WorkerStatus};
+pub use view::View;
 pub use workers::MemberChange;

@@ -516,7 +516,7 @@ async fn the_binary_form_answers_as_json_does() {
     let (status, _) =
         binary(&state, &format!("num_tokens={}&request_id=b%201", tokens.len()), le.clone()).await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(state.placing.in_flight(), 1);
+    assert_eq!(state.view().in_flight(), 1);
     assert_eq!(
         call(&state, Method::DELETE, "/requests/b%201", None).await.0,
         StatusCode::NO_CONTENT

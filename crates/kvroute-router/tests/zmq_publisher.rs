@@ -157,7 +157,7 @@ async fn python_publisher_feeds_the_router_and_gaps_are_replayed() {
     publisher.publish(2, "map", json!([stored(6..8, Some(h(5)), false)]), true).await;
     publisher.publish(3, "array", json!([stored(8..10, Some(h(7)), false)]), false).await;
     overlap_becomes(addr, 10).await;
-    let metrics = state.render_metrics();
+    let metrics = state.view().render_metrics();
     assert!(metrics.contains("kvroute_router_event_gaps_total 1"), "{metrics}");
     assert!(metrics.contains("kvroute_router_replayed_batches_total"), "{metrics}");
 
@@ -172,7 +172,11 @@ async fn python_publisher_feeds_the_router_and_gaps_are_replayed() {
     overlap_becomes(addr, 5).await;
     publisher.publish(6, "map", json!([{"type": "AllBlocksCleared"}]), false).await;
     overlap_becomes(addr, 0).await;
-    assert_eq!(state.index.stats().blocks, 0, "removed and cleared blocks leave nothing behind");
+    assert_eq!(
+        state.view().index_stats().blocks,
+        0,
+        "removed and cleared blocks leave nothing behind"
+    );
 
     // Garbage is counted and skipped; the stream goes on.
     for frames in [
@@ -184,12 +188,12 @@ async fn python_publisher_feeds_the_router_and_gaps_are_replayed() {
     }
     publisher.publish(7, "map", json!([stored(0..4, None, false)]), false).await;
     overlap_becomes(addr, 4).await;
-    assert!(!state.render_metrics().contains("kvroute_router_undecodable_messages_total 0"));
+    assert!(!state.view().render_metrics().contains("kvroute_router_undecodable_messages_total 0"));
 
     // The engine restarts: its sequence starts again at 0 and its old blocks are gone.
     publisher.publish(0, "map", json!([stored(0..2, None, false)]), false).await;
     overlap_becomes(addr, 2).await;
-    assert!(state.render_metrics().contains("kvroute_router_publisher_restarts_total 1"));
+    assert!(state.view().render_metrics().contains("kvroute_router_publisher_restarts_total 1"));
 
     publisher.send_quit().await;
     let _ = publisher.child.wait().await;

@@ -51,8 +51,8 @@ async fn load_reports_trtllm_and_kvroute_json_streams() {
     let _tasks = kvroute_router::spawn_background(&state).unwrap();
 
     let report = br#"{"num_waiting_reqs": 3, "kv_cache_usage": 0.5, "num_running_reqs": 7, "kv_total_blocks": 1000, "dp_rank": 0, "extra": 1}"#;
-    send_until(&mut metrics, report, || state.workers()[0].load[0].is_some()).await;
-    let load = state.workers()[0].load[0].unwrap();
+    send_until(&mut metrics, report, || state.view().workers()[0].load[0].is_some()).await;
+    let load = state.view().workers()[0].load[0].unwrap();
     assert_eq!(
         (load.kv_cache_usage, load.num_running_reqs, load.kv_total_blocks),
         (Some(0.5), Some(7), Some(1000))
@@ -63,13 +63,13 @@ async fn load_reports_trtllm_and_kvroute_json_streams() {
          {"type": "unique_token", "token_id": 2, "token_extra_id": 0}, {"type": "unique_token", "token_id": 3, "token_extra_id": 0},
          {"type": "unique_token", "token_id": 4, "token_extra_id": 0}], "cache_level": 0, "priority": 35, "mm_keys": []}]}, "window_size": 64}]"#;
     let w = WorkerWithDpRank::new(1u64, 0u32);
-    send_until(&mut trt, stored, || state.index.tree_size(w) == 1).await;
+    send_until(&mut trt, stored, || state.view().tree_size(w) == 1).await;
 
     let native_event = br#"{"worker_id": 2, "event": {"event_id": 1, "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": 5, "tokens_hash": 77}]}}}}"#;
     let w = WorkerWithDpRank::new(2u64, 0u32);
-    send_until(&mut native, native_event, || state.index.tree_size(w) == 1).await;
+    send_until(&mut native, native_event, || state.view().tree_size(w) == 1).await;
     send_until(&mut native, b"not json", || {
-        !state.render_metrics().contains("undecodable_messages_total 0")
+        !state.view().render_metrics().contains("undecodable_messages_total 0")
     })
     .await;
 }
@@ -108,6 +108,7 @@ async fn a_batch_with_an_out_of_range_dp_rank_is_refused() {
     let (publisher, state, _tasks) = worker_9_on_a_publisher().await;
     let rejected = || {
         state
+            .view()
             .render_metrics()
             .contains("kvroute_router_events_rejected_total{reason=\"dp_rank\"} 0")
     };
@@ -117,10 +118,10 @@ async fn a_batch_with_an_out_of_range_dp_rank_is_refused() {
         publisher.send(stored(1), 1 << 31);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(state.workers()[0].dp_size, 1, "no rank was added");
+    assert_eq!(state.view().workers()[0].dp_size, 1, "no rank was added");
     let w = WorkerWithDpRank::new(9u64, 0u32);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while state.index.tree_size(w) == 0 {
+    while state.view().tree_size(w) == 0 {
         assert!(Instant::now() < deadline, "a good batch after it was not applied");
         publisher.send(stored(2), 0);
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -136,7 +137,7 @@ async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
     use kvroute_router::PlaceRequest;
     let (publisher, state, _tasks) = worker_9_on_a_publisher().await;
     let refused = || {
-        let text = state.render_metrics();
+        let text = state.view().render_metrics();
         text.lines()
             .find(|l| l.starts_with("kvroute_router_events_rejected_total{reason=\"dp_rank\"}"))
             .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
@@ -150,9 +151,9 @@ async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    let worker = &state.workers()[0];
+    let worker = &state.view().workers()[0];
     assert_eq!((worker.dp_size, worker.tree_size.len()), (1, 1), "no rank was added");
-    assert_eq!(state.index.tree_size(WorkerWithDpRank::new(9u64, 0u32)), 0);
+    assert_eq!(state.view().tree_size(WorkerWithDpRank::new(9u64, 0u32)), 0);
     let hashes = [LocalBlockHash(1), LocalBlockHash(2)];
     for _ in 0..50 {
         let placement =
@@ -182,12 +183,12 @@ async fn blocks_of_another_size_are_counted_and_shown() {
         ..BlockStored::default()
     })];
     let deadline = Instant::now() + Duration::from_secs(10);
-    while state.workers()[0].conversion.wrong_block_size == 0 {
+    while state.view().workers()[0].conversion.wrong_block_size == 0 {
         assert!(Instant::now() < deadline, "the batch never arrived");
         publisher.send(thirty_two.clone(), 0);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let status = &state.workers()[0];
+    let status = &state.view().workers()[0];
     assert_eq!(status.conversion.seen_block_size, Some(32));
     assert_eq!(status.tree_size[0], 0, "nothing indexed");
     let why = status.refused.as_deref().expect("refused");
@@ -199,8 +200,8 @@ async fn blocks_of_another_size_are_counted_and_shown() {
         ..kvroute_router::PlaceRequest::default()
     };
     assert!(state.place_now(&placement).is_none(), "a refused worker is never chosen");
-    assert!(state.fleet.not_ready()[0].worker_id == kvroute_core::WorkerId(4));
-    let metrics = state.render_metrics();
+    assert!(state.view().not_ready()[0].worker_id == kvroute_core::WorkerId(4));
+    let metrics = state.view().render_metrics();
     assert!(
         metrics.contains(
             "kvroute_router_converted_blocks_total{worker_id=\"4\",outcome=\"wrong_block_size\"}"
@@ -229,11 +230,11 @@ async fn load_is_polled_from_a_prometheus_endpoint() {
     spec.metrics = Some(serve_metrics(VLLM.to_owned()).await);
     let state =
         Arc::new(RouterState::new(RouterConfig { workers: vec![spec], ..RouterConfig::default() }));
-    assert_eq!(state.fleet.not_ready().len(), 1, "no load report yet");
+    assert_eq!(state.view().not_ready().len(), 1, "no load report yet");
     let _tasks = kvroute_router::spawn_background(&state).unwrap();
-    let waiting = state.fleet.wait_ready(Duration::from_secs(10)).await;
+    let waiting = state.view().wait_ready(Duration::from_secs(10)).await;
     assert!(waiting.is_empty(), "{waiting:?}");
-    let load = state.workers()[0].load[0].unwrap();
+    let load = state.view().workers()[0].load[0].unwrap();
     assert_eq!(
         (load.num_running_reqs, load.num_waiting_reqs, load.kv_cache_usage, load.kv_total_blocks),
         (Some(2), Some(1), Some(0.5), Some(4096))
@@ -259,11 +260,11 @@ async fn an_engine_reporting_another_block_size_is_refused() {
     let state = Arc::new(RouterState::new(config));
     let _tasks = kvroute_router::spawn_background(&state).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while state.workers().iter().any(|w| w.load[0].is_none()) {
+    while state.view().workers().iter().any(|w| w.load[0].is_none()) {
         assert!(Instant::now() < deadline, "no load report");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let workers = state.workers();
+    let workers = state.view().workers();
     let why = workers[0].refused.as_deref().expect("refused");
     assert!(why.contains("32 tokens") && why.contains("as 16"), "{why}");
     assert!(!workers[0].ready[0]);

@@ -188,7 +188,7 @@ impl Stack {
                 None => Vec::new(),
             }
         };
-        let (mut waiting, unprobed) = tokio::join!(router.fleet.wait_ready(timeout), parity);
+        let (mut waiting, unprobed) = tokio::join!(router.view().wait_ready(timeout), parity);
         for worker in unprobed {
             let w = WorkerWithDpRank::new(worker, 0u32);
             if !waiting.contains(&w) {
@@ -209,7 +209,7 @@ impl Stack {
     /// its parity probe (with the probe's cause when it could not be made).
     pub fn waiting_for(&self, waiting: &[WorkerWithDpRank]) -> String {
         let Some(router) = &self.router else { return String::new() };
-        let workers = router.workers();
+        let workers = router.view().workers();
         let what = |w: &WorkerWithDpRank| match workers.iter().find(|s| s.id == w.worker_id) {
             Some(s) => format!("{w}: {}", s.waiting_for(w.dp_rank.0 as usize).join(", ")),
             None => format!("{w}: unknown"),

@@ -98,7 +98,7 @@ async fn vllm_033s_adapter_event_is_found_by_that_adapter_only() {
         models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["kvroute-tiny", "chat", "sql-adapter"], "{models}");
     assert_eq!(models["data"][2]["parent"], "kvroute-tiny");
-    assert_eq!(router.placing.in_flight(), 0);
+    assert_eq!(router.view().in_flight(), 0);
 }
 
 fn hex(s: &str) -> Vec<u8> {
@@ -129,16 +129,16 @@ async fn one_keys_adapter_blocks_never_hit_anothers() {
     let w = WorkerWithDpRank::new(stack.workers[0].id, 0u32);
     // The parity probe's blocks are in before the first request (the probe passes on them).
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !router.workers().iter().all(|s| s.parity == kvroute_router::Parity::Ok) {
+    while !router.view().workers().iter().all(|s| s.parity == kvroute_router::Parity::Ok) {
         assert!(Instant::now() < deadline, "the parity probe never passed");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let before = router.index.tree_size(w);
+    let before = router.view().tree_size(w);
     let (status, _, predicted, first) = post_with(&a, &url, &chat("sql")).await;
     assert_eq!((status, predicted, cached(&first)), (200, Some(0), 0), "{first}");
     let full_blocks = first["usage"]["prompt_tokens"].as_u64().unwrap() as usize / 16;
     let deadline = Instant::now() + Duration::from_secs(10);
-    while router.index.tree_size(w) < before + full_blocks {
+    while router.view().tree_size(w) < before + full_blocks {
         assert!(Instant::now() < deadline, "the worker's Stored events never reached the router");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -170,12 +170,12 @@ async fn an_adapter_goes_only_to_workers_that_serve_it() {
     }
     let router = stack.router.as_ref().unwrap();
     let considered: Vec<usize> =
-        router.placing.recent_decisions().iter().map(|d| d.considered).collect();
+        router.view().recent_decisions().iter().map(|d| d.considered).collect();
     assert_eq!(considered, [1; 6], "one candidate for the adapter");
     let mut body = chat("kvroute-tiny");
     body["messages"][0]["content"] = json!("base");
     assert_eq!(post_with(&client, &url, &body).await.0, 200);
-    let last = router.placing.recent_decisions().pop().unwrap();
+    let last = router.view().recent_decisions().pop().unwrap();
     assert_eq!(last.considered, 2, "the base model may go to both");
 }
 
@@ -199,7 +199,7 @@ async fn sessions_stay_on_their_worker_and_long_keys_are_refused() {
         next["prompt_cache_key"] = json!("conversation-1");
         assert_eq!(post_with(&client, &url, &next).await.1, worker, "turn {k}");
     }
-    let (counts, sessions) = router.placing.affinity();
+    let (counts, sessions) = router.view().affinity();
     assert_eq!((counts.new, counts.kept, counts.moved, sessions), (1, 4, 0, 1));
     let (_, metrics) = client.get(&format!("{base}/metrics")).await.unwrap();
     let metrics = String::from_utf8_lossy(&metrics);
@@ -226,8 +226,8 @@ async fn sessions_stay_on_their_worker_and_long_keys_are_refused() {
     let bytes = response.into_body().collect().await.unwrap().to_bytes();
     let body: Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(body["error"]["param"], "x-session-id", "{body}");
-    assert_eq!(router.placing.in_flight(), 0);
-    assert_eq!(router.placing.affinity().1, 1, "refused keys are not remembered");
+    assert_eq!(router.view().in_flight(), 0);
+    assert_eq!(router.view().affinity().1, 1, "refused keys are not remembered");
 }
 
 /// With `load_adapters`, a worker that does not list the request's adapter loads it through
@@ -253,6 +253,6 @@ async fn an_adapter_is_loaded_on_demand_only_when_asked() {
             }
             false => assert_eq!(status, 503, "{body}"),
         }
-        assert_eq!(stack.router.as_ref().unwrap().placing.in_flight(), 0);
+        assert_eq!(stack.router.as_ref().unwrap().view().in_flight(), 0);
     }
 }

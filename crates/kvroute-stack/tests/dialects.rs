@@ -118,9 +118,10 @@ async fn as_token_ids(dialect: Dialect) {
     let (stack, base) = fleet(dialect).await;
     let router = stack.router.as_ref().unwrap();
     // The parity probes' blocks are in before the first request (each probe passes on them).
-    let probed = || router.workers().iter().all(|w| w.parity == kvroute_router::Parity::Ok);
+    let probed = || router.view().workers().iter().all(|w| w.parity == kvroute_router::Parity::Ok);
     assert!(common::eventually(Duration::from_secs(10), probed).await, "the probes passed");
-    let held = || router.workers().iter().map(|w| w.tree_size.iter().sum::<usize>()).sum::<usize>();
+    let held =
+        || router.view().workers().iter().map(|w| w.tree_size.iter().sum::<usize>()).sum::<usize>();
     let before = held();
     let (status, _, first) = post(&base, "/v1/chat/completions", &chat(json!({}))).await;
     assert_eq!(status, 200, "{first}");
@@ -311,7 +312,7 @@ async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
         let base = stack.serve_frontend_on_loopback().await.unwrap();
         // A conversation: each turn sends back the server's answer and a new question.
         let router = stack.router.as_ref().unwrap();
-        let tree = || router.workers()[0].tree_size.iter().sum::<usize>();
+        let tree = || router.view().workers()[0].tree_size.iter().sum::<usize>();
         let before = tree();
         let mut messages = vec![json!({"role": "user", "content": PROMPT})];
         for turn in 0..4 {
@@ -344,7 +345,7 @@ async fn an_engine_with_its_own_template_is_exact_only_with_token_ids() {
         // The parity probe goes as requests go: as token ids it passes; as chat it finds the
         // template differs, and the worker is routed approximately. The model takes images,
         // which a completion cannot carry: that dialect's image probe goes as chat and fails.
-        let parity = stack.router.as_ref().unwrap().workers()[0].parity.clone();
+        let parity = stack.router.as_ref().unwrap().view().workers()[0].parity.clone();
         let failed =
             |what: &str| matches!(&parity, kvroute_router::Parity::Failed(c) if c.contains(what));
         match dialect {

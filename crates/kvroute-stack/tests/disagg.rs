@@ -113,9 +113,9 @@ async fn a_pair_prefills_on_one_worker_and_decodes_on_the_other() {
     answered_by_pulls(&base, decode).await;
 
     let router = stack.router.as_ref().unwrap();
-    assert_eq!(router.placing.pair_counts().split, 2);
+    assert_eq!(router.view().pair_counts().split, 2);
     assert!(eventually(Duration::from_secs(10), || held(&stack) == 0).await, "every hold pulled");
-    assert_eq!(router.placing.in_flight(), 0, "neither leg left in flight");
+    assert_eq!(router.view().in_flight(), 0, "neither leg left in flight");
     let stats = prefill.snapshot().stats;
     assert_eq!(stats.requests_finished - before, 2, "both prefilled on the prefill worker");
 }
@@ -147,8 +147,8 @@ async fn a_prefill_worker_that_fails_is_routed_around() {
     assert_eq!((status, worker), (200, decode), "{answer}");
     assert_eq!(answer["usage"]["completion_tokens"], 6);
     let router = stack.router.as_ref().unwrap();
-    assert_eq!(router.placing.in_flight(), 0);
-    assert_eq!(router.placing.pair_counts().in_place, 1, "placed again, in place");
+    assert_eq!(router.view().in_flight(), 0);
+    assert_eq!(router.view().pair_counts().in_place, 1, "placed again, in place");
     let (_, metrics) = HttpClient::new().get(&format!("{base}/metrics")).await.unwrap();
     let metrics = String::from_utf8_lossy(&metrics);
     assert!(metrics.contains("kvroute_frontend_pd_prefill_failures_total 1"), "{metrics}");
@@ -166,7 +166,7 @@ async fn a_decode_worker_that_is_gone_leaves_nothing_held() {
     let (status, worker, answer, _) = ask(&format!("{base}/v1/completions"), false).await;
     assert_eq!((status, worker), (200, live.unwrap().id.0), "{answer}");
     assert!(eventually(Duration::from_secs(10), || held(&stack) == 0).await, "holds freed");
-    assert_eq!(stack.router.as_ref().unwrap().placing.in_flight(), 0);
+    assert_eq!(stack.router.as_ref().unwrap().view().in_flight(), 0);
 }
 
 /// A worker of `role` answering `/v1/completions` with `answer` (the body it got in, the
@@ -220,8 +220,8 @@ async fn a_prefill_engine_that_dies_before_the_pull_is_placed_again() {
     let failures = stack.simulated.iter().map(|e| e.holds.counts.pull_failures.load(Relaxed));
     assert_eq!(failures.sum::<u64>(), 2, "the decode engine tried each pull and failed it");
     let router = stack.router.as_ref().unwrap();
-    assert_eq!((router.placing.pair_counts().split, router.placing.pair_counts().in_place), (2, 2));
-    assert_eq!(router.placing.in_flight(), 0);
+    assert_eq!((router.view().pair_counts().split, router.view().pair_counts().in_place), (2, 2));
+    assert_eq!(router.view().in_flight(), 0);
     let (_, metrics) = HttpClient::new().get(&format!("{base}/metrics")).await.unwrap();
     let metrics = String::from_utf8_lossy(&metrics);
     assert!(metrics.contains("kvroute_frontend_pd_handoff_failures_total 2"), "{metrics}");
@@ -256,8 +256,8 @@ async fn a_stream_opening_with_a_failed_handoff_is_placed_again() {
     assert_eq!((status, worker), (200, 80), "{text}");
     assert!(text.contains("fine") && !text.contains("InternalServerError"), "{text}");
     let router = stack.router.as_ref().unwrap();
-    assert_eq!((router.placing.pair_counts().split, router.placing.pair_counts().in_place), (1, 1));
-    assert!(eventually(Duration::from_secs(10), || router.placing.in_flight() == 0).await);
+    assert_eq!((router.view().pair_counts().split, router.view().pair_counts().in_place), (1, 1));
+    assert!(eventually(Duration::from_secs(10), || router.view().in_flight() == 0).await);
 }
 
 /// A simulated SGLang prefill engine outside the stack, declared as SGLang's prefill workers
@@ -297,12 +297,12 @@ async fn an_sglang_pair_shares_a_bootstrap_room() {
     let decode = stack.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
     answered_by_pulls(&base, decode).await;
     let router = stack.router.as_ref().unwrap();
-    assert_eq!(router.placing.pair_counts().split, 2);
+    assert_eq!(router.view().pair_counts().split, 2);
     let pulled = || prefill.state.holds.counts.pulled.load(Relaxed) == 2;
     assert!(eventually(Duration::from_secs(10), pulled).await, "both rooms pulled");
     let freed = || prefill.state.engine.snapshot().stats.held_blocks == 0;
     assert!(eventually(Duration::from_secs(10), freed).await, "nothing held");
-    assert!(eventually(Duration::from_secs(10), || router.placing.in_flight() == 0).await);
+    assert!(eventually(Duration::from_secs(10), || router.view().in_flight() == 0).await);
 }
 
 /// An SGLang prefill worker that fails (HTTP 500) while its decode leg waits on a bootstrap
@@ -343,13 +343,13 @@ async fn a_failing_sglang_prefill_drops_its_waiting_decode_leg() {
     let (status, worker, answer, _) = answered.expect("the decode leg waited for its prefill");
     assert_eq!((status, worker), (200, decode), "{answer}");
     let router = stack.router.as_ref().unwrap();
-    assert_eq!((router.placing.pair_counts().split, router.placing.pair_counts().in_place), (1, 1));
+    assert_eq!((router.view().pair_counts().split, router.view().pair_counts().in_place), (1, 1));
     let failures = stack.simulated.iter().map(|e| e.holds.counts.pull_failures.load(Relaxed));
     assert_eq!(failures.sum::<u64>(), 0, "the waiting decode leg was dropped, not failed");
     let (_, metrics) = HttpClient::new().get(&format!("{base}/metrics")).await.unwrap();
     let metrics = String::from_utf8_lossy(&metrics);
     assert!(metrics.contains("kvroute_frontend_pd_prefill_failures_total 1"), "{metrics}");
-    assert!(eventually(Duration::from_secs(10), || router.placing.in_flight() == 0).await);
+    assert!(eventually(Duration::from_secs(10), || router.view().in_flight() == 0).await);
 }
 
 /// A front door in front of a remote `kvroute router` whose fleet is disaggregated: the
@@ -379,8 +379,8 @@ async fn a_remote_router_places_pairs() {
     let decode = routed.workers.iter().find(|w| w.role == Role::Decode).unwrap().id.0;
     answered_by_pulls(&base, decode).await;
     let router = routed.router.as_ref().unwrap();
-    assert_eq!(router.placing.pair_counts().split, 2, "the remote router placed both in pairs");
-    let ended = || router.placing.in_flight() == 0;
+    assert_eq!(router.view().pair_counts().split, 2, "the remote router placed both in pairs");
+    let ended = || router.view().in_flight() == 0;
     assert!(eventually(Duration::from_secs(10), ended).await, "both legs ended at the router");
     assert!(eventually(Duration::from_secs(10), || held(&routed) == 0).await, "all pulled");
     // The answer names the pair.
@@ -398,11 +398,11 @@ async fn a_remote_router_places_pairs() {
     let tracked = json!({"local_hashes": prompt, "num_tokens": 320, "request_id": "q"});
     let url = format!("{router_url}/find_best_worker");
     let _: Value = HttpClient::new().post_json(&url, &tracked).await.unwrap();
-    assert_eq!(router.placing.in_flight(), 2, "both legs in flight");
+    assert_eq!(router.view().in_flight(), 2, "both legs in flight");
     let leg = format!("{router_url}{}", kvroute_http::router_api::request_path("q/prefill"));
     let response = HttpClient::new().call(hyper::Method::DELETE, &leg, None::<&()>).await;
     assert_eq!(response.unwrap().status(), 204);
-    assert_eq!(router.placing.in_flight(), 1, "the decode leg is still in flight");
+    assert_eq!(router.view().in_flight(), 1, "the decode leg is still in flight");
 }
 
 /// #51 finding 1 at the front door: a client's transfer fields are refused with a 400 naming

@@ -95,14 +95,19 @@ fn ip(last: u8) -> IpAddr {
 }
 
 fn members(router: &RouterState) -> Vec<String> {
-    let mut urls: Vec<String> =
-        router.workers().iter().filter(|w| !w.draining).filter_map(|w| w.url.clone()).collect();
+    let mut urls: Vec<String> = router
+        .view()
+        .workers()
+        .iter()
+        .filter(|w| !w.draining)
+        .filter_map(|w| w.url.clone())
+        .collect();
     urls.sort();
     urls
 }
 
 fn ready_count(router: &RouterState) -> usize {
-    router.workers().iter().filter(|w| !w.draining && w.ready.iter().all(|r| *r)).count()
+    router.view().workers().iter().filter(|w| !w.draining && w.ready.iter().all(|r| *r)).count()
 }
 
 async fn chat(base: &str, k: usize) -> u16 {
@@ -131,13 +136,13 @@ async fn workers_join_and_leave_as_the_name_resolves() {
     assert!(
         eventually(Duration::from_secs(10), || ready_count(&router) == 2).await,
         "{:?}",
-        router.workers()
+        router.view().workers()
     );
     assert_eq!(
         members(&router),
         [format!("http://{}:{}", ip(1), ports.http), format!("http://{}:{}", ip(2), ports.http)]
     );
-    assert!(router.workers().iter().all(|w| w.source == "dns"));
+    assert!(router.view().workers().iter().all(|w| w.source == "dns"));
     for k in 0..5 {
         assert_eq!(chat(&base, k).await, 200);
     }
@@ -146,12 +151,12 @@ async fn workers_join_and_leave_as_the_name_resolves() {
     assert!(
         eventually(Duration::from_secs(10), || ready_count(&router) == 3).await,
         "{:?}",
-        router.workers()
+        router.view().workers()
     );
     dns.publish(&[(ip(2), name), (ip(3), name)]).unwrap();
     let gone = kvroute_router::members::id_for(&first.url);
     assert!(
-        eventually(Duration::from_secs(10), || !router.fleet.knows_worker(gone)).await,
+        eventually(Duration::from_secs(10), || !router.view().knows_worker(gone)).await,
         "the first drained and left"
     );
     for k in 5..10 {
@@ -160,7 +165,7 @@ async fn workers_join_and_leave_as_the_name_resolves() {
     assert_eq!(ready_count(&router), 2);
     // No records at all: an empty fleet, every member drains.
     dns.publish(&[]).unwrap();
-    assert!(eventually(Duration::from_secs(10), || router.workers().is_empty()).await);
+    assert!(eventually(Duration::from_secs(10), || router.view().workers().is_empty()).await);
 }
 
 /// As many as one DNS answer over TCP holds (64 KiB); the sink's own bound is tested with
@@ -197,19 +202,20 @@ async fn an_answer_of_many_addresses_is_cut_to_the_bound() {
     assert!(found > MAX_MEMBERS_PER_SOURCE, "a large answer: {found}");
     let _source = spawn_source(&router, Box::new(source), Duration::from_secs(30));
     assert!(
-        eventually(Duration::from_secs(20), || router.workers().len() == MAX_MEMBERS_PER_SOURCE)
-            .await,
+        eventually(Duration::from_secs(20), || router.view().workers().len()
+            == MAX_MEMBERS_PER_SOURCE)
+        .await,
         "{}",
-        router.workers().len()
+        router.view().workers().len()
     );
-    let metrics = router.render_metrics();
+    let metrics = router.view().render_metrics();
     assert!(
         metrics
             .contains("kvroute_router_membership_changes_total{source=\"dns\",change=\"refused\"}"),
         "the cut is counted"
     );
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert_eq!(router.workers().len(), MAX_MEMBERS_PER_SOURCE, "the same cut each round");
+    assert_eq!(router.view().workers().len(), MAX_MEMBERS_PER_SOURCE, "the same cut each round");
 }
 
 /// A bucket on `server` under a registration key of the test's own.
@@ -276,7 +282,7 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
             .await
         })
     };
-    let on_all = |routers: &[Arc<RouterState>]| routers.iter().all(|r| r.fleet.knows_worker(id));
+    let on_all = |routers: &[Arc<RouterState>]| routers.iter().all(|r| r.view().knows_worker(id));
     // When each of the four saw it, from the registration's start (the first is the bucket's
     // own delivery; the spread between first and last is how long the four disagreed).
     let asked = std::time::Instant::now();
@@ -284,7 +290,7 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
     while seen.iter().any(Option::is_none) {
         assert!(asked.elapsed() < Duration::from_secs(10), "{seen:?}");
         for (k, r) in routers.iter().enumerate() {
-            if seen[k].is_none() && r.fleet.knows_worker(id) {
+            if seen[k].is_none() && r.view().knows_worker(id) {
                 seen[k] = Some(asked.elapsed());
             }
         }
@@ -312,13 +318,13 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
     kv.put("junk", bytes::Bytes::from_static(b"\x00\xffnot json")).await.unwrap();
     kv.put("noaddr", bytes::Bytes::from_static(b"{\"dialect\":\"openai-chat\"}")).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(routers.iter().all(|r| r.workers().len() == 1), "garbage joins nothing");
+    assert!(routers.iter().all(|r| r.view().workers().len() == 1), "garbage joins nothing");
 
     // The sidecar stops: its registration is deleted, both routers drain the worker.
     let stopped_at = std::time::Instant::now();
     stop.send(()).unwrap();
     sidecar.await.unwrap().unwrap();
-    let gone = |routers: &[Arc<RouterState>]| routers.iter().all(|r| !r.fleet.knows_worker(id));
+    let gone = |routers: &[Arc<RouterState>]| routers.iter().all(|r| !r.view().knows_worker(id));
     assert!(eventually(Duration::from_secs(10), || gone(&routers)).await);
     eprintln!("a sidecar stopping: the worker left all four within {:?}", stopped_at.elapsed());
 
@@ -328,14 +334,14 @@ async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
     kv.put(key, value.into()).await.unwrap();
     let id2 = kvroute_router::members::id_for("http://127.0.9.21:9");
     assert!(
-        eventually(Duration::from_secs(5), || routers.iter().all(|r| r.fleet.knows_worker(id2)))
+        eventually(Duration::from_secs(5), || routers.iter().all(|r| r.view().knows_worker(id2)))
             .await
     );
     assert!(
-        eventually(ttl * 4, || routers.iter().all(|r| !r.fleet.knows_worker(id2))).await,
+        eventually(ttl * 4, || routers.iter().all(|r| !r.view().knows_worker(id2))).await,
         "expired"
     );
-    let metrics = routers[0].render_metrics();
+    let metrics = routers[0].view().render_metrics();
     assert!(
         metrics.contains(
             "kvroute_router_membership_changes_total{source=\"nats\",change=\"joined\"} 2"
@@ -376,8 +382,8 @@ async fn a_flapping_pod_fails_no_request() {
     assert!(k > 10, "requests ran throughout: {k}");
     let steady_ids = [11, 12]
         .map(|l| kvroute_router::members::id_for(&format!("http://{}:{}", ip(l), ports.http)));
-    assert!(steady_ids.iter().all(|&w| router.fleet.knows_worker(w)), "the steady workers stay");
-    assert!(router.workers().len() <= 3);
+    assert!(steady_ids.iter().all(|&w| router.view().knows_worker(w)), "the steady workers stay");
+    assert!(router.view().workers().len() <= 3);
 }
 
 /// The configuration file read again when it changes: a worker added to `[[workers]]` joins,
@@ -423,7 +429,7 @@ async fn the_configuration_files_workers_are_followed_when_it_changes() {
     let stack = Stack::start(config).await.unwrap();
     let router = Arc::clone(stack.router.as_ref().unwrap());
     let simulated = stack.workers.iter().map(|w| w.id.0).find(|&id| id != 50).unwrap();
-    let knows = |id: u64| router.fleet.knows_worker(kvroute_core::WorkerId(id));
+    let knows = |id: u64| router.view().knows_worker(kvroute_core::WorkerId(id));
     assert!(knows(50) && knows(simulated));
     // The waits are generous: a CI run of the whole suite on 2 cores once took over 10 s.
     std::fs::write(&path, table(50, &a) + &table(70, &b)).unwrap();
@@ -461,21 +467,21 @@ async fn the_pickers_endpoints_file_adds_workers_through_the_template() {
     assert!(
         eventually(Duration::from_secs(10), || is_ready(&router, id)).await,
         "{:?}",
-        router.workers()
+        router.view().workers()
     );
-    assert_eq!(router.roster.get(id).unwrap().source, "file");
+    assert_eq!(router.view().member(id).unwrap().source, "file");
     assert!(
         eventually(Duration::from_secs(5), || picker.endpoints().endpoint(id).is_some()).await,
         "an endpoint of the pool"
     );
     // Its line goes: it drains and leaves; the simulated worker stays.
     std::fs::write(&path, format!("{simulated}\n")).unwrap();
-    assert!(eventually(Duration::from_secs(10), || !router.fleet.knows_worker(id)).await);
-    assert!(router.fleet.knows_worker(stack.workers[0].id));
+    assert!(eventually(Duration::from_secs(10), || !router.view().knows_worker(id)).await);
+    assert!(router.view().knows_worker(stack.workers[0].id));
 }
 
 fn is_ready(router: &RouterState, id: kvroute_core::WorkerId) -> bool {
-    router.workers().iter().any(|w| w.id == id && w.ready.iter().all(|r| *r))
+    router.view().workers().iter().any(|w| w.id == id && w.ready.iter().all(|r| *r))
 }
 
 /// The members' bucket under attack (#77), on a real `nats-server`: with write access to the
@@ -508,7 +514,7 @@ async fn a_hostile_writer_to_the_bucket_cannot_take_the_fleet() {
         sidecars.push(stop);
     }
     let real_ids: Vec<_> = real.iter().map(|u| id_for(u)).collect();
-    let has_real = |r: &RouterState| real_ids.iter().all(|id| r.fleet.knows_worker(*id));
+    let has_real = |r: &RouterState| real_ids.iter().all(|id| r.view().knows_worker(*id));
     assert!(eventually(Duration::from_secs(10), || has_real(&router)).await);
 
     let client = async_nats::connect(server.url()).await.unwrap();
@@ -539,15 +545,15 @@ async fn a_hostile_writer_to_the_bucket_cannot_take_the_fleet() {
     let (key, value) = sign(&bucket.key, &bucket.bucket, &named).unwrap();
     kv.put(key, value.into()).await.unwrap();
     let named_id = id_for("http://127.0.9.67:9");
-    assert!(eventually(Duration::from_secs(10), || router.fleet.knows_worker(named_id)).await);
+    assert!(eventually(Duration::from_secs(10), || router.view().knows_worker(named_id)).await);
     assert!(
-        !router.fleet.knows_worker(mine_id),
+        !router.view().knows_worker(mine_id),
         "no unsigned, forged, moved or stale entry joined"
     );
-    let urls: Vec<Option<String>> = router.workers().iter().map(|w| w.url.clone()).collect();
+    let urls: Vec<Option<String>> = router.view().workers().iter().map(|w| w.url.clone()).collect();
     assert!(has_real(&router), "the real workers stay: {urls:?}");
     for id in &real_ids {
-        let w = router.workers().into_iter().find(|w| w.id == *id).unwrap();
+        let w = router.view().workers().into_iter().find(|w| w.id == *id).unwrap();
         assert!(real.contains(w.url.as_ref().unwrap()), "{id} still points at its engine: {w:?}");
     }
 
@@ -558,10 +564,10 @@ async fn a_hostile_writer_to_the_bucket_cannot_take_the_fleet() {
         kv.put(key, value.into()).await.unwrap();
     }
     let bound = kvroute_router::members::MAX_MEMBERS_PER_SOURCE;
-    assert!(eventually(Duration::from_secs(20), || router.workers().len() == bound).await);
+    assert!(eventually(Duration::from_secs(20), || router.view().workers().len() == bound).await);
     assert!(has_real(&router), "2,000 newcomers at the bound push no real worker out");
     let refused = |r: &RouterState| {
-        let text = r.render_metrics();
+        let text = r.view().render_metrics();
         let line = text
             .lines()
             .find(|l| {

@@ -666,8 +666,9 @@ async fn two_pickers_over_nats_keep_every_repeat_on_its_cached_prefix() {
     .await
     .unwrap();
     assert!(b.ready(Duration::from_secs(10)).await.is_empty());
-    let peers =
-        |s: &Stack| s.router.as_ref().unwrap().nats.get().unwrap().summary()["peers"].as_u64();
+    let peers = |s: &Stack| {
+        s.router.as_ref().unwrap().view().nats_links().unwrap().summary()["peers"].as_u64()
+    };
     assert!(
         eventually(Duration::from_secs(10), || peers(&a) == Some(1) && peers(&b) == Some(1)).await
     );
@@ -1048,11 +1049,11 @@ async fn placements_the_engines_never_saw_are_given_back_within_the_window() {
     assert!(placed >= 16, "at least the fleet's capacity was taken by quiet streams: {placed}");
     let router = Arc::clone(p.stack.router.as_ref().unwrap());
     assert!(
-        eventually(Duration::from_secs(10), || router.placing.in_flight() == 0).await,
+        eventually(Duration::from_secs(10), || router.view().in_flight() == 0).await,
         "kvroute's in-flight count comes back to the engines' word: {}",
-        router.placing.in_flight()
+        router.view().in_flight()
     );
-    let metrics = router.render_metrics();
+    let metrics = router.view().render_metrics();
     assert!(
         metrics.contains(&format!("kvroute_router_reconciled_requests_total {placed}")),
         "each of the {placed} quiet placements freed once: {}",

@@ -34,7 +34,7 @@ impl Fleet {
     }
 
     fn waiting(&self) -> usize {
-        self.router().flow.waiting().0
+        self.router().view().flow().waiting().0
     }
 }
 
@@ -100,6 +100,7 @@ async fn ask(base: &str, headers: &[(&str, &str)], text: &str) -> (u16, Option<u
 
 fn metric(router: &RouterState, line_start: &str) -> f64 {
     router
+        .view()
         .render_metrics()
         .lines()
         .filter(|l| l.starts_with(line_start))
@@ -130,7 +131,7 @@ async fn a_saturated_fleet_holds_requests_and_lets_the_highest_priority_go_first
         (a, Instant::now())
     });
     assert!(eventually(Duration::from_secs(5), || f.waiting() == 2).await);
-    assert_eq!(f.router().flow.bands(), vec![(7, 1), (1, 1)]);
+    assert_eq!(f.router().view().flow().bands(), vec![(7, 1), (1, 1)]);
     assert_eq!(metric(f.router(), "kvroute_router_flow_waiting_requests{"), 2.0);
     drop(stream);
     drop(client);
@@ -141,7 +142,7 @@ async fn a_saturated_fleet_holds_requests_and_lets_the_highest_priority_go_first
     let released =
         "kvroute_router_flow_requests_total{priority=\"7\",tenant=\"b\",outcome=\"released\"}";
     assert_eq!(metric(f.router(), released), 1.0);
-    assert!(eventually(Duration::from_secs(5), || f.router().placing.in_flight() == 0).await);
+    assert!(eventually(Duration::from_secs(5), || f.router().view().in_flight() == 0).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,7 +191,7 @@ async fn a_thousand_clients_that_leave_while_waiting_leave_nothing_behind() {
         "{} of {CLIENTS} waiting",
         f.waiting()
     );
-    assert!(f.router().flow.waiting().1 > 0, "their bytes counted");
+    assert!(f.router().view().flow().waiting().1 > 0, "their bytes counted");
     for task in &waiting {
         task.abort();
     }
@@ -199,10 +200,10 @@ async fn a_thousand_clients_that_leave_while_waiting_leave_nothing_behind() {
         "{} still waiting after their clients left",
         f.waiting()
     );
-    assert_eq!(f.router().flow.waiting(), (0, 0), "no bytes held");
-    assert!(f.router().flow.tenants().is_empty());
+    assert_eq!(f.router().view().flow().waiting(), (0, 0), "no bytes held");
+    assert!(f.router().view().flow().tenants().is_empty());
     let abandoned = metric(f.router(), "kvroute_router_flow_requests_total{") - {
-        let r = f.router().render_metrics();
+        let r = f.router().view().render_metrics();
         r.lines()
             .filter(|l| {
                 l.starts_with("kvroute_router_flow_requests_total{") && !l.contains("abandoned")
@@ -213,10 +214,10 @@ async fn a_thousand_clients_that_leave_while_waiting_leave_nothing_behind() {
     assert_eq!(abandoned, CLIENTS as f64);
     assert_eq!(metric(f.router(), "kvroute_router_flow_waiting_requests{"), 0.0);
     // Only the blocker is in flight; once it leaves, nothing is.
-    assert_eq!(f.router().placing.in_flight(), 1);
+    assert_eq!(f.router().view().in_flight(), 1);
     drop(stream);
     drop(client);
-    assert!(eventually(Duration::from_secs(5), || f.router().placing.in_flight() == 0).await);
+    assert!(eventually(Duration::from_secs(5), || f.router().view().in_flight() == 0).await);
 }
 
 /// With engine priorities on, a tenant over its share is placed as any other but sent with

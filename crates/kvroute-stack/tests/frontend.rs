@@ -120,7 +120,7 @@ async fn stored(router: &RouterState, worker: u64, text: &str) {
     let blocks = blocks_of(text);
     let w = WorkerWithDpRank::new(worker, 0u32);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while router.index.find_matches(&blocks).score(w) < blocks.len() as u32 {
+    while router.view().find_matches(&blocks).score(w) < blocks.len() as u32 {
         assert!(Instant::now() < deadline, "the worker's Stored events never reached the router");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -139,7 +139,7 @@ async fn a_repeated_prompt_returns_to_its_worker_with_cached_tokens() {
     assert_eq!(again.worker, first.worker, "where its blocks are");
     let full = prompt_tokens / 16 * 16;
     assert_eq!((again.predicted, cached(&again.body)), (Some(full), full));
-    assert_eq!(f.router().placing.in_flight(), 0);
+    assert_eq!(f.router().view().in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -161,7 +161,7 @@ async fn streams_and_completions_pass_through() {
         post(&f.base, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 2}))
             .await;
     assert_eq!((c.status, c.body["object"].as_str()), (200, Some("text_completion")), "{}", c.body);
-    assert_eq!(f.router().placing.in_flight(), 0);
+    assert_eq!(f.router().view().in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -172,7 +172,7 @@ async fn an_unreachable_worker_is_skipped_for_another() {
         let a = post(&f.base, "/v1/chat/completions", &chat(&format!("question number {k}"))).await;
         assert_eq!((a.status, a.worker), (200, Some(live[0])), "{}", a.body);
     }
-    assert_eq!(f.router().placing.in_flight(), 0);
+    assert_eq!(f.router().view().in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,11 +186,11 @@ async fn a_client_that_leaves_mid_stream_leaves_no_load() {
     assert_eq!(response.status(), 200);
     let mut stream = response.into_body();
     assert!(stream.frame().await.unwrap().unwrap().data_ref().is_some(), "a first chunk");
-    assert_eq!(f.router().placing.in_flight(), 1);
+    assert_eq!(f.router().view().in_flight(), 1);
     drop(stream);
     drop(client);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while f.router().placing.in_flight() > 0 {
+    while f.router().view().in_flight() > 0 {
         assert!(Instant::now() < deadline, "in-flight load left behind");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -280,7 +280,7 @@ async fn workers_without_events_are_routed_approximately() {
     let full = first.body["usage"]["prompt_tokens"].as_u64().unwrap() / 16 * 16;
     assert_eq!(again.worker, first.worker, "its predicted blocks are there");
     assert_eq!((again.predicted, cached(&again.body)), (Some(full), full));
-    let workers = f.router().workers();
+    let workers = f.router().view().workers();
     assert!(workers.iter().all(|w| w.mode == kvroute_router::CacheMode::Approximate));
     let chosen = workers.iter().find(|w| Some(w.id.0) == first.worker).unwrap();
     assert_eq!(chosen.tree_size[0] as u64, full / 16);
@@ -299,7 +299,7 @@ async fn a_worker_not_ready_is_routed_last() {
     let waiting = stack.ready(Duration::from_secs(3)).await;
     assert_eq!(waiting, [WorkerWithDpRank::new(50u64, 0u32)]);
     let router = stack.router.as_ref().unwrap();
-    let status = router.workers().into_iter().find(|w| w.id.0 == 50).unwrap();
+    let status = router.view().workers().into_iter().find(|w| w.id.0 == 50).unwrap();
     assert_eq!((status.ready[0], status.connected[0]), (false, false));
     let app = stack.frontend_app().unwrap();
     for k in 0..4 {
@@ -312,7 +312,7 @@ async fn a_worker_not_ready_is_routed_last() {
         .await;
         assert_eq!(code, 200, "{v}");
     }
-    let metrics = router.render_metrics();
+    let metrics = router.view().render_metrics();
     assert!(
         !metrics.contains("kvroute_router_worker_decisions_total{worker_id=\"50\""),
         "{metrics}"
@@ -358,14 +358,14 @@ async fn a_remote_router_by_url() {
     // The lifecycle calls reach the router in the background: in flight drops back to 0.
     let router = routed.router.as_ref().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while router.placing.in_flight() > 0 {
+    while router.view().in_flight() > 0 {
         assert!(Instant::now() < deadline, "the remote router still counts the request in flight");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(router.render_metrics().contains("kvroute_router_decisions_total 1"));
+    assert!(router.view().render_metrics().contains("kvroute_router_decisions_total 1"));
     // So does the answer's outcome, for the router's checks of itself (`POST /answers`).
     let worker = routed.workers[0].id;
-    let answered = || router.workers().into_iter().find(|w| w.id == worker).unwrap().checks;
+    let answered = || router.view().workers().into_iter().find(|w| w.id == worker).unwrap().checks;
     while answered().answered == 0 {
         assert!(Instant::now() < deadline, "the remote router never heard of the answer");
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -377,7 +377,7 @@ async fn a_remote_router_by_url() {
         "kvroute_router_answered_prompt_tokens_total{{worker_id=\"{}\"}} {prompt_tokens}",
         worker.0
     );
-    assert!(router.render_metrics().contains(&line), "{line}");
+    assert!(router.view().render_metrics().contains(&line), "{line}");
 }
 
 /// A worker whose load the router reads from its Prometheus `/metrics` (vLLM's names, here the
@@ -396,7 +396,7 @@ async fn load_read_from_an_engines_prometheus_metrics() {
     spec.metrics = Some(format!("{}/metrics", spawned.url));
     (spec.url, spec.events, spec.replay) = (Some(spawned.url), spawned.events, spawned.replay);
     let f = fleet_of(config(0, vec![spec])).await;
-    let load = f.router().workers()[0].load[0].unwrap();
+    let load = f.router().view().workers()[0].load[0].unwrap();
     assert_eq!((load.kv_total_blocks, load.num_running_reqs), (Some(777), Some(0)));
     let a = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
     assert_eq!((a.status, a.worker), (200, Some(5)), "{}", a.body);
@@ -537,7 +537,7 @@ async fn stored_within(router: &RouterState, worker: u64, text: &str, namespaced
     }
     let w = WorkerWithDpRank::new(worker, 0u32);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while router.index.tree_size(w) < blocks_of(text).len() {
+    while router.view().tree_size(w) < blocks_of(text).len() {
         assert!(Instant::now() < deadline, "the worker's Stored events never reached the router");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -556,7 +556,7 @@ async fn a_worker_whose_index_drifts_is_found_and_resynchronised() {
     f.stack.simulated[0].engine.lose_removed_events(true);
     let text = |k: usize| format!("Topic {k}. {}", "alpha beta gamma delta epsilon ".repeat(24));
     let checks = |f: &Fleet| {
-        let w = f.router().workers().into_iter().find(|w| w.id.0 == lossy).unwrap();
+        let w = f.router().view().workers().into_iter().find(|w| w.id.0 == lossy).unwrap();
         w.checks
     };
     let mut to_lossy = 0;
@@ -600,7 +600,7 @@ async fn a_worker_whose_index_drifts_is_found_and_resynchronised() {
     let over = tail.iter().filter(|(p, c)| p > c).count();
     assert!(over <= 1, "predictions still over what it serves: {tail:?}");
     assert!(!tail.is_empty());
-    let metrics = f.router().render_metrics();
+    let metrics = f.router().view().render_metrics();
     let drifts = format!("kvroute_router_worker_drifts_total{{worker_id=\"{lossy}\"}} 1");
     assert!(metrics.contains(&drifts), "{metrics}");
 }
@@ -645,16 +645,22 @@ async fn a_worker_that_serves_without_events_is_flagged_silent() {
         let a = post(&f.base, "/v1/chat/completions", &chat(PROMPT)).await;
         assert_eq!(a.status, 200, "{}", a.body);
     }
-    assert!(!f.router().workers()[0].checks.silent, "answers served from cache are no evidence");
+    assert!(
+        !f.router().view().workers()[0].checks.silent,
+        "answers served from cache are no evidence"
+    );
     for k in 1..SILENT_AFTER {
-        let silent = f.router().workers()[0].checks.silent;
+        let silent = f.router().view().workers()[0].checks.silent;
         assert!(!silent, "flagged after {k} requests that stored blocks");
         let a = post(&f.base, "/v1/chat/completions", &chat(&format!("{k} {PROMPT}"))).await;
         assert_eq!(a.status, 200, "{}", a.body);
     }
-    assert!(f.router().workers()[0].checks.silent);
+    assert!(f.router().view().workers()[0].checks.silent);
     assert!(
-        f.router().render_metrics().contains("kvroute_router_worker_silent{worker_id=\"1\"} 1")
+        f.router()
+            .view()
+            .render_metrics()
+            .contains("kvroute_router_worker_silent{worker_id=\"1\"} 1")
     );
 }
 
@@ -714,17 +720,17 @@ async fn the_parity_probe_names_what_differs_at_join() {
     // once its events show the size (never ready, never routed to): the others are ready.
     let router = Arc::clone(stack.router.as_ref().unwrap());
     let settled = || {
-        let w = router.workers();
-        router.fleet.not_ready().iter().all(|r| r.worker_id.0 == 1)
+        let w = router.view().workers();
+        router.view().not_ready().iter().all(|r| r.worker_id.0 == 1)
             && w.iter().any(|w| w.id.0 == 1 && w.refused.is_some())
             && w.iter().all(|w| !matches!(w.parity, kvroute_router::Parity::Unchecked))
     };
     let waited = common::eventually(Duration::from_secs(30), settled).await;
-    assert!(waited, "not settled: {:?}", router.fleet.not_ready());
+    assert!(waited, "not settled: {:?}", router.view().not_ready());
     let base = stack.serve_frontend_on_loopback().await.unwrap();
     let f = Fleet { base, stack };
     let parity: std::collections::BTreeMap<u64, kvroute_router::Parity> =
-        f.router().workers().into_iter().map(|w| (w.id.0, w.parity)).collect();
+        f.router().view().workers().into_iter().map(|w| (w.id.0, w.parity)).collect();
     let cause = |id: u64| match &parity[&id] {
         kvroute_router::Parity::Failed(cause) => cause.clone(),
         other => panic!("worker {id}: {other:?}"),
@@ -740,7 +746,7 @@ async fn the_parity_probe_names_what_differs_at_join() {
     let good = f.stack.workers.last().unwrap().id.0; // the simulated one, after the others
     assert_eq!(parity[&good], kvroute_router::Parity::Ok);
     let modes: Vec<(u64, kvroute_router::CacheMode)> =
-        f.router().workers().into_iter().map(|w| (w.id.0, w.mode)).collect();
+        f.router().view().workers().into_iter().map(|w| (w.id.0, w.mode)).collect();
     for (id, mode) in modes {
         let want = if id == good {
             kvroute_router::CacheMode::Events
@@ -778,7 +784,7 @@ async fn a_probe_that_cannot_be_made_backs_off_and_names_its_cause() {
     assert_eq!(waiting.len(), 1);
     let said = stack.waiting_for(&waiting);
     assert!(said.contains("its event stream") && said.contains("its parity probe"), "{said}");
-    let parity = stack.router.as_ref().unwrap().workers()[0].parity.clone();
+    let parity = stack.router.as_ref().unwrap().view().workers()[0].parity.clone();
     let kvroute_router::Parity::Retrying(cause) = parity else { panic!("{parity:?}") };
     assert!(cause.contains("not connected and caught up"), "{cause}");
     // 1 s, then 2 s: two or three tries in 2.5 s, not one a second.

@@ -92,7 +92,7 @@ async fn a_prefix_the_window_group_lost_is_predicted_as_the_engine_serves_it() {
     let stats: Value = serde_json::from_slice(&bytes).unwrap();
     let evicted = stats["evicted_blocks"].as_u64().unwrap();
     let seen = || {
-        let w = router.workers().into_iter().find(|w| w.id.0 == owner);
+        let w = router.view().workers().into_iter().find(|w| w.id.0 == owner);
         w.is_some_and(|w| w.conversion.blocks_removed >= evicted)
     };
     assert!(eventually(Duration::from_secs(10), seen).await, "the router sees the evictions");
@@ -112,7 +112,7 @@ async fn a_prefix_the_window_group_lost_is_predicted_as_the_engine_serves_it() {
     let a_blocks = kvroute_core::BlockHasher::new(bs).local_hashes(&a, None);
     let rank = kvroute_core::WorkerWithDpRank::new(owner, 0u32);
     let held = || {
-        let scores = router.index.find_matches_within(&a_blocks, (a.len() - 1) / 16, 16);
+        let scores = router.view().find_matches_within(&a_blocks, (a.len() - 1) / 16, 16);
         scores.score(rank) >= 40
     };
     assert!(eventually(Duration::from_secs(10), held).await, "the router sees c's blocks");

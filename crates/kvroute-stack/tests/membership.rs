@@ -97,7 +97,7 @@ async fn chat(base: &str, k: usize) -> Option<u64> {
 }
 
 fn ready(router: &RouterState, id: u64) -> bool {
-    router.workers().iter().any(|w| w.id.0 == id && w.ready.iter().all(|r| *r))
+    router.view().workers().iter().any(|w| w.id.0 == id && w.ready.iter().all(|r| *r))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -116,10 +116,10 @@ async fn a_worker_joins_through_the_api_drains_and_leaves_with_nothing_left_behi
     assert!(
         eventually(Duration::from_secs(10), || ready(&router, new)).await,
         "{:?}",
-        router.workers()
+        router.view().workers()
     );
     assert!(matches!(
-        router.workers().iter().find(|w| w.id.0 == new).unwrap().parity,
+        router.view().workers().iter().find(|w| w.id.0 == new).unwrap().parity,
         kvroute_router::Parity::Ok
     ));
     // A prompt only the newcomer holds (sent to it directly) goes to it, once its events are in.
@@ -129,8 +129,9 @@ async fn a_worker_joins_through_the_api_drains_and_leaves_with_nothing_left_behi
     let (status, _, _) =
         call(hyper::Method::POST, &format!("{url}/v1/chat/completions"), Some(&body)).await;
     assert_eq!(status, 200);
-    let held =
-        |router: &RouterState| router.workers().iter().any(|w| w.id.0 == new && w.tree_size[0] > 4);
+    let held = |router: &RouterState| {
+        router.view().workers().iter().any(|w| w.id.0 == new && w.tree_size[0] > 4)
+    };
     assert!(eventually(Duration::from_secs(5), || held(&router)).await);
     let (_, _, worker) =
         call(hyper::Method::POST, &format!("{base}/v1/chat/completions"), Some(&body)).await;
@@ -151,12 +152,12 @@ async fn a_worker_joins_through_the_api_drains_and_leaves_with_nothing_left_behi
     }
     assert!(
         eventually(Duration::from_secs(5), || !router
-            .fleet
+            .view()
             .knows_worker(kvroute_core::WorkerId(old)))
         .await
     );
     assert!(
-        router.index.workers().iter().all(|w| w.worker_id.0 != old),
+        router.view().indexed().iter().all(|w| w.worker_id.0 != old),
         "its blocks left the index"
     );
     let (_, workers, _) = call(hyper::Method::GET, &format!("{base}/workers"), None).await;
@@ -175,7 +176,7 @@ async fn a_worker_joins_through_the_api_drains_and_leaves_with_nothing_left_behi
         ),
         "{metrics}"
     );
-    assert_eq!(router.placing.in_flight(), 0);
+    assert_eq!(router.view().in_flight(), 0);
 
     // Errors: an unknown worker, a body that is no worker.
     let (status, _, _) = call(hyper::Method::DELETE, &format!("{base}/workers/{old}"), None).await;
@@ -218,8 +219,8 @@ async fn membership_changes_need_the_admin_token_even_on_loopback() {
         let delete = format!("{base}/workers/{one}");
         assert_eq!(call_as(token, hyper::Method::DELETE, &delete, None).await.0, 401);
     }
-    assert_eq!(router.workers().len(), 1, "nothing joined or left");
-    assert!(!router.roster.get(kvroute_core::WorkerId(one)).unwrap().draining);
+    assert_eq!(router.view().workers().len(), 1, "nothing joined or left");
+    assert!(!router.view().member(kvroute_core::WorkerId(one)).unwrap().draining);
     // The router's own API, as `kvroute router` serves it, with the same token.
     let admin = kvroute_http::Credentials::new([ADMIN], "test").unwrap();
     let app = kvroute_router::http::app(Arc::clone(&router), admin);
@@ -232,7 +233,7 @@ async fn membership_changes_need_the_admin_token_even_on_loopback() {
     let (status, _, _) =
         call_as(None, hyper::Method::DELETE, &format!("{router_url}/workers/{one}"), None).await;
     assert_eq!(status, 401);
-    assert_eq!(router.workers().len(), 1);
+    assert_eq!(router.view().workers().len(), 1);
 
     // A front door with no admin token set: the changes are closed to everyone.
     let config = StackConfig {
@@ -279,7 +280,7 @@ async fn the_api_is_refused_past_the_members_bound() {
     let (status, err, _) = call(hyper::Method::POST, &format!("{base}/workers"), Some(&spec)).await;
     assert_eq!(status, 409, "{err}");
     assert!(err["error"]["message"].as_str().unwrap().contains("--max-workers"), "{err}");
-    assert_eq!(router.workers().len(), bound);
+    assert_eq!(router.view().workers().len(), bound);
     // One removed: room for one again.
     let gone = stack.workers[0].id.0;
     assert_eq!(call(hyper::Method::DELETE, &format!("{base}/workers/{gone}"), None).await.0, 200);

@@ -80,7 +80,7 @@ fn replica(workers: &[WorkerSpec], nats: NatsConfig) -> (Arc<RouterState>, Tasks
 }
 
 fn peers(state: &RouterState) -> u64 {
-    let n = state.nats.get().unwrap().summary();
+    let n = state.view().nats_links().unwrap().summary();
     n["peers"].as_u64().unwrap()
 }
 
@@ -112,7 +112,7 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
     // flight) would choose, and its decision saw a's blocks in flight on a's worker.
     let prefix = hashes(1, 64);
     let first = place(&a, "r1", &prefix);
-    assert!(eventually(Duration::from_secs(5), || b.placing.in_flight() == 1).await);
+    assert!(eventually(Duration::from_secs(5), || b.view().in_flight() == 1).await);
     let untracked = PlaceRequest {
         local_hashes: prefix.as_slice().into(),
         num_tokens: prefix.len() * 16,
@@ -121,30 +121,30 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
     let one_router = a.place_now(&untracked).unwrap().decode.worker;
     let second = place(&b, "r2", &prefix);
     assert_eq!(second, one_router, "b decides as a single router would");
-    let seen = b.placing.recent_decisions().pop().unwrap();
+    let seen = b.view().recent_decisions().pop().unwrap();
     let on_first = seen.candidates.iter().find(|c| c.worker == first).unwrap();
     assert_eq!(on_first.inflight_prefix_blocks, 64, "a's request priced by b");
-    assert!(eventually(Duration::from_secs(5), || a.placing.in_flight() == 2).await);
+    assert!(eventually(Duration::from_secs(5), || a.view().in_flight() == 2).await);
     // b would have made a's choice: counted as agreement.
-    assert_eq!(b.metrics.agreements(true), 1);
+    assert_eq!(b.view().metrics().agreements(true), 1);
 
     // Lifecycle: a's end reaches b.
     a.prefill_done("r1", true);
     assert!(a.finish("r1"));
     assert!(
-        eventually(Duration::from_secs(5), || b.placing.in_flight() == 1).await,
+        eventually(Duration::from_secs(5), || b.view().in_flight() == 1).await,
         "only r2 left on b"
     );
     assert!(b.finish("r2"));
-    assert!(eventually(Duration::from_secs(5), || a.placing.in_flight() == 0).await);
+    assert!(eventually(Duration::from_secs(5), || a.view().in_flight() == 0).await);
 
     // b goes silent with a request in flight: a frees it once b is not heard for PEER_TIMEOUT.
     place(&b, "r3", &hashes(2, 8));
-    assert!(eventually(Duration::from_secs(5), || a.placing.in_flight() == 1).await);
+    assert!(eventually(Duration::from_secs(5), || a.view().in_flight() == 1).await);
     drop(b_tasks);
-    let expired = eventually(PEER_TIMEOUT * 3, || a.placing.in_flight() == 0).await;
+    let expired = eventually(PEER_TIMEOUT * 3, || a.view().in_flight() == 0).await;
     assert!(expired, "a silent replica's entries expire");
-    assert!(a.render_metrics().contains("kvroute_replica_expired_requests_total 1"));
+    assert!(a.view().render_metrics().contains("kvroute_replica_expired_requests_total 1"));
 }
 
 /// A replica over one worker without events (ready at once), with flow control as given.
@@ -186,11 +186,15 @@ async fn replicas_agree_on_saturation_by_their_queue_reports() {
     // A priority-5 request waits at a; b hears of it within a report.
     let a_ref = Arc::clone(&a);
     let waiting = tokio::spawn(async move { a_ref.decide(&ask("a1", 5)).await });
-    assert!(eventually(Duration::from_secs(5), || a.flow.waiting().0 == 1).await);
+    assert!(eventually(Duration::from_secs(5), || a.view().flow().waiting().0 == 1).await);
     let queued = Instant::now();
     assert!(
-        eventually(Duration::from_secs(2), || b.flow.peers_waiting_above(0, Instant::now()) == 1)
-            .await
+        eventually(Duration::from_secs(2), || b
+            .view()
+            .flow()
+            .peers_waiting_above(0, Instant::now())
+            == 1)
+        .await
     );
     let agreed = queued.elapsed();
     eprintln!("b saw a's queue {} ms after it formed", agreed.as_millis());
@@ -198,7 +202,7 @@ async fn replicas_agree_on_saturation_by_their_queue_reports() {
     // Meanwhile b holds a priority-0 request back, and lets a priority-6 one go.
     let b_ref = Arc::clone(&b);
     let held = tokio::spawn(async move { b_ref.decide(&ask("b1", 0)).await });
-    assert!(eventually(Duration::from_secs(2), || b.flow.waiting().0 == 1).await);
+    assert!(eventually(Duration::from_secs(2), || b.view().flow().waiting().0 == 1).await);
     assert!(b.decide(&ask("b2", 6)).await.unwrap().is_some());
     // a's request is abandoned: a's queue empties, b hears of it and lets its own go.
     waiting.abort();
@@ -218,26 +222,26 @@ async fn nats_away_is_degraded_and_the_replicas_reconnect() {
     let a = Arc::clone(stack.router.as_ref().unwrap());
     let (b, _b_tasks) = replica(&stack.workers, nats_config(&server, "b", EventsVia::Zmq));
     assert!(eventually(Duration::from_secs(10), || peers(&a) == 1 && peers(&b) == 1).await);
-    assert_eq!(a.health()["degraded"], false);
+    assert_eq!(a.view().health()["degraded"], false);
 
     server.stop().await;
-    assert!(eventually(Duration::from_secs(10), || a.health()["degraded"] == true).await);
+    assert!(eventually(Duration::from_secs(10), || a.view().health()["degraded"] == true).await);
     // Routing goes on from local state.
     for i in 0..20 {
         let id = format!("away-{i}");
         place(&a, &id, &hashes(10 + i, 4));
         a.finish(&id);
     }
-    assert!(a.render_metrics().contains("kvroute_nats_connected 0"));
+    assert!(a.view().render_metrics().contains("kvroute_nats_connected 0"));
 
     server.restart().await.unwrap();
     let back = eventually(Duration::from_secs(5), || {
-        a.health()["degraded"] == false && b.health()["degraded"] == false
+        a.view().health()["degraded"] == false && b.view().health()["degraded"] == false
     });
     assert!(back.await, "both reconnect within 5 s of the server's return");
     place(&a, "after", &hashes(99, 4));
     assert!(
-        eventually(Duration::from_secs(5), || b.placing.in_flight() == 1).await,
+        eventually(Duration::from_secs(5), || b.view().in_flight() == 1).await,
         "decisions flow again"
     );
 }
@@ -245,7 +249,7 @@ async fn nats_away_is_degraded_and_the_replicas_reconnect() {
 /// Every (worker, chain of content hashes) the index holds, from its dump: equal sets mean
 /// equal overlaps for every query.
 fn chains(state: &RouterState) -> BTreeMap<WorkerWithDpRank, Vec<Vec<u64>>> {
-    let events: Vec<RouterEvent> = state.index.dump_as_events();
+    let events: Vec<RouterEvent> = state.view().index_as_events();
     let mut parent_of: HashMap<
         (WorkerWithDpRank, ExternalBlockHash),
         (Option<ExternalBlockHash>, u64),
@@ -318,12 +322,14 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
     }
     // The relay routes from the stream: what its engines hold reaches its own index through it.
     let relayed = eventually(Duration::from_secs(10), || {
-        relay.metrics.stream_messages("relayed") > 0
-            && relay.metrics.stream_messages("applied") == relay.metrics.stream_messages("relayed")
+        relay.view().metrics().stream_messages("relayed") > 0
+            && relay.view().metrics().stream_messages("applied")
+                == relay.view().metrics().stream_messages("relayed")
     });
     assert!(relayed.await, "every relayed batch applied from the stream");
     assert!(
-        eventually(Duration::from_secs(10), || relay.metrics.snapshots("written") > 0).await,
+        eventually(Duration::from_secs(10), || relay.view().metrics().snapshots("written") > 0)
+            .await,
         "snapshots written"
     );
 
@@ -331,12 +337,12 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
     let started = Instant::now();
     let (fresh, _fresh_tasks) =
         replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
-    let warm = fresh.fleet.wait_ready(Duration::from_secs(10)).await;
+    let warm = fresh.view().wait_ready(Duration::from_secs(10)).await;
     assert!(warm.is_empty(), "caught up: {warm:?}");
     let took = started.elapsed();
-    assert_eq!(fresh.metrics.snapshots("loaded"), 1, "started from the snapshot");
+    assert_eq!(fresh.view().metrics().snapshots("loaded"), 1, "started from the snapshot");
     assert_eq!(chains(&fresh), chains(&relay), "the same index as the relay's");
-    assert_eq!(fresh.metrics.replays.get(), 0, "no engine replay");
+    assert_eq!(fresh.view().metrics().replays.get(), 0, "no engine replay");
     eprintln!("a fresh replica was ready after {} ms", took.as_millis());
     // The same choice at temperature 0 with nothing in flight.
     for i in 0..20 {
@@ -347,7 +353,7 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
             temperature: Some(0.0),
             ..PlaceRequest::default()
         };
-        let scores = |r: &RouterState| r.index.find_matches_within(&p.local_hashes, 5, 16).scores;
+        let scores = |r: &RouterState| r.view().find_matches_within(&p.local_hashes, 5, 16).scores;
         assert_eq!(scores(&relay), scores(&fresh));
         assert_eq!(relay.place_now(&p).unwrap(), fresh.place_now(&p).unwrap());
     }
@@ -364,7 +370,9 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
     }
     let relay2 = &relay_tasks.0;
     assert!(
-        eventually(Duration::from_secs(10), || relay2.metrics.stream_messages("relayed") > 0).await
+        eventually(Duration::from_secs(10), || relay2.view().metrics().stream_messages("relayed")
+            > 0)
+        .await
     );
     let seqs = relayed_seqs(&server, "kvroute").await;
     assert!(!seqs.is_empty());
@@ -389,7 +397,7 @@ async fn relay_restart(stack: &mut Stack, mut config: NatsConfig) -> (Arc<Router
     stack.stop_router_tasks();
     config.replica = "relay-2".into();
     let (state, tasks) = replica(&stack.workers, config);
-    assert!(state.fleet.wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(state.view().wait_ready(Duration::from_secs(10)).await.is_empty());
     (state, tasks)
 }
 
@@ -403,12 +411,12 @@ async fn after_a_nats_outage_the_stream_has_everything_the_engines_did() {
     let relay = Arc::clone(stack.router.as_ref().unwrap());
     let (follower, _f) =
         replica(&stack.workers, nats_config(&server, "follower", EventsVia::Stream));
-    assert!(follower.fleet.wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(follower.view().wait_ready(Duration::from_secs(10)).await.is_empty());
     // The ground truth: a router on the engines' own ZMQ streams, beside NATS.
     let mut direct_config = nats_config(&server, "direct", EventsVia::Zmq);
     direct_config.sync = false;
     let (direct, _d) = replica(&stack.workers, direct_config);
-    assert!(direct.fleet.wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(direct.view().wait_ready(Duration::from_secs(10)).await.is_empty());
     for i in 0..10 {
         chat(&base, &format!("before the outage, question {i} about rivers and their long names"))
             .await;
@@ -416,7 +424,9 @@ async fn after_a_nats_outage_the_stream_has_everything_the_engines_did() {
 
     // NATS away for 10 s while the engines keep working: nothing exits, routing goes on.
     server.stop().await;
-    assert!(eventually(Duration::from_secs(10), || relay.health()["degraded"] == true).await);
+    assert!(
+        eventually(Duration::from_secs(10), || relay.view().health()["degraded"] == true).await
+    );
     let outage = Instant::now();
     let mut i = 0;
     while outage.elapsed() < Duration::from_secs(10) {
@@ -429,7 +439,7 @@ async fn after_a_nats_outage_the_stream_has_everything_the_engines_did() {
     // Within 5 s the follower's index equals a fresh replica's and what the engines' own
     // streams say (the direct router): nothing the engines did during the outage is missing.
     let (fresh, _fr) = replica(&stack.workers, nats_config(&server, "fresh", EventsVia::Stream));
-    assert!(fresh.fleet.wait_ready(Duration::from_secs(10)).await.is_empty());
+    assert!(fresh.view().wait_ready(Duration::from_secs(10)).await.is_empty());
     let equal = eventually(Duration::from_secs(5), || {
         let f = chains(&follower);
         f == chains(&fresh) && f == chains(&relay) && f == chains(&direct)
@@ -438,9 +448,9 @@ async fn after_a_nats_outage_the_stream_has_everything_the_engines_did() {
     eprintln!(
         "caught up {} ms after NATS returned; {i} requests during the outage; {} batches relayed, {} retried, {} gaps replayed",
         back.elapsed().as_millis(),
-        relay.metrics.stream_messages("relayed"),
-        relay.metrics.stream_messages("retried"),
-        relay.metrics.gaps.get()
+        relay.view().metrics().stream_messages("relayed"),
+        relay.view().metrics().stream_messages("retried"),
+        relay.view().metrics().gaps.get()
     );
     assert!(chains(&follower).values().map(Vec::len).sum::<usize>() > 0);
 }
@@ -453,16 +463,16 @@ async fn a_nats_token_is_sent_and_a_wrong_one_is_degraded() {
     good.auth.token = Some("s3cret".into());
     let stack = fleet(1, good, false).await;
     let a = Arc::clone(stack.router.as_ref().unwrap());
-    assert!(eventually(Duration::from_secs(10), || a.health()["degraded"] == false).await);
+    assert!(eventually(Duration::from_secs(10), || a.view().health()["degraded"] == false).await);
     let mut bad = nats_config(&server, "bad", EventsVia::Zmq);
     bad.auth.token = Some("wrong".into());
     let (b, _t) = replica(&stack.workers, bad);
     // Refused by the server: it stays degraded (and routes on local state); no peer is heard.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(b.health()["degraded"], true);
-    assert!(format!("{:?}", b.nats.get().unwrap().config).contains("<redacted>"));
+    assert_eq!(b.view().health()["degraded"], true);
+    assert!(format!("{:?}", b.view().nats_links().unwrap().config).contains("<redacted>"));
     assert!(
-        !format!("{:?}", b.nats.get().unwrap().config).contains("wrong"),
+        !format!("{:?}", b.view().nats_links().unwrap().config).contains("wrong"),
         "the token never shows"
     );
     assert_eq!(peers(&a), 0);
@@ -488,14 +498,15 @@ async fn nats_over_tls_with_the_servers_ca() {
     let stack = fleet(1, trusted, false).await;
     let a = Arc::clone(stack.router.as_ref().unwrap());
     assert!(
-        eventually(Duration::from_secs(10), || a.health()["degraded"] == false).await,
+        eventually(Duration::from_secs(10), || a.view().health()["degraded"] == false).await,
         "connected over TLS"
     );
     // Without the CA the server's certificate is not trusted: degraded, never connected.
     let mut untrusted = NatsConfig::new(url);
     untrusted.replica = "untrusted".into();
     let (b, _t) = replica(&stack.workers, untrusted);
-    let connected = eventually(Duration::from_secs(2), || b.health()["degraded"] == false).await;
+    let connected =
+        eventually(Duration::from_secs(2), || b.view().health()["degraded"] == false).await;
     assert!(!connected);
     assert_eq!(peers(&a), 0, "nothing of the untrusted replica reaches a");
 }

@@ -43,9 +43,9 @@ impl Split {
         // to be ready passed only when the refusal lost a race.)
         let router = Arc::clone(routed.router.as_ref().unwrap());
         eventually("every worker ready or refused", || {
-            let workers = router.workers();
+            let workers = router.view().workers();
             let refused = |id| workers.iter().any(|w| w.id == id && w.refused.is_some());
-            router.fleet.not_ready().iter().all(|r| refused(r.worker_id))
+            router.view().not_ready().iter().all(|r| refused(r.worker_id))
         })
         .await;
         if mode == Mode::Embedded {
@@ -137,7 +137,8 @@ async fn the_parity_probe_reaches_the_router(mode: Mode) {
     config.router.workers = vec![spec(1, &big_blocks)];
     let split = Split::start(mode, config).await;
     let good = split.routed.workers.last().unwrap().id;
-    let parity = |id| split.router().workers().into_iter().find(|w| w.id == id).unwrap().parity;
+    let parity =
+        |id| split.router().view().workers().into_iter().find(|w| w.id == id).unwrap().parity;
     let failed = |p: Parity| matches!(p, Parity::Failed(_));
     eventually("both probed", || {
         failed(parity(kvroute_core::WorkerId(1))) && parity(good) == Parity::Ok
@@ -186,7 +187,7 @@ async fn an_adapter_goes_only_where_it_is_listed(mode: Mode) {
             split.chat("sql", &format!("{k} a question for the sql adapter")).await;
         assert_eq!(status, 200, "{mode:?}: {body}");
         k += 1;
-        if router.placing.recent_decisions().last().is_some_and(|d| d.considered == 1) {
+        if router.view().recent_decisions().last().is_some_and(|d| d.considered == 1) {
             assert_eq!(worker, Some(serving), "{mode:?}");
             break;
         }
@@ -199,7 +200,7 @@ async fn an_adapter_goes_only_where_it_is_listed(mode: Mode) {
     }
     assert_eq!(split.chat("kvroute-tiny", "base").await.0, 200);
     assert_eq!(
-        router.placing.recent_decisions().last().unwrap().considered,
+        router.view().recent_decisions().last().unwrap().considered,
         2,
         "{mode:?}: the base model may go to both"
     );
@@ -245,10 +246,10 @@ async fn a_dead_engines_blocks_are_forgotten(mode: Mode) {
         .await;
     assert_eq!((status, worker), (200, Some(9)), "{mode:?}: {body}");
     let router = Arc::clone(split.router());
-    eventually("its blocks indexed", || router.index.tree_size(rank) > 0).await;
+    eventually("its blocks indexed", || router.view().tree_size(rank) > 0).await;
     stop.send(()).unwrap();
     server.await.unwrap().unwrap();
-    eventually("its blocks forgotten", || router.index.tree_size(rank) == 0).await;
+    eventually("its blocks forgotten", || router.view().tree_size(rank) == 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -102,6 +102,7 @@ async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
     }
     let held = || {
         router
+            .view()
             .workers()
             .iter()
             .find(|w| w.id.0 == owner)
@@ -112,7 +113,7 @@ async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
     })
     .await;
     assert!(offloaded, "the router sees the host blocks: {:?}", held());
-    let metrics = router.render_metrics();
+    let metrics = router.view().render_metrics();
     assert!(metrics.contains("kvroute_router_worker_tier_blocks{"), "{metrics}");
 
     // The same prompt again: the owner's host memory serves all but its last block, and the
@@ -125,8 +126,8 @@ async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
     // The self-checks count it as an answer predicted from host memory, exact.
     let host = TierCheck { answered: 1, exact: 1, predicted_tokens: 19 * 16 };
     assert!(eventually(Duration::from_secs(5), || tiers_of(router, owner).host == host).await);
-    assert_eq!(router.placing.in_flight(), 0, "nothing left in flight");
-    let metrics = router.render_metrics();
+    assert_eq!(router.view().in_flight(), 0, "nothing left in flight");
+    let metrics = router.view().render_metrics();
     let line = format!(
         "kvroute_router_predicted_tier_tokens_total{{worker_id=\"{owner}\",tier=\"host\"}} 304"
     );
@@ -134,7 +135,7 @@ async fn a_prompt_evicted_from_the_gpu_goes_where_host_memory_still_holds_it() {
 }
 
 fn tiers_of(router: &RouterState, worker: u64) -> TierChecks {
-    let w = router.workers().into_iter().find(|w| w.id.0 == worker);
+    let w = router.view().workers().into_iter().find(|w| w.id.0 == worker);
     w.map(|w| w.checks.tiers).unwrap_or_default()
 }
 
@@ -172,7 +173,7 @@ async fn a_prompt_evicted_from_host_memory_goes_where_storage_still_holds_it() {
         }
     }
     let held = || {
-        let w = router.workers().into_iter().find(|w| w.id.0 == owner)?;
+        let w = router.view().workers().into_iter().find(|w| w.id.0 == owner)?;
         Some((w.tree_size[0], w.lower_tier_blocks[0][0], w.lower_tier_blocks[0][1]))
     };
     let in_storage = eventually(Duration::from_secs(10), || {
@@ -210,7 +211,7 @@ async fn a_prompt_one_engine_computed_is_served_by_another_from_the_shared_store
     // The store keeps every block of `a` and of the prompts that pushed it out.
     let (a, owner) = computed_then_evicted(&stack, &client, &url).await;
     let held = || {
-        let w = router.workers().into_iter().find(|w| w.id.0 == owner)?;
+        let w = router.view().workers().into_iter().find(|w| w.id.0 == owner)?;
         Some((w.tree_size[0], w.lower_tier_blocks[0][2]))
     };
     let in_store = eventually(Duration::from_secs(10), || {
@@ -234,5 +235,5 @@ async fn a_prompt_one_engine_computed_is_served_by_another_from_the_shared_store
     let external = || tiers_of(router, worker).external;
     let want = TierCheck { answered: 1, exact: 1, predicted_tokens: 19 * 16 };
     assert!(eventually(Duration::from_secs(5), || external() == want).await, "{:?}", external());
-    assert_eq!(router.placing.in_flight(), 0, "nothing left in flight");
+    assert_eq!(router.view().in_flight(), 0, "nothing left in flight");
 }

@@ -224,7 +224,7 @@ async fn a_decision_is_explained_on_request() {
         assert_eq!(ask(&base, &[]).await, 200);
         let router = Arc::clone(stack.router.as_ref().unwrap());
         // Its blocks in the index before the same prompt comes again.
-        let held = || router.workers().iter().any(|w| w.tree_size[0] > 0);
+        let held = || router.view().workers().iter().any(|w| w.tree_size[0] > 0);
         assert!(common::eventually(Duration::from_secs(10), held).await);
         let prompt: Vec<u32> = (0..300).map(|t| 3 + (t * 11) % 900).collect();
         let body = json!({"model": "kvroute-tiny", "prompt": prompt, "max_tokens": 4});
@@ -269,7 +269,7 @@ async fn a_decision_is_explained_on_request() {
         // The holder of the prompt answers sooner, and nothing it held was recomputed.
         assert!(chosen["overlap_blocks"].as_u64() > runner_up["overlap_blocks"].as_u64());
         assert!(chosen["terms"]["ttft_ms"].as_f64() < runner_up["terms"]["ttft_ms"].as_f64());
-        let metrics = router.render_metrics();
+        let metrics = router.view().render_metrics();
         assert!(
             metrics.contains("kvroute_router_avoidable_prefill_tokens_total 0"),
             "{}",
@@ -340,7 +340,7 @@ async fn sampled_decisions_are_logged_as_json_lines_and_found_by_request_id() {
             }
             false => {
                 // Nothing is written (the file was created when the log opened).
-                assert!(router.decision_log.as_ref().is_some_and(|l| l.dropped() == 0));
+                assert!(router.view().decision_log().is_some_and(|l| l.dropped() == 0));
                 assert!(written().is_empty());
             }
         }

@@ -107,9 +107,9 @@ fn on(r: &RequestRecord, w: WorkerId) -> bool {
 /// Whether the router holds nothing of `w`: no status, no blocks, no label set.
 fn nothing_left(router: &RouterState, w: WorkerId) -> bool {
     let label = format!("worker_id=\"{}\"", w.0);
-    !router.fleet.knows_worker(w)
-        && router.index.workers().iter().all(|r| r.worker_id != w)
-        && !router.render_metrics().contains(&label)
+    !router.view().knows_worker(w)
+        && router.view().indexed().iter().all(|r| r.worker_id != w)
+        && !router.view().render_metrics().contains(&label)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -96,7 +96,11 @@ async fn one(
     let initial: Vec<WorkerId> = plan.initial.iter().map(|&k| engines.id(k)).collect();
     let ready =
         wait_until(Duration::from_secs(30), || initial.iter().all(|&w| is_ready(&router, w))).await;
-    anyhow::ensure!(ready, "the first workers were not ready in 30 s: {:?}", router.workers());
+    anyhow::ensure!(
+        ready,
+        "the first workers were not ready in 30 s: {:?}",
+        router.view().workers()
+    );
 
     let workload = SharedPrefix {
         prompts_per_group: (plan.seconds * RATE / 12.0).ceil() as usize,
@@ -150,7 +154,7 @@ async fn watch_members(router: Arc<RouterState>, timeline: Arc<Mutex<Timeline>>)
     let mut known: BTreeMap<WorkerId, ()> = BTreeMap::new();
     loop {
         let now = tokio::time::Instant::now();
-        let workers = router.workers();
+        let workers = router.view().workers();
         {
             let mut t = timeline.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some(t0) = t.t0 {
@@ -176,7 +180,7 @@ async fn watch_members(router: Arc<RouterState>, timeline: Arc<Mutex<Timeline>>)
 }
 
 fn is_ready(router: &RouterState, worker: WorkerId) -> bool {
-    router.workers().iter().any(|w| w.id == worker && w.ready.iter().all(|r| *r))
+    router.view().workers().iter().any(|w| w.id == worker && w.ready.iter().all(|r| *r))
 }
 
 async fn wait_until(within: Duration, mut f: impl FnMut() -> bool) -> bool {

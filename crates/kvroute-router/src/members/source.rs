@@ -188,9 +188,9 @@ mod tests {
             (0, 0),
             "the same cut: nothing changes"
         );
-        assert_eq!(state.workers().len(), MAX_MEMBERS_PER_SOURCE);
+        assert_eq!(state.view().workers().len(), MAX_MEMBERS_PER_SOURCE);
         assert!(
-            state.render_metrics().contains(
+            state.view().render_metrics().contains(
                 "kvroute_router_membership_changes_total{source=\"dns\",change=\"refused\"} 8976"
             ),
             "each worker cut is counted once, not at every look"

@@ -23,25 +23,25 @@ use crate::metrics::Metrics;
 pub struct RouterState {
     pub config: RouterConfig,
     /// The KV index (its shards lock themselves; a leaf of the lock order).
-    pub index: ShardedIndex,
-    pub metrics: Metrics,
+    pub(crate) index: ShardedIndex,
+    pub(crate) metrics: Metrics,
     /// The scheduler, in-flight accounting and approximate mode.
-    pub placing: Placing,
+    pub(crate) placing: Placing,
     /// The worker registry and its health.
-    pub fleet: Fleet,
+    pub(crate) fleet: Fleet,
     /// Predictions against answers.
-    pub checks: SelfChecks,
+    pub(crate) checks: SelfChecks,
     /// Flow control's queues; their lock comes before the scheduler's.
-    pub flow: Flow,
+    pub(crate) flow: Flow,
     /// The fleet's membership as its sources and the front door see it, with each member's
     /// tasks.
-    pub roster: Roster,
+    pub(crate) roster: Roster,
     /// Replica sync and the event stream, when NATS is configured (set once, as it starts).
-    pub nats: OnceLock<NatsLinks>,
+    pub(crate) nats: OnceLock<NatsLinks>,
     /// What every ZMQ socket of the router may receive; refusals count in `metrics`.
-    pub zmq: ZmqLimits,
+    pub(crate) zmq: ZmqLimits,
     /// The sampled decision log, when configured (and its file opened).
-    pub decision_log: Option<super::DecisionLog>,
+    pub(crate) decision_log: Option<super::DecisionLog>,
 }
 
 impl RouterState {

@@ -1,112 +1,15 @@
-//! The verbs that read across owners for an observer: `/health`, the workers' statuses, the
-//! metrics at scrape time, and an answered request's prediction against what was served.
+//! An answered request's prediction against what was served, acted on (what an observer
+//! reads of the router is [`super::view`]).
 
-use kvroute_core::{StorageTier, WorkerWithDpRank};
-use kvroute_http::metrics::Registry;
-
-use super::composite::RouterState;
-use super::status::WorkerStatus;
+use kvroute_core::WorkerWithDpRank;
 use kvroute_http::router_api::Answered;
 
+use super::composite::RouterState;
 use super::status::CacheMode;
 use crate::check_status::Change;
-use crate::metrics::{
-    BlocksLabels, PredictionLabels, TierLabels, TierPredictionLabels, TierTokenLabels,
-    WorkerIdLabels, WorkerLabels,
-};
+use crate::metrics::{PredictionLabels, TierPredictionLabels, TierTokenLabels, WorkerIdLabels};
 
 impl RouterState {
-    /// What `/health` says: always ok while the process serves (NATS away is degraded, not
-    /// down: routing goes on from local state), with the NATS link's state when there is one.
-    pub fn health(&self) -> serde_json::Value {
-        match self.nats.get() {
-            Some(n) => serde_json::json!({
-                "status": "ok",
-                "degraded": !n.status.connected(),
-                "nats": n.summary(),
-            }),
-            None => serde_json::json!({"status": "ok", "degraded": false}),
-        }
-    }
-
-    /// Every worker's status, with its blocks in the index and its self-checks.
-    pub fn workers(&self) -> Vec<WorkerStatus> {
-        let lower = self.index.lower_tier_sizes();
-        self.fleet
-            .statuses()
-            .into_iter()
-            .map(|mut w| {
-                w.tree_size = (0..w.dp_size)
-                    .map(|r| self.index.tree_size(WorkerWithDpRank::new(w.id, r)))
-                    .collect();
-                w.lower_tier_blocks = (0..w.dp_size)
-                    .map(|r| {
-                        let rank = WorkerWithDpRank::new(w.id, r);
-                        lower
-                            .binary_search_by_key(&rank, |&(k, _)| k)
-                            .map_or([0; 3], |i| lower[i].1)
-                    })
-                    .collect();
-                if let Some(c) = self.checks.status(w.id) {
-                    w.checks = c;
-                }
-                w
-            })
-            .collect()
-    }
-
-    /// The metrics registry, with the sizes read at scrape time brought up to date.
-    pub fn registry(&self) -> &Registry {
-        let m = &self.metrics;
-        let stats = self.index.stats();
-        m.index_blocks.set(stats.blocks as i64);
-        m.index_held_blocks.set(stats.held_blocks as i64);
-        m.index_budget.set(self.index.budget().map_or(-1, |b| b as i64));
-        m.index_evicted.sync(stats.evicted_blocks);
-        m.avoidable_prefill.sync(self.placing.avoidable_prefill_tokens());
-        m.sync_zmq_refused();
-        m.in_flight.set(self.placing.in_flight() as i64);
-        let (affinity, sessions) = self.placing.affinity();
-        m.sync_sessions(affinity, sessions);
-        match self.nats.get() {
-            Some(n) => {
-                m.nats_connected.set(i64::from(n.status.connected()));
-                m.replica_peers
-                    .set(n.status.peers.load(std::sync::atomic::Ordering::Relaxed) as i64);
-                let seq = n.status.applied_seq.load(std::sync::atomic::Ordering::Relaxed);
-                m.stream_sequence.set(seq as i64);
-            }
-            None => {
-                m.nats_connected.set(-1);
-            }
-        }
-        for p in self.placing.prediction_stats() {
-            m.ttft_correction.get_or_create(&WorkerLabels::from(p.worker)).set(p.factor);
-        }
-        for w in self.workers() {
-            for rank in 0..w.dp_size {
-                let labels = WorkerLabels { worker_id: w.id.0, dp_rank: rank };
-                let r = rank as usize;
-                m.worker_ready.get_or_create(&labels).set(i64::from(w.ready[r]));
-                let blocks = BlocksLabels { worker_id: w.id.0, dp_rank: rank, mode: w.mode.name() };
-                m.worker_blocks.get_or_create(&blocks).set(w.tree_size[r] as i64);
-                for (tier, n) in StorageTier::LOWER.iter().zip(w.lower_tier_blocks[r]) {
-                    let labels = TierLabels { worker_id: w.id.0, dp_rank: rank, tier: tier.name() };
-                    m.worker_tier_blocks.get_or_create(&labels).set(n as i64);
-                }
-            }
-            let id = WorkerIdLabels { worker_id: w.id.0 };
-            m.worker_drifted.get_or_create(&id).set(i64::from(w.checks.drifted));
-            m.worker_silent.get_or_create(&id).set(i64::from(w.checks.silent));
-        }
-        &m.registry
-    }
-
-    /// The Prometheus exposition of the router's metrics.
-    pub fn render_metrics(&self) -> String {
-        kvroute_http::metrics::encode(&[self.registry()]).unwrap_or_default()
-    }
-
     /// Records an answered request (from this process's front door, or one posted to
     /// `/answers`): the cached tokens predicted against those the engine served. Counts it,
     /// and acts on what it shows: a worker found drifted is logged, its blocks cleared and its

@@ -102,7 +102,7 @@ impl Flow {
     }
 
     /// A replica's report of its waiting requests per priority.
-    pub fn peer_report(&self, replica: &str, bands: Vec<(i32, u32)>) {
+    pub(crate) fn peer_report(&self, replica: &str, bands: Vec<(i32, u32)>) {
         lock(&self.peers).insert(replica.to_owned(), (Instant::now(), bands));
     }
 

@@ -109,6 +109,21 @@ impl RouterState {
         }
     }
 
+    /// The adapters `rank` serves, as its engine lists them (`None`: any, unknown or loaded on
+    /// demand).
+    pub fn set_served_adapters(
+        &self,
+        rank: kvroute_core::WorkerWithDpRank,
+        served: Option<std::collections::BTreeSet<String>>,
+    ) {
+        self.placing.set_served_adapters(rank, served);
+    }
+
+    /// From now on a joining worker waits for its parity probe (a front door that probes).
+    pub fn probe_joiners(&self) {
+        self.roster.set_probed();
+    }
+
     /// Forgets every block of `worker` (all ranks): its engine is gone, its cache with it.
     pub fn forget_blocks(&self, worker: WorkerId) {
         let ranks = self.fleet.ranks(worker).unwrap_or(0);
