@@ -10,6 +10,7 @@
 
 mod args;
 pub mod churn;
+pub mod fixtures;
 pub mod goodput;
 pub mod overload;
 pub mod plot;
@@ -46,7 +47,7 @@ fn set_nats(targets: &mut [(String, Target)], url: &str) {
 /// A nats-server with JetStream in `out/nats`, on a runtime that keeps its log drained.
 fn own_nats_server(
     out: &std::path::Path,
-) -> anyhow::Result<(kvroute_stack::nats_server::NatsServer, tokio::runtime::Runtime)> {
+) -> anyhow::Result<(crate::fixtures::nats_server::NatsServer, tokio::runtime::Runtime)> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -54,7 +55,7 @@ fn own_nats_server(
         .context("starting a runtime")?;
     let store = out.join("nats");
     let server = runtime
-        .block_on(kvroute_stack::nats_server::NatsServer::start(&store, 0))
+        .block_on(crate::fixtures::nats_server::NatsServer::start(&store, 0))
         .context("starting nats-server for --replicas (or give --nats URL)")?;
     Ok((server, runtime))
 }

@@ -377,7 +377,8 @@ fn replicas_share_one_fleet_and_a_dead_front_door_is_skipped() {
     let host =
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let store = std::env::temp_dir().join(format!("kvroute-bench-nats-{}", std::process::id()));
-    let nats = host.block_on(kvroute_stack::nats_server::NatsServer::start(&store, 0)).unwrap();
+    let nats =
+        host.block_on(kvroute_bench::fixtures::nats_server::NatsServer::start(&store, 0)).unwrap();
     let fleet = fleet();
     let replicas = run::Replicas { n: 2, sync: true, nats_url: Some(nats.url()) };
     let (mut urls, workers) =

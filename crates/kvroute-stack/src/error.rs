@@ -1,6 +1,6 @@
 //! What a stack can fail with at start-up.
 
-use crate::{nats_server, settings};
+use crate::settings;
 
 /// Everything a stack can fail with at start-up.
 #[derive(Debug, thiserror::Error)]
@@ -9,8 +9,6 @@ pub enum StackError {
     #[error(transparent)]
     Config(#[from] settings::Invalid),
     /// The local NATS server (tests, the bench) could not be started.
-    #[error("nats-server: {0}")]
-    NatsServer(#[from] nats_server::NatsServerError),
     #[error("no randomness for a worker token")]
     Randomness(#[source] getrandom::Error),
     #[error("the stack has no front door")]

@@ -16,9 +16,7 @@
 
 pub mod addressed;
 mod config;
-pub mod dns_server;
 mod error;
-pub mod nats_server;
 pub mod reload;
 pub mod settings;
 mod simulated;

@@ -1,5 +1,5 @@
 //! Members found by DNS, from a real DNS server on loopback (Debian's `dnsmasq`, serving a
-//! hosts file the test rewrites: `kvroute_stack::dns_server`), in front of simulated engines
+//! hosts file the test rewrites: `kvroute_bench::fixtures::dns_server`), in front of simulated engines
 //! each on an address of its own in 127.0.0.0/8; and by a NATS key-value bucket on a real
 //! `nats-server` (docs/membership.md).
 
@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http_body_util::BodyExt;
+use kvroute_bench::fixtures::dns_server::{DnsServer, DnsServerError};
 use kvroute_http::HttpClient;
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_router::members::{
@@ -19,7 +20,6 @@ use kvroute_router::members::{
 };
 use kvroute_router::{RouterConfig, RouterState};
 use kvroute_stack::addressed::Ports;
-use kvroute_stack::dns_server::{DnsServer, DnsServerError};
 use kvroute_stack::{Simulated, Stack, StackConfig};
 use serde_json::json;
 
@@ -220,7 +220,7 @@ async fn an_answer_of_many_addresses_is_cut_to_the_bound() {
 
 /// A bucket on `server` under a registration key of the test's own.
 fn bucket_config(
-    server: &kvroute_stack::nats_server::NatsServer,
+    server: &kvroute_bench::fixtures::nats_server::NatsServer,
     ttl: Duration,
 ) -> kvroute_router::members::BucketConfig {
     kvroute_router::members::BucketConfig {
@@ -237,9 +237,9 @@ fn bucket_config(
 /// both, one whose renewals stop expires, and a garbage entry is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_agree_on_the_members_a_nats_bucket_holds() {
+    use kvroute_bench::fixtures::nats_server::NatsServer;
     use kvroute_router::members::signed::sign;
     use kvroute_router::members::{BucketSource, register};
-    use kvroute_stack::nats_server::NatsServer;
     let dir = tempdir::Dir::new("bucket");
     let server = NatsServer::start(&dir.0.join("store"), 0).await.unwrap();
     let ttl = Duration::from_secs(2);
@@ -490,9 +490,9 @@ fn is_ready(router: &RouterState, id: kvroute_core::WorkerId) -> bool {
 /// newcomers at the bound push none of the real workers out; each refused key is counted once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hostile_writer_to_the_bucket_cannot_take_the_fleet() {
+    use kvroute_bench::fixtures::nats_server::NatsServer;
     use kvroute_router::members::signed::{sign, sign_at};
     use kvroute_router::members::{BucketSource, MembersKey, id_for, register};
-    use kvroute_stack::nats_server::NatsServer;
     let dir = tempdir::Dir::new("hostile-bucket");
     let server = NatsServer::start(&dir.0.join("store"), 0).await.unwrap();
     let bucket = bucket_config(&server, Duration::from_secs(10));

@@ -631,8 +631,8 @@ async fn grpc_call(grpc: &str, payload: &[u8]) -> String {
 /// finds the whole prefix cached where the first went (the hit rate of the repeats is 1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_pickers_over_nats_keep_every_repeat_on_its_cached_prefix() {
+    use kvroute_bench::fixtures::nats_server::NatsServer;
     use kvroute_router::nats::{EventsVia, NatsConfig};
-    use kvroute_stack::nats_server::NatsServer;
     let dir = std::env::temp_dir().join(format!("kvroute-epp-nats-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let server = NatsServer::start(&dir, 0).await.unwrap();

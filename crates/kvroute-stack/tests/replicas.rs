@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::eventually;
 
+use kvroute_bench::fixtures::nats_server::NatsServer;
 use kvroute_core::{
     ExternalBlockHash, KvCacheEventData, LocalBlockHash, RouterEvent, WorkerWithDpRank,
 };
@@ -20,7 +21,6 @@ use kvroute_http::HttpClient;
 use kvroute_mocker::{EngineConfig, Timing};
 use kvroute_router::nats::{EventsVia, NatsConfig, PEER_TIMEOUT};
 use kvroute_router::{PlaceRequest, RouterConfig, RouterState, Tasks, WorkerSpec};
-use kvroute_stack::nats_server::NatsServer;
 use kvroute_stack::{FrontDoorOptions, Simulated, Stack, StackConfig};
 use serde_json::json;
 

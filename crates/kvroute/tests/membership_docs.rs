@@ -100,7 +100,9 @@ async fn the_membership_docs_bucket_example_runs_as_written() {
     let dir = std::env::temp_dir().join(format!("kvroute-members-doc-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let nats = match kvroute_stack::nats_server::NatsServer::start(&dir.join("store"), 0).await {
+    let nats = match kvroute_bench::fixtures::nats_server::NatsServer::start(&dir.join("store"), 0)
+        .await
+    {
         Ok(nats) => nats,
         Err(err) => panic!("{err} (scripts/test installs nats-server into .venv)"),
     };

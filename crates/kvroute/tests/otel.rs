@@ -399,7 +399,7 @@ async fn a_prefill_decode_request_is_one_trace_with_a_span_per_leg() {
 async fn replicas_and_the_router_api_carry_the_trace() {
     let Some(receiver) = receiver("replicas") else { return };
     let store = std::env::temp_dir().join(format!("kvroute-otel-nats-{}", std::process::id()));
-    let nats = kvroute_stack::nats_server::NatsServer::start(&store, 0).await.unwrap();
+    let nats = kvroute_bench::fixtures::nats_server::NatsServer::start(&store, 0).await.unwrap();
     let url = nats.url();
     let (_serve, front, _) = serve(&receiver, &["--simulated-workers", "2", "--nats-url", &url]);
     let fleet: Value = HttpClient::new().get_json(&format!("{front}/workers")).await.unwrap();

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::Duration;
 
+use crate::fixtures::dns_server::DnsServer;
+use crate::fixtures::nats_server::NatsServer;
 use anyhow::Context;
 use kvroute_core::WorkerId;
 use kvroute_http::HttpClient;
@@ -13,8 +15,6 @@ use kvroute_router::WorkerSpec;
 use kvroute_router::members::{BucketConfig, DnsConfig, Template, register};
 use kvroute_stack::Discovery;
 use kvroute_stack::addressed::{Ports, engine_at};
-use kvroute_stack::dns_server::DnsServer;
-use kvroute_stack::nats_server::NatsServer;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
