@@ -17,7 +17,7 @@ use kvroute_router::PlaceRequest;
 use crate::FrontendState;
 use crate::hop::{HopFailure, Outbound};
 use crate::observer::InFlight;
-use crate::placer::PairPlacement;
+use crate::placer::Legs;
 
 /// Workers out of rotation now: those draining, those outside `subset` (a gateway's hint),
 /// and those ejected after a failure (until a health check passes once their backoff is over:
@@ -59,7 +59,7 @@ fn rotation(
 /// One placement: its legs (no prefill leg outside a disaggregated fleet, or when it is
 /// prefilled where it decodes) and the request in flight, in its engine span.
 pub(crate) struct Attempt {
-    pub(crate) legs: PairPlacement,
+    pub(crate) legs: Legs,
     pub(crate) guard: InFlight,
 }
 
@@ -114,7 +114,7 @@ impl<'a> Attempts<'a> {
             false => {
                 let placed =
                     state.placer.place(&self.request, state.block_size, to, &self.excluded).await?;
-                placed.map(|decode| PairPlacement { prefill: None, decode })
+                placed.map(|decode| Legs { prefill: None, decode })
             }
         };
         if let Some(class) = self.request.class.take() {
@@ -168,7 +168,7 @@ impl<'a> Attempts<'a> {
 /// Where a request went and what each engine was predicted to hold, at debug level
 /// (`kvroute::placement`): records to join with a load generator's when a tail needs
 /// explaining.
-fn log_placement(id: &str, out: &Outbound, legs: &PairPlacement) {
+fn log_placement(id: &str, out: &Outbound, legs: &Legs) {
     tracing::debug!(
         target: "kvroute::placement",
         request = %id,

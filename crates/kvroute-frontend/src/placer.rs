@@ -87,10 +87,11 @@ impl Placement {
     }
 }
 
-/// Where a request's two legs go in a disaggregated fleet.
+/// Where a placed request goes: the worker that decodes it, and in a disaggregated fleet the
+/// one that prefills it first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct PairPlacement {
-    /// None: it is prefilled where it decodes.
+pub(crate) struct Legs {
+    /// None: it is prefilled where it decodes (always, outside a disaggregated fleet).
     pub prefill: Option<Placement>,
     pub decode: Placement,
 }
@@ -162,7 +163,7 @@ impl Placer {
         request: &PlaceRequest,
         (id, trace): (&str, Option<&TraceContext>),
         exclude: &[WorkerWithDpRank],
-    ) -> Result<Option<PairPlacement>, ApiError> {
+    ) -> Result<Option<Legs>, ApiError> {
         let num_tokens = request.num_tokens;
         let cached = |predicted_prefill: usize| num_tokens.saturating_sub(predicted_prefill) as u64;
         match self {
@@ -171,7 +172,7 @@ impl Placer {
                     Placement::leg(d.worker, d.overlap_blocks, cached(d.predicted_prefill_tokens))
                 };
                 let pair = router.decide(&tracked(request, (id, trace), exclude)).await;
-                Ok(pair.map_err(Refusal::into_api_error)?.map(|pair| PairPlacement {
+                Ok(pair.map_err(Refusal::into_api_error)?.map(|pair| Legs {
                     prefill: pair.prefill.as_ref().map(leg),
                     decode: leg(&pair.decode),
                 }))
@@ -190,7 +191,7 @@ impl Placer {
                         best.overlap_blocks,
                         cached(best.predicted_prefill_tokens),
                     );
-                    PairPlacement { prefill, decode }
+                    Legs { prefill, decode }
                 }))
             }
         }
