@@ -18,6 +18,7 @@ use crate::FrontendState;
 use crate::hop::{HopFailure, Outbound};
 use crate::observer::InFlight;
 use crate::placer::Legs;
+use crate::roster::Workers;
 
 /// Workers out of rotation now: those draining, those outside `subset` (a gateway's hint),
 /// and those ejected after a failure (until a health check passes once their backoff is over:
@@ -26,9 +27,9 @@ use crate::placer::Legs;
 /// ejected ones are tried all the same.
 pub(crate) fn out_of_rotation(
     state: &FrontendState,
+    workers: &Workers,
     subset: Option<&BTreeSet<WorkerId>>,
 ) -> BTreeSet<WorkerId> {
-    let workers = state.workers();
     let set_aside =
         |w: WorkerId| workers.draining.contains(&w) || subset.is_some_and(|s| !s.contains(&w));
     rotation(workers.urls.keys().copied(), set_aside, |w| state.health.is_ejected(w))
@@ -81,14 +82,15 @@ impl<'a> Attempts<'a> {
         out: &'a Outbound,
         subset: Option<&'a BTreeSet<WorkerId>>,
     ) -> Self {
-        let out_of = out_of_rotation(state, subset);
+        let workers = state.workers();
+        let out_of = out_of_rotation(state, &workers, subset);
         Self {
             state,
             out,
             subset,
             request: out.place.clone(),
-            excluded: out_of.into_iter().flat_map(|w| state.workers().all_ranks(w)).collect(),
-            paired: state.placer.disaggregated(state.workers().prefill_workers),
+            excluded: out_of.into_iter().flat_map(|w| workers.all_ranks(w)).collect(),
+            paired: state.placer.disaggregated(workers.prefill_workers),
             lowered: false,
         }
     }

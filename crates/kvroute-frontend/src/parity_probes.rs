@@ -18,7 +18,7 @@ pub(crate) struct ParityProbes {
     left: Mutex<BTreeSet<WorkerId>>,
     /// Probes that could not be made: when each is tried next, and its backoff.
     retries: Mutex<BTreeMap<WorkerId, (Instant, Duration)>>,
-    pub(crate) made: tokio::sync::Notify,
+    woken: tokio::sync::Notify,
 }
 
 impl ParityProbes {
@@ -26,13 +26,18 @@ impl ParityProbes {
         Self {
             left: Mutex::new(workers.into_iter().collect()),
             retries: Mutex::default(),
-            made: tokio::sync::Notify::new(),
+            woken: tokio::sync::Notify::new(),
         }
     }
 
     /// The workers still to be probed.
     pub(crate) fn left(&self) -> Vec<WorkerId> {
         self.left.lock().map(|s| s.iter().copied().collect()).unwrap_or_default()
+    }
+
+    /// Resolves when a probe is next made (take it before looking at [`Self::left`]).
+    pub(crate) fn made_next(&self) -> tokio::sync::futures::Notified<'_> {
+        self.woken.notified()
     }
 
     /// `worker` is to be probed (again).
@@ -58,7 +63,7 @@ impl ParityProbes {
     /// `worker`'s probe was made: done, and whoever waits is woken.
     pub(crate) fn made(&self, worker: WorkerId) {
         self.forget(worker);
-        self.made.notify_waiters();
+        self.woken.notify_waiters();
     }
 
     /// A probe could not be made: tried again after a backoff that doubles from 1 s to

@@ -332,8 +332,9 @@ impl FrontendState {
     /// The workers in rotation among `allowed` now ([`crate::attempts::out_of_rotation`]'s
     /// rule), in order of their ids.
     pub fn in_rotation(&self, allowed: Option<&BTreeSet<WorkerId>>) -> Vec<WorkerId> {
-        let out = out_of_rotation(self, allowed);
-        self.workers().urls.keys().copied().filter(|w| !out.contains(w)).collect()
+        let workers = self.workers();
+        let out = out_of_rotation(self, &workers, allowed);
+        workers.urls.keys().copied().filter(|w| !out.contains(w)).collect()
     }
 }
 

@@ -19,7 +19,7 @@ impl FrontendState {
     pub async fn parity_done(&self, timeout: Duration) -> Vec<WorkerId> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let notified = self.parity.made.notified();
+            let notified = self.parity.made_next();
             let mut left = self.parity_left();
             left.retain(|w| !self.health.is_ejected(*w));
             if left.is_empty() || tokio::time::Instant::now() >= deadline {
