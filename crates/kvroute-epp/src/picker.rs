@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvroute_core::WorkerId;
-use kvroute_frontend::{FrontendState, Placer};
+use kvroute_frontend::{Decider, FrontendState};
 
 use crate::budget::Budget;
 use crate::endpoints::{Endpoints, parse_endpoints};
@@ -177,7 +177,7 @@ impl Picker {
         template: kvroute_router::members::Template,
         drain_timeout: std::time::Duration,
     ) -> bool {
-        let Placer::Embedded(router) = &self.front.placer else { return false };
+        let Decider::Embedded(router) = &self.front.decider else { return false };
         let sink = kvroute_router::members::Sink::new(Arc::clone(router), "file", drain_timeout);
         self.joins.set(Joins { template, sink }).is_ok()
     }
@@ -186,7 +186,7 @@ impl Picker {
     /// workers by the template.
     fn offer_listed(&self, listed: &[String]) {
         let Some(joins) = self.joins.get() else { return };
-        let Placer::Embedded(router) = &self.front.placer else { return };
+        let Decider::Embedded(router) = &self.front.decider else { return };
         let endpoints = self.endpoints();
         let mut specs = Vec::new();
         for endpoint in listed {

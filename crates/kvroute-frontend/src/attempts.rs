@@ -15,9 +15,9 @@ use kvroute_http::ApiError;
 use kvroute_router::PlaceRequest;
 
 use crate::FrontendState;
+use crate::decider::Legs;
 use crate::hop::{HopFailure, Outbound};
 use crate::observer::InFlight;
-use crate::placer::Legs;
 use crate::roster::Workers;
 
 /// Workers out of rotation now: those draining, those outside `subset` (a gateway's hint),
@@ -90,7 +90,7 @@ impl<'a> Attempts<'a> {
             subset,
             request: out.place.clone(),
             excluded: out_of.into_iter().flat_map(|w| workers.all_ranks(w)).collect(),
-            paired: state.placer.disaggregated(workers.prefill_workers),
+            paired: state.decider.disaggregated(workers.prefill_workers),
             lowered: false,
         }
     }
@@ -112,15 +112,17 @@ impl<'a> Attempts<'a> {
         let id = state.request_id();
         let to = (id.as_str(), self.out.trace.as_ref());
         let legs = match self.paired {
-            true => state.placer.place_pair(&self.request, to, &self.excluded).await?,
+            true => state.decider.decide_pair(&self.request, to, &self.excluded).await?,
             false => {
-                let placed =
-                    state.placer.place(&self.request, state.block_size, to, &self.excluded).await?;
+                let placed = state
+                    .decider
+                    .decide(&self.request, state.block_size, to, &self.excluded)
+                    .await?;
                 placed.map(|decode| Legs { prefill: None, decode })
             }
         };
         if let Some(class) = self.request.class.take() {
-            self.lowered = state.options.engine_priority && state.placer.over_share(&class);
+            self.lowered = state.options.engine_priority && state.decider.over_share(&class);
         }
         let Some(legs) = legs.filter(|l| !self.excluded.contains(&l.decode.worker)) else {
             return Err(match self.subset {

@@ -1,4 +1,4 @@
-//! What the front door tells and asks the router of its workers, through the [`Placer`]: the
+//! What the front door tells and asks the router of its workers, through the [`Decider`]: the
 //! same for the router embedded in this process and for a remote `kvroute router`, so parity
 //! probes, served adapters, forgetting a dead engine's blocks and `/workers` work with both.
 //!
@@ -23,7 +23,7 @@ use kvroute_router::{ConvertStats, Parity};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::placer::{Placer, RemoteRouter};
+use crate::decider::{Decider, RemoteRouter};
 
 /// What a parity probe reads of a worker (fields of the router's `/workers` entry).
 #[derive(Clone, Debug, Deserialize)]
@@ -37,7 +37,7 @@ pub struct WorkerView {
     pub parity: Parity,
 }
 
-impl Placer {
+impl Decider {
     /// The router's view of `worker`: `Ok(None)` when it does not know it, `Err` when a
     /// remote router did not answer.
     pub async fn worker(&self, worker: WorkerId) -> Result<Option<WorkerView>, ClientError> {

@@ -291,7 +291,7 @@ pub(crate) async fn models(State(state): State<Arc<FrontendState>>) -> Json<Mode
 /// (embedded, or a remote router's `/workers`).
 pub(crate) async fn workers(State(state): State<Arc<FrontendState>>) -> Json<Value> {
     let health = state.health.snapshot(Instant::now());
-    let view = state.placer.view().await;
+    let view = state.decider.view().await;
     Json(json!({"health": health, "workers": view["workers"],
         "recent_decisions": view["recent_decisions"], "ttft_predictions": view["ttft_predictions"],
         "nats": view["nats"]}))
@@ -301,9 +301,9 @@ type Membership = Result<(StatusCode, Json<Value>), ApiError>;
 
 /// The embedded router, whose membership the front door's API changes.
 fn membership(state: &FrontendState) -> Result<&Arc<kvroute_router::RouterState>, ApiError> {
-    match &state.placer {
-        crate::placer::Placer::Embedded(router) => Ok(router),
-        crate::placer::Placer::Remote(_) => Err(ApiError::new(
+    match &state.decider {
+        crate::decider::Decider::Embedded(router) => Ok(router),
+        crate::decider::Decider::Remote(_) => Err(ApiError::new(
             StatusCode::CONFLICT,
             "the fleet's membership is the remote router's: change it there (POST /workers)",
         )),
@@ -343,7 +343,7 @@ pub(crate) async fn decision(
     State(state): State<Arc<FrontendState>>,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let crate::placer::Placer::Embedded(router) = &state.placer else {
+    let crate::decider::Decider::Embedded(router) = &state.decider else {
         let message = "the decisions are the remote router's: ask its /decisions/{id}";
         return Err(ApiError::not_found(message));
     };
@@ -356,7 +356,7 @@ pub(crate) async fn decision(
 
 /// Liveness; with an embedded router, its state (NATS away is degraded, not down).
 pub(crate) async fn health(State(state): State<Arc<FrontendState>>) -> Json<Value> {
-    Json(state.placer.health())
+    Json(state.decider.health())
 }
 
 /// `GET /ui/history`: the status page's chart, from the front door's own samples.
@@ -370,7 +370,7 @@ pub(crate) async fn history(
 pub(crate) async fn metrics(State(state): State<Arc<FrontendState>>) -> Response {
     state.metrics.ejected.set(state.health.ejected_count() as i64);
     let registries =
-        [Some(&state.metrics.registry), state.placer.registry(), state.beside.get().map(|r| &**r)];
+        [Some(&state.metrics.registry), state.decider.registry(), state.beside.get().map(|r| &**r)];
     let registries: Vec<&kvroute_http::metrics::Registry> =
         registries.into_iter().flatten().collect();
     kvroute_http::metrics::response(&registries)

@@ -23,10 +23,10 @@ use kvroute_preprocess::Prepared;
 use kvroute_router::{Dialect, PlaceRequest};
 use serde_json::{Value, json};
 
+use crate::decider::Placement;
 use crate::dialect::{self, Keys, tokens_body};
 use crate::health::Failure;
 use crate::observer::{AnswerObserver, InFlight};
-use crate::placer::Placement;
 use crate::translate::Translator;
 use crate::usage::stream_error_event;
 use crate::{FrontendState, OVERLAP_HEADER, OVERLAP_TIER_HEADER, WORKER_HEADER};
@@ -349,7 +349,7 @@ where
 /// Request `id`'s decision as [`crate::DECISION_HEADER`]'s value, while the embedded router
 /// still holds it among its recent ones (a remote router's are on its `/workers`).
 fn explained(state: &FrontendState, id: &str) -> Option<HeaderValue> {
-    let crate::placer::Placer::Embedded(router) = &state.placer else { return None };
+    let crate::decider::Decider::Embedded(router) = &state.decider else { return None };
     let record = router.view().decision_of(id)?;
     let json = serde_json::json!({
         "considered": record.considered,

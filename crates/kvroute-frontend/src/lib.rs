@@ -5,7 +5,7 @@
 //!         ─▶ parse + check (handlers::parse: typed fields, sizes as the engine checks them)
 //!         ─▶ preprocess (kvroute_preprocess: images fetched/decoded, chat template, tokens)
 //!         ─▶ Outbound (hop.rs: block hashes with images and namespace, the body to send)
-//!         ─▶ place (placer.rs: embedded router or a remote one → Placement, in flight from now)
+//!         ─▶ place (decider.rs: embedded router or a remote one → Placement, in flight from now)
 //!         ─▶ dispatch (dispatch.rs over attempts.rs: one hop, retries and ejection, the answer streamed back
 //!            with its cached tokens read on the way, usage.rs; end or client gone = freed)
 //!  the health tick (probes.rs): /health of every worker, parity probes of joining ones
@@ -22,6 +22,7 @@
 mod adapters;
 mod app;
 mod attempts;
+mod decider;
 mod dialect;
 mod dispatch;
 mod fleet_seam;
@@ -38,7 +39,6 @@ mod pair;
 pub mod parity;
 mod parity_probes;
 pub mod pick;
-mod placer;
 mod probes;
 mod roster;
 mod state;
@@ -46,8 +46,8 @@ pub mod transfer;
 mod translate;
 mod usage;
 pub use app::{app, serve};
+pub use decider::{Decider, Placement, RemoteRouter};
 pub use names::*;
 pub use options::FrontDoorOptions;
-pub use placer::{Placement, Placer, RemoteRouter};
 pub use state::FrontendState;
 pub use transfer::TRANSFER_FIELDS;

@@ -33,7 +33,7 @@ impl FrontendState {
             // Loading adapters on demand, any worker can serve any of them.
             let served = (!self.options.load_adapters).then(|| adapters.clone());
             for rank in self.workers().all_ranks(worker) {
-                self.placer.set_served_adapters(rank, served.clone());
+                self.decider.set_served_adapters(rank, served.clone());
             }
             self.adapters.record(worker, adapters);
         }

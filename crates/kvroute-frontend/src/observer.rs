@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use kvroute_http::router_api::Answered;
 
-use crate::placer::Placement;
+use crate::decider::Placement;
 use crate::state::FrontendState;
 use crate::usage::Usage;
 
@@ -66,7 +66,7 @@ impl AnswerObserver {
                 self.guard.span.in_scope(|| kvroute_http::span_event!("first byte"));
             }
             let sse = self.usage.as_ref().is_some_and(|u| u.sse);
-            self.guard.state.placer.prefill_done(&self.guard.id, sse);
+            self.guard.state.decider.prefill_done(&self.guard.id, sse);
             self.prefill = None;
         }
     }
@@ -180,10 +180,10 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.state.metrics.in_flight.dec();
-        self.state.placer.finish(&self.id);
+        self.state.decider.finish(&self.id);
         if let (Some((placement, prompt_tokens)), Some(served)) = (self.predicted, self.served) {
             self.checked_span(placement.predicted_cached_tokens, served);
-            self.state.placer.answered(Answered {
+            self.state.decider.answered(Answered {
                 worker_id: placement.worker.worker_id,
                 dp_rank: placement.worker.dp_rank,
                 prompt_tokens,

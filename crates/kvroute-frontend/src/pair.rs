@@ -1,6 +1,6 @@
 //! A request's two legs in a disaggregated fleet (docs/routing.md, "Prefill and decode"):
 //! the router chooses a prefill and a decode worker, or one decode worker alone
-//! ([`crate::placer::Placer::place_pair`]); the front door then speaks the engines' own protocol:
+//! ([`crate::decider::Decider::decide_pair`]); the front door then speaks the engines' own protocol:
 //!
 //! - **vLLM** (`kv_transfer_params`, as vllm-router's P/D mode and vLLM's proxy send it):
 //!   the prefill worker gets the request with `do_remote_decode: true`, one token and no
@@ -39,10 +39,10 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use crate::attempts::{Attempt, Attempts};
+use crate::decider::Placement;
 use crate::health::Failure;
 use crate::hop::{Edit, Head, Hop, HopFailure, Outbound, edited, post, respond};
 use crate::observer::InFlight;
-use crate::placer::Placement;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
 
 /// The largest prefill answer read (one token and its envelope).
@@ -265,10 +265,10 @@ impl Leg {
     /// The prefill answered (`cached`: the prompt tokens it served from its cache, when it
     /// said): the router's prediction is checked against it and the leg is freed.
     fn ended(&self, prompt_tokens: usize, cached: Option<u64>) {
-        let placer = &self.state.placer;
+        let decider = &self.state.decider;
         if let Some(cached_tokens) = cached {
             let d = &self.placed;
-            placer.answered(Answered {
+            decider.answered(Answered {
                 worker_id: d.worker.worker_id,
                 dp_rank: d.worker.dp_rank,
                 prompt_tokens: prompt_tokens as u64,
@@ -277,7 +277,7 @@ impl Leg {
                 cached_tokens,
             });
         }
-        placer.finish(&prefill_leg_id(&self.id));
+        decider.finish(&prefill_leg_id(&self.id));
     }
 
     /// SGLang's prefill leg, beside the decode leg: sent at once, its answer read and

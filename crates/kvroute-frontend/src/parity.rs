@@ -28,14 +28,14 @@ use kvroute_preprocess::{Prepared, images};
 use kvroute_router::{ConvertStats, Parity};
 use serde_json::{Value, json};
 
-use crate::placer::Placer;
+use crate::decider::Decider;
 use crate::{FrontendState, dialect};
 
-fn fail(placer: &Placer, worker: WorkerId, cause: &Mismatch) -> Parity {
+fn fail(decider: &Decider, worker: WorkerId, cause: &Mismatch) -> Parity {
     tracing::error!(%worker, %cause, "parity probe failed: the worker's events cannot be used; routing it approximately");
     // The router keeps the cause as text: it is what `/workers` shows.
     let parity = Parity::Failed(cause.to_string());
-    placer.set_parity(worker, parity.clone());
+    decider.set_parity(worker, parity.clone());
     parity
 }
 
@@ -75,14 +75,14 @@ pub enum Retry {
 }
 
 /// Probes `worker` and records the outcome in the router (embedded or remote: through the
-/// [`Placer`]); `Ok(None)` when there is nothing to probe (no URL), `Err` when it cannot be
+/// [`Decider`]); `Ok(None)` when there is nothing to probe (no URL), `Err` when it cannot be
 /// probed now (the caller tries again after a backoff, and records why).
 pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Option<Parity>, Retry> {
     let Some(base) = state.workers().url(worker).map(str::to_owned) else {
         return Ok(None);
     };
-    let placer = &state.placer;
-    let status = placer.worker(worker).await.map_err(|_| Retry::NoAnswer)?.ok_or(Retry::Gone)?;
+    let decider = &state.decider;
+    let status = decider.worker(worker).await.map_err(|_| Retry::NoAnswer)?.ok_or(Retry::Gone)?;
     // Nothing to compare for a worker without events; wait for its subscription otherwise.
     if status.events.is_none() {
         return Ok(Some(Parity::Unchecked));
@@ -91,7 +91,7 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
         return Err(Retry::NotSubscribed);
     }
     // Trust its events while it is probed (a failed worker gets another chance).
-    placer.set_parity(worker, Parity::Unchecked);
+    decider.set_parity(worker, Parity::Unchecked);
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
@@ -115,12 +115,12 @@ pub async fn probe(state: &Arc<FrontendState>, worker: WorkerId) -> Result<Optio
             Some(Err(Mismatch::Refused { status, message })) if p.without_images.is_some() => {
                 tracing::info!(%worker, %status, %message, "the engine takes no pictures: its text probe passed, its picture probe was refused");
             }
-            Some(Err(cause)) => return Ok(Some(fail(placer, worker, &cause))),
+            Some(Err(cause)) => return Ok(Some(fail(decider, worker, &cause))),
             None => return Err(Retry::NoAnswer),
         }
     }
     tracing::info!(%worker, probes = probes.len(), "parity probe passed");
-    placer.set_parity(worker, Parity::Ok);
+    decider.set_parity(worker, Parity::Ok);
     Ok(Some(Parity::Ok))
 }
 
@@ -210,8 +210,8 @@ async fn run(
     body: Value,
     probe: &Probe,
 ) -> Option<Result<(), Mismatch>> {
-    let placer = &state.placer;
-    let conversion = async || Some(placer.worker(worker).await.ok()??.conversion);
+    let decider = &state.decider;
+    let conversion = async || Some(decider.worker(worker).await.ok()??.conversion);
     let before = conversion().await?;
     let client = state.workers().client.clone();
     let answer = client.post_json::<Value>(url, &body);
@@ -223,7 +223,7 @@ async fn run(
         // Unreachable or slow: the health checks deal with it; probed again later.
         _ => return None,
     }
-    let held = async |hashes: &[LocalBlockHash]| placer.held(worker, hashes).await.ok();
+    let held = async |hashes: &[LocalBlockHash]| decider.held(worker, hashes).await.ok();
     let deadline = Instant::now() + PROBE_WAIT;
     while held(&probe.hashes).await? < probe.hashes.len() {
         if Instant::now() > deadline {

@@ -131,7 +131,7 @@ impl FrontendState {
     /// record of the decision (the chosen candidate and the cheapest others; none when the
     /// router is remote or no longer holds it). See [`endpoint_scores`].
     pub fn endpoint_scores(&self, id: &str) -> Vec<(WorkerId, f64)> {
-        let crate::placer::Placer::Embedded(router) = &self.placer else { return Vec::new() };
+        let crate::decider::Decider::Embedded(router) = &self.decider else { return Vec::new() };
         router.view().decision_of(id).map(|r| endpoint_scores(&r)).unwrap_or_default()
     }
 }
@@ -219,14 +219,14 @@ impl FrontendState {
                     }
                 },
             };
-            self.place_picked(&out, allowed).await.map(|p| Pick::Placed(Box::new(p)))
+            self.decide_picked(&out, allowed).await.map(|p| Pick::Placed(Box::new(p)))
         })
         .await
     }
 
     /// Places `out` among `allowed` workers in rotation (a pair in a P/D fleet): the first
     /// attempt the worker can take, with the rest of the order as the gateway's fallbacks.
-    async fn place_picked(
+    async fn decide_picked(
         self: &Arc<Self>,
         out: &Outbound,
         allowed: Option<&BTreeSet<WorkerId>>,

@@ -99,7 +99,7 @@ impl FrontendState {
                 // A failed worker stays failed until a probe is made (the router keeps that
                 // rule): the cause stands unless it failed one before.
                 if let Some(cause) = self.parity.later(worker, &why) {
-                    self.placer.set_parity(worker, kvroute_router::Parity::Retrying(cause));
+                    self.decider.set_parity(worker, kvroute_router::Parity::Retrying(cause));
                 }
             }
         }

@@ -16,11 +16,11 @@ use kvroute_preprocess::fetch::Fetcher;
 use kvroute_router::{RouterState, WorkerSpec};
 
 use crate::adapters::ListedAdapters;
+use crate::decider::{Decider, RemoteRouter};
 use crate::health;
 use crate::metrics::Metrics;
 use crate::options::{FrontDoorOptions, namespaced_session};
 use crate::parity_probes::ParityProbes;
-use crate::placer::{Placer, RemoteRouter};
 use crate::roster::Workers;
 
 use health::{Failure, Health};
@@ -28,7 +28,7 @@ use health::{Failure, Health};
 pub struct FrontendState {
     pub preprocessor: Arc<Preprocessor>,
     pub fetcher: Fetcher,
-    pub placer: Placer,
+    pub decider: Decider,
     pub(crate) block_size: BlockSize,
     /// The workers spoken to now, replaced as a whole when the membership changes.
     workers: RwLock<Arc<Workers>>,
@@ -76,7 +76,7 @@ impl FrontendState {
         router: Arc<RouterState>,
     ) -> Self {
         let (block_size, workers) = (router.config.block_size, router.config.workers.clone());
-        Self::with(preprocessor, fetcher, Placer::Embedded(router), block_size, &workers)
+        Self::with(preprocessor, fetcher, Decider::Embedded(router), block_size, &workers)
     }
 
     /// A front door asking the `kvroute router` at `router_url`, proxying to `workers`.
@@ -88,14 +88,14 @@ impl FrontendState {
         workers: &[WorkerSpec],
         block_size: BlockSize,
     ) -> Self {
-        let placer = Placer::Remote(RemoteRouter::new(router_url, router_token));
-        Self::with(preprocessor, fetcher, placer, block_size, workers)
+        let decider = Decider::Remote(RemoteRouter::new(router_url, router_token));
+        Self::with(preprocessor, fetcher, decider, block_size, workers)
     }
 
     pub(crate) fn with(
         preprocessor: Arc<Preprocessor>,
         fetcher: Fetcher,
-        placer: Placer,
+        decider: Decider,
         block_size: BlockSize,
         workers: &[WorkerSpec],
     ) -> Self {
@@ -105,7 +105,7 @@ impl FrontendState {
         let roster = Workers::new(workers, &base_client);
         Self {
             fetcher,
-            placer,
+            decider,
             block_size,
             health: Health::new(roster.urls.keys().copied()),
             parity: ParityProbes::new(roster.probed()),
@@ -239,9 +239,9 @@ impl FrontendState {
     /// the next health tick). Nothing to follow with a remote router.
     pub fn spawn_follow(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let weak = Arc::downgrade(self);
-        let roster = match &self.placer {
-            Placer::Embedded(router) => Some(router.view().follow_members()),
-            Placer::Remote(_) => None,
+        let roster = match &self.decider {
+            Decider::Embedded(router) => Some(router.view().follow_members()),
+            Decider::Remote(_) => None,
         };
         tokio::spawn(async move {
             let Some(mut roster) = roster else { return };
@@ -272,7 +272,7 @@ impl FrontendState {
             tracing::warn!(%worker, ?why, backoff_secs = backoff.as_secs_f64(), "worker ejected");
         }
         if why == Failure::Connect {
-            self.placer.forget_blocks(worker);
+            self.decider.forget_blocks(worker);
             self.adapters.forget(worker);
             // Whatever comes back on its port is probed again.
             if self.workers().evented.contains(&worker) {
@@ -285,7 +285,7 @@ impl FrontendState {
     #[must_use]
     pub fn with_options(mut self, options: FrontDoorOptions) -> Self {
         self.options = options;
-        if let (true, Placer::Embedded(router)) = (self.options.parity_probe, &self.placer) {
+        if let (true, Decider::Embedded(router)) = (self.options.parity_probe, &self.decider) {
             // Workers joining later wait for their probe before they are candidates.
             router.probe_joiners();
         }
@@ -311,7 +311,7 @@ impl FrontendState {
         let weak = Arc::downgrade(self);
         self.history.spawn(self.options.status_every, move || {
             let state = weak.upgrade()?;
-            Some(match state.placer.registry() {
+            Some(match state.decider.registry() {
                 Some(r) => kvroute_http::status::Counters::read(&[&state.metrics.registry, r]),
                 None => kvroute_http::status::Counters::read(&[&state.metrics.registry]),
             })

@@ -258,7 +258,7 @@ fn place(req: &FindBestWorker) {
         temperature: req.temperature.filter(|t| t.is_finite() && *t >= 0.0),
         ..PlaceRequest::default()
     };
-    let _ = state.place_now(&placement);
+    let _ = state.decide_now(&placement);
     if req.classed() {
         admit(req, &placement);
     }

@@ -202,7 +202,7 @@ async fn main() {
             num_tokens: 512 * BS,
             ..PlaceRequest::default()
         };
-        std::hint::black_box(state.place_now(&placement));
+        std::hint::black_box(state.decide_now(&placement));
         inside.push(t.elapsed().as_nanos() as u64);
         let t = Instant::now();
         let answer: BestWorker = client.post_json(&url, &bodies[i % bodies.len()]).await.unwrap();

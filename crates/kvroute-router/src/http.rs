@@ -412,8 +412,8 @@ async fn tree_info(State(api): ApiState) -> Result<Json<serde_json::Value>, ApiE
 async fn workers(State(api): ApiState) -> Json<serde_json::Value> {
     let state = &api.state;
     Json(json!({"workers": state.view().workers(), "in_flight": state.view().in_flight(),
-        "recent_decisions": state.placing.recent_decisions(),
-        "ttft_predictions": state.placing.prediction_stats(), "nats": state.nats.get().map(|n| n.summary())}))
+        "recent_decisions": state.scheduling.recent_decisions(),
+        "ttft_predictions": state.scheduling.prediction_stats(), "nats": state.nats.get().map(|n| n.summary())}))
 }
 
 /// Request `id`'s decision: its line of the decision log, or its record among the recent
@@ -423,7 +423,7 @@ async fn decision(
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let state = &api.state;
-    crate::state::decision_of(state.decision_log.as_ref(), &state.placing, &id)
+    crate::state::decision_of(state.decision_log.as_ref(), &state.scheduling, &id)
         .map(Json)
         .ok_or_else(|| ApiError::not_found(format!("no decision of request {id} is kept")))
 }
@@ -504,7 +504,7 @@ async fn adapters(
         return Err(ApiError::bad_request(why.to_string()).param("dp_rank"));
     }
     let names = served.adapters.map(|a| a.into_iter().collect());
-    api.state.placing.set_served_adapters(rank, names);
+    api.state.scheduling.set_served_adapters(rank, names);
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -90,7 +90,7 @@ pub fn spawn_background(state: &Arc<RouterState>) -> Result<Tasks, RouterError> 
         let mut tick = tokio::time::interval(Duration::from_secs(10));
         loop {
             tick.tick().await;
-            let n = reclaim.placing.reclaim_stale();
+            let n = reclaim.scheduling.reclaim_stale();
             if n > 0 {
                 tracing::warn!(
                     requests = n,

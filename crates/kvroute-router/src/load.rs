@@ -60,7 +60,7 @@ impl AdapterReport {
     /// Hands the report to the scheduler's adapter table.
     pub fn report(&self, state: &crate::RouterState, worker: WorkerWithDpRank) {
         let names: Vec<&str> = self.in_slots.iter().map(String::as_str).collect();
-        state.placing.report_adapters(worker, self.max_loras, &names);
+        state.scheduling.report_adapters(worker, self.max_loras, &names);
     }
 
     fn new(max_loras: Option<usize>, names: &str) -> Self {

@@ -298,19 +298,19 @@ impl Peers {
                         block_size: state.config.block_size.tokens(),
                         output_tokens,
                     };
-                    let placing = &state.placing;
-                    if placing.track_peer(&state.index, &state.metrics, &key, routed) {
+                    let scheduling = &state.scheduling;
+                    if scheduling.track_peer(&state.index, &state.metrics, &key, routed) {
                         peer.in_flight.insert(id);
                     } else {
                         state.metrics.replica_message("unknown_worker");
                     }
                 }
                 SyncMessage::PrefillDone { id } => {
-                    state.placing.peer_prefill_done(&peer_request_id(&batch.replica, &id));
+                    state.scheduling.peer_prefill_done(&peer_request_id(&batch.replica, &id));
                 }
                 SyncMessage::Freed { id } => {
                     if peer.in_flight.remove(&id) {
-                        state.placing.free_peer(&peer_request_id(&batch.replica, &id));
+                        state.scheduling.free_peer(&peer_request_id(&batch.replica, &id));
                     }
                 }
                 SyncMessage::Heartbeat => {}
@@ -327,7 +327,7 @@ impl Peers {
             }
             let n = peer.in_flight.len();
             for id in &peer.in_flight {
-                state.placing.free_peer(&peer_request_id(name, id));
+                state.scheduling.free_peer(&peer_request_id(name, id));
             }
             state.metrics.replica_expired.inc_by(n as u64);
             tracing::warn!(peer = %name, freed = n, "a replica went silent: its in-flight requests expire");

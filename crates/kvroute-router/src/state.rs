@@ -9,8 +9,8 @@
 //!
 //! **Owners below verbs.** The state is split by owner, each a type with its own lock and
 //! methods that touch only its own state: [`Fleet`], the worker registry and health
-//! (`fleet.rs`); [`Placing`], the scheduler, in-flight accounting and approximate mode
-//! (`placing.rs`); [`SelfChecks`], predictions against answers (`self_checks.rs`); [`Flow`],
+//! (`fleet.rs`); [`Scheduling`], the scheduler, in-flight accounting and approximate mode
+//! (`scheduling.rs`); [`SelfChecks`], predictions against answers (`self_checks.rs`); [`Flow`],
 //! flow control's queues (`flow.rs`); [`Roster`], the membership as its sources and the front
 //! door see it, with each member's tasks (`roster.rs`); and the KV index, whose shards lock themselves.
 //! [`RouterState`] (`composite.rs`) holds them. Its methods, the verbs, are the only code that
@@ -30,11 +30,11 @@
 //! and [`crate::stream`], which reach the core through [`NatsLinks`](crate::links::NatsLinks).
 //!
 //! **Lock order.** No owner takes another's lock. Two are held at once only in this order:
-//! `placing.approx` → the fleet's registry (a worker leaving or entering approximate mode,
-//! so no assumed block is applied across the change); `placing.approx` → an index shard
-//! (assumed blocks applied); `placing.scheduler` → an index shard (the scheduler reads the
+//! `scheduling.approx` → the fleet's registry (a worker leaving or entering approximate mode,
+//! so no assumed block is applied across the change); `scheduling.approx` → an index shard
+//! (assumed blocks applied); `scheduling.scheduler` → an index shard (the scheduler reads the
 //! index while it routes); the index's hybrid `groups` → a shard (a hybrid event); `flow`'s
-//! queues → `placing`'s locks (a request placed as it leaves the queue, [`queues`]). The index's
+//! queues → `scheduling`'s locks (a request placed as it leaves the queue, [`queues`]). The index's
 //! shard locks are leaves. Everything else is an atomic.
 
 mod composite;
@@ -44,10 +44,10 @@ mod fleet;
 mod ingest;
 mod lock;
 mod observe;
-mod placing;
 mod queues;
 mod request;
 mod roster;
+mod scheduling;
 mod self_checks;
 mod status;
 mod view;
@@ -57,12 +57,12 @@ pub use composite::RouterState;
 pub use decision_log::{DecisionLog, decision_of};
 pub use fleet::{Fleet, Link, RankRefused};
 pub use ingest::Ingest;
-pub(crate) use placing::PeerRouted;
-pub use placing::Placing;
 pub(crate) use queues::Reported;
 pub use queues::{Flow, Refusal};
 pub use request::{Decision, PlaceRequest};
 pub use roster::{Member, Members, Roster};
+pub(crate) use scheduling::PeerRouted;
+pub use scheduling::Scheduling;
 pub use self_checks::SelfChecks;
 pub use status::{CacheMode, Parity, WorkerStatus};
 pub use view::View;

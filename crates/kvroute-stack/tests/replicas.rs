@@ -95,7 +95,7 @@ fn place(state: &RouterState, id: &str, local: &[LocalBlockHash]) -> WorkerWithD
         num_tokens: local.len() * 16,
         ..PlaceRequest::default()
     };
-    state.place_now(&p).unwrap().decode.worker
+    state.decide_now(&p).unwrap().decode.worker
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,7 +118,7 @@ async fn replicas_share_decisions_and_forget_a_silent_peer() {
         num_tokens: prefix.len() * 16,
         ..PlaceRequest::default()
     };
-    let one_router = a.place_now(&untracked).unwrap().decode.worker;
+    let one_router = a.decide_now(&untracked).unwrap().decode.worker;
     let second = place(&b, "r2", &prefix);
     assert_eq!(second, one_router, "b decides as a single router would");
     let seen = b.view().recent_decisions().pop().unwrap();
@@ -355,7 +355,7 @@ async fn the_event_stream_starts_a_replica_warm_and_a_restarted_relay_repeats_no
         };
         let scores = |r: &RouterState| r.view().find_matches_within(&p.local_hashes, 5, 16).scores;
         assert_eq!(scores(&relay), scores(&fresh));
-        assert_eq!(relay.place_now(&p).unwrap(), fresh.place_now(&p).unwrap());
+        assert_eq!(relay.decide_now(&p).unwrap(), fresh.decide_now(&p).unwrap());
     }
 
     // The relay restarts while the engines keep working: the new one resumes from the

@@ -103,7 +103,7 @@ pub fn drain(state: &Arc<RouterState>, worker: WorkerId, timeout: Duration) -> b
         let ranks = state.fleet.ranks(worker).unwrap_or(0);
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let left = state.placing.in_flight_on(worker, ranks);
+            let left = state.scheduling.in_flight_on(worker, ranks);
             if left == 0 {
                 break;
             }

@@ -9,9 +9,9 @@ use kvroute_core::index::ShardedIndex;
 use kvroute_wire::transport::ZmqLimits;
 
 use super::fleet::Fleet;
-use super::placing::Placing;
 use super::queues::Flow;
 use super::roster::Roster;
+use super::scheduling::Scheduling;
 use super::self_checks::SelfChecks;
 use super::status::WorkerStatus;
 use crate::config::RouterConfig;
@@ -26,7 +26,7 @@ pub struct RouterState {
     pub(crate) index: ShardedIndex,
     pub(crate) metrics: Metrics,
     /// The scheduler, in-flight accounting and approximate mode.
-    pub(crate) placing: Placing,
+    pub(crate) scheduling: Scheduling,
     /// The worker registry and its health.
     pub(crate) fleet: Fleet,
     /// Predictions against answers.
@@ -50,7 +50,7 @@ impl RouterState {
             zmq: ZmqLimits::new(config.zmq_max_message_bytes),
             index: ShardedIndex::new(config.shards, config.index),
             metrics: Metrics::new(),
-            placing: Placing::new(&config),
+            scheduling: Scheduling::new(&config),
             fleet: Fleet::new(&config),
             checks: SelfChecks::default(),
             flow: Flow::new(config.scheduler.flow),
@@ -71,7 +71,7 @@ impl RouterState {
                 // Its events come from the stream: ready once the stream's consumer caught up.
                 status.follow_stream(format!("jetstream:{}.events.{}.*", nats.prefix, spec.id));
             }
-            state.placing.add_worker(spec, &status.ready);
+            state.scheduling.add_worker(spec, &status.ready);
             for rank in 0..spec.dp_size {
                 state.index.register_worker(WorkerWithDpRank::new(spec.id, rank));
             }

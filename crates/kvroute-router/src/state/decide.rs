@@ -65,7 +65,7 @@ impl RouterState {
                 }
                 outcome
             }
-            _ => Ok(self.place_now(request)),
+            _ => Ok(self.decide_now(request)),
         }
     }
 
@@ -73,7 +73,7 @@ impl RouterState {
     /// already). A drifted worker's overlap counts half until its predictions agree again (not
     /// nothing: it must still be routed the prefixes only it holds, or its predictions could
     /// never be seen to agree).
-    pub fn place_now(&self, request: &PlaceRequest) -> Option<Decision> {
+    pub fn decide_now(&self, request: &PlaceRequest) -> Option<Decision> {
         self.place_gated(request, None).unwrap_or(None)
     }
 
@@ -103,7 +103,7 @@ impl RouterState {
             None => Vec::new(),
         };
         let request = p.route(&sequence);
-        let mut scheduler = self.placing.scheduler();
+        let mut scheduler = self.scheduling.scheduler();
         let decision = match scheduler.disaggregated() {
             true => {
                 if let Some(gate) = gate {
@@ -127,7 +127,7 @@ impl RouterState {
         }
         self.placed(p.id.as_deref(), &decision.decode, p, start);
         let log = self.decision_log.as_ref();
-        logged_and_explained(log, &self.placing, &span, (p, &decision));
+        logged_and_explained(log, &self.scheduling, &span, (p, &decision));
         Ok(Some(decision))
     }
 
@@ -155,7 +155,7 @@ impl RouterState {
             );
         }
         if self.fleet.mode(d.worker.worker_id) == Some(CacheMode::Approximate) {
-            let mut approx = self.placing.approx();
+            let mut approx = self.scheduling.approx();
             let assumed: Vec<RouterEvent> = approx.record_routed(d.worker, &p.local_hashes, start);
             for e in &assumed {
                 apply_one(&self.index, &self.metrics, e);
@@ -167,7 +167,7 @@ impl RouterState {
     /// The request's first token arrived. `timed`: when it did is when its first token was
     /// (a streamed answer), so it teaches the predictions; an answer sent whole is not.
     pub fn prefill_done(&self, request_id: &str, timed: bool) {
-        let mut scheduler = self.placing.scheduler();
+        let mut scheduler = self.scheduling.scheduler();
         let seen = match timed {
             true => scheduler.mark_prefill_done(request_id),
             false => {
@@ -187,7 +187,7 @@ impl RouterState {
 
     /// The request ended; returns whether it was in flight.
     pub fn finish(&self, request_id: &str) -> bool {
-        let tracked = self.placing.scheduler().free(request_id);
+        let tracked = self.scheduling.scheduler().free(request_id);
         if let (true, Some(nats)) = (tracked, self.nats.get()) {
             nats.send(&self.metrics, SyncMessage::Freed { id: request_id.to_owned() });
         }
@@ -200,7 +200,7 @@ impl RouterState {
     /// saw are freed, [`kvroute_core::schedule::Scheduler::reconcile`]).
     pub fn update_load(&self, worker: WorkerWithDpRank, load: WorkerLoad) {
         let freed = {
-            let mut scheduler = self.placing.scheduler();
+            let mut scheduler = self.scheduling.scheduler();
             scheduler.update_load(worker, load);
             match (load.num_running_reqs, load.num_waiting_reqs) {
                 (Some(running), Some(waiting)) => {
@@ -217,13 +217,13 @@ impl RouterState {
         }
         if self.fleet.mode(worker.worker_id) == Some(CacheMode::Approximate) {
             let capacity = load.kv_total_blocks.map(|b| b as usize);
-            self.placing.approx().set_capacity(worker, capacity);
+            self.scheduling.approx().set_capacity(worker, capacity);
         }
         if let Some(ready) = self.fleet.set_load(worker, load) {
-            self.placing.scheduler().set_ready(worker, ready);
+            self.scheduling.scheduler().set_ready(worker, ready);
         }
         if load.block_size.is_some() && self.fleet.refused(worker.worker_id) {
-            self.placing.scheduler().set_refused(worker);
+            self.scheduling.scheduler().set_refused(worker);
         }
         self.fleet.signal();
         self.release();
@@ -362,7 +362,7 @@ impl RouterState {
 /// only then).
 fn logged_and_explained(
     log: Option<&super::DecisionLog>,
-    placing: &super::Placing,
+    scheduling: &super::Scheduling,
     span: &tracing::Span,
     (p, decision): (&PlaceRequest, &PairDecision),
 ) {
@@ -375,7 +375,7 @@ fn logged_and_explained(
     if logged.is_none() && !explained {
         return;
     }
-    let record = p.id.as_deref().and_then(|id| placing.decision_of(id));
+    let record = p.id.as_deref().and_then(|id| scheduling.decision_of(id));
     if let Some((log, id)) = logged {
         let chosen = (decision.decode.worker, decision.prefill.map(|d| d.worker));
         log.log(id, p.local_hashes.len(), record.as_ref(), chosen);
@@ -608,8 +608,8 @@ mod tests {
         assert!(tokio::time::timeout(PENDING, &mut waiting).await.is_err());
         state.flow.peer_report("peer", Vec::new());
         state.release();
-        assert_eq!(state.placing.in_flight(), 1);
+        assert_eq!(state.scheduling.in_flight(), 1);
         drop(waiting);
-        assert_eq!(state.placing.in_flight(), 0);
+        assert_eq!(state.scheduling.in_flight(), 0);
     }
 }

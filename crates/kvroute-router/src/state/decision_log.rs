@@ -117,11 +117,15 @@ impl DecisionLog {
 /// Request `id`'s decision as `/decisions/{id}` shows it: its logged line (the log keeps the
 /// last [`KEPT`] in memory), else its record among the scheduler's recent decisions; none
 /// when neither holds it.
-pub fn decision_of(log: Option<&DecisionLog>, placing: &super::Placing, id: &str) -> Option<Value> {
+pub fn decision_of(
+    log: Option<&DecisionLog>,
+    scheduling: &super::Scheduling,
+    id: &str,
+) -> Option<Value> {
     if let Some(line) = log.and_then(|l| l.find(id)) {
         return Some(line);
     }
-    placing.decision_of(id).map(|r| json!(r))
+    scheduling.decision_of(id).map(|r| json!(r))
 }
 
 /// Opens `path` to append to, creating it.

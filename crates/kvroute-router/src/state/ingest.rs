@@ -12,7 +12,7 @@ use kvroute_core::index::ShardedIndex;
 
 use super::composite::RouterState;
 use super::fleet::{Fleet, Known};
-use super::placing::Placing;
+use super::scheduling::Scheduling;
 use super::status::{CacheMode, Live};
 use crate::links::Relayed;
 use crate::metrics::{EventKind, Metrics};
@@ -81,7 +81,7 @@ impl RouterState {
             }
             if matches!(known, Known::Rank) {
                 // Known: what it says overrides approximate mode, before it applies.
-                learn(&self.fleet, &self.placing, &self.index, worker);
+                learn(&self.fleet, &self.scheduling, &self.index, worker);
                 ok += usize::from(apply_one(&self.index, &self.metrics, e));
                 continue;
             }
@@ -92,7 +92,7 @@ impl RouterState {
             }
             let applied = apply_one(&self.index, &self.metrics, e);
             if self.index.tree_size(worker) > 0 {
-                learn(&self.fleet, &self.placing, &self.index, worker);
+                learn(&self.fleet, &self.scheduling, &self.index, worker);
             }
             ok += usize::from(applied);
         }
@@ -101,7 +101,7 @@ impl RouterState {
 
     /// Forgets approximate-mode blocks whose time is up.
     pub fn expire_approximate(&self, now: Instant) {
-        let mut approx = self.placing.approx();
+        let mut approx = self.scheduling.approx();
         for e in approx.expire(now) {
             apply_one(&self.index, &self.metrics, &e);
         }
@@ -132,7 +132,7 @@ impl Ingest<'_> {
         if let Some(engine) = self.live.converted(stats) {
             // Its events cannot be read: refused, never routed to (blind).
             let fleet = &self.state.fleet;
-            let mut scheduler = self.state.placing.scheduler();
+            let mut scheduler = self.state.scheduling.scheduler();
             for rank in fleet.refuse_block_size(self.worker.worker_id, engine) {
                 scheduler.set_ready(rank, false);
                 scheduler.set_refused(rank);
@@ -199,12 +199,12 @@ impl Ingest<'_> {
 
 /// An event's rank becomes known; a worker routed approximately follows its events from now
 /// on (what approximate mode assumed of it is forgotten, under its lock: lock order
-/// `placing.approx` → the fleet's registry).
-fn learn(fleet: &Fleet, placing: &Placing, index: &ShardedIndex, worker: WorkerWithDpRank) {
+/// `scheduling.approx` → the fleet's registry).
+fn learn(fleet: &Fleet, scheduling: &Scheduling, index: &ShardedIndex, worker: WorkerWithDpRank) {
     let approximate = fleet.mode(worker.worker_id) == Some(CacheMode::Approximate);
     let learned = match approximate {
         true => {
-            let mut approx = placing.approx();
+            let mut approx = scheduling.approx();
             let learned = fleet.learn(worker);
             if learned.left_approximate {
                 approx.remove_worker(worker.worker_id);
@@ -215,7 +215,7 @@ fn learn(fleet: &Fleet, placing: &Placing, index: &ShardedIndex, worker: WorkerW
         false => fleet.learn(worker),
     };
     if learned.new_rank {
-        placing.scheduler().add_worker(worker);
+        scheduling.scheduler().add_worker(worker);
     }
 }
 

@@ -81,10 +81,10 @@ impl<'a> View<'a> {
         m.index_held_blocks.set(stats.held_blocks as i64);
         m.index_budget.set(self.s.index.budget().map_or(-1, |b| b as i64));
         m.index_evicted.sync(stats.evicted_blocks);
-        m.avoidable_prefill.sync(self.s.placing.avoidable_prefill_tokens());
+        m.avoidable_prefill.sync(self.s.scheduling.avoidable_prefill_tokens());
         m.sync_zmq_refused();
-        m.in_flight.set(self.s.placing.in_flight() as i64);
-        let (affinity, sessions) = self.s.placing.affinity();
+        m.in_flight.set(self.s.scheduling.in_flight() as i64);
+        let (affinity, sessions) = self.s.scheduling.affinity();
         m.sync_sessions(affinity, sessions);
         match self.s.nats.get() {
             Some(n) => {
@@ -98,7 +98,7 @@ impl<'a> View<'a> {
                 m.nats_connected.set(-1);
             }
         }
-        for p in self.s.placing.prediction_stats() {
+        for p in self.s.scheduling.prediction_stats() {
             m.ttft_correction.get_or_create(&WorkerLabels::from(p.worker)).set(p.factor);
         }
         for w in self.workers() {
@@ -127,42 +127,42 @@ impl<'a> View<'a> {
 
     /// Requests in flight (placed, not yet finished).
     pub fn in_flight(&self) -> usize {
-        self.s.placing.in_flight()
+        self.s.scheduling.in_flight()
     }
 
     /// What the pair choice did (a disaggregated fleet's split and in-place decisions).
     pub fn pair_counts(&self) -> PairCounts {
-        self.s.placing.pair_counts()
+        self.s.scheduling.pair_counts()
     }
 
     /// Whether requests are placed in pairs (the fleet has prefill workers).
     pub fn disaggregated(&self) -> bool {
-        self.s.placing.disaggregated()
+        self.s.scheduling.disaggregated()
     }
 
     /// The sessions' affinity counts, and how many sessions are held.
     pub fn affinity(&self) -> (AffinityCounts, usize) {
-        self.s.placing.affinity()
+        self.s.scheduling.affinity()
     }
 
     /// The record of request `id`'s decision, while it is among the recent ones.
     pub fn decision_of(&self, id: &str) -> Option<DecisionRecord> {
-        self.s.placing.decision_of(id)
+        self.s.scheduling.decision_of(id)
     }
 
     /// Request `id`'s decision as the decision log wrote it, else its recent record.
     pub fn explained(&self, id: &str) -> Option<serde_json::Value> {
-        super::decision_of(self.s.decision_log.as_ref(), &self.s.placing, id)
+        super::decision_of(self.s.decision_log.as_ref(), &self.s.scheduling, id)
     }
 
     /// The recent decisions' records.
     pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
-        self.s.placing.recent_decisions()
+        self.s.scheduling.recent_decisions()
     }
 
     /// Each worker's learned first-token correction.
     pub fn prediction_stats(&self) -> Vec<PredictionStats> {
-        self.s.placing.prediction_stats()
+        self.s.scheduling.prediction_stats()
     }
 
     /// Whether `worker` is in the fleet.

@@ -30,7 +30,7 @@ impl RouterState {
     /// probe put off (`Retrying`) does not undo a failure: the worker stays failed until a
     /// probe is made.
     pub fn set_parity(&self, worker: WorkerId, parity: Parity) {
-        let mut approx = self.placing.approx();
+        let mut approx = self.scheduling.approx();
         let change = self.fleet.set_parity(worker, parity);
         if change.leave_approximate {
             approx.remove_worker(worker);
@@ -40,7 +40,7 @@ impl RouterState {
         }
         drop(approx);
         if !change.ready.is_empty() {
-            let mut scheduler = self.placing.scheduler();
+            let mut scheduler = self.scheduling.scheduler();
             for (rank, ready) in change.ready {
                 scheduler.set_ready(rank, ready);
             }
@@ -70,7 +70,7 @@ impl RouterState {
                 for rank in 0..spec.dp_size {
                     self.index.register_worker(WorkerWithDpRank::new(spec.id, rank));
                 }
-                self.placing.add_worker(spec, &ready);
+                self.scheduling.add_worker(spec, &ready);
                 self.roster.insert(spec, source);
                 self.fleet.signal();
                 tracing::info!(worker = %spec.id, url = ?spec.url, source, "a worker joins");
@@ -78,7 +78,7 @@ impl RouterState {
             }
             MemberChange::Drain(worker) => {
                 let Some(ranks) = self.fleet.drain(worker) else { return false };
-                let mut scheduler = self.placing.scheduler();
+                let mut scheduler = self.scheduling.scheduler();
                 for rank in 0..ranks {
                     scheduler.set_draining(WorkerWithDpRank::new(worker, rank));
                 }
@@ -91,11 +91,11 @@ impl RouterState {
                 // Its tasks first: nothing of it is applied once it is gone.
                 self.roster.remove(worker);
                 let Some(status) = self.fleet.remove(worker) else { return false };
-                let mut approx = self.placing.approx();
+                let mut approx = self.scheduling.approx();
                 approx.remove_worker(worker);
                 self.index.remove_worker(worker);
                 drop(approx);
-                let mut scheduler = self.placing.scheduler();
+                let mut scheduler = self.scheduling.scheduler();
                 for rank in 0..status.dp_size {
                     scheduler.remove_worker(WorkerWithDpRank::new(worker, rank));
                 }
@@ -116,7 +116,7 @@ impl RouterState {
         rank: kvroute_core::WorkerWithDpRank,
         served: Option<std::collections::BTreeSet<String>>,
     ) {
-        self.placing.set_served_adapters(rank, served);
+        self.scheduling.set_served_adapters(rank, served);
     }
 
     /// From now on a joining worker waits for its parity probe (a front door that probes).
@@ -140,7 +140,7 @@ impl RouterState {
     /// readiness changed.
     pub fn link(&self, worker: WorkerWithDpRank, link: Link) {
         if let Some(ready) = self.fleet.link(worker, link) {
-            self.placing.scheduler().set_ready(worker, ready);
+            self.scheduling.scheduler().set_ready(worker, ready);
         }
         self.fleet.signal();
     }

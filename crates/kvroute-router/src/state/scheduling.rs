@@ -1,5 +1,5 @@
 //! Placement: the scheduler with its in-flight accounting, and approximate mode's
-//! bookkeeping ([`Placing`]); placing a request, its prefill and end, the peers' requests
+//! bookkeeping ([`Scheduling`]); placing a request, its prefill and end, the peers' requests
 //! (replica sync), load reports.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -22,14 +22,14 @@ use crate::metrics::Metrics;
 /// taken first. The scheduler reads the index while it routes (the index's shard locks are
 /// leaves).
 #[derive(Debug)]
-pub struct Placing {
+pub struct Scheduling {
     scheduler: Mutex<Scheduler>,
     /// Approximate mode's bookkeeping; its events go to the index under this lock, so each
     /// worker's assumed blocks are applied in order.
     approx: Mutex<ApproxTracker>,
 }
 
-impl Placing {
+impl Scheduling {
     pub(super) fn new(config: &RouterConfig) -> Self {
         let mut scheduler_config = config.scheduler;
         scheduler_config.block_size = config.block_size;

@@ -1,7 +1,7 @@
 //! Where routing decisions come from: the router embedded in this process, or a `kvroute
 //! router` reached over HTTP (its `/find_best_worker` with a request id, then
 //! `/requests/{id}/prefill_done`, `DELETE /requests/{id}` and `/answers`), both with the same
-//! exclusions; in a disaggregated fleet, both place pairs ([`Placer::place_pair`]).
+//! exclusions; in a disaggregated fleet, both place pairs ([`Decider::decide_pair`]).
 
 use std::sync::Arc;
 
@@ -17,7 +17,7 @@ use kvroute_router::{Decision, PlaceRequest, Refusal, RouterState};
 // the build turns on hyper's HTTP/2) costs nothing worth a box.
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
-pub enum Placer {
+pub enum Decider {
     Embedded(Arc<RouterState>),
     Remote(RemoteRouter),
 }
@@ -107,10 +107,10 @@ fn tracked(
     PlaceRequest { id, trace, exclude: exclude.to_vec(), ..request.clone() }
 }
 
-impl Placer {
+impl Decider {
     /// Chooses a cache for the request, other than `exclude`; `None` when there is none. The
     /// request is in flight from now on.
-    pub(crate) async fn place(
+    pub(crate) async fn decide(
         &self,
         request: &PlaceRequest,
         block_size: BlockSize,
@@ -158,7 +158,7 @@ impl Placer {
     /// Chooses where a request runs in a disaggregated fleet, other than `exclude`: a
     /// prefill and a decode worker, or (no prefill) one worker alone; `None` when there is
     /// none. Both legs are in flight from now on (the prefill's as `{id}/prefill`).
-    pub(crate) async fn place_pair(
+    pub(crate) async fn decide_pair(
         &self,
         request: &PlaceRequest,
         (id, trace): (&str, Option<&TraceContext>),
