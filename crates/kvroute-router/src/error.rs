@@ -8,6 +8,8 @@ pub enum RouterError {
     Config(#[from] crate::config::ConfigError),
     #[error("ZMQ: {0}")]
     Zmq(#[from] zeromq::ZmqError),
+    #[error("the publisher's connection was lost")]
+    PublisherLost,
     #[error("replay: no reply in time")]
     ReplayTimeout,
     #[error("replay: a bad frame")]

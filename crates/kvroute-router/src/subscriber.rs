@@ -12,8 +12,10 @@
 //! when there is one (else the gap is counted and logged). A sequence number going back is a
 //! restarted engine (the live stream never repeats a number), whose cache is empty: its blocks
 //! are cleared, and the batches it sent before we reconnected are asked of its replay. Live
-//! batches that the replay on first contact already applied are skipped. Lost connections are
-//! retried with capped exponential backoff; undecodable messages are counted and skipped.
+//! batches that the replay on first contact already applied are skipped. A lost connection
+//! (the socket's monitor says so at once) makes the rank not ready until it is connected and
+//! caught up again; it is retried with capped exponential backoff. Undecodable messages are
+//! counted and skipped.
 //!
 //! This is transport only: how a format frames and decodes its messages, and which rank an
 //! event lands on, is the wire crate's [`Pipeline`]. Formats without sequence numbers
@@ -27,13 +29,17 @@ use kvroute_core::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier, Wor
 use kvroute_wire::transport::{SocketRole, ZmqLimits};
 use kvroute_wire::vllm::split_frames;
 use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use futures_util::StreamExt;
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::config::{RouterConfig, WorkerSpec};
 use crate::error::RouterError;
 use crate::state::{Ingest, Link, RouterState};
 
 pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// How long one connection attempt retries a refused address before the attempt fails (and
+/// is tried again after the backoff).
+const CONNECT_TRY: Duration = Duration::from_secs(1);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Sequence number that ends a replay.
 const END_OF_REPLAY: u64 = u64::MAX;
@@ -164,7 +170,13 @@ async fn run_once(
     sub: &Subscription,
     stream: &mut Stream<'_>,
 ) -> Result<(), RouterError> {
-    let mut socket = SubSocket::with_options(state.zmq.options(SocketRole::Events));
+    let mut options = state.zmq.options(SocketRole::Events);
+    options.connect_timeout(CONNECT_TRY);
+    let mut socket = SubSocket::with_options(options);
+    // The socket would reconnect by itself, silently and up to 30 s apart; it is watched
+    // instead, so a lost publisher is seen at once (its rank is not ready until it is back
+    // and caught up: nothing is placed on blocks the router cannot see) and retried here.
+    let mut monitor = socket.monitor();
     socket.connect(&sub.endpoint).await?;
     socket.subscribe("").await?;
     stream.connected = true;
@@ -182,7 +194,13 @@ async fn run_once(
     }
     state.link(sub.worker, Link::CaughtUp);
     loop {
-        let message = socket.recv().await?;
+        let message = tokio::select! {
+            message = socket.recv() => message?,
+            event = monitor.next() => match event {
+                Some(SocketEvent::Disconnected(_)) | None => return Err(RouterError::PublisherLost),
+                Some(_) => continue,
+            },
+        };
         // The frames are read in place: a batch's bytes are never copied out of the socket's.
         let frames = message.into_vec();
         let Ok(framed) = stream.pipeline.frame(&frames) else {

@@ -101,6 +101,49 @@ fn stored(hash: u64) -> Vec<kvroute_wire::EngineEvent> {
     })]
 }
 
+/// Waits (at most 10 s) until `done` holds.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A publisher that goes away (an engine killed) makes its rank not ready at once, so nothing
+/// is placed on blocks the router cannot see; a publisher back on the same port (the engine
+/// restarted) is followed again, and the rank is ready once it is caught up. Before, the
+/// socket reconnected by itself, silently and up to 30 s apart, and the rank stayed ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_publisher_leaves_its_rank_not_ready_until_it_is_back() {
+    let (publisher, state, _tasks) = worker_9_on_a_publisher().await;
+    let w = WorkerWithDpRank::new(9u64, 0u32);
+    assert_eq!(state.view().wait_ready(Duration::from_secs(10)).await, Vec::new());
+    until("the first batch", || {
+        publisher.send(stored(1), 0);
+        state.view().tree_size(w) == 1
+    })
+    .await;
+    let endpoint = publisher.endpoint.clone();
+    drop(publisher);
+    until("the rank not ready", || state.view().not_ready() == vec![w]).await;
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let publisher = loop {
+        match kvroute_wire::publisher::EventPublisher::bind(&endpoint, None, "", 16).await {
+            Ok(p) => break p,
+            Err(e) => assert!(Instant::now() < deadline, "the port stays taken: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(state.view().wait_ready(Duration::from_secs(10)).await, Vec::new());
+    until("a batch of the restarted publisher", || {
+        publisher.send(stored(2), 0);
+        state.view().tree_size(w) == 1
+    })
+    .await;
+}
+
 /// The event plane: a vLLM-format batch whose `dp_rank` is 2^31 (real msgpack bytes on a real
 /// PUB socket) is refused and counted; the worker's later batches still apply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -158,7 +201,7 @@ async fn batches_naming_ranks_the_worker_does_not_have_change_nothing() {
     for _ in 0..50 {
         let placement =
             PlaceRequest { local_hashes: hashes.into(), num_tokens: 8, ..PlaceRequest::default() };
-        let decision = state.place_now(&placement).unwrap();
+        let decision = state.decide_now(&placement).unwrap();
         assert_eq!(decision.decode.worker, WorkerWithDpRank::new(9u64, 0u32));
     }
 }
@@ -199,7 +242,7 @@ async fn blocks_of_another_size_are_counted_and_shown() {
         num_tokens: 8,
         ..kvroute_router::PlaceRequest::default()
     };
-    assert!(state.place_now(&placement).is_none(), "a refused worker is never chosen");
+    assert!(state.decide_now(&placement).is_none(), "a refused worker is never chosen");
     assert!(state.view().not_ready()[0].worker_id == kvroute_core::WorkerId(4));
     let metrics = state.view().render_metrics();
     assert!(
