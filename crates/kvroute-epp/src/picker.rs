@@ -75,23 +75,12 @@ pub struct Picker {
     pub budget: Arc<Budget>,
     /// The token a gateway must send in its gRPC metadata (none: any gateway).
     token: Option<kvroute_http::Credentials>,
-    /// The endpoints file's own workers: each `ip:port` it lists that is no worker of the
-    /// fleet joins through the template ([`Picker::add_listed`]), and leaves with its line.
-    joins: std::sync::OnceLock<Joins>,
+    /// The endpoints file's own workers: each `ip:port` it lists that is no worker of another
+    /// source is written here, and the router's listed source joins it through the template
+    /// ([`Picker::add_listed`]); it leaves with its line.
+    joins: std::sync::OnceLock<kvroute_router::members::Listing>,
     /// The endpoints the file lists now (the pool narrowed to them, again as workers change).
     listed: std::sync::RwLock<Option<Vec<String>>>,
-}
-
-/// How the endpoints file adds workers.
-struct Joins {
-    template: kvroute_router::members::Template,
-    sink: kvroute_router::members::Sink,
-}
-
-impl std::fmt::Debug for Joins {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Joins").field("template", &self.template).finish_non_exhaustive()
-    }
 }
 
 impl Picker {
@@ -168,9 +157,9 @@ impl Picker {
         }
     }
 
-    /// From now on, each `ip:port` the endpoints file lists that is no worker of the fleet
-    /// joins as a worker described by `template` (the address as `{host}`, the port as
-    /// `{port}`), source `file`; one whose line goes drains. Needs the embedded router:
+    /// From now on, each `ip:port` the endpoints file lists that is no worker of another
+    /// source joins as a worker described by `template` (the address as `{host}`, the port
+    /// as `{port}`), source `file`; one whose line goes drains. Needs the embedded router:
     /// `false` (nothing changes) with a remote one, or when set before.
     pub fn add_listed(
         &self,
@@ -178,35 +167,27 @@ impl Picker {
         drain_timeout: std::time::Duration,
     ) -> bool {
         let Decider::Embedded(router) = &self.front.decider else { return false };
-        let sink = kvroute_router::members::Sink::new(Arc::clone(router), "file", drain_timeout);
-        self.joins.set(Joins { template, sink }).is_ok()
+        let (source, listing) = kvroute_router::members::listed(template);
+        if self.joins.set(listing).is_err() {
+            return false;
+        }
+        kvroute_router::members::spawn_source(router, Box::new(source), drain_timeout);
+        true
     }
 
-    /// The endpoints file's own workers: what it lists that no other source brought, made
-    /// workers by the template.
+    /// Writes to the listed source what the file lists that no worker of another source
+    /// answers to (by the addresses its names resolved to).
     fn offer_listed(&self, listed: &[String]) {
-        let Some(joins) = self.joins.get() else { return };
+        let Some(listing) = self.joins.get() else { return };
         let Decider::Embedded(router) = &self.front.decider else { return };
         let endpoints = self.endpoints();
-        let mut specs = Vec::new();
-        for endpoint in listed {
-            let others = endpoints.allowed(std::slice::from_ref(endpoint));
-            let theirs =
-                others.iter().any(|w| router.view().member(*w).is_some_and(|m| m.source != "file"));
-            let Some((host, port)) = endpoint.rsplit_once(':') else { continue };
-            let (Ok(ip), Ok(port)) = (host.trim_matches(['[', ']']).parse(), port.parse::<u16>())
-            else {
-                continue;
-            };
-            if theirs {
-                continue;
-            }
-            match joins.template.fill(ip, Some(port)) {
-                Ok(spec) => specs.push(spec),
-                Err(err) => tracing::warn!(%endpoint, %err, "a listed endpoint cannot be a worker"),
-            }
-        }
-        joins.sink.offer(specs);
+        let view = router.view();
+        let theirs = |endpoint: &String| {
+            let workers = endpoints.allowed(std::slice::from_ref(endpoint));
+            workers.iter().any(|w| view.member(*w).is_some_and(|m| m.source != "file"))
+        };
+        let addresses = listed.iter().filter(|e| !theirs(e)).filter_map(|e| e.parse().ok());
+        listing.set(addresses.collect());
     }
 
     /// The workers a request may go to: those of its subset hint (absent: all) that the

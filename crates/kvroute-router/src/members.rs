@@ -1,6 +1,7 @@
 //! Membership while the router runs: workers join, drain and leave through one path
 //! ([`join`], [`drain`], [`remove`]), which every source of members uses: the configuration,
-//! the router API, DNS, a NATS key-value bucket, Kubernetes (docs/membership.md).
+//! the router API, DNS, a NATS key-value bucket, Kubernetes, a gateway pool's listed addresses
+//! (docs/membership.md).
 //!
 //! ```text
 //!  source (a Source: DNS, NATS, a file...) ──offer(whole set)──▶ Sink ──┐
@@ -22,6 +23,7 @@ pub mod api;
 mod bucket;
 mod change;
 mod dns;
+mod listed;
 pub mod signed;
 mod source;
 mod template;
@@ -30,6 +32,7 @@ pub use bucket::{BucketConfig, BucketError, BucketSource, MEMBERS_TTL, parse_ent
 pub(crate) use change::start_tasks;
 pub use change::{DRAIN_TIMEOUT, JoinError, drain, join, remove};
 pub use dns::{DNS_EVERY, DnsConfig, DnsError, DnsSource};
+pub use listed::{ListedSource, Listing, listed};
 pub use signed::{AddressRange, MAX_ENTRY_BYTES, MembersKey, RegistrationError, Verifier};
 pub use source::{MAX_MEMBERS_PER_SOURCE, Offered, Sink, Source, spawn_source};
 pub use template::{Template, TemplateError, id_for};

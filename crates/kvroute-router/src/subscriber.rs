@@ -24,12 +24,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use kvroute_core::BlockSize;
 use kvroute_core::{KvCacheEvent, KvCacheEventData, RouterEvent, StorageTier, WorkerWithDpRank};
 use kvroute_wire::transport::{SocketRole, ZmqLimits};
 use kvroute_wire::vllm::split_frames;
 use kvroute_wire::{ConvertConfig, EventFormat, Framed, Pipeline};
-use futures_util::StreamExt;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::config::{RouterConfig, WorkerSpec};
