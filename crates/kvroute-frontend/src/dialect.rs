@@ -39,6 +39,8 @@ pub(crate) struct Keys<'a> {
     /// Whether the client named its priority (`x-kvroute-priority`): the engines are then
     /// told it in their own field, unless the body sets that itself.
     pub priority_named: bool,
+    /// How many times its stream may move to another worker ([`crate::migrate`]).
+    pub migrations: u32,
 }
 
 /// The engine's `priority` of a request of kvroute `priority` (higher first), as vLLM takes

@@ -180,6 +180,7 @@ pub(crate) async fn chat_outbound(
         session: session.as_deref(),
         class: Some(&class),
         priority_named: priority_named && state.options.engine_priority,
+        migrations: state.options.max_migrations,
     };
     let out =
         Outbound::new(paths::CHAT_COMPLETIONS, raw, &prepared, &keys, state.block_size, &dialects)?;
@@ -275,6 +276,7 @@ pub(crate) fn completion_outbound(
         session: session.as_deref(),
         class: Some(&class),
         priority_named: priority_named && state.options.engine_priority,
+        migrations: state.options.max_migrations,
     };
     let out =
         Outbound::new(paths::COMPLETIONS, raw, &prepared, &keys, state.block_size, &dialects)?;

@@ -26,6 +26,7 @@ use serde_json::{Value, json};
 use crate::decider::Placement;
 use crate::dialect::{self, Keys, tokens_body};
 use crate::health::Failure;
+use crate::migrate::{Piece, Resume, migrating};
 use crate::observer::{AnswerObserver, InFlight};
 use crate::translate::Translator;
 use crate::usage::stream_error_event;
@@ -75,6 +76,11 @@ pub(crate) struct Outbound {
     pub trace: Option<TraceContext>,
     /// The client asked for its decision ([`crate::EXPLAIN_HEADER`]).
     pub explain: bool,
+    /// A stream that may move to another worker if its own breaks it off.
+    pub resume: Option<Arc<Resume>>,
+    /// It continues an answer another worker broke off: it goes as token ids to every
+    /// worker, as OpenAI's completions to one that speaks only chat.
+    pub continued: bool,
 }
 
 impl Outbound {
@@ -129,6 +135,13 @@ impl Outbound {
                 options.insert("include_usage".to_owned(), Value::Bool(true));
             }
         }
+        let resume = streamed
+            .then(|| {
+                let kind = (path, kind);
+                Resume::of(kind, &raw, prepared, keys, (block_size, dialects), !client_usage)
+            })
+            .flatten()
+            .map(Arc::new);
         let tokens = dialects
             .iter()
             .filter_map(|&d| Some((d, tokens_body(d, &raw, prepared, keys, streamed)?)))
@@ -155,6 +168,8 @@ impl Outbound {
             strip_usage: streamed && !client_usage,
             trace: None,
             explain: false,
+            resume,
+            continued: false,
         })
     }
 }
@@ -263,7 +278,11 @@ impl FrontendState {
 impl FrontendState {
     /// How `out` goes to `worker`, in the worker's dialect.
     pub(crate) fn hop(&self, worker: WorkerId, out: &Outbound) -> Hop {
-        let dialect = self.workers().dialect(worker);
+        let dialect = match self.workers().dialect(worker) {
+            // A continuation's prompt is token ids: OpenAI's completions take them.
+            Dialect::OpenaiChat if out.continued => Dialect::OpenaiCompletionsTokens,
+            dialect => dialect,
+        };
         let as_sent = || Hop { path: out.path, body: out.body.clone(), tokens: None };
         if !dialect.sends_tokens() {
             return as_sent();
@@ -326,7 +345,13 @@ where
         (None, _) => None,
     };
     let data = translated(incoming, translator);
-    let stream = proxy_body(data, observer, worker.worker_id);
+    let pieces = proxy_body(data, observer, worker.worker_id);
+    let stream = match (&out.resume, sse && parts.status.is_success()) {
+        (Some(resume), true) => {
+            migrating(Arc::clone(state), Arc::clone(resume), out.trace.clone(), pieces.boxed())
+        }
+        _ => ended_by_error(pieces, sse).boxed(),
+    };
     let mut answer = Response::builder().status(parts.status);
     for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
         if let Some(v) = parts.headers.get(&name) {
@@ -361,34 +386,45 @@ fn explained(state: &FrontendState, id: &str) -> Option<HeaderValue> {
 }
 
 /// The worker's answer, passed on as it arrives through its observer (first bytes, usage,
-/// end). A worker that breaks off mid-answer is ejected, and an event stream ends with an
-/// error event in OpenAI's shape and `[DONE]` rather than a truncated body.
+/// end). A worker that breaks off mid-answer is ejected, and the answer ends with
+/// [`Piece::Broken`]: its stream then moves to another worker ([`crate::migrate`]) or ends
+/// ([`ended_by_error`]).
 fn proxy_body(
     chunks: impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     observer: AnswerObserver,
     worker: WorkerId,
-) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
-    let sse = observer.sse();
+) -> impl futures_util::Stream<Item = Result<Piece, std::io::Error>> + Send + 'static {
     chunks.scan((observer, false), move |(observer, done), chunk| {
         if *done {
             return std::future::ready(None);
         }
         observer.first_bytes();
         let item = match chunk {
-            Ok(bytes) => Ok(observer.piece(bytes)),
+            Ok(bytes) => Ok(Piece::Bytes(observer.piece(bytes))),
             Err(e) => {
                 *done = true;
                 let state = &observer.guard.state;
                 state.metrics.broken.inc();
                 state.worker_failed(worker, Failure::Broken);
                 tracing::warn!(%worker, error = %e, "the worker broke off its answer");
-                match sse {
-                    true => Ok(Bytes::from(stream_error_event(worker))),
-                    false => Err(std::io::Error::other(e)),
-                }
+                Ok(Piece::Broken(worker, e))
             }
         };
         std::future::ready(Some(item))
+    })
+}
+
+/// An answer that does not move: an event stream its worker broke off ends with an error event
+/// in OpenAI's shape and `[DONE]` rather than a truncated body; another body ends with the
+/// error.
+fn ended_by_error(
+    pieces: impl futures_util::Stream<Item = Result<Piece, std::io::Error>> + Send + 'static,
+    sse: bool,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    pieces.map(move |piece| match piece? {
+        Piece::Bytes(bytes) => Ok(bytes),
+        Piece::Broken(worker, _) if sse => Ok(Bytes::from(stream_error_event(worker))),
+        Piece::Broken(_, e) => Err(e),
     })
 }
 

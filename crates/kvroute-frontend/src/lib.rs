@@ -30,6 +30,7 @@ mod handlers;
 pub mod health;
 mod hop;
 mod metrics;
+mod migrate;
 mod models;
 mod names;
 pub mod native;

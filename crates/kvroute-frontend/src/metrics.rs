@@ -1,6 +1,6 @@
 //! The front door's own counters and gauges.
 
-use kvroute_http::metrics::{Counter, Gauge, Registry};
+use kvroute_http::metrics::{Counter, EncodeLabelSet, Family, Gauge, Registry};
 
 use crate::names::*;
 
@@ -21,6 +21,13 @@ pub(crate) struct Metrics {
     pub(crate) pd_handoff_failed: Counter,
     pub(crate) priority_clamped: Counter,
     pub(crate) lowered_priority: Counter,
+    migrations: Family<Reason, Counter>,
+}
+
+/// Why a stream moved to another worker.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: &'static str,
 }
 
 impl Metrics {
@@ -78,6 +85,17 @@ impl Metrics {
             "Requests of a tenant over its share sent with a lower engine priority than their class's",
             m.lowered_priority.clone(),
         );
+        r.register(
+            "kvroute_frontend_migrations",
+            "Streams a worker broke off after their first bytes that went on on another worker, by \
+             reason (broken: the connection or the stream broke)",
+            m.migrations.clone(),
+        );
         Self { registry: r, ..m }
+    }
+
+    /// A stream moved to another worker (`reason`: `broken`).
+    pub(crate) fn migrated(&self, reason: &'static str) {
+        self.migrations.get_or_create(&Reason { reason }).inc();
     }
 }

@@ -144,6 +144,9 @@ impl FrontendState {
             strip_usage: false,
             trace,
             explain: crate::handlers::explain(self, headers),
+            // A native route's answer is the engine's own shape: not continued elsewhere.
+            resume: None,
+            continued: false,
         }))
     }
 }

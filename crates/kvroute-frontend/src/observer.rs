@@ -93,11 +93,6 @@ impl AnswerObserver {
         }
         bytes
     }
-
-    /// Whether the answer is an event stream (as its head said).
-    pub(crate) fn sse(&self) -> bool {
-        self.usage.as_ref().is_some_and(|u| u.sse)
-    }
 }
 
 /// Frees the request's in-flight accounting when dropped: at the end of the response body,

@@ -31,6 +31,12 @@ pub struct FrontDoorOptions {
     pub trust_transfer_fields: bool,
     /// Tell the engines each request's priority in their own field (they schedule by it).
     pub engine_priority: bool,
+    /// How many times one stream may move to another worker when its worker breaks it off
+    /// after its first bytes ([`crate::migrate`]); 0: never (the stream ends with an error
+    /// event). One by default: two engines dying under one request in a row more likely
+    /// means the request kills them (a context that runs it out of memory) than bad luck, and
+    /// a third would be taken down too.
+    pub max_migrations: u32,
     /// How often the status page's history samples the counters
     /// ([`kvroute_http::status::History`]).
     pub status_every: Duration,
@@ -64,6 +70,7 @@ impl Default for FrontDoorOptions {
             load_adapters: false,
             trust_transfer_fields: false,
             engine_priority: false,
+            max_migrations: 1,
             status_every: kvroute_http::status::SAMPLE_EVERY,
         }
     }

@@ -136,15 +136,13 @@ impl AppState {
 
     /// What the engine generates for a prompt: the same on every engine with the same seed.
     pub fn plan(&self, tokens: &[u32], ignore_eos: bool) -> OutputPlan {
-        let prompt = tokens.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
-            (h ^ u64::from(t)).wrapping_mul(0x100_0000_01b3)
-        });
-        OutputPlan {
-            key: prompt ^ self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-            words: Arc::clone(self.preprocessor.words()),
-            end: if ignore_eos { None } else { self.preprocessor.eos_token_id() },
-            vocab_size: u32::try_from(self.preprocessor.vocab_size()).unwrap_or(u32::MAX),
-        }
+        OutputPlan::new(
+            tokens,
+            self.seed,
+            Arc::clone(self.preprocessor.words()),
+            if ignore_eos { None } else { self.preprocessor.eos_token_id() },
+            u32::try_from(self.preprocessor.vocab_size()).unwrap_or(u32::MAX),
+        )
     }
 }
 

@@ -18,7 +18,7 @@ fn config(num_blocks: usize) -> EngineConfig {
 /// Answers of words 7 (first), then 8 and 9.
 fn plan() -> OutputPlan {
     let words = kvroute_preprocess::Words { first: vec![7], rest: vec![8, 9] };
-    OutputPlan { key: 1, words: std::sync::Arc::new(words), end: None, vocab_size: 1000 }
+    OutputPlan::new(&[1], 0, std::sync::Arc::new(words), None, 1000)
 }
 
 fn request(id: &str, tokens: Vec<u32>, max_tokens: usize) -> EngineRequest {

@@ -118,7 +118,7 @@ pub struct RenderResponse {
 
 fn rendered(state: &AppState, tokens: Vec<u32>) -> RenderResponse {
     RenderResponse {
-        request_id: format!("render-{:016x}", state.plan(&tokens, true).key),
+        request_id: format!("render-{:016x}", state.plan(&tokens, true).key()),
         num_prompt_tokens: tokens.len(),
         prompt_token_ids: tokens.clone(),
         token_ids: tokens,

@@ -52,6 +52,11 @@ impl Words {
         !self.rest.is_empty()
     }
 
+    /// Whether `token` is a word (spaced or not).
+    pub fn contains(&self, token: u32) -> bool {
+        self.first.binary_search(&token).is_ok() || self.rest.binary_search(&token).is_ok()
+    }
+
     /// The `index`-th token of an answer, chosen by `key` (a function of the prompt and the
     /// seed): the same key gives the same answer.
     pub fn pick(&self, key: u64, index: usize) -> Option<u32> {

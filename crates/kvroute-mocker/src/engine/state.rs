@@ -327,7 +327,7 @@ impl Engine {
                 i += 1;
                 continue;
             }
-            let token = s.plan.token(s.generated);
+            let token = s.plan.next_token();
             if s.generated == 0 {
                 out.outputs.push(Output::FirstToken {
                     id: s.id.clone(),

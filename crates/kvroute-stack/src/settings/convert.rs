@@ -474,6 +474,7 @@ impl Settings {
                 Some(t) => secs(t, "first_byte_timeout")?,
                 None => d.first_byte_timeout,
             },
+            max_migrations: f.max_migrations.unwrap_or(d.max_migrations),
             namespace_per_key: f.cache_namespace_per_key.unwrap_or(d.namespace_per_key),
             parity_probe: f.parity_probe.unwrap_or(d.parity_probe),
             load_adapters: f.load_adapters.unwrap_or(d.load_adapters),

@@ -112,6 +112,13 @@ pub struct FrontDoor {
     /// worker and this one is ejected for a while.
     #[arg(long)]
     pub first_byte_timeout: Option<f64>,
+    /// How many times one stream may move to another worker when its worker breaks it off
+    /// after its first bytes (it dies, its connection resets): the other worker is sent the
+    /// prompt and the tokens generated so far and the client sees one stream. 0: never (the
+    /// stream ends with an error event). Default 1: two engines dying under one request in a
+    /// row more likely means the request kills them.
+    #[arg(long)]
+    pub max_migrations: Option<u32>,
     /// Give each API key its own cache namespace (vLLM's cache_salt, also in the router's
     /// hashes): a client then reuses only its own cached prefixes and cannot learn from
     /// cached_tokens what other clients sent. Engines must honour cache_salt.
@@ -707,6 +714,7 @@ impl FrontDoor {
             expose_overlap: Some(front_door.expose_overlap),
             explain_decisions: Some(front_door.explain_decisions),
             first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
+            max_migrations: Some(front_door.max_migrations),
             cache_namespace_per_key: Some(front_door.namespace_per_key),
             parity_probe: Some(front_door.parity_probe),
             adapters: Vec::new(),
