@@ -16,8 +16,9 @@ use kvroute_router::PlaceRequest;
 
 use crate::FrontendState;
 use crate::decider::Legs;
-use crate::hop::{HopFailure, Outbound};
+use crate::hop::HopFailure;
 use crate::observer::InFlight;
+use crate::outbound::Outbound;
 use crate::roster::Workers;
 
 /// Workers out of rotation now: those draining, those outside `subset` (a gateway's hint),

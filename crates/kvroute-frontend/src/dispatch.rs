@@ -1,15 +1,23 @@
 //! Dispatch: places a request and sends it over one hop ([`crate::hop`]), trying another
 //! worker while none has answered ([`crate::attempts`]); a pair's two legs are sent by
-//! [`crate::pair`].
+//! [`crate::pair`]. A stream whose worker breaks it off after its first bytes goes on on
+//! another worker ([`relayed`], [`crate::migrate`]).
 
 use std::sync::Arc;
 
+use axum::body::{Body, Bytes};
 use axum::response::Response;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use kvroute_core::WorkerId;
 use kvroute_http::ApiError;
 
 use crate::attempts::{Attempt, Attempts};
-use crate::hop::{Outbound, send};
+use crate::hop::{Broken, send};
+use crate::migrate::{Resume, Splice, Transcript, ended};
+use crate::outbound::Outbound;
 use crate::pair::split;
+use crate::usage::stream_error_event;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
 
 pub(crate) use crate::dialect::Keys;
@@ -30,7 +38,7 @@ pub(crate) async fn dispatch(
             None => one(state, out, attempt, &mut attempts).await?,
         };
         if let Some(answer) = answer {
-            return Ok(answer);
+            return Ok(relayed(state, out, answer));
         }
     }
 }
@@ -77,4 +85,109 @@ async fn one(
             Ok(None)
         }
     }
+}
+
+type Bytestream = BoxStream<'static, Result<Bytes, std::io::Error>>;
+
+/// The answer to the client: as it came, or, for a stream that may move, relayed: the text the
+/// client is sent recorded and, when its worker breaks it off, the continuation spliced on.
+fn relayed(state: &Arc<FrontendState>, out: &Outbound, answer: Response) -> Response {
+    let Some(resume) = out.resume.clone() else { return answer };
+    let (parts, body) = answer.into_parts();
+    let first = body.into_data_stream().map(|c| c.map_err(std::io::Error::other)).boxed();
+    let start = Relay::First(first, Transcript::default());
+    let (state, trace) = (Arc::clone(state), out.trace.clone());
+    let stream = futures_util::stream::unfold(start, move |relay| {
+        let (state, resume, trace) = (Arc::clone(&state), Arc::clone(&resume), trace.clone());
+        async move {
+            match relay {
+                Relay::First(mut first, mut transcript) => match first.next().await? {
+                    Ok(bytes) => {
+                        transcript.record(&bytes);
+                        Some((Ok(bytes), Relay::First(first, transcript)))
+                    }
+                    Err(e) => {
+                        let Some(Broken(worker)) = e.get_ref().and_then(|e| e.downcast_ref())
+                        else {
+                            return Some((Err(e), Relay::Done));
+                        };
+                        let worker = *worker;
+                        drop(first);
+                        let to = (trace.as_ref(), worker);
+                        match moved(&state, &resume, to, transcript).await {
+                            Moved::On(rest, splice) => spliced(rest, splice).await,
+                            Moved::Complete(end) => Some((Ok(end), Relay::Done)),
+                            Moved::Not => {
+                                let error = Bytes::from(stream_error_event(worker));
+                                Some((Ok(error), Relay::Done))
+                            }
+                        }
+                    }
+                },
+                Relay::Then(rest, splice) => spliced(rest, splice).await,
+                Relay::Done => None,
+            }
+        }
+    });
+    Response::from_parts(parts, Body::from_stream(stream))
+}
+
+/// Where the client's stream is: on its first worker, on the continuation, or ended.
+enum Relay {
+    First(Bytestream, Transcript),
+    Then(Bytestream, Splice),
+    Done,
+}
+
+/// The continuation's next bytes, spliced.
+async fn spliced(
+    mut rest: Bytestream,
+    mut splice: Splice,
+) -> Option<(Result<Bytes, std::io::Error>, Relay)> {
+    let item = rest.next().await?;
+    Some((item.map(|b| splice.pass(&b)), Relay::Then(rest, splice)))
+}
+
+/// What became of a broken stream.
+enum Moved {
+    /// It goes on: the continuation's answer and its splice.
+    On(Bytestream, Splice),
+    /// Every token of its bound had gone out: only its end was missing (these bytes).
+    Complete(Bytes),
+    /// It cannot go on (nothing to continue, no worker, an error): the error event ends it.
+    Not,
+}
+
+/// Places the continuation of what `transcript` holds without `worker` (ejected when it broke
+/// the stream) and starts it.
+async fn moved(
+    state: &Arc<FrontendState>,
+    resume: &Resume,
+    (trace, worker): (Option<&kvroute_http::trace::TraceContext>, WorkerId),
+    transcript: Transcript,
+) -> Moved {
+    if transcript.ended {
+        return Moved::Not;
+    }
+    let Ok(generated) = state.preprocessor.encode(&transcript.text) else { return Moved::Not };
+    if resume.complete(generated.len()) {
+        return Moved::Complete(ended(resume.kind, transcript.head.as_ref()));
+    }
+    let Some(out) = Outbound::continuation(resume, &generated, trace) else { return Moved::Not };
+    tracing::info!(%worker, generated = generated.len(), "the worker broke off a stream: it goes on on another worker");
+    state.metrics.migrated("broken");
+    let answer = match Box::pin(dispatch(state, &out)).await {
+        Ok(a) if a.status().is_success() => a,
+        Ok(a) => {
+            tracing::warn!(status = %a.status(), "the continuation was refused");
+            return Moved::Not;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e.message(), "the continuation could not be placed");
+            return Moved::Not;
+        }
+    };
+    let splice = Splice::after(resume, transcript, generated.len());
+    let rest = answer.into_body().into_data_stream().map(|c| c.map_err(std::io::Error::other));
+    Moved::On(rest.boxed(), splice)
 }

@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 
 use crate::FrontendState;
 use crate::dispatch::{Keys, dispatch};
-use crate::hop::Outbound;
+use crate::outbound::Outbound;
 
 /// The header that names a request's session, when its body has no `prompt_cache_key`.
 pub(crate) const SESSION_HEADER: &str = "x-session-id";

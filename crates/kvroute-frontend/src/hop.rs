@@ -1,5 +1,6 @@
 //! One hop: how a placed request reaches an engine and its answer the client. Everything
-//! about a hop is here: the request as the engine gets it ([`Outbound`]), the in-flight
+//! about a hop is here: the request as the engine gets it ([`Outbound`], made in
+//! [`crate::outbound`]), the in-flight
 //! accounting ([`InFlight`], from placement to the answer's end), the timeouts and ejection of
 //! a failing worker, and the answer passed back with its cached tokens read on the way
 //! ([`crate::usage`]). [`crate::dispatch`] places a request and retries its hop on another
@@ -14,20 +15,17 @@ use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use futures_util::StreamExt;
 use http_body_util::Full;
-use kvroute_core::{BlockHasher, BlockSize, WorkerId, WorkerWithDpRank};
-use kvroute_http::openai::Api;
-use kvroute_http::paths;
+use kvroute_core::{WorkerId, WorkerWithDpRank};
 use kvroute_http::trace::TraceContext;
 use kvroute_http::{ApiError, ClientError};
-use kvroute_preprocess::Prepared;
-use kvroute_router::{Dialect, PlaceRequest};
-use serde_json::{Value, json};
+use kvroute_router::Dialect;
+use serde_json::Value;
 
 use crate::decider::Placement;
-use crate::dialect::{self, Keys, tokens_body};
+use crate::dialect;
 use crate::health::Failure;
-use crate::migrate::{Piece, Resume, migrating};
 use crate::observer::{AnswerObserver, InFlight};
+use crate::outbound::Outbound;
 use crate::translate::Translator;
 use crate::usage::stream_error_event;
 use crate::{FrontendState, OVERLAP_HEADER, OVERLAP_TIER_HEADER, WORKER_HEADER};
@@ -50,128 +48,6 @@ pub(crate) fn engine_span(worker: WorkerWithDpRank, leg: &'static str, id: &str)
         gen_ai.usage.cache_read.input_tokens = tracing::field::Empty,
         kvroute.predicted_cached_tokens = tracing::field::Empty,
     )
-}
-
-/// A request ready for an engine: its body as the engine gets it, and what routing needs.
-#[derive(Debug)]
-pub(crate) struct Outbound {
-    pub path: &'static str,
-    pub body: Bytes,
-    /// The OpenAI answer the client expects.
-    pub kind: Api,
-    /// The body in each tokens dialect the fleet speaks that the request fits.
-    pub tokens: Vec<(Dialect, Bytes)>,
-    /// What routing needs of it, made once: the prompt's block hashes (with its images,
-    /// adapter and cache namespace), its length, adapter (routed only to workers that serve
-    /// it), session, answer bound and class for flow control.
-    pub place: PlaceRequest,
-    /// The prompt's last ids, which seed the decoding of an answer that comes back as token
-    /// ids (`vllm-generate-tokens`).
-    pub prompt_tail: Vec<u32>,
-    pub streamed: bool,
-    /// The front door asked a stream for its usage, which the client did not: the usage
-    /// chunk is read and dropped.
-    pub strip_usage: bool,
-    /// The client's or the gateway's trace context: each engine call goes on as its child.
-    pub trace: Option<TraceContext>,
-    /// The client asked for its decision ([`crate::EXPLAIN_HEADER`]).
-    pub explain: bool,
-    /// A stream that may move to another worker if its own breaks it off.
-    pub resume: Option<Arc<Resume>>,
-    /// It continues an answer another worker broke off: it goes as token ids to every
-    /// worker, as OpenAI's completions to one that speaks only chat.
-    pub continued: bool,
-}
-
-impl Outbound {
-    /// The client's body (`raw`) as the engine gets it: in the cache `namespace` (as vLLM's
-    /// `cache_salt`), a stream asked for its usage (the engine's cached tokens are compared
-    /// with the router's prediction).
-    pub(crate) fn new(
-        path: &'static str,
-        mut raw: Value,
-        prepared: &Prepared,
-        keys: &Keys<'_>,
-        block_size: BlockSize,
-        dialects: &[Dialect],
-    ) -> Result<Self, ApiError> {
-        let namespace = keys.namespace;
-        let kind = match path {
-            paths::COMPLETIONS => Api::Completion,
-            _ => Api::Chat,
-        };
-        if prepared.tokens.is_empty() {
-            return Err(ApiError::bad_request("the prompt is empty"));
-        }
-        let block_infos = (!prepared.mm.mm_objects.is_empty())
-            .then(|| prepared.mm.to_block_level(block_size, prepared.tokens.len()));
-        let hash = kvroute_http::span!("kvroute.hash", kvroute.blocks = tracing::field::Empty);
-        let local = hash.in_scope(|| {
-            BlockHasher::new(block_size)
-                .with_namespace(namespace)
-                .with_lora(keys.adapter)
-                .local_hashes(&prepared.tokens, block_infos.as_deref())
-        });
-        hash.record("kvroute.blocks", local.len() as i64);
-        if let (Some(ns), Some(fields)) = (namespace, raw.as_object_mut()) {
-            fields.insert("cache_salt".to_owned(), Value::String(ns.to_owned()));
-        }
-        if let (Some(class), true, Some(fields)) =
-            (keys.class, keys.priority_named, raw.as_object_mut())
-        {
-            fields
-                .entry("priority")
-                .or_insert_with(|| crate::dialect::vllm_priority(class.priority).into());
-        }
-        let streamed = raw.get("stream").and_then(Value::as_bool) == Some(true);
-        let output_tokens = crate::dialect::answer_bound(&raw, Value::as_u64)
-            .map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX));
-        let client_usage =
-            raw.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
-        if streamed && !client_usage {
-            let options =
-                raw.as_object_mut().map(|o| o.entry("stream_options").or_insert_with(|| json!({})));
-            if let Some(Value::Object(options)) = options {
-                options.insert("include_usage".to_owned(), Value::Bool(true));
-            }
-        }
-        let resume = streamed
-            .then(|| {
-                let kind = (path, kind);
-                Resume::of(kind, &raw, prepared, keys, (block_size, dialects), !client_usage)
-            })
-            .flatten()
-            .map(Arc::new);
-        let tokens = dialects
-            .iter()
-            .filter_map(|&d| Some((d, tokens_body(d, &raw, prepared, keys, streamed)?)))
-            .collect();
-        let body = Bytes::from(serde_json::to_vec(&raw).map_err(ApiError::internal)?);
-        let prompt_tokens = prepared.tokens.len();
-        let prompt_tail = prepared.tokens[prompt_tokens.saturating_sub(8)..].to_vec();
-        Ok(Self {
-            path,
-            body,
-            kind,
-            tokens,
-            place: PlaceRequest {
-                local_hashes: local.into(),
-                num_tokens: prompt_tokens,
-                output_tokens,
-                adapter: keys.adapter.map(str::to_owned),
-                session: keys.session.map(str::to_owned),
-                class: keys.class.cloned(),
-                ..PlaceRequest::default()
-            },
-            prompt_tail,
-            streamed,
-            strip_usage: streamed && !client_usage,
-            trace: None,
-            explain: false,
-            resume,
-            continued: false,
-        })
-    }
 }
 
 /// Why a hop failed before any answer came.
@@ -346,12 +222,8 @@ where
     };
     let data = translated(incoming, translator);
     let pieces = proxy_body(data, observer, worker.worker_id);
-    let stream = match (&out.resume, sse && parts.status.is_success()) {
-        (Some(resume), true) => {
-            migrating(Arc::clone(state), Arc::clone(resume), out.trace.clone(), pieces.boxed())
-        }
-        _ => ended_by_error(pieces, sse).boxed(),
-    };
+    let movable = out.resume.is_some() && sse && parts.status.is_success();
+    let stream = ended_by_error(pieces, sse, movable);
     let mut answer = Response::builder().status(parts.status);
     for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
         if let Some(v) = parts.headers.get(&name) {
@@ -414,15 +286,29 @@ fn proxy_body(
     })
 }
 
-/// An answer that does not move: an event stream its worker broke off ends with an error event
-/// in OpenAI's shape and `[DONE]` rather than a truncated body; another body ends with the
-/// error.
+/// A piece of an answer as it passes: its bytes, or the worker broke it off.
+pub(crate) enum Piece {
+    Bytes(Bytes),
+    Broken(WorkerId, std::io::Error),
+}
+
+/// The error that ends the body of a stream its worker broke off when the stream may move to
+/// another worker: [`crate::dispatch`] continues it there.
+#[derive(Debug, thiserror::Error)]
+#[error("worker {0} broke off the answer")]
+pub(crate) struct Broken(pub(crate) WorkerId);
+
+/// The answer's bytes: a stream its worker broke off ends with [`Broken`] when it may move
+/// (`movable`), else with an error event in OpenAI's shape and `[DONE]` rather than a
+/// truncated body; another body ends with the error.
 fn ended_by_error(
     pieces: impl futures_util::Stream<Item = Result<Piece, std::io::Error>> + Send + 'static,
     sse: bool,
+    movable: bool,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
     pieces.map(move |piece| match piece? {
         Piece::Bytes(bytes) => Ok(bytes),
+        Piece::Broken(worker, _) if movable => Err(std::io::Error::other(Broken(worker))),
         Piece::Broken(worker, _) if sse => Ok(Bytes::from(stream_error_event(worker))),
         Piece::Broken(_, e) => Err(e),
     })
@@ -453,62 +339,5 @@ where
             whole.map(|w| t.whole(&w.to_bytes())).map_err(std::io::Error::other)
         })
         .boxed(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-
-    use kvroute_preprocess::Preprocessor;
-
-    use super::*;
-
-    fn prepared(text: &str) -> Prepared {
-        let p = Preprocessor::builtin();
-        let req = serde_json::from_value(json!({"prompt": text})).unwrap();
-        p.prepare_completion_request(&req, 4096).unwrap()
-    }
-
-    /// A stream is asked for its usage unless the client asked itself (then it is kept), and
-    /// the namespace goes to the engine as `cache_salt` and into the block hashes.
-    #[test]
-    fn the_outbound_body_asks_for_usage_and_carries_the_namespace() {
-        let bs = BlockSize::new(4).unwrap();
-        let p = prepared("one two three four five six seven eight nine ten eleven twelve");
-        let raw = json!({"prompt": "x", "stream": true, "extra_field": 1});
-        let keys = Keys { namespace: Some("k"), ..Keys::default() };
-        let out = Outbound::new("/v1/completions", raw.clone(), &p, &keys, bs, &[]).unwrap();
-        let body: Value = serde_json::from_slice(&out.body).unwrap();
-        assert_eq!(body["stream_options"]["include_usage"], true);
-        assert_eq!(
-            (body["cache_salt"].as_str(), body["extra_field"].as_i64()),
-            (Some("k"), Some(1))
-        );
-        assert!(out.streamed && out.strip_usage);
-        let plain = Outbound::new("/v1/completions", raw.clone(), &p, &Keys::default(), bs, &[]);
-        let plain = plain.unwrap();
-        assert_ne!(
-            plain.place.local_hashes, out.place.local_hashes,
-            "the namespace changes every block's hash"
-        );
-        let both = Keys { adapter: Some("sql"), ..keys };
-        let adapted = Outbound::new("/v1/completions", raw, &p, &both, bs, &[]).unwrap();
-        assert_ne!(
-            adapted.place.local_hashes, out.place.local_hashes,
-            "the adapter salts them too"
-        );
-        let hasher = BlockHasher::new(bs).with_namespace(Some("k")).with_lora(Some("sql"));
-        assert_eq!(*adapted.place.local_hashes, *hasher.local_hashes(&p.tokens, None));
-        assert_eq!(adapted.place.adapter.as_deref(), Some("sql"));
-
-        let asked = json!({"stream": true, "stream_options": {"include_usage": true}});
-        let out = Outbound::new("/v1/completions", asked, &p, &Keys::default(), bs, &[]).unwrap();
-        assert!(out.streamed && !out.strip_usage);
-        let whole = Outbound::new("/v1/completions", json!({}), &p, &Keys::default(), bs, &[]);
-        let whole = whole.unwrap();
-        assert!(!whole.streamed && !whole.strip_usage);
-        let body: Value = serde_json::from_slice(&whole.body).unwrap();
-        assert!(body.get("stream_options").is_none());
     }
 }

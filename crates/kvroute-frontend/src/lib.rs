@@ -36,6 +36,7 @@ mod names;
 pub mod native;
 mod observer;
 mod options;
+mod outbound;
 mod pair;
 pub mod parity;
 mod parity_probes;

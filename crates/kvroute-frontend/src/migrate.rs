@@ -18,39 +18,32 @@
 //! completion's `echo`, fields no tokens dialect carries (tools, `response_format`,
 //! `logit_bias`, a completion's `logprobs`): those end with the error event as before.
 
-use std::sync::Arc;
-
 use axum::body::Bytes;
-use futures_util::StreamExt;
-use futures_util::stream::BoxStream;
-use kvroute_core::{BlockSize, WorkerId};
+use kvroute_core::BlockSize;
 use kvroute_http::SseEvent;
 use kvroute_http::openai::Api;
 use kvroute_preprocess::Prepared;
 use kvroute_router::Dialect;
 use serde_json::{Value, json};
 
-use crate::FrontendState;
 use crate::dialect::Keys;
-use crate::hop::Outbound;
-use crate::usage::stream_error_event;
 
 /// What a streamed request keeps to be continued elsewhere: its body and prompt as the first
 /// worker got them, and how many more times it may move.
 #[derive(Debug)]
 pub(crate) struct Resume {
-    path: &'static str,
-    kind: Api,
+    pub(crate) path: &'static str,
+    pub(crate) kind: Api,
     /// The client's body as the engines get it (its usage asked for).
-    raw: Value,
-    prompt: Vec<u32>,
+    pub(crate) raw: Value,
+    pub(crate) prompt: Vec<u32>,
     namespace: Option<String>,
     adapter: Option<String>,
     session: Option<String>,
-    dialects: Vec<Dialect>,
-    block_size: BlockSize,
+    pub(crate) dialects: Vec<Dialect>,
+    pub(crate) block_size: BlockSize,
     /// The client did not ask for the usage: the continuation's is dropped too.
-    strip_usage: bool,
+    pub(crate) strip_usage: bool,
     /// Migrations left after this one.
     left: u32,
 }
@@ -78,7 +71,6 @@ impl Resume {
         prepared: &Prepared,
         keys: &Keys<'_>,
         (block_size, dialects): (BlockSize, &[Dialect]),
-        strip_usage: bool,
     ) -> Option<Self> {
         let left = keys.migrations.checked_sub(1)?;
         if refused(raw, prepared).is_some() {
@@ -94,50 +86,48 @@ impl Resume {
             session: keys.session.map(str::to_owned),
             dialects: dialects.to_vec(),
             block_size,
-            strip_usage,
+            strip_usage: false,
             left,
         })
     }
 
-    /// The request that continues an answer of which `generated` tokens went out: the prompt
-    /// and those tokens as its prompt, for what is left of its bound, as token ids; `None`
-    /// when no tokens dialect carries it.
-    fn continuation(
-        &self,
-        generated: &[u32],
-        trace: Option<&kvroute_http::trace::TraceContext>,
-    ) -> Option<Outbound> {
+    /// The same, its continuation's usage dropped when the client did not ask for its own.
+    pub(crate) fn stripping_usage(self, strip_usage: bool) -> Self {
+        Self { strip_usage, ..self }
+    }
+
+    /// The body and prompt that continue an answer of which `generated` tokens went out:
+    /// the prompt and those tokens as the prompt, for what is left of its bound.
+    pub(crate) fn continued(&self, generated: &[u32]) -> (Value, Prepared) {
         let mut raw = self.raw.clone();
         let done = generated.len() as u64;
-        for key in ["max_completion_tokens", "max_tokens"] {
+        for key in ["max_completion_tokens", "max_tokens", "min_tokens"] {
             if let Some(bound) = raw.get(key).and_then(Value::as_u64) {
                 raw[key] = bound.saturating_sub(done).into();
             }
         }
-        if let Some(min) = raw.get("min_tokens").and_then(Value::as_u64) {
-            raw["min_tokens"] = min.saturating_sub(done).into();
-        }
         let mut tokens = self.prompt.clone();
         tokens.extend_from_slice(generated);
-        let prepared = Prepared { tokens, mm: Default::default(), images: Vec::new() };
-        let keys = Keys {
+        (raw, Prepared { tokens, mm: Default::default(), images: Vec::new() })
+    }
+
+    /// The keys the continuation goes with: the first request's, with one migration less,
+    /// and no class (flow control admitted it once).
+    pub(crate) fn keys(&self) -> Keys<'_> {
+        Keys {
             namespace: self.namespace.as_deref(),
             adapter: self.adapter.as_deref(),
             session: self.session.as_deref(),
             class: None,
             priority_named: false,
             migrations: self.left,
-        };
-        let mut dialects = self.dialects.clone();
-        if !dialects.contains(&Dialect::OpenaiCompletionsTokens) {
-            dialects.push(Dialect::OpenaiCompletionsTokens);
         }
-        let out =
-            Outbound::new(self.path, raw, &prepared, &keys, self.block_size, &dialects).ok()?;
-        if out.tokens.is_empty() {
-            return None;
-        }
-        Some(Outbound { continued: true, trace: trace.cloned(), ..out })
+    }
+
+    /// Whether `generated` tokens are all its bound allows (only the answer's end was lost).
+    pub(crate) fn complete(&self, generated: usize) -> bool {
+        crate::dialect::answer_bound(&self.raw, Value::as_u64)
+            .is_some_and(|b| b <= generated as u64)
     }
 }
 
@@ -145,10 +135,11 @@ impl Resume {
 #[derive(Debug, Default)]
 pub(crate) struct Transcript {
     reader: kvroute_http::SseReader,
-    head: Option<(Value, Value, Value)>,
-    text: String,
+    /// The answer's id, model and time.
+    pub(crate) head: Option<(Value, Value, Value)>,
+    pub(crate) text: String,
     /// The answer ended (a `finish_reason`, `[DONE]`, an error): nothing to continue.
-    ended: bool,
+    pub(crate) ended: bool,
 }
 
 impl Transcript {
@@ -191,6 +182,18 @@ pub(crate) struct Splice {
 }
 
 impl Splice {
+    /// For the continuation of `resume`'s answer after `transcript`, which held `before`
+    /// tokens.
+    pub(crate) fn after(resume: &Resume, transcript: Transcript, before: usize) -> Self {
+        Self {
+            reader: kvroute_http::SseReader::default(),
+            head: transcript.head,
+            before: before as u64,
+            prompt_tokens: resume.prompt.len() as u64,
+            strip_usage: resume.strip_usage,
+        }
+    }
+
     /// The continuation's bytes as the client gets them.
     pub(crate) fn pass(&mut self, bytes: &[u8]) -> Bytes {
         let mut out = Vec::with_capacity(bytes.len() + 64);
@@ -248,123 +251,9 @@ impl Splice {
     }
 }
 
-/// A leg's answer as it passes: its bytes, or the worker broke it off.
-pub(crate) enum Piece {
-    Bytes(Bytes),
-    Broken(WorkerId, std::io::Error),
-}
-
-type Answer = BoxStream<'static, Result<Bytes, std::io::Error>>;
-
-/// Where the client's stream is: on its first leg, on the continuation, or ended.
-enum Relay {
-    First(BoxStream<'static, Result<Piece, std::io::Error>>, Transcript),
-    Then(Answer, Splice),
-    Done,
-}
-
-/// The client's stream of a migratable request: the first leg's pieces, recorded, and when
-/// its worker breaks it, the continuation spliced on (or the error event when it cannot be).
-pub(crate) fn migrating(
-    state: Arc<FrontendState>,
-    resume: Arc<Resume>,
-    trace: Option<kvroute_http::trace::TraceContext>,
-    leg: BoxStream<'static, Result<Piece, std::io::Error>>,
-) -> Answer {
-    let start = Relay::First(leg, Transcript::default());
-    futures_util::stream::unfold(start, move |relay| {
-        let (state, resume, trace) = (Arc::clone(&state), Arc::clone(&resume), trace.clone());
-        async move {
-            match relay {
-                Relay::First(mut leg, mut transcript) => match leg.next().await? {
-                    Err(e) => Some((Err(e), Relay::Done)),
-                    Ok(Piece::Bytes(b)) => {
-                        transcript.record(&b);
-                        Some((Ok(b), Relay::First(leg, transcript)))
-                    }
-                    Ok(Piece::Broken(worker, _)) => {
-                        drop(leg);
-                        let to = (trace.as_ref(), worker);
-                        match continued(&state, &resume, to, transcript).await {
-                            Moved::On(rest, splice) => spliced(rest, splice).await,
-                            Moved::Complete(end) => Some((Ok(end), Relay::Done)),
-                            Moved::Not => {
-                                let error = Bytes::from(stream_error_event(worker));
-                                Some((Ok(error), Relay::Done))
-                            }
-                        }
-                    }
-                },
-                Relay::Then(rest, splice) => spliced(rest, splice).await,
-                Relay::Done => None,
-            }
-        }
-    })
-    .boxed()
-}
-
-/// The continuation's next bytes, spliced.
-async fn spliced(
-    mut rest: Answer,
-    mut splice: Splice,
-) -> Option<(Result<Bytes, std::io::Error>, Relay)> {
-    let item = rest.next().await?;
-    Some((item.map(|b| splice.pass(&b)), Relay::Then(rest, splice)))
-}
-
-/// What became of a broken stream.
-enum Moved {
-    /// It goes on: the continuation's answer and its splice.
-    On(Answer, Splice),
-    /// Every token of its bound had gone out: only its end was missing (these bytes).
-    Complete(Bytes),
-    /// It cannot go on (nothing to continue, no worker, an error): the error event ends it.
-    Not,
-}
-
-/// Places the continuation of what `transcript` holds without `worker` and starts it.
-async fn continued(
-    state: &Arc<FrontendState>,
-    resume: &Resume,
-    (trace, worker): (Option<&kvroute_http::trace::TraceContext>, WorkerId),
-    transcript: Transcript,
-) -> Moved {
-    if transcript.ended {
-        return Moved::Not;
-    }
-    let Ok(generated) = state.preprocessor.encode(&transcript.text) else { return Moved::Not };
-    let bound = crate::dialect::answer_bound(&resume.raw, Value::as_u64);
-    if bound.is_some_and(|b| b <= generated.len() as u64) {
-        return Moved::Complete(ended(resume.kind, transcript.head.as_ref()));
-    }
-    let Some(out) = resume.continuation(&generated, trace) else { return Moved::Not };
-    tracing::info!(%worker, generated = generated.len(), "the worker broke off a stream: it goes on on another worker");
-    state.metrics.migrated("broken");
-    let answer = match crate::dispatch::dispatch(state, &out).await {
-        Ok(a) if a.status().is_success() => a,
-        Ok(a) => {
-            tracing::warn!(status = %a.status(), "the continuation was refused");
-            return Moved::Not;
-        }
-        Err(e) => {
-            tracing::warn!(error = %e.message(), "the continuation could not be placed");
-            return Moved::Not;
-        }
-    };
-    let splice = Splice {
-        reader: kvroute_http::SseReader::default(),
-        head: transcript.head,
-        before: generated.len() as u64,
-        prompt_tokens: resume.prompt.len() as u64,
-        strip_usage: resume.strip_usage,
-    };
-    let rest = answer.into_body().into_data_stream().map(|c| c.map_err(std::io::Error::other));
-    Moved::On(rest.boxed(), splice)
-}
-
 /// The end of an answer whose every token went out before its worker broke off: a last chunk
 /// (`finish_reason` `length`), then `[DONE]`.
-fn ended(kind: Api, head: Option<&(Value, Value, Value)>) -> Bytes {
+pub(crate) fn ended(kind: Api, head: Option<&(Value, Value, Value)>) -> Bytes {
     let mut chunk = match kind {
         Api::Chat => json!({"object": "chat.completion.chunk",
             "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}),

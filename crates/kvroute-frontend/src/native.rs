@@ -19,7 +19,7 @@ use kvroute_router::PlaceRequest;
 use serde_json::Value;
 
 use crate::FrontendState;
-use crate::hop::Outbound;
+use crate::outbound::Outbound;
 
 /// The native routes the picker places.
 pub const NATIVE_PATHS: [&str; 2] = [vllm_generate::PATH, sglang_generate::PATH];

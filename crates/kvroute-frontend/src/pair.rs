@@ -41,8 +41,9 @@ use tokio::sync::oneshot;
 use crate::attempts::{Attempt, Attempts};
 use crate::decider::Placement;
 use crate::health::Failure;
-use crate::hop::{Edit, Head, Hop, HopFailure, Outbound, edited, post, respond};
+use crate::hop::{Edit, Head, Hop, HopFailure, edited, post, respond};
 use crate::observer::InFlight;
+use crate::outbound::Outbound;
 use crate::{FrontendState, RESPONSE_TIMEOUT};
 
 /// The largest prefill answer read (one token and its envelope).

@@ -20,9 +20,9 @@ use kvroute_http::paths;
 use crate::FrontendState;
 use crate::attempts::{Attempt, Attempts, out_of_rotation};
 use crate::health::Failure;
-use crate::hop::Outbound;
 use crate::observer::AnswerObserver;
 use crate::observer::InFlight;
+use crate::outbound::Outbound;
 
 /// The OpenAI routes a picker places (any other path is the gateway's to route).
 pub const PICKED_PATHS: [&str; 2] = [paths::CHAT_COMPLETIONS, paths::COMPLETIONS];

@@ -1,6 +1,14 @@
 //! The defaults every command starts from, and the environment variables that hold secrets.
 
+use kvroute_core::schedule::cost::KvConfig;
+use kvroute_core::schedule::{PairConfig, SchedulerConfig};
+use kvroute_frontend::FrontDoorOptions;
+use kvroute_mocker::EngineConfig;
+use kvroute_router::RouterConfig;
+
+use super::groups::{Engine, FrontDoor, Routing};
 use super::invalid::Invalid;
+use crate::Simulated;
 
 pub const DEFAULT_HOST: &str = "127.0.0.1";
 pub const DEFAULT_READY_TIMEOUT_SECS: f64 = 10.0;
@@ -39,3 +47,105 @@ pub fn kv_peer_token() -> Result<Option<String>, Invalid> {
 pub const DEFAULT_TRACE_RATIO: f64 = 0.1;
 /// Share of decisions the decision log keeps (`--decision-log-ratio`).
 pub const DEFAULT_DECISION_LOG_RATIO: f64 = 0.01;
+
+impl FrontDoor {
+    /// The front door's defaults: `FrontDoorOptions`'.
+    pub(super) fn defaults() -> Self {
+        let front_door = FrontDoorOptions::default();
+        FrontDoor {
+            api_keys_file: None,
+            expose_overlap: Some(front_door.expose_overlap),
+            explain_decisions: Some(front_door.explain_decisions),
+            first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
+            max_migrations: Some(front_door.max_migrations),
+            cache_namespace_per_key: Some(front_door.namespace_per_key),
+            parity_probe: Some(front_door.parity_probe),
+            adapters: Vec::new(),
+            model_priorities: Vec::new(),
+            load_adapters: Some(front_door.load_adapters),
+            trust_transfer_fields: Some(front_door.trust_transfer_fields),
+            engine_priority: Some(front_door.engine_priority),
+            status_sample_ms: Some(front_door.status_every.as_millis() as u64),
+        }
+    }
+}
+
+impl Engine {
+    /// The simulated engine's defaults.
+    pub(super) fn defaults() -> Self {
+        let engine = EngineConfig::default();
+        Engine {
+            num_blocks: Some(engine.num_blocks),
+            max_num_seqs: Some(engine.max_num_seqs),
+            max_batched_tokens: Some(engine.max_batched_tokens),
+            speedup: Some(engine.timing.speedup),
+            seed: Some(Simulated::default().seed),
+            max_model_len: None,
+            chat_template: None,
+            lora_modules: Vec::new(),
+            max_loras: Some(engine.lora.max_loras),
+            max_cpu_loras: Some(engine.lora.max_cpu_loras),
+            lora_load_ms: Some(engine.lora.load.as_secs_f64() * 1e3),
+            lora_swap_ms: Some(engine.lora.swap.as_secs_f64() * 1e3),
+            lora_step_ms: Some(engine.lora.step_cost.as_secs_f64() * 1e3),
+            lora_updating: Some(false),
+            num_host_blocks: Some(engine.host.num_blocks),
+            host_offload_h2d_bandwidth_gbps: Some(engine.host.h2d_gbps),
+            host_offload_d2h_bandwidth_gbps: Some(engine.host.d2h_gbps),
+            num_storage_blocks: Some(engine.host.storage_blocks),
+            storage_bandwidth_gbps: Some(engine.host.storage_gbps),
+            store_url: None,
+            num_store_blocks: Some(0),
+            store_bandwidth_gbps: Some(engine.host.store_gbps),
+            tier_loads: Some(engine.host.loads),
+            scheduling_policy: Some(engine.scheduling),
+            kv_bytes_per_token: Some(engine.host.kv_bytes_per_token),
+            kv_transfer_bandwidth: Some(engine.disagg.kv_transfer_bandwidth_gbps),
+            kv_transfer_bandwidth_across_nodes: None,
+            node: None,
+            kv_transfer_timing: Some(engine.disagg.timing),
+            kv_hold_timeout: Some(engine.disagg.hold_timeout.as_secs_f64()),
+            kv_load_failure_policy: Some(engine.disagg.load_failure),
+        }
+    }
+}
+
+impl Routing {
+    /// The routing group's defaults: the scheduler's, the router's and flow control's.
+    pub(super) fn defaults() -> Self {
+        let router = RouterConfig::default();
+        let scheduler = SchedulerConfig::default();
+        let kv_cost = toml::Table::try_from(KvConfig::default())
+            .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
+            .unwrap_or_default();
+        Routing {
+            workers: Vec::new(),
+            policy: Some(scheduler.policy),
+            temperature: Some(scheduler.temperature),
+            overlap_weight: Some(scheduler.overlap_weight),
+            kv_cost,
+            pd_cost: toml::Table::try_from(PairConfig::default())
+                .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
+                .unwrap_or_default(),
+            shards: Some(router.shards),
+            max_index_blocks: router.index.max_held_blocks,
+            max_dp_size: Some(router.max_dp_size),
+            approx_ttl: Some(router.approx.ttl.as_secs_f64()),
+            ready_timeout: Some(DEFAULT_READY_TIMEOUT_SECS),
+            zmq_max_message_bytes: Some(router.zmq_max_message_bytes),
+            session_ttl: Some(scheduler.sessions.ttl.as_secs_f64()),
+            session_margin: Some(scheduler.sessions.margin_s),
+            max_sessions: Some(scheduler.sessions.capacity),
+            flow_control: Some(scheduler.flow.enabled),
+            learn_shape: Some(scheduler.predictor.shape.enabled),
+            max_engine_wait_ms: Some(scheduler.flow.max_engine_wait_ms),
+            max_queued: Some(scheduler.flow.max_queued),
+            max_queued_per_tenant: Some(scheduler.flow.max_queued_per_tenant),
+            max_queued_bytes: Some(scheduler.flow.max_queued_bytes),
+            max_queue_wait_ms: Some(scheduler.flow.max_wait_ms),
+            queue_sheddable: Some(!scheduler.flow.shed_at_once),
+            over_share: Some(scheduler.flow.over_share),
+            over_share_wait: Some(scheduler.flow.over_share_wait),
+        }
+    }
+}
