@@ -107,11 +107,9 @@ fn relayed(state: &Arc<FrontendState>, out: &Outbound, answer: Response) -> Resp
                         Some((Ok(bytes), Relay::First(first, transcript)))
                     }
                     Err(e) => {
-                        let Some(Broken(worker)) = e.get_ref().and_then(|e| e.downcast_ref())
-                        else {
+                        let Some(worker) = broken(&e) else {
                             return Some((Err(e), Relay::Done));
                         };
-                        let worker = *worker;
                         drop(first);
                         let to = (trace.as_ref(), worker);
                         match moved(&state, &resume, to, transcript).await {
@@ -130,6 +128,23 @@ fn relayed(state: &Arc<FrontendState>, out: &Outbound, answer: Response) -> Resp
         }
     });
     Response::from_parts(parts, Body::from_stream(stream))
+}
+
+/// The worker that broke off a movable stream, when `e` (through the body's own wrapping) is
+/// [`Broken`].
+fn broken(e: &std::io::Error) -> Option<WorkerId> {
+    let mut at: Option<&(dyn std::error::Error + 'static)> = e.get_ref().map(|e| e as _);
+    while let Some(error) = at {
+        if let Some(Broken(worker)) = error.downcast_ref::<Broken>() {
+            return Some(*worker);
+        }
+        // An I/O error's source is its inner error's source, not the inner error.
+        at = match error.downcast_ref::<std::io::Error>() {
+            Some(io) => io.get_ref().map(|e| e as _),
+            None => error.source(),
+        };
+    }
+    None
 }
 
 /// Where the client's stream is: on its first worker, on the continuation, or ended.

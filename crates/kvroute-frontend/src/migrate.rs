@@ -267,3 +267,129 @@ pub(crate) fn ended(kind: Api, head: Option<&(Value, Value, Value)>) -> Bytes {
     }
     Bytes::from(format!("data: {chunk}\n\ndata: [DONE]\n\n"))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn resume(prompt_tokens: usize, strip_usage: bool) -> Resume {
+        Resume {
+            path: kvroute_http::paths::CHAT_COMPLETIONS,
+            kind: Api::Chat,
+            raw: json!({"max_tokens": 64}),
+            prompt: vec![1; prompt_tokens],
+            namespace: None,
+            adapter: None,
+            session: None,
+            dialects: Vec::new(),
+            block_size: BlockSize::new(16).unwrap(),
+            strip_usage,
+            left: 0,
+        }
+    }
+
+    /// A chat stream as an engine sends it: `id`, the role with the first delta, one word a
+    /// chunk, its end, its usage (`prompt` and the words' count) and `[DONE]`.
+    fn stream(id: &str, words: &[String], prompt: usize) -> Vec<u8> {
+        let mut out = String::new();
+        for (i, w) in words.iter().enumerate() {
+            let mut delta = json!({"content": w});
+            if i == 0 {
+                delta["role"] = "assistant".into();
+            }
+            let chunk = json!({"id": id, "object": "chat.completion.chunk", "created": 7,
+                "model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": null}]});
+            out.push_str(&format!("data: {chunk}\n\n"));
+        }
+        let end = json!({"id": id, "created": 7, "model": "m",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]});
+        let usage = json!({"id": id, "created": 7, "model": "m", "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": words.len(),
+                      "total_tokens": prompt + words.len(),
+                      "prompt_tokens_details": {"cached_tokens": prompt}}});
+        out.push_str(&format!("data: {end}\n\ndata: {usage}\n\ndata: [DONE]\n\n"));
+        out.into_bytes()
+    }
+
+    /// `bytes` cut at `cuts` (any points).
+    fn chunks(bytes: &[u8], cuts: &[usize]) -> Vec<Vec<u8>> {
+        let mut at: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+        at.sort_unstable();
+        at.dedup();
+        let mut out = Vec::new();
+        let mut from = 0;
+        for c in at.into_iter().chain([bytes.len()]) {
+            out.push(bytes[from..c].to_vec());
+            from = c;
+        }
+        out
+    }
+
+    proptest! {
+        /// A stream broken after any of its words, recorded in any chunks, and its continuation
+        /// (the rest of the words from another engine, under another id, with its own role and
+        /// usage) spliced in any chunks: the client gets the unbroken stream's words, one id,
+        /// one role, `[DONE]`, and one usage that counts the whole answer.
+        #[test]
+        fn a_spliced_stream_is_the_unbroken_one(
+            n in 2usize..24,
+            cut_at in 1usize..23,
+            prompt in 1usize..300,
+            cuts in proptest::collection::vec(0usize..4000, 0..12),
+            strip in any::<bool>(),
+        ) {
+            let cut = cut_at.min(n - 1);
+            let words: Vec<String> = (0..n).map(|i| match i {
+                0 => "Word".to_owned(),
+                i => format!(" w{i}"),
+            }).collect();
+            let mut first = stream("chatcmpl-1", &words[..cut], prompt);
+            // The worker broke off right after its `cut`-th word's event.
+            let events: Vec<&[u8]> = first.split_inclusive(|b| *b == b'\n').collect();
+            let kept: usize = events.iter().take(2 * cut).map(|e| e.len()).sum();
+            first.truncate(kept);
+            let mut transcript = Transcript::default();
+            let mut client = Vec::new();
+            for c in chunks(&first, &cuts) {
+                transcript.record(&c);
+                client.extend_from_slice(&c);
+            }
+            prop_assert!(!transcript.ended);
+            let text: String = words[..cut].concat();
+            prop_assert_eq!(&transcript.text, &text);
+            let rest = stream("cmpl-other", &words[cut..], prompt + cut);
+            let mut splice = Splice::after(&resume(prompt, strip), transcript, cut);
+            for c in chunks(&rest, &cuts) {
+                client.extend_from_slice(&splice.pass(&c));
+            }
+            let mut reader = kvroute_http::SseReader::default();
+            let events = reader.push(&client);
+            prop_assert_eq!(events.last(), Some(&SseEvent::Done));
+            let chunks: Vec<Value> = events.iter().filter_map(|e| match e {
+                SseEvent::Data(d) => serde_json::from_str(d).ok(),
+                SseEvent::Done => None,
+            }).collect();
+            let said: String = chunks.iter()
+                .filter_map(|c| c.pointer("/choices/0/delta/content")?.as_str()).collect();
+            prop_assert_eq!(said, words.concat());
+            prop_assert!(chunks.iter().all(|c| c["id"] == "chatcmpl-1"));
+            let roles = chunks.iter().filter(|c| c.pointer("/choices/0/delta/role").is_some());
+            prop_assert_eq!(roles.count(), 1);
+            let usages: Vec<&Value> = chunks.iter().filter_map(|c| c.get("usage")).collect();
+            if strip {
+                prop_assert!(usages.is_empty());
+            } else {
+                prop_assert_eq!(usages.len(), 1);
+                prop_assert_eq!(usages[0]["prompt_tokens"].as_u64(), Some(prompt as u64));
+                prop_assert_eq!(usages[0]["completion_tokens"].as_u64(), Some(n as u64));
+                prop_assert_eq!(usages[0]["total_tokens"].as_u64(), Some((prompt + n) as u64));
+                let cached = usages[0]["prompt_tokens_details"]["cached_tokens"].as_u64();
+                prop_assert_eq!(cached, Some(prompt as u64));
+            }
+        }
+    }
+}
