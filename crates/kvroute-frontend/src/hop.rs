@@ -220,7 +220,10 @@ where
         (Some(from), false) => Translator::failed(from, parts.status.as_u16()),
         (None, _) => None,
     };
-    let data = translated(incoming, translator);
+    let mut data = translated(incoming, translator);
+    if sse {
+        data = silent_after(data, state.options.inter_token_timeout);
+    }
     let pieces = proxy_body(data, observer, worker.worker_id);
     let movable = out.resume.is_some() && sse && parts.status.is_success();
     let stream = ended_by_error(pieces, sse, movable);
@@ -277,7 +280,11 @@ fn proxy_body(
                 *done = true;
                 let state = &observer.guard.state;
                 state.metrics.broken.inc();
-                state.worker_failed(worker, Failure::Broken);
+                let why = match e.kind() {
+                    std::io::ErrorKind::TimedOut => Failure::Timeout,
+                    _ => Failure::Broken,
+                };
+                state.worker_failed(worker, why);
                 tracing::warn!(%worker, error = %e, "the worker broke off its answer");
                 Ok(Piece::Broken(worker, e))
             }
@@ -316,6 +323,29 @@ fn ended_by_error(
 
 /// Largest whole answer of a tokens dialect read to be turned into OpenAI's.
 const WHOLE_ANSWER_LIMIT: usize = 64 << 20;
+
+/// A stream whose worker sends nothing for `timeout` (its engine stopped, its node gone
+/// without a reset) ends with a timeout error: as if it broke off, it is ejected and the
+/// stream moves on.
+fn silent_after(
+    data: futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Error>>,
+    timeout: std::time::Duration,
+) -> futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Error>> {
+    futures_util::stream::unfold(Some(data), move |data| async move {
+        let mut data = data?;
+        match tokio::time::timeout(timeout, data.next()).await {
+            Ok(item) => Some((item?, Some(data))),
+            Err(_) => {
+                let silent = std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no token for {timeout:?}"),
+                );
+                Some((Err(silent), None))
+            }
+        }
+    })
+    .boxed()
+}
 
 /// The answer's bytes, through `translator` when there is one: a stream event by event, a
 /// whole answer once it has all come.

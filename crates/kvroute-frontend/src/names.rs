@@ -60,6 +60,10 @@ pub const DIALECT_FALLBACKS: &str = "kvroute_frontend_dialect_fallbacks";
 /// How long a worker has to send a streamed answer's first bytes (its headers), and a whole
 /// answer that is not streamed.
 pub const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a begun stream may go without a token before its worker is taken for broken:
+/// far past an engine's step (well under a second at full batch) or a preempted request's
+/// wait for memory, short enough that a stopped engine's clients hear from another worker.
+pub const INTER_TOKEN_TIMEOUT: Duration = Duration::from_secs(30);
 pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(600);
 
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);

@@ -31,6 +31,10 @@ pub struct FrontDoorOptions {
     pub trust_transfer_fields: bool,
     /// Tell the engines each request's priority in their own field (they schedule by it).
     pub engine_priority: bool,
+    /// How long a stream's worker may send nothing once it has begun before it is taken for
+    /// broken (ejected, the stream moved on): an engine stopped, or its node gone without a
+    /// reset.
+    pub inter_token_timeout: Duration,
     /// How many times one stream may move to another worker when its worker breaks it off
     /// after its first bytes ([`crate::migrate`]); 0: never (the stream ends with an error
     /// event). One by default: two engines dying under one request in a row more likely
@@ -71,6 +75,7 @@ impl Default for FrontDoorOptions {
             trust_transfer_fields: false,
             engine_priority: false,
             max_migrations: 1,
+            inter_token_timeout: INTER_TOKEN_TIMEOUT,
             status_every: kvroute_http::status::SAMPLE_EVERY,
         }
     }

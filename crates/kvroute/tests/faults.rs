@@ -148,8 +148,22 @@ enum Outcome {
 
 async fn chat(client: &kvroute_http::HttpClient, base: &str, prompt: &str, t0: Instant) -> Seen {
     // 128 tokens: ~0.8 s of decoding at a GPU's pace, so several streams are in flight.
-    let body = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 128,
-        "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
+    stream(client, base, prompt, (128, true), t0).await
+}
+
+/// A chat stream of `max_tokens`, asking for its usage or not.
+async fn stream(
+    client: &kvroute_http::HttpClient,
+    base: &str,
+    prompt: &str,
+    (max_tokens, usage): (u64, bool),
+    t0: Instant,
+) -> Seen {
+    let mut body = json!({"messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens, "ignore_eos": true, "stream": true});
+    if usage {
+        body["stream_options"] = json!({"include_usage": true});
+    }
     let started = t0.elapsed();
     let url = format!("{base}/v1/chat/completions");
     let response = client.call(hyper::Method::POST, &url, Some(&body)).await;
@@ -362,4 +376,90 @@ fn workers_killed_stopped_and_restarted_under_load() {
         assert!(s.took < bound, "waited {:?}, more than the first-byte timeout: {s:?}", s.took);
     }
     drop((a2, b, front));
+}
+
+/// #80's must-show: three engines, long streams, one engine SIGKILLed mid-stream and another
+/// stopped (SIGSTOP) mid-stream: every stream completes as one stream, with all its tokens and
+/// `[DONE]`, its text the text of the same request run unbroken.
+#[test]
+fn streams_whose_engines_die_or_stop_go_on_as_one_stream() {
+    let engines: Vec<(Process, Mocker)> = (0..3).map(|_| start_mocker(None)).collect();
+    // Two engines go at once: a stream moved from the killed one to the stopped one moves
+    // again (a continuation's continuation), hence two migrations.
+    let flags = ["frontend", "--port", "0", "--inter-token-timeout", "1", "--first-byte-timeout"];
+    let mut args: Vec<String> = flags.into_iter().map(str::to_owned).collect();
+    args.extend(["2", "--max-migrations", "2"].map(str::to_owned));
+    for (i, (_, m)) in engines.iter().enumerate() {
+        args.extend(["--worker".to_owned(), worker_flag(i as u64 + 1, m)]);
+    }
+    let front = start(kvroute().args(&args)).expect("the front door starts");
+    let base = word_after(&front.line, "ready on ").to_owned();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let client = Arc::new(kvroute_http::HttpClient::new());
+    const TOKENS: u64 = 300; // about 2 s of decoding each
+    let ask = |k: usize| (format!("Story {k}: once upon a time, in a land far away. "), k % 2 == 0);
+
+    let mut engines = engines;
+    let t0 = Instant::now();
+    let seen: Vec<Seen> = runtime.block_on(async {
+        let tasks: Vec<_> = (0..9)
+            .map(|k| {
+                let (client, base) = (Arc::clone(&client), base.clone());
+                let (prompt, usage) = ask(k);
+                tokio::spawn(
+                    async move { stream(&client, &base, &prompt, (TOKENS, usage), t0).await },
+                )
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        engines[0].0.child.kill().unwrap();
+        let _ = engines[0].0.child.wait();
+        assert!(signal(&engines[1].0.child, "STOP"));
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    assert!(signal(&engines[1].0.child, "CONT"));
+    report("worker 1 SIGKILLed and worker 2 stopped at 700 ms, 9 streams of 300 tokens", &seen);
+    // The same requests again, unbroken (on worker 3, and worker 2 once back).
+    let again: Vec<Seen> = runtime.block_on(async {
+        let tasks: Vec<_> = (0..9)
+            .map(|k| {
+                let (client, base) = (Arc::clone(&client), base.clone());
+                let (prompt, usage) = ask(k);
+                tokio::spawn(
+                    async move { stream(&client, &base, &prompt, (TOKENS, usage), t0).await },
+                )
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    let mut moved = [0, 0];
+    for (k, (s, unbroken)) in seen.iter().zip(&again).enumerate() {
+        assert_eq!((s.status, s.outcome), (200, Outcome::Done), "every stream completes: {s:?}");
+        assert_eq!(unbroken.outcome, Outcome::Done, "{unbroken:?}");
+        assert!(!s.text.is_empty() && s.text == unbroken.text, "stream {k}: {s:?} / {unbroken:?}");
+        if ask(k).1 {
+            assert_eq!(s.completion, Some(TOKENS), "the usage counts the whole answer: {s:?}");
+        }
+        if let Some(w @ 1..=2) = s.worker {
+            moved[w as usize - 1] += 1;
+        }
+    }
+    let (_, metrics) = runtime.block_on(client.get(&format!("{base}/metrics"))).unwrap();
+    let metrics = String::from_utf8_lossy(&metrics);
+    let migrated = kvroute_http::metrics::sample(
+        &metrics,
+        "kvroute_frontend_migrations_total{reason=\"broken\"}",
+    );
+    eprintln!("  moved from the killed worker {}, from the stopped one {}", moved[0], moved[1]);
+    assert!(moved[0] > 0 && moved[1] > 0, "streams ran on both at 700 ms: {moved:?}");
+    assert!(migrated.is_some_and(|m| m >= f64::from(moved[0] + moved[1])), "{metrics}");
+    drop((engines, front));
 }

@@ -475,6 +475,10 @@ impl Settings {
                 None => d.first_byte_timeout,
             },
             max_migrations: f.max_migrations.unwrap_or(d.max_migrations),
+            inter_token_timeout: match f.inter_token_timeout {
+                Some(t) => secs(t, "inter_token_timeout")?,
+                None => d.inter_token_timeout,
+            },
             namespace_per_key: f.cache_namespace_per_key.unwrap_or(d.namespace_per_key),
             parity_probe: f.parity_probe.unwrap_or(d.parity_probe),
             load_adapters: f.load_adapters.unwrap_or(d.load_adapters),

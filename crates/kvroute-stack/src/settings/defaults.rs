@@ -58,6 +58,7 @@ impl FrontDoor {
             explain_decisions: Some(front_door.explain_decisions),
             first_byte_timeout: Some(front_door.first_byte_timeout.as_secs_f64()),
             max_migrations: Some(front_door.max_migrations),
+            inter_token_timeout: Some(front_door.inter_token_timeout.as_secs_f64()),
             cache_namespace_per_key: Some(front_door.namespace_per_key),
             parity_probe: Some(front_door.parity_probe),
             adapters: Vec::new(),

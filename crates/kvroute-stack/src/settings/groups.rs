@@ -104,6 +104,10 @@ pub struct FrontDoor {
     /// worker and this one is ejected for a while.
     #[arg(long)]
     pub first_byte_timeout: Option<f64>,
+    /// Seconds a begun stream may go without a token before its worker is taken for broken
+    /// (ejected, the stream moved to another worker).
+    #[arg(long)]
+    pub inter_token_timeout: Option<f64>,
     /// Times a stream may move to another worker (sent the prompt and the tokens so far) when
     /// its own breaks it off mid-answer; 0: never, it ends with an error event. Default 1.
     #[arg(long)]
