@@ -397,7 +397,9 @@ fn streams_whose_engines_die_or_stop_go_on_as_one_stream() {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     let client = Arc::new(kvroute_http::HttpClient::new());
     const TOKENS: u64 = 300; // about 2 s of decoding each
-    let ask = |k: usize| (format!("Story {k}: once upon a time, in a land far away. "), k % 2 == 0);
+    let ask = |k: usize| {
+        (format!("Story {k}: once upon a time, in a land far away. "), k.is_multiple_of(2))
+    };
 
     let mut engines = engines;
     let t0 = Instant::now();
