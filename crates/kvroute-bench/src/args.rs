@@ -40,6 +40,11 @@ pub struct BenchArgs {
     /// tenant. Writes overload.md and overload.json.
     #[arg(long, env = "KVROUTE_BENCH_OVERLOAD")]
     pub overload: bool,
+    /// The fault bench instead (docs/bench/faults.md): streams of 256 tokens at 6 requests/s
+    /// over three engine processes, one killed (SIGKILL) at 8 s and back at 14 s; run with
+    /// streams allowed to move to another worker and without. Writes faults.md and .json.
+    #[arg(long, env = "KVROUTE_BENCH_FAULTS")]
+    pub faults: bool,
     /// The membership bench instead (docs/bench/membership.md): engines join and leave while
     /// the shared-prefix schedule runs at 12 requests/s. scale: 2 workers, 4 at 40 s, 3 at
     /// 90 s; rolling: 4 workers each replaced by one at a new address, one every 20 s. Each

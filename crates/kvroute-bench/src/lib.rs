@@ -10,6 +10,7 @@
 
 mod args;
 pub mod churn;
+pub mod faults;
 pub mod fixtures;
 pub mod goodput;
 pub mod overload;
@@ -98,6 +99,11 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<Finished> {
         .with_context(|| format!("creating {}", args.out.display()))?;
     if !args.churn.is_empty() {
         let report = churn::bench(args, &preprocessor)?;
+        let summary = std::fs::read_to_string(&report).unwrap_or_default();
+        return Ok(Finished { report, summary });
+    }
+    if args.faults {
+        let report = faults::bench(args, &preprocessor)?;
         let summary = std::fs::read_to_string(&report).unwrap_or_default();
         return Ok(Finished { report, summary });
     }
