@@ -465,3 +465,31 @@ fn streams_whose_engines_die_or_stop_go_on_as_one_stream() {
     assert!(migrated.is_some_and(|m| m >= f64::from(moved[0] + moved[1])), "{metrics}");
     drop((engines, front));
 }
+
+/// `kvroute bench --faults` as docs/bench.md gives it: with streams allowed to move, the kill
+/// loses none of the requests it caught; without, it loses every one.
+#[test]
+fn the_fault_bench_runs_as_documented() {
+    let out = std::env::temp_dir().join(format!("kvroute-faults-bench-{}", std::process::id()));
+    let status = kvroute()
+        .args(["bench", "--faults", "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kvroute bench --faults: {status}");
+    let runs: Value =
+        serde_json::from_slice(&std::fs::read(out.join("faults.json")).unwrap()).unwrap();
+    let (moving, not) = (&runs[0], &runs[1]);
+    assert_eq!(
+        (moving["max_migrations"].as_u64(), not["max_migrations"].as_u64()),
+        (Some(1), Some(0))
+    );
+    assert!(moving["caught"].as_u64() > Some(0) && not["caught"].as_u64() > Some(0), "{runs}");
+    assert_eq!(moving["lost"], 0, "{runs}");
+    assert!(moving["migrations"].as_u64() >= moving["caught"].as_u64(), "{runs}");
+    assert_eq!(not["lost"], not["caught"], "{runs}");
+    assert!(std::fs::read_to_string(out.join("faults.md")).unwrap().contains("| 1 | "));
+    let _ = std::fs::remove_dir_all(&out);
+}
