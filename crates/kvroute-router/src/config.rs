@@ -359,6 +359,9 @@ pub struct RouterConfig {
     /// Most members at once, from every source together (the configuration, the admin API,
     /// DNS, a bucket, Kubernetes): a join past it is refused, the members kept.
     pub max_workers: usize,
+    /// Where the router keeps its state across restarts (the index and where each event
+    /// stream was, [`crate::saved`]); none: it starts empty.
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 /// Most members at once, unless configured (each source's own bound, too).
@@ -380,6 +383,7 @@ impl Default for RouterConfig {
             zmq_max_message_bytes: DEFAULT_ZMQ_MAX_MESSAGE_BYTES,
             decision_log: None,
             max_workers: DEFAULT_MAX_WORKERS,
+            state_dir: None,
         }
     }
 }

@@ -24,6 +24,7 @@ pub mod members;
 pub mod metrics;
 pub mod nats;
 mod plane;
+pub mod saved;
 pub mod state;
 pub mod stream;
 pub mod subscriber;

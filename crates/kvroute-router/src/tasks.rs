@@ -31,6 +31,15 @@ impl Drop for Tasks {
             task.abort();
         }
         if let Some(state) = &self.state {
+            // The router stops: its state is kept for the next start ([`crate::saved`]).
+            if let Some(dir) = &state.config.state_dir {
+                match crate::saved::save(state, dir) {
+                    Ok(events) => {
+                        tracing::info!(dir = %dir.display(), events, "router state saved");
+                    }
+                    Err(err) => tracing::warn!(%err, "router state not saved"),
+                }
+            }
             state.roster.stop();
         }
     }

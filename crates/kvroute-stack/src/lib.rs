@@ -55,6 +55,25 @@ pub struct Stack {
     _probes: Option<Probes>,
 }
 
+/// The router embedded in this process: its saved state loaded first (the subscriptions
+/// resume where it left them), its tasks, and the sources of members `discovery` names.
+fn embedded(
+    router: kvroute_router::RouterConfig,
+    discovery: &Discovery,
+    simulated: &[WorkerSpec],
+) -> Result<(Arc<RouterState>, kvroute_router::Tasks), StackError> {
+    let state = Arc::new(RouterState::new(router));
+    let saver = state.config.state_dir.clone().map(|d| kvroute_router::saved::follow(&state, d));
+    let mut tasks = kvroute_router::spawn_background(&state)?;
+    if let Some(saver) = saver {
+        tasks.push(saver);
+    }
+    for source in sources(discovery.clone(), simulated) {
+        tasks.push(kvroute_router::members::spawn_source(&state, source, discovery.drain_timeout));
+    }
+    Ok((state, tasks))
+}
+
 /// The sources of members `discovery` names.
 fn sources(
     discovery: Discovery,
@@ -125,12 +144,7 @@ impl Stack {
         let (state, tasks) = match &router_url {
             Some(_) => (None, None),
             None => {
-                let state = Arc::new(RouterState::new(router));
-                let mut tasks = kvroute_router::spawn_background(&state)?;
-                for source in sources(discovery.clone(), &simulated_specs) {
-                    let drain = discovery.drain_timeout;
-                    tasks.push(kvroute_router::members::spawn_source(&state, source, drain));
-                }
+                let (state, tasks) = embedded(router, &discovery, &simulated_specs)?;
                 (Some(state), Some(tasks))
             }
         };

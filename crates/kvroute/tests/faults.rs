@@ -493,3 +493,74 @@ fn the_fault_bench_runs_as_documented() {
     assert!(std::fs::read_to_string(out.join("faults.md")).unwrap().contains("| 1 | "));
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// `kvroute router --state-dir`: stopped with SIGTERM it writes its state; started again it
+/// has the blocks it knew at once, and what the engine cached while it was down, from the
+/// engine's replay after the batch it had seen last.
+#[test]
+fn a_router_restarted_with_its_state_dir_remembers() {
+    let (_engine, m) = start_mocker(None);
+    let dir = std::env::temp_dir().join(format!("kvroute-state-{}", std::process::id()));
+    let router = || {
+        let (worker, dir) = (worker_flag(1, &m), dir.display().to_string());
+        let args = ["router", "--port", "0", "--worker", &worker, "--state-dir", &dir];
+        start(kvroute().args(args)).expect("the router starts")
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let client = kvroute_http::HttpClient::new();
+    let ask = |k: usize| {
+        let body = json!({"messages": [{"role": "user", "content": prompt(k)}], "max_tokens": 4});
+        let url = format!("{}/v1/chat/completions", m.url);
+        let answer = runtime.block_on(client.call(hyper::Method::POST, &url, Some(&body)));
+        assert_eq!(answer.unwrap().status(), 200);
+    };
+    let held = |base: &str| {
+        let workers = runtime.block_on(get_json(&client, &format!("{base}/workers")));
+        workers["workers"][0]["tree_size"][0].as_u64().unwrap_or(0)
+    };
+    let until = |base: &str, done: &dyn Fn(u64) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let n = held(base);
+            if done(n) {
+                return n;
+            }
+            assert!(Instant::now() < deadline, "the router holds {n} blocks");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+
+    let mut first = router();
+    let base = word_after(&first.line, "listening on ").to_owned();
+    for k in 0..3 {
+        ask(k);
+    }
+    let before = until(&base, &|n| n >= 40);
+    let last_seq = |base: &str| {
+        let workers = runtime.block_on(get_json(&client, &format!("{base}/workers")));
+        workers["workers"][0]["last_seq"][0].as_u64().expect("a last batch")
+    };
+    let seen = last_seq(&base);
+    assert!(signal(&first.child, "TERM"));
+    let _ = first.child.wait();
+    assert!(dir.join("router-state.json").is_file(), "written at shutdown");
+
+    ask(3); // cached while no router listens
+    let second = router();
+    let base = word_after(&second.line, "listening on ").to_owned();
+    // Ready means caught up: the saved blocks and the replay of what followed are in.
+    let after = held(&base);
+    assert!(after > before, "the saved {before} blocks and the new prompt's: {after}");
+    // Only what followed the saved batch was asked of the engine (a router without the state
+    // asks for everything the engine still keeps, from batch 0).
+    let (_, metrics) = runtime.block_on(client.get(&format!("{base}/metrics"))).unwrap();
+    let replayed = kvroute_http::metrics::sample(
+        &String::from_utf8_lossy(&metrics),
+        "kvroute_router_replayed_batches_total",
+    );
+    let now = last_seq(&base);
+    assert!(now > seen, "batches followed: {seen} then {now}");
+    assert_eq!(replayed, Some((now - seen) as f64), "replayed from batch {} on", seen + 1);
+    drop(second);
+    let _ = std::fs::remove_dir_all(&dir);
+}

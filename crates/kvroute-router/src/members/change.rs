@@ -80,7 +80,9 @@ pub(crate) fn start_tasks(state: &Arc<RouterState>, spec: &WorkerSpec) -> std::i
     let subscriptions = subscriber::subscriptions_of(spec, &state.config);
     if !subscriptions.is_empty() {
         let plane = state.roster.plane()?;
-        for sub in subscriptions {
+        for mut sub in subscriptions {
+            // Where a saved state left its stream ([`crate::saved`]); none for a newcomer.
+            sub.resume_after = state.fleet.last_seq(sub.worker);
             tasks.push(plane.spawn(subscriber::run(Arc::clone(state), sub)).abort_handle());
         }
     }

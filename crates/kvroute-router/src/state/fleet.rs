@@ -142,6 +142,18 @@ impl Fleet {
             .collect()
     }
 
+    /// `rank`'s event stream resumes after batch `seq` (a saved state, [`crate::saved`]).
+    pub(crate) fn resume_at(&self, rank: WorkerWithDpRank, seq: u64) {
+        if let Some(live) = self.live(rank.worker_id) {
+            live.seen(rank.dp_rank.0 as usize, seq);
+        }
+    }
+
+    /// The last event batch seen of `rank`, when any.
+    pub(crate) fn last_seq(&self, rank: WorkerWithDpRank) -> Option<u64> {
+        self.live(rank.worker_id)?.last_seq(rank.dp_rank.0 as usize)
+    }
+
     /// A worker's ranks (`dp_size`), `None` when it is not known.
     pub fn ranks(&self, worker: WorkerId) -> Option<u32> {
         self.read().get(&worker).map(|w| w.dp_size)

@@ -234,6 +234,7 @@ impl Settings {
             zmq_max_message_bytes: r.zmq_max_message_bytes.unwrap_or(d.zmq_max_message_bytes),
             decision_log: self.decision_log()?,
             max_workers: self.membership.max_workers.unwrap_or(d.max_workers).max(1),
+            state_dir: r.state_dir.clone(),
             approx: ApproxConfig {
                 ttl: match r.approx_ttl {
                     Some(t) => secs(t, "approx_ttl")?,

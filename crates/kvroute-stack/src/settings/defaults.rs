@@ -129,6 +129,7 @@ impl Routing {
                 .map(|t| t.into_iter().filter_map(|(k, v)| Some((k, v.as_float()?))).collect())
                 .unwrap_or_default(),
             shards: Some(router.shards),
+            state_dir: None,
             max_index_blocks: router.index.max_held_blocks,
             max_dp_size: Some(router.max_dp_size),
             approx_ttl: Some(router.approx.ttl.as_secs_f64()),

@@ -303,6 +303,11 @@ pub struct Routing {
     /// once, but every lookup walks every shard. One is the fastest lookup.
     #[arg(long)]
     pub shards: Option<usize>,
+    /// A directory where the router keeps its index and where each engine's event stream was,
+    /// written every 30 s and at shutdown and read at start: a restarted router asks each
+    /// engine's replay for what followed instead of starting empty. None by default.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
     /// Most (worker, block) pairs the index keeps, all shards together, before evicting the
     /// coldest (~48 bytes each).
     #[arg(long)]
