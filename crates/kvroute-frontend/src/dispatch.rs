@@ -97,8 +97,11 @@ fn relayed(state: &Arc<FrontendState>, out: &Outbound, answer: Response) -> Resp
     let first = body.into_data_stream().map(|c| c.map_err(std::io::Error::other)).boxed();
     let start = Relay::First(first, Transcript::default());
     let (state, trace) = (Arc::clone(state), out.trace.clone());
+    // The continuation's engine call is a span of the request's own, as its first leg was.
+    let span = tracing::Span::current();
     let stream = futures_util::stream::unfold(start, move |relay| {
         let (state, resume, trace) = (Arc::clone(&state), Arc::clone(&resume), trace.clone());
+        let span = span.clone();
         async move {
             match relay {
                 Relay::First(mut first, mut transcript) => match first.next().await? {
@@ -112,7 +115,8 @@ fn relayed(state: &Arc<FrontendState>, out: &Outbound, answer: Response) -> Resp
                         };
                         drop(first);
                         let to = (trace.as_ref(), worker);
-                        match moved(&state, &resume, to, transcript).await {
+                        let moving = moved(&state, &resume, to, transcript);
+                        match tracing::Instrument::instrument(moving, span).await {
                             Moved::On(rest, splice) => spliced(rest, splice).await,
                             Moved::Complete(end) => Some((Ok(end), Relay::Done)),
                             Moved::Not => {

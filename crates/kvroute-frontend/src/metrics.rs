@@ -91,6 +91,8 @@ impl Metrics {
              reason (broken: the connection or the stream broke)",
             m.migrations.clone(),
         );
+        // Shown at 0 before the first move (a status page and alerts read it).
+        drop(m.migrations.get_or_create(&Reason { reason: "broken" }));
         Self { registry: r, ..m }
     }
 
