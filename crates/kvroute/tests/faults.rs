@@ -403,7 +403,8 @@ fn streams_whose_engines_die_or_stop_go_on_as_one_stream() {
 
     let mut engines = engines;
     let t0 = Instant::now();
-    let seen: Vec<Seen> = runtime.block_on(async {
+    // The nine streams at once, each task's answer in order.
+    let streams = || {
         let tasks: Vec<_> = (0..9)
             .map(|k| {
                 let (client, base) = (Arc::clone(&client), base.clone());
@@ -413,35 +414,26 @@ fn streams_whose_engines_die_or_stop_go_on_as_one_stream() {
                 )
             })
             .collect();
+        async move {
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.unwrap());
+            }
+            out
+        }
+    };
+    let seen: Vec<Seen> = runtime.block_on(async {
+        let answers = streams();
         tokio::time::sleep(Duration::from_millis(700)).await;
         engines[0].0.child.kill().unwrap();
         let _ = engines[0].0.child.wait();
         assert!(signal(&engines[1].0.child, "STOP"));
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(t.await.unwrap());
-        }
-        out
+        answers.await
     });
     assert!(signal(&engines[1].0.child, "CONT"));
     report("worker 1 SIGKILLed and worker 2 stopped at 700 ms, 9 streams of 300 tokens", &seen);
     // The same requests again, unbroken (on worker 3, and worker 2 once back).
-    let again: Vec<Seen> = runtime.block_on(async {
-        let tasks: Vec<_> = (0..9)
-            .map(|k| {
-                let (client, base) = (Arc::clone(&client), base.clone());
-                let (prompt, usage) = ask(k);
-                tokio::spawn(
-                    async move { stream(&client, &base, &prompt, (TOKENS, usage), t0).await },
-                )
-            })
-            .collect();
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(t.await.unwrap());
-        }
-        out
-    });
+    let again: Vec<Seen> = runtime.block_on(async { streams().await });
     let mut moved = [0, 0];
     for (k, (s, unbroken)) in seen.iter().zip(&again).enumerate() {
         assert_eq!((s.status, s.outcome), (200, Outcome::Done), "every stream completes: {s:?}");
