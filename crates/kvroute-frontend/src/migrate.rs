@@ -142,6 +142,35 @@ pub(crate) struct Transcript {
     pub(crate) ended: bool,
 }
 
+/// What [`Transcript::record`] reads of a chunk.
+#[derive(serde::Deserialize)]
+struct Chunk<'a> {
+    #[serde(borrow)]
+    id: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    model: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    created: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    choices: Vec<ChunkChoice<'a>>,
+    error: Option<serde::de::IgnoredAny>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChunkChoice<'a> {
+    #[serde(borrow)]
+    delta: Option<ChunkDelta<'a>>,
+    #[serde(borrow)]
+    text: Option<std::borrow::Cow<'a, str>>,
+    finish_reason: Option<serde::de::IgnoredAny>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChunkDelta<'a> {
+    #[serde(borrow)]
+    content: Option<std::borrow::Cow<'a, str>>,
+}
+
 impl Transcript {
     /// Reads the events the client is sent.
     pub(crate) fn record(&mut self, bytes: &[u8]) {
@@ -150,19 +179,25 @@ impl Transcript {
                 self.ended = true;
                 continue;
             };
-            let Ok(v) = serde_json::from_str::<Value>(&data) else { continue };
-            if v.get("error").is_some() {
+            // Read in place (one chunk a token: no tree of values built).
+            let Ok(chunk) = serde_json::from_str::<Chunk<'_>>(&data) else { continue };
+            if chunk.error.is_some() {
                 self.ended = true;
             }
-            if self.head.is_none() && v.get("id").is_some() {
-                self.head = Some((v["id"].clone(), v["model"].clone(), v["created"].clone()));
+            if let (None, Some(id)) = (&self.head, chunk.id) {
+                let value = |raw: Option<&serde_json::value::RawValue>| {
+                    raw.and_then(|r| serde_json::from_str(r.get()).ok()).unwrap_or(Value::Null)
+                };
+                let id = value(Some(id));
+                self.head = Some((id, value(chunk.model), value(chunk.created)));
             }
-            let Some(choice) = v.pointer("/choices/0") else { continue };
-            let text = choice.pointer("/delta/content").or_else(|| choice.get("text"));
-            if let Some(text) = text.and_then(Value::as_str) {
+            let Some(choice) = chunk.choices.first() else { continue };
+            if let Some(text) = choice.delta.as_ref().and_then(|d| d.content.as_deref()) {
+                self.text.push_str(text);
+            } else if let Some(text) = &choice.text {
                 self.text.push_str(text);
             }
-            if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
+            if choice.finish_reason.is_some() {
                 self.ended = true;
             }
         }
