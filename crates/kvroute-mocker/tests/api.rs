@@ -307,16 +307,24 @@ async fn kv_events_and_load_reports_are_published() {
 
     let (status, _) = m.post("/v1/chat/completions", &chat(LONG, 1)).await;
     assert_eq!(status, 200);
-    // What was published (before any subscriber) comes back through replay.
-    let batches = kvroute_router::subscriber::replay(
-        &Default::default(),
-        bound.replay.as_deref().unwrap(),
-        0,
-        u64::MAX,
-    )
-    .await
-    .unwrap()
-    .batches;
+    // What was published (before any subscriber) comes back through replay: once the
+    // publisher's task has kept it, which may be a moment after the answer (at most 5 s).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let batches = loop {
+        let batches = kvroute_router::subscriber::replay(
+            &Default::default(),
+            bound.replay.as_deref().unwrap(),
+            0,
+            u64::MAX,
+        )
+        .await
+        .unwrap()
+        .batches;
+        if !batches.is_empty() || tokio::time::Instant::now() > deadline {
+            break batches;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert!(!batches.is_empty());
     let stored: usize = batches
         .iter()
