@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
+use axum::http::StatusCode;
 use axum::response::Response;
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
@@ -31,16 +32,36 @@ pub(crate) async fn dispatch(
     out: &Outbound,
 ) -> Result<Response, ApiError> {
     let mut attempts = Attempts::new(state, out, None);
+    // An engine's 404 for the request's adapter, kept for when no other worker is left.
+    let mut unserved: Option<Response> = None;
     loop {
-        let attempt = attempts.next().await?;
+        let attempt = match attempts.next().await {
+            Ok(attempt) => attempt,
+            Err(e) => return unserved.ok_or(e),
+        };
         let answer = match attempt.legs.prefill {
             Some(prefill) => split(state, out, prefill, attempt, &mut attempts).await?,
             None => one(state, out, attempt, &mut attempts).await?,
         };
-        if let Some(answer) = answer {
-            return Ok(relayed(state, out, answer));
+        let Some(answer) = answer else { continue };
+        // The engine no longer serves the adapter (unloaded since its list was read, or the
+        // router not told yet): another worker may.
+        if let (StatusCode::NOT_FOUND, Some(_)) = (answer.status(), &out.place.adapter)
+            && let Some(worker) = answered_by(&answer)
+        {
+            tracing::info!(%worker, adapter = ?out.place.adapter, "the worker does not serve the adapter now: trying another");
+            attempts.skip(worker);
+            unserved = Some(answer);
+            continue;
         }
+        return Ok(relayed(state, out, answer));
     }
+}
+
+/// The worker an answer came from (its [`crate::WORKER_HEADER`]).
+fn answered_by(answer: &Response) -> Option<WorkerId> {
+    let header = answer.headers().get(crate::WORKER_HEADER)?;
+    header.to_str().ok()?.parse().ok().map(WorkerId)
 }
 
 /// One attempt on one worker (prefilled where it decodes): its answer, or `None` when the

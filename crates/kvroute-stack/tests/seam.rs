@@ -216,6 +216,26 @@ async fn an_adapter_goes_only_where_listed_remote() {
     an_adapter_goes_only_where_it_is_listed(Mode::Remote).await;
 }
 
+/// An engine that unloaded an adapter before anyone read its list answers its requests with
+/// a 404: the front door takes that as "not here" and places the request on another worker
+/// that serves it, so no client sees the 404 (a remote router hears of an unloaded adapter in
+/// the background: such requests come in that window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_for_an_adapter_an_engine_unloaded_goes_to_another() {
+    let split = Split::start(Mode::Embedded, simulated(2, &["sql"])).await;
+    // Not read again: the router still takes both for serving it.
+    assert!(split.routed.simulated[1].catalog.remove("sql"));
+    let serving = split.routed.workers[0].id.0;
+    for k in 0..12 {
+        let (status, worker, body) = split.chat("sql", &format!("{k} question for sql")).await;
+        assert_eq!((status, worker), (200, Some(serving)), "{body}");
+    }
+    // Nobody serves it any more: the engines' 404 reaches the client.
+    assert!(split.routed.simulated[0].catalog.remove("sql"));
+    let (status, _, body) = split.chat("sql", "nobody has it").await;
+    assert_eq!(status, 404, "{body}");
+}
+
 /// An engine whose HTTP port starts refusing connections has its blocks forgotten by the
 /// router (its health check finds it before any client does).
 async fn a_dead_engines_blocks_are_forgotten(mode: Mode) {
