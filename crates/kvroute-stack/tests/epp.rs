@@ -174,6 +174,9 @@ async fn the_picker_routes_by_cached_prefix_with_the_destination_in_header_and_m
             })
             .await;
         let text = prompt(&format!("{mode:?}"));
+        let router = p.stack.router.as_ref().unwrap();
+        let held = || router.view().index_stats().blocks;
+        let before = held();
         let (status, headers, first) =
             post(&base, "/v1/chat/completions", &chat(&text, false), &[]).await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&first));
@@ -181,6 +184,13 @@ async fn the_picker_routes_by_cached_prefix_with_the_destination_in_header_and_m
             headers.contains_key(kvroute_frontend::WORKER_HEADER),
             "the picker set the worker header"
         );
+        // The engine's KV events of the first answer reach the index (at most 10 s), then the
+        // second request can follow them.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while held() <= before {
+            assert!(std::time::Instant::now() < deadline, "the first answer's blocks never came");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let (status, _, second) =
             post(&base, "/v1/chat/completions", &chat(&text, false), &[]).await;
         assert_eq!(status, 200);
